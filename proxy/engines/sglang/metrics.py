@@ -1,0 +1,101 @@
+"""SGLang's Prometheus metrics page (``--enable-metrics``) -> an engine-neutral :class:`Sample`.
+
+Names keep their colon (``sglang:num_queue_reqs``). Several scheduler ranks or DP ranks may each
+emit a series; gauges of load are summed over them, usage and ratios take the maximum, counters are
+summed. Names that differ between versions are listed oldest-last so the newest wins.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.engines.base import Sample
+
+PREFIX = "sglang:"
+
+# Sample field -> (metric names, newest first; how series combine)
+_SUM, _MAX = "sum", "max"
+FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "queue": (("num_queue_reqs",), _SUM),
+    "running": (("num_running_reqs",), _SUM),
+    "token_usage": (("token_usage",), _MAX),
+    "gen_throughput": (("gen_throughput",), _SUM),
+    "cache_hit_rate": (("cache_hit_rate",), _MAX),
+    "new_token_ratio": (("new_token_ratio",), _MAX),
+    "max_total_tokens": (("max_total_num_tokens",), _SUM),
+    # 0.5.x counter; 0.4.10 named it total_retracted_reqs
+    "retractions_total": (("num_retracted_requests_total", "total_retracted_reqs"), _SUM),
+    "prompt_tokens_total": (("prompt_tokens_total",), _SUM),
+    "generation_tokens_total": (("generation_tokens_total",), _SUM),
+    "requests_total": (("num_requests_total",), _SUM),
+}
+REQUIRED = ("queue", "running", "token_usage")
+
+
+class MetricsParseError(ValueError):
+    """The page is not Prometheus text, or lacks the load gauges SGLang always exports."""
+
+
+def collect_series(text: str) -> dict[str, list[float]]:
+    """Every sample value of every ``sglang:`` series, keyed by its name without the prefix."""
+    values: dict[str, list[float]] = defaultdict(list)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(PREFIX):
+                    values[sample.name[len(PREFIX):]].append(float(sample.value))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"not a Prometheus metrics page: {exc}") from exc
+    return values
+
+
+def parse_metrics(text: str, now: float) -> Sample:
+    """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
+    series = collect_series(text)
+    found: dict[str, float | None] = {}
+    for field_name, (names, combine) in FIELDS.items():
+        found[field_name] = None
+        for name in names:
+            if series.get(name):
+                vals = series[name]
+                found[field_name] = sum(vals) if combine == _SUM else max(vals)
+                break
+    missing = [f"{PREFIX}{FIELDS[f][0][0]}" for f in REQUIRED if found[f] is None]
+    if missing:
+        raise MetricsParseError(f"metrics page lacks {', '.join(missing)} (is --enable-metrics set?)")
+    max_total = found["max_total_tokens"]
+    return Sample(
+        time=now,
+        queue=int(found["queue"] or 0),
+        running=int(found["running"] or 0),
+        token_usage=float(found["token_usage"] or 0.0),
+        gen_throughput=found["gen_throughput"],
+        cache_hit_rate=found["cache_hit_rate"],
+        new_token_ratio=found["new_token_ratio"],
+        max_total_tokens=int(max_total) if max_total is not None else None,
+        retractions_total=found["retractions_total"],
+        prompt_tokens_total=found["prompt_tokens_total"],
+        generation_tokens_total=found["generation_tokens_total"],
+        requests_total=found["requests_total"],
+    )
+
+
+def parse_loads(payload: dict, now: float) -> Sample:
+    """Parse ``GET /v1/loads`` JSON (0.5.23): sums over DP ranks."""
+    loads = payload.get("loads")
+    if not isinstance(loads, list) or not loads:
+        raise MetricsParseError("/v1/loads answer has no 'loads' list")
+    try:
+        return Sample(
+            time=now,
+            queue=sum(int(x["num_waiting_reqs"]) for x in loads),
+            running=sum(int(x["num_running_reqs"]) for x in loads),
+            token_usage=max(float(x["token_usage"]) for x in loads),
+            gen_throughput=sum(float(x.get("gen_throughput") or 0.0) for x in loads),
+            cache_hit_rate=max(float(x.get("cache_hit_rate") or 0.0) for x in loads),
+            max_total_tokens=sum(int(x.get("max_total_num_tokens") or 0) for x in loads) or None,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MetricsParseError(f"/v1/loads entry malformed: {exc!r}") from exc

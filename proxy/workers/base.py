@@ -1,0 +1,58 @@
+"""The seam between the supervisor (which owns worker processes) and the request path.
+
+The supervisor (``proxy.workers.supervisor``) implements :class:`WorkerPool`; the front door,
+pacing and dispatch only read :class:`WorkerInfo` values and react to state changes. The
+controller asks the pool for rolling restarts with new arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Awaitable, Callable, Mapping, Protocol, Sequence
+
+WorkerId = str
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"  # process launched, /health not yet 200: no traffic
+    READY = "ready"  # takes traffic
+    DRAINING = "draining"  # no new traffic; running requests finish (before a restart or stop)
+    DOWN = "down"  # died or unreachable; the supervisor may restart it
+    STOPPED = "stopped"  # stopped on purpose
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerInfo:
+    """A snapshot of one worker as the supervisor sees it."""
+
+    id: WorkerId
+    url: str  # base URL, e.g. "http://127.0.0.1:30001"
+    state: WorkerState
+    managed: bool  # False for kind = "external" (the proxy neither starts nor restarts it)
+    args: Mapping[str, object] = field(default_factory=dict)  # engine args, SGLang/vLLM names with underscores
+    argv: tuple[str, ...] = ()  # the full command line it was started with (managed only)
+    pid: int | None = None
+    restarts: int = 0
+    last_error: str | None = None  # why it is down, in words
+
+
+StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
+
+
+class WorkerPool(Protocol):
+    def workers(self) -> Sequence[WorkerInfo]: ...
+
+    def get(self, worker_id: WorkerId) -> WorkerInfo: ...
+
+    def add_listener(self, listener: StateListener) -> None:
+        """Called after every state change of any worker."""
+
+    async def start(self) -> None:
+        """Launch managed workers (or register external ones) and return once all were tried."""
+
+    async def stop(self) -> None:
+        """Stop every managed worker: SIGTERM, then SIGKILL after a grace period."""
+
+    async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
+        """Restart one managed worker with new engine args; returns once it is READY (or DOWN)."""
