@@ -1,0 +1,1 @@
+"""Benchmarks and scenarios: ``python -m loadtests NAME [options]``."""

@@ -1,0 +1,29 @@
+"""``python -m loadtests NAME [options]``: one module per benchmark, each with ``main(argv) -> int``.
+
+    sim        the simulated engine is not the bottleneck (modelled vs sustained token rate)
+    overhead   direct vs through sglang-pacer vs through sglang-router
+    scenario   controller scenarios: default vs adaptive vs oracle arms
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS: dict[str, str] = {
+    "sim": "loadtests.sim_speed",
+    "overhead": "loadtests.overhead",
+    "scenario": "loadtests.scenarios",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
