@@ -128,9 +128,36 @@ class PacingSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlSettings:
-    """The controller's settings; more fields arrive with the controller (add them with defaults)."""
+    """The controller's settings: when it looks, what counts as evidence, how far it may move a knob."""
 
     mode: ControlMode = ControlMode.OFF
+    # -- rhythm and restraint (proxy.control)
+    interval_s: float = 5.0  # how often the rules run
+    window_s: float = 60.0  # how far back a rule looks
+    min_evidence_s: float = 20.0  # a rule needs this much observed time since the worker (re)started
+    cooldown_s: float = 120.0  # after a restart, tuning rules leave that worker alone this long
+    restarts_per_hour: int = 6  # per worker, restarts the controller asks for
+    flip_guard_s: float = 1800.0  # a knob moved one way is not moved back by a tuning rule within this long
+    good_after_s: float = 120.0  # args that ran this long without a crash become the fallback
+    crash_loop: int = 3  # deaths within crash_loop_window_s that make a crash loop
+    crash_loop_window_s: float = 600.0
+    crash_backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0, 60.0)  # wait before reviving a dead worker
+    drain_timeout_s: float = 60.0  # longest wait for running requests before a restart
+    revive: bool = True  # restart dead managed workers (with safer args in auto mode) in every mode
+    journal_path: str | None = ".pacer/decisions.jsonl"  # JSON lines; none: in memory only
+    # -- thresholds and steps of the rules
+    low_usage: float = 0.9  # token usage below this with a non-empty server queue ...
+    low_usage_fraction: float = 0.7  # ... for this fraction of the window: admission too conservative
+    timid_queue_fraction: float = 0.5  # server queue empty this often while the proxy holds work: noted
+    retractions_per_min: float = 6.0  # retracted requests per minute above this: admission too aggressive
+    conservativeness_bounds: tuple[float, float] = (0.3, 2.0)
+    conservativeness_step: float = 0.3
+    prefill_chunk_min: int = 2048  # a prefill OOM halves the chunk down to this
+    decode_oom_factor: float = 0.8  # a decode OOM sets max running requests to the peak seen x this
+    max_running_min: int = 8
+    available_mem_band_gb: tuple[float, float] = (5.0, 10.0)  # start-up free memory outside it moves the KV fraction
+    memory_fraction_step: float = 0.01
+    memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,9 +367,63 @@ def _pacing(t: Table) -> PacingSettings:
 
 
 def _control(t: Table) -> ControlSettings:
-    s = ControlSettings(mode=t.enum("mode", ControlMode, ControlSettings().mode))
+    d = ControlSettings()
+    fraction = {"low_usage", "low_usage_fraction", "timid_queue_fraction", "decode_oom_factor"}
+    floats = {
+        name: t.float(name, getattr(d, name), positive=True)
+        for name in (
+            "interval_s", "window_s", "min_evidence_s", "good_after_s", "crash_loop_window_s", "drain_timeout_s",
+            "retractions_per_min", "conservativeness_step", "memory_fraction_step", *sorted(fraction),
+        )
+    }  # fmt: skip
+    for name in sorted(fraction):
+        if floats[name] > 1:
+            raise t.error(name, f"must be <= 1, got {floats[name]!r}")
+    for name in ("cooldown_s", "flip_guard_s"):
+        floats[name] = t.float(name, getattr(d, name), minimum=0)
+    backoff = t.raw("crash_backoff_s", list(d.crash_backoff_s))
+    if not isinstance(backoff, list) or not backoff or not all(_is_number(v) and v >= 0 for v in backoff):
+        raise t.error("crash_backoff_s", f"expected a non-empty array of seconds >= 0, got {backoff!r}")
+    journal = t.raw("journal_path", d.journal_path)
+    if journal is not None and (not isinstance(journal, str) or not journal.strip()):
+        raise t.error("journal_path", f'expected a file path ("" is not one), got {journal!r}')
+    revive = t.raw("revive", d.revive)
+    if not isinstance(revive, bool):
+        raise t.error("revive", f"expected true or false, got {revive!r}")
+    s = ControlSettings(
+        mode=t.enum("mode", ControlMode, d.mode),
+        **floats,
+        restarts_per_hour=t.int("restarts_per_hour", d.restarts_per_hour, minimum=0),
+        crash_loop=t.int("crash_loop", d.crash_loop, minimum=1),
+        crash_backoff_s=tuple(float(v) for v in backoff),
+        revive=revive,
+        journal_path=journal,
+        conservativeness_bounds=_bounds(t, "conservativeness_bounds", d.conservativeness_bounds),
+        prefill_chunk_min=t.int("prefill_chunk_min", d.prefill_chunk_min, minimum=1),
+        max_running_min=t.int("max_running_min", d.max_running_min, minimum=1),
+        available_mem_band_gb=_bounds(t, "available_mem_band_gb", d.available_mem_band_gb),
+        memory_fraction_bounds=_bounds(t, "memory_fraction_bounds", d.memory_fraction_bounds, maximum=1.0),
+    )
+    if s.min_evidence_s > s.window_s:
+        raise t.error("min_evidence_s", f"must be <= window_s ({s.window_s:g}), got {s.min_evidence_s:g}")
     t.finish()
     return s
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bounds(t: Table, name: str, default: tuple[float, float], *, maximum: float | None = None) -> tuple[float, float]:
+    """A ``[low, high]`` pair of numbers >= 0 with low <= high (and high <= maximum)."""
+    value = t.raw(name, list(default))
+    if not isinstance(value, list) or len(value) != 2 or not all(_is_number(v) for v in value):
+        raise t.error(name, f"expected [low, high], two numbers; got {value!r}")
+    low, high = float(value[0]), float(value[1])
+    if low < 0 or low > high or (maximum is not None and high > maximum):
+        limit = f" <= {maximum:g}" if maximum is not None else ""
+        raise t.error(name, f"expected 0 <= low <= high{limit}, got [{low:g}, {high:g}]")
+    return (low, high)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,5 +463,9 @@ def _describe(p: Policy) -> list[str]:
         f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
         f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts"
     )
-    lines.append(f"  control  {p.control.mode}")
+    c = p.control
+    lines.append(
+        f"  control  {c.mode}: rules every {c.interval_s:g} s over {c.window_s:g} s, cool-down {c.cooldown_s:g} s, "
+        f"<= {c.restarts_per_hour} restarts/h per worker"
+    )
     return lines
