@@ -55,3 +55,46 @@ class LogEvent:
     time: float  # monotonic seconds when the line was read
     fields: Mapping[str, float | int | str | bool] = field(default_factory=dict)
     line: str = ""
+
+
+class KnobName(StrEnum):
+    """Engine arguments the controller may retune, in engine-neutral words."""
+
+    CONSERVATIVENESS = "conservativeness"  # how much KV room admission keeps for running requests to grow
+    PREFILL_CHUNK = "prefill_chunk"  # tokens of one prefill chunk (activation memory of a prefill step)
+    MAX_RUNNING = "max_running"  # cap on requests in the running batch
+    MEMORY_FRACTION = "memory_fraction"  # share of device memory for weights + KV pool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Knob:
+    """One retunable engine argument: its engine name, default and the values it may take.
+
+    ``default`` is the engine's value when the argument is unset; ``None`` means the engine computes
+    it at start-up, and ``resolved_field`` names the ``STARTUP`` event field that reports the value
+    it chose. ``ladder`` lists the usual values in increasing order (a step moves to the next rung);
+    a knob without a ladder moves by the step its caller gives, clamped to ``[minimum, maximum]``.
+    ``disabled`` is a value that switches the feature off (SGLang's ``--chunked-prefill-size -1``).
+    """
+
+    name: KnobName
+    arg: str  # the engine's argument name, with underscores
+    default: float | None
+    minimum: float
+    maximum: float
+    integer: bool = False
+    ladder: tuple[float, ...] = ()
+    resolved_field: str | None = None
+    disabled: float | None = None
+
+    def clamp(self, value: float) -> float | int:
+        value = min(max(value, self.minimum), self.maximum)
+        return int(value) if self.integer else round(value, 4)
+
+    def rung_below(self, current: float, floor: float) -> float | int | None:
+        """The highest ladder value below ``current`` and at least ``floor``; None when there is none.
+
+        A disabled feature (``current == disabled``) steps to the top rung.
+        """
+        below = [v for v in self.ladder if (current == self.disabled or v < current) and v >= floor]
+        return self.clamp(max(below)) if below else None

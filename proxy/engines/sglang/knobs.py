@@ -1,0 +1,73 @@
+"""SGLang's retunable arguments, behind the controller's engine-neutral knob names.
+
+The controller moves ``conservativeness``, ``prefill_chunk``, ``max_running`` and
+``memory_fraction``; this table says which ``ServerArgs`` field each one is, what SGLang does when
+it is unset, and the values SGLang accepts (reference/sglang.md, section 4 and the tuning guide):
+
+| knob | SGLang field | unset | range / ladder |
+|---|---|---|---|
+| conservativeness | ``schedule_conservativeness`` | 1.0 | >= 0 (the guide: 0.3 .. 1.3) |
+| prefill_chunk | ``chunked_prefill_size`` | by GPU memory (2048..16384), start-up line | 512 .. 16384, ``-1`` disables |
+| max_running | ``max_running_requests`` | from KV capacity, start-up line | >= 1 |
+| memory_fraction | ``mem_fraction_static`` | from GPU memory (about 0.83 on an H100) | 0 .. 1, 0.01 steps |
+
+``mem_fraction_static`` is not printed at start-up; when the policy leaves it unset the controller
+reads it from ``/server_info`` (:func:`resolved_from_server_info`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from proxy.engines.base import Knob, KnobName
+
+__all__ = ["KNOBS", "knobs", "resolved_from_server_info"]
+
+KNOBS: Mapping[KnobName, Knob] = {
+    KnobName.CONSERVATIVENESS: Knob(
+        name=KnobName.CONSERVATIVENESS, arg="schedule_conservativeness", default=1.0, minimum=0.0, maximum=10.0
+    ),
+    KnobName.PREFILL_CHUNK: Knob(
+        name=KnobName.PREFILL_CHUNK,
+        arg="chunked_prefill_size",
+        default=None,
+        minimum=512,
+        maximum=16384,
+        integer=True,
+        ladder=(512, 1024, 2048, 4096, 8192, 16384),
+        resolved_field="chunked_prefill_size",
+        disabled=-1,
+    ),
+    KnobName.MAX_RUNNING: Knob(
+        name=KnobName.MAX_RUNNING,
+        arg="max_running_requests",
+        default=None,
+        minimum=1,
+        maximum=1_000_000,
+        integer=True,
+        resolved_field="max_running_requests",
+    ),
+    KnobName.MEMORY_FRACTION: Knob(
+        name=KnobName.MEMORY_FRACTION,
+        arg="mem_fraction_static",
+        default=None,
+        minimum=0.05,
+        maximum=0.99,
+        resolved_field="mem_fraction_static",
+    ),
+}
+
+
+def knobs() -> Mapping[KnobName, Knob]:
+    """The table above (what ``EngineSpec.function("knobs", "knobs")`` returns)."""
+    return KNOBS
+
+
+def resolved_from_server_info(info: Mapping[str, Any]) -> dict[str, float]:
+    """Values SGLang resolved for the knobs, from its ``GET /server_info`` JSON (resolved args at top level)."""
+    out: dict[str, float] = {}
+    for knob in KNOBS.values():
+        value = info.get(knob.arg)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[knob.resolved_field or knob.arg] = value
+    return out
