@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence
 
 WorkerId = str
 
@@ -35,9 +35,12 @@ class WorkerInfo:
     pid: int | None = None
     restarts: int = 0
     last_error: str | None = None  # why it is down, in words
+    exit_code: int | None = None  # of the last process that exited (negative: killed by that signal)
+    log_path: str | None = None  # the file its stdout+stderr are appended to (managed only)
 
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
+LineListener = Callable[[WorkerId, str], None]  # called with each output line as it is read
 
 
 class WorkerPool(Protocol):
@@ -56,3 +59,23 @@ class WorkerPool(Protocol):
 
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
         """Restart one managed worker with new engine args; returns once it is READY (or DOWN)."""
+
+
+class WorkerLogs(Protocol):
+    """A managed worker's output (stdout and stderr merged), line by line, across restarts."""
+
+    def tail(self, worker_id: WorkerId, n: int) -> list[str]:
+        """The last ``n`` lines (a bounded ring)."""
+
+    def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
+        """Every line from now on, as it is written; ends when the pool stops."""
+
+    def add_line_listener(self, listener: LineListener) -> None:
+        """Called synchronously with (worker_id, line) for each line of any worker."""
+
+
+class SupervisedPool(WorkerPool, WorkerLogs, Protocol):
+    """What the supervisor offers beyond :class:`WorkerPool`: the drain hook and the logs."""
+
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
+        """READY -> DRAINING (stop sending before a restart) or DRAINING -> READY; notifies listeners."""

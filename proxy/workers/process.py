@@ -1,0 +1,188 @@
+"""One worker process: launch, follow its output line by line, stop it with its whole process group.
+
+:class:`WorkerProcess` runs one command in its own session (so its process group holds every child
+it forks), merges stdout and stderr into one pipe and reads that pipe with asyncio. Each complete
+line is appended to the worker's log file, to a bounded ring (:class:`LineLog`) and handed to the
+line sinks as soon as it is read. Nothing here knows about health, states or engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+LineSink = Callable[[str], None]
+_log = logging.getLogger(__name__)
+
+_CHUNK = 64 * 1024
+_MAX_LINE = 64 * 1024  # a longer "line" is cut and passed on in pieces
+
+
+class LineLog:
+    """The last ``maxlen`` lines of one worker (across restarts) and the live sinks that want each new one."""
+
+    def __init__(self, maxlen: int = 2000) -> None:
+        self._ring: deque[str] = deque(maxlen=maxlen)
+        self._sinks: list[LineSink] = []
+
+    def add_sink(self, sink: LineSink) -> Callable[[], None]:
+        """Register ``sink``; returns a function that removes it."""
+        self._sinks.append(sink)
+        return lambda: self._sinks.remove(sink) if sink in self._sinks else None
+
+    def push(self, line: str) -> None:
+        self._ring.append(line)
+        for sink in list(self._sinks):
+            try:
+                sink(line)
+            except Exception:  # a broken consumer must not stop the log
+                _log.exception("line sink failed")
+
+    def tail(self, n: int) -> list[str]:
+        if n <= 0:
+            return []
+        return list(self._ring)[-n:]
+
+
+def signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class WorkerProcess:
+    """A launched command; ``await WorkerProcess.launch(...)`` returns once the process exists."""
+
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        output: asyncio.StreamReader,
+        pipe: asyncio.BaseTransport,
+        argv: Sequence[str],
+        lines: LineLog,
+        log_file: Path,
+    ) -> None:
+        self._proc = proc
+        self._pipe = pipe
+        self.argv = tuple(argv)
+        self.started_at = time.monotonic()
+        self._lines = lines
+        self._log = log_file.open("ab")
+        self._reader = asyncio.create_task(self._read(output), name=f"worker-output-{proc.pid}")
+
+    @classmethod
+    async def launch(
+        cls, argv: Sequence[str], *, env: Mapping[str, str], lines: LineLog, log_file: Path, header: str
+    ) -> WorkerProcess:
+        """Start ``argv`` in a new session; ``header`` is written to the log file first."""
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with log_file.open("ab") as f:
+            f.write(header.rstrip("\n").encode() + b"\n")
+        # Our own pipe rather than asyncio's: asyncio's Process.wait() also waits for its pipes to
+        # close, and a child of the worker that inherited them would hide the worker's death.
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=write_fd,
+                stderr=write_fd,
+                env=dict(env),
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        loop = asyncio.get_running_loop()
+        output = asyncio.StreamReader(limit=_CHUNK, loop=loop)
+        pipe, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(output, loop=loop), os.fdopen(read_fd, "rb", 0)
+        )
+        return cls(proc, output, pipe, argv, lines, log_file)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        """Wait for the process to exit, then (briefly) for its output to be read to the end."""
+        code = await self._proc.wait()
+        await self.drain_output(timeout=2.0)
+        return code
+
+    async def drain_output(self, timeout: float) -> None:
+        """Let the reader reach EOF; a child that keeps the pipe open must not hold us up for long."""
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+
+    async def terminate(self, grace_s: float) -> int:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; returns the exit code."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(self._proc.wait(), grace_s)
+        except asyncio.TimeoutError:
+            self._signal_group(signal.SIGKILL)
+            code = await self._proc.wait()
+        # Children that ignored SIGTERM (or outlived the leader) go too.
+        self._signal_group(signal.SIGKILL)
+        await self.drain_output(timeout=1.0)
+        self.close()
+        return code
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole group now (used after the leader died on its own)."""
+        self._signal_group(signal.SIGKILL)
+
+    def close(self) -> None:
+        if not self._reader.done():
+            self._reader.cancel()
+        self._pipe.close()
+        if not self._log.closed:
+            self._log.close()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        pending = b""
+        try:
+            while True:
+                chunk = await stream.read(_CHUNK)
+                if not chunk:
+                    break
+                self._log.write(chunk)
+                self._log.flush()
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    self._emit(raw)
+                while len(pending) > _MAX_LINE:
+                    self._emit(pending[:_MAX_LINE])
+                    pending = pending[_MAX_LINE:]
+            if pending:
+                self._emit(pending)
+        finally:
+            if not self._log.closed:
+                self._log.flush()
+
+    def _emit(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        # a progress bar rewrites its line with \r: keep only what a terminal would show last
+        if "\r" in line:
+            line = line.rsplit("\r", 1)[-1]
+        self._lines.push(line)

@@ -1,0 +1,495 @@
+"""The supervisor: starts, watches, restarts and stops the engine workers of one policy.
+
+Each managed worker is one process (:class:`~proxy.workers.process.WorkerProcess`) on its own
+port, launched as ``command + build_argv(args, extra_args, host=..., port=...)``. A worker is
+STARTING until ``GET /health`` answers 200, then READY. A process that exits on its own is DOWN,
+with ``last_error`` taken from its last log lines; the supervisor does not restart it by itself
+(the controller decides). ``restart`` stops a worker and starts it again on the same port with new
+args; the request path calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
+
+External workers (``kind = "external"``) are only registered: a background probe of ``/health``
+moves them between READY and DOWN; they cannot be restarted.
+
+State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
+reach line listeners and ``subscribe_lines`` iterators as they are read, and ``tail`` keeps the
+last ones per worker across restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import shlex
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping
+
+import aiohttp
+
+from proxy.engines.registry import EngineSpec, engine_spec as registry_engine_spec
+from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
+from proxy.workers.process import LineLog, WorkerProcess, signal_name
+
+if TYPE_CHECKING:
+    from proxy.policy import EngineSettings
+
+_log = logging.getLogger(__name__)
+
+_ERROR_LINES = 8  # log lines quoted in last_error
+_PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
+_PORT_RETRIES = 3
+
+
+class WorkerError(RuntimeError):
+    """An operation the supervisor cannot do for this worker (unknown id, external worker, ...)."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    """Everything the supervisor knows about one worker; ``info()`` is its public snapshot."""
+
+    id: WorkerId
+    port: int
+    url: str
+    managed: bool
+    args: dict[str, object] = field(default_factory=dict)
+    argv: tuple[str, ...] = ()
+    state: WorkerState = WorkerState.STOPPED
+    restarts: int = 0
+    last_error: str | None = None
+    exit_code: int | None = None
+    log_path: Path | None = None
+    port_fixed: bool = True  # False: chosen by us, may be changed on a clash at first start
+    process: WorkerProcess | None = None
+    watcher: asyncio.Task[None] | None = None
+    lines: LineLog = field(default_factory=LineLog)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stopping: bool = False  # set while we stop the process on purpose
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            id=self.id,
+            url=self.url,
+            state=self.state,
+            managed=self.managed,
+            args=dict(self.args),
+            argv=self.argv,
+            pid=self.process.pid if self.process is not None and self.process.returncode is None else None,
+            restarts=self.restarts,
+            last_error=self.last_error,
+            exit_code=self.exit_code,
+            log_path=str(self.log_path) if self.log_path else None,
+        )
+
+
+def free_port(host: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port nobody listens on right now (bind to 0, read it, release it)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
+    raise OSError("no free port found")
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _mask_secrets(argv: tuple[str, ...]) -> str:
+    shown = list(argv)
+    for i, token in enumerate(shown[:-1]):
+        if token in ("--api-key", "--admin-api-key"):
+            shown[i + 1] = "***"
+    return shlex.join(shown)
+
+
+class Supervisor:
+    """Implements :class:`proxy.workers.base.SupervisedPool` for one ``[engine]`` table."""
+
+    def __init__(
+        self,
+        engine_settings: EngineSettings,
+        *,
+        engine_spec: EngineSpec | None = None,
+        poll_interval_s: float = 0.5,
+        external_probe_interval_s: float = 5.0,
+        ring_lines: int = 2000,
+    ) -> None:
+        self._settings = engine_settings
+        self._managed = engine_settings.managed
+        kind = str(engine_settings.kind) if self._managed else engine_settings.speaks
+        self._spec = engine_spec or registry_engine_spec(kind)
+        self._poll_s = poll_interval_s
+        self._probe_s = external_probe_interval_s
+        self._ring_lines = ring_lines
+        self._slots: dict[WorkerId, _Slot] = {}
+        self._listeners: list[StateListener] = []
+        self._line_listeners: list[LineListener] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._probe_task: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._started = False
+        self._stopping = False
+
+    # ------------------------------------------------------------------ WorkerPool: reading
+
+    def workers(self) -> list[WorkerInfo]:
+        return [slot.info() for slot in self._slots.values()]
+
+    def get(self, worker_id: WorkerId) -> WorkerInfo:
+        return self._slot(worker_id).info()
+
+    def add_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def add_line_listener(self, listener: LineListener) -> None:
+        self._line_listeners.append(listener)
+
+    def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
+        return self._slot(worker_id).lines.tail(n)
+
+    async def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
+        """Each line of ``worker_id`` from now on; ends when the supervisor stops.
+
+        A consumer more than 10,000 lines behind loses the oldest ones (the log file keeps them).
+        """
+        slot = self._slot(worker_id)
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=10_000)
+
+        def put(line: str | None) -> None:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(line)
+
+        remove = slot.lines.add_sink(put)
+        closed = asyncio.create_task(self._closed.wait())
+        try:
+            while True:
+                if queue.empty() and self._closed.is_set():
+                    return
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    continue
+                line = getter.result()
+                if line is not None:
+                    yield line
+        finally:
+            remove()
+            closed.cancel()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Launch every managed worker (or register the external ones); returns when each is READY or DOWN."""
+        if self._started:
+            raise WorkerError("supervisor already started")
+        self._started = True
+        self._session = aiohttp.ClientSession()
+        s = self._settings
+        if not self._managed:
+            for i, url in enumerate(s.urls):
+                self._add_slot(_Slot(id=f"w{i}", port=0, url=url, managed=False, state=WorkerState.STARTING))
+            await asyncio.gather(*(self._probe(slot) for slot in self._slots.values()))
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="external-worker-probe")
+            return
+        taken: set[int] = set()
+        for i in range(s.workers):
+            if s.base_port:
+                port, fixed = s.base_port + i, True
+            else:
+                port, fixed = free_port(s.host, taken), False
+            taken.add(port)
+            worker_id = f"w{i}"
+            self._add_slot(
+                _Slot(
+                    id=worker_id,
+                    port=port,
+                    url=self._url(port),
+                    managed=True,
+                    args=dict(s.args),
+                    port_fixed=fixed,
+                    log_path=Path(s.log_dir) / f"{worker_id}.log",
+                    lines=LineLog(self._ring_lines),
+                )
+            )
+        await asyncio.gather(*(self._start_slot(slot, reason="start") for slot in self._slots.values()))
+
+    async def stop(self) -> None:
+        """SIGTERM every managed worker, SIGKILL after ``stop_grace_s``; the supervisor is done after this."""
+        self._stopping = True
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        await asyncio.gather(*(self._stop_slot(slot) for slot in self._slots.values()))
+        for slot in self._slots.values():
+            if slot.state != WorkerState.STOPPED:
+                self._set(slot, WorkerState.STOPPED)
+        self._closed.set()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
+        """Stop ``worker_id`` and start it on the same port with ``args``; returns once READY or DOWN."""
+        slot = self._slot(worker_id)
+        if not slot.managed:
+            raise WorkerError(f"worker {worker_id} is external ({slot.url}): the proxy cannot restart it")
+        if self._stopping:
+            raise WorkerError("supervisor is stopped")
+        self._argv(dict(args), slot.port)  # bad args fail here, before the old process is stopped
+        async with slot.lock:
+            _log.info("restarting worker %s (%s)", worker_id, reason)
+            await self._stop_slot(slot, locked=True)
+            slot.args = dict(args)
+            slot.restarts += 1
+            await self._wait_port_free(slot.port)
+            await self._start_slot(slot, reason=f"restart: {reason}", locked=True)
+        return slot.info()
+
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
+        """The drain hook: READY -> DRAINING before a restart, DRAINING -> READY to undo it."""
+        slot = self._slot(worker_id)
+        allowed = {
+            (WorkerState.READY, WorkerState.DRAINING),
+            (WorkerState.DRAINING, WorkerState.READY),
+            (WorkerState.READY, WorkerState.READY),
+            (WorkerState.DRAINING, WorkerState.DRAINING),
+        }
+        if (slot.state, state) not in allowed:
+            raise WorkerError(f"worker {worker_id} is {slot.state}: cannot set it to {state}")
+        if slot.state != state:
+            self._set(slot, state)
+        return slot.info()
+
+    # ------------------------------------------------------------------ managed workers
+
+    def _argv(self, args: dict[str, object], port: int) -> tuple[str, ...]:
+        s = self._settings
+        build: Callable[..., list[str]] = self._spec.function("argv", "build_argv")
+        command = list(s.command) if s.command else self._spec.default_command()
+        return (*command, *build(args, s.extra_args, host=s.host, port=port))
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # lines must arrive as they are written
+        env.update(self._settings.env)
+        return env
+
+    async def _start_slot(self, slot: _Slot, *, reason: str, locked: bool = False) -> None:
+        if not locked:
+            async with slot.lock:
+                return await self._start_slot(slot, reason=reason, locked=True)
+        for attempt in range(_PORT_RETRIES + 1):
+            if self._stopping:
+                return
+            if not slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+                self._move_port(slot)
+            if slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+                slot.exit_code = None
+                self._set(slot, WorkerState.DOWN, error=f"port {slot.port} on {self._settings.host} is already in use")
+                return
+            await self._launch(slot, self._argv(slot.args, slot.port), reason)
+            clash = await self._wait_healthy(slot)
+            if not clash or slot.port_fixed or attempt == _PORT_RETRIES:
+                return
+            _log.warning("worker %s: port %d was taken, trying another", slot.id, slot.port)
+            self._move_port(slot)
+
+    def _move_port(self, slot: _Slot) -> None:
+        taken = {other.port for other in self._slots.values()}
+        slot.port = free_port(self._settings.host, taken)
+        slot.url = self._url(slot.port)
+
+    async def _launch(self, slot: _Slot, argv: tuple[str, ...], reason: str) -> None:
+        assert slot.log_path is not None
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        header = f"===== {stamp} pacer: {reason}: worker {slot.id} on port {slot.port}: {_mask_secrets(argv)}"
+        slot.argv = argv
+        slot.stopping = False
+        slot.exit_code = None
+        slot.last_error = None
+        try:
+            process = await WorkerProcess.launch(
+                argv, env=self._env(), lines=slot.lines, log_file=slot.log_path, header=header
+            )
+        except OSError as e:
+            slot.process = slot.watcher = None
+            self._set(slot, WorkerState.DOWN, error=f"cannot start {argv[0]!r}: {e.strerror or e}")
+            return
+        slot.process = process
+        self._set(slot, WorkerState.STARTING)
+        slot.watcher = asyncio.create_task(self._watch(slot, process), name=f"watch-{slot.id}")
+
+    def _on_line(self, worker_id: WorkerId, line: str) -> None:
+        for listener in list(self._line_listeners):
+            try:
+                listener(worker_id, line)
+            except Exception:
+                _log.exception("line listener failed")
+
+    async def _watch(self, slot: _Slot, process: WorkerProcess) -> None:
+        """Wait for ``process`` to exit; unless we stopped it, the worker is DOWN."""
+        code = await process.wait()
+        process.kill_group()  # its children go with it
+        process.close()
+        if slot.process is not process or slot.stopping:
+            return
+        slot.exit_code = code
+        how = f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
+        last = [line for line in slot.lines.tail(200) if line.strip()][-_ERROR_LINES:]
+        error = f"{how}" + (": " + " | ".join(last) if last else "")
+        self._set(slot, WorkerState.DOWN, error=error[-2000:])
+
+    async def _wait_healthy(self, slot: _Slot) -> bool:
+        """Poll /health until 200 (READY) or the process exits / time runs out (DOWN).
+
+        Returns True when the process died of a port clash (the caller may retry on another port).
+        """
+        process = slot.process
+        if process is None:
+            return False
+        watcher = slot.watcher
+        assert watcher is not None
+        deadline = time.monotonic() + self._settings.startup_timeout_s
+        last_status = "no answer yet"
+        while True:
+            if watcher.done() or process.returncode is not None:
+                await asyncio.shield(watcher)
+                if slot.stopping or self._stopping:
+                    return False
+                text = " ".join(slot.lines.tail(30)).lower()
+                return any(marker in text for marker in _PORT_CLASH)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            status = await self._health(slot.url, timeout=min(30.0, remaining))
+            if status == 200 and process.returncode is None and slot.process is process:
+                self._set(slot, WorkerState.READY)
+                return False
+            last_status = f"HTTP {status}" if status else "connection refused"
+            await asyncio.wait({watcher}, timeout=min(self._poll_s, max(0.0, deadline - time.monotonic())))
+        self._set(
+            slot,
+            WorkerState.DOWN,
+            error=f"not healthy after {self._settings.startup_timeout_s:g} s (last /health: {last_status}); stopped",
+        )
+        slot.stopping = True
+        await process.terminate(self._settings.stop_grace_s)
+        return False
+
+    async def _health(self, url: str, *, timeout: float) -> int | None:
+        """The status of ``GET {url}/health``; None when nothing answered."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None
+
+    async def _stop_slot(self, slot: _Slot, *, locked: bool = False) -> None:
+        process = slot.process
+        if process is None:
+            return
+        slot.stopping = True
+        if process.returncode is None:
+            code = await process.terminate(self._settings.stop_grace_s)
+            slot.exit_code = code
+        else:
+            process.kill_group()
+            process.close()
+        if slot.watcher is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await slot.watcher
+        slot.process = None
+        if slot.state != WorkerState.STOPPED:
+            self._set(slot, WorkerState.STOPPED)
+
+    async def _wait_port_free(self, port: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not port_is_free(self._settings.host, port) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ external workers
+
+    async def _probe(self, slot: _Slot) -> None:
+        status = await self._health(slot.url, timeout=5.0)
+        if status == 200:
+            if slot.state in (WorkerState.STARTING, WorkerState.DOWN):
+                self._set(slot, WorkerState.READY)
+        elif status is None:
+            if slot.state != WorkerState.DOWN:
+                self._set(slot, WorkerState.DOWN, error=f"unreachable: no answer from {slot.url}/health")
+        elif slot.state == WorkerState.DOWN and status == 503:
+            self._set(slot, WorkerState.STARTING)  # answering again, not ready yet
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_s)
+            await asyncio.gather(*(self._probe(slot) for slot in self._slots.values()))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _url(self, port: int) -> str:
+        host = self._settings.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def _add_slot(self, slot: _Slot) -> None:
+        self._slots[slot.id] = slot
+        slot.lines.add_sink(lambda line, wid=slot.id: self._on_line(wid, line))
+
+    def _slot(self, worker_id: WorkerId) -> _Slot:
+        try:
+            return self._slots[worker_id]
+        except KeyError:
+            raise WorkerError(f"no worker {worker_id!r}; known: {', '.join(self._slots) or 'none'}") from None
+
+    def _set(self, slot: _Slot, state: WorkerState, *, error: str | None = None) -> None:
+        slot.state = state
+        if error is not None:
+            slot.last_error = error
+        info = slot.info()
+        if state == WorkerState.DOWN:
+            _log.warning("worker %s is down: %s", slot.id, slot.last_error)
+        else:
+            _log.info("worker %s is %s (%s)", slot.id, state, slot.url)
+        for listener in list(self._listeners):
+            try:
+                result = listener(info)
+            except Exception:
+                _log.exception("state listener failed")
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(self._await_listener(result))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _await_listener(result: Awaitable[None]) -> None:
+        try:
+            await result
+        except Exception:
+            _log.exception("state listener failed")
+
+
+__all__ = ["Supervisor", "WorkerError", "free_port", "port_is_free"]

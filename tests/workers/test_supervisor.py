@@ -1,0 +1,210 @@
+"""The supervisor with real processes on real ports (tests/workers/fake_worker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.workers.base import WorkerInfo, WorkerState
+from proxy.workers.supervisor import Supervisor, WorkerError, free_port
+
+from .conftest import FAKE_WORKER, alive, engine_settings
+
+
+async def get_json(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+        return await r.json()
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor, tmp_path: Path) -> None:
+    sup: Supervisor = make_supervisor(
+        workers=2,
+        args={"max_running_requests": 8},
+        extra_args=["--fake-startup-seconds", "0.5", "--fake-spawn-child"],
+    )
+    seen: list[WorkerInfo] = []
+    sup.add_listener(seen.append)
+    heard: list[tuple[str, str]] = []
+    sup.add_line_listener(lambda wid, line: heard.append((wid, line)))
+
+    await sup.start()
+
+    w0, w1 = sup.workers()
+    assert (w0.state, w1.state) == (WorkerState.READY, WorkerState.READY)
+    assert w0.url != w1.url and w0.pid and w1.pid and alive(w0.pid) and alive(w1.pid)
+    assert [i.state for i in seen if i.id == "w0"][:2] == [WorkerState.STARTING, WorkerState.READY]
+    echoed = await get_json(f"{w0.url}/args")
+    assert echoed["engine_flags"] == ["--max-running-requests", "8"]
+    assert "--enable-metrics" in echoed["argv"] and w0.argv[:2] == (sys.executable, str(FAKE_WORKER))
+    child_pids = [echoed["child_pid"], (await get_json(f"{w1.url}/args"))["child_pid"]]
+    assert all(alive(p) for p in child_pids)
+
+    # log lines: live to subscribers and listeners, in the ring, and in the log file
+    lines = sup.subscribe_lines("w1")
+    first = await asyncio.wait_for(lines.__anext__(), 5)
+    assert "Decode batch" in first
+    await lines.aclose()
+    assert any(wid == "w0" and "fired up" in line for wid, line in heard)
+    assert any("starting on port" in line for line in sup.tail("w0", 100))
+    log_text = Path(w0.log_path or "").read_text()
+    assert "pacer: start: worker w0" in log_text and "fired up" in log_text
+
+    # a worker that dies is DOWN, with what it said last
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientError):
+            await s.post(f"{w1.url}/crash", timeout=aiohttp.ClientTimeout(total=5))
+    await wait_for(lambda: sup.get("w1").state == WorkerState.DOWN)
+    down = sup.get("w1")
+    assert down.exit_code == 3 and down.pid is None
+    assert down.last_error is not None and "code 3" in down.last_error and "crash requested" in down.last_error
+    assert sup.get("w0").state == WorkerState.READY  # the other one is untouched
+    await wait_for(lambda: not alive(child_pids[1]))  # its child went with its process group
+
+    # kill -9 the other: DOWN too
+    os.kill(w0.pid, signal.SIGKILL)
+    await wait_for(lambda: sup.get("w0").state == WorkerState.DOWN)
+    assert "SIGKILL" in (sup.get("w0").last_error or "") and sup.get("w0").exit_code == -9
+
+    # restart with new args: same port, new argv, READY
+    info = await sup.restart("w1", {"max_running_requests": 4, "schedule_conservativeness": 0.3}, "too conservative")
+    assert info.state == WorkerState.READY and info.url == w1.url and info.restarts == 1
+    assert info.last_error is None and info.args == {"max_running_requests": 4, "schedule_conservativeness": 0.3}
+    assert "--schedule-conservativeness" in info.argv
+    echoed = await get_json(f"{info.url}/args")
+    assert echoed["engine_flags"] == ["--max-running-requests", "4", "--schedule-conservativeness", "0.3"]
+    assert "restart: too conservative" in Path(info.log_path or "").read_text()
+
+    pids = [info.pid, echoed["child_pid"]]
+    await sup.stop()
+    assert all(i.state == WorkerState.STOPPED and i.pid is None for i in sup.workers())
+    for pid in pids:
+        await wait_for(lambda: not alive(pid), timeout=5)
+
+
+async def test_drain_hook(make_supervisor) -> None:
+    sup = make_supervisor()
+    await sup.start()
+    states: list[WorkerState] = []
+
+    async def listener(info: WorkerInfo) -> None:  # coroutine listeners work too
+        states.append(info.state)
+
+    sup.add_listener(listener)
+    assert sup.set_state("w0", WorkerState.DRAINING).state == WorkerState.DRAINING
+    assert sup.set_state("w0", WorkerState.READY).state == WorkerState.READY
+    with pytest.raises(WorkerError, match="cannot set it to stopped"):
+        sup.set_state("w0", WorkerState.STOPPED)
+    with pytest.raises(WorkerError, match="no worker 'w9'"):
+        sup.get("w9")
+    await wait_for(lambda: states == [WorkerState.DRAINING, WorkerState.READY])
+
+
+async def test_exit_during_startup_is_down_with_its_last_lines(make_supervisor) -> None:
+    sup = make_supervisor(extra_args=["--fake-exit-at-start", "7"])
+    await sup.start()
+    info = sup.get("w0")
+    assert info.state == WorkerState.DOWN and info.exit_code == 7
+    assert "Not enough memory" in (info.last_error or "")
+
+
+async def test_startup_timeout_stops_the_process(make_supervisor) -> None:
+    sup = make_supervisor(extra_args=["--fake-startup-seconds", "60"], startup_timeout_s=1.5)
+    await sup.start()
+    info = sup.get("w0")
+    assert info.state == WorkerState.DOWN and "not healthy after 1.5 s" in (info.last_error or "")
+    assert "HTTP 503" in (info.last_error or "") and info.pid is None
+
+
+async def test_sigterm_ignored_means_sigkill_after_grace(make_supervisor) -> None:
+    sup = make_supervisor(extra_args=["--fake-ignore-sigterm"], stop_grace_s=0.5)
+    await sup.start()
+    pid = sup.get("w0").pid
+    assert pid is not None
+    await sup.stop()
+    assert not alive(pid) and sup.get("w0").exit_code == -signal.SIGKILL
+
+
+async def test_port_clash_on_a_free_port_retries_on_another(make_supervisor, tmp_path: Path) -> None:
+    marker = tmp_path / "clashed"
+    sup = make_supervisor(extra_args=["--fake-clash-once", str(marker)])
+    await sup.start()
+    info = sup.get("w0")
+    assert marker.exists() and info.state == WorkerState.READY
+    assert Path(info.log_path or "").read_text().count("pacer: start: worker w0") == 2
+
+
+async def test_fixed_port_in_use_is_down(make_supervisor) -> None:
+    port = free_port("127.0.0.1")
+    blocker = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+    try:
+        sup = make_supervisor(base_port=port)
+        await sup.start()
+        info = sup.get("w0")
+        assert info.state == WorkerState.DOWN and f"port {port}" in (info.last_error or "")
+        assert info.pid is None
+    finally:
+        blocker.close()
+        await blocker.wait_closed()
+
+
+async def test_missing_launcher_is_down(make_supervisor, tmp_path: Path) -> None:
+    sup = make_supervisor(command=[str(tmp_path / "no-such-binary")])
+    await sup.start()
+    info = sup.get("w0")
+    assert info.state == WorkerState.DOWN and "cannot start" in (info.last_error or "")
+
+
+async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None:
+    port = free_port("127.0.0.1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(FAKE_WORKER), "--host", "127.0.0.1", "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    dead_port = free_port("127.0.0.1", {port})
+    settings = engine_settings(
+        tmp_path,
+        kind="external",
+        urls=[f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dead_port}/"],
+        command=None,
+        **{"workers": 2},
+    )
+    sup = Supervisor(settings, external_probe_interval_s=0.2)
+    try:
+        # wait for the external server to come up before registering it
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+        await sup.start()
+        up, down = sup.workers()
+        assert up.state == WorkerState.READY and not up.managed and up.pid is None
+        assert down.state == WorkerState.DOWN and "unreachable" in (down.last_error or "")
+        assert down.url == f"http://127.0.0.1:{dead_port}"
+        with pytest.raises(WorkerError, match="external"):
+            await sup.restart("w0", {}, "test")
+        proc.kill()
+        await proc.wait()
+        await wait_for(lambda: sup.get("w0").state == WorkerState.DOWN)
+    finally:
+        await sup.stop()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
