@@ -1,0 +1,148 @@
+"""vLLM's command-line flags in one place: the table a policy may set, and the argv builder.
+
+vLLM derives each flag from an ``EngineArgs`` field: ``"--" + name.replace("_", "-")``. Its boolean
+fields are ``BooleanOptionalAction`` flags (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``),
+so a false value is written out rather than omitted. The server serves ``/metrics`` on its API port
+without a flag; the supervisor adds only ``--host`` and ``--port``.
+
+    >>> build_argv({"model": "m", "max_num_seqs": 24}, [], host="127.0.0.1", port=8001)
+    ['--model', 'm', '--max-num-seqs', '24', '--host', '127.0.0.1', '--port', '8001']
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Mapping, Sequence
+
+from proxy.engines.sglang.argv import FlagSpec, flag_name, parse_argv_args
+
+__all__ = [
+    "KNOWN_FLAGS",
+    "REMOVED_FLAGS",
+    "SUPERVISOR_FLAGS",
+    "FlagSpec",
+    "build_argv",
+    "check_arg",
+    "flag_name",
+    "parse_argv_args",
+]
+
+
+def _f(type_: str, *choices: str, minimum: float | None = None, maximum: float | None = None) -> FlagSpec:
+    return FlagSpec(type=type_, choices=choices or None, minimum=minimum, maximum=maximum)
+
+
+_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+# Field name -> spec, vLLM 0.32 (vllm/engine/arg_utils.py, vllm/config/*.py).
+KNOWN_FLAGS: Mapping[str, FlagSpec] = {
+    # model
+    "model": _f("str"),
+    "tokenizer": _f("str"),
+    "served_model_name": _f("str"),
+    "trust_remote_code": _f("bool"),
+    "max_model_len": _f("int", minimum=1),
+    "dtype": _f("str", *_DTYPES),
+    "quantization": _f("str"),
+    "seed": _f("int"),
+    "enforce_eager": _f("bool"),
+    # cache
+    "gpu_memory_utilization": _f("float", minimum=0.01, maximum=1.0),
+    "kv_cache_memory_bytes": _f("int", minimum=1),
+    "block_size": _f("int", minimum=1),
+    "kv_cache_dtype": _f("str", *_KV_CACHE_DTYPES),
+    "num_gpu_blocks_override": _f("int", minimum=1),
+    "enable_prefix_caching": _f("bool"),
+    # scheduler
+    "max_num_seqs": _f("int", minimum=1),
+    "max_num_batched_tokens": _f("int", minimum=1),
+    "enable_chunked_prefill": _f("bool"),
+    "max_num_partial_prefills": _f("int", minimum=1),
+    "scheduling_policy": _f("str", "fcfs", "priority"),
+    # parallelism
+    "tensor_parallel_size": _f("int", minimum=1),
+    "pipeline_parallel_size": _f("int", minimum=1),
+    "data_parallel_size": _f("int", minimum=1),
+    # serving
+    "api_key": _f("str"),
+    "enable_server_load_tracking": _f("bool"),
+}
+
+# Flags the supervisor sets itself; a policy may not name them in engine.args.
+SUPERVISOR_FLAGS: Mapping[str, FlagSpec] = {
+    "host": _f("str"),
+    "port": _f("int", minimum=0, maximum=65535),
+}
+
+# Names vLLM no longer accepts (or that would blind the proxy) -> what to write instead.
+REMOVED_FLAGS: Mapping[str, str] = {
+    "swap_space": "removed in vLLM V1 (no swap preemption); drop it",
+    "disable_log_stats": "not allowed: the proxy reads vLLM's periodic stats line",
+    "gpu_cache_usage_perc": "a metric, not a flag",
+}
+
+
+def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | None:
+    """Why ``name = value`` is not a valid vLLM engine arg for a policy, or ``None`` if it is."""
+    del allow_sim  # the simulated engine speaks SGLang
+    if name in REMOVED_FLAGS:
+        return f"{flag_name(name)} is {REMOVED_FLAGS[name]}"
+    if name in SUPERVISOR_FLAGS:
+        return "set by the supervisor (use engine.host / engine.base_port)"
+    spec = KNOWN_FLAGS.get(name)
+    if spec is None:
+        close = difflib.get_close_matches(name, [*KNOWN_FLAGS, *REMOVED_FLAGS], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown vLLM flag {flag_name(name)}{hint} (others can go in engine.extra_args)"
+    return _check_value(spec, value)
+
+
+def _check_value(spec: FlagSpec, value: object) -> str | None:
+    if spec.type == "bool":
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if spec.type in ("int", "float"):
+        integer = spec.type == "int"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+            return f"expected {'an integer' if integer else 'a number'}, got {value!r}"
+        if spec.minimum is not None and value < spec.minimum:
+            return f"must be >= {spec.minimum:g}, got {value!r}"
+        if spec.maximum is not None and value > spec.maximum:
+            return f"must be <= {spec.maximum:g}, got {value!r}"
+        return None
+    if not isinstance(value, str) or not value:
+        return f"expected a non-empty string, got {value!r}"
+    if spec.choices is not None and value not in spec.choices:
+        return f"expected one of {', '.join(spec.choices)}; got {value!r}"
+    return None
+
+
+def _bool_flag(name: str, value: bool) -> str:
+    return flag_name(name) if value else "--no-" + name.replace("_", "-")
+
+
+def build_argv(args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
+    """The flags (no launcher) that start a vLLM OpenAI server with ``args`` on ``host:port``.
+
+    ``args`` uses field names (underscores); ``None`` values are skipped; booleans become
+    ``--flag`` / ``--no-flag``. ``extra_args`` are appended verbatim before ``--host``/``--port``,
+    which are always last.
+    """
+    argv: list[str] = []
+    for name, value in args.items():
+        if name in SUPERVISOR_FLAGS:
+            raise ValueError(f"engine arg {name!r} is set by the supervisor")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(_bool_flag(name, value))
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError(f"engine arg {name!r}: empty list")
+            argv.append(flag_name(name))
+            argv.extend(repr(v) if isinstance(v, float) else str(v) for v in value)
+        else:
+            argv += [flag_name(name), repr(value) if isinstance(value, float) else str(value)]
+    argv.extend(str(a) for a in extra_args)
+    argv += ["--host", host, "--port", str(port)]
+    return argv

