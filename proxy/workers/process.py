@@ -119,10 +119,8 @@ class WorkerProcess:
         return self._proc.returncode
 
     async def wait(self) -> int:
-        """Wait for the process to exit, then (briefly) for its output to be read to the end."""
-        code = await self._proc.wait()
-        await self.drain_output(timeout=2.0)
-        return code
+        """Wait for the process (the group leader) to exit; its output may still be in flight."""
+        return await self._proc.wait()
 
     async def drain_output(self, timeout: float) -> None:
         """Let the reader reach EOF; a child that keeps the pipe open must not hold us up for long."""

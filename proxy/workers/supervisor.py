@@ -335,6 +335,10 @@ class Supervisor:
             slot.process = slot.watcher = None
             self._set(slot, WorkerState.DOWN, error=f"cannot start {argv[0]!r}: {e.strerror or e}")
             return
+        if self._stopping:  # stop() came while we were launching
+            slot.stopping = True
+            await process.terminate(self._settings.stop_grace_s)
+            return
         slot.process = process
         self._set(slot, WorkerState.STARTING)
         slot.watcher = asyncio.create_task(self._watch(slot, process), name=f"watch-{slot.id}")
@@ -349,7 +353,8 @@ class Supervisor:
     async def _watch(self, slot: _Slot, process: WorkerProcess) -> None:
         """Wait for ``process`` to exit; unless we stopped it, the worker is DOWN."""
         code = await process.wait()
-        process.kill_group()  # its children go with it
+        process.kill_group()  # its children go with it (and close the output pipe they share)
+        await process.drain_output(timeout=1.0)
         process.close()
         if slot.process is not process or slot.stopping:
             return

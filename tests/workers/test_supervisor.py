@@ -208,3 +208,15 @@ async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_stop_during_startup_leaves_nothing(make_supervisor) -> None:
+    sup = make_supervisor(workers=2, extra_args=["--fake-startup-seconds", "60", "--fake-spawn-child"])
+    starting = asyncio.create_task(sup.start())
+    await wait_for(lambda: len(sup.workers()) == 2 and all(w.pid for w in sup.workers()))
+    pids = [w.pid for w in sup.workers()]
+    await sup.stop()
+    await asyncio.wait_for(starting, 10)
+    assert all(w.state == WorkerState.STOPPED and w.pid is None for w in sup.workers())
+    for pid in pids:
+        assert pid is not None and not alive(pid)
