@@ -220,3 +220,29 @@ async def test_stop_during_startup_leaves_nothing(make_supervisor) -> None:
     assert all(w.state == WorkerState.STOPPED and w.pid is None for w in sup.workers())
     for pid in pids:
         assert pid is not None and not alive(pid)
+
+
+async def test_vllm_workers_get_vllm_flags(make_supervisor) -> None:
+    pytest.importorskip("proxy.engines.vllm.argv")
+    sup = make_supervisor(kind="vllm", args={"max_num_seqs": 24})
+    await sup.start()
+    info = sup.get("w0")
+    assert info.state == WorkerState.READY
+    echoed = await get_json(f"{info.url}/args")
+    assert echoed["engine_flags"] == ["--max-num-seqs", "24"] and "--enable-metrics" not in echoed["argv"]
+
+
+async def test_line_subscription_ends_when_the_supervisor_stops(make_supervisor) -> None:
+    sup = make_supervisor()
+    await sup.start()
+    got: list[str] = []
+
+    async def follow() -> None:
+        async for line in sup.subscribe_lines("w0"):
+            got.append(line)
+
+    follower = asyncio.create_task(follow())
+    await wait_for(lambda: len(got) >= 2)
+    await sup.stop()
+    await asyncio.wait_for(follower, 5)
+    assert all("Decode batch" in line for line in got)
