@@ -64,6 +64,7 @@ class KnobName(StrEnum):
     PREFILL_CHUNK = "prefill_chunk"  # tokens of one prefill chunk (activation memory of a prefill step)
     MAX_RUNNING = "max_running"  # cap on requests in the running batch
     MEMORY_FRACTION = "memory_fraction"  # share of device memory for weights + KV pool
+    MAX_CONTEXT = "max_context"  # longest request (prompt + output) the engine accepts; must fit the KV cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
