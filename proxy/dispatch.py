@@ -1,0 +1,254 @@
+"""Which worker gets the next queued request, and when (the pacing gate).
+
+Gate, per worker (see :mod:`proxy.pacing` for the estimate)::
+
+    eligible(w) = w is READY and not draining
+                  and w's sample is fresh                      (stale counts as saturated)
+                  and est_queue(w) < min(band.lo + headroom, band.hi)
+
+Dispatching one request raises ``est_queue`` by one, so a worker never gets a request that would
+take the estimate past ``band.hi``; the dispatch target is ``lo + headroom``. If *no* ready worker
+has a fresh sample (scrapes failing, metrics off), the gate falls back to the proxy's own counts:
+``in_flight(w) < last_running(w) + band.hi``.
+
+Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
+(``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so
+the same prefix keeps landing on the same worker while that worker has room. A retry avoids the
+workers the request already failed on when any other ready worker exists.
+
+:class:`Dispatcher` runs the gate whenever something changes (a request arrives, one finishes,
+a sample arrives, a worker changes state): :meth:`Dispatcher.pump` is synchronous and cheap, so
+there is no polling loop and no sleep on the hot path. It resolves each ticket's future with an
+:class:`Attempt`; the request handler owns the attempt from then on and is the only one that ever
+answers the client. The controller's hooks (:meth:`drain`, :meth:`wait_idle`, :meth:`take_back`)
+only set flags and cancel an attempt's not-yet-started upstream call; the handler then puts its
+ticket back in the queue, so a taken-back request is answered once, by whichever worker serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from typing import Callable, Sequence
+
+from proxy.admission import AdmissionQueue, Priority, QueueFull, Ticket
+from proxy.pacing import Band, LoadBoard, WorkerLoad
+from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
+
+__all__ = ["Attempt", "Dispatcher", "QueueFull", "QueueTimeout", "choose_worker"]
+
+
+def _rendezvous(worker_id: str, key: str) -> int:
+    return zlib.crc32(f"{worker_id}\x00{key}".encode())
+
+
+def choose_worker(
+    workers: Sequence[WorkerInfo],
+    board: LoadBoard,
+    *,
+    band: Band,
+    now: float,
+    stale_after_s: float,
+    exclude: frozenset[WorkerId] = frozenset(),
+    affinity: str | None = None,
+) -> WorkerId | None:
+    """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads)."""
+    ready: list[tuple[WorkerInfo, WorkerLoad]] = []
+    for w in workers:
+        if w.state is WorkerState.READY:
+            load = board.get(w.id)
+            if not load.draining:
+                ready.append((w, load))
+    if not ready:
+        return None
+    if exclude:
+        others = [(w, l) for w, l in ready if w.id not in exclude]
+        ready = others or ready
+    fresh = [(w, l) for w, l in ready if l.fresh(now, stale_after_s)]
+    target = band.target
+    if fresh:
+        open_ = [(l.est_queue(), l.in_flight, w.id) for w, l in fresh]
+        open_ = [o for o in open_ if o[0] < target]
+    else:  # every worker filtered out as stale: fall back to our own counts rather than stall
+        open_ = [(l.in_flight, 0, w.id) for w, l in ready if l.in_flight < l.last_running + band.hi]
+    if not open_:
+        return None
+    if affinity is not None and len(open_) > 1:
+        return max(open_, key=lambda o: _rendezvous(o[2], affinity))[2]
+    return min(open_)[2]
+
+
+class QueueTimeout(Exception):
+    """A ticket waited past its deadline in the proxy queue."""
+
+
+class Attempt:
+    """One try of one request on one worker, from dispatch until the handler releases it."""
+
+    __slots__ = ("ticket", "worker_id", "task", "started", "taken_back", "released", "dispatched_at")
+
+    def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
+        self.ticket = ticket
+        self.worker_id = worker_id
+        self.task: asyncio.Task | None = None  # the upstream call until its first output
+        self.started = False  # output came back: the request can no longer be taken back
+        self.taken_back = False
+        self.released = False
+        self.dispatched_at = dispatched_at
+
+
+class Dispatcher:
+    """Owns the admission queue, the load board and the gate; hands tickets to workers."""
+
+    def __init__(self, pool: WorkerPool, board: LoadBoard, admission: AdmissionQueue, *,
+                 band: Band, stale_after_s: float, prefix_affinity: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.board = board
+        self.admission = admission
+        self.band = band
+        self.stale_after_s = stale_after_s
+        self.prefix_affinity = prefix_affinity
+        self.clock = clock
+        self._open: dict[WorkerId, set[Attempt]] = {}
+        self._pumping = False
+        self._again = False
+
+    # -- request side -----------------------------------------------------------------------------
+    def submit(self, priority: Priority, timeout_s: float, affinity: str | None = None) -> Ticket:
+        now = self.clock()
+        ticket = Ticket(priority, now, now + timeout_s, asyncio.get_running_loop().create_future(),
+                        affinity if self.prefix_affinity else None)
+        self.admission.push(ticket)  # raises QueueFull
+        self.pump()
+        return ticket
+
+    async def assigned(self, ticket: Ticket) -> Attempt:
+        """Wait for the dispatcher to hand this ticket a worker; withdraws it on timeout/cancel."""
+        fut = ticket.future
+        if fut.done():
+            return fut.result()
+        remaining = ticket.deadline - self.clock()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(remaining):
+                return await fut
+        except TimeoutError:
+            self._withdraw(ticket)
+            raise QueueTimeout() from None
+        except BaseException:
+            self._withdraw(ticket)
+            raise
+
+    def _withdraw(self, ticket: Ticket) -> None:
+        fut = ticket.future
+        if fut.done() and not fut.cancelled():
+            self.release(fut.result())  # assigned in the same instant: give the slot back
+        else:
+            fut.cancel()
+        self.admission.cancel(ticket)
+        self.pump()
+
+    def requeue(self, ticket: Ticket) -> None:
+        """Put a ticket whose attempt ended without output back at the front of its class."""
+        ticket.future = asyncio.get_running_loop().create_future()
+        self.admission.requeue(ticket)
+        self.pump()
+
+    def start(self, attempt: Attempt, task: asyncio.Task) -> None:
+        attempt.task = task
+
+    def mark_started(self, attempt: Attempt) -> None:
+        attempt.started = True
+        attempt.task = None
+
+    def release(self, attempt: Attempt) -> None:
+        """The attempt is over (answered, failed, taken back or abandoned): free its slot."""
+        if attempt.released:
+            return
+        attempt.released = True
+        self.board.get(attempt.worker_id).release()
+        open_ = self._open.get(attempt.worker_id)
+        if open_ is not None:
+            open_.discard(attempt)
+        self.pump()
+
+    # -- the gate ---------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Hand queued tickets to workers while the gate is open. Re-entrant calls coalesce."""
+        if self._pumping:
+            self._again = True
+            return
+        self._pumping = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._pump_once()
+        finally:
+            self._pumping = False
+
+    def _pump_once(self) -> None:
+        admission = self.admission
+        if not len(admission):
+            return
+        workers = self.pool.workers()
+        now = self.clock()
+        while True:
+            ticket = admission.peek()
+            if ticket is None:
+                return
+            worker_id = choose_worker(workers, self.board, band=self.band, now=now,
+                                      stale_after_s=self.stale_after_s, exclude=ticket.exclude,
+                                      affinity=ticket.affinity)
+            if worker_id is None:
+                return
+            admission.pop()
+            if ticket.future.done():  # cancelled between its last check and now
+                continue
+            self.board.get(worker_id).reserve()
+            attempt = Attempt(ticket, worker_id, now)
+            self._open.setdefault(worker_id, set()).add(attempt)
+            ticket.future.set_result(attempt)
+
+    # -- hooks for the state listener, the scraper and the controller -------------------------------
+    def on_worker_state(self, info: WorkerInfo) -> None:
+        if info.state is not WorkerState.READY:
+            self.board.get(info.id).forget_sample()
+        self.pump()
+
+    def open_attempts(self, worker_id: WorkerId) -> int:
+        return len(self._open.get(worker_id, ()))
+
+    def drain(self, worker_id: WorkerId, draining: bool = True) -> None:
+        """Stop (or resume) dispatching new requests to a worker."""
+        self.board.get(worker_id).draining = draining
+        self.pump()
+
+    async def wait_idle(self, worker_id: WorkerId, timeout_s: float | None = None) -> bool:
+        """Wait until nothing of this proxy is in flight on the worker; False on timeout."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.board.get(worker_id).wait_idle()
+            return True
+        except TimeoutError:
+            return False
+
+    def take_back(self, worker_id: WorkerId) -> int:
+        """Requeue every request on the worker that produced no output yet; returns how many.
+
+        Their upstream calls are cancelled (the handler aborts them on the worker) and each handler
+        puts its ticket back at the front of the proxy queue. Started requests run to the end.
+        """
+        n = 0
+        for attempt in list(self._open.get(worker_id, ())):
+            if attempt.started or attempt.taken_back or attempt.released:
+                continue
+            attempt.taken_back = True
+            if attempt.task is not None and not attempt.task.done():
+                attempt.task.cancel()
+            n += 1
+        return n
+

@@ -1,0 +1,136 @@
+"""Reads each READY worker's load every ``scrape_interval_s`` and publishes it on the load board.
+
+``GET /metrics`` is parsed by the engine module the workers speak
+(``engine_spec(kind).function("metrics", "parse_metrics")``); a worker that answers 404 there
+(metrics not enabled) is read from ``GET /v1/loads`` instead, if the engine module can parse it.
+A garbage page, a non-200 answer, a timeout or an unreachable worker is published as an error:
+the worker's sample goes stale (the dispatcher treats it as saturated), the loop never dies.
+
+One aiohttp session is shared with the request path. A worker is never scraped twice at once;
+:meth:`Scraper.kick` starts a round at once (used when a worker becomes READY).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import aiohttp
+
+from proxy.engines.base import Sample
+from proxy.engines.registry import engine_spec
+from proxy.pacing import LoadBoard
+from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
+
+_log = logging.getLogger(__name__)
+
+Parser = Callable[[str, float], Sample]
+LoadsParser = Callable[[dict, float], Sample]
+
+
+def engine_parsers(kind: str) -> tuple[Parser, LoadsParser | None]:
+    """The engine's metrics parser and (if it has one) its ``/v1/loads`` parser."""
+    spec = engine_spec(kind)
+    parse = spec.function("metrics", "parse_metrics")
+    try:
+        loads = spec.function("metrics", "parse_loads")
+    except AttributeError:
+        loads = None
+    return parse, loads
+
+
+class Scraper:
+    def __init__(self, pool: WorkerPool, board: LoadBoard, session: aiohttp.ClientSession, *,
+                 engine: str, interval_s: float, timeout_s: float,
+                 on_result: Callable[[WorkerId, Sample | None, str | None], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.board = board
+        self.session = session
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.on_result = on_result
+        self.clock = clock
+        self.parse, self.parse_loads = engine_parsers(engine)
+        self._busy: set[WorkerId] = set()
+        self._use_loads: set[WorkerId] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._kick = asyncio.Event()
+        self.rounds = 0
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    async def run(self) -> None:
+        """Scrape rounds until cancelled."""
+        try:
+            while True:
+                self._round()
+                self._kick.clear()
+                try:
+                    await asyncio.wait_for(self._kick.wait(), self.interval_s)
+                except TimeoutError:
+                    pass
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _round(self) -> None:
+        self.rounds += 1
+        for info in self.pool.workers():
+            if info.state is WorkerState.READY and info.id not in self._busy:
+                self._busy.add(info.id)
+                task = asyncio.create_task(self._scrape_guarded(info))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _scrape_guarded(self, info: WorkerInfo) -> None:
+        try:
+            sample, error = await self.scrape(info)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in a parser must not stop the scraper
+            sample, error = None, f"scrape failed: {exc!r}"
+        finally:
+            self._busy.discard(info.id)
+        if error is not None:
+            _log.debug("scrape of %s (%s) failed: %s", info.id, info.url, error)
+        self.board.publish(info.id, sample, error)
+        if self.on_result is not None:
+            self.on_result(info.id, sample, error)
+
+    async def scrape(self, info: WorkerInfo) -> tuple[Sample | None, str | None]:
+        """One scrape of one worker: (sample, None) or (None, what went wrong)."""
+        self.board.get(info.id).scrape_started()
+        use_loads = info.id in self._use_loads and self.parse_loads is not None
+        path = "/v1/loads" if use_loads else "/metrics"
+        try:
+            async with self.session.get(info.url + path, timeout=self.timeout) as resp:
+                if resp.status == 404 and not use_loads and self.parse_loads is not None:
+                    self._use_loads.add(info.id)
+                    return None, f"{path} answered 404 (metrics not enabled?); reading /v1/loads from now on"
+                if resp.status != 200:
+                    return None, f"{path} answered HTTP {resp.status}"
+                if use_loads:
+                    payload = await resp.json(content_type=None)
+                    text = None
+                else:
+                    text = await resp.text()
+        except (aiohttp.ClientError, OSError) as exc:
+            return None, f"{path} unreachable: {exc.__class__.__name__}: {exc}"
+        except TimeoutError:
+            return None, f"{path} timed out after {self.timeout.total:g} s"
+        except ValueError as exc:
+            return None, f"{path} is not JSON: {exc}"
+        now = self.clock()
+        try:
+            if text is not None:
+                return self.parse(text, now), None
+            assert self.parse_loads is not None
+            return self.parse_loads(payload, now), None
+        except ValueError as exc:
+            return None, f"{path}: {exc}"

@@ -1,0 +1,184 @@
+"""Per-worker load as the proxy knows it: its own in-flight count plus the latest scraped sample.
+
+One :class:`WorkerLoad` per worker lives in a :class:`LoadBoard`, shared by the dispatcher (which
+reserves and releases), the scraper (which records samples and errors), the status log, the admin
+API and the controller (which marks workers draining and waits for them to empty).
+
+Estimated server-side queue (what the pacing gate compares with the band)::
+
+    est_queue = max(0, q_s + (D - D_s) - (C - C_s))
+
+``q_s`` is ``#queue-req`` of the latest sample; ``D``/``C`` count requests this proxy dispatched
+to / saw finish on the worker, and ``D_s``/``C_s`` are those counters when that scrape was *sent*
+(so a request dispatched while the scrape was on the wire is counted, perhaps twice, never
+missed). A request sent since the scrape lands in the server's waiting queue; a request that
+finishes frees a running slot that the server refills from its queue. The estimate is therefore
+high while the server still has free running slots (the next scrape corrects it: a cautious error)
+and low only when the engine admits fewer requests than finish, e.g. when its KV pool is full; the
+next scrape corrects that too, at most ``scrape_interval_s`` later.
+
+A sample older than ``stale_after_s`` (or none yet, or the last scrape failed) makes the worker
+count as saturated. When every ready worker is saturated for that reason alone, the dispatcher
+falls back to its own counts: ``in_flight < last_running + band_hi`` (``last_running`` 0 if the
+worker was never scraped), so a proxy whose scrapes fail keeps serving at a bounded depth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from proxy.engines.base import Sample
+from proxy.workers.base import WorkerId
+
+SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Band:
+    """The policy's queue band and headroom: dispatch while ``est_queue < target``, never past ``hi``.
+
+    ``target = min(lo + headroom, hi)``, but at least 1: a band of ``[0, 0]`` still lets one request
+    wait at a worker at a time (the estimate counts a just-sent request as queued until a scrape
+    shows it running).
+    """
+
+    lo: int
+    hi: int
+    headroom: int = 0
+
+    @property
+    def target(self) -> int:
+        return max(1, min(self.lo + self.headroom, self.hi))
+
+
+class WorkerLoad:
+    """What the proxy knows about one worker's load right now."""
+
+    __slots__ = ("worker_id", "in_flight", "dispatched", "completed", "sample", "error",
+                 "_base_dispatched", "_base_completed", "_pending_base", "draining",
+                 "_idle", "last_running")
+
+    def __init__(self, worker_id: WorkerId) -> None:
+        self.worker_id = worker_id
+        self.in_flight = 0  # requests this proxy has open on the worker
+        self.dispatched = 0  # D: total dispatched (monotonic)
+        self.completed = 0  # C: total finished, whatever the outcome (monotonic)
+        self.sample: Sample | None = None  # the latest good scrape
+        self.error: str | None = None  # why the latest scrape failed (None if it worked)
+        self.draining = False  # the controller asked for no new dispatch
+        self.last_running = 0  # #running-req of the latest good sample
+        self._base_dispatched = 0
+        self._base_completed = 0
+        self._pending_base: tuple[int, int] | None = None
+        self._idle: asyncio.Event | None = None
+
+    # -- request accounting -----------------------------------------------------------------------
+    def reserve(self) -> None:
+        self.in_flight += 1
+        self.dispatched += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.completed += 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    # -- scrapes ----------------------------------------------------------------------------------
+    def scrape_started(self) -> None:
+        self._pending_base = (self.dispatched, self.completed)
+
+    def record(self, sample: Sample) -> None:
+        base = self._pending_base or (self.dispatched, self.completed)
+        self._base_dispatched, self._base_completed = base
+        self._pending_base = None
+        self.sample = sample
+        self.error = None
+        self.last_running = sample.running
+
+    def record_error(self, error: str) -> None:
+        self._pending_base = None
+        self.error = error
+
+    def forget_sample(self) -> None:
+        """The worker restarted or went away: its last sample no longer describes it."""
+        self.sample = None
+        self._pending_base = None
+
+    # -- reading ----------------------------------------------------------------------------------
+    def fresh(self, now: float, stale_after_s: float) -> bool:
+        s = self.sample
+        return s is not None and self.error is None and now - s.time <= stale_after_s
+
+    def est_queue(self) -> int:
+        """The formula of the module docstring; 0 without a sample."""
+        s = self.sample
+        if s is None:
+            return 0
+        since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
+        return max(0, s.queue + since)
+
+    async def wait_idle(self) -> None:
+        """Return once nothing of this proxy is in flight on the worker."""
+        while self.in_flight > 0:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    def snapshot(self) -> dict[str, object]:
+        s = self.sample
+        return {
+            "in_flight": self.in_flight,
+            "draining": self.draining,
+            "est_queue": self.est_queue(),
+            "scrape_error": self.error,
+            "sample": None if s is None else {
+                "time": s.time,
+                "queue": s.queue,
+                "running": s.running,
+                "token_usage": s.token_usage,
+                "gen_throughput": s.gen_throughput,
+                "cache_hit_rate": s.cache_hit_rate,
+                "max_total_tokens": s.max_total_tokens,
+            },
+        }
+
+
+class LoadBoard:
+    """Every worker's :class:`WorkerLoad`, plus observers of new samples.
+
+    Observers (``fn(worker_id, sample, error)``) are called synchronously after each scrape: the
+    controller consumes the same samples as the dispatcher, there is no second scraper.
+    """
+
+    def __init__(self) -> None:
+        self._loads: dict[WorkerId, WorkerLoad] = {}
+        self._observers: list[SampleObserver] = []
+
+    def get(self, worker_id: WorkerId) -> WorkerLoad:
+        load = self._loads.get(worker_id)
+        if load is None:
+            load = self._loads[worker_id] = WorkerLoad(worker_id)
+        return load
+
+    def __iter__(self) -> Iterator[WorkerLoad]:
+        return iter(list(self._loads.values()))
+
+    def total_in_flight(self) -> int:
+        return sum(w.in_flight for w in self._loads.values())
+
+    def subscribe(self, observer: SampleObserver) -> None:
+        self._observers.append(observer)
+
+    def unsubscribe(self, observer: SampleObserver) -> None:
+        self._observers.remove(observer)
+
+    def publish(self, worker_id: WorkerId, sample: Sample | None, error: str | None) -> None:
+        load = self.get(worker_id)
+        if sample is not None:
+            load.record(sample)
+        else:
+            load.record_error(error or "scrape failed")
+        for observer in list(self._observers):
+            observer(worker_id, sample, error)

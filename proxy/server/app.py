@@ -1,0 +1,149 @@
+"""The front door: ``build_app(policy, pool)`` wires routes, queue, dispatcher and scraper.
+
+Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
+state changes, start the pool (in the background, so ``/health`` answers while workers load),
+start the scraper and the status log; on shutdown stop them, stop the pool and close the session.
+Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
+cancels its handler, which frees its slot and aborts the upstream request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from proxy.admission import AdmissionQueue
+from proxy.dispatch import Dispatcher
+from proxy.observe.scraper import Scraper
+from proxy.pacing import Band, LoadBoard
+from proxy.policy import Policy
+from proxy.server import handlers
+from proxy.server.auth import describe, load_keyring
+from proxy.server.metrics import ProxyMetrics
+from proxy.server.models import ModelCatalog
+from proxy.server.state import PROXY, ProxyState
+from proxy.server.status_log import run_status_log
+from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
+from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
+
+_log = logging.getLogger(__name__)
+
+
+def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> web.Application:
+    """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app.
+
+    Raises :class:`proxy.server.auth.AuthConfigError` if a key file cannot be read.
+    """
+    keys = load_keyring(policy.auth)
+    board = LoadBoard()
+    admission = AdmissionQueue(policy.queue.capacity)
+    lo, hi = policy.pacing.queue_band
+    dispatcher = Dispatcher(
+        pool, board, admission,
+        band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
+        stale_after_s=policy.pacing.stale_after_s,
+        prefix_affinity=str(policy.engine.args.get("schedule_policy", "")) == "lpm",
+    )
+    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()})
+    st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, dispatcher=dispatcher,
+                    metrics=metrics, keys=keys, models=ModelCatalog(),
+                    upstream_timeout=aiohttp.ClientTimeout(total=policy.proxy.request_timeout_s))
+    app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
+    app[PROXY] = st
+    for path in (CHAT, COMPLETIONS, GENERATE):
+        app.router.add_post(path, handlers.inference_route(path))
+    app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/workers", handlers.admin_workers)
+    app.cleanup_ctx.append(_lifecycle(st, manage_pool))
+    return app
+
+
+def _lifecycle(st: ProxyState, manage_pool: bool):
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        policy = st.policy
+        for line in describe(st.keys):
+            _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        st.scraper = Scraper(
+            st.pool, st.board, st.session, engine=policy.engine.engine,
+            interval_s=policy.pacing.scrape_interval_s,
+            timeout_s=max(policy.pacing.scrape_interval_s, min(policy.pacing.stale_after_s, 5.0)),
+            on_result=lambda wid, sample, err: _on_scrape(st, wid, err),
+        )
+
+        def on_state(info: WorkerInfo) -> None:
+            st.dispatcher.on_worker_state(info)
+            if info.state is WorkerState.READY:
+                if st.scraper is not None:
+                    st.scraper.kick()
+                if not st.models.known and st.session is not None:
+                    st.spawn(st.models.refresh(st.session, info.url))
+
+        st.pool.add_listener(on_state)
+        tasks = [
+            asyncio.create_task(st.scraper.run(), name="pacer-scraper"),
+            asyncio.create_task(run_status_log(st.admission, st.board, st.pool, policy.proxy.status_log_interval_s,
+                                               policy.pacing.stale_after_s), name="pacer-status-log"),
+        ]
+        if manage_pool:
+            tasks.append(asyncio.create_task(_start_pool(st), name="pacer-pool-start"))
+        else:
+            for info in st.pool.workers():
+                on_state(info)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for ticket in st.admission.drain_all():
+                if not ticket.future.done():
+                    ticket.future.cancel()
+            if manage_pool:
+                await st.pool.stop()
+            await st.wait_background()
+            await st.session.close()
+
+    return ctx
+
+
+async def _start_pool(st: ProxyState) -> None:
+    try:
+        await st.pool.start()
+    except Exception:
+        _log.exception("starting the workers failed")
+        return
+    for info in st.pool.workers():
+        _log.info("worker %s %s at %s%s", info.id, info.state.value, info.url,
+                  f" ({info.last_error})" if info.last_error else "")
+
+
+def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
+    if error is not None:
+        st.metrics.scrape_errors.labels(worker_id).inc()
+    st.dispatcher.pump()
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+
+async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    runner = make_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    return runner, runner.addresses[0][1]

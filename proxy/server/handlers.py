@@ -1,0 +1,175 @@
+"""HTTP handlers: OpenAI-compatible routes, SGLang's ``/generate``, health, metrics and admin.
+
+Every refusal is an :class:`~proxy.server.errors.ApiError` turned into an OpenAI-shaped body here;
+a bug in the proxy becomes a 500 with a short message, never a traceback to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Awaitable, Callable, Mapping
+
+import orjson
+from aiohttp import web
+
+from proxy.admission import ORDER, Priority
+from proxy.server import relay
+from proxy.server.auth import check_admin_key, check_api_key
+from proxy.server.errors import ApiError, bad_request, error_response
+from proxy.server.metrics import CONTENT_TYPE
+from proxy.server.state import PROXY, ProxyState
+from proxy.server.validation import VALIDATORS, Job
+from proxy.workers.base import WorkerState
+
+_log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(413, f"request body is {length} bytes; the limit is {limit} (proxy.max_body_bytes)",
+                       code="body_too_large")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes (proxy.max_body_bytes)",
+                       code="body_too_large") from None
+
+
+def pick_priority(st: ProxyState, headers: Mapping[str, str], key_class: Priority | None) -> Priority:
+    """The header picks a class; a key bound to ``batch`` cannot raise itself to ``interactive``."""
+    name = st.policy.queue.priority_header
+    value = headers.get(name)
+    if value is None:
+        chosen = key_class or Priority(st.policy.queue.default_priority)
+    else:
+        try:
+            chosen = Priority(value.strip().lower())
+        except ValueError:
+            raise bad_request(f"header {name} must be one of: {', '.join(p.value for p in ORDER)}; got {value!r}") from None
+    if key_class is not None and ORDER.index(key_class) > ORDER.index(chosen):
+        return key_class
+    return chosen
+
+
+def check_model(st: ProxyState, job: Job) -> None:
+    models = st.models
+    if job.model is None:
+        if job.path != "/generate" and models.default is not None:
+            job.body["model"] = models.default
+        return
+    if models.known and job.model not in models.names:
+        raise ApiError(404, f"the model '{job.model}' does not exist; served: {', '.join(sorted(models.names))}",
+                       param="model", code="model_not_found")
+
+
+def inference_route(path: str) -> Handler:
+    validate = VALIDATORS[path]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        st = request.app[PROXY]
+        try:
+            try:
+                key_class = check_api_key(st.keys, request.headers)
+            except ApiError:
+                st.metrics.reject_auth.inc()
+                raise
+            try:
+                job = validate(await read_body(request, st.policy.proxy.max_body_bytes))
+                check_model(st, job)
+                priority = pick_priority(st, request.headers, key_class)
+            except ApiError:
+                st.metrics.reject_invalid.inc()
+                raise
+            return await relay.forward(st, request, job, priority, arrived)
+        except ApiError as err:
+            return error_response(err)
+
+    handle.__name__ = f"handle_{path.strip('/').replace('/', '_')}"
+    return handle
+
+
+async def list_models(request: web.Request) -> web.Response:
+    st = request.app[PROXY]
+    try:
+        check_api_key(st.keys, request.headers)
+    except ApiError as err:
+        return error_response(err)
+    if not st.models.known and st.session is not None:
+        for w in st.pool.workers():
+            if w.state is WorkerState.READY and await st.models.refresh(st.session, w.url):
+                break
+    return _json({"object": "list", "data": st.models.cards})
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    st = request.app[PROXY]
+    workers = st.pool.workers()
+    n = sum(1 for w in workers if w.state is WorkerState.READY)
+    if n:
+        return _json({"status": "ready", "ready_workers": n, "workers": len(workers)})
+    return error_response(ApiError(503, f"no worker is ready ({', '.join(f'{w.id} {w.state}' for w in workers) or 'none'})",
+                                   type="service_unavailable", code="not_ready"))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[PROXY]
+    return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def admin_workers(request: web.Request) -> web.Response:
+    st = request.app[PROXY]
+    try:
+        check_admin_key(st.keys, request.headers)
+    except ApiError as err:
+        return error_response(err)
+    now = time.monotonic()
+    out = []
+    for w in st.pool.workers():
+        load = st.board.get(w.id)
+        snap = load.snapshot()
+        sample = snap["sample"]
+        if isinstance(sample, dict):
+            sample["age_s"] = round(now - float(sample["time"]), 3)
+        out.append({
+            "id": w.id, "url": w.url, "state": w.state.value, "managed": w.managed,
+            "args": dict(w.args), "pid": w.pid, "restarts": w.restarts, "last_error": w.last_error,
+            "fresh": load.fresh(now, st.policy.pacing.stale_after_s),
+            **snap,
+        })
+    queue = {p.value: st.admission.depth(p) for p in ORDER}
+    return _json({"workers": out, "proxy_queue": queue, "in_flight": st.board.total_in_flight()})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (404, 405) and any bug become OpenAI-shaped JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                       code="not_found" if exc.status == 404 else None))
+    except ApiError as err:
+        return error_response(err)
+    except (ConnectionResetError,):
+        raise
+    except Exception:
+        _log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal error in the proxy (see its log)", type="server_error"))

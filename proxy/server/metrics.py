@@ -1,0 +1,75 @@
+"""The proxy's own Prometheus metrics (``pacer_`` prefix) in a registry of their own.
+
+Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
+read at scrape time by a custom collector, so the request path never updates them. Counters and
+histograms are pre-bound to their labels where the label set is fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.admission import ORDER, AdmissionQueue
+from proxy.pacing import LoadBoard
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _LiveState(Collector):
+    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]]) -> None:
+        self.admission = admission
+        self.board = board
+        self.urls = urls
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("pacer_queue_depth", "Requests waiting in the proxy queue", labels=["priority"])
+        for p in ORDER:
+            depth.add_metric([p.value], self.admission.depth(p))
+        yield depth
+        urls = self.urls()
+        inflight = GaugeMetricFamily("pacer_inflight", "Requests the proxy has open on each worker", labels=["worker", "url"])
+        est = GaugeMetricFamily("pacer_worker_queue_estimate", "Estimated server-side queue per worker", labels=["worker"])
+        queue = GaugeMetricFamily("pacer_worker_queue_reqs", "Last scraped #queue-req per worker", labels=["worker"])
+        usage = GaugeMetricFamily("pacer_worker_token_usage", "Last scraped KV token usage per worker", labels=["worker"])
+        for load in self.board:
+            inflight.add_metric([load.worker_id, urls.get(load.worker_id, "")], load.in_flight)
+            est.add_metric([load.worker_id], load.est_queue())
+            if load.sample is not None:
+                queue.add_metric([load.worker_id], load.sample.queue)
+                usage.add_metric([load.worker_id], load.sample.token_usage)
+        yield inflight
+        yield est
+        yield queue
+        yield usage
+
+
+class ProxyMetrics:
+    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.admitted = Counter("pacer_requests_admitted", "Requests accepted into the proxy queue", registry=r)
+        self.rejected = Counter("pacer_requests_rejected", "Requests refused (auth, validation, full queue)", ["reason"], registry=r)
+        self.retried = Counter("pacer_requests_retried", "Attempts retried on another worker", registry=r)
+        self.requeued = Counter("pacer_requests_requeued", "Requests taken back from a worker before output", registry=r)
+        self.failed = Counter("pacer_requests_failed", "Accepted requests that ended in an error", ["reason"], registry=r)
+        self.completed = Counter("pacer_requests_completed", "Accepted requests answered by a worker", registry=r)
+        self.disconnected = Counter("pacer_client_disconnects", "Clients that went away before their answer ended", registry=r)
+        self.scrape_errors = Counter("pacer_scrape_errors", "Failed worker scrapes", ["worker"], registry=r)
+        self.queue_time = Histogram("pacer_queue_time_seconds", "Time a request waited in the proxy queue", buckets=_QUEUE_BUCKETS, registry=r)
+        self.added_latency = Histogram("pacer_added_latency_seconds", "Time the proxy itself added before the upstream call and to the first chunk", buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_LiveState(admission, board, urls))
+        self.reject_full = self.rejected.labels("queue_full")
+        self.reject_invalid = self.rejected.labels("invalid")
+        self.reject_auth = self.rejected.labels("auth")
+        self.fail_timeout = self.failed.labels("queue_timeout")
+        self.fail_upstream = self.failed.labels("upstream")
+        self.fail_midstream = self.failed.labels("mid_stream")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

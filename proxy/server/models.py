@@ -1,0 +1,56 @@
+"""The model names the workers serve, as their ``/v1/models`` says (asked once, then cached).
+
+An unknown ``model`` in a request is refused with 404 ``model_not_found`` before it queues; a
+request without ``model`` gets the default (the first name served). Until some worker has
+answered, names are unknown and nothing is refused for its model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+
+_log = logging.getLogger(__name__)
+
+
+class ModelCatalog:
+    def __init__(self) -> None:
+        self.cards: list[dict[str, Any]] = []
+        self.names: frozenset[str] = frozenset()
+
+    @property
+    def known(self) -> bool:
+        return bool(self.names)
+
+    @property
+    def default(self) -> str | None:
+        return self.cards[0]["id"] if self.cards else None
+
+    def update(self, payload: Any) -> bool:
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            return False
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        if not cards:
+            return False
+        merged = {c["id"]: c for c in self.cards}
+        merged.update((c["id"], c) for c in cards)
+        self.cards = list(merged.values())
+        self.names = frozenset(merged)
+        return True
+
+    async def refresh(self, session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> bool:
+        """Ask one worker; True if it named at least one model."""
+        try:
+            async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return False
+                ok = self.update(await resp.json(content_type=None))
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            _log.debug("could not read %s/v1/models: %r", url, exc)
+            return False
+        if ok:
+            _log.info("serving model(s): %s", ", ".join(sorted(self.names)))
+        return ok

@@ -1,0 +1,43 @@
+"""A periodic status line in the spirit of SGLang's decode log line::
+
+    [pacer] #proxy-queue: 120 (interactive 0, batch 120), #in-flight: 64, w0: #queue-req: 14, #running-req: 18, token usage: 0.81, w1: ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from proxy.admission import ORDER, AdmissionQueue
+from proxy.pacing import LoadBoard
+from proxy.workers.base import WorkerInfo, WorkerState
+
+_log = logging.getLogger("proxy.status")
+
+
+def format_status(admission: AdmissionQueue, board: LoadBoard, workers: Sequence[WorkerInfo],
+                  now: float, stale_after_s: float) -> str:
+    per_class = ", ".join(f"{p.value} {admission.depth(p)}" for p in ORDER)
+    parts = [f"#proxy-queue: {len(admission)} ({per_class})", f"#in-flight: {board.total_in_flight()}"]
+    for w in workers:
+        load = board.get(w.id)
+        s = load.sample
+        text = f"{w.id}: {w.state.value}" if w.state is not WorkerState.READY else f"{w.id}:"
+        text += f" #in-flight: {load.in_flight}"
+        if s is not None:
+            text += f", #queue-req: {s.queue}, #running-req: {s.running}, token usage: {s.token_usage:.2f}"
+            if not load.fresh(now, stale_after_s):
+                text += f" (stale {now - s.time:.1f} s)"
+        elif load.error:
+            text += f", no sample ({load.error})"
+        parts.append(text)
+    return "[pacer] " + ", ".join(parts)
+
+
+async def run_status_log(admission: AdmissionQueue, board: LoadBoard, pool, interval_s: float,
+                         stale_after_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        _log.info("%s", format_status(admission, board, pool.workers(), time.monotonic(), stale_after_s))

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+import openai
+import pytest
+
+from proxy.policy import parse_policy
+from proxy.server.app import build_app, serve
+from proxy.server.state import PROXY, ProxyState
+from tests.server.fake_worker import FakeWorker
+from tests.server.static_pool import StaticPool
+
+
+class Harness:
+    def __init__(self, url: str, state: ProxyState, workers: list[FakeWorker], pool: StaticPool) -> None:
+        self.url = url
+        self.state = state
+        self.workers = workers
+        self.pool = pool
+
+    def client(self, api_key: str = "none", **kw: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kw)
+
+    async def wait_for(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not cond():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("condition not reached in time")
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
+    """``await make_proxy(n_workers=2, policy={...}, worker={...})`` -> Harness (all torn down after)."""
+    cleanups: list[Callable[[], Any]] = []
+
+    async def make(n_workers: int = 1, policy: dict | None = None, worker: dict | None = None,
+                   env: dict | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> Harness:
+        workers = [FakeWorker(**(worker or {})) for _ in range(n_workers)]
+        urls = [await w.start() for w in workers]
+        cleanups.extend(w.stop for w in workers)
+        doc: dict[str, Any] = {"engine": {"kind": "external", "urls": urls},
+                               "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05,
+                                          "stale_after_s": 1.0}}
+        for section, values in (policy or {}).items():
+            doc.setdefault(section, {}).update(values)
+        pol = parse_policy(doc, "<test>")
+        pool = StaticPool(urls)
+        app = build_app(pol, pool)
+        runner, port = await serve(app, "127.0.0.1", 0)
+        cleanups.append(runner.cleanup)
+        h = Harness(f"http://127.0.0.1:{port}", app[PROXY], workers, pool)
+        await h.wait_for(lambda: all(h.state.board.get(w.id).sample is not None for w in pool.workers()))
+        return h
+
+    yield make
+    for fn in reversed(cleanups):
+        await fn()

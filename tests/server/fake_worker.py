@@ -1,0 +1,167 @@
+"""A tiny SGLang-shaped upstream for relay tests: real HTTP on a free port, in-process.
+
+It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), streams one SSE chunk
+per token with ``token_delay_s`` between them, serves ``/metrics`` with the live queue, honours
+``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
+``"500"`` (an error answer), ``"reset"`` (connection dropped before any byte),
+``"midstream"`` (two chunks, then the connection dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeWorker:
+    max_running: int = 8
+    token_delay_s: float = 0.001
+    default_tokens: int = 4
+    running: int = 0
+    waiting: deque = field(default_factory=deque)
+    seen_rids: list = field(default_factory=list)
+    aborted: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+    cancelled: list = field(default_factory=list)
+    bodies: list = field(default_factory=list)
+    _fail: list = field(default_factory=list)
+    _active: dict = field(default_factory=dict)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    def fail_next(self, mode: str, n: int = 1) -> None:
+        self._fail.extend([mode] * n)
+
+    # -- server-side scheduling ---------------------------------------------------------------------
+    async def _acquire(self) -> None:
+        if self.running < self.max_running and not self.waiting:
+            self.running += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut in self.waiting:
+                self.waiting.remove(fut)
+            elif fut.done() and not fut.cancelled():
+                self._release()
+            raise
+
+    def _release(self) -> None:
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+    # -- handlers -----------------------------------------------------------------------------------
+    async def generate_like(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.bodies.append(body)
+        rid = body.get("rid")
+        self.seen_rids.append(rid)
+        mode = self._fail.pop(0) if self._fail else None
+        if mode == "500":
+            return web.Response(status=500, text="internal failure (injected)")
+        if mode == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.01)
+            return web.Response(status=200)
+        n = int(body.get("sim_output_len") or body.get("max_tokens") or self.default_tokens)
+        task = asyncio.current_task()
+        if rid is not None and task is not None:
+            self._active[rid] = task
+        try:
+            await self._acquire()
+            try:
+                return await self._emit(request, body, n, mode)
+            finally:
+                self._release()
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            if rid is not None:
+                self._active.pop(rid, None)
+
+    async def _emit(self, request: web.Request, body: dict, n: int, mode: str | None) -> web.StreamResponse:
+        chat = request.path.endswith("chat/completions")
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay_s * n)
+            text = "tok " * n
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            self.finished.append(body.get("rid"))
+            return web.json_response({"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
+                                      "created": int(time.time()), "model": body.get("model", MODEL),
+                                      "choices": [choice],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(n):
+            await asyncio.sleep(self.token_delay_s)
+            delta = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+            delta.update({"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "})
+            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": 0, "model": body.get("model", MODEL), "choices": [delta]}
+            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            if mode == "midstream" and i == 1:
+                assert request.transport is not None
+                request.transport.abort()
+                raise asyncio.CancelledError
+        await out.write(b"data: [DONE]\n\n")
+        self.finished.append(body.get("rid"))
+        await out.write_eof()
+        return out
+
+    async def abort(self, request: web.Request) -> web.Response:
+        rid = (await request.json()).get("rid")
+        self.aborted.append(rid)
+        task = self._active.get(rid)
+        if task is not None:
+            task.cancel()
+        return web.json_response({})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        q = len(self.waiting)
+        text = (f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {q}\n'
+                f'sglang:num_running_reqs{{model_name="{MODEL}"}} {self.running}\n'
+                f'sglang:token_usage{{model_name="{MODEL}"}} {self.running / max(1, self.max_running):.2f}\n')
+        return web.Response(text=text, content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "sglang"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def start(self, port: int = 0) -> str:
+        app = web.Application()
+        for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+            app.router.add_post(path, self.generate_like)
+        app.router.add_post("/abort_request", self.abort)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None

@@ -1,0 +1,38 @@
+"""A WorkerPool over fixed URLs whose states a test sets by hand (listeners are notified)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from proxy.workers.base import StateListener, WorkerId, WorkerInfo, WorkerState
+
+
+class StaticPool:
+    def __init__(self, urls: list[str]) -> None:
+        self._infos = {f"w{i}": WorkerInfo(id=f"w{i}", url=u, state=WorkerState.READY, managed=False)
+                       for i, u in enumerate(urls)}
+        self._listeners: list[StateListener] = []
+
+    def workers(self) -> list[WorkerInfo]:
+        return list(self._infos.values())
+
+    def get(self, worker_id: WorkerId) -> WorkerInfo:
+        return self._infos[worker_id]
+
+    def add_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
+        self._infos[worker_id] = dataclasses.replace(self._infos[worker_id], state=state)
+        for listener in self._listeners:
+            listener(self._infos[worker_id])
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
+        raise NotImplementedError("static workers cannot be restarted")

@@ -1,0 +1,158 @@
+"""The relay through a real proxy over real sockets, with the openai client, in front of fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server.fake_worker import MODEL
+
+
+async def test_chat_and_completions_plain_and_streamed(make_proxy):
+    h = await make_proxy(n_workers=2)
+    client = h.client()
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.choices[0].message.content == "tok tok tok "
+    comp = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    assert comp.choices[0].text == "tok tok "
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, stream=True)
+    pieces = [c.choices[0].delta.content async for c in stream]
+    assert "".join(pieces) == "t0 t1 t2 t3 t4 "
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == "t0 t1 t2 "
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    # every upstream request carried a proxy rid, each one distinct
+    rids = [r for w in h.workers for r in w.seen_rids]
+    assert len(rids) == 4 and len(set(rids)) == 4 and all(r.startswith("pacer-") for r in rids)
+    await client.close()
+
+
+async def test_stream_is_relayed_as_it_arrives(make_proxy):
+    h = await make_proxy(worker={"token_delay_s": 0.2})
+    client = h.client()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True)
+    arrivals = [loop.time() - t0 async for _ in stream]
+    # 5 chunks, 0.2 s apart at the worker: the first must arrive long before the last
+    assert len(arrivals) == 5
+    assert arrivals[-1] - arrivals[0] > 0.5
+    await client.close()
+
+
+async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
+    h = await make_proxy(worker={"token_delay_s": 0.05})
+    w = h.workers[0]
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(h.url + "/v1/completions",
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True})
+        assert resp.status == 200
+        await resp.content.readany()
+        resp.close()  # the client goes away mid-stream
+    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    await h.wait_for(lambda: len(w.aborted) == 1)
+    assert w.aborted == [w.seen_rids[0]]
+    await h.wait_for(lambda: w.running == 0)
+    assert w.finished == []
+
+
+async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
+    h = await make_proxy(worker={"token_delay_s": 0.05, "max_running": 1})
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.ensure_future(s.post(h.url + "/v1/completions",
+                                             json={"model": MODEL, "prompt": "a", "max_tokens": 20}))
+        await h.wait_for(lambda: h.state.board.get("w0").in_flight == 1)
+        h.state.dispatcher.drain("w0")  # nothing more goes to the worker: the next one waits in the proxy
+        second = asyncio.ensure_future(s.post(h.url + "/v1/completions",
+                                              json={"model": MODEL, "prompt": "b", "max_tokens": 1}))
+        await h.wait_for(lambda: len(h.state.admission) == 1)
+        second.cancel()
+        await h.wait_for(lambda: len(h.state.admission) == 0)
+        h.state.dispatcher.drain("w0", False)
+        resp = await first
+        assert resp.status == 200
+    await asyncio.sleep(0.1)
+    assert len(h.workers[0].seen_rids) == 1  # the withdrawn request never reached the worker
+
+
+async def test_retry_on_other_worker_when_one_fails_before_output(make_proxy):
+    h = await make_proxy(n_workers=2)
+    client = h.client()
+    for mode in ("500", "reset"):
+        for w in h.workers:
+            w.seen_rids.clear()
+        h.workers[0].fail_next(mode, 10)
+        h.workers[1].fail_next(mode, 0)
+        # both idle with equal load: the tie goes to w0, which fails; the retry must avoid it
+        comp = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert comp.choices[0].text == "tok tok "
+        assert len(h.workers[0].seen_rids) == 1 and len(h.workers[1].seen_rids) == 1
+        assert h.workers[0].seen_rids[0] != h.workers[1].seen_rids[0]  # a fresh rid per attempt
+        h.workers[0]._fail.clear()
+    await client.close()
+
+
+async def test_failures_exhaust_attempts_then_clear_error(make_proxy):
+    h = await make_proxy(n_workers=1, policy={"pacing": {"max_attempts": 2}})
+    h.workers[0].fail_next("500", 5)
+    client = h.client()
+    with pytest.raises(openai.InternalServerError) as exc:
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert exc.value.status_code == 502
+    assert "HTTP 500" in exc.value.message and "2 attempt" in exc.value.message
+    assert len(h.workers[0].seen_rids) == 2
+    await client.close()
+
+
+async def test_midstream_failure_ends_stream_with_error_event(make_proxy):
+    h = await make_proxy()
+    h.workers[0].fail_next("midstream")
+    client = h.client()
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=10, stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as exc:
+        async for c in stream:
+            got.append(c.choices[0].text)
+    assert got == ["t0 ", "t1 "]
+    assert "mid-stream" in str(exc.value)
+    assert len(h.workers[0].seen_rids) == 1  # never retried after output went out
+    await client.close()
+
+
+async def test_take_back_requeues_unstarted_request_once(make_proxy):
+    # w0 has one slot: a streamed request runs there (output started), a second waits in w0's own
+    # queue. The controller drains w0 and takes back what produced no output: only the waiting
+    # one, which then runs on w1. Each request is answered once.
+    h = await make_proxy(n_workers=2, policy={"pacing": {"queue_band": [2, 4]}},
+                         worker={"max_running": 1, "token_delay_s": 0.02})
+    d = h.state.dispatcher
+    d.drain("w1")
+    client = h.client()
+
+    got: list[str] = []
+
+    async def streamed() -> str:
+        s = await client.completions.create(model=MODEL, prompt="a", max_tokens=30, stream=True)
+        async for c in s:
+            got.append(c.choices[0].text)
+        return "".join(got)
+
+    long = asyncio.ensure_future(streamed())
+    await h.wait_for(lambda: len(got) >= 1)
+    queued = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="b", max_tokens=2))
+    await h.wait_for(lambda: len(h.workers[0].waiting) == 1)
+    d.drain("w0")
+    d.drain("w1", False)
+    assert d.take_back("w0") == 1
+    text, b = await asyncio.gather(long, queued)
+    assert text == "".join(f"t{i} " for i in range(30)) and b.choices[0].text == "tok tok "
+    assert len(h.workers[0].finished) == 1 and len(h.workers[1].finished) == 1
+    assert len(h.workers[0].aborted) == 1  # the taken-back one was aborted at w0
+    assert await d.wait_idle("w0", 2.0)
+    assert h.state.metrics.requeued._value.get() == 1
+    await client.close()
