@@ -1,0 +1,164 @@
+"""What a rule decides (:class:`Decision`) and what the controller remembers per worker (:class:`ControlState`).
+
+Both are frozen values. The controller replaces a worker's state after each act
+(``state.after_restart(decision, now)``), so rules stay pure functions of (window, state, settings).
+
+Rules come in three kinds, which the gate (``proxy.control.rules.gate``) treats differently:
+
+| kind | examples | cool-down, restart budget | may move a knob back |
+|---|---|---|---|
+| ``safety`` | OOM, crash loop | ignored (the worker is down anyway) | yes |
+| ``corrective`` | retraction storm, too little free memory | apply | once: the way back is then blocked for ``flip_guard_s`` |
+| ``tuning`` | admission too conservative, memory to spare | apply | never within ``flip_guard_s`` |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Mapping
+
+from proxy.engines.base import Knob
+
+__all__ = ["Action", "ControlState", "Decision", "KnobMove", "RuleKind"]
+
+Evidence = Mapping[str, float | int | str | bool | None]
+HOUR = 3600.0
+
+
+class Action(StrEnum):
+    RESTART = "restart"  # restart the worker with new_args
+    NOTE = "note"  # only journaled (an observation the front door's own loop answers)
+
+
+class RuleKind(StrEnum):
+    SAFETY = "safety"
+    CORRECTIVE = "corrective"
+    TUNING = "tuning"
+
+
+def _frozen(mapping: Mapping[str, object] | None = None) -> Mapping[str, object]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    worker_id: str
+    rule: str
+    reason: str  # one sentence an operator reads in the journal
+    time: float  # monotonic
+    evidence: Evidence = field(default_factory=_frozen)  # the figures that triggered it
+    old_args: Mapping[str, object] = field(default_factory=_frozen)
+    new_args: Mapping[str, object] = field(default_factory=_frozen)
+    action: Action = Action.RESTART
+    kind: RuleKind = RuleKind.TUNING
+    knob: str | None = None  # the knob moved (None: several, or none)
+    direction: int = 0  # +1 raised, -1 lowered, 0 several / none
+    delay_s: float = 0.0  # wait this long before acting (crash back-off)
+
+    @property
+    def changes(self) -> dict[str, tuple[object, object]]:
+        """``arg -> (old, new)`` for every argument that differs."""
+        keys = set(self.old_args) | set(self.new_args)
+        return {k: (self.old_args.get(k), self.new_args.get(k)) for k in sorted(keys) if self.old_args.get(k) != self.new_args.get(k)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KnobMove:
+    time: float
+    direction: int
+    old: float | None
+    new: float
+    rule: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlState:
+    """What the controller remembers about one worker between rule evaluations."""
+
+    worker_id: str
+    args: Mapping[str, object] = field(default_factory=_frozen)  # what the worker runs with now
+    initial_args: Mapping[str, object] = field(default_factory=_frozen)  # the policy's args
+    resolved: Mapping[str, float] = field(default_factory=_frozen)  # values the engine chose for unset args
+    started_at: float | None = None  # when the current incarnation began serving
+    last_restart: float | None = None  # the last restart the controller asked for
+    restarts: tuple[float, ...] = ()  # times of the controller's restarts (last hour kept)
+    deaths: tuple[float, ...] = ()  # times the worker died on its own
+    moves: Mapping[str, KnobMove] = field(default_factory=_frozen)  # the last move of each knob
+    blocked: Mapping[str, float] = field(default_factory=_frozen)  # "knob:+1" -> until (monotonic)
+    last_good_args: Mapping[str, object] | None = None  # args that ran good_after_s without dying
+    noted: Mapping[str, float] = field(default_factory=_frozen)  # journal key -> last time written
+
+    @classmethod
+    def initial(cls, worker_id: str, args: Mapping[str, object], now: float | None = None) -> ControlState:
+        return cls(worker_id=worker_id, args=_frozen(args), initial_args=_frozen(args), started_at=now)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def current(self, knob: Knob) -> float | None:
+        """The knob's value now: the arg if set, else what the engine resolved, else its default."""
+        value = self.args.get(knob.arg)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if knob.resolved_field and knob.resolved_field in self.resolved:
+            return self.resolved[knob.resolved_field]
+        return knob.default
+
+    def restarts_within(self, now: float, span_s: float = HOUR) -> int:
+        return sum(1 for t in self.restarts if t > now - span_s)
+
+    def deaths_within(self, now: float, span_s: float) -> int:
+        return sum(1 for t in self.deaths if t > now - span_s)
+
+    def blocked_until(self, knob: str, direction: int) -> float | None:
+        return self.blocked.get(f"{knob}:{direction:+d}")
+
+    # -- changing -------------------------------------------------------------------------------
+
+    def with_resolved(self, values: Mapping[str, float]) -> ControlState:
+        return replace(self, resolved=_frozen({**self.resolved, **values}))
+
+    def after_restart(self, decision: Decision, now: float, flip_guard_s: float) -> ControlState:
+        """The worker was restarted with ``decision.new_args``."""
+        moves = dict(self.moves)
+        blocked = {k: until for k, until in self.blocked.items() if until > now}
+        if decision.knob is not None and decision.direction:
+            previous = moves.get(decision.knob)
+            reversal = previous is not None and previous.direction == -decision.direction and now - previous.time < flip_guard_s
+            if reversal:  # settle: the way this knob just came back from stays shut for a while
+                blocked[f"{decision.knob}:{-decision.direction:+d}"] = now + flip_guard_s
+            old = decision.evidence.get("old_value")
+            new = decision.evidence.get("new_value")
+            moves[decision.knob] = KnobMove(
+                time=now,
+                direction=decision.direction,
+                old=float(old) if isinstance(old, (int, float)) else None,
+                new=float(new) if isinstance(new, (int, float)) else 0.0,
+                rule=decision.rule,
+            )
+        elif decision.knob is None and decision.kind is RuleKind.SAFETY:  # a revert of several knobs: hold them all
+            for knob, move in moves.items():
+                blocked[f"{knob}:{move.direction:+d}"] = now + flip_guard_s
+        return replace(
+            self,
+            args=_frozen(decision.new_args),
+            last_restart=now,
+            restarts=tuple(t for t in self.restarts if t > now - HOUR) + (now,),
+            moves=_frozen(moves),
+            blocked=_frozen(blocked),
+            resolved=_frozen({}),  # the new incarnation reports its own
+            started_at=None,
+        )
+
+    def after_death(self, now: float) -> ControlState:
+        return replace(self, deaths=tuple(t for t in self.deaths if t > now - HOUR) + (now,), started_at=None)
+
+    def serving(self, now: float) -> ControlState:
+        return replace(self, started_at=now)
+
+    def mark_good(self) -> ControlState:
+        return replace(self, last_good_args=_frozen(self.args))
+
+    def note(self, key: str, now: float) -> ControlState:
+        return replace(self, noted=_frozen({**self.noted, key: now}))

@@ -1,0 +1,360 @@
+"""The controller's rules: pure functions ``(window, state, settings) -> Decision | None``.
+
+Each rule is one line of SGLang's tuning guide (DESIGN.md, first table) in engine-neutral words;
+the engine's knob table (``proxy.engines.<engine>.knobs``) says which argument a knob is.
+Thresholds, steps and bounds come from the policy's ``[control]`` table.
+
+Order matters: :data:`RULES` lists safety first. :data:`ON_DEATH` are the rules read when a worker
+has died (an OOM always kills an SGLang server); :data:`WHILE_SERVING` the ones read on every
+tick of a serving worker. :func:`evaluate` runs a tuple of rules and passes each decision through
+:func:`gate` (cool-down, restart budget, flip guard); the first decision the gate admits wins, the
+refused ones are returned too so the journal can say what was held back and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from proxy.control.decision import Action, ControlState, Decision, Evidence, RuleKind
+from proxy.control.window import Window
+from proxy.engines.base import EventKind, Knob, KnobName, LogEvent
+from proxy.policy import ControlSettings
+
+__all__ = [
+    "ON_DEATH",
+    "RULES",
+    "WHILE_SERVING",
+    "Evaluation",
+    "Rule",
+    "RuleSettings",
+    "evaluate",
+    "gate",
+    "revive_delay",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSettings:
+    control: ControlSettings
+    knobs: Mapping[KnobName, Knob]  # the engine's knob table
+
+
+Rule = Callable[[Window, ControlState, RuleSettings], "Decision | None"]
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _current(knob: Knob, window: Window, state: ControlState) -> float | None:
+    """The knob's value: the arg, else the engine's start-up line, else what state resolved, else default."""
+    if knob.arg not in state.args and knob.resolved_field and window.startup is not None:
+        value = window.startup.fields.get(knob.resolved_field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    return state.current(knob)
+
+
+def _move(
+    window: Window,
+    state: ControlState,
+    s: RuleSettings,
+    *,
+    rule: str,
+    kind: RuleKind,
+    knob_name: KnobName,
+    new_value: float,
+    direction: int,
+    reason: str,
+    evidence: Evidence,
+) -> Decision | None:
+    """A restart that moves one knob to ``new_value``; None if that is no move in ``direction``."""
+    knob = s.knobs.get(knob_name)
+    if knob is None:
+        return None
+    old = _current(knob, window, state)
+    new = knob.clamp(new_value)
+    if old is not None and (new - old) * direction <= 0:
+        return None
+    return Decision(
+        worker_id=state.worker_id,
+        rule=rule,
+        reason=reason.format(arg=knob.arg, old=_fmt(old), new=_fmt(new)),
+        time=window.now,
+        evidence={**evidence, "knob": str(knob_name), "arg": knob.arg, "old_value": old, "new_value": new},
+        old_args=state.args,
+        new_args={**state.args, knob.arg: new},
+        kind=kind,
+        knob=str(knob_name),
+        direction=direction,
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "unset" if value is None else f"{value:g}"
+
+
+def _last_oom(window: Window, phase: str | None) -> LogEvent | None:
+    for event in reversed(window.events):
+        if event.kind is EventKind.OOM and (phase is None or event.fields.get("phase") == phase):
+            return event
+    return None
+
+
+def _memory_down(window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence) -> Decision | None:
+    knob = s.knobs.get(KnobName.MEMORY_FRACTION)
+    if knob is None:
+        return None
+    current = _current(knob, window, state)
+    if current is None:
+        return None  # an unknown fraction cannot be stepped
+    low = s.control.memory_fraction_bounds[0]
+    new = max(current - s.control.memory_fraction_step, low)
+    return _move(
+        window, state, s, rule=rule, kind=kind, knob_name=KnobName.MEMORY_FRACTION, new_value=new, direction=-1,
+        reason=why + ": lower {arg} {old} -> {new}", evidence=evidence,
+    )  # fmt: skip
+
+
+def _startup_mem(window: Window) -> float | None:
+    if window.startup is None:
+        return None
+    value = window.startup.fields.get("available_gpu_mem_gb")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# -- the rules ----------------------------------------------------------------------------------
+
+
+def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Out of memory in prefill: a smaller prefill chunk (8192 -> 4096 -> 2048), then less KV memory."""
+    oom = _last_oom(window, "prefill")
+    if oom is None:
+        return None
+    evidence: Evidence = {"oom_phase": "prefill", "oom_cause": str(oom.fields.get("cause", "")), "log": oom.line.splitlines()[0][:200]}
+    chunk = s.knobs.get(KnobName.PREFILL_CHUNK)
+    if chunk is not None:
+        current = _current(chunk, window, state)
+        new = chunk.rung_below(current, floor=s.control.prefill_chunk_min) if current is not None else max(4096, s.control.prefill_chunk_min)
+        if new is not None:
+            decision = _move(
+                window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, knob_name=KnobName.PREFILL_CHUNK,
+                new_value=new, direction=-1, evidence=evidence,
+                reason="out of memory during prefill: lower {arg} {old} -> {new}",
+            )  # fmt: skip
+            if decision is not None:
+                return decision
+    return _memory_down(window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, why="out of memory during prefill with the smallest chunk", evidence=evidence)
+
+
+def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Out of memory in decode: cap the running batch below the peak seen, then less KV memory."""
+    oom = _last_oom(window, "decode")
+    if oom is None:
+        return None
+    peak = window.peak_running
+    evidence: Evidence = {"oom_phase": "decode", "oom_cause": str(oom.fields.get("cause", "")), "peak_running": peak, "log": oom.line.splitlines()[0][:200]}
+    knob = s.knobs.get(KnobName.MAX_RUNNING)
+    if knob is not None:
+        current = _current(knob, window, state)
+        seen = [v for v in (peak, current) if v]
+        if seen:
+            new = max(s.control.max_running_min, int(min(seen) * s.control.decode_oom_factor))
+            decision = _move(
+                window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, knob_name=KnobName.MAX_RUNNING,
+                new_value=new, direction=-1, evidence=evidence,
+                reason="out of memory during decode (peak running batch " + _fmt(peak) + "): lower {arg} {old} -> {new}",
+            )  # fmt: skip
+            if decision is not None:
+                return decision
+    return _memory_down(window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, why="out of memory during decode at the smallest batch cap", evidence=evidence)
+
+
+def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Out of memory the log does not place in prefill or decode: less KV memory helps both."""
+    oom = _last_oom(window, None)
+    if oom is None or oom.fields.get("phase") in ("prefill", "decode"):
+        return None
+    evidence: Evidence = {"oom_phase": "unknown", "log": oom.line.splitlines()[0][:200]}
+    return _memory_down(window, state, s, rule="oom", kind=RuleKind.SAFETY, why="out of memory", evidence=evidence)
+
+
+def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Repeated deaths: go back to the last arguments that ran well (the policy's, if none did)."""
+    c = s.control
+    deaths = state.deaths_within(window.now, c.crash_loop_window_s)
+    if deaths < c.crash_loop:
+        return None
+    fallback = state.last_good_args if state.last_good_args is not None else state.initial_args
+    if dict(fallback) == dict(state.args):
+        return None
+    return Decision(
+        worker_id=state.worker_id,
+        rule="crash_loop",
+        reason=f"{deaths} deaths in {c.crash_loop_window_s:g} s: back to the last arguments that ran well",
+        time=window.now,
+        evidence={"deaths": deaths, "window_s": c.crash_loop_window_s, "fallback": "last_good" if state.last_good_args is not None else "policy"},
+        old_args=state.args,
+        new_args=fallback,
+        kind=RuleKind.SAFETY,
+        delay_s=revive_delay(state, s.control, window.now),
+    )
+
+
+def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Frequent retractions: admission too aggressive, raise the conservativeness (bounded)."""
+    c = s.control
+    if window.observed_s < c.min_evidence_s:
+        return None
+    rate = window.retraction_rate_per_min
+    if rate <= c.retractions_per_min:
+        return None
+    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
+    current = _current(knob, window, state) if knob else None
+    if current is None:
+        return None
+    evidence: Evidence = {
+        "retraction_rate_per_min": round(rate, 2), "threshold_per_min": c.retractions_per_min,
+        "retractions": window.retractions, "observed_s": round(window.observed_s, 1),
+    }  # fmt: skip
+    return _move(
+        window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
+        new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
+        reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}): " + "raise {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Less free device memory at start-up than the band's floor: risk of OOM, shrink the KV pool."""
+    free = _startup_mem(window)
+    low, _ = s.control.available_mem_band_gb
+    if free is None or free >= low:
+        return None
+    return _memory_down(
+        window, state, s, rule="memory_low", kind=RuleKind.CORRECTIVE, why=f"{free:g} GB free at start-up (< {low:g} GB)",
+        evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{s.control.available_mem_band_gb[1]:g}"},
+    )  # fmt: skip
+
+
+def admission_too_conservative(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Token usage < 0.9 while requests wait, most of the window, without retractions: admit more."""
+    c = s.control
+    if window.observed_s < c.min_evidence_s:
+        return None
+    fraction = window.conservative_fraction(c.low_usage)
+    if fraction < c.low_usage_fraction or window.retractions > 0:
+        return None
+    cap_knob = s.knobs.get(KnobName.MAX_RUNNING)
+    cap = _current(cap_knob, window, state) if cap_knob else None
+    at_cap = window.at_cap_fraction(cap)
+    if at_cap >= 0.5:
+        return None  # the running batch is held by its cap, not by admission
+    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
+    current = _current(knob, window, state) if knob else None
+    if current is None:
+        return None
+    evidence: Evidence = {
+        "low_usage_fraction": round(fraction, 3), "threshold_fraction": c.low_usage_fraction, "low_usage": c.low_usage,
+        "retractions": 0, "at_cap_fraction": round(at_cap, 3), "observed_s": round(window.observed_s, 1),
+    }  # fmt: skip
+    return _move(
+        window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
+        new_value=max(current - c.conservativeness_step, c.conservativeness_bounds[0]), direction=-1, evidence=evidence,
+        reason=f"token usage < {c.low_usage:g} with requests waiting in {fraction:.0%} of the window: " + "lower {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """More free device memory at start-up than the band's top: a bigger KV pool fits (small steps)."""
+    free = _startup_mem(window)
+    low, high = s.control.available_mem_band_gb
+    if free is None or free <= high:
+        return None
+    knob = s.knobs.get(KnobName.MEMORY_FRACTION)
+    current = _current(knob, window, state) if knob else None
+    if current is None:
+        return None
+    new = min(current + s.control.memory_fraction_step, s.control.memory_fraction_bounds[1])
+    return _move(
+        window, state, s, rule="memory_headroom", kind=RuleKind.TUNING, knob_name=KnobName.MEMORY_FRACTION,
+        new_value=new, direction=+1, evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{high:g}"},
+        reason=f"{free:g} GB free at start-up (> {high:g} GB): " + "raise {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """The server queue is often empty while the proxy holds requests: pacing sends too slowly (noted)."""
+    c = s.control
+    if window.observed_s < c.min_evidence_s:
+        return None
+    fraction = window.timid_fraction()
+    if fraction < c.timid_queue_fraction:
+        return None
+    return Decision(
+        worker_id=state.worker_id,
+        rule="pacing_too_timid",
+        reason=f"server queue empty in {fraction:.0%} of samples while the proxy held requests: pacing sends too slowly",
+        time=window.now,
+        evidence={"queue_empty_fraction": round(fraction, 3), "threshold_fraction": c.timid_queue_fraction},
+        old_args=state.args,
+        new_args=state.args,
+        action=Action.NOTE,
+    )
+
+
+ON_DEATH: tuple[Rule, ...] = (prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
+WHILE_SERVING: tuple[Rule, ...] = (retraction_storm, memory_low, admission_too_conservative, memory_headroom, pacing_too_timid)
+RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
+
+
+# -- gate and evaluation ------------------------------------------------------------------------
+
+
+def gate(decision: Decision, state: ControlState, c: ControlSettings, now: float) -> str | None:
+    """Why ``decision`` may not be acted on now (cool-down, budget, flip guard), or None."""
+    if decision.action is Action.NOTE or decision.kind is RuleKind.SAFETY:
+        return None
+    if state.last_restart is not None and now - state.last_restart < c.cooldown_s:
+        return f"cool-down: {c.cooldown_s - (now - state.last_restart):.0f} s left after the last restart"
+    used = state.restarts_within(now)
+    if used >= c.restarts_per_hour:
+        return f"restart budget spent: {used} restarts in the last hour (limit {c.restarts_per_hour})"
+    if decision.knob is not None and decision.direction:
+        until = state.blocked_until(decision.knob, decision.direction)
+        if until is not None and until > now:
+            return f"flip guard: {decision.knob} was moved back {c.flip_guard_s - (until - now):.0f} s ago; held {until - now:.0f} s more"
+        previous = state.moves.get(decision.knob)
+        if (
+            decision.kind is RuleKind.TUNING
+            and previous is not None
+            and previous.direction == -decision.direction
+            and now - previous.time < c.flip_guard_s
+        ):
+            way = "raised" if previous.direction > 0 else "lowered"
+            return f"flip guard: {decision.knob} was {way} by {previous.rule} {now - previous.time:.0f} s ago"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    decision: Decision | None  # the first decision the gate admitted
+    refused: tuple[tuple[Decision, str], ...] = ()  # decisions held back, with the reason
+
+
+def evaluate(window: Window, state: ControlState, settings: RuleSettings, rules: tuple[Rule, ...] = RULES) -> Evaluation:
+    refused: list[tuple[Decision, str]] = []
+    for rule in rules:
+        decision = rule(window, state, settings)
+        if decision is None:
+            continue
+        why = gate(decision, state, settings.control, window.now)
+        if why is None:
+            return Evaluation(decision, tuple(refused))
+        refused.append((decision, why))
+    return Evaluation(None, tuple(refused))
+
+
+def revive_delay(state: ControlState, c: ControlSettings, now: float) -> float:
+    """Back-off before reviving a worker that died: grows with its deaths in the crash-loop window."""
+    deaths = max(state.deaths_within(now, c.crash_loop_window_s), 1)
+    return c.crash_backoff_s[min(deaths, len(c.crash_backoff_s)) - 1]

@@ -1,0 +1,209 @@
+"""A bounded window of one worker's recent samples and log events, and the figures rules read.
+
+A :class:`Window` is an immutable value: ``push`` returns a new window holding the item and
+dropping what fell out of the last ``span_s`` seconds (a window holds a few hundred items, so the
+copy is cheap and the rules can never see a window change under them).
+
+Evidence starts at ``since``, the moment the current incarnation of the worker began to serve:
+:meth:`Window.restart` empties the window when a restart begins, :meth:`Window.begin` drops what
+was seen before the worker became ready again but keeps its start-up line.
+
+Derived figures, each ``None`` (or 0) when nothing was seen:
+
+* ``retraction_rate_per_min``: the larger of two estimates, the engine's retraction counter
+  (difference of consecutive samples, a drop counts as a counter reset) and the retraction log
+  lines (``retracted`` requests summed), each over the time it covers;
+* ``conservative_fraction(low_usage)``: the share of observations with a non-empty server queue
+  while token usage < ``low_usage`` (scraped samples; log statistics when no sample was scraped);
+* ``throughput``: output tokens/s from the generation-token counter, else the engine's gauge;
+* ``peak_running``: the largest running batch seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence, TypeVar
+
+from proxy.engines.base import EventKind, LogEvent, Sample
+
+__all__ = ["Window"]
+
+_MINUTE = 60.0
+_T = TypeVar("_T", Sample, LogEvent)
+
+
+def _counter_increase(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """(increase, seconds covered) of a counter over ``(time, value)`` points; a drop is a reset."""
+    if len(points) < 2:
+        return None
+    total = 0.0
+    for (_, before), (_, after) in zip(points, points[1:]):
+        total += after - before if after >= before else after
+    return total, points[-1][0] - points[0][0]
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    span_s: float = 60.0
+    since: float = float("-inf")  # evidence before this time is ignored
+    now: float = float("-inf")  # the latest time seen
+    samples: tuple[Sample, ...] = ()
+    events: tuple[LogEvent, ...] = ()
+    startup: LogEvent | None = None  # the current incarnation's start-up line (kept past span_s)
+    proxy_queue: tuple[tuple[float, int], ...] = ()  # (time, requests the proxy holds for this pool)
+
+    # -- building -------------------------------------------------------------------------------
+
+    def push(self, item: Sample | LogEvent) -> Window:
+        """The window with one more sample or event (older than ``since``: ignored)."""
+        if item.time < self.since:
+            return self
+        now = max(self.now, item.time)
+        if isinstance(item, Sample):
+            return replace(self, now=now, samples=self._keep(self.samples, now) + (item,), events=self._keep(self.events, now))
+        startup = item if item.kind is EventKind.STARTUP else self.startup
+        return replace(self, now=now, samples=self._keep(self.samples, now), events=self._keep(self.events, now) + (item,), startup=startup)
+
+    def push_all(self, items: Iterable[Sample | LogEvent]) -> Window:
+        window = self
+        for item in items:
+            window = window.push(item)
+        return window
+
+    def push_proxy_queue(self, time: float, depth: int) -> Window:
+        if time < self.since:
+            return self
+        now = max(self.now, time)
+        kept = tuple(p for p in self.proxy_queue if p[0] >= now - self.span_s)
+        return replace(self, now=now, proxy_queue=kept + ((time, depth),))
+
+    def at(self, now: float) -> Window:
+        """The window as of ``now``: what fell out of the span is dropped."""
+        now = max(self.now, now)
+        return replace(
+            self,
+            now=now,
+            samples=self._keep(self.samples, now),
+            events=self._keep(self.events, now),
+            proxy_queue=tuple(p for p in self.proxy_queue if p[0] >= now - self.span_s),
+        )
+
+    def restart(self, at: float) -> Window:
+        """A restart begins: nothing seen so far describes the next incarnation."""
+        return Window(span_s=self.span_s, since=at, now=max(self.now, at))
+
+    def begin(self, at: float) -> Window:
+        """The worker serves again from ``at``: drop the start-up phase, keep the start-up line."""
+        startup = self.startup if self.startup is not None and self.startup.time >= self.since else None
+        return Window(span_s=self.span_s, since=at, now=max(self.now, at), startup=startup)
+
+    def _keep(self, items: tuple[_T, ...], now: float) -> tuple[_T, ...]:
+        horizon = now - self.span_s
+        if not items or items[0].time >= horizon:
+            return items
+        return tuple(i for i in items if i.time >= horizon)
+
+    # -- figures --------------------------------------------------------------------------------
+
+    @property
+    def observed_s(self) -> float:
+        """How much time the window's evidence covers: from its oldest item to ``now``."""
+        times = [x[0].time for x in (self.samples, self.events) if x]
+        if not times:
+            return 0.0
+        return min(self.span_s, self.now - min(times))
+
+    def of_kind(self, kind: EventKind) -> tuple[LogEvent, ...]:
+        return tuple(e for e in self.events if e.kind is kind)
+
+    @property
+    def retractions(self) -> int:
+        """Requests retracted in the window, by log lines (the counter where no line was seen)."""
+        logged = sum(int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced"))
+        counted = _counter_increase([(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None])
+        return max(logged, int(counted[0]) if counted else 0)
+
+    @property
+    def retraction_rate_per_min(self) -> float:
+        rates = [0.0]
+        counted = _counter_increase([(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None])
+        if counted and counted[1] > 0:
+            rates.append(counted[0] / counted[1] * _MINUTE)
+        logged = sum(int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced"))
+        if logged and self.observed_s > 0:
+            rates.append(logged / max(self.observed_s, 1.0) * _MINUTE)
+        return max(rates)
+
+    def _load_points(self) -> list[tuple[int, float, int]]:
+        """(queue, token usage, running) per observation: samples, else the statistics log lines."""
+        if self.samples:
+            return [(s.queue, s.token_usage, s.running) for s in self.samples]
+        points = []
+        for e in self.of_kind(EventKind.BATCH_STATS):
+            f = e.fields
+            if isinstance(f.get("queue"), int) and isinstance(f.get("token_usage"), (int, float)):
+                points.append((int(f["queue"]), float(f["token_usage"]), int(f.get("running", 0))))
+        return points
+
+    def conservative_fraction(self, low_usage: float) -> float:
+        """Share of observations with queue > 0 and token usage < ``low_usage``."""
+        points = self._load_points()
+        if not points:
+            return 0.0
+        return sum(1 for q, u, _ in points if q > 0 and u < low_usage) / len(points)
+
+    def at_cap_fraction(self, cap: float | None) -> float:
+        """Share of observations whose running batch is at ``cap`` (>= 95 % of it)."""
+        points = self._load_points()
+        if not points or not cap:
+            return 0.0
+        return sum(1 for _, _, r in points if r >= 0.95 * cap) / len(points)
+
+    def timid_fraction(self) -> float:
+        """Share of samples with an empty server queue while the proxy held requests back."""
+        if not self.samples or not self.proxy_queue:
+            return 0.0
+        hits = 0
+        for s in self.samples:
+            held = [d for t, d in self.proxy_queue if t <= s.time]
+            hits += s.queue == 0 and bool(held) and held[-1] > 0
+        return hits / len(self.samples)
+
+    @property
+    def throughput(self) -> float | None:
+        """Output tokens per second over the window."""
+        counted = _counter_increase([(s.time, s.generation_tokens_total) for s in self.samples if s.generation_tokens_total is not None])
+        if counted and counted[1] > 0:
+            return counted[0] / counted[1]
+        gauges = [s.gen_throughput for s in self.samples if s.gen_throughput is not None]
+        if not gauges:
+            gauges = [
+                float(e.fields["gen_throughput"])
+                for e in self.of_kind(EventKind.BATCH_STATS)
+                if isinstance(e.fields.get("gen_throughput"), (int, float))
+            ]
+        return sum(gauges) / len(gauges) if gauges else None
+
+    @property
+    def peak_running(self) -> int | None:
+        values = [s.running for s in self.samples]
+        values += [int(e.fields["running"]) for e in self.of_kind(EventKind.BATCH_STATS) if isinstance(e.fields.get("running"), int)]
+        return max(values) if values else None
+
+    def last(self, kind: EventKind) -> LogEvent | None:
+        for event in reversed(self.events):
+            if event.kind is kind:
+                return event
+        return None
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The figures a journal entry quotes as before/after."""
+        tp = self.throughput
+        return {
+            "observed_s": round(self.observed_s, 1),
+            "throughput": round(tp, 2) if tp is not None else None,
+            "retraction_rate_per_min": round(self.retraction_rate_per_min, 3),
+            "retractions": self.retractions,
+            "peak_running": self.peak_running,
+        }
+

@@ -1,0 +1,230 @@
+"""Every rule on recorded sample series and log excerpts: when it fires, and when it must not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from proxy.control.decision import Action, ControlState, RuleKind
+from proxy.control.rules import (
+    ON_DEATH,
+    WHILE_SERVING,
+    RuleSettings,
+    admission_too_conservative,
+    crash_loop,
+    decode_oom,
+    evaluate,
+    memory_headroom,
+    memory_low,
+    oom_unknown_phase,
+    pacing_too_timid,
+    prefill_oom,
+    retraction_storm,
+    revive_delay,
+)
+from proxy.control.window import Window
+from proxy.engines.base import EventKind, LogEvent
+from proxy.engines.sglang.knobs import KNOBS
+from proxy.policy import ControlSettings
+
+from .recorded import ENGINE_FIXTURES, log_events, samples, window_of
+
+SETTINGS = RuleSettings(control=ControlSettings(), knobs=KNOBS)
+ARGS = {"model_path": "m", "schedule_conservativeness": 1.0}
+
+
+def state(args: dict[str, object] | None = None, **kw: object) -> ControlState:
+    return replace(ControlState.initial("w0", ARGS if args is None else args), **kw)  # type: ignore[arg-type]
+
+
+# -- admission too conservative ------------------------------------------------------------------
+
+
+def test_low_usage_with_queue_lowers_conservativeness() -> None:
+    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state(), SETTINGS)
+    assert d is not None and d.rule == "admission_too_conservative" and d.kind is RuleKind.TUNING
+    assert d.changes == {"schedule_conservativeness": (1.0, 0.7)}
+    assert d.evidence["low_usage_fraction"] == 1.0 and d.direction == -1
+    assert "token usage < 0.9" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("window", "args"),
+    [
+        pytest.param(window_of(samples("samples_conservative.json", until=15)), ARGS, id="hysteresis-too-little-evidence"),
+        pytest.param(window_of(samples("samples_healthy.json")), ARGS, id="healthy-usage"),
+        pytest.param(window_of(samples("samples_idle.json")), ARGS, id="empty-queue"),
+        pytest.param(window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"),
+        pytest.param(window_of(samples("samples_conservative.json")), {**ARGS, "schedule_conservativeness": 0.3}, id="at-lower-bound"),
+        pytest.param(
+            window_of(samples("samples_conservative.json"), [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})]),
+            ARGS,
+            id="a-retraction-in-window",
+        ),
+    ],
+)
+def test_admission_rule_must_not_fire(window: Window, args: dict[str, object]) -> None:
+    assert admission_too_conservative(window, state(args), SETTINGS) is None
+
+
+def test_admission_rule_default_conservativeness_when_unset() -> None:
+    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
+    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.7)} and d.evidence["old_value"] == 1.0
+
+
+# -- retraction storm --------------------------------------------------------------------------
+
+
+def test_retraction_counter_storm_raises_conservativeness() -> None:
+    w = window_of(samples("samples_retraction_storm.json"))
+    d = retraction_storm(w, state(), SETTINGS)
+    assert d is not None and d.kind is RuleKind.CORRECTIVE and d.direction == +1
+    assert d.changes == {"schedule_conservativeness": (1.0, 1.3)}
+    assert d.evidence["retraction_rate_per_min"] > 6
+
+
+def test_retraction_log_storm_raises_conservativeness() -> None:
+    w = window_of(log_events("log_retraction_storm.log"))
+    d = retraction_storm(w, state({"schedule_conservativeness": 1.9}), SETTINGS)
+    assert d is not None and d.changes == {"schedule_conservativeness": (1.9, 2.0)}  # bounded
+
+
+@pytest.mark.parametrize(
+    ("window", "conservativeness"),
+    [
+        pytest.param(window_of(samples("samples_healthy.json")), 1.0, id="one-retraction-is-fine"),
+        pytest.param(window_of(samples("samples_retraction_storm.json", until=12)), 1.0, id="hysteresis"),
+        pytest.param(window_of(samples("samples_retraction_storm.json")), 2.0, id="at-upper-bound"),
+        pytest.param(window_of(samples("samples_retraction_storm.json")), 3.0, id="above-bound-never-lowers"),
+    ],
+)
+def test_retraction_rule_must_not_fire(window: Window, conservativeness: float) -> None:
+    assert retraction_storm(window, state({"schedule_conservativeness": conservativeness}), SETTINGS) is None
+
+
+# -- start-up memory ------------------------------------------------------------------------------
+
+
+def test_memory_headroom_raises_fraction_by_small_steps() -> None:
+    w = window_of(log_events("log_startup_headroom.log"))
+    d = memory_headroom(w, state({"mem_fraction_static": 0.83}), SETTINGS)
+    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.84)} and d.evidence["available_gpu_mem_gb"] == 13.5
+    assert memory_low(w, state({"mem_fraction_static": 0.83}), SETTINGS) is None
+
+
+def test_memory_rules_need_a_known_fraction_and_respect_bounds() -> None:
+    w = window_of(log_events("log_startup_headroom.log"))
+    assert memory_headroom(w, state({}), SETTINGS) is None  # unset and not resolved
+    assert memory_headroom(w, state({"mem_fraction_static": 0.95}), SETTINGS) is None  # at the policy's bound
+    resolved = state({}).with_resolved({"mem_fraction_static": 0.8})
+    d = memory_headroom(w, resolved, SETTINGS)
+    assert d is not None and d.new_args["mem_fraction_static"] == 0.81
+
+
+def test_memory_low_lowers_fraction() -> None:
+    w = window_of(log_events("log_startup_tight.log"))
+    d = memory_low(w, state({"mem_fraction_static": 0.9}), SETTINGS)
+    assert d is not None and d.changes == {"mem_fraction_static": (0.9, 0.89)} and d.kind is RuleKind.CORRECTIVE
+    assert memory_headroom(w, state({"mem_fraction_static": 0.9}), SETTINGS) is None
+
+
+def test_memory_in_band_fires_nothing() -> None:
+    w = window_of(log_events("log_retraction_storm.log"))  # 7.10 GB free at start-up
+    assert memory_low(w, state({"mem_fraction_static": 0.9}), SETTINGS) is None
+    assert memory_headroom(w, state({"mem_fraction_static": 0.9}), SETTINGS) is None
+
+
+# -- out of memory --------------------------------------------------------------------------------
+
+
+def test_prefill_oom_walks_down_the_chunk_ladder() -> None:
+    w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_prefill_cuda_oom.log"))
+    d = prefill_oom(w, state({"chunked_prefill_size": 8192}), SETTINGS)
+    assert d is not None and d.kind is RuleKind.SAFETY and d.changes == {"chunked_prefill_size": (8192, 4096)}
+    d = prefill_oom(w, state({"chunked_prefill_size": 4096}), SETTINGS)
+    assert d is not None and d.changes == {"chunked_prefill_size": (4096, 2048)}
+
+
+def test_prefill_oom_reads_the_resolved_chunk_from_the_startup_line() -> None:
+    w = window_of(log_events("log_startup_headroom.log"), log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30))
+    d = prefill_oom(w, state({}), SETTINGS)
+    assert d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence["old_value"] == 8192
+
+
+def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
+    w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_prefill_cuda_oom.log"))
+    d = prefill_oom(w, state({"chunked_prefill_size": 2048, "mem_fraction_static": 0.85}), SETTINGS)
+    assert d is not None and d.changes == {"mem_fraction_static": (0.85, 0.84)}
+    assert prefill_oom(w, state({"chunked_prefill_size": 2048}), SETTINGS) is None  # nothing left to lower
+
+
+def test_decode_oom_caps_running_below_peak() -> None:
+    w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log"))
+    d = decode_oom(w, state({"max_running_requests": 1024}), SETTINGS)
+    assert d is not None and d.changes == {"max_running_requests": (1024, 409)} and d.evidence["peak_running"] == 512
+    assert prefill_oom(w, state(), SETTINGS) is None  # a decode OOM is not a prefill OOM
+
+
+def test_oom_of_unknown_phase_lowers_memory() -> None:
+    oom = LogEvent(kind=EventKind.OOM, time=1.0, fields={"phase": "unknown"}, line="torch.OutOfMemoryError")
+    w = Window().push(oom)
+    d = oom_unknown_phase(w, state({"mem_fraction_static": 0.8}), SETTINGS)
+    assert d is not None and d.changes == {"mem_fraction_static": (0.8, 0.79)}
+    assert decode_oom(w, state(), SETTINGS) is None and prefill_oom(w, state(), SETTINGS) is None
+
+
+def test_no_oom_no_oom_rule() -> None:
+    w = window_of(samples("samples_retraction_storm.json"))
+    assert all(rule(w, state(), SETTINGS) is None for rule in ON_DEATH)
+
+
+# -- crash loop -----------------------------------------------------------------------------------
+
+
+def test_crash_loop_goes_back_to_last_good_args() -> None:
+    good = {**ARGS, "schedule_conservativeness": 1.3}
+    st = state({**ARGS, "schedule_conservativeness": 0.7}, last_good_args=good, deaths=(10.0, 20.0, 30.0))
+    d = crash_loop(Window(now=35.0), st, SETTINGS)
+    assert d is not None and d.rule == "crash_loop" and dict(d.new_args) == good and d.kind is RuleKind.SAFETY
+    assert d.delay_s == ControlSettings().crash_backoff_s[2]
+
+
+def test_crash_loop_must_not_fire() -> None:
+    two = state({**ARGS, "schedule_conservativeness": 0.7}, deaths=(10.0, 20.0))
+    assert crash_loop(Window(now=35.0), two, SETTINGS) is None  # two deaths are no loop
+    old = state({**ARGS, "schedule_conservativeness": 0.7}, deaths=(10.0, 20.0, 30.0))
+    assert crash_loop(Window(now=1000.0), old, SETTINGS) is None  # deaths out of the 600 s window
+    same = state(deaths=(10.0, 20.0, 30.0))
+    assert crash_loop(Window(now=35.0), same, SETTINGS) is None  # already on the fallback args
+
+
+def test_revive_delay_grows() -> None:
+    c = ControlSettings()
+    delays = [revive_delay(state(deaths=tuple(float(i) for i in range(n))), c, 10.0) for n in (0, 1, 2, 3, 9)]
+    assert delays == [c.crash_backoff_s[0], c.crash_backoff_s[0], c.crash_backoff_s[1], c.crash_backoff_s[2], c.crash_backoff_s[-1]]
+
+
+# -- pacing too timid (noted only) ---------------------------------------------------------------
+
+
+def test_timid_pacing_is_noted() -> None:
+    w = window_of(samples("samples_idle.json")).push_proxy_queue(0.0, 500)
+    d = pacing_too_timid(w, state(), SETTINGS)
+    assert d is not None and d.action is Action.NOTE and d.new_args == d.old_args
+    assert pacing_too_timid(window_of(samples("samples_idle.json")), state(), SETTINGS) is None  # proxy held nothing
+    assert pacing_too_timid(window_of(samples("samples_conservative.json")).push_proxy_queue(0.0, 500), state(), SETTINGS) is None
+
+
+# -- evaluation order -------------------------------------------------------------------------------
+
+
+def test_evaluate_while_serving_picks_first_admitted_rule() -> None:
+    w = window_of(samples("samples_retraction_storm.json"), log_events("log_startup_headroom.log"))
+    ev = evaluate(w, state({**ARGS, "mem_fraction_static": 0.8}), SETTINGS, WHILE_SERVING)
+    assert ev.decision is not None and ev.decision.rule == "retraction_storm" and ev.refused == ()
+
+
+def test_evaluate_healthy_fires_nothing() -> None:
+    ev = evaluate(window_of(samples("samples_healthy.json")), state(), SETTINGS)
+    assert ev.decision is None and ev.refused == ()
