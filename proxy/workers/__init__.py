@@ -1,0 +1,1 @@
+"""Engine worker processes: the pool seam (``base``), one process (``process``), the supervisor."""

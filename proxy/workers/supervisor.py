@@ -142,6 +142,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[object]] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
+        self._subscriptions: set[Callable[[str | None], None]] = set()
         self._started = False
         self._stopping = False
 
@@ -176,22 +177,16 @@ class Supervisor:
             queue.put_nowait(line)
 
         remove = slot.lines.add_sink(put)
-        closed = asyncio.create_task(self._closed.wait())
+        self._subscriptions.add(put)
         try:
-            while True:
-                if queue.empty() and self._closed.is_set():
+            while not self._closed.is_set() or not queue.empty():
+                line = await queue.get()
+                if line is None:  # the supervisor stopped
                     return
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    continue
-                line = getter.result()
-                if line is not None:
-                    yield line
+                yield line
         finally:
+            self._subscriptions.discard(put)
             remove()
-            closed.cancel()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -242,6 +237,8 @@ class Supervisor:
             if slot.state != WorkerState.STOPPED:
                 self._set(slot, WorkerState.STOPPED)
         self._closed.set()
+        for put in list(self._subscriptions):
+            put(None)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._session is not None:
