@@ -83,6 +83,9 @@ def inference_route(path: str) -> Handler:
                 raise
             try:
                 job = validate(await read_body(request, st.policy.proxy.max_body_bytes))
+                if not st.models.known and job.path != "/generate" and st.session is not None:
+                    await st.models.ensure(st.session, [w.url for w in st.pool.workers()
+                                                        if w.state is WorkerState.READY])
                 check_model(st, job)
                 priority = pick_priority(st, request.headers, key_class)
             except ApiError:
@@ -103,9 +106,7 @@ async def list_models(request: web.Request) -> web.Response:
     except ApiError as err:
         return error_response(err)
     if not st.models.known and st.session is not None:
-        for w in st.pool.workers():
-            if w.state is WorkerState.READY and await st.models.refresh(st.session, w.url):
-                break
+        await st.models.ensure(st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY], 0.0)
     return _json({"object": "list", "data": st.models.cards})
 
 
@@ -152,10 +153,6 @@ async def admin_workers(request: web.Request) -> web.Response:
     return _json({"workers": out, "proxy_queue": queue, "in_flight": st.board.total_in_flight()})
 
 
-async def not_found(request: web.Request) -> web.Response:
-    return error_response(ApiError(404, f"no route {request.method} {request.path}", code="not_found"))
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own refusals (404, 405) and any bug become OpenAI-shaped JSON."""
@@ -164,7 +161,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+        what = "no route" if exc.status == 404 else exc.reason
+        return error_response(ApiError(exc.status, f"{what}: {request.method} {request.path}",
                                        code="not_found" if exc.status == 404 else None))
     except ApiError as err:
         return error_response(err)

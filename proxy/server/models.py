@@ -7,8 +7,10 @@ answered, names are unknown and nothing is refused for its model.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, Sequence
 
 import aiohttp
 
@@ -19,6 +21,8 @@ class ModelCatalog:
     def __init__(self) -> None:
         self.cards: list[dict[str, Any]] = []
         self.names: frozenset[str] = frozenset()
+        self._pending: asyncio.Future[bool] | None = None
+        self._last_try = -1e9
 
     @property
     def known(self) -> bool:
@@ -54,3 +58,21 @@ class ModelCatalog:
         if ok:
             _log.info("serving model(s): %s", ", ".join(sorted(self.names)))
         return ok
+
+    async def ensure(self, session: aiohttp.ClientSession, urls: Sequence[str], retry_s: float = 5.0) -> None:
+        """Learn the names before checking a request, once; concurrent callers share one lookup."""
+        if self.names or not urls:
+            return
+        if self._pending is None:
+            if time.monotonic() - self._last_try < retry_s:
+                return
+            self._last_try = time.monotonic()
+            self._pending = asyncio.ensure_future(self._first(session, urls))
+            self._pending.add_done_callback(lambda _: setattr(self, "_pending", None))
+        await asyncio.shield(self._pending)
+
+    async def _first(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> bool:
+        for url in urls:
+            if await self.refresh(session, url):
+                return True
+        return False
