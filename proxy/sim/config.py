@@ -1,0 +1,141 @@
+"""The simulated server's resolved arguments: SGLang's flags with SGLang's defaults filled in.
+
+:func:`resolve_config` turns the parsed command line (``proxy.sim.cli.build_parser``) into a frozen
+:class:`SimConfig`; the HTTP server and :func:`proxy.sim.virtual.simulate` both start from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from proxy.sim import memory
+from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
+from proxy.sim.steptime import StepTimeModel, startup_seconds
+
+
+class SimConfigError(ValueError):
+    """The arguments cannot describe a server that starts (SGLang would exit at start-up)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    # identity and serving
+    model_path: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    # hardware and model
+    gpu: GpuPreset
+    model: ModelPreset
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    weights_bytes: float
+    kv_bytes_per_token: float
+    memory: memory.MemoryPlan
+    # scheduling (resolved)
+    mem_fraction_static: float
+    max_total_num_tokens: int
+    chunked_prefill_size: int | None  # None: chunked prefill disabled (-1)
+    max_prefill_tokens: int = 16384
+    max_running_requests: int
+    max_queued_requests: int | None = None
+    context_len: int
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    cuda_graph_max_bs_decode: int  # 0: CUDA graphs disabled
+    enable_metrics: bool = False
+    enable_cache_report: bool = False
+    decode_log_interval: int = 40
+    tp_size: int = 1
+    # simulator
+    time_scale: float = 1.0
+    seed: int = 0
+    startup_wall_seconds: float  # real seconds from launch to ready
+    output_fraction: float = 1.0
+    output_spread: float = 0.0
+    output_cap: int | None = None
+    server_args: Mapping[str, Any] = field(default_factory=dict)  # every flag, for /server_info
+
+    @property
+    def max_req_input_len(self) -> int:
+        return min(self.context_len - 1, self.max_total_num_tokens - 1)
+
+    def step_model(self) -> StepTimeModel:
+        return StepTimeModel(
+            params=self.model.params, num_layers=self.model.num_layers, hidden_size=self.model.hidden_size,
+            weights_bytes=self.weights_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+            bandwidth_gbs=self.gpu.bandwidth_gbs, bf16_tflops=self.gpu.bf16_tflops,
+        )
+
+
+def resolve_config(ns: argparse.Namespace) -> SimConfig:
+    """SGLang's resolution order: GPU-memory defaults, then the KV pool, then request limits."""
+    if ns.sim_gpu not in GPUS:
+        raise SimConfigError(f"unknown --sim-gpu {ns.sim_gpu!r}; choose from {', '.join(GPUS)}")
+    if ns.sim_model not in MODELS:
+        raise SimConfigError(f"unknown --sim-model {ns.sim_model!r}; choose from {', '.join(MODELS)}")
+    if (ns.tp_size or 1) != 1 or (ns.dp_size or 1) != 1 or (ns.pp_size or 1) != 1:
+        raise SimConfigError("the simulator models one GPU: --tp-size, --dp-size and --pp-size must be 1")
+    if ns.page_size not in (None, 1):
+        raise SimConfigError("the simulator models --page-size 1 only")
+    if ns.sim_time_scale <= 0:
+        raise SimConfigError("--sim-time-scale must be > 0")
+    if ns.schedule_conservativeness < 0:
+        raise SimConfigError("--schedule-conservativeness must be >= 0")
+    gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
+    weights = model.weights_bytes_bf16 * WEIGHT_BYTES_FACTOR.get(ns.quantization, 1.0)
+    kv_bytes = model.kv_bytes_per_token_bf16 * KV_BYTES_FACTOR.get(ns.kv_cache_dtype or "auto", 1.0)
+
+    if ns.chunked_prefill_size is None:
+        chunked: int | None = memory.default_chunked_prefill_size(gpu.memory_mib)
+    elif ns.chunked_prefill_size <= 0:
+        chunked = None
+    else:
+        chunked = ns.chunked_prefill_size
+    graphs_off = ns.disable_cuda_graph or ns.cuda_graph_backend_decode == "disabled"
+    if graphs_off:
+        graph_bs = 0
+    elif ns.cuda_graph_max_bs_decode is not None:
+        graph_bs = ns.cuda_graph_max_bs_decode
+    else:
+        graph_bs = memory.default_cuda_graph_max_bs(gpu.memory_mib, 1, ns.max_running_requests)
+    mfs = ns.mem_fraction_static
+    if mfs is None:
+        mfs = memory.default_mem_fraction_static(gpu.memory_mib, chunked, graph_bs)
+    if not 0 < mfs <= 1:
+        raise SimConfigError("--mem-fraction-static must be in (0, 1]")
+    plan = memory.plan_memory(gpu, weights_bytes=weights, kv_bytes_per_token=kv_bytes, mem_fraction_static=mfs,
+                              max_total_tokens=ns.max_total_tokens, graph_max_bs=graph_bs)
+    if plan.max_total_num_tokens <= 0:
+        raise SimConfigError("Not enough memory. Please try to increase --mem-fraction-static.")
+    tokens = plan.max_total_num_tokens
+    context_len = ns.context_length or model.context_length
+    max_running = memory.default_max_running_requests(tokens, context_len, ns.max_running_requests)
+    if graph_bs:
+        graph_bs = min(graph_bs, max_running)
+    _, _, modelled_startup = startup_seconds(weights, graph_bs)
+    startup_wall = ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
+    served = ns.served_model_name or ns.model_path or model.hf_name
+    args = {k: v for k, v in vars(ns).items()}
+    args.update(model_path=ns.model_path or model.hf_name, served_model_name=served, mem_fraction_static=mfs,
+                chunked_prefill_size=chunked if chunked is not None else -1, max_running_requests=max_running,
+                max_total_tokens=ns.max_total_tokens, context_length=context_len,
+                cuda_graph_max_bs_decode=graph_bs, page_size=1, tp_size=1, dp_size=1)
+    return SimConfig(
+        model_path=ns.model_path or model.hf_name, served_model_name=served, host=ns.host, port=ns.port,
+        api_key=ns.api_key, gpu=gpu, model=model, quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype or "auto", weights_bytes=weights, kv_bytes_per_token=kv_bytes, memory=plan,
+        mem_fraction_static=mfs, max_total_num_tokens=tokens, chunked_prefill_size=chunked,
+        max_prefill_tokens=ns.max_prefill_tokens, max_running_requests=max_running,
+        max_queued_requests=ns.max_queued_requests, context_len=context_len, schedule_policy=ns.schedule_policy,
+        schedule_conservativeness=ns.schedule_conservativeness, disable_radix_cache=ns.disable_radix_cache,
+        cuda_graph_max_bs_decode=graph_bs, enable_metrics=ns.enable_metrics,
+        enable_cache_report=ns.enable_cache_report, decode_log_interval=max(1, ns.decode_log_interval),
+        time_scale=ns.sim_time_scale, seed=ns.sim_seed if ns.sim_seed is not None else (ns.random_seed or 0),
+        startup_wall_seconds=max(0.0, startup_wall), output_fraction=ns.sim_output_fraction,
+        output_spread=ns.sim_output_spread, output_cap=ns.sim_output_cap, server_args=args,
+    )
