@@ -6,16 +6,22 @@ API and the controller (which marks workers draining and waits for them to empty
 
 Estimated server-side queue (what the pacing gate compares with the band)::
 
-    est_queue = max(0, q_s + (D - D_s) - (C - C_s))
+    est_queue = max(0, q_s + (D - D_s) - (C - C_s),      # the scrape, moved forward by our own events
+                       in_flight - r_s)                  # what we have open there, minus what runs
 
-``q_s`` is ``#queue-req`` of the latest sample; ``D``/``C`` count requests this proxy dispatched
-to / saw finish on the worker, and ``D_s``/``C_s`` are those counters when that scrape was *sent*
-(so a request dispatched while the scrape was on the wire is counted, perhaps twice, never
-missed). A request sent since the scrape lands in the server's waiting queue; a request that
-finishes frees a running slot that the server refills from its queue. The estimate is therefore
-high while the server still has free running slots (the next scrape corrects it: a cautious error)
-and low only when the engine admits fewer requests than finish, e.g. when its KV pool is full; the
-next scrape corrects that too, at most ``scrape_interval_s`` later.
+``q_s``/``r_s`` are ``#queue-req``/``#running-req`` of the latest sample; ``D``/``C`` count requests
+this proxy dispatched to / saw finish on the worker. ``D_s`` is taken when the scrape was *sent* and
+``C_s`` when its answer *arrived*, so whatever happened while the scrape was on the wire errs high.
+A request sent since the scrape lands in the server's waiting queue; a request that finishes frees
+a running slot that the server refills from its queue.
+
+The first term alone undercounts when completions reach the proxy after the server already
+refilled the slots (q_s then shows a momentarily short queue and the same completions are
+subtracted again); an engine that finishes whole batches at once makes that common. The second
+term bounds it: everything this proxy has open on the worker is either running or waiting there
+(or on the wire), so ``in_flight - r_s`` waits. It errs high while a worker fills up (``r_s`` is
+low until the next scrape) and ignores other clients of the worker, which the first term sees.
+Both err high rather than low, so the band's upper edge holds; the next scrape corrects the rest.
 
 A sample older than ``stale_after_s`` (or none yet, or the last scrape failed) makes the worker
 count as saturated. When every ready worker is saturated for that reason alone, the dispatcher
@@ -91,7 +97,7 @@ class WorkerLoad:
 
     def record(self, sample: Sample) -> None:
         base = self._pending_base or (self.dispatched, self.completed)
-        self._base_dispatched, self._base_completed = base
+        self._base_dispatched, self._base_completed = base[0], self.completed
         self._pending_base = None
         self.sample = sample
         self.error = None
@@ -117,7 +123,7 @@ class WorkerLoad:
         if s is None:
             return 0
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
-        return max(0, s.queue + since)
+        return max(0, s.queue + since, self.in_flight - s.running)
 
     async def wait_idle(self) -> None:
         """Return once nothing of this proxy is in flight on the worker."""

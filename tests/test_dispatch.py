@@ -174,3 +174,14 @@ async def test_dispatcher_timeout_and_takeback():
     d.requeue(first)
     again = await d.assigned(first)
     assert again is not attempt and again.worker_id == "w0" and first.requeues == 1
+
+
+def test_estimate_is_bounded_below_by_own_in_flight_minus_running():
+    board = LoadBoard()
+    load = board.get("w0")
+    for _ in range(30):
+        load.reserve()
+    # the scrape caught the server right after a batch finished: a short queue, 16 running...
+    _sample(board, "w0", 1, running=16)
+    # ...but 30 of ours are open there, so about 14 still wait
+    assert load.est_queue() == 14

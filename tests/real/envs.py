@@ -160,6 +160,25 @@ def ensure_env(recipe: EnvRecipe, log: Callable[[str], None] = lambda _: None) -
     return env_python(env_dir)
 
 
+TINY_MODEL = "tiny-llama-v1"  # bump when tiny_model.py changes
+
+
+def ensure_tiny_model(python: Path, log: Callable[[str], None] = lambda _: None) -> Path:
+    """The tiny random Llama model (tiny_model.py), generated once with ``python`` (the vLLM env's)."""
+    models = cache_root() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    out = models / TINY_MODEL
+    marker = out / ".complete"
+    with open(models / f"{TINY_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+        _run([str(python), str(Path(__file__).with_name("tiny_model.py")), str(out)], log)
+        marker.write_text(TINY_MODEL)
+    return out
+
+
 def main(argv: list[str]) -> int:
     for name in argv or list(RECIPES):
         print(ensure_env(RECIPES[name], log=lambda s: print(s, flush=True)), flush=True)

@@ -1,0 +1,24 @@
+"""Pacing against fake workers (same loop): the band holds, every request completes once."""
+
+from __future__ import annotations
+
+from tests.server.fake_worker import MODEL
+from tests.server.pacing_check import band_report, run_burst
+
+
+async def test_burst_keeps_worker_queues_in_band(make_proxy):
+    lo, hi = 10, 30
+    h = await make_proxy(n_workers=2, policy={"pacing": {"queue_band": [lo, hi], "headroom": 10, "scrape_interval_s": 0.05}},
+                         worker={"max_running": 16, "token_delay_s": 0.005})
+    n = 1500
+    run = await run_burst(h.url, [w.url for w in h.workers], n, {"model": MODEL, "max_tokens": 4},
+                          backlog=lambda: len(h.state.admission))
+    assert run.statuses.count(200) == n
+    assert len(set(run.ids)) == n
+    assert sum(len(w.finished) for w in h.workers) == n  # none twice, none lost
+    report = band_report(run, lo, hi, min_backlog=50)
+    print(report)
+    for url, (kept, qmax, below, above) in report.items():
+        assert kept >= 10, report
+        assert above == 0, report
+        assert below <= 0.1 * kept, report
