@@ -137,7 +137,7 @@ class ControlState:
                 new=float(new) if isinstance(new, (int, float)) else 0.0,
                 rule=decision.rule,
             )
-        elif decision.knob is None and decision.kind is RuleKind.SAFETY:  # a revert of several knobs: hold them all
+        elif decision.knob is None and decision.kind is RuleKind.SAFETY and decision.changes:  # a revert: hold every moved knob
             for knob, move in moves.items():
                 blocked[f"{knob}:{move.direction:+d}"] = now + flip_guard_s
         return replace(

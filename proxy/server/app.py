@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.admission import AdmissionQueue
+from proxy.control.service import install_controller
 from proxy.dispatch import Dispatcher
 from proxy.observe.scraper import Scraper
 from proxy.pacing import Band, LoadBoard
@@ -64,6 +65,7 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> 
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
+    install_controller(app)  # proxy.control: its loop (after the lifecycle above) and GET /admin/decisions
     return app
 
 
@@ -124,10 +126,6 @@ async def _start_pool(st: ProxyState) -> None:
         await st.pool.start()
     except Exception:
         _log.exception("starting the workers failed")
-        return
-    for info in st.pool.workers():
-        _log.info("worker %s %s at %s%s", info.id, info.state.value, info.url,
-                  f" ({info.last_error})" if info.last_error else "")
 
 
 def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:

@@ -1,0 +1,345 @@
+"""The control loop: observe every worker, run the rules, act through an :class:`Actor`, journal it all.
+
+Observation is synchronous and cheap (called from the scraper's sample observers, the
+supervisor's line listeners and its state listeners): it only pushes into each worker's
+:class:`~proxy.control.window.Window`. Decisions are taken in :meth:`Controller.tick` (serving
+workers, every ``interval_s``) and :meth:`Controller.decide_revival` (a worker died); both are
+synchronous and only read windows and states, so tests drive them with recorded inputs and no
+event loop. :meth:`Controller.run` is the async part: it ticks, and hands decisions to the actor
+one worker at a time.
+
+Modes (``[control] mode``):
+
+* ``auto``: decisions are acted on (rolling restart with the new args);
+* ``advise``: decisions are journaled as ``advised``, nothing is restarted for tuning;
+* ``off``: windows are kept (the figures stay visible), no rule runs.
+
+In every mode a managed worker that dies is revived (``revive = true``), after a back-off that
+grows with its recent deaths: with the death rules' safer arguments in ``auto``, with its current
+ones otherwise (``advise`` journals what it would have changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol
+
+from proxy.control.decision import Action, ControlState, Decision, RuleKind
+from proxy.control.journal import Journal, verdict
+from proxy.control.rules import ON_DEATH, WHILE_SERVING, RuleSettings, evaluate, revive_delay
+from proxy.control.window import Window
+from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Sample
+from proxy.policy import ControlMode, ControlSettings
+from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
+
+__all__ = ["ActResult", "Actor", "Controller", "LogReader"]
+
+_log = logging.getLogger(__name__)
+_TAIL_LINES = 300
+
+
+@dataclass(frozen=True, slots=True)
+class ActResult:
+    info: WorkerInfo  # the worker after the restart: READY, or DOWN if it did not come back
+    details: Mapping[str, object] = field(default_factory=dict)  # what the act did (drained, taken back...)
+
+
+class Actor(Protocol):
+    async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
+        """Rolling restart of a serving worker: drain, take back, restart, resume."""
+
+    async def revive(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
+        """Restart a worker that died."""
+
+
+class LogReader(Protocol):
+    """Turns one worker's log lines into events (``proxy.engines.<engine>.logs.LogFollower``)."""
+
+    def feed(self, line: str, now: float) -> list[LogEvent]: ...
+
+    def flush(self, now: float) -> list[LogEvent]: ...
+
+
+@dataclass(slots=True)
+class _Worker:
+    state: ControlState
+    window: Window
+    reader: LogReader | None
+    managed: bool
+    busy: bool = False  # an act or a revival is under way
+    pending_outcome: tuple[int, float] | None = None  # (journal id, due time)
+
+
+@dataclass(slots=True)
+class _Act:
+    decision: Decision
+    entry_id: int
+    revival: bool = False
+    cause: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Controller:
+    def __init__(
+        self,
+        settings: ControlSettings,
+        knobs: Mapping[KnobName, Knob],
+        journal: Journal,
+        *,
+        actor: Actor | None = None,
+        reader_factory: Callable[[], LogReader] | None = None,
+        classify_death: Callable[[list[str]], object] | None = None,
+        tail: Callable[[WorkerId, int], list[str]] | None = None,
+        backlog: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.rules = RuleSettings(control=settings, knobs=knobs)
+        self.journal = journal
+        self.actor = actor
+        self._reader_factory = reader_factory
+        self._classify_death = classify_death
+        self._tail = tail
+        self._backlog = backlog
+        self.clock = clock
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._acts: asyncio.Queue[_Act] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._act_lock: asyncio.Lock | None = None
+
+    @property
+    def mode(self) -> ControlMode:
+        return self.settings.mode
+
+    # -- observation ------------------------------------------------------------------------------
+
+    def track(self, info: WorkerInfo) -> None:
+        """Follow a worker (idempotent); called for every state change the pool announces."""
+        now = self.clock()
+        w = self._workers.get(info.id)
+        if w is None:
+            reader = self._reader_factory() if self._reader_factory is not None and info.managed else None
+            w = self._workers[info.id] = _Worker(
+                state=ControlState.initial(info.id, dict(info.args), now if info.state is WorkerState.READY else None),
+                window=Window(span_s=self.settings.window_s),
+                reader=reader,
+                managed=info.managed,
+            )
+        if info.state is WorkerState.STARTING:
+            w.window = w.window.restart(now)
+        elif info.state is WorkerState.READY and w.state.started_at is None:
+            w.window = w.window.begin(now)
+            w.state = w.state.serving(now)
+        elif info.state is WorkerState.DOWN and w.managed and not w.busy:
+            self._on_death(info.id, now)
+
+    def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
+        w = self._workers.get(worker_id)
+        if w is None or sample is None:
+            return
+        w.window = w.window.push(sample)
+        if self._backlog is not None:
+            w.window = w.window.push_proxy_queue(sample.time, self._backlog())
+
+    def on_line(self, worker_id: WorkerId, line: str) -> None:
+        w = self._workers.get(worker_id)
+        if w is None or w.reader is None:
+            return
+        for event in w.reader.feed(line, self.clock()):
+            self.on_event(worker_id, event)
+
+    def on_event(self, worker_id: WorkerId, event: LogEvent) -> None:
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        w.window = w.window.push(event)
+
+    def window(self, worker_id: WorkerId) -> Window:
+        return self._workers[worker_id].window
+
+    def state(self, worker_id: WorkerId) -> ControlState:
+        return self._workers[worker_id].state
+
+    def set_resolved(self, worker_id: WorkerId, values: Mapping[str, float]) -> None:
+        """Values the engine chose for unset args (e.g. from its ``/server_info``)."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.state = w.state.with_resolved(values)
+
+    # -- decisions (synchronous) ------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> list[_Act]:
+        """Run the serving rules for every serving worker; returns the acts for ``auto`` to carry out."""
+        now = self.clock() if now is None else now
+        acts: list[_Act] = []
+        others_down = any(w.managed and (w.busy or w.state.started_at is None) for w in self._workers.values())
+        for worker_id, w in self._workers.items():
+            w.window = w.window.at(now)
+            self._measure_outcome(w, now)
+            if w.busy or w.state.started_at is None:
+                continue
+            if w.state.last_good_args != w.state.args and now - w.state.started_at >= self.settings.good_after_s:
+                w.state = w.state.mark_good()
+            if self.mode is ControlMode.OFF:
+                continue
+            evaluation = evaluate(w.window, w.state, self.rules, WHILE_SERVING)
+            for decision, why in evaluation.refused:
+                self._journal_once(w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status="refused", detail=why)
+            decision = evaluation.decision
+            if decision is None:
+                continue
+            if decision.action is Action.NOTE:
+                self._journal_once(w, decision, f"note:{decision.rule}", now, status="noted", span=self.settings.window_s)
+                continue
+            if self.mode is ControlMode.ADVISE or not w.managed or self.actor is None:
+                why = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy" if not w.managed else "no actor"
+                self._journal_once(w, decision, f"advise:{decision.rule}", now, status="advised", detail=why)
+                continue
+            if others_down and len(self._workers) > 1:
+                self._journal_once(w, decision, f"wait:{decision.rule}", now, status="refused",
+                                   detail="another worker is restarting or down: one at a time")
+                continue
+            entry = self.journal.record(decision, mode=self.mode, status="acting", before=w.window.summary())
+            w.busy = True
+            others_down = True
+            acts.append(_Act(decision=decision, entry_id=entry["id"]))
+        return acts
+
+    def decide_revival(self, worker_id: WorkerId, now: float | None = None) -> _Act:
+        """A managed worker died: classify, count, and choose the args it comes back with."""
+        now = self.clock() if now is None else now
+        w = self._workers[worker_id]
+        if w.reader is not None:
+            for event in w.reader.flush(now):
+                w.window = w.window.push(event)
+        cause = self._death_cause(worker_id, w, now)
+        w.state = w.state.after_death(now)
+        delay = revive_delay(w.state, self.settings, now)
+        evaluation = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH) if self.mode is not ControlMode.OFF else None
+        chosen = evaluation.decision if evaluation is not None else None
+        if chosen is not None and self.mode is ControlMode.ADVISE:
+            self.journal.record(chosen, mode=self.mode, status="advised", detail=f"worker died ({cause}); revived with its current args")
+            chosen = None
+        if chosen is not None:
+            decision = Decision(
+                worker_id=chosen.worker_id, rule=chosen.rule, reason=f"worker died ({cause}); {chosen.reason}", time=now,
+                evidence={**chosen.evidence, "death": cause, "deaths_in_window": w.state.deaths_within(now, self.settings.crash_loop_window_s)},
+                old_args=chosen.old_args, new_args=chosen.new_args, kind=chosen.kind, knob=chosen.knob,
+                direction=chosen.direction, delay_s=max(delay, chosen.delay_s),
+            )  # fmt: skip
+        else:
+            decision = Decision(
+                worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
+                time=now, evidence={"death": cause, "deaths_in_window": w.state.deaths_within(now, self.settings.crash_loop_window_s)},
+                old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay,
+            )  # fmt: skip
+        entry = self.journal.record(decision, mode=self.mode, status="acting", before=w.window.summary())
+        w.busy = True
+        return _Act(decision=decision, entry_id=entry["id"], revival=True, cause=cause)
+
+    def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float) -> str:
+        """In words, from the window's events; the log tail is read when the follower saw nothing."""
+        oom, crash = w.window.last(EventKind.OOM), w.window.last(EventKind.CRASH)
+        if oom is not None:
+            return f"out of memory in {oom.fields.get('phase', 'unknown')}"
+        if crash is not None:
+            return f"crash: {crash.fields.get('exception') or crash.line.splitlines()[0][:160]}"
+        if self._tail is not None and self._classify_death is not None:
+            death = self._classify_death(self._tail(worker_id, _TAIL_LINES))
+            kind, phase, detail = getattr(death, "cause", "unknown"), getattr(death, "phase", "unknown"), getattr(death, "detail", "")
+            if kind == "oom":
+                w.window = w.window.push(LogEvent(kind=EventKind.OOM, time=now, fields={"phase": phase, "cause": "log_tail"}, line=str(detail)))
+                return f"out of memory in {phase}"
+            if kind != "unknown":
+                return f"{kind}: {detail}"[:200]
+        return "exited"
+
+    def _measure_outcome(self, w: _Worker, now: float) -> None:
+        if w.pending_outcome is None or w.busy:
+            return
+        entry_id, due = w.pending_outcome
+        if now < due or w.window.observed_s < self.settings.min_evidence_s:
+            return
+        w.pending_outcome = None
+        entry = self.journal.get(entry_id)
+        after = w.window.summary()
+        before = (entry or {}).get("outcome", {}) or {}
+        self.journal.update(entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)})
+
+    def _journal_once(self, w: _Worker, decision: Decision, key: str, now: float, *, status: str, detail: str = "", span: float | None = None) -> None:
+        """Journal a decision that is not acted on, once per ``span`` (default: the cool-down)."""
+        span = self.settings.cooldown_s if span is None else span
+        last = w.state.noted.get(key)
+        if last is not None and now - last < max(span, self.settings.interval_s):
+            return
+        w.state = w.state.note(key, now)
+        self.journal.record(decision, mode=self.mode, status=status, detail=detail, before=w.window.summary())
+
+    # -- acting (async) ---------------------------------------------------------------------------
+
+    def _on_death(self, worker_id: WorkerId, now: float) -> None:
+        if not self.settings.revive or self.actor is None:
+            w = self._workers[worker_id]
+            w.state = w.state.after_death(now)
+            return
+        act = self.decide_revival(worker_id, now)
+        self._spawn(self._carry_out(act))
+
+    async def run(self) -> None:
+        """Tick every ``interval_s`` until cancelled; acts run one at a time."""
+        try:
+            while True:
+                for act in self.tick():
+                    await self._carry_out(act)
+                await asyncio.sleep(self.settings.interval_s)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry_out(self, act: _Act) -> None:
+        assert self.actor is not None
+        d = act.decision
+        w = self._workers[d.worker_id]
+        try:
+            if d.delay_s > 0:
+                await asyncio.sleep(d.delay_s)
+            w.window = w.window.restart(self.clock())
+            call = self.actor.revive if act.revival else self.actor.restart
+            result = await call(d.worker_id, d.new_args, d.reason)
+        except asyncio.CancelledError:
+            self.journal.update(act.entry_id, status="failed", detail="cancelled (the proxy is stopping)")
+            raise
+        except Exception as exc:  # a refused restart (bad args, external worker): keep serving as before
+            _log.warning("restart of %s for %s failed: %s", d.worker_id, d.rule, exc)
+            self.journal.update(act.entry_id, status="failed", detail=f"{exc.__class__.__name__}: {exc}")
+            w.busy = False
+            return
+        now = self.clock()
+        info = result.info
+        w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
+        w.busy = False
+        extra = {"act": dict(result.details)} if result.details else {}
+        if info.state is WorkerState.READY:
+            w.window = w.window.begin(now)
+            w.state = w.state.serving(now)
+            status = "revived" if act.revival and d.rule == "revive" else "applied"
+            self.journal.update(act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", **extra)
+            w.pending_outcome = (act.entry_id, now + self.settings.window_s)
+        else:
+            detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
+            self.journal.update(act.entry_id, status="failed", detail=detail, **extra)
+            if info.state is WorkerState.DOWN:
+                self._on_death(d.worker_id, now)

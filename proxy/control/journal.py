@@ -1,0 +1,129 @@
+"""The decision journal: every decision with its evidence, what was done, and how it turned out.
+
+Entries live in memory (the newest ``keep``, for ``GET /admin/decisions``) and, when a path is
+given, in a JSON-lines file. An entry changes as its story unfolds (``acting`` -> ``applied`` ->
+outcome measured); each change appends the whole entry again with the same ``id``, so the file is
+append-only and the last line of an id is its current state.
+
+Statuses: ``advised`` (mode advise: what auto would have done), ``refused`` (held back by the
+gate, with the reason in ``detail``), ``noted`` (an observation, nothing to restart), ``acting``,
+``applied`` (the worker is serving with the new args), ``failed`` (it did not come back, or the
+restart was refused), ``revived`` (a dead worker restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import orjson
+
+from proxy.control.decision import Decision
+
+__all__ = ["Journal", "verdict"]
+
+_log = logging.getLogger(__name__)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """"better", "worse" or "same": throughput first (5 % matters), then the retraction rate."""
+    tb, ta = before.get("throughput"), after.get("throughput")
+    rb, ra = before.get("retraction_rate_per_min") or 0.0, after.get("retraction_rate_per_min") or 0.0
+    if isinstance(tb, (int, float)) and isinstance(ta, (int, float)) and tb > 0:
+        if ta > tb * 1.05:
+            return "better"
+        if ta < tb * 0.95:
+            return "worse"
+    if ra < rb * 0.5 or (rb > 0 and ra == 0):
+        return "better"
+    if ra > max(rb * 2.0, rb + 1.0):
+        return "worse"
+    return "same"
+
+
+class Journal:
+    def __init__(self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path) if path else None
+        self._entries: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._by_id: dict[int, dict[str, Any]] = {}
+        self._next_id = 1
+        self._wall = wall_clock
+        if self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                _log.warning("decision journal %s unusable (%s): keeping decisions in memory only", self.path, exc)
+                self.path = None
+
+    def record(self, decision: Decision, *, mode: str, status: str, detail: str = "", before: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "id": self._next_id,
+            "time": datetime.fromtimestamp(self._wall(), timezone.utc).isoformat(timespec="milliseconds"),
+            "monotonic": round(decision.time, 3),
+            "worker": decision.worker_id,
+            "rule": decision.rule,
+            "kind": str(decision.kind),
+            "action": str(decision.action),
+            "mode": mode,
+            "status": status,
+            "reason": decision.reason,
+            "evidence": _plain(decision.evidence),
+            "old_args": _plain(decision.old_args),
+            "new_args": _plain(decision.new_args),
+            "changes": {k: [_plain(a), _plain(b)] for k, (a, b) in decision.changes.items()},
+            "delay_s": decision.delay_s,
+            "detail": detail,
+            "outcome": {"before": _plain(before)} if before is not None else None,
+        }
+        self._next_id += 1
+        if len(self._entries) == self._entries.maxlen:
+            self._by_id.pop(self._entries[0]["id"], None)
+        self._entries.append(entry)
+        self._by_id[entry["id"]] = entry
+        self._write(entry)
+        return entry
+
+    def update(self, entry_id: int, **changes: Any) -> dict[str, Any] | None:
+        """Change fields of an entry (None if it aged out of memory); ``outcome`` keys are merged."""
+        entry = self._by_id.get(entry_id)
+        if entry is None:
+            return None
+        for key, value in changes.items():
+            if key == "outcome" and isinstance(entry.get("outcome"), dict):
+                entry["outcome"] = {**entry["outcome"], **_plain(value)}
+            else:
+                entry[key] = _plain(value)
+        entry["updated"] = datetime.fromtimestamp(self._wall(), timezone.utc).isoformat(timespec="milliseconds")
+        self._write(entry)
+        return entry
+
+    def get(self, entry_id: int) -> dict[str, Any] | None:
+        return self._by_id.get(entry_id)
+
+    def entries(self, *, worker: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """Newest last; ``limit`` keeps the newest ``limit``."""
+        found = [dict(e) for e in self._entries if worker is None or e["worker"] == worker]
+        return found[-limit:] if limit else found
+
+    def _write(self, entry: Mapping[str, Any]) -> None:
+        if self.path is None:
+            return
+        try:
+            with self.path.open("ab") as f:
+                f.write(orjson.dumps(entry) + b"\n")
+        except OSError as exc:
+            _log.warning("cannot append to decision journal %s: %s", self.path, exc)

@@ -1,0 +1,243 @@
+"""The control loop on recorded inputs: modes, journaling, revival of dead workers, outcomes.
+
+The actor here records what it was asked and answers like a pool would; the end-to-end tests
+(test_e2e_*.py) run the same controller against real simulated SGLang processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Mapping
+
+import pytest
+
+from proxy.control.controller import ActResult, Controller
+from proxy.control.journal import Journal, verdict
+from proxy.engines.base import Sample
+from proxy.engines.sglang.knobs import KNOBS
+from proxy.engines.sglang.logs import LogFollower, classify_death
+from proxy.policy import ControlMode, ControlSettings
+from proxy.workers.base import WorkerInfo, WorkerState
+
+from .recorded import ENGINE_FIXTURES, samples
+
+ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "chunked_prefill_size": 8192}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingActor:
+    def __init__(self, come_back: WorkerState = WorkerState.READY) -> None:
+        self.calls: list[tuple[str, str, dict[str, object]]] = []
+        self.come_back = come_back
+
+    async def restart(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
+        self.calls.append(("restart", worker_id, dict(args)))
+        return ActResult(info=info(worker_id, self.come_back, args), details={"drained": True, "taken_back": 0})
+
+    async def revive(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
+        self.calls.append(("revive", worker_id, dict(args)))
+        return ActResult(info=info(worker_id, self.come_back, args))
+
+
+def info(worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Mapping[str, object] = ARGS) -> WorkerInfo:
+    return WorkerInfo(id=worker_id, url="http://127.0.0.1:1", state=state, managed=True, args=dict(args), pid=4242)
+
+
+def controller(mode: ControlMode, tmp_path: Path, actor: RecordingActor | None = None, **kw: object) -> tuple[Controller, Clock]:
+    clock = Clock()
+    settings = replace(ControlSettings(), mode=mode, journal_path=str(tmp_path / "decisions.jsonl"), **kw)  # type: ignore[arg-type]
+    c = Controller(
+        settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
+        actor=actor, reader_factory=LogFollower, classify_death=classify_death, clock=clock,
+    )  # fmt: skip
+    return c, clock
+
+
+def feed(c: Controller, clock: Clock, rows: list[Sample], worker_id: str = "w0") -> None:
+    for s in rows:
+        clock.now = s.time
+        c.on_sample(worker_id, s)
+
+
+def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    acts = c.tick()
+    assert [a.decision.rule for a in acts] == ["retraction_storm"]
+    asyncio.run(c._carry_out(acts[0]))
+    assert actor.calls == [("restart", "w0", {**ARGS, "schedule_conservativeness": 1.3})]
+    assert c.state("w0").args["schedule_conservativeness"] == 1.3
+    entry = c.journal.entries()[-1]
+    assert entry["status"] == "applied" and entry["changes"] == {"schedule_conservativeness": [1.0, 1.3]}
+    assert entry["act"] == {"drained": True, "taken_back": 0}
+    assert entry["evidence"]["retraction_rate_per_min"] > 6 and entry["outcome"]["before"]["throughput"] > 2000
+
+    # the next incarnation runs healthy; a window later the outcome is filled in
+    restarted = clock.now
+    feed(c, clock, samples("samples_healthy.json", offset=restarted + 1))
+    assert c.tick() == []  # cool-down, and nothing to fix anyway
+    clock.now = restarted + 61 + ControlSettings().window_s
+    c.tick()
+    entry = c.journal.entries()[-1]
+    assert entry["outcome"]["after"]["retraction_rate_per_min"] < 2 and entry["outcome"]["verdict"] == "better"
+
+    lines = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert [line["status"] for line in lines] == ["acting", "applied", "applied"]  # decided, ready, outcome
+    assert {line["id"] for line in lines} == {entry["id"]}
+
+
+def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.ADVISE, tmp_path, actor)
+    c.track(info())
+    feed(c, clock, samples("samples_conservative.json"))
+    assert c.tick() == []
+    clock.now += 5
+    assert c.tick() == []  # the same advice is not repeated within the cool-down
+    entries = c.journal.entries()
+    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("admission_too_conservative", "advised", "advise")]
+    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.7]}
+    assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
+
+
+def test_off_only_observes(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor())
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    assert c.tick() == [] and c.journal.entries() == []
+    assert c.window("w0").retraction_rate_per_min > 6  # still observed
+
+
+def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    assert c.tick() == []
+    entry = c.journal.entries()[-1]
+    assert entry["status"] == "refused" and entry["detail"].startswith("restart budget spent")
+
+
+def test_timid_pacing_is_noted_not_acted_on(tmp_path: Path) -> None:
+    clock = Clock()
+    settings = replace(ControlSettings(), mode=ControlMode.AUTO, journal_path=None)
+    c = Controller(settings, KNOBS, Journal(None), actor=RecordingActor(), backlog=lambda: 400, clock=clock)
+    c.track(info())
+    feed(c, clock, samples("samples_idle.json"))
+    assert c.tick() == []
+    assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [("pacing_too_timid", "noted", "note")]
+
+
+def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,))
+    c.track(info())
+    for line in (ENGINE_FIXTURES / "sglang_crash_prefill_cuda_oom.log").read_text().splitlines()[:-1]:
+        c.on_line("w0", line)  # the process exits before the parent's SIGQUIT line: the block is still open
+    act = c.decide_revival("w0")
+    assert act.revival and act.decision.rule == "prefill_oom"
+    assert act.decision.changes == {"chunked_prefill_size": (8192, 4096)}
+    asyncio.run(c._carry_out(act))
+    assert actor.calls == [("revive", "w0", {**ARGS, "chunked_prefill_size": 4096})]
+    entry = c.journal.entries()[-1]
+    assert entry["status"] == "applied" and entry["reason"].startswith("worker died (out of memory in prefill)")
+
+
+def test_death_classified_from_the_log_tail_when_no_line_was_followed(tmp_path: Path) -> None:
+    clock = Clock()
+    settings = replace(ControlSettings(), mode=ControlMode.AUTO, journal_path=None)
+    tail = (ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log").read_text().splitlines()
+    c = Controller(settings, KNOBS, Journal(None), actor=RecordingActor(), classify_death=classify_death,
+                   tail=lambda wid, n: tail[-n:], clock=clock)  # fmt: skip
+    c.track(info(args={**ARGS, "max_running_requests": 600}))
+    feed(c, clock, [Sample(time=1.0, queue=10, running=500, token_usage=0.9)])
+    act = c.decide_revival("w0")
+    assert act.decision.rule == "decode_oom" and act.decision.new_args["max_running_requests"] == 400
+
+
+def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor())
+    c.track(info())
+    delays = []
+    for t in (10.0, 20.0, 30.0):
+        clock.now = t
+        for line in (ENGINE_FIXTURES / "sglang_crash_value_error.log").read_text().splitlines():
+            c.on_line("w0", line)
+        act = c.decide_revival("w0")
+        assert act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
+        delays.append(act.decision.delay_s)
+        c._workers["w0"].busy = False
+    assert delays == list(ControlSettings().crash_backoff_s[:3])
+    assert "ValueError: invalid sampling parameter" in c.journal.entries()[-1]["reason"]
+
+
+def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,))
+    c.track(info())
+    feed(c, clock, samples("samples_conservative.json"))
+    [act] = c.tick()
+    asyncio.run(c._carry_out(act))  # conservativeness 1.0 -> 0.7
+    rules = []
+    for t in (100.0, 110.0, 120.0):
+        clock.now = t
+        act = c.decide_revival("w0")
+        rules.append(act.decision.rule)
+        asyncio.run(c._carry_out(act))
+    assert rules == ["revive", "revive", "crash_loop"]
+    assert actor.calls[-1] == ("revive", "w0", ARGS)
+
+
+def test_advise_still_revives_a_dead_worker_with_its_args(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.ADVISE, tmp_path, actor, crash_backoff_s=(0.0,))
+    c.track(info())
+    for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
+        c.on_line("w0", line)
+    act = c.decide_revival("w0")
+    asyncio.run(c._carry_out(act))
+    assert actor.calls == [("revive", "w0", ARGS)]
+    statuses = [(e["rule"], e["status"]) for e in c.journal.entries()]
+    assert statuses == [("prefill_oom", "advised"), ("revive", "revived")]
+
+
+def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
+    actor = RecordingActor(come_back=WorkerState.DOWN)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    [act] = c.tick()
+
+    async def go() -> None:
+        await c._carry_out(act)
+        await c.close()  # the revival it spawned
+
+    asyncio.run(go())
+    first = c.journal.get(act.entry_id)
+    assert first is not None and first["status"] == "failed" and "down" in first["detail"]
+    assert c.journal.entries()[-1]["rule"] == "revive"
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1200.0, "retraction_rate_per_min": 0.0}, "better"),
+        ({"throughput": 1000.0, "retraction_rate_per_min": 0.0}, {"throughput": 800.0, "retraction_rate_per_min": 0.0}, "worse"),
+        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1010.0, "retraction_rate_per_min": 2.0}, "better"),
+        ({"throughput": 1000.0, "retraction_rate_per_min": 1.0}, {"throughput": 1000.0, "retraction_rate_per_min": 1.0}, "same"),
+        ({"throughput": None, "retraction_rate_per_min": 0.0}, {"throughput": 5.0, "retraction_rate_per_min": 9.0}, "worse"),
+    ],
+)
+def test_verdict(before: dict[str, object], after: dict[str, object], expected: str) -> None:
+    assert verdict(before, after) == expected
