@@ -39,10 +39,13 @@ class ModelCatalog:
         cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
         if not cards:
             return False
+        before = self.names
         merged = {c["id"]: c for c in self.cards}
         merged.update((c["id"], c) for c in cards)
         self.cards = list(merged.values())
         self.names = frozenset(merged)
+        if self.names != before:
+            _log.info("serving model(s): %s", ", ".join(sorted(self.names)))
         return True
 
     async def refresh(self, session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0) -> bool:
@@ -51,13 +54,10 @@ class ModelCatalog:
             async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
                     return False
-                ok = self.update(await resp.json(content_type=None))
+                return self.update(await resp.json(content_type=None))
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             _log.debug("could not read %s/v1/models: %r", url, exc)
             return False
-        if ok:
-            _log.info("serving model(s): %s", ", ".join(sorted(self.names)))
-        return ok
 
     async def ensure(self, session: aiohttp.ClientSession, urls: Sequence[str], retry_s: float = 5.0) -> None:
         """Learn the names before checking a request, once; concurrent callers share one lookup."""

@@ -143,8 +143,9 @@ def parse_chat(body: Any, cfg: SimConfig) -> GenParams:
         turns.append((m["role"], content))
     max_new, ignore_eos, out_len, stream, usage = _openai_common(body)
     ids = encode(chat_prompt(turns))
+    rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
     return GenParams(prompt_ids=ids, max_new_tokens=check_lengths(len(ids), max_new, cfg), ignore_eos=ignore_eos,
-                     output_len=out_len, stream=stream, include_usage=usage)
+                     output_len=out_len, stream=stream, include_usage=usage, rid=rid if isinstance(rid, str) else None)
 
 
 def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
@@ -161,5 +162,7 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
     max_new = 16 if max_new is None else max_new  # OpenAI's completions default
     if stream and len(prompts) > 1:
         raise BadRequest("streaming several prompts is not supported by the simulated engine")
+    rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
+    rid = rid if isinstance(rid, str) and len(prompts) == 1 else None
     return [GenParams(prompt_ids=p, max_new_tokens=check_lengths(len(p), max_new, cfg), ignore_eos=ignore_eos,
-                      output_len=out_len, stream=stream, include_usage=usage) for p in prompts]
+                      output_len=out_len, stream=stream, include_usage=usage, rid=rid) for p in prompts]

@@ -1,0 +1,137 @@
+"""Through the proxy with the openai client, in front of two real ``pacer sim`` worker processes
+started by the supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+
+from proxy.policy import parse_policy
+from proxy.server.app import build_app, serve
+from proxy.server.state import PROXY, ProxyState
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
+
+
+class Sim:
+    def __init__(self, url: str, state: ProxyState) -> None:
+        self.url = url
+        self.state = state
+
+    def client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
+
+    async def worker_metric(self, worker_id: str, name: str) -> float:
+        url = self.state.pool.get(worker_id).url
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def _wait(cond, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def sim(tmp_path) -> AsyncIterator[Sim]:
+    policy = parse_policy({
+        "engine": {"kind": "sim", "workers": 2, "args": {"max_running_requests": 16},
+                   "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                   "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
+        "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+    }, "<e2e>")
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    st = app[PROXY]
+    try:
+        await _wait(lambda: all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 2, 60)
+        await _wait(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
+        yield Sim(f"http://127.0.0.1:{port}", st)
+    finally:
+        await runner.cleanup()  # stops the workers too
+    assert all(w.state is WorkerState.STOPPED for w in pool.workers())
+
+
+async def test_chat_completions_streaming_models(sim):
+    client = sim.client()
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=6, extra_body={"sim_output_len": 6})
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
+    comp = await client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4,
+                                           extra_body={"sim_output_len": 4})
+    assert comp.usage.completion_tokens == 4
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=8, stream=True, extra_body={"sim_output_len": 8})
+    chunks = [c async for c in stream]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 7
+    assert chunks[-1].choices[0].finish_reason == "length"
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True,
+                                             extra_body={"sim_output_len": 5})
+    assert len([c async for c in stream]) >= 5
+    await client.close()
+
+
+async def test_disconnect_aborts_on_worker_and_frees_slot(sim):
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(sim.url + "/v1/completions",
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 100000, "stream": True,
+                                  "sim_output_len": 100000})
+        assert resp.status == 200
+        await resp.content.readany()
+        wid = next(w.id for w in sim.state.pool.workers() if sim.state.board.get(w.id).in_flight == 1)
+        resp.close()
+    await _wait(lambda: sim.state.board.total_in_flight() == 0)
+    await _wait(lambda: sim.state.board.get(wid).sample is not None and sim.state.board.get(wid).sample.running == 0)
+    assert await sim.worker_metric(wid, "sglang:num_aborted_requests_total") >= 1
+
+
+async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
+    client = sim.client()
+    st = sim.state
+    # enough long non-streamed requests that both workers hold some (none has output yet)
+    body = {"sim_output_len": 400}
+    tasks = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=400,
+                                                             extra_body=body)) for i in range(12)]
+    await _wait(lambda: all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers()))
+    victim = st.pool.get("w0")
+    os.kill(victim.pid, signal.SIGKILL)
+    done = await asyncio.gather(*tasks)
+    assert all(c.usage.completion_tokens == 400 for c in done)
+    assert st.metrics.retried._value.get() >= 3
+    await _wait(lambda: st.pool.get("w0").state is WorkerState.DOWN)
+    # new work keeps flowing to the survivor
+    more = await client.completions.create(model=MODEL, prompt="after", max_tokens=2, extra_body={"sim_output_len": 2})
+    assert more.usage.completion_tokens == 2
+    await client.close()
+
+
+async def test_stream_cut_by_worker_death_ends_with_error_event(sim):
+    client = sim.client()
+    st = sim.state
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100000, stream=True,
+                                             extra_body={"sim_output_len": 100000})
+    got = 0
+    with pytest.raises(openai.APIError) as exc:
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                wid = next(w.id for w in st.pool.workers() if st.board.get(w.id).in_flight == 1)
+                os.kill(st.pool.get(wid).pid, signal.SIGKILL)
+    assert "mid-stream" in str(exc.value)
+    await client.close()
