@@ -143,7 +143,7 @@ class ControlSettings:
     crash_loop_window_s: float = 600.0
     crash_backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0, 60.0)  # wait before reviving a dead worker
     drain_timeout_s: float = 60.0  # longest wait for running requests before a restart
-    revive: bool = True  # restart dead managed workers (with safer args in auto mode) in every mode
+    revive: bool = True  # in auto mode, restart a managed worker that died (with safer args when a rule says so)
     journal_path: str | None = ".pacer/decisions.jsonl"  # JSON lines; none: in memory only
     # -- thresholds and steps of the rules
     low_usage: float = 0.9  # token usage below this with a non-empty server queue ...

@@ -14,9 +14,9 @@ Modes (``[control] mode``):
 * ``advise``: decisions are journaled as ``advised``, nothing is restarted for tuning;
 * ``off``: windows are kept (the figures stay visible), no rule runs.
 
-In every mode a managed worker that dies is revived (``revive = true``), after a back-off that
-grows with its recent deaths: with the death rules' safer arguments in ``auto``, with its current
-ones otherwise (``advise`` journals what it would have changed).
+A managed worker that dies is revived in ``auto`` (unless ``revive = false``) after a back-off
+that grows with its recent deaths, with the death rules' safer arguments (a smaller prefill chunk
+after a prefill OOM...) or, without a rule, its current ones; ``advise`` journals that revival.
 """
 
 from __future__ import annotations
@@ -208,8 +208,12 @@ class Controller:
             acts.append(_Act(decision=decision, entry_id=entry["id"]))
         return acts
 
-    def decide_revival(self, worker_id: WorkerId, now: float | None = None) -> _Act:
-        """A managed worker died: classify, count, and choose the args it comes back with."""
+    def decide_revival(self, worker_id: WorkerId, now: float | None = None) -> _Act | None:
+        """A managed worker died: classify, count, and choose the args it comes back with.
+
+        Returns the revival to carry out (``auto`` with ``revive``), else None: ``advise`` journals
+        what it would do, ``off`` only records the death.
+        """
         now = self.clock() if now is None else now
         w = self._workers[worker_id]
         if w.reader is not None:
@@ -217,25 +221,28 @@ class Controller:
                 w.window = w.window.push(event)
         cause = self._death_cause(worker_id, w, now)
         w.state = w.state.after_death(now)
+        if self.mode is ControlMode.OFF:
+            return None
         delay = revive_delay(w.state, self.settings, now)
-        evaluation = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH) if self.mode is not ControlMode.OFF else None
-        chosen = evaluation.decision if evaluation is not None else None
-        if chosen is not None and self.mode is ControlMode.ADVISE:
-            self.journal.record(chosen, mode=self.mode, status="advised", detail=f"worker died ({cause}); revived with its current args")
-            chosen = None
+        deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)
+        chosen = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH).decision
         if chosen is not None:
             decision = Decision(
                 worker_id=chosen.worker_id, rule=chosen.rule, reason=f"worker died ({cause}); {chosen.reason}", time=now,
-                evidence={**chosen.evidence, "death": cause, "deaths_in_window": w.state.deaths_within(now, self.settings.crash_loop_window_s)},
+                evidence={**chosen.evidence, "death": cause, "deaths_in_window": deaths},
                 old_args=chosen.old_args, new_args=chosen.new_args, kind=chosen.kind, knob=chosen.knob,
                 direction=chosen.direction, delay_s=max(delay, chosen.delay_s),
             )  # fmt: skip
         else:
             decision = Decision(
                 worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
-                time=now, evidence={"death": cause, "deaths_in_window": w.state.deaths_within(now, self.settings.crash_loop_window_s)},
+                time=now, evidence={"death": cause, "deaths_in_window": deaths},
                 old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay,
             )  # fmt: skip
+        if self.mode is ControlMode.ADVISE or not self.settings.revive or self.actor is None:
+            why = "mode advise" if self.mode is ControlMode.ADVISE else "revive = false" if not self.settings.revive else "no actor"
+            self.journal.record(decision, mode=self.mode, status="advised", detail=f"the worker stays down ({why})", before=w.window.summary())
+            return None
         entry = self.journal.record(decision, mode=self.mode, status="acting", before=w.window.summary())
         w.busy = True
         return _Act(decision=decision, entry_id=entry["id"], revival=True, cause=cause)
@@ -281,12 +288,9 @@ class Controller:
     # -- acting (async) ---------------------------------------------------------------------------
 
     def _on_death(self, worker_id: WorkerId, now: float) -> None:
-        if not self.settings.revive or self.actor is None:
-            w = self._workers[worker_id]
-            w.state = w.state.after_death(now)
-            return
         act = self.decide_revival(worker_id, now)
-        self._spawn(self._carry_out(act))
+        if act is not None:
+            self._spawn(self._carry_out(act))
 
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled; acts run one at a time."""

@@ -62,12 +62,6 @@ class Journal:
         self._by_id: dict[int, dict[str, Any]] = {}
         self._next_id = 1
         self._wall = wall_clock
-        if self.path is not None:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                _log.warning("decision journal %s unusable (%s): keeping decisions in memory only", self.path, exc)
-                self.path = None
 
     def record(self, decision: Decision, *, mode: str, status: str, detail: str = "", before: Mapping[str, Any] | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -123,6 +117,7 @@ class Journal:
         if self.path is None:
             return
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("ab") as f:
                 f.write(orjson.dumps(entry) + b"\n")
         except OSError as exc:

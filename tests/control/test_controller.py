@@ -146,6 +146,7 @@ def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> No
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_cuda_oom.log").read_text().splitlines()[:-1]:
         c.on_line("w0", line)  # the process exits before the parent's SIGQUIT line: the block is still open
     act = c.decide_revival("w0")
+    assert act is not None
     assert act.revival and act.decision.rule == "prefill_oom"
     assert act.decision.changes == {"chunked_prefill_size": (8192, 4096)}
     asyncio.run(c._carry_out(act))
@@ -163,6 +164,7 @@ def test_death_classified_from_the_log_tail_when_no_line_was_followed(tmp_path: 
     c.track(info(args={**ARGS, "max_running_requests": 600}))
     feed(c, clock, [Sample(time=1.0, queue=10, running=500, token_usage=0.9)])
     act = c.decide_revival("w0")
+    assert act is not None
     assert act.decision.rule == "decode_oom" and act.decision.new_args["max_running_requests"] == 400
 
 
@@ -175,6 +177,7 @@ def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> Non
         for line in (ENGINE_FIXTURES / "sglang_crash_value_error.log").read_text().splitlines():
             c.on_line("w0", line)
         act = c.decide_revival("w0")
+        assert act is not None
         assert act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
         delays.append(act.decision.delay_s)
         c._workers["w0"].busy = False
@@ -193,23 +196,33 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     for t in (100.0, 110.0, 120.0):
         clock.now = t
         act = c.decide_revival("w0")
+        assert act is not None
         rules.append(act.decision.rule)
         asyncio.run(c._carry_out(act))
     assert rules == ["revive", "revive", "crash_loop"]
     assert actor.calls[-1] == ("revive", "w0", ARGS)
 
 
-def test_advise_still_revives_a_dead_worker_with_its_args(tmp_path: Path) -> None:
+def test_advise_journals_the_revival_it_would_do(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, actor, crash_backoff_s=(0.0,))
+    c, clock = controller(ControlMode.ADVISE, tmp_path, actor)
     c.track(info())
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
         c.on_line("w0", line)
-    act = c.decide_revival("w0")
-    asyncio.run(c._carry_out(act))
-    assert actor.calls == [("revive", "w0", ARGS)]
-    statuses = [(e["rule"], e["status"]) for e in c.journal.entries()]
-    assert statuses == [("prefill_oom", "advised"), ("revive", "revived")]
+    assert c.decide_revival("w0") is None
+    assert actor.calls == []
+    [entry] = c.journal.entries()
+    assert (entry["rule"], entry["status"], entry["changes"]) == ("prefill_oom", "advised", {"chunked_prefill_size": [8192, 4096]})
+    assert entry["detail"] == "the worker stays down (mode advise)"
+
+
+def test_off_records_the_death_only(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor())
+    c.track(info())
+    clock.now = 5.0
+    c.track(info(state=WorkerState.DOWN))
+    assert c.journal.entries() == [] and c.state("w0").deaths == (5.0,)
+    assert not (tmp_path / "decisions.jsonl").exists()
 
 
 def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
