@@ -244,13 +244,14 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, now: float) -> Step | None:
         self.now = now
+        if self.n_run == 0:
+            self.batch_is_full = False  # an empty running batch is never full
         step = self._plan_prefill()
         if step is not None:
             return step
         if self.running:
             return self._plan_decode()
         self.ratio = self.ratio_schedule.init  # idle: reset the ratio
-        self.batch_is_full = False
         return None
 
     def _ordered_waiting(self) -> list[Req]:
@@ -386,6 +387,7 @@ class Engine:
                 self._release(r)
                 self._finish(r, self._natural_reason(r))
                 out.finished.append(r)
+                self.batch_is_full = False
                 continue
             self.static_private -= r.private_base
             self._join_running(r)

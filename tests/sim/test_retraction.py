@@ -1,0 +1,92 @@
+"""Retraction when the next decode step does not fit: order, requeue, ratio, warning line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from proxy.sim.ratio import ratio_after_retract
+from proxy.sim.request import RequestSpec, State
+from proxy.sim.virtual import simulate
+from tests.sim.helpers import config, engine, unique_prompt
+
+RETRACT_RE = re.compile(
+    r"^KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+), #new_tokens_gained: (-?\d+), "
+    r"#new_token_ratio: (\d\.\d{4}) -> (\d\.\d{4})$")
+
+
+def test_long_ignore_eos_outputs_past_the_clip_retract() -> None:
+    """ignore_eos reserves min(max_new, 4096): outputs of 6000 tokens outgrow what was reserved."""
+    cfg = config("--max-total-tokens", "20000")
+    res = simulate(cfg, [RequestSpec(prompt_len=100, max_new_tokens=6000, ignore_eos=True) for _ in range(8)])
+    assert res.retractions > 0
+    assert res.finished == 8
+    assert all(r.output_tokens == 6000 and r.finish_reason == "length" for r in res.requests)
+    assert any(r.num_retractions > 0 for r in res.requests)
+
+
+def _mixed(n: int) -> list[RequestSpec]:
+    """One request in three stops early by EOS: finishes come staggered and re-open admission, at a
+    ratio that has decayed meanwhile, while the long ones keep growing."""
+    return [RequestSpec(arrival=i * 0.05, prompt_len=200, max_new_tokens=1500, output_len=100 if i % 3 == 0 else 1500)
+            for i in range(n)]
+
+
+def test_small_pool_long_outputs_retract_and_recompute() -> None:
+    logs: list[str] = []
+    cfg = config("--max-total-tokens", "12000")
+    wl = _mixed(60)
+    res = simulate(cfg, wl, log=lambda level, msg: logs.append(msg))
+    assert res.retractions > 0 and res.finished == 60
+    lines = [m for m in logs if m.startswith("KV cache pool is full")]
+    assert lines and all(RETRACT_RE.match(m) for m in lines)
+    # every request still delivers its whole output, retracted ones after a recompute
+    assert sum(r.output_tokens for r in res.requests) == sum(s.output_len for s in wl)
+    # no decode step ran over the pool
+    assert max(p.token_usage for p in res.trace) <= 1.0
+
+
+def test_retraction_order_ratio_and_requeue() -> None:
+    logs: list[str] = []
+    eng = engine("--max-total-tokens", "3000", "--decode-log-interval", "1000", logs=logs)
+    first = eng.add(prompt_ids=unique_prompt(100, 0), max_new_tokens=2000, output_len=2000)
+    t = 0.0
+    while eng.decode_steps < 50:
+        step = eng.plan(t)
+        t += step.duration
+        eng.complete(step, t)
+    # Both late requests are admitted together (the first's remaining tokens are discounted by the
+    # decayed ratio), so at the retraction they have the same number of outputs.
+    short_prompt = eng.add(prompt_ids=unique_prompt(100, 1), max_new_tokens=1200, output_len=1200)
+    long_prompt = eng.add(prompt_ids=unique_prompt(300, 2), max_new_tokens=1200, output_len=1200)
+    while True:
+        step = eng.plan(t)  # a retraction happens while planning the decode step
+        if eng.retracted_total:
+            break
+        t += step.duration
+        eng.complete(step, t)
+    line = next(m for m in logs if m.startswith("KV cache pool"))
+    n, gained, old, new = RETRACT_RE.match(line).groups()
+    # the two late requests have the fewest outputs; of those, the longest prompt goes first
+    assert long_prompt.num_retractions == 1
+    assert first.num_retractions == 0
+    retracted = [r for r in (first, short_prompt, long_prompt) if r.num_retractions]
+    assert retracted[0] is long_prompt and int(n) == len(retracted)
+    assert all(r.state is State.WAITING and r in eng.waiting for r in retracted)
+    assert all(r.fill_ids[: r.prompt_len] == r.prompt_ids and len(r.fill_ids) == r.prompt_len + r.out_base
+               for r in retracted)
+    remaining = eng.running
+    expected = ratio_after_retract(sum(eng.output_len(r) for r in remaining), len(remaining),
+                                   sum(r.max_new for r in remaining))
+    assert eng.ratio == pytest.approx(expected)
+    assert float(new) == pytest.approx(expected, abs=1e-4)
+    assert float(old) < 0.7
+    assert int(gained) > 0
+
+
+def test_higher_conservativeness_retracts_less() -> None:
+    wl = _mixed(90)
+    low = simulate(config("--max-total-tokens", "30000", "--schedule-conservativeness", "0.3"), wl)
+    high = simulate(config("--max-total-tokens", "30000", "--schedule-conservativeness", "1.3"), wl)
+    assert low.retractions > high.retractions
