@@ -18,7 +18,7 @@ class PacingRun:
     samples: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)  # url -> (t, queue, proxy backlog)
 
 
-async def run_burst(proxy_url: str, worker_urls: list[str], n: int, body: dict, *,
+async def run_burst(proxy_url: str, worker_urls: list[str], n: int, body: "dict | callable", *,
                     backlog: "callable", sample_every_s: float = 0.02, concurrency: int = 4000) -> PacingRun:
     run = PacingRun(samples={u: [] for u in worker_urls})
     done = asyncio.Event()
@@ -26,7 +26,8 @@ async def run_burst(proxy_url: str, worker_urls: list[str], n: int, body: dict, 
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
 
         async def one(i: int) -> None:
-            async with s.post(proxy_url + "/v1/completions", json={**body, "prompt": f"request {i}"}) as r:
+            payload = body(i) if callable(body) else body
+            async with s.post(proxy_url + "/v1/completions", json={**payload, "prompt": f"request {i}"}) as r:
                 payload = await r.json(content_type=None)
                 run.statuses.append(r.status)
                 if r.status == 200:

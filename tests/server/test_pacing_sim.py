@@ -1,0 +1,135 @@
+"""The pacing test: a few thousand requests at once through a real ``pacer serve`` process in front
+of two ``pacer sim`` workers; each worker's own ``/metrics`` is sampled meanwhile.
+
+Tolerance held: while the proxy still holds a backlog (at least 100 requests queued) and after a
+worker's queue first reached the band's lower edge, every sample of ``#queue-req`` is <= the upper
+edge, and at most 10% of samples are below the lower edge (an engine finishes requests in bursts,
+and a scrape is up to ``scrape_interval_s`` old). All requests complete, each exactly once.
+
+Output lengths vary (8..55 tokens), as real traffic does: with identical lengths a whole running
+batch finishes in one step and the server moves its entire queue into the batch at once, so any
+band narrower than ``max_running_requests`` dips to zero between refills whatever the proxy does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.server.pacing_check import band_report, run_burst
+
+LO, HI = 20, 60
+N = 3000
+
+POLICY = f"""
+[proxy]
+host = "127.0.0.1"
+status_log_interval_s = 1.0
+[queue]
+capacity = 10000
+timeout_s = 240
+[engine]
+kind = "sim"
+workers = 2
+args = {{ max_running_requests = 32 }}
+extra_args = ["--sim-time-scale", "4", "--sim-startup-seconds", "0.2"]
+log_dir = "logs"
+startup_timeout_s = 60
+stop_grace_s = 5
+[pacing]
+queue_band = [{LO}, {HI}]
+headroom = 20
+scrape_interval_s = 0.05
+stale_after_s = 1.0
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def pacer(tmp_path):
+    (tmp_path / "policy.toml").write_text(POLICY)
+    port = _free_port()
+    log = open(tmp_path / "pacer.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+async def _ready(url: str, timeout: float = 60.0) -> list[dict]:
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            try:
+                async with s.get(url + "/admin/workers") as r:
+                    doc = await r.json()
+                    if len(doc["workers"]) == 2 and all(w["state"] == "ready" and w["sample"] for w in doc["workers"]):
+                        return doc["workers"]
+            except (aiohttp.ClientError, OSError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError("proxy or workers not ready in time")
+
+
+async def test_burst_keeps_each_worker_queue_in_band(pacer):
+    url, logfile = pacer
+    workers = await _ready(url)
+    backlog = {"n": 0}
+
+    async def watch_backlog(stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as s:
+            while not stop.is_set():
+                async with s.get(url + "/admin/workers") as r:
+                    q = (await r.json())["proxy_queue"]
+                backlog["n"] = q["interactive"] + q["batch"]
+                await asyncio.sleep(0.02)
+
+    stop = asyncio.Event()
+    watcher = asyncio.ensure_future(watch_backlog(stop))
+    t0 = time.monotonic()
+    run = await run_burst(url, [w["url"] for w in workers], N,
+                          lambda i: {"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 64,
+                                     "sim_output_len": 8 + (i * 7919) % 48},
+                          backlog=lambda: backlog["n"])
+    elapsed = time.monotonic() - t0
+    stop.set()
+    await watcher
+    report = band_report(run, LO, HI, min_backlog=100)
+    print(f"{N} requests in {elapsed:.1f} s; per worker (samples, max #queue-req, below lo, above hi): {report}")
+    assert run.statuses.count(200) == N, {s: run.statuses.count(s) for s in set(run.statuses)}
+    assert len(set(run.ids)) == N
+    # none twice: the workers finished exactly N requests between them
+    finished = 0
+    async with aiohttp.ClientSession() as s:
+        for w in workers:
+            async with s.get(w["url"] + "/metrics") as r:
+                text = await r.text()
+            finished += sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+                            if l.startswith("sglang:num_requests_total"))
+    assert finished == N
+    for _url, (kept, qmax, below, above) in report.items():
+        assert kept >= 20, report
+        assert above == 0, report
+        assert below <= 0.10 * kept, report
+    assert "#proxy-queue" in logfile.read_text()
