@@ -28,7 +28,9 @@ def format_status(admission: AdmissionQueue, board: LoadBoard, workers: Sequence
         text += f" #in-flight: {load.in_flight}"
         if s is not None:
             text += f", #queue-req: {s.queue}, #running-req: {s.running}, token usage: {s.token_usage:.2f}"
-            if not load.fresh(now, stale_after_s):
+            if load.error:
+                text += f" (last scrape failed: {load.error})"
+            elif not load.fresh(now, stale_after_s):
                 text += f" (stale {now - s.time:.1f} s)"
         elif load.error:
             text += f", no sample ({load.error})"
