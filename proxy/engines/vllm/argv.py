@@ -58,7 +58,6 @@ KNOWN_FLAGS: Mapping[str, FlagSpec] = {
     "max_num_seqs": _f("int", minimum=1),
     "max_num_batched_tokens": _f("int", minimum=1),
     "enable_chunked_prefill": _f("bool"),
-    "max_num_partial_prefills": _f("int", minimum=1),
     "scheduling_policy": _f("str", "fcfs", "priority"),
     # parallelism
     "tensor_parallel_size": _f("int", minimum=1),
@@ -79,7 +78,7 @@ SUPERVISOR_FLAGS: Mapping[str, FlagSpec] = {
 REMOVED_FLAGS: Mapping[str, str] = {
     "swap_space": "removed in vLLM V1 (no swap preemption); drop it",
     "disable_log_stats": "not allowed: the proxy reads vLLM's periodic stats line",
-    "gpu_cache_usage_perc": "a metric, not a flag",
+    "max_num_partial_prefills": "not accepted by vLLM 0.32's server parser",
 }
 
 
