@@ -40,13 +40,14 @@ class Ticket:
     """
 
     __slots__ = ("priority", "enqueued_at", "deadline", "future", "exclude", "affinity",
-                 "queued", "cancelled", "requeues")
+                 "queued", "cancelled", "requeues", "patience")
 
     def __init__(self, priority: Priority, enqueued_at: float, deadline: float,
                  future: asyncio.Future[str], affinity: str | None = None) -> None:
         self.priority = priority
         self.enqueued_at = enqueued_at
         self.deadline = deadline
+        self.patience = deadline - enqueued_at  # a requeued ticket may wait this long again
         self.future = future
         self.exclude: frozenset[str] = frozenset()
         self.affinity = affinity

@@ -152,7 +152,12 @@ class Dispatcher:
         self.pump()
 
     def requeue(self, ticket: Ticket) -> None:
-        """Put a ticket whose attempt ended without output back at the front of its class."""
+        """Put a ticket whose attempt ended without output back at the front of its class.
+
+        Its queue deadline starts again: a request taken back or retried late must not time out
+        at once for time it spent on a worker.
+        """
+        ticket.deadline = max(ticket.deadline, self.clock() + ticket.patience)
         ticket.future = asyncio.get_running_loop().create_future()
         self.admission.requeue(ticket)
         self.pump()
@@ -246,8 +251,10 @@ class Dispatcher:
         for attempt in list(self._open.get(worker_id, ())):
             if attempt.started or attempt.taken_back or attempt.released:
                 continue
+            if attempt.task is not None and attempt.task.done():
+                continue  # its output is in: the handler is about to relay it
             attempt.taken_back = True
-            if attempt.task is not None and not attempt.task.done():
+            if attempt.task is not None:
                 attempt.task.cancel()
             n += 1
         return n
