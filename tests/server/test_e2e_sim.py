@@ -88,17 +88,20 @@ async def test_chat_completions_streaming_models(sim):
 
 
 async def test_disconnect_aborts_on_worker_and_frees_slot(sim):
-    async with aiohttp.ClientSession() as s:
-        resp = await s.post(sim.url + "/v1/completions",
-                            json={"model": MODEL, "prompt": "x", "max_tokens": 100000, "stream": True,
-                                  "sim_output_len": 100000})
-        assert resp.status == 200
-        await resp.content.readany()
-        wid = next(w.id for w in sim.state.pool.workers() if sim.state.board.get(w.id).in_flight == 1)
-        resp.close()
+    client = sim.client()
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100000, stream=True,
+                                             extra_body={"sim_output_len": 100000})
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 2:
+            break
+    wid = next(w.id for w in sim.state.pool.workers() if sim.state.board.get(w.id).in_flight == 1)
+    await stream.close()  # the client goes away mid-stream
     await _wait(lambda: sim.state.board.total_in_flight() == 0)
     await _wait(lambda: sim.state.board.get(wid).sample is not None and sim.state.board.get(wid).sample.running == 0)
     assert await sim.worker_metric(wid, "sglang:num_aborted_requests_total") >= 1
+    await client.close()
 
 
 async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):

@@ -163,3 +163,25 @@ async def test_metrics_page_has_pacer_series(make_proxy):
                  "pacer_requests_completed_total 1.0", "pacer_queue_time_seconds_bucket", "pacer_added_latency_seconds_bucket",
                  "pacer_requests_rejected_total", "pacer_requests_retried_total", "pacer_requests_failed_total"):
         assert name in text, name
+
+
+async def test_interactive_overtakes_queued_batch_work(make_proxy):
+    import asyncio
+
+    h = await make_proxy(policy={"pacing": {"queue_band": [0, 1]}}, worker={"max_running": 1})
+    d = h.state.dispatcher
+    d.drain("w0")
+    batch = h.client(default_headers={"x-pacer-priority": "batch"})
+    inter = h.client()
+    tasks = []
+    for i in range(3):  # one at a time, so their arrival order is known
+        tasks.append(asyncio.ensure_future(batch.completions.create(model=MODEL, prompt=f"batch {i}", max_tokens=1)))
+        await h.wait_for(lambda: len(h.state.admission) == i + 1)
+    tasks.append(asyncio.ensure_future(inter.completions.create(model=MODEL, prompt="interactive", max_tokens=1)))
+    await h.wait_for(lambda: len(h.state.admission) == 4)
+    d.drain("w0", False)
+    await asyncio.gather(*tasks)
+    order = [b["prompt"] for b in h.workers[0].bodies]
+    assert order == ["interactive", "batch 0", "batch 1", "batch 2"]
+    await batch.close()
+    await inter.close()
