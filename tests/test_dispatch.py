@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -185,3 +186,25 @@ def test_estimate_is_bounded_below_by_own_in_flight_minus_running():
     _sample(board, "w0", 1, running=16)
     # ...but 30 of ours are open there, so about 14 still wait
     assert load.est_queue() == 14
+
+
+async def test_take_back_skips_attempts_whose_output_is_in_and_requeue_renews_patience():
+    now = [100.0]
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=4, hi=8), stale_after_s=1e9, clock=lambda: now[0])
+    _sample(board, "w0", 0)
+    a, b, c = (d.submit(Priority.INTERACTIVE, 10) for _ in range(3))
+    att_a, att_b, att_c = (t.future.result() for t in (a, b, c))
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    d.start(att_a, done)  # its upstream call already returned: the handler relays it
+    d.mark_started(att_b)  # streaming already
+    assert d.take_back("w0") == 1 and att_c.taken_back and not att_a.taken_back
+    assert d.take_back("w0") == 0  # idempotent
+    now[0] = 500.0  # long after c's original deadline (110)
+    d.release(att_c)
+    d.requeue(c)
+    assert c.deadline == 510.0
+    again = await d.assigned(c)
+    assert again.worker_id == "w0" and not again.taken_back
