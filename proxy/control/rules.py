@@ -315,7 +315,7 @@ def gate(decision: Decision, state: ControlState, c: ControlSettings, now: float
     if decision.action is Action.NOTE or decision.kind is RuleKind.SAFETY:
         return None
     if state.last_restart is not None and now - state.last_restart < c.cooldown_s:
-        return f"cool-down: {c.cooldown_s - (now - state.last_restart):.0f} s left after the last restart"
+        return f"cool-down: {c.cooldown_s - (now - state.last_restart):.1f} s left after the last restart"
     used = state.restarts_within(now)
     if used >= c.restarts_per_hour:
         return f"restart budget spent: {used} restarts in the last hour (limit {c.restarts_per_hour})"

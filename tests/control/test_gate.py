@@ -35,7 +35,7 @@ def test_cool_down_after_a_restart() -> None:
     st = ControlState.initial("w0", ARGS).after_restart(decision("a", RuleKind.TUNING, -1, 0.7, 0.0), 1000.0, C.flip_guard_s)
     d = decision("b", RuleKind.TUNING, -1, 0.4, 1050.0, old=0.7)
     why = gate(d, st, C, 1050.0)
-    assert why is not None and why.startswith("cool-down") and "70 s left" in why
+    assert why is not None and why.startswith("cool-down") and "70.0 s left" in why
     assert gate(d, st, C, 1000.0 + C.cooldown_s + 1) is None
 
 

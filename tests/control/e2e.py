@@ -1,0 +1,80 @@
+"""The whole proxy (front door, supervisor, controller) in front of real ``pacer sim`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+import openai
+
+from proxy.control.service import CONTROL
+from proxy.policy import parse_policy
+from proxy.server.app import build_app, serve
+from proxy.server.state import PROXY, ProxyState
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
+
+
+@dataclass
+class Proxy:
+    url: str
+    state: ProxyState
+    journal_path: Path
+    app: Any
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    @property
+    def controller(self):  # noqa: ANN201
+        return self.app[CONTROL].controller
+
+    async def decisions(self) -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/decisions") as r:
+            assert r.status == 200
+            return (await r.json())["decisions"]
+
+    async def worker_metric(self, worker_id: str, name: str) -> float:
+        url = self.state.pool.get(worker_id).url
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, f"{what}: not reached within {timeout:g} s"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(tmp_path: Path, *, args: dict[str, Any], extra_args: list[str], control: dict[str, Any],
+                        pacing: dict[str, Any] | None = None) -> AsyncIterator[Proxy]:
+    journal = tmp_path / "decisions.jsonl"
+    policy = parse_policy({
+        "engine": {"kind": "sim", "workers": 1, "args": args,
+                   "extra_args": ["--sim-startup-seconds", "0.2", *extra_args],
+                   "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
+        "pacing": pacing or {"queue_band": [32, 64], "headroom": 8, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
+        "queue": {"timeout_s": 240},
+        "control": {"journal_path": str(journal), **control},
+    }, "<e2e-control>")  # fmt: skip
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    st = app[PROXY]
+    try:
+        await wait_for(lambda: len(pool.workers()) == 1 and pool.workers()[0].state is WorkerState.READY, 60, "worker ready")
+        await wait_for(lambda: st.board.get(pool.workers()[0].id).sample is not None, 20, "first scrape")
+        yield Proxy(url=f"http://127.0.0.1:{port}", state=st, journal_path=journal, app=app)
+    finally:
+        await runner.cleanup()  # stops the controller, then the workers
+    assert all(w.state is WorkerState.STOPPED for w in pool.workers())

@@ -1,0 +1,73 @@
+"""Retraction storm, end to end: a simulated SGLang worker started with a far too low
+``--schedule-conservativeness`` retracts requests all the time; the controller sees the
+retraction lines and counter, restarts the worker (rolling: drain, take back, restart) with a
+higher conservativeness, the retractions stop, and every request gets its whole answer once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+
+from .e2e import MODEL, running_proxy, wait_for
+
+N_REQUESTS = 600
+MAX_TOKENS = 1000
+TIME_SCALE = 5  # the simulated GPU runs 5x faster than modelled: rates per wall-clock minute are 5x too
+THRESHOLD = 100  # retractions per wall-clock minute = 20 per modelled minute
+
+
+async def test_retraction_storm_is_calmed_without_losing_a_request(tmp_path: Path) -> None:
+    rnd = random.Random(7)
+    outputs = [rnd.randint(100, MAX_TOKENS) for _ in range(N_REQUESTS)]  # most stop well before max_tokens
+    async with running_proxy(
+        tmp_path,
+        args={"schedule_conservativeness": 0.1, "max_total_tokens": 30000, "max_running_requests": 256},
+        extra_args=["--sim-time-scale", str(TIME_SCALE)],
+        control={
+            "mode": "auto", "interval_s": 0.5, "window_s": 8, "min_evidence_s": 3, "cooldown_s": 4,
+            "retractions_per_min": THRESHOLD, "conservativeness_bounds": [0.1, 2.0], "conservativeness_step": 0.9,
+            "drain_timeout_s": 3, "available_mem_band_gb": [0.5, 80],
+        },
+    ) as proxy:  # fmt: skip
+        worker = proxy.state.pool.workers()[0].id
+        first_pid = proxy.state.pool.get(worker).pid
+        client = proxy.client()
+        sem = asyncio.Semaphore(200)  # the client's own connection budget; the proxy queues the rest
+
+        async def one(i: int) -> int:
+            async with sem:
+                r = await client.completions.create(
+                    model=MODEL, prompt=f"request {i}: tell me a story about the number {i}", max_tokens=MAX_TOKENS,
+                    extra_body={"sim_output_len": outputs[i]},
+                )
+                return r.usage.completion_tokens
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(N_REQUESTS)]
+        await wait_for(lambda: proxy.state.pool.get(worker).pid != first_pid, 90, "a restart")
+        done = await asyncio.gather(*tasks)
+        end = time.time()
+        await client.close()
+
+        # nothing lost, nothing cut short: every request got exactly its output
+        assert done == outputs
+
+        decisions = await proxy.decisions()
+        storms = [d for d in decisions if d["rule"] == "retraction_storm" and d["status"] == "applied"]
+        assert storms, decisions
+        assert storms[0]["changes"] == {"schedule_conservativeness": [0.1, 1.0]}
+        assert all(d["evidence"]["retraction_rate_per_min"] > THRESHOLD for d in storms)
+        assert all("taken_back" in d["act"] for d in storms)  # rolling: drained, then took back the rest
+        final = proxy.state.pool.get(worker).args["schedule_conservativeness"]
+        assert final == storms[-1]["new_args"]["schedule_conservativeness"] >= 1.0
+
+        # the last incarnation (its counter starts at zero) retracts less than the storm threshold
+        retracted = await proxy.worker_metric(worker, "sglang:num_retracted_requests_total")
+        served_s = end - datetime.fromisoformat(storms[-1]["updated"]).timestamp()
+        assert served_s > 3, f"the last restart came too late to judge ({served_s:.1f} s of load after it)"
+        rate_after = retracted / served_s * 60
+        assert rate_after < THRESHOLD, f"{retracted} retractions in {served_s:.1f} s after the last restart"
+        assert rate_after < storms[0]["evidence"]["retraction_rate_per_min"] / 4
+    assert proxy.journal_path.read_text().count('"rule":"retraction_storm"') >= 2  # decided, then applied
