@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from proxy.server.errors import ApiError, bad_request
+from proxy.server.errors import bad_request
 
 # route -> the worker path it forwards to
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
@@ -47,14 +47,15 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _non_negative_int(body: dict[str, Any], name: str) -> None:
+def _non_negative_int(body: dict[str, Any], name: str, label: str | None = None) -> None:
     v = body.get(name)
     if v is None:
         return
+    label = label or name
     if not _is_int(v):
-        raise bad_request(f"'{name}' must be an integer, got {type(v).__name__}", name)
+        raise bad_request(f"'{label}' must be an integer, got {type(v).__name__}", label)
     if v < 0:
-        raise bad_request(f"'{name}' must be >= 0, got {v}", name)
+        raise bad_request(f"'{label}' must be >= 0, got {v}", label)
 
 
 def _stream_flag(body: dict[str, Any]) -> bool:
@@ -146,12 +147,7 @@ def validate_generate(raw: bytes) -> Job:
     if sp is not None:
         if not isinstance(sp, dict):
             raise bad_request("'sampling_params' must be an object", "sampling_params")
-        try:
-            _non_negative_int(sp, "max_new_tokens")
-        except ApiError as err:
-            err.param = "sampling_params.max_new_tokens"
-            err.message = err.message.replace("'max_new_tokens'", "'sampling_params.max_new_tokens'")
-            raise
+        _non_negative_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
     single = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
     affinity = text[:AFFINITY_CHARS] if isinstance(text, str) else None
     return Job(GENERATE, body, _stream_flag(body), None, affinity, single)

@@ -1,0 +1,68 @@
+"""Pure pieces of the front door: key files and request checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.admission import Priority
+from proxy.policy import AuthSettings
+from proxy.server.auth import AuthConfigError, check_admin_key, check_api_key, load_keyring, parse_entries
+from proxy.server.errors import ApiError
+from proxy.server.validation import validate_chat, validate_completions, validate_generate
+
+
+def test_key_entries_both_spellings():
+    assert parse_entries("a, b:batch\nc interactive # note\n\n# comment", "x") == {
+        "a": None, "b": Priority.BATCH, "c": Priority.INTERACTIVE}
+    assert parse_entries("url:with:colons", "x") == {"url:with:colons": None}
+    with pytest.raises(AuthConfigError, match="class 'gold'"):
+        parse_entries("k gold", "keys.txt")
+
+
+def test_keyring_from_env_and_files(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("fk batch\n")
+    ring = load_keyring(AuthSettings(api_keys_env="E", api_keys_file=f, admin_key_env="A"), {"E": "ek", "A": "adm"})
+    assert ring.keys == {"ek": None, "fk": Priority.BATCH} and ring.admin_keys == {"adm"}
+    assert check_api_key(ring, {"Authorization": "Bearer fk"}) is Priority.BATCH
+    with pytest.raises(ApiError) as e:
+        check_api_key(ring, {"Authorization": "Basic fk"})
+    assert e.value.status == 401
+    with pytest.raises(ApiError):
+        check_admin_key(ring, {"Authorization": "Bearer ek"})
+    check_admin_key(ring, {"Authorization": "Bearer adm"})
+    with pytest.raises(AuthConfigError, match="cannot read key file"):
+        load_keyring(AuthSettings(api_keys_file=tmp_path / "missing"), {})
+    assert load_keyring(AuthSettings(), {}).open
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', "max_completion_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
+])
+def test_chat_checks_name_the_field(raw, param):
+    with pytest.raises(ApiError) as e:
+        validate_chat(raw)
+    assert e.value.status == 400 and e.value.param == param and param.split("[")[0] in e.value.message
+
+
+def test_jobs_describe_what_to_forward():
+    job = validate_chat(b'{"messages": [{"role": "user", "content": "hello"}], "stream": true}')
+    assert job.stream and job.single and job.affinity == "hello" and job.model is None
+    job = validate_completions(b'{"prompt": ["a", "b"], "model": "m"}')
+    assert not job.single and job.model == "m"
+    job = validate_completions(b'{"prompt": [1, 2, 3]}')
+    assert job.single and job.affinity is None
+    with pytest.raises(ApiError):
+        validate_completions(b'{"prompt": [1, "a"]}')
+    job = validate_generate(b'{"text": "t", "sampling_params": {"max_new_tokens": 3}}')
+    assert job.single and job.path == "/generate"
+    assert not validate_generate(b'{"text": ["a", "b"]}').single
+    with pytest.raises(ApiError, match="sampling_params.max_new_tokens"):
+        validate_generate(b'{"text": "t", "sampling_params": {"max_new_tokens": "x"}}')
+    with pytest.raises(ApiError, match="empty"):
+        validate_chat(b"")
