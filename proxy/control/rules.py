@@ -209,18 +209,68 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     rate = window.retraction_rate_per_min
     if rate <= c.retractions_per_min:
         return None
-    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
-    current = _current(knob, window, state) if knob else None
-    if current is None:
-        return None
     evidence: Evidence = {
         "retraction_rate_per_min": round(rate, 2), "threshold_per_min": c.retractions_per_min,
         "retractions": window.retractions, "observed_s": round(window.observed_s, 1),
     }  # fmt: skip
+    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
+    if knob is None:  # an engine without admission conservativeness (vLLM): cap the running batch
+        return _fewer_running(window, state, s, rate, evidence)
+    current = _current(knob, window, state)
+    if current is None:
+        return None
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
         new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
         reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}): " + "raise {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: float, evidence: Evidence) -> Decision | None:
+    """Cap the running batch at what the KV pool holds once full: the median running count of the
+    samples with token usage >= ``low_usage`` (else the peak seen x ``decode_oom_factor``)."""
+    c = s.control
+    full = sorted(smp.running for smp in window.samples if smp.token_usage >= c.low_usage and smp.running > 0)
+    held = full[len(full) // 2] if full else int((window.peak_running or 0) * c.decode_oom_factor)
+    if held <= 0:
+        return None
+    return _move(
+        window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
+        new_value=max(held, c.max_running_min), direction=-1, evidence={**evidence, "running_when_kv_full": held},
+        reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
+        + "KV cache is full: lower {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """The engine refused to start because one request of its configured length does not fit the
+    KV cache: lower that length to what the engine says fits; without that figure, raise the memory
+    fraction (within bounds)."""
+    event = window.last(EventKind.KV_CAPACITY_ERROR)
+    if event is None or event.fields.get("fatal") is False:
+        return None
+    evidence: Evidence = {"log": event.line.splitlines()[0][:200] if event.line else ""}
+    for name in ("max_model_len", "estimated_max_model_len", "needed_gib", "available_gib"):
+        if name in event.fields:
+            evidence[name] = event.fields[name]
+    fits = event.fields.get("estimated_max_model_len")
+    if isinstance(fits, (int, float)) and not isinstance(fits, bool) and fits > 0:
+        decision = _move(
+            window, state, s, rule="kv_capacity", kind=RuleKind.SAFETY, knob_name=KnobName.MAX_CONTEXT,
+            new_value=fits, direction=-1, evidence=evidence,
+            reason="the KV cache cannot hold one request of the configured length: lower {arg} {old} -> {new}",
+        )  # fmt: skip
+        if decision is not None:
+            return decision
+    knob = s.knobs.get(KnobName.MEMORY_FRACTION)
+    current = _current(knob, window, state) if knob else None
+    if current is None:
+        return None
+    c = s.control
+    return _move(
+        window, state, s, rule="kv_capacity", kind=RuleKind.SAFETY, knob_name=KnobName.MEMORY_FRACTION,
+        new_value=min(current + c.memory_fraction_step, c.memory_fraction_bounds[1]), direction=+1, evidence=evidence,
+        reason="the KV cache cannot hold one request of the configured length: raise {arg} {old} -> {new}",
     )  # fmt: skip
 
 
@@ -302,7 +352,7 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
     )
 
 
-ON_DEATH: tuple[Rule, ...] = (prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
+ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
 WHILE_SERVING: tuple[Rule, ...] = (retraction_storm, memory_low, admission_too_conservative, memory_headroom, pacing_too_timid)
 RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
 

@@ -1,0 +1,75 @@
+"""The engine-neutral rules with vLLM's knob table: preemptions cap ``max_num_seqs``; a start-up
+refusal over KV capacity lowers ``max_model_len`` to what vLLM says fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy.control.decision import ControlState, RuleKind
+from proxy.control.rules import ON_DEATH, RuleSettings, evaluate, kv_capacity, retraction_storm
+from proxy.control.window import Window
+from proxy.engines.base import EventKind, LogEvent, Sample
+from proxy.engines.sglang.knobs import KNOBS as SGLANG_KNOBS
+from proxy.engines.vllm.knobs import KNOBS
+from proxy.engines.vllm.logs import parse_line
+from proxy.policy import ControlSettings
+
+FIXTURES = Path(__file__).parent.parent / "engines" / "fixtures"
+SETTINGS = RuleSettings(control=ControlSettings(), knobs=KNOBS)
+ARGS = {"model": "m", "max_num_seqs": 128, "num_gpu_blocks_override": 64}
+
+
+def preempting(seconds: int = 40) -> list[Sample]:
+    """A full KV cache holding 20-28 running requests, 10 preemptions a second."""
+    return [
+        Sample(time=float(t), queue=150, running=20 + t % 9, token_usage=0.98, retractions_total=10.0 * t,
+               generation_tokens_total=5000.0 * t)
+        for t in range(seconds)
+    ]  # fmt: skip
+
+
+def test_preemptions_cap_max_num_seqs_at_what_the_full_cache_holds() -> None:
+    window = Window().push_all(preempting())
+    d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.rule == "retraction_storm" and d.kind is RuleKind.CORRECTIVE
+    assert d.changes == {"max_num_seqs": (128, 24)}  # the median of 20..28
+    assert d.evidence["running_when_kv_full"] == 24 and d.evidence["retraction_rate_per_min"] == 600.0
+    assert "lower max_num_seqs 128 -> 24" in d.reason
+
+
+def test_no_move_when_the_cap_is_already_below_what_fits() -> None:
+    window = Window().push_all(preempting())
+    assert retraction_storm(window, ControlState.initial("w0", {**ARGS, "max_num_seqs": 16}), SETTINGS) is None
+
+
+def test_sglang_still_raises_conservativeness() -> None:
+    window = Window().push_all(preempting())
+    d = retraction_storm(window, ControlState.initial("w0", {"schedule_conservativeness": 1.0}), RuleSettings(control=ControlSettings(), knobs=SGLANG_KNOBS))
+    assert d is not None and set(d.changes) == {"schedule_conservativeness"}
+
+
+def _log_window(name: str) -> Window:
+    lines = (FIXTURES / name).read_text().splitlines()
+    events = [e for e in (parse_line(line, float(i) / 10) for i, line in enumerate(lines)) if e is not None]
+    return Window().push_all(events)
+
+
+def test_recorded_refusal_lowers_max_model_len_to_what_fits() -> None:
+    window = _log_window("vllm_0.32_cpu_kv_capacity_error.log")
+    state = ControlState.initial("w0", {"model": "m", "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 20})
+    d = evaluate(window, state, SETTINGS, ON_DEATH).decision
+    assert d is not None and d.rule == "kv_capacity" and d.kind is RuleKind.SAFETY
+    assert d.changes == {"max_model_len": (4096, 1920)}
+    assert d.evidence["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(d.evidence["log"])
+
+
+def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
+    line = "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`"
+    window = Window().push(parse_line(line, 1.0))  # type: ignore[arg-type]
+    d = kv_capacity(window, ControlState.initial("w0", {"model": "m"}), SETTINGS)
+    assert d is not None and d.changes == {"gpu_memory_utilization": (None, 0.93)}  # unset: vLLM's 0.92, one step up
+
+
+def test_a_warning_that_does_not_stop_the_engine_is_ignored() -> None:
+    event = LogEvent(kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False})
+    assert kv_capacity(Window().push(event), ControlState.initial("w0", {}), SETTINGS) is None
