@@ -37,7 +37,7 @@ from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
+_JSON_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}  # bytes are relayed as they come
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
