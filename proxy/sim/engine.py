@@ -93,6 +93,7 @@ class Engine:
         self._big: set[Req] = set()
         # Statistics.
         self.decode_steps = 0
+        self.generated_tokens = 0  # every output token produced (prefill first tokens and decode steps)
         self.retracted_total = 0
         self.retracted_input_tokens = 0
         self.retracted_output_tokens = 0
@@ -380,7 +381,9 @@ class Engine:
             if not it.last:
                 continue
             # The prefill's last position samples the next token.
-            r.out_base = min(r.out_base + 1, r.max_new)
+            if r.out_base < r.max_new:
+                r.out_base += 1
+                self.generated_tokens += 1
             if r.first_token_time is None:
                 r.first_token_time = self.now
             if r.out_base >= r.target:
@@ -402,6 +405,7 @@ class Engine:
         self.decode_steps += 1
         decoded = self.n_run
         out.decoded = decoded
+        self.generated_tokens += decoded
         self._gen_tokens_since_log += decoded
         heap = self._finish_heap
         done: list[Req] = []
