@@ -25,16 +25,16 @@ from proxy.sim.tokenizer import output_text, output_token_ids
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
+def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def openai_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    return _json({"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status)
+    return json_response({"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status)
 
 
 def native_error(message: str, status: int = 400) -> web.Response:
-    return _json({"error": {"message": message}}, status)
+    return json_response({"error": {"message": message}}, status)
 
 
 class Generation:
@@ -73,16 +73,16 @@ class Generation:
         try:
             reqs = [self.driver.submit(p) for p in params]
         except QueueFull as exc:
-            return _json({"detail": exc.message}, 503)
+            return json_response({"detail": exc.message}, 503)
         await asyncio.gather(*(self.driver.run_to_end(r) for r in reqs))
         outs = []
         for r in reqs:
             if r.finish_reason and r.finish_reason.get("type") == "abort" and r.finish_reason.get("status_code", 0) >= 500:
-                return _json({"detail": r.finish_reason["message"]}, int(r.finish_reason["status_code"]))
+                return json_response({"detail": r.finish_reason["message"]}, int(r.finish_reason["status_code"]))
             n = r.out_base
             outs.append({"text": output_text(r.token_seed, 0, n), "output_ids": output_token_ids(r.token_seed, 0, n),
                          "meta_info": self.meta(r, n)})
-        return _json(outs if batch else outs[0])
+        return json_response(outs if batch else outs[0])
 
     async def _generate_stream(self, request: web.Request, p: GenParams) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -176,7 +176,7 @@ class Generation:
             else:
                 choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish,
                                 "matched_stop": matched})
-        return _json({"id": reqs[0].rid, "object": "chat.completion" if chat else "text_completion",
+        return json_response({"id": reqs[0].rid, "object": "chat.completion" if chat else "text_completion",
                       "created": int(time.time()), "model": model, "choices": choices, "usage": self._usage(reqs)})
 
     async def _openai_stream(self, request: web.Request, p: GenParams, *, chat: bool, model: str) -> web.StreamResponse:

@@ -25,7 +25,7 @@ from aiohttp import web
 from proxy.sim import logs
 from proxy.sim.config import SimConfig
 from proxy.sim.driver import Driver
-from proxy.sim.generation import Generation, _json, native_error, openai_error
+from proxy.sim.generation import Generation, json_response, native_error, openai_error
 from proxy.sim.metrics import SimMetrics
 from proxy.sim.startup import start_up
 
@@ -76,7 +76,7 @@ class SimServer:
         key = self.cfg.api_key
         if key and not request.path.startswith(OPEN_PATHS):
             if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return _json({"error": "Unauthorized"}, 401)
+                return json_response({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -86,7 +86,7 @@ class SimServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.cfg
-        return _json({"model_path": cfg.model_path, "served_model_name": cfg.served_model_name,
+        return json_response({"model_path": cfg.model_path, "served_model_name": cfg.served_model_name,
                       "tokenizer_path": cfg.server_args.get("tokenizer_path") or cfg.model_path, "is_generation": True,
                       "preferred_sampling_params": None, "weight_version": "default", "load_format": "auto",
                       "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
@@ -129,7 +129,7 @@ class SimServer:
             return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
         snap["queues"] = {"waiting": len(self.engine.waiting), "grammar": 0, "paused": 0, "retracted": 0,
                           "prealloc_ready": 0}
-        return _json({"timestamp": snap["timestamp"], "version": VERSION, "accelerator": self.cfg.gpu.label,
+        return json_response({"timestamp": snap["timestamp"], "version": VERSION, "accelerator": self.cfg.gpu.label,
                       "num_accelerators": 1, "loads": [snap]})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -139,13 +139,13 @@ class SimServer:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [self._card()]})
+        return json_response({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != self.cfg.served_model_name:
             return openai_error(f"The model '{name}' does not exist.", 404, "NotFoundError")
-        return _json(self._card())
+        return json_response(self._card())
 
     def _card(self) -> dict[str, Any]:
         name = self.cfg.served_model_name
