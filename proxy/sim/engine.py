@@ -90,7 +90,7 @@ class Engine:
         self._res_n = [0, 0]
         self._res_max = [0, 0]
         self._res_outb = [0, 0]  # sum(out_base - step_base)
-        self._big: set[Req] = set()
+        self._big: dict[Req, None] = {}  # insertion-ordered: sums stay deterministic
         # Statistics.
         self.decode_steps = 0
         self.generated_tokens = 0  # every output token produced (prefill first tokens and decode steps)
@@ -159,7 +159,7 @@ class Engine:
         self._sum_seq_base += r.prompt_len + r.out_base - 1 - r.step_base
         self._sum_private_base += r.private_base
         if r.big:
-            self._big.add(r)
+            self._big[r] = None
         else:
             grp = 1 if r.ignore_eos else 0
             self._res_n[grp] += 1
@@ -177,7 +177,7 @@ class Engine:
         self._sum_seq_base -= r.prompt_len + (r.out_base - decode_private) - 1 - r.step_base
         self._sum_private_base -= r.private_base
         if r.big:
-            self._big.discard(r)
+            del self._big[r]
         else:
             grp = 1 if r.ignore_eos else 0
             self._res_n[grp] -= 1

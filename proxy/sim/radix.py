@@ -13,9 +13,10 @@ from typing import Sequence
 
 
 class Node:
-    __slots__ = ("key", "children", "parent", "lock", "last_used")
+    __slots__ = ("key", "children", "parent", "lock", "last_used", "serial")
 
-    def __init__(self, key: tuple[int, ...], parent: Node | None) -> None:
+    def __init__(self, key: tuple[int, ...], parent: Node | None, serial: int = 0) -> None:
+        self.serial = serial  # creation order: breaks LRU ties deterministically
         self.key = key
         self.children: dict[int, Node] = {}
         self.parent = parent
@@ -42,9 +43,14 @@ class RadixCache:
         self.total_size = 0
         self.evictable_size = 0
         self._tick = 0
+        self._serial = 0
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial
 
     def _touch(self, node: Node) -> None:
         self._tick += 1
@@ -56,7 +62,7 @@ class RadixCache:
         """Cut ``child``'s edge after ``at`` tokens; returns the new upper node."""
         parent = child.parent
         assert parent is not None
-        upper = Node(child.key[:at], parent)
+        upper = Node(child.key[:at], parent, self._next_serial())
         upper.lock = child.lock
         upper.last_used = child.last_used
         parent.children[upper.key[0]] = upper
@@ -102,7 +108,7 @@ class RadixCache:
         while i < len(ids):
             child = node.children.get(ids[i])
             if child is None:
-                leaf = Node(tuple(ids[i:]), node)
+                leaf = Node(tuple(ids[i:]), node, self._next_serial())
                 node.children[leaf.key[0]] = leaf
                 added = len(leaf.key)
                 self.total_size += added
@@ -139,7 +145,7 @@ class RadixCache:
             if n.children:
                 stack.extend(n.children.values())
             elif n.lock == 0:
-                leaves.append((n.last_used, id(n), n))
+                leaves.append((n.last_used, n.serial, n))
         heapq.heapify(leaves)
         freed = 0
         while freed < num_tokens and leaves:
@@ -149,7 +155,7 @@ class RadixCache:
             del parent.children[leaf.key[0]]
             freed += len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+                heapq.heappush(leaves, (parent.last_used, parent.serial, parent))
         self.total_size -= freed
         self.evictable_size -= freed
         return freed
