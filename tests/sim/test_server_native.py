@@ -164,3 +164,28 @@ def test_log_lines_parse(sim: SimProcess) -> None:
     assert startup.fields["max_total_tokens"] == 60000
     decode = [e for e in events if e is not None and e.kind is EventKind.BATCH_STATS and e.fields["phase"] == "decode"]
     assert decode and all({"running", "queue", "token_usage", "gen_throughput"} <= set(e.fields) for e in decode)
+
+
+async def test_retraction_over_http_counted_logged_and_recomputed() -> None:
+    sim = start_sim("--max-total-tokens", "12000", "--sim-time-scale", "200", "--enable-metrics")
+    try:
+        async with aiohttp.ClientSession() as s:
+            bodies = [{"input_ids": list(range(i * 1000, i * 1000 + 200)), "sim_output_len": 100 if i % 3 == 0 else 1500,
+                       "sampling_params": {"max_new_tokens": 1500}} for i in range(60)]
+
+            async def one(body: dict) -> dict:
+                async with s.post(sim.url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+            outs = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), 60)
+        assert [o["meta_info"]["completion_tokens"] for o in outs] == [b["sim_output_len"] for b in bodies]
+        assert any(o["meta_info"]["num_retractions"] > 0 for o in outs)
+        _, page = http("GET", sim.url + "/metrics")
+        sample = parse_metrics(page.decode(), 0.0)
+        assert sample.retractions_total and sample.retractions_total > 0
+        events = [parse_line(line, 0.0) for line in sim.lines]
+        retractions = [e for e in events if e is not None and e.kind is EventKind.RETRACTION]
+        assert retractions and sum(int(e.fields["retracted"]) for e in retractions) == sample.retractions_total
+    finally:
+        sim.stop()
