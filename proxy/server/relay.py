@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from proxy.admission import Priority, QueueFull
-from proxy.dispatch import Attempt, QueueTimeout
+from proxy.dispatch import QueueTimeout
 from proxy.server.errors import ApiError, error_event
 from proxy.server.state import ProxyState
 from proxy.server.validation import Job
