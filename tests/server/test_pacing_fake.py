@@ -1,7 +1,7 @@
 """Pacing against fake workers in the test's own event loop: the upper edge holds and every
-request completes exactly once. Proxy, workers and load share one loop here, so refills lag more
-than in production; the lower-edge tolerance is loose (25%). The strict band check runs against
-real sim processes in ``test_pacing_sim.py``."""
+request completes exactly once. Proxy, workers and load share one loop (and, on a busy machine,
+little CPU), so how well the queue is kept *above* the lower edge is not checked here: that is
+``test_pacing_sim.py``'s job, with the proxy and the workers in their own processes."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ async def test_burst_keeps_worker_queues_in_band(make_proxy):
     assert sum(len(w.finished) for w in h.workers) == n  # none twice, none lost
     report = band_report(run, lo, hi, min_backlog=50)
     print(report)
-    for url, (kept, qmax, below, above) in report.items():
+    for _url, (kept, qmax, _below, above) in report.items():
         assert kept >= 10, report
         assert above == 0, report
-        assert below <= 0.25 * kept, report
