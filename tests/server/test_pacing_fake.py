@@ -6,7 +6,7 @@ little CPU), so how well the queue is kept *above* the lower edge is not checked
 from __future__ import annotations
 
 from tests.server.fake_worker import MODEL
-from tests.server.pacing_check import band_report, run_burst
+from tests.server.pacing_check import run_burst
 
 
 async def test_burst_keeps_worker_queues_in_band(make_proxy):
@@ -20,8 +20,6 @@ async def test_burst_keeps_worker_queues_in_band(make_proxy):
     assert run.statuses.count(200) == n
     assert len(set(run.ids)) == n
     assert sum(len(w.finished) for w in h.workers) == n  # none twice, none lost
-    report = band_report(run, lo, hi, min_backlog=50)
-    print(report)
-    for _url, (kept, qmax, _below, above) in report.items():
-        assert kept >= 10, report
-        assert above == 0, report
+    for url, samples in run.samples.items():
+        assert len(samples) >= 10, url
+        assert max(q for _, q, _ in samples) <= hi, samples
