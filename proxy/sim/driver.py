@@ -158,7 +158,11 @@ class Driver:
             self._finished(r)
             self.kick()
 
-    async def wait(self, r: Req) -> None:
+    async def wait(self, r: Req, seen: int | None = None) -> None:
+        """Until the engine touches ``r`` again; at once if it finished or got past ``seen`` tokens
+        meanwhile (a wake that came while the handler was writing is not lost)."""
+        if r.state is State.FINISHED or (seen is not None and self.engine.output_len(r) != seen):
+            return
         h = r.handle
         h.fut = asyncio.get_running_loop().create_future()
         await h.fut

@@ -53,8 +53,10 @@ class Generation:
         if not self.driver.ready:
             raise BadRequest("The server is starting up; retry when /health returns 200.", 503)
 
-    def meta(self, r: Req, n: int) -> dict[str, Any]:
-        reason = r.finish_reason if r.state is State.FINISHED else None
+    @staticmethod
+    def meta(r: Req, n: int, final: bool = True) -> dict[str, Any]:
+        """``meta_info`` after ``n`` tokens; ``final`` carries the finish reason (None while streaming)."""
+        reason = r.finish_reason if final else None
         meta: dict[str, Any] = {"id": r.rid, "finish_reason": reason, "prompt_tokens": r.prompt_len,
                                 "completion_tokens": n, "cached_tokens": r.cached_tokens, "reasoning_tokens": 0,
                                 "weight_version": "default", "num_retractions": r.num_retractions}
@@ -93,32 +95,26 @@ class Generation:
             await resp.write(b"data: " + orjson.dumps({"error": {"message": exc.message, "type": "invalid_request_error",
                                                                  "code": 503, "retryable": True}}) + b"\n\ndata: [DONE]\n\n")
             return resp
-        sent, text = 0, ""
+        sent, text, closed = 0, "", False
         try:
             while True:
                 n = self.engine.output_len(r)
                 finished = r.state is State.FINISHED
-                while sent < n:
+                while sent < n:  # one chunk per token, cumulative text
                     text += output_text(r.token_seed, sent, sent + 1)
                     sent += 1
-                    last = finished and sent == n
-                    meta = self.meta(r, sent) if last else self._running_meta(r, sent)
+                    closed = finished and sent == n
+                    meta = self.meta(r, sent, final=closed)
                     await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n")
                 if finished:
-                    if n == 0 or (r.finish_reason or {}).get("type") == "abort":
+                    if not closed:  # every token went out before it finished: the reason needs a chunk
                         await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": self.meta(r, n)}) + b"\n\n")
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
-                await self.driver.wait(r)
+                await self.driver.wait(r, seen=sent)
         finally:
             if r.state is not State.FINISHED:
                 self.driver.abort(r, "The client disconnected.")
-
-    @staticmethod
-    def _running_meta(r: Req, n: int) -> dict[str, Any]:
-        return {"id": r.rid, "finish_reason": None, "prompt_tokens": r.prompt_len, "completion_tokens": n,
-                "cached_tokens": r.cached_tokens, "reasoning_tokens": 0, "weight_version": "default",
-                "num_retractions": r.num_retractions}
 
     def _usage(self, reqs: list[Req]) -> dict[str, Any]:
         prompt = sum(r.prompt_len for r in reqs)
@@ -222,7 +218,7 @@ class Generation:
                         await resp.write(chunk({}, self._usage([r])))
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
-                await self.driver.wait(r)
+                await self.driver.wait(r, seen=sent)
         finally:
             if r.state is not State.FINISHED:
                 self.driver.abort(r, "The client disconnected.")
