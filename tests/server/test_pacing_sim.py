@@ -47,7 +47,7 @@ startup_timeout_s = 60
 stop_grace_s = 5
 [pacing]
 queue_band = [{LO}, {HI}]
-headroom = 20
+headroom = 30
 scrape_interval_s = 0.05
 stale_after_s = 1.0
 """
