@@ -1,0 +1,183 @@
+"""Real processes for benchmarks: start, wait until they answer, read their CPU time, stop.
+
+Each process writes its log to a file (never a pipe, so nothing in the benchmark has to drain it
+while it measures) and runs in its own process group, so :meth:`Proc.stop` ends it and any child.
+
+    with ExitStack() as stack:
+        sim = stack.enter_context(start_sim(tmp, time_scale=100))
+        proxy = stack.enter_context(start_pacer(tmp, [sim.url]))
+        router = stack.enter_context(start_router(tmp, sim.url))
+        ...  # every process is stopped on the way out, whatever happened
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ProcError(RuntimeError):
+    """A benchmark process did not start; the message ends with the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens there: a server could bind it (connections left in TIME_WAIT do not count,
+    as servers bind with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (its threads included, its children not)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    ports: tuple[int, ...]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        # children that outlived the leader (none expected) go with the group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _launch(name: str, argv: Sequence[str], log_dir: Path, url: str, probe: str, ports: tuple[int, ...],
+            timeout_s: float) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    with open(log, "wb") as fh:
+        popen = subprocess.Popen(list(argv), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    proc = Proc(name, popen, url, log, ports)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not _http_ok(url + probe):
+            if popen.poll() is not None:
+                raise ProcError(f"{name} exited with {popen.returncode} before it was ready:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ProcError(f"{name} did not answer {probe} within {timeout_s:g} s:\n{proc.log_tail()}")
+            time.sleep(0.1)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+@contextlib.contextmanager
+def running(proc: Proc) -> Iterator[Proc]:
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def start_sim(log_dir: Path, *, time_scale: float, extra: Sequence[str] = (), name: str = "sim",
+              timeout_s: float = 60.0) -> contextlib.AbstractContextManager[Proc]:
+    """``pacer sim`` on a free port, ready (``/health`` answers 200) when this returns."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--sim-time-scale", f"{time_scale:g}",
+            "--sim-startup-seconds", "0.2", "--enable-metrics", "--log-level", "warning", *extra]
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/health", (port,), timeout_s))
+
+
+def pacer_policy(worker_urls: Sequence[str], *, queue_band: tuple[int, int] = (2000, 20000), headroom: int = 2000,
+                 scrape_interval_s: float = 0.5) -> str:
+    """A policy TOML for ``pacer serve`` in front of external workers, with a pacing band wide enough
+    that the gate never holds a request back at benchmark loads (the benchmark measures the relay)."""
+    urls = ", ".join(f'"{u}"' for u in worker_urls)
+    return (f'[proxy]\nhost = "127.0.0.1"\nstatus_log_interval_s = 60.0\n\n'
+            f'[queue]\ncapacity = 100000\ntimeout_s = 120.0\n\n'
+            f'[engine]\nkind = "external"\nurls = [{urls}]\n\n'
+            f'[pacing]\nqueue_band = [{queue_band[0]}, {queue_band[1]}]\nheadroom = {headroom}\n'
+            f'scrape_interval_s = {scrape_interval_s}\nstale_after_s = 30.0\n\n'
+            f'[control]\nmode = "off"\n')
+
+
+def start_pacer(log_dir: Path, worker_urls: Sequence[str], *, name: str = "pacer",
+                timeout_s: float = 60.0) -> contextlib.AbstractContextManager[Proc]:
+    """``pacer serve`` with :func:`pacer_policy`, ready (``/ready`` answers 200) when this returns."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    policy = log_dir / f"{name}-policy.toml"
+    policy.write_text(pacer_policy(worker_urls))
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy", "serve", "--policy", str(policy), "--port", str(port),
+            "--log-level", "warning"]
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/ready", (port,), timeout_s))
+
+
+def start_router(log_dir: Path, worker_url: str, *, max_concurrent: int = 4096, queue_size: int = 4096,
+                 name: str = "sglang-router", timeout_s: float = 90.0) -> contextlib.AbstractContextManager[Proc]:
+    """SGLang's router (``sglang-router``) in front of one worker, with its concurrency limit and queue on.
+
+    Its token bucket refills at ``--rate-limit-tokens-per-second`` (by default as many per second as
+    ``--max-concurrent-requests``); it is set far above the benchmark's request rate so that only the
+    concurrency limit and queue act, as in :func:`pacer_policy`.
+    """
+    port, prom = free_port(), free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", worker_url, "--policy", "round_robin",
+            "--max-concurrent-requests", str(max_concurrent), "--queue-size", str(queue_size),
+            "--rate-limit-tokens-per-second", str(max_concurrent * 100),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+            "--worker-startup-check-interval", "1", "--log-level", "warn"]
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/readiness", (port, prom), timeout_s))
