@@ -1,0 +1,155 @@
+"""The controller scenarios, as data: a workload, the arguments the operator started with, the
+simulated GPU and model, the time scale, and the deployment's ``[control]`` settings.
+
+    SCENARIOS["early-stop"].workload.requests()     # [(prompt text, max_tokens, true output length)]
+    SCENARIOS["early-stop"].workload.specs()        # the same requests for proxy.sim.virtual.simulate
+
+Every arm of a scenario sees the same requests: the prompts are fixed by the seed, and each
+request carries its true output length (``sim_output_len``), so only the arguments differ.
+
+Time: ``time_scale`` makes the simulated GPU run that many times faster than modelled; the
+simulated start-up shrinks with it (modelled start-up / scale). The controller's settings are in
+wall-clock seconds and per wall-clock minute, so a scenario's ``control`` table is the deployment's
+settings divided (windows, cool-downs) or multiplied (rates) by the scale: what an operator would
+set on the real GPU, seen through the compressed clock.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from proxy.sim.request import RequestSpec
+from proxy.sim.tokenizer import encode
+
+__all__ = ["SCENARIOS", "Scenario", "Workload", "scaled_control"]
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """``count`` requests, all submitted at once (a batch job), with uniform prompt and output lengths."""
+
+    count: int
+    prompt_len: tuple[int, int]  # tokens, inclusive range
+    max_tokens: int
+    output_len: tuple[int, int]  # the true output length (EOS), inclusive range, <= max_tokens
+    seed: int = 0
+
+    def requests(self) -> list[tuple[str, int, int]]:
+        """(prompt text, max_tokens, true output length) per request, deterministic in the seed.
+
+        A prompt is ``n`` space-separated pieces of four characters: exactly ``n`` tokens for the
+        simulated tokenizer, and unique, so no two requests share a cached prefix."""
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(self.count):
+            n = rng.randint(*self.prompt_len)
+            text = " ".join("".join(rng.choices(_ALPHABET, k=4)) for _ in range(n))
+            out.append((text, self.max_tokens, min(self.max_tokens, rng.randint(*self.output_len))))
+        return out
+
+    def specs(self) -> list[RequestSpec]:
+        return [RequestSpec(prompt_ids=tuple(encode(text)), max_new_tokens=max_new, output_len=true_len)
+                for text, max_new, true_len in self.requests()]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r[2] for r in self.requests())
+
+
+def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
+    """A deployment's ``[control]`` timings seen through a clock ``scale`` times faster.
+
+    The unscaled settings are a batch deployment's: rules every 5 s over 60 s windows, 20 s of
+    evidence, 60 s cool-down, 30 s drain, crash back-off 2-60 s. Rates (retractions per minute) are
+    per wall-clock minute, so they are multiplied by the scale."""
+    base: dict[str, Any] = {
+        "interval_s": 5.0, "window_s": 60.0, "min_evidence_s": 20.0, "cooldown_s": 60.0, "drain_timeout_s": 30.0,
+        "good_after_s": 120.0, "crash_loop_window_s": 600.0, "crash_backoff_s": [2.0, 5.0, 15.0, 30.0, 60.0],
+        "flip_guard_s": 1800.0,
+    }  # fmt: skip
+    out: dict[str, Any] = {}
+    for key, value in base.items():
+        out[key] = [v / scale for v in value] if isinstance(value, list) else value / scale
+    out["retractions_per_min"] = 6.0 * scale
+    out.update(overrides)
+    if "retractions_per_min_modelled" in out:
+        out["retractions_per_min"] = out.pop("retractions_per_min_modelled") * scale
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    name: str
+    premise: str  # one line: what is wrong with the starting arguments
+    workload: Workload
+    start_args: Mapping[str, Any]  # the operator's arguments (the "default" arm runs these, no control)
+    gpu: str = "h100-80gb"
+    model: str = "llama-3.1-8b"
+    time_scale: float = 10.0
+    control: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the [control] table
+    min_available_gb: float = 5.0  # the oracle's floor on start-up free memory (the band's low end)
+    queue_timeout_s: float = 600.0  # the proxy's queue patience (a dead worker answers 503 after it)
+
+    def extra_args(self) -> list[str]:
+        return ["--sim-gpu", self.gpu, "--sim-model", self.model, "--sim-time-scale", f"{self.time_scale:g}"]
+
+
+def _scenarios() -> dict[str, Scenario]:
+    s: list[Scenario] = []
+    scale = 10.0
+    s.append(Scenario(
+        name="early-stop",
+        premise="max_tokens 4096 but true outputs are 3-12 % of it: admission reserves far too much (the guide's "
+                "over-conservative case: token usage < 0.9 with requests waiting)",
+        workload=Workload(count=4000, prompt_len=(300, 900), max_tokens=4096, output_len=(120, 500), seed=11),
+        start_args={"schedule_conservativeness": 1.0},
+        gpu="a100-40gb", time_scale=scale,
+        control=scaled_control(scale, conservativeness_step=0.7, conservativeness_bounds=[0.3, 2.0]),
+    ))  # fmt: skip
+    s.append(Scenario(
+        name="retraction-storm",
+        premise="schedule_conservativeness 0.1 with outputs that mostly run to max_tokens: admission far too "
+                "aggressive, the KV pool fills and requests are retracted and recomputed",
+        workload=Workload(count=1600, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=12),
+        start_args={"schedule_conservativeness": 0.1},
+        gpu="a100-40gb", time_scale=20.0,
+        control=scaled_control(20.0, conservativeness_step=0.9, conservativeness_bounds=[0.1, 2.0]),
+    ))  # fmt: skip
+    s.append(Scenario(
+        name="prefill-oom",
+        premise="chunked_prefill_size 16384 with mem_fraction_static 0.9 on a 48 GB L40S: a full prefill chunk "
+                "needs 4 GiB of activations, 3.9 GiB are free",
+        workload=Workload(count=1000, prompt_len=(1000, 3000), max_tokens=1024, output_len=(300, 1024), seed=13),
+        start_args={"chunked_prefill_size": 16384, "mem_fraction_static": 0.9},
+        gpu="l40s-48gb", time_scale=20.0,
+        control=scaled_control(20.0, available_mem_band_gb=[2.0, 10.0]),
+        min_available_gb=2.0, queue_timeout_s=120.0,
+    ))  # fmt: skip
+    s.append(Scenario(
+        name="decode-oom",
+        premise="max_running_requests 2048 on a 24 GB RTX 4090 with mem_fraction_static 0.93: a decode batch "
+                "past ~1000 requests runs outside the CUDA graphs and its activations do not fit",
+        workload=Workload(count=8000, prompt_len=(100, 300), max_tokens=600, output_len=(200, 600), seed=14),
+        start_args={"max_running_requests": 2048, "mem_fraction_static": 0.93},
+        gpu="rtx4090-24gb", model="llama-3.2-1b", time_scale=4.0,
+        control=scaled_control(4.0, available_mem_band_gb=[0.5, 6.0], max_running_min=32),
+        min_available_gb=0.5, queue_timeout_s=120.0,
+    ))  # fmt: skip
+    s.append(Scenario(
+        name="low-mem-fraction",
+        premise="mem_fraction_static 0.6 on an 80 GB H100: the KV pool is a third of what fits, 30 GB sit idle",
+        workload=Workload(count=4000, prompt_len=(300, 900), max_tokens=1500, output_len=(600, 1500), seed=15),
+        start_args={"mem_fraction_static": 0.6},
+        gpu="h100-80gb", time_scale=scale,
+        control=scaled_control(scale, memory_fraction_step=0.15, memory_fraction_bounds=[0.5, 0.95]),
+        min_available_gb=5.0,
+    ))  # fmt: skip
+    return {x.name: x for x in s}
+
+
+SCENARIOS: Mapping[str, Scenario] = MappingProxyType(_scenarios())

@@ -1,0 +1,436 @@
+"""Controller scenarios: ``python -m loadtests scenario NAME|all [--report FILE.json] [--arms default,adaptive,oracle]``
+
+Each scenario (:mod:`loadtests.scenario_defs`) runs three arms on the simulated engine, one after
+the other, each a real ``pacer serve`` process in front of one ``pacer sim`` worker:
+
+* ``default``: the scenario's starting arguments, control off;
+* ``adaptive``: the same arguments, control ``auto`` (the controller may restart the worker);
+* ``oracle``: the best static arguments of a sweep in virtual time (:mod:`loadtests.oracle`), control off.
+
+The workload is submitted at once through the proxy by an asyncio client (every request with
+its true output length in ``sim_output_len``, so every arm sees the same outputs). Per arm:
+``output_tok_per_s`` (completion tokens of the answered requests / seconds from the first
+submission to the last answer), ``requests_ok``, ``requests_failed`` (answered with an error),
+``requests_lost`` (never answered), ``retractions`` (the worker's retraction log lines, every
+incarnation), ``restarts`` (worker restarts, from ``/admin/workers``), ``oom_crashes`` (OOM deaths
+in the worker's log). The report also carries the decisions journal, the time series sampled every
+0.5 s from ``/admin/workers`` and the worker's ``/metrics``, and the oracle's sweep. A markdown
+table (``FILE.md``) and a plot (``FILE.png``) are written beside the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from loadtests.oracle import SearchSpace, sweep
+from loadtests.scenario_defs import SCENARIOS, Scenario
+
+__all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
+
+ARMS = ("default", "adaptive", "oracle")
+ARM_KEYS = ("output_tok_per_s", "requests_ok", "requests_lost", "requests_failed", "retractions", "restarts", "oom_crashes")
+SAMPLE_INTERVAL_S = 0.5
+_LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+
+
+@dataclass(slots=True)
+class ArmResult:
+    arm: str
+    args: dict[str, Any]
+    control_mode: str
+    output_tok_per_s: float = 0.0
+    requests_ok: int = 0
+    requests_failed: int = 0
+    requests_lost: int = 0
+    retractions: int = 0
+    retractions_counter: int = 0  # the same, from the /metrics counter followed through resets
+    restarts: int = 0
+    oom_crashes: int = 0
+    output_tokens: int = 0
+    duration_s: float = 0.0
+    last_answer_s: float = 0.0  # seconds from the first submission to the last answer (of any kind)
+    errors: dict[str, int] = field(default_factory=dict)  # error answers by status
+    final_args: dict[str, Any] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    series: list[dict[str, Any]] = field(default_factory=list)
+    completions: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens) per ok answer
+
+    def summary(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ARM_KEYS}
+        out["output_tok_per_s"] = round(self.output_tok_per_s, 1)
+        out.update(args=self.args, control_mode=self.control_mode, final_args=self.final_args,
+                   output_tokens=self.output_tokens, duration_s=round(self.duration_s, 2),
+                   retractions_counter=self.retractions_counter, errors=self.errors)
+        return out
+
+
+# -- the policy -------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path) -> str:
+    """The policy of one arm: one simulated worker with ``args``, control ``mode``, the scenario's ``[control]``."""
+    tables: dict[str, dict[str, Any]] = {
+        "proxy": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 3600.0, "status_log_interval_s": 5.0},
+        "queue": {"capacity": 100000, "timeout_s": sc.queue_timeout_s},
+        "engine": {"kind": "sim", "workers": 1, "args": {k: v for k, v in args.items() if v is not None},
+                   "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
+                   "stop_grace_s": 5.0},
+        "pacing": {"scrape_interval_s": 0.5, "stale_after_s": 3.0},
+        "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
+    }  # fmt: skip
+    lines = []
+    for name, table in tables.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- the proxy process ------------------------------------------------------------------------------
+
+
+class ProxyProcess:
+    """``pacer serve`` as a child process; its log goes to ``workdir/proxy.log``."""
+
+    def __init__(self, policy_path: Path, log_path: Path) -> None:
+        self.policy_path = policy_path
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+        self._pump: asyncio.Task[None] | None = None
+
+    async def start(self, timeout_s: float = 120.0) -> str:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--policy", str(self.policy_path), "--port", "0",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+        )  # fmt: skip
+        found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pump = asyncio.create_task(self._read_log(found))
+        try:
+            self.url = await asyncio.wait_for(asyncio.shield(found), timeout_s)
+        except (asyncio.TimeoutError, RuntimeError):
+            await self.stop()
+            raise RuntimeError(f"pacer serve did not start; see {self.log_path}") from None
+        return self.url
+
+    async def _read_log(self, found: asyncio.Future[str]) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        with self.log_path.open("ab") as log:
+            async for line in self.proc.stderr:
+                log.write(line)
+                if not found.done():
+                    m = _LISTENING.search(line.decode(errors="replace"))
+                    if m:
+                        found.set_result(m.group(1))
+        if not found.done():
+            found.set_exception(RuntimeError("pacer serve exited"))
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except asyncio.TimeoutError:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                await self.proc.wait()
+        if self._pump is not None:
+            await asyncio.gather(self._pump, return_exceptions=True)
+
+
+# -- load and observation ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Counter:
+    """A counter followed through resets (a worker restart starts it at zero)."""
+
+    total: float = 0.0
+    last: float | None = None
+
+    def feed(self, value: float | None) -> None:
+        if value is None:
+            return
+        if self.last is not None:
+            self.total += value - self.last if value >= self.last else value
+        self.last = value
+
+
+async def _get_json(session: Any, url: str) -> Any:
+    async with session.get(url) as resp:
+        return await resp.json()
+
+
+async def _sample(session: Any, url: str, t0: float, series: list[dict[str, Any]], counters: dict[str, _Counter],
+                  stop: asyncio.Event) -> None:
+    from proxy.engines.sglang.metrics import parse_metrics
+
+    while not stop.is_set():
+        tick = time.monotonic()
+        try:
+            body = await _get_json(session, url + "/admin/workers")
+            w = body["workers"][0]
+            point: dict[str, Any] = {"t": round(tick - t0, 3), "state": w["state"], "pid": w["pid"],
+                                     "restarts": w["restarts"], "proxy_queue": sum(body["proxy_queue"].values()),
+                                     "in_flight": body["in_flight"], "queue": None, "running": None,
+                                     "token_usage": None, "gen_tokens_total": None}
+            if w["state"] in ("ready", "draining"):
+                try:
+                    async with session.get(w["url"] + "/metrics") as resp:
+                        sample = parse_metrics(await resp.text(), time.monotonic())
+                    counters["retractions"].feed(sample.retractions_total)
+                    counters["generation"].feed(sample.generation_tokens_total)
+                    point.update(queue=sample.queue, running=sample.running, token_usage=round(sample.token_usage, 4),
+                                 gen_tokens_total=round(counters["generation"].total))
+                except Exception:  # the worker went away between the two reads
+                    pass
+            series.append(point)
+        except Exception as exc:  # keep sampling; one failed read is a gap in the plot
+            series.append({"t": round(tick - t0, 3), "error": str(exc)[:200]})
+        try:
+            await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - tick)))
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _one(session: Any, url: str, model: str, i: int, prompt: str, max_tokens: int, out_len: int, t0: float,
+               res: ArmResult) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "sim_output_len": out_len, "user": f"scenario-{i}"}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status == 200:
+            data = await resp.json()
+            tokens = int(data["usage"]["completion_tokens"])
+            res.requests_ok += 1
+            res.output_tokens += tokens
+            res.completions.append((round(time.monotonic() - t0, 3), tokens))
+        else:
+            await resp.read()
+            res.requests_failed += 1
+            res.errors[str(resp.status)] = res.errors.get(str(resp.status), 0) + 1
+    res.last_answer_s = max(res.last_answer_s, time.monotonic() - t0)
+
+
+def _count_log(log_dir: Path) -> tuple[int, int]:
+    """(retracted requests, out-of-memory deaths) in every worker log under ``log_dir``."""
+    from proxy.engines.base import EventKind
+    from proxy.engines.sglang.logs import LogFollower
+
+    retracted = ooms = 0
+    for path in sorted(log_dir.glob("*.log")):
+        follower = LogFollower()
+        with path.open(errors="replace") as f:
+            events = follower.feed_all((line.rstrip("\n") for line in f), 0.0)
+        events += follower.flush(0.0)
+        for e in events:
+            if e.kind is EventKind.RETRACTION and not e.fields.get("forced"):
+                retracted += int(e.fields.get("retracted", 1))
+            elif e.kind is EventKind.OOM:
+                ooms += 1
+    return retracted, ooms
+
+
+async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, workdir: Path, *,
+                  max_run_s: float = 900.0, concurrency: int = 4000) -> ArmResult:
+    """One arm, end to end: start the proxy, submit the workload, follow it, stop, count."""
+    import aiohttp
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = workdir / "policy.toml"
+    policy.write_text(policy_toml(sc, args, mode, workdir))
+    res = ArmResult(arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode)
+    requests = sc.workload.requests()
+    proxy = ProxyProcess(policy, workdir / "proxy.log")
+    url = await proxy.start()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
+            deadline = time.monotonic() + 300
+            while True:  # the worker is up and scraped
+                try:
+                    async with session.get(url + "/ready") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
+                await asyncio.sleep(0.2)
+            model = (await _get_json(session, url + "/v1/models"))["data"][0]["id"]
+            counters = {"retractions": _Counter(), "generation": _Counter()}
+            stop = asyncio.Event()
+            t0 = time.monotonic()
+            sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
+            tasks = [asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res)) for i, (p, m, o) in enumerate(requests)]
+            done, pending = await asyncio.wait(tasks, timeout=max_run_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            broken = [t.exception() for t in done if t.exception() is not None]
+            res.errors.update({"client": len(broken)} if broken else {})
+            # until the last answer; a run cut short by the deadline (or a broken connection) counts all of it
+            res.duration_s = time.monotonic() - t0 if pending or broken else res.last_answer_s
+            stop.set()
+            await sampler
+            res.requests_lost = len(requests) - res.requests_ok - res.requests_failed
+            res.output_tok_per_s = res.output_tokens / res.duration_s if res.duration_s > 0 else 0.0
+            res.retractions_counter = round(counters["retractions"].total)
+            res.decisions = (await _get_json(session, url + "/admin/decisions"))["decisions"]
+            workers = (await _get_json(session, url + "/admin/workers"))["workers"]
+            res.restarts = int(workers[0]["restarts"])
+            res.final_args = dict(workers[0]["args"])
+    finally:
+        await proxy.stop()
+    res.retractions, res.oom_crashes = _count_log(workdir / "logs")
+    return res
+
+
+# -- a scenario -------------------------------------------------------------------------------------
+
+
+def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sweep's best static arguments, and the sweep itself for the report."""
+    t = time.process_time()
+    result = sweep(sc.start_args, sc.workload.specs(), gpu=sc.gpu, model=sc.model,
+                   space=SearchSpace(min_available_gb=sc.min_available_gb))
+    best = {k: v for k, v in result.best.args.items() if v is not None}
+    info = {"best": result.best.as_dict(), "start": result.start.as_dict(), "trials": len(result.trials),
+            "cpu_s": round(time.process_time() - t, 1),
+            "note": "modelled seconds (time scale 1); OOM or a start-up failure scores 0; "
+                    f"free memory at start-up >= {sc.min_available_gb:g} GB"}
+    return best, info
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
+
+
+def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS, workdir: Path | None = None,
+                 max_run_s: float = 900.0, oracle: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report."""
+    from loadtests.plot import plot_scenario
+
+    report_path = Path(report_path)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"pacer-scenario-{sc.name}-"))
+    sweep_info: dict[str, Any] = {}
+    if "oracle" in arms:
+        if oracle is None:
+            best, sweep_info = oracle_args(sc)
+        else:
+            best, sweep_info = dict(oracle), {"best": {"args": dict(oracle)}, "note": "given"}
+    results: dict[str, ArmResult] = {}
+    for arm in arms:
+        if arm == "default":
+            args, mode = dict(sc.start_args), "off"
+        elif arm == "adaptive":
+            args, mode = dict(sc.start_args), "auto"
+        elif arm == "oracle":
+            args, mode = best, "off"
+        else:
+            raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+        print(f"[{sc.name}] {arm}: args {args}, control {mode}", file=sys.stderr, flush=True)
+        r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s))
+        print(f"[{sc.name}] {arm}: {r.output_tok_per_s:.0f} tok/s, ok {r.requests_ok}, failed {r.requests_failed}, "
+              f"lost {r.requests_lost}, retractions {r.retractions}, restarts {r.restarts}, OOM {r.oom_crashes}, "
+              f"{r.duration_s:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+        results[arm] = r
+    tps = {a: r.output_tok_per_s for a, r in results.items()}
+    report: dict[str, Any] = {
+        "scenario": sc.name,
+        "premise": sc.premise,
+        "gpu": sc.gpu,
+        "model": sc.model,
+        "time_scale": sc.time_scale,
+        "workload": {"requests": sc.workload.count, "prompt_len": list(sc.workload.prompt_len),
+                     "max_tokens": sc.workload.max_tokens, "output_len": list(sc.workload.output_len),
+                     "output_tokens": sc.workload.output_tokens, "seed": sc.workload.seed},
+        "control": dict(sc.control),
+        "arms": {a: r.summary() for a, r in results.items()},
+        "adaptive_over_oracle": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
+        "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
+        "oracle_sweep": sweep_info,
+        "decisions": {a: r.decisions for a, r in results.items() if r.decisions},
+        "series": {a: r.series for a, r in results.items()},
+        "completions": {a: r.completions for a, r in results.items()},
+        "workdir": str(base),
+    }  # fmt: skip
+    report_path.write_text(json.dumps(report, indent=1))
+    report_path.with_suffix(".md").write_text(table([report]) + "\n")
+    plot_scenario(report, report_path.with_suffix(".png"))
+    return report
+
+
+def table(reports: Sequence[Mapping[str, Any]]) -> str:
+    """One markdown table: a row per scenario and arm."""
+    head = ("| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | args at the end |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows = [head]
+    for rep in reports:
+        for arm, a in rep["arms"].items():
+            final = ", ".join(f"{k}={v}" for k, v in sorted(a["final_args"].items())) or "(SGLang defaults)"
+            rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {a['requests_ok']} | "
+                        f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
+                        f"{a['oom_crashes']} | {final} |")  # fmt: skip
+    ratios = ["", "| scenario | adaptive / oracle | adaptive / default |", "|---|---:|---:|"]
+    for rep in reports:
+        ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
+        ratios.append(f"| {rep['scenario']} | {'-' if ao is None else f'{ao:.3f}'} | "
+                      f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} |")
+    return "\n".join(rows + ratios)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests scenario", description=__doc__.split("\n")[0])
+    p.add_argument("name", choices=[*SCENARIOS, "all"])
+    p.add_argument("--report", default=None, help="JSON report (default: scenario-NAME.json); .md and .png beside it")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    p.add_argument("--workdir", default=None, help="keep each arm's policy, logs and journal here")
+    p.add_argument("--max-run-s", type=float, default=900.0, help="give up on an arm after this long")
+    ns = p.parse_args(argv)
+    arms = [a.strip() for a in ns.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        p.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    names = list(SCENARIOS) if ns.name == "all" else [ns.name]
+    report = Path(ns.report or f"scenario-{ns.name}.json")
+    reports = []
+    for name in names:
+        path = report if len(names) == 1 else report.with_name(f"{report.stem}-{name}.json")
+        work = Path(ns.workdir) / name if ns.workdir else None
+        reports.append(run_scenario(SCENARIOS[name], path, arms=arms, workdir=work, max_run_s=ns.max_run_s))
+    if len(names) > 1:
+        report.write_text(json.dumps({"scenarios": {r["scenario"]: {k: r[k] for k in (
+            "arms", "adaptive_over_oracle", "adaptive_over_default")} for r in reports}}, indent=1))
+        report.with_suffix(".md").write_text(table(reports) + "\n")
+    print(table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

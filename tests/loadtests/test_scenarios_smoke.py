@@ -1,0 +1,112 @@
+"""Scenario benchmark, small: the oracle's sweep in virtual time, and one tiny scenario run end to end
+(three real ``pacer serve`` processes in front of ``pacer sim`` workers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests.oracle import SearchSpace, evaluate, sweep
+from loadtests.scenario_defs import SCENARIOS, Scenario, Workload, scaled_control
+from loadtests.scenarios import ARM_KEYS, ARMS, main, policy_toml, run_scenario
+from proxy.policy import load_policy
+
+SMALL = SearchSpace(
+    schedule_conservativeness=(0.1, 0.5, 1.0, 1.6),
+    chunked_prefill_size=(None, 4096, 8192),
+    max_running_requests=(None, 64, 256),
+    mem_fraction_static=(None, 0.85, 0.9),
+    passes=1,
+)
+
+
+def test_sweep_beats_aggressive_admission() -> None:
+    """A pool of 30k tokens and conservativeness 0.1: the sweep finds arguments that finish sooner."""
+    wl = Workload(count=120, prompt_len=(100, 300), max_tokens=800, output_len=(600, 800), seed=3).specs()
+    start = {"schedule_conservativeness": 0.1, "max_total_tokens": 30000}
+    result = sweep(start, wl, gpu="a100-40gb", model="llama-3.1-8b", space=SMALL)
+    assert result.start.retractions > 0
+    assert result.best.score > result.start.score * 1.02
+    assert result.best.args != result.start.args
+    assert result.best.args["max_total_tokens"] == 30000  # only the four knobs move
+    assert result.best.makespan_s < result.start.makespan_s
+
+
+def test_sweep_turns_a_crash_into_throughput() -> None:
+    """A prefill chunk whose activations do not fit scores zero; the sweep finds one that runs."""
+    wl = Workload(count=40, prompt_len=(3000, 5000), max_tokens=64, output_len=(16, 64), seed=4).specs()
+    start = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
+    bad = evaluate(start, wl, gpu="l40s-48gb", model="llama-3.1-8b")
+    assert bad.oom == "prefill" and bad.score == 0.0
+    result = sweep(start, wl, gpu="l40s-48gb", model="llama-3.1-8b", space=SMALL)
+    assert result.best.oom is None and result.best.score > 0
+    assert result.best.args["chunked_prefill_size"] in (None, 4096, 8192) or result.best.args["mem_fraction_static"] != 0.9
+
+
+def test_sweep_respects_the_free_memory_floor() -> None:
+    wl = Workload(count=30, prompt_len=(100, 200), max_tokens=100, output_len=(50, 100), seed=5).specs()
+    result = sweep({}, wl, gpu="h100-80gb", model="llama-3.1-8b", space=SearchSpace(min_available_gb=5.0, passes=1))
+    assert all(t.available_gpu_mem_gb is None or t.unsafe or t.available_gpu_mem_gb >= 5.0 for t in result.trials)
+    assert result.best.available_gpu_mem_gb is not None and result.best.available_gpu_mem_gb >= 5.0
+    assert any(t.unsafe for t in result.trials)  # mem_fraction_static 0.93 leaves too little: not a candidate
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_scenario_policy_loads(name: str, tmp_path: Path) -> None:
+    sc = SCENARIOS[name]
+    path = tmp_path / "policy.toml"
+    path.write_text(policy_toml(sc, sc.start_args, "auto", tmp_path))
+    policy = load_policy(path)
+    assert policy.control.mode == "auto"
+    assert dict(policy.engine.args) == dict(sc.start_args)
+    assert policy.control.interval_s == pytest.approx(5.0 / sc.time_scale)
+
+
+def test_workload_is_deterministic_and_exact() -> None:
+    wl = Workload(count=5, prompt_len=(10, 20), max_tokens=50, output_len=(5, 60), seed=9)
+    assert wl.requests() == wl.requests()
+    for spec, (_, max_tokens, out) in zip(wl.specs(), wl.requests()):
+        assert 10 <= len(spec.prompt_ids or ()) <= 20
+        assert spec.output_len == out <= max_tokens == 50
+
+
+def test_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["no-such-scenario"])
+    with pytest.raises(SystemExit):
+        main(["early-stop", "--arms", "default,best"])
+    assert "unknown arm" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
+    """Three arms of a tiny retraction storm through real proxies: every request answered, the report complete."""
+    sc = Scenario(
+        name="tiny-storm",
+        premise="test",
+        workload=Workload(count=60, prompt_len=(50, 150), max_tokens=300, output_len=(200, 300), seed=1),
+        start_args={"schedule_conservativeness": 0.1, "max_total_tokens": 6000, "max_running_requests": 64},
+        gpu="a100-40gb",
+        time_scale=20.0,
+        control=scaled_control(20.0, conservativeness_step=0.9, conservativeness_bounds=[0.1, 2.0]),
+    )
+    report_path = tmp_path / "tiny.json"
+    report = run_scenario(sc, report_path, workdir=tmp_path / "work", max_run_s=120)
+    on_disk = json.loads(report_path.read_text())
+    assert set(on_disk["arms"]) == set(ARMS)
+    for arm in ARMS:
+        a = on_disk["arms"][arm]
+        assert set(ARM_KEYS) <= set(a), arm
+        assert a["requests_lost"] == 0 and a["requests_failed"] == 0 and a["requests_ok"] == 60, (arm, a)
+        assert a["output_tok_per_s"] > 0
+    assert on_disk["arms"]["default"]["retractions"] > 0  # the storm is real
+    assert on_disk["arms"]["oracle"]["control_mode"] == "off"
+    for key in ("adaptive_over_oracle", "adaptive_over_default"):
+        assert isinstance(on_disk[key], float) and on_disk[key] > 0
+    assert report["oracle_sweep"]["best"]["args"] == on_disk["arms"]["oracle"]["args"] | {
+        k: v for k, v in report["oracle_sweep"]["best"]["args"].items() if v is None}
+    assert report_path.with_suffix(".png").stat().st_size > 10_000
+    table = report_path.with_suffix(".md").read_text()
+    assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
