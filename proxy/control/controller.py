@@ -94,6 +94,7 @@ class Controller:
         classify_death: Callable[[list[str]], object] | None = None,
         tail: Callable[[WorkerId, int], list[str]] | None = None,
         backlog: Callable[[], int] | None = None,
+        hold: Callable[[WorkerId, bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -104,6 +105,8 @@ class Controller:
         self._classify_death = classify_death
         self._tail = tail
         self._backlog = backlog
+        self._hold = hold  # stop (True) / resume (False) dispatching to a worker: the dispatcher's drain
+        self._held: set[WorkerId] = set()
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._acts: asyncio.Queue[_Act] | None = None
@@ -133,6 +136,9 @@ class Controller:
         elif info.state is WorkerState.READY and w.state.started_at is None:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
+        if info.state is WorkerState.READY and info.id in self._held and self._hold is not None:
+            self._held.discard(info.id)
+            self._hold(info.id, False)
         elif info.state is WorkerState.DOWN and w.managed and not w.busy:
             self._on_death(info.id, now)
 
@@ -156,6 +162,11 @@ class Controller:
         if w is None:
             return
         w.window = w.window.push(event)
+        if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed and self._hold is not None and worker_id not in self._held:
+            # the server is going down (an OOM or a scheduler exception kills it): send it nothing more,
+            # so requests are not retried against its closing port; READY again lifts the hold
+            self._held.add(worker_id)
+            self._hold(worker_id, True)
 
     def window(self, worker_id: WorkerId) -> Window:
         return self._workers[worker_id].window

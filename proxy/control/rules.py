@@ -101,6 +101,10 @@ def _last_oom(window: Window, phase: str | None) -> LogEvent | None:
     return None
 
 
+def _oom_text(oom: LogEvent) -> str:
+    return str(oom.fields.get("exception") or (oom.line.splitlines() or [""])[0])[:200]
+
+
 def _memory_down(window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence) -> Decision | None:
     knob = s.knobs.get(KnobName.MEMORY_FRACTION)
     if knob is None:
@@ -131,7 +135,7 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     oom = _last_oom(window, "prefill")
     if oom is None:
         return None
-    evidence: Evidence = {"oom_phase": "prefill", "oom_cause": str(oom.fields.get("cause", "")), "log": oom.line.splitlines()[0][:200]}
+    evidence: Evidence = {"oom_phase": "prefill", "oom_cause": str(oom.fields.get("cause", "")), "log": _oom_text(oom)}
     chunk = s.knobs.get(KnobName.PREFILL_CHUNK)
     if chunk is not None:
         current = _current(chunk, window, state)
@@ -153,7 +157,7 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
     if oom is None:
         return None
     peak = window.peak_running
-    evidence: Evidence = {"oom_phase": "decode", "oom_cause": str(oom.fields.get("cause", "")), "peak_running": peak, "log": oom.line.splitlines()[0][:200]}
+    evidence: Evidence = {"oom_phase": "decode", "oom_cause": str(oom.fields.get("cause", "")), "peak_running": peak, "log": _oom_text(oom)}
     knob = s.knobs.get(KnobName.MAX_RUNNING)
     if knob is not None:
         current = _current(knob, window, state)
@@ -175,7 +179,7 @@ def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> D
     oom = _last_oom(window, None)
     if oom is None or oom.fields.get("phase") in ("prefill", "decode"):
         return None
-    evidence: Evidence = {"oom_phase": "unknown", "log": oom.line.splitlines()[0][:200]}
+    evidence: Evidence = {"oom_phase": "unknown", "log": _oom_text(oom)}
     return _memory_down(window, state, s, rule="oom", kind=RuleKind.SAFETY, why="out of memory", evidence=evidence)
 
 
@@ -227,16 +231,18 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
 
 
 def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: float, evidence: Evidence) -> Decision | None:
-    """Cap the running batch at what the KV pool holds once full: the median running count of the
-    samples with token usage >= ``low_usage`` (else the peak seen x ``decode_oom_factor``)."""
+    """Cap the running batch below what the full KV pool held while it preempted: the median running
+    count of the samples with token usage >= ``low_usage`` (else the peak seen) x ``decode_oom_factor``,
+    since requests caught mid-way still grow."""
     c = s.control
     full = sorted(smp.running for smp in window.samples if smp.token_usage >= c.low_usage and smp.running > 0)
-    held = full[len(full) // 2] if full else int((window.peak_running or 0) * c.decode_oom_factor)
+    held = full[len(full) // 2] if full else (window.peak_running or 0)
     if held <= 0:
         return None
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=max(held, c.max_running_min), direction=-1, evidence={**evidence, "running_when_kv_full": held},
+        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1,
+        evidence={**evidence, "running_when_kv_full": held},
         reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
         + "KV cache is full: lower {arg} {old} -> {new}",
     )  # fmt: skip

@@ -98,6 +98,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         classify_death=classify,
         tail=tail,
         backlog=lambda: len(st.admission),
+        hold=st.dispatcher.drain,
     )
     handle.controller, handle.journal = controller, journal
     closed = False

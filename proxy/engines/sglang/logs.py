@@ -310,7 +310,7 @@ class LogFollower:
         crash = LogEvent(kind=EventKind.CRASH, time=head.time, fields=fields, line="\n".join([head.line, *block[1:]]))
         events = [crash]
         if fields["oom"] and self._oom_since_crash is None:
-            oom_fields = {k: v for k, v in fields.items() if k not in ("process", "oom", "exception")}
+            oom_fields = {k: v for k, v in fields.items() if k not in ("process", "oom")}
             events.insert(0, LogEvent(kind=EventKind.OOM, time=head.time, fields=oom_fields, line=crash.line))
         self._oom_since_crash = None
         return events

@@ -1,0 +1,67 @@
+"""Prefill out of memory, end to end: a simulated SGLang worker whose ``--mem-fraction-static``
+leaves too little room for the activations of an 8192-token prefill chunk dies with SGLang's CUDA
+OOM traceback on the first long prompts. The controller reads the traceback (prefill), revives the
+worker with ``--chunked-prefill-size 4096``, it does not die again, and the requests that had
+produced no output are retried: every one is answered in full."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from proxy.workers.base import WorkerState
+
+from .e2e import MODEL, running_proxy, wait_for
+
+N_REQUESTS = 40
+PROMPT_TOKENS = 3000
+OUTPUT_TOKENS = 64
+
+
+def long_prompt(i: int) -> str:
+    # one token per piece of up to four characters: PROMPT_TOKENS tokens, no prefix shared across requests
+    return " ".join(f"{(i * 7919 + j * 31) % 10000:04d}" for j in range(PROMPT_TOKENS))
+
+
+async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp_path: Path) -> None:
+    async with running_proxy(
+        tmp_path,
+        # 0.97 of an 80 GB H100 leaves ~1.8 GB for activations: 8192 prefill tokens need 2 GB, 4096 need 1 GB
+        args={"mem_fraction_static": 0.97, "chunked_prefill_size": 8192, "max_running_requests": 64},
+        extra_args=["--sim-time-scale", "5"],
+        control={"mode": "auto", "interval_s": 0.5, "crash_backoff_s": [0.5], "available_mem_band_gb": [1.0, 80]},
+    ) as proxy:
+        pool = proxy.state.pool
+        worker = pool.workers()[0].id
+        first_pid = pool.get(worker).pid
+        client = proxy.client()
+        results = await asyncio.gather(*[
+            client.completions.create(model=MODEL, prompt=long_prompt(i), max_tokens=OUTPUT_TOKENS,
+                                      extra_body={"sim_output_len": OUTPUT_TOKENS})
+            for i in range(N_REQUESTS)
+        ])  # fmt: skip
+        await client.close()
+
+        # nothing lost: every request answered once, in full, after the retry on the revived worker
+        assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
+        assert all(r.usage.prompt_tokens == PROMPT_TOKENS for r in results)
+        assert proxy.state.metrics.retried._value.get() >= 1
+
+        decisions = await proxy.decisions()
+        [oom] = [d for d in decisions if d["rule"] == "prefill_oom"]
+        assert oom["status"] == "applied", oom
+        assert oom["changes"] == {"chunked_prefill_size": [8192, 4096]}
+        assert oom["reason"].startswith("worker died (out of memory in prefill)")
+        assert oom["evidence"]["oom_phase"] == "prefill"
+        assert oom["evidence"]["log"].startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        # it died once, came back with the smaller chunk and did not die again
+        info = pool.get(worker)
+        assert info.state is WorkerState.READY and info.pid != first_pid
+        assert info.args["chunked_prefill_size"] == 4096 and info.restarts == 1
+        assert len(proxy.controller.state(worker).deaths) == 1
+        tail = pool.tail(worker, 2000)
+        since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line):]
+        assert any("Prefill batch" in line for line in since_ready)
+        assert not any("OutOfMemoryError" in line for line in since_ready)
+        await wait_for(lambda: not [d for d in proxy.controller.journal.entries() if d["status"] == "acting"], 10, "journal settled")
