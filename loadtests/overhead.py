@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from loadtests.loadgen import Counter, closed_loop, completion_body, open_loop, summarize
-from loadtests.procs import Proc, start_pacer, start_router, start_sim
+from loadtests.procs import Proc, runqueue_wait_seconds, start_pacer, start_router, start_sim
 
 ARMS = ("direct", "pacer", "sglang-router")
 PROMPT = "Summarize the following text in one paragraph. " * 8
@@ -61,10 +61,14 @@ async def _latency_round(urls: dict[str, str], procs: dict[str, Proc], body: dic
         url = urls[arm] + "/v1/completions"
         await open_loop(url, body, rate=args.rate, duration_s=args.warmup)  # connections, caches, JIT-free warm path
         cpu0 = {n: p.cpu_seconds() for n, p in procs.items()}
+        wait0 = {n: p.runqueue_wait_seconds() for n, p in procs.items()}
+        own0 = runqueue_wait_seconds(os.getpid())
         res = await open_loop(url, body, rate=args.rate, duration_s=args.duration)
         s = summarize(res)
         for n, p in procs.items():
             s[f"{n}_cpu_cores"] = round((p.cpu_seconds() - cpu0[n]) / res.wall_s, 3)
+            s[f"{n}_cpu_wait_fraction"] = round((p.runqueue_wait_seconds() - wait0[n]) / res.wall_s, 3)
+        s["client_cpu_wait_fraction"] = round((runqueue_wait_seconds(os.getpid()) - own0) / res.wall_s, 3)
         s["load_average_1m"] = round(os.getloadavg()[0], 2)
         out[arm] = s
         say(f"  round {rnd + 1} latency  {arm:<14} TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms, "
@@ -218,6 +222,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     report = aggregate(latency, stream)
     report["settings"] = {k: v for k, v in vars(args).items() if k not in ("report", "log_dir")}
     report["cpu_count"] = os.cpu_count()
+    report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     report["processes"] = started  # all stopped by now
     return report
 
@@ -244,11 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
     a("--router-max-concurrent", type=int, default=1024, help="sglang-router --max-concurrent-requests")
     a("--router-queue-size", type=int, default=4096, help="sglang-router --queue-size")
     a("--log-dir", default=None, help="keep the processes' logs here (default: a temporary folder)")
+    a("--max-load", type=float, default=None,
+      help="on a shared machine: first wait (up to --max-wait s) until the 1-minute load average is below this")
+    a("--max-wait", type=float, default=600.0)
     return p
+
+
+def wait_for_load(max_load: float, max_wait_s: float) -> float:
+    """Sleep until the 1-minute load average is below ``max_load`` or ``max_wait_s`` passed; seconds waited."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= max_load and time.monotonic() - t0 < max_wait_s:
+        time.sleep(5)
+    return time.monotonic() - t0
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.max_load is not None:
+        waited = wait_for_load(args.max_load, args.max_wait)
+        print(f"waited {waited:.0f} s for the load average to drop below {args.max_load:g}: "
+              f"now {os.getloadavg()[0]:.2f}", flush=True)
     report = run(args, lambda line: print(line, flush=True))
     print()
     print(table(report))

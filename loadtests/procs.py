@@ -56,6 +56,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def runqueue_wait_seconds(pid: int) -> float:
+    """Seconds the threads of ``pid`` were runnable but waiting for a CPU (``/proc/<pid>/task/*/schedstat``):
+    on a shared machine, how much other processes delayed it."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
+
+
 @dataclass
 class Proc:
     name: str
@@ -70,6 +82,9 @@ class Proc:
 
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
+
+    def runqueue_wait_seconds(self) -> float:
+        return runqueue_wait_seconds(self.pid)
 
     def log_tail(self, n: int = 30) -> str:
         try:
