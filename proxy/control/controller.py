@@ -133,6 +133,7 @@ class Controller:
             )
         if info.state is WorkerState.STARTING:
             w.window = w.window.restart(now)
+            w.state = w.state.without_resolved()
         elif info.state is WorkerState.READY and w.state.started_at is None:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)

@@ -119,6 +119,10 @@ class ControlState:
     def with_resolved(self, values: Mapping[str, float]) -> ControlState:
         return replace(self, resolved=_frozen({**self.resolved, **values}))
 
+    def without_resolved(self) -> ControlState:
+        """A new incarnation starts: it will report the values it resolves itself."""
+        return replace(self, resolved=_frozen({}))
+
     def after_restart(self, decision: Decision, now: float, flip_guard_s: float) -> ControlState:
         """The worker was restarted with ``decision.new_args``."""
         moves = dict(self.moves)
@@ -147,7 +151,6 @@ class ControlState:
             restarts=tuple(t for t in self.restarts if t > now - HOUR) + (now,),
             moves=_frozen(moves),
             blocked=_frozen(blocked),
-            resolved=_frozen({}),  # the new incarnation reports its own
             started_at=None,
         )
 

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -27,7 +28,7 @@ from proxy.engines.registry import engine_spec
 from proxy.server.auth import check_admin_key
 from proxy.server.errors import ApiError, error_response
 from proxy.server.state import PROXY
-from proxy.workers.base import WorkerInfo
+from proxy.workers.base import WorkerInfo, WorkerState
 
 __all__ = ["CONTROL", "ControlHandle", "install_controller"]
 
@@ -103,9 +104,32 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     handle.controller, handle.journal = controller, journal
     closed = False
 
+    try:
+        resolved_from = spec.function("knobs", "resolved_from_server_info")
+    except AttributeError:
+        resolved_from = None
+
+    async def read_resolved(info: WorkerInfo) -> None:
+        """What the engine chose for args left unset (``mem_fraction_static``...), from its /server_info."""
+        if st.session is None or resolved_from is None:
+            return
+        try:
+            async with st.session.get(info.url + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return
+                payload = await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            _log.debug("no /server_info from %s: %s", info.id, exc)
+            return
+        if isinstance(payload, dict) and not closed:
+            controller.set_resolved(info.id, resolved_from(payload))
+
     def on_state(info: WorkerInfo) -> None:
-        if not closed:
-            controller.track(info)
+        if closed:
+            return
+        controller.track(info)
+        if info.state is WorkerState.READY and info.managed:
+            st.spawn(read_resolved(info))
 
     def on_line(worker_id: str, line: str) -> None:
         if not closed:

@@ -254,3 +254,21 @@ def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
 )
 def test_verdict(before: dict[str, object], after: dict[str, object], expected: str) -> None:
     assert verdict(before, after) == expected
+
+
+def test_a_dying_worker_is_held_until_ready_again(tmp_path: Path) -> None:
+    calls: list[tuple[str, bool]] = []
+    clock = Clock()
+    settings = replace(ControlSettings(), mode=ControlMode.OFF, journal_path=None)
+    c = Controller(settings, KNOBS, Journal(None), reader_factory=LogFollower, hold=lambda w, on: calls.append((w, on)), clock=clock)
+    c.track(info())
+    c.on_line("w0", "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0")
+    assert calls == []
+    for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
+        c.on_line("w0", line)  # the allocator line already says it: hold once, not per event
+    assert calls == [("w0", True)]
+    c.track(info(state=WorkerState.DOWN))
+    c.track(info(state=WorkerState.STARTING))
+    assert calls == [("w0", True)]
+    c.track(info(state=WorkerState.READY))
+    assert calls == [("w0", True), ("w0", False)]

@@ -69,5 +69,6 @@ async def test_retraction_storm_is_calmed_without_losing_a_request(tmp_path: Pat
         assert served_s > 3, f"the last restart came too late to judge ({served_s:.1f} s of load after it)"
         rate_after = retracted / served_s * 60
         assert rate_after < THRESHOLD, f"{retracted} retractions in {served_s:.1f} s after the last restart"
-        assert rate_after < storms[0]["evidence"]["retraction_rate_per_min"] / 4
+        # mem_fraction_static was left unset: the controller read what the engine chose from /server_info
+        assert 0.5 < proxy.controller.state(worker).resolved["mem_fraction_static"] < 1.0
     assert proxy.journal_path.read_text().count('"rule":"retraction_storm"') >= 2  # decided, then applied
