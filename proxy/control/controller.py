@@ -109,9 +109,7 @@ class Controller:
         self._held: set[WorkerId] = set()
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
-        self._acts: asyncio.Queue[_Act] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._act_lock: asyncio.Lock | None = None
 
     @property
     def mode(self) -> ControlMode:
