@@ -1,0 +1,61 @@
+"""Decode out of memory, end to end: a simulated SGLang worker with almost no memory left for
+activations (``--mem-fraction-static 0.99``) and CUDA graphs only for small batches dies of a CUDA
+OOM in decode once its running batch grows past ~230 requests. The controller reads the traceback
+(decode), revives the worker with ``--max-running-requests`` below the peak batch it saw, the
+worker does not die again, and every request is answered in full."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from proxy.workers.base import WorkerState
+
+from .e2e import MODEL, running_proxy
+
+N_REQUESTS = 320
+OUTPUT_TOKENS = 200
+
+
+async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: Path) -> None:
+    async with running_proxy(
+        tmp_path,
+        # 0.99 of an 80 GB H100 leaves ~290 MiB for activations: a decode batch outside the CUDA graphs
+        # (max bs 8 here) needs 1.25 MiB per request, so more than ~230 running requests is an OOM
+        args={"mem_fraction_static": 0.99, "chunked_prefill_size": 1024, "cuda_graph_max_bs_decode": 8},
+        extra_args=["--sim-time-scale", "5"],
+        control={"mode": "auto", "interval_s": 0.5, "crash_backoff_s": [0.5], "available_mem_band_gb": [0.1, 80]},
+        pacing={"queue_band": [64, 128], "headroom": 16, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
+    ) as proxy:
+        pool = proxy.state.pool
+        worker = pool.workers()[0].id
+        first_pid = pool.get(worker).pid
+        client = proxy.client()
+        sem = asyncio.Semaphore(N_REQUESTS)
+
+        async def one(i: int) -> int:
+            async with sem:
+                r = await client.completions.create(model=MODEL, prompt=f"short prompt {i}", max_tokens=OUTPUT_TOKENS,
+                                                    extra_body={"sim_output_len": OUTPUT_TOKENS})
+                return r.usage.completion_tokens
+
+        results = await asyncio.gather(*[one(i) for i in range(N_REQUESTS)])
+        await client.close()
+        assert results == [OUTPUT_TOKENS] * N_REQUESTS  # nothing lost
+
+        decisions = await proxy.decisions()
+        [oom] = [d for d in decisions if d["rule"] == "decode_oom"]
+        assert oom["status"] == "applied", oom
+        assert oom["reason"].startswith("worker died (out of memory in decode)")
+        peak = oom["evidence"]["peak_running"]
+        new_cap = oom["new_args"]["max_running_requests"]
+        assert peak > 8 and new_cap == int(min(peak, oom["evidence"]["old_value"]) * 0.8) < 230
+
+        info = pool.get(worker)
+        assert info.state is WorkerState.READY and info.pid != first_pid
+        assert info.args["max_running_requests"] == new_cap and info.restarts == 1
+        assert len(proxy.controller.state(worker).deaths) == 1
+        tail = pool.tail(worker, 5000)
+        since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line):]
+        assert any("Decode batch" in line for line in since_ready)
+        assert not any("OutOfMemoryError" in line for line in since_ready)
