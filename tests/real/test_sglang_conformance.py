@@ -23,11 +23,12 @@ import pytest
 from proxy.engines.sglang.argv import KNOWN_FLAGS, FlagSpec, build_argv
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.metrics import FIELDS, PREFIX, parse_metrics
-from proxy.policy import ControlSettings
+from proxy.policy import ControlSettings, EngineKind, load_policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PROBE = Path(__file__).with_name("sglang_probe.py")
+POLICIES = Path(__file__).parents[2] / "policies"
 HOST, PORT = "127.0.0.1", 30001
 ALWAYS = {"model_path": "tiny-llama", "host": HOST, "port": PORT, "enable_metrics": True}
 
@@ -81,6 +82,17 @@ def cases() -> list[dict]:
             "fields": sorted(expected),
             "expected": expected,
         })  # fmt: skip
+    for path in sorted(POLICIES.glob("*.toml")):  # the shipped policies for real SGLang workers
+        engine = load_policy(path).engine
+        if engine.kind is not EngineKind.SGLANG:
+            continue
+        expected = {**dict(engine.args), "host": HOST, "port": PORT, "enable_metrics": True}
+        out.append({
+            "id": f"policy:{path.name}",
+            "argv": build_argv(engine.args, engine.extra_args, host=HOST, port=PORT),
+            "fields": sorted(expected),
+            "expected": expected,
+        })  # fmt: skip
     return out
 
 
@@ -101,6 +113,7 @@ def _same(parsed: object, intended: object) -> bool:
 def test_every_argv_the_module_builds_parses_to_the_intended_values(sglang_python: Path) -> None:
     all_cases = cases()
     assert len(all_cases) > 100
+    assert any(c["id"].startswith("policy:") for c in all_cases)
     answers = {a["id"]: a for a in json.loads(_probe(sglang_python, "parse", all_cases))}
     problems = []
     for case in all_cases:
