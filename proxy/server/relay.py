@@ -42,6 +42,13 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
+class _EventStream(web.StreamResponse):
+    """A stream whose headers leave with its first chunk (one write, one segment), as aiohttp's own
+    ``Response`` sends them, instead of alone on ``prepare``."""
+
+    _send_headers_immediately = False
+
+
 class UpstreamFailure(Exception):
     """An attempt failed before any output reached the client."""
 
@@ -213,7 +220,7 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
         m.completed.inc()
         return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
     resp = opened.resp
-    out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    out = _EventStream(status=200, headers=_SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)
