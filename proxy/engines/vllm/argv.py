@@ -14,7 +14,8 @@ from __future__ import annotations
 import difflib
 from typing import Mapping, Sequence
 
-from proxy.engines.sglang.argv import FlagSpec, flag_name, parse_argv_args
+from proxy.engines.sglang.argv import FlagSpec, flag_name
+from proxy.engines.sglang.argv import parse_argv_args as _parse_flags
 
 __all__ = [
     "KNOWN_FLAGS",
@@ -145,3 +146,17 @@ def build_argv(args: Mapping[str, object], extra_args: Sequence[str], *, host: s
     argv.extend(str(a) for a in extra_args)
     argv += ["--host", host, "--port", str(port)]
     return argv
+
+
+def parse_argv_args(argv: Sequence[str]) -> dict[str, object]:
+    """The inverse of :func:`build_argv`: ``["--max-num-seqs", "24", "--no-enable-prefix-caching"]``
+    -> ``{"max_num_seqs": 24, "enable_prefix_caching": False}`` (numbers typed where they look like
+    numbers; tokens before the first flag, a launcher, are skipped)."""
+    out: dict[str, object] = {}
+    for name, value in _parse_flags(argv).items():
+        negated = name[3:] if name.startswith("no_") else None
+        if negated is not None and value is True and KNOWN_FLAGS.get(negated, FlagSpec(type="")).type == "bool":
+            out[negated] = False
+        else:
+            out[name] = value
+    return out

@@ -74,7 +74,7 @@ def _event(kind: EventKind, now: float, line: str, **fields: float | int | str |
 def parse_line(line: str, now: float) -> LogEvent | None:
     """One vLLM log line read at monotonic time ``now`` -> an event, or ``None`` if it says nothing we use."""
     if m := STATS.search(line):
-        engine, engines, prompt, gen, running, waiting, middle, usage, hit = m.groups()
+        _engine, engines, prompt, gen, running, waiting, middle, usage, hit = m.groups()
         preempt = PREEMPTIONS.search(middle)
         fields: dict[str, float | int | str | bool] = {
             "prompt_throughput": _n(prompt),
