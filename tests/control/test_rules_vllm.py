@@ -73,3 +73,18 @@ def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
 def test_a_warning_that_does_not_stop_the_engine_is_ignored() -> None:
     event = LogEvent(kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False})
     assert kv_capacity(Window().push(event), ControlState.initial("w0", {}), SETTINGS) is None
+
+
+def test_prefill_oom_halves_max_num_batched_tokens() -> None:
+    from proxy.engines.vllm.logs import LogFollower
+
+    head = "(EngineCore_DP0 pid=7) ERROR 01-01 00:00:00 [core.py:1510] "
+    lines = [head + "Traceback (most recent call last):",
+             head + '  File "/v/vllm/v1/worker/gpu_model_runner.py", line 4420, in _dummy_run',
+             head + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB."]  # fmt: skip
+    follower = LogFollower()
+    window = Window().push_all([e for i, line in enumerate(lines) for e in follower.feed(line, float(i))])
+    state = ControlState.initial("w0", {"model": "m", "max_num_batched_tokens": 8192})
+    d = evaluate(window, state, SETTINGS, ON_DEATH).decision
+    assert d is not None and d.rule == "prefill_oom"
+    assert d.changes == {"max_num_batched_tokens": (8192, 4096)}

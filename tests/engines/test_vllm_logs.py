@@ -177,3 +177,39 @@ def test_recorded_kv_capacity_refusal() -> None:
     assert kv and all(e.fields["max_model_len"] == 4096 and e.fields["estimated_max_model_len"] == 1920 for e in kv)
     crash = [e for e in events if e.kind == EventKind.CRASH]
     assert crash and kv[0].time < crash[-1].time  # the root cause is read before the wrapper
+
+
+def _oom_traceback(frames: list[str]) -> list[str]:
+    head = "(EngineCore_DP0 pid=77) ERROR 01-01 00:00:00 [core.py:1510] "
+    return [head + "EngineCore failed to start.", head + "Traceback (most recent call last):"] + [
+        head + f'  File "/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py", line {100 + i}, in {f}'
+        for i, f in enumerate(frames)
+    ] + [head + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB"]
+
+
+def _follow(lines: list[str]) -> list:
+    from proxy.engines.vllm.logs import LogFollower
+
+    follower = LogFollower()
+    return [e for i, line in enumerate(lines) for e in follower.feed(line, float(i))]
+
+
+def test_follower_places_a_profile_run_oom_in_prefill() -> None:
+    events = _follow(_oom_traceback(["determine_available_memory", "profile_run", "_dummy_run", "forward"]))
+    (oom,) = [e for e in events if e.kind == EventKind.OOM]
+    assert oom.fields == {"phase": "prefill", "cause": "_dummy_run"}
+
+
+def test_follower_leaves_other_ooms_unknown_and_forgets_old_tracebacks() -> None:
+    first = _oom_traceback(["profile_run", "_dummy_run"])
+    second = _oom_traceback(["execute_model", "forward"])
+    events = _follow(first + ["INFO: Application startup complete."] + second)
+    ooms = [e for e in events if e.kind == EventKind.OOM]
+    assert [e.fields["phase"] for e in ooms] == ["prefill", "unknown"]
+
+
+def test_weights_oom() -> None:
+    line = ("ERROR 01-01 [gpu_model_runner.py:5146] Failed to load model - not enough GPU memory. Try lowering "
+            "--gpu-memory-utilization to free memory for weights, increasing --tensor-parallel-size, or using --quantization.")  # fmt: skip
+    event = parse_line(line, 0.0)
+    assert event is not None and event.kind == EventKind.OOM and event.fields == {"phase": "unknown", "cause": "weights"}

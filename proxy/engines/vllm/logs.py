@@ -20,7 +20,11 @@ What is read (V1 engine; older spellings kept where the reference lists them):
   larger than the available KV cache memory (Y GiB). Based on the available memory, the estimated
   maximum model length is N``; and ``No available memory for the cache blocks``) ->
   ``KV_CAPACITY_ERROR``;
-- out of memory (``torch.OutOfMemoryError``, ``CUDA out of memory``) -> ``OOM``;
+- out of memory (``torch.OutOfMemoryError``, ``CUDA out of memory``, ``Failed to load model - not
+  enough GPU memory``) -> ``OOM``. The line alone rarely says the phase: the sampler warm-up's
+  message (a batch of ``max_num_seqs`` dummy requests) is ``decode``; :class:`LogFollower`, which
+  reads the traceback above the error, places an OOM raised under ``profile_run`` / ``_dummy_run``
+  (the start-up forward pass of ``max_num_batched_tokens`` tokens) in ``prefill``;
 - the engine dying (``Engine core initialization failed``, ``EngineDeadError``) -> ``CRASH``. The
   root cause is printed earlier by the engine-core process, so the KV or OOM event comes first.
 """
@@ -28,6 +32,7 @@ What is read (V1 engine; older spellings kept where the reference lists them):
 from __future__ import annotations
 
 import re
+from collections import deque
 
 from proxy.engines.base import EventKind, LogEvent
 
@@ -57,8 +62,10 @@ KV_V1 = re.compile(
     rf"KV cache memory \({_NUM} GiB\)(?:.*?estimated maximum model length is {_NUM})?"
 )
 NO_BLOCKS = "No available memory for the cache blocks"
-OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory occurred")
+OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory occurred|not enough GPU memory")
 SAMPLER_OOM = "warming up sampler"
+WEIGHTS_OOM = "Failed to load model"
+PREFILL_FRAME = re.compile(r'File ".*", line \d+, in (profile_run|_dummy_run)\b')
 CRASH = re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue")
 READY = "Application startup complete."
 
@@ -103,7 +110,9 @@ def parse_line(line: str, now: float) -> LogEvent | None:
     if m := PREEMPTED_V0.search(line):
         return _event(EventKind.RETRACTION, now, line, mode=m.group(1), retractions_total=int(m.group(2)))
     if OOM.search(line):
-        return _event(EventKind.OOM, now, line, phase="decode" if SAMPLER_OOM in line else "unknown")
+        if SAMPLER_OOM in line:
+            return _event(EventKind.OOM, now, line, phase="decode", cause="sampler_warmup")
+        return _event(EventKind.OOM, now, line, phase="unknown", cause="weights" if WEIGHTS_OOM in line else "unknown")
     if CRASH.search(line):
         return _event(EventKind.CRASH, now, line)
     if m := KV_SIZE.search(line):
@@ -116,3 +125,31 @@ def parse_line(line: str, now: float) -> LogEvent | None:
     if READY in line:
         return _event(EventKind.READY, now, line)
     return None
+
+
+class LogFollower:
+    """:func:`parse_line` with memory of the traceback lines just read, to place an OOM's phase.
+
+    ``feed`` returns the events of one line; ``flush`` has nothing pending (every event is known
+    when its line is read).
+    """
+
+    def __init__(self, context_lines: int = 60) -> None:
+        self._recent: deque[str] = deque(maxlen=context_lines)
+
+    def feed(self, line: str, now: float) -> list[LogEvent]:
+        event = parse_line(line, now)
+        if event is not None and event.kind is EventKind.OOM and event.fields.get("phase") == "unknown":
+            frame = next((m for m in map(PREFILL_FRAME.search, reversed(self._recent)) if m), None)
+            if frame is not None:
+                event = LogEvent(kind=EventKind.OOM, time=event.time, line=event.line,
+                                 fields={**event.fields, "phase": "prefill", "cause": frame.group(1)})  # fmt: skip
+        if event is not None and event.kind in (EventKind.OOM, EventKind.READY):
+            self._recent.clear()  # a traceback belongs to one error
+        else:
+            self._recent.append(line)
+        return [event] if event is not None else []
+
+    def flush(self, now: float) -> list[LogEvent]:
+        del now
+        return []
