@@ -17,8 +17,9 @@ WORKDIR /opt/sglang-pacer
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY policies ./policies
-# No [sglang] extra: the image's SGLang and torch stay as they are.
-RUN python3 -m pip install --no-cache-dir . \
+# No [sglang] extra: the image's SGLang and torch stay as they are. The image installs into its
+# system Python; PIP_BREAK_SYSTEM_PACKAGES lets a PEP 668 base do the same (older pips ignore it).
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir . \
     && mkdir -p /etc/pacer /var/log/pacer
 
 # The policy is mounted here; the copies in /opt/sglang-pacer/policies are examples.
