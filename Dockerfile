@@ -22,7 +22,8 @@ COPY policies ./policies
 RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir . \
     && mkdir -p /etc/pacer /var/log/pacer
 
-# The policy is mounted here; the copies in /opt/sglang-pacer/policies are examples.
+# Mount the policy at /etc/pacer/policy.toml (the copies in /opt/sglang-pacer/policies are examples);
+# worker logs and the decision journal go to /var/log/pacer.
 VOLUME ["/var/log/pacer"]
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=900s \
