@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engines.sglang.argv import FlagSpec
+from proxy.engines.flags import FlagSpec
 from proxy.engines.vllm.argv import KNOWN_FLAGS, build_argv
 from proxy.engines.vllm.knobs import KNOBS
 

@@ -15,10 +15,10 @@ accepted only when ``allow_sim=True``.
 
 from __future__ import annotations
 
-import difflib
-import re
-from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from proxy.engines.flags import FlagSpec, FlagTable, flag_name, format_value, parse_flags
+from proxy.engines.flags import spec as _f
 
 __all__ = [
     "KNOWN_FLAGS",
@@ -30,25 +30,6 @@ __all__ = [
     "flag_name",
     "parse_argv_args",
 ]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FlagSpec:
-    """What SGLang's parser accepts for one flag.
-
-    ``type`` is one of ``"bool"`` (store_true), ``"int"``, ``"float"``, ``"str"``, ``"int_list"``
-    (``nargs="+"`` of ints). ``minimum`` is a sanity bound the proxy adds (SGLang checks some of
-    these only after start-up, which costs minutes on a GPU host).
-    """
-
-    type: str
-    choices: tuple[str, ...] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-
-
-def _f(type_: str, *choices: str, minimum: float | None = None, maximum: float | None = None) -> FlagSpec:
-    return FlagSpec(type=type_, choices=choices or None, minimum=minimum, maximum=maximum)
 
 
 _SCHEDULE_POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
@@ -143,16 +124,9 @@ REMOVED_FLAGS: Mapping[str, str] = {
     "enable_dp_attention": "deprecated in SGLang 0.5.x: use attn_dp_size through engine.extra_args",
 }
 
+TABLE = FlagTable("SGLang", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS)
+
 _SIM_PREFIX = "sim_"
-
-
-def flag_name(name: str) -> str:
-    """``max_running_requests`` -> ``--max-running-requests``."""
-    return "--" + name.replace("_", "-")
-
-
-def _spec(name: str) -> FlagSpec | None:
-    return KNOWN_FLAGS.get(name) or SUPERVISOR_FLAGS.get(name)
 
 
 def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | None:
@@ -160,67 +134,16 @@ def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | Non
 
     ``allow_sim`` admits the simulated engine's own ``sim_*`` names (scalars or lists of scalars).
     """
-    if name in REMOVED_FLAGS:
-        return f"{flag_name(name)} is {REMOVED_FLAGS[name]}"
-    if name in ("host", "port"):
-        return "set by the supervisor (use engine.host / engine.base_port)"
     if name == "enable_metrics":
         return None if value is True else "metrics are always enabled (the proxy paces by them); remove it"
     if allow_sim and name.startswith(_SIM_PREFIX):
         ok = _is_scalar(value) or (isinstance(value, list) and value and all(_is_scalar(v) for v in value))
         return None if ok else "expected a number, string, boolean or a non-empty list of them"
-    spec = KNOWN_FLAGS.get(name)
-    if spec is None:
-        known = [*KNOWN_FLAGS, *REMOVED_FLAGS]
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        extra = " (others can go in engine.extra_args)"
-        return f"unknown SGLang flag {flag_name(name)}{hint}{extra}"
-    return _check_value(spec, value)
+    return TABLE.check(name, value)
 
 
 def _is_scalar(value: object) -> bool:
     return isinstance(value, (str, int, float, bool))
-
-
-def _check_value(spec: FlagSpec, value: object) -> str | None:
-    if spec.type == "bool":
-        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
-    if spec.type == "int_list":
-        if not isinstance(value, list) or not value:
-            return f"expected a non-empty list of integers, got {value!r}"
-        for item in value:
-            problem = _check_number(spec, item, integer=True)
-            if problem:
-                return problem
-        return None
-    if spec.type == "int":
-        return _check_number(spec, value, integer=True)
-    if spec.type == "float":
-        return _check_number(spec, value, integer=False)
-    if not isinstance(value, str):
-        return f"expected a string, got {value!r}"
-    if spec.choices is not None and value not in spec.choices:
-        return f"expected one of {', '.join(spec.choices)}; got {value!r}"
-    if not value:
-        return "expected a non-empty string"
-    return None
-
-
-def _check_number(spec: FlagSpec, value: object, *, integer: bool) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        return f"expected {'an integer' if integer else 'a number'}, got {value!r}"
-    if spec.minimum is not None and value < spec.minimum:
-        return f"must be >= {spec.minimum:g}, got {value!r}"
-    if spec.maximum is not None and value > spec.maximum:
-        return f"must be <= {spec.maximum:g}, got {value!r}"
-    return None
-
-
-def _format(value: object) -> str:
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
 
 
 def build_argv(args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
@@ -243,69 +166,19 @@ def build_argv(args: Mapping[str, object], extra_args: Sequence[str], *, host: s
             if not value:
                 raise ValueError(f"engine arg {name!r}: empty list")
             argv.append(flag_name(name))
-            argv.extend(_format(v) for v in value)
+            argv.extend(format_value(v) for v in value)
         elif value is None:
             continue
         else:
-            argv += [flag_name(name), _format(value)]
+            argv += [flag_name(name), format_value(value)]
     argv.extend(str(a) for a in extra_args)
     argv += ["--host", host, "--port", str(port), "--enable-metrics"]
     return argv
 
 
-_NUMBER = re.compile(r"-?\d+(\.\d*)?([eE][-+]?\d+)?")
-
-
-def _guess(token: str) -> object:
-    if _NUMBER.fullmatch(token):
-        return int(token) if token.lstrip("-").isdigit() else float(token)
-    return token
-
-
-def _convert(name: str, values: list[str]) -> object:
-    spec = _spec(name)
-    if spec is None:
-        if not values:
-            return True
-        return _guess(values[0]) if len(values) == 1 else [_guess(v) for v in values]
-    if spec.type == "bool":
-        return True
-    try:
-        if spec.type == "int_list":
-            return [int(v) for v in values]
-        if len(values) != 1:
-            return values
-        if spec.type == "int":
-            return int(values[0])
-        if spec.type == "float":
-            return float(values[0])
-    except ValueError:
-        return values[0] if len(values) == 1 else values
-    return values[0]
-
-
 def parse_argv_args(argv: Sequence[str]) -> dict[str, object]:
     """The inverse of :func:`build_argv`: ``["--tp-size", "2", "--trust-remote-code"]`` -> ``{"tp_size": 2, "trust_remote_code": True}``.
 
-    Tokens before the first ``--flag`` (a launcher such as ``python3 -m sglang.launch_server``) are
-    skipped. Values are typed by :data:`KNOWN_FLAGS`; other flags get ints/floats where they look
-    like numbers, ``True`` when bare, and a list when followed by several values. ``--flag=value``
-    is understood too. A flag given twice keeps the last value, as argparse does.
+    Values are typed by :data:`KNOWN_FLAGS` (see :func:`proxy.engines.flags.parse_flags`).
     """
-    out: dict[str, object] = {}
-    name: str | None = None
-    values: list[str] = []
-
-    def flush() -> None:
-        if name is not None:
-            out[name] = _convert(name, values)
-
-    for token in argv:
-        if token.startswith("--") and len(token) > 2:
-            flush()
-            flag, eq, inline = token[2:].partition("=")
-            name, values = flag.replace("-", "_"), ([inline] if eq else [])
-        elif name is not None:
-            values.append(token)
-    flush()
-    return out
+    return parse_flags(argv, TABLE.lookup)

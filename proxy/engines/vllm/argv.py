@@ -11,11 +11,10 @@ without a flag; the supervisor adds only ``--host`` and ``--port``.
 
 from __future__ import annotations
 
-import difflib
 from typing import Mapping, Sequence
 
-from proxy.engines.sglang.argv import FlagSpec, flag_name
-from proxy.engines.sglang.argv import parse_argv_args as _parse_flags
+from proxy.engines.flags import FlagSpec, FlagTable, flag_name, format_value, parse_flags
+from proxy.engines.flags import spec as _f
 
 __all__ = [
     "KNOWN_FLAGS",
@@ -27,10 +26,6 @@ __all__ = [
     "flag_name",
     "parse_argv_args",
 ]
-
-
-def _f(type_: str, *choices: str, minimum: float | None = None, maximum: float | None = None) -> FlagSpec:
-    return FlagSpec(type=type_, choices=choices or None, minimum=minimum, maximum=maximum)
 
 
 _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -83,38 +78,13 @@ REMOVED_FLAGS: Mapping[str, str] = {
 }
 
 
+TABLE = FlagTable("vLLM", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS)
+
+
 def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | None:
     """Why ``name = value`` is not a valid vLLM engine arg for a policy, or ``None`` if it is."""
     del allow_sim  # the simulated engine speaks SGLang
-    if name in REMOVED_FLAGS:
-        return f"{flag_name(name)} is {REMOVED_FLAGS[name]}"
-    if name in SUPERVISOR_FLAGS:
-        return "set by the supervisor (use engine.host / engine.base_port)"
-    spec = KNOWN_FLAGS.get(name)
-    if spec is None:
-        close = difflib.get_close_matches(name, [*KNOWN_FLAGS, *REMOVED_FLAGS], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"unknown vLLM flag {flag_name(name)}{hint} (others can go in engine.extra_args)"
-    return _check_value(spec, value)
-
-
-def _check_value(spec: FlagSpec, value: object) -> str | None:
-    if spec.type == "bool":
-        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
-    if spec.type in ("int", "float"):
-        integer = spec.type == "int"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-            return f"expected {'an integer' if integer else 'a number'}, got {value!r}"
-        if spec.minimum is not None and value < spec.minimum:
-            return f"must be >= {spec.minimum:g}, got {value!r}"
-        if spec.maximum is not None and value > spec.maximum:
-            return f"must be <= {spec.maximum:g}, got {value!r}"
-        return None
-    if not isinstance(value, str) or not value:
-        return f"expected a non-empty string, got {value!r}"
-    if spec.choices is not None and value not in spec.choices:
-        return f"expected one of {', '.join(spec.choices)}; got {value!r}"
-    return None
+    return TABLE.check(name, value)
 
 
 def _bool_flag(name: str, value: bool) -> str:
@@ -140,9 +110,9 @@ def build_argv(args: Mapping[str, object], extra_args: Sequence[str], *, host: s
             if not value:
                 raise ValueError(f"engine arg {name!r}: empty list")
             argv.append(flag_name(name))
-            argv.extend(repr(v) if isinstance(v, float) else str(v) for v in value)
+            argv.extend(format_value(v) for v in value)
         else:
-            argv += [flag_name(name), repr(value) if isinstance(value, float) else str(value)]
+            argv += [flag_name(name), format_value(value)]
     argv.extend(str(a) for a in extra_args)
     argv += ["--host", host, "--port", str(port)]
     return argv
@@ -153,7 +123,7 @@ def parse_argv_args(argv: Sequence[str]) -> dict[str, object]:
     -> ``{"max_num_seqs": 24, "enable_prefix_caching": False}`` (numbers typed where they look like
     numbers; tokens before the first flag, a launcher, are skipped)."""
     out: dict[str, object] = {}
-    for name, value in _parse_flags(argv).items():
+    for name, value in parse_flags(argv, TABLE.lookup).items():
         negated = name[3:] if name.startswith("no_") else None
         if negated is not None and value is True and KNOWN_FLAGS.get(negated, FlagSpec(type="")).type == "bool":
             out[negated] = False
