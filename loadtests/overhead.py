@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -59,7 +60,9 @@ async def _latency_round(urls: dict[str, str], procs: dict[str, Proc], body: dic
     out: dict[str, dict[str, Any]] = {}
     for arm in _order(rnd):
         url = urls[arm] + "/v1/completions"
-        await open_loop(url, body, rate=args.rate, duration_s=args.warmup)  # connections, caches, JIT-free warm path
+        await open_loop(url, body, rate=args.rate, duration_s=args.warmup)  # connections and caches warm
+        gc.collect()
+        gc.freeze()  # the client's own full collections would add pauses to every arm's TTFT
         cpu0 = {n: p.cpu_seconds() for n, p in procs.items()}
         wait0 = {n: p.runqueue_wait_seconds() for n, p in procs.items()}
         own0 = runqueue_wait_seconds(os.getpid())
