@@ -36,7 +36,7 @@ from proxy.admission import AdmissionQueue, Priority, QueueFull, Ticket
 from proxy.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
-__all__ = ["Attempt", "Dispatcher", "QueueFull", "QueueTimeout", "choose_worker"]
+__all__ = ["Attempt", "Dispatcher", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
 
 
 def _rendezvous(worker_id: str, key: str) -> int:
@@ -83,6 +83,10 @@ class QueueTimeout(Exception):
     """A ticket waited past its deadline in the proxy queue."""
 
 
+class ProxyClosing(Exception):
+    """The proxy is shutting down: a queued (or newly submitted) request will not be dispatched."""
+
+
 class Attempt:
     """One try of one request on one worker, from dispatch until the handler releases it."""
 
@@ -112,11 +116,14 @@ class Dispatcher:
         self.prefix_affinity = prefix_affinity
         self.clock = clock
         self._open: dict[WorkerId, set[Attempt]] = {}
+        self.closing = False
         self._pumping = False
         self._again = False
 
     # -- request side -----------------------------------------------------------------------------
     def submit(self, priority: Priority, timeout_s: float, affinity: str | None = None) -> Ticket:
+        if self.closing:
+            raise ProxyClosing()
         now = self.clock()
         ticket = Ticket(priority, now, now + timeout_s, asyncio.get_running_loop().create_future(),
                         affinity if self.prefix_affinity else None)
@@ -144,7 +151,7 @@ class Dispatcher:
 
     def _withdraw(self, ticket: Ticket) -> None:
         fut = ticket.future
-        if fut.done() and not fut.cancelled():
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.release(fut.result())  # assigned in the same instant: give the slot back
         else:
             fut.cancel()
@@ -159,8 +166,19 @@ class Dispatcher:
         """
         ticket.deadline = max(ticket.deadline, self.clock() + ticket.patience)
         ticket.future = asyncio.get_running_loop().create_future()
+        if self.closing:
+            ticket.future.set_exception(ProxyClosing())
+            return
         self.admission.requeue(ticket)
         self.pump()
+
+    def close(self) -> None:
+        """Shutting down: refuse new tickets and fail every queued one with :class:`ProxyClosing`
+        (their handlers answer 503 at once); attempts already on a worker run to completion."""
+        self.closing = True
+        for ticket in self.admission.drain_all():
+            if not ticket.future.done():
+                ticket.future.set_exception(ProxyClosing())
 
     def start(self, attempt: Attempt, task: asyncio.Task) -> None:
         attempt.task = task

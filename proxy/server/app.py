@@ -64,6 +64,7 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> 
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
+    app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     install_controller(app)  # proxy.control: its loop (after the lifecycle above) and GET /admin/decisions
     return app
@@ -119,6 +120,12 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
             await st.session.close()
 
     return ctx
+
+
+async def _stop_admitting(app: web.Application) -> None:
+    """Shutdown, first step: queued requests get a 503 now; what already runs on a worker finishes
+    within aiohttp's shutdown grace."""
+    app[PROXY].dispatcher.close()
 
 
 async def _start_pool(st: ProxyState) -> None:

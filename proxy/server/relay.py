@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from proxy.admission import Priority, QueueFull
-from proxy.dispatch import QueueTimeout
+from proxy.dispatch import ProxyClosing, QueueTimeout
 from proxy.server.errors import ApiError, error_event
 from proxy.server.state import ProxyState
 from proxy.server.validation import Job
@@ -123,6 +123,12 @@ async def post_abort(st: ProxyState, url: str, rid: str) -> None:
         _log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
 
+def _closing_error(st: ProxyState) -> ApiError:
+    return ApiError(503, "sglang-pacer is shutting down; the request was not started, send it again",
+                    type="service_unavailable", code="shutting_down",
+                    headers={"Retry-After": str(st.policy.queue.retry_after_s)})
+
+
 def _no_worker_message(st: ProxyState) -> str:
     workers = st.pool.workers()
     ready = [w for w in workers if w.state is WorkerState.READY]
@@ -143,6 +149,8 @@ async def forward(st: ProxyState, request: web.Request, job: Job, priority: Prio
     submitted = time.monotonic()
     try:
         ticket = d.submit(priority, st.policy.queue.timeout_s, job.affinity)
+    except ProxyClosing:
+        raise _closing_error(st) from None
     except QueueFull as exc:
         m.reject_full.inc()
         raise ApiError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
@@ -155,6 +163,8 @@ async def forward(st: ProxyState, request: web.Request, job: Job, priority: Prio
     while True:
         try:
             attempt = await d.assigned(ticket)
+        except ProxyClosing:
+            raise _closing_error(st) from None
         except QueueTimeout:
             m.fail_timeout.inc()
             raise ApiError(503, _no_worker_message(st), type="service_unavailable", code="queue_timeout") from None

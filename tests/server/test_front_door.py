@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
@@ -185,3 +187,43 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
     assert order == ["interactive", "batch 0", "batch 1", "batch 2"]
     await batch.close()
     await inter.close()
+
+
+async def test_shutdown_answers_queued_requests_with_503_at_once():
+    from proxy.policy import parse_policy
+    from proxy.server.app import build_app, serve
+    from proxy.server.state import PROXY
+    from tests.server.fake_worker import FakeWorker
+    from tests.server.static_pool import StaticPool
+
+    worker = FakeWorker()
+    url = await worker.start()
+    doc = {"engine": {"kind": "external", "urls": [url]},
+           "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0}}
+    app = build_app(parse_policy(doc, "<test>"), StaticPool([url]))
+    runner, port = await serve(app, "127.0.0.1", 0)
+    st = app[PROXY]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            deadline = asyncio.get_running_loop().time() + 10
+            while st.board.get("w0").sample is None:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            st.dispatcher.drain("w0")  # nothing dispatches: both requests wait in the proxy queue
+            queued = [asyncio.ensure_future(s.post(base + "/v1/completions",
+                                                   json={"model": MODEL, "prompt": p, "max_tokens": 1}))
+                      for p in ("a", "b")]
+            while len(st.admission) < 2:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            stopping = asyncio.ensure_future(runner.cleanup())
+            for fut in queued:
+                resp = await asyncio.wait_for(fut, 5)
+                body = await resp.json()
+                assert resp.status == 503 and resp.headers["Retry-After"]
+                assert body["error"]["code"] == "shutting_down" and "shutting down" in body["error"]["message"]
+            await asyncio.wait_for(stopping, 10)
+    finally:
+        await runner.cleanup()
+        await worker.stop()
