@@ -71,6 +71,7 @@ class KnobMove:
     old: float | None
     new: float
     rule: str
+    evidence: Evidence = field(default_factory=_frozen)  # the figures the move was made on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +141,7 @@ class ControlState:
                 old=float(old) if isinstance(old, (int, float)) else None,
                 new=float(new) if isinstance(new, (int, float)) else 0.0,
                 rule=decision.rule,
+                evidence=_frozen(decision.evidence),
             )
         elif decision.knob is None and decision.kind is RuleKind.SAFETY and decision.changes:  # a revert: hold every moved knob
             for knob, move in moves.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from proxy.control.decision import Action, ControlState, Decision, Evidence, RuleKind
+from proxy.control.decision import Action, ControlState, Decision, Evidence, KnobMove, RuleKind
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent
 from proxy.policy import ControlSettings
@@ -32,6 +32,10 @@ __all__ = [
     "gate",
     "revive_delay",
 ]
+
+
+GUIDE_CONSERVATIVENESS = 0.3  # the tuning guide's "lower --schedule-conservativeness (e.g. 0.3)"
+RETRACTION_CUT = 0.5  # a raise that did not cut the retraction rate by this much did not pay
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +227,30 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     current = _current(knob, window, state)
     if current is None:
         return None
+    throughput = window.throughput
+    if _raise_did_not_pay(state.moves.get(str(KnobName.CONSERVATIVENESS)), rate, throughput, window.now, c):
+        return None
+    evidence = {**evidence, "throughput": round(throughput, 1) if throughput is not None else None}
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
         new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
         reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}): " + "raise {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings) -> bool:
+    """True when this rule's last raise of the knob (within ``flip_guard_s``) did not pay: the
+    retraction rate is still above ``RETRACTION_CUT`` of what it was then (the retractions do not come
+    from admission: outputs that run to their max_tokens retract at any conservativeness), or it
+    fell but so did throughput (the caution costs more than the recomputation it saves). Either way
+    another raise is the same bet again."""
+    if previous is None or previous.rule != "retraction_storm" or previous.direction <= 0 or now - previous.time >= c.flip_guard_s:
+        return False
+    rate_before = previous.evidence.get("retraction_rate_per_min")
+    if isinstance(rate_before, (int, float)) and rate > rate_before * RETRACTION_CUT:
+        return True
+    tp_before = previous.evidence.get("throughput")
+    return isinstance(tp_before, (int, float)) and throughput is not None and throughput < tp_before
 
 
 def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: float, evidence: Evidence) -> Decision | None:
@@ -293,7 +316,8 @@ def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision
 
 
 def admission_too_conservative(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Token usage < 0.9 while requests wait, most of the window, without retractions: admit more."""
+    """Token usage < 0.9 while requests wait, most of the window, without retractions: admit more.
+    Above the guide's 0.3 the conservativeness goes straight to 0.3; at or below it, by steps."""
     c = s.control
     if window.observed_s < c.min_evidence_s:
         return None
@@ -313,27 +337,36 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
         "low_usage_fraction": round(fraction, 3), "threshold_fraction": c.low_usage_fraction, "low_usage": c.low_usage,
         "retractions": 0, "at_cap_fraction": round(at_cap, 3), "observed_s": round(window.observed_s, 1),
     }  # fmt: skip
+    # from above the guide's value straight to it (one restart, not a creep of them), below it by steps
+    target = GUIDE_CONSERVATIVENESS if current > GUIDE_CONSERVATIVENESS else current - c.conservativeness_step
     return _move(
         window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
-        new_value=max(current - c.conservativeness_step, c.conservativeness_bounds[0]), direction=-1, evidence=evidence,
+        new_value=max(target, c.conservativeness_bounds[0]), direction=-1, evidence=evidence,
         reason=f"token usage < {c.low_usage:g} with requests waiting in {fraction:.0%} of the window: " + "lower {arg} {old} -> {new}",
     )  # fmt: skip
 
 
 def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """More free device memory at start-up than the band's top: a bigger KV pool fits (small steps)."""
+    """More free device memory at start-up than the band's top: a bigger KV pool fits. One step to
+    the fraction that leaves the middle of the band free: the static fraction takes ``fraction x
+    total`` and the rest, less small fixed buffers, is what the start-up line reports free, so
+    ``total`` is at least ``free / (1 - fraction)``; that lower bound makes the step a little
+    long, which the band's width absorbs. At least ``memory_fraction_step``, within the bounds."""
     free = _startup_mem(window)
     low, high = s.control.available_mem_band_gb
     if free is None or free <= high:
         return None
     knob = s.knobs.get(KnobName.MEMORY_FRACTION)
     current = _current(knob, window, state) if knob else None
-    if current is None:
+    if current is None or current >= 1.0:
         return None
-    new = min(current + s.control.memory_fraction_step, s.control.memory_fraction_bounds[1])
+    total = free / (1.0 - current)
+    target = current + (free - (low + high) / 2) / total
+    new = min(max(target, current + s.control.memory_fraction_step), s.control.memory_fraction_bounds[1])
     return _move(
         window, state, s, rule="memory_headroom", kind=RuleKind.TUNING, knob_name=KnobName.MEMORY_FRACTION,
-        new_value=new, direction=+1, evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{high:g}"},
+        new_value=round(new, 3), direction=+1,
+        evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{high:g}", "gpu_total_gb_at_least": round(total, 1)},
         reason=f"{free:g} GB free at start-up (> {high:g} GB): " + "raise {arg} {old} -> {new}",
     )  # fmt: skip
 

@@ -108,7 +108,7 @@ def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
     assert c.tick() == []  # the same advice is not repeated within the cool-down
     entries = c.journal.entries()
     assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("admission_too_conservative", "advised", "advise")]
-    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.7]}
+    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.3]}
     assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
 
 
@@ -191,7 +191,7 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     c.track(info())
     feed(c, clock, samples("samples_conservative.json"))
     [act] = c.tick()
-    asyncio.run(c._carry_out(act))  # conservativeness 1.0 -> 0.7
+    asyncio.run(c._carry_out(act))  # conservativeness 1.0 -> 0.3
     rules = []
     for t in (100.0, 110.0, 120.0):
         clock.now = t

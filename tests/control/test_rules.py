@@ -44,7 +44,7 @@ def state(args: dict[str, object] | None = None, **kw: object) -> ControlState:
 def test_low_usage_with_queue_lowers_conservativeness() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state(), SETTINGS)
     assert d is not None and d.rule == "admission_too_conservative" and d.kind is RuleKind.TUNING
-    assert d.changes == {"schedule_conservativeness": (1.0, 0.7)}
+    assert d.changes == {"schedule_conservativeness": (1.0, 0.3)}  # straight to the guide's 0.3, not 0.7
     assert d.evidence["low_usage_fraction"] == 1.0 and d.direction == -1
     assert "token usage < 0.9" in d.reason
 
@@ -70,7 +70,22 @@ def test_admission_rule_must_not_fire(window: Window, args: dict[str, object]) -
 
 def test_admission_rule_default_conservativeness_when_unset() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.7)} and d.evidence["old_value"] == 1.0
+    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.3)} and d.evidence["old_value"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("current", "lower_bound", "expected"),
+    [
+        pytest.param(2.0, 0.1, 0.3, id="from-far-above-the-guide-value-in-one-step"),
+        pytest.param(0.35, 0.1, 0.3, id="just-above-the-guide-value-stops-at-it"),
+        pytest.param(0.3, 0.1, 0.1, id="at-the-guide-value-steps-down-to-the-bound"),
+        pytest.param(1.0, 0.5, 0.5, id="the-bound-above-the-guide-value-wins"),
+    ],
+)
+def test_admission_rule_jumps_to_the_guide_value_then_steps(current: float, lower_bound: float, expected: float) -> None:
+    settings = RuleSettings(control=ControlSettings(conservativeness_bounds=(lower_bound, 2.0)), knobs=KNOBS)
+    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings)
+    assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected)
 
 
 # -- retraction storm --------------------------------------------------------------------------
@@ -82,6 +97,53 @@ def test_retraction_counter_storm_raises_conservativeness() -> None:
     assert d is not None and d.kind is RuleKind.CORRECTIVE and d.direction == +1
     assert d.changes == {"schedule_conservativeness": (1.0, 1.3)}
     assert d.evidence["retraction_rate_per_min"] > 6
+
+
+def _raised(rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm") -> ControlState:
+    """The state after a raise 0.7 -> 1.0 at ``at`` made on that retraction rate and throughput."""
+    from proxy.control.decision import Decision
+
+    raise_ = Decision(
+        worker_id="w0", rule=rule, reason="r", time=at, kind=RuleKind.CORRECTIVE, knob="conservativeness", direction=+1,
+        evidence={"retraction_rate_per_min": rate_before, "throughput": throughput_before, "old_value": 0.7, "new_value": 1.0},
+        old_args={**ARGS, "schedule_conservativeness": 0.7}, new_args=ARGS,
+    )  # fmt: skip
+    return replace(state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, SETTINGS.control.flip_guard_s), last_restart=None)
+
+
+def test_retraction_rule_records_throughput_for_the_next_look() -> None:
+    w = window_of(samples("samples_retraction_storm.json"))
+    d = retraction_storm(w, state(), SETTINGS)
+    assert d is not None and d.evidence["throughput"] == pytest.approx(w.throughput, abs=0.1)
+
+
+def test_retraction_rule_raises_again_when_the_last_raise_paid() -> None:
+    w = window_of(samples("samples_retraction_storm.json"))
+    rate, tp = w.retraction_rate_per_min, w.throughput
+    assert rate > 6 and tp is not None
+    for st in (
+        _raised(rate * 3, tp * 0.9),  # the last raise cut retractions to a third and throughput rose
+        _raised(rate * 3, None),  # ... no throughput figure then
+        _raised(rate, tp * 2, rule="memory_low"),  # the last move of the knob was not this rule's
+        _raised(rate, tp * 2, at=w.now - SETTINGS.control.flip_guard_s - 1),  # that raise is long past
+    ):
+        d = retraction_storm(w, st, SETTINGS)
+        assert d is not None and d.changes == {"schedule_conservativeness": (1.0, 1.3)}
+
+
+@pytest.mark.parametrize(
+    ("rate_factor", "throughput_factor"),
+    [
+        pytest.param(1.0, 0.5, id="the-last-raise-did-not-cut-retractions"),
+        pytest.param(1.5, 0.5, id="the-last-raise-cut-them-by-a-third-only"),
+        pytest.param(3.0, 1.2, id="the-last-raise-cut-them-but-throughput-fell"),
+    ],
+)
+def test_retraction_rule_must_not_raise_again_when_the_last_raise_did_not_pay(rate_factor: float, throughput_factor: float) -> None:
+    w = window_of(samples("samples_retraction_storm.json"))
+    assert w.throughput is not None
+    st = _raised(w.retraction_rate_per_min * rate_factor, w.throughput * throughput_factor)
+    assert retraction_storm(w, st, SETTINGS) is None
 
 
 def test_retraction_log_storm_raises_conservativeness() -> None:
@@ -109,7 +171,10 @@ def test_retraction_rule_must_not_fire(window: Window, conservativeness: float) 
 def test_memory_headroom_raises_fraction_by_small_steps() -> None:
     w = window_of(log_events("log_startup_headroom.log"))
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), SETTINGS)
-    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.84)} and d.evidence["available_gpu_mem_gb"] == 13.5
+    # 13.5 GB free with 0.83 static: the GPU holds >= 13.5 / 0.17 = 79.4 GB; 6 GB more to the pool
+    # leaves the band's middle (7.5 GB) free: 0.83 + 6 / 79.4 = 0.906, one restart instead of eight
+    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.906)} and d.evidence["available_gpu_mem_gb"] == 13.5
+    assert d.evidence["gpu_total_gb_at_least"] == 79.4
     assert memory_low(w, state({"mem_fraction_static": 0.83}), SETTINGS) is None
 
 
@@ -119,7 +184,20 @@ def test_memory_rules_need_a_known_fraction_and_respect_bounds() -> None:
     assert memory_headroom(w, state({"mem_fraction_static": 0.95}), SETTINGS) is None  # at the policy's bound
     resolved = state({}).with_resolved({"mem_fraction_static": 0.8})
     d = memory_headroom(w, resolved, SETTINGS)
-    assert d is not None and d.new_args["mem_fraction_static"] == 0.81
+    assert d is not None and d.new_args["mem_fraction_static"] == 0.889  # 0.8 + 6 / (13.5 / 0.2)
+
+
+def test_memory_headroom_steps_at_least_the_policy_step_and_stays_in_bounds() -> None:
+    w = window_of(log_events("log_startup_headroom.log"))  # 13.5 GB free
+    wide = RuleSettings(control=ControlSettings(available_mem_band_gb=(5.0, 13.0), memory_fraction_step=0.01), knobs=KNOBS)
+    d = memory_headroom(w, state({"mem_fraction_static": 0.83}), wide)  # the middle (9 GB): 0.83 + 4.5 / 79.4
+    assert d is not None and d.new_args["mem_fraction_static"] == pytest.approx(0.887)
+    big_step = RuleSettings(control=ControlSettings(memory_fraction_step=0.1), knobs=KNOBS)
+    d = memory_headroom(w, state({"mem_fraction_static": 0.83}), big_step)
+    assert d is not None and d.new_args["mem_fraction_static"] == pytest.approx(0.93)  # the step is the floor
+    capped = RuleSettings(control=ControlSettings(memory_fraction_bounds=(0.5, 0.88)), knobs=KNOBS)
+    d = memory_headroom(w, state({"mem_fraction_static": 0.83}), capped)
+    assert d is not None and d.new_args["mem_fraction_static"] == 0.88
 
 
 def test_memory_low_lowers_fraction() -> None:
