@@ -151,6 +151,7 @@ def aggregate(latency: list[dict[str, dict[str, Any]]], stream: list[dict[str, d
         report[f"{prefix}_stream_throughput_ratio"] = ratio(stream, arm, "stream_tok_per_s")
     report["pacer_chunks_per_cpu_s"] = report["pacer"]["chunks_per_cpu_s"]
     report["router_chunks_per_cpu_s"] = report["sglang-router"]["chunks_per_cpu_s"]
+    report["load_average_1m_median"] = _median([s["load_average_1m"] for r in latency + stream for s in r.values()])
     report["rounds"] = {"latency": latency, "stream": stream}
     return report
 
