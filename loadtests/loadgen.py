@@ -156,6 +156,8 @@ async def closed_loop(url: str, body: dict[str, Any], *, concurrency: int, stop:
             out = Outcome(scheduled=now, sent=now)
             await stream_one(session, url, payload, out, counter)
             outcomes.append(out)
+            if out.error is not None:
+                await asyncio.sleep(0.05)  # a failing server is not hammered in a tight loop
 
     async with _session(timeout_s) as session:
         tasks = [asyncio.create_task(client(session)) for _ in range(concurrency)]
