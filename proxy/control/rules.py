@@ -36,6 +36,7 @@ __all__ = [
 
 GUIDE_CONSERVATIVENESS = 0.3  # the tuning guide's "lower --schedule-conservativeness (e.g. 0.3)"
 RETRACTION_CUT = 0.5  # a raise that did not cut the retraction rate by this much did not pay
+FILLING_RISE = 0.05  # token usage up by this much from the window's first third to its last: still filling
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +325,9 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     fraction = window.conservative_fraction(c.low_usage)
     if fraction < c.low_usage_fraction or window.retractions > 0:
         return None
+    rise = _usage_rise(window)
+    if rise > FILLING_RISE:
+        return None  # the pool is still filling (a start-up or long prompts in prefill), not held back by admission
     cap_knob = s.knobs.get(KnobName.MAX_RUNNING)
     cap = _current(cap_knob, window, state) if cap_knob else None
     at_cap = window.at_cap_fraction(cap)
@@ -344,6 +348,15 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
         new_value=max(target, c.conservativeness_bounds[0]), direction=-1, evidence=evidence,
         reason=f"token usage < {c.low_usage:g} with requests waiting in {fraction:.0%} of the window: " + "lower {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _usage_rise(window: Window) -> float:
+    """Mean token usage of the window's last third of samples minus that of its first third."""
+    usage = [smp.token_usage for smp in window.samples]
+    third = len(usage) // 3
+    if third == 0:
+        return 0.0
+    return sum(usage[-third:]) / third - sum(usage[:third]) / third
 
 
 def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:

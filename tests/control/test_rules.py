@@ -68,6 +68,19 @@ def test_admission_rule_must_not_fire(window: Window, args: dict[str, object]) -
     assert admission_too_conservative(window, state(args), SETTINGS) is None
 
 
+def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
+    from proxy.engines.base import Sample
+
+    # long prompts after a start-up: usage climbs 0.10 -> 0.85 over the window with requests waiting
+    filling = [Sample(time=float(t), queue=130, running=min(90, 3 * t), token_usage=0.10 + 0.0125 * t) for t in range(61)]
+    assert window_of(filling).conservative_fraction(0.9) == 1.0
+    assert admission_too_conservative(window_of(filling), state(), SETTINGS) is None
+    # the same usage once it has levelled off is evidence
+    level = [Sample(time=float(t), queue=130, running=90, token_usage=0.60 + 0.01 * (t % 3)) for t in range(61)]
+    d = admission_too_conservative(window_of(level), state(), SETTINGS)
+    assert d is not None and d.changes == {"schedule_conservativeness": (1.0, 0.3)}
+
+
 def test_admission_rule_default_conservativeness_when_unset() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
     assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.3)} and d.evidence["old_value"] == 1.0
