@@ -65,13 +65,17 @@ class ArmResult:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     series: list[dict[str, Any]] = field(default_factory=list)
     completions: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens) per ok answer
+    sim_slowdown: float | None = None  # wall / engine-clock seconds of the last incarnation's steps (1: kept up)
+    load_avg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at the start and the end
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
         out["output_tok_per_s"] = round(self.output_tok_per_s, 1)
         out.update(args=self.args, control_mode=self.control_mode, final_args=self.final_args,
                    output_tokens=self.output_tokens, duration_s=round(self.duration_s, 2),
-                   retractions_counter=self.retractions_counter, errors=self.errors)
+                   retractions_counter=self.retractions_counter, errors=self.errors,
+                   sim_slowdown=None if self.sim_slowdown is None else round(self.sim_slowdown, 2),
+                   load_avg=[round(x, 1) for x in self.load_avg])
         return out
 
 
@@ -100,7 +104,9 @@ def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path)
         "engine": {"kind": "sim", "workers": 1, "args": {k: v for k, v in args.items() if v is not None},
                    "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
                    "stop_grace_s": 5.0},
-        "pacing": {"scrape_interval_s": 0.5, "stale_after_s": 3.0},
+        # a batch deployment's band: the queue is held near 100 + 32; without a fresh sample the proxy
+        # sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
+        "pacing": {"queue_band": [100, 400], "scrape_interval_s": 0.5, "stale_after_s": 3.0},
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
     lines = []
@@ -236,6 +242,19 @@ async def _one(session: Any, url: str, model: str, i: int, prompt: str, max_toke
     res.last_answer_s = max(res.last_answer_s, time.monotonic() - t0)
 
 
+async def _sim_slowdown(session: Any, url: str) -> float | None:
+    """How far the simulated engine fell behind its own clock: wall seconds its steps took over the
+    engine-clock seconds they model (``/server_info``; 1.0 = it kept up; above it the run measures
+    this machine's CPU, not the arguments). None when the worker does not say."""
+    try:
+        w = (await _get_json(session, url + "/admin/workers"))["workers"][0]
+        info = await _get_json(session, w["url"] + "/server_info")
+        sim = info["internal_states"][0]["sim"]
+        return sim["busy_wall_s"] / sim["busy_modelled_s"] if sim["busy_modelled_s"] > 0 else None
+    except Exception:  # not a simulated worker, or it is gone
+        return None
+
+
 def _count_log(log_dir: Path) -> tuple[int, int]:
     """(retracted requests, out-of-memory deaths) in every worker log under ``log_dir``."""
     from proxy.engines.base import EventKind
@@ -284,6 +303,7 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
             model = (await _get_json(session, url + "/v1/models"))["data"][0]["id"]
             counters = {"retractions": _Counter(), "generation": _Counter()}
             stop = asyncio.Event()
+            load_start = os.getloadavg()[0]
             t0 = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
             tasks = [asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res)) for i, (p, m, o) in enumerate(requests)]
@@ -297,6 +317,8 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
             res.duration_s = time.monotonic() - t0 if pending or broken else res.last_answer_s
             stop.set()
             await sampler
+            res.sim_slowdown = await _sim_slowdown(session, url)
+            res.load_avg = (load_start, os.getloadavg()[0])
             res.requests_lost = len(requests) - res.requests_ok - res.requests_failed
             res.output_tok_per_s = res.output_tokens / res.duration_s if res.duration_s > 0 else 0.0
             res.retractions_counter = round(counters["retractions"].total)
@@ -358,7 +380,8 @@ def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS,
         r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s))
         print(f"[{sc.name}] {arm}: {r.output_tok_per_s:.0f} tok/s, ok {r.requests_ok}, failed {r.requests_failed}, "
               f"lost {r.requests_lost}, retractions {r.retractions}, restarts {r.restarts}, OOM {r.oom_crashes}, "
-              f"{r.duration_s:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+              f"{r.duration_s:.1f} s, sim slowdown {r.sim_slowdown if r.sim_slowdown is None else round(r.sim_slowdown, 2)}, "
+              f"load {r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
         results[arm] = r
     tps = {a: r.output_tok_per_s for a, r in results.items()}
     report: dict[str, Any] = {
@@ -386,17 +409,25 @@ def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS,
     return report
 
 
+def _opt(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _load(value: Any) -> str:
+    return "-" if not value else f"{value[0]:.1f}-{value[1]:.1f}"
+
+
 def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
-    head = ("| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | args at the end |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = ("| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | sim slowdown | "
+            "load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = [head]
     for rep in reports:
         for arm, a in rep["arms"].items():
             final = ", ".join(f"{k}={v}" for k, v in sorted(a["final_args"].items())) or "(SGLang defaults)"
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
-                        f"{a['oom_crashes']} | {final} |")  # fmt: skip
+                        f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {final} |")  # fmt: skip
     ratios = ["", "| scenario | adaptive / oracle | adaptive / default |", "|---|---:|---:|"]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
