@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from proxy.control.decision import Action, ControlState, Decision, Evidence, KnobMove, RuleKind
-from proxy.control.window import Window
+from proxy.control.window import Window, _counter_increase
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent
 from proxy.policy import ControlSettings
 
@@ -255,21 +255,47 @@ def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float
 
 
 def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: float, evidence: Evidence) -> Decision | None:
-    """Cap the running batch below what the full KV pool held while it preempted: the median running
-    count of the samples with token usage >= ``low_usage`` (else the peak seen) x ``decode_oom_factor``,
-    since requests caught mid-way still grow."""
+    """Cap the running batch at the number of whole requests the KV pool holds: its capacity over the
+    mean prompt + output length of the requests that finished in the window (preemptions come from
+    running more requests than fit once they have grown to full length). Where that figure is
+    missing or not below what the full pool held while it preempted, cap below the latter instead:
+    the median running count of the samples with token usage >= ``low_usage`` (else the peak seen)
+    x ``decode_oom_factor``, since requests caught mid-way still grow."""
     c = s.control
     full = sorted(smp.running for smp in window.samples if smp.token_usage >= c.low_usage and smp.running > 0)
     held = full[len(full) // 2] if full else (window.peak_running or 0)
     if held <= 0:
         return None
+    evidence = {**evidence, "running_when_kv_full": held}
+    fit = _whole_requests_that_fit(window)
+    if fit is not None and fit[0] < held:
+        fits, capacity, length = fit
+        return _move(
+            window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
+            new_value=max(fits, c.max_running_min), direction=-1,
+            evidence={**evidence, "kv_capacity_tokens": capacity, "mean_request_tokens": round(length, 1), "requests_that_fit": fits},
+            reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
+            + f"KV cache is full; {fits} whole requests of {length:.0f} tokens fit its {capacity} tokens: "
+            + "lower {arg} {old} -> {new}",
+        )  # fmt: skip
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1,
-        evidence={**evidence, "running_when_kv_full": held},
+        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1, evidence=evidence,
         reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
         + "KV cache is full: lower {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _whole_requests_that_fit(window: Window) -> tuple[int, int, float] | None:
+    """(requests, KV capacity in tokens, mean tokens per request): how many requests of the mean
+    whole length (prompt + output) of those that finished in the window fit the KV pool at once."""
+    capacities = [smp.max_total_tokens for smp in window.samples if smp.max_total_tokens]
+    tokens = _counter_increase([(smp.time, smp.finished_request_tokens_total) for smp in window.samples if smp.finished_request_tokens_total is not None])
+    count = _counter_increase([(smp.time, smp.finished_requests_total) for smp in window.samples if smp.finished_requests_total is not None])
+    if not capacities or tokens is None or count is None or count[0] < 1 or tokens[0] <= 0:
+        return None
+    capacity, length = capacities[-1], tokens[0] / count[0]
+    return int(capacity // length), capacity, length
 
 
 def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:

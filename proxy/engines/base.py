@@ -33,6 +33,10 @@ class Sample:
     prompt_tokens_total: float | None = None  # counter
     generation_tokens_total: float | None = None  # counter
     requests_total: float | None = None  # finished requests, counter
+    # prompt + output tokens of the finished requests, and how many they were (counters of the
+    # engine's per-request histograms): their ratio over a window is the mean whole-request length
+    finished_request_tokens_total: float | None = None
+    finished_requests_total: float | None = None
 
 
 class EventKind(StrEnum):

@@ -3,6 +3,7 @@ refusal over KV capacity lowers ``max_model_len`` to what vLLM says fits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from proxy.control.decision import ControlState, RuleKind
@@ -35,6 +36,54 @@ def test_preemptions_cap_max_num_seqs_at_what_the_full_cache_holds() -> None:
     assert d.changes == {"max_num_seqs": (128, 19)}  # the median of 20..28, x 0.8
     assert d.evidence["running_when_kv_full"] == 24 and d.evidence["retraction_rate_per_min"] == 600.0
     assert "lower max_num_seqs 128 -> 19" in d.reason
+
+
+def with_lengths(samples: list[Sample], capacity: int, tokens_per_request: float, finished_per_s: float = 2.0) -> list[Sample]:
+    """``samples`` with a KV capacity and requests of ``tokens_per_request`` (prompt + output) finishing."""
+    return [
+        replace(smp, max_total_tokens=capacity, finished_requests_total=finished_per_s * smp.time,
+                finished_request_tokens_total=tokens_per_request * finished_per_s * smp.time)
+        for smp in samples
+    ]  # fmt: skip
+
+
+def test_preemptions_cap_max_num_seqs_at_the_whole_requests_that_fit() -> None:
+    # 8,192 KV tokens, requests of 108 + 256 tokens: 22 fit whole, while about 24 ran when it was full
+    window = Window().push_all(with_lengths(preempting(), 8192, 364.0))
+    d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.changes == {"max_num_seqs": (128, 22)}
+    assert d.evidence["requests_that_fit"] == 22 and d.evidence["kv_capacity_tokens"] == 8192
+    assert d.evidence["mean_request_tokens"] == 364.0 and d.evidence["running_when_kv_full"] == 24
+    assert "22 whole requests of 364 tokens fit its 8192 tokens: lower max_num_seqs 128 -> 22" in d.reason
+
+
+def test_whole_request_fit_is_read_across_a_counter_reset() -> None:
+    samples = with_lengths(preempting(), 8192, 364.0)
+    # the engine restarted at t=20: its counters start again from zero
+    samples = samples[:20] + [replace(smp, finished_requests_total=smp.finished_requests_total - 40.0,
+                                      finished_request_tokens_total=smp.finished_request_tokens_total - 40 * 364.0)
+                              for smp in samples[20:]]  # fmt: skip
+    d = retraction_storm(Window().push_all(samples), ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.evidence["requests_that_fit"] == 22
+
+
+def test_short_requests_fall_back_below_the_running_count() -> None:
+    # 8,192 / 200 = 40 whole requests fit, more than ran: the preemptions come from longer ones
+    window = Window().push_all(with_lengths(preempting(), 8192, 200.0))
+    d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.changes == {"max_num_seqs": (128, 19)} and "requests_that_fit" not in d.evidence
+
+
+def test_no_finished_request_falls_back_below_the_running_count() -> None:
+    samples = [replace(smp, finished_requests_total=0.0, finished_request_tokens_total=0.0) for smp in with_lengths(preempting(), 8192, 364.0)]
+    d = retraction_storm(Window().push_all(samples), ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.changes == {"max_num_seqs": (128, 19)}
+
+
+def test_whole_request_fit_is_clamped_to_the_policy_floor() -> None:
+    window = Window().push_all(with_lengths(preempting(), 1024, 364.0))  # 2 fit
+    d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
+    assert d is not None and d.changes == {"max_num_seqs": (128, SETTINGS.control.max_running_min)}
 
 
 def test_no_move_when_the_cap_is_already_below_what_fits() -> None:

@@ -22,6 +22,7 @@ def test_recorded_page_under_load() -> None:
     assert sample.prompt_tokens_total == 45811
     assert sample.generation_tokens_total == 42687
     assert sample.requests_total == 162  # summed over finished_reason
+    assert sample.finished_requests_total == 162 and sample.finished_request_tokens_total == 39433 + 41472
     assert sample.cache_hit_rate == 0.0
     assert sample.gen_throughput is None and sample.new_token_ratio is None
 

@@ -30,6 +30,10 @@ FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "prompt_tokens_total": (("prompt_tokens_total",), _SUM),
     "generation_tokens_total": (("generation_tokens_total",), _SUM),
     "requests_total": (("request_success_total",), _SUM),
+    # per finished request histograms (sum and count)
+    "finished_prompt_tokens": (("request_prompt_tokens_sum",), _SUM),
+    "finished_generation_tokens": (("request_generation_tokens_sum",), _SUM),
+    "finished_requests_total": (("request_prompt_tokens_count",), _SUM),
 }
 REQUIRED = ("queue", "running", "token_usage")
 _PREFIX_HITS = ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
@@ -107,4 +111,10 @@ def parse_metrics(text: str, now: float) -> Sample:
         prompt_tokens_total=found["prompt_tokens_total"],
         generation_tokens_total=found["generation_tokens_total"],
         requests_total=found["requests_total"],
+        finished_request_tokens_total=_added(found["finished_prompt_tokens"], found["finished_generation_tokens"]),
+        finished_requests_total=found["finished_requests_total"],
     )
+
+
+def _added(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
