@@ -8,11 +8,13 @@ engine-neutral rules that tune SGLang.
 Figures are measured on the engine side, from vLLM's own counters scraped every half second, for
 each set of arguments the worker ran with (restart downtime counts in neither): preemptions per
 thousand output tokens, output tokens per second while busy, and output tokens per CPU-second of
-the worker's processes. On a machine shared with other work, the wall clock measures the others
-too; measured here, lowering ``--max-num-seqs`` from 128 cuts preemptions more than tenfold while
-output tokens per second stay within the machine's noise (the tiny model's recompute after a
-preemption is cheap), so the test asserts the preemption drop and guards throughput per
-CPU-second against a retune that would wreck it (README, "Real engines").
+the worker's processes. The controller caps ``--max-num-seqs`` at the whole requests that fit the
+KV cache (8,192 / (about 108 + 256) = 22), which ends the preemptions. It does not raise output
+tokens per second on this CPU build, measured directly against vLLM in alternating rounds: vLLM
+recomputes a preempted request at over 50,000 prompt tokens/s, about ten times cheaper per token
+than decoding, and the KV cache already bounds the running batch at 128 to about 25, so a lower cap
+only shrinks the batch (README, "Real engines"). The test asserts the preemption drop, the cap at
+what fits, and guards throughput per CPU-second against a cap that would wreck it.
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ class Monitor:
         return eras
 
 
-N_REQUESTS = 240
+N_REQUESTS = 200  # the reference workload: about 108 prompt + 256 output tokens each, all at once
 BEFORE_SEQS = 128
 
 
@@ -224,7 +226,7 @@ async def test_preemptions_lower_max_num_seqs(
 ) -> None:
     async with vllm_proxy(
         vllm_python, tiny_model, tmp_path,
-        # 64 blocks of 128 tokens: about 23 requests of ~100 + 256 tokens fit, 128 may run
+        # 64 blocks of 128 tokens: 22 requests of ~108 + 256 tokens fit, 128 may run
         args={"max_num_seqs": BEFORE_SEQS, "max_model_len": 1024, "num_gpu_blocks_override": 64},
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         control={
@@ -265,6 +267,12 @@ async def test_preemptions_lower_max_num_seqs(
         assert decision["changes"] == {"max_num_seqs": [BEFORE_SEQS, after_seqs]}
         assert decision["evidence"]["retraction_rate_per_min"] > 30.0
         assert decision["evidence"]["running_when_kv_full"] > 0
+        # the cap is the number of whole requests the KV cache holds, from the requests that finished
+        evidence = decision["evidence"]
+        assert evidence["kv_capacity_tokens"] == 8192
+        mean_tokens = (rounds[0].prompt_tokens + rounds[0].output_tokens) / N_REQUESTS
+        assert abs(evidence["mean_request_tokens"] - mean_tokens) < 0.05 * mean_tokens, (evidence, mean_tokens)
+        assert after_seqs == evidence["requests_that_fit"] == int(8192 // evidence["mean_request_tokens"])
         journaled = [json.loads(line) for line in proxy.journal_path.read_text().splitlines()]
         assert any(e["id"] == decision["id"] and e["changes"] == decision["changes"] for e in journaled)
 
@@ -282,7 +290,7 @@ async def test_preemptions_lower_max_num_seqs(
         }  # fmt: skip
         print("vLLM before/after:", json.dumps(report), file=sys.stderr)
         assert before.busy_s > 2 and after.busy_s > 2, report
-        assert after.preemptions_per_1k_tokens < before.preemptions_per_1k_tokens / 3, report
-        # a guard, not the hoped-for gain (see the module docstring): a cap far below what the
-        # cache holds (say 1) would cost most of the throughput per CPU-second
-        assert after.tokens_per_cpu_s > 0.5 * before.tokens_per_cpu_s, report
+        assert after.preemptions_per_1k_tokens < before.preemptions_per_1k_tokens / 5, report
+        # a guard, not a gain (see the module docstring): measured directly, the cap at what fits
+        # keeps about 0.85 of the throughput per CPU-second at 128 (0.75 under load); a cap near 1 would not
+        assert after.tokens_per_cpu_s > 0.6 * before.tokens_per_cpu_s, report
