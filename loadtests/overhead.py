@@ -73,6 +73,7 @@ async def _latency_round(urls: dict[str, str], procs: dict[str, Proc], body: dic
             s[f"{n}_cpu_wait_fraction"] = round((p.runqueue_wait_seconds() - wait0[n]) / res.wall_s, 3)
         s["client_cpu_wait_fraction"] = round((runqueue_wait_seconds(os.getpid()) - own0) / res.wall_s, 3)
         s["load_average_1m"] = round(os.getloadavg()[0], 2)
+        s["wall_s"] = round(res.wall_s, 3)
         out[arm] = s
         say(f"  round {rnd + 1} latency  {arm:<14} TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms, "
             f"{s['output_tok_per_s']} tok/s, ok {s['ok']}/{s['requests']}, client lag p99 "
@@ -134,6 +135,8 @@ def aggregate(latency: list[dict[str, dict[str, Any]]], stream: list[dict[str, d
             "chunks_per_cpu_s": _median([r[arm]["chunks_per_cpu_s"] for r in stream]),
             "stream_tok_per_s": _median([r[arm]["stream_tok_per_s"] for r in stream]),
             "chunks_per_read": _median([r[arm]["chunks_per_read"] for r in stream]),
+            "client_send_lag_p99_ms": _median([r[arm]["client_send_lag_p99_ms"] for r in latency]),
+            "client_cpu_wait_fraction": _median([r[arm]["client_cpu_wait_fraction"] for r in latency]),
             "errors": sum(r[arm]["errors"] for r in latency) + sum(r[arm]["errors"] for r in stream),
         }
 
@@ -149,6 +152,11 @@ def aggregate(latency: list[dict[str, dict[str, Any]]], stream: list[dict[str, d
         report[f"{prefix}_added_ttft_p99_ms"] = added(arm, "ttft_p99_ms")
         report[f"{prefix}_throughput_ratio"] = ratio(latency, arm, "output_tok_per_s")
         report[f"{prefix}_stream_throughput_ratio"] = ratio(stream, arm, "stream_tok_per_s")
+    for arm, prefix in (("pacer", "pacer"), ("sglang-router", "router")):  # while its own arm runs
+        report[f"{prefix}_cpu_cores"] = _median([r[arm][f"{arm}_cpu_cores"] for r in latency])
+        report[f"{prefix}_cpu_wait_fraction"] = _median([r[arm][f"{arm}_cpu_wait_fraction"] for r in latency])
+        report[f"{prefix}_cpu_ms_per_request"] = _median([r[arm][f"{arm}_cpu_cores"] * r[arm]["wall_s"] * 1000
+                                                          / r[arm]["requests"] for r in latency if r[arm]["requests"]])
     report["pacer_chunks_per_cpu_s"] = report["pacer"]["chunks_per_cpu_s"]
     report["router_chunks_per_cpu_s"] = report["sglang-router"]["chunks_per_cpu_s"]
     report["load_average_1m_median"] = _median([s["load_average_1m"] for r in latency + stream for s in r.values()])
@@ -178,17 +186,44 @@ def _arms(logs: Path, time_scale: float, args: argparse.Namespace, tag: str,
     """One worker, and pacer and sglang-router in front of it: (urls by arm, processes by role).
     Each process is listed in ``started`` (name, pid, ports) and stopped on the way out."""
     with contextlib.ExitStack() as stack:
-        sim = stack.enter_context(start_sim(logs, time_scale=time_scale, name=f"{tag}-sim",
+        pins = cpu_plan(args.pin)
+        sim = stack.enter_context(start_sim(logs, time_scale=time_scale, name=f"{tag}-sim", cpus=pins.get("worker"),
                                             extra=["--max-running-requests", str(args.max_running)]))
-        pacer = stack.enter_context(start_pacer(logs, [sim.url], name=f"{tag}-pacer"))
+        pacer = stack.enter_context(start_pacer(logs, [sim.url], name=f"{tag}-pacer", cpus=pins.get("middle")))
         router = stack.enter_context(start_router(logs, sim.url, max_concurrent=args.router_max_concurrent,
-                                                  queue_size=args.router_queue_size, name=f"{tag}-sglang-router"))
+                                                  queue_size=args.router_queue_size, name=f"{tag}-sglang-router",
+                                                  cpus=pins.get("middle")))
         procs = {"worker": sim, "pacer": pacer, "sglang-router": router}
         started.extend({"name": p.name, "pid": p.pid, "ports": list(p.ports)} for p in procs.values())
         yield {"direct": sim.url, "pacer": pacer.url, "sglang-router": router.url}, procs
         for p in procs.values():
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} died during the benchmark:\n{p.log_tail()}")
+
+
+def cpu_plan(pin: bool) -> dict[str, frozenset[int]]:
+    """Which CPUs each role may use: with ``pin`` and at least two CPUs, the proxy (or the router; only
+    one of them carries traffic at a time) gets the last CPU to itself among the benchmark's processes,
+    and the worker and the client share the others. Empty without pinning (the OS places everything)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return {}
+    rest = frozenset(cpus[:-1])
+    return {"middle": frozenset(cpus[-1:]), "worker": rest, "client": rest}
+
+
+@contextlib.contextmanager
+def _client_pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """This process (the client) on ``cpus`` for the duration; its own affinity back after."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _loop_run(coro: Any) -> Any:
@@ -202,7 +237,9 @@ def _loop_run(coro: Any) -> Any:
 def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Both phases, each with its own worker, proxy and router (all stopped after); returns the report."""
     started: list[dict[str, Any]] = []
+    pins = cpu_plan(args.pin)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_client_pinned(pins.get("client")))
         logs = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         with _arms(logs, args.time_scale, args, "latency", started) as (urls, procs):
             model = _model(urls["direct"])
@@ -226,6 +263,9 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     report = aggregate(latency, stream)
     report["settings"] = {k: v for k, v in vars(args).items() if k not in ("report", "log_dir")}
     report["cpu_count"] = os.cpu_count()
+    report["cpu_affinity"] = ({"pacer": sorted(pins["middle"]), "sglang-router": sorted(pins["middle"]),
+                               "worker": sorted(pins["worker"]), "client": sorted(pins["client"])}
+                              if pins else None)
     report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     report["processes"] = started  # all stopped by now
     return report
@@ -256,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-load", type=float, default=None,
       help="on a shared machine: first wait (up to --max-wait s) until the 1-minute load average is below this")
     a("--max-wait", type=float, default=600.0)
+    a("--pin", action=argparse.BooleanOptionalAction, default=True,
+      help="pin the proxy (and the router) to one CPU and the worker and client to the others "
+           "(needs 2+ CPUs; other programs on the machine are not moved)")
     return p
 
 

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,13 +116,21 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def _pinned(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that limits the child (and every thread and process it starts) to ``cpus``."""
+    if not cpus:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
 def _launch(name: str, argv: Sequence[str], log_dir: Path, url: str, probe: str, ports: tuple[int, ...],
-            timeout_s: float) -> Proc:
+            timeout_s: float, cpus: frozenset[int] | None = None) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with open(log, "wb") as fh:
         popen = subprocess.Popen(list(argv), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=_pinned(cpus))
     proc = Proc(name, popen, url, log, ports)
     deadline = time.monotonic() + timeout_s
     try:
@@ -147,12 +155,13 @@ def running(proc: Proc) -> Iterator[Proc]:
 
 
 def start_sim(log_dir: Path, *, time_scale: float, extra: Sequence[str] = (), name: str = "sim",
-              timeout_s: float = 60.0) -> contextlib.AbstractContextManager[Proc]:
-    """``pacer sim`` on a free port, ready (``/health`` answers 200) when this returns."""
+              timeout_s: float = 60.0, cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
+    """``pacer sim`` on a free port, ready (``/health`` answers 200) when this returns; on ``cpus`` only
+    when given (likewise for the other ``start_*``)."""
     port = free_port()
     argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--sim-time-scale", f"{time_scale:g}",
             "--sim-startup-seconds", "0.2", "--enable-metrics", "--log-level", "warning", *extra]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/health", (port,), timeout_s))
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/health", (port,), timeout_s, cpus))
 
 
 def pacer_policy(worker_urls: Sequence[str], *, queue_band: tuple[int, int] = (2000, 20000), headroom: int = 2000,
@@ -169,7 +178,7 @@ def pacer_policy(worker_urls: Sequence[str], *, queue_band: tuple[int, int] = (2
 
 
 def start_pacer(log_dir: Path, worker_urls: Sequence[str], *, name: str = "pacer",
-                timeout_s: float = 60.0) -> contextlib.AbstractContextManager[Proc]:
+                timeout_s: float = 60.0, cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
     """``pacer serve`` with :func:`pacer_policy`, ready (``/ready`` answers 200) when this returns."""
     log_dir.mkdir(parents=True, exist_ok=True)
     policy = log_dir / f"{name}-policy.toml"
@@ -177,11 +186,12 @@ def start_pacer(log_dir: Path, worker_urls: Sequence[str], *, name: str = "pacer
     port = free_port()
     argv = [sys.executable, "-m", "proxy", "serve", "--policy", str(policy), "--port", str(port),
             "--log-level", "warning"]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/ready", (port,), timeout_s))
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/ready", (port,), timeout_s, cpus))
 
 
 def start_router(log_dir: Path, worker_url: str, *, max_concurrent: int = 4096, queue_size: int = 4096,
-                 name: str = "sglang-router", timeout_s: float = 90.0) -> contextlib.AbstractContextManager[Proc]:
+                 name: str = "sglang-router", timeout_s: float = 90.0,
+                 cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
     """SGLang's router (``sglang-router``) in front of one worker, with its concurrency limit and queue on.
 
     Its token bucket refills at ``--rate-limit-tokens-per-second`` (by default as many per second as
@@ -195,4 +205,4 @@ def start_router(log_dir: Path, worker_url: str, *, max_concurrent: int = 4096, 
             "--rate-limit-tokens-per-second", str(max_concurrent * 100),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
             "--worker-startup-check-interval", "1", "--log-level", "warn"]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/readiness", (port, prom), timeout_s))
+    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/readiness", (port, prom), timeout_s, cpus))

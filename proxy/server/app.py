@@ -76,7 +76,9 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
         for line in describe(st.keys):
             _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
-        st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
+        st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                           cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
         st.scraper = Scraper(
             st.pool, st.board, st.session, engine=policy.engine.engine,
             interval_s=policy.pacing.scrape_interval_s,

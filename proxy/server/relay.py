@@ -21,12 +21,15 @@ POST ``/abort_request`` with the request's ``rid``, and release the worker slot.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.admission import Priority, QueueFull
 from proxy.dispatch import ProxyClosing, QueueTimeout
@@ -37,7 +40,8 @@ from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
 
-_JSON_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}  # bytes are relayed as they come
+# bytes are relayed as they come; a CIMultiDict, which aiohttp merges without converting it first
+_JSON_HEADERS = CIMultiDict({"Content-Type": "application/json", "Accept-Encoding": "identity"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
@@ -76,37 +80,47 @@ class Opened:
         self.first = first
 
 
+def _where(worker_id: str, url: str) -> str:
+    return f"worker {worker_id} ({url})"
+
+
+@functools.lru_cache(maxsize=256)
+def _target(url: str, path: str) -> URL:
+    """A worker's URL for a path, parsed once (aiohttp would parse the string on every request)."""
+    return URL(url + path)
+
+
 async def open_upstream(st: ProxyState, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
     assert st.session is not None
-    where = f"worker {worker_id} ({url})"
     try:
-        resp = await st.session.post(url + job.path, data=payload, headers=_JSON_HEADERS,
+        resp = await st.session.post(_target(url, job.path), data=payload, headers=_JSON_HEADERS,
                                      timeout=st.upstream_timeout)
     except TimeoutError:
-        raise UpstreamFailure(f"{where} did not answer within {st.upstream_timeout.total:g} s",
+        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {st.upstream_timeout.total:g} s",
                               status=504, retryable=False) from None
     except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamFailure(f"{where} is unreachable: {exc.__class__.__name__}: {exc}") from None
+        raise UpstreamFailure(f"{_where(worker_id, url)} is unreachable: {exc.__class__.__name__}: {exc}") from None
     try:
         if resp.status >= 500:
             body = await resp.read()
-            raise UpstreamFailure(f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
-                                  status=resp.status, body=body, content_type=resp.content_type)
+            raise UpstreamFailure(f"{_where(worker_id, url)} answered HTTP {resp.status}: "
+                                  f"{body[:300].decode(errors='replace')}", status=resp.status, body=body, content_type=resp.content_type)
         if resp.status != 200 or not job.stream:
             body = await resp.read()
             resp.release()
             return Opened(resp.status, resp.content_type, body)
         first = await resp.content.readany()
         if not first:
-            raise UpstreamFailure(f"{where} ended the stream before any output")
+            raise UpstreamFailure(f"{_where(worker_id, url)} ended the stream before any output")
         return Opened(200, resp.content_type, None, resp, first)
     except TimeoutError:
         resp.close()
-        raise UpstreamFailure(f"{where} did not answer within {st.upstream_timeout.total:g} s",
+        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {st.upstream_timeout.total:g} s",
                               status=504, retryable=False) from None
     except (aiohttp.ClientError, OSError) as exc:
         resp.close()
-        raise UpstreamFailure(f"{where} failed before any output: {exc.__class__.__name__}: {exc}") from None
+        raise UpstreamFailure(f"{_where(worker_id, url)} failed before any output: "
+                              f"{exc.__class__.__name__}: {exc}") from None
     except BaseException:
         resp.close()
         raise

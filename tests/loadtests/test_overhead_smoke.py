@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.loadgen import percentile
-from loadtests.procs import port_is_free
+from loadtests.procs import port_is_free, start_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 ARM_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "output_tok_per_s", "chunks_per_s")
@@ -64,6 +64,14 @@ def test_overhead_benchmark_tiny_run_reports_every_arm(tmp_path: Path) -> None:
     assert report["pacer_added_ttft_p50_ms"] == pytest.approx(
         latency["pacer"]["ttft_p50_ms"] - latency["direct"]["ttft_p50_ms"], abs=1e-3)
 
+    assert report["pacer_cpu_ms_per_request"] > 0 and report["router_cpu_ms_per_request"] > 0
+    assert 0 <= report["pacer"]["client_send_lag_p99_ms"] < 10_000
+    # the proxy and the router on a CPU of their own, the worker and the client on the others
+    if len(os.sched_getaffinity(0)) >= 2:
+        pins = report["cpu_affinity"]
+        assert pins["pacer"] == pins["sglang-router"] and len(pins["pacer"]) == 1
+        assert pins["worker"] == pins["client"] and not set(pins["pacer"]) & set(pins["worker"])
+
     # every process the benchmark started is gone and its ports are free again
     procs = report["processes"]
     assert {p["name"] for p in procs} == {f"{tag}-{n}" for tag in ("latency", "stream")
@@ -82,3 +90,11 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 100) == 100.0
     assert percentile([3.0], 99) == 3.0
     assert percentile([5.0, 1.0], 50) == 1.0
+
+
+@pytest.mark.timeout(90)
+def test_started_process_is_pinned_to_the_cpus_asked(tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    with start_sim(tmp_path, time_scale=100, cpus=frozenset({cpu})) as sim:
+        assert os.sched_getaffinity(sim.pid) == {cpu}
+        assert all(os.sched_getaffinity(int(t.name)) == {cpu} for t in Path(f"/proc/{sim.pid}/task").iterdir())
