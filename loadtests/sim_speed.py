@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.procs import cpu_seconds, runqueue_wait_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,22 +45,6 @@ def bench_virtual(requests: int, prompt_len: int, max_new: int) -> dict[str, Any
             "modelled_seconds": round(res.makespan_s, 2), "modelled_tok_per_s": round(res.output_tok_per_s, 1),
             "cpu_seconds": round(cpu, 3), "simulated_tok_per_cpu_s": round(res.output_tokens / cpu),
             "speedup_vs_real_time": round(res.makespan_s / cpu, 1)}
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _runqueue_wait_seconds(pid: int) -> float:
-    """Time the server's threads were runnable but not running (another process had the core)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
 
 
 async def _server_state(session: Any, url: str) -> dict[str, Any]:
@@ -92,11 +78,11 @@ async def _drive(url: str, pid: int, concurrency: int, warmup: float, window: fl
         stop_at = time.monotonic() + warmup + window + 2.0  # clients outlive the measurement window
         tasks = [asyncio.create_task(_client(session, url, body, stop_at, counts)) for _ in range(concurrency)]
         await asyncio.sleep(warmup)
-        s0, c0, cpu0, t0 = await _server_state(session, url), counts[0], _cpu_seconds(pid), time.monotonic()
-        w0 = _runqueue_wait_seconds(pid)
+        s0, c0, cpu0, t0 = await _server_state(session, url), counts[0], cpu_seconds(pid), time.monotonic()
+        w0 = runqueue_wait_seconds(pid)
         await asyncio.sleep(window)
-        s1, c1, cpu1, t1 = await _server_state(session, url), counts[0], _cpu_seconds(pid), time.monotonic()
-        w1 = _runqueue_wait_seconds(pid)
+        s1, c1, cpu1, t1 = await _server_state(session, url), counts[0], cpu_seconds(pid), time.monotonic()
+        w1 = runqueue_wait_seconds(pid)
         async with session.get(url + "/v1/loads") as resp:
             loads = (await resp.json())["loads"][0]
         for t in tasks:
