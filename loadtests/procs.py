@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from proxy.workers import supervisor
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,21 +34,12 @@ class ProcError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return supervisor.free_port(host)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Nothing listens there: a server could bind it (connections left in TIME_WAIT do not count,
-    as servers bind with SO_REUSEADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+    """Nothing listens there: a server could bind it (TIME_WAIT leftovers do not count)."""
+    return supervisor.port_is_free(host, port)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import time
 import aiohttp
 import pytest
 
+from proxy.workers.supervisor import free_port
 from tests.server.pacing_check import band_report, run_burst
 
 LO, HI = 20, 60
@@ -53,16 +53,10 @@ stale_after_s = 1.0
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def pacer(tmp_path):
     (tmp_path / "policy.toml").write_text(POLICY)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     log = open(tmp_path / "pacer.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
