@@ -29,6 +29,7 @@ from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
+from proxy.server.upstream import UpstreamPool
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
@@ -52,8 +53,7 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> 
     )
     metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()})
     st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, dispatcher=dispatcher,
-                    metrics=metrics, keys=keys, models=ModelCatalog(),
-                    upstream_timeout=aiohttp.ClientTimeout(total=policy.proxy.request_timeout_s))
+                    metrics=metrics, keys=keys, models=ModelCatalog())
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
@@ -79,6 +79,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
         st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
+        st.upstream = UpstreamPool()  # the request path; the session serves scrapes, aborts and admin calls
         st.scraper = Scraper(
             st.pool, st.board, st.session, engine=policy.engine.engine,
             interval_s=policy.pacing.scrape_interval_s,
@@ -119,6 +120,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
             if manage_pool:
                 await st.pool.stop()
             await st.wait_background()
+            st.upstream.close()
             await st.session.close()
 
     return ctx

@@ -21,7 +21,6 @@ POST ``/abort_request`` with the request's ``rid``, and release the worker slot.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
@@ -29,12 +28,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
 
 from proxy.admission import Priority, QueueFull
 from proxy.dispatch import ProxyClosing, QueueTimeout
 from proxy.server.errors import ApiError, error_event
 from proxy.server.state import ProxyState
+from proxy.server.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from proxy.server.validation import Job
 from proxy.workers.base import WorkerState
 
@@ -72,7 +71,7 @@ class Opened:
     __slots__ = ("status", "content_type", "body", "resp", "first")
 
     def __init__(self, status: int, content_type: str, body: bytes | None,
-                 resp: aiohttp.ClientResponse | None = None, first: bytes = b"") -> None:
+                 resp: UpstreamResponse | None = None, first: bytes = b"") -> None:
         self.status = status
         self.content_type = content_type
         self.body = body
@@ -84,46 +83,38 @@ def _where(worker_id: str, url: str) -> str:
     return f"worker {worker_id} ({url})"
 
 
-@functools.lru_cache(maxsize=256)
-def _target(url: str, path: str) -> URL:
-    """A worker's URL for a path, parsed once (aiohttp would parse the string on every request)."""
-    return URL(url + path)
-
-
 async def open_upstream(st: ProxyState, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
-    assert st.session is not None
+    assert st.upstream is not None
+    timeout_s = st.policy.proxy.request_timeout_s
     try:
-        resp = await st.session.post(_target(url, job.path), data=payload, headers=_JSON_HEADERS,
-                                     timeout=st.upstream_timeout)
-    except TimeoutError:
-        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {st.upstream_timeout.total:g} s",
+        resp = await st.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
+    except UpstreamTimeout:
+        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {timeout_s:g} s",
                               status=504, retryable=False) from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise UpstreamFailure(f"{_where(worker_id, url)} is unreachable: {exc.__class__.__name__}: {exc}") from None
+    except UpstreamError as exc:
+        raise UpstreamFailure(f"{_where(worker_id, url)} is unreachable: {exc}") from None
+    streaming = False
     try:
         if resp.status >= 500:
             body = await resp.read()
             raise UpstreamFailure(f"{_where(worker_id, url)} answered HTTP {resp.status}: "
-                                  f"{body[:300].decode(errors='replace')}", status=resp.status, body=body, content_type=resp.content_type)
+                                  f"{body[:300].decode(errors='replace')}", status=resp.status, body=body,
+                                  content_type=resp.content_type)
         if resp.status != 200 or not job.stream:
-            body = await resp.read()
-            resp.release()
-            return Opened(resp.status, resp.content_type, body)
-        first = await resp.content.readany()
+            return Opened(resp.status, resp.content_type, await resp.read())
+        first = await resp.readany()
         if not first:
             raise UpstreamFailure(f"{_where(worker_id, url)} ended the stream before any output")
+        streaming = True
         return Opened(200, resp.content_type, None, resp, first)
-    except TimeoutError:
-        resp.close()
-        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {st.upstream_timeout.total:g} s",
+    except UpstreamTimeout:
+        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {timeout_s:g} s",
                               status=504, retryable=False) from None
-    except (aiohttp.ClientError, OSError) as exc:
-        resp.close()
-        raise UpstreamFailure(f"{_where(worker_id, url)} failed before any output: "
-                              f"{exc.__class__.__name__}: {exc}") from None
-    except BaseException:
-        resp.close()
-        raise
+    except UpstreamError as exc:
+        raise UpstreamFailure(f"{_where(worker_id, url)} failed before any output: {exc}") from None
+    finally:
+        if not streaming:
+            resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
 
 
 async def post_abort(st: ProxyState, url: str, rid: str) -> None:
@@ -197,16 +188,17 @@ async def forward(st: ProxyState, request: web.Request, job: Job, priority: Prio
         payload = orjson.dumps(job.body)
         if tries == 1:  # validation before the queue + wake-up and encoding after it
             m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-        task = asyncio.get_running_loop().create_task(open_upstream(st, url, attempt.worker_id, job, payload))
-        d.start(attempt, task)
+        current = asyncio.current_task()
+        assert current is not None
+        d.start(attempt, current)  # take_back cancels this task while the attempt has no output yet
         try:
-            opened = await task
+            opened = await open_upstream(st, url, attempt.worker_id, job, payload)
         except asyncio.CancelledError:
             d.release(attempt)
             if rid is not None:
                 st.spawn(post_abort(st, url, rid))
-            current = asyncio.current_task()
-            if attempt.taken_back and (current is None or current.cancelling() == 0):
+            # taken back: one cancel came from the controller; any other is the client leaving
+            if attempt.taken_back and current.uncancel() == 0:
                 m.requeued.inc()
                 d.requeue(ticket)
                 continue
@@ -250,16 +242,15 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
         await out.prepare(request)
         await out.write(opened.first)
         last = opened.first
-        content = resp.content
         while True:
             try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                chunk = await resp.readany()
+            except UpstreamError as exc:
                 m.fail_midstream.inc()
                 _log.warning("worker stream broke after output was sent: %r", exc)
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
                 await out.write(sep + error_event(
-                    f"the worker failed mid-stream ({exc.__class__.__name__}); the answer is incomplete",
+                    f"the worker failed mid-stream ({exc}); the answer is incomplete",
                     code="upstream_failed_mid_stream"))
                 break
             if not chunk:

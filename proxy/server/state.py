@@ -24,6 +24,7 @@ from proxy.policy import Policy
 from proxy.server.auth import KeyRing
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
+from proxy.server.upstream import UpstreamPool
 from proxy.workers.base import WorkerPool
 
 
@@ -39,7 +40,7 @@ class ProxyState:
     models: ModelCatalog
     session: aiohttp.ClientSession | None = None
     scraper: Scraper | None = None
-    upstream_timeout: aiohttp.ClientTimeout = field(default_factory=aiohttp.ClientTimeout)
+    upstream: UpstreamPool | None = None  # the request path's connections to the workers
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
     _rid_counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
