@@ -149,8 +149,10 @@ class ControlSettings:
     low_usage: float = 0.9  # token usage below this with a non-empty server queue ...
     low_usage_fraction: float = 0.7  # ... for this fraction of the window: admission too conservative
     timid_queue_fraction: float = 0.5  # server queue empty this often while the proxy holds work: noted
-    retractions_per_min: float = 6.0  # retracted requests per minute above this: admission too aggressive
-    conservativeness_bounds: tuple[float, float] = (0.3, 2.0)
+    retractions_per_min: float = 6.0  # retracted requests per minute: below this, never a storm (noise floor)
+    retractions_per_1k_tokens: float = 0.1  # retracted requests per 1k output tokens above this: admission too aggressive
+    admission_min_gain: float = 0.15  # lower the conservativeness only if the batch could grow by this much (low_usage / usage - 1)
+    conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
     conservativeness_step: float = 0.3
     prefill_chunk_min: int = 2048  # a prefill OOM halves the chunk down to this
     decode_oom_factor: float = 0.8  # a decode OOM sets max running requests to the peak seen x this
@@ -373,7 +375,7 @@ def _control(t: Table) -> ControlSettings:
         name: t.float(name, getattr(d, name), positive=True)
         for name in (
             "interval_s", "window_s", "min_evidence_s", "good_after_s", "crash_loop_window_s", "drain_timeout_s",
-            "retractions_per_min", "conservativeness_step", "memory_fraction_step", *sorted(fraction),
+            "retractions_per_min", "retractions_per_1k_tokens", "admission_min_gain", "conservativeness_step", "memory_fraction_step", *sorted(fraction),
         )
     }  # fmt: skip
     for name in sorted(fraction):

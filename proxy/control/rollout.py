@@ -4,12 +4,17 @@ Rolling restart (:meth:`Rollout.restart`), one worker at a time (the controller 
 second while one is under way):
 
 1. stop dispatching to the worker (the dispatcher's drain flag; the pool shows it DRAINING);
-2. let its running requests finish, up to ``drain_timeout_s``;
-3. take back what is still waiting: every request on it that produced no output yet is aborted
-   upstream and put back at the front of the proxy's queue (its handler answers it later, from
-   whichever worker serves it: nothing is lost, nothing reaches the client twice);
-4. give the taken-back handlers ``settle_s`` to let go, then restart the worker with the new args
-   and wait for its health check;
+2. let its running requests finish, up to ``drain_timeout_s``, but only while they do finish: the
+   drain is watched in ``drain_slices`` slices, and a slice in which fewer than ``drain_progress``
+   of the requests open at its start finished ends it early. Waiting on a batch whose outputs are
+   far from done (long outputs, or a restart soon after the start) only idles the GPU: what finishes
+   in the drain is worth the time only while it finishes;
+3. take back what has produced no output yet, running or waiting: it is aborted upstream and put
+   back at the front of the proxy's queue (its handler answers it later, from whichever worker
+   serves it: nothing is lost, nothing reaches the client twice);
+4. wait for what cannot be taken back (streams that already sent output) until the drain's own
+   deadline, and give the taken-back handlers at least ``settle_s`` to let go; then restart the
+   worker with the new args and wait for its health check;
 5. resume dispatching. With a single worker the proxy's queue holds the traffic meanwhile.
 
 A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path already
@@ -18,6 +23,7 @@ retried what had produced no output and answered the rest with an error; it is r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Mapping, Protocol
 
@@ -48,11 +54,14 @@ class RestartablePool(Protocol):
 
 
 class Rollout:
-    def __init__(self, pool: RestartablePool, dispatcher: Drainable, *, drain_timeout_s: float, settle_s: float = 10.0) -> None:
+    def __init__(self, pool: RestartablePool, dispatcher: Drainable, *, drain_timeout_s: float, settle_s: float = 10.0,
+                 drain_slices: int = 6, drain_progress: float = 0.1) -> None:
         self.pool = pool
         self.dispatcher = dispatcher
         self.drain_timeout_s = drain_timeout_s
         self.settle_s = settle_s
+        self.drain_slices = max(1, drain_slices)
+        self.drain_progress = drain_progress
 
     def _set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
         set_state = getattr(self.pool, "set_state", None)
@@ -70,12 +79,16 @@ class Rollout:
             self._set_state(worker_id, WorkerState.DRAINING)
         try:
             details["in_flight_at_drain"] = self.dispatcher.open_attempts(worker_id)
-            drained = await self.dispatcher.wait_idle(worker_id, self.drain_timeout_s)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            deadline = started + self.drain_timeout_s
+            drained = await self._drain(worker_id, deadline, details)
             details["drained"] = drained
+            details["drain_s"] = round(loop.time() - started, 3)
             details["taken_back"] = 0
             if not drained:
                 details["taken_back"] = self.dispatcher.take_back(worker_id)
-                settled = await self.dispatcher.wait_idle(worker_id, self.settle_s)
+                settled = await self.dispatcher.wait_idle(worker_id, max(deadline - loop.time(), self.settle_s))
                 details["still_running_at_restart"] = 0 if settled else self.dispatcher.open_attempts(worker_id)
             _log.info("restarting %s: %s (%s)", worker_id, reason, details)
             info = await self.pool.restart(worker_id, args, reason)
@@ -86,6 +99,22 @@ class Rollout:
         finally:
             self.dispatcher.drain(worker_id, False)
         return ActResult(info=info, details=details)
+
+    async def _drain(self, worker_id: WorkerId, deadline: float, details: dict[str, object]) -> bool:
+        """Wait for the worker to go idle, slice by slice, while its requests keep finishing."""
+        loop = asyncio.get_running_loop()
+        step = self.drain_timeout_s / self.drain_slices
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            before = self.dispatcher.open_attempts(worker_id)
+            if await self.dispatcher.wait_idle(worker_id, min(step, left)):
+                return True
+            after = self.dispatcher.open_attempts(worker_id)
+            if before - after < self.drain_progress * before:
+                details["drain_stopped"] = f"{before - after} of {before} finished in {step:g} s"
+                return False
 
     async def revive(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
         self.dispatcher.drain(worker_id, False)

@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 
-GUIDE_CONSERVATIVENESS = 0.3  # the tuning guide's "lower --schedule-conservativeness (e.g. 0.3)"
 RETRACTION_CUT = 0.5  # a raise that did not cut the retraction rate by this much did not pay
 FILLING_RISE = 0.05  # token usage up by this much from the window's first third to its last: still filling
 
@@ -211,20 +210,33 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
 
 
 def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Frequent retractions: admission too aggressive, raise the conservativeness (bounded)."""
+    """Retractions that are a real share of the work: admission too aggressive, raise the
+    conservativeness (bounded; vLLM: cap the running batch).
+
+    A storm is relative: more than ``retractions_per_1k_tokens`` retracted requests per 1,000 output
+    tokens generated in the window (how much of what is produced gets thrown back, whatever the
+    speed of the GPU or of the clock; an absolute rate per minute grows with throughput, so a busy
+    server with a healthy admission would count as a storm). ``retractions_per_min`` stays a noise
+    floor: below it nothing fires. Without a throughput figure the floor alone decides."""
     c = s.control
     if window.observed_s < c.min_evidence_s:
         return None
     rate = window.retraction_rate_per_min
     if rate <= c.retractions_per_min:
         return None
+    per_1k = window.retractions_per_1k_tokens
+    if per_1k is not None and per_1k <= c.retractions_per_1k_tokens:
+        return None
     evidence: Evidence = {
         "retraction_rate_per_min": round(rate, 2), "threshold_per_min": c.retractions_per_min,
+        "retractions_per_1k_tokens": None if per_1k is None else round(per_1k, 4),
+        "threshold_per_1k_tokens": c.retractions_per_1k_tokens,
         "retractions": window.retractions, "observed_s": round(window.observed_s, 1),
     }  # fmt: skip
+    why = f"{rate:.1f} retractions/min" + ("" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})")
     knob = s.knobs.get(KnobName.CONSERVATIVENESS)
     if knob is None:  # an engine without admission conservativeness (vLLM): cap the running batch
-        return _fewer_running(window, state, s, rate, evidence)
+        return _fewer_running(window, state, s, why, evidence)
     current = _current(knob, window, state)
     if current is None:
         return None
@@ -235,7 +247,7 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
         new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
-        reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}): " + "raise {arg} {old} -> {new}",
+        reason=why + ": raise {arg} {old} -> {new}",
     )  # fmt: skip
 
 
@@ -254,7 +266,7 @@ def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float
     return isinstance(tp_before, (int, float)) and throughput is not None and throughput < tp_before
 
 
-def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: float, evidence: Evidence) -> Decision | None:
+def _fewer_running(window: Window, state: ControlState, s: RuleSettings, why: str, evidence: Evidence) -> Decision | None:
     """Cap the running batch at the number of whole requests the KV pool holds: its capacity over the
     mean prompt + output length of the requests that finished in the window (preemptions come from
     running more requests than fit once they have grown to full length). Where that figure is
@@ -274,15 +286,14 @@ def _fewer_running(window: Window, state: ControlState, s: RuleSettings, rate: f
             window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
             new_value=max(fits, c.max_running_min), direction=-1,
             evidence={**evidence, "kv_capacity_tokens": capacity, "mean_request_tokens": round(length, 1), "requests_that_fit": fits},
-            reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
+            reason=f"{why} with about {held} requests running when the "
             + f"KV cache is full; {fits} whole requests of {length:.0f} tokens fit its {capacity} tokens: "
             + "lower {arg} {old} -> {new}",
         )  # fmt: skip
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
         new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1, evidence=evidence,
-        reason=f"{rate:.1f} retractions/min (> {c.retractions_per_min:g}) with about {held} requests running when the "
-        + "KV cache is full: lower {arg} {old} -> {new}",
+        reason=f"{why} with about {held} requests running when the KV cache is full: " + "lower {arg} {old} -> {new}",
     )  # fmt: skip
 
 
@@ -343,8 +354,20 @@ def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision
 
 
 def admission_too_conservative(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Token usage < 0.9 while requests wait, most of the window, without retractions: admit more.
-    Above the guide's 0.3 the conservativeness goes straight to 0.3; at or below it, by steps."""
+    """Token usage < ``low_usage`` while requests wait, most of the window, without retractions: admit more.
+
+    The step is sized by how far usage is below ``low_usage``. SGLang holds a new request back while
+    the free pool, less what it reserves for the running ones (their remaining max_new_tokens x the
+    new-token ratio, which the conservativeness scales), has no room for it; so free ~ reserved,
+    and at usage ``u`` the reservations take about ``1 - u`` of the pool. For usage to reach ``low``
+    with a batch ``low / u`` times larger, the reservations must fit ``1 - low`` of it:
+
+        new = current x (u / (1 - u)) / (low / (1 - low))
+
+    (usage 0.63 at 1.0: 0.19; 0.8: 0.44; 0.85: 0.63). A batch that could grow by less than
+    ``admission_min_gain`` (``low / u - 1``) is left alone: a restart costs more than that gains,
+    and a pool that is nearly full has outputs long enough to be retracted when the ratio drops.
+    A move that overshoots shows up as retractions, which ``retraction_storm`` answers."""
     c = s.control
     if window.observed_s < c.min_evidence_s:
         return None
@@ -354,6 +377,12 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     rise = _usage_rise(window)
     if rise > FILLING_RISE:
         return None  # the pool is still filling (a start-up or long prompts in prefill), not held back by admission
+    usage = window.waiting_usage()
+    if usage is None or usage <= 0.0:
+        return None  # nothing in the pool at all: not admission (an empty or starting server)
+    gain = c.low_usage / usage - 1.0
+    if gain < c.admission_min_gain:
+        return None  # nearly full already: a restart would cost more than the larger batch gains
     cap_knob = s.knobs.get(KnobName.MAX_RUNNING)
     cap = _current(cap_knob, window, state) if cap_knob else None
     at_cap = window.at_cap_fraction(cap)
@@ -363,17 +392,23 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     current = _current(knob, window, state) if knob else None
     if current is None:
         return None
+    target = current * _odds(usage) / _odds(c.low_usage)
     evidence: Evidence = {
         "low_usage_fraction": round(fraction, 3), "threshold_fraction": c.low_usage_fraction, "low_usage": c.low_usage,
+        "mean_usage_waiting": round(usage, 3), "possible_gain": round(gain, 3), "min_gain": c.admission_min_gain,
         "retractions": 0, "at_cap_fraction": round(at_cap, 3), "observed_s": round(window.observed_s, 1),
     }  # fmt: skip
-    # from above the guide's value straight to it (one restart, not a creep of them), below it by steps
-    target = GUIDE_CONSERVATIVENESS if current > GUIDE_CONSERVATIVENESS else current - c.conservativeness_step
     return _move(
         window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
-        new_value=max(target, c.conservativeness_bounds[0]), direction=-1, evidence=evidence,
-        reason=f"token usage < {c.low_usage:g} with requests waiting in {fraction:.0%} of the window: " + "lower {arg} {old} -> {new}",
+        new_value=round(max(target, c.conservativeness_bounds[0]), 2), direction=-1, evidence=evidence,
+        reason=f"token usage {usage:.2f} (< {c.low_usage:g}) with requests waiting in {fraction:.0%} of the window: "
+        + "lower {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _odds(p: float) -> float:
+    p = min(max(p, 1e-3), 1.0 - 1e-3)
+    return p / (1.0 - p)
 
 
 def _usage_rise(window: Window) -> float:

@@ -15,6 +15,10 @@ Derived figures, each ``None`` (or 0) when nothing was seen:
   lines (``retracted`` requests summed), each over the time it covers;
 * ``conservative_fraction(low_usage)``: the share of observations with a non-empty server queue
   while token usage < ``low_usage`` (scraped samples; log statistics when no sample was scraped);
+* ``retractions_per_1k_tokens``: that rate over the window's output tokens (retracted requests per
+  1,000 tokens generated; None without a throughput): how much of the work is being retracted,
+  whatever the speed of the GPU or of the clock;
+* ``waiting_usage``: mean token usage of the observations with a non-empty server queue;
 * ``throughput``: output tokens/s from the generation-token counter, else the engine's gauge;
 * ``peak_running``: the largest running batch seen.
 """
@@ -134,6 +138,13 @@ class Window:
             rates.append(logged / max(self.observed_s, 1.0) * _MINUTE)
         return max(rates)
 
+    @property
+    def retractions_per_1k_tokens(self) -> float | None:
+        tp = self.throughput
+        if tp is None or tp <= 0:
+            return None
+        return self.retraction_rate_per_min / (tp * _MINUTE / 1000.0)
+
     def _load_points(self) -> list[tuple[int, float, int]]:
         """(queue, token usage, running) per observation: samples, else the statistics log lines."""
         if self.samples:
@@ -151,6 +162,11 @@ class Window:
         if not points:
             return 0.0
         return sum(1 for q, u, _ in points if q > 0 and u < low_usage) / len(points)
+
+    def waiting_usage(self) -> float | None:
+        """Mean token usage of the observations with a non-empty server queue (None: none had one)."""
+        usage = [u for q, u, _ in self._load_points() if q > 0]
+        return sum(usage) / len(usage) if usage else None
 
     def at_cap_fraction(self, cap: float | None) -> float:
         """Share of observations whose running batch is at ``cap`` (>= 95 % of it)."""

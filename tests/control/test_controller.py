@@ -108,7 +108,7 @@ def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
     assert c.tick() == []  # the same advice is not repeated within the cool-down
     entries = c.journal.entries()
     assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("admission_too_conservative", "advised", "advise")]
-    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.3]}
+    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.2]}
     assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
 
 

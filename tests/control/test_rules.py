@@ -44,9 +44,11 @@ def state(args: dict[str, object] | None = None, **kw: object) -> ControlState:
 def test_low_usage_with_queue_lowers_conservativeness() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state(), SETTINGS)
     assert d is not None and d.rule == "admission_too_conservative" and d.kind is RuleKind.TUNING
-    assert d.changes == {"schedule_conservativeness": (1.0, 0.3)}  # straight to the guide's 0.3, not 0.7
+    # usage 0.64 with requests waiting: 1.0 x (0.64 / 0.36) / (0.9 / 0.1) = 0.2, in one restart
+    assert d.changes == {"schedule_conservativeness": (1.0, 0.2)}
     assert d.evidence["low_usage_fraction"] == 1.0 and d.direction == -1
-    assert "token usage < 0.9" in d.reason
+    assert d.evidence["mean_usage_waiting"] == pytest.approx(0.64, abs=0.005)
+    assert "token usage 0.64 (< 0.9)" in d.reason
 
 
 @pytest.mark.parametrize(
@@ -56,7 +58,7 @@ def test_low_usage_with_queue_lowers_conservativeness() -> None:
         pytest.param(window_of(samples("samples_healthy.json")), ARGS, id="healthy-usage"),
         pytest.param(window_of(samples("samples_idle.json")), ARGS, id="empty-queue"),
         pytest.param(window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"),
-        pytest.param(window_of(samples("samples_conservative.json")), {**ARGS, "schedule_conservativeness": 0.3}, id="at-lower-bound"),
+        pytest.param(window_of(samples("samples_conservative.json")), {**ARGS, "schedule_conservativeness": 0.1}, id="at-lower-bound"),
         pytest.param(
             window_of(samples("samples_conservative.json"), [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})]),
             ARGS,
@@ -78,27 +80,56 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
     # the same usage once it has levelled off is evidence
     level = [Sample(time=float(t), queue=130, running=90, token_usage=0.60 + 0.01 * (t % 3)) for t in range(61)]
     d = admission_too_conservative(window_of(level), state(), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (1.0, 0.3)}
+    assert d is not None and d.changes == {"schedule_conservativeness": (1.0, 0.17)}  # usage 0.61
 
 
 def test_admission_rule_default_conservativeness_when_unset() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.3)} and d.evidence["old_value"] == 1.0
+    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.2)} and d.evidence["old_value"] == 1.0
 
 
 @pytest.mark.parametrize(
     ("current", "lower_bound", "expected"),
     [
-        pytest.param(2.0, 0.1, 0.3, id="from-far-above-the-guide-value-in-one-step"),
-        pytest.param(0.35, 0.1, 0.3, id="just-above-the-guide-value-stops-at-it"),
-        pytest.param(0.3, 0.1, 0.1, id="at-the-guide-value-steps-down-to-the-bound"),
-        pytest.param(1.0, 0.5, 0.5, id="the-bound-above-the-guide-value-wins"),
+        pytest.param(2.0, 0.1, 0.39, id="sized-by-usage-from-far-above"),  # 2.0 x (0.64 / 0.36) / 9
+        pytest.param(0.5, 0.1, 0.1, id="sized-by-usage-not-below-the-bound"),  # 0.099 -> the bound
+        pytest.param(0.3, 0.1, 0.1, id="down-to-the-bound"),
+        pytest.param(1.0, 0.5, 0.5, id="the-bound-wins"),
     ],
 )
-def test_admission_rule_jumps_to_the_guide_value_then_steps(current: float, lower_bound: float, expected: float) -> None:
+def test_admission_rule_sizes_its_step_by_the_usage(current: float, lower_bound: float, expected: float) -> None:
     settings = RuleSettings(control=ControlSettings(conservativeness_bounds=(lower_bound, 2.0)), knobs=KNOBS)
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings)
     assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected)
+
+
+def _waiting_at(usage: float) -> Window:
+    from proxy.engines.base import Sample
+
+    return window_of([Sample(time=float(t), queue=130, running=300, token_usage=usage + 0.01 * (t % 2)) for t in range(61)])
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        pytest.param(0.63, 0.19, id="early-stop-like-usage-0.63"),
+        pytest.param(0.75, 0.34, id="usage-0.75"),
+        pytest.param(0.50, 0.11, id="half-full"),
+    ],
+)
+def test_admission_step_follows_how_far_usage_is_below_the_line(usage: float, expected: float) -> None:
+    d = admission_too_conservative(_waiting_at(usage), state(), SETTINGS)
+    assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected, abs=0.01)
+    assert d.evidence["possible_gain"] >= SETTINGS.control.admission_min_gain
+
+
+@pytest.mark.parametrize("usage", [0.85, 0.8])
+def test_admission_rule_must_not_fire_when_the_batch_could_grow_only_a_little(usage: float) -> None:
+    """Usage 0.85 with requests waiting (low-mem-fraction after its memory move, outputs 33-67 % of
+    max_tokens): the batch could grow by 6 %, less than a restart costs, and a lower ratio retracts."""
+    assert admission_too_conservative(_waiting_at(usage), state(), SETTINGS) is None
+    loose = RuleSettings(control=ControlSettings(admission_min_gain=0.01), knobs=KNOBS)
+    assert admission_too_conservative(_waiting_at(usage), state(), loose) is not None  # the key decides
 
 
 # -- retraction storm --------------------------------------------------------------------------
@@ -163,6 +194,37 @@ def test_retraction_log_storm_raises_conservativeness() -> None:
     w = window_of(log_events("log_retraction_storm.log"))
     d = retraction_storm(w, state({"schedule_conservativeness": 1.9}), SETTINGS)
     assert d is not None and d.changes == {"schedule_conservativeness": (1.9, 2.0)}  # bounded
+
+
+def _busy_with_retractions(per_min: float, tokens_per_s: float) -> Window:
+    """61 s of a busy server: ``per_min`` retractions a minute at ``tokens_per_s`` output tokens/s."""
+    from proxy.engines.base import Sample
+
+    return window_of([
+        Sample(time=float(t), queue=130, running=150, token_usage=0.95, retractions_total=per_min * t / 60.0,
+               generation_tokens_total=tokens_per_s * t)
+        for t in range(61)
+    ])  # fmt: skip
+
+
+def test_retraction_rule_is_relative_to_the_work_done() -> None:
+    """retraction-storm's journal: 0.1 -> 21.8 retractions per modelled minute at 1,770 tok/s (0.21 per
+    1k output tokens) is a storm; at 1.0 the same scenario retracted 8.1 a minute at 2,460 tok/s
+    (0.055 per 1k), above the old absolute threshold of 6 but no storm: the oracle's own arguments."""
+    storm = retraction_storm(_busy_with_retractions(21.8, 1770.0), state({"schedule_conservativeness": 0.1}), SETTINGS)
+    assert storm is not None and storm.changes == {"schedule_conservativeness": (0.1, 0.4)}
+    assert storm.evidence["retractions_per_1k_tokens"] == pytest.approx(0.205, abs=0.002)
+    assert storm.evidence["threshold_per_1k_tokens"] == 0.1
+    assert retraction_storm(_busy_with_retractions(8.1, 2460.0), state(), SETTINGS) is None
+    # the same count of retractions on a server ten times slower is a storm
+    assert retraction_storm(_busy_with_retractions(8.1, 246.0), state(), SETTINGS) is not None
+
+
+def test_retraction_rule_keeps_its_noise_floor() -> None:
+    """A handful of retractions on a slow server is a large share of little work, but under the floor."""
+    assert retraction_storm(_busy_with_retractions(5.0, 50.0), state(), SETTINGS) is None
+    tighter = RuleSettings(control=ControlSettings(retractions_per_min=1.0), knobs=KNOBS)
+    assert retraction_storm(_busy_with_retractions(5.0, 50.0), state(), tighter) is not None
 
 
 @pytest.mark.parametrize(
