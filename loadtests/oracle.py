@@ -13,6 +13,16 @@ The search is coordinate descent over the four knobs the controller can move
 ``mem_fraction_static``): starting from the scenario's arguments, each knob in turn is swept over
 its candidate values with the others held at the best found so far; ``passes`` rounds of that.
 
+Arrival: every arm runs behind the proxy, whose pacing gate feeds the worker only while its estimated
+server queue is under the band's target (``queue_band[0] + headroom``), from a scrape every
+``scrape_interval_s`` of wall time. A trial replays that gate (:class:`Pacing`, :func:`simulate_paced`):
+the same engine, fed the way the live arms feed it. Queuing the whole workload at the engine at
+once (``pacing=None``, :func:`proxy.sim.virtual.simulate`) is a different arrival process, and the
+engine's admission depends on it: with 8,000 requests waiting, retractions reset the new-token
+ratio before the running batch grows large, while behind the proxy (about 130 waiting) the ratio
+decays further between retractions and the batch grows past what the same arguments survived in
+the queued replay (decode-oom: conservativeness 0.7 ran clean queued and died of a decode OOM live).
+
 The space is the one the deployment allows: arguments that leave less free device memory at
 start-up than ``min_available_gb`` (the floor of the policy's ``available_mem_band_gb``, the tuning
 guide's OOM risk line) are not candidates, so the oracle is the best *safe* static configuration.
@@ -26,12 +36,91 @@ from typing import Any, Mapping, Sequence
 from proxy.engines.sglang.argv import build_argv
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
+from proxy.sim.engine import Engine
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
-__all__ = ["SearchSpace", "SweepResult", "Trial", "evaluate", "sim_config", "sweep"]
+__all__ = ["Pacing", "PacedResult", "SearchSpace", "SweepResult", "Trial", "evaluate", "sim_config", "simulate_paced", "sweep"]
 
 KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_requests", "mem_fraction_static")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pacing:
+    """The proxy's pacing gate as the engine sees it (``proxy.dispatch``, ``proxy.pacing``): a request
+    is sent while ``max(queue_at_scrape + sent_since - finished_since, in_flight - running_at_scrape)``
+    is under ``target``; a scrape every ``scrape_s`` engine seconds (the policy's
+    ``scrape_interval_s`` x the time scale: the engine runs at time scale 1 here)."""
+
+    target: int = 132  # queue_band[0] + headroom
+    scrape_s: float = 5.0
+
+    @classmethod
+    def of(cls, queue_band_lo: int, headroom: int, queue_band_hi: int, scrape_interval_s: float, time_scale: float) -> Pacing:
+        return cls(target=max(1, min(queue_band_lo + headroom, queue_band_hi)), scrape_s=scrape_interval_s * time_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class PacedResult:
+    output_tokens: int
+    makespan_s: float
+    output_tok_per_s: float
+    retractions: int
+    finished: int
+    oom: str | None
+    peak_running: int
+
+
+def _prompt_ids(spec: RequestSpec, index: int) -> tuple[int, ...]:
+    if spec.prompt_ids is not None:
+        return tuple(spec.prompt_ids)
+    base = -(index + 1) * 10_000_000  # unique per request: no shared prefix
+    return tuple(range(base, base + max(1, spec.prompt_len)))
+
+
+def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing) -> PacedResult:
+    """The whole workload (all of it submitted to the proxy at once, in order) fed to one engine
+    through the pacing gate, in virtual time: the live arms' arrival process."""
+    eng = Engine(config)
+    n = len(workload)
+    t = 0.0
+    i = 0
+    in_flight = 0
+    q_scraped = run_scraped = 0
+    since = 0  # sent - finished since the last scrape
+    next_scrape = 0.0
+    out_tokens = finished = peak = 0
+    oom: str | None = None
+    while True:
+        if t >= next_scrape:
+            q_scraped, run_scraped, since = len(eng.waiting), eng.n_run, 0
+            next_scrape = t + pacing.scrape_s
+        while i < n and max(q_scraped + since, in_flight - run_scraped) < pacing.target:
+            spec = workload[i]
+            eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
+                    output_len=spec.output_len, rid=spec.rid, now=t)
+            i += 1
+            since += 1
+            in_flight += 1
+        step = eng.plan(t)
+        if step is None:
+            if i >= n and in_flight == 0:
+                break
+            t = next_scrape  # idle until the proxy's next look at the worker
+            continue
+        if step.oom is not None:
+            oom = step.oom
+            break
+        t += step.duration
+        outcome = eng.complete(step, t)
+        peak = max(peak, eng.n_run)
+        for r in outcome.finished:
+            out_tokens += eng.output_len(r)
+        finished += len(outcome.finished)
+        since -= len(outcome.finished)
+        in_flight -= len(outcome.finished)
+    return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
+                       retractions=eng.retracted_total, finished=finished, oom=oom, peak_running=peak)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +133,7 @@ class SearchSpace:
     mem_fraction_static: tuple[float | None, ...] = (None, 0.6, 0.7, 0.75, 0.8, 0.83, 0.85, 0.87, 0.89, 0.91, 0.93)
     min_available_gb: float = 0.0  # safety floor on start-up free memory
     passes: int = 2
+    pacing: Pacing | None = None  # the proxy's gate in front of the engine (None: the workload queued at once)
 
     def values(self, knob: str) -> tuple[Any, ...]:
         return tuple(getattr(self, knob))
@@ -85,7 +175,7 @@ def sim_config(args: Mapping[str, Any], *, gpu: str, model: str, time_scale: flo
 
 
 def evaluate(args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu: str, model: str,
-             min_available_gb: float = 0.0) -> Trial:
+             min_available_gb: float = 0.0, pacing: Pacing | None = None) -> Trial:
     try:
         cfg = sim_config(args, gpu=gpu, model=model)
     except SimConfigError:
@@ -93,7 +183,7 @@ def evaluate(args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu: s
     free = cfg.memory.available_gb
     if free < min_available_gb:
         return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True)
-    res = simulate(cfg, workload)
+    res = simulate(cfg, workload) if pacing is None else simulate_paced(cfg, workload, pacing)
     return Trial(args=dict(args), output_tok_per_s=0.0 if res.oom else res.output_tok_per_s, makespan_s=res.makespan_s,
                  retractions=res.retractions, oom=res.oom, available_gpu_mem_gb=free)
 
@@ -106,7 +196,8 @@ def sweep(start_args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu
     def trial(args: Mapping[str, Any]) -> Trial:
         key = tuple(sorted((k, v) for k, v in args.items() if v is not None))
         if key not in seen:
-            seen[key] = evaluate(args, workload, gpu=gpu, model=model, min_available_gb=space.min_available_gb)
+            seen[key] = evaluate(args, workload, gpu=gpu, model=model, min_available_gb=space.min_available_gb,
+                                  pacing=space.pacing)
         return seen[key]
 
     start = trial(dict(start_args))

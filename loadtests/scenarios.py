@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from loadtests.oracle import SearchSpace, sweep
+from loadtests.oracle import Pacing, SearchSpace, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
 
 __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
@@ -41,6 +41,9 @@ __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"
 ARMS = ("default", "adaptive", "oracle")
 ARM_KEYS = ("output_tok_per_s", "requests_ok", "requests_lost", "requests_failed", "retractions", "restarts", "oom_crashes")
 SAMPLE_INTERVAL_S = 0.5
+# a batch deployment's band: the queue is held near 100 + headroom; without a fresh sample the proxy
+# sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
+PACING: dict[str, Any] = {"queue_band": [100, 400], "scrape_interval_s": 0.5, "stale_after_s": 3.0}
 _LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
@@ -104,9 +107,7 @@ def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path)
         "engine": {"kind": "sim", "workers": 1, "args": {k: v for k, v in args.items() if v is not None},
                    "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
                    "stop_grace_s": 5.0},
-        # a batch deployment's band: the queue is held near 100 + 32; without a fresh sample the proxy
-        # sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
-        "pacing": {"queue_band": [100, 400], "scrape_interval_s": 0.5, "stale_after_s": 3.0},
+        "pacing": dict(PACING),
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
     lines = []
@@ -335,16 +336,27 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
 # -- a scenario -------------------------------------------------------------------------------------
 
 
+def scenario_pacing(sc: Scenario) -> Pacing:
+    """The arms' pacing gate (:data:`PACING`, the policy's default headroom) in the sweep's engine seconds."""
+    from proxy.policy import PacingSettings
+
+    lo, hi = PACING["queue_band"]
+    return Pacing.of(lo, PacingSettings().headroom, hi, PACING["scrape_interval_s"], sc.time_scale)
+
+
 def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sweep's best static arguments, and the sweep itself for the report."""
+    """The sweep's best static arguments, and the sweep itself for the report. Every trial feeds the
+    engine through the arms' own pacing gate (:func:`scenario_pacing`): the arrival the arms see."""
     t = time.process_time()
+    pacing = scenario_pacing(sc)
     result = sweep(sc.start_args, sc.workload.specs(), gpu=sc.gpu, model=sc.model,
-                   space=SearchSpace(min_available_gb=sc.min_available_gb))
+                   space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing))
     best = {k: v for k, v in result.best.args.items() if v is not None}
     info = {"best": result.best.as_dict(), "start": result.start.as_dict(), "trials": len(result.trials),
             "cpu_s": round(time.process_time() - t, 1),
-            "note": "modelled seconds (time scale 1); OOM or a start-up failure scores 0; "
-                    f"free memory at start-up >= {sc.min_available_gb:g} GB"}
+            "pacing": {"target": pacing.target, "scrape_s": pacing.scrape_s},
+            "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate; OOM or a "
+                    f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB"}
     return best, info
 
 

@@ -110,3 +110,33 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     assert report_path.with_suffix(".png").stat().st_size > 10_000
     table = report_path.with_suffix(".md").read_text()
     assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
+
+
+def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
+    """The paced replay drives the same engine as proxy.sim.virtual.simulate: with a gate wider than
+    the workload, everything arrives at once and the two agree exactly."""
+    from loadtests.oracle import Pacing, sim_config, simulate_paced
+    from proxy.sim.virtual import simulate
+
+    wl = Workload(count=150, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=6).specs()
+    cfg = sim_config({"schedule_conservativeness": 0.3, "max_total_tokens": 40000}, gpu="a100-40gb", model="llama-3.1-8b")
+    queued, wide = simulate(cfg, wl), simulate_paced(cfg, wl, Pacing(target=10**6, scrape_s=5.0))
+    assert (wide.output_tokens, wide.retractions, wide.finished) == (queued.output_tokens, queued.retractions, queued.finished)
+    assert wide.makespan_s == pytest.approx(queued.makespan_s)
+    narrow = simulate_paced(cfg, wl, Pacing(target=8, scrape_s=5.0))
+    assert narrow.finished == 150 and narrow.output_tokens == queued.output_tokens
+    assert narrow.makespan_s != pytest.approx(queued.makespan_s)  # the arrival process matters
+
+
+def test_decode_oom_premise_holds_behind_the_proxy() -> None:
+    """The scenario's default arguments die of a decode OOM in the paced replay (the arrival the arms
+    see), early; the cap the controller picks after it (0.8 x the peak) runs clean."""
+    from loadtests.oracle import evaluate
+    from loadtests.scenarios import scenario_pacing
+
+    sc = SCENARIOS["decode-oom"]
+    head = sc.workload.specs()[:3000]
+    dead = evaluate(sc.start_args, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
+    assert dead.oom == "decode" and dead.score == 0.0 and dead.makespan_s < 60  # died in the first fill
+    capped = evaluate({**sc.start_args, "max_running_requests": 800}, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
+    assert capped.oom is None and capped.output_tok_per_s > 0
