@@ -150,7 +150,7 @@ class ControlSettings:
     low_usage_fraction: float = 0.7  # ... for this fraction of the window: admission too conservative
     timid_queue_fraction: float = 0.5  # server queue empty this often while the proxy holds work: noted
     retractions_per_min: float = 6.0  # retracted requests per minute: below this, never a storm (noise floor)
-    retractions_per_1k_tokens: float = 0.1  # retracted requests per 1k output tokens above this: admission too aggressive
+    retractions_per_1k_tokens: float = 0.5  # retracted requests per 1k output tokens above this: admission too aggressive
     admission_min_gain: float = 0.15  # lower the conservativeness only if the batch could grow by this much (low_usage / usage - 1)
     conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
     conservativeness_step: float = 0.3

@@ -53,6 +53,11 @@ def info(worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Ma
     return WorkerInfo(id=worker_id, url="http://127.0.0.1:1", state=state, managed=True, args=dict(args), pid=4242)
 
 
+# samples_retraction_storm.json retracts 0.21 requests per 1k output tokens: a storm for a deployment
+# that sets the threshold there (the default, 0.5, leaves SGLang's own retraction cycle alone)
+STORM_PER_1K = 0.1
+
+
 def controller(mode: ControlMode, tmp_path: Path, actor: RecordingActor | None = None, **kw: object) -> tuple[Controller, Clock]:
     clock = Clock()
     settings = replace(ControlSettings(), mode=mode, journal_path=str(tmp_path / "decisions.jsonl"), **kw)  # type: ignore[arg-type]
@@ -71,7 +76,7 @@ def feed(c: Controller, clock: Clock, rows: list[Sample], worker_id: str = "w0")
 
 def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, retractions_per_1k_tokens=STORM_PER_1K)
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     acts = c.tick()
@@ -121,7 +126,7 @@ def test_off_only_observes(tmp_path: Path) -> None:
 
 
 def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0)
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K)
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
@@ -227,7 +232,7 @@ def test_off_records_the_death_only(tmp_path: Path) -> None:
 
 def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
     actor = RecordingActor(come_back=WorkerState.DOWN)
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, retractions_per_1k_tokens=STORM_PER_1K)
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     [act] = c.tick()

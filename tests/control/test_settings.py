@@ -11,7 +11,7 @@ def test_defaults_follow_the_tuning_guide() -> None:
     c = parse_policy({}).control
     assert c.mode is ControlMode.OFF
     assert c.low_usage == 0.9 and c.conservativeness_bounds == (0.1, 2.0)
-    assert c.retractions_per_1k_tokens == 0.1 and c.retractions_per_min == 6.0 and c.admission_min_gain == 0.15
+    assert c.retractions_per_1k_tokens == 0.5 and c.retractions_per_min == 6.0 and c.admission_min_gain == 0.15
     assert c.available_mem_band_gb == (5.0, 10.0) and c.memory_fraction_step == 0.01
     assert c.prefill_chunk_min == 2048
 
