@@ -367,7 +367,9 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     (usage 0.63 at 1.0: 0.19; 0.8: 0.44; 0.85: 0.63). A batch that could grow by less than
     ``admission_min_gain`` (``low / u - 1``) is left alone: a restart costs more than that gains,
     and a pool that is nearly full has outputs long enough to be retracted when the ratio drops.
-    A move that overshoots shows up as retractions, which ``retraction_storm`` answers."""
+    A move that overshoots shows up as retractions, which ``retraction_storm`` answers. Nor does it
+    restart a worker when less waits in the proxy than is on the worker (the end of a batch: the
+    restart would take back the running work and pay a start-up for the little that is left)."""
     c = s.control
     if window.observed_s < c.min_evidence_s:
         return None
@@ -388,6 +390,9 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     at_cap = window.at_cap_fraction(cap)
     if at_cap >= 0.5:
         return None  # the running batch is held by its cap, not by admission
+    backlog, on_worker = window.proxy_backlog, _on_worker(window)
+    if backlog is not None and backlog < on_worker:
+        return None  # less waits in the proxy than is on the worker: the work ends before a restart pays
     knob = s.knobs.get(KnobName.CONSERVATIVENESS)
     current = _current(knob, window, state) if knob else None
     if current is None:
@@ -397,6 +402,7 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
         "low_usage_fraction": round(fraction, 3), "threshold_fraction": c.low_usage_fraction, "low_usage": c.low_usage,
         "mean_usage_waiting": round(usage, 3), "possible_gain": round(gain, 3), "min_gain": c.admission_min_gain,
         "retractions": 0, "at_cap_fraction": round(at_cap, 3), "observed_s": round(window.observed_s, 1),
+        "proxy_backlog": backlog,
     }  # fmt: skip
     return _move(
         window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
@@ -404,6 +410,11 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
         reason=f"token usage {usage:.2f} (< {c.low_usage:g}) with requests waiting in {fraction:.0%} of the window: "
         + "lower {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _on_worker(window: Window) -> int:
+    """Requests on the worker at the latest sample: running and waiting in its own queue."""
+    return window.samples[-1].running + window.samples[-1].queue if window.samples else 0
 
 
 def _odds(p: float) -> float:

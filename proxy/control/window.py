@@ -186,6 +186,11 @@ class Window:
         return hits / len(self.samples)
 
     @property
+    def proxy_backlog(self) -> int | None:
+        """Requests the proxy held at its latest look (None: not reported)."""
+        return self.proxy_queue[-1][1] if self.proxy_queue else None
+
+    @property
     def throughput(self) -> float | None:
         """Output tokens per second over the window."""
         counted = _counter_increase([(s.time, s.generation_tokens_total) for s in self.samples if s.generation_tokens_total is not None])

@@ -388,3 +388,17 @@ def test_evaluate_while_serving_picks_first_admitted_rule() -> None:
 def test_evaluate_healthy_fires_nothing() -> None:
     ev = evaluate(window_of(samples("samples_healthy.json")), state(), SETTINGS)
     assert ev.decision is None and ev.refused == ()
+
+
+def test_admission_rule_must_not_restart_at_the_end_of_a_batch() -> None:
+    """low-mem-fraction, paced replay: usage dips to 0.74 in the last minute, as the batch runs out.
+    Less waits in the proxy than is on the worker: a restart would take back the running work and pay
+    a start-up for what is left. With a backlog it fires as before."""
+    w = window_of(samples("samples_conservative.json"))
+    last = w.samples[-1]
+    on_worker = last.running + last.queue
+    assert admission_too_conservative(w.push_proxy_queue(w.now, on_worker - 1), state(), SETTINGS) is None
+    assert admission_too_conservative(w.push_proxy_queue(w.now, 0), state(), SETTINGS) is None
+    d = admission_too_conservative(w.push_proxy_queue(w.now, 5000), state(), SETTINGS)
+    assert d is not None and d.evidence["proxy_backlog"] == 5000
+    assert admission_too_conservative(w, state(), SETTINGS) is not None  # no backlog figure: the rule as before
