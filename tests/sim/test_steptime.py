@@ -63,3 +63,11 @@ def test_startup_costs_what_a_real_start_costs() -> None:
     assert cfg.startup_wall_seconds == pytest.approx(total)
     assert config("--sim-time-scale", "10").startup_wall_seconds == pytest.approx(total / 10)
     assert config("--sim-startup-seconds", "0.2").startup_wall_seconds == 0.2
+
+
+def test_start_up_counts_the_process_own_start() -> None:
+    """The modelled start-up includes the interpreter and imports: the process's age is taken off it."""
+    from proxy.sim.startup import process_age_s
+
+    age = process_age_s()
+    assert 0.0 < age < 3600.0  # this test process started a while ago, not at boot
