@@ -95,7 +95,7 @@ class Attempt:
     def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
         self.ticket = ticket
         self.worker_id = worker_id
-        self.task: asyncio.Task | None = None  # the upstream call until its first output
+        self.task: asyncio.Task | None = None  # the handler opening the request, until its first output
         self.started = False  # output came back: the request can no longer be taken back
         self.taken_back = False
         self.released = False

@@ -240,11 +240,26 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
     ok = False
     try:
         await out.prepare(request)
-        await out.write(opened.first)
+        await out.write(opened.first)  # the headers and the first chunk, in one segment
+        transport = request.transport
+        assert transport is not None
+        high_water = transport.get_write_buffer_limits()[1]
         last = opened.first
+
+        def sink(data: bytes) -> bool:
+            # the rest of the stream goes from the worker's connection callback straight to the
+            # client's socket, framed as HTTP chunks like aiohttp's own writer (which ends it below)
+            nonlocal last
+            if transport.is_closing():
+                return False  # the client left: aiohttp cancels this handler next
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            last = data
+            return transport.get_write_buffer_size() <= high_water
+
+        resp.pipe(sink)
         while True:
             try:
-                chunk = await resp.readany()
+                ended = await resp.piped()
             except UpstreamError as exc:
                 m.fail_midstream.inc()
                 _log.warning("worker stream broke after output was sent: %r", exc)
@@ -253,11 +268,11 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
                     f"the worker failed mid-stream ({exc}); the answer is incomplete",
                     code="upstream_failed_mid_stream"))
                 break
-            if not chunk:
+            if ended:
                 m.completed.inc()
                 break
-            await out.write(chunk)
-            last = chunk
+            await request.writer.drain()  # the client is slow: wait until its socket buffer drained
+            resp.resume_pipe()
         await out.write_eof()
         ok = True
         return out

@@ -64,7 +64,7 @@ class UpstreamResponse:
     """One answer from a worker, read as it arrives."""
 
     __slots__ = ("status", "content_type", "keep_alive", "_conn", "_chunks", "_buffered", "_eof",
-                 "_error", "_waiter", "_opened", "_until_output", "_timer", "_closed")
+                 "_error", "_waiter", "_opened", "_until_output", "_timer", "_closed", "_sink", "_backed_up")
 
     def __init__(self, conn: _Connection, until_output: bool = False) -> None:
         self.status = 0
@@ -79,6 +79,8 @@ class UpstreamResponse:
         self._opened: asyncio.Future[None] = conn.loop.create_future()  # what post() waits for
         self._until_output = until_output
         self._timer: asyncio.TimerHandle | None = None
+        self._sink: Callable[[bytes], bool] | None = None
+        self._backed_up = False
         self._closed = False
 
     # -- reading --------------------------------------------------------------------------------
@@ -106,6 +108,39 @@ class UpstreamResponse:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    def pipe(self, sink: Callable[[bytes], bool]) -> None:
+        """From now on hand the body to ``sink`` as it arrives, in the connection's own callback,
+        instead of keeping it for :meth:`readany` (what was kept goes first). ``sink`` must not
+        raise; it returns False when its consumer is backed up, and the connection then stops
+        reading until :meth:`resume_pipe`. Wait for the end with :meth:`piped`."""
+        self._sink = sink
+        if self._chunks:
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            if not sink(data):
+                self._back_up()
+
+    async def piped(self) -> bool:
+        """Wait while the body flows into the sink: True at its end, False when the sink is backed
+        up (call :meth:`resume_pipe` once it drained); raises what broke the answer."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return True
+            if self._backed_up:
+                return False
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def resume_pipe(self) -> None:
+        self._backed_up = False
+        self._conn.resume()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -151,7 +186,17 @@ class UpstreamResponse:
         if not self._until_output or self.status != 200:
             self._open()
 
+    def _back_up(self) -> None:
+        self._backed_up = True
+        self._conn.pause()
+        self._wake()
+
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if not sink(data):
+                self._back_up()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > self._conn.pool.high_water:

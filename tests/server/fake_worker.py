@@ -25,6 +25,8 @@ class FakeWorker:
     max_running: int = 8
     token_delay_s: float = 0.001
     default_tokens: int = 4
+    pad: int = 0  # extra characters in every streamed chunk's text (big streams for back-pressure tests)
+    emitted: int = 0  # streamed chunks written so far, all requests
     running: int = 0
     waiting: deque = field(default_factory=deque)
     seen_rids: list = field(default_factory=list)
@@ -112,10 +114,12 @@ class FakeWorker:
         for i in range(n):
             await asyncio.sleep(self.token_delay_s)
             delta = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
-            delta.update({"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "})
+            text = f"t{i} " + "x" * self.pad
+            delta.update({"delta": {"content": text}} if chat else {"text": text})
             chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": 0, "model": body.get("model", MODEL), "choices": [delta]}
             await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            self.emitted += 1
             if mode == "midstream" and i == 1:
                 assert request.transport is not None
                 request.transport.abort()

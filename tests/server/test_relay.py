@@ -156,3 +156,42 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     assert await d.wait_idle("w0", 2.0)
     assert h.state.metrics.requeued._value.get() == 1
     await client.close()
+
+
+async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_proxy):
+    # 5,000 chunks of ~4 KB (20 MB) as fast as the worker can write them, to a client that stops
+    # reading: the proxy must stop reading from the worker (back-pressure) instead of buffering the
+    # stream, then deliver all of it, intact and in order, once the client reads again.
+    n = 5000
+    h = await make_proxy(worker={"token_delay_s": 0.0, "pad": 4000})
+    worker = h.workers[0]
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        body = ('{"model": "%s", "prompt": "x", "max_tokens": %d, "stream": true}' % (MODEL, n)).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        received = [await reader.read(4096)]  # the stream started
+        await asyncio.sleep(1.0)  # the client reads nothing: buffers fill up and the worker must stall
+        stalled_at = worker.emitted
+        await asyncio.sleep(0.5)
+        assert worker.emitted == stalled_at < n, "the worker kept writing while the client read nothing"
+        async with asyncio.timeout(30):
+            while not received[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                received.append(await reader.read(2**20))
+    finally:
+        writer.close()
+    assert worker.emitted == n
+    head, rest = b"".join(received).split(b"\r\n\r\n", 1)
+    assert b"Transfer-Encoding: chunked" in head
+    body, at = bytearray(), 0
+    while True:  # undo the HTTP chunked framing
+        eol = rest.index(b"\r\n", at)
+        size = int(rest[at:eol], 16)
+        if size == 0:
+            break
+        body += rest[eol + 2:eol + 2 + size]
+        at = eol + 2 + size + 2
+    texts = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: {")]
+    assert len(texts) == n
+    assert all(b'"text":"t%d ' % i in t for i, t in enumerate(texts))

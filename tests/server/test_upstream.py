@@ -269,3 +269,34 @@ async def test_a_slow_reader_pauses_the_socket_until_it_catches_up() -> None:
         resp.close()
         assert pool.idle_connections() == 1
     pool.close()
+
+
+async def test_pipe_hands_the_body_to_a_sink_and_stops_while_it_is_backed_up() -> None:
+    release = asyncio.Event()
+
+    async def reply(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(SSE_HEAD + chunk(b"a"))
+        await w.drain()
+        await release.wait()
+        w.write(chunk(b"b") + chunk(b"c") + b"0\r\n\r\n")
+
+    got: list[bytes] = []
+    backed_up = [True]
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return not backed_up[0]
+
+    pool = UpstreamPool()
+    async with Script(reply) as srv:
+        resp = await pool.post(srv.url, "/x", b"", timeout_s=5, until_output=True)
+        resp.pipe(sink)  # "a" was kept for readany: it goes to the sink first, which says it is full
+        assert got == [b"a"] and await resp.piped() is False and resp._conn.paused
+        backed_up[0] = False
+        resp.resume_pipe()
+        release.set()
+        assert await resp.piped() is True
+        assert b"".join(got) == b"abc"
+        resp.close()
+        assert pool.idle_connections() == 1
+    pool.close()
