@@ -106,7 +106,10 @@ def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path)
         "queue": {"capacity": 100000, "timeout_s": sc.queue_timeout_s},
         "engine": {"kind": "sim", "workers": 1, "args": {k: v for k, v in args.items() if v is not None},
                    "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
-                   "stop_grace_s": 5.0},
+                   # a wall-clock timing like the [control] ones: 5 s on the modelled GPU. Unscaled, a
+                   # worker stopped with aborted requests still open on it took the whole 5 s (then
+                   # SIGKILL): 80 modelled seconds at time scale 16, a cost no real restart has
+                   "stop_grace_s": 5.0 / sc.time_scale},
         "pacing": dict(PACING),
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
