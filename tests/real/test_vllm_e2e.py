@@ -5,8 +5,8 @@ cache is made small on purpose, so the scheduler really preempts and a long ``ma
 really does not fit: the signals the controller acts on come from vLLM itself, through the same
 engine-neutral rules that tune SGLang.
 
-Figures are measured on the engine side, from vLLM's own counters scraped every half second, for
-each set of arguments the worker ran with (restart downtime counts in neither): preemptions per
+Figures are measured on the engine side, from vLLM's own counters read just before and just after
+each round of load (restart downtime counts in neither): preemptions per
 thousand output tokens, output tokens per second while busy, and output tokens per CPU-second of
 the worker's processes. The controller caps ``--max-num-seqs`` at the whole requests that fit the
 KV cache (8,192 / (about 108 + 256) = 22), which ends the preemptions. It does not raise output
@@ -24,7 +24,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -32,7 +32,7 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.engines.vllm.metrics import MetricsParseError, parse_metrics
+from proxy.engines.vllm.metrics import parse_metrics
 from proxy.policy import parse_policy
 from proxy.server.app import build_app, serve
 from proxy.server.state import PROXY, ProxyState
@@ -149,25 +149,44 @@ async def test_refused_start_is_retried_with_a_max_model_len_that_fits(
 # -- serving: preemptions under load ----------------------------------------------------------------
 
 
-@dataclass
-class Point:
+@dataclass(frozen=True)
+class Snapshot:
+    """vLLM's own counters and the worker's CPU time at one instant."""
+
     time: float
     max_num_seqs: object
     generation_tokens: float
     preemptions: float
-    running: int
     cpu_s: float  # of the worker's process tree
 
 
-@dataclass
+async def snapshot(proxy: Proxy) -> Snapshot:
+    worker = proxy.worker()
+    assert worker.state is WorkerState.READY and worker.pid is not None
+    async with aiohttp.ClientSession() as session:
+        async with session.get(worker.url + "/metrics", timeout=aiohttp.ClientTimeout(total=60)) as r:
+            sample = parse_metrics(await r.text(), time.monotonic())
+    return Snapshot(sample.time, worker.args.get("max_num_seqs"), sample.generation_tokens_total or 0.0,
+                    sample.retractions_total or 0.0, cpu_seconds(worker.pid))
+
+
+@dataclass(frozen=True)
 class Era:
-    """What the worker did while it ran with one ``max_num_seqs``, busy time only."""
+    """What the worker did during one round of load with one ``max_num_seqs``: the difference of
+    its counters read just before and just after the round (two reads, so a test process starved
+    of CPU by vLLM's busy threads cannot miss the round, as sampling every half second could)."""
 
     max_num_seqs: object
-    busy_s: float = 0.0
-    cpu_s: float = 0.0
-    tokens: float = 0.0
-    preemptions: float = 0.0
+    busy_s: float
+    cpu_s: float
+    tokens: float
+    preemptions: float
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot) -> Era:
+        assert a.max_num_seqs == b.max_num_seqs and b.generation_tokens >= a.generation_tokens, (a, b)
+        return cls(a.max_num_seqs, b.time - a.time, b.cpu_s - a.cpu_s, b.generation_tokens - a.generation_tokens,
+                   b.preemptions - a.preemptions)
 
     @property
     def tokens_per_s(self) -> float:
@@ -180,40 +199,6 @@ class Era:
     @property
     def preemptions_per_1k_tokens(self) -> float:
         return 1000 * self.preemptions / self.tokens if self.tokens else 0.0
-
-
-@dataclass
-class Monitor:
-    proxy: Proxy
-    points: list[Point] = field(default_factory=list)
-
-    async def run(self) -> None:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                worker = self.proxy.worker()
-                if worker.state is WorkerState.READY and worker.pid is not None:
-                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, MetricsParseError):
-                        async with session.get(worker.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                            sample = parse_metrics(await r.text(), time.monotonic())
-                        self.points.append(Point(
-                            sample.time, worker.args.get("max_num_seqs"), sample.generation_tokens_total or 0.0,
-                            sample.retractions_total or 0.0, sample.running, cpu_seconds(worker.pid),
-                        ))  # fmt: skip
-                await asyncio.sleep(0.5)
-
-    def eras(self) -> dict[object, Era]:
-        eras: dict[object, Era] = {}
-        for a, b in zip(self.points, self.points[1:]):
-            if a.max_num_seqs != b.max_num_seqs or b.generation_tokens < a.generation_tokens:
-                continue  # a restart lies between them
-            if a.running == 0 and b.running == 0:
-                continue  # idle
-            era = eras.setdefault(a.max_num_seqs, Era(a.max_num_seqs))
-            era.busy_s += b.time - a.time
-            era.cpu_s += b.cpu_s - a.cpu_s
-            era.tokens += b.generation_tokens - a.generation_tokens
-            era.preemptions += b.preemptions - a.preemptions
-        return eras
 
 
 N_REQUESTS = 200  # the reference workload: about 108 prompt + 256 output tokens each, all at once
@@ -239,20 +224,18 @@ async def test_preemptions_lower_max_num_seqs(
     ) as proxy:  # fmt: skip
         await wait_for(lambda: proxy.worker().state is WorkerState.READY, 600, "worker ready", _tail(proxy))
         await wait_for(lambda: proxy.state.board.get(proxy.worker().id).sample is not None, 30, "first scrape")
-        monitor = Monitor(proxy)
-        watching = asyncio.create_task(monitor.run())
-        try:
-            rounds: list[LoadResult] = []
-            rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=1))
-            await wait_for(
-                lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY, 600,
-                "the controller's restart", _tail(proxy),
-            )  # fmt: skip
-            rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=2))
-        finally:
-            watching.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watching
+        rounds: list[LoadResult] = []
+        eras: list[Era] = []
+        start = await snapshot(proxy)
+        rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=1))
+        eras.append(Era.between(start, await snapshot(proxy)))
+        await wait_for(
+            lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY, 600,
+            "the controller's restart", _tail(proxy),
+        )  # fmt: skip
+        start = await snapshot(proxy)
+        rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=2))
+        eras.append(Era.between(start, await snapshot(proxy)))
 
         for i, r in enumerate(rounds):
             assert r.each_answered_once, (i, r.errors[:3], r.sent, len(r.answered))
@@ -276,8 +259,8 @@ async def test_preemptions_lower_max_num_seqs(
         journaled = [json.loads(line) for line in proxy.journal_path.read_text().splitlines()]
         assert any(e["id"] == decision["id"] and e["changes"] == decision["changes"] for e in journaled)
 
-        eras = monitor.eras()
-        before, after = eras[BEFORE_SEQS], eras[after_seqs]
+        before, after = eras
+        assert (before.max_num_seqs, after.max_num_seqs) == (BEFORE_SEQS, after_seqs)
         report = {
             "max_num_seqs": [BEFORE_SEQS, after_seqs],
             "engine_output_tokens_per_s": [round(before.tokens_per_s), round(after.tokens_per_s)],

@@ -15,7 +15,6 @@ band narrower than ``max_running_requests`` dips to zero between refills whateve
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
