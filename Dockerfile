@@ -2,7 +2,7 @@
 #
 # Built on SGLang's official image, which already holds SGLang, CUDA torch and the kernels; this
 # package is added without touching them (its own dependencies are small: aiohttp, uvloop, orjson,
-# httptools, nvidia-ml-py, prometheus-client; SGLang's server already brings uvloop and httptools). The supervisor launches workers with the image's
+# httptools, nvidia-ml-py, prometheus-client). The supervisor launches workers with the image's
 # `python3 -m sglang.launch_server`, so proxy and workers share the container and its GPUs.
 #
 #   docker build -t sglang-pacer .
