@@ -15,7 +15,13 @@ an upstream failure then ends the stream with an error event.
 The handler task is the only place that writes to the client, so a request is answered once. A
 client that goes away cancels the handler (the app runs with ``handler_cancellation``): the
 ``finally`` clauses close the upstream connection (SGLang aborts a request whose client left),
-POST ``/abort_request`` with the request's ``rid``, and release the worker slot.
+POST ``/abort_request`` with the request's ``rid``, and release the worker slot. The controller's
+take-back cancels the same task while the attempt has no output; the handler tells the two apart
+by its cancel count (``Task.uncancel``) and requeues only a request taken back.
+
+The upstream leg is :mod:`proxy.server.upstream` (its own HTTP/1.1 client): the open wakes the
+handler once, when a stream's headers and first output are in, and after the first chunk the
+rest of a stream is piped from the worker connection's callback to the client's socket.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import time
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from proxy.admission import Priority, QueueFull
 from proxy.dispatch import ProxyClosing, QueueTimeout
@@ -39,8 +44,7 @@ from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
 
-# bytes are relayed as they come; a CIMultiDict, which aiohttp merges without converting it first
-_JSON_HEADERS = CIMultiDict({"Content-Type": "application/json", "Accept-Encoding": "identity"})
+_ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
@@ -122,7 +126,7 @@ async def post_abort(st: ProxyState, url: str, rid: str) -> None:
         return
     try:
         async with st.session.post(url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                                   headers=_JSON_HEADERS, timeout=_ABORT_TIMEOUT) as resp:
+                                   headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT) as resp:
             await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         _log.debug("abort of %s at %s failed: %r", rid, url, exc)
