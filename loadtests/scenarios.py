@@ -284,6 +284,8 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
     import aiohttp
 
     workdir.mkdir(parents=True, exist_ok=True)
+    for old in (workdir / "logs").glob("*.log"):  # worker logs are appended: a re-run in the same workdir
+        old.unlink()  # would count the earlier run's retractions and OOMs too
     policy = workdir / "policy.toml"
     policy.write_text(policy_toml(sc, args, mode, workdir))
     res = ArmResult(arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode)
