@@ -90,34 +90,29 @@ def _where(worker_id: str, url: str) -> str:
 async def open_upstream(st: ProxyState, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
     assert st.upstream is not None
     timeout_s = st.policy.proxy.request_timeout_s
-    try:
-        resp = await st.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
-    except UpstreamTimeout:
-        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {timeout_s:g} s",
-                              status=504, retryable=False) from None
-    except UpstreamError as exc:
-        raise UpstreamFailure(f"{_where(worker_id, url)} is unreachable: {exc}") from None
+    where = _where(worker_id, url)
+    resp: UpstreamResponse | None = None
     streaming = False
     try:
+        resp = await st.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
         if resp.status >= 500:
             body = await resp.read()
-            raise UpstreamFailure(f"{_where(worker_id, url)} answered HTTP {resp.status}: "
-                                  f"{body[:300].decode(errors='replace')}", status=resp.status, body=body,
-                                  content_type=resp.content_type)
+            raise UpstreamFailure(f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
+                                  status=resp.status, body=body, content_type=resp.content_type)
         if resp.status != 200 or not job.stream:
             return Opened(resp.status, resp.content_type, await resp.read())
         first = await resp.readany()
         if not first:
-            raise UpstreamFailure(f"{_where(worker_id, url)} ended the stream before any output")
+            raise UpstreamFailure(f"{where} ended the stream before any output")
         streaming = True
         return Opened(200, resp.content_type, None, resp, first)
     except UpstreamTimeout:
-        raise UpstreamFailure(f"{_where(worker_id, url)} did not answer within {timeout_s:g} s",
-                              status=504, retryable=False) from None
+        raise UpstreamFailure(f"{where} did not answer within {timeout_s:g} s", status=504, retryable=False) from None
     except UpstreamError as exc:
-        raise UpstreamFailure(f"{_where(worker_id, url)} failed before any output: {exc}") from None
+        what = "is unreachable" if resp is None else "failed before any output"
+        raise UpstreamFailure(f"{where} {what}: {exc}") from None
     finally:
-        if not streaming:
+        if resp is not None and not streaming:
             resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
 
 

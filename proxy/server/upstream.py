@@ -84,10 +84,13 @@ class UpstreamResponse:
         self._closed = False
 
     # -- reading --------------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        """The whole body arrived (it may not all be read yet)."""
-        return self._eof
+    async def _wait(self) -> None:
+        """Until the connection feeds, ends or fails this answer."""
+        self._waiter = self._conn.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     async def readany(self) -> bytes:
         """What arrived since the last read (at least one byte), or ``b""`` at the end."""
@@ -103,11 +106,7 @@ class UpstreamResponse:
                 raise self._error
             if self._eof:
                 return b""
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
 
     def pipe(self, sink: Callable[[bytes], bool]) -> None:
         """From now on hand the body to ``sink`` as it arrives, in the connection's own callback,
@@ -132,11 +131,7 @@ class UpstreamResponse:
                 return True
             if self._backed_up:
                 return False
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
 
     def resume_pipe(self) -> None:
         self._backed_up = False
@@ -236,7 +231,6 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.paused = False
         self.idle_since = 0.0
-        self.served = 0  # requests answered on this connection
         self.framed = False  # the answer being read has a Content-Length or Transfer-Encoding
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
@@ -308,7 +302,6 @@ class _Connection(asyncio.Protocol):
             self.response = None
         if reusable and not self.lost:
             self.resume()
-            self.served += 1
             self.pool._release(self)
         else:
             self._drop()
