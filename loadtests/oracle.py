@@ -33,7 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from proxy.engines.base import Sample
 from proxy.engines.sglang.argv import build_argv
+from proxy.pacing import Band, WorkerLoad
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.engine import Engine
@@ -47,17 +49,21 @@ KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_reque
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pacing:
-    """The proxy's pacing gate as the engine sees it (``proxy.dispatch``, ``proxy.pacing``): a request
-    is sent while ``max(queue_at_scrape + sent_since - finished_since, in_flight - running_at_scrape)``
-    is under ``target``; a scrape every ``scrape_s`` engine seconds (the policy's
+    """The proxy's pacing gate as the engine sees it: the policy's :class:`~proxy.pacing.Band` and the
+    dispatcher's estimate of the server queue (:class:`~proxy.pacing.WorkerLoad`, the same code,
+    driven here in virtual time), with a scrape every ``scrape_s`` engine seconds (the policy's
     ``scrape_interval_s`` x the time scale: the engine runs at time scale 1 here)."""
 
-    target: int = 132  # queue_band[0] + headroom
+    band: Band = Band(lo=100, hi=400, headroom=32)
     scrape_s: float = 5.0
 
+    @property
+    def target(self) -> int:
+        return self.band.target
+
     @classmethod
-    def of(cls, queue_band_lo: int, headroom: int, queue_band_hi: int, scrape_interval_s: float, time_scale: float) -> Pacing:
-        return cls(target=max(1, min(queue_band_lo + headroom, queue_band_hi)), scrape_s=scrape_interval_s * time_scale)
+    def of(cls, band: Band, scrape_interval_s: float, time_scale: float) -> Pacing:
+        return cls(band=band, scrape_s=scrape_interval_s * time_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,30 +89,28 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
     """The whole workload (all of it submitted to the proxy at once, in order) fed to one engine
     through the pacing gate, in virtual time: the live arms' arrival process."""
     eng = Engine(config)
+    load = WorkerLoad("replay")  # the dispatcher's per-worker counts and estimate
     n = len(workload)
     t = 0.0
     i = 0
-    in_flight = 0
-    q_scraped = run_scraped = 0
-    since = 0  # sent - finished since the last scrape
     next_scrape = 0.0
     out_tokens = finished = peak = 0
     need = 0.0
     oom: str | None = None
     while True:
         if t >= next_scrape:
-            q_scraped, run_scraped, since = len(eng.waiting), eng.n_run, 0
+            load.scrape_started()
+            load.record(Sample(time=t, queue=len(eng.waiting), running=eng.n_run, token_usage=0.0))
             next_scrape = t + pacing.scrape_s
-        while i < n and max(q_scraped + since, in_flight - run_scraped) < pacing.target:
+        while i < n and load.est_queue() < pacing.target:
             spec = workload[i]
             eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
                     output_len=spec.output_len, rid=spec.rid, now=t)
             i += 1
-            since += 1
-            in_flight += 1
+            load.reserve()
         step = eng.plan(t)
         if step is None:
-            if i >= n and in_flight == 0:
+            if i >= n and load.in_flight == 0:
                 break
             t = next_scrape  # idle until the proxy's next look at the worker
             continue
@@ -120,8 +124,8 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
         for r in outcome.finished:
             out_tokens += eng.output_len(r)
         finished += len(outcome.finished)
-        since -= len(outcome.finished)
-        in_flight -= len(outcome.finished)
+        for _ in outcome.finished:
+            load.release()
     return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
                        retractions=eng.retracted_total, finished=finished, oom=oom, peak_running=peak,
                        peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0)

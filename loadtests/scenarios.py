@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from loadtests.oracle import Pacing, SearchSpace, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
+from proxy.pacing import Band
 
 __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
 
@@ -346,7 +347,7 @@ def scenario_pacing(sc: Scenario) -> Pacing:
     from proxy.policy import PacingSettings
 
     lo, hi = PACING["queue_band"]
-    return Pacing.of(lo, PacingSettings().headroom, hi, PACING["scrape_interval_s"], sc.time_scale)
+    return Pacing.of(Band(lo=lo, hi=hi, headroom=PacingSettings().headroom), PACING["scrape_interval_s"], sc.time_scale)
 
 
 def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -116,14 +116,15 @@ def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
     """The paced replay drives the same engine as proxy.sim.virtual.simulate: with a gate wider than
     the workload, everything arrives at once and the two agree exactly."""
     from loadtests.oracle import Pacing, sim_config, simulate_paced
+    from proxy.pacing import Band
     from proxy.sim.virtual import simulate
 
     wl = Workload(count=150, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=6).specs()
     cfg = sim_config({"schedule_conservativeness": 0.3, "max_total_tokens": 40000}, gpu="a100-40gb", model="llama-3.1-8b")
-    queued, wide = simulate(cfg, wl), simulate_paced(cfg, wl, Pacing(target=10**6, scrape_s=5.0))
+    queued, wide = simulate(cfg, wl), simulate_paced(cfg, wl, Pacing(band=Band(lo=10**6, hi=10**6), scrape_s=5.0))
     assert (wide.output_tokens, wide.retractions, wide.finished) == (queued.output_tokens, queued.retractions, queued.finished)
     assert wide.makespan_s == pytest.approx(queued.makespan_s)
-    narrow = simulate_paced(cfg, wl, Pacing(target=8, scrape_s=5.0))
+    narrow = simulate_paced(cfg, wl, Pacing(band=Band(lo=8, hi=8), scrape_s=5.0))
     assert narrow.finished == 150 and narrow.output_tokens == queued.output_tokens
     assert narrow.makespan_s != pytest.approx(queued.makespan_s)  # the arrival process matters
 
