@@ -26,6 +26,11 @@ class EngineSpec:
     def function(self, module: str, name: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(f"{self.package}.{module}"), name)
 
+    def ready_marker(self) -> str | None:
+        """Text of the log line the engine prints once it serves: the supervisor probes ``/health``
+        as soon as it appears instead of at its next poll."""
+        return getattr(importlib.import_module(f"{self.package}.logs"), "READY_MARKER", None)
+
     def default_command(self) -> list[str]:
         """The launcher a worker's flags are appended to (the policy's ``engine.command`` overrides it)."""
         if self.kind == "sim":

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 _ERROR_LINES = 8  # log lines quoted in last_error
+_AFTER_READY_POLL_S = 0.05  # /health polls once the engine has logged that it is ready
 _PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
 _PORT_RETRIES = 3
 
@@ -70,6 +71,7 @@ class _Slot:
     lines: LineLog = field(default_factory=LineLog)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     stopping: bool = False  # set while we stop the process on purpose
+    ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -133,6 +135,7 @@ class Supervisor:
         kind = str(engine_settings.kind) if self._managed else engine_settings.speaks
         self._spec = engine_spec or registry_engine_spec(kind)
         self._poll_s = poll_interval_s
+        self._ready_marker = self._spec.ready_marker()
         self._probe_s = external_probe_interval_s
         self._ring_lines = ring_lines
         self._slots: dict[WorkerId, _Slot] = {}
@@ -324,6 +327,7 @@ class Supervisor:
         slot.stopping = False
         slot.exit_code = None
         slot.last_error = None
+        slot.ready_seen.clear()
         try:
             process = await WorkerProcess.launch(
                 argv, env=self._env(), lines=slot.lines, log_file=slot.log_path, header=header
@@ -341,6 +345,10 @@ class Supervisor:
         slot.watcher = asyncio.create_task(self._watch(slot, process), name=f"watch-{slot.id}")
 
     def _on_line(self, worker_id: WorkerId, line: str) -> None:
+        if self._ready_marker is not None and self._ready_marker in line:
+            slot = self._slots.get(worker_id)
+            if slot is not None:
+                slot.ready_seen.set()  # probe /health now, not at the next poll
         for listener in list(self._line_listeners):
             try:
                 listener(worker_id, line)
@@ -388,7 +396,15 @@ class Supervisor:
                 self._set(slot, WorkerState.READY)
                 return False
             last_status = f"HTTP {status}" if status else "connection refused"
-            await asyncio.wait({watcher}, timeout=min(self._poll_s, max(0.0, deadline - time.monotonic())))
+            left = max(0.0, deadline - time.monotonic())
+            if slot.ready_seen.is_set():  # the ready line came before /health said 200: it will soon
+                await asyncio.wait({watcher}, timeout=min(self._poll_s, _AFTER_READY_POLL_S, left))
+                continue
+            hint = asyncio.ensure_future(slot.ready_seen.wait())
+            try:  # the next poll, or the engine's ready line, whichever comes first
+                await asyncio.wait({watcher, hint}, timeout=min(self._poll_s, left), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hint.cancel()
         self._set(
             slot,
             WorkerState.DOWN,

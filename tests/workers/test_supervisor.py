@@ -113,6 +113,22 @@ async def test_drain_hook(make_supervisor) -> None:
     await wait_for(lambda: states == [WorkerState.DRAINING, WorkerState.READY])
 
 
+async def test_ready_line_ends_the_health_wait_before_the_next_poll(tmp_path: Path) -> None:
+    """The engine's ready line wakes the health wait: with a 5 s poll the worker is READY as soon as
+    it serves, not at the poll after (the fake worker logs SGLang's ready line once it listens)."""
+    sup = Supervisor(engine_settings(tmp_path), poll_interval_s=5.0)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        await asyncio.wait_for(sup.start(), 4.0)
+        assert sup.get("w0").state == WorkerState.READY
+        assert loop.time() - started < 4.0
+        await asyncio.wait_for(sup.restart("w0", {}, "test"), 4.0)  # a restart too: the hint is per launch
+        assert sup.get("w0").state == WorkerState.READY
+    finally:
+        await sup.stop()
+
+
 async def test_exit_during_startup_is_down_with_its_last_lines(make_supervisor) -> None:
     sup = make_supervisor(extra_args=["--fake-exit-at-start", "7"])
     await sup.start()

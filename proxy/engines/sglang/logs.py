@@ -49,7 +49,7 @@ _ALLOC_OOM = re.compile(r"\b(?P<phase>Prefill|Decode) out of memory\. Try to low
 _SLOTS_OOM = re.compile(r"alloc_req_slots runs out of memory")
 _EXCEPTION = re.compile(r"\b(?P<who>Scheduler|DetokenizerManager|TokenizerManager|DataParallelController) hit an exception:?\s*(?P<rest>.*)$")
 _WATCHDOG = re.compile(r"watchdog timeout", re.IGNORECASE)
-_READY = "fired up and ready to roll"
+READY_MARKER = "fired up and ready to roll"  # the last start-up line: /health answers 200 from here on
 
 # Statistics keys as SGLang prints them -> engine-neutral field names.
 _BATCH_KEYS: dict[str, str] = {
@@ -195,7 +195,7 @@ def parse_line(line: str, now: float) -> LogEvent | None:
         return _retraction_event(retract, ranks, now, line)
     if _STARTUP.search(message):
         return _startup_event(message, ranks, now, line)
-    if _READY in message:
+    if READY_MARKER in message:
         return LogEvent(kind=EventKind.READY, time=now, fields=dict(ranks), line=line)
     if (alloc := _ALLOC_OOM.search(message)) is not None:
         fields: Fields = {**ranks, "phase": alloc.group("phase").lower(), "cause": "kv_pool"}

@@ -68,6 +68,7 @@ WEIGHTS_OOM = "Failed to load model"
 PREFILL_FRAME = re.compile(r'File ".*", line \d+, in (profile_run|_dummy_run)\b')
 CRASH = re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue")
 READY = "Application startup complete."
+READY_MARKER = READY  # the server answers /health from this line on
 
 
 def _n(text: str) -> float:
