@@ -64,6 +64,7 @@ class ProxySettings:
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies -> 413
     status_log_interval_s: float = 10.0  # periodic "#proxy-queue ..." log line
     request_timeout_s: float = 600.0  # one upstream attempt, total
+    gpu_sample_interval_s: float = 5.0  # NVML sample for /metrics and /admin/gpus; 0 turns it off
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,6 +222,7 @@ def _proxy(t: Table) -> ProxySettings:
         max_body_bytes=t.int("max_body_bytes", d.max_body_bytes, minimum=1),
         status_log_interval_s=t.float("status_log_interval_s", d.status_log_interval_s, positive=True),
         request_timeout_s=t.float("request_timeout_s", d.request_timeout_s, positive=True),
+        gpu_sample_interval_s=t.float("gpu_sample_interval_s", d.gpu_sample_interval_s, minimum=0),
     )
     t.finish()
     return s

@@ -92,6 +92,12 @@ mode = "advise"
     assert "ports 30000..30001" in p.describe() and "API keys from env PACER_API_KEYS" in p.describe()
 
 
+def test_gpu_sample_interval_is_read() -> None:
+    assert parse_policy({}).proxy.gpu_sample_interval_s == 5.0
+    assert parse_policy({"proxy": {"gpu_sample_interval_s": 0.5}}).proxy.gpu_sample_interval_s == 0.5
+    assert parse_policy({"proxy": {"gpu_sample_interval_s": 0}}).proxy.gpu_sample_interval_s == 0.0  # off
+
+
 def test_external_workers() -> None:
     p = parse_policy({"engine": {"kind": "external", "urls": ["http://10.0.0.5:30000/"], "speaks": "vllm"}})
     assert p.engine.urls == ("http://10.0.0.5:30000",) and p.engine.workers == 1 and not p.engine.managed
@@ -114,6 +120,8 @@ BAD = [
     ({"proxy": {"prot": 1}}, "proxy.prot", "did you mean 'port'"),
     ({"proxy": {"max_body_bytes": 0}}, "proxy.max_body_bytes", ">= 1"),
     ({"proxy": {"request_timeout_s": 0}}, "proxy.request_timeout_s", "> 0"),
+    ({"proxy": {"gpu_sample_interval_s": -1}}, "proxy.gpu_sample_interval_s", ">= 0"),
+    ({"proxy": {"gpu_sample_interval_s": "5"}}, "proxy.gpu_sample_interval_s", "expected a number"),
     ({"proxy": []}, "proxy", "expected a table"),
     ({"auth": {"api_keys_env": 3}}, "auth.api_keys_env", "expected a string"),
     ({"queue": {"capacity": -1}}, "queue.capacity", ">= 0"),

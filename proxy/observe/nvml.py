@@ -8,15 +8,25 @@
 call the device does not support) becomes data: the whole report says why no GPU could be read,
 or a single field is ``None`` when only that query is unsupported (utilization under MIG). Nothing
 here raises. Run ``python -m proxy.observe.nvml`` to print one report as JSON.
+
+:class:`GpuWatch` keeps the newest report for the running proxy (``/metrics``, ``/admin/gpus``):
+
+    watch = GpuWatch(interval_s=5.0)
+    task = asyncio.create_task(watch.run())   # samples in a worker thread every 5 s
+    watch.last                                # None until the first sample, then the newest report
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +120,60 @@ def sample_gpus() -> GpuReport:
     except ImportError as exc:
         return GpuReport(time=time.monotonic(), reason=f"no GPU: pynvml is not installed ({exc})")
     return sample_with(pynvml)
+
+
+Sampler = Callable[[], GpuReport]
+
+
+def _state_line(report: GpuReport) -> str:
+    """What the watch logs: the devices found or why there are none (no figures that move)."""
+    if not report.available:
+        return report.reason or "no GPU"
+    devices = ", ".join(f"#{d.index} {d.name} ({d.memory_total_bytes / 2**30:.0f} GiB)" for d in report.devices)
+    return f"GPUs: {devices}; driver {report.driver_version}"
+
+
+class GpuWatch:
+    """Samples the GPUs every ``interval_s`` in a worker thread and keeps the newest report.
+
+    It logs the state (devices found, or the no-GPU reason) at the first sample and again only
+    when it changes. A sampler that raises does not end the loop: the report it leaves says
+    "GPU sampling failed (...)".
+
+        watch = GpuWatch(interval_s=5.0, sampler=lambda: sample_with(fake_nvml))
+        await watch.sample_once()
+        watch.last.available
+    """
+
+    def __init__(self, interval_s: float, sampler: Sampler = sample_gpus) -> None:
+        self.interval_s = interval_s
+        self._sampler = sampler
+        self._last: GpuReport | None = None
+        self._logged: str | None = None
+
+    @property
+    def last(self) -> GpuReport | None:
+        return self._last
+
+    async def sample_once(self) -> GpuReport:
+        failed = False
+        try:
+            report = await asyncio.to_thread(self._sampler)
+        except Exception as exc:  # sample_gpus never raises; another sampler might
+            report = GpuReport(time=time.monotonic(), reason=f"GPU sampling failed ({_describe(exc)})")
+            failed = True
+        self._last = report
+        line = _state_line(report)
+        if line != self._logged:
+            self._logged = line
+            _log.log(logging.WARNING if failed else logging.INFO, "%s", line)
+        return report
+
+    async def run(self) -> None:
+        """Sample until cancelled."""
+        while True:
+            await self.sample_once()
+            await asyncio.sleep(self.interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:

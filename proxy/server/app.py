@@ -2,7 +2,7 @@
 
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
-start the scraper and the status log; on shutdown stop them, stop the pool and close the session.
+start the scraper, the status log and the GPU watch; on shutdown stop them, stop the pool and close the session.
 Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
 cancels its handler, which frees its slot and aborts the upstream request).
 """
@@ -20,6 +20,7 @@ from aiohttp import web
 from proxy.admission import AdmissionQueue
 from proxy.control.service import install_controller
 from proxy.dispatch import Dispatcher
+from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.pacing import Band, LoadBoard
 from proxy.policy import Policy
@@ -36,8 +37,10 @@ from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 _log = logging.getLogger(__name__)
 
 
-def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> web.Application:
-    """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app.
+def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
+              gpu_sampler: Sampler = sample_gpus) -> web.Application:
+    """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app; ``gpu_sampler``
+    reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default).
 
     Raises :class:`proxy.server.auth.AuthConfigError` if a key file cannot be read.
     """
@@ -51,9 +54,12 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> 
         stale_after_s=policy.pacing.stale_after_s,
         prefix_affinity=str(policy.engine.args.get("schedule_policy", "")) == "lpm",
     )
-    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()})
+    interval = policy.proxy.gpu_sample_interval_s
+    gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
+    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()},
+                           lambda: gpus.last if gpus is not None else None)
     st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, dispatcher=dispatcher,
-                    metrics=metrics, keys=keys, models=ModelCatalog())
+                    metrics=metrics, keys=keys, models=ModelCatalog(), gpus=gpus)
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
@@ -64,6 +70,7 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True) -> 
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
+    app.router.add_get("/admin/gpus", handlers.admin_gpus)
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     install_controller(app)  # proxy.control: its loop (after the lifecycle above) and GET /admin/decisions
@@ -101,6 +108,8 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
             asyncio.create_task(run_status_log(st.admission, st.board, st.pool, policy.proxy.status_log_interval_s,
                                                policy.pacing.stale_after_s), name="pacer-status-log"),
         ]
+        if st.gpus is not None:
+            tasks.append(asyncio.create_task(st.gpus.run(), name="pacer-gpu-watch"))
         if manage_pool:
             tasks.append(asyncio.create_task(_start_pool(st), name="pacer-pool-start"))
         else:

@@ -153,6 +153,22 @@ async def admin_workers(request: web.Request) -> web.Response:
     return _json({"workers": out, "proxy_queue": queue, "in_flight": st.board.total_in_flight()})
 
 
+async def admin_gpus(request: web.Request) -> web.Response:
+    """The newest NVML report, its age and the sampling interval; the no-GPU state is a 200 too."""
+    st = request.app[PROXY]
+    try:
+        check_admin_key(st.keys, request.headers)
+    except ApiError as err:
+        return error_response(err)
+    if st.gpus is None:
+        return _json({"available": False, "reason": "GPU sampling is off (proxy.gpu_sample_interval_s = 0)",
+                      "devices": [], "interval_s": 0.0})
+    report = st.gpus.last
+    if report is None:
+        return _json({"available": False, "reason": "not sampled yet", "devices": [], "interval_s": st.gpus.interval_s})
+    return _json({**report.to_json(), "age_s": round(time.monotonic() - report.time, 3), "interval_s": st.gpus.interval_s})
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own refusals (404, 405) and any bug become OpenAI-shaped JSON."""

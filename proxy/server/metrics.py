@@ -1,7 +1,8 @@
 """The proxy's own Prometheus metrics (``pacer_`` prefix) in a registry of their own.
 
 Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
-read at scrape time by a custom collector, so the request path never updates them. Counters and
+read at scrape time by a custom collector, so the request path never updates them; so are the GPU
+gauges, from the newest NVML report (``gpus``, a callable). Counters and
 histograms are pre-bound to their labels where the label set is fixed.
 """
 
@@ -14,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.admission import ORDER, AdmissionQueue
+from proxy.observe.nvml import GpuReport
 from proxy.pacing import LoadBoard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -21,11 +23,20 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+GpuSource = Callable[[], GpuReport | None]
+
+
+def _no_gpu_report() -> GpuReport | None:
+    return None
+
+
 class _LiveState(Collector):
-    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]],
+                 gpus: GpuSource) -> None:
         self.admission = admission
         self.board = board
         self.urls = urls
+        self.gpus = gpus
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         depth = GaugeMetricFamily("pacer_queue_depth", "Requests waiting in the proxy queue", labels=["priority"])
@@ -47,10 +58,31 @@ class _LiveState(Collector):
         yield est
         yield queue
         yield usage
+        yield from _gpu_families(self.gpus())
+
+
+def _gpu_families(report: GpuReport | None) -> Iterable[GaugeMetricFamily]:
+    available = report is not None and report.available
+    yield GaugeMetricFamily("pacer_gpu_available", "1 when the last NVML sample read at least one GPU",
+                            value=1 if available else 0)
+    labels = ["gpu", "name"]
+    total = GaugeMetricFamily("pacer_gpu_memory_total_bytes", "GPU memory per device", labels=labels)
+    used = GaugeMetricFamily("pacer_gpu_memory_used_bytes", "GPU memory in use per device (all processes)", labels=labels)
+    free = GaugeMetricFamily("pacer_gpu_memory_free_bytes", "GPU memory free per device", labels=labels)
+    util = GaugeMetricFamily("pacer_gpu_utilization_pct", "% of the last NVML sample period a kernel ran", labels=labels)
+    for dev in report.devices if report is not None else ():
+        key = [str(dev.index), dev.name]
+        total.add_metric(key, dev.memory_total_bytes)
+        used.add_metric(key, dev.memory_used_bytes)
+        free.add_metric(key, dev.memory_free_bytes)
+        if dev.utilization_gpu_pct is not None:
+            util.add_metric(key, dev.utilization_gpu_pct)
+    yield from (total, used, free, util)
 
 
 class ProxyMetrics:
-    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]],
+                 gpus: GpuSource = _no_gpu_report) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.admitted = Counter("pacer_requests_admitted", "Requests accepted into the proxy queue", registry=r)
@@ -63,7 +95,7 @@ class ProxyMetrics:
         self.scrape_errors = Counter("pacer_scrape_errors", "Failed worker scrapes", ["worker"], registry=r)
         self.queue_time = Histogram("pacer_queue_time_seconds", "Time a request waited in the proxy queue", buckets=_QUEUE_BUCKETS, registry=r)
         self.added_latency = Histogram("pacer_added_latency_seconds", "Time the proxy itself added before the upstream call and to the first chunk", buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_LiveState(admission, board, urls))
+        r.register(_LiveState(admission, board, urls, gpus))
         self.reject_full = self.rejected.labels("queue_full")
         self.reject_invalid = self.rejected.labels("invalid")
         self.reject_auth = self.rejected.labels("auth")

@@ -2,7 +2,7 @@
 
 Other parts (the controller, the batch API) reach the request path through it:
 ``app[PROXY].dispatcher`` (drain / wait_idle / take_back), ``app[PROXY].board`` (per-worker
-in-flight counts and latest samples, ``subscribe`` for every scrape) and ``app[PROXY].pool``.
+in-flight counts and latest samples, ``subscribe`` for every scrape) and ``app[PROXY].pool``; ``app[PROXY].gpus.last`` is the newest GPU report (NVML).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aiohttp import web
 
 from proxy.admission import AdmissionQueue
 from proxy.dispatch import Dispatcher
+from proxy.observe.nvml import GpuWatch
 from proxy.observe.scraper import Scraper
 from proxy.pacing import LoadBoard
 from proxy.policy import Policy
@@ -41,6 +42,7 @@ class ProxyState:
     session: aiohttp.ClientSession | None = None
     scraper: Scraper | None = None
     upstream: UpstreamPool | None = None  # the request path's connections to the workers
+    gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
     _rid_counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)

@@ -1,16 +1,22 @@
 """The NVML sampler: the real no-GPU path on this machine, and the device mapping over an object
-that answers NVML's calls (pynvml cannot reach a GPU here)."""
+that answers NVML's calls (pynvml cannot reach a GPU here); the watch that keeps the newest report;
+on a GPU host with torch, memory and utilization that torch causes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
-from proxy.observe.nvml import GpuReport, sample_gpus, sample_with
+from proxy.observe.nvml import GpuDevice, GpuReport, GpuWatch, sample_gpus, sample_with
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -128,3 +134,147 @@ def test_failures_become_the_no_gpu_state(nvml: _Nvml, reason: str) -> None:
     report = sample_with(nvml)
     assert not report.available
     assert reason in (report.reason or "")
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+def _watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "proxy.observe.nvml"]
+
+
+async def test_watch_keeps_the_newest_report_and_logs_the_state_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.observe.nvml")
+    calls = 0
+
+    def sampler() -> GpuReport:
+        nonlocal calls
+        calls += 1
+        return sample_with(_Nvml())
+
+    watch = GpuWatch(interval_s=0.01, sampler=sampler)
+    assert watch.last is None
+    task = asyncio.create_task(watch.run())
+    try:
+        await _until(lambda: calls >= 5)
+        assert watch.last is not None and watch.last.available and len(watch.last.devices) == 2
+        lines = _watch_lines(caplog)
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("GPUs: #0 NVIDIA H100 80GB HBM3 (80 GiB), #1 ") and "driver 580.65.06" in lines[0]
+        assert all(r.levelno == logging.INFO for r in caplog.records)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_watch_survives_a_raising_sampler_and_logs_each_change(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.observe.nvml")
+    script = ["gpus", "gpus", "boom", "boom", "boom", "gone", "gone", "gpus"]
+    done = 0
+
+    def sampler() -> GpuReport:
+        nonlocal done
+        step = script[min(done, len(script) - 1)]
+        done += 1
+        if step == "boom":
+            raise RuntimeError("sampler bug")
+        return sample_with(_Nvml() if step == "gpus" else _Nvml(count=0))
+
+    watch = GpuWatch(interval_s=0.01, sampler=sampler)
+    task = asyncio.create_task(watch.run())
+    try:
+        await _until(lambda: done >= len(script) + 2)
+        assert task.done() is False
+        assert watch.last is not None and watch.last.available
+        lines = _watch_lines(caplog)
+        assert len(lines) == 4, lines  # found, failed, none, found again
+        assert lines[0].startswith("GPUs: ") and lines[3] == lines[0]
+        assert lines[1] == "GPU sampling failed (RuntimeError: sampler bug)"
+        assert lines[2] == "no GPU: NVML reports 0 devices"
+        levels = [r.levelno for r in caplog.records if r.name == "proxy.observe.nvml"]
+        assert levels == [logging.INFO, logging.WARNING, logging.INFO, logging.INFO]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_failed_sample_replaces_the_report_with_its_reason() -> None:
+    def sampler() -> GpuReport:
+        raise OSError("libnvidia-ml.so.1: cannot open")
+
+    report = await GpuWatch(interval_s=1.0, sampler=sampler).sample_once()
+    assert not report.available and report.devices == ()
+    assert report.reason == "GPU sampling failed (OSError: libnvidia-ml.so.1: cannot open)"
+
+
+# --------------------------------------------------------------------------------------------------
+# a real GPU with torch: what torch allocates and runs shows up in the report
+
+
+def _torch_cuda():  # the torch module, or None where torch or CUDA is missing
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_device(report: GpuReport, torch) -> GpuDevice:
+    """The NVML device that torch calls cuda:0 (CUDA may order or hide devices unlike NVML)."""
+    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+    for dev in report.devices:
+        if uuid and dev.uuid is not None and dev.uuid.split("-", 1)[-1] == uuid:
+            return dev
+    return report.devices[0]
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="no GPU here")
+def test_real_gpu_sees_torch_memory_and_matmuls() -> None:
+    torch = _torch_cuda()
+    if torch is None:
+        pytest.skip("torch with CUDA is not importable here")
+    torch.zeros(1, device="cuda")  # the CUDA context first, so it is not counted as the allocation
+    torch.cuda.synchronize()
+    before = sample_gpus()
+    assert before.available, before.reason
+    block = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    after = sample_gpus()
+    grown = _torch_device(after, torch).memory_used_bytes - _torch_device(before, torch).memory_used_bytes
+    del block
+    torch.cuda.empty_cache()
+    assert grown >= 3.5 * 2**30, f"memory used grew by {grown / 2**30:.2f} GiB"
+
+    busy: list[int | None] = []
+    stop = threading.Event()
+
+    def sample_meanwhile() -> None:
+        while not stop.wait(0.2):
+            busy.append(_torch_device(sample_gpus(), torch).utilization_gpu_pct)
+
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    sampler = threading.Thread(target=sample_meanwhile)
+    sampler.start()
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            for _ in range(20):
+                torch.matmul(a, b)
+            torch.cuda.synchronize()
+    finally:
+        stop.set()
+        sampler.join(timeout=5)
+        del a, b
+        torch.cuda.empty_cache()
+    assert busy, "no sample was taken while the matmuls ran"
+    known = [pct for pct in busy if pct is not None]
+    if known:  # None throughout: this device has no utilization counter (MIG)
+        assert max(known) >= 50, f"utilization while busy: {busy}"
