@@ -30,7 +30,7 @@ guide's OOM risk line) are not candidates, so the oracle is the best *safe* stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from proxy.engines.base import Sample
@@ -42,7 +42,7 @@ from proxy.sim.engine import Engine
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
-__all__ = ["Pacing", "PacedResult", "SearchSpace", "SweepResult", "Trial", "evaluate", "sim_config", "simulate_paced", "sweep"]
+__all__ = ["Pacing", "PacedResult", "Restart", "SearchSpace", "SweepResult", "Trial", "evaluate", "sim_config", "simulate_paced", "sweep"]
 
 KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_requests", "mem_fraction_static")
 
@@ -85,47 +85,71 @@ def _prompt_ids(spec: RequestSpec, index: int) -> tuple[int, ...]:
     return tuple(range(base, base + max(1, spec.prompt_len)))
 
 
-def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing) -> PacedResult:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restart:
+    """One restart in a paced replay: at ``at_s`` engine seconds the worker stops, everything it had not
+    finished goes back to the front of the proxy's queue (non-streamed requests: their progress is
+    lost, as in a live take-back), and after ``startup_s`` a worker with ``config`` serves the rest.
+    A worker that dies of an out-of-memory error before ``at_s`` restarts when it dies."""
+
+    at_s: float
+    config: SimConfig
+    startup_s: float
+
+
+def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing,
+                   restart: Restart | None = None) -> PacedResult:
     """The whole workload (all of it submitted to the proxy at once, in order) fed to one engine
-    through the pacing gate, in virtual time: the live arms' arrival process."""
+    through the pacing gate, in virtual time: the live arms' arrival process. With ``restart``, the
+    same run with one restart of the worker under new arguments (what a controller's move costs)."""
     eng = Engine(config)
     load = WorkerLoad("replay")  # the dispatcher's per-worker counts and estimate
-    n = len(workload)
+    pending = list(range(len(workload)))[::-1]  # indices still to send, the next one last
+    on_worker: dict[str, int] = {}  # rid -> index of what the worker holds
     t = 0.0
-    i = 0
     next_scrape = 0.0
     out_tokens = finished = peak = 0
     need = 0.0
     oom: str | None = None
     while True:
+        if restart is not None and t >= restart.at_s:
+            pending.extend(sorted(on_worker.values(), reverse=True))  # taken back, in their order, first
+            on_worker.clear()
+            eng, load, config = Engine(restart.config), WorkerLoad("replay"), restart.config
+            t += restart.startup_s
+            next_scrape, restart = t, None
         if t >= next_scrape:
             load.scrape_started()
             load.record(Sample(time=t, queue=len(eng.waiting), running=eng.n_run, token_usage=0.0))
             next_scrape = t + pacing.scrape_s
-        while i < n and load.est_queue() < pacing.target:
+        while pending and load.est_queue() < pacing.target:
+            i = pending.pop()
             spec = workload[i]
-            eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
-                    output_len=spec.output_len, rid=spec.rid, now=t)
-            i += 1
+            req = eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
+                          output_len=spec.output_len, rid=spec.rid, now=t)
+            on_worker[req.rid] = i
             load.reserve()
         step = eng.plan(t)
         if step is None:
-            if i >= n and load.in_flight == 0:
+            if not pending and load.in_flight == 0:
                 break
-            t = next_scrape  # idle until the proxy's next look at the worker
+            t = next_scrape if restart is None else min(next_scrape, max(restart.at_s, t))  # idle until the next look
             continue
-        need = max(need, step.need_mib)
         if step.oom is not None:
+            if restart is not None:  # the worker dies here: that is its restart
+                restart = replace(restart, at_s=t)
+                continue
             oom = step.oom
             break
+        need = max(need, step.need_mib)
         t += step.duration
         outcome = eng.complete(step, t)
         peak = max(peak, eng.n_run)
         for r in outcome.finished:
             out_tokens += eng.output_len(r)
-        finished += len(outcome.finished)
-        for _ in outcome.finished:
+            on_worker.pop(r.rid, None)
             load.release()
+        finished += len(outcome.finished)
     return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
                        retractions=eng.retracted_total, finished=finished, oom=oom, peak_running=peak,
                        peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from loadtests.oracle import Pacing, SearchSpace, sweep
+from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
 from proxy.pacing import Band
 
@@ -71,6 +71,7 @@ class ArmResult:
     completions: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens) per ok answer
     sim_slowdown: float | None = None  # wall / engine-clock seconds of the last incarnation's steps (1: kept up)
     load_avg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at the start and the end
+    started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
@@ -311,7 +312,7 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
             counters = {"retractions": _Counter(), "generation": _Counter()}
             stop = asyncio.Event()
             load_start = os.getloadavg()[0]
-            t0 = time.monotonic()
+            t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
             tasks = [asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res)) for i, (p, m, o) in enumerate(requests)]
             done, pending = await asyncio.wait(tasks, timeout=max_run_s)
@@ -366,6 +367,33 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     return best, info
 
 
+def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What one restart at the adaptive arm's own moment costs, replayed in virtual time: the oracle's
+    arguments and the adaptive arm's final ones, each switched to at that moment (the worker's start-up
+    paid, its unfinished work taken back) and each run static from the start, as fractions of the
+    oracle's static replay. ``oracle_args_restarted`` is the best any controller acting at that moment
+    could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU)."""
+    from proxy.sim.steptime import startup_seconds
+
+    applied = [d for d in adaptive.decisions if d.get("status") == "applied" and d.get("action") == "restart"]
+    if not applied or not adaptive.started:
+        return None
+    at_s = max(0.0, (float(applied[0]["monotonic"]) - adaptive.started) * sc.time_scale)
+    pacing, specs = scenario_pacing(sc), sc.workload.specs()
+    base = simulate_paced(sim_config(oracle, gpu=sc.gpu, model=sc.model), specs, pacing).output_tok_per_s
+    if base <= 0:
+        return None
+    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    out: dict[str, Any] = {"restart_at_modelled_s": round(at_s, 1), "restarts_live": adaptive.restarts}
+    for name, args in (("oracle_args", oracle), ("adaptive_final_args", adaptive.final_args)):
+        cfg = sim_config(args, gpu=sc.gpu, model=sc.model)
+        startup = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)[2]
+        moved = simulate_paced(start, specs, pacing, Restart(at_s=at_s, config=cfg, startup_s=startup))
+        out[f"{name}_restarted"] = round(moved.output_tok_per_s / base, 3)
+        out[f"{name}_static"] = round(simulate_paced(cfg, specs, pacing).output_tok_per_s / base, 3)
+    return out
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
@@ -402,6 +430,7 @@ def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS,
               f"load {r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
         results[arm] = r
     tps = {a: r.output_tok_per_s for a, r in results.items()}
+    bound = restart_bound(sc, results["adaptive"], best) if {"adaptive", "oracle"} <= set(results) else None
     report: dict[str, Any] = {
         "scenario": sc.name,
         "premise": sc.premise,
@@ -416,6 +445,7 @@ def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS,
         "adaptive_over_oracle": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
         "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
         "oracle_sweep": sweep_info,
+        "restart_bound": bound,
         "decisions": {a: r.decisions for a, r in results.items() if r.decisions},
         "series": {a: r.series for a, r in results.items()},
         "completions": {a: r.completions for a, r in results.items()},
@@ -446,11 +476,14 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
                         f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {final} |")  # fmt: skip
-    ratios = ["", "| scenario | adaptive / oracle | adaptive / default |", "|---|---:|---:|"]
+    ratios = ["", "| scenario | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
+              "| replay: adaptive's final args from its restart | modelled s of the restart |", "|---|---:|---:|---:|---:|---:|"]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
+        b = rep.get("restart_bound") or {}
         ratios.append(f"| {rep['scenario']} | {'-' if ao is None else f'{ao:.3f}'} | "
-                      f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} |")
+                      f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
+                      f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |")
     return "\n".join(rows + ratios)
 
 

@@ -110,6 +110,10 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     assert report_path.with_suffix(".png").stat().st_size > 10_000
     table = report_path.with_suffix(".md").read_text()
     assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
+    bound = on_disk["restart_bound"]
+    if on_disk["arms"]["adaptive"]["restarts"]:  # the controller moved: what that moment costs, replayed
+        assert bound["restart_at_modelled_s"] >= 0 and 0 < bound["oracle_args_restarted"] <= 1.0
+        assert bound["oracle_args_static"] == 1.0 and bound["adaptive_final_args_static"] > 0
 
 
 def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
@@ -141,3 +145,34 @@ def test_decode_oom_premise_holds_behind_the_proxy() -> None:
     assert dead.oom == "decode" and dead.score == 0.0 and dead.makespan_s < 60  # died in the first fill
     capped = evaluate({**sc.start_args, "max_running_requests": 800}, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
     assert capped.oom is None and capped.output_tok_per_s > 0
+
+
+def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() -> None:
+    """The paced replay with one restart: every request still finishes once; a longer start-up costs
+    more; a restart at time 0 is the new arguments' static run shifted by the start-up; a worker that
+    dies first restarts when it dies."""
+    from loadtests.oracle import Pacing, Restart, sim_config, simulate_paced
+    from proxy.pacing import Band
+
+    wl = Workload(count=200, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=7).specs()
+    pacing = Pacing(band=Band(lo=40, hi=100, headroom=8), scrape_s=2.0)
+    a = sim_config({"schedule_conservativeness": 0.1, "max_total_tokens": 30000}, gpu="a100-40gb", model="llama-3.1-8b")
+    b = sim_config({"schedule_conservativeness": 1.0, "max_total_tokens": 30000}, gpu="a100-40gb", model="llama-3.1-8b")
+    static_b = simulate_paced(b, wl, pacing)
+    at_zero = simulate_paced(a, wl, pacing, Restart(at_s=0.0, config=b, startup_s=20.0))
+    assert at_zero.finished == 200 and at_zero.output_tokens == static_b.output_tokens
+    assert at_zero.makespan_s == pytest.approx(static_b.makespan_s + 20.0)
+    early = simulate_paced(a, wl, pacing, Restart(at_s=10.0, config=b, startup_s=20.0))
+    late = simulate_paced(a, wl, pacing, Restart(at_s=30.0, config=b, startup_s=20.0))
+    slow = simulate_paced(a, wl, pacing, Restart(at_s=10.0, config=b, startup_s=60.0))
+    for r in (early, late, slow):
+        assert r.finished == 200 and r.output_tokens == static_b.output_tokens and r.oom is None
+    assert slow.makespan_s > early.makespan_s
+
+    sc = SCENARIOS["prefill-oom"]
+    head = sc.workload.specs()[:200]
+    dies = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    assert simulate_paced(dies, head, pacing).oom == "prefill"
+    fixed = sim_config({**sc.start_args, "chunked_prefill_size": 8192}, gpu=sc.gpu, model=sc.model)
+    revived = simulate_paced(dies, head, pacing, Restart(at_s=10**9, config=fixed, startup_s=20.0))
+    assert revived.oom is None and revived.finished == 200
