@@ -131,10 +131,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def admin_workers(request: web.Request) -> web.Response:
     st = request.app[PROXY]
-    try:
-        check_admin_key(st.keys, request.headers)
-    except ApiError as err:
-        return error_response(err)
+    check_admin_key(st.keys, request.headers)  # a refusal is answered by error_middleware
     now = time.monotonic()
     out = []
     for w in st.pool.workers():
@@ -156,10 +153,7 @@ async def admin_workers(request: web.Request) -> web.Response:
 async def admin_gpus(request: web.Request) -> web.Response:
     """The newest NVML report, its age and the sampling interval; the no-GPU state is a 200 too."""
     st = request.app[PROXY]
-    try:
-        check_admin_key(st.keys, request.headers)
-    except ApiError as err:
-        return error_response(err)
+    check_admin_key(st.keys, request.headers)
     if st.gpus is None:
         return _json({"available": False, "reason": "GPU sampling is off (proxy.gpu_sample_interval_s = 0)",
                       "devices": [], "interval_s": 0.0})
