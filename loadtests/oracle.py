@@ -108,13 +108,14 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
     on_worker: dict[str, int] = {}  # rid -> index of what the worker holds
     t = 0.0
     next_scrape = 0.0
-    out_tokens = finished = peak = 0
+    out_tokens = finished = peak = retracted = 0
     need = 0.0
     oom: str | None = None
     while True:
         if restart is not None and t >= restart.at_s:
             pending.extend(sorted(on_worker.values(), reverse=True))  # taken back, in their order, first
             on_worker.clear()
+            retracted += eng.retracted_total
             eng, load, config = Engine(restart.config), WorkerLoad("replay"), restart.config
             t += restart.startup_s
             next_scrape, restart = t, None
@@ -151,7 +152,7 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
             load.release()
         finished += len(outcome.finished)
     return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
-                       retractions=eng.retracted_total, finished=finished, oom=oom, peak_running=peak,
+                       retractions=retracted + eng.retracted_total, finished=finished, oom=oom, peak_running=peak,
                        peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0)
 
 

@@ -373,24 +373,26 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     paid, its unfinished work taken back) and each run static from the start, as fractions of the
     oracle's static replay. ``oracle_args_restarted`` is the best any controller acting at that moment
     could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU)."""
-    from proxy.sim.steptime import startup_seconds
-
     applied = [d for d in adaptive.decisions if d.get("status") == "applied" and d.get("action") == "restart"]
     if not applied or not adaptive.started:
         return None
     at_s = max(0.0, (float(applied[0]["monotonic"]) - adaptive.started) * sc.time_scale)
     pacing, specs = scenario_pacing(sc), sc.workload.specs()
-    base = simulate_paced(sim_config(oracle, gpu=sc.gpu, model=sc.model), specs, pacing).output_tok_per_s
+    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    static: dict[str, float] = {}
+    moved: dict[str, float] = {}
+    for name, args in (("oracle_args", oracle), ("adaptive_final_args", adaptive.final_args)):
+        cfg = sim_config(args, gpu=sc.gpu, model=sc.model)  # time scale 1: its start-up is the modelled one
+        static[name] = simulate_paced(cfg, specs, pacing).output_tok_per_s
+        restart = Restart(at_s=at_s, config=cfg, startup_s=cfg.startup_wall_seconds)
+        moved[name] = simulate_paced(start, specs, pacing, restart).output_tok_per_s
+    base = static["oracle_args"]
     if base <= 0:
         return None
-    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
     out: dict[str, Any] = {"restart_at_modelled_s": round(at_s, 1), "restarts_live": adaptive.restarts}
-    for name, args in (("oracle_args", oracle), ("adaptive_final_args", adaptive.final_args)):
-        cfg = sim_config(args, gpu=sc.gpu, model=sc.model)
-        startup = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)[2]
-        moved = simulate_paced(start, specs, pacing, Restart(at_s=at_s, config=cfg, startup_s=startup))
-        out[f"{name}_restarted"] = round(moved.output_tok_per_s / base, 3)
-        out[f"{name}_static"] = round(simulate_paced(cfg, specs, pacing).output_tok_per_s / base, 3)
+    for name in static:
+        out[f"{name}_restarted"] = round(moved[name] / base, 3)
+        out[f"{name}_static"] = round(static[name] / base, 3)
     return out
 
 

@@ -67,8 +67,7 @@ SAMPLER_OOM = "warming up sampler"
 WEIGHTS_OOM = "Failed to load model"
 PREFILL_FRAME = re.compile(r'File ".*", line \d+, in (profile_run|_dummy_run)\b')
 CRASH = re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue")
-READY = "Application startup complete."
-READY_MARKER = READY  # the server answers /health from this line on
+READY_MARKER = "Application startup complete."  # the server answers /health from this line on
 
 
 def _n(text: str) -> float:
@@ -123,7 +122,7 @@ def parse_line(line: str, now: float) -> LogEvent | None:
         return _event(EventKind.STARTUP, now, line, **fields)
     if m := MAX_CONCURRENCY.search(line):
         return _event(EventKind.STARTUP, now, line, max_model_len=int(_n(m.group(1))), max_concurrency=_n(m.group(2)))
-    if READY in line:
+    if READY_MARKER in line:
         return _event(EventKind.READY, now, line)
     return None
 
