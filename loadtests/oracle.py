@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from proxy.engines.base import Sample
 from proxy.engines.sglang.argv import build_argv
-from proxy.pacing import Band, WorkerLoad
+from proxy.request.pacing import Band, WorkerLoad
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.engine import Engine
@@ -49,8 +49,8 @@ KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_reque
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pacing:
-    """The proxy's pacing gate as the engine sees it: the policy's :class:`~proxy.pacing.Band` and the
-    dispatcher's estimate of the server queue (:class:`~proxy.pacing.WorkerLoad`, the same code,
+    """The proxy's pacing gate as the engine sees it: the policy's :class:`~proxy.request.pacing.Band` and the
+    dispatcher's estimate of the server queue (:class:`~proxy.request.pacing.WorkerLoad`, the same code,
     driven here in virtual time), with a scrape every ``scrape_s`` engine seconds (the policy's
     ``scrape_interval_s`` x the time scale: the engine runs at time scale 1 here)."""
 

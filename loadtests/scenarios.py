@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
-from proxy.pacing import Band
+from proxy.request.pacing import Band
 
 __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
 

@@ -7,15 +7,101 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import gc
 import importlib
+import logging
+import signal
 import sys
+
+from proxy.policy import Policy, PolicyError, load_policy
+from proxy.server.auth import AuthConfigError, load_keyring
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
 SUBCOMMANDS: dict[str, str] = {
     "sim": "proxy.sim.cli:main",
-    "serve": "proxy.server.cli:serve_main",
-    "check-policy": "proxy.server.cli:check_policy_main",
+    "serve": "proxy.cli:serve_main",
+    "check-policy": "proxy.cli:check_policy_main",
 }
+
+
+_log = logging.getLogger("proxy")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def _serve(policy: Policy, host: str, port: int) -> int:
+    from proxy.compose import build_app, serve
+    from proxy.workers.supervisor import Supervisor
+
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        runner, bound = await serve(app, host, port)
+    except OSError as exc:
+        _log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        return 1
+    # Everything built so far (modules, app, session) lives as long as the process: keep it out of
+    # the collector's full passes, which otherwise scan it all and pause the event loop for tens of ms.
+    gc.collect()
+    gc.freeze()
+    _log.info("sglang-pacer listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)", host, bound, host, bound)
+    try:
+        await stop.wait()
+        _log.info("stopping: no new requests; stopping workers")
+    finally:
+        await runner.cleanup()
+    _log.info("stopped")
+    return 0
+
+
+def serve_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pacer serve", description="Run the proxy in front of the policy's workers.")
+    parser.add_argument("--policy", required=True, help="policy TOML file")
+    parser.add_argument("--host", help="listen address (default: the policy's proxy.host)")
+    parser.add_argument("--port", type=int, help="listen port (default: the policy's proxy.port; 0 = any free)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        policy = load_policy(args.policy)
+        load_keyring(policy.auth)
+    except (PolicyError, AuthConfigError) as exc:
+        print(f"pacer serve: {exc}", file=sys.stderr)
+        return 2
+    for line in policy.describe().splitlines():
+        _log.info("%s", line)
+    host = args.host or policy.proxy.host
+    port = policy.proxy.port if args.port is None else args.port
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(_serve(policy, host, port))
+    return uvloop.run(_serve(policy, host, port))
+
+
+def check_policy_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pacer check-policy", description="Validate a policy file.")
+    parser.add_argument("policy", help="policy TOML file")
+    args = parser.parse_args(argv)
+    try:
+        policy = load_policy(args.policy)
+        keys = load_keyring(policy.auth)
+    except (PolicyError, AuthConfigError) as exc:
+        print(f"pacer check-policy: {exc}", file=sys.stderr)
+        return 2
+    print(policy.describe())
+    print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

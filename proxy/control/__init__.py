@@ -6,8 +6,7 @@
     journal.py     every decision with its evidence and outcome: JSON lines + GET /admin/decisions
     controller.py  the loop: observe, tick, revive dead workers, hand restarts to an actor
     rollout.py     the actor: rolling restart through the dispatcher's drain / take-back hooks
-    service.py     the wiring into ``pacer serve`` (one cleanup_ctx and the admin route)
 
-Only ``service.py`` and ``rollout.py`` touch the outside world; everything else is pure and is
+Only ``rollout.py`` touches the outside world (``proxy.compose`` wires the controller into ``pacer serve``); everything else is pure and is
 tested on recorded sample series and log excerpts (``tests/control/fixtures``).
 """

@@ -36,7 +36,7 @@ _log = logging.getLogger(__name__)
 
 
 class Drainable(Protocol):
-    """The request path's hooks (``proxy.dispatch.Dispatcher``)."""
+    """The request path's hooks (``proxy.request.dispatch.Dispatcher``)."""
 
     def drain(self, worker_id: WorkerId, draining: bool = True) -> None: ...
 

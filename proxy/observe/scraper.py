@@ -21,7 +21,7 @@ import aiohttp
 
 from proxy.engines.base import Sample
 from proxy.engines.registry import engine_spec
-from proxy.pacing import LoadBoard
+from proxy.request.pacing import LoadBoard
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)

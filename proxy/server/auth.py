@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from proxy.admission import Priority
-from proxy.server.errors import ApiError
+from proxy.request.admission import Priority
+from proxy.errors import ApiError
 
 
 class AuthConfigError(ValueError):

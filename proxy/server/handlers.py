@@ -1,6 +1,6 @@
 """HTTP handlers: OpenAI-compatible routes, SGLang's ``/generate``, health, metrics and admin.
 
-Every refusal is an :class:`~proxy.server.errors.ApiError` turned into an OpenAI-shaped body here;
+Every refusal is an :class:`~proxy.errors.ApiError` turned into an OpenAI-shaped body here;
 a bug in the proxy becomes a 500 with a short message, never a traceback to the client.
 """
 
@@ -13,10 +13,10 @@ from typing import Awaitable, Callable, Mapping
 import orjson
 from aiohttp import web
 
-from proxy.admission import ORDER, Priority
-from proxy.server import relay
+from proxy.request.admission import ORDER, Priority
+from proxy.request import relay
 from proxy.server.auth import check_admin_key, check_api_key
-from proxy.server.errors import ApiError, bad_request, error_response
+from proxy.errors import ApiError, bad_request, error_response
 from proxy.server.metrics import CONTENT_TYPE
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.validation import VALIDATORS, Job
@@ -161,6 +161,22 @@ async def admin_gpus(request: web.Request) -> web.Response:
     if report is None:
         return _json({"available": False, "reason": "not sampled yet", "devices": [], "interval_s": st.gpus.interval_s})
     return _json({**report.to_json(), "age_s": round(time.monotonic() - report.time, 3), "interval_s": st.gpus.interval_s})
+
+
+async def admin_decisions(request: web.Request) -> web.Response:
+    """``GET /admin/decisions[?worker=w0][&limit=N]``: the controller's journal, newest last."""
+    st = request.app[PROXY]
+    check_admin_key(st.keys, request.headers)
+    limit_text = request.query.get("limit")
+    limit = None
+    if limit_text is not None:
+        if not limit_text.isdigit() or int(limit_text) < 1:
+            raise ApiError(400, f"limit must be a positive integer, got {limit_text!r}", param="limit")
+        limit = int(limit_text)
+    journal = st.journal
+    entries = journal.entries(worker=request.query.get("worker"), limit=limit) if journal is not None else []
+    mode = st.controller.mode if st.controller is not None else st.policy.control.mode
+    return _json({"mode": str(mode), "decisions": entries})
 
 
 @web.middleware

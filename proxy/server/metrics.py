@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.admission import ORDER, AdmissionQueue
+from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.observe.nvml import GpuReport
-from proxy.pacing import LoadBoard
+from proxy.request.pacing import LoadBoard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)

@@ -16,16 +16,18 @@ from typing import Any, Coroutine
 import aiohttp
 from aiohttp import web
 
-from proxy.admission import AdmissionQueue
-from proxy.dispatch import Dispatcher
+from proxy.control.controller import Controller
+from proxy.control.journal import Journal
+from proxy.request.admission import AdmissionQueue
+from proxy.request.dispatch import Dispatcher
 from proxy.observe.nvml import GpuWatch
 from proxy.observe.scraper import Scraper
-from proxy.pacing import LoadBoard
+from proxy.request.pacing import LoadBoard
 from proxy.policy import Policy
 from proxy.server.auth import KeyRing
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
-from proxy.server.upstream import UpstreamPool
+from proxy.request.upstream import UpstreamPool
 from proxy.workers.base import WorkerPool
 
 
@@ -43,6 +45,8 @@ class ProxyState:
     scraper: Scraper | None = None
     upstream: UpstreamPool | None = None  # the request path's connections to the workers
     gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0
+    controller: Controller | None = None  # set while the app runs (the controller's lifecycle)
+    journal: Journal | None = None
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
     _rid_counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)

@@ -10,8 +10,8 @@ import logging
 import time
 from typing import Sequence
 
-from proxy.admission import ORDER, AdmissionQueue
-from proxy.pacing import LoadBoard
+from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.pacing import LoadBoard
 from proxy.workers.base import WorkerInfo, WorkerState
 
 _log = logging.getLogger("proxy.status")

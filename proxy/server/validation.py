@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from proxy.server.errors import bad_request
+from proxy.errors import bad_request
 
 # route -> the worker path it forwards to
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"

@@ -11,9 +11,8 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 import openai
 
-from proxy.control.service import CONTROL
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -33,7 +32,7 @@ class Proxy:
 
     @property
     def controller(self):  # noqa: ANN201
-        return self.app[CONTROL].controller
+        return self.app[PROXY].controller
 
     async def decisions(self) -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/decisions") as r:

@@ -120,7 +120,7 @@ def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
     """The paced replay drives the same engine as proxy.sim.virtual.simulate: with a gate wider than
     the workload, everything arrives at once and the two agree exactly."""
     from loadtests.oracle import Pacing, sim_config, simulate_paced
-    from proxy.pacing import Band
+    from proxy.request.pacing import Band
     from proxy.sim.virtual import simulate
 
     wl = Workload(count=150, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=6).specs()
@@ -152,7 +152,7 @@ def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() ->
     more; a restart at time 0 is the new arguments' static run shifted by the start-up; a worker that
     dies first restarts when it dies."""
     from loadtests.oracle import Pacing, Restart, sim_config, simulate_paced
-    from proxy.pacing import Band
+    from proxy.request.pacing import Band
 
     wl = Workload(count=200, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=7).specs()
     pacing = Pacing(band=Band(lo=40, hi=100, headroom=8), scrape_s=2.0)

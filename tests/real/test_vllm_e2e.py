@@ -34,7 +34,7 @@ import pytest
 
 from proxy.engines.vllm.metrics import parse_metrics
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor

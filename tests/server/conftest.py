@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from tests.server.fake_worker import FakeWorker
 from tests.server.static_pool import StaticPool

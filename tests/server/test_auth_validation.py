@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.admission import Priority
+from proxy.request.admission import Priority
 from proxy.policy import AuthSettings
 from proxy.server.auth import AuthConfigError, check_admin_key, check_api_key, load_keyring, parse_entries
-from proxy.server.errors import ApiError
+from proxy.errors import ApiError
 from proxy.server.validation import validate_chat, validate_completions, validate_generate
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor

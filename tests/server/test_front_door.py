@@ -109,7 +109,7 @@ async def test_api_keys_and_admin_key(make_proxy, monkeypatch, tmp_path):
 async def test_priority_header_and_batch_key(make_proxy, monkeypatch):
     monkeypatch.setenv("T_KEYS", "k-inter,k-batch:batch")
     h = await make_proxy(policy={"auth": {"api_keys_env": "T_KEYS"}})
-    from proxy.admission import Priority
+    from proxy.request.admission import Priority
     from proxy.server.handlers import pick_priority
 
     st = h.state
@@ -191,7 +191,7 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
 
 async def test_shutdown_answers_queued_requests_with_503_at_once():
     from proxy.policy import parse_policy
-    from proxy.server.app import build_app, serve
+    from proxy.compose import build_app, serve
     from proxy.server.state import PROXY
     from tests.server.fake_worker import FakeWorker
     from tests.server.static_pool import StaticPool

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observe.nvml import GpuReport, Sampler, sample_gpus, sample_with
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from tests.observe.test_nvml import _Nvml, _has_gpu
 from tests.server.fake_worker import FakeWorker

@@ -9,9 +9,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from proxy.admission import AdmissionQueue
+from proxy.request.admission import AdmissionQueue
 from proxy.observe.scraper import Scraper
-from proxy.pacing import LoadBoard
+from proxy.request.pacing import LoadBoard
 from proxy.server.status_log import format_status
 from tests.server.static_pool import StaticPool
 

@@ -1,6 +1,6 @@
 """Which worker gets the next queued request, and when (the pacing gate).
 
-Gate, per worker (see :mod:`proxy.pacing` for the estimate)::
+Gate, per worker (see :mod:`proxy.request.pacing` for the estimate)::
 
     eligible(w) = w is READY and not draining
                   and w's sample is fresh                      (stale counts as saturated)
@@ -32,8 +32,8 @@ import time
 import zlib
 from typing import Callable, Sequence
 
-from proxy.admission import AdmissionQueue, Priority, QueueFull, Ticket
-from proxy.pacing import Band, LoadBoard, WorkerLoad
+from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
+from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
 __all__ = ["Attempt", "Dispatcher", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]

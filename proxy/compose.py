@@ -1,4 +1,5 @@
-"""The front door: ``build_app(policy, pool)`` wires routes, queue, dispatcher and scraper.
+"""The composition root: ``build_app(policy, pool)`` wires the front door, the request path, the
+observers and the controller around one worker pool.
 
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
@@ -12,17 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
 
-from proxy.admission import AdmissionQueue
-from proxy.control.service import install_controller
-from proxy.dispatch import Dispatcher
+from proxy.request.admission import AdmissionQueue
+from proxy.control.controller import Controller, LogReader
+from proxy.control.journal import Journal
+from proxy.control.rollout import Rollout
+from proxy.engines.base import LogEvent
+from proxy.engines.registry import engine_spec
+from proxy.request.dispatch import Dispatcher
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
-from proxy.pacing import Band, LoadBoard
+from proxy.request.pacing import Band, LoadBoard
 from proxy.policy import Policy
 from proxy.server import handlers
 from proxy.server.auth import describe, load_keyring
@@ -30,7 +35,7 @@ from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
-from proxy.server.upstream import UpstreamPool
+from proxy.request.upstream import UpstreamPool
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
@@ -73,7 +78,8 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
     app.router.add_get("/admin/gpus", handlers.admin_gpus)
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
-    install_controller(app)  # proxy.control: its loop (after the lifecycle above) and GET /admin/decisions
+    app.router.add_get("/admin/decisions", handlers.admin_decisions)
+    app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
     return app
 
 
@@ -133,6 +139,108 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
             await st.session.close()
 
     return ctx
+
+
+class _LineReader:
+    """A log reader for an engine with only a stateless ``parse_line``."""
+
+    def __init__(self, parse_line: Callable[[str, float], LogEvent | None]) -> None:
+        self._parse = parse_line
+
+    def feed(self, line: str, now: float) -> list[LogEvent]:
+        event = self._parse(line, now)
+        return [event] if event is not None else []
+
+    def flush(self, now: float) -> list[LogEvent]:
+        return []
+
+
+def _reader_factory(engine: str) -> Callable[[], LogReader]:
+    spec = engine_spec(engine)
+    try:
+        follower = spec.function("logs", "LogFollower")
+        return lambda: follower()
+    except AttributeError:
+        parse = spec.function("logs", "parse_line")
+        return lambda: _LineReader(parse)
+
+
+async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The controller: built when the app starts, fed by the board, the pool's states and log lines."""
+    st = app[PROXY]
+    policy = st.policy
+    settings = policy.control
+    engine = policy.engine.engine
+    spec = engine_spec(engine)
+    journal = Journal(settings.journal_path)
+    try:
+        classify = spec.function("logs", "classify_death")
+    except AttributeError:
+        classify = None
+    tail = getattr(st.pool, "tail", None)
+    actor = Rollout(st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s) if policy.engine.managed else None
+    controller = Controller(
+        settings,
+        spec.function("knobs", "knobs")(),
+        journal,
+        actor=actor,
+        reader_factory=_reader_factory(engine),
+        classify_death=classify,
+        tail=tail,
+        backlog=lambda: len(st.admission),
+        hold=st.dispatcher.drain,
+    )
+    st.controller, st.journal = controller, journal
+    closed = False
+
+    try:
+        resolved_from = spec.function("knobs", "resolved_from_server_info")
+    except AttributeError:
+        resolved_from = None
+
+    async def read_resolved(info: WorkerInfo) -> None:
+        """What the engine chose for args left unset (``mem_fraction_static``...), from its /server_info."""
+        if st.session is None or resolved_from is None:
+            return
+        try:
+            async with st.session.get(info.url + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return
+                payload = await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            _log.debug("no /server_info from %s: %s", info.id, exc)
+            return
+        if isinstance(payload, dict) and not closed:
+            controller.set_resolved(info.id, resolved_from(payload))
+
+    def on_state(info: WorkerInfo) -> None:
+        if closed:
+            return
+        controller.track(info)
+        if info.state is WorkerState.READY and info.managed:
+            st.spawn(read_resolved(info))
+
+    def on_line(worker_id: str, line: str) -> None:
+        if not closed:
+            controller.on_line(worker_id, line)
+
+    for info in st.pool.workers():
+        controller.track(info)
+    st.pool.add_listener(on_state)
+    add_lines = getattr(st.pool, "add_line_listener", None)
+    if add_lines is not None:
+        add_lines(on_line)
+    st.board.subscribe(controller.on_sample)
+    _log.info("controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s)
+    task = asyncio.create_task(controller.run(), name="pacer-controller")
+    try:
+        yield
+    finally:
+        closed = True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        st.board.unsubscribe(controller.on_sample)
 
 
 async def _stop_admitting(app: web.Application) -> None:

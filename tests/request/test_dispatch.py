@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from proxy.admission import AdmissionQueue, Priority
-from proxy.dispatch import Dispatcher, QueueTimeout, choose_worker
+from proxy.request.admission import AdmissionQueue, Priority
+from proxy.request.dispatch import Dispatcher, QueueTimeout, choose_worker
 from proxy.engines.base import Sample
-from proxy.pacing import Band, LoadBoard
+from proxy.request.pacing import Band, LoadBoard
 from proxy.workers.base import WorkerInfo, WorkerState
 
 BAND = Band(lo=4, hi=10, headroom=2)  # target 6

@@ -8,9 +8,9 @@ import aiohttp
 import pytest
 
 from proxy.control.decision import Decision
-from proxy.control.service import CONTROL
+from proxy.server.state import PROXY
 from proxy.policy import parse_policy
-from proxy.server.app import build_app, serve
+from proxy.compose import build_app, serve
 from tests.server.static_pool import StaticPool
 
 
@@ -42,7 +42,7 @@ async def test_decisions_endpoint(proxy: tuple[str, object]) -> None:
     status, body = await get(url + "/admin/decisions")
     assert status == 200 and body == {"mode": "advise", "decisions": []}
 
-    journal = app[CONTROL].journal  # type: ignore[index]
+    journal = app[PROXY].journal
     for worker, rule in (("w0", "retraction_storm"), ("w1", "memory_headroom"), ("w0", "admission_too_conservative")):
         journal.record(Decision(worker_id=worker, rule=rule, reason="r", time=1.0, old_args={"a": 1}, new_args={"a": 2}),
                        mode="advise", status="advised")  # fmt: skip

@@ -19,7 +19,7 @@ POST ``/abort_request`` with the request's ``rid``, and release the worker slot.
 take-back cancels the same task while the attempt has no output; the handler tells the two apart
 by its cancel count (``Task.uncancel``) and requeues only a request taken back.
 
-The upstream leg is :mod:`proxy.server.upstream` (its own HTTP/1.1 client): the open wakes the
+The upstream leg is :mod:`proxy.request.upstream` (its own HTTP/1.1 client): the open wakes the
 handler once, when a stream's headers and first output are in, and after the first chunk the
 rest of a stream is piped from the worker connection's callback to the client's socket.
 """
@@ -34,11 +34,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.admission import Priority, QueueFull
-from proxy.dispatch import ProxyClosing, QueueTimeout
-from proxy.server.errors import ApiError, error_event
+from proxy.request.admission import Priority, QueueFull
+from proxy.request.dispatch import ProxyClosing, QueueTimeout
+from proxy.errors import ApiError, error_event
 from proxy.server.state import ProxyState
-from proxy.server.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from proxy.server.validation import Job
 from proxy.workers.base import WorkerState
 

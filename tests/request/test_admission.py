@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.admission import AdmissionQueue, Priority, QueueFull, Ticket
+from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
 
 I, B = Priority.INTERACTIVE, Priority.BATCH
 

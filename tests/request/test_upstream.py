@@ -11,7 +11,7 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from proxy.server.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from proxy.request.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
