@@ -1,0 +1,53 @@
+"""A durable OpenAI Batch API: ``/v1/files`` and ``/v1/batches`` over SQLite, run through the proxy.
+
+Modules, bottom up::
+
+    jsonl    OpenAI's limits (50,000 requests, 200 MB) and the check of each request line
+    shapes   the wire objects: File, Batch, list pages, output and error lines
+    store    SQLite (WAL) + the files on disk; exactly-once results; BatchStore, StoreThread
+    runner   BatchRunner: executes the lines of unfinished batches through an Executor
+    service  BatchService: the operations per owner, and the lifecycle (BatchService.open)
+    routes   the aiohttp handlers (add_routes, BATCH_SERVICE)
+
+The seam: what the composition root provides.
+
+- An :class:`Executor`: ``async def execute(endpoint, body, owner) -> LineResult(status_code,
+  body, request_id)`` that sends one request through the proxy's admission (in the ``batch`` class)
+  and returns the final answer. ``owner`` is the hash of the API key that created the batch.
+- The data directory (the policy's, e.g. ``.pacer/batches``), the runner's ``concurrency`` (how many
+  lines it keeps in flight; the admission paces them) and ``accepts_model`` (which models a batch may
+  name).
+- ``authenticate(request) -> api key`` for the routes (raising ``ApiError`` to refuse a caller); the
+  default reads the bearer token unchecked.
+
+Wiring, in the composition root::
+
+    add_routes(app, authenticate=...)            # before the app starts
+
+    async def batches(app: web.Application) -> AsyncIterator[None]:
+        async with BatchService.open(data_dir, executor, concurrency=256, accepts_model=...) as service:
+            app[BATCH_SERVICE] = service
+            yield
+    app.cleanup_ctx.append(batches)
+
+Durability: see :mod:`proxy.batch.store`. Cancel and expiry: see :mod:`proxy.batch.runner`.
+"""
+
+from proxy.batch.routes import BATCH_SERVICE, Authenticate, add_routes, bearer_key
+from proxy.batch.runner import BatchRunner, Executor, LineResult
+from proxy.batch.service import BatchService, owner_of
+from proxy.batch.store import BatchStore, StoreThread
+
+__all__ = [
+    "BATCH_SERVICE",
+    "Authenticate",
+    "BatchRunner",
+    "BatchService",
+    "BatchStore",
+    "Executor",
+    "LineResult",
+    "StoreThread",
+    "add_routes",
+    "bearer_key",
+    "owner_of",
+]

@@ -1,0 +1,166 @@
+"""The batch runner: executes the request lines of unfinished batches through an :class:`Executor`.
+
+One driver task per unfinished batch; all drivers share ``concurrency`` slots, so at most that many
+lines are in flight at once (the proxy's admission does the real pacing; the runner only keeps it
+fed). A driver validates a ``validating`` batch, then hands out its unanswered lines in input order,
+records each result before it counts (see :mod:`proxy.batch.store`), and ends the batch:
+
+- all lines answered: ``finalizing`` -> ``completed``;
+- cancel (:meth:`BatchRunner.cancel`): no new line starts from that moment; the lines already
+  running finish and keep their results; the rest go to the error file as ``batch_cancelled``;
+  ``cancelling`` -> ``cancelled``;
+- the completion window ran out (checked with ``clock`` before each line starts): no new line
+  starts; running lines finish; the rest go to the error file as ``batch_expired``; ``expired``.
+
+Started again on the same data directory, the runner picks up every unfinished batch where the
+database says it stands: lines without a recorded result (those in flight at the crash included)
+run (again), finished results are never run or written twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from proxy.batch.shapes import error_line, output_line
+from proxy.batch.store import ActiveBatch, BatchStore, Ending, Outcome, PendingLine, StoreThread
+
+_log = logging.getLogger(__name__)
+
+CHUNK = 512  # lines read from the database at a time
+
+
+@dataclass(frozen=True, slots=True)
+class LineResult:
+    """The upstream's answer to one request line: a 2xx goes to the output file, others to the error file."""
+
+    status_code: int
+    body: bytes  # JSON (anything else is kept as a string)
+    request_id: str
+
+
+class Executor(Protocol):
+    """Runs one request of a batch; ``owner`` identifies the API key the batch belongs to (a hash).
+
+    It returns the final answer (a refusal worth retrying is retried inside); an exception fails the
+    line with code ``internal_error``; cancellation means the runner is stopping and the line runs
+    again on the next start.
+    """
+
+    async def execute(self, endpoint: str, body: dict[str, Any], owner: str) -> LineResult: ...
+
+
+class BatchRunner:
+    def __init__(self, db: StoreThread, executor: Executor, *, concurrency: int,
+                 clock: Callable[[], float], accepts_model: Callable[[str], bool]) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self._db = db
+        self._executor = executor
+        self._clock = clock
+        self._accepts_model = accepts_model
+        self._slots = asyncio.Semaphore(concurrency)
+        self._wake = asyncio.Event()
+        self._drivers: dict[str, asyncio.Task[None]] = {}
+        self._stops: dict[str, asyncio.Event] = {}
+
+    def _now(self) -> int:
+        return int(self._clock())
+
+    def kick(self) -> None:
+        """A batch was created: look for work."""
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """The batch is ``cancelling`` in the store: start no new line of it from now on."""
+        self._stops.setdefault(batch_id, asyncio.Event()).set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Drive every unfinished batch until cancelled (the running lines are cancelled with it)."""
+        try:
+            while True:
+                self._wake.clear()
+                for batch in await self._db(BatchStore.active_batches):
+                    if batch.id not in self._drivers:
+                        task = asyncio.create_task(self._drive(batch), name=f"batch {batch.id}")
+                        self._drivers[batch.id] = task
+                        task.add_done_callback(self._forget_driver)
+                await self._wake.wait()
+        finally:
+            drivers = list(self._drivers.values())
+            for task in drivers:
+                task.cancel()
+            await asyncio.gather(*drivers, return_exceptions=True)
+
+    def _forget_driver(self, task: asyncio.Task[None]) -> None:
+        self._drivers = {bid: t for bid, t in self._drivers.items() if t is not task}
+
+    def _release_slot(self, _task: asyncio.Task[None]) -> None:
+        self._slots.release()
+
+    async def _drive(self, batch: ActiveBatch) -> None:
+        try:
+            stop = self._stops.setdefault(batch.id, asyncio.Event())
+            status = batch.status
+            if status == "validating":
+                status = await self._db(BatchStore.validate, batch.id, accepts_model=self._accepts_model,
+                                        now=self._now())
+            ending: Ending = "completed"
+            if status == "in_progress":
+                ending = await self._dispatch(batch, stop)
+            if status in ("failed", "completed", "expired", "cancelled"):
+                return
+            if stop.is_set() or await self._db(BatchStore.status, batch.id) == "cancelling":
+                ending = "cancelled"
+            await self._db(BatchStore.finish, batch.id, ending, self._now())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log.exception("batch %s: the runner failed; it is retried on the next start", batch.id)
+        finally:
+            self._stops.pop(batch.id, None)
+
+    async def _dispatch(self, batch: ActiveBatch, stop: asyncio.Event) -> Ending:
+        """Start every unanswered line, within the slots, until done, cancelled or expired; wait for those running."""
+        ending: Ending = "completed"
+        after = 0
+        async with asyncio.TaskGroup() as running:
+            while ending == "completed" and not stop.is_set():
+                lines = await self._db(BatchStore.pending_lines, batch.id, after=after, limit=CHUNK)
+                if not lines:
+                    break
+                for line in lines:
+                    await self._slots.acquire()
+                    if stop.is_set():
+                        self._slots.release()
+                        break
+                    if self._clock() >= batch.expires_at:
+                        self._slots.release()
+                        ending = "expired"
+                        break
+                    task = running.create_task(self._run_line(batch, line))
+                    task.add_done_callback(self._release_slot)
+                    after = line.idx
+        return ending
+
+    async def _run_line(self, batch: ActiveBatch, line: PendingLine) -> None:
+        outcome: Outcome
+        try:
+            result = await self._executor.execute(batch.endpoint, orjson.loads(line.body), batch.owner)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            _log.exception("batch %s line %d: the executor failed", batch.id, line.idx)
+            outcome, text = "error", error_line(line.custom_id, code="internal_error",
+                                                message=f"the request failed in the proxy: {exc}")
+        else:
+            outcome = "output" if 200 <= result.status_code < 300 else "error"
+            text = output_line(line.custom_id, status_code=result.status_code, request_id=result.request_id,
+                               body=result.body)
+        await self._db(BatchStore.record, batch.id, line.idx, outcome, text)

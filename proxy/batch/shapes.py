@@ -1,0 +1,50 @@
+"""OpenAI's wire shapes for the Batch API: the File and Batch objects, list pages, result lines.
+
+The ``openai`` client parses every one of them (``FileObject``, ``Batch``, ``SyncCursorPage``). A result
+line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {"code",
+"message"} | null}``: a 2xx answer goes to the output file, any other answer (with its ``response``) and
+every line that never got one (with its ``error``) to the error file.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+Json = dict[str, Any]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def file_object(*, id: str, bytes: int, created_at: int, filename: str, purpose: str) -> Json:
+    return {"id": id, "object": "file", "bytes": bytes, "created_at": created_at, "filename": filename,
+            "purpose": purpose, "status": "processed", "status_details": None, "expires_at": None}
+
+
+def page(data: Sequence[Json], *, has_more: bool) -> Json:
+    return {"object": "list", "data": list(data), "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+def output_line(custom_id: str, *, status_code: int, request_id: str, body: bytes) -> bytes:
+    try:
+        parsed: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = body.decode("utf-8", "replace")
+    return orjson.dumps({"id": new_id("batch_req_"), "custom_id": custom_id,
+                         "response": {"status_code": status_code, "request_id": request_id, "body": parsed},
+                         "error": None})
+
+
+def error_line(custom_id: str | None, *, code: str, message: str) -> bytes:
+    return orjson.dumps({"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+                         "error": {"code": code, "message": message}})
+
+
+EXPIRED = ("batch_expired", "This request could not be executed before the completion window expired.")
+CANCELLED = ("batch_cancelled", "This request was not executed because the batch was cancelled.")
