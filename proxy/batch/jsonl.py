@@ -76,11 +76,11 @@ def _check(n: int, item: Any, endpoint: str, model: str | None, seen: set[str],
     line_model = body.get("model")
     if not isinstance(line_model, str) or not line_model:
         return bad("missing_model", "'body.model' must be a non-empty string")
+    if not accepts_model(line_model):
+        return bad("model_not_found", f"the model {line_model!r} is not served here")
     if model is not None and line_model != model:
         return bad("mismatched_model", f"model {line_model!r} differs from the batch's model {model!r}; "
                                        "every line of a batch must name the same model")
-    if not accepts_model(line_model):
-        return bad("model_not_found", f"the model {line_model!r} is not served here")
     if body.get("stream"):
         return bad("invalid_value", "'body.stream' is not supported in a batch")
     return RequestLine(n, custom_id, line_model, orjson.dumps(body))
