@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable
+import time
+from typing import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
 
 from proxy.request.admission import AdmissionQueue
-from proxy.control.controller import Controller, LogReader
+from proxy.control.controller import Controller, DeathReport, LogReader
 from proxy.control.journal import Journal
 from proxy.control.rollout import Rollout
 from proxy.engines.base import LogEvent
@@ -155,6 +156,33 @@ class _LineReader:
         return []
 
 
+class _EngineLogs:
+    """The engine's log reading and death classification, as the controller asks for them."""
+
+    def __init__(self, reader: Callable[[], LogReader], classify: Callable[[Sequence[str]], DeathReport] | None) -> None:
+        self._reader, self._classify = reader, classify
+
+    def reader(self) -> LogReader:
+        return self._reader()
+
+    def classify_death(self, tail: Sequence[str]) -> DeathReport | None:
+        return self._classify(tail) if self._classify is not None else None
+
+
+class _Surroundings:
+    """The pool's log tail and the proxy queue's backlog, as the controller asks for them."""
+
+    def __init__(self, st: ProxyState) -> None:
+        self._st = st
+
+    def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
+        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
+        return tail(worker_id, lines) if tail is not None else []
+
+    def backlog(self) -> int:
+        return len(self._st.admission)
+
+
 def _reader_factory(engine: str) -> Callable[[], LogReader]:
     spec = engine_spec(engine)
     try:
@@ -177,17 +205,14 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         classify = spec.function("logs", "classify_death")
     except AttributeError:
         classify = None
-    tail = getattr(st.pool, "tail", None)
-    actor = Rollout(st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s) if policy.engine.managed else None
     controller = Controller(
         settings,
         spec.function("knobs", "knobs")(),
         journal,
-        actor=actor,
-        reader_factory=_reader_factory(engine),
-        classify_death=classify,
-        tail=tail,
-        backlog=lambda: len(st.admission),
+        engine=_EngineLogs(_reader_factory(engine), classify),
+        surroundings=_Surroundings(st),
+        actor=Rollout(st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s),  # only managed workers are acted on
+        clock=time.monotonic,
         hold=st.dispatcher.drain,
     )
     st.controller, st.journal = controller, journal

@@ -45,7 +45,7 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         # nothing lost: every request answered once, in full, after the retry on the revived worker
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
         assert all(r.usage.prompt_tokens == PROMPT_TOKENS for r in results)
-        assert proxy.state.metrics.retried._value.get() >= 1
+        assert proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total") >= 1
 
         decisions = await proxy.decisions()
         [oom] = [d for d in decisions if d["rule"] == "prefill_oom"]

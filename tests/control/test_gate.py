@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from proxy.control.decision import ControlState, Decision, RuleKind
+from proxy.control.decision import ControlState, Decision, KnobChange, RuleKind
 from proxy.control.rules import WHILE_SERVING, RuleSettings, evaluate, gate
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.policy import ControlSettings
@@ -22,12 +22,10 @@ def decision(rule: str, kind: RuleKind, direction: int, new: float, t: float, ol
         rule=rule,
         reason="test",
         time=t,
-        evidence={"old_value": old, "new_value": new},
         old_args={**ARGS, "schedule_conservativeness": old},
         new_args={**ARGS, "schedule_conservativeness": new},
         kind=kind,
-        knob="conservativeness",
-        direction=direction,
+        change=KnobChange(knob="conservativeness", arg="schedule_conservativeness", old=old, new=new, direction=direction),
     )
 
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.control.decision import Action, ControlState, RuleKind
+from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
+from proxy.control.evidence import ConservativenessStorm, Retractions
 from proxy.control.rules import (
     ON_DEATH,
     WHILE_SERVING,
@@ -49,8 +50,8 @@ def test_low_usage_with_queue_lowers_conservativeness() -> None:
     assert d is not None and d.rule == "admission_too_conservative" and d.kind is RuleKind.TUNING
     # usage 0.64 with requests waiting: 1.0 x (0.64 / 0.36) / (0.9 / 0.1) = 0.2, in one restart
     assert d.changes == {"schedule_conservativeness": (1.0, 0.2)}
-    assert d.evidence["low_usage_fraction"] == 1.0 and d.direction == -1
-    assert d.evidence["mean_usage_waiting"] == pytest.approx(0.64, abs=0.005)
+    assert d.evidence_json()["low_usage_fraction"] == 1.0 and d.direction == -1
+    assert d.evidence_json()["mean_usage_waiting"] == pytest.approx(0.64, abs=0.005)
     assert "token usage 0.64 (< 0.9)" in d.reason
 
 
@@ -88,7 +89,7 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
 
 def test_admission_rule_default_conservativeness_when_unset() -> None:
     d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.2)} and d.evidence["old_value"] == 1.0
+    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.2)} and d.evidence_json()["old_value"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,7 @@ def _waiting_at(usage: float) -> Window:
 def test_admission_step_follows_how_far_usage_is_below_the_line(usage: float, expected: float) -> None:
     d = admission_too_conservative(_waiting_at(usage), state(), SETTINGS)
     assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected, abs=0.01)
-    assert d.evidence["possible_gain"] >= SETTINGS.control.admission_min_gain
+    assert d.evidence_json()["possible_gain"] >= SETTINGS.control.admission_min_gain
 
 
 @pytest.mark.parametrize("usage", [0.85, 0.8])
@@ -143,16 +144,17 @@ def test_retraction_counter_storm_raises_conservativeness() -> None:
     d = retraction_storm(w, state(), STORM)
     assert d is not None and d.kind is RuleKind.CORRECTIVE and d.direction == +1
     assert d.changes == {"schedule_conservativeness": (1.0, 1.3)}
-    assert d.evidence["retraction_rate_per_min"] > 6
+    assert d.evidence_json()["retraction_rate_per_min"] > 6
 
 
 def _raised(rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm") -> ControlState:
     """The state after a raise 0.7 -> 1.0 at ``at`` made on that retraction rate and throughput."""
-    from proxy.control.decision import Decision
-
+    figures = Retractions(retraction_rate_per_min=rate_before, threshold_per_min=6.0, retractions_per_1k_tokens=None,
+                          threshold_per_1k_tokens=0.1, retractions=100, observed_s=60.0)  # fmt: skip
     raise_ = Decision(
-        worker_id="w0", rule=rule, reason="r", time=at, kind=RuleKind.CORRECTIVE, knob="conservativeness", direction=+1,
-        evidence={"retraction_rate_per_min": rate_before, "throughput": throughput_before, "old_value": 0.7, "new_value": 1.0},
+        worker_id="w0", rule=rule, reason="r", time=at, kind=RuleKind.CORRECTIVE,
+        change=KnobChange(knob="conservativeness", arg="schedule_conservativeness", old=0.7, new=1.0, direction=+1),
+        evidence=ConservativenessStorm(storm=figures, throughput=throughput_before),
         old_args={**ARGS, "schedule_conservativeness": 0.7}, new_args=ARGS,
     )  # fmt: skip
     return replace(state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, STORM.control.flip_guard_s), last_restart=None)
@@ -161,7 +163,7 @@ def _raised(rate_before: float, throughput_before: float | None, *, at: float = 
 def test_retraction_rule_records_throughput_for_the_next_look() -> None:
     w = window_of(samples("samples_retraction_storm.json"))
     d = retraction_storm(w, state(), STORM)
-    assert d is not None and d.evidence["throughput"] == pytest.approx(w.throughput, abs=0.1)
+    assert d is not None and d.evidence_json()["throughput"] == pytest.approx(w.throughput, abs=0.1)
 
 
 def test_retraction_rule_raises_again_when_the_last_raise_paid() -> None:
@@ -218,8 +220,8 @@ def test_retraction_rule_is_relative_to_the_work_done() -> None:
     storm, whatever the absolute rate (the old threshold, 6 a minute, fired on it)."""
     storm = retraction_storm(_busy_with_retractions(60.0, 1000.0), state({"schedule_conservativeness": 0.1}), SETTINGS)
     assert storm is not None and storm.changes == {"schedule_conservativeness": (0.1, 0.4)}
-    assert storm.evidence["retractions_per_1k_tokens"] == pytest.approx(1.0, abs=0.01)
-    assert storm.evidence["threshold_per_1k_tokens"] == 0.5
+    assert storm.evidence_json()["retractions_per_1k_tokens"] == pytest.approx(1.0, abs=0.01)
+    assert storm.evidence_json()["threshold_per_1k_tokens"] == 0.5
     assert retraction_storm(_busy_with_retractions(57.0, 2260.0), state(), SETTINGS) is None  # a burst at 1.0: 0.42 per 1k
     # the same count of retractions on a server five times slower is a storm
     assert retraction_storm(_busy_with_retractions(57.0, 452.0), state(), SETTINGS) is not None
@@ -255,8 +257,8 @@ def test_memory_headroom_raises_fraction_by_small_steps() -> None:
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), SETTINGS)
     # 13.5 GB free with 0.83 static: the GPU holds >= 13.5 / 0.17 = 79.4 GB; 6 GB more to the pool
     # leaves the band's middle (7.5 GB) free: 0.83 + 6 / 79.4 = 0.906, one restart instead of eight
-    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.906)} and d.evidence["available_gpu_mem_gb"] == 13.5
-    assert d.evidence["gpu_total_gb_at_least"] == 79.4
+    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.906)} and d.evidence_json()["available_gpu_mem_gb"] == 13.5
+    assert d.evidence_json()["gpu_total_gb_at_least"] == 79.4
     assert memory_low(w, state({"mem_fraction_static": 0.83}), SETTINGS) is None
 
 
@@ -309,7 +311,7 @@ def test_prefill_oom_walks_down_the_chunk_ladder() -> None:
 def test_prefill_oom_reads_the_resolved_chunk_from_the_startup_line() -> None:
     w = window_of(log_events("log_startup_headroom.log"), log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30))
     d = prefill_oom(w, state({}), SETTINGS)
-    assert d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence["old_value"] == 8192
+    assert d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence_json()["old_value"] == 8192
 
 
 def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
@@ -322,7 +324,7 @@ def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
 def test_decode_oom_caps_running_below_peak() -> None:
     w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log"))
     d = decode_oom(w, state({"max_running_requests": 1024}), SETTINGS)
-    assert d is not None and d.changes == {"max_running_requests": (1024, 409)} and d.evidence["peak_running"] == 512
+    assert d is not None and d.changes == {"max_running_requests": (1024, 409)} and d.evidence_json()["peak_running"] == 512
     assert prefill_oom(w, state(), SETTINGS) is None  # a decode OOM is not a prefill OOM
 
 
@@ -400,5 +402,5 @@ def test_admission_rule_must_not_restart_at_the_end_of_a_batch() -> None:
     assert admission_too_conservative(w.push_proxy_queue(w.now, on_worker - 1), state(), SETTINGS) is None
     assert admission_too_conservative(w.push_proxy_queue(w.now, 0), state(), SETTINGS) is None
     d = admission_too_conservative(w.push_proxy_queue(w.now, 5000), state(), SETTINGS)
-    assert d is not None and d.evidence["proxy_backlog"] == 5000
+    assert d is not None and d.evidence_json()["proxy_backlog"] == 5000
     assert admission_too_conservative(w, state(), SETTINGS) is not None  # no backlog figure: the rule as before
