@@ -72,7 +72,8 @@ def _device(nvml: Any, index: int) -> GpuDevice:
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
     try:
         util = nvml.nvmlDeviceGetUtilizationRates(handle)
-        gpu_pct, mem_pct = int(util.gpu), int(util.memory)
+        gpu_pct: int | None = int(util.gpu)
+        mem_pct: int | None = int(util.memory)
     except nvml.NVMLError:
         gpu_pct = mem_pct = None  # not supported (MIG instances, some vGPUs)
     try:

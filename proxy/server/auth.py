@@ -14,7 +14,8 @@ import hmac
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from proxy.request.admission import Priority
 from proxy.errors import ApiError
@@ -95,7 +96,7 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def _match(token: str, candidates: Any) -> str | None:
+def _match(token: str, candidates: Iterable[str]) -> str | None:
     for key in candidates:
         if hmac.compare_digest(token.encode(), key.encode()):
             return key

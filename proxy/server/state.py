@@ -48,7 +48,7 @@ class ProxyState:
     controller: Controller | None = None  # set while the app runs (the controller's lifecycle)
     journal: Journal | None = None
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
-    _rid_counter: itertools.count = field(default_factory=itertools.count)
+    _rid_counter: itertools.count[int] = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def new_rid(self) -> str:

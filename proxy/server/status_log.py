@@ -12,7 +12,7 @@ from typing import Sequence
 
 from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.pacing import LoadBoard
-from proxy.workers.base import WorkerInfo, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger("proxy.status")
 
@@ -38,7 +38,7 @@ def format_status(admission: AdmissionQueue, board: LoadBoard, workers: Sequence
     return "[pacer] " + ", ".join(parts)
 
 
-async def run_status_log(admission: AdmissionQueue, board: LoadBoard, pool, interval_s: float,
+async def run_status_log(admission: AdmissionQueue, board: LoadBoard, pool: WorkerPool, interval_s: float,
                          stale_after_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)

@@ -116,6 +116,7 @@ def validate_completions(raw: bytes) -> Job:
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", "prompt")
+    affinity: str | None
     if isinstance(prompt, str):
         affinity, single = prompt[:AFFINITY_CHARS], True
     elif isinstance(prompt, list) and prompt:
