@@ -365,6 +365,7 @@ _DEVICE_OOM = re.compile(
 )
 _OOM_CAUSES: tuple[tuple[str, str], ...] = (  # substring of the OOM line -> cause, the first found wins
     ("AlignedAllo", "flashinfer_workspace"),
+    ("flashinfer/", "flashinfer_workspace"),  # "CUDA Error: out of memory (2) .../flashinfer/handler.cuh"
     ("CUBLAS_STATUS_ALLOC_FAILED", "cublas"),
     ("Cuda failure", "nccl"),
 )
@@ -403,6 +404,8 @@ def _traceback_fields(lines: Sequence[str]) -> Fields:
                 fields["phase"] = phase
     if exception:
         fields["exception"] = exception[:300]
+    elif device_oom:
+        fields["exception"] = device_oom[:300]
     if _SLOTS_OOM.search(" ".join(lines)):
         fields["cause"] = "request_slots"
     elif any(_ALLOC_OOM.search(t) for t in lines):
@@ -429,6 +432,7 @@ class LogFollower:
     _last_batch_phase: str | None = None
     _oom_since_crash: str | None = None  # phase of an OOM already reported for this incident
     _avail_mem_gb: float | None = None  # the last "avail mem=x GB" of the current start-up
+    _device_oom: str | None = None  # a device OOM printed outside a traceback (FlashInfer's C++ side, NCCL)
 
     def feed(self, line: str, now: float) -> list[LogEvent]:
         line = line.rstrip("\r\n")
@@ -441,6 +445,11 @@ class LogFollower:
             events.extend(self.flush(now))
         if "avail mem=" in message and (mem := _AVAIL_MEM.search(message)) is not None:
             self._avail_mem_gb = float(mem.group("gb"))
+        if ("emory" in message or "ALLOC_FAILED" in message or "Cuda failure" in message) and _DEVICE_OOM.search(
+            message
+        ):
+            self._device_oom = message  # the traceback that follows (or the exit) says what it was
+            return events
         event = _parse_message(line, ranks, message, prefixed, now)
         if event is None:
             return events
@@ -455,6 +464,7 @@ class LogFollower:
         elif event.kind is EventKind.READY:
             self._oom_since_crash = None
             self._avail_mem_gb = None
+            self._device_oom = None
         elif event.kind is EventKind.STARTUP and "max_total_tokens" in event.fields:
             event = self._with_avail_mem(event)
         events.append(event)
@@ -472,12 +482,17 @@ class LogFollower:
         return LogEvent(kind=startup.kind, time=startup.time, fields=fields, line=startup.line)
 
     def flush(self, now: float) -> list[LogEvent]:
-        """End a pending traceback block: its ``CRASH`` event (and ``OOM`` event) come out now."""
+        """End a pending traceback block: its ``CRASH`` event (and ``OOM`` event) come out now.
+
+        A device OOM printed outside a traceback belongs to the block that follows it; with no block, it
+        comes out alone as an ``OOM`` event.
+        """
+        pending, self._device_oom = ([self._device_oom] if self._device_oom is not None else []), None
         if self._block is None or self._block_head is None:
-            return []
+            return [self._lone_oom(pending[0], now)] if pending else []
         head, block = self._block_head, self._block
         self._block, self._block_head = None, None
-        fields: Fields = {**head.fields, **_traceback_fields(block)}
+        fields: Fields = {**head.fields, **_traceback_fields(pending + block)}
         if fields["phase"] != "unknown":
             fields["phase_source"] = "traceback"
         elif self._oom_since_crash is not None:
@@ -491,6 +506,14 @@ class LogFollower:
             events.insert(0, LogEvent(kind=EventKind.OOM, time=head.time, fields=oom_fields, line=crash.line))
         self._oom_since_crash = None
         return events
+
+    def _lone_oom(self, line: str, now: float) -> LogEvent:
+        fields = {k: v for k, v in _traceback_fields([line]).items() if k != "oom"}
+        if fields["phase"] != "unknown":
+            fields["phase_source"] = "traceback"
+        elif self._last_batch_phase is not None:
+            fields["phase"], fields["phase_source"] = self._last_batch_phase, "last_batch"
+        return LogEvent(kind=EventKind.OOM, time=now, fields=fields, line=line)
 
     def feed_all(self, lines: Iterable[str], now: float) -> list[LogEvent]:
         events: list[LogEvent] = []
