@@ -508,7 +508,8 @@ def test_device_oom_wordings_in_a_scheduler_traceback(item: IssueLine, frame: st
 
 
 def test_not_out_of_memory_cuda_errors_are_crashes() -> None:
-    # vllm-project/vllm#18335: a cuBLAS failure that is not an allocation failure.
+    # A cuBLAS failure that is not an allocation failure: the error of vllm-project/vllm#18335 as its title quotes it,
+    # with the "RuntimeError: " PyTorch raises it as.
     line = "RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR when calling `cublasCreate(handle)`"
     death = classify_death(_scheduler_crash(line, "forward_decode"))
     assert death.cause == "crash" and death.detail == line

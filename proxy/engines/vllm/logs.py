@@ -103,6 +103,7 @@ OOM = re.compile(
 OOM_CAUSES: tuple[tuple[str, str], ...] = (  # substring of the OOM line -> cause, the first found wins
     ("Failed to load model", "weights"),
     ("AlignedAllo", "flashinfer_workspace"),
+    ("flashinfer/", "flashinfer_workspace"),  # "CUDA Error: out of memory (2) .../flashinfer/handler.cuh"
     ("CUBLAS_STATUS_ALLOC_FAILED", "cublas"),
     ("Cuda failure", "nccl"),
 )
