@@ -453,9 +453,22 @@ def test_old_startup_lines(line: str, expected: dict[str, object]) -> None:
     assert dict(event.fields).items() >= expected.items()
 
 
-def test_kv_leak_warning_is_no_startup_line() -> None:
-    # sgl-project/sglang (0.1.x, issue quoted in the tracker's digest): the leak check names the capacity too.
-    assert parse_line("Warning: available_size=75821, max_total_num_token=75833", now=0.0) is None
+@pytest.mark.parametrize(
+    "line",
+    [  # sgl-project/sglang#105 (0.1.x), verbatim: the leak check names the capacity too
+        " UserWarning: Warning: available_size=35244, max_total_num_token=42308",
+        "KV cache pool leak detected!",
+    ],
+)
+def test_kv_leak_warning_is_no_startup_line(line: str) -> None:
+    assert parse_line(line, now=0.0) is None
+
+
+def test_memory_pool_end_line_of_the_tracker() -> None:
+    # sgl-project/sglang#11716, verbatim.
+    event = parse_line("[2025-10-16 09:06:22 TP5] Memory pool end. avail mem=11.87 GB", now=0.0)
+    assert event is not None and event.kind is EventKind.STARTUP
+    assert event.fields == {"tp_rank": 5, "available_gpu_mem_gb": 11.87}
 
 
 def test_memory_pool_end_gives_the_capacity_line_its_free_memory() -> None:
