@@ -465,10 +465,14 @@ def test_kv_leak_warning_is_no_startup_line(line: str) -> None:
 
 
 def test_memory_pool_end_line_of_the_tracker() -> None:
-    # sgl-project/sglang#11716, verbatim.
-    event = parse_line("[2025-10-16 09:06:22 TP5] Memory pool end. avail mem=11.87 GB", now=0.0)
-    assert event is not None and event.kind is EventKind.STARTUP
-    assert event.fields == {"tp_rank": 5, "available_gpu_mem_gb": 11.87}
+    # The first line is verbatim from sgl-project/sglang#11716; the capacity line is the 0.2-0.4 format (no
+    # available_gpu_mem of its own).
+    lines = ["[2025-10-16 09:06:22 TP5] Memory pool end. avail mem=11.87 GB",
+             "[2025-10-16 09:06:23 TP5] max_total_num_tokens=2795207, max_prefill_tokens=16384, max_running_requests=4096, context_len=163840"]  # fmt: skip
+    assert parse_line(lines[0], now=0.0) is None
+    (startup,) = LogFollower().feed_all(lines, now=0.0)
+    assert startup.kind is EventKind.STARTUP and startup.fields["tp_rank"] == 5
+    assert startup.fields["available_gpu_mem_gb"] == 11.87 and startup.fields["available_mem_source"] == "avail_mem_line"
 
 
 def test_memory_pool_end_gives_the_capacity_line_its_free_memory() -> None:
@@ -480,8 +484,7 @@ def test_memory_pool_end_gives_the_capacity_line_its_free_memory() -> None:
         "[2025-01-01 10:00:05 TP0] Capture cuda graph end. Time elapsed: 3.10 s. avail mem=8.91 GB",
         "[2025-01-01 10:00:05 TP0] max_total_num_tokens=423600, max_prefill_tokens=16384, max_running_requests=2047, context_len=8192",
     ]
-    pool = parse_line(lines[1], now=0.0)
-    assert pool is not None and pool.kind is EventKind.STARTUP and pool.fields["available_gpu_mem_gb"] == 9.68
+    assert parse_line(lines[1], now=0.0) is None  # no event of its own: the follower keeps the figure
     startup = [e for e in LogFollower().feed_all(lines, now=0.0) if e.kind is EventKind.STARTUP][-1]
     assert startup.fields["max_total_tokens"] == 423600
     assert startup.fields["available_gpu_mem_gb"] == 8.91 and startup.fields["available_mem_source"] == "avail_mem_line"

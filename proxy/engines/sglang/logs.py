@@ -6,10 +6,9 @@ Two layers:
   statistics (every shape since 0.1.x: the 0.1.x head-less decode line and ``new fill batch``, 0.2-0.4
   ``Decode batch.`` with ``cache hit rate`` and ``Prefill batch(mixed ...)``, 0.5 ``Decode batch,``),
   retractions (0.5.23 WARNING form, the 0.4.10/0.5.5 INFO form and the older ``Decode out of memory
-  happened`` wordings), the start-up capacity line (and 0.1.x's ``max_total_num_token=``), ``Memory pool
-  end. avail mem=``, readiness, the KV allocator's out-of-memory errors, the KV-pool-vs-context-length
-  warning and crash heads (``Scheduler hit an exception``; ``Exception in ModelTpServer`` and the like
-  before 0.3).
+  happened`` wordings), the start-up capacity line (and 0.1.x's ``max_total_num_token=``), readiness, the
+  KV allocator's out-of-memory errors, the KV-pool-vs-context-length warning and crash heads (``Scheduler
+  hit an exception``; ``Exception in ModelTpServer`` and the like before 0.3).
 * :class:`LogFollower` keeps the little state a crash needs: ``Scheduler hit an exception:`` is
   followed by a traceback on lines of their own, and only the traceback tells a CUDA OOM in
   prefill from one in decode. The follower collects the block until the next prefixed log line
@@ -93,10 +92,9 @@ _RATIO = re.compile(r"#new_token_ratio:\s*(?P<before>[-\d.eE+]+)\s*->\s*(?P<afte
 # (0.1.x model_rpc.py; one build printed "Max_total_num_token"). Anchored at the message start: the KV leak
 # check prints "Warning: available_size=N, max_total_num_token(s)=N" and is no start-up line.
 _STARTUP = re.compile(r"^(?:Rank \d+: )?[Mm]ax_total_num_tokens?=\d+")
-# "Memory pool end. avail mem=x GB" (model_runner.py init_memory_pool, 0.2+); other start-up steps print
-# "avail mem=x GB" too (Load weight end, Capture cuda graph end): the last one before the capacity line is
-# what the newer "available_gpu_mem=" of that line reports.
-_MEMORY_POOL = "Memory pool end."
+# "avail mem=x GB" ends the start-up steps' lines (Load weight end, "Memory pool end." of model_runner.py
+# init_memory_pool, Capture cuda graph end; 0.2+): the last one before the capacity line is what the newer
+# "available_gpu_mem=" of that line reports. Only LogFollower reads it; no event of its own.
 _AVAIL_MEM = re.compile(r"\bavail mem=(?P<gb>\d+(?:\.\d+)?)\s*GB")
 _KV_VS_CONTEXT = re.compile(r"KV pool holds (?P<kv>\d+) tokens, fewer than --context-length (?P<ctx>\d+)")
 # The KV allocator's refusal ("Avaliable tokens" in 0.4.x, "Available tokens" later; the message is the same).
@@ -321,9 +319,6 @@ def _parse_message(line: str, ranks: Fields, message: str, prefixed: bool, now: 
             # The request-slot pool is sized by --max-running-requests: the decode remedy applies.
             fields = {**ranks, "phase": "decode", "cause": "request_slots"}
             return LogEvent(kind=EventKind.OOM, time=now, fields=fields, line=line)
-        if message.startswith(_MEMORY_POOL) and (mem := _AVAIL_MEM.search(message)) is not None:
-            fields = {**ranks, "available_gpu_mem_gb": float(mem.group("gb"))}
-            return LogEvent(kind=EventKind.STARTUP, time=now, fields=fields, line=line)
     if "num_token" in message and _STARTUP.search(message):
         return _startup_event(message, ranks, now, line)
     if READY_MARKER in message:
