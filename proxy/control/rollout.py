@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 from proxy.control.controller import ActResult
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState

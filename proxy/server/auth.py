@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Mapping
 from typing import Any
 
-from proxy.request.admission import Priority
 from proxy.errors import ApiError
+from proxy.request.admission import Priority
 
 
 class AuthConfigError(ValueError):

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
 
-from proxy.request.admission import ORDER, Priority
-from proxy.request import relay
-from proxy.server.auth import check_admin_key, check_api_key
 from proxy.errors import ApiError, bad_request, error_response
+from proxy.request import relay
+from proxy.request.admission import ORDER, Priority
+from proxy.server.auth import check_admin_key, check_api_key
 from proxy.server.metrics import CONTENT_TYPE
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.validation import VALIDATORS, Job
@@ -192,7 +192,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                        code="not_found" if exc.status == 404 else None))
     except ApiError as err:
         return error_response(err)
-    except (ConnectionResetError,):
+    except ConnectionResetError:
         raise
     except Exception:
         _log.exception("internal error on %s %s", request.method, request.path)

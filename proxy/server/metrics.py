@@ -8,14 +8,14 @@ histograms are pre-bound to their labels where the label set is fixed.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.observe.nvml import GpuReport
+from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.pacing import LoadBoard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

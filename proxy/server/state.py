@@ -10,24 +10,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Coroutine
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from proxy.control.controller import Controller
 from proxy.control.journal import Journal
-from proxy.request.admission import AdmissionQueue
-from proxy.request.dispatch import Dispatcher
 from proxy.observe.nvml import GpuWatch
 from proxy.observe.scraper import Scraper
-from proxy.request.pacing import LoadBoard
 from proxy.policy import Policy
+from proxy.request.admission import AdmissionQueue
+from proxy.request.dispatch import Dispatcher
+from proxy.request.pacing import LoadBoard
+from proxy.request.upstream import UpstreamPool
 from proxy.server.auth import KeyRing
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
-from proxy.request.upstream import UpstreamPool
 from proxy.workers.base import WorkerPool
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.pacing import LoadBoard

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import openai
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -31,7 +32,7 @@ class Proxy:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     @property
-    def controller(self):  # noqa: ANN201
+    def controller(self):
         return self.app[PROXY].controller
 
     async def decisions(self) -> list[dict[str, Any]]:

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import openai
 import pytest
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from tests.server.fake_worker import FakeWorker
 from tests.server.static_pool import StaticPool

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -31,9 +31,8 @@ class Sim:
 
     async def worker_metric(self, worker_id: str, name: str) -> float:
         url = self.state.pool.get(worker_id).url
-        async with aiohttp.ClientSession() as s:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
 

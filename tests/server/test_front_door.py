@@ -12,9 +12,11 @@ from tests.server.fake_worker import MODEL
 
 
 async def _post(url: str, data: bytes | str, headers: dict | None = None) -> tuple[int, dict, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
-            return r.status, await r.json(content_type=None), dict(r.headers)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r,
+    ):
+        return r.status, await r.json(content_type=None), dict(r.headers)
 
 
 def _is_openai_error(body: dict) -> bool:
@@ -158,9 +160,8 @@ async def test_metrics_page_has_pacer_series(make_proxy):
     client = h.client()
     await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     await client.close()
-    async with aiohttp.ClientSession() as s:
-        async with s.get(h.url + "/metrics") as r:
-            text = await r.text()
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
+        text = await r.text()
     for name in ("pacer_queue_depth{priority=\"interactive\"}", "pacer_inflight{", "pacer_requests_admitted_total 1.0",
                  "pacer_requests_completed_total 1.0", "pacer_queue_time_seconds_bucket", "pacer_added_latency_seconds_bucket",
                  "pacer_requests_rejected_total", "pacer_requests_retried_total", "pacer_requests_failed_total"):
@@ -178,7 +179,7 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
     tasks = []
     for i in range(3):  # one at a time, so their arrival order is known
         tasks.append(asyncio.ensure_future(batch.completions.create(model=MODEL, prompt=f"batch {i}", max_tokens=1)))
-        await h.wait_for(lambda: len(h.state.admission) == i + 1)
+        await h.wait_for(lambda n=i + 1: len(h.state.admission) == n)
     tasks.append(asyncio.ensure_future(inter.completions.create(model=MODEL, prompt="interactive", max_tokens=1)))
     await h.wait_for(lambda: len(h.state.admission) == 4)
     d.drain("w0", False)
@@ -190,8 +191,8 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
 
 
 async def test_shutdown_answers_queued_requests_with_503_at_once():
-    from proxy.policy import parse_policy
     from proxy.compose import build_app, serve
+    from proxy.policy import parse_policy
     from proxy.server.state import PROXY
     from tests.server.fake_worker import FakeWorker
     from tests.server.static_pool import StaticPool

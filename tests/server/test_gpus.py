@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.compose import build_app, serve
 from proxy.observe.nvml import GpuReport, Sampler, sample_gpus, sample_with
 from proxy.policy import parse_policy
-from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
-from tests.observe.test_nvml import _Nvml, _has_gpu
+from tests.observe.test_nvml import _has_gpu, _Nvml
 from tests.server.fake_worker import FakeWorker
 from tests.server.static_pool import StaticPool
 
@@ -55,9 +56,8 @@ async def _first_sample(st: ProxyState) -> GpuReport:
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url, headers=headers) as r:
-            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
 
 
 def _gpu_series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

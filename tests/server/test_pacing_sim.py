@@ -56,19 +56,18 @@ stale_after_s = 1.0
 def pacer(tmp_path):
     (tmp_path / "policy.toml").write_text(POLICY)
     port = free_port("127.0.0.1")
-    log = open(tmp_path / "pacer.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with open(tmp_path / "pacer.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
+                                cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def _ready(url: str, logfile, timeout: float = 90.0) -> list[dict]:
@@ -119,10 +118,10 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
         for w in workers:
             async with s.get(w["url"] + "/metrics") as r:
                 text = await r.text()
-            finished += sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                            if l.startswith("sglang:num_requests_total"))
+            finished += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                            if line.startswith("sglang:num_requests_total"))
     assert finished == N
-    for _url, (kept, qmax, below, above) in report.items():
+    for _url, (kept, _qmax, below, above) in report.items():
         assert kept >= 20, report
         assert above == 0, report
         assert below <= 0.25 * kept, report

@@ -9,8 +9,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from proxy.request.admission import AdmissionQueue
 from proxy.observe.scraper import Scraper
+from proxy.request.admission import AdmissionQueue
 from proxy.request.pacing import LoadBoard
 from proxy.server.status_log import format_status
 from tests.server.static_pool import StaticPool
