@@ -33,7 +33,7 @@ class KvPool:
 
     @property
     def available(self) -> int:
-        return self.size - self.cache.total_size - self.private_tokens
+        return self.size - self.cache.total_size - self.held - self.running.private_tokens  # hot: inlined
 
     @property
     def free(self) -> int:
