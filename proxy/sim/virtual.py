@@ -9,8 +9,8 @@ seconds divided by ``config.time_scale`` (1 for the modelled GPU itself).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, LogFn, QueueFull
