@@ -233,20 +233,17 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, now: float) -> Step | None:
         self.now = now
-        step = self._plan_prefill()
-        if step is not None:
-            return step
+        admitted = self.scheduler.next_prefill(self.kv)
+        if admitted is not None:
+            return self._prefill_step(admitted.items)
         if self.kv.running.reqs:
             return self._plan_decode()
         self.scheduler.idle()
         return None
 
-    def _plan_prefill(self) -> Step | None:
+    def _prefill_step(self, items: list[AdmitItem]) -> Step:
+        """Start the admitted requests' prefill: allocate and hold their chunks' KV; the step's cost."""
         kv = self.kv
-        result = self.scheduler.next_prefill(kv)
-        if result is None:
-            return None
-        items = result.items
         extend_total = 0
         attn_pairs = 0.0
         for it in items:
@@ -278,7 +275,7 @@ class Engine:
         graph = 0 < bs <= cfg.cuda_graph_max_bs_decode
         mib = decode_activation_mib(cfg.model, bs, cfg.cuda_graph_max_bs_decode)
         oom = "decode" if mib > cfg.memory.available_mib else None
-        self.reporter.on_decode_planned(graph)
+        self.reporter.last_cuda_graph = graph
         duration = self.steptime.decode_seconds(bs, kv.running.kv_tokens, graph) / cfg.time_scale
         return Step(kind="decode", duration=duration, batch_size=bs, cuda_graph=graph, oom=oom, need_mib=mib)
 
@@ -352,7 +349,8 @@ class Engine:
         done = kv.running.advance()
         decoded = kv.running.n
         out.decoded = decoded
-        self.reporter.on_decode(decoded)
+        reporter = self.reporter
+        reporter.on_decode(decoded)
         if done:
             kv.running.drop(set(done))
             for r in done:
@@ -361,8 +359,8 @@ class Engine:
                 self._finish(r, self._natural_reason(r))
             self.scheduler.batch_changed()
             out.finished = done
-        if self.reporter.log_due(self.cfg.decode_log_interval):
-            self.reporter.on_decode_log(self.now, step.cuda_graph, kv, len(self.scheduler.waiting))
+        if reporter.decode_steps % self.cfg.decode_log_interval == 0:
+            reporter.on_decode_log(self.now, step.cuda_graph, kv, len(self.scheduler.waiting))
         return out
 
     def _natural_reason(self, r: Req) -> dict[str, Any]:

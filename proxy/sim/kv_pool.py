@@ -37,11 +37,13 @@ class KvPool:
 
     @property
     def free(self) -> int:
-        return self.available + self.cache.evictable_size
+        cache = self.cache  # hot (every decode step): the sums inlined
+        return self.size - cache.total_size - self.held - self.running.private_tokens + cache.evictable_size
 
     @property
     def num_used(self) -> int:
-        return self.size - self.available - self.cache.evictable_size
+        cache = self.cache  # = size - available - evictable, inlined
+        return cache.total_size + self.held + self.running.private_tokens - cache.evictable_size
 
     @property
     def usage(self) -> float:

@@ -48,7 +48,7 @@ class StepReporter:
         self.last_cache_hit_rate = 0.0
         self.last_gen_throughput = 0.0
         self.last_input_throughput = 0.0
-        self.last_cuda_graph = False
+        self.last_cuda_graph = False  # whether the last decode step planned ran in a CUDA graph
         self._gen_tokens_since_log = 0
         self.gen_log_tic = 0.0  # when the last decode line was logged
         self._input_tokens_since_log = 0
@@ -79,16 +79,10 @@ class StepReporter:
     def on_first_token(self) -> None:
         self.generated_tokens += 1
 
-    def on_decode_planned(self, cuda_graph: bool) -> None:
-        self.last_cuda_graph = cuda_graph
-
     def on_decode(self, decoded: int) -> None:
         self.decode_steps += 1
         self.generated_tokens += decoded
         self._gen_tokens_since_log += decoded
-
-    def log_due(self, interval: int) -> bool:
-        return self.decode_steps % interval == 0
 
     def on_decode_log(self, now: float, cuda_graph: bool, kv: KvPool, queue: int) -> None:
         elapsed = now - self.gen_log_tic
