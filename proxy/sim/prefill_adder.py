@@ -17,8 +17,9 @@ One guard of our own: with nothing running, the head of the queue is admitted if
 the pool at all, so a request whose ``max_new_tokens`` reservation exceeds the pool cannot stall
 an idle server.
 
-:func:`admit` only decides: it leaves the queue and the requests as they are; the scheduler takes
-the admitted ones (:attr:`AdmitItem.node` and :attr:`AdmitItem.prefix_len` say where each starts).
+:func:`admit` only decides (the prefix locks aside): it leaves the queue and the requests as they
+are; the scheduler takes the admitted ones off the queue and the engine starts their prefill
+(:attr:`AdmitItem.node` and :attr:`AdmitItem.prefix_len` say where each starts).
 """
 
 from __future__ import annotations
