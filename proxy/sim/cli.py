@@ -17,7 +17,7 @@ from proxy.engines.sglang.argv import KNOWN_FLAGS
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.presets import GPUS, MODELS
 
-__all__ = ["build_parser", "main", "resolve_config", "SimConfig"]
+__all__ = ["SimConfig", "build_parser", "main", "resolve_config"]
 
 SCHEDULE_POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn",
                      "shortest-prefill-first")

@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from proxy.sim import memory
 from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from proxy.sim import logs
 from proxy.sim.config import SimConfig
@@ -73,8 +73,10 @@ class Driver:
         prev_wake = 0.0
         while True:
             now = self.now()
-            chained = prev_end is not None and now - prev_end <= MAX_CATCH_UP_S
-            start = max(prev_end if chained else now, eng.now)  # type: ignore[type-var]
+            if prev_end is not None and now - prev_end <= MAX_CATCH_UP_S:
+                chained, start = True, max(prev_end, eng.now)
+            else:
+                chained, start = False, max(now, eng.now)
             step = eng.plan(start)
             if step is None:
                 prev_end = None
@@ -129,7 +131,7 @@ class Driver:
             return
         seen = (eng.retracted_total, eng.retracted_input_tokens, eng.retracted_output_tokens)
         if seen != self._retract_seen:
-            m.on_retract(*(a - b for a, b in zip(seen, self._retract_seen)))
+            m.on_retract(*(a - b for a, b in zip(seen, self._retract_seen, strict=True)))
             self._retract_seen = seen
         m.set_load(running=eng.n_run, queue=len(eng.waiting), usage=eng.token_usage, used=eng.num_used_tokens,
                    available=eng.available, evictable=eng.cache.evictable_size, ratio=eng.ratio,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 
@@ -73,7 +74,7 @@ SIGQUIT_LINE = "SIGQUIT received. signum=None, frame=None. It usually means one 
 class LogSink:
     """Writes SGLang-format lines to a stream (stderr by default), one flush per line."""
 
-    def __init__(self, stream: TextIO | None = None, clock: callable = time.time) -> None:  # type: ignore[valid-type]
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.time) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.clock = clock
         self._last_sec = -1

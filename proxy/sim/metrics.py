@@ -10,7 +10,7 @@ collector adds it. Tokenizer metrics carry ``model_name, engine_type`` (+ ``is_s
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -48,7 +48,7 @@ class WeightedHistogram(Collector):
     def collect(self) -> Iterable[HistogramMetricFamily]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
         cum, buckets = 0, []
-        for b, c in zip([*map(str, self.bounds), "+Inf"], self.counts):
+        for b, c in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
             cum += c
             buckets.append((b if b == "+Inf" else str(float(b)), cum))
         fam.add_metric(list(self.labels.values()), buckets, self.total)
@@ -57,7 +57,7 @@ class WeightedHistogram(Collector):
 
 class SimMetrics:
     def __init__(self, cfg: SimConfig) -> None:
-        disable_created_metrics()  # SGLang's multiprocess collector exposes no *_created series
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # SGLang's multiprocess collector exposes no *_created series
         self.registry = reg = CollectorRegistry(auto_describe=True)
         sched = {"model_name": cfg.served_model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0",
                  "moe_ep_rank": "0"}

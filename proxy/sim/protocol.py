@@ -101,13 +101,14 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
         batch = not isinstance(text, str)
     else:
         batch = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
-        id_lists = [_prompt_ids(x, "input_ids") for x in (ids if batch else [ids])]
+        given: list[Any] = ids if batch and isinstance(ids, list) else [ids]
+        id_lists = [_prompt_ids(x, "input_ids") for x in given]
     if stream and len(id_lists) > 1:
         raise BadRequest("streaming a batch of prompts is not supported by the simulated engine")
     rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
     params = [GenParams(prompt_ids=p, max_new_tokens=check_lengths(len(p), max_new, cfg), ignore_eos=ignore_eos,
                         output_len=out_len, stream=stream, rid=r if isinstance(r, str) else None)
-              for p, r in zip(id_lists, rids)]
+              for p, r in zip(id_lists, rids, strict=False)]
     return params, batch
 
 

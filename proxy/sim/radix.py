@@ -9,11 +9,11 @@ as free space for admission. :class:`NoPrefixCache` is ``--disable-radix-cache``
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class Node:
-    __slots__ = ("key", "children", "parent", "lock", "last_used", "serial")
+    __slots__ = ("children", "key", "last_used", "lock", "parent", "serial")
 
     def __init__(self, key: tuple[int, ...], parent: Node | None, serial: int = 0) -> None:
         self.serial = serial  # creation order: breaks LRU ties deterministically

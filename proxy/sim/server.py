@@ -13,11 +13,13 @@ line names it). A CUDA out-of-memory kills the process (exit code 1) after SGLan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -74,10 +76,11 @@ class SimServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         key = self.cfg.api_key
-        if key and not request.path.startswith(OPEN_PATHS):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return json_response({"error": "Unauthorized"}, 401)
-        return await handler(request)
+        if (key and not request.path.startswith(OPEN_PATHS)
+                and request.headers.get("Authorization", "") != f"Bearer {key}"):
+            return json_response({"error": "Unauthorized"}, 401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.driver.ready:
@@ -202,17 +205,20 @@ async def serve(cfg: SimConfig, sink: logs.LogSink, on_death: Callable[[int], No
     sink.plain("INFO:     Application startup complete.")
     sink.plain(f"INFO:     Uvicorn running on http://{cfg.host}:{port} (Press CTRL+C to quit)")
     stop = loop.create_future()
+
+    def request_stop() -> None:
+        if not stop.done():
+            stop.set_result(0)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
-        except (NotImplementedError, RuntimeError):
-            pass
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, request_stop)
     tasks = [asyncio.create_task(server.start_up()), asyncio.create_task(server.driver.drive())]
     for task in tasks:
         task.add_done_callback(server.driver.on_task_done)
     try:
         done, _ = await asyncio.wait([stop, server.driver.dead], return_when=asyncio.FIRST_COMPLETED)
-        code = next(iter(done)).result()
+        code: int = next(iter(done)).result()
     finally:
         for t in tasks:
             t.cancel()
@@ -227,6 +233,7 @@ def run_server(cfg: SimConfig, sink: logs.LogSink) -> int:
         finally:
             os._exit(code)
 
+    run: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

@@ -9,8 +9,8 @@ seconds divided by ``config.time_scale`` (1 for the modelled GPU itself).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, LogFn, QueueFull
@@ -95,7 +95,7 @@ def simulate(config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn |
         t += step.duration
         eng.complete(step, t)
         steps += 1
-        trace.append(TracePoint(t, len(eng.waiting), eng.n_run, eng.token_usage, step.kind))
+        trace.append(TracePoint(t, len(eng.scheduler.waiting), eng.kv.running.n, eng.kv.usage, step.kind))
         if max_time is not None and t >= max_time:
             break
     results = tuple(_result(eng, r) for r in reqs)

@@ -61,6 +61,6 @@ def test_sink_prefix_and_parser_round_trip() -> None:
 def test_oom_tracebacks_tell_prefill_from_decode() -> None:
     for phase in ("prefill", "decode"):
         text = logs.cuda_oom_traceback(phase=phase, need_mib=2048, total_mib=10240, free_mib=500, used_mib=9000)
-        lines = ("[2026-09-13 16:06:05] " + text).splitlines() + ["[2026-09-13 16:06:05] " + logs.SIGQUIT_LINE]
+        lines = [*("[2026-09-13 16:06:05] " + text).splitlines(), "[2026-09-13 16:06:05] " + logs.SIGQUIT_LINE]
         death = classify_death(lines)
         assert (death.cause, death.phase) == ("oom", phase)

@@ -22,7 +22,7 @@ def test_match_insert_split_and_sizes() -> None:
 
 def test_locked_nodes_are_not_evictable_lru_goes_first() -> None:
     c = RadixCache()
-    _, old = c.insert((1, 2, 3))
+    c.insert((1, 2, 3))
     _, new = c.insert((5, 6, 7))
     c.lock(new)
     assert c.evictable_size == 3

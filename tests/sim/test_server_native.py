@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -67,7 +68,7 @@ async def test_generate_stream_cumulative_text(sim: SimProcess) -> None:
     chunks = events[:-1]
     assert len(chunks) == 10
     texts = [c["text"] for c in chunks]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, 11))
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
