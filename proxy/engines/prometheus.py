@@ -68,7 +68,7 @@ def collect_series(text: str, prefix: str, read: Collection[str] | None = None) 
             for sample in family.samples:
                 if not sample.name.startswith(prefix):
                     continue
-                name = sample.name[len(prefix):]
+                name = sample.name[len(prefix) :]
                 series.values[name].append(float(sample.value))
                 series.labels[name].append(dict(sample.labels))
     except (ValueError, TypeError, IndexError) as exc:
