@@ -107,6 +107,8 @@ def check_policy_main(argv: list[str]) -> int:
         print(f"pacer check-policy: {exc}", file=sys.stderr)
         return 2
     print(policy.describe())
+    changed = policy.changed()
+    print("  set      " + ("\n           ".join(changed) if changed else "(every key at its default)"))
     print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))
     return 0
 

@@ -4,7 +4,10 @@
     policy.engine.kind, policy.pacing.queue_band, policy.describe()
 
 Every table is optional and every key has a default, so ``parse_policy({}, "<empty>")`` is a valid
-policy (one simulated worker). Unknown keys are errors. Engine args are checked against the
+policy (one simulated worker). Unknown keys are errors. Each key is declared once, as a settings
+field with its default, meaning and bounds in its metadata (:func:`proxy.policy_schema.key`): the
+reader of the plain keys, :meth:`Policy.changed` and :func:`documented_defaults`
+(``pacer check-policy --defaults``) are derived from those declarations. Engine args are checked against the
 engine's own flag table (``proxy.engines.<engine>.argv.check_arg``) so a typo fails here, not
 minutes later when a GPU worker refuses to start.
 """
@@ -21,7 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from proxy.engines.registry import engine_spec
-from proxy.policy_schema import PolicyError, Table, defaults_toml, key, read_settings
+from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml, key, read_settings
 
 __all__ = [
     "TABLES",
@@ -184,6 +187,11 @@ class Policy:
         """A few lines for ``pacer check-policy`` and the start-up log."""
         return "\n".join(_describe(self))
 
+    def changed(self) -> list[str]:
+        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
+        tables = {name: getattr(self, name) for name in TABLES}
+        return changed_keys(tables, secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key))
+
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
 TABLES: Mapping[str, type[Any]] = MappingProxyType({
@@ -302,8 +310,8 @@ def _engine(t: Table) -> EngineSettings:
                 raise t.error(f"urls[{i}]", f"expected an http(s)://host:port URL, got {url!r}")
         if speaks is not None and speaks not in ("sglang", "vllm"):
             raise t.error("speaks", f"expected one of sglang, vllm; got {speaks!r}")
-        for name, given in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
-            if given:
+        for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
+            if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
         if t.has("workers") and workers != len(urls):
             raise t.error("workers", f'kind = "external" runs one worker per URL ({len(urls)}); leave workers out')

@@ -19,7 +19,7 @@ import builtins
 import dataclasses
 import difflib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -122,7 +122,9 @@ class Table:
             raise self.error(name, f"expected a table, got {_describe(value)}")
         return dict(value)
 
-    def _bounds(self, name: builtins.str, value: builtins.float, minimum: builtins.float | None, maximum: builtins.float | None) -> None:
+    def _bounds(
+        self, name: builtins.str, value: builtins.float, minimum: builtins.float | None, maximum: builtins.float | None
+    ) -> None:
         if minimum is not None and value < minimum:
             raise self.error(name, f"must be >= {minimum}, got {value!r}")
         if maximum is not None and value > maximum:
@@ -133,7 +135,9 @@ class Table:
         for name in self._data:
             if name not in self._known:
                 close = difflib.get_close_matches(name, self._known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(set(self._known)))}"
+                hint = (
+                    f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(set(self._known)))}"
+                )
                 raise self.error(name, f"unknown key{hint}")
 
 
@@ -245,6 +249,35 @@ def _bounds_text(key: KeyDoc) -> str:
     if key.maximum is not None:
         parts.append(f"<= {key.maximum:g}")
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def changed_keys(tables: Mapping[str, Any], *, secret: Callable[[str], bool]) -> list[str]:
+    """``table.key = value`` (TOML) for every declared key whose value is not its default, in
+    declaration order; ``tables`` maps each table name to its settings object. Values of keys
+    whose dotted name ``secret`` accepts are masked."""
+    lines = []
+    for table, settings in tables.items():
+        for field, _ in declared_keys(type(settings)):
+            value = getattr(settings, field.name)
+            if value == _default(field):
+                continue
+            name = f"{table}.{field.name}"
+            if isinstance(value, Mapping):
+                value = {k: "***" if secret(f"{name}.{k}") else v for k, v in value.items()}
+            shown = "***" if secret(name) else _inline(_toml_value(value))
+            lines.append(f"{name} = {shown}")
+    return lines
+
+
+def _inline(value: Any) -> str:
+    """One TOML value on one line (tomli-w writes arrays and tables over several)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return (
+            "{ " + ", ".join(f"{tomli_w.dumps({k: 0}).split(' = ')[0]} = {_inline(v)}" for k, v in value.items()) + " }"
+        )
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip()
 
 
 def defaults_toml(tables: Mapping[str, type[Any]]) -> str:

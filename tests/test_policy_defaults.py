@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
-from proxy.policy import TABLES, Policy, documented_defaults, parse_policy
+from proxy.policy import TABLES, Policy, documented_defaults, load_policy, parse_policy
 from proxy.policy_schema import key_doc
 
 DEFAULT_TOML = Path(__file__).parents[1] / "policies" / "default.toml"
@@ -81,10 +81,35 @@ def test_default_toml_shows_the_declared_defaults() -> None:
         if (table, name) not in CHANGED_IN_DEFAULT_TOML and value != as_toml(declared_default(table, name))
     }
     assert not wrong, wrong
-    assert {key for key in CHANGED_IN_DEFAULT_TOML if shown[key] != as_toml(declared_default(*key))} == CHANGED_IN_DEFAULT_TOML
+    assert {
+        key for key in CHANGED_IN_DEFAULT_TOML if shown[key] != as_toml(declared_default(*key))
+    } == CHANGED_IN_DEFAULT_TOML
 
 
 @pytest.mark.parametrize("table", ["proxy", "queue", "pacing", "control"])
 def test_default_toml_shows_every_key_of(table: str) -> None:
     shown = {name for (t, name) in shown_keys(DEFAULT_TOML) if t == table}
     assert shown == {f.name for f in dataclasses.fields(TABLES[table])}
+
+
+@pytest.mark.parametrize("path", sorted(DEFAULT_TOML.parent.glob("*.toml")), ids=lambda p: p.name)
+def test_the_changed_keys_check_policy_prints_rebuild_the_policy(path: Path) -> None:
+    policy = load_policy(path)
+    rebuilt = parse_policy(tomllib.loads("\n".join(policy.changed())), policy.source, base_dir=path.parent)
+    assert rebuilt == policy
+
+
+def test_the_changed_keys_mask_secrets(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[engine]\nargs = { api_key = "sekrit", max_running_requests = 8 }\nenv = { HF_TOKEN = "hf_x" }\n'
+        "[pacing]\nheadroom = 4\n"
+    )
+    assert main(["check-policy", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sekrit" not in out and "hf_x" not in out
+    assert load_policy(path).changed() == [
+        'engine.args = { api_key = "***", max_running_requests = 8 }',
+        'engine.env = { HF_TOKEN = "***" }',
+        "pacing.headroom = 4",
+    ]
