@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+import tomli_w
+
 from proxy.workers import supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,13 +162,14 @@ def pacer_policy(worker_urls: Sequence[str], *, queue_band: tuple[int, int] = (2
                  scrape_interval_s: float = 0.5) -> str:
     """A policy TOML for ``pacer serve`` in front of external workers, with a pacing band wide enough
     that the gate never holds a request back at benchmark loads (the benchmark measures the relay)."""
-    urls = ", ".join(f'"{u}"' for u in worker_urls)
-    return (f'[proxy]\nhost = "127.0.0.1"\nstatus_log_interval_s = 60.0\n\n'
-            f'[queue]\ncapacity = 100000\ntimeout_s = 120.0\n\n'
-            f'[engine]\nkind = "external"\nurls = [{urls}]\n\n'
-            f'[pacing]\nqueue_band = [{queue_band[0]}, {queue_band[1]}]\nheadroom = {headroom}\n'
-            f'scrape_interval_s = {scrape_interval_s}\nstale_after_s = 30.0\n\n'
-            f'[control]\nmode = "off"\n')
+    return tomli_w.dumps({
+        "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0},
+        "queue": {"capacity": 100000, "timeout_s": 120.0},
+        "engine": {"kind": "external", "urls": list(worker_urls)},
+        "pacing": {"queue_band": list(queue_band), "headroom": headroom, "scrape_interval_s": scrape_interval_s,
+                   "stale_after_s": 30.0},
+        "control": {"mode": "off"},
+    })  # fmt: skip
 
 
 def start_pacer(log_dir: Path, worker_urls: Sequence[str], *, name: str = "pacer",

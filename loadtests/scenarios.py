@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import tomli_w
+
 from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
 from proxy.request.pacing import Band
@@ -87,20 +89,6 @@ class ArmResult:
 # -- the policy -------------------------------------------------------------------------------------
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
 def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path) -> str:
     """The policy of one arm: one simulated worker with ``args``, control ``mode``, the scenario's ``[control]``."""
     tables: dict[str, dict[str, Any]] = {
@@ -115,12 +103,7 @@ def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path)
         "pacing": dict(PACING),
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
-    lines = []
-    for name, table in tables.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(tables)
 
 
 # -- the proxy process ------------------------------------------------------------------------------
