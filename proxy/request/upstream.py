@@ -22,9 +22,13 @@ by ``httptools`` (llhttp, the parser Node.js uses), its body handed over as it a
   aiohttp's ``ClientTimeout(total=...)``): a single timer, not a context per read.
 - **Back-pressure**: past ``high_water`` unread bytes the connection stops reading from the socket
   until the relay catches up, so a slow client slows the worker's stream instead of filling memory.
-- **Aborting**: :meth:`UpstreamResponse.abort` fails the waiting reader with the given exception and
-  closes the connection (SGLang aborts a request whose connection closed); the controller uses it
-  to take a request back before its first output.
+- **Ending early**: :meth:`UpstreamResponse.close` on an unfinished answer closes its connection
+  (SGLang aborts a request whose connection closed); the relay does so when its client leaves or
+  the controller takes the request back. :meth:`UpstreamResponse.abort` fails the waiting reader
+  with a given exception, then closes: the request's deadline uses it.
+- **Errors** are exceptions, one tree: :class:`UpstreamError` (broken or not HTTP), with
+  :class:`UpstreamUnreachable` (nothing to connect to: the worker never saw the request) and
+  :class:`UpstreamTimeout` (the deadline passed).
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout"]
+__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout", "UpstreamUnreachable"]
 
 
 class UpstreamError(Exception):
     """The worker could not be reached, broke the connection, or sent something that is not HTTP."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made (refused, no route): the request never reached the worker."""
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
@@ -338,8 +346,8 @@ class UpstreamPool:
         instead of two for a stream, whose headers a server sends before it has any output.
 
         Raises :class:`UpstreamTimeout` past ``timeout_s`` (counted from now to the end of the
-        body, reads included) and :class:`UpstreamError` when the worker cannot be reached or
-        breaks the connection before answering."""
+        body, reads included), :class:`UpstreamUnreachable` when no connection can be made and
+        :class:`UpstreamError` when the worker breaks the connection before answering."""
         if self._closed:
             raise UpstreamError("the proxy's upstream connections are closed (shutting down)")
         loop = asyncio.get_running_loop()
@@ -382,7 +390,7 @@ class UpstreamPool:
         except TimeoutError:
             raise UpstreamTimeout(f"could not connect within {timeout_s:g} s") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+            raise UpstreamUnreachable(f"cannot connect: {exc.strerror or exc}") from None
         return conn
 
     def _tls(self) -> ssl.SSLContext:

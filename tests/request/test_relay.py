@@ -8,7 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.fake_worker import MODEL
+from proxy.workers.base import WorkerState
+from tests.harness.fake_engine import MODEL
 
 
 async def test_chat_and_completions_plain_and_streamed(make_proxy):
@@ -67,13 +68,13 @@ async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
         first = asyncio.ensure_future(s.post(h.url + "/v1/completions",
                                              json={"model": MODEL, "prompt": "a", "max_tokens": 20}))
         await h.wait_for(lambda: h.state.board.get("w0").in_flight == 1)
-        h.state.dispatcher.drain("w0")  # nothing more goes to the worker: the next one waits in the proxy
+        h.pool.set_state("w0", WorkerState.DRAINING)  # nothing more goes to the worker: the next one waits in the proxy
         second = asyncio.ensure_future(s.post(h.url + "/v1/completions",
                                               json={"model": MODEL, "prompt": "b", "max_tokens": 1}))
         await h.wait_for(lambda: len(h.state.admission) == 1)
         second.cancel()
         await h.wait_for(lambda: len(h.state.admission) == 0)
-        h.state.dispatcher.drain("w0", False)
+        h.pool.set_state("w0", WorkerState.READY)
         resp = await first
         assert resp.status == 200
     await asyncio.sleep(0.1)
@@ -131,7 +132,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     h = await make_proxy(n_workers=2, policy={"pacing": {"queue_band": [2, 4]}},
                          worker={"max_running": 1, "token_delay_s": 0.02})
     d = h.state.dispatcher
-    d.drain("w1")
+    h.pool.set_state("w1", WorkerState.DRAINING)
     client = h.client()
 
     got: list[str] = []
@@ -146,8 +147,8 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     await h.wait_for(lambda: len(got) >= 1)
     queued = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="b", max_tokens=2))
     await h.wait_for(lambda: len(h.workers[0].waiting) == 1)
-    d.drain("w0")
-    d.drain("w1", False)
+    h.pool.set_state("w0", WorkerState.DRAINING)
+    h.pool.set_state("w1", WorkerState.READY)
     assert d.take_back("w0") == 1
     text, b = await asyncio.gather(long, queued)
     assert text == "".join(f"t{i} " for i in range(30)) and b.choices[0].text == "tok tok "

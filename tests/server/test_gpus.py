@@ -15,8 +15,8 @@ from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
 from tests.observe.test_nvml import _Nvml, _has_gpu
-from tests.server.fake_worker import FakeWorker
-from tests.server.static_pool import StaticPool
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
 
 ADMIN = {"Authorization": "Bearer adm-1"}
 Start = Callable[..., Any]
@@ -30,7 +30,7 @@ async def start_proxy(tmp_path) -> AsyncIterator[Start]:
     cleanups: list[Callable[[], Any]] = []
 
     async def start(sampler: Sampler, interval_s: float = 0.05) -> tuple[str, ProxyState]:
-        worker = FakeWorker()
+        worker = FakeEngine()
         url = await worker.start()
         cleanups.append(worker.stop)
         doc = {"proxy": {"gpu_sample_interval_s": interval_s}, "auth": {"admin_key_file": str(admin)},
