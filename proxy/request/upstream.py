@@ -367,7 +367,7 @@ class UpstreamPool:
             conn = await self._connect(key, loop, deadline, timeout_s)
         resp = UpstreamResponse(conn, until_output)
         conn.response = resp
-        if deadline is not None:
+        if timeout_s is not None and deadline is not None:
             resp._timer = loop.call_at(deadline, resp._time_out, timeout_s)
         assert conn.transport is not None
         conn.transport.write(request)

@@ -12,6 +12,12 @@ from proxy.workers.base import WorkerState
 from tests.harness.fake_engine import MODEL
 
 
+async def _turns(n: int) -> None:
+    """Let the event loop run ``n`` times round."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 async def test_chat_and_completions_plain_and_streamed(make_proxy):
     h = await make_proxy(n_workers=2)
     client = h.client()
@@ -173,9 +179,16 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
         received = [await reader.read(4096)]  # the stream started
-        await asyncio.sleep(1.0)  # the client reads nothing: buffers fill up and the worker must stall
-        stalled_at = worker.emitted
-        await asyncio.sleep(0.5)
+        # the client reads nothing: buffers fill up and the worker must stall. The worker writes one
+        # chunk per loop turn while it can, and the proxy, the worker and this client share one loop:
+        # while the proxy read on, the worker would emit within any 200 turns
+        async with asyncio.timeout(30):
+            while True:
+                stalled_at = worker.emitted
+                await _turns(200)
+                if worker.emitted == stalled_at:
+                    break
+        await _turns(1000)
         assert worker.emitted == stalled_at < n, "the worker kept writing while the client read nothing"
         async with asyncio.timeout(30):
             while not received[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
@@ -196,3 +209,13 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
     texts = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: {")]
     assert len(texts) == n
     assert all(b'"text":"t%d ' % i in t for i, t in enumerate(texts))
+
+
+async def test_a_worker_too_slow_is_a_504_upstream_timeout_not_retried(make_proxy):
+    h = await make_proxy(policy={"proxy": {"request_timeout_s": 0.2}}, worker={"token_delay_s": 1.0})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5}) as r:
+            body = await r.json()
+    assert r.status == 504
+    assert body["error"]["code"] == "upstream_timeout" and "within 0.2 s" in body["error"]["message"]
+    assert len(h.workers[0].seen_rids) == 1

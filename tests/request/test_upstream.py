@@ -163,25 +163,37 @@ async def test_a_worker_that_closed_an_idle_connection_costs_nothing() -> None:
     pool.close()
 
 
+@pytest.mark.looptime
 async def test_deadline_covers_the_whole_answer() -> None:
+    """On virtual time: the deadline fires exactly ``timeout_s`` after the POST, reads included."""
+
     async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(30)
+        if len(srv.requests) == 1:
+            w.write(sized(b"ok"))  # the first answers: its connection stays in the pool
+        else:
+            await asyncio.sleep(30)
 
     async def slow_stream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(SSE_HEAD + chunk(b"data: 1\n\n"))
         await asyncio.sleep(30)
 
+    loop = asyncio.get_running_loop()
     pool = UpstreamPool()
     async with Script(silent) as srv:
-        t0 = asyncio.get_running_loop().time()
-        with pytest.raises(UpstreamTimeout, match="within 0.3 s"):
+        resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
+        assert await resp.read() == b"ok"
+        resp.close()
+        t0 = loop.time()
+        with pytest.raises(UpstreamTimeout, match="no complete answer within 0.3 s"):
             await pool.post(srv.url, "/x", b"", timeout_s=0.3)
-        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert loop.time() - t0 == pytest.approx(0.3)
     async with Script(slow_stream) as srv:
+        t0 = loop.time()
         resp = await pool.post(srv.url, "/x", b"", timeout_s=0.3, until_output=True)
         assert await resp.readany() == b"data: 1\n\n"
         with pytest.raises(UpstreamTimeout):
             await resp.readany()
+        assert loop.time() - t0 == pytest.approx(0.3)
         resp.close()
     pool.close()
 
