@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -96,7 +97,7 @@ def free_port(host: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
     for _ in range(50):
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if port not in taken:
             return port
     raise OSError("no free port found")
@@ -494,7 +495,7 @@ class Supervisor:
 
     def _add_slot(self, slot: _Slot) -> None:
         self._slots[slot.id] = slot
-        slot.lines.add_sink(lambda line, wid=slot.id: self._on_line(wid, line))
+        slot.lines.add_sink(functools.partial(self._on_line, slot.id))
 
     def _slot(self, worker_id: WorkerId) -> _Slot:
         try:
