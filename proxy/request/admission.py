@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from proxy.policy import Priority
 
@@ -42,8 +43,19 @@ class Ticket:
     a short prefix key for prefix-aware choice (``None`` when the policy does not ask for it).
     """
 
-    __slots__ = ("priority", "enqueued_at", "deadline", "future", "exclude", "affinity",
-                 "queued", "cancelled", "requeues", "failures", "patience")
+    __slots__ = (
+        "affinity",
+        "cancelled",
+        "deadline",
+        "enqueued_at",
+        "exclude",
+        "failures",
+        "future",
+        "patience",
+        "priority",
+        "queued",
+        "requeues",
+    )
 
     def __init__(self, priority: Priority, enqueued_at: float, deadline: float,
                  future: asyncio.Future[Attempt], affinity: str | None = None) -> None:

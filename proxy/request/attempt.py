@@ -29,7 +29,7 @@ class Requeued(StrEnum):
 class Attempt:
     """One try of one request on one worker, from dispatch until its ``async with`` block exits."""
 
-    __slots__ = ("ticket", "worker_id", "dispatched_at", "task", "started", "taken_back", "released", "requeued")
+    __slots__ = ("dispatched_at", "released", "requeued", "started", "taken_back", "task", "ticket", "worker_id")
 
     def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
         self.ticket = ticket

@@ -49,7 +49,7 @@ import contextlib
 import logging
 import time
 import zlib
-from typing import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued
@@ -83,15 +83,15 @@ def choose_worker(
     if not ready:
         return None
     if exclude:
-        others = [(w, l) for w, l in ready if w.id not in exclude]
+        others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
-    fresh = [(w, l) for w, l in ready if l.fresh(now, stale_after_s)]
+    fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     target = band.target
     if fresh:
-        open_ = [(l.est_queue(), l.in_flight, w.id) for w, l in fresh]
+        open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh]
         open_ = [o for o in open_ if o[0] < target]
     else:  # every worker filtered out as stale: fall back to our own counts rather than stall
-        open_ = [(l.in_flight, 0, w.id) for w, l in ready if l.in_flight < l.last_running + band.hi]
+        open_ = [(load.in_flight, 0, w.id) for w, load in ready if load.in_flight < load.last_running + band.hi]
     if not open_:
         return None
     if affinity is not None and len(open_) > 1:

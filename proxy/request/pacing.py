@@ -37,8 +37,8 @@ worker was never scraped), so a proxy whose scrapes fail keeps serving at a boun
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from proxy.engines.base import Sample
 from proxy.request.attempt import Attempt
@@ -68,8 +68,19 @@ class Band:
 class WorkerLoad:
     """What the proxy knows about one worker's load right now."""
 
-    __slots__ = ("worker_id", "attempts", "dispatched", "completed", "sample", "error",
-                 "_base_dispatched", "_base_completed", "_pending_base", "_idle", "last_running")
+    __slots__ = (
+        "_base_completed",
+        "_base_dispatched",
+        "_idle",
+        "_pending_base",
+        "attempts",
+        "completed",
+        "dispatched",
+        "error",
+        "last_running",
+        "sample",
+        "worker_id",
+    )
 
     def __init__(self, worker_id: WorkerId) -> None:
         self.worker_id = worker_id

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Coroutine, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 

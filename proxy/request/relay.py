@@ -74,7 +74,7 @@ class EventStream(web.StreamResponse):
 class Opened:
     """The outcome of opening an attempt: a whole answer, or a stream with its first output."""
 
-    __slots__ = ("status", "content_type", "body", "resp", "first")
+    __slots__ = ("body", "content_type", "first", "resp", "status")
 
     def __init__(self, status: int, content_type: str, body: bytes | None,
                  resp: UpstreamResponse | None = None, first: bytes = b"") -> None:

@@ -37,7 +37,7 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -71,8 +71,23 @@ def _endpoint(url: str) -> tuple[_Key, bytes]:
 class UpstreamResponse:
     """One answer from a worker, read as it arrives."""
 
-    __slots__ = ("status", "content_type", "keep_alive", "_conn", "_chunks", "_buffered", "_eof",
-                 "_error", "_waiter", "_opened", "_until_output", "_timer", "_closed", "_sink", "_backed_up")
+    __slots__ = (
+        "_backed_up",
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_conn",
+        "_eof",
+        "_error",
+        "_opened",
+        "_sink",
+        "_timer",
+        "_until_output",
+        "_waiter",
+        "content_type",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, conn: _Connection, until_output: bool = False) -> None:
         self.status = 0

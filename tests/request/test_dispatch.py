@@ -273,7 +273,7 @@ async def test_an_unreachable_worker_is_reported_and_the_request_waits_without_s
 
 
 async def test_failures_after_output_and_a_client_that_leaves_propagate_and_release():
-    d, pool, requeued = _dispatcher(WorkerState.READY)
+    d, _pool, requeued = _dispatcher(WorkerState.READY)
     ticket = d.submit(Priority.INTERACTIVE, 10)
     with pytest.raises(AttemptFailed):
         async with d.attempt(ticket) as attempt:

@@ -175,7 +175,7 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
     host, port = h.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        body = ('{"model": "%s", "prompt": "x", "max_tokens": %d, "stream": true}' % (MODEL, n)).encode()
+        body = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": {n}, "stream": true}}'.encode()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
         received = [await reader.read(4096)]  # the stream started
@@ -213,9 +213,9 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
 
 async def test_a_worker_too_slow_is_a_504_upstream_timeout_not_retried(make_proxy):
     h = await make_proxy(policy={"proxy": {"request_timeout_s": 0.2}}, worker={"token_delay_s": 1.0})
-    async with aiohttp.ClientSession() as s:
-        async with s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5}) as r:
-            body = await r.json()
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=payload) as r:
+        body = await r.json()
     assert r.status == 504
     assert body["error"]["code"] == "upstream_timeout" and "within 0.2 s" in body["error"]["message"]
     assert len(h.workers[0].seen_rids) == 1

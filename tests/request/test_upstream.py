@@ -7,7 +7,7 @@ timing and connection handling (keep-alive, close, reset, silence) are exactly w
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -184,7 +184,7 @@ async def test_deadline_covers_the_whole_answer() -> None:
         assert await resp.read() == b"ok"
         resp.close()
         t0 = loop.time()
-        with pytest.raises(UpstreamTimeout, match="no complete answer within 0.3 s"):
+        with pytest.raises(UpstreamTimeout, match=r"no complete answer within 0\.3 s"):
             await pool.post(srv.url, "/x", b"", timeout_s=0.3)
         assert loop.time() - t0 == pytest.approx(0.3)
     async with Script(slow_stream) as srv:

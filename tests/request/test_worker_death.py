@@ -25,7 +25,7 @@ from proxy.workers.supervisor import Supervisor
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
 
-async def _until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+async def _until(cond, timeout: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not cond():
