@@ -11,7 +11,7 @@ from proxy.control.decision import Decision
 from proxy.server.state import PROXY
 from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
-from tests.server.static_pool import StaticPool
+from tests.harness.static_pool import StaticPool
 
 
 @pytest.fixture
