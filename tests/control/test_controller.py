@@ -21,6 +21,7 @@ from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.logs import LogFollower, classify_death
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerInfo, WorkerState
+from tests.harness.static_pool import StaticPool
 
 from .recorded import ENGINE_FIXTURES, samples
 
@@ -262,18 +263,21 @@ def test_verdict(before: dict[str, object], after: dict[str, object], expected: 
 
 
 def test_a_dying_worker_is_held_until_ready_again(tmp_path: Path) -> None:
-    calls: list[tuple[str, bool]] = []
+    """The controller holds a dying worker in the pool (its state, the one truth of 'send nothing');
+    the pool's hold is lifted by the worker's restart, not by the controller."""
+    pool = StaticPool(["http://w0"])
     clock = Clock()
     settings = replace(ControlSettings(), mode=ControlMode.OFF, journal_path=None)
-    c = Controller(settings, KNOBS, Journal(None), reader_factory=LogFollower, hold=lambda w, on: calls.append((w, on)), clock=clock)
+    c = Controller(settings, KNOBS, Journal(None), reader_factory=LogFollower, hold=pool.hold, clock=clock)
     c.track(info())
     c.on_line("w0", "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0")
-    assert calls == []
+    assert pool.get("w0").state is WorkerState.READY
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
-        c.on_line("w0", line)  # the allocator line already says it: hold once, not per event
-    assert calls == [("w0", True)]
+        c.on_line("w0", line)
+    assert pool.get("w0").state is WorkerState.DRAINING
+    pool.set_state("w0", WorkerState.DOWN)
     c.track(info(state=WorkerState.DOWN))
-    c.track(info(state=WorkerState.STARTING))
-    assert calls == [("w0", True)]
+    assert pool.hold("w0").state is WorkerState.DOWN  # a hold never revives a dead worker
+    pool.set_state("w0", WorkerState.READY)
     c.track(info(state=WorkerState.READY))
-    assert calls == [("w0", True), ("w0", False)]
+    assert pool.get("w0").state is WorkerState.READY
