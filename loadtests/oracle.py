@@ -129,7 +129,7 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
             req = eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
                           output_len=spec.output_len, rid=spec.rid, now=t)
             on_worker[req.rid] = i
-            load.reserve()
+            load.reserve(req.rid)  # type: ignore[arg-type]  # the rid stands for the attempt: one key per request
         step = eng.plan(t)
         if step is None:
             if not pending and load.in_flight == 0:
@@ -149,7 +149,7 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
         for r in outcome.finished:
             out_tokens += eng.output_len(r)
             on_worker.pop(r.rid, None)
-            load.release()
+            load.release(r.rid)  # type: ignore[arg-type]
         finished += len(outcome.finished)
     return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
                        retractions=retracted + eng.retracted_total, finished=finished, oom=oom, peak_running=peak,

@@ -29,6 +29,7 @@ from proxy.request.dispatch import Dispatcher
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.request.pacing import Band, LoadBoard
+from proxy.request.path import RequestPath, RequestSettings
 from proxy.policy import Policy
 from proxy.server import handlers
 from proxy.server.auth import describe, load_keyring
@@ -36,7 +37,6 @@ from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
-from proxy.request.upstream import UpstreamPool
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
@@ -53,18 +53,21 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
     keys = load_keyring(policy.auth)
     board = LoadBoard()
     admission = AdmissionQueue(policy.queue.capacity)
+    interval = policy.proxy.gpu_sample_interval_s
+    gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
+    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()},
+                           lambda: gpus.last if gpus is not None else None)
     lo, hi = policy.pacing.queue_band
     dispatcher = Dispatcher(
         pool, board, admission,
         band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
         stale_after_s=policy.pacing.stale_after_s,
         prefix_affinity=str(policy.engine.args.get("schedule_policy", "")) == "lpm",
+        max_attempts=policy.pacing.max_attempts,
+        on_requeue=metrics.count_requeue,
     )
-    interval = policy.proxy.gpu_sample_interval_s
-    gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
-    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()},
-                           lambda: gpus.last if gpus is not None else None)
-    st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, dispatcher=dispatcher,
+    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics)
+    st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, requests=requests,
                     metrics=metrics, keys=keys, models=ModelCatalog(), gpus=gpus)
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app[PROXY] = st
@@ -93,7 +96,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
         st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
-        st.upstream = UpstreamPool()  # the request path; the session serves scrapes, aborts and admin calls
+        st.requests.open(st.session)  # its own connections to the workers; the session serves aborts too
         st.scraper = Scraper(
             st.pool, st.board, st.session, engine=policy.engine.engine,
             interval_s=policy.pacing.scrape_interval_s,
@@ -135,8 +138,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
                     ticket.future.cancel()
             if manage_pool:
                 await st.pool.stop()
-            await st.wait_background()
-            st.upstream.close()
+            await st.requests.close()
             await st.session.close()
 
     return ctx
@@ -213,7 +215,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         surroundings=_Surroundings(st),
         actor=Rollout(st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s),  # only managed workers are acted on
         clock=time.monotonic,
-        hold=st.dispatcher.drain,
+        hold=st.pool.hold,
     )
     st.controller, st.journal = controller, journal
     closed = False

@@ -135,7 +135,7 @@ class Controller:
         surroundings: Surroundings,
         actor: Actor,
         clock: Callable[[], float],
-        hold: Callable[[WorkerId, bool], None] | None = None,
+        hold: Callable[[WorkerId], object],
     ) -> None:
         self.settings = settings
         self.rules = RuleSettings(control=settings, knobs=knobs)
@@ -143,8 +143,7 @@ class Controller:
         self.engine = engine
         self.surroundings = surroundings
         self.actor = actor
-        self._hold = hold  # stop (True) / resume (False) dispatching to a worker: the dispatcher's drain
-        self._held: set[WorkerId] = set()
+        self._hold = hold  # send a worker nothing more until it starts again (the pool's hold)
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -173,10 +172,7 @@ class Controller:
         elif info.state is WorkerState.READY and w.state.started_at is None:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
-        if info.state is WorkerState.READY and info.id in self._held and self._hold is not None:
-            self._held.discard(info.id)
-            self._hold(info.id, False)
-        elif info.state is WorkerState.DOWN and w.managed and not w.busy:
+        if info.state is WorkerState.DOWN and w.managed and not w.busy:
             self._on_death(info.id)
 
     def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
@@ -197,11 +193,10 @@ class Controller:
         if w is None:
             return
         w.window = w.window.push(event)
-        if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed and self._hold is not None and worker_id not in self._held:
+        if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed:
             # the server is going down (an OOM or a scheduler exception kills it): send it nothing more,
-            # so requests are not retried against its closing port; READY again lifts the hold
-            self._held.add(worker_id)
-            self._hold(worker_id, True)
+            # so requests are not retried against its closing port; its exit and restart lift the hold
+            self._hold(worker_id)
 
     def window(self, worker_id: WorkerId) -> Window:
         return self._workers[worker_id].window

@@ -22,9 +22,13 @@ by ``httptools`` (llhttp, the parser Node.js uses), its body handed over as it a
   aiohttp's ``ClientTimeout(total=...)``): a single timer, not a context per read.
 - **Back-pressure**: past ``high_water`` unread bytes the connection stops reading from the socket
   until the relay catches up, so a slow client slows the worker's stream instead of filling memory.
-- **Aborting**: :meth:`UpstreamResponse.abort` fails the waiting reader with the given exception and
-  closes the connection (SGLang aborts a request whose connection closed); the controller uses it
-  to take a request back before its first output.
+- **Ending early**: :meth:`UpstreamResponse.close` on an unfinished answer closes its connection
+  (SGLang aborts a request whose connection closed); the relay does so when its client leaves or
+  the controller takes the request back. :meth:`UpstreamResponse.abort` fails the waiting reader
+  with a given exception, then closes: the request's deadline uses it.
+- **Errors** are exceptions, one tree: :class:`UpstreamError` (broken or not HTTP), with
+  :class:`UpstreamUnreachable` (nothing to connect to: the worker never saw the request) and
+  :class:`UpstreamTimeout` (the deadline passed).
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout"]
+__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout", "UpstreamUnreachable"]
 
 
 class UpstreamError(Exception):
     """The worker could not be reached, broke the connection, or sent something that is not HTTP."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made (refused, no route): the request never reached the worker."""
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
@@ -63,8 +71,23 @@ def _endpoint(url: str) -> tuple[_Key, bytes]:
 class UpstreamResponse:
     """One answer from a worker, read as it arrives."""
 
-    __slots__ = ("status", "content_type", "keep_alive", "_conn", "_chunks", "_buffered", "_eof",
-                 "_error", "_waiter", "_opened", "_until_output", "_timer", "_closed", "_sink", "_backed_up")
+    __slots__ = (
+        "_backed_up",
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_conn",
+        "_eof",
+        "_error",
+        "_opened",
+        "_sink",
+        "_timer",
+        "_until_output",
+        "_waiter",
+        "content_type",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, conn: _Connection, until_output: bool = False) -> None:
         self.status = 0
@@ -338,8 +361,8 @@ class UpstreamPool:
         instead of two for a stream, whose headers a server sends before it has any output.
 
         Raises :class:`UpstreamTimeout` past ``timeout_s`` (counted from now to the end of the
-        body, reads included) and :class:`UpstreamError` when the worker cannot be reached or
-        breaks the connection before answering."""
+        body, reads included), :class:`UpstreamUnreachable` when no connection can be made and
+        :class:`UpstreamError` when the worker breaks the connection before answering."""
         if self._closed:
             raise UpstreamError("the proxy's upstream connections are closed (shutting down)")
         loop = asyncio.get_running_loop()
@@ -359,7 +382,7 @@ class UpstreamPool:
             conn = await self._connect(key, loop, deadline, timeout_s)
         resp = UpstreamResponse(conn, until_output)
         conn.response = resp
-        if deadline is not None:
+        if timeout_s is not None and deadline is not None:
             resp._timer = loop.call_at(deadline, resp._time_out, timeout_s)
         assert conn.transport is not None
         conn.transport.write(request)
@@ -382,7 +405,7 @@ class UpstreamPool:
         except TimeoutError:
             raise UpstreamTimeout(f"could not connect within {timeout_s:g} s") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+            raise UpstreamUnreachable(f"cannot connect: {exc.strerror or exc}") from None
         return conn
 
     def _tls(self) -> ssl.SSLContext:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -16,10 +16,11 @@ from aiohttp import web
 from proxy.errors import ApiError, bad_request, error_response
 from proxy.request import relay
 from proxy.request.admission import ORDER, Priority
+from proxy.request.job import Job
 from proxy.server.auth import check_admin_key, check_api_key
 from proxy.server.metrics import CONTENT_TYPE
 from proxy.server.state import PROXY, ProxyState
-from proxy.server.validation import VALIDATORS, Job
+from proxy.server.validation import VALIDATORS
 from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def inference_route(path: str) -> Handler:
             except ApiError:
                 st.metrics.reject_invalid.inc()
                 raise
-            return await relay.forward(st, request, job, priority, arrived)
+            return await relay.forward(st.requests, request, job, priority, arrived)
         except ApiError as err:
             return error_response(err)
 
@@ -144,6 +145,7 @@ async def admin_workers(request: web.Request) -> web.Response:
             "id": w.id, "url": w.url, "state": w.state.value, "managed": w.managed,
             "args": dict(w.args), "pid": w.pid, "restarts": w.restarts, "last_error": w.last_error,
             "fresh": load.fresh(now, st.policy.pacing.stale_after_s),
+            "draining": w.state is WorkerState.DRAINING,
             **snap,
         })
     queue = {p.value: st.admission.depth(p) for p in ORDER}
@@ -192,7 +194,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                                        code="not_found" if exc.status == 404 else None))
     except ApiError as err:
         return error_response(err)
-    except ConnectionResetError:
+    except (ConnectionResetError,):
         raise
     except Exception:
         _log.exception("internal error on %s %s", request.method, request.path)

@@ -1,6 +1,7 @@
 """The proxy's own Prometheus metrics (``pacer_`` prefix) in a registry of their own.
 
-Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
+Implements the request path's :class:`~proxy.request.path.RequestMetrics` (its counters are
+plain attributes here, pre-bound to their labels). Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
 read at scrape time by a custom collector, so the request path never updates them; so are the GPU
 gauges, from the newest NVML report (``gpus``, a callable). Counters and
 histograms are pre-bound to their labels where the label set is fixed.
@@ -8,7 +9,7 @@ histograms are pre-bound to their labels where the label set is fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from proxy.observe.nvml import GpuReport
 from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.attempt import Requeued
 from proxy.request.pacing import LoadBoard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -87,7 +89,7 @@ class ProxyMetrics:
         r = self.registry
         self.admitted = Counter("pacer_requests_admitted", "Requests accepted into the proxy queue", registry=r)
         self.rejected = Counter("pacer_requests_rejected", "Requests refused (auth, validation, full queue)", ["reason"], registry=r)
-        self.retried = Counter("pacer_requests_retried", "Attempts retried on another worker", registry=r)
+        self.retried = Counter("pacer_requests_retried", "Attempts that failed before output, retried (or that found the worker unreachable)", registry=r)
         self.requeued = Counter("pacer_requests_requeued", "Requests taken back from a worker before output", registry=r)
         self.failed = Counter("pacer_requests_failed", "Accepted requests that ended in an error", ["reason"], registry=r)
         self.completed = Counter("pacer_requests_completed", "Accepted requests answered by a worker", registry=r)
@@ -102,6 +104,10 @@ class ProxyMetrics:
         self.fail_timeout = self.failed.labels("queue_timeout")
         self.fail_upstream = self.failed.labels("upstream")
         self.fail_midstream = self.failed.labels("mid_stream")
+
+    def count_requeue(self, why: Requeued) -> None:
+        """An attempt ended without output and its request went back to the queue."""
+        (self.requeued if why is Requeued.TAKEN_BACK else self.retried).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,28 +7,16 @@ otherwise answer with a 4xx after the request had waited in the queue, or answer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from proxy.errors import bad_request
+from proxy.request.job import Job
 
 # route -> the worker path it forwards to
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
 AFFINITY_CHARS = 256  # prefix length used for prefix-aware worker choice
-
-
-@dataclass(slots=True)
-class Job:
-    """A validated request, ready to queue and forward."""
-
-    path: str  # worker path
-    body: dict[str, Any]  # parsed body; the relay sets "rid" per attempt
-    stream: bool
-    model: str | None  # as given (None: not given, or /generate)
-    affinity: str | None  # leading text of the prompt, for prefix-aware choice
-    single: bool  # one prompt (so a scalar rid can be set)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

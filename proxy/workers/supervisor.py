@@ -5,7 +5,9 @@ port, launched as ``command + build_argv(args, extra_args, host=..., port=...)``
 STARTING until ``GET /health`` answers 200, then READY. A process that exits on its own is DOWN,
 with ``last_error`` taken from its last log lines; the supervisor does not restart it by itself
 (the controller decides). ``restart`` stops a worker and starts it again on the same port with new
-args; the request path calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
+args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
+``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
+take a worker out of READY at once, before its process is seen to exit.
 
 External workers (``kind = "external"``) are only registered: a background probe of ``/health``
 moves them between READY and DOWN; they cannot be restarted.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -94,7 +97,7 @@ def free_port(host: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
     for _ in range(50):
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if port not in taken:
             return port
     raise OSError("no free port found")
@@ -279,6 +282,24 @@ class Supervisor:
         if slot.state != state:
             self._set(slot, state)
         return slot.info()
+
+    def hold(self, worker_id: WorkerId) -> WorkerInfo:
+        """Nothing more is sent to the worker: READY -> DRAINING (any other state takes no traffic
+        anyway). Lifted by the worker's own next transitions: DOWN when it exits, STARTING, READY."""
+        slot = self._slot(worker_id)
+        if slot.state is WorkerState.READY:
+            self._set(slot, WorkerState.DRAINING)
+        return slot.info()
+
+    def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
+        """The request path could not connect. A managed worker is held (its process is dead or
+        closing its port: its exit makes it DOWN); an external one is DOWN now, and the probe makes
+        it READY again once its ``/health`` answers."""
+        slot = self._slot(worker_id)
+        if slot.managed:
+            self.hold(worker_id)
+        elif slot.state in (WorkerState.READY, WorkerState.DRAINING):
+            self._set(slot, WorkerState.DOWN, error=f"unreachable: {error}")
 
     # ------------------------------------------------------------------ managed workers
 
@@ -474,7 +495,7 @@ class Supervisor:
 
     def _add_slot(self, slot: _Slot) -> None:
         self._slots[slot.id] = slot
-        slot.lines.add_sink(lambda line, wid=slot.id: self._on_line(wid, line))
+        slot.lines.add_sink(functools.partial(self._on_line, slot.id))
 
     def _slot(self, worker_id: WorkerId) -> _Slot:
         try:

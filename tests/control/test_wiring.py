@@ -12,7 +12,7 @@ from proxy.control.decision import Decision
 from proxy.control.journal import Status
 from proxy.policy import ControlMode, parse_policy
 from proxy.server.state import PROXY
-from tests.server.static_pool import StaticPool
+from tests.harness.static_pool import StaticPool
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.fake_worker import MODEL
+from proxy.workers.base import WorkerState
+from tests.harness.fake_engine import MODEL
 
 
 async def _post(url: str, data: bytes | str, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -125,7 +126,7 @@ async def test_priority_header_and_batch_key(make_proxy, monkeypatch):
 
 async def test_queue_full_is_429_with_retry_after(make_proxy):
     h = await make_proxy(policy={"queue": {"capacity": 1, "retry_after_s": 7}})
-    h.state.dispatcher.drain("w0")  # nothing dispatches: requests stay in the proxy queue
+    h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: requests stay in the proxy queue
     async with aiohttp.ClientSession() as s:
         first = s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         import asyncio
@@ -135,7 +136,7 @@ async def test_queue_full_is_429_with_retry_after(make_proxy):
         async with s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}) as r:
             assert r.status == 429 and r.headers["Retry-After"] == "7"
             assert _is_openai_error(await r.json())
-        h.state.dispatcher.drain("w0", False)
+        h.pool.set_state("w0", WorkerState.READY)
         resp = await t
         assert resp.status == 200
         resp.release()
@@ -143,8 +144,6 @@ async def test_queue_full_is_429_with_retry_after(make_proxy):
 
 async def test_queue_timeout_is_clear_503(make_proxy):
     h = await make_proxy(policy={"queue": {"timeout_s": 0.3}})
-    from proxy.workers.base import WorkerState
-
     h.pool.set_state("w0", WorkerState.DOWN)
     client = h.client()
     with pytest.raises(openai.InternalServerError) as exc:
@@ -172,8 +171,7 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
     import asyncio
 
     h = await make_proxy(policy={"pacing": {"queue_band": [0, 1]}}, worker={"max_running": 1})
-    d = h.state.dispatcher
-    d.drain("w0")
+    h.pool.set_state("w0", WorkerState.DRAINING)
     batch = h.client(default_headers={"x-pacer-priority": "batch"})
     inter = h.client()
     tasks = []
@@ -182,7 +180,7 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
         await h.wait_for(lambda n=i + 1: len(h.state.admission) == n)
     tasks.append(asyncio.ensure_future(inter.completions.create(model=MODEL, prompt="interactive", max_tokens=1)))
     await h.wait_for(lambda: len(h.state.admission) == 4)
-    d.drain("w0", False)
+    h.pool.set_state("w0", WorkerState.READY)
     await asyncio.gather(*tasks)
     order = [b["prompt"] for b in h.workers[0].bodies]
     assert order == ["interactive", "batch 0", "batch 1", "batch 2"]
@@ -194,14 +192,15 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
     from proxy.compose import build_app, serve
     from proxy.policy import parse_policy
     from proxy.server.state import PROXY
-    from tests.server.fake_worker import FakeWorker
-    from tests.server.static_pool import StaticPool
+    from tests.harness.fake_engine import FakeEngine
+    from tests.harness.static_pool import StaticPool
 
-    worker = FakeWorker()
+    worker = FakeEngine()
     url = await worker.start()
     doc = {"engine": {"kind": "external", "urls": [url]},
            "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0}}
-    app = build_app(parse_policy(doc, "<test>"), StaticPool([url]))
+    pool = StaticPool([url])
+    app = build_app(parse_policy(doc, "<test>"), pool)
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     base = f"http://127.0.0.1:{port}"
@@ -211,7 +210,7 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
             while st.board.get("w0").sample is None:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
-            st.dispatcher.drain("w0")  # nothing dispatches: both requests wait in the proxy queue
+            pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: both requests wait in the proxy queue
             queued = [asyncio.ensure_future(s.post(base + "/v1/completions",
                                                    json={"model": MODEL, "prompt": p, "max_tokens": 1}))
                       for p in ("a", "b")]

@@ -4,20 +4,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.compose import build_app, serve
 from proxy.observe.nvml import GpuReport, Sampler, sample_gpus, sample_with
 from proxy.policy import parse_policy
+from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
-from tests.observe.test_nvml import _has_gpu, _Nvml
-from tests.server.fake_worker import FakeWorker
-from tests.server.static_pool import StaticPool
+from tests.observe.test_nvml import _Nvml, _has_gpu
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
 
 ADMIN = {"Authorization": "Bearer adm-1"}
 Start = Callable[..., Any]
@@ -31,7 +30,7 @@ async def start_proxy(tmp_path) -> AsyncIterator[Start]:
     cleanups: list[Callable[[], Any]] = []
 
     async def start(sampler: Sampler, interval_s: float = 0.05) -> tuple[str, ProxyState]:
-        worker = FakeWorker()
+        worker = FakeEngine()
         url = await worker.start()
         cleanups.append(worker.stop)
         doc = {"proxy": {"gpu_sample_interval_s": interval_s}, "auth": {"admin_key_file": str(admin)},
@@ -56,8 +55,9 @@ async def _first_sample(st: ProxyState) -> GpuReport:
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
-        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url, headers=headers) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
 
 
 def _gpu_series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -5,7 +5,7 @@ little CPU), so how well the queue is kept *above* the lower edge is not checked
 
 from __future__ import annotations
 
-from tests.server.fake_worker import MODEL
+from tests.harness.fake_engine import MODEL
 from tests.server.pacing_check import run_burst
 
 

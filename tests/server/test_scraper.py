@@ -13,7 +13,7 @@ from proxy.observe.scraper import Scraper
 from proxy.request.admission import AdmissionQueue
 from proxy.request.pacing import LoadBoard
 from proxy.server.status_log import format_status
-from tests.server.static_pool import StaticPool
+from tests.harness.static_pool import StaticPool
 
 GOOD = 'sglang:num_queue_reqs{model_name="m"} 7\nsglang:num_running_reqs{model_name="m"} 3\nsglang:token_usage{model_name="m"} 0.42\n'
 

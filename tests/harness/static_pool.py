@@ -23,10 +23,19 @@ class StaticPool:
     def add_listener(self, listener: StateListener) -> None:
         self._listeners.append(listener)
 
-    def set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
         self._infos[worker_id] = dataclasses.replace(self._infos[worker_id], state=state)
         for listener in self._listeners:
             listener(self._infos[worker_id])
+        return self._infos[worker_id]
+
+    def hold(self, worker_id: WorkerId) -> WorkerInfo:
+        if self._infos[worker_id].state is WorkerState.READY:
+            return self.set_state(worker_id, WorkerState.DRAINING)
+        return self._infos[worker_id]
+
+    def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
+        self.set_state(worker_id, WorkerState.DOWN)
 
     async def start(self) -> None:
         return None

@@ -1,3 +1,9 @@
+"""The front door's harness: a whole proxy (``build_app`` on a real port) in front of in-process
+fake engines (:class:`~tests.harness.fake_engine.FakeEngine`) on a hand-set
+:class:`~tests.harness.static_pool.StaticPool`; the ``make_proxy`` fixture builds one per call and
+stops all of them after the test.
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +16,12 @@ import pytest
 from proxy.compose import build_app, serve
 from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
-from tests.server.fake_worker import FakeWorker
-from tests.server.static_pool import StaticPool
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
 
 
 class Harness:
-    def __init__(self, url: str, state: ProxyState, workers: list[FakeWorker], pool: StaticPool) -> None:
+    def __init__(self, url: str, state: ProxyState, workers: list[FakeEngine], pool: StaticPool) -> None:
         self.url = url
         self.state = state
         self.workers = workers
@@ -39,7 +45,7 @@ async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
 
     async def make(n_workers: int = 1, policy: dict | None = None, worker: dict | None = None,
                    env: dict | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> Harness:
-        workers = [FakeWorker(**(worker or {})) for _ in range(n_workers)]
+        workers = [FakeEngine(**(worker or {})) for _ in range(n_workers)]
         urls = [await w.start() for w in workers]
         cleanups.extend(w.stop for w in workers)
         doc: dict[str, Any] = {"engine": {"kind": "external", "urls": urls},

@@ -21,7 +21,7 @@ MODEL = "fake-model"
 
 
 @dataclass
-class FakeWorker:
+class FakeEngine:
     max_running: int = 8
     token_delay_s: float = 0.001
     default_tokens: int = 4
