@@ -1,9 +1,9 @@
 """The ``pacer`` command: one entry point, one subcommand per job.
 
-    pacer sim [SGLang flags] [--sim-* flags]   the simulated SGLang engine
-    pacer serve --policy FILE [--port N]       the proxy (front door, pacing, control)
-    pacer check-policy FILE                    validate a policy file without starting anything
-    pacer check-policy --defaults              every policy key with its default and meaning
+pacer sim [SGLang flags] [--sim-* flags]   the simulated SGLang engine
+pacer serve --policy FILE [--port N]       the proxy (front door, pacing, control)
+pacer check-policy FILE                    validate a policy file without starting anything
+pacer check-policy --defaults              every policy key with its default and meaning
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ _log = logging.getLogger("proxy")
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+    )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 

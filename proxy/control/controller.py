@@ -228,12 +228,16 @@ class Controller:
                 continue
             evaluation = evaluate(w.window, w.state, self.rules, WHILE_SERVING)
             for decision, why in evaluation.refused:
-                self._journal_once(w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status=Status.REFUSED, detail=why)
+                self._journal_once(
+                    w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status=Status.REFUSED, detail=why
+                )
             chosen = evaluation.decision
             if chosen is None:
                 continue
             if chosen.action is Action.NOTE:
-                self._journal_once(w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.settings.window_s)
+                self._journal_once(
+                    w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.settings.window_s
+                )
                 continue
             if self.mode is ControlMode.ADVISE or not w.managed:
                 why = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy"
@@ -282,7 +286,13 @@ class Controller:
             )  # fmt: skip
         if self.mode is ControlMode.ADVISE or not self.settings.revive:
             why = "mode advise" if self.mode is ControlMode.ADVISE else "revive = false"
-            self.journal.record(decision, mode=self.mode, status=Status.ADVISED, detail=f"the worker stays down ({why})", before=w.window.summary())
+            self.journal.record(
+                decision,
+                mode=self.mode,
+                status=Status.ADVISED,
+                detail=f"the worker stays down ({why})",
+                before=w.window.summary(),
+            )
             return None
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary())
         w.busy = True
@@ -299,7 +309,11 @@ class Controller:
         if death is None or death.cause == "unknown":
             return "exited"
         if death.cause == "oom":
-            w.window = w.window.push(LogEvent(kind=EventKind.OOM, time=now, fields={"phase": death.phase, "cause": "log_tail"}, line=death.detail))
+            w.window = w.window.push(
+                LogEvent(
+                    kind=EventKind.OOM, time=now, fields={"phase": death.phase, "cause": "log_tail"}, line=death.detail
+                )
+            )
             return f"out of memory in {death.phase}"
         return f"{death.cause}: {death.detail}"[:200]
 
@@ -315,7 +329,17 @@ class Controller:
         before = (entry or {}).get("outcome", {}) or {}
         self.journal.update(entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)})
 
-    def _journal_once(self, w: _Worker, decision: Decision, key: str, now: float, *, status: Status, detail: str = "", span: float | None = None) -> None:
+    def _journal_once(
+        self,
+        w: _Worker,
+        decision: Decision,
+        key: str,
+        now: float,
+        *,
+        status: Status,
+        detail: str = "",
+        span: float | None = None,
+    ) -> None:
         """Journal a decision that is not acted on, once per ``span`` (default: the cool-down)."""
         span = self.settings.cooldown_s if span is None else span
         last = w.state.noted.get(key)
@@ -379,7 +403,9 @@ class Controller:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
             status = Status.REVIVED if act.revival and d.rule == "revive" else Status.APPLIED
-            self.journal.update(act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details)
+            self.journal.update(
+                act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
+            )
             w.pending_outcome = (act.entry_id, now + self.settings.window_s)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]

@@ -88,7 +88,11 @@ class Decision:
     def changes(self) -> dict[str, tuple[object, object]]:
         """``arg -> (old, new)`` for every argument that differs."""
         keys = set(self.old_args) | set(self.new_args)
-        return {k: (self.old_args.get(k), self.new_args.get(k)) for k in sorted(keys) if self.old_args.get(k) != self.new_args.get(k)}
+        return {
+            k: (self.old_args.get(k), self.new_args.get(k))
+            for k in sorted(keys)
+            if self.old_args.get(k) != self.new_args.get(k)
+        }
 
     def evidence_json(self) -> dict[str, JsonScalar]:
         """The evidence as the journal writes it: the rule's figures and the knob change."""
@@ -164,7 +168,9 @@ class ControlState:
         change = decision.change
         if change is not None and change.direction:
             previous = moves.get(change.knob)
-            reversal = previous is not None and previous.direction == -change.direction and now - previous.time < flip_guard_s
+            reversal = (
+                previous is not None and previous.direction == -change.direction and now - previous.time < flip_guard_s
+            )
             if reversal:  # settle: the way this knob just came back from stays shut for a while
                 blocked[f"{change.knob}:{-change.direction:+d}"] = now + flip_guard_s
             moves[change.knob] = KnobMove(
@@ -175,7 +181,9 @@ class ControlState:
                 rule=decision.rule,
                 evidence=decision.evidence,
             )
-        elif change is None and decision.kind is RuleKind.SAFETY and decision.changes:  # a revert: hold every moved knob
+        elif (
+            change is None and decision.kind is RuleKind.SAFETY and decision.changes
+        ):  # a revert: hold every moved knob
             for knob, move in moves.items():
                 blocked[f"{knob}:{move.direction:+d}"] = now + flip_guard_s
         return replace(

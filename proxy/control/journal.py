@@ -76,14 +76,24 @@ def verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
 
 
 class Journal:
-    def __init__(self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time
+    ) -> None:
         self.path = Path(path) if path else None
         self._entries: deque[dict[str, Any]] = deque(maxlen=keep)
         self._by_id: dict[int, dict[str, Any]] = {}
         self._next_id = 1
         self._wall = wall_clock
 
-    def record(self, decision: Decision, *, mode: ControlMode, status: Status, detail: str = "", before: Mapping[str, Any] | None = None) -> int:
+    def record(
+        self,
+        decision: Decision,
+        *,
+        mode: ControlMode,
+        status: Status,
+        detail: str = "",
+        before: Mapping[str, Any] | None = None,
+    ) -> int:
         """Journal a decision; returns the entry's id."""
         entry: dict[str, Any] = {
             "id": self._next_id,

@@ -58,8 +58,16 @@ class RestartablePool(Protocol):
 
 
 class Rollout:
-    def __init__(self, pool: RestartablePool, dispatcher: Drainable, *, drain_timeout_s: float, settle_s: float = 10.0,
-                 drain_slices: int = 6, drain_progress: float = 0.1) -> None:
+    def __init__(
+        self,
+        pool: RestartablePool,
+        dispatcher: Drainable,
+        *,
+        drain_timeout_s: float,
+        settle_s: float = 10.0,
+        drain_slices: int = 6,
+        drain_progress: float = 0.1,
+    ) -> None:
         self.pool = pool
         self.dispatcher = dispatcher
         self.drain_timeout_s = drain_timeout_s

@@ -124,7 +124,9 @@ def _oom_text(oom: LogEvent) -> str:
     return str(oom.fields.get("exception") or (oom.line.splitlines() or [""])[0])[:200]
 
 
-def _memory_down(window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence) -> Decision | None:
+def _memory_down(
+    window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence
+) -> Decision | None:
     knob = s.knobs.get(KnobName.MEMORY_FRACTION)
     if knob is None:
         return None
@@ -163,7 +165,11 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     chunk = s.knobs.get(KnobName.PREFILL_CHUNK)
     if chunk is not None:
         current = _current(chunk, window, state)
-        new = chunk.rung_below(current, floor=s.control.prefill_chunk_min) if current is not None else max(4096, s.control.prefill_chunk_min)
+        new = (
+            chunk.rung_below(current, floor=s.control.prefill_chunk_min)
+            if current is not None
+            else max(4096, s.control.prefill_chunk_min)
+        )
         if new is not None:
             decision = _move(
                 window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, knob_name=KnobName.PREFILL_CHUNK,
@@ -172,7 +178,15 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
             )  # fmt: skip
             if decision is not None:
                 return decision
-    return _memory_down(window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, why="out of memory during prefill with the smallest chunk", evidence=evidence)
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="prefill_oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory during prefill with the smallest chunk",
+        evidence=evidence,
+    )
 
 
 def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -195,7 +209,15 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
             )  # fmt: skip
             if decision is not None:
                 return decision
-    return _memory_down(window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, why="out of memory during decode at the smallest batch cap", evidence=evidence)
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="decode_oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory during decode at the smallest batch cap",
+        evidence=evidence,
+    )
 
 
 def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -203,7 +225,15 @@ def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> D
     oom = _last_oom(window, None)
     if oom is None or oom.fields.get("phase") in ("prefill", "decode"):
         return None
-    return _memory_down(window, state, s, rule="oom", kind=RuleKind.SAFETY, why="out of memory", evidence=UnplacedOom(log=_oom_text(oom)))
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory",
+        evidence=UnplacedOom(log=_oom_text(oom)),
+    )
 
 
 def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -220,7 +250,11 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
         rule="crash_loop",
         reason=f"{deaths} deaths in {c.crash_loop_window_s:g} s: back to the last arguments that ran well",
         time=window.now,
-        evidence=CrashLoop(deaths=deaths, window_s=c.crash_loop_window_s, fallback="last_good" if state.last_good_args is not None else "policy"),
+        evidence=CrashLoop(
+            deaths=deaths,
+            window_s=c.crash_loop_window_s,
+            fallback="last_good" if state.last_good_args is not None else "policy",
+        ),
         old_args=state.args,
         new_args=fallback,
         kind=RuleKind.SAFETY,
@@ -252,7 +286,9 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
         threshold_per_1k_tokens=c.retractions_per_1k_tokens,
         retractions=window.retractions, observed_s=round(window.observed_s, 1),
     )  # fmt: skip
-    why = f"{rate:.1f} retractions/min" + ("" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})")
+    why = f"{rate:.1f} retractions/min" + (
+        "" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})"
+    )
     knob = s.knobs.get(KnobName.CONSERVATIVENESS)
     if knob is None:  # an engine without admission conservativeness (vLLM): cap the running batch
         return _fewer_running(window, state, s, why, storm)
@@ -270,13 +306,20 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     )  # fmt: skip
 
 
-def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings) -> bool:
+def _raise_did_not_pay(
+    previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings
+) -> bool:
     """True when this rule's last raise of the knob (within ``flip_guard_s``) did not pay: the
     retraction rate is still above ``RETRACTION_CUT`` of what it was then (the retractions do not come
     from admission: outputs that run to their max_tokens retract at any conservativeness), or it
     fell but so did throughput (the caution costs more than the recomputation it saves). Either way
     another raise is the same bet again."""
-    if previous is None or previous.rule != "retraction_storm" or previous.direction <= 0 or now - previous.time >= c.flip_guard_s:
+    if (
+        previous is None
+        or previous.rule != "retraction_storm"
+        or previous.direction <= 0
+        or now - previous.time >= c.flip_guard_s
+    ):
         return False
     if not isinstance(previous.evidence, ConservativenessStorm):
         return False
@@ -286,7 +329,9 @@ def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float
     return tp_before is not None and throughput is not None and throughput < tp_before
 
 
-def _fewer_running(window: Window, state: ControlState, s: RuleSettings, why: str, storm: Retractions) -> Decision | None:
+def _fewer_running(
+    window: Window, state: ControlState, s: RuleSettings, why: str, storm: Retractions
+) -> Decision | None:
     """Cap the running batch at the number of whole requests the KV pool holds: its capacity over the
     mean prompt + output length of the requests that finished in the window (preemptions come from
     running more requests than fit once they have grown to full length). Where that figure is
@@ -323,7 +368,9 @@ def _whole_requests_that_fit(window: Window) -> RequestFit | None:
     capacity, length = window.kv_capacity_tokens, window.mean_request_tokens
     if capacity is None or length is None:
         return None
-    return RequestFit(kv_capacity_tokens=capacity, mean_request_tokens=length, requests_that_fit=int(capacity // length))
+    return RequestFit(
+        kv_capacity_tokens=capacity, mean_request_tokens=length, requests_that_fit=int(capacity // length)
+    )
 
 
 def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -495,7 +542,13 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
 
 
 ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
-WHILE_SERVING: tuple[Rule, ...] = (retraction_storm, memory_low, admission_too_conservative, memory_headroom, pacing_too_timid)
+WHILE_SERVING: tuple[Rule, ...] = (
+    retraction_storm,
+    memory_low,
+    admission_too_conservative,
+    memory_headroom,
+    pacing_too_timid,
+)
 RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
 
 
@@ -533,7 +586,9 @@ class Evaluation:
     refused: tuple[tuple[Decision, str], ...] = ()  # decisions held back, with the reason
 
 
-def evaluate(window: Window, state: ControlState, settings: RuleSettings, rules: tuple[Rule, ...] = RULES) -> Evaluation:
+def evaluate(
+    window: Window, state: ControlState, settings: RuleSettings, rules: tuple[Rule, ...] = RULES
+) -> Evaluation:
     refused: list[tuple[Decision, str]] = []
     for rule in rules:
         decision = rule(window, state, settings)

@@ -57,8 +57,14 @@ class Ticket:
         "requeues",
     )
 
-    def __init__(self, priority: Priority, enqueued_at: float, deadline: float,
-                 future: asyncio.Future[Attempt], affinity: str | None = None) -> None:
+    def __init__(
+        self,
+        priority: Priority,
+        enqueued_at: float,
+        deadline: float,
+        future: asyncio.Future[Attempt],
+        affinity: str | None = None,
+    ) -> None:
         self.priority = priority
         self.enqueued_at = enqueued_at
         self.deadline = deadline
@@ -75,8 +81,7 @@ class Ticket:
 class AdmissionQueue:
     """Bounded, two-class, FIFO-within-class queue of :class:`Ticket`."""
 
-    def __init__(self, capacity: int, *, on_change: Callable[[], Any] | None = None,
-                 compact_slack: int = 1024) -> None:
+    def __init__(self, capacity: int, *, on_change: Callable[[], Any] | None = None, compact_slack: int = 1024) -> None:
         if capacity < 0:
             raise ValueError("queue capacity must be >= 0")
         self.capacity = capacity

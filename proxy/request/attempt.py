@@ -55,8 +55,16 @@ class AttemptFailed(Exception):
     ``content_type`` keep a worker's own error answer, relayed as is when no retry is left.
     """
 
-    def __init__(self, message: str, *, status: int = 502, retryable: bool = True, unreachable: bool = False,
-                 body: bytes | None = None, content_type: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        retryable: bool = True,
+        unreachable: bool = False,
+        body: bytes | None = None,
+        content_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status

@@ -114,10 +114,19 @@ def _no_requeue_hook(why: Requeued) -> None:
 class Dispatcher:
     """Owns the admission queue, the gate and every attempt's lifecycle; hands tickets to workers."""
 
-    def __init__(self, pool: WorkerPool, board: LoadBoard, admission: AdmissionQueue, *,
-                 band: Band, stale_after_s: float, prefix_affinity: bool = False, max_attempts: int = 3,
-                 on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        board: LoadBoard,
+        admission: AdmissionQueue,
+        *,
+        band: Band,
+        stale_after_s: float,
+        prefix_affinity: bool = False,
+        max_attempts: int = 3,
+        on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.board = board
         self.admission = admission
@@ -137,8 +146,13 @@ class Dispatcher:
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
-        ticket = Ticket(priority, now, now + timeout_s, asyncio.get_running_loop().create_future(),
-                        affinity if self.prefix_affinity else None)
+        ticket = Ticket(
+            priority,
+            now,
+            now + timeout_s,
+            asyncio.get_running_loop().create_future(),
+            affinity if self.prefix_affinity else None,
+        )
         self.admission.push(ticket)  # raises QueueFull
         self.pump()
         return ticket
@@ -272,9 +286,15 @@ class Dispatcher:
             ticket = admission.peek()
             if ticket is None:
                 return
-            worker_id = choose_worker(workers, self.board, band=self.band, now=now,
-                                      stale_after_s=self.stale_after_s, exclude=ticket.exclude,
-                                      affinity=ticket.affinity)
+            worker_id = choose_worker(
+                workers,
+                self.board,
+                band=self.band,
+                now=now,
+                stale_after_s=self.stale_after_s,
+                exclude=ticket.exclude,
+                affinity=ticket.affinity,
+            )
             if worker_id is None:
                 return
             admission.pop()

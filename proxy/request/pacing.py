@@ -161,7 +161,9 @@ class WorkerLoad:
             "in_flight": self.in_flight,
             "est_queue": self.est_queue(),
             "scrape_error": self.error,
-            "sample": None if s is None else {
+            "sample": None
+            if s is None
+            else {
                 "time": s.time,
                 "queue": s.queue,
                 "running": s.running,

@@ -74,8 +74,11 @@ class RequestSettings:
 
     @classmethod
     def from_policy(cls, policy: Policy) -> RequestSettings:
-        return cls(request_timeout_s=policy.proxy.request_timeout_s, queue_timeout_s=policy.queue.timeout_s,
-                   retry_after_s=policy.queue.retry_after_s)
+        return cls(
+            request_timeout_s=policy.proxy.request_timeout_s,
+            queue_timeout_s=policy.queue.timeout_s,
+            retry_after_s=policy.queue.retry_after_s,
+        )
 
 
 @dataclass(eq=False)

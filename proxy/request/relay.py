@@ -76,8 +76,14 @@ class Opened:
 
     __slots__ = ("body", "content_type", "first", "resp", "status")
 
-    def __init__(self, status: int, content_type: str, body: bytes | None,
-                 resp: UpstreamResponse | None = None, first: bytes = b"") -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes | None,
+        resp: UpstreamResponse | None = None,
+        first: bytes = b"",
+    ) -> None:
         self.status = status
         self.content_type = content_type
         self.body = body
@@ -96,8 +102,12 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
         resp = await path.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
         if resp.status >= 500:
             body = await resp.read()
-            raise AttemptFailed(f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
-                                status=resp.status, body=body, content_type=resp.content_type)
+            raise AttemptFailed(
+                f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
+                status=resp.status,
+                body=body,
+                content_type=resp.content_type,
+            )
         if resp.status != 200 or not job.stream:
             return Opened(resp.status, resp.content_type, await resp.read())
         first = await resp.readany()
@@ -126,17 +136,22 @@ async def _post_abort(path: RequestPath, url: str, rid: str) -> None:
     if session is None or session.closed:
         return
     try:
-        async with session.post(url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                                headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT) as resp:
+        async with session.post(
+            url + "/abort_request", data=orjson.dumps({"rid": rid}), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
+        ) as resp:
             await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         _log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
 
 def _closing_error(path: RequestPath) -> ApiError:
-    return ApiError(503, "sglang-pacer is shutting down; the request was not started, send it again",
-                    type="service_unavailable", code="shutting_down",
-                    headers={"Retry-After": str(path.settings.retry_after_s)})
+    return ApiError(
+        503,
+        "sglang-pacer is shutting down; the request was not started, send it again",
+        type="service_unavailable",
+        code="shutting_down",
+        headers={"Retry-After": str(path.settings.retry_after_s)},
+    )
 
 
 def _no_worker_message(path: RequestPath) -> str:
@@ -158,8 +173,9 @@ def _failure_error(fail: AttemptFailed, attempts: int) -> ApiError:
     return ApiError(503 if fail.status == 503 else 502, message, type="upstream_error", code="upstream_failed")
 
 
-async def forward(path: RequestPath, request: web.Request, job: Job, priority: Priority,
-                  arrived: float) -> web.StreamResponse:
+async def forward(
+    path: RequestPath, request: web.Request, job: Job, priority: Priority, arrived: float
+) -> web.StreamResponse:
     """Queue, dispatch, open, relay: the one answer to an accepted request.
 
     ``arrived`` is ``time.monotonic()`` when the handler started (for the added-latency metric).
@@ -172,8 +188,13 @@ async def forward(path: RequestPath, request: web.Request, job: Job, priority: P
         raise _closing_error(path) from None
     except QueueFull as exc:
         m.reject_full.inc()
-        raise ApiError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(path.settings.retry_after_s)}) from None
+        raise ApiError(
+            429,
+            f"{exc}; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(path.settings.retry_after_s)},
+        ) from None
     m.admitted.inc()
     user_rid = job.body.get("rid")
     base_rid = path.new_rid() if job.single and user_rid is None else None
@@ -214,8 +235,9 @@ async def forward(path: RequestPath, request: web.Request, job: Job, priority: P
         # the attempt ended without output and the ticket is back in the queue: wait for the next
 
 
-async def _respond(path: RequestPath, request: web.Request, opened: Opened, url: str,
-                   rid: str | None) -> web.StreamResponse:
+async def _respond(
+    path: RequestPath, request: web.Request, opened: Opened, url: str, rid: str | None
+) -> web.StreamResponse:
     m = path.metrics
     if opened.resp is None:
         m.completed.inc()
@@ -249,9 +271,13 @@ async def _respond(path: RequestPath, request: web.Request, opened: Opened, url:
                 m.fail_midstream.inc()
                 _log.warning("worker stream broke after output was sent: %r", exc)
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                await out.write(sep + error_event(
-                    f"the worker failed mid-stream ({exc}); the answer is incomplete",
-                    code="upstream_failed_mid_stream"))
+                await out.write(
+                    sep
+                    + error_event(
+                        f"the worker failed mid-stream ({exc}); the answer is incomplete",
+                        code="upstream_failed_mid_stream",
+                    )
+                )
                 break
             if ended:
                 m.completed.inc()

@@ -339,8 +339,14 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections to the workers, shared by every request of the proxy."""
 
-    def __init__(self, *, max_idle_per_worker: int = 512, idle_timeout_s: float = 30.0,
-                 high_water: int = 256 * 1024, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_idle_per_worker: int = 512,
+        idle_timeout_s: float = 30.0,
+        high_water: int = 256 * 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_idle_per_worker = max_idle_per_worker
         self.idle_timeout_s = idle_timeout_s
         self.high_water = high_water
@@ -354,8 +360,16 @@ class UpstreamPool:
     def idle_connections(self) -> int:
         return sum(len(v) for v in self._idle.values())
 
-    async def post(self, url: str, path: str, body: bytes, *, timeout_s: float | None = None,
-                   until_output: bool = False, content_type: bytes = b"application/json") -> UpstreamResponse:
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        *,
+        timeout_s: float | None = None,
+        until_output: bool = False,
+        content_type: bytes = b"application/json",
+    ) -> UpstreamResponse:
         """POST ``body`` to ``url + path``; returns once the status line and headers are in or, with
         ``until_output``, once a 200 answer's first body bytes (or its end) are in too: one wake-up
         instead of two for a stream, whose headers a server sends before it has any output.
@@ -374,8 +388,14 @@ class UpstreamPool:
         head = self._heads.get((url, path))
         if head is None:
             head = self._heads[(url, path)] = (
-                b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nHost: " + host
-                + b"\r\nAccept-Encoding: identity\r\nContent-Type: " + content_type + b"\r\nContent-Length: ")
+                b"POST "
+                + path.encode("ascii")
+                + b" HTTP/1.1\r\nHost: "
+                + host
+                + b"\r\nAccept-Encoding: identity\r\nContent-Type: "
+                + content_type
+                + b"\r\nContent-Length: "
+            )
         request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         conn = self._take(key)
         if conn is None:
@@ -393,13 +413,15 @@ class UpstreamPool:
             raise
         return resp
 
-    async def _connect(self, key: _Key, loop: asyncio.AbstractEventLoop, deadline: float | None,
-                       timeout_s: float | None) -> _Connection:
+    async def _connect(
+        self, key: _Key, loop: asyncio.AbstractEventLoop, deadline: float | None, timeout_s: float | None
+    ) -> _Connection:
         try:
             async with asyncio.timeout_at(deadline):
                 if key[0] == "https":
-                    _, conn = await loop.create_connection(lambda: _Connection(self, key, loop), key[1], key[2],
-                                                           ssl=self._tls(), server_hostname=key[1])
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self, key, loop), key[1], key[2], ssl=self._tls(), server_hostname=key[1]
+                    )
                 else:
                     _, conn = await loop.create_connection(lambda: _Connection(self, key, loop), key[1], key[2])
         except TimeoutError:

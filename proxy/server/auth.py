@@ -57,7 +57,9 @@ def parse_entries(text: str, source: str) -> dict[str, Priority | None]:
             try:
                 cls = Priority(parts[1].lower())
             except ValueError:
-                raise AuthConfigError(f"{source}: entry {n} names class {parts[1]!r}; expected interactive or batch") from None
+                raise AuthConfigError(
+                    f"{source}: entry {n} names class {parts[1]!r}; expected interactive or batch"
+                ) from None
         out[parts[0]] = cls
     return out
 
@@ -109,8 +111,12 @@ def check_api_key(ring: KeyRing, headers: Mapping[str, str]) -> Priority | None:
         return None
     token = bearer(headers)
     if token is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
     cls = ring.keys.get(token, False)
     if cls is False:
         raise ApiError(401, "incorrect API key provided", type="authentication_error", code="invalid_api_key")
@@ -122,8 +128,12 @@ def check_admin_key(ring: KeyRing, headers: Mapping[str, str]) -> None:
         return
     token = bearer(headers)
     if token is None or _match(token, ring.admin_keys) is None:
-        raise ApiError(401, "admin endpoints need the admin key ('Authorization: Bearer <admin key>')",
-                       type="authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "admin endpoints need the admin key ('Authorization: Bearer <admin key>')",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def describe(ring: KeyRing) -> list[str]:

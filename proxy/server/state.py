@@ -10,8 +10,9 @@ scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests:
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any
 
 import aiohttp
 from aiohttp import web

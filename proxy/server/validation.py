@@ -128,7 +128,9 @@ def validate_generate(raw: bytes) -> Job:
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None and body.get("input_embeds") is None:
         raise bad_request("one of 'text' or 'input_ids' is required", "text")
-    if text is not None and not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
+    if text is not None and not (
+        isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))
+    ):
         raise bad_request("'text' must be a string or a non-empty array of strings", "text")
     if ids is not None and not isinstance(ids, list):
         raise bad_request("'input_ids' must be an array", "input_ids")

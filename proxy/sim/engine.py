@@ -189,9 +189,17 @@ class Engine:
         return self.reporter.gen_log_tic
 
     # ------------------------------------------------------------------ requests in
-    def add(self, *, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool = False,
-            output_len: int | None = None, rid: str | None = None, stream: bool = False,
-            now: float | None = None) -> Req:
+    def add(
+        self,
+        *,
+        prompt_ids: tuple[int, ...],
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+        output_len: int | None = None,
+        rid: str | None = None,
+        stream: bool = False,
+        now: float | None = None,
+    ) -> Req:
         if now is not None:
             self.now = now
         if self.scheduler.queue_full():
@@ -202,9 +210,17 @@ class Engine:
         else:
             target = draw_target(self.rng, max_new_tokens, cfg.output_fraction, cfg.output_spread, cfg.output_cap)
         self._seq += 1
-        r = Req(rid=rid or f"{self._seq:032x}", seq=self._seq, arrival=self.now, prompt_ids=prompt_ids,
-                max_new=max_new_tokens, ignore_eos=ignore_eos, target=target,
-                token_seed=self.rng.randrange(1 << 30), stream=stream)
+        r = Req(
+            rid=rid or f"{self._seq:032x}",
+            seq=self._seq,
+            arrival=self.now,
+            prompt_ids=prompt_ids,
+            max_new=max_new_tokens,
+            ignore_eos=ignore_eos,
+            target=target,
+            token_seed=self.rng.randrange(1 << 30),
+            stream=stream,
+        )
         self.scheduler.enqueue(r)
         return r
 
@@ -258,10 +274,10 @@ class Engine:
         mib = prefill_activation_mib(cfg.model, extend_total)
         oom = "prefill" if mib > cfg.memory.available_mib else None
         duration = self.steptime.prefill_seconds(extend_total, attn_pairs, len(items)) / cfg.time_scale
-        self.reporter.on_prefill(self.now, items, extend_total, kv, len(self.scheduler.waiting),
-                                 self.scheduler.waiting_tokens)
-        return Step(kind="prefill", duration=duration, items=tuple(items), batch_size=len(items),
-                    oom=oom, need_mib=mib)
+        self.reporter.on_prefill(
+            self.now, items, extend_total, kv, len(self.scheduler.waiting), self.scheduler.waiting_tokens
+        )
+        return Step(kind="prefill", duration=duration, items=tuple(items), batch_size=len(items), oom=oom, need_mib=mib)
 
     def _plan_decode(self) -> Step:
         kv = self.kv
@@ -292,9 +308,17 @@ class Engine:
             kv.stop_running(last)
             kv.release(last)
             self.reporter.message("warning", f"retract_decode: aborted last request {last.rid} due to OOM")
-            self._finish(last, {"type": "abort", "status_code": 500, "message": (
-                "Out of memory even after retracting all other requests in the decode batch. "
-                "Aborting the last request.")})
+            self._finish(
+                last,
+                {
+                    "type": "abort",
+                    "status_code": 500,
+                    "message": (
+                        "Out of memory even after retracting all other requests in the decode batch. "
+                        "Aborting the last request."
+                    ),
+                },
+            )
         sched.after_retract(kv)
         self.reporter.on_retract(len(retracted), kv.free - free_before, old_ratio, sched.ratio)
 

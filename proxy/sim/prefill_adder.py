@@ -55,8 +55,9 @@ def clipped_max_new(r: Req) -> int:
     return min(max(r.max_new - r.out_base, 0), CLIP_MAX_NEW_TOKENS)
 
 
-def admit(cfg: SimConfig, kv: KvPool, reservation: float, chunked: Req | None, waiting: Sequence[Req],
-          allocatable: int) -> AdmitResult:
+def admit(
+    cfg: SimConfig, kv: KvPool, reservation: float, chunked: Req | None, waiting: Sequence[Req], allocatable: int
+) -> AdmitResult:
     """The next prefill batch: ``chunked`` continues, then ``waiting`` in order, within ``allocatable``
     slots; ``reservation`` is what the running batch is expected still to need."""
     cache = kv.cache

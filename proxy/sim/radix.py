@@ -26,7 +26,7 @@ class Node:
 
 def _common_len(key: tuple[int, ...], ids: Sequence[int], start: int) -> int:
     n = min(len(key), len(ids) - start)
-    if key[:n] == tuple(ids[start:start + n]):
+    if key[:n] == tuple(ids[start : start + n]):
         return n
     i = 0
     while i < n and key[i] == ids[start + i]:

@@ -58,8 +58,9 @@ class StepReporter:
         if self._log is not None:
             self._log(level, msg)
 
-    def on_prefill(self, now: float, items: Sequence[AdmitItem], extend_total: int, kv: KvPool, queue: int,
-                   pending_tokens: int) -> None:
+    def on_prefill(
+        self, now: float, items: Sequence[AdmitItem], extend_total: int, kv: KvPool, queue: int, pending_tokens: int
+    ) -> None:
         hit = sum(it.hit for it in items)
         self.last_cache_hit_rate = hit / (hit + extend_total) if hit + extend_total else 0.0
         self._input_tokens_since_log += extend_total
@@ -70,11 +71,20 @@ class StepReporter:
             self._input_log_tic = now
         if self._log is None:
             return
-        self._log("info", logs.prefill_line(
-            new_seq=len(items),
-            new_token=extend_total, cached_token=hit, token_usage=kv.usage, running=kv.running.n,
-            queue=queue, pending_token=max(0, pending_tokens), cuda_graph=False,
-            input_throughput=self.last_input_throughput))
+        self._log(
+            "info",
+            logs.prefill_line(
+                new_seq=len(items),
+                new_token=extend_total,
+                cached_token=hit,
+                token_usage=kv.usage,
+                running=kv.running.n,
+                queue=queue,
+                pending_token=max(0, pending_tokens),
+                cuda_graph=False,
+                input_throughput=self.last_input_throughput,
+            ),
+        )
 
     def on_first_token(self) -> None:
         self.generated_tokens += 1
@@ -91,9 +101,17 @@ class StepReporter:
         self.gen_log_tic = now
         if self._log is None:
             return
-        self._log("info", logs.decode_line(
-            running=kv.running.n, used_tokens=kv.num_used, token_usage=kv.usage,
-            cuda_graph=cuda_graph, gen_throughput=self.last_gen_throughput, queue=queue))
+        self._log(
+            "info",
+            logs.decode_line(
+                running=kv.running.n,
+                used_tokens=kv.num_used,
+                token_usage=kv.usage,
+                cuda_graph=cuda_graph,
+                gen_throughput=self.last_gen_throughput,
+                queue=queue,
+            ),
+        )
 
     def on_retracted(self, r: Req) -> None:
         self.retracted_input_tokens += r.prompt_len

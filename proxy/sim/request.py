@@ -80,8 +80,19 @@ class Req:
         "token_seed",
     )  # fmt: skip
 
-    def __init__(self, *, rid: str, seq: int, arrival: float, prompt_ids: tuple[int, ...], max_new: int,
-                 ignore_eos: bool, target: int, token_seed: int, stream: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rid: str,
+        seq: int,
+        arrival: float,
+        prompt_ids: tuple[int, ...],
+        max_new: int,
+        ignore_eos: bool,
+        target: int,
+        token_seed: int,
+        stream: bool = False,
+    ) -> None:
         self.rid = rid
         self.seq = seq
         self.arrival = arrival

@@ -81,8 +81,14 @@ class Scheduler:
         if allocatable <= 0:
             self.batch_is_full = True
             return None
-        result = admit(self.cfg, kv, kv.running.reservation(self.ratio), self.chunked,
-                       self._ordered_waiting(kv) if self.waiting else [], allocatable)
+        result = admit(
+            self.cfg,
+            kv,
+            kv.running.reservation(self.ratio),
+            self.chunked,
+            self._ordered_waiting(kv) if self.waiting else [],
+            allocatable,
+        )
         if result.batch_full:
             self.batch_is_full = True
         if not result.items:

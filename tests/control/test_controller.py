@@ -75,7 +75,9 @@ class Around:
         return self.held
 
 
-def info(worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Mapping[str, object] = ARGS) -> WorkerInfo:
+def info(
+    worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Mapping[str, object] = ARGS
+) -> WorkerInfo:
     return WorkerInfo(id=worker_id, url="http://127.0.0.1:1", state=state, managed=True, args=dict(args), pid=4242)
 
 
@@ -146,7 +148,9 @@ def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
     clock.now += 5
     assert c.tick() == []  # the same advice is not repeated within the cool-down
     entries = c.journal.entries()
-    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("admission_too_conservative", "advised", "advise")]
+    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [
+        ("admission_too_conservative", "advised", "advise")
+    ]
     assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.2]}
     assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
 
@@ -160,7 +164,9 @@ def test_off_only_observes(tmp_path: Path) -> None:
 
 
 def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K)
+    c, clock = controller(
+        ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K
+    )
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
@@ -173,7 +179,9 @@ def test_timid_pacing_is_noted_not_acted_on() -> None:
     c.track(info())
     feed(c, clock, samples("samples_idle.json"))
     assert c.tick() == []
-    assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [("pacing_too_timid", "noted", "note")]
+    assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [
+        ("pacing_too_timid", "noted", "note")
+    ]
 
 
 def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> None:
@@ -248,7 +256,11 @@ def test_advise_journals_the_revival_it_would_do(tmp_path: Path) -> None:
     assert c.decide_revival("w0") is None
     assert actor.calls == []
     [entry] = c.journal.entries()
-    assert (entry["rule"], entry["status"], entry["changes"]) == ("prefill_oom", "advised", {"chunked_prefill_size": [8192, 4096]})
+    assert (entry["rule"], entry["status"], entry["changes"]) == (
+        "prefill_oom",
+        "advised",
+        {"chunked_prefill_size": [8192, 4096]},
+    )
     assert entry["detail"] == "the worker stays down (mode advise)"
 
 
@@ -281,11 +293,31 @@ def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("before", "after", "expected"),
     [
-        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1200.0, "retraction_rate_per_min": 0.0}, "better"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 0.0}, {"throughput": 800.0, "retraction_rate_per_min": 0.0}, "worse"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1010.0, "retraction_rate_per_min": 2.0}, "better"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 1.0}, {"throughput": 1000.0, "retraction_rate_per_min": 1.0}, "same"),
-        ({"throughput": None, "retraction_rate_per_min": 0.0}, {"throughput": 5.0, "retraction_rate_per_min": 9.0}, "worse"),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 20.0},
+            {"throughput": 1200.0, "retraction_rate_per_min": 0.0},
+            "better",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 0.0},
+            {"throughput": 800.0, "retraction_rate_per_min": 0.0},
+            "worse",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 20.0},
+            {"throughput": 1010.0, "retraction_rate_per_min": 2.0},
+            "better",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 1.0},
+            {"throughput": 1000.0, "retraction_rate_per_min": 1.0},
+            "same",
+        ),
+        (
+            {"throughput": None, "retraction_rate_per_min": 0.0},
+            {"throughput": 5.0, "retraction_rate_per_min": 9.0},
+            "worse",
+        ),
     ],
 )
 def test_verdict(before: dict[str, object], after: dict[str, object], expected: str) -> None:
@@ -298,7 +330,10 @@ def test_a_dying_worker_is_held_until_ready_again() -> None:
     pool = StaticPool(["http://w0"])
     c, _ = controller(ControlMode.OFF, None, hold=pool.hold)
     c.track(info())
-    c.on_line("w0", "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0")
+    c.on_line(
+        "w0",
+        "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0",
+    )
     assert pool.get("w0").state is WorkerState.READY
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
         c.on_line("w0", line)

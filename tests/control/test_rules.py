@@ -58,13 +58,24 @@ def test_low_usage_with_queue_lowers_conservativeness() -> None:
 @pytest.mark.parametrize(
     ("window", "args"),
     [
-        pytest.param(window_of(samples("samples_conservative.json", until=15)), ARGS, id="hysteresis-too-little-evidence"),
+        pytest.param(
+            window_of(samples("samples_conservative.json", until=15)), ARGS, id="hysteresis-too-little-evidence"
+        ),
         pytest.param(window_of(samples("samples_healthy.json")), ARGS, id="healthy-usage"),
         pytest.param(window_of(samples("samples_idle.json")), ARGS, id="empty-queue"),
-        pytest.param(window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"),
-        pytest.param(window_of(samples("samples_conservative.json")), {**ARGS, "schedule_conservativeness": 0.1}, id="at-lower-bound"),
         pytest.param(
-            window_of(samples("samples_conservative.json"), [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})]),
+            window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"
+        ),
+        pytest.param(
+            window_of(samples("samples_conservative.json")),
+            {**ARGS, "schedule_conservativeness": 0.1},
+            id="at-lower-bound",
+        ),
+        pytest.param(
+            window_of(
+                samples("samples_conservative.json"),
+                [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})],
+            ),
             ARGS,
             id="a-retraction-in-window",
         ),
@@ -78,7 +89,9 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
     from proxy.engines.base import Sample
 
     # long prompts after a start-up: usage climbs 0.10 -> 0.85 over the window with requests waiting
-    filling = [Sample(time=float(t), queue=130, running=min(90, 3 * t), token_usage=0.10 + 0.0125 * t) for t in range(61)]
+    filling = [
+        Sample(time=float(t), queue=130, running=min(90, 3 * t), token_usage=0.10 + 0.0125 * t) for t in range(61)
+    ]
     assert window_of(filling).conservative_fraction(0.9) == 1.0
     assert admission_too_conservative(window_of(filling), state(), SETTINGS) is None
     # the same usage once it has levelled off is evidence
@@ -88,8 +101,14 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
 
 
 def test_admission_rule_default_conservativeness_when_unset() -> None:
-    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.2)} and d.evidence_json()["old_value"] == 1.0
+    d = admission_too_conservative(
+        window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS
+    )
+    assert (
+        d is not None
+        and d.changes == {"schedule_conservativeness": (None, 0.2)}
+        and d.evidence_json()["old_value"] == 1.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -103,14 +122,18 @@ def test_admission_rule_default_conservativeness_when_unset() -> None:
 )
 def test_admission_rule_sizes_its_step_by_the_usage(current: float, lower_bound: float, expected: float) -> None:
     settings = RuleSettings(control=ControlSettings(conservativeness_bounds=(lower_bound, 2.0)), knobs=KNOBS)
-    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings)
+    d = admission_too_conservative(
+        window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings
+    )
     assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected)
 
 
 def _waiting_at(usage: float) -> Window:
     from proxy.engines.base import Sample
 
-    return window_of([Sample(time=float(t), queue=130, running=300, token_usage=usage + 0.01 * (t % 2)) for t in range(61)])
+    return window_of(
+        [Sample(time=float(t), queue=130, running=300, token_usage=usage + 0.01 * (t % 2)) for t in range(61)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,7 +170,9 @@ def test_retraction_counter_storm_raises_conservativeness() -> None:
     assert d.evidence_json()["retraction_rate_per_min"] > 6
 
 
-def _raised(rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm") -> ControlState:
+def _raised(
+    rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm"
+) -> ControlState:
     """The state after a raise 0.7 -> 1.0 at ``at`` made on that retraction rate and throughput."""
     figures = Retractions(retraction_rate_per_min=rate_before, threshold_per_min=6.0, retractions_per_1k_tokens=None,
                           threshold_per_1k_tokens=0.1, retractions=100, observed_s=60.0)  # fmt: skip
@@ -157,7 +182,10 @@ def _raised(rate_before: float, throughput_before: float | None, *, at: float = 
         evidence=ConservativenessStorm(storm=figures, throughput=throughput_before),
         old_args={**ARGS, "schedule_conservativeness": 0.7}, new_args=ARGS,
     )  # fmt: skip
-    return replace(state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, STORM.control.flip_guard_s), last_restart=None)
+    return replace(
+        state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, STORM.control.flip_guard_s),
+        last_restart=None,
+    )
 
 
 def test_retraction_rule_records_throughput_for_the_next_look() -> None:
@@ -188,7 +216,9 @@ def test_retraction_rule_raises_again_when_the_last_raise_paid() -> None:
         pytest.param(3.0, 1.2, id="the-last-raise-cut-them-but-throughput-fell"),
     ],
 )
-def test_retraction_rule_must_not_raise_again_when_the_last_raise_did_not_pay(rate_factor: float, throughput_factor: float) -> None:
+def test_retraction_rule_must_not_raise_again_when_the_last_raise_did_not_pay(
+    rate_factor: float, throughput_factor: float
+) -> None:
     w = window_of(samples("samples_retraction_storm.json"))
     assert w.throughput is not None
     st = _raised(w.retraction_rate_per_min * rate_factor, w.throughput * throughput_factor)
@@ -222,7 +252,9 @@ def test_retraction_rule_is_relative_to_the_work_done() -> None:
     assert storm is not None and storm.changes == {"schedule_conservativeness": (0.1, 0.4)}
     assert storm.evidence_json()["retractions_per_1k_tokens"] == pytest.approx(1.0, abs=0.01)
     assert storm.evidence_json()["threshold_per_1k_tokens"] == 0.5
-    assert retraction_storm(_busy_with_retractions(57.0, 2260.0), state(), SETTINGS) is None  # a burst at 1.0: 0.42 per 1k
+    assert (
+        retraction_storm(_busy_with_retractions(57.0, 2260.0), state(), SETTINGS) is None
+    )  # a burst at 1.0: 0.42 per 1k
     # the same count of retractions on a server five times slower is a storm
     assert retraction_storm(_busy_with_retractions(57.0, 452.0), state(), SETTINGS) is not None
     # and a deployment may call less a storm
@@ -257,7 +289,11 @@ def test_memory_headroom_raises_fraction_by_small_steps() -> None:
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), SETTINGS)
     # 13.5 GB free with 0.83 static: the GPU holds >= 13.5 / 0.17 = 79.4 GB; 6 GB more to the pool
     # leaves the band's middle (7.5 GB) free: 0.83 + 6 / 79.4 = 0.906, one restart instead of eight
-    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.906)} and d.evidence_json()["available_gpu_mem_gb"] == 13.5
+    assert (
+        d is not None
+        and d.changes == {"mem_fraction_static": (0.83, 0.906)}
+        and d.evidence_json()["available_gpu_mem_gb"] == 13.5
+    )
     assert d.evidence_json()["gpu_total_gb_at_least"] == 79.4
     assert memory_low(w, state({"mem_fraction_static": 0.83}), SETTINGS) is None
 
@@ -273,7 +309,9 @@ def test_memory_rules_need_a_known_fraction_and_respect_bounds() -> None:
 
 def test_memory_headroom_steps_at_least_the_policy_step_and_stays_in_bounds() -> None:
     w = window_of(log_events("log_startup_headroom.log"))  # 13.5 GB free
-    wide = RuleSettings(control=ControlSettings(available_mem_band_gb=(5.0, 13.0), memory_fraction_step=0.01), knobs=KNOBS)
+    wide = RuleSettings(
+        control=ControlSettings(available_mem_band_gb=(5.0, 13.0), memory_fraction_step=0.01), knobs=KNOBS
+    )
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), wide)  # the middle (9 GB): 0.83 + 4.5 / 79.4
     assert d is not None and d.new_args["mem_fraction_static"] == pytest.approx(0.887)
     big_step = RuleSettings(control=ControlSettings(memory_fraction_step=0.1), knobs=KNOBS)
@@ -309,9 +347,14 @@ def test_prefill_oom_walks_down_the_chunk_ladder() -> None:
 
 
 def test_prefill_oom_reads_the_resolved_chunk_from_the_startup_line() -> None:
-    w = window_of(log_events("log_startup_headroom.log"), log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30))
+    w = window_of(
+        log_events("log_startup_headroom.log"),
+        log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30),
+    )
     d = prefill_oom(w, state({}), SETTINGS)
-    assert d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence_json()["old_value"] == 8192
+    assert (
+        d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence_json()["old_value"] == 8192
+    )
 
 
 def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
@@ -324,7 +367,11 @@ def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
 def test_decode_oom_caps_running_below_peak() -> None:
     w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log"))
     d = decode_oom(w, state({"max_running_requests": 1024}), SETTINGS)
-    assert d is not None and d.changes == {"max_running_requests": (1024, 409)} and d.evidence_json()["peak_running"] == 512
+    assert (
+        d is not None
+        and d.changes == {"max_running_requests": (1024, 409)}
+        and d.evidence_json()["peak_running"] == 512
+    )
     assert prefill_oom(w, state(), SETTINGS) is None  # a decode OOM is not a prefill OOM
 
 
@@ -364,7 +411,13 @@ def test_crash_loop_must_not_fire() -> None:
 def test_revive_delay_grows() -> None:
     c = ControlSettings()
     delays = [revive_delay(state(deaths=tuple(float(i) for i in range(n))), c, 10.0) for n in (0, 1, 2, 3, 9)]
-    assert delays == [c.crash_backoff_s[0], c.crash_backoff_s[0], c.crash_backoff_s[1], c.crash_backoff_s[2], c.crash_backoff_s[-1]]
+    assert delays == [
+        c.crash_backoff_s[0],
+        c.crash_backoff_s[0],
+        c.crash_backoff_s[1],
+        c.crash_backoff_s[2],
+        c.crash_backoff_s[-1],
+    ]
 
 
 # -- pacing too timid (noted only) ---------------------------------------------------------------
@@ -375,7 +428,10 @@ def test_timid_pacing_is_noted() -> None:
     d = pacing_too_timid(w, state(), SETTINGS)
     assert d is not None and d.action is Action.NOTE and d.new_args == d.old_args
     assert pacing_too_timid(window_of(samples("samples_idle.json")), state(), SETTINGS) is None  # proxy held nothing
-    assert pacing_too_timid(window_of(samples("samples_conservative.json")).push_proxy_queue(0.0, 500), state(), SETTINGS) is None
+    assert (
+        pacing_too_timid(window_of(samples("samples_conservative.json")).push_proxy_queue(0.0, 500), state(), SETTINGS)
+        is None
+    )
 
 
 # -- evaluation order -------------------------------------------------------------------------------

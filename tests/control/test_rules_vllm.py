@@ -38,7 +38,9 @@ def test_preemptions_cap_max_num_seqs_at_what_the_full_cache_holds() -> None:
     assert "lower max_num_seqs 128 -> 19" in d.reason
 
 
-def with_lengths(samples: list[Sample], capacity: int, tokens_per_request: float, finished_per_s: float = 2.0) -> list[Sample]:
+def with_lengths(
+    samples: list[Sample], capacity: int, tokens_per_request: float, finished_per_s: float = 2.0
+) -> list[Sample]:
     """``samples`` with a KV capacity and requests of ``tokens_per_request`` (prompt + output) finishing."""
     return [
         replace(smp, max_total_tokens=capacity, finished_requests_total=finished_per_s * smp.time,
@@ -75,7 +77,10 @@ def test_short_requests_fall_back_below_the_running_count() -> None:
 
 
 def test_no_finished_request_falls_back_below_the_running_count() -> None:
-    samples = [replace(smp, finished_requests_total=0.0, finished_request_tokens_total=0.0) for smp in with_lengths(preempting(), 8192, 364.0)]
+    samples = [
+        replace(smp, finished_requests_total=0.0, finished_request_tokens_total=0.0)
+        for smp in with_lengths(preempting(), 8192, 364.0)
+    ]
     d = retraction_storm(Window().push_all(samples), ControlState.initial("w0", ARGS), SETTINGS)
     assert d is not None and d.changes == {"max_num_seqs": (128, 19)}
 
@@ -93,7 +98,11 @@ def test_no_move_when_the_cap_is_already_below_what_fits() -> None:
 
 def test_sglang_still_raises_conservativeness() -> None:
     window = Window().push_all(preempting())
-    d = retraction_storm(window, ControlState.initial("w0", {"schedule_conservativeness": 1.0}), RuleSettings(control=ControlSettings(), knobs=SGLANG_KNOBS))
+    d = retraction_storm(
+        window,
+        ControlState.initial("w0", {"schedule_conservativeness": 1.0}),
+        RuleSettings(control=ControlSettings(), knobs=SGLANG_KNOBS),
+    )
     assert d is not None and set(d.changes) == {"schedule_conservativeness"}
 
 
@@ -109,7 +118,9 @@ def test_recorded_refusal_lowers_max_model_len_to_what_fits() -> None:
     d = evaluate(window, state, SETTINGS, ON_DEATH).decision
     assert d is not None and d.rule == "kv_capacity" and d.kind is RuleKind.SAFETY
     assert d.changes == {"max_model_len": (4096, 1920)}
-    assert d.evidence_json()["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(d.evidence_json()["log"])
+    assert d.evidence_json()["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(
+        d.evidence_json()["log"]
+    )
 
 
 def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
@@ -120,7 +131,9 @@ def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
 
 
 def test_a_warning_that_does_not_stop_the_engine_is_ignored() -> None:
-    event = LogEvent(kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False})
+    event = LogEvent(
+        kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False}
+    )
     assert kv_capacity(Window().push(event), ControlState.initial("w0", {}), SETTINGS) is None
 
 

@@ -48,7 +48,10 @@ async def test_decisions_endpoint(proxy: tuple[str, object]) -> None:
         journal.record(Decision(worker_id=worker, rule=rule, reason="r", time=1.0, old_args={"a": 1}, new_args={"a": 2}),
                        mode=ControlMode.ADVISE, status=Status.ADVISED)  # fmt: skip
     status, body = await get(url + "/admin/decisions?worker=w0")
-    assert status == 200 and [d["rule"] for d in body["decisions"]] == ["retraction_storm", "admission_too_conservative"]
+    assert status == 200 and [d["rule"] for d in body["decisions"]] == [
+        "retraction_storm",
+        "admission_too_conservative",
+    ]
     assert body["decisions"][0]["changes"] == {"a": [1, 2]}
     status, body = await get(url + "/admin/decisions?limit=1")
     assert [d["rule"] for d in body["decisions"]] == ["admission_too_conservative"]

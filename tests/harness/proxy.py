@@ -43,14 +43,20 @@ async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
     """``await make_proxy(n_workers=2, policy={...}, worker={...})`` -> Harness (all torn down after)."""
     cleanups: list[Callable[[], Any]] = []
 
-    async def make(n_workers: int = 1, policy: dict | None = None, worker: dict | None = None,
-                   env: dict | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> Harness:
+    async def make(
+        n_workers: int = 1,
+        policy: dict | None = None,
+        worker: dict | None = None,
+        env: dict | None = None,
+        monkeypatch: pytest.MonkeyPatch | None = None,
+    ) -> Harness:
         workers = [FakeEngine(**(worker or {})) for _ in range(n_workers)]
         urls = [await w.start() for w in workers]
         cleanups.extend(w.stop for w in workers)
-        doc: dict[str, Any] = {"engine": {"kind": "external", "urls": urls},
-                               "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05,
-                                          "stale_after_s": 1.0}}
+        doc: dict[str, Any] = {
+            "engine": {"kind": "external", "urls": urls},
+            "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        }
         for section, values in (policy or {}).items():
             doc.setdefault(section, {}).update(values)
         pol = parse_policy(doc, "<test>")

@@ -10,8 +10,9 @@ from proxy.workers.base import StateListener, WorkerId, WorkerInfo, WorkerState
 
 class StaticPool:
     def __init__(self, urls: list[str]) -> None:
-        self._infos = {f"w{i}": WorkerInfo(id=f"w{i}", url=u, state=WorkerState.READY, managed=False)
-                       for i, u in enumerate(urls)}
+        self._infos = {
+            f"w{i}": WorkerInfo(id=f"w{i}", url=u, state=WorkerState.READY, managed=False) for i, u in enumerate(urls)
+        }
         self._listeners: list[StateListener] = []
 
     def workers(self) -> list[WorkerInfo]:

@@ -236,8 +236,16 @@ def _dispatcher(*states: WorkerState, max_attempts: int = 3) -> tuple[Dispatcher
     board = LoadBoard()
     pool = _Pool(_workers(*states))
     requeued: list[Requeued] = []
-    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=4, hi=8), stale_after_s=1e9,
-                   max_attempts=max_attempts, on_requeue=requeued.append, clock=lambda: 100.0)
+    d = Dispatcher(
+        pool,
+        board,
+        AdmissionQueue(100),
+        band=Band(lo=4, hi=8),
+        stale_after_s=1e9,
+        max_attempts=max_attempts,
+        on_requeue=requeued.append,
+        clock=lambda: 100.0,
+    )
     for w in pool.ws:
         _sample(board, w.id, 0)
     return d, pool, requeued

@@ -25,8 +25,9 @@ async def test_chat_and_completions_plain_and_streamed(make_proxy):
     assert chat.choices[0].message.content == "tok tok tok "
     comp = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
     assert comp.choices[0].text == "tok tok "
-    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=5, stream=True)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
     pieces = [c.choices[0].delta.content async for c in stream]
     assert "".join(pieces) == "t0 t1 t2 t3 t4 "
     stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True)
@@ -56,8 +57,9 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05})
     w = h.workers[0]
     async with aiohttp.ClientSession() as s:
-        resp = await s.post(h.url + "/v1/completions",
-                            json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True})
+        resp = await s.post(
+            h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
+        )
         assert resp.status == 200
         await resp.content.readany()
         resp.close()  # the client goes away mid-stream
@@ -71,12 +73,14 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
 async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05, "max_running": 1})
     async with aiohttp.ClientSession() as s:
-        first = asyncio.ensure_future(s.post(h.url + "/v1/completions",
-                                             json={"model": MODEL, "prompt": "a", "max_tokens": 20}))
+        first = asyncio.ensure_future(
+            s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 20})
+        )
         await h.wait_for(lambda: h.state.board.get("w0").in_flight == 1)
         h.pool.set_state("w0", WorkerState.DRAINING)  # nothing more goes to the worker: the next one waits in the proxy
-        second = asyncio.ensure_future(s.post(h.url + "/v1/completions",
-                                              json={"model": MODEL, "prompt": "b", "max_tokens": 1}))
+        second = asyncio.ensure_future(
+            s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "b", "max_tokens": 1})
+        )
         await h.wait_for(lambda: len(h.state.admission) == 1)
         second.cancel()
         await h.wait_for(lambda: len(h.state.admission) == 0)
@@ -135,8 +139,9 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     # w0 has one slot: a streamed request runs there (output started), a second waits in w0's own
     # queue. The controller drains w0 and takes back what produced no output: only the waiting
     # one, which then runs on w1. Each request is answered once.
-    h = await make_proxy(n_workers=2, policy={"pacing": {"queue_band": [2, 4]}},
-                         worker={"max_running": 1, "token_delay_s": 0.02})
+    h = await make_proxy(
+        n_workers=2, policy={"pacing": {"queue_band": [2, 4]}}, worker={"max_running": 1, "token_delay_s": 0.02}
+    )
     d = h.state.dispatcher
     h.pool.set_state("w1", WorkerState.DRAINING)
     client = h.client()
@@ -176,8 +181,10 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         body = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": {n}, "stream": true}}'.encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
         received = [await reader.read(4096)]  # the stream started
         # the client reads nothing: buffers fill up and the worker must stall. The worker writes one
         # chunk per loop turn while it can, and the proxy, the worker and this client share one loop:
@@ -204,7 +211,7 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
         size = int(rest[at:eol], 16)
         if size == 0:
             break
-        body += rest[eol + 2:eol + 2 + size]
+        body += rest[eol + 2 : eol + 2 + size]
         at = eol + 2 + size + 2
     texts = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: {")]
     assert len(texts) == n

@@ -74,7 +74,10 @@ async def until(cond: Callable[[], bool]) -> None:
 
 def sized(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b\r\n%b" % (
-        len(body), extra, body)
+        len(body),
+        extra,
+        body,
+    )
 
 
 def chunk(data: bytes) -> bytes:

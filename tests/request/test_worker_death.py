@@ -60,8 +60,11 @@ async def _kill_and_wait_revived(st: ProxyState) -> None:
     old = st.pool.get("w0").pid
     assert old is not None
     os.kill(old, signal.SIGKILL)
-    await _until(lambda: st.pool.get("w0").state is WorkerState.READY and st.pool.get("w0").pid not in (None, old),
-                 30, "worker revived")
+    await _until(
+        lambda: st.pool.get("w0").state is WorkerState.READY and st.pool.get("w0").pid not in (None, old),
+        30,
+        "worker revived",
+    )
 
 
 @pytest.mark.timeout(120)
@@ -70,8 +73,12 @@ async def test_killing_the_only_worker_under_load_fails_no_plain_request(tmp_pat
     errors: list[str] = []
     sent = 0
     stop = asyncio.Event()
-    async with one_sim_worker(tmp_path) as (url, st), aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with (
+        one_sim_worker(tmp_path) as (url, st),
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+        ) as session,
+    ):
 
         async def client(i: int) -> None:
             nonlocal sent
@@ -105,23 +112,36 @@ async def test_a_stream_that_sent_only_its_role_is_retried_whole(tmp_path: Path)
     leaves nothing at the client, and the retry gives it one whole answer."""
     async with one_sim_worker(tmp_path, max_running_requests=1) as (url, st), aiohttp.ClientSession() as session:
         # a stream that occupies the worker's only running slot (its output has started)
-        blocker = await session.post(url + "/v1/completions", json={
-            "model": MODEL, "prompt": "x", "max_tokens": 100000, "sim_output_len": 100000, "stream": True})
+        blocker = await session.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 100000, "sim_output_len": 100000, "stream": True},
+        )
         assert blocker.status == 200
         await blocker.content.readline()
 
         async def chat() -> list[dict[str, object]]:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                    "sim_output_len": 5, "stream": True}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "sim_output_len": 5,
+                "stream": True,
+            }
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
-                return [orjson.loads(line[6:]) async for line in resp.content
-                        if line.startswith(b"data: {")]
+                return [orjson.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
 
         streamed = asyncio.ensure_future(chat())
         # the chat request waits in the worker's queue: the worker sent its role event, no content
-        await _until(lambda: st.board.get("w0").in_flight == 2 and st.board.get("w0").sample is not None
-                     and st.board.get("w0").sample.queue == 1, 20, "chat request queued at the worker")
+        await _until(
+            lambda: (
+                st.board.get("w0").in_flight == 2
+                and st.board.get("w0").sample is not None
+                and st.board.get("w0").sample.queue == 1
+            ),
+            20,
+            "chat request queued at the worker",
+        )
         assert not streamed.done()  # nothing reached the client: not even the headers
         await _kill_and_wait_revived(st)
         chunks = await asyncio.wait_for(streamed, 30)

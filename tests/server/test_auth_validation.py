@@ -13,7 +13,10 @@ from proxy.server.validation import validate_chat, validate_completions, validat
 
 def test_key_entries_both_spellings():
     assert parse_entries("a, b:batch\nc interactive # note\n\n# comment", "x") == {
-        "a": None, "b": Priority.BATCH, "c": Priority.INTERACTIVE}
+        "a": None,
+        "b": Priority.BATCH,
+        "c": Priority.INTERACTIVE,
+    }
     assert parse_entries("url:with:colons", "x") == {"url:with:colons": None}
     with pytest.raises(AuthConfigError, match="class 'gold'"):
         parse_entries("k gold", "keys.txt")
@@ -36,14 +39,17 @@ def test_keyring_from_env_and_files(tmp_path):
     assert load_keyring(AuthSettings(), {}).open
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', "max_completion_tokens"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', "max_completion_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
+    ],
+)
 def test_chat_checks_name_the_field(raw, param):
     with pytest.raises(ApiError) as e:
         validate_chat(raw)

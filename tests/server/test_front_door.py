@@ -30,17 +30,45 @@ def _is_openai_error(body: dict) -> bool:
     [
         pytest.param("/v1/chat/completions", "{not json", 400, "not valid JSON", id="not-json"),
         pytest.param("/v1/chat/completions", "[1, 2]", 400, "JSON object", id="not-object"),
-        pytest.param("/v1/chat/completions", '{"model": "fake-model"}', 400, "'messages' is required", id="no-messages"),
+        pytest.param(
+            "/v1/chat/completions", '{"model": "fake-model"}', 400, "'messages' is required", id="no-messages"
+        ),
         pytest.param("/v1/chat/completions", '{"messages": "hi"}', 400, "'messages' must be", id="messages-type"),
         pytest.param("/v1/chat/completions", '{"messages": [{"content": "x"}]}', 400, "role", id="no-role"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "'max_tokens' must be >= 0", id="neg-max-tokens"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', 400, "'max_tokens' must be an integer", id="max-tokens-type"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "'stream' must be a boolean", id="stream-type"),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            400,
+            "'max_tokens' must be >= 0",
+            id="neg-max-tokens",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            400,
+            "'max_tokens' must be an integer",
+            id="max-tokens-type",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            400,
+            "'stream' must be a boolean",
+            id="stream-type",
+        ),
         pytest.param("/v1/completions", '{"model": "fake-model"}', 400, "'prompt' is required", id="no-prompt"),
         pytest.param("/v1/completions", '{"prompt": 5}', 400, "'prompt' must be", id="prompt-type"),
-        pytest.param("/v1/completions", '{"prompt": "x", "model": "gpt-9"}', 404, "'gpt-9' does not exist", id="unknown-model"),
+        pytest.param(
+            "/v1/completions", '{"prompt": "x", "model": "gpt-9"}', 404, "'gpt-9' does not exist", id="unknown-model"
+        ),
         pytest.param("/generate", '{"sampling_params": {}}', 400, "'text' or 'input_ids'", id="generate-no-input"),
-        pytest.param("/generate", '{"text": "x", "sampling_params": {"max_new_tokens": -3}}', 400, "max_new_tokens", id="generate-neg"),
+        pytest.param(
+            "/generate",
+            '{"text": "x", "sampling_params": {"max_new_tokens": -3}}',
+            400,
+            "max_new_tokens",
+            id="generate-neg",
+        ),
         pytest.param("/v1/nowhere", "{}", 404, "no route", id="no-route"),
     ],
 )
@@ -119,8 +147,9 @@ async def test_priority_header_and_batch_key(make_proxy, monkeypatch):
     assert pick_priority(st, {}, None) is Priority.INTERACTIVE
     assert pick_priority(st, {"x-pacer-priority": "batch"}, None) is Priority.BATCH
     assert pick_priority(st, {"x-pacer-priority": "interactive"}, Priority.BATCH) is Priority.BATCH
-    status, payload, _ = await _post(h.url + "/v1/completions", '{"prompt": "x"}',
-                                     {"Authorization": "Bearer k-inter", "x-pacer-priority": "urgent"})
+    status, payload, _ = await _post(
+        h.url + "/v1/completions", '{"prompt": "x"}', {"Authorization": "Bearer k-inter", "x-pacer-priority": "urgent"}
+    )
     assert status == 400 and "x-pacer-priority" in payload["error"]["message"]
 
 
@@ -161,9 +190,17 @@ async def test_metrics_page_has_pacer_series(make_proxy):
     await client.close()
     async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
         text = await r.text()
-    for name in ("pacer_queue_depth{priority=\"interactive\"}", "pacer_inflight{", "pacer_requests_admitted_total 1.0",
-                 "pacer_requests_completed_total 1.0", "pacer_queue_time_seconds_bucket", "pacer_added_latency_seconds_bucket",
-                 "pacer_requests_rejected_total", "pacer_requests_retried_total", "pacer_requests_failed_total"):
+    for name in (
+        'pacer_queue_depth{priority="interactive"}',
+        "pacer_inflight{",
+        "pacer_requests_admitted_total 1.0",
+        "pacer_requests_completed_total 1.0",
+        "pacer_queue_time_seconds_bucket",
+        "pacer_added_latency_seconds_bucket",
+        "pacer_requests_rejected_total",
+        "pacer_requests_retried_total",
+        "pacer_requests_failed_total",
+    ):
         assert name in text, name
 
 
@@ -197,8 +234,10 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
 
     worker = FakeEngine()
     url = await worker.start()
-    doc = {"engine": {"kind": "external", "urls": [url]},
-           "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0}}
+    doc = {
+        "engine": {"kind": "external", "urls": [url]},
+        "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+    }
     pool = StaticPool([url])
     app = build_app(parse_policy(doc, "<test>"), pool)
     runner, port = await serve(app, "127.0.0.1", 0)
@@ -211,9 +250,12 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
             pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: both requests wait in the proxy queue
-            queued = [asyncio.ensure_future(s.post(base + "/v1/completions",
-                                                   json={"model": MODEL, "prompt": p, "max_tokens": 1}))
-                      for p in ("a", "b")]
+            queued = [
+                asyncio.ensure_future(
+                    s.post(base + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1})
+                )
+                for p in ("a", "b")
+            ]
             while len(st.admission) < 2:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)

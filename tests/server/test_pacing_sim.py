@@ -57,8 +57,12 @@ def pacer(tmp_path):
     (tmp_path / "policy.toml").write_text(POLICY)
     port = free_port("127.0.0.1")
     with open(tmp_path / "pacer.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-                                cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
         finally:
@@ -101,10 +105,17 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
     stop = asyncio.Event()
     watcher = asyncio.ensure_future(watch_backlog(stop))
     t0 = time.monotonic()
-    run = await run_burst(url, [w["url"] for w in workers], N,
-                          lambda i: {"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 64,
-                                     "sim_output_len": 8 + (i * 7919) % 48},
-                          backlog=lambda: backlog["n"])
+    run = await run_burst(
+        url,
+        [w["url"] for w in workers],
+        N,
+        lambda i: {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "max_tokens": 64,
+            "sim_output_len": 8 + (i * 7919) % 48,
+        },
+        backlog=lambda: backlog["n"],
+    )
     elapsed = time.monotonic() - t0
     stop.set()
     await watcher
@@ -118,8 +129,11 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
         for w in workers:
             async with s.get(w["url"] + "/metrics") as r:
                 text = await r.text()
-            finished += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                            if line.startswith("sglang:num_requests_total"))
+            finished += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("sglang:num_requests_total")
+            )
     assert finished == N
     for _url, (kept, _qmax, below, above) in report.items():
         assert kept >= 20, report

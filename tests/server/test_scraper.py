@@ -21,10 +21,12 @@ GOOD = 'sglang:num_queue_reqs{model_name="m"} 7\nsglang:num_running_reqs{model_n
 async def _server(routes: dict[str, web.Response | int]) -> tuple[web.AppRunner, str]:
     app = web.Application()
     for path, answer in routes.items():
+
         async def handler(request, answer=answer):
             if isinstance(answer, int):
                 return web.Response(status=answer)
             return web.Response(text=answer, content_type="text/plain") if isinstance(answer, str) else answer
+
         app.router.add_get(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -38,8 +40,14 @@ async def test_samples_errors_and_staleness():
     bad, url_bad = await _server({"/metrics": "this is { not prometheus"})
     gone, url_gone = await _server({"/metrics": GOOD})
     await gone.cleanup()  # nothing listens there any more
-    loads_only, url_loads = await _server({"/metrics": 404, "/v1/loads": web.json_response(
-        {"loads": [{"num_waiting_reqs": 2, "num_running_reqs": 5, "token_usage": 0.5}]})})
+    loads_only, url_loads = await _server(
+        {
+            "/metrics": 404,
+            "/v1/loads": web.json_response(
+                {"loads": [{"num_waiting_reqs": 2, "num_running_reqs": 5, "token_usage": 0.5}]}
+            ),
+        }
+    )
     pool = StaticPool([url_good, url_bad, url_gone, url_loads])
     board = LoadBoard()
     seen: list[tuple[str, bool]] = []
