@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Awaitable, Callable, Mapping, Protocol, Sequence
 
 WorkerId = str
 
@@ -82,9 +82,6 @@ class WorkerLogs(Protocol):
 
     def tail(self, worker_id: WorkerId, n: int) -> list[str]:
         """The last ``n`` lines (a bounded ring)."""
-
-    def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
-        """Every line from now on, as it is written; ends when the pool stops."""
 
     def add_line_listener(self, listener: LineListener) -> None:
         """Called synchronously with (worker_id, line) for each line of any worker."""

@@ -13,7 +13,7 @@ External workers (``kind = "external"``) are only registered: a background probe
 moves them between READY and DOWN; they cannot be restarted.
 
 State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners and ``subscribe_lines`` iterators as they are read, and ``tail`` keeps the
+reach line listeners as they are read, and ``tail`` keeps the
 last ones per worker across restarts.
 """
 
@@ -30,7 +30,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
 import aiohttp
 
@@ -148,7 +148,6 @@ class Supervisor:
         self._tasks: set[asyncio.Task[object]] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
-        self._subscriptions: set[Callable[[str | None], None]] = set()
         self._started = False
         self._stopping = False
 
@@ -168,31 +167,6 @@ class Supervisor:
 
     def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
         return self._slot(worker_id).lines.tail(n)
-
-    async def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
-        """Each line of ``worker_id`` from now on; ends when the supervisor stops.
-
-        A consumer more than 10,000 lines behind loses the oldest ones (the log file keeps them).
-        """
-        slot = self._slot(worker_id)
-        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=10_000)
-
-        def put(line: str | None) -> None:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(line)
-
-        remove = slot.lines.add_sink(put)
-        self._subscriptions.add(put)
-        try:
-            while not self._closed.is_set() or not queue.empty():
-                line = await queue.get()
-                if line is None:  # the supervisor stopped
-                    return
-                yield line
-        finally:
-            self._subscriptions.discard(put)
-            remove()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -243,8 +217,6 @@ class Supervisor:
             if slot.state != WorkerState.STOPPED:
                 self._set(slot, WorkerState.STOPPED)
         self._closed.set()
-        for put in list(self._subscriptions):
-            put(None)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._session is not None:
