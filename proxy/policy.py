@@ -15,7 +15,7 @@ minutes later when a GPU worker refuses to start.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -23,7 +23,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlparse
 
-from proxy.engines.registry import engine_spec
+from proxy.engines.contract import Engine
+from proxy.engines.registry import ENGINES, EngineKind, engine_named
 from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml, key, read_settings
 
 __all__ = [
@@ -50,13 +51,6 @@ class Priority(StrEnum):
     BATCH = "batch"
 
 
-class EngineKind(StrEnum):
-    SIM = "sim"  # the simulated SGLang engine (pacer sim)
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    EXTERNAL = "external"  # servers the proxy neither starts nor restarts
-
-
 def _empty_table() -> Mapping[str, Any]:
     return MappingProxyType({})
 
@@ -72,19 +66,41 @@ class ProxySettings:
     host: str = field(default="127.0.0.1", metadata=key("where clients connect"))
     port: int = field(default=8000, metadata=key("listen port (0: any free port)", minimum=0, maximum=65535))
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata=key("larger request bodies get 413", minimum=1))
-    status_log_interval_s: float = field(default=10.0, metadata=key('seconds between "#proxy-queue ..." status lines', positive=True))
-    request_timeout_s: float = field(default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True))
-    gpu_sample_interval_s: float = field(default=5.0, metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0))
+    status_log_interval_s: float = field(
+        default=10.0, metadata=key('seconds between "#proxy-queue ..." status lines', positive=True)
+    )
+    request_timeout_s: float = field(
+        default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True)
+    )
+    gpu_sample_interval_s: float = field(
+        default=5.0,
+        metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuthSettings:
     """Where keys come from; all ``None`` means the proxy runs open. Files are absolute paths."""
 
-    api_keys_env: str | None = field(default=None, metadata=key('environment variable with comma-separated client keys; "KEY:batch" puts a key in the batch class', custom=True))
-    api_keys_file: Path | None = field(default=None, metadata=key('file of client keys, one a line, optional " batch" / " interactive" (relative to the policy)', custom=True))
-    admin_key_env: str | None = field(default=None, metadata=key("environment variable with the key for /admin/*", custom=True))
-    admin_key_file: Path | None = field(default=None, metadata=key("file with the key for /admin/* (relative to the policy)", custom=True))
+    api_keys_env: str | None = field(
+        default=None,
+        metadata=key(
+            'environment variable with comma-separated client keys; "KEY:batch" puts a key in the batch class',
+            custom=True,
+        ),
+    )
+    api_keys_file: Path | None = field(
+        default=None,
+        metadata=key(
+            'file of client keys, one a line, optional " batch" / " interactive" (relative to the policy)', custom=True
+        ),
+    )
+    admin_key_env: str | None = field(
+        default=None, metadata=key("environment variable with the key for /admin/*", custom=True)
+    )
+    admin_key_file: Path | None = field(
+        default=None, metadata=key("file with the key for /admin/* (relative to the policy)", custom=True)
+    )
 
     @property
     def configured(self) -> bool:
@@ -93,47 +109,88 @@ class AuthSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueSettings:
-    capacity: int = field(default=20000, metadata=key("requests waiting in the proxy; past it clients get 429 + Retry-After", minimum=0))
-    timeout_s: float = field(default=300.0, metadata=key("longest wait in the proxy's queue in seconds, then 503", positive=True))
+    capacity: int = field(
+        default=20000, metadata=key("requests waiting in the proxy; past it clients get 429 + Retry-After", minimum=0)
+    )
+    timeout_s: float = field(
+        default=300.0, metadata=key("longest wait in the proxy's queue in seconds, then 503", positive=True)
+    )
     retry_after_s: int = field(default=2, metadata=key("the Retry-After (seconds) a 429 carries", minimum=0))
-    default_priority: Priority = field(default=Priority.INTERACTIVE, metadata=key("priority of requests without the header"))
-    priority_header: str = field(default="x-pacer-priority", metadata=key('request header a client may set to "batch" or "interactive"', custom=True))
+    default_priority: Priority = field(
+        default=Priority.INTERACTIVE, metadata=key("priority of requests without the header")
+    )
+    priority_header: str = field(
+        default="x-pacer-priority",
+        metadata=key('request header a client may set to "batch" or "interactive"', custom=True),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSettings:
-    kind: EngineKind = field(default=EngineKind.SIM, metadata=key("sim | sglang | vllm | external (servers the proxy neither starts nor restarts)", custom=True))
+    kind: EngineKind = field(
+        default=EngineKind.SIM,
+        metadata=key("sim | sglang | vllm | external (servers the proxy neither starts nor restarts)", custom=True),
+    )
     workers: int = field(default=1, metadata=key("managed workers; for external, one per URL", minimum=1, custom=True))
-    args: Mapping[str, Any] = field(default_factory=_empty_table, metadata=key("engine flags by name, with underscores (managed kinds)", custom=True))
-    extra_args: tuple[str, ...] = field(default=(), metadata=key("more command-line arguments for each worker (managed kinds)", custom=True))
-    urls: tuple[str, ...] = field(default=(), metadata=key('the workers\' base URLs (kind = "external" only)', custom=True))
-    speaks: str = field(default="sglang", metadata=key('the engine whose metrics/logs external workers speak: sglang | vllm', custom=True))
-    command: tuple[str, ...] | None = field(default=None, metadata=key("launcher argv; not set: the engine's default by kind", custom=True))
+    args: Mapping[str, Any] = field(
+        default_factory=_empty_table,
+        metadata=key("engine flags by name, with underscores (managed kinds)", custom=True),
+    )
+    extra_args: tuple[str, ...] = field(
+        default=(), metadata=key("more command-line arguments for each worker (managed kinds)", custom=True)
+    )
+    urls: tuple[str, ...] = field(
+        default=(), metadata=key('the workers\' base URLs (kind = "external" only)', custom=True)
+    )
+    speaks: str = field(
+        default=EngineKind.SGLANG.value,
+        metadata=key("the engine whose metrics and logs external workers speak (a managed kind)", custom=True),
+    )
+    command: tuple[str, ...] | None = field(
+        default=None, metadata=key("launcher argv; not set: the engine's default by kind", custom=True)
+    )
     host: str = field(default="127.0.0.1", metadata=key("address the workers listen on"))
-    base_port: int = field(default=0, metadata=key("0: free ports chosen at start; else worker i listens on base_port + i", minimum=0, maximum=65535))
-    startup_timeout_s: float = field(default=900.0, metadata=key("seconds a worker may take to become ready", positive=True))
+    base_port: int = field(
+        default=0,
+        metadata=key("0: free ports chosen at start; else worker i listens on base_port + i", minimum=0, maximum=65535),
+    )
+    startup_timeout_s: float = field(
+        default=900.0, metadata=key("seconds a worker may take to become ready", positive=True)
+    )
     stop_grace_s: float = field(default=10.0, metadata=key("seconds between SIGTERM and SIGKILL", minimum=0))
-    env: Mapping[str, str] = field(default_factory=_empty_table, metadata=key("environment variables for the workers (strings)", custom=True))
-    log_dir: Path = field(default=Path(".pacer/logs"), metadata=key("one log file per worker, relative to the current directory"))
+    env: Mapping[str, str] = field(
+        default_factory=_empty_table, metadata=key("environment variables for the workers (strings)", custom=True)
+    )
+    log_dir: Path = field(
+        default=Path(".pacer/logs"), metadata=key("one log file per worker, relative to the current directory")
+    )
 
     @property
     def managed(self) -> bool:
         return self.kind != EngineKind.EXTERNAL
 
     @property
-    def engine(self) -> str:
-        """The engine package the workers speak: "sglang" for sim/sglang, else vllm or ``speaks``."""
-        if self.kind == EngineKind.EXTERNAL:
-            return self.speaks
-        return "vllm" if self.kind == EngineKind.VLLM else "sglang"
+    def engine(self) -> Engine:
+        """The engine the workers speak: the one of ``kind``, or ``speaks`` for external workers."""
+        return engine_named(self.speaks if self.kind == EngineKind.EXTERNAL else self.kind)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PacingSettings:
-    queue_band: tuple[int, int] = field(default=(100, 2000), metadata=key("[low, high]: healthy range of each worker's #queue-req", custom=True))
-    headroom: int = field(default=32, metadata=key("dispatch while estimated server queue < band low + headroom (never past high)", minimum=0))
+    queue_band: tuple[int, int] = field(
+        default=(100, 2000), metadata=key("[low, high]: healthy range of each worker's #queue-req", custom=True)
+    )
+    headroom: int = field(
+        default=32,
+        metadata=key("dispatch while estimated server queue < band low + headroom (never past high)", minimum=0),
+    )
     scrape_interval_s: float = field(default=0.5, metadata=key("seconds between /metrics reads", positive=True))
-    stale_after_s: float = field(default=3.0, metadata=key("a worker whose samples are older (seconds) counts as saturated; >= scrape_interval_s", positive=True))
+    stale_after_s: float = field(
+        default=3.0,
+        metadata=key(
+            "a worker whose samples are older (seconds) counts as saturated; >= scrape_interval_s", positive=True
+        ),
+    )
     max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
 
 
@@ -141,36 +198,106 @@ class PacingSettings:
 class ControlSettings:
     """The controller's settings: when it looks, what counts as evidence, how far it may move a knob."""
 
-    mode: ControlMode = field(default=ControlMode.OFF, metadata=key("off: pace only; advise: log what the controller would change; auto: act"))
+    mode: ControlMode = field(
+        default=ControlMode.OFF, metadata=key("off: pace only; advise: log what the controller would change; auto: act")
+    )
     # -- rhythm and restraint (proxy.control)
     interval_s: float = field(default=5.0, metadata=key("seconds between runs of the rules", positive=True))
     window_s: float = field(default=60.0, metadata=key("seconds a rule looks back", positive=True))
-    min_evidence_s: float = field(default=20.0, metadata=key("observed seconds a worker needs since its (re)start before a rule acts; <= window_s", positive=True))
-    cooldown_s: float = field(default=120.0, metadata=key("after a restart, tuning rules leave that worker alone this many seconds", minimum=0))
-    restarts_per_hour: int = field(default=6, metadata=key("restarts the controller may ask for, per worker", minimum=0))
-    flip_guard_s: float = field(default=1800.0, metadata=key("seconds within which a knob moved one way is not moved back by a tuning rule", minimum=0))
-    good_after_s: float = field(default=120.0, metadata=key("args that ran this many seconds without a crash become the crash-loop fallback", positive=True))
-    crash_loop: int = field(default=3, metadata=key("deaths within crash_loop_window_s that make a crash loop", minimum=1))
-    crash_loop_window_s: float = field(default=600.0, metadata=key("seconds over which deaths count toward a crash loop", positive=True))
-    crash_backoff_s: tuple[float, ...] = field(default=(1.0, 5.0, 15.0, 30.0, 60.0), metadata=key("seconds to wait before reviving a dead worker, one per death in a row", custom=True))
-    drain_timeout_s: float = field(default=60.0, metadata=key("longest wait (seconds) for running requests before a restart", positive=True))
-    revive: bool = field(default=True, metadata=key("in auto mode, restart a managed worker that died (with safer args when a rule says so)"))
-    journal_path: str | None = field(default=".pacer/decisions.jsonl", metadata=key("decisions as JSON lines; not set: kept in memory only", custom=True))
+    min_evidence_s: float = field(
+        default=20.0,
+        metadata=key(
+            "observed seconds a worker needs since its (re)start before a rule acts; <= window_s", positive=True
+        ),
+    )
+    cooldown_s: float = field(
+        default=120.0,
+        metadata=key("after a restart, tuning rules leave that worker alone this many seconds", minimum=0),
+    )
+    restarts_per_hour: int = field(
+        default=6, metadata=key("restarts the controller may ask for, per worker", minimum=0)
+    )
+    flip_guard_s: float = field(
+        default=1800.0,
+        metadata=key("seconds within which a knob moved one way is not moved back by a tuning rule", minimum=0),
+    )
+    good_after_s: float = field(
+        default=120.0,
+        metadata=key("args that ran this many seconds without a crash become the crash-loop fallback", positive=True),
+    )
+    crash_loop: int = field(
+        default=3, metadata=key("deaths within crash_loop_window_s that make a crash loop", minimum=1)
+    )
+    crash_loop_window_s: float = field(
+        default=600.0, metadata=key("seconds over which deaths count toward a crash loop", positive=True)
+    )
+    crash_backoff_s: tuple[float, ...] = field(
+        default=(1.0, 5.0, 15.0, 30.0, 60.0),
+        metadata=key("seconds to wait before reviving a dead worker, one per death in a row", custom=True),
+    )
+    drain_timeout_s: float = field(
+        default=60.0, metadata=key("longest wait (seconds) for running requests before a restart", positive=True)
+    )
+    revive: bool = field(
+        default=True,
+        metadata=key("in auto mode, restart a managed worker that died (with safer args when a rule says so)"),
+    )
+    journal_path: str | None = field(
+        default=".pacer/decisions.jsonl",
+        metadata=key("decisions as JSON lines; not set: kept in memory only", custom=True),
+    )
     # -- thresholds and steps of the rules
-    low_usage: float = field(default=0.9, metadata=key("token usage below this with a non-empty server queue ...", positive=True, maximum=1))
-    low_usage_fraction: float = field(default=0.7, metadata=key("... for this fraction of the window: admission too conservative", positive=True, maximum=1))
-    timid_queue_fraction: float = field(default=0.5, metadata=key("server queue empty this often while the proxy holds work: a journal note", positive=True, maximum=1))
-    retractions_per_min: float = field(default=6.0, metadata=key("retracted requests per minute below which there is never a storm (noise floor)", positive=True))
-    retractions_per_1k_tokens: float = field(default=0.5, metadata=key("retracted requests per 1,000 output tokens above this: admission too aggressive", positive=True))
-    admission_min_gain: float = field(default=0.15, metadata=key("lower conservativeness only if the batch could grow this much (low_usage / usage - 1)", positive=True))
-    conservativeness_bounds: tuple[float, float] = field(default=(0.1, 2.0), metadata=key("[low, high] of schedule_conservativeness", custom=True))
-    conservativeness_step: float = field(default=0.3, metadata=key("how far one step moves schedule_conservativeness", positive=True))
-    prefill_chunk_min: int = field(default=2048, metadata=key("a prefill OOM halves chunked_prefill_size down to this", minimum=1))
-    decode_oom_factor: float = field(default=0.8, metadata=key("a decode OOM caps max_running_requests at the peak seen x this", positive=True, maximum=1))
+    low_usage: float = field(
+        default=0.9, metadata=key("token usage below this with a non-empty server queue ...", positive=True, maximum=1)
+    )
+    low_usage_fraction: float = field(
+        default=0.7,
+        metadata=key("... for this fraction of the window: admission too conservative", positive=True, maximum=1),
+    )
+    timid_queue_fraction: float = field(
+        default=0.5,
+        metadata=key(
+            "server queue empty this often while the proxy holds work: a journal note", positive=True, maximum=1
+        ),
+    )
+    retractions_per_min: float = field(
+        default=6.0,
+        metadata=key("retracted requests per minute below which there is never a storm (noise floor)", positive=True),
+    )
+    retractions_per_1k_tokens: float = field(
+        default=0.5,
+        metadata=key("retracted requests per 1,000 output tokens above this: admission too aggressive", positive=True),
+    )
+    admission_min_gain: float = field(
+        default=0.15,
+        metadata=key(
+            "lower conservativeness only if the batch could grow this much (low_usage / usage - 1)", positive=True
+        ),
+    )
+    conservativeness_bounds: tuple[float, float] = field(
+        default=(0.1, 2.0), metadata=key("[low, high] of schedule_conservativeness", custom=True)
+    )
+    conservativeness_step: float = field(
+        default=0.3, metadata=key("how far one step moves schedule_conservativeness", positive=True)
+    )
+    prefill_chunk_min: int = field(
+        default=2048, metadata=key("a prefill OOM halves chunked_prefill_size down to this", minimum=1)
+    )
+    decode_oom_factor: float = field(
+        default=0.8,
+        metadata=key("a decode OOM caps max_running_requests at the peak seen x this", positive=True, maximum=1),
+    )
     max_running_min: int = field(default=8, metadata=key("lowest max_running_requests the controller sets", minimum=1))
-    available_mem_band_gb: tuple[float, float] = field(default=(5.0, 10.0), metadata=key("[low, high] GB: start-up free memory outside it moves mem_fraction_static", custom=True))
-    memory_fraction_step: float = field(default=0.01, metadata=key("how far one step moves mem_fraction_static", positive=True))
-    memory_fraction_bounds: tuple[float, float] = field(default=(0.5, 0.95), metadata=key("[low, high] of mem_fraction_static (high <= 1)", custom=True))
+    available_mem_band_gb: tuple[float, float] = field(
+        default=(5.0, 10.0),
+        metadata=key("[low, high] GB: start-up free memory outside it moves mem_fraction_static", custom=True),
+    )
+    memory_fraction_step: float = field(
+        default=0.01, metadata=key("how far one step moves mem_fraction_static", positive=True)
+    )
+    memory_fraction_bounds: tuple[float, float] = field(
+        default=(0.5, 0.95), metadata=key("[low, high] of mem_fraction_static (high <= 1)", custom=True)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,18 +317,23 @@ class Policy:
     def changed(self) -> list[str]:
         """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
         tables = {name: getattr(self, name) for name in TABLES}
-        return changed_keys(tables, secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key))
+        return changed_keys(
+            tables,
+            secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key),
+        )
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
-TABLES: Mapping[str, type[Any]] = MappingProxyType({
-    "proxy": ProxySettings,
-    "auth": AuthSettings,
-    "queue": QueueSettings,
-    "engine": EngineSettings,
-    "pacing": PacingSettings,
-    "control": ControlSettings,
-})
+TABLES: Mapping[str, type[Any]] = MappingProxyType(
+    {
+        "proxy": ProxySettings,
+        "auth": AuthSettings,
+        "queue": QueueSettings,
+        "engine": EngineSettings,
+        "pacing": PacingSettings,
+        "control": ControlSettings,
+    }
+)
 
 
 def documented_defaults() -> str:
@@ -299,8 +431,9 @@ def _engine(t: Table) -> EngineSettings:
         for flag in ("--host", "--port"):
             if any(a == flag or a.startswith(flag + "=") for a in extra_args):
                 raise t.error("extra_args", f"{flag} is set by the supervisor (use engine.host / engine.base_port)")
-        if kind == EngineKind.SGLANG and "model_path" not in args:
-            raise t.error("args.model_path", 'required for kind = "sglang"')
+        for name in engine_named(kind).required_args():
+            if name not in args:
+                raise t.error(f"args.{name}", f'required for kind = "{kind}"')
     else:
         if not urls:
             raise t.error("urls", 'kind = "external" needs at least one URL, e.g. urls = ["http://10.0.0.5:30000"]')
@@ -308,8 +441,8 @@ def _engine(t: Table) -> EngineSettings:
             parsed = urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise t.error(f"urls[{i}]", f"expected an http(s)://host:port URL, got {url!r}")
-        if speaks is not None and speaks not in ("sglang", "vllm"):
-            raise t.error("speaks", f"expected one of sglang, vllm; got {speaks!r}")
+        if speaks is not None and speaks not in ENGINES:
+            raise t.error("speaks", f"expected one of {', '.join(ENGINES)}; got {speaks!r}")
         for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
             if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
@@ -335,26 +468,11 @@ def _engine(t: Table) -> EngineSettings:
 
 
 def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any]) -> None:
-    checker = _arg_checker(kind)
-    if checker is None:
-        return
+    engine = engine_named(kind)
     for name, value in args.items():
-        problem = checker(name, value)
+        problem = engine.check_arg(name, value)
         if problem:
             raise t.error(f"args.{name}", problem)
-
-
-def _arg_checker(kind: EngineKind) -> Callable[[str, object], str | None] | None:
-    """The engine's ``check_arg(name, value) -> problem | None``; None where the engine has none yet."""
-    if kind in (EngineKind.SIM, EngineKind.SGLANG):
-        from proxy.engines.sglang.argv import check_arg
-
-        allow_sim = kind == EngineKind.SIM
-        return lambda name, value: check_arg(name, value, allow_sim=allow_sim)
-    try:
-        return engine_spec(str(kind)).function("argv", "check_arg")
-    except (ImportError, AttributeError):
-        return None
 
 
 def _pacing(t: Table) -> PacingSettings:
@@ -373,7 +491,9 @@ def _pacing(t: Table) -> PacingSettings:
         raise t.error("queue_band", f"low must be <= high, got [{low}, {high}]")
     s = read_settings(t, PacingSettings, {"queue_band": (low, high)})
     if s.stale_after_s < s.scrape_interval_s:
-        raise t.error("stale_after_s", f"must be >= scrape_interval_s ({s.scrape_interval_s:g}), got {s.stale_after_s:g}")
+        raise t.error(
+            "stale_after_s", f"must be >= scrape_interval_s ({s.scrape_interval_s:g}), got {s.stale_after_s:g}"
+        )
     t.finish()
     return s
 
@@ -428,12 +548,17 @@ def _describe(p: Policy) -> list[str]:
         f"upstream timeout {p.proxy.request_timeout_s:g} s"
     )
     if a.configured:
-        sources = [f"env {a.api_keys_env}" if a.api_keys_env else "", f"file {a.api_keys_file}" if a.api_keys_file else ""]
+        sources = [
+            f"env {a.api_keys_env}" if a.api_keys_env else "",
+            f"file {a.api_keys_file}" if a.api_keys_file else "",
+        ]
         lines.append(f"  auth     API keys from {' and '.join(s for s in sources if s)}")
     else:
         lines.append("  auth     open (no API keys configured)")
     if a.admin_key_env or a.admin_key_file:
-        lines.append(f"           admin key from {(a.admin_key_env and 'env ' + a.admin_key_env) or 'file ' + str(a.admin_key_file)}")
+        lines.append(
+            f"           admin key from {(a.admin_key_env and 'env ' + a.admin_key_env) or 'file ' + str(a.admin_key_file)}"
+        )
     lines.append(
         f"  queue    capacity {q.capacity}, wait <= {q.timeout_s:g} s, default priority {q.default_priority}"
         f" (header {q.priority_header})"

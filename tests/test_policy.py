@@ -101,7 +101,7 @@ def test_gpu_sample_interval_is_read() -> None:
 def test_external_workers() -> None:
     p = parse_policy({"engine": {"kind": "external", "urls": ["http://10.0.0.5:30000/"], "speaks": "vllm"}})
     assert p.engine.urls == ("http://10.0.0.5:30000",) and p.engine.workers == 1 and not p.engine.managed
-    assert p.engine.engine == "vllm" and "external (vllm)" in p.describe()
+    assert p.engine.engine.name == "vllm" and "external (vllm)" in p.describe()
 
 
 def test_api_key_is_masked_in_describe() -> None:

@@ -41,6 +41,7 @@ from proxy.control.journal import Journal, Status, verdict
 from proxy.control.rules import ON_DEATH, WHILE_SERVING, RuleSettings, evaluate, revive_delay
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Sample
+from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
@@ -64,14 +65,6 @@ class Actor(Protocol):
         """Restart a worker that died."""
 
 
-class LogReader(Protocol):
-    """Turns one worker's log lines into events (``proxy.engines.<engine>.logs.LogFollower``)."""
-
-    def feed(self, line: str, now: float) -> list[LogEvent]: ...
-
-    def flush(self, now: float) -> list[LogEvent]: ...
-
-
 class DeathReport(Protocol):
     """Why a worker died, as its engine reads the log tail (``proxy.engines.<engine>.logs.Death``)."""
 
@@ -88,7 +81,7 @@ class DeathReport(Protocol):
 class EngineLogs(Protocol):
     """What the controller reads through the engine's module."""
 
-    def reader(self) -> LogReader:
+    def log_reader(self) -> LogReader:
         """A reader for one worker's log lines (a new one per worker: a reader may keep state)."""
 
     def classify_death(self, tail: Sequence[str]) -> DeathReport | None:
@@ -159,7 +152,7 @@ class Controller:
         now = self.clock()
         w = self._workers.get(info.id)
         if w is None:
-            reader = self.engine.reader() if info.managed else None
+            reader = self.engine.log_reader() if info.managed else None
             w = self._workers[info.id] = _Worker(
                 state=ControlState.initial(info.id, dict(info.args), now if info.state is WorkerState.READY else None),
                 window=Window(span_s=self.settings.window_s),

@@ -1,6 +1,6 @@
 """The controller's rules: pure functions ``(window, state, settings) -> Decision | None``.
 
-Each rule is one row of the controller's table in README.md ("The controller"), SGLang's tuning
+Each rule is one row of the controller's table in docs/controller.md, SGLang's tuning
 guide in engine-neutral words; the engine's knob table (``proxy.engines.<engine>.knobs``) says which
 argument a knob is. Thresholds, steps and bounds come from the policy's ``[control]`` table. What
 each rule decided on is a frozen value of ``proxy.control.evidence``.

@@ -12,9 +12,10 @@ path reports one it cannot reach (``hold``, ``report_unreachable``); the pool's 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 WorkerId = str
 

@@ -28,13 +28,13 @@ import os
 import shlex
 import socket
 import time
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.engines.registry import EngineSpec, engine_spec as registry_engine_spec
 from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.process import LineLog, WorkerProcess, signal_name
 
@@ -128,17 +128,15 @@ class Supervisor:
         self,
         engine_settings: EngineSettings,
         *,
-        engine_spec: EngineSpec | None = None,
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
     ) -> None:
         self._settings = engine_settings
         self._managed = engine_settings.managed
-        kind = str(engine_settings.kind) if self._managed else engine_settings.speaks
-        self._spec = engine_spec or registry_engine_spec(kind)
+        self._engine = engine_settings.engine
         self._poll_s = poll_interval_s
-        self._ready_marker = self._spec.ready_marker()
+        self._ready_marker = self._engine.ready_marker
         self._probe_s = external_probe_interval_s
         self._ring_lines = ring_lines
         self._slots: dict[WorkerId, _Slot] = {}
@@ -277,9 +275,8 @@ class Supervisor:
 
     def _argv(self, args: dict[str, object], port: int) -> tuple[str, ...]:
         s = self._settings
-        build: Callable[..., list[str]] = self._spec.function("argv", "build_argv")
-        command = list(s.command) if s.command else self._spec.default_command()
-        return (*command, *build(args, s.extra_args, host=s.host, port=port))
+        command = list(s.command) if s.command else self._engine.default_command()
+        return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -395,7 +392,9 @@ class Supervisor:
                 continue
             hint = asyncio.ensure_future(slot.ready_seen.wait())
             try:  # the next poll, or the engine's ready line, whichever comes first
-                await asyncio.wait({watcher, hint}, timeout=min(self._poll_s, left), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {watcher, hint}, timeout=min(self._poll_s, left), return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 hint.cancel()
         self._set(
@@ -414,7 +413,7 @@ class Supervisor:
             async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 await resp.read()
                 return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return None
 
     async def _stop_slot(self, slot: _Slot, *, locked: bool = False) -> None:

@@ -55,7 +55,7 @@ class RecordingActor:
 class SGLangLogs:
     """The engine side, as the app builds it for SGLang."""
 
-    def reader(self) -> LogReader:
+    def log_reader(self) -> LogReader:
         return LogFollower()
 
     def classify_death(self, tail: Sequence[str]) -> Death:

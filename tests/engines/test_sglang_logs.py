@@ -23,7 +23,14 @@ DECODE_CASES = [
     pytest.param(
         "[2026-09-13 16:06:06] Decode batch, #running-req: 66, #token: 84642, token usage: 0.97, cuda graph: False, "
         "gen throughput (token/s): 2574.67, #queue-req: 11",
-        {"running": 66, "used_tokens": 84642, "token_usage": 0.97, "graph": False, "gen_throughput": 2574.67, "queue": 11},
+        {
+            "running": 66,
+            "used_tokens": 84642,
+            "token_usage": 0.97,
+            "graph": False,
+            "gen_throughput": 2574.67,
+            "queue": 11,
+        },
         id="0.5.23-comma",
     ),
     pytest.param(
@@ -100,8 +107,17 @@ PREFILL_CASES = [
     pytest.param(
         "[2026-09-13 16:06:05] Prefill batch, #new-seq: 4, #new-token: 8192, #cached-token: 512, token usage: 0.33, "
         "#running-req: 60, #queue-req: 200, #pending-token: 30000, cuda graph: False, input throughput (token/s): 20480.50",
-        {"new_seqs": 4, "new_tokens": 8192, "cached_tokens": 512, "token_usage": 0.33, "running": 60, "queue": 200,
-         "pending_tokens": 30000, "graph": False, "input_throughput": 20480.5},
+        {
+            "new_seqs": 4,
+            "new_tokens": 8192,
+            "cached_tokens": 512,
+            "token_usage": 0.33,
+            "running": 60,
+            "queue": 200,
+            "pending_tokens": 30000,
+            "graph": False,
+            "input_throughput": 20480.5,
+        },
         id="0.5.23",
     ),
     pytest.param(
@@ -239,8 +255,18 @@ def test_kv_pool_smaller_than_context_warning() -> None:
 @pytest.mark.parametrize(
     ("line", "phase", "cause"),
     [
-        pytest.param("[2026-09-13 16:20:11] Prefill out of memory. Try to lower your batch size.", "prefill", "kv_pool", id="prefill-alloc"),
-        pytest.param("[2026-09-13 16:20:11] Decode out of memory. Try to lower your batch size.", "decode", "kv_pool", id="decode-alloc"),
+        pytest.param(
+            "[2026-09-13 16:20:11] Prefill out of memory. Try to lower your batch size.",
+            "prefill",
+            "kv_pool",
+            id="prefill-alloc",
+        ),
+        pytest.param(
+            "[2026-09-13 16:20:11] Decode out of memory. Try to lower your batch size.",
+            "decode",
+            "kv_pool",
+            id="decode-alloc",
+        ),
         pytest.param(
             "[2026-09-13 16:20:11] alloc_req_slots runs out of memory. Please set a smaller number for `--max-running-requests`. "
             "req_to_token_pool.available_size()=0, num_reqs=4",
@@ -268,7 +294,9 @@ def test_exception_head_alone_is_a_crash_of_unknown_phase() -> None:
 
 
 def test_watchdog_crash() -> None:
-    event = parse_line("[2026-09-13 16:10:02] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)", now=0.0)
+    event = parse_line(
+        "[2026-09-13 16:10:02] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)", now=0.0
+    )
     assert event is not None and event.kind is EventKind.CRASH and event.fields["cause"] == "watchdog"
 
 
@@ -423,9 +451,16 @@ def test_head_less_decode_line_of_0_1() -> None:
     # Built from the format string of python/sglang/srt/managers/router/model_rpc.py (0.1.x), which logged the
     # statistics without a head: f"#running-req: {..}, #token: {..}, token usage: {..:.2f}, gen throughput
     # (token/s): {..:.2f}, #queue-req: {..}"; no issue quotes one.
-    event = parse_line("#running-req: 12, #token: 5120, token usage: 0.07, gen throughput (token/s): 310.55, #queue-req: 3", now=0.0)
+    event = parse_line(
+        "#running-req: 12, #token: 5120, token usage: 0.07, gen throughput (token/s): 310.55, #queue-req: 3", now=0.0
+    )
     assert event is not None and event.kind is EventKind.BATCH_STATS
-    assert (event.fields["phase"], event.fields["running"], event.fields["queue"], event.fields["token_usage"]) == ("decode", 12, 3, 0.07)
+    assert (event.fields["phase"], event.fields["running"], event.fields["queue"], event.fields["token_usage"]) == (
+        "decode",
+        12,
+        3,
+        0.07,
+    )
 
 
 def test_mixed_chunk_prefill_line() -> None:
@@ -433,7 +468,12 @@ def test_mixed_chunk_prefill_line() -> None:
     line = "[11:02:03 TP0] Prefill batch(mixed #running-req: 17). #new-seq: 1, #new-token: 2048, #cached-token: 0, cache hit rate: 0.00%, #queue-req: 4"
     event = parse_line(line, now=0.0)
     assert event is not None and event.kind is EventKind.BATCH_STATS
-    assert (event.fields["phase"], event.fields["running"], event.fields["queue"], event.fields["mixed"]) == ("prefill", 17, 4, True)
+    assert (event.fields["phase"], event.fields["running"], event.fields["queue"], event.fields["mixed"]) == (
+        "prefill",
+        17,
+        4,
+        True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -472,7 +512,9 @@ def test_memory_pool_end_line_of_the_tracker() -> None:
     assert parse_line(lines[0], now=0.0) is None
     (startup,) = LogFollower().feed_all(lines, now=0.0)
     assert startup.kind is EventKind.STARTUP and startup.fields["tp_rank"] == 5
-    assert startup.fields["available_gpu_mem_gb"] == 11.87 and startup.fields["available_mem_source"] == "avail_mem_line"
+    assert (
+        startup.fields["available_gpu_mem_gb"] == 11.87 and startup.fields["available_mem_source"] == "avail_mem_line"
+    )
 
 
 def test_memory_pool_end_gives_the_capacity_line_its_free_memory() -> None:
@@ -534,8 +576,12 @@ def test_not_out_of_memory_cuda_errors_are_crashes() -> None:
 @pytest.mark.parametrize(
     ("name", "phase", "cause"),
     [
-        pytest.param("sglang_0.3_flashinfer_prefill.txt", "prefill", "flashinfer_workspace", id="0.3-rank-prefixed-traceback"),
-        pytest.param("sglang_0.1_flashinfer_decode.txt", "decode", "flashinfer_workspace", id="0.1-cuda-error-before-traceback"),
+        pytest.param(
+            "sglang_0.3_flashinfer_prefill.txt", "prefill", "flashinfer_workspace", id="0.3-rank-prefixed-traceback"
+        ),
+        pytest.param(
+            "sglang_0.1_flashinfer_decode.txt", "decode", "flashinfer_workspace", id="0.1-cuda-error-before-traceback"
+        ),
     ],
 )
 def test_old_scheduler_tracebacks(name: str, phase: str, cause: str) -> None:

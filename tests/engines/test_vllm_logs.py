@@ -20,8 +20,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
             "(APIServer pid=1) INFO 03-09 12:56:57 [loggers.py:236] Engine 000: Avg prompt throughput: 812.3 tokens/s, "
             "Avg generation throughput: 5763.0 tokens/s, Running: 29 reqs, Waiting: 47 reqs, GPU KV cache usage: 98.4%, "
             "Prefix cache hit rate: 0.0%",
-            {"running": 29, "queue": 47, "token_usage": 0.984, "gen_throughput": 5763.0, "prompt_throughput": 812.3,
-             "retractions": 0, "cache_hit_rate": 0.0, "engines": 1},
+            {
+                "running": 29,
+                "queue": 47,
+                "token_usage": 0.984,
+                "gen_throughput": 5763.0,
+                "prompt_throughput": 812.3,
+                "retractions": 0,
+                "cache_hit_rate": 0.0,
+                "engines": 1,
+            },
             id="gpu-spelling",
         ),
         pytest.param(
@@ -33,7 +41,14 @@ FIXTURES = Path(__file__).parent / "fixtures"
         pytest.param(
             "Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2,048.0 tokens/s, Running: 128 reqs, "
             "Waiting: 3 reqs, Preemptions: 17, GPU KV cache usage: 100.0%, Prefix cache hit rate: 12.5%",
-            {"running": 128, "queue": 3, "retractions": 17, "token_usage": 1.0, "cache_hit_rate": 0.125, "gen_throughput": 2048.0},
+            {
+                "running": 128,
+                "queue": 3,
+                "retractions": 17,
+                "token_usage": 1.0,
+                "cache_hit_rate": 0.125,
+                "gen_throughput": 2048.0,
+            },
             id="new-v1-preemptions",
         ),
         pytest.param(
@@ -149,7 +164,7 @@ def test_other_lines(line: str, kind: EventKind, fields: dict) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ["", "INFO: 127.0.0.1:5555 - \"POST /v1/completions HTTP/1.1\" 200 OK", "Loading weights took 0.01 seconds"],
+    ["", 'INFO: 127.0.0.1:5555 - "POST /v1/completions HTTP/1.1" 200 OK', "Loading weights took 0.01 seconds"],
 )
 def test_unrelated_lines(line: str) -> None:
     assert parse_line(line, 0.0) is None
@@ -182,10 +197,18 @@ def test_recorded_kv_capacity_refusal() -> None:
 
 def _oom_traceback(frames: list[str]) -> list[str]:
     head = "(EngineCore_DP0 pid=77) ERROR 01-01 00:00:00 [core.py:1510] "
-    return [head + "EngineCore failed to start.", head + "Traceback (most recent call last):"] + [
-        head + f'  File "/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py", line {100 + i}, in {f}'
-        for i, f in enumerate(frames)
-    ] + [head + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB"]
+    return (
+        [head + "EngineCore failed to start.", head + "Traceback (most recent call last):"]
+        + [
+            head
+            + f'  File "/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py", line {100 + i}, in {f}'
+            for i, f in enumerate(frames)
+        ]
+        + [
+            head
+            + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB"
+        ]
+    )
 
 
 def _follow(lines: list[str]) -> list:
@@ -211,7 +234,9 @@ def test_weights_oom() -> None:
     line = ("ERROR 01-01 [gpu_model_runner.py:5146] Failed to load model - not enough GPU memory. Try lowering "
             "--gpu-memory-utilization to free memory for weights, increasing --tensor-parallel-size, or using --quantization.")  # fmt: skip
     event = parse_line(line, 0.0)
-    assert event is not None and event.kind == EventKind.OOM and event.fields == {"phase": "unknown", "cause": "weights"}
+    assert (
+        event is not None and event.kind == EventKind.OOM and event.fields == {"phase": "unknown", "cause": "weights"}
+    )
 
 
 # -- the versions people run: lines from the issue tracker (tests/engines/fixtures/*.txt) --------

@@ -9,6 +9,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from proxy.engines.sglang.engine import SGLANG
 from proxy.observe.scraper import Scraper
 from proxy.request.admission import AdmissionQueue
 from proxy.request.pacing import LoadBoard
@@ -53,7 +54,7 @@ async def test_samples_errors_and_staleness():
     seen: list[tuple[str, bool]] = []
     board.subscribe(lambda wid, sample, err: seen.append((wid, sample is not None)))
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper(pool, board, session, engine="sglang", interval_s=0.05, timeout_s=1.0)
+        scraper = Scraper(pool, board, session, engine=SGLANG, interval_s=0.05, timeout_s=1.0)
         task = asyncio.ensure_future(scraper.run())
         try:
             deadline = time.monotonic() + 10

@@ -89,7 +89,7 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     await sup.stop()
     assert all(i.state == WorkerState.STOPPED and i.pid is None for i in sup.workers())
     for pid in pids:
-        await wait_for(lambda: not alive(pid), timeout=5)
+        await wait_for(lambda pid=pid: not alive(pid), timeout=5)
 
 
 async def test_drain_hook(make_supervisor) -> None:
@@ -243,5 +243,3 @@ async def test_vllm_workers_get_vllm_flags(make_supervisor) -> None:
     assert info.state == WorkerState.READY
     echoed = await get_json(f"{info.url}/args")
     assert echoed["engine_flags"] == ["--max-num-seqs", "24"] and "--enable-metrics" not in echoed["argv"]
-
-

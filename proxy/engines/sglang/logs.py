@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from proxy.engines.base import EventKind, LogEvent
+from proxy.engines.base import Death, EventKind, LogEvent, death_from_events
 
 __all__ = ["Death", "LogFollower", "classify_death", "parse_line"]
 
@@ -517,38 +517,7 @@ class LogFollower:
         return events
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Death:
-    """Why a worker died, read from the last lines of its log."""
-
-    cause: str  # "oom" | "crash" | "watchdog" | "kv_capacity" | "unknown"
-    phase: str = "unknown"  # for "oom": "prefill" | "decode" | "unknown"
-    detail: str = ""  # the exception or log line that says so
-    started: bool = False  # whether the log shows the worker had become ready before it died
-
-
 def classify_death(lines: Sequence[str], now: float = 0.0) -> Death:
     """Classify a dead worker from its log tail (a few hundred lines are plenty)."""
     follower = LogFollower()
-    events = follower.feed_all(lines, now) + follower.flush(now)
-    started = any(e.kind is EventKind.READY for e in events)
-    ooms = [e for e in events if e.kind is EventKind.OOM]
-    crashes = [e for e in events if e.kind is EventKind.CRASH]
-    if ooms:
-        last = ooms[-1]
-        detail = str(crashes[-1].fields.get("exception", "")) if crashes else last.line
-        return Death(
-            cause="oom", phase=str(last.fields.get("phase", "unknown")), detail=detail or last.line, started=started
-        )
-    if crashes:
-        last = crashes[-1]
-        cause = "watchdog" if last.fields.get("cause") == "watchdog" else "crash"
-        return Death(
-            cause=cause,
-            detail=str(last.fields.get("exception", last.line.splitlines()[0] if last.line else "")),
-            started=started,
-        )
-    kv = [e for e in events if e.kind is EventKind.KV_CAPACITY_ERROR]
-    if kv and not started:
-        return Death(cause="kv_capacity", detail=kv[-1].line, started=started)
-    return Death(cause="unknown", detail=lines[-1].strip() if lines else "", started=started)
+    return death_from_events(follower.feed_all(lines, now) + follower.flush(now), lines)

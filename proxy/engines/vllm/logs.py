@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 
-from proxy.engines.base import EventKind, LogEvent
+from proxy.engines.base import Death, EventKind, LogEvent, death_from_events
 
 _NUM = r"(\d[\d,]*(?:\.\d+)?)"
 
@@ -239,3 +240,16 @@ class LogFollower:
     def flush(self, now: float) -> list[LogEvent]:
         del now
         return []
+
+
+def classify_death(lines: Sequence[str], now: float = 0.0) -> Death:
+    """Classify a dead worker from its log tail: the events :class:`LogFollower` reads in it. A start-up
+    refusal for KV capacity is the cause even though the API server then reports the engine core's
+    failure as a crash (the real cause is printed earlier: reference/vllm.md, start-up errors)."""
+    follower = LogFollower()
+    events = [event for line in lines for event in follower.feed(line, now)] + follower.flush(now)
+    kinds = {event.kind for event in events}
+    if EventKind.KV_CAPACITY_ERROR in kinds and EventKind.READY not in kinds and EventKind.OOM not in kinds:
+        refusal = next(e for e in reversed(events) if e.kind is EventKind.KV_CAPACITY_ERROR)
+        return Death(cause="kv_capacity", detail=refusal.line)
+    return death_from_events(events, lines)
