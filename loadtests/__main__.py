@@ -1,8 +1,8 @@
 """``python -m loadtests NAME [options]``: one module per benchmark, each with ``main(argv) -> int``.
 
-    sim        the simulated engine is not the bottleneck (modelled vs sustained token rate)
-    overhead   direct vs through sglang-pacer vs through sglang-router
-    scenario   controller scenarios: default vs adaptive vs oracle arms
+sim        the simulated engine is not the bottleneck (modelled vs sustained token rate)
+overhead   direct vs through sglang-pacer vs through sglang-router
+scenario   controller scenarios: default vs adaptive vs oracle arms
 """
 
 from __future__ import annotations

@@ -31,8 +31,15 @@ _HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """A streamed ``/v1/completions`` body whose answer is exactly ``max_tokens`` tokens long
     (``ignore_eos``, which SGLang and its router accept)."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0.0}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
 
 
 @dataclass
@@ -64,14 +71,12 @@ def _has_content(event: bytes) -> bool:
         doc = orjson.loads(event[6:])
     except orjson.JSONDecodeError:
         return False
-    for choice in doc.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+    return any(choice.get("text") or (choice.get("delta") or {}).get("content") for choice in doc.get("choices") or ())
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, payload: bytes, out: Outcome,
-                     counter: Counter | None = None) -> None:
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, payload: bytes, out: Outcome, counter: Counter | None = None
+) -> None:
     """Send one streamed request and fill ``out``; never raises (errors land in ``out.error``)."""
     try:
         async with session.post(url, data=payload, headers=_HEADERS) as resp:
@@ -104,13 +109,16 @@ async def stream_one(session: aiohttp.ClientSession, url: str, payload: bytes, o
             out.end = time.perf_counter()
             if out.first is None and out.error is None:
                 out.error = "stream ended without content"
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         out.error = f"{exc.__class__.__name__}: {exc}"
 
 
 def _session(timeout_s: float) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                                 timeout=aiohttp.ClientTimeout(total=timeout_s), auto_decompress=False)
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        auto_decompress=False,
+    )
 
 
 @dataclass
@@ -121,8 +129,9 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def open_loop(url: str, body: dict[str, Any], *, rate: float, duration_s: float,
-                    timeout_s: float = 60.0) -> RunResult:
+async def open_loop(
+    url: str, body: dict[str, Any], *, rate: float, duration_s: float, timeout_s: float = 60.0
+) -> RunResult:
     """``rate`` requests per second for ``duration_s`` on a fixed schedule; waits for them all."""
     payload = orjson.dumps(body)
     n = max(1, round(rate * duration_s))
@@ -143,8 +152,9 @@ async def open_loop(url: str, body: dict[str, Any], *, rate: float, duration_s: 
     return RunResult(outcomes, time.process_time() - cpu0, time.perf_counter() - w0)
 
 
-async def closed_loop(url: str, body: dict[str, Any], *, concurrency: int, stop: asyncio.Event,
-                      counter: Counter, timeout_s: float = 120.0) -> RunResult:
+async def closed_loop(
+    url: str, body: dict[str, Any], *, concurrency: int, stop: asyncio.Event, counter: Counter, timeout_s: float = 120.0
+) -> RunResult:
     """``concurrency`` clients back to back until ``stop`` is set; in-flight requests are then cut."""
     payload = orjson.dumps(body)
     outcomes: list[Outcome] = []
@@ -186,12 +196,16 @@ def summarize(res: RunResult) -> dict[str, Any]:
     tokens = sum(o.tokens for o in done)
     chunks = sum(o.chunks for o in done)
     return {
-        "requests": len(res.outcomes), "ok": len(done), "errors": len(errors),
+        "requests": len(res.outcomes),
+        "ok": len(done),
+        "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "ttft_p50_ms": round(percentile(ttfts, 50), 3) if ttfts else None,
         "ttft_p99_ms": round(percentile(ttfts, 99), 3) if ttfts else None,
-        "output_tokens": tokens, "output_tok_per_s": round(tokens / span, 1),
-        "chunks": chunks, "chunks_per_s": round(chunks / span, 1),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / span, 1),
+        "chunks": chunks,
+        "chunks_per_s": round(chunks / span, 1),
         "span_s": round(span, 3),
         "client_send_lag_p99_ms": round(percentile(lags, 99), 3) if lags else None,
         "client_cpu_cores": round(res.client_cpu_s / max(res.wall_s, 1e-9), 3),

@@ -30,8 +30,9 @@ guide's OOM risk line) are not candidates, so the oracle is the best *safe* stat
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from proxy.engines.base import Sample
 from proxy.engines.sglang.argv import build_argv
@@ -42,7 +43,18 @@ from proxy.sim.engine import Engine
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
-__all__ = ["Pacing", "PacedResult", "Restart", "SearchSpace", "SweepResult", "Trial", "evaluate", "sim_config", "simulate_paced", "sweep"]
+__all__ = [
+    "PacedResult",
+    "Pacing",
+    "Restart",
+    "SearchSpace",
+    "SweepResult",
+    "Trial",
+    "evaluate",
+    "sim_config",
+    "simulate_paced",
+    "sweep",
+]
 
 KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_requests", "mem_fraction_static")
 
@@ -54,7 +66,7 @@ class Pacing:
     driven here in virtual time), with a scrape every ``scrape_s`` engine seconds (the policy's
     ``scrape_interval_s`` x the time scale: the engine runs at time scale 1 here)."""
 
-    band: Band = Band(lo=100, hi=400, headroom=32)
+    band: Band = field(default_factory=lambda: Band(lo=100, hi=400, headroom=32))
     scrape_s: float = 5.0
 
     @property
@@ -97,8 +109,9 @@ class Restart:
     startup_s: float
 
 
-def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing,
-                   restart: Restart | None = None) -> PacedResult:
+def simulate_paced(
+    config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing, restart: Restart | None = None
+) -> PacedResult:
     """The whole workload (all of it submitted to the proxy at once, in order) fed to one engine
     through the pacing gate, in virtual time: the live arms' arrival process. With ``restart``, the
     same run with one restart of the worker under new arguments (what a controller's move costs)."""
@@ -126,10 +139,16 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
         while pending and load.est_queue() < pacing.target:
             i = pending.pop()
             spec = workload[i]
-            req = eng.add(prompt_ids=_prompt_ids(spec, i), max_new_tokens=spec.max_new_tokens, ignore_eos=spec.ignore_eos,
-                          output_len=spec.output_len, rid=spec.rid, now=t)
+            req = eng.add(
+                prompt_ids=_prompt_ids(spec, i),
+                max_new_tokens=spec.max_new_tokens,
+                ignore_eos=spec.ignore_eos,
+                output_len=spec.output_len,
+                rid=spec.rid,
+                now=t,
+            )
             on_worker[req.rid] = i
-            load.reserve()
+            load.reserve(req.rid)  # type: ignore[arg-type]  # the rid stands for the attempt: one key per request
         step = eng.plan(t)
         if step is None:
             if not pending and load.in_flight == 0:
@@ -149,11 +168,18 @@ def simulate_paced(config: SimConfig, workload: Sequence[RequestSpec], pacing: P
         for r in outcome.finished:
             out_tokens += eng.output_len(r)
             on_worker.pop(r.rid, None)
-            load.release()
+            load.release(r.rid)  # type: ignore[arg-type]
         finished += len(outcome.finished)
-    return PacedResult(output_tokens=out_tokens, makespan_s=t, output_tok_per_s=out_tokens / t if t > 0 else 0.0,
-                       retractions=retracted + eng.retracted_total, finished=finished, oom=oom, peak_running=peak,
-                       peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0)
+    return PacedResult(
+        output_tokens=out_tokens,
+        makespan_s=t,
+        output_tok_per_s=out_tokens / t if t > 0 else 0.0,
+        retractions=retracted + eng.retracted_total,
+        finished=finished,
+        oom=oom,
+        peak_running=peak,
+        peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,10 +217,15 @@ class Trial:
         return 0.0 if self.oom is not None or self.unsafe else self.output_tok_per_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"args": dict(self.args), "output_tok_per_s": round(self.output_tok_per_s, 1),
-                "makespan_s": round(self.makespan_s, 2), "retractions": self.retractions, "oom": self.oom,
-                "available_gpu_mem_gb": None if self.available_gpu_mem_gb is None else round(self.available_gpu_mem_gb, 2),
-                "unsafe": self.unsafe}
+        return {
+            "args": dict(self.args),
+            "output_tok_per_s": round(self.output_tok_per_s, 1),
+            "makespan_s": round(self.makespan_s, 2),
+            "retractions": self.retractions,
+            "oom": self.oom,
+            "available_gpu_mem_gb": None if self.available_gpu_mem_gb is None else round(self.available_gpu_mem_gb, 2),
+            "unsafe": self.unsafe,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,13 +237,25 @@ class SweepResult:
 
 def sim_config(args: Mapping[str, Any], *, gpu: str, model: str, time_scale: float = 1.0) -> SimConfig:
     """The resolved config a ``pacer sim`` started with these SGLang args would run with."""
-    argv = build_argv({k: v for k, v in args.items() if v is not None}, ["--sim-gpu", gpu, "--sim-model", model,
-                      "--sim-time-scale", str(time_scale)], host="127.0.0.1", port=0)
+    argv = build_argv(
+        {k: v for k, v in args.items() if v is not None},
+        ["--sim-gpu", gpu, "--sim-model", model, "--sim-time-scale", str(time_scale)],
+        host="127.0.0.1",
+        port=0,
+    )
     return resolve_config(build_parser().parse_args(argv))
 
 
-def evaluate(args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu: str, model: str,
-             min_available_gb: float = 0.0, pacing: Pacing | None = None, max_activation_fraction: float = 1.0) -> Trial:
+def evaluate(
+    args: Mapping[str, Any],
+    workload: Sequence[RequestSpec],
+    *,
+    gpu: str,
+    model: str,
+    min_available_gb: float = 0.0,
+    pacing: Pacing | None = None,
+    max_activation_fraction: float = 1.0,
+) -> Trial:
     try:
         cfg = sim_config(args, gpu=gpu, model=model)
     except SimConfigError:
@@ -222,20 +265,40 @@ def evaluate(args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu: s
         return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True)
     res = simulate(cfg, workload) if pacing is None else simulate_paced(cfg, workload, pacing)
     edge = isinstance(res, PacedResult) and res.oom is None and res.peak_activation_fraction > max_activation_fraction
-    return Trial(args=dict(args), output_tok_per_s=0.0 if res.oom else res.output_tok_per_s, makespan_s=res.makespan_s,
-                 retractions=res.retractions, oom=res.oom, available_gpu_mem_gb=free, unsafe=edge)
+    return Trial(
+        args=dict(args),
+        output_tok_per_s=0.0 if res.oom else res.output_tok_per_s,
+        makespan_s=res.makespan_s,
+        retractions=res.retractions,
+        oom=res.oom,
+        available_gpu_mem_gb=free,
+        unsafe=edge,
+    )
 
 
-def sweep(start_args: Mapping[str, Any], workload: Sequence[RequestSpec], *, gpu: str, model: str,
-          space: SearchSpace | None = None) -> SweepResult:
+def sweep(
+    start_args: Mapping[str, Any],
+    workload: Sequence[RequestSpec],
+    *,
+    gpu: str,
+    model: str,
+    space: SearchSpace | None = None,
+) -> SweepResult:
     space = space or SearchSpace()
     seen: dict[tuple[Any, ...], Trial] = {}
 
     def trial(args: Mapping[str, Any]) -> Trial:
         key = tuple(sorted((k, v) for k, v in args.items() if v is not None))
         if key not in seen:
-            seen[key] = evaluate(args, workload, gpu=gpu, model=model, min_available_gb=space.min_available_gb,
-                                  pacing=space.pacing, max_activation_fraction=space.max_activation_fraction)
+            seen[key] = evaluate(
+                args,
+                workload,
+                gpu=gpu,
+                model=model,
+                min_available_gb=space.min_available_gb,
+                pacing=space.pacing,
+                max_activation_fraction=space.max_activation_fraction,
+            )
         return seen[key]
 
     start = trial(dict(start_args))

@@ -36,8 +36,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from loadtests.loadgen import Counter, closed_loop, completion_body, open_loop, summarize
 from loadtests.procs import Proc, runqueue_wait_seconds, start_pacer, start_router, start_sim
@@ -47,7 +48,7 @@ PROMPT = "Summarize the following text in one paragraph. " * 8
 
 
 def _model(url: str) -> str:
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
         return str(json.load(resp)["data"][0]["id"])
 
 
@@ -55,8 +56,14 @@ def _order(rnd: int) -> list[str]:
     return [ARMS[(i + rnd) % len(ARMS)] for i in range(len(ARMS))]
 
 
-async def _latency_round(urls: dict[str, str], procs: dict[str, Proc], body: dict[str, Any], rnd: int,
-                         args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+async def _latency_round(
+    urls: dict[str, str],
+    procs: dict[str, Proc],
+    body: dict[str, Any],
+    rnd: int,
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for arm in _order(rnd):
         url = urls[arm] + "/v1/completions"
@@ -75,19 +82,30 @@ async def _latency_round(urls: dict[str, str], procs: dict[str, Proc], body: dic
         s["load_average_1m"] = round(os.getloadavg()[0], 2)
         s["wall_s"] = round(res.wall_s, 3)
         out[arm] = s
-        say(f"  round {rnd + 1} latency  {arm:<14} TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms, "
+        say(
+            f"  round {rnd + 1} latency  {arm:<14} TTFT p50 {s['ttft_p50_ms']} ms, p99 {s['ttft_p99_ms']} ms, "
             f"{s['output_tok_per_s']} tok/s, ok {s['ok']}/{s['requests']}, client lag p99 "
-            f"{s['client_send_lag_p99_ms']} ms, client {s['client_cpu_cores']} cores")
+            f"{s['client_send_lag_p99_ms']} ms, client {s['client_cpu_cores']} cores"
+        )
     return out
 
 
-async def _stream_round(urls: dict[str, str], procs: dict[str, Proc], body: dict[str, Any], rnd: int,
-                        args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+async def _stream_round(
+    urls: dict[str, str],
+    procs: dict[str, Proc],
+    body: dict[str, Any],
+    rnd: int,
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for arm in _order(rnd):
         counter, stop = Counter(), asyncio.Event()
-        task = asyncio.create_task(closed_loop(urls[arm] + "/v1/completions", body,
-                                               concurrency=args.stream_concurrency, stop=stop, counter=counter))
+        task = asyncio.create_task(
+            closed_loop(
+                urls[arm] + "/v1/completions", body, concurrency=args.stream_concurrency, stop=stop, counter=counter
+            )
+        )
         await asyncio.sleep(args.stream_warmup)
         middle = procs.get(arm)
         c0, k0, r0, t0 = counter.chunks, counter.tokens, counter.reads, time.perf_counter()
@@ -100,20 +118,24 @@ async def _stream_round(urls: dict[str, str], procs: dict[str, Proc], body: dict
         dt, chunks = t1 - t0, c1 - c0
         errors = [o.error for o in res.outcomes if o.error is not None]  # requests cut by the stop are not listed
         s: dict[str, Any] = {
-            "chunks": chunks, "chunks_per_s": round(chunks / dt, 1),
+            "chunks": chunks,
+            "chunks_per_s": round(chunks / dt, 1),
             "stream_tok_per_s": round((k1 - k0) / dt, 1),
             "chunks_per_read": round(chunks / max(1, r1 - r0), 2),
             "chunks_per_cpu_s": round(chunks / (m1 - m0), 1) if middle and m1 > m0 else None,
             "middle_cpu_cores": round((m1 - m0) / dt, 3) if middle else None,
             "worker_cpu_cores": round((w1 - w0) / dt, 3),
             "client_cpu_cores": round((p1 - p0) / dt, 3),
-            "errors": len(errors), "first_error": errors[0] if errors else None,
+            "errors": len(errors),
+            "first_error": errors[0] if errors else None,
             "load_average_1m": round(os.getloadavg()[0], 2),
         }
         out[arm] = s
         per_core = f", {s['chunks_per_cpu_s']} chunks per {arm} CPU-s" if middle else ""
-        say(f"  round {rnd + 1} stream   {arm:<14} {s['chunks_per_s']} chunks/s{per_core} "
-            f"({s['chunks_per_read']} per read; worker {s['worker_cpu_cores']} cores, client {s['client_cpu_cores']} cores)")
+        say(
+            f"  round {rnd + 1} stream   {arm:<14} {s['chunks_per_s']} chunks/s{per_core} "
+            f"({s['chunks_per_read']} per read; worker {s['worker_cpu_cores']} cores, client {s['client_cpu_cores']} cores)"
+        )
     return out
 
 
@@ -141,8 +163,13 @@ def aggregate(latency: list[dict[str, dict[str, Any]]], stream: list[dict[str, d
         }
 
     def added(arm: str, key: str) -> float | None:
-        return _median([r[arm][key] - r["direct"][key] for r in latency
-                        if r[arm][key] is not None and r["direct"][key] is not None])
+        return _median(
+            [
+                r[arm][key] - r["direct"][key]
+                for r in latency
+                if r[arm][key] is not None and r["direct"][key] is not None
+            ]
+        )
 
     def ratio(rounds: list[dict[str, dict[str, Any]]], arm: str, key: str) -> float | None:
         return _median([r[arm][key] / r["direct"][key] for r in rounds if r["direct"][key]])
@@ -155,8 +182,13 @@ def aggregate(latency: list[dict[str, dict[str, Any]]], stream: list[dict[str, d
     for arm, prefix in (("pacer", "pacer"), ("sglang-router", "router")):  # while its own arm runs
         report[f"{prefix}_cpu_cores"] = _median([r[arm][f"{arm}_cpu_cores"] for r in latency])
         report[f"{prefix}_cpu_wait_fraction"] = _median([r[arm][f"{arm}_cpu_wait_fraction"] for r in latency])
-        report[f"{prefix}_cpu_ms_per_request"] = _median([r[arm][f"{arm}_cpu_cores"] * r[arm]["wall_s"] * 1000
-                                                          / r[arm]["requests"] for r in latency if r[arm]["requests"]])
+        report[f"{prefix}_cpu_ms_per_request"] = _median(
+            [
+                r[arm][f"{arm}_cpu_cores"] * r[arm]["wall_s"] * 1000 / r[arm]["requests"]
+                for r in latency
+                if r[arm]["requests"]
+            ]
+        )
     report["pacer_chunks_per_cpu_s"] = report["pacer"]["chunks_per_cpu_s"]
     report["router_chunks_per_cpu_s"] = report["sglang-router"]["chunks_per_cpu_s"]
     report["load_average_1m_median"] = _median([s["load_average_1m"] for r in latency + stream for s in r.values()])
@@ -168,31 +200,56 @@ def table(report: dict[str, Any]) -> str:
     def f(v: Any, nd: int = 2) -> str:
         return "-" if v is None else (f"{v:,.{nd}f}" if isinstance(v, float) else f"{v:,}")
 
-    rows = ["| arm | TTFT p50 ms | TTFT p99 ms | added p50 / p99 ms | output tok/s (ratio) "
-            "| stream chunks/s | chunks per CPU-s |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| arm | TTFT p50 ms | TTFT p99 ms | added p50 / p99 ms | output tok/s (ratio) "
+        "| stream chunks/s | chunks per CPU-s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for arm, prefix in (("direct", None), ("pacer", "pacer"), ("sglang-router", "router")):
         a = report[arm]
-        add = "-" if prefix is None else f"{f(report[f'{prefix}_added_ttft_p50_ms'])} / {f(report[f'{prefix}_added_ttft_p99_ms'])}"
-        tput = f(a["output_tok_per_s"], 0) + ("" if prefix is None else f" ({f(report[f'{prefix}_throughput_ratio'], 3)})")
-        rows.append(f"| {arm} | {f(a['ttft_p50_ms'])} | {f(a['ttft_p99_ms'])} | {add} | {tput} "
-                    f"| {f(a['chunks_per_s'], 0)} | {f(a['chunks_per_cpu_s'], 0)} |")
+        add = (
+            "-"
+            if prefix is None
+            else f"{f(report[f'{prefix}_added_ttft_p50_ms'])} / {f(report[f'{prefix}_added_ttft_p99_ms'])}"
+        )
+        tput = f(a["output_tok_per_s"], 0) + (
+            "" if prefix is None else f" ({f(report[f'{prefix}_throughput_ratio'], 3)})"
+        )
+        rows.append(
+            f"| {arm} | {f(a['ttft_p50_ms'])} | {f(a['ttft_p99_ms'])} | {add} | {tput} "
+            f"| {f(a['chunks_per_s'], 0)} | {f(a['chunks_per_cpu_s'], 0)} |"
+        )
     return "\n".join(rows)
 
 
 @contextlib.contextmanager
-def _arms(logs: Path, time_scale: float, args: argparse.Namespace, tag: str,
-          started: list[dict[str, Any]]) -> Iterator[tuple[dict[str, str], dict[str, Proc]]]:
+def _arms(
+    logs: Path, time_scale: float, args: argparse.Namespace, tag: str, started: list[dict[str, Any]]
+) -> Iterator[tuple[dict[str, str], dict[str, Proc]]]:
     """One worker, and pacer and sglang-router in front of it: (urls by arm, processes by role).
     Each process is listed in ``started`` (name, pid, ports) and stopped on the way out."""
     with contextlib.ExitStack() as stack:
         pins = cpu_plan(args.pin)
-        sim = stack.enter_context(start_sim(logs, time_scale=time_scale, name=f"{tag}-sim", cpus=pins.get("worker"),
-                                            extra=["--max-running-requests", str(args.max_running)]))
+        sim = stack.enter_context(
+            start_sim(
+                logs,
+                time_scale=time_scale,
+                name=f"{tag}-sim",
+                cpus=pins.get("worker"),
+                extra=["--max-running-requests", str(args.max_running)],
+            )
+        )
         pacer = stack.enter_context(start_pacer(logs, [sim.url], name=f"{tag}-pacer", cpus=pins.get("middle")))
-        router = stack.enter_context(start_router(logs, sim.url, max_concurrent=args.router_max_concurrent,
-                                                  queue_size=args.router_queue_size, name=f"{tag}-sglang-router",
-                                                  cpus=pins.get("middle")))
+        router = stack.enter_context(
+            start_router(
+                logs,
+                sim.url,
+                max_concurrent=args.router_max_concurrent,
+                queue_size=args.router_queue_size,
+                name=f"{tag}-sglang-router",
+                cpus=pins.get("middle"),
+            )
+        )
         procs = {"worker": sim, "pacer": pacer, "sglang-router": router}
         started.extend({"name": p.name, "pid": p.pid, "ports": list(p.ports)} for p in procs.values())
         yield {"direct": sim.url, "pacer": pacer.url, "sglang-router": router.url}, procs
@@ -243,8 +300,10 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         logs = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         with _arms(logs, args.time_scale, args, "latency", started) as (urls, procs):
             model = _model(urls["direct"])
-            say(f"latency phase: worker x{args.time_scale:g} {urls['direct']}, pacer {urls['pacer']}, "
-                f"sglang-router {urls['sglang-router']}; load average {os.getloadavg()[0]:.2f}")
+            say(
+                f"latency phase: worker x{args.time_scale:g} {urls['direct']}, pacer {urls['pacer']}, "
+                f"sglang-router {urls['sglang-router']}; load average {os.getloadavg()[0]:.2f}"
+            )
             body = completion_body(model, PROMPT, args.output_len)
 
             async def latency_rounds() -> list[dict[str, dict[str, Any]]]:
@@ -252,8 +311,10 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
 
             latency = _loop_run(latency_rounds())
         with _arms(logs, args.stream_time_scale, args, "stream", started) as (urls, procs):
-            say(f"streaming phase: worker x{args.stream_time_scale:g}, {args.stream_concurrency} streams of "
-                f"{args.stream_output_len} tokens; load average {os.getloadavg()[0]:.2f}")
+            say(
+                f"streaming phase: worker x{args.stream_time_scale:g}, {args.stream_concurrency} streams of "
+                f"{args.stream_output_len} tokens; load average {os.getloadavg()[0]:.2f}"
+            )
             body = completion_body(model, PROMPT, args.stream_output_len)
 
             async def stream_rounds() -> list[dict[str, dict[str, Any]]]:
@@ -263,9 +324,16 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     report = aggregate(latency, stream)
     report["settings"] = {k: v for k, v in vars(args).items() if k not in ("report", "log_dir")}
     report["cpu_count"] = os.cpu_count()
-    report["cpu_affinity"] = ({"pacer": sorted(pins["middle"]), "sglang-router": sorted(pins["middle"]),
-                               "worker": sorted(pins["worker"]), "client": sorted(pins["client"])}
-                              if pins else None)
+    report["cpu_affinity"] = (
+        {
+            "pacer": sorted(pins["middle"]),
+            "sglang-router": sorted(pins["middle"]),
+            "worker": sorted(pins["worker"]),
+            "client": sorted(pins["client"]),
+        }
+        if pins
+        else None
+    )
     report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     report["processes"] = started  # all stopped by now
     return report
@@ -284,21 +352,37 @@ def build_parser() -> argparse.ArgumentParser:
     a("--stream-output-len", type=int, default=4000)
     a("--stream-warmup", type=float, default=2.0)
     a("--stream-window", type=float, default=8.0)
-    a("--time-scale", type=float, default=100.0,
-      help="latency phase: the worker runs this many times faster than the modelled GPU")
-    a("--stream-time-scale", type=float, default=2.0,
-      help="streaming phase: slow enough that each stream gets one token per step (as from a real server), "
-           "so chunks mostly arrive one per read instead of coalesced")
+    a(
+        "--time-scale",
+        type=float,
+        default=100.0,
+        help="latency phase: the worker runs this many times faster than the modelled GPU",
+    )
+    a(
+        "--stream-time-scale",
+        type=float,
+        default=2.0,
+        help="streaming phase: slow enough that each stream gets one token per step (as from a real server), "
+        "so chunks mostly arrive one per read instead of coalesced",
+    )
     a("--max-running", type=int, default=1024, help="the worker's --max-running-requests")
     a("--router-max-concurrent", type=int, default=1024, help="sglang-router --max-concurrent-requests")
     a("--router-queue-size", type=int, default=4096, help="sglang-router --queue-size")
     a("--log-dir", default=None, help="keep the processes' logs here (default: a temporary folder)")
-    a("--max-load", type=float, default=None,
-      help="on a shared machine: first wait (up to --max-wait s) until the 1-minute load average is below this")
+    a(
+        "--max-load",
+        type=float,
+        default=None,
+        help="on a shared machine: first wait (up to --max-wait s) until the 1-minute load average is below this",
+    )
     a("--max-wait", type=float, default=600.0)
-    a("--pin", action=argparse.BooleanOptionalAction, default=True,
-      help="pin the proxy (and the router) to one CPU and the worker and client to the others "
-           "(needs 2+ CPUs; other programs on the machine are not moved)")
+    a(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin the proxy (and the router) to one CPU and the worker and client to the others "
+        "(needs 2+ CPUs; other programs on the machine are not moved)",
+    )
     return p
 
 
@@ -314,15 +398,19 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.max_load is not None:
         waited = wait_for_load(args.max_load, args.max_wait)
-        print(f"waited {waited:.0f} s for the load average to drop below {args.max_load:g}: "
-              f"now {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"waited {waited:.0f} s for the load average to drop below {args.max_load:g}: now {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
     report = run(args, lambda line: print(line, flush=True))
     print()
     print(table(report))
-    print(f"\npacer: added TTFT p50 {report['pacer_added_ttft_p50_ms']} ms, p99 {report['pacer_added_ttft_p99_ms']} ms, "
-          f"throughput x{report['pacer_throughput_ratio']}, {report['pacer_chunks_per_cpu_s']} chunks per CPU-second; "
-          f"sglang-router: +{report['router_added_ttft_p50_ms']} / +{report['router_added_ttft_p99_ms']} ms, "
-          f"x{report['router_throughput_ratio']}, {report['router_chunks_per_cpu_s']} chunks per CPU-second")
+    print(
+        f"\npacer: added TTFT p50 {report['pacer_added_ttft_p50_ms']} ms, p99 {report['pacer_added_ttft_p99_ms']} ms, "
+        f"throughput x{report['pacer_throughput_ratio']}, {report['pacer_chunks_per_cpu_s']} chunks per CPU-second; "
+        f"sglang-router: +{report['router_added_ttft_p50_ms']} / +{report['router_added_ttft_p99_ms']} ms, "
+        f"x{report['router_throughput_ratio']}, {report['router_chunks_per_cpu_s']} chunks per CPU-second"
+    )
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2) + "\n")

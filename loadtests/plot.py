@@ -10,8 +10,9 @@ worker's ``#queue-req`` plus the proxy's own queue. A vertical line marks each w
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = ["plot_scenario", "throughput_series"]
 
@@ -19,7 +20,9 @@ SMOOTH_S = 2.0
 COLORS = {"default": "#d62728", "adaptive": "#1f77b4", "oracle": "#2ca02c"}
 
 
-def throughput_series(series: Sequence[Mapping[str, Any]], smooth_s: float = SMOOTH_S) -> tuple[list[float], list[float]]:
+def throughput_series(
+    series: Sequence[Mapping[str, Any]], smooth_s: float = SMOOTH_S
+) -> tuple[list[float], list[float]]:
     """(times, tokens/s) from the cumulative ``gen_tokens_total`` of the samples (gaps count as no output)."""
     points: list[tuple[float, float]] = []
     total = 0.0
@@ -30,7 +33,7 @@ def throughput_series(series: Sequence[Mapping[str, Any]], smooth_s: float = SMO
     times: list[float] = []
     rates: list[float] = []
     j = 0
-    for i, (t, total) in enumerate(points):  # noqa: B007
+    for i, (t, total) in enumerate(points):
         while j < i and points[j][0] < t - smooth_s:
             j += 1
         if j < i:
@@ -70,7 +73,9 @@ def plot_scenario(report: Mapping[str, Any], path: str | Path) -> Path:
         bottom.plot(qt, qv, color=color, lw=1.2, label=arm)
         for i, t in enumerate(_restarts(series)):
             for ax in (top, bottom):
-                ax.axvline(t, color=color, ls="--", lw=0.9, alpha=0.8, label="restart" if ax is top and i == 0 else None)
+                ax.axvline(
+                    t, color=color, ls="--", lw=0.9, alpha=0.8, label="restart" if ax is top and i == 0 else None
+                )
         down = [p["t"] for p in series if p.get("state") == "down"]
         if down:
             top.plot(down, [0.0] * len(down), "x", color=color, ms=4, label=f"{arm}: worker down")

@@ -20,9 +20,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+
+import tomli_w
 
 from proxy.workers import supervisor
 
@@ -53,10 +55,8 @@ def runqueue_wait_seconds(pid: int) -> float:
     on a shared machine, how much other processes delayed it."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError, IndexError, ValueError):
             total += int((task / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
     return total / 1e9
 
 
@@ -102,7 +102,7 @@ class Proc:
 
 def _http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -116,13 +116,28 @@ def _pinned(cpus: frozenset[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, chosen)
 
 
-def _launch(name: str, argv: Sequence[str], log_dir: Path, url: str, probe: str, ports: tuple[int, ...],
-            timeout_s: float, cpus: frozenset[int] | None = None) -> Proc:
+def _launch(
+    name: str,
+    argv: Sequence[str],
+    log_dir: Path,
+    url: str,
+    probe: str,
+    ports: tuple[int, ...],
+    timeout_s: float,
+    cpus: frozenset[int] | None = None,
+) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with open(log, "wb") as fh:
-        popen = subprocess.Popen(list(argv), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                 start_new_session=True, preexec_fn=_pinned(cpus))
+        popen = subprocess.Popen(
+            list(argv),
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_pinned(cpus),
+        )
     proc = Proc(name, popen, url, log, ports)
     deadline = time.monotonic() + timeout_s
     try:
@@ -146,44 +161,94 @@ def running(proc: Proc) -> Iterator[Proc]:
         proc.stop()
 
 
-def start_sim(log_dir: Path, *, time_scale: float, extra: Sequence[str] = (), name: str = "sim",
-              timeout_s: float = 60.0, cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
+def start_sim(
+    log_dir: Path,
+    *,
+    time_scale: float,
+    extra: Sequence[str] = (),
+    name: str = "sim",
+    timeout_s: float = 60.0,
+    cpus: frozenset[int] | None = None,
+) -> contextlib.AbstractContextManager[Proc]:
     """``pacer sim`` on a free port, ready (``/health`` answers 200) when this returns; on ``cpus`` only
     when given (likewise for the other ``start_*``)."""
     port = free_port()
-    argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--sim-time-scale", f"{time_scale:g}",
-            "--sim-startup-seconds", "0.2", "--enable-metrics", "--log-level", "warning", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "sim",
+        "--port",
+        str(port),
+        "--sim-time-scale",
+        f"{time_scale:g}",
+        "--sim-startup-seconds",
+        "0.2",
+        "--enable-metrics",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/health", (port,), timeout_s, cpus))
 
 
-def pacer_policy(worker_urls: Sequence[str], *, queue_band: tuple[int, int] = (2000, 20000), headroom: int = 2000,
-                 scrape_interval_s: float = 0.5) -> str:
+def pacer_policy(
+    worker_urls: Sequence[str],
+    *,
+    queue_band: tuple[int, int] = (2000, 20000),
+    headroom: int = 2000,
+    scrape_interval_s: float = 0.5,
+) -> str:
     """A policy TOML for ``pacer serve`` in front of external workers, with a pacing band wide enough
     that the gate never holds a request back at benchmark loads (the benchmark measures the relay)."""
-    urls = ", ".join(f'"{u}"' for u in worker_urls)
-    return (f'[proxy]\nhost = "127.0.0.1"\nstatus_log_interval_s = 60.0\n\n'
-            f'[queue]\ncapacity = 100000\ntimeout_s = 120.0\n\n'
-            f'[engine]\nkind = "external"\nurls = [{urls}]\n\n'
-            f'[pacing]\nqueue_band = [{queue_band[0]}, {queue_band[1]}]\nheadroom = {headroom}\n'
-            f'scrape_interval_s = {scrape_interval_s}\nstale_after_s = 30.0\n\n'
-            f'[control]\nmode = "off"\n')
+    return tomli_w.dumps({
+        "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0},
+        "queue": {"capacity": 100000, "timeout_s": 120.0},
+        "engine": {"kind": "external", "urls": list(worker_urls)},
+        "pacing": {"queue_band": list(queue_band), "headroom": headroom, "scrape_interval_s": scrape_interval_s,
+                   "stale_after_s": 30.0},
+        "control": {"mode": "off"},
+    })  # fmt: skip
 
 
-def start_pacer(log_dir: Path, worker_urls: Sequence[str], *, name: str = "pacer",
-                timeout_s: float = 60.0, cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
+def start_pacer(
+    log_dir: Path,
+    worker_urls: Sequence[str],
+    *,
+    name: str = "pacer",
+    timeout_s: float = 60.0,
+    cpus: frozenset[int] | None = None,
+) -> contextlib.AbstractContextManager[Proc]:
     """``pacer serve`` with :func:`pacer_policy`, ready (``/ready`` answers 200) when this returns."""
     log_dir.mkdir(parents=True, exist_ok=True)
     policy = log_dir / f"{name}-policy.toml"
     policy.write_text(pacer_policy(worker_urls))
     port = free_port()
-    argv = [sys.executable, "-m", "proxy", "serve", "--policy", str(policy), "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--policy",
+        str(policy),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/ready", (port,), timeout_s, cpus))
 
 
-def start_router(log_dir: Path, worker_url: str, *, max_concurrent: int = 4096, queue_size: int = 4096,
-                 name: str = "sglang-router", timeout_s: float = 90.0,
-                 cpus: frozenset[int] | None = None) -> contextlib.AbstractContextManager[Proc]:
+def start_router(
+    log_dir: Path,
+    worker_url: str,
+    *,
+    max_concurrent: int = 4096,
+    queue_size: int = 4096,
+    name: str = "sglang-router",
+    timeout_s: float = 90.0,
+    cpus: frozenset[int] | None = None,
+) -> contextlib.AbstractContextManager[Proc]:
     """SGLang's router (``sglang-router``) in front of one worker, with its concurrency limit and queue on.
 
     Its token bucket refills at ``--rate-limit-tokens-per-second`` (by default as many per second as
@@ -191,10 +256,33 @@ def start_router(log_dir: Path, worker_url: str, *, max_concurrent: int = 4096, 
     concurrency limit and queue act, as in :func:`pacer_policy`.
     """
     port, prom = free_port(), free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", worker_url, "--policy", "round_robin",
-            "--max-concurrent-requests", str(max_concurrent), "--queue-size", str(queue_size),
-            "--rate-limit-tokens-per-second", str(max_concurrent * 100),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
-            "--worker-startup-check-interval", "1", "--log-level", "warn"]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/readiness", (port, prom), timeout_s, cpus))
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        worker_url,
+        "--policy",
+        "round_robin",
+        "--max-concurrent-requests",
+        str(max_concurrent),
+        "--queue-size",
+        str(queue_size),
+        "--rate-limit-tokens-per-second",
+        str(max_concurrent * 100),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prom),
+        "--worker-startup-check-interval",
+        "1",
+        "--log-level",
+        "warn",
+    ]
+    return running(
+        _launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/readiness", (port, prom), timeout_s, cpus)
+    )

@@ -17,9 +17,10 @@ set on the real GPU, seen through the compressed clock.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from proxy.sim.request import RequestSpec
 from proxy.sim.tokenizer import encode
@@ -53,8 +54,10 @@ class Workload:
         return out
 
     def specs(self) -> list[RequestSpec]:
-        return [RequestSpec(prompt_ids=tuple(encode(text)), max_new_tokens=max_new, output_len=true_len)
-                for text, max_new, true_len in self.requests()]
+        return [
+            RequestSpec(prompt_ids=tuple(encode(text)), max_new_tokens=max_new, output_len=true_len)
+            for text, max_new, true_len in self.requests()
+        ]
 
     @property
     def output_tokens(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -29,9 +30,12 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+import tomli_w
 
 from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Scenario
@@ -40,7 +44,15 @@ from proxy.request.pacing import Band
 __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
 
 ARMS = ("default", "adaptive", "oracle")
-ARM_KEYS = ("output_tok_per_s", "requests_ok", "requests_lost", "requests_failed", "retractions", "restarts", "oom_crashes")
+ARM_KEYS = (
+    "output_tok_per_s",
+    "requests_ok",
+    "requests_lost",
+    "requests_failed",
+    "retractions",
+    "restarts",
+    "oom_crashes",
+)
 SAMPLE_INTERVAL_S = 0.5
 # a batch deployment's band: the queue is held near 100 + headroom; without a fresh sample the proxy
 # sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
@@ -76,29 +88,21 @@ class ArmResult:
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
         out["output_tok_per_s"] = round(self.output_tok_per_s, 1)
-        out.update(args=self.args, control_mode=self.control_mode, final_args=self.final_args,
-                   output_tokens=self.output_tokens, duration_s=round(self.duration_s, 2),
-                   retractions_counter=self.retractions_counter, errors=self.errors,
-                   sim_slowdown=None if self.sim_slowdown is None else round(self.sim_slowdown, 2),
-                   load_avg=[round(x, 1) for x in self.load_avg])
+        out.update(
+            args=self.args,
+            control_mode=self.control_mode,
+            final_args=self.final_args,
+            output_tokens=self.output_tokens,
+            duration_s=round(self.duration_s, 2),
+            retractions_counter=self.retractions_counter,
+            errors=self.errors,
+            sim_slowdown=None if self.sim_slowdown is None else round(self.sim_slowdown, 2),
+            load_avg=[round(x, 1) for x in self.load_avg],
+        )
         return out
 
 
 # -- the policy -------------------------------------------------------------------------------------
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
 
 
 def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path) -> str:
@@ -115,12 +119,7 @@ def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path)
         "pacing": dict(PACING),
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
-    lines = []
-    for name, table in tables.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(tables)
 
 
 # -- the proxy process ------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ class ProxyProcess:
         self._pump = asyncio.create_task(self._read_log(found))
         try:
             self.url = await asyncio.wait_for(asyncio.shield(found), timeout_s)
-        except (asyncio.TimeoutError, RuntimeError):
+        except (TimeoutError, RuntimeError):
             await self.stop()
             raise RuntimeError(f"pacer serve did not start; see {self.log_path}") from None
         return self.url
@@ -168,7 +167,7 @@ class ProxyProcess:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.proc.wait(), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 await self.proc.wait()
         if self._pump is not None:
@@ -198,8 +197,9 @@ async def _get_json(session: Any, url: str) -> Any:
         return await resp.json()
 
 
-async def _sample(session: Any, url: str, t0: float, series: list[dict[str, Any]], counters: dict[str, _Counter],
-                  stop: asyncio.Event) -> None:
+async def _sample(
+    session: Any, url: str, t0: float, series: list[dict[str, Any]], counters: dict[str, _Counter], stop: asyncio.Event
+) -> None:
     from proxy.engines.sglang.metrics import parse_metrics
 
     while not stop.is_set():
@@ -207,33 +207,50 @@ async def _sample(session: Any, url: str, t0: float, series: list[dict[str, Any]
         try:
             body = await _get_json(session, url + "/admin/workers")
             w = body["workers"][0]
-            point: dict[str, Any] = {"t": round(tick - t0, 3), "state": w["state"], "pid": w["pid"],
-                                     "restarts": w["restarts"], "proxy_queue": sum(body["proxy_queue"].values()),
-                                     "in_flight": body["in_flight"], "queue": None, "running": None,
-                                     "token_usage": None, "gen_tokens_total": None}
+            point: dict[str, Any] = {
+                "t": round(tick - t0, 3),
+                "state": w["state"],
+                "pid": w["pid"],
+                "restarts": w["restarts"],
+                "proxy_queue": sum(body["proxy_queue"].values()),
+                "in_flight": body["in_flight"],
+                "queue": None,
+                "running": None,
+                "token_usage": None,
+                "gen_tokens_total": None,
+            }
             if w["state"] in ("ready", "draining"):
                 try:
                     async with session.get(w["url"] + "/metrics") as resp:
                         sample = parse_metrics(await resp.text(), time.monotonic())
                     counters["retractions"].feed(sample.retractions_total)
                     counters["generation"].feed(sample.generation_tokens_total)
-                    point.update(queue=sample.queue, running=sample.running, token_usage=round(sample.token_usage, 4),
-                                 gen_tokens_total=round(counters["generation"].total))
+                    point.update(
+                        queue=sample.queue,
+                        running=sample.running,
+                        token_usage=round(sample.token_usage, 4),
+                        gen_tokens_total=round(counters["generation"].total),
+                    )
                 except Exception:  # the worker went away between the two reads
                     pass
             series.append(point)
         except Exception as exc:  # keep sampling; one failed read is a gap in the plot
             series.append({"t": round(tick - t0, 3), "error": str(exc)[:200]})
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - tick)))
-        except asyncio.TimeoutError:
-            pass
 
 
-async def _one(session: Any, url: str, model: str, i: int, prompt: str, max_tokens: int, out_len: int, t0: float,
-               res: ArmResult) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "sim_output_len": out_len, "user": f"scenario-{i}"}
+async def _one(
+    session: Any, url: str, model: str, i: int, prompt: str, max_tokens: int, out_len: int, t0: float, res: ArmResult
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "sim_output_len": out_len,
+        "user": f"scenario-{i}",
+    }
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status == 200:
             data = await resp.json()
@@ -280,8 +297,16 @@ def _count_log(log_dir: Path) -> tuple[int, int]:
     return retracted, ooms
 
 
-async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, workdir: Path, *,
-                  max_run_s: float = 900.0, concurrency: int = 4000) -> ArmResult:
+async def run_arm(
+    sc: Scenario,
+    arm: str,
+    args: Mapping[str, Any],
+    mode: str,
+    workdir: Path,
+    *,
+    max_run_s: float = 900.0,
+    concurrency: int = 4000,
+) -> ArmResult:
     """One arm, end to end: start the proxy, submit the workload, follow it, stop, count."""
     import aiohttp
 
@@ -314,7 +339,10 @@ async def run_arm(sc: Scenario, arm: str, args: Mapping[str, Any], mode: str, wo
             load_start = os.getloadavg()[0]
             t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
-            tasks = [asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res)) for i, (p, m, o) in enumerate(requests)]
+            tasks = [
+                asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res))
+                for i, (p, m, o) in enumerate(requests)
+            ]
             done, pending = await asyncio.wait(tasks, timeout=max_run_s)
             for t in pending:
                 t.cancel()
@@ -356,14 +384,23 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     engine through the arms' own pacing gate (:func:`scenario_pacing`): the arrival the arms see."""
     t = time.process_time()
     pacing = scenario_pacing(sc)
-    result = sweep(sc.start_args, sc.workload.specs(), gpu=sc.gpu, model=sc.model,
-                   space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing))
+    result = sweep(
+        sc.start_args,
+        sc.workload.specs(),
+        gpu=sc.gpu,
+        model=sc.model,
+        space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing),
+    )
     best = {k: v for k, v in result.best.args.items() if v is not None}
-    info = {"best": result.best.as_dict(), "start": result.start.as_dict(), "trials": len(result.trials),
-            "cpu_s": round(time.process_time() - t, 1),
-            "pacing": {"target": pacing.target, "scrape_s": pacing.scrape_s},
-            "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate; OOM or a "
-                    f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB"}
+    info = {
+        "best": result.best.as_dict(),
+        "start": result.start.as_dict(),
+        "trials": len(result.trials),
+        "cpu_s": round(time.process_time() - t, 1),
+        "pacing": {"target": pacing.target, "scrape_s": pacing.scrape_s},
+        "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate; OOM or a "
+        f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
+    }
     return best, info
 
 
@@ -400,8 +437,15 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
 
-def run_scenario(sc: Scenario, report_path: Path, *, arms: Sequence[str] = ARMS, workdir: Path | None = None,
-                 max_run_s: float = 900.0, oracle: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run_scenario(
+    sc: Scenario,
+    report_path: Path,
+    *,
+    arms: Sequence[str] = ARMS,
+    workdir: Path | None = None,
+    max_run_s: float = 900.0,
+    oracle: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report."""
     from loadtests.plot import plot_scenario
 
@@ -469,8 +513,10 @@ def _load(value: Any) -> str:
 
 def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
-    head = ("| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | sim slowdown | "
-            "load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = (
+        "| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | sim slowdown | "
+        "load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
     rows = [head]
     for rep in reports:
         for arm, a in rep["arms"].items():
@@ -478,14 +524,20 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
                         f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {final} |")  # fmt: skip
-    ratios = ["", "| scenario | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
-              "| replay: adaptive's final args from its restart | modelled s of the restart |", "|---|---:|---:|---:|---:|---:|"]
+    ratios = [
+        "",
+        "| scenario | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
+        "| replay: adaptive's final args from its restart | modelled s of the restart |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
         b = rep.get("restart_bound") or {}
-        ratios.append(f"| {rep['scenario']} | {'-' if ao is None else f'{ao:.3f}'} | "
-                      f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
-                      f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |")
+        ratios.append(
+            f"| {rep['scenario']} | {'-' if ao is None else f'{ao:.3f}'} | "
+            f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
+            f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |"
+        )
     return "\n".join(rows + ratios)
 
 
@@ -509,8 +561,17 @@ def main(argv: list[str]) -> int:
         work = Path(ns.workdir) / name if ns.workdir else None
         reports.append(run_scenario(SCENARIOS[name], path, arms=arms, workdir=work, max_run_s=ns.max_run_s))
     if len(names) > 1:
-        report.write_text(json.dumps({"scenarios": {r["scenario"]: {k: r[k] for k in (
-            "arms", "adaptive_over_oracle", "adaptive_over_default")} for r in reports}}, indent=1))
+        report.write_text(
+            json.dumps(
+                {
+                    "scenarios": {
+                        r["scenario"]: {k: r[k] for k in ("arms", "adaptive_over_oracle", "adaptive_over_default")}
+                        for r in reports
+                    }
+                },
+                indent=1,
+            )
+        )
         report.with_suffix(".md").write_text(table(reports) + "\n")
     print(table(reports))
     return 0

@@ -41,10 +41,16 @@ def bench_virtual(requests: int, prompt_len: int, max_new: int) -> dict[str, Any
     t0 = time.process_time()
     res = simulate(cfg, wl)
     cpu = time.process_time() - t0
-    return {"requests": requests, "output_tokens": res.output_tokens, "steps": res.steps,
-            "modelled_seconds": round(res.makespan_s, 2), "modelled_tok_per_s": round(res.output_tok_per_s, 1),
-            "cpu_seconds": round(cpu, 3), "simulated_tok_per_cpu_s": round(res.output_tokens / cpu),
-            "speedup_vs_real_time": round(res.makespan_s / cpu, 1)}
+    return {
+        "requests": requests,
+        "output_tokens": res.output_tokens,
+        "steps": res.steps,
+        "modelled_seconds": round(res.makespan_s, 2),
+        "modelled_tok_per_s": round(res.output_tok_per_s, 1),
+        "cpu_seconds": round(cpu, 3),
+        "simulated_tok_per_cpu_s": round(res.output_tokens / cpu),
+        "speedup_vs_real_time": round(res.makespan_s / cpu, 1),
+    }
 
 
 async def _server_state(session: Any, url: str) -> dict[str, Any]:
@@ -69,7 +75,9 @@ async def _client(session: Any, url: str, body: dict[str, Any], stop_at: float, 
                 counts[0] += out["meta_info"]["completion_tokens"]
 
 
-async def _drive(url: str, pid: int, concurrency: int, warmup: float, window: float, body: dict[str, Any]) -> dict[str, Any]:
+async def _drive(
+    url: str, pid: int, concurrency: int, warmup: float, window: float, body: dict[str, Any]
+) -> dict[str, Any]:
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0)
@@ -92,25 +100,47 @@ async def _drive(url: str, pid: int, concurrency: int, warmup: float, window: fl
     modelled = s1["busy_modelled_s"] - s0["busy_modelled_s"]
     stepped_wall = s1["busy_wall_s"] - s0["busy_wall_s"]
     generated = s1["generated_tokens"] - s0["generated_tokens"]
-    return {"window_s": round(wall, 2), "engine_tokens": generated, "client_tokens": c1 - c0,
-            "modelled_tok_per_s": round(generated / modelled, 1) if modelled else 0.0,
-            "engine_tok_per_wall_s": round(generated / wall, 1),
-            "client_tok_per_wall_s": round((c1 - c0) / wall, 1),
-            "lag": round(stepped_wall / modelled, 4) if modelled else None,
-            "busy_fraction": round(stepped_wall / wall, 3),
-            "server_cpu_cores": round((cpu1 - cpu0) / wall, 3),
-            "server_runqueue_wait_fraction": round((w1 - w0) / wall, 3),
-            "load_average_1m": round(os.getloadavg()[0], 2), "running_at_end": loads["num_running_reqs"],
-            "token_usage_at_end": loads["token_usage"]}
+    return {
+        "window_s": round(wall, 2),
+        "engine_tokens": generated,
+        "client_tokens": c1 - c0,
+        "modelled_tok_per_s": round(generated / modelled, 1) if modelled else 0.0,
+        "engine_tok_per_wall_s": round(generated / wall, 1),
+        "client_tok_per_wall_s": round((c1 - c0) / wall, 1),
+        "lag": round(stepped_wall / modelled, 4) if modelled else None,
+        "busy_fraction": round(stepped_wall / wall, 3),
+        "server_cpu_cores": round((cpu1 - cpu0) / wall, 3),
+        "server_runqueue_wait_fraction": round((w1 - w0) / wall, 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "running_at_end": loads["num_running_reqs"],
+        "token_usage_at_end": loads["token_usage"],
+    }
 
 
 def bench_server(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     core = args.core if args.core is not None else cores[-1]
-    cmd = [sys.executable, "-m", "proxy", "sim", "--port", "0", "--sim-startup-seconds", "0.5",
-           "--sim-time-scale", str(args.time_scale), "--enable-metrics"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "sim",
+        "--port",
+        "0",
+        "--sim-startup-seconds",
+        "0.5",
+        "--sim-time-scale",
+        str(args.time_scale),
+        "--enable-metrics",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )
     try:
         port = None
         assert proc.stderr is not None
@@ -128,9 +158,14 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
         threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
         if len(cores) > 1:
             os.sched_setaffinity(0, set(cores) - {core})
-        body = {"text": "lorem ipsum " * (args.prompt_len // 3), "stream": args.mode == "stream",
-                "sampling_params": {"max_new_tokens": args.max_new_tokens, "ignore_eos": True}}
-        out = asyncio.run(_drive(f"http://127.0.0.1:{port}", proc.pid, args.concurrency, args.warmup, args.window, body))
+        body = {
+            "text": "lorem ipsum " * (args.prompt_len // 3),
+            "stream": args.mode == "stream",
+            "sampling_params": {"max_new_tokens": args.max_new_tokens, "ignore_eos": True},
+        }
+        out = asyncio.run(
+            _drive(f"http://127.0.0.1:{port}", proc.pid, args.concurrency, args.warmup, args.window, body)
+        )
         out.update(mode=args.mode, concurrency=args.concurrency, time_scale=args.time_scale, server_core=core)
         return out
     finally:

@@ -1,8 +1,9 @@
 """The ``pacer`` command: one entry point, one subcommand per job.
 
-    pacer sim [SGLang flags] [--sim-* flags]   the simulated SGLang engine
-    pacer serve --policy FILE [--port N]       the proxy (front door, pacing, control)
-    pacer check-policy FILE                    validate a policy file without starting anything
+pacer sim [SGLang flags] [--sim-* flags]   the simulated SGLang engine
+pacer serve --policy FILE [--port N]       the proxy (front door, pacing, control)
+pacer check-policy FILE                    validate a policy file without starting anything
+pacer check-policy --defaults              every policy key with its default and meaning
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import signal
 import sys
 
-from proxy.policy import Policy, PolicyError, load_policy
+from proxy.policy import Policy, PolicyError, documented_defaults, load_policy
 from proxy.server.auth import AuthConfigError, load_keyring
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
@@ -30,8 +31,12 @@ _log = logging.getLogger("proxy")
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+    )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
@@ -91,8 +96,14 @@ def serve_main(argv: list[str]) -> int:
 
 def check_policy_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pacer check-policy", description="Validate a policy file.")
-    parser.add_argument("policy", help="policy TOML file")
+    parser.add_argument("policy", nargs="?", help="policy TOML file")
+    parser.add_argument("--defaults", action="store_true", help="print every key with its default and meaning, as TOML")
     args = parser.parse_args(argv)
+    if args.defaults:
+        print(documented_defaults(), end="")
+        return 0
+    if args.policy is None:
+        parser.error("a policy file is required (or --defaults)")
     try:
         policy = load_policy(args.policy)
         keys = load_keyring(policy.auth)
@@ -100,6 +111,8 @@ def check_policy_main(argv: list[str]) -> int:
         print(f"pacer check-policy: {exc}", file=sys.stderr)
         return 2
     print(policy.describe())
+    changed = policy.changed()
+    print("  set      " + ("\n           ".join(changed) if changed else "(every key at its default)"))
     print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))
     return 0
 

@@ -13,37 +13,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
 
-from proxy.request.admission import AdmissionQueue
-from proxy.control.controller import Controller, LogReader
+from proxy.control.controller import Controller
 from proxy.control.journal import Journal
 from proxy.control.rollout import Rollout
-from proxy.engines.base import LogEvent
-from proxy.engines.registry import engine_spec
-from proxy.request.dispatch import Dispatcher
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
-from proxy.request.pacing import Band, LoadBoard
 from proxy.policy import Policy
+from proxy.request.admission import AdmissionQueue
+from proxy.request.dispatch import Dispatcher
+from proxy.request.pacing import Band, LoadBoard
+from proxy.request.path import RequestPath, RequestSettings
 from proxy.server import handlers
 from proxy.server.auth import describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
-from proxy.request.upstream import UpstreamPool
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
 
-def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
-              gpu_sampler: Sampler = sample_gpus) -> web.Application:
+def build_app(
+    policy: Policy, pool: WorkerPool, *, manage_pool: bool = True, gpu_sampler: Sampler = sample_gpus
+) -> web.Application:
     """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app; ``gpu_sampler``
     reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default).
 
@@ -52,19 +52,34 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
     keys = load_keyring(policy.auth)
     board = LoadBoard()
     admission = AdmissionQueue(policy.queue.capacity)
-    lo, hi = policy.pacing.queue_band
-    dispatcher = Dispatcher(
-        pool, board, admission,
-        band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
-        stale_after_s=policy.pacing.stale_after_s,
-        prefix_affinity=str(policy.engine.args.get("schedule_policy", "")) == "lpm",
-    )
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
-    metrics = ProxyMetrics(admission, board, lambda: {w.id: w.url for w in pool.workers()},
-                           lambda: gpus.last if gpus is not None else None)
-    st = ProxyState(policy=policy, pool=pool, board=board, admission=admission, dispatcher=dispatcher,
-                    metrics=metrics, keys=keys, models=ModelCatalog(), gpus=gpus)
+    metrics = ProxyMetrics(
+        admission, board, lambda: {w.id: w.url for w in pool.workers()}, lambda: gpus.last if gpus is not None else None
+    )
+    lo, hi = policy.pacing.queue_band
+    dispatcher = Dispatcher(
+        pool,
+        board,
+        admission,
+        band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
+        stale_after_s=policy.pacing.stale_after_s,
+        prefix_affinity=policy.engine.engine.prefix_affinity(policy.engine.args),
+        max_attempts=policy.pacing.max_attempts,
+        on_requeue=metrics.count_requeue,
+    )
+    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics)
+    st = ProxyState(
+        policy=policy,
+        pool=pool,
+        board=board,
+        admission=admission,
+        requests=requests,
+        metrics=metrics,
+        keys=keys,
+        models=ModelCatalog(),
+        gpus=gpus,
+    )
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
@@ -83,18 +98,25 @@ def build_app(policy: Policy, pool: WorkerPool, *, manage_pool: bool = True,
     return app
 
 
-def _lifecycle(st: ProxyState, manage_pool: bool):
+def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         policy = st.policy
         for line in describe(st.keys):
             _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
-        st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                           cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
-        st.upstream = UpstreamPool()  # the request path; the session serves scrapes, aborts and admin calls
+        st.session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent",),
+        )
+        st.requests.open(st.session)  # its own connections to the workers; the session serves aborts too
         st.scraper = Scraper(
-            st.pool, st.board, st.session, engine=policy.engine.engine,
+            st.pool,
+            st.board,
+            st.session,
+            engine=policy.engine.engine,
             interval_s=policy.pacing.scrape_interval_s,
             timeout_s=max(policy.pacing.scrape_interval_s, min(policy.pacing.stale_after_s, 5.0)),
             on_result=lambda wid, sample, err: _on_scrape(st, wid, err),
@@ -111,8 +133,12 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
         st.pool.add_listener(on_state)
         tasks = [
             asyncio.create_task(st.scraper.run(), name="pacer-scraper"),
-            asyncio.create_task(run_status_log(st.admission, st.board, st.pool, policy.proxy.status_log_interval_s,
-                                               policy.pacing.stale_after_s), name="pacer-status-log"),
+            asyncio.create_task(
+                run_status_log(
+                    st.admission, st.board, st.pool, policy.proxy.status_log_interval_s, policy.pacing.stale_after_s
+                ),
+                name="pacer-status-log",
+            ),
         ]
         if st.gpus is not None:
             tasks.append(asyncio.create_task(st.gpus.run(), name="pacer-gpu-watch"))
@@ -134,35 +160,24 @@ def _lifecycle(st: ProxyState, manage_pool: bool):
                     ticket.future.cancel()
             if manage_pool:
                 await st.pool.stop()
-            await st.wait_background()
-            st.upstream.close()
+            await st.requests.close()
             await st.session.close()
 
     return ctx
 
 
-class _LineReader:
-    """A log reader for an engine with only a stateless ``parse_line``."""
+class _Surroundings:
+    """The pool's log tail and the proxy queue's backlog, as the controller asks for them."""
 
-    def __init__(self, parse_line: Callable[[str, float], LogEvent | None]) -> None:
-        self._parse = parse_line
+    def __init__(self, st: ProxyState) -> None:
+        self._st = st
 
-    def feed(self, line: str, now: float) -> list[LogEvent]:
-        event = self._parse(line, now)
-        return [event] if event is not None else []
+    def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
+        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
+        return tail(worker_id, lines) if tail is not None else []
 
-    def flush(self, now: float) -> list[LogEvent]:
-        return []
-
-
-def _reader_factory(engine: str) -> Callable[[], LogReader]:
-    spec = engine_spec(engine)
-    try:
-        follower = spec.function("logs", "LogFollower")
-        return lambda: follower()
-    except AttributeError:
-        parse = spec.function("logs", "parse_line")
-        return lambda: _LineReader(parse)
+    def backlog(self) -> int:
+        return len(self._st.admission)
 
 
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -171,47 +186,37 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     policy = st.policy
     settings = policy.control
     engine = policy.engine.engine
-    spec = engine_spec(engine)
     journal = Journal(settings.journal_path)
-    try:
-        classify = spec.function("logs", "classify_death")
-    except AttributeError:
-        classify = None
-    tail = getattr(st.pool, "tail", None)
-    actor = Rollout(st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s) if policy.engine.managed else None
     controller = Controller(
         settings,
-        spec.function("knobs", "knobs")(),
+        engine.knobs,
         journal,
-        actor=actor,
-        reader_factory=_reader_factory(engine),
-        classify_death=classify,
-        tail=tail,
-        backlog=lambda: len(st.admission),
-        hold=st.dispatcher.drain,
+        engine=engine,
+        surroundings=_Surroundings(st),
+        actor=Rollout(
+            st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s
+        ),  # only managed workers are acted on
+        clock=time.monotonic,
+        hold=st.pool.hold,
     )
     st.controller, st.journal = controller, journal
     closed = False
 
-    try:
-        resolved_from = spec.function("knobs", "resolved_from_server_info")
-    except AttributeError:
-        resolved_from = None
-
     async def read_resolved(info: WorkerInfo) -> None:
-        """What the engine chose for args left unset (``mem_fraction_static``...), from its /server_info."""
-        if st.session is None or resolved_from is None:
+        """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""
+        path = engine.server_info_path
+        if st.session is None or path is None:
             return
         try:
-            async with st.session.get(info.url + "/server_info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with st.session.get(info.url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:
                     return
                 payload = await resp.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            _log.debug("no /server_info from %s: %s", info.id, exc)
+            _log.debug("no %s from %s: %s", path, info.id, exc)
             return
         if isinstance(payload, dict) and not closed:
-            controller.set_resolved(info.id, resolved_from(payload))
+            controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
 
     def on_state(info: WorkerInfo) -> None:
         if closed:
@@ -231,7 +236,9 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     if add_lines is not None:
         add_lines(on_line)
     st.board.subscribe(controller.on_sample)
-    _log.info("controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s)
+    _log.info(
+        "controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s
+    )
     task = asyncio.create_task(controller.run(), name="pacer-controller")
     try:
         yield

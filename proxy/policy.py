@@ -4,7 +4,10 @@
     policy.engine.kind, policy.pacing.queue_band, policy.describe()
 
 Every table is optional and every key has a default, so ``parse_policy({}, "<empty>")`` is a valid
-policy (one simulated worker). Unknown keys are errors. Engine args are checked against the
+policy (one simulated worker). Unknown keys are errors. Each key is declared once, as a settings
+field with its default, meaning and bounds in its metadata (:func:`proxy.policy_schema.key`): the
+reader of the plain keys, :meth:`Policy.changed` and :func:`documented_defaults`
+(``pacer check-policy --defaults``) are derived from those declarations. Engine args are checked against the
 engine's own flag table (``proxy.engines.<engine>.argv.check_arg``) so a typo fails here, not
 minutes later when a GPU worker refuses to start.
 """
@@ -12,17 +15,20 @@ minutes later when a GPU worker refuses to start.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
-from proxy.engines.registry import engine_spec
-from proxy.policy_schema import PolicyError, Table
+from proxy.engines.contract import Engine
+from proxy.engines.registry import ENGINES, EngineKind, engine_named
+from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml, key, read_settings
 
 __all__ = [
+    "TABLES",
     "AuthSettings",
     "ControlMode",
     "ControlSettings",
@@ -34,6 +40,7 @@ __all__ = [
     "Priority",
     "ProxySettings",
     "QueueSettings",
+    "documented_defaults",
     "load_policy",
     "parse_policy",
 ]
@@ -44,11 +51,8 @@ class Priority(StrEnum):
     BATCH = "batch"
 
 
-class EngineKind(StrEnum):
-    SIM = "sim"  # the simulated SGLang engine (pacer sim)
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    EXTERNAL = "external"  # servers the proxy neither starts nor restarts
+def _empty_table() -> Mapping[str, Any]:
+    return MappingProxyType({})
 
 
 class ControlMode(StrEnum):
@@ -59,22 +63,44 @@ class ControlMode(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProxySettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies -> 413
-    status_log_interval_s: float = 10.0  # periodic "#proxy-queue ..." log line
-    request_timeout_s: float = 600.0  # one upstream attempt, total
-    gpu_sample_interval_s: float = 5.0  # NVML sample for /metrics and /admin/gpus; 0 turns it off
+    host: str = field(default="127.0.0.1", metadata=key("where clients connect"))
+    port: int = field(default=8000, metadata=key("listen port (0: any free port)", minimum=0, maximum=65535))
+    max_body_bytes: int = field(default=8 * 1024 * 1024, metadata=key("larger request bodies get 413", minimum=1))
+    status_log_interval_s: float = field(
+        default=10.0, metadata=key('seconds between "#proxy-queue ..." status lines', positive=True)
+    )
+    request_timeout_s: float = field(
+        default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True)
+    )
+    gpu_sample_interval_s: float = field(
+        default=5.0,
+        metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuthSettings:
     """Where keys come from; all ``None`` means the proxy runs open. Files are absolute paths."""
 
-    api_keys_env: str | None = None  # comma-separated keys; "KEY:batch" puts a key in the batch class
-    api_keys_file: Path | None = None  # one key per line, optional " batch" / " interactive"
-    admin_key_env: str | None = None
-    admin_key_file: Path | None = None
+    api_keys_env: str | None = field(
+        default=None,
+        metadata=key(
+            'environment variable with comma-separated client keys; "KEY:batch" puts a key in the batch class',
+            custom=True,
+        ),
+    )
+    api_keys_file: Path | None = field(
+        default=None,
+        metadata=key(
+            'file of client keys, one a line, optional " batch" / " interactive" (relative to the policy)', custom=True
+        ),
+    )
+    admin_key_env: str | None = field(
+        default=None, metadata=key("environment variable with the key for /admin/*", custom=True)
+    )
+    admin_key_file: Path | None = field(
+        default=None, metadata=key("file with the key for /admin/* (relative to the policy)", custom=True)
+    )
 
     @property
     def configured(self) -> bool:
@@ -83,84 +109,195 @@ class AuthSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueSettings:
-    capacity: int = 20000  # past it -> 429 with Retry-After
-    timeout_s: float = 300.0  # longest wait in the proxy queue -> 503
-    retry_after_s: int = 2
-    default_priority: Priority = Priority.INTERACTIVE
-    priority_header: str = "x-pacer-priority"
+    capacity: int = field(
+        default=20000, metadata=key("requests waiting in the proxy; past it clients get 429 + Retry-After", minimum=0)
+    )
+    timeout_s: float = field(
+        default=300.0, metadata=key("longest wait in the proxy's queue in seconds, then 503", positive=True)
+    )
+    retry_after_s: int = field(default=2, metadata=key("the Retry-After (seconds) a 429 carries", minimum=0))
+    default_priority: Priority = field(
+        default=Priority.INTERACTIVE, metadata=key("priority of requests without the header")
+    )
+    priority_header: str = field(
+        default="x-pacer-priority",
+        metadata=key('request header a client may set to "batch" or "interactive"', custom=True),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSettings:
-    kind: EngineKind = EngineKind.SIM
-    workers: int = 1  # managed workers; for external, len(urls)
-    args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # engine flag names, underscores
-    extra_args: tuple[str, ...] = ()
-    urls: tuple[str, ...] = ()  # kind = "external" only
-    speaks: str = "sglang"  # the engine whose metrics/logs the workers speak: sglang | vllm
-    command: tuple[str, ...] | None = None  # launcher; None -> proxy.engines.registry default by kind
-    host: str = "127.0.0.1"
-    base_port: int = 0  # 0: free ports chosen at start; else base_port + i
-    startup_timeout_s: float = 900.0
-    stop_grace_s: float = 10.0
-    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    log_dir: Path = Path(".pacer/logs")  # relative to the current directory
+    kind: EngineKind = field(
+        default=EngineKind.SIM,
+        metadata=key("sim | sglang | vllm | external (servers the proxy neither starts nor restarts)", custom=True),
+    )
+    workers: int = field(default=1, metadata=key("managed workers; for external, one per URL", minimum=1, custom=True))
+    args: Mapping[str, Any] = field(
+        default_factory=_empty_table,
+        metadata=key("engine flags by name, with underscores (managed kinds)", custom=True),
+    )
+    extra_args: tuple[str, ...] = field(
+        default=(), metadata=key("more command-line arguments for each worker (managed kinds)", custom=True)
+    )
+    urls: tuple[str, ...] = field(
+        default=(), metadata=key('the workers\' base URLs (kind = "external" only)', custom=True)
+    )
+    speaks: str = field(
+        default=EngineKind.SGLANG.value,
+        metadata=key("the engine whose metrics and logs external workers speak (a managed kind)", custom=True),
+    )
+    command: tuple[str, ...] | None = field(
+        default=None, metadata=key("launcher argv; not set: the engine's default by kind", custom=True)
+    )
+    host: str = field(default="127.0.0.1", metadata=key("address the workers listen on"))
+    base_port: int = field(
+        default=0,
+        metadata=key("0: free ports chosen at start; else worker i listens on base_port + i", minimum=0, maximum=65535),
+    )
+    startup_timeout_s: float = field(
+        default=900.0, metadata=key("seconds a worker may take to become ready", positive=True)
+    )
+    stop_grace_s: float = field(default=10.0, metadata=key("seconds between SIGTERM and SIGKILL", minimum=0))
+    env: Mapping[str, str] = field(
+        default_factory=_empty_table, metadata=key("environment variables for the workers (strings)", custom=True)
+    )
+    log_dir: Path = field(
+        default=Path(".pacer/logs"), metadata=key("one log file per worker, relative to the current directory")
+    )
 
     @property
     def managed(self) -> bool:
         return self.kind != EngineKind.EXTERNAL
 
     @property
-    def engine(self) -> str:
-        """The engine package the workers speak: "sglang" for sim/sglang, else vllm or ``speaks``."""
-        if self.kind == EngineKind.EXTERNAL:
-            return self.speaks
-        return "vllm" if self.kind == EngineKind.VLLM else "sglang"
+    def engine(self) -> Engine:
+        """The engine the workers speak: the one of ``kind``, or ``speaks`` for external workers."""
+        return engine_named(self.speaks if self.kind == EngineKind.EXTERNAL else self.kind)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PacingSettings:
-    queue_band: tuple[int, int] = (100, 2000)  # healthy range of each worker's #queue-req
-    headroom: int = 32  # dispatch while estimated server queue < band low + headroom (never past high)
-    scrape_interval_s: float = 0.5
-    stale_after_s: float = 3.0  # older samples count as saturated
-    max_attempts: int = 3  # tries per request that produced no output yet
+    queue_band: tuple[int, int] = field(
+        default=(100, 2000), metadata=key("[low, high]: healthy range of each worker's #queue-req", custom=True)
+    )
+    headroom: int = field(
+        default=32,
+        metadata=key("dispatch while estimated server queue < band low + headroom (never past high)", minimum=0),
+    )
+    scrape_interval_s: float = field(default=0.5, metadata=key("seconds between /metrics reads", positive=True))
+    stale_after_s: float = field(
+        default=3.0,
+        metadata=key(
+            "a worker whose samples are older (seconds) counts as saturated; >= scrape_interval_s", positive=True
+        ),
+    )
+    max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlSettings:
     """The controller's settings: when it looks, what counts as evidence, how far it may move a knob."""
 
-    mode: ControlMode = ControlMode.OFF
+    mode: ControlMode = field(
+        default=ControlMode.OFF, metadata=key("off: pace only; advise: log what the controller would change; auto: act")
+    )
     # -- rhythm and restraint (proxy.control)
-    interval_s: float = 5.0  # how often the rules run
-    window_s: float = 60.0  # how far back a rule looks
-    min_evidence_s: float = 20.0  # a rule needs this much observed time since the worker (re)started
-    cooldown_s: float = 120.0  # after a restart, tuning rules leave that worker alone this long
-    restarts_per_hour: int = 6  # per worker, restarts the controller asks for
-    flip_guard_s: float = 1800.0  # a knob moved one way is not moved back by a tuning rule within this long
-    good_after_s: float = 120.0  # args that ran this long without a crash become the fallback
-    crash_loop: int = 3  # deaths within crash_loop_window_s that make a crash loop
-    crash_loop_window_s: float = 600.0
-    crash_backoff_s: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0, 60.0)  # wait before reviving a dead worker
-    drain_timeout_s: float = 60.0  # longest wait for running requests before a restart
-    revive: bool = True  # in auto mode, restart a managed worker that died (with safer args when a rule says so)
-    journal_path: str | None = ".pacer/decisions.jsonl"  # JSON lines; none: in memory only
+    interval_s: float = field(default=5.0, metadata=key("seconds between runs of the rules", positive=True))
+    window_s: float = field(default=60.0, metadata=key("seconds a rule looks back", positive=True))
+    min_evidence_s: float = field(
+        default=20.0,
+        metadata=key(
+            "observed seconds a worker needs since its (re)start before a rule acts; <= window_s", positive=True
+        ),
+    )
+    cooldown_s: float = field(
+        default=120.0,
+        metadata=key("after a restart, tuning rules leave that worker alone this many seconds", minimum=0),
+    )
+    restarts_per_hour: int = field(
+        default=6, metadata=key("restarts the controller may ask for, per worker", minimum=0)
+    )
+    flip_guard_s: float = field(
+        default=1800.0,
+        metadata=key("seconds within which a knob moved one way is not moved back by a tuning rule", minimum=0),
+    )
+    good_after_s: float = field(
+        default=120.0,
+        metadata=key("args that ran this many seconds without a crash become the crash-loop fallback", positive=True),
+    )
+    crash_loop: int = field(
+        default=3, metadata=key("deaths within crash_loop_window_s that make a crash loop", minimum=1)
+    )
+    crash_loop_window_s: float = field(
+        default=600.0, metadata=key("seconds over which deaths count toward a crash loop", positive=True)
+    )
+    crash_backoff_s: tuple[float, ...] = field(
+        default=(1.0, 5.0, 15.0, 30.0, 60.0),
+        metadata=key("seconds to wait before reviving a dead worker, one per death in a row", custom=True),
+    )
+    drain_timeout_s: float = field(
+        default=60.0, metadata=key("longest wait (seconds) for running requests before a restart", positive=True)
+    )
+    revive: bool = field(
+        default=True,
+        metadata=key("in auto mode, restart a managed worker that died (with safer args when a rule says so)"),
+    )
+    journal_path: str | None = field(
+        default=".pacer/decisions.jsonl",
+        metadata=key("decisions as JSON lines; not set: kept in memory only", custom=True),
+    )
     # -- thresholds and steps of the rules
-    low_usage: float = 0.9  # token usage below this with a non-empty server queue ...
-    low_usage_fraction: float = 0.7  # ... for this fraction of the window: admission too conservative
-    timid_queue_fraction: float = 0.5  # server queue empty this often while the proxy holds work: noted
-    retractions_per_min: float = 6.0  # retracted requests per minute: below this, never a storm (noise floor)
-    retractions_per_1k_tokens: float = 0.5  # retracted requests per 1k output tokens above this: admission too aggressive
-    admission_min_gain: float = 0.15  # lower the conservativeness only if the batch could grow by this much (low_usage / usage - 1)
-    conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
-    conservativeness_step: float = 0.3
-    prefill_chunk_min: int = 2048  # a prefill OOM halves the chunk down to this
-    decode_oom_factor: float = 0.8  # a decode OOM sets max running requests to the peak seen x this
-    max_running_min: int = 8
-    available_mem_band_gb: tuple[float, float] = (5.0, 10.0)  # start-up free memory outside it moves the KV fraction
-    memory_fraction_step: float = 0.01
-    memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
+    low_usage: float = field(
+        default=0.9, metadata=key("token usage below this with a non-empty server queue ...", positive=True, maximum=1)
+    )
+    low_usage_fraction: float = field(
+        default=0.7,
+        metadata=key("... for this fraction of the window: admission too conservative", positive=True, maximum=1),
+    )
+    timid_queue_fraction: float = field(
+        default=0.5,
+        metadata=key(
+            "server queue empty this often while the proxy holds work: a journal note", positive=True, maximum=1
+        ),
+    )
+    retractions_per_min: float = field(
+        default=6.0,
+        metadata=key("retracted requests per minute below which there is never a storm (noise floor)", positive=True),
+    )
+    retractions_per_1k_tokens: float = field(
+        default=0.5,
+        metadata=key("retracted requests per 1,000 output tokens above this: admission too aggressive", positive=True),
+    )
+    admission_min_gain: float = field(
+        default=0.15,
+        metadata=key(
+            "lower conservativeness only if the batch could grow this much (low_usage / usage - 1)", positive=True
+        ),
+    )
+    conservativeness_bounds: tuple[float, float] = field(
+        default=(0.1, 2.0), metadata=key("[low, high] of schedule_conservativeness", custom=True)
+    )
+    conservativeness_step: float = field(
+        default=0.3, metadata=key("how far one step moves schedule_conservativeness", positive=True)
+    )
+    prefill_chunk_min: int = field(
+        default=2048, metadata=key("a prefill OOM halves chunked_prefill_size down to this", minimum=1)
+    )
+    decode_oom_factor: float = field(
+        default=0.8,
+        metadata=key("a decode OOM caps max_running_requests at the peak seen x this", positive=True, maximum=1),
+    )
+    max_running_min: int = field(default=8, metadata=key("lowest max_running_requests the controller sets", minimum=1))
+    available_mem_band_gb: tuple[float, float] = field(
+        default=(5.0, 10.0),
+        metadata=key("[low, high] GB: start-up free memory outside it moves mem_fraction_static", custom=True),
+    )
+    memory_fraction_step: float = field(
+        default=0.01, metadata=key("how far one step moves mem_fraction_static", positive=True)
+    )
+    memory_fraction_bounds: tuple[float, float] = field(
+        default=(0.5, 0.95), metadata=key("[low, high] of mem_fraction_static (high <= 1)", custom=True)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,6 +313,32 @@ class Policy:
     def describe(self) -> str:
         """A few lines for ``pacer check-policy`` and the start-up log."""
         return "\n".join(_describe(self))
+
+    def changed(self) -> list[str]:
+        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
+        tables = {name: getattr(self, name) for name in TABLES}
+        return changed_keys(
+            tables,
+            secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key),
+        )
+
+
+# table name -> its settings; the order of ``pacer check-policy --defaults``
+TABLES: Mapping[str, type[Any]] = MappingProxyType(
+    {
+        "proxy": ProxySettings,
+        "auth": AuthSettings,
+        "queue": QueueSettings,
+        "engine": EngineSettings,
+        "pacing": PacingSettings,
+        "control": ControlSettings,
+    }
+)
+
+
+def documented_defaults() -> str:
+    """Every key of every table with its default and meaning, as TOML (``pacer check-policy --defaults``)."""
+    return defaults_toml(TABLES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,15 +378,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
 
 
 def _proxy(t: Table) -> ProxySettings:
-    d = ProxySettings()
-    s = ProxySettings(
-        host=t.str("host", d.host) or d.host,
-        port=t.int("port", d.port, minimum=0, maximum=65535),
-        max_body_bytes=t.int("max_body_bytes", d.max_body_bytes, minimum=1),
-        status_log_interval_s=t.float("status_log_interval_s", d.status_log_interval_s, positive=True),
-        request_timeout_s=t.float("request_timeout_s", d.request_timeout_s, positive=True),
-        gpu_sample_interval_s=t.float("gpu_sample_interval_s", d.gpu_sample_interval_s, minimum=0),
-    )
+    s = read_settings(t, ProxySettings)
     t.finish()
     return s
 
@@ -245,13 +400,8 @@ def _auth(t: Table, base: Path) -> AuthSettings:
 
 def _queue(t: Table) -> QueueSettings:
     d = QueueSettings()
-    s = QueueSettings(
-        capacity=t.int("capacity", d.capacity, minimum=0),
-        timeout_s=t.float("timeout_s", d.timeout_s, positive=True),
-        retry_after_s=t.int("retry_after_s", d.retry_after_s, minimum=0),
-        default_priority=t.enum("default_priority", Priority, d.default_priority),
-        priority_header=(t.str("priority_header", d.priority_header) or d.priority_header).lower(),
-    )
+    header = t.str("priority_header", d.priority_header) or d.priority_header
+    s = read_settings(t, QueueSettings, {"priority_header": header.lower()})
     t.finish()
     return s
 
@@ -281,8 +431,9 @@ def _engine(t: Table) -> EngineSettings:
         for flag in ("--host", "--port"):
             if any(a == flag or a.startswith(flag + "=") for a in extra_args):
                 raise t.error("extra_args", f"{flag} is set by the supervisor (use engine.host / engine.base_port)")
-        if kind == EngineKind.SGLANG and "model_path" not in args:
-            raise t.error("args.model_path", 'required for kind = "sglang"')
+        for name in engine_named(kind).required_args():
+            if name not in args:
+                raise t.error(f"args.{name}", f'required for kind = "{kind}"')
     else:
         if not urls:
             raise t.error("urls", 'kind = "external" needs at least one URL, e.g. urls = ["http://10.0.0.5:30000"]')
@@ -290,30 +441,26 @@ def _engine(t: Table) -> EngineSettings:
             parsed = urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise t.error(f"urls[{i}]", f"expected an http(s)://host:port URL, got {url!r}")
-        if speaks is not None and speaks not in ("sglang", "vllm"):
-            raise t.error("speaks", f"expected one of sglang, vllm; got {speaks!r}")
-        for name, given in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
-            if given:
+        if speaks is not None and speaks not in ENGINES:
+            raise t.error("speaks", f"expected one of {', '.join(ENGINES)}; got {speaks!r}")
+        for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
+            if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
         if t.has("workers") and workers != len(urls):
             raise t.error("workers", f'kind = "external" runs one worker per URL ({len(urls)}); leave workers out')
         workers = len(urls)
 
-    s = EngineSettings(
-        kind=kind,
-        workers=workers,
-        args=MappingProxyType(args),
-        extra_args=tuple(extra_args),
-        urls=tuple(u.rstrip("/") for u in urls or ()),
-        speaks=speaks or d.speaks,
-        command=command,
-        host=t.str("host", d.host) or d.host,
-        base_port=t.int("base_port", d.base_port, minimum=0, maximum=65535),
-        startup_timeout_s=t.float("startup_timeout_s", d.startup_timeout_s, positive=True),
-        stop_grace_s=t.float("stop_grace_s", d.stop_grace_s, minimum=0),
-        env=MappingProxyType(env),
-        log_dir=Path(t.str("log_dir", str(d.log_dir)) or d.log_dir),
-    )
+    read_here: dict[str, Any] = {
+        "kind": kind,
+        "workers": workers,
+        "args": MappingProxyType(args),
+        "extra_args": tuple(extra_args),
+        "urls": tuple(u.rstrip("/") for u in urls or ()),
+        "speaks": speaks or d.speaks,
+        "command": command,
+        "env": MappingProxyType(env),
+    }
+    s = read_settings(t, EngineSettings, read_here)
     if managed and s.base_port and s.base_port + workers - 1 > 65535:
         raise t.error("base_port", f"base_port + workers - 1 = {s.base_port + workers - 1} is past 65535")
     t.finish()
@@ -321,26 +468,11 @@ def _engine(t: Table) -> EngineSettings:
 
 
 def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any]) -> None:
-    checker = _arg_checker(kind)
-    if checker is None:
-        return
+    engine = engine_named(kind)
     for name, value in args.items():
-        problem = checker(name, value)
+        problem = engine.check_arg(name, value)
         if problem:
             raise t.error(f"args.{name}", problem)
-
-
-def _arg_checker(kind: EngineKind) -> Callable[[str, object], str | None] | None:
-    """The engine's ``check_arg(name, value) -> problem | None``; None where the engine has none yet."""
-    if kind in (EngineKind.SIM, EngineKind.SGLANG):
-        from proxy.engines.sglang.argv import check_arg
-
-        allow_sim = kind == EngineKind.SIM
-        return lambda name, value: check_arg(name, value, allow_sim=allow_sim)
-    try:
-        return engine_spec(str(kind)).function("argv", "check_arg")
-    except (ImportError, AttributeError):
-        return None
 
 
 def _pacing(t: Table) -> PacingSettings:
@@ -357,57 +489,31 @@ def _pacing(t: Table) -> PacingSettings:
         raise t.error("queue_band", f"low must be >= 0, got {low}")
     if low > high:
         raise t.error("queue_band", f"low must be <= high, got [{low}, {high}]")
-    s = PacingSettings(
-        queue_band=(low, high),
-        headroom=t.int("headroom", d.headroom, minimum=0),
-        scrape_interval_s=t.float("scrape_interval_s", d.scrape_interval_s, positive=True),
-        stale_after_s=t.float("stale_after_s", d.stale_after_s, positive=True),
-        max_attempts=t.int("max_attempts", d.max_attempts, minimum=1),
-    )
+    s = read_settings(t, PacingSettings, {"queue_band": (low, high)})
     if s.stale_after_s < s.scrape_interval_s:
-        raise t.error("stale_after_s", f"must be >= scrape_interval_s ({s.scrape_interval_s:g}), got {s.stale_after_s:g}")
+        raise t.error(
+            "stale_after_s", f"must be >= scrape_interval_s ({s.scrape_interval_s:g}), got {s.stale_after_s:g}"
+        )
     t.finish()
     return s
 
 
 def _control(t: Table) -> ControlSettings:
     d = ControlSettings()
-    fraction = {"low_usage", "low_usage_fraction", "timid_queue_fraction", "decode_oom_factor"}
-    floats = {
-        name: t.float(name, getattr(d, name), positive=True)
-        for name in (
-            "interval_s", "window_s", "min_evidence_s", "good_after_s", "crash_loop_window_s", "drain_timeout_s",
-            "retractions_per_min", "retractions_per_1k_tokens", "admission_min_gain", "conservativeness_step", "memory_fraction_step", *sorted(fraction),
-        )
-    }  # fmt: skip
-    for name in sorted(fraction):
-        if floats[name] > 1:
-            raise t.error(name, f"must be <= 1, got {floats[name]!r}")
-    for name in ("cooldown_s", "flip_guard_s"):
-        floats[name] = t.float(name, getattr(d, name), minimum=0)
     backoff = t.raw("crash_backoff_s", list(d.crash_backoff_s))
     if not isinstance(backoff, list) or not backoff or not all(_is_number(v) and v >= 0 for v in backoff):
         raise t.error("crash_backoff_s", f"expected a non-empty array of seconds >= 0, got {backoff!r}")
     journal = t.raw("journal_path", d.journal_path)
     if journal is not None and (not isinstance(journal, str) or not journal.strip()):
         raise t.error("journal_path", f'expected a file path ("" is not one), got {journal!r}')
-    revive = t.raw("revive", d.revive)
-    if not isinstance(revive, bool):
-        raise t.error("revive", f"expected true or false, got {revive!r}")
-    s = ControlSettings(
-        mode=t.enum("mode", ControlMode, d.mode),
-        **floats,
-        restarts_per_hour=t.int("restarts_per_hour", d.restarts_per_hour, minimum=0),
-        crash_loop=t.int("crash_loop", d.crash_loop, minimum=1),
-        crash_backoff_s=tuple(float(v) for v in backoff),
-        revive=revive,
-        journal_path=journal,
-        conservativeness_bounds=_bounds(t, "conservativeness_bounds", d.conservativeness_bounds),
-        prefill_chunk_min=t.int("prefill_chunk_min", d.prefill_chunk_min, minimum=1),
-        max_running_min=t.int("max_running_min", d.max_running_min, minimum=1),
-        available_mem_band_gb=_bounds(t, "available_mem_band_gb", d.available_mem_band_gb),
-        memory_fraction_bounds=_bounds(t, "memory_fraction_bounds", d.memory_fraction_bounds, maximum=1.0),
-    )
+    given = {
+        "crash_backoff_s": tuple(float(v) for v in backoff),
+        "journal_path": journal,
+        "conservativeness_bounds": _bounds(t, "conservativeness_bounds", d.conservativeness_bounds),
+        "available_mem_band_gb": _bounds(t, "available_mem_band_gb", d.available_mem_band_gb),
+        "memory_fraction_bounds": _bounds(t, "memory_fraction_bounds", d.memory_fraction_bounds, maximum=1.0),
+    }
+    s = read_settings(t, ControlSettings, given)
     if s.min_evidence_s > s.window_s:
         raise t.error("min_evidence_s", f"must be <= window_s ({s.window_s:g}), got {s.min_evidence_s:g}")
     t.finish()
@@ -442,12 +548,17 @@ def _describe(p: Policy) -> list[str]:
         f"upstream timeout {p.proxy.request_timeout_s:g} s"
     )
     if a.configured:
-        sources = [f"env {a.api_keys_env}" if a.api_keys_env else "", f"file {a.api_keys_file}" if a.api_keys_file else ""]
+        sources = [
+            f"env {a.api_keys_env}" if a.api_keys_env else "",
+            f"file {a.api_keys_file}" if a.api_keys_file else "",
+        ]
         lines.append(f"  auth     API keys from {' and '.join(s for s in sources if s)}")
     else:
         lines.append("  auth     open (no API keys configured)")
     if a.admin_key_env or a.admin_key_file:
-        lines.append(f"           admin key from {a.admin_key_env and 'env ' + a.admin_key_env or 'file ' + str(a.admin_key_file)}")
+        lines.append(
+            f"           admin key from {(a.admin_key_env and 'env ' + a.admin_key_env) or 'file ' + str(a.admin_key_file)}"
+        )
     lines.append(
         f"  queue    capacity {q.capacity}, wait <= {q.timeout_s:g} s, default priority {q.default_priority}"
         f" (header {q.priority_header})"

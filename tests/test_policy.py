@@ -101,7 +101,7 @@ def test_gpu_sample_interval_is_read() -> None:
 def test_external_workers() -> None:
     p = parse_policy({"engine": {"kind": "external", "urls": ["http://10.0.0.5:30000/"], "speaks": "vllm"}})
     assert p.engine.urls == ("http://10.0.0.5:30000",) and p.engine.workers == 1 and not p.engine.managed
-    assert p.engine.engine == "vllm" and "external (vllm)" in p.describe()
+    assert p.engine.engine.name == "vllm" and "external (vllm)" in p.describe()
 
 
 def test_api_key_is_masked_in_describe() -> None:
@@ -131,7 +131,11 @@ BAD = [
     (_engine(workers=0), "engine.workers", ">= 1"),
     (_engine(base_port=-1), "engine.base_port", ">= 0"),
     (_engine(base_port=65535, workers=2), "engine.base_port", "past 65535"),
-    (_engine(args={"max_runing_requests": 8}), "engine.args.max_runing_requests", "did you mean 'max_running_requests'"),
+    (
+        _engine(args={"max_runing_requests": 8}),
+        "engine.args.max_runing_requests",
+        "did you mean 'max_running_requests'",
+    ),
     (_engine(args={"cuda_graph_max_bs": 64}), "engine.args.cuda_graph_max_bs", "cuda_graph_max_bs_decode"),
     (_engine(args={"schedule_conservativeness": "low"}), "engine.args.schedule_conservativeness", "expected a number"),
     (_engine(args={"port": 1}), "engine.args.port", "engine.base_port"),

@@ -5,14 +5,22 @@ supervisor's line listeners and its state listeners): it only pushes into each w
 :class:`~proxy.control.window.Window`. Decisions are taken in :meth:`Controller.tick` (serving
 workers, every ``interval_s``) and :meth:`Controller.decide_revival` (a worker died); both are
 synchronous and only read windows and states, so tests drive them with recorded inputs and no
-event loop. :meth:`Controller.run` is the async part: it ticks, and hands decisions to the actor
-one worker at a time.
+event loop. :meth:`Controller.run` is the async part: it ticks, and hands each :class:`Act` to
+:meth:`Controller.carry_out`, one worker at a time.
+
+What the controller needs of the world around it is passed in, each a small protocol: the engine's
+log reading and death classification (:class:`EngineLogs`), the pool's log tail and the proxy
+queue's backlog (:class:`Surroundings`), an :class:`Actor` that restarts a worker, and a clock.
+The composition root passes the real ones; tests pass fakes of the same protocols.
 
 Modes (``[control] mode``):
 
 * ``auto``: decisions are acted on (rolling restart with the new args);
 * ``advise``: decisions are journaled as ``advised``, nothing is restarted for tuning;
 * ``off``: windows are kept (the figures stay visible), no rule runs.
+
+A worker this proxy does not manage (an external one) is never restarted: what ``auto`` would do
+to it is journaled as ``advised``.
 
 A managed worker that dies is revived in ``auto`` (unless ``revive = false``) after a back-off
 that grows with its recent deaths, with the death rules' safer arguments (a smaller prefill chunk
@@ -23,19 +31,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from proxy.control.decision import Action, ControlState, Decision, RuleKind
-from proxy.control.journal import Journal, verdict
+from proxy.control.evidence import Death
+from proxy.control.journal import Journal, Status, verdict
 from proxy.control.rules import ON_DEATH, WHILE_SERVING, RuleSettings, evaluate, revive_delay
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Sample
+from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
-__all__ = ["ActResult", "Actor", "Controller", "LogReader"]
+__all__ = ["Act", "ActResult", "Actor", "Controller", "DeathReport", "EngineLogs", "LogReader", "Surroundings"]
 
 _log = logging.getLogger(__name__)
 _TAIL_LINES = 300
@@ -55,31 +65,56 @@ class Actor(Protocol):
         """Restart a worker that died."""
 
 
-class LogReader(Protocol):
-    """Turns one worker's log lines into events (``proxy.engines.<engine>.logs.LogFollower``)."""
+class DeathReport(Protocol):
+    """Why a worker died, as its engine reads the log tail (``proxy.engines.<engine>.logs.Death``)."""
 
-    def feed(self, line: str, now: float) -> list[LogEvent]: ...
+    @property
+    def cause(self) -> str: ...  # "oom", "crash", "watchdog", "kv_capacity"... or "unknown"
 
-    def flush(self, now: float) -> list[LogEvent]: ...
+    @property
+    def phase(self) -> str: ...  # for "oom": "prefill", "decode" or "unknown"
+
+    @property
+    def detail(self) -> str: ...  # the exception or line that says so
+
+
+class EngineLogs(Protocol):
+    """What the controller reads through the engine's module."""
+
+    def log_reader(self) -> LogReader:
+        """A reader for one worker's log lines (a new one per worker: a reader may keep state)."""
+
+    def classify_death(self, tail: Sequence[str]) -> DeathReport | None:
+        """Why a worker died, from the last lines of its log; None: this engine cannot tell."""
+
+
+class Surroundings(Protocol):
+    """What the controller reads of the proxy around it."""
+
+    def log_tail(self, worker_id: WorkerId, lines: int) -> Sequence[str]:
+        """The last ``lines`` lines of a worker's output (none for a worker this proxy did not start)."""
+
+    def backlog(self) -> int:
+        """Requests waiting in the proxy's own queue."""
 
 
 @dataclass(slots=True)
 class _Worker:
     state: ControlState
     window: Window
-    reader: LogReader | None
+    reader: LogReader | None  # None: not managed, no log to read
     managed: bool
     busy: bool = False  # an act or a revival is under way
     pending_outcome: tuple[int, float] | None = None  # (journal id, due time)
 
 
-@dataclass(slots=True)
-class _Act:
+@dataclass(frozen=True, slots=True)
+class Act:
+    """A decision to carry out (:meth:`Controller.carry_out`), journaled as ``acting`` under ``entry_id``."""
+
     decision: Decision
     entry_id: int
-    revival: bool = False
-    cause: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
+    revival: bool = False  # the worker died: nothing to drain
 
 
 class Controller:
@@ -89,24 +124,19 @@ class Controller:
         knobs: Mapping[KnobName, Knob],
         journal: Journal,
         *,
-        actor: Actor | None = None,
-        reader_factory: Callable[[], LogReader] | None = None,
-        classify_death: Callable[[list[str]], object] | None = None,
-        tail: Callable[[WorkerId, int], list[str]] | None = None,
-        backlog: Callable[[], int] | None = None,
-        hold: Callable[[WorkerId, bool], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        engine: EngineLogs,
+        surroundings: Surroundings,
+        actor: Actor,
+        clock: Callable[[], float],
+        hold: Callable[[WorkerId], object],
     ) -> None:
         self.settings = settings
         self.rules = RuleSettings(control=settings, knobs=knobs)
         self.journal = journal
+        self.engine = engine
+        self.surroundings = surroundings
         self.actor = actor
-        self._reader_factory = reader_factory
-        self._classify_death = classify_death
-        self._tail = tail
-        self._backlog = backlog
-        self._hold = hold  # stop (True) / resume (False) dispatching to a worker: the dispatcher's drain
-        self._held: set[WorkerId] = set()
+        self._hold = hold  # send a worker nothing more until it starts again (the pool's hold)
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -122,7 +152,7 @@ class Controller:
         now = self.clock()
         w = self._workers.get(info.id)
         if w is None:
-            reader = self._reader_factory() if self._reader_factory is not None and info.managed else None
+            reader = self.engine.log_reader() if info.managed else None
             w = self._workers[info.id] = _Worker(
                 state=ControlState.initial(info.id, dict(info.args), now if info.state is WorkerState.READY else None),
                 window=Window(span_s=self.settings.window_s),
@@ -135,19 +165,14 @@ class Controller:
         elif info.state is WorkerState.READY and w.state.started_at is None:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
-        if info.state is WorkerState.READY and info.id in self._held and self._hold is not None:
-            self._held.discard(info.id)
-            self._hold(info.id, False)
-        elif info.state is WorkerState.DOWN and w.managed and not w.busy:
-            self._on_death(info.id, now)
+        if info.state is WorkerState.DOWN and w.managed and not w.busy:
+            self._on_death(info.id)
 
     def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
         w = self._workers.get(worker_id)
         if w is None or sample is None:
             return
-        w.window = w.window.push(sample)
-        if self._backlog is not None:
-            w.window = w.window.push_proxy_queue(sample.time, self._backlog())
+        w.window = w.window.push(sample).push_proxy_queue(sample.time, self.surroundings.backlog())
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
         w = self._workers.get(worker_id)
@@ -161,11 +186,10 @@ class Controller:
         if w is None:
             return
         w.window = w.window.push(event)
-        if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed and self._hold is not None and worker_id not in self._held:
+        if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed:
             # the server is going down (an OOM or a scheduler exception kills it): send it nothing more,
-            # so requests are not retried against its closing port; READY again lifts the hold
-            self._held.add(worker_id)
-            self._hold(worker_id, True)
+            # so requests are not retried against its closing port; its exit and restart lift the hold
+            self._hold(worker_id)
 
     def window(self, worker_id: WorkerId) -> Window:
         return self._workers[worker_id].window
@@ -181,12 +205,12 @@ class Controller:
 
     # -- decisions (synchronous) ------------------------------------------------------------------
 
-    def tick(self, now: float | None = None) -> list[_Act]:
+    def tick(self) -> list[Act]:
         """Run the serving rules for every serving worker; returns the acts for ``auto`` to carry out."""
-        now = self.clock() if now is None else now
-        acts: list[_Act] = []
+        now = self.clock()
+        acts: list[Act] = []
         others_down = any(w.managed and (w.busy or w.state.started_at is None) for w in self._workers.values())
-        for worker_id, w in self._workers.items():
+        for w in self._workers.values():
             w.window = w.window.at(now)
             self._measure_outcome(w, now)
             if w.busy or w.state.started_at is None:
@@ -197,34 +221,38 @@ class Controller:
                 continue
             evaluation = evaluate(w.window, w.state, self.rules, WHILE_SERVING)
             for decision, why in evaluation.refused:
-                self._journal_once(w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status="refused", detail=why)
-            decision = evaluation.decision
-            if decision is None:
+                self._journal_once(
+                    w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status=Status.REFUSED, detail=why
+                )
+            chosen = evaluation.decision
+            if chosen is None:
                 continue
-            if decision.action is Action.NOTE:
-                self._journal_once(w, decision, f"note:{decision.rule}", now, status="noted", span=self.settings.window_s)
+            if chosen.action is Action.NOTE:
+                self._journal_once(
+                    w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.settings.window_s
+                )
                 continue
-            if self.mode is ControlMode.ADVISE or not w.managed or self.actor is None:
-                why = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy" if not w.managed else "no actor"
-                self._journal_once(w, decision, f"advise:{decision.rule}", now, status="advised", detail=why)
+            if self.mode is ControlMode.ADVISE or not w.managed:
+                why = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy"
+                self._journal_once(w, chosen, f"advise:{chosen.rule}", now, status=Status.ADVISED, detail=why)
                 continue
             if others_down and len(self._workers) > 1:
-                self._journal_once(w, decision, f"wait:{decision.rule}", now, status="refused",
-                                   detail="another worker is restarting or down: one at a time")
+                self._journal_once(w, chosen, f"wait:{chosen.rule}", now, status=Status.REFUSED,
+                                   detail="another worker is restarting or down: one at a time")  # fmt: skip
                 continue
-            entry = self.journal.record(decision, mode=self.mode, status="acting", before=w.window.summary())
+            entry_id = self.journal.record(chosen, mode=self.mode, status=Status.ACTING, before=w.window.summary())
             w.busy = True
             others_down = True
-            acts.append(_Act(decision=decision, entry_id=entry["id"]))
+            acts.append(Act(decision=chosen, entry_id=entry_id))
         return acts
 
-    def decide_revival(self, worker_id: WorkerId, now: float | None = None) -> _Act | None:
+    def decide_revival(self, worker_id: WorkerId) -> Act | None:
         """A managed worker died: classify, count, and choose the args it comes back with.
 
         Returns the revival to carry out (``auto`` with ``revive``), else None: ``advise`` journals
         what it would do, ``off`` only records the death.
         """
-        now = self.clock() if now is None else now
+        now = self.clock()
         w = self._workers[worker_id]
         if w.reader is not None:
             for event in w.reader.flush(now):
@@ -239,23 +267,29 @@ class Controller:
         if chosen is not None:
             decision = Decision(
                 worker_id=chosen.worker_id, rule=chosen.rule, reason=f"worker died ({cause}); {chosen.reason}", time=now,
-                evidence={**chosen.evidence, "death": cause, "deaths_in_window": deaths},
-                old_args=chosen.old_args, new_args=chosen.new_args, kind=chosen.kind, knob=chosen.knob,
-                direction=chosen.direction, delay_s=max(delay, chosen.delay_s),
+                evidence=Death(rule=chosen.evidence, death=cause, deaths_in_window=deaths),
+                old_args=chosen.old_args, new_args=chosen.new_args, kind=chosen.kind, change=chosen.change,
+                delay_s=max(delay, chosen.delay_s),
             )  # fmt: skip
         else:
             decision = Decision(
                 worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
-                time=now, evidence={"death": cause, "deaths_in_window": deaths},
+                time=now, evidence=Death(death=cause, deaths_in_window=deaths),
                 old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay,
             )  # fmt: skip
-        if self.mode is ControlMode.ADVISE or not self.settings.revive or self.actor is None:
-            why = "mode advise" if self.mode is ControlMode.ADVISE else "revive = false" if not self.settings.revive else "no actor"
-            self.journal.record(decision, mode=self.mode, status="advised", detail=f"the worker stays down ({why})", before=w.window.summary())
+        if self.mode is ControlMode.ADVISE or not self.settings.revive:
+            why = "mode advise" if self.mode is ControlMode.ADVISE else "revive = false"
+            self.journal.record(
+                decision,
+                mode=self.mode,
+                status=Status.ADVISED,
+                detail=f"the worker stays down ({why})",
+                before=w.window.summary(),
+            )
             return None
-        entry = self.journal.record(decision, mode=self.mode, status="acting", before=w.window.summary())
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary())
         w.busy = True
-        return _Act(decision=decision, entry_id=entry["id"], revival=True, cause=cause)
+        return Act(decision=decision, entry_id=entry_id, revival=True)
 
     def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float) -> str:
         """In words, from the window's events; the log tail is read when the follower saw nothing."""
@@ -264,15 +298,17 @@ class Controller:
             return f"out of memory in {oom.fields.get('phase', 'unknown')}"
         if crash is not None:
             return f"crash: {crash.fields.get('exception') or crash.line.splitlines()[0][:160]}"
-        if self._tail is not None and self._classify_death is not None:
-            death = self._classify_death(self._tail(worker_id, _TAIL_LINES))
-            kind, phase, detail = getattr(death, "cause", "unknown"), getattr(death, "phase", "unknown"), getattr(death, "detail", "")
-            if kind == "oom":
-                w.window = w.window.push(LogEvent(kind=EventKind.OOM, time=now, fields={"phase": phase, "cause": "log_tail"}, line=str(detail)))
-                return f"out of memory in {phase}"
-            if kind != "unknown":
-                return f"{kind}: {detail}"[:200]
-        return "exited"
+        death = self.engine.classify_death(self.surroundings.log_tail(worker_id, _TAIL_LINES))
+        if death is None or death.cause == "unknown":
+            return "exited"
+        if death.cause == "oom":
+            w.window = w.window.push(
+                LogEvent(
+                    kind=EventKind.OOM, time=now, fields={"phase": death.phase, "cause": "log_tail"}, line=death.detail
+                )
+            )
+            return f"out of memory in {death.phase}"
+        return f"{death.cause}: {death.detail}"[:200]
 
     def _measure_outcome(self, w: _Worker, now: float) -> None:
         if w.pending_outcome is None or w.busy:
@@ -286,7 +322,17 @@ class Controller:
         before = (entry or {}).get("outcome", {}) or {}
         self.journal.update(entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)})
 
-    def _journal_once(self, w: _Worker, decision: Decision, key: str, now: float, *, status: str, detail: str = "", span: float | None = None) -> None:
+    def _journal_once(
+        self,
+        w: _Worker,
+        decision: Decision,
+        key: str,
+        now: float,
+        *,
+        status: Status,
+        detail: str = "",
+        span: float | None = None,
+    ) -> None:
         """Journal a decision that is not acted on, once per ``span`` (default: the cool-down)."""
         span = self.settings.cooldown_s if span is None else span
         last = w.state.noted.get(key)
@@ -297,17 +343,17 @@ class Controller:
 
     # -- acting (async) ---------------------------------------------------------------------------
 
-    def _on_death(self, worker_id: WorkerId, now: float) -> None:
-        act = self.decide_revival(worker_id, now)
+    def _on_death(self, worker_id: WorkerId) -> None:
+        act = self.decide_revival(worker_id)
         if act is not None:
-            self._spawn(self._carry_out(act))
+            self._spawn(self.carry_out(act))
 
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled; acts run one at a time."""
         try:
             while True:
                 for act in self.tick():
-                    await self._carry_out(act)
+                    await self.carry_out(act)
                 await asyncio.sleep(self.settings.interval_s)
         finally:
             await self.close()
@@ -318,13 +364,13 @@ class Controller:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _carry_out(self, act: _Act) -> None:
-        assert self.actor is not None
+    async def carry_out(self, act: Act) -> None:
+        """Restart (or revive) the worker through the actor, then journal how it came back."""
         d = act.decision
         w = self._workers[d.worker_id]
         try:
@@ -334,26 +380,28 @@ class Controller:
             call = self.actor.revive if act.revival else self.actor.restart
             result = await call(d.worker_id, d.new_args, d.reason)
         except asyncio.CancelledError:
-            self.journal.update(act.entry_id, status="failed", detail="cancelled (the proxy is stopping)")
+            self.journal.update(act.entry_id, status=Status.FAILED, detail="cancelled (the proxy is stopping)")
             raise
         except Exception as exc:  # a refused restart (bad args, external worker): keep serving as before
             _log.warning("restart of %s for %s failed: %s", d.worker_id, d.rule, exc)
-            self.journal.update(act.entry_id, status="failed", detail=f"{exc.__class__.__name__}: {exc}")
+            self.journal.update(act.entry_id, status=Status.FAILED, detail=f"{exc.__class__.__name__}: {exc}")
             w.busy = False
             return
         now = self.clock()
         info = result.info
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
-        extra = {"act": dict(result.details)} if result.details else {}
+        details = dict(result.details) if result.details else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
-            status = "revived" if act.revival and d.rule == "revive" else "applied"
-            self.journal.update(act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", **extra)
+            status = Status.REVIVED if act.revival and d.rule == "revive" else Status.APPLIED
+            self.journal.update(
+                act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
+            )
             w.pending_outcome = (act.entry_id, now + self.settings.window_s)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
-            self.journal.update(act.entry_id, status="failed", detail=detail, **extra)
+            self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
             if info.state is WorkerState.DOWN:
-                self._on_death(d.worker_id, now)
+                self._on_death(d.worker_id)

@@ -1,7 +1,9 @@
 """What a rule decides (:class:`Decision`) and what the controller remembers per worker (:class:`ControlState`).
 
-Both are frozen values. The controller replaces a worker's state after each act
-(``state.after_restart(decision, now)``), so rules stay pure functions of (window, state, settings).
+Both are frozen values. A decision carries its rule's evidence (``proxy.control.evidence``) and,
+when it moves one knob, that move (:class:`KnobChange`). The controller replaces a worker's state
+after each act (``state.after_restart(decision, now)``), so rules stay pure functions of (window,
+state, settings).
 
 Rules come in three kinds, which the gate (``proxy.control.rules.gate``) treats differently:
 
@@ -14,17 +16,20 @@ Rules come in three kinds, which the gate (``proxy.control.rules.gate``) treats 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Mapping
+from typing import TypeVar
 
+from proxy.control.evidence import NO_EVIDENCE, Evidence, JsonScalar
 from proxy.engines.base import Knob
 
-__all__ = ["Action", "ControlState", "Decision", "KnobMove", "RuleKind"]
+__all__ = ["Action", "ControlState", "Decision", "KnobChange", "KnobMove", "RuleKind"]
 
-Evidence = Mapping[str, float | int | str | bool | None]
 HOUR = 3600.0
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 class Action(StrEnum):
@@ -38,8 +43,22 @@ class RuleKind(StrEnum):
     TUNING = "tuning"
 
 
-def _frozen(mapping: Mapping[str, object] | None = None) -> Mapping[str, object]:
+def _frozen(mapping: Mapping[_K, _V] | None = None) -> Mapping[_K, _V]:
     return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KnobChange:
+    """The one knob a decision moves: ``arg`` (the engine's name for ``knob``) from ``old`` to ``new``."""
+
+    knob: str
+    arg: str
+    old: float | None  # None: unset and unknown
+    new: float
+    direction: int  # +1 raised, -1 lowered
+
+    def to_json(self) -> dict[str, JsonScalar]:
+        return {"knob": self.knob, "arg": self.arg, "old_value": self.old, "new_value": self.new}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,30 +67,48 @@ class Decision:
     rule: str
     reason: str  # one sentence an operator reads in the journal
     time: float  # monotonic
-    evidence: Evidence = field(default_factory=_frozen)  # the figures that triggered it
+    evidence: Evidence = NO_EVIDENCE  # the figures that triggered it
     old_args: Mapping[str, object] = field(default_factory=_frozen)
     new_args: Mapping[str, object] = field(default_factory=_frozen)
     action: Action = Action.RESTART
     kind: RuleKind = RuleKind.TUNING
-    knob: str | None = None  # the knob moved (None: several, or none)
-    direction: int = 0  # +1 raised, -1 lowered, 0 several / none
+    change: KnobChange | None = None  # the knob moved (None: several, or none)
     delay_s: float = 0.0  # wait this long before acting (crash back-off)
+
+    @property
+    def knob(self) -> str | None:
+        return self.change.knob if self.change is not None else None
+
+    @property
+    def direction(self) -> int:
+        """+1 raised, -1 lowered, 0 several knobs or none."""
+        return self.change.direction if self.change is not None else 0
 
     @property
     def changes(self) -> dict[str, tuple[object, object]]:
         """``arg -> (old, new)`` for every argument that differs."""
         keys = set(self.old_args) | set(self.new_args)
-        return {k: (self.old_args.get(k), self.new_args.get(k)) for k in sorted(keys) if self.old_args.get(k) != self.new_args.get(k)}
+        return {
+            k: (self.old_args.get(k), self.new_args.get(k))
+            for k in sorted(keys)
+            if self.old_args.get(k) != self.new_args.get(k)
+        }
+
+    def evidence_json(self) -> dict[str, JsonScalar]:
+        """The evidence as the journal writes it: the rule's figures and the knob change."""
+        return {**self.evidence.to_json(), **(self.change.to_json() if self.change is not None else {})}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KnobMove:
+    """A knob's last move, as the state remembers it."""
+
     time: float
     direction: int
     old: float | None
     new: float
     rule: str
-    evidence: Evidence = field(default_factory=_frozen)  # the figures the move was made on
+    evidence: Evidence = NO_EVIDENCE  # the figures the move was made on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,36 +165,39 @@ class ControlState:
         """The worker was restarted with ``decision.new_args``."""
         moves = dict(self.moves)
         blocked = {k: until for k, until in self.blocked.items() if until > now}
-        if decision.knob is not None and decision.direction:
-            previous = moves.get(decision.knob)
-            reversal = previous is not None and previous.direction == -decision.direction and now - previous.time < flip_guard_s
-            if reversal:  # settle: the way this knob just came back from stays shut for a while
-                blocked[f"{decision.knob}:{-decision.direction:+d}"] = now + flip_guard_s
-            old = decision.evidence.get("old_value")
-            new = decision.evidence.get("new_value")
-            moves[decision.knob] = KnobMove(
-                time=now,
-                direction=decision.direction,
-                old=float(old) if isinstance(old, (int, float)) else None,
-                new=float(new) if isinstance(new, (int, float)) else 0.0,
-                rule=decision.rule,
-                evidence=_frozen(decision.evidence),
+        change = decision.change
+        if change is not None and change.direction:
+            previous = moves.get(change.knob)
+            reversal = (
+                previous is not None and previous.direction == -change.direction and now - previous.time < flip_guard_s
             )
-        elif decision.knob is None and decision.kind is RuleKind.SAFETY and decision.changes:  # a revert: hold every moved knob
+            if reversal:  # settle: the way this knob just came back from stays shut for a while
+                blocked[f"{change.knob}:{-change.direction:+d}"] = now + flip_guard_s
+            moves[change.knob] = KnobMove(
+                time=now,
+                direction=change.direction,
+                old=float(change.old) if change.old is not None else None,
+                new=float(change.new),
+                rule=decision.rule,
+                evidence=decision.evidence,
+            )
+        elif (
+            change is None and decision.kind is RuleKind.SAFETY and decision.changes
+        ):  # a revert: hold every moved knob
             for knob, move in moves.items():
                 blocked[f"{knob}:{move.direction:+d}"] = now + flip_guard_s
         return replace(
             self,
             args=_frozen(decision.new_args),
             last_restart=now,
-            restarts=tuple(t for t in self.restarts if t > now - HOUR) + (now,),
+            restarts=(*(t for t in self.restarts if t > now - HOUR), now),
             moves=_frozen(moves),
             blocked=_frozen(blocked),
             started_at=None,
         )
 
     def after_death(self, now: float) -> ControlState:
-        return replace(self, deaths=tuple(t for t in self.deaths if t > now - HOUR) + (now,), started_at=None)
+        return replace(self, deaths=(*(t for t in self.deaths if t > now - HOUR), now), started_at=None)
 
     def serving(self, now: float) -> ControlState:
         return replace(self, started_at=now)

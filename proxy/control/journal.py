@@ -5,10 +5,9 @@ given, in a JSON-lines file. An entry changes as its story unfolds (``acting`` -
 outcome measured); each change appends the whole entry again with the same ``id``, so the file is
 append-only and the last line of an id is its current state.
 
-Statuses: ``advised`` (mode advise: what auto would have done), ``refused`` (held back by the
-gate, with the reason in ``detail``), ``noted`` (an observation, nothing to restart), ``acting``,
-``applied`` (the worker is serving with the new args), ``failed`` (it did not come back, or the
-restart was refused), ``revived`` (a dead worker restarted).
+An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
+(``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``
+is a :class:`Verdict`.
 """
 
 from __future__ import annotations
@@ -16,15 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from datetime import datetime, timezone
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import orjson
 
 from proxy.control.decision import Decision
+from proxy.policy import ControlMode
 
-__all__ = ["Journal", "verdict"]
+__all__ = ["Journal", "Status", "Verdict", "verdict"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,34 +41,63 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
-    """"better", "worse" or "same": throughput first (5 % matters), then the retraction rate."""
+class Status(StrEnum):
+    """Where an entry's story stands."""
+
+    ADVISED = "advised"  # mode advise (or a worker this proxy does not manage): what auto would have done
+    REFUSED = "refused"  # held back (the gate, or another worker restarting), the reason in ``detail``
+    NOTED = "noted"  # an observation, nothing to restart
+    ACTING = "acting"  # the restart is under way
+    APPLIED = "applied"  # the worker is serving with the new args
+    REVIVED = "revived"  # a dead worker restarted with the same args
+    FAILED = "failed"  # it did not come back, or the restart was refused
+
+
+class Verdict(StrEnum):
+    BETTER = "better"
+    WORSE = "worse"
+    SAME = "same"
+
+
+def verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
+    """Throughput first (5 % matters), then the retraction rate."""
     tb, ta = before.get("throughput"), after.get("throughput")
     rb, ra = before.get("retraction_rate_per_min") or 0.0, after.get("retraction_rate_per_min") or 0.0
     if isinstance(tb, (int, float)) and isinstance(ta, (int, float)) and tb > 0:
         if ta > tb * 1.05:
-            return "better"
+            return Verdict.BETTER
         if ta < tb * 0.95:
-            return "worse"
+            return Verdict.WORSE
     if ra < rb * 0.5 or (rb > 0 and ra == 0):
-        return "better"
+        return Verdict.BETTER
     if ra > max(rb * 2.0, rb + 1.0):
-        return "worse"
-    return "same"
+        return Verdict.WORSE
+    return Verdict.SAME
 
 
 class Journal:
-    def __init__(self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time
+    ) -> None:
         self.path = Path(path) if path else None
         self._entries: deque[dict[str, Any]] = deque(maxlen=keep)
         self._by_id: dict[int, dict[str, Any]] = {}
         self._next_id = 1
         self._wall = wall_clock
 
-    def record(self, decision: Decision, *, mode: str, status: str, detail: str = "", before: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def record(
+        self,
+        decision: Decision,
+        *,
+        mode: ControlMode,
+        status: Status,
+        detail: str = "",
+        before: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Journal a decision; returns the entry's id."""
         entry: dict[str, Any] = {
             "id": self._next_id,
-            "time": datetime.fromtimestamp(self._wall(), timezone.utc).isoformat(timespec="milliseconds"),
+            "time": datetime.fromtimestamp(self._wall(), UTC).isoformat(timespec="milliseconds"),
             "monotonic": round(decision.time, 3),
             "worker": decision.worker_id,
             "rule": decision.rule,
@@ -75,7 +106,7 @@ class Journal:
             "mode": mode,
             "status": status,
             "reason": decision.reason,
-            "evidence": _plain(decision.evidence),
+            "evidence": decision.evidence_json(),
             "old_args": _plain(decision.old_args),
             "new_args": _plain(decision.new_args),
             "changes": {k: [_plain(a), _plain(b)] for k, (a, b) in decision.changes.items()},
@@ -89,19 +120,31 @@ class Journal:
         self._entries.append(entry)
         self._by_id[entry["id"]] = entry
         self._write(entry)
-        return entry
+        return int(entry["id"])
 
-    def update(self, entry_id: int, **changes: Any) -> dict[str, Any] | None:
-        """Change fields of an entry (None if it aged out of memory); ``outcome`` keys are merged."""
+    def update(
+        self,
+        entry_id: int,
+        *,
+        status: Status | None = None,
+        detail: str | None = None,
+        outcome: Mapping[str, Any] | None = None,
+        act: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """Change fields of an entry (None if it aged out of memory): the ones given; ``outcome``
+        keys are merged into the outcome, ``act`` is what carrying the decision out did."""
         entry = self._by_id.get(entry_id)
         if entry is None:
             return None
-        for key, value in changes.items():
-            if key == "outcome" and isinstance(entry.get("outcome"), dict):
-                entry["outcome"] = {**entry["outcome"], **_plain(value)}
-            else:
-                entry[key] = _plain(value)
-        entry["updated"] = datetime.fromtimestamp(self._wall(), timezone.utc).isoformat(timespec="milliseconds")
+        if status is not None:
+            entry["status"] = status
+        if detail is not None:
+            entry["detail"] = detail
+        if outcome is not None:
+            entry["outcome"] = {**(entry["outcome"] or {}), **_plain(outcome)}
+        if act is not None:
+            entry["act"] = _plain(act)
+        entry["updated"] = datetime.fromtimestamp(self._wall(), UTC).isoformat(timespec="milliseconds")
         self._write(entry)
         return entry
 

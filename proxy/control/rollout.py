@@ -3,7 +3,8 @@
 Rolling restart (:meth:`Rollout.restart`), one worker at a time (the controller never starts a
 second while one is under way):
 
-1. stop dispatching to the worker (the dispatcher's drain flag; the pool shows it DRAINING);
+1. stop dispatching to the worker: the pool marks it DRAINING (its state is the one truth of
+   "send nothing new"; the dispatcher sends only to READY workers);
 2. let its running requests finish, up to ``drain_timeout_s``, but only while they do finish: the
    drain is watched in ``drain_slices`` slices, and a slice in which fewer than ``drain_progress``
    of the requests open at its start finished ends it early. Waiting on a batch whose outputs are
@@ -15,7 +16,9 @@ second while one is under way):
 4. wait for what cannot be taken back (streams that already sent output) until the drain's own
    deadline, and give the taken-back handlers at least ``settle_s`` to let go; then restart the
    worker with the new args and wait for its health check;
-5. resume dispatching. With a single worker the proxy's queue holds the traffic meanwhile.
+5. dispatching resumes by itself: the restarted worker is READY again (or DOWN if it did not come
+   back); a restart refused before the worker stopped sets it back to READY. With a single worker
+   the proxy's queue holds the traffic meanwhile.
 
 A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path already
 retried what had produced no output and answered the rest with an error; it is restarted at once.
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 from proxy.control.controller import ActResult
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
@@ -38,8 +42,6 @@ _log = logging.getLogger(__name__)
 class Drainable(Protocol):
     """The request path's hooks (``proxy.request.dispatch.Dispatcher``)."""
 
-    def drain(self, worker_id: WorkerId, draining: bool = True) -> None: ...
-
     async def wait_idle(self, worker_id: WorkerId, timeout_s: float | None = None) -> bool: ...
 
     def take_back(self, worker_id: WorkerId) -> int: ...
@@ -50,12 +52,22 @@ class Drainable(Protocol):
 class RestartablePool(Protocol):
     def get(self, worker_id: WorkerId) -> WorkerInfo: ...
 
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo: ...
+
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo: ...
 
 
 class Rollout:
-    def __init__(self, pool: RestartablePool, dispatcher: Drainable, *, drain_timeout_s: float, settle_s: float = 10.0,
-                 drain_slices: int = 6, drain_progress: float = 0.1) -> None:
+    def __init__(
+        self,
+        pool: RestartablePool,
+        dispatcher: Drainable,
+        *,
+        drain_timeout_s: float,
+        settle_s: float = 10.0,
+        drain_slices: int = 6,
+        drain_progress: float = 0.1,
+    ) -> None:
         self.pool = pool
         self.dispatcher = dispatcher
         self.drain_timeout_s = drain_timeout_s
@@ -64,17 +76,13 @@ class Rollout:
         self.drain_progress = drain_progress
 
     def _set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
-        set_state = getattr(self.pool, "set_state", None)
-        if set_state is None:
-            return
         try:
-            set_state(worker_id, state)
+            self.pool.set_state(worker_id, state)
         except Exception as exc:  # the worker changed state meanwhile (it died): nothing to mark
             _log.debug("cannot mark %s %s: %s", worker_id, state, exc)
 
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
         details: dict[str, object] = {}
-        self.dispatcher.drain(worker_id, True)
         if self.pool.get(worker_id).state is WorkerState.READY:
             self._set_state(worker_id, WorkerState.DRAINING)
         try:
@@ -96,8 +104,6 @@ class Rollout:
             if self.pool.get(worker_id).state is WorkerState.DRAINING:
                 self._set_state(worker_id, WorkerState.READY)
             raise
-        finally:
-            self.dispatcher.drain(worker_id, False)
         return ActResult(info=info, details=details)
 
     async def _drain(self, worker_id: WorkerId, deadline: float, details: dict[str, object]) -> bool:
@@ -117,7 +123,6 @@ class Rollout:
                 return False
 
     async def revive(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
-        self.dispatcher.drain(worker_id, False)
         _log.info("reviving %s: %s", worker_id, reason)
         info = await self.pool.restart(worker_id, args, reason)
         return ActResult(info=info, details={})

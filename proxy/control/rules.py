@@ -1,8 +1,9 @@
 """The controller's rules: pure functions ``(window, state, settings) -> Decision | None``.
 
-Each rule is one line of SGLang's tuning guide (DESIGN.md, first table) in engine-neutral words;
-the engine's knob table (``proxy.engines.<engine>.knobs``) says which argument a knob is.
-Thresholds, steps and bounds come from the policy's ``[control]`` table.
+Each rule is one row of the controller's table in docs/controller.md, SGLang's tuning
+guide in engine-neutral words; the engine's knob table (``proxy.engines.<engine>.knobs``) says which
+argument a knob is. Thresholds, steps and bounds come from the policy's ``[control]`` table. What
+each rule decided on is a frozen value of ``proxy.control.evidence``.
 
 Order matters: :data:`RULES` lists safety first. :data:`ON_DEATH` are the rules read when a worker
 has died (an OOM always kills an SGLang server); :data:`WHILE_SERVING` the ones read on every
@@ -13,11 +14,26 @@ refused ones are returned too so the journal can say what was held back and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
-from proxy.control.decision import Action, ControlState, Decision, Evidence, KnobMove, RuleKind
-from proxy.control.window import Window, _counter_increase
+from proxy.control.decision import Action, ControlState, Decision, KnobChange, KnobMove, RuleKind
+from proxy.control.evidence import (
+    Admission,
+    BatchCapStorm,
+    ConservativenessStorm,
+    CrashLoop,
+    DecodeOom,
+    Evidence,
+    KvCapacity,
+    MemoryBand,
+    PrefillOom,
+    RequestFit,
+    Retractions,
+    TimidPacing,
+    UnplacedOom,
+)
+from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent
 from proxy.policy import ControlSettings
 
@@ -85,12 +101,11 @@ def _move(
         rule=rule,
         reason=reason.format(arg=knob.arg, old=_fmt(old), new=_fmt(new)),
         time=window.now,
-        evidence={**evidence, "knob": str(knob_name), "arg": knob.arg, "old_value": old, "new_value": new},
+        evidence=evidence,
         old_args=state.args,
         new_args={**state.args, knob.arg: new},
         kind=kind,
-        knob=str(knob_name),
-        direction=direction,
+        change=KnobChange(knob=str(knob_name), arg=knob.arg, old=old, new=new, direction=direction),
     )
 
 
@@ -109,7 +124,9 @@ def _oom_text(oom: LogEvent) -> str:
     return str(oom.fields.get("exception") or (oom.line.splitlines() or [""])[0])[:200]
 
 
-def _memory_down(window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence) -> Decision | None:
+def _memory_down(
+    window: Window, state: ControlState, s: RuleSettings, *, rule: str, kind: RuleKind, why: str, evidence: Evidence
+) -> Decision | None:
     knob = s.knobs.get(KnobName.MEMORY_FRACTION)
     if knob is None:
         return None
@@ -122,6 +139,11 @@ def _memory_down(window: Window, state: ControlState, s: RuleSettings, *, rule: 
         window, state, s, rule=rule, kind=kind, knob_name=KnobName.MEMORY_FRACTION, new_value=new, direction=-1,
         reason=why + ": lower {arg} {old} -> {new}", evidence=evidence,
     )  # fmt: skip
+
+
+def _number(value: object) -> float | None:
+    """A number of a log event's fields (a flag is not one), else None."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _startup_mem(window: Window) -> float | None:
@@ -139,11 +161,15 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     oom = _last_oom(window, "prefill")
     if oom is None:
         return None
-    evidence: Evidence = {"oom_phase": "prefill", "oom_cause": str(oom.fields.get("cause", "")), "log": _oom_text(oom)}
+    evidence = PrefillOom(oom_cause=str(oom.fields.get("cause", "")), log=_oom_text(oom))
     chunk = s.knobs.get(KnobName.PREFILL_CHUNK)
     if chunk is not None:
         current = _current(chunk, window, state)
-        new = chunk.rung_below(current, floor=s.control.prefill_chunk_min) if current is not None else max(4096, s.control.prefill_chunk_min)
+        new = (
+            chunk.rung_below(current, floor=s.control.prefill_chunk_min)
+            if current is not None
+            else max(4096, s.control.prefill_chunk_min)
+        )
         if new is not None:
             decision = _move(
                 window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, knob_name=KnobName.PREFILL_CHUNK,
@@ -152,7 +178,15 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
             )  # fmt: skip
             if decision is not None:
                 return decision
-    return _memory_down(window, state, s, rule="prefill_oom", kind=RuleKind.SAFETY, why="out of memory during prefill with the smallest chunk", evidence=evidence)
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="prefill_oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory during prefill with the smallest chunk",
+        evidence=evidence,
+    )
 
 
 def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -161,7 +195,7 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
     if oom is None:
         return None
     peak = window.peak_running
-    evidence: Evidence = {"oom_phase": "decode", "oom_cause": str(oom.fields.get("cause", "")), "peak_running": peak, "log": _oom_text(oom)}
+    evidence = DecodeOom(oom_cause=str(oom.fields.get("cause", "")), peak_running=peak, log=_oom_text(oom))
     knob = s.knobs.get(KnobName.MAX_RUNNING)
     if knob is not None:
         current = _current(knob, window, state)
@@ -175,7 +209,15 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
             )  # fmt: skip
             if decision is not None:
                 return decision
-    return _memory_down(window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, why="out of memory during decode at the smallest batch cap", evidence=evidence)
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="decode_oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory during decode at the smallest batch cap",
+        evidence=evidence,
+    )
 
 
 def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -183,8 +225,15 @@ def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> D
     oom = _last_oom(window, None)
     if oom is None or oom.fields.get("phase") in ("prefill", "decode"):
         return None
-    evidence: Evidence = {"oom_phase": "unknown", "log": _oom_text(oom)}
-    return _memory_down(window, state, s, rule="oom", kind=RuleKind.SAFETY, why="out of memory", evidence=evidence)
+    return _memory_down(
+        window,
+        state,
+        s,
+        rule="oom",
+        kind=RuleKind.SAFETY,
+        why="out of memory",
+        evidence=UnplacedOom(log=_oom_text(oom)),
+    )
 
 
 def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -201,7 +250,11 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
         rule="crash_loop",
         reason=f"{deaths} deaths in {c.crash_loop_window_s:g} s: back to the last arguments that ran well",
         time=window.now,
-        evidence={"deaths": deaths, "window_s": c.crash_loop_window_s, "fallback": "last_good" if state.last_good_args is not None else "policy"},
+        evidence=CrashLoop(
+            deaths=deaths,
+            window_s=c.crash_loop_window_s,
+            fallback="last_good" if state.last_good_args is not None else "policy",
+        ),
         old_args=state.args,
         new_args=fallback,
         kind=RuleKind.SAFETY,
@@ -227,23 +280,25 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     per_1k = window.retractions_per_1k_tokens
     if per_1k is not None and per_1k <= c.retractions_per_1k_tokens:
         return None
-    evidence: Evidence = {
-        "retraction_rate_per_min": round(rate, 2), "threshold_per_min": c.retractions_per_min,
-        "retractions_per_1k_tokens": None if per_1k is None else round(per_1k, 4),
-        "threshold_per_1k_tokens": c.retractions_per_1k_tokens,
-        "retractions": window.retractions, "observed_s": round(window.observed_s, 1),
-    }  # fmt: skip
-    why = f"{rate:.1f} retractions/min" + ("" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})")
+    storm = Retractions(
+        retraction_rate_per_min=round(rate, 2), threshold_per_min=c.retractions_per_min,
+        retractions_per_1k_tokens=None if per_1k is None else round(per_1k, 4),
+        threshold_per_1k_tokens=c.retractions_per_1k_tokens,
+        retractions=window.retractions, observed_s=round(window.observed_s, 1),
+    )  # fmt: skip
+    why = f"{rate:.1f} retractions/min" + (
+        "" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})"
+    )
     knob = s.knobs.get(KnobName.CONSERVATIVENESS)
     if knob is None:  # an engine without admission conservativeness (vLLM): cap the running batch
-        return _fewer_running(window, state, s, why, evidence)
+        return _fewer_running(window, state, s, why, storm)
     current = _current(knob, window, state)
     if current is None:
         return None
     throughput = window.throughput
     if _raise_did_not_pay(state.moves.get(str(KnobName.CONSERVATIVENESS)), rate, throughput, window.now, c):
         return None
-    evidence = {**evidence, "throughput": round(throughput, 1) if throughput is not None else None}
+    evidence = ConservativenessStorm(storm=storm, throughput=round(throughput, 1) if throughput is not None else None)
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
         new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
@@ -251,22 +306,32 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     )  # fmt: skip
 
 
-def _raise_did_not_pay(previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings) -> bool:
+def _raise_did_not_pay(
+    previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings
+) -> bool:
     """True when this rule's last raise of the knob (within ``flip_guard_s``) did not pay: the
     retraction rate is still above ``RETRACTION_CUT`` of what it was then (the retractions do not come
     from admission: outputs that run to their max_tokens retract at any conservativeness), or it
     fell but so did throughput (the caution costs more than the recomputation it saves). Either way
     another raise is the same bet again."""
-    if previous is None or previous.rule != "retraction_storm" or previous.direction <= 0 or now - previous.time >= c.flip_guard_s:
+    if (
+        previous is None
+        or previous.rule != "retraction_storm"
+        or previous.direction <= 0
+        or now - previous.time >= c.flip_guard_s
+    ):
         return False
-    rate_before = previous.evidence.get("retraction_rate_per_min")
-    if isinstance(rate_before, (int, float)) and rate > rate_before * RETRACTION_CUT:
+    if not isinstance(previous.evidence, ConservativenessStorm):
+        return False
+    if rate > previous.evidence.storm.retraction_rate_per_min * RETRACTION_CUT:
         return True
-    tp_before = previous.evidence.get("throughput")
-    return isinstance(tp_before, (int, float)) and throughput is not None and throughput < tp_before
+    tp_before = previous.evidence.throughput
+    return tp_before is not None and throughput is not None and throughput < tp_before
 
 
-def _fewer_running(window: Window, state: ControlState, s: RuleSettings, why: str, evidence: Evidence) -> Decision | None:
+def _fewer_running(
+    window: Window, state: ControlState, s: RuleSettings, why: str, storm: Retractions
+) -> Decision | None:
     """Cap the running batch at the number of whole requests the KV pool holds: its capacity over the
     mean prompt + output length of the requests that finished in the window (preemptions come from
     running more requests than fit once they have grown to full length). Where that figure is
@@ -278,35 +343,34 @@ def _fewer_running(window: Window, state: ControlState, s: RuleSettings, why: st
     held = full[len(full) // 2] if full else (window.peak_running or 0)
     if held <= 0:
         return None
-    evidence = {**evidence, "running_when_kv_full": held}
     fit = _whole_requests_that_fit(window)
-    if fit is not None and fit[0] < held:
-        fits, capacity, length = fit
+    if fit is not None and fit.requests_that_fit < held:
+        fits, capacity, length = fit.requests_that_fit, fit.kv_capacity_tokens, fit.mean_request_tokens
         return _move(
             window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
             new_value=max(fits, c.max_running_min), direction=-1,
-            evidence={**evidence, "kv_capacity_tokens": capacity, "mean_request_tokens": round(length, 1), "requests_that_fit": fits},
+            evidence=BatchCapStorm(storm=storm, running_when_kv_full=held, fit=replace(fit, mean_request_tokens=round(length, 1))),
             reason=f"{why} with about {held} requests running when the "
             + f"KV cache is full; {fits} whole requests of {length:.0f} tokens fit its {capacity} tokens: "
             + "lower {arg} {old} -> {new}",
         )  # fmt: skip
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1, evidence=evidence,
+        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1,
+        evidence=BatchCapStorm(storm=storm, running_when_kv_full=held),
         reason=f"{why} with about {held} requests running when the KV cache is full: " + "lower {arg} {old} -> {new}",
     )  # fmt: skip
 
 
-def _whole_requests_that_fit(window: Window) -> tuple[int, int, float] | None:
-    """(requests, KV capacity in tokens, mean tokens per request): how many requests of the mean
-    whole length (prompt + output) of those that finished in the window fit the KV pool at once."""
-    capacities = [smp.max_total_tokens for smp in window.samples if smp.max_total_tokens]
-    tokens = _counter_increase([(smp.time, smp.finished_request_tokens_total) for smp in window.samples if smp.finished_request_tokens_total is not None])
-    count = _counter_increase([(smp.time, smp.finished_requests_total) for smp in window.samples if smp.finished_requests_total is not None])
-    if not capacities or tokens is None or count is None or count[0] < 1 or tokens[0] <= 0:
+def _whole_requests_that_fit(window: Window) -> RequestFit | None:
+    """How many requests of the mean whole length (prompt + output) of those that finished in the
+    window fit the KV pool at once."""
+    capacity, length = window.kv_capacity_tokens, window.mean_request_tokens
+    if capacity is None or length is None:
         return None
-    capacity, length = capacities[-1], tokens[0] / count[0]
-    return int(capacity // length), capacity, length
+    return RequestFit(
+        kv_capacity_tokens=capacity, mean_request_tokens=length, requests_that_fit=int(capacity // length)
+    )
 
 
 def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
@@ -316,12 +380,13 @@ def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     event = window.last(EventKind.KV_CAPACITY_ERROR)
     if event is None or event.fields.get("fatal") is False:
         return None
-    evidence: Evidence = {"log": event.line.splitlines()[0][:200] if event.line else ""}
-    for name in ("max_model_len", "estimated_max_model_len", "needed_gib", "available_gib"):
-        if name in event.fields:
-            evidence[name] = event.fields[name]
-    fits = event.fields.get("estimated_max_model_len")
-    if isinstance(fits, (int, float)) and not isinstance(fits, bool) and fits > 0:
+    fits = _number(event.fields.get("estimated_max_model_len"))
+    evidence = KvCapacity(
+        log=event.line.splitlines()[0][:200] if event.line else "",
+        max_model_len=_number(event.fields.get("max_model_len")), estimated_max_model_len=fits,
+        needed_gib=_number(event.fields.get("needed_gib")), available_gib=_number(event.fields.get("available_gib")),
+    )  # fmt: skip
+    if fits is not None and fits > 0:
         decision = _move(
             window, state, s, rule="kv_capacity", kind=RuleKind.SAFETY, knob_name=KnobName.MAX_CONTEXT,
             new_value=fits, direction=-1, evidence=evidence,
@@ -349,7 +414,7 @@ def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision
         return None
     return _memory_down(
         window, state, s, rule="memory_low", kind=RuleKind.CORRECTIVE, why=f"{free:g} GB free at start-up (< {low:g} GB)",
-        evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{s.control.available_mem_band_gb[1]:g}"},
+        evidence=MemoryBand(available_gpu_mem_gb=free, band_gb=f"{low:g}-{s.control.available_mem_band_gb[1]:g}"),
     )  # fmt: skip
 
 
@@ -398,12 +463,12 @@ def admission_too_conservative(window: Window, state: ControlState, s: RuleSetti
     if current is None:
         return None
     target = current * _odds(usage) / _odds(c.low_usage)
-    evidence: Evidence = {
-        "low_usage_fraction": round(fraction, 3), "threshold_fraction": c.low_usage_fraction, "low_usage": c.low_usage,
-        "mean_usage_waiting": round(usage, 3), "possible_gain": round(gain, 3), "min_gain": c.admission_min_gain,
-        "retractions": 0, "at_cap_fraction": round(at_cap, 3), "observed_s": round(window.observed_s, 1),
-        "proxy_backlog": backlog,
-    }  # fmt: skip
+    evidence = Admission(
+        low_usage_fraction=round(fraction, 3), threshold_fraction=c.low_usage_fraction, low_usage=c.low_usage,
+        mean_usage_waiting=round(usage, 3), possible_gain=round(gain, 3), min_gain=c.admission_min_gain,
+        retractions=0, at_cap_fraction=round(at_cap, 3), observed_s=round(window.observed_s, 1),
+        proxy_backlog=backlog,
+    )  # fmt: skip
     return _move(
         window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
         new_value=round(max(target, c.conservativeness_bounds[0]), 2), direction=-1, evidence=evidence,
@@ -451,7 +516,7 @@ def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Dec
     return _move(
         window, state, s, rule="memory_headroom", kind=RuleKind.TUNING, knob_name=KnobName.MEMORY_FRACTION,
         new_value=round(new, 3), direction=+1,
-        evidence={"available_gpu_mem_gb": free, "band_gb": f"{low:g}-{high:g}", "gpu_total_gb_at_least": round(total, 1)},
+        evidence=MemoryBand(available_gpu_mem_gb=free, band_gb=f"{low:g}-{high:g}", gpu_total_gb_at_least=round(total, 1)),
         reason=f"{free:g} GB free at start-up (> {high:g} GB): " + "raise {arg} {old} -> {new}",
     )  # fmt: skip
 
@@ -469,7 +534,7 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
         rule="pacing_too_timid",
         reason=f"server queue empty in {fraction:.0%} of samples while the proxy held requests: pacing sends too slowly",
         time=window.now,
-        evidence={"queue_empty_fraction": round(fraction, 3), "threshold_fraction": c.timid_queue_fraction},
+        evidence=TimidPacing(queue_empty_fraction=round(fraction, 3), threshold_fraction=c.timid_queue_fraction),
         old_args=state.args,
         new_args=state.args,
         action=Action.NOTE,
@@ -477,7 +542,13 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
 
 
 ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
-WHILE_SERVING: tuple[Rule, ...] = (retraction_storm, memory_low, admission_too_conservative, memory_headroom, pacing_too_timid)
+WHILE_SERVING: tuple[Rule, ...] = (
+    retraction_storm,
+    memory_low,
+    admission_too_conservative,
+    memory_headroom,
+    pacing_too_timid,
+)
 RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
 
 
@@ -515,7 +586,9 @@ class Evaluation:
     refused: tuple[tuple[Decision, str], ...] = ()  # decisions held back, with the reason
 
 
-def evaluate(window: Window, state: ControlState, settings: RuleSettings, rules: tuple[Rule, ...] = RULES) -> Evaluation:
+def evaluate(
+    window: Window, state: ControlState, settings: RuleSettings, rules: tuple[Rule, ...] = RULES
+) -> Evaluation:
     refused: list[tuple[Decision, str]] = []
     for rule in rules:
         decision = rule(window, state, settings)

@@ -20,13 +20,18 @@ Derived figures, each ``None`` (or 0) when nothing was seen:
   whatever the speed of the GPU or of the clock;
 * ``waiting_usage``: mean token usage of the observations with a non-empty server queue;
 * ``throughput``: output tokens/s from the generation-token counter, else the engine's gauge;
-* ``peak_running``: the largest running batch seen.
+* ``peak_running``: the largest running batch seen;
+* ``kv_capacity_tokens``: the KV pool's capacity at the latest sample that reported it;
+* ``mean_request_tokens``: the mean whole length (prompt + output tokens) of the requests that
+  finished in the window, from the engine's per-request counters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence, TypeVar
+from itertools import pairwise
+from typing import TypeVar
 
 from proxy.engines.base import EventKind, LogEvent, Sample
 
@@ -41,7 +46,7 @@ def _counter_increase(points: Sequence[tuple[float, float]]) -> tuple[float, flo
     if len(points) < 2:
         return None
     total = 0.0
-    for (_, before), (_, after) in zip(points, points[1:]):
+    for (_, before), (_, after) in pairwise(points):
         total += after - before if after >= before else after
     return total, points[-1][0] - points[0][0]
 
@@ -64,9 +69,17 @@ class Window:
             return self
         now = max(self.now, item.time)
         if isinstance(item, Sample):
-            return replace(self, now=now, samples=self._keep(self.samples, now) + (item,), events=self._keep(self.events, now))
+            return replace(
+                self, now=now, samples=(*self._keep(self.samples, now), item), events=self._keep(self.events, now)
+            )
         startup = item if item.kind is EventKind.STARTUP else self.startup
-        return replace(self, now=now, samples=self._keep(self.samples, now), events=self._keep(self.events, now) + (item,), startup=startup)
+        return replace(
+            self,
+            now=now,
+            samples=self._keep(self.samples, now),
+            events=(*self._keep(self.events, now), item),
+            startup=startup,
+        )
 
     def push_all(self, items: Iterable[Sample | LogEvent]) -> Window:
         window = self
@@ -79,7 +92,7 @@ class Window:
             return self
         now = max(self.now, time)
         kept = tuple(p for p in self.proxy_queue if p[0] >= now - self.span_s)
-        return replace(self, now=now, proxy_queue=kept + ((time, depth),))
+        return replace(self, now=now, proxy_queue=(*kept, (time, depth)))
 
     def at(self, now: float) -> Window:
         """The window as of ``now``: what fell out of the span is dropped."""
@@ -123,17 +136,25 @@ class Window:
     @property
     def retractions(self) -> int:
         """Requests retracted in the window, by log lines (the counter where no line was seen)."""
-        logged = sum(int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced"))
-        counted = _counter_increase([(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None])
+        logged = sum(
+            int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced")
+        )
+        counted = _counter_increase(
+            [(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None]
+        )
         return max(logged, int(counted[0]) if counted else 0)
 
     @property
     def retraction_rate_per_min(self) -> float:
         rates = [0.0]
-        counted = _counter_increase([(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None])
+        counted = _counter_increase(
+            [(s.time, s.retractions_total) for s in self.samples if s.retractions_total is not None]
+        )
         if counted and counted[1] > 0:
             rates.append(counted[0] / counted[1] * _MINUTE)
-        logged = sum(int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced"))
+        logged = sum(
+            int(e.fields.get("retracted", 1)) for e in self.of_kind(EventKind.RETRACTION) if not e.fields.get("forced")
+        )
         if logged and self.observed_s > 0:
             rates.append(logged / max(self.observed_s, 1.0) * _MINUTE)
         return max(rates)
@@ -193,7 +214,9 @@ class Window:
     @property
     def throughput(self) -> float | None:
         """Output tokens per second over the window."""
-        counted = _counter_increase([(s.time, s.generation_tokens_total) for s in self.samples if s.generation_tokens_total is not None])
+        counted = _counter_increase(
+            [(s.time, s.generation_tokens_total) for s in self.samples if s.generation_tokens_total is not None]
+        )
         if counted and counted[1] > 0:
             return counted[0] / counted[1]
         gauges = [s.gen_throughput for s in self.samples if s.gen_throughput is not None]
@@ -208,8 +231,33 @@ class Window:
     @property
     def peak_running(self) -> int | None:
         values = [s.running for s in self.samples]
-        values += [int(e.fields["running"]) for e in self.of_kind(EventKind.BATCH_STATS) if isinstance(e.fields.get("running"), int)]
+        values += [
+            int(e.fields["running"])
+            for e in self.of_kind(EventKind.BATCH_STATS)
+            if isinstance(e.fields.get("running"), int)
+        ]
         return max(values) if values else None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        capacities = [s.max_total_tokens for s in self.samples if s.max_total_tokens]
+        return capacities[-1] if capacities else None
+
+    @property
+    def mean_request_tokens(self) -> float | None:
+        tokens = _counter_increase(
+            [
+                (s.time, s.finished_request_tokens_total)
+                for s in self.samples
+                if s.finished_request_tokens_total is not None
+            ]
+        )
+        count = _counter_increase(
+            [(s.time, s.finished_requests_total) for s in self.samples if s.finished_requests_total is not None]
+        )
+        if tokens is None or count is None or count[0] < 1 or tokens[0] <= 0:
+            return None
+        return tokens[0] / count[0]
 
     def last(self, kind: EventKind) -> LogEvent | None:
         for event in reversed(self.events):
@@ -227,4 +275,3 @@ class Window:
             "retractions": self.retractions,
             "peak_running": self.peak_running,
         }
-

@@ -7,9 +7,9 @@ format.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Mapping
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,3 +103,39 @@ class Knob:
         """
         below = [v for v in self.ladder if (current == self.disabled or v < current) and v >= floor]
         return self.clamp(max(below)) if below else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Death:
+    """Why a worker died, read from the last lines of its log."""
+
+    cause: str  # "oom" | "crash" | "watchdog" | "kv_capacity" | "unknown"
+    phase: str = "unknown"  # for "oom": "prefill" | "decode" | "unknown"
+    detail: str = ""  # the exception or log line that says so
+    started: bool = False  # whether the log shows the worker had become ready before it died
+
+
+def death_from_events(events: Sequence[LogEvent], lines: Sequence[str]) -> Death:
+    """The death an engine's events over a dead worker's log tail (``lines``) tell of: the last OOM
+    first, then the last crash, then a start-up refusal for KV capacity."""
+    started = any(e.kind is EventKind.READY for e in events)
+    ooms = [e for e in events if e.kind is EventKind.OOM]
+    crashes = [e for e in events if e.kind is EventKind.CRASH]
+    if ooms:
+        last = ooms[-1]
+        detail = str(crashes[-1].fields.get("exception", "")) if crashes else last.line
+        return Death(
+            cause="oom", phase=str(last.fields.get("phase", "unknown")), detail=detail or last.line, started=started
+        )
+    if crashes:
+        last = crashes[-1]
+        cause = "watchdog" if last.fields.get("cause") == "watchdog" else "crash"
+        return Death(
+            cause=cause,
+            detail=str(last.fields.get("exception", last.line.splitlines()[0] if last.line else "")),
+            started=started,
+        )
+    kv = [e for e in events if e.kind is EventKind.KV_CAPACITY_ERROR]
+    if kv and not started:
+        return Death(cause="kv_capacity", detail=kv[-1].line, started=started)
+    return Death(cause="unknown", detail=lines[-1].strip() if lines else "", started=started)

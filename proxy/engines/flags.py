@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,12 +19,14 @@ here raises. Run ``python -m proxy.observe.nvml`` to print one report as JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 _log = logging.getLogger(__name__)
 
@@ -72,7 +74,8 @@ def _device(nvml: Any, index: int) -> GpuDevice:
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
     try:
         util = nvml.nvmlDeviceGetUtilizationRates(handle)
-        gpu_pct, mem_pct = int(util.gpu), int(util.memory)
+        gpu_pct: int | None = int(util.gpu)
+        mem_pct: int | None = int(util.memory)
     except nvml.NVMLError:
         gpu_pct = mem_pct = None  # not supported (MIG instances, some vGPUs)
     try:
@@ -107,10 +110,8 @@ def sample_with(nvml: Any) -> GpuReport:
     except Exception as exc:
         return GpuReport(time=now, reason=f"no GPU: NVML query failed ({_describe(exc)})")
     finally:
-        try:
+        with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def sample_gpus() -> GpuReport:

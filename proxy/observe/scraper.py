@@ -1,8 +1,8 @@
 """Reads each READY worker's load every ``scrape_interval_s`` and publishes it on the load board.
 
-``GET /metrics`` is parsed by the engine module the workers speak
-(``engine_spec(kind).function("metrics", "parse_metrics")``); a worker that answers 404 there
-(metrics not enabled) is read from ``GET /v1/loads`` instead, if the engine module can parse it.
+``GET /metrics`` is parsed by the engine the workers speak (:meth:`Engine.parse_metrics`); a worker
+that answers 404 there (metrics not enabled) is read from the engine's JSON load endpoint instead
+(:attr:`Engine.loads_path`), where it has one.
 A garbage page, a non-200 answer, a timeout or an unreachable worker is published as an error:
 the worker's sample goes stale (the dispatcher treats it as saturated), the loop never dies.
 
@@ -13,39 +13,35 @@ One aiohttp session is shared with the request path. A worker is never scraped t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
 from proxy.engines.base import Sample
-from proxy.engines.registry import engine_spec
+from proxy.engines.contract import Engine
 from proxy.request.pacing import LoadBoard
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
-Parser = Callable[[str, float], Sample]
-LoadsParser = Callable[[dict, float], Sample]
-
-
-def engine_parsers(kind: str) -> tuple[Parser, LoadsParser | None]:
-    """The engine's metrics parser and (if it has one) its ``/v1/loads`` parser."""
-    spec = engine_spec(kind)
-    parse = spec.function("metrics", "parse_metrics")
-    try:
-        loads = spec.function("metrics", "parse_loads")
-    except AttributeError:
-        loads = None
-    return parse, loads
-
 
 class Scraper:
-    def __init__(self, pool: WorkerPool, board: LoadBoard, session: aiohttp.ClientSession, *,
-                 engine: str, interval_s: float, timeout_s: float,
-                 on_result: Callable[[WorkerId, Sample | None, str | None], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        board: LoadBoard,
+        session: aiohttp.ClientSession,
+        *,
+        engine: Engine,
+        interval_s: float,
+        timeout_s: float,
+        on_result: Callable[[WorkerId, Sample | None, str | None], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.board = board
         self.session = session
@@ -53,7 +49,7 @@ class Scraper:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_result = on_result
         self.clock = clock
-        self.parse, self.parse_loads = engine_parsers(engine)
+        self.engine = engine
         self._busy: set[WorkerId] = set()
         self._use_loads: set[WorkerId] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -69,10 +65,8 @@ class Scraper:
             while True:
                 self._round()
                 self._kick.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._kick.wait(), self.interval_s)
-                except TimeoutError:
-                    pass
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -106,13 +100,14 @@ class Scraper:
     async def scrape(self, info: WorkerInfo) -> tuple[Sample | None, str | None]:
         """One scrape of one worker: (sample, None) or (None, what went wrong)."""
         self.board.get(info.id).scrape_started()
-        use_loads = info.id in self._use_loads and self.parse_loads is not None
-        path = "/v1/loads" if use_loads else "/metrics"
+        loads_path = self.engine.loads_path
+        use_loads = loads_path is not None and info.id in self._use_loads
+        path = loads_path if use_loads and loads_path is not None else "/metrics"
         try:
             async with self.session.get(info.url + path, timeout=self.timeout) as resp:
-                if resp.status == 404 and not use_loads and self.parse_loads is not None:
+                if resp.status == 404 and not use_loads and loads_path is not None:
                     self._use_loads.add(info.id)
-                    return None, f"{path} answered 404 (metrics not enabled?); reading /v1/loads from now on"
+                    return None, f"{path} answered 404 (metrics not enabled?); reading {loads_path} from now on"
                 if resp.status != 200:
                     return None, f"{path} answered HTTP {resp.status}"
                 if use_loads:
@@ -129,8 +124,9 @@ class Scraper:
         now = self.clock()
         try:
             if text is not None:
-                return self.parse(text, now), None
-            assert self.parse_loads is not None
-            return self.parse_loads(payload, now), None
+                return self.engine.parse_metrics(text, now), None
+            if not isinstance(payload, dict):
+                return None, f"{path}: expected a JSON object, got {type(payload).__name__}"
+            return self.engine.parse_loads(payload, now), None
         except ValueError as exc:
             return None, f"{path}: {exc}"

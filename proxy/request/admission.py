@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from proxy.policy import Priority
+
+if TYPE_CHECKING:
+    from proxy.request.attempt import Attempt
 
 __all__ = ["ORDER", "AdmissionQueue", "Priority", "QueueFull", "Ticket"]
 
@@ -34,16 +38,33 @@ class QueueFull(Exception):
 class Ticket:
     """One request's place in the proxy queue, from admission until it leaves the proxy.
 
-    ``future`` resolves to the worker id the dispatcher picked. ``exclude`` names workers this
+    ``future`` resolves to the :class:`~proxy.request.attempt.Attempt` the dispatcher made for it. ``exclude`` names workers this
     request already failed on (retries go elsewhere when another worker exists). ``affinity`` is
     a short prefix key for prefix-aware choice (``None`` when the policy does not ask for it).
     """
 
-    __slots__ = ("priority", "enqueued_at", "deadline", "future", "exclude", "affinity",
-                 "queued", "cancelled", "requeues", "patience")
+    __slots__ = (
+        "affinity",
+        "cancelled",
+        "deadline",
+        "enqueued_at",
+        "exclude",
+        "failures",
+        "future",
+        "patience",
+        "priority",
+        "queued",
+        "requeues",
+    )
 
-    def __init__(self, priority: Priority, enqueued_at: float, deadline: float,
-                 future: asyncio.Future[str], affinity: str | None = None) -> None:
+    def __init__(
+        self,
+        priority: Priority,
+        enqueued_at: float,
+        deadline: float,
+        future: asyncio.Future[Attempt],
+        affinity: str | None = None,
+    ) -> None:
         self.priority = priority
         self.enqueued_at = enqueued_at
         self.deadline = deadline
@@ -54,13 +75,13 @@ class Ticket:
         self.queued = False  # in a deque and counted in len()
         self.cancelled = False
         self.requeues = 0  # how many times it went back to the queue
+        self.failures = 0  # attempts that failed before output (each one spent of ``max_attempts``)
 
 
 class AdmissionQueue:
     """Bounded, two-class, FIFO-within-class queue of :class:`Ticket`."""
 
-    def __init__(self, capacity: int, *, on_change: Callable[[], Any] | None = None,
-                 compact_slack: int = 1024) -> None:
+    def __init__(self, capacity: int, *, on_change: Callable[[], Any] | None = None, compact_slack: int = 1024) -> None:
         if capacity < 0:
             raise ValueError("queue capacity must be >= 0")
         self.capacity = capacity

@@ -2,7 +2,7 @@
 
 Gate, per worker (see :mod:`proxy.request.pacing` for the estimate)::
 
-    eligible(w) = w is READY and not draining
+    eligible(w) = w is READY                                   (the pool's state: the one "may send")
                   and w's sample is fresh                      (stale counts as saturated)
                   and est_queue(w) < min(band.lo + headroom, band.hi)
 
@@ -19,24 +19,46 @@ workers the request already failed on when any other ready worker exists.
 :class:`Dispatcher` runs the gate whenever something changes (a request arrives, one finishes,
 a sample arrives, a worker changes state): :meth:`Dispatcher.pump` is synchronous and cheap, so
 there is no polling loop and no sleep on the hot path. It resolves each ticket's future with an
-:class:`Attempt`; the request handler owns the attempt from then on and is the only one that ever
-answers the client. The controller's hooks (:meth:`drain`, :meth:`wait_idle`, :meth:`take_back`)
-only set flags and cancel an attempt's not-yet-started upstream call; the handler then puts its
-ticket back in the queue, so a taken-back request is answered once, by whichever worker serves it.
+:class:`~proxy.request.attempt.Attempt`.
+
+One owner of an attempt's lifecycle, :meth:`Dispatcher.attempt`::
+
+    while True:
+        async with dispatcher.attempt(ticket) as attempt:   # waits for a worker (QueueTimeout, ProxyClosing)
+            ...                                             # open upstream; attempt.mark_started(); relay
+            return answer
+        # only here when the attempt ended without output and the ticket is back in the queue
+
+Leaving the block always releases the worker slot. The ticket goes back to the queue exactly when
+no output was sent and the request still wants an answer: the controller took the attempt back
+(:meth:`take_back` cancels the block while it has no output), or it raised
+:class:`~proxy.request.attempt.AttemptFailed` with a retry left (``max_attempts``), or the worker
+refused the connection (it is reported to the pool, which stops sending to it, and no attempt is
+spent). Any other exit (an answer, a client that left, a failure with no retry left) propagates.
+So a request is answered once, by the handler that owns it, from whichever worker serves it.
+
+Errors, in this layer: exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing`` leave
+:meth:`Dispatcher.submit` and :meth:`Dispatcher.attempt`; ``AttemptFailed`` goes into the block's
+exit); "no worker now" is a ``None`` from :func:`choose_worker`, not an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import zlib
-from typing import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
-__all__ = ["Attempt", "Dispatcher", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
+__all__ = ["Dispatcher", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
+
+_log = logging.getLogger(__name__)
 
 
 def _rendezvous(worker_id: str, key: str) -> int:
@@ -57,21 +79,19 @@ def choose_worker(
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
-            load = board.get(w.id)
-            if not load.draining:
-                ready.append((w, load))
+            ready.append((w, board.get(w.id)))
     if not ready:
         return None
     if exclude:
-        others = [(w, l) for w, l in ready if w.id not in exclude]
+        others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
-    fresh = [(w, l) for w, l in ready if l.fresh(now, stale_after_s)]
+    fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     target = band.target
     if fresh:
-        open_ = [(l.est_queue(), l.in_flight, w.id) for w, l in fresh]
+        open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh]
         open_ = [o for o in open_ if o[0] < target]
     else:  # every worker filtered out as stale: fall back to our own counts rather than stall
-        open_ = [(l.in_flight, 0, w.id) for w, l in ready if l.in_flight < l.last_running + band.hi]
+        open_ = [(load.in_flight, 0, w.id) for w, load in ready if load.in_flight < load.last_running + band.hi]
     if not open_:
         return None
     if affinity is not None and len(open_) > 1:
@@ -87,51 +107,102 @@ class ProxyClosing(Exception):
     """The proxy is shutting down: a queued (or newly submitted) request will not be dispatched."""
 
 
-class Attempt:
-    """One try of one request on one worker, from dispatch until the handler releases it."""
-
-    __slots__ = ("ticket", "worker_id", "task", "started", "taken_back", "released", "dispatched_at")
-
-    def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
-        self.ticket = ticket
-        self.worker_id = worker_id
-        self.task: asyncio.Task | None = None  # the handler opening the request, until its first output
-        self.started = False  # output came back: the request can no longer be taken back
-        self.taken_back = False
-        self.released = False
-        self.dispatched_at = dispatched_at
+def _no_requeue_hook(why: Requeued) -> None:
+    return None
 
 
 class Dispatcher:
-    """Owns the admission queue, the load board and the gate; hands tickets to workers."""
+    """Owns the admission queue, the gate and every attempt's lifecycle; hands tickets to workers."""
 
-    def __init__(self, pool: WorkerPool, board: LoadBoard, admission: AdmissionQueue, *,
-                 band: Band, stale_after_s: float, prefix_affinity: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        board: LoadBoard,
+        admission: AdmissionQueue,
+        *,
+        band: Band,
+        stale_after_s: float,
+        prefix_affinity: bool = False,
+        max_attempts: int = 3,
+        on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.board = board
         self.admission = admission
         self.band = band
         self.stale_after_s = stale_after_s
         self.prefix_affinity = prefix_affinity
+        self.max_attempts = max_attempts
+        self.on_requeue = on_requeue  # counts requeues (the metrics)
         self.clock = clock
-        self._open: dict[WorkerId, set[Attempt]] = {}
         self.closing = False
         self._pumping = False
         self._again = False
 
     # -- request side -----------------------------------------------------------------------------
     def submit(self, priority: Priority, timeout_s: float, affinity: str | None = None) -> Ticket:
+        """Queue a new request; raises :class:`QueueFull` or :class:`ProxyClosing`."""
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
-        ticket = Ticket(priority, now, now + timeout_s, asyncio.get_running_loop().create_future(),
-                        affinity if self.prefix_affinity else None)
+        ticket = Ticket(
+            priority,
+            now,
+            now + timeout_s,
+            asyncio.get_running_loop().create_future(),
+            affinity if self.prefix_affinity else None,
+        )
         self.admission.push(ticket)  # raises QueueFull
         self.pump()
         return ticket
 
-    async def assigned(self, ticket: Ticket) -> Attempt:
+    @contextlib.asynccontextmanager
+    async def attempt(self, ticket: Ticket) -> AsyncIterator[Attempt]:
+        """Wait for a worker, then own the attempt on it: the lifecycle of the module docstring."""
+        attempt = await self._assigned(ticket)
+        task = asyncio.current_task()
+        attempt.task = task
+        try:
+            yield attempt
+        except asyncio.CancelledError:
+            self._release(attempt)
+            # taken back: one cancel came from take_back; any other is the client leaving
+            if attempt.taken_back and not attempt.started and task is not None and task.uncancel() == 0:
+                self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+                return
+            raise
+        except AttemptFailed as failure:
+            self._release(attempt)
+            if attempt.started:
+                raise
+            if failure.unreachable:
+                self.pool.report_unreachable(attempt.worker_id, failure.message)
+                if self.pool.get(attempt.worker_id).state is not WorkerState.READY:
+                    _log.info("request back in the queue to wait for a live worker: %s", failure.message)
+                    self._requeue(ticket, attempt, Requeued.UNREACHABLE)
+                    return
+            ticket.failures += 1
+            if failure.retryable and ticket.failures < self.max_attempts:
+                _log.info("retrying request (attempt %d failed): %s", ticket.failures, failure.message)
+                ticket.exclude = ticket.exclude | {attempt.worker_id}
+                self._requeue(ticket, attempt, Requeued.RETRY)
+                return
+            raise
+        finally:
+            attempt.task = None
+            self._release(attempt)
+
+    async def _assigned(self, ticket: Ticket) -> Attempt:
+        """The ticket's next attempt; one taken back before its handler woke goes straight back."""
+        while True:
+            attempt = await self._wait(ticket)
+            if not attempt.taken_back:
+                return attempt
+            self._release(attempt)
+            self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+
+    async def _wait(self, ticket: Ticket) -> Attempt:
         """Wait for the dispatcher to hand this ticket a worker; withdraws it on timeout/cancel."""
         fut = ticket.future
         if fut.done():
@@ -152,24 +223,34 @@ class Dispatcher:
     def _withdraw(self, ticket: Ticket) -> None:
         fut = ticket.future
         if fut.done() and not fut.cancelled() and fut.exception() is None:
-            self.release(fut.result())  # assigned in the same instant: give the slot back
+            self._release(fut.result())  # assigned in the same instant: give the slot back
         else:
             fut.cancel()
         self.admission.cancel(ticket)
         self.pump()
 
-    def requeue(self, ticket: Ticket) -> None:
+    def _requeue(self, ticket: Ticket, attempt: Attempt, why: Requeued) -> None:
         """Put a ticket whose attempt ended without output back at the front of its class.
 
         Its queue deadline starts again: a request taken back or retried late must not time out
         at once for time it spent on a worker.
         """
+        attempt.requeued = why
+        self.on_requeue(why)
         ticket.deadline = max(ticket.deadline, self.clock() + ticket.patience)
         ticket.future = asyncio.get_running_loop().create_future()
         if self.closing:
             ticket.future.set_exception(ProxyClosing())
             return
         self.admission.requeue(ticket)
+        self.pump()
+
+    def _release(self, attempt: Attempt) -> None:
+        """The attempt is over (answered, failed, taken back or abandoned): free its slot."""
+        if attempt.released:
+            return
+        attempt.released = True
+        self.board.get(attempt.worker_id).release(attempt)
         self.pump()
 
     def close(self) -> None:
@@ -179,24 +260,6 @@ class Dispatcher:
         for ticket in self.admission.drain_all():
             if not ticket.future.done():
                 ticket.future.set_exception(ProxyClosing())
-
-    def start(self, attempt: Attempt, task: asyncio.Task) -> None:
-        attempt.task = task
-
-    def mark_started(self, attempt: Attempt) -> None:
-        attempt.started = True
-        attempt.task = None
-
-    def release(self, attempt: Attempt) -> None:
-        """The attempt is over (answered, failed, taken back or abandoned): free its slot."""
-        if attempt.released:
-            return
-        attempt.released = True
-        self.board.get(attempt.worker_id).release()
-        open_ = self._open.get(attempt.worker_id)
-        if open_ is not None:
-            open_.discard(attempt)
-        self.pump()
 
     # -- the gate ---------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -223,32 +286,32 @@ class Dispatcher:
             ticket = admission.peek()
             if ticket is None:
                 return
-            worker_id = choose_worker(workers, self.board, band=self.band, now=now,
-                                      stale_after_s=self.stale_after_s, exclude=ticket.exclude,
-                                      affinity=ticket.affinity)
+            worker_id = choose_worker(
+                workers,
+                self.board,
+                band=self.band,
+                now=now,
+                stale_after_s=self.stale_after_s,
+                exclude=ticket.exclude,
+                affinity=ticket.affinity,
+            )
             if worker_id is None:
                 return
             admission.pop()
             if ticket.future.done():  # cancelled between its last check and now
                 continue
-            self.board.get(worker_id).reserve()
             attempt = Attempt(ticket, worker_id, now)
-            self._open.setdefault(worker_id, set()).add(attempt)
+            self.board.get(worker_id).reserve(attempt)
             ticket.future.set_result(attempt)
 
-    # -- hooks for the state listener, the scraper and the controller -------------------------------
+    # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
         if info.state is not WorkerState.READY:
             self.board.get(info.id).forget_sample()
         self.pump()
 
     def open_attempts(self, worker_id: WorkerId) -> int:
-        return len(self._open.get(worker_id, ()))
-
-    def drain(self, worker_id: WorkerId, draining: bool = True) -> None:
-        """Stop (or resume) dispatching new requests to a worker."""
-        self.board.get(worker_id).draining = draining
-        self.pump()
+        return self.board.get(worker_id).in_flight
 
     async def wait_idle(self, worker_id: WorkerId, timeout_s: float | None = None) -> bool:
         """Wait until nothing of this proxy is in flight on the worker; False on timeout."""
@@ -262,18 +325,16 @@ class Dispatcher:
     def take_back(self, worker_id: WorkerId) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.
 
-        Their upstream calls are cancelled (the handler aborts them on the worker) and each handler
-        puts its ticket back at the front of the proxy queue. Started requests run to the end.
+        Each one's ``async with`` block is cancelled (its upstream call is closed and aborted on
+        the worker) and its ticket goes back to the front of the proxy queue. Started requests run
+        to the end.
         """
         n = 0
-        for attempt in list(self._open.get(worker_id, ())):
-            if attempt.started or attempt.taken_back or attempt.released:
+        for attempt in list(self.board.get(worker_id).attempts):
+            if attempt.started or attempt.taken_back:
                 continue
-            if attempt.task is not None and attempt.task.done():
-                continue  # its output is in: the handler is about to relay it
             attempt.taken_back = True
             if attempt.task is not None:
                 attempt.task.cancel()
             n += 1
         return n
-

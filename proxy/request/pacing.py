@@ -2,7 +2,12 @@
 
 One :class:`WorkerLoad` per worker lives in a :class:`LoadBoard`, shared by the dispatcher (which
 reserves and releases), the scraper (which records samples and errors), the status log, the admin
-API and the controller (which marks workers draining and waits for them to empty).
+API and the rollout (which waits for a worker to empty).
+
+What is in flight on a worker is one fact: the set of its open attempts
+(:attr:`WorkerLoad.attempts`, added by :meth:`WorkerLoad.reserve` and removed by
+:meth:`WorkerLoad.release`); ``in_flight`` is its length. Whether a worker may get new requests
+is not kept here: it is the pool's :class:`~proxy.workers.base.WorkerState` (READY or not).
 
 Estimated server-side queue (what the pacing gate compares with the band)::
 
@@ -32,10 +37,11 @@ worker was never scraped), so a proxy whose scrapes fail keeps serving at a boun
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from proxy.engines.base import Sample
+from proxy.request.attempt import Attempt
 from proxy.workers.base import WorkerId
 
 SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
@@ -62,18 +68,27 @@ class Band:
 class WorkerLoad:
     """What the proxy knows about one worker's load right now."""
 
-    __slots__ = ("worker_id", "in_flight", "dispatched", "completed", "sample", "error",
-                 "_base_dispatched", "_base_completed", "_pending_base", "draining",
-                 "_idle", "last_running")
+    __slots__ = (
+        "_base_completed",
+        "_base_dispatched",
+        "_idle",
+        "_pending_base",
+        "attempts",
+        "completed",
+        "dispatched",
+        "error",
+        "last_running",
+        "sample",
+        "worker_id",
+    )
 
     def __init__(self, worker_id: WorkerId) -> None:
         self.worker_id = worker_id
-        self.in_flight = 0  # requests this proxy has open on the worker
+        self.attempts: set[Attempt] = set()  # what this proxy has open on the worker
         self.dispatched = 0  # D: total dispatched (monotonic)
         self.completed = 0  # C: total finished, whatever the outcome (monotonic)
         self.sample: Sample | None = None  # the latest good scrape
         self.error: str | None = None  # why the latest scrape failed (None if it worked)
-        self.draining = False  # the controller asked for no new dispatch
         self.last_running = 0  # #running-req of the latest good sample
         self._base_dispatched = 0
         self._base_completed = 0
@@ -81,14 +96,22 @@ class WorkerLoad:
         self._idle: asyncio.Event | None = None
 
     # -- request accounting -----------------------------------------------------------------------
-    def reserve(self) -> None:
-        self.in_flight += 1
+    @property
+    def in_flight(self) -> int:
+        """Requests this proxy has open on the worker."""
+        return len(self.attempts)
+
+    def reserve(self, attempt: Attempt) -> None:
+        self.attempts.add(attempt)
         self.dispatched += 1
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    def release(self, attempt: Attempt) -> None:
+        """The attempt is over; a second release of the same attempt is a no-op."""
+        if attempt not in self.attempts:
+            return
+        self.attempts.discard(attempt)
         self.completed += 1
-        if self.in_flight == 0 and self._idle is not None:
+        if not self.attempts and self._idle is not None:
             self._idle.set()
 
     # -- scrapes ----------------------------------------------------------------------------------
@@ -127,7 +150,7 @@ class WorkerLoad:
 
     async def wait_idle(self) -> None:
         """Return once nothing of this proxy is in flight on the worker."""
-        while self.in_flight > 0:
+        while self.attempts:
             if self._idle is None or self._idle.is_set():
                 self._idle = asyncio.Event()
             await self._idle.wait()
@@ -136,10 +159,11 @@ class WorkerLoad:
         s = self.sample
         return {
             "in_flight": self.in_flight,
-            "draining": self.draining,
             "est_queue": self.est_queue(),
             "scrape_error": self.error,
-            "sample": None if s is None else {
+            "sample": None
+            if s is None
+            else {
                 "time": s.time,
                 "queue": s.queue,
                 "running": s.running,

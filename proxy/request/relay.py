@@ -2,22 +2,28 @@
 
     submit ──► wait for a worker (queue timeout → 503) ──► open upstream (until its first output)
                  ▲                                            │
-                 └── requeue: retryable failure (bounded), ◄──┤
-                     or taken back by the controller          ▼
-                                           relay bytes to the client as they arrive
+                 └── requeue: no output sent, and a retry  ◄──┤
+                     left, the worker unreachable, or taken   ▼
+                     back by the controller        relay bytes to the client as they arrive
 
 "Opening" covers everything before the client sees a byte: the POST, the response headers and,
-for a stream, the first chunk (for a plain response, the whole body). Only failures in that phase
-are retried (on another worker when one exists): connection refused or reset, a 5xx, a stream
-that closed before any output. Once the first byte went to the client the request is committed:
-an upstream failure then ends the stream with an error event.
+for a stream, its first content (:mod:`proxy.request.sse`: a chat stream's opening role event is
+held back until content follows; for a plain response, the whole body). Only failures in that
+phase are retried (on another worker when one exists): a 5xx, a reset, a stream that closed
+before any content. A refused connection reports the worker to the pool (which stops sending to
+it) and puts the request back in the queue without spending one of its attempts. Once output went
+to the client the request is committed: an upstream failure then ends the stream with an error
+event.
 
-The handler task is the only place that writes to the client, so a request is answered once. A
-client that goes away cancels the handler (the app runs with ``handler_cancellation``): the
-``finally`` clauses close the upstream connection (SGLang aborts a request whose client left),
-POST ``/abort_request`` with the request's ``rid``, and release the worker slot. The controller's
-take-back cancels the same task while the attempt has no output; the handler tells the two apart
-by its cancel count (``Task.uncancel``) and requeues only a request taken back.
+The attempt's lifecycle (release, requeue) is :meth:`proxy.request.dispatch.Dispatcher.attempt`'s;
+this module opens, relays and answers. The handler task is the only place that writes to the
+client, so a request is answered once. A client that goes away cancels the handler (the app runs
+with ``handler_cancellation``): the upstream connection is closed (SGLang aborts a request whose
+client left) and ``/abort_request`` is posted with the request's ``rid``.
+
+Errors, in this layer: exceptions. Opening raises :class:`~proxy.request.attempt.AttemptFailed`
+(consumed by the attempt's block); :func:`forward` raises :class:`~proxy.errors.ApiError` for
+every refusal and returns the response otherwise.
 
 The upstream leg is :mod:`proxy.request.upstream` (its own HTTP/1.1 client): the open wakes the
 handler once, when a stream's headers and first output are in, and after the first chunk the
@@ -34,13 +40,17 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.request.admission import Priority, QueueFull
-from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.errors import ApiError, error_event
-from proxy.server.state import ProxyState
-from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
-from proxy.server.validation import Job
+from proxy.request.admission import Priority, QueueFull
+from proxy.request.attempt import AttemptFailed
+from proxy.request.dispatch import ProxyClosing, QueueTimeout
+from proxy.request.job import Job
+from proxy.request.path import RequestPath
+from proxy.request.sse import has_output
+from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from proxy.workers.base import WorkerState
+
+__all__ = ["EventStream", "Opened", "forward"]
 
 _log = logging.getLogger(__name__)
 
@@ -49,33 +59,31 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
-class _EventStream(web.StreamResponse):
+class EventStream(web.StreamResponse):
     """A stream whose headers leave with its first chunk (one write, one segment), as aiohttp's own
-    ``Response`` sends them, instead of alone on ``prepare``."""
+    ``Response`` sends them, instead of alone on ``prepare``.
+
+    aiohttp has no public switch for this; its ``Response`` sets the class attribute below. The
+    attribute exists in the aiohttp versions ``pyproject.toml`` allows, and a test fails if it
+    disappears or stops having this effect.
+    """
 
     _send_headers_immediately = False
 
 
-class UpstreamFailure(Exception):
-    """An attempt failed before any output reached the client."""
-
-    def __init__(self, message: str, *, status: int = 502, retryable: bool = True,
-                 body: bytes | None = None, content_type: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.retryable = retryable
-        self.body = body
-        self.content_type = content_type
-
-
 class Opened:
-    """The outcome of opening an attempt: a whole answer, or a stream with its first chunk."""
+    """The outcome of opening an attempt: a whole answer, or a stream with its first output."""
 
-    __slots__ = ("status", "content_type", "body", "resp", "first")
+    __slots__ = ("body", "content_type", "first", "resp", "status")
 
-    def __init__(self, status: int, content_type: str, body: bytes | None,
-                 resp: UpstreamResponse | None = None, first: bytes = b"") -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes | None,
+        resp: UpstreamResponse | None = None,
+        first: bytes = b"",
+    ) -> None:
         self.status = status
         self.content_type = content_type
         self.body = body
@@ -83,163 +91,163 @@ class Opened:
         self.first = first
 
 
-def _where(worker_id: str, url: str) -> str:
-    return f"worker {worker_id} ({url})"
-
-
-async def open_upstream(st: ProxyState, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
-    assert st.upstream is not None
-    timeout_s = st.policy.proxy.request_timeout_s
-    where = _where(worker_id, url)
+async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
+    """POST to the worker and read until output; raises :class:`AttemptFailed` if none came."""
+    assert path.upstream is not None
+    timeout_s = path.settings.request_timeout_s
+    where = f"worker {worker_id} ({url})"
     resp: UpstreamResponse | None = None
     streaming = False
     try:
-        resp = await st.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
+        resp = await path.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
         if resp.status >= 500:
             body = await resp.read()
-            raise UpstreamFailure(f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
-                                  status=resp.status, body=body, content_type=resp.content_type)
+            raise AttemptFailed(
+                f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
+                status=resp.status,
+                body=body,
+                content_type=resp.content_type,
+            )
         if resp.status != 200 or not job.stream:
             return Opened(resp.status, resp.content_type, await resp.read())
         first = await resp.readany()
-        if not first:
-            raise UpstreamFailure(f"{where} ended the stream before any output")
+        while first and not has_output(first):  # only the opening role event yet: wait for content
+            more = await resp.readany()
+            if not more:
+                break
+            first += more
+        if not has_output(first):
+            raise AttemptFailed(f"{where} ended the stream before any output")
         streaming = True
         return Opened(200, resp.content_type, None, resp, first)
     except UpstreamTimeout:
-        raise UpstreamFailure(f"{where} did not answer within {timeout_s:g} s", status=504, retryable=False) from None
+        raise AttemptFailed(f"{where} did not answer within {timeout_s:g} s", status=504, retryable=False) from None
+    except UpstreamUnreachable as exc:
+        raise AttemptFailed(f"{where} is unreachable: {exc}", unreachable=True) from None
     except UpstreamError as exc:
-        what = "is unreachable" if resp is None else "failed before any output"
-        raise UpstreamFailure(f"{where} {what}: {exc}") from None
+        raise AttemptFailed(f"{where} failed before any output: {exc}") from None
     finally:
         if resp is not None and not streaming:
             resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
 
 
-async def post_abort(st: ProxyState, url: str, rid: str) -> None:
-    if st.session is None or st.session.closed:
+async def _post_abort(path: RequestPath, url: str, rid: str) -> None:
+    session = path.session
+    if session is None or session.closed:
         return
     try:
-        async with st.session.post(url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                                   headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT) as resp:
+        async with session.post(
+            url + "/abort_request", data=orjson.dumps({"rid": rid}), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
+        ) as resp:
             await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         _log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
 
-def _closing_error(st: ProxyState) -> ApiError:
-    return ApiError(503, "sglang-pacer is shutting down; the request was not started, send it again",
-                    type="service_unavailable", code="shutting_down",
-                    headers={"Retry-After": str(st.policy.queue.retry_after_s)})
+def _closing_error(path: RequestPath) -> ApiError:
+    return ApiError(
+        503,
+        "sglang-pacer is shutting down; the request was not started, send it again",
+        type="service_unavailable",
+        code="shutting_down",
+        headers={"Retry-After": str(path.settings.retry_after_s)},
+    )
 
 
-def _no_worker_message(st: ProxyState) -> str:
-    workers = st.pool.workers()
+def _no_worker_message(path: RequestPath) -> str:
+    workers = path.pool.workers()
     ready = [w for w in workers if w.state is WorkerState.READY]
-    waited = f"waited {st.policy.queue.timeout_s:g} s in the proxy queue (queue.timeout_s)"
+    waited = f"waited {path.settings.queue_timeout_s:g} s in the proxy queue (queue.timeout_s)"
     if not ready:
         states = ", ".join(f"{w.id} {w.state}" for w in workers) or "none configured"
         return f"no worker is ready ({states}); the request {waited}"
     return f"all {len(ready)} ready worker(s) stayed at their pacing limit; the request {waited}"
 
 
-async def forward(st: ProxyState, request: web.Request, job: Job, priority: Priority,
-                  arrived: float) -> web.StreamResponse:
+def _failure_error(fail: AttemptFailed, attempts: int) -> ApiError:
+    """Ours, for a request whose last attempt failed before output: 504 ``upstream_timeout`` when
+    the worker was too slow, else 502 (503 as the worker said it) ``upstream_failed``."""
+    message = f"{fail.message} (after {attempts} attempt(s))"
+    if fail.status == 504:
+        return ApiError(504, message, type="upstream_error", code="upstream_timeout")
+    return ApiError(503 if fail.status == 503 else 502, message, type="upstream_error", code="upstream_failed")
+
+
+async def forward(
+    path: RequestPath, request: web.Request, job: Job, priority: Priority, arrived: float
+) -> web.StreamResponse:
     """Queue, dispatch, open, relay: the one answer to an accepted request.
 
     ``arrived`` is ``time.monotonic()`` when the handler started (for the added-latency metric).
     """
-    d, m = st.dispatcher, st.metrics
+    d, m = path.dispatcher, path.metrics
     submitted = time.monotonic()
     try:
-        ticket = d.submit(priority, st.policy.queue.timeout_s, job.affinity)
+        ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity)
     except ProxyClosing:
-        raise _closing_error(st) from None
+        raise _closing_error(path) from None
     except QueueFull as exc:
         m.reject_full.inc()
-        raise ApiError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(st.policy.queue.retry_after_s)}) from None
+        raise ApiError(
+            429,
+            f"{exc}; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(path.settings.retry_after_s)},
+        ) from None
     m.admitted.inc()
     user_rid = job.body.get("rid")
-    base_rid = st.new_rid() if job.single and user_rid is None else None
-    failures = 0
+    base_rid = path.new_rid() if job.single and user_rid is None else None
     tries = 0
     while True:
         try:
-            attempt = await d.assigned(ticket)
+            async with d.attempt(ticket) as attempt:
+                if tries == 0:
+                    m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
+                tries += 1
+                url = path.pool.get(attempt.worker_id).url
+                rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
+                if rid is not None and base_rid is not None:
+                    job.body["rid"] = rid
+                payload = orjson.dumps(job.body)
+                if tries == 1:  # validation before the queue + wake-up and encoding after it
+                    m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
+                try:
+                    opened = await _open(path, url, attempt.worker_id, job, payload)
+                except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
+                    if rid is not None:
+                        path.spawn(_post_abort(path, url, rid))
+                    if not attempt.taken_back:
+                        m.disconnected.inc()
+                    raise
+                attempt.mark_started()
+                return await _respond(path, request, opened, url, rid)
         except ProxyClosing:
-            raise _closing_error(st) from None
+            raise _closing_error(path) from None
         except QueueTimeout:
             m.fail_timeout.inc()
-            raise ApiError(503, _no_worker_message(st), type="service_unavailable", code="queue_timeout") from None
-        if tries == 0:
-            m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
-        tries += 1
-        if attempt.taken_back:  # the controller took it back before we even started
-            d.release(attempt)
-            m.requeued.inc()
-            d.requeue(ticket)
-            continue
-        url = st.pool.get(attempt.worker_id).url
-        rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
-        if rid is not None and base_rid is not None:
-            job.body["rid"] = rid
-        payload = orjson.dumps(job.body)
-        if tries == 1:  # validation before the queue + wake-up and encoding after it
-            m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-        current = asyncio.current_task()
-        assert current is not None
-        d.start(attempt, current)  # take_back cancels this task while the attempt has no output yet
-        try:
-            opened = await open_upstream(st, url, attempt.worker_id, job, payload)
-        except asyncio.CancelledError:
-            d.release(attempt)
-            if rid is not None:
-                st.spawn(post_abort(st, url, rid))
-            # taken back: one cancel came from the controller; any other is the client leaving
-            if attempt.taken_back and current.uncancel() == 0:
-                m.requeued.inc()
-                d.requeue(ticket)
-                continue
-            m.disconnected.inc()
-            raise
-        except UpstreamFailure as fail:
-            d.release(attempt)
-            failures += 1
-            if fail.retryable and failures < st.policy.pacing.max_attempts:
-                _log.info("retrying request (attempt %d failed): %s", failures, fail.message)
-                m.retried.inc()
-                ticket.exclude = ticket.exclude | {attempt.worker_id}
-                d.requeue(ticket)
-                continue
+            raise ApiError(503, _no_worker_message(path), type="service_unavailable", code="queue_timeout") from None
+        except AttemptFailed as fail:
             m.fail_upstream.inc()
-            if fail.body and fail.content_type == "application/json":
+            if fail.body and fail.content_type == "application/json":  # the worker's own error answer
                 return web.Response(status=fail.status, body=fail.body, content_type="application/json")
-            raise ApiError(fail.status if fail.status in (503, 504) else 502,
-                           f"{fail.message} (after {failures} attempt(s))",
-                           type="upstream_error", code="upstream_failed") from None
-        except BaseException:
-            d.release(attempt)
-            raise
-        d.mark_started(attempt)
-        try:
-            return await _respond(st, request, opened, url, rid)
-        finally:
-            d.release(attempt)
+            raise _failure_error(fail, ticket.failures) from None
+        # the attempt ended without output and the ticket is back in the queue: wait for the next
 
 
-async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: str,
-                   rid: str | None) -> web.StreamResponse:
-    m = st.metrics
+async def _respond(
+    path: RequestPath, request: web.Request, opened: Opened, url: str, rid: str | None
+) -> web.StreamResponse:
+    m = path.metrics
     if opened.resp is None:
         m.completed.inc()
         return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
     resp = opened.resp
-    out = _EventStream(status=200, headers=_SSE_HEADERS)
+    out = EventStream(status=200, headers=_SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)
-        await out.write(opened.first)  # the headers and the first chunk, in one segment
+        await out.write(opened.first)  # the headers and the first output, in one segment
         transport = request.transport
         assert transport is not None
         high_water = transport.get_write_buffer_limits()[1]
@@ -263,9 +271,13 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
                 m.fail_midstream.inc()
                 _log.warning("worker stream broke after output was sent: %r", exc)
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                await out.write(sep + error_event(
-                    f"the worker failed mid-stream ({exc}); the answer is incomplete",
-                    code="upstream_failed_mid_stream"))
+                await out.write(
+                    sep
+                    + error_event(
+                        f"the worker failed mid-stream ({exc}); the answer is incomplete",
+                        code="upstream_failed_mid_stream",
+                    )
+                )
                 break
             if ended:
                 m.completed.inc()
@@ -281,4 +293,4 @@ async def _respond(st: ProxyState, request: web.Request, opened: Opened, url: st
     finally:
         resp.close()
         if not ok and rid is not None:
-            st.spawn(post_abort(st, url, rid))
+            path.spawn(_post_abort(path, url, rid))

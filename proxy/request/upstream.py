@@ -22,9 +22,13 @@ by ``httptools`` (llhttp, the parser Node.js uses), its body handed over as it a
   aiohttp's ``ClientTimeout(total=...)``): a single timer, not a context per read.
 - **Back-pressure**: past ``high_water`` unread bytes the connection stops reading from the socket
   until the relay catches up, so a slow client slows the worker's stream instead of filling memory.
-- **Aborting**: :meth:`UpstreamResponse.abort` fails the waiting reader with the given exception and
-  closes the connection (SGLang aborts a request whose connection closed); the controller uses it
-  to take a request back before its first output.
+- **Ending early**: :meth:`UpstreamResponse.close` on an unfinished answer closes its connection
+  (SGLang aborts a request whose connection closed); the relay does so when its client leaves or
+  the controller takes the request back. :meth:`UpstreamResponse.abort` fails the waiting reader
+  with a given exception, then closes: the request's deadline uses it.
+- **Errors** are exceptions, one tree: :class:`UpstreamError` (broken or not HTTP), with
+  :class:`UpstreamUnreachable` (nothing to connect to: the worker never saw the request) and
+  :class:`UpstreamTimeout` (the deadline passed).
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout"]
+__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout", "UpstreamUnreachable"]
 
 
 class UpstreamError(Exception):
     """The worker could not be reached, broke the connection, or sent something that is not HTTP."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection could be made (refused, no route): the request never reached the worker."""
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
@@ -63,8 +71,23 @@ def _endpoint(url: str) -> tuple[_Key, bytes]:
 class UpstreamResponse:
     """One answer from a worker, read as it arrives."""
 
-    __slots__ = ("status", "content_type", "keep_alive", "_conn", "_chunks", "_buffered", "_eof",
-                 "_error", "_waiter", "_opened", "_until_output", "_timer", "_closed", "_sink", "_backed_up")
+    __slots__ = (
+        "_backed_up",
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_conn",
+        "_eof",
+        "_error",
+        "_opened",
+        "_sink",
+        "_timer",
+        "_until_output",
+        "_waiter",
+        "content_type",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, conn: _Connection, until_output: bool = False) -> None:
         self.status = 0
@@ -316,8 +339,14 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections to the workers, shared by every request of the proxy."""
 
-    def __init__(self, *, max_idle_per_worker: int = 512, idle_timeout_s: float = 30.0,
-                 high_water: int = 256 * 1024, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_idle_per_worker: int = 512,
+        idle_timeout_s: float = 30.0,
+        high_water: int = 256 * 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_idle_per_worker = max_idle_per_worker
         self.idle_timeout_s = idle_timeout_s
         self.high_water = high_water
@@ -331,15 +360,23 @@ class UpstreamPool:
     def idle_connections(self) -> int:
         return sum(len(v) for v in self._idle.values())
 
-    async def post(self, url: str, path: str, body: bytes, *, timeout_s: float | None = None,
-                   until_output: bool = False, content_type: bytes = b"application/json") -> UpstreamResponse:
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        *,
+        timeout_s: float | None = None,
+        until_output: bool = False,
+        content_type: bytes = b"application/json",
+    ) -> UpstreamResponse:
         """POST ``body`` to ``url + path``; returns once the status line and headers are in or, with
         ``until_output``, once a 200 answer's first body bytes (or its end) are in too: one wake-up
         instead of two for a stream, whose headers a server sends before it has any output.
 
         Raises :class:`UpstreamTimeout` past ``timeout_s`` (counted from now to the end of the
-        body, reads included) and :class:`UpstreamError` when the worker cannot be reached or
-        breaks the connection before answering."""
+        body, reads included), :class:`UpstreamUnreachable` when no connection can be made and
+        :class:`UpstreamError` when the worker breaks the connection before answering."""
         if self._closed:
             raise UpstreamError("the proxy's upstream connections are closed (shutting down)")
         loop = asyncio.get_running_loop()
@@ -351,15 +388,21 @@ class UpstreamPool:
         head = self._heads.get((url, path))
         if head is None:
             head = self._heads[(url, path)] = (
-                b"POST " + path.encode("ascii") + b" HTTP/1.1\r\nHost: " + host
-                + b"\r\nAccept-Encoding: identity\r\nContent-Type: " + content_type + b"\r\nContent-Length: ")
+                b"POST "
+                + path.encode("ascii")
+                + b" HTTP/1.1\r\nHost: "
+                + host
+                + b"\r\nAccept-Encoding: identity\r\nContent-Type: "
+                + content_type
+                + b"\r\nContent-Length: "
+            )
         request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         conn = self._take(key)
         if conn is None:
             conn = await self._connect(key, loop, deadline, timeout_s)
         resp = UpstreamResponse(conn, until_output)
         conn.response = resp
-        if deadline is not None:
+        if timeout_s is not None and deadline is not None:
             resp._timer = loop.call_at(deadline, resp._time_out, timeout_s)
         assert conn.transport is not None
         conn.transport.write(request)
@@ -370,19 +413,21 @@ class UpstreamPool:
             raise
         return resp
 
-    async def _connect(self, key: _Key, loop: asyncio.AbstractEventLoop, deadline: float | None,
-                       timeout_s: float | None) -> _Connection:
+    async def _connect(
+        self, key: _Key, loop: asyncio.AbstractEventLoop, deadline: float | None, timeout_s: float | None
+    ) -> _Connection:
         try:
             async with asyncio.timeout_at(deadline):
                 if key[0] == "https":
-                    _, conn = await loop.create_connection(lambda: _Connection(self, key, loop), key[1], key[2],
-                                                           ssl=self._tls(), server_hostname=key[1])
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self, key, loop), key[1], key[2], ssl=self._tls(), server_hostname=key[1]
+                    )
                 else:
                     _, conn = await loop.create_connection(lambda: _Connection(self, key, loop), key[1], key[2])
         except TimeoutError:
             raise UpstreamTimeout(f"could not connect within {timeout_s:g} s") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+            raise UpstreamUnreachable(f"cannot connect: {exc.strerror or exc}") from None
         return conn
 
     def _tls(self) -> ssl.SSLContext:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from proxy.request.admission import Priority
 from proxy.errors import ApiError
+from proxy.request.admission import Priority
 
 
 class AuthConfigError(ValueError):
@@ -56,7 +57,9 @@ def parse_entries(text: str, source: str) -> dict[str, Priority | None]:
             try:
                 cls = Priority(parts[1].lower())
             except ValueError:
-                raise AuthConfigError(f"{source}: entry {n} names class {parts[1]!r}; expected interactive or batch") from None
+                raise AuthConfigError(
+                    f"{source}: entry {n} names class {parts[1]!r}; expected interactive or batch"
+                ) from None
         out[parts[0]] = cls
     return out
 
@@ -95,7 +98,7 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
-def _match(token: str, candidates: Any) -> str | None:
+def _match(token: str, candidates: Iterable[str]) -> str | None:
     for key in candidates:
         if hmac.compare_digest(token.encode(), key.encode()):
             return key
@@ -108,8 +111,12 @@ def check_api_key(ring: KeyRing, headers: Mapping[str, str]) -> Priority | None:
         return None
     token = bearer(headers)
     if token is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
     cls = ring.keys.get(token, False)
     if cls is False:
         raise ApiError(401, "incorrect API key provided", type="authentication_error", code="invalid_api_key")
@@ -121,8 +128,12 @@ def check_admin_key(ring: KeyRing, headers: Mapping[str, str]) -> None:
         return
     token = bearer(headers)
     if token is None or _match(token, ring.admin_keys) is None:
-        raise ApiError(401, "admin endpoints need the admin key ('Authorization: Bearer <admin key>')",
-                       type="authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "admin endpoints need the admin key ('Authorization: Bearer <admin key>')",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def describe(ring: KeyRing) -> list[str]:

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
 
-from proxy.request.admission import ORDER, Priority
-from proxy.request import relay
-from proxy.server.auth import check_admin_key, check_api_key
 from proxy.errors import ApiError, bad_request, error_response
+from proxy.request import relay
+from proxy.request.admission import ORDER, Priority
+from proxy.request.job import Job
+from proxy.server.auth import check_admin_key, check_api_key
 from proxy.server.metrics import CONTENT_TYPE
 from proxy.server.state import PROXY, ProxyState
-from proxy.server.validation import VALIDATORS, Job
+from proxy.server.validation import VALIDATORS
 from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
@@ -33,13 +34,15 @@ def _json(payload: object, status: int = 200) -> web.Response:
 async def read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
-        raise ApiError(413, f"request body is {length} bytes; the limit is {limit} (proxy.max_body_bytes)",
-                       code="body_too_large")
+        raise ApiError(
+            413, f"request body is {length} bytes; the limit is {limit} (proxy.max_body_bytes)", code="body_too_large"
+        )
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body is larger than the limit of {limit} bytes (proxy.max_body_bytes)",
-                       code="body_too_large") from None
+        raise ApiError(
+            413, f"request body is larger than the limit of {limit} bytes (proxy.max_body_bytes)", code="body_too_large"
+        ) from None
 
 
 def pick_priority(st: ProxyState, headers: Mapping[str, str], key_class: Priority | None) -> Priority:
@@ -52,7 +55,9 @@ def pick_priority(st: ProxyState, headers: Mapping[str, str], key_class: Priorit
         try:
             chosen = Priority(value.strip().lower())
         except ValueError:
-            raise bad_request(f"header {name} must be one of: {', '.join(p.value for p in ORDER)}; got {value!r}") from None
+            raise bad_request(
+                f"header {name} must be one of: {', '.join(p.value for p in ORDER)}; got {value!r}"
+            ) from None
     if key_class is not None and ORDER.index(key_class) > ORDER.index(chosen):
         return key_class
     return chosen
@@ -65,8 +70,12 @@ def check_model(st: ProxyState, job: Job) -> None:
             job.body["model"] = models.default
         return
     if models.known and job.model not in models.names:
-        raise ApiError(404, f"the model '{job.model}' does not exist; served: {', '.join(sorted(models.names))}",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{job.model}' does not exist; served: {', '.join(sorted(models.names))}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def inference_route(path: str) -> Handler:
@@ -84,14 +93,15 @@ def inference_route(path: str) -> Handler:
             try:
                 job = validate(await read_body(request, st.policy.proxy.max_body_bytes))
                 if not st.models.known and job.path != "/generate" and st.session is not None:
-                    await st.models.ensure(st.session, [w.url for w in st.pool.workers()
-                                                        if w.state is WorkerState.READY])
+                    await st.models.ensure(
+                        st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY]
+                    )
                 check_model(st, job)
                 priority = pick_priority(st, request.headers, key_class)
             except ApiError:
                 st.metrics.reject_invalid.inc()
                 raise
-            return await relay.forward(st, request, job, priority, arrived)
+            return await relay.forward(st.requests, request, job, priority, arrived)
         except ApiError as err:
             return error_response(err)
 
@@ -120,8 +130,14 @@ async def ready(request: web.Request) -> web.Response:
     n = sum(1 for w in workers if w.state is WorkerState.READY)
     if n:
         return _json({"status": "ready", "ready_workers": n, "workers": len(workers)})
-    return error_response(ApiError(503, f"no worker is ready ({', '.join(f'{w.id} {w.state}' for w in workers) or 'none'})",
-                                   type="service_unavailable", code="not_ready"))
+    return error_response(
+        ApiError(
+            503,
+            f"no worker is ready ({', '.join(f'{w.id} {w.state}' for w in workers) or 'none'})",
+            type="service_unavailable",
+            code="not_ready",
+        )
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -140,12 +156,21 @@ async def admin_workers(request: web.Request) -> web.Response:
         sample = snap["sample"]
         if isinstance(sample, dict):
             sample["age_s"] = round(now - float(sample["time"]), 3)
-        out.append({
-            "id": w.id, "url": w.url, "state": w.state.value, "managed": w.managed,
-            "args": dict(w.args), "pid": w.pid, "restarts": w.restarts, "last_error": w.last_error,
-            "fresh": load.fresh(now, st.policy.pacing.stale_after_s),
-            **snap,
-        })
+        out.append(
+            {
+                "id": w.id,
+                "url": w.url,
+                "state": w.state.value,
+                "managed": w.managed,
+                "args": dict(w.args),
+                "pid": w.pid,
+                "restarts": w.restarts,
+                "last_error": w.last_error,
+                "fresh": load.fresh(now, st.policy.pacing.stale_after_s),
+                "draining": w.state is WorkerState.DRAINING,
+                **snap,
+            }
+        )
     queue = {p.value: st.admission.depth(p) for p in ORDER}
     return _json({"workers": out, "proxy_queue": queue, "in_flight": st.board.total_in_flight()})
 
@@ -155,12 +180,20 @@ async def admin_gpus(request: web.Request) -> web.Response:
     st = request.app[PROXY]
     check_admin_key(st.keys, request.headers)
     if st.gpus is None:
-        return _json({"available": False, "reason": "GPU sampling is off (proxy.gpu_sample_interval_s = 0)",
-                      "devices": [], "interval_s": 0.0})
+        return _json(
+            {
+                "available": False,
+                "reason": "GPU sampling is off (proxy.gpu_sample_interval_s = 0)",
+                "devices": [],
+                "interval_s": 0.0,
+            }
+        )
     report = st.gpus.last
     if report is None:
         return _json({"available": False, "reason": "not sampled yet", "devices": [], "interval_s": st.gpus.interval_s})
-    return _json({**report.to_json(), "age_s": round(time.monotonic() - report.time, 3), "interval_s": st.gpus.interval_s})
+    return _json(
+        {**report.to_json(), "age_s": round(time.monotonic() - report.time, 3), "interval_s": st.gpus.interval_s}
+    )
 
 
 async def admin_decisions(request: web.Request) -> web.Response:
@@ -188,11 +221,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         what = "no route" if exc.status == 404 else exc.reason
-        return error_response(ApiError(exc.status, f"{what}: {request.method} {request.path}",
-                                       code="not_found" if exc.status == 404 else None))
+        return error_response(
+            ApiError(
+                exc.status, f"{what}: {request.method} {request.path}", code="not_found" if exc.status == 404 else None
+            )
+        )
     except ApiError as err:
         return error_response(err)
-    except (ConnectionResetError,):
+    except ConnectionResetError:
         raise
     except Exception:
         _log.exception("internal error on %s %s", request.method, request.path)

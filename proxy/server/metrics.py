@@ -1,6 +1,7 @@
 """The proxy's own Prometheus metrics (``pacer_`` prefix) in a registry of their own.
 
-Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
+Implements the request path's :class:`~proxy.request.path.RequestMetrics` (its counters are
+plain attributes here, pre-bound to their labels). Gauges that mirror live state (queue depth, in-flight, estimated server queue, last sample) are
 read at scrape time by a custom collector, so the request path never updates them; so are the GPU
 gauges, from the newest NVML report (``gpus``, a callable). Counters and
 histograms are pre-bound to their labels where the label set is fixed.
@@ -8,14 +9,15 @@ histograms are pre-bound to their labels where the label set is fixed.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.observe.nvml import GpuReport
+from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.attempt import Requeued
 from proxy.request.pacing import LoadBoard
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,8 +33,9 @@ def _no_gpu_report() -> GpuReport | None:
 
 
 class _LiveState(Collector):
-    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]],
-                 gpus: GpuSource) -> None:
+    def __init__(
+        self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]], gpus: GpuSource
+    ) -> None:
         self.admission = admission
         self.board = board
         self.urls = urls
@@ -44,10 +47,16 @@ class _LiveState(Collector):
             depth.add_metric([p.value], self.admission.depth(p))
         yield depth
         urls = self.urls()
-        inflight = GaugeMetricFamily("pacer_inflight", "Requests the proxy has open on each worker", labels=["worker", "url"])
-        est = GaugeMetricFamily("pacer_worker_queue_estimate", "Estimated server-side queue per worker", labels=["worker"])
+        inflight = GaugeMetricFamily(
+            "pacer_inflight", "Requests the proxy has open on each worker", labels=["worker", "url"]
+        )
+        est = GaugeMetricFamily(
+            "pacer_worker_queue_estimate", "Estimated server-side queue per worker", labels=["worker"]
+        )
         queue = GaugeMetricFamily("pacer_worker_queue_reqs", "Last scraped #queue-req per worker", labels=["worker"])
-        usage = GaugeMetricFamily("pacer_worker_token_usage", "Last scraped KV token usage per worker", labels=["worker"])
+        usage = GaugeMetricFamily(
+            "pacer_worker_token_usage", "Last scraped KV token usage per worker", labels=["worker"]
+        )
         for load in self.board:
             inflight.add_metric([load.worker_id, urls.get(load.worker_id, "")], load.in_flight)
             est.add_metric([load.worker_id], load.est_queue())
@@ -63,13 +72,18 @@ class _LiveState(Collector):
 
 def _gpu_families(report: GpuReport | None) -> Iterable[GaugeMetricFamily]:
     available = report is not None and report.available
-    yield GaugeMetricFamily("pacer_gpu_available", "1 when the last NVML sample read at least one GPU",
-                            value=1 if available else 0)
+    yield GaugeMetricFamily(
+        "pacer_gpu_available", "1 when the last NVML sample read at least one GPU", value=1 if available else 0
+    )
     labels = ["gpu", "name"]
     total = GaugeMetricFamily("pacer_gpu_memory_total_bytes", "GPU memory per device", labels=labels)
-    used = GaugeMetricFamily("pacer_gpu_memory_used_bytes", "GPU memory in use per device (all processes)", labels=labels)
+    used = GaugeMetricFamily(
+        "pacer_gpu_memory_used_bytes", "GPU memory in use per device (all processes)", labels=labels
+    )
     free = GaugeMetricFamily("pacer_gpu_memory_free_bytes", "GPU memory free per device", labels=labels)
-    util = GaugeMetricFamily("pacer_gpu_utilization_pct", "% of the last NVML sample period a kernel ran", labels=labels)
+    util = GaugeMetricFamily(
+        "pacer_gpu_utilization_pct", "% of the last NVML sample period a kernel ran", labels=labels
+    )
     for dev in report.devices if report is not None else ():
         key = [str(dev.index), dev.name]
         total.add_metric(key, dev.memory_total_bytes)
@@ -81,20 +95,44 @@ def _gpu_families(report: GpuReport | None) -> Iterable[GaugeMetricFamily]:
 
 
 class ProxyMetrics:
-    def __init__(self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]],
-                 gpus: GpuSource = _no_gpu_report) -> None:
+    def __init__(
+        self,
+        admission: AdmissionQueue,
+        board: LoadBoard,
+        urls: Callable[[], dict[str, str]],
+        gpus: GpuSource = _no_gpu_report,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.admitted = Counter("pacer_requests_admitted", "Requests accepted into the proxy queue", registry=r)
-        self.rejected = Counter("pacer_requests_rejected", "Requests refused (auth, validation, full queue)", ["reason"], registry=r)
-        self.retried = Counter("pacer_requests_retried", "Attempts retried on another worker", registry=r)
-        self.requeued = Counter("pacer_requests_requeued", "Requests taken back from a worker before output", registry=r)
-        self.failed = Counter("pacer_requests_failed", "Accepted requests that ended in an error", ["reason"], registry=r)
+        self.rejected = Counter(
+            "pacer_requests_rejected", "Requests refused (auth, validation, full queue)", ["reason"], registry=r
+        )
+        self.retried = Counter(
+            "pacer_requests_retried",
+            "Attempts that failed before output, retried (or that found the worker unreachable)",
+            registry=r,
+        )
+        self.requeued = Counter(
+            "pacer_requests_requeued", "Requests taken back from a worker before output", registry=r
+        )
+        self.failed = Counter(
+            "pacer_requests_failed", "Accepted requests that ended in an error", ["reason"], registry=r
+        )
         self.completed = Counter("pacer_requests_completed", "Accepted requests answered by a worker", registry=r)
-        self.disconnected = Counter("pacer_client_disconnects", "Clients that went away before their answer ended", registry=r)
+        self.disconnected = Counter(
+            "pacer_client_disconnects", "Clients that went away before their answer ended", registry=r
+        )
         self.scrape_errors = Counter("pacer_scrape_errors", "Failed worker scrapes", ["worker"], registry=r)
-        self.queue_time = Histogram("pacer_queue_time_seconds", "Time a request waited in the proxy queue", buckets=_QUEUE_BUCKETS, registry=r)
-        self.added_latency = Histogram("pacer_added_latency_seconds", "Time the proxy itself added before the upstream call and to the first chunk", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "pacer_queue_time_seconds", "Time a request waited in the proxy queue", buckets=_QUEUE_BUCKETS, registry=r
+        )
+        self.added_latency = Histogram(
+            "pacer_added_latency_seconds",
+            "Time the proxy itself added before the upstream call and to the first chunk",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_LiveState(admission, board, urls, gpus))
         self.reject_full = self.rejected.labels("queue_full")
         self.reject_invalid = self.rejected.labels("invalid")
@@ -102,6 +140,10 @@ class ProxyMetrics:
         self.fail_timeout = self.failed.labels("queue_timeout")
         self.fail_upstream = self.failed.labels("upstream")
         self.fail_midstream = self.failed.labels("mid_stream")
+
+    def count_requeue(self, why: Requeued) -> None:
+        """An attempt ended without output and its request went back to the queue."""
+        (self.requeued if why is Requeued.TAKEN_BACK else self.retried).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

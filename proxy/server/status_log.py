@@ -1,6 +1,6 @@
 """A periodic status line in the spirit of SGLang's decode log line::
 
-    [pacer] #proxy-queue: 120 (interactive 0, batch 120), #in-flight: 64, w0: #queue-req: 14, #running-req: 18, token usage: 0.81, w1: ...
+[pacer] #proxy-queue: 120 (interactive 0, batch 120), #in-flight: 64, w0: #queue-req: 14, #running-req: 18, token usage: 0.81, w1: ...
 """
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.pacing import LoadBoard
-from proxy.workers.base import WorkerInfo, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger("proxy.status")
 
 
-def format_status(admission: AdmissionQueue, board: LoadBoard, workers: Sequence[WorkerInfo],
-                  now: float, stale_after_s: float) -> str:
+def format_status(
+    admission: AdmissionQueue, board: LoadBoard, workers: Sequence[WorkerInfo], now: float, stale_after_s: float
+) -> str:
     per_class = ", ".join(f"{p.value} {admission.depth(p)}" for p in ORDER)
     parts = [f"#proxy-queue: {len(admission)} ({per_class})", f"#in-flight: {board.total_in_flight()}"]
     for w in workers:
@@ -38,8 +39,9 @@ def format_status(admission: AdmissionQueue, board: LoadBoard, workers: Sequence
     return "[pacer] " + ", ".join(parts)
 
 
-async def run_status_log(admission: AdmissionQueue, board: LoadBoard, pool, interval_s: float,
-                         stale_after_s: float) -> None:
+async def run_status_log(
+    admission: AdmissionQueue, board: LoadBoard, pool: WorkerPool, interval_s: float, stale_after_s: float
+) -> None:
     while True:
         await asyncio.sleep(interval_s)
         _log.info("%s", format_status(admission, board, pool.workers(), time.monotonic(), stale_after_s))

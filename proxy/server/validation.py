@@ -7,28 +7,16 @@ otherwise answer with a 4xx after the request had waited in the queue, or answer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from proxy.errors import bad_request
+from proxy.request.job import Job
 
 # route -> the worker path it forwards to
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
 AFFINITY_CHARS = 256  # prefix length used for prefix-aware worker choice
-
-
-@dataclass(slots=True)
-class Job:
-    """A validated request, ready to queue and forward."""
-
-    path: str  # worker path
-    body: dict[str, Any]  # parsed body; the relay sets "rid" per attempt
-    stream: bool
-    model: str | None  # as given (None: not given, or /generate)
-    affinity: str | None  # leading text of the prompt, for prefix-aware choice
-    single: bool  # one prompt (so a scalar rid can be set)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -116,6 +104,7 @@ def validate_completions(raw: bytes) -> Job:
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", "prompt")
+    affinity: str | None
     if isinstance(prompt, str):
         affinity, single = prompt[:AFFINITY_CHARS], True
     elif isinstance(prompt, list) and prompt:
@@ -139,7 +128,9 @@ def validate_generate(raw: bytes) -> Job:
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None and body.get("input_embeds") is None:
         raise bad_request("one of 'text' or 'input_ids' is required", "text")
-    if text is not None and not (isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
+    if text is not None and not (
+        isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))
+    ):
         raise bad_request("'text' must be a string or a non-empty array of strings", "text")
     if ids is not None and not isinstance(ids, list):
         raise bad_request("'input_ids' must be an array", "input_ids")

@@ -17,10 +17,19 @@ from proxy.engines.sglang.argv import KNOWN_FLAGS
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.presets import GPUS, MODELS
 
-__all__ = ["build_parser", "main", "resolve_config", "SimConfig"]
+__all__ = ["SimConfig", "build_parser", "main", "resolve_config"]
 
-SCHEDULE_POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn",
-                     "shortest-prefill-first")
+SCHEDULE_POLICIES = (
+    "lpm",
+    "random",
+    "fcfs",
+    "dfs-weight",
+    "lof",
+    "priority",
+    "routing-key",
+    "hrrn",
+    "shortest-prefill-first",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=30000, help="0 picks a free port (printed in the Uvicorn line)")
     a("--api-key", default=None)
     a("--schedule-conservativeness", type=float, default=1.0)
-    a("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs",
-      help="fcfs, lpm, lof and random are modelled; the others schedule as fcfs")
+    a(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        default="fcfs",
+        help="fcfs, lpm, lof and random are modelled; the others schedule as fcfs",
+    )
     a("--max-running-requests", type=int, default=None)
     a("--max-queued-requests", type=int, default=None)
     a("--chunked-prefill-size", type=int, default=None, help="-1 disables chunked prefill")
@@ -64,12 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sim-model", default="llama-3.1-8b", choices=sorted(MODELS))
     s.add_argument("--sim-time-scale", type=float, default=1.0, help="10 = ten times faster than the modelled GPU")
     s.add_argument("--sim-seed", type=int, default=None, help="default: --random-seed, else 0")
-    s.add_argument("--sim-startup-seconds", type=float, default=None,
-                   help="real seconds from launch to ready (default: the modelled start-up / time scale)")
-    s.add_argument("--sim-output-fraction", type=float, default=1.0,
-                   help="true output length, as a fraction of max_new_tokens (the mean)")
-    s.add_argument("--sim-output-spread", type=float, default=0.0,
-                   help="half-width of a uniform spread around --sim-output-fraction")
+    s.add_argument(
+        "--sim-startup-seconds",
+        type=float,
+        default=None,
+        help="real seconds from launch to ready (default: the modelled start-up / time scale)",
+    )
+    s.add_argument(
+        "--sim-output-fraction",
+        type=float,
+        default=1.0,
+        help="true output length, as a fraction of max_new_tokens (the mean)",
+    )
+    s.add_argument(
+        "--sim-output-spread",
+        type=float,
+        default=0.0,
+        help="half-width of a uniform spread around --sim-output-fraction",
+    )
     s.add_argument("--sim-output-cap", type=int, default=None, help="no true output is longer than this")
     # Every other flag SGLang's parser knows: accepted, no effect on the simulation.
     taken = {act.dest for act in p._actions}

@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from proxy.sim import memory
 from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
@@ -66,9 +67,13 @@ class SimConfig:
 
     def step_model(self) -> StepTimeModel:
         return StepTimeModel(
-            params=self.model.params, num_layers=self.model.num_layers, hidden_size=self.model.hidden_size,
-            weights_bytes=self.weights_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
-            bandwidth_gbs=self.gpu.bandwidth_gbs, bf16_tflops=self.gpu.bf16_tflops,
+            params=self.model.params,
+            num_layers=self.model.num_layers,
+            hidden_size=self.model.hidden_size,
+            weights_bytes=self.weights_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            bandwidth_gbs=self.gpu.bandwidth_gbs,
+            bf16_tflops=self.gpu.bf16_tflops,
         )
 
 
@@ -108,8 +113,14 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         mfs = memory.default_mem_fraction_static(gpu.memory_mib, chunked, graph_bs)
     if not 0 < mfs <= 1:
         raise SimConfigError("--mem-fraction-static must be in (0, 1]")
-    plan = memory.plan_memory(gpu, weights_bytes=weights, kv_bytes_per_token=kv_bytes, mem_fraction_static=mfs,
-                              max_total_tokens=ns.max_total_tokens, graph_max_bs=graph_bs)
+    plan = memory.plan_memory(
+        gpu,
+        weights_bytes=weights,
+        kv_bytes_per_token=kv_bytes,
+        mem_fraction_static=mfs,
+        max_total_tokens=ns.max_total_tokens,
+        graph_max_bs=graph_bs,
+    )
     if plan.max_total_num_tokens <= 0:
         raise SimConfigError("Not enough memory. Please try to increase --mem-fraction-static.")
     tokens = plan.max_total_num_tokens
@@ -118,24 +129,56 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
     if graph_bs:
         graph_bs = min(graph_bs, max_running)
     _, _, modelled_startup = startup_seconds(weights, graph_bs)
-    startup_wall = ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
+    startup_wall = (
+        ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
+    )
     served = ns.served_model_name or ns.model_path or model.hf_name
     args = {k: v for k, v in vars(ns).items()}
-    args.update(model_path=ns.model_path or model.hf_name, served_model_name=served, mem_fraction_static=mfs,
-                chunked_prefill_size=chunked if chunked is not None else -1, max_running_requests=max_running,
-                max_total_tokens=ns.max_total_tokens, context_length=context_len,
-                cuda_graph_max_bs_decode=graph_bs, page_size=1, tp_size=1, dp_size=1)
+    args.update(
+        model_path=ns.model_path or model.hf_name,
+        served_model_name=served,
+        mem_fraction_static=mfs,
+        chunked_prefill_size=chunked if chunked is not None else -1,
+        max_running_requests=max_running,
+        max_total_tokens=ns.max_total_tokens,
+        context_length=context_len,
+        cuda_graph_max_bs_decode=graph_bs,
+        page_size=1,
+        tp_size=1,
+        dp_size=1,
+    )
     return SimConfig(
-        model_path=ns.model_path or model.hf_name, served_model_name=served, host=ns.host, port=ns.port,
-        api_key=ns.api_key, gpu=gpu, model=model, quantization=ns.quantization,
-        kv_cache_dtype=ns.kv_cache_dtype or "auto", weights_bytes=weights, kv_bytes_per_token=kv_bytes, memory=plan,
-        mem_fraction_static=mfs, max_total_num_tokens=tokens, chunked_prefill_size=chunked,
-        max_prefill_tokens=ns.max_prefill_tokens, max_running_requests=max_running,
-        max_queued_requests=ns.max_queued_requests, context_len=context_len, schedule_policy=ns.schedule_policy,
-        schedule_conservativeness=ns.schedule_conservativeness, disable_radix_cache=ns.disable_radix_cache,
-        cuda_graph_max_bs_decode=graph_bs, enable_metrics=ns.enable_metrics,
-        enable_cache_report=ns.enable_cache_report, decode_log_interval=max(1, ns.decode_log_interval),
-        time_scale=ns.sim_time_scale, seed=ns.sim_seed if ns.sim_seed is not None else (ns.random_seed or 0),
-        startup_wall_seconds=max(0.0, startup_wall), output_fraction=ns.sim_output_fraction,
-        output_spread=ns.sim_output_spread, output_cap=ns.sim_output_cap, server_args=args,
+        model_path=ns.model_path or model.hf_name,
+        served_model_name=served,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        gpu=gpu,
+        model=model,
+        quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype or "auto",
+        weights_bytes=weights,
+        kv_bytes_per_token=kv_bytes,
+        memory=plan,
+        mem_fraction_static=mfs,
+        max_total_num_tokens=tokens,
+        chunked_prefill_size=chunked,
+        max_prefill_tokens=ns.max_prefill_tokens,
+        max_running_requests=max_running,
+        max_queued_requests=ns.max_queued_requests,
+        context_len=context_len,
+        schedule_policy=ns.schedule_policy,
+        schedule_conservativeness=ns.schedule_conservativeness,
+        disable_radix_cache=ns.disable_radix_cache,
+        cuda_graph_max_bs_decode=graph_bs,
+        enable_metrics=ns.enable_metrics,
+        enable_cache_report=ns.enable_cache_report,
+        decode_log_interval=max(1, ns.decode_log_interval),
+        time_scale=ns.sim_time_scale,
+        seed=ns.sim_seed if ns.sim_seed is not None else (ns.random_seed or 0),
+        startup_wall_seconds=max(0.0, startup_wall),
+        output_fraction=ns.sim_output_fraction,
+        output_spread=ns.sim_output_spread,
+        output_cap=ns.sim_output_cap,
+        server_args=args,
     )

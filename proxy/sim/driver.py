@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from proxy.sim import logs
 from proxy.sim.config import SimConfig
@@ -73,8 +73,10 @@ class Driver:
         prev_wake = 0.0
         while True:
             now = self.now()
-            chained = prev_end is not None and now - prev_end <= MAX_CATCH_UP_S
-            start = max(prev_end if chained else now, eng.now)  # type: ignore[type-var]
+            if prev_end is not None and now - prev_end <= MAX_CATCH_UP_S:
+                chained, start = True, max(prev_end, eng.now)
+            else:
+                chained, start = False, max(now, eng.now)
             step = eng.plan(start)
             if step is None:
                 prev_end = None
@@ -119,8 +121,14 @@ class Driver:
             r.handle.wake()
         if self.metrics is not None:
             aborted = bool(r.finish_reason and r.finish_reason.get("type") == "abort")
-            self.metrics.on_finish(prompt_tokens=r.prompt_len, output_tokens=r.out_base, cached_tokens=r.cached_tokens,
-                                   e2e=(r.finish_time or 0.0) - r.arrival, streaming=r.stream, aborted=aborted)
+            self.metrics.on_finish(
+                prompt_tokens=r.prompt_len,
+                output_tokens=r.out_base,
+                cached_tokens=r.cached_tokens,
+                e2e=(r.finish_time or 0.0) - r.arrival,
+                streaming=r.stream,
+                aborted=aborted,
+            )
 
     def _refresh_stats(self) -> None:
         self._stats_dirty = False
@@ -129,17 +137,35 @@ class Driver:
             return
         seen = (eng.retracted_total, eng.retracted_input_tokens, eng.retracted_output_tokens)
         if seen != self._retract_seen:
-            m.on_retract(*(a - b for a, b in zip(seen, self._retract_seen)))
+            m.on_retract(*(a - b for a, b in zip(seen, self._retract_seen, strict=True)))
             self._retract_seen = seen
-        m.set_load(running=eng.n_run, queue=len(eng.waiting), usage=eng.token_usage, used=eng.num_used_tokens,
-                   available=eng.available, evictable=eng.cache.evictable_size, ratio=eng.ratio,
-                   gen_throughput=eng.last_gen_throughput, cache_hit_rate=eng.last_cache_hit_rate,
-                   seq_lens=eng.kv_tokens_running, cuda_graph=eng.last_cuda_graph, retracted_now=eng.last_retracted)
+        m.set_load(
+            running=eng.n_run,
+            queue=len(eng.waiting),
+            usage=eng.token_usage,
+            used=eng.num_used_tokens,
+            available=eng.available,
+            evictable=eng.cache.evictable_size,
+            ratio=eng.ratio,
+            gen_throughput=eng.last_gen_throughput,
+            cache_hit_rate=eng.last_cache_hit_rate,
+            seq_lens=eng.kv_tokens_running,
+            cuda_graph=eng.last_cuda_graph,
+            retracted_now=eng.last_retracted,
+        )
 
     def _die_oom(self, phase: str, need_mib: float) -> None:
         mem = self.cfg.memory
-        self.sink("error", logs.cuda_oom_traceback(phase=phase, need_mib=need_mib, total_mib=mem.total_mib,
-                                                   free_mib=mem.available_mib, used_mib=mem.total_mib - mem.available_mib))
+        self.sink(
+            "error",
+            logs.cuda_oom_traceback(
+                phase=phase,
+                need_mib=need_mib,
+                total_mib=mem.total_mib,
+                free_mib=mem.available_mib,
+                used_mib=mem.total_mib - mem.available_mib,
+            ),
+        )
         self.sink("error", logs.SIGQUIT_LINE)
         if self.dead is not None and not self.dead.done():
             self.dead.set_result(1)
@@ -147,8 +173,15 @@ class Driver:
             self.on_death(1)
 
     def submit(self, p: GenParams) -> Req:
-        r = self.engine.add(prompt_ids=p.prompt_ids, max_new_tokens=p.max_new_tokens, ignore_eos=p.ignore_eos,
-                            output_len=p.output_len, rid=p.rid, stream=p.stream, now=self.now())
+        r = self.engine.add(
+            prompt_ids=p.prompt_ids,
+            max_new_tokens=p.max_new_tokens,
+            ignore_eos=p.ignore_eos,
+            output_len=p.output_len,
+            rid=p.rid,
+            stream=p.stream,
+            now=self.now(),
+        )
         r.handle = Handle(p.stream)
         self.kick()
         return r

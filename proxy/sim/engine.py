@@ -1,4 +1,4 @@
-"""The simulated SGLang scheduler, in virtual time: no asyncio, no clock of its own.
+"""The simulated SGLang engine, in virtual time: no asyncio, no clock of its own.
 
 A driver (the HTTP server, or :func:`proxy.sim.virtual.simulate`) repeats::
 
@@ -6,35 +6,40 @@ A driver (the HTTP server, or :func:`proxy.sim.virtual.simulate`) repeats::
     ...wait step.duration...           # modelled seconds / --sim-time-scale
     outcome = engine.complete(step, now)
 
-``plan`` follows SGLang's loop: a prefill batch when the waiting queue (or a chunked request) can
-be admitted (``PrefillAdder`` rules, :mod:`proxy.sim.scheduler`), else one decode step over the
-running batch, retracting first when the next step's tokens do not fit; nothing when idle (the
-``new_token_ratio`` then resets). A step whose activations do not fit is returned with ``oom`` set:
-the server dies of it.
+The engine wires the parts and carries out what they decide:
 
-KV accounting (page size 1): ``used = prefix-cache tokens + private tokens``; the cache's unlocked
-part is *evictable* and counts as free. A running request's decode tokens are private; they are
-counted lazily from the engine's decode-step counter so a step costs O(1), not O(batch).
+* :class:`~proxy.sim.scheduler.Scheduler` decides (the queue, ``PrefillAdder`` admission,
+  ``new_token_ratio``, retraction);
+* :class:`~proxy.sim.kv_pool.KvPool` is the memory (KV tokens, the radix cache, the running batch
+  of :mod:`proxy.sim.running`);
+* :class:`~proxy.sim.steptime.StepTimeModel` gives a batch's duration and :mod:`proxy.sim.memory`
+  its activation memory: a step whose activations do not fit is returned with ``oom`` set, and the
+  server dies of it;
+* :class:`~proxy.sim.reporter.StepReporter` keeps the counters and writes the log lines.
+
+``plan`` follows SGLang's loop: a prefill batch when the waiting queue (or a chunked request) can
+be admitted, else one decode step over the running batch, retracting first when the next step's
+tokens do not fit; nothing when idle (the ``new_token_ratio`` then resets).
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from proxy.sim import logs
 from proxy.sim.config import SimConfig
+from proxy.sim.kv_pool import KvPool
 from proxy.sim.memory import decode_activation_mib, prefill_activation_mib
+from proxy.sim.prefill_adder import AdmitItem
 from proxy.sim.radix import NoPrefixCache, RadixCache
-from proxy.sim.ratio import CLIP_MAX_NEW_TOKENS, RETRACT_DECODE_STEPS, RatioSchedule, ratio_after_retract
+from proxy.sim.reporter import LogFn, StepReporter
 from proxy.sim.request import Req, State, draw_target
-from proxy.sim.scheduler import AdmitItem, admit
+from proxy.sim.running import RunningBatch
+from proxy.sim.scheduler import Scheduler
 from proxy.sim.tokenizer import output_token_ids
 
-LogFn = Callable[[str, str], None]  # (level, message)
-LPM_QUEUE_LIMIT = 128  # SGLang turns lpm's prefix sorting off (fcfs) above this queue length
+__all__ = ["Engine", "LogFn", "QueueFull", "Step", "StepOutcome"]
 
 
 class QueueFull(Exception):
@@ -65,143 +70,139 @@ class StepOutcome:
 class Engine:
     def __init__(self, config: SimConfig, log: LogFn | None = None) -> None:
         self.cfg = config
-        self._log = log
         self.rng = random.Random(config.seed)
         self.steptime = config.step_model()
-        self.ratio_schedule = RatioSchedule.from_conservativeness(config.schedule_conservativeness)
-        self.ratio = self.ratio_schedule.init
-        self.cache: RadixCache | NoPrefixCache = NoPrefixCache() if config.disable_radix_cache else RadixCache()
-        self.pool = config.max_total_num_tokens
-        self.waiting: list[Req] = []
-        self.waiting_tokens = 0  # uncached input tokens waiting, roughly (#pending-token)
-        self.running: list[Req] = []
-        self.chunked: Req | None = None
-        self.batch_is_full = False
-        self.g = 0  # decode steps so far
+        cache: RadixCache | NoPrefixCache = NoPrefixCache() if config.disable_radix_cache else RadixCache()
+        self.kv = KvPool(config.max_total_num_tokens, cache, RunningBatch())
+        self.scheduler = Scheduler(config, self.rng)
+        self.reporter = StepReporter(log)
         self._seq = 0
-        self._finish_heap: list[tuple[int, int, Req]] = []
-        # Running sums (lazy outputs: out_i = out_base_i + g - step_base_i).
-        self.n_run = 0
-        self._sum_step_base = 0
-        self._sum_seq_base = 0  # sum(prompt + out_base - 1 - step_base): KV tokens = this + n_run x g
-        self._sum_private_base = 0
-        self.static_private = 0  # private KV of admitted-not-yet-running requests (prefill in flight, chunks)
-        # Reservation sums per group (ratio group: 0 = may stop by EOS, 1 = ignore_eos); big ones apart.
-        self._res_n = [0, 0]
-        self._res_max = [0, 0]
-        self._res_outb = [0, 0]  # sum(out_base - step_base)
-        self._big: dict[Req, None] = {}  # insertion-ordered: sums stay deterministic
-        # Statistics.
-        self.decode_steps = 0
-        self.generated_tokens = 0  # every output token produced (prefill first tokens and decode steps)
-        self.retracted_total = 0
-        self.retracted_input_tokens = 0
-        self.retracted_output_tokens = 0
-        self.last_retracted = 0
-        self.last_cache_hit_rate = 0.0
-        self.last_gen_throughput = 0.0
-        self.last_input_throughput = 0.0
-        self._gen_tokens_since_log = 0
-        self._gen_log_tic = 0.0
-        self._input_tokens_since_log = 0
-        self._input_log_tic = 0.0
-        self.last_cuda_graph = False
         self.now = 0.0
 
-    # ------------------------------------------------------------------ accounting
+    # ------------------------------------------------------------------ state, read-only views
+    @property
+    def cache(self) -> RadixCache | NoPrefixCache:
+        return self.kv.cache
+
+    @property
+    def pool(self) -> int:
+        return self.kv.size
+
+    @property
+    def waiting(self) -> list[Req]:
+        return self.scheduler.waiting
+
+    @property
+    def waiting_tokens(self) -> int:
+        return self.scheduler.waiting_tokens
+
+    @property
+    def running(self) -> list[Req]:
+        return self.kv.running.reqs
+
+    @property
+    def n_run(self) -> int:
+        return self.kv.running.n
+
+    @property
+    def chunked(self) -> Req | None:
+        return self.scheduler.chunked
+
+    @property
+    def batch_is_full(self) -> bool:
+        return self.scheduler.batch_is_full
+
+    @batch_is_full.setter
+    def batch_is_full(self, value: bool) -> None:
+        self.scheduler.batch_is_full = value
+
+    @property
+    def ratio(self) -> float:
+        return self.scheduler.ratio
+
     def output_len(self, r: Req) -> int:
-        if r.state is State.RUNNING:
-            return r.out_base + self.g - r.step_base
-        return r.out_base
+        return self.kv.running.output_len(r)
 
     @property
     def private_tokens(self) -> int:
-        return self.static_private + self._sum_private_base + self.n_run * self.g - self._sum_step_base
+        return self.kv.private_tokens
 
     @property
     def available(self) -> int:
-        return self.pool - self.cache.total_size - self.private_tokens
+        return self.kv.available
 
     @property
     def num_used_tokens(self) -> int:
-        return self.pool - self.available - self.cache.evictable_size
+        return self.kv.num_used
 
     @property
     def token_usage(self) -> float:
-        return self.num_used_tokens / self.pool
+        return self.kv.usage
 
     @property
     def kv_tokens_running(self) -> int:
-        return self._sum_seq_base + self.n_run * self.g
+        return self.kv.running.kv_tokens
 
     def running_reservation(self) -> float:
         """Tokens the running batch is expected still to need: remaining max_new x ratio (x 1 with ignore_eos)."""
-        g = self.g
-        rem_eos = self._res_max[0] - self._res_outb[0] - self._res_n[0] * g
-        rem_ign = self._res_max[1] - self._res_outb[1] - self._res_n[1] * g
-        total = rem_eos * self.ratio + rem_ign
-        for r in self._big:
-            rem = min(r.max_new - self.output_len(r), CLIP_MAX_NEW_TOKENS)
-            total += rem * (1.0 if r.ignore_eos else self.ratio)
-        return total
+        return self.kv.running.reservation(self.scheduler.ratio)
 
-    def _alloc(self, tokens: int) -> None:
-        short = tokens - self.available
-        if short > 0:
-            self.cache.evict(short)
+    # ------------------------------------------------------------------ counters (the reporter's)
+    @property
+    def decode_steps(self) -> int:
+        return self.reporter.decode_steps
 
-    def _join_running(self, r: Req) -> None:
-        r.state = State.RUNNING
-        r.step_base = self.g
-        self.running.append(r)
-        self.n_run += 1
-        self._sum_step_base += r.step_base
-        self._sum_seq_base += r.prompt_len + r.out_base - 1 - r.step_base
-        self._sum_private_base += r.private_base
-        if r.big:
-            self._big[r] = None
-        else:
-            grp = 1 if r.ignore_eos else 0
-            self._res_n[grp] += 1
-            self._res_max[grp] += r.max_new
-            self._res_outb[grp] += r.out_base - r.step_base
-        r.finish_g = self.g + (r.target - r.out_base)
-        heapq.heappush(self._finish_heap, (r.finish_g, r.seq, r))
+    @property
+    def generated_tokens(self) -> int:
+        return self.reporter.generated_tokens
 
-    def _leave_running(self, r: Req) -> None:
-        """Freeze its output count and drop it from the running sums (the caller edits ``running``)."""
-        r.out_base = self.output_len(r)
-        decode_private = self.g - r.step_base
-        self.n_run -= 1
-        self._sum_step_base -= r.step_base
-        self._sum_seq_base -= r.prompt_len + (r.out_base - decode_private) - 1 - r.step_base
-        self._sum_private_base -= r.private_base
-        if r.big:
-            del self._big[r]
-        else:
-            grp = 1 if r.ignore_eos else 0
-            self._res_n[grp] -= 1
-            self._res_max[grp] -= r.max_new
-            self._res_outb[grp] -= (r.out_base - decode_private) - r.step_base
-        r.private_base += decode_private
-        self.static_private += r.private_base  # held outside the lazy sums until released
-        r.state = State.PREFILLING  # transient; the caller sets the real state
+    @property
+    def retracted_total(self) -> int:
+        return self.reporter.retracted_total
 
-    def _release(self, r: Req) -> None:
-        """Free the request's private KV and unlock its cached prefix."""
-        self.static_private -= r.private_base
-        r.private_base = 0
-        if r.node is not None:
-            self.cache.unlock(r.node)
-            r.node = None
+    @property
+    def retracted_input_tokens(self) -> int:
+        return self.reporter.retracted_input_tokens
+
+    @property
+    def retracted_output_tokens(self) -> int:
+        return self.reporter.retracted_output_tokens
+
+    @property
+    def last_retracted(self) -> int:
+        return self.reporter.last_retracted
+
+    @property
+    def last_cache_hit_rate(self) -> float:
+        return self.reporter.last_cache_hit_rate
+
+    @property
+    def last_gen_throughput(self) -> float:
+        return self.reporter.last_gen_throughput
+
+    @property
+    def last_cuda_graph(self) -> bool:
+        return self.reporter.last_cuda_graph
+
+    @property
+    def last_decode_log_time(self) -> float:
+        return self.reporter.gen_log_tic
 
     # ------------------------------------------------------------------ requests in
-    def add(self, *, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool = False,
-            output_len: int | None = None, rid: str | None = None, stream: bool = False,
-            now: float | None = None) -> Req:
+    def add(
+        self,
+        *,
+        prompt_ids: tuple[int, ...],
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+        output_len: int | None = None,
+        rid: str | None = None,
+        stream: bool = False,
+        now: float | None = None,
+    ) -> Req:
         if now is not None:
             self.now = now
-        if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
+        if self.scheduler.queue_full():
             raise QueueFull(QueueFull.message)
         cfg = self.cfg
         if output_len is not None:
@@ -209,31 +210,34 @@ class Engine:
         else:
             target = draw_target(self.rng, max_new_tokens, cfg.output_fraction, cfg.output_spread, cfg.output_cap)
         self._seq += 1
-        r = Req(rid=rid or f"{self._seq:032x}", seq=self._seq, arrival=self.now, prompt_ids=prompt_ids,
-                max_new=max_new_tokens, ignore_eos=ignore_eos, target=target,
-                token_seed=self.rng.randrange(1 << 30), stream=stream)
-        self._enqueue(r)
+        r = Req(
+            rid=rid or f"{self._seq:032x}",
+            seq=self._seq,
+            arrival=self.now,
+            prompt_ids=prompt_ids,
+            max_new=max_new_tokens,
+            ignore_eos=ignore_eos,
+            target=target,
+            token_seed=self.rng.randrange(1 << 30),
+            stream=stream,
+        )
+        self.scheduler.enqueue(r)
         return r
-
-    def _enqueue(self, r: Req) -> None:
-        r.state = State.WAITING
-        self.waiting.append(r)
-        self.waiting_tokens += len(r.fill_ids)
 
     def abort(self, r: Req, message: str = "Abort request.", status_code: int = 400) -> bool:
         """Take a request out wherever it is. False if it had already finished."""
         if r.state is State.FINISHED:
             return False
+        sched = self.scheduler
         if r.state is State.WAITING:
-            self.waiting.remove(r)
-            self.waiting_tokens -= len(r.fill_ids)
+            sched.dequeue(r)
         elif r.state is State.RUNNING:
-            self._leave_running(r)
-            self.running.remove(r)
-            self.batch_is_full = False
-        if self.chunked is r:
-            self.chunked = None
-        self._release(r)
+            self.kv.stop_running(r)
+            self.kv.running.reqs.remove(r)
+            sched.batch_changed()
+        if sched.chunked is r:
+            sched.chunked = None
+        self.kv.release(r)
         self._finish(r, {"type": "abort", "message": message, "status_code": status_code})
         return True
 
@@ -245,116 +249,87 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, now: float) -> Step | None:
         self.now = now
-        if self.n_run == 0:
-            self.batch_is_full = False  # an empty running batch is never full
-        step = self._plan_prefill()
-        if step is not None:
-            return step
-        if self.running:
+        admitted = self.scheduler.next_prefill(self.kv)
+        if admitted is not None:
+            return self._prefill_step(admitted.items)
+        if self.kv.running.reqs:
             return self._plan_decode()
-        self.ratio = self.ratio_schedule.init  # idle: reset the ratio
+        self.scheduler.idle()
         return None
 
-    def _ordered_waiting(self) -> list[Req]:
-        policy = self.cfg.schedule_policy
-        if policy == "lpm" and len(self.waiting) <= LPM_QUEUE_LIMIT and self.cache.enabled:
-            peek = self.cache.peek
-            self.waiting.sort(key=lambda r: -peek(r.fill_ids))
-        elif policy == "lof":
-            self.waiting.sort(key=lambda r: -r.max_new)
-        elif policy == "random":
-            self.rng.shuffle(self.waiting)
-        return self.waiting
-
-    def _plan_prefill(self) -> Step | None:
-        if self.chunked is None and (self.batch_is_full or not self.waiting):
-            return None
-        allocatable = self.cfg.max_running_requests - self.n_run
-        if allocatable <= 0:
-            self.batch_is_full = True
-            return None
-        result = admit(self, self._ordered_waiting() if self.waiting else [], allocatable)
-        if result.batch_full:
-            self.batch_is_full = True
-        if not result.items:
-            return None
-        # The admitted requests are a prefix of the (ordered) queue: take them off, then allocate.
-        n_new = sum(1 for it in result.items if it.new)
-        if n_new:
-            for r in self.waiting[:n_new]:
-                self.waiting_tokens -= len(r.fill_ids)
-            del self.waiting[:n_new]
+    def _prefill_step(self, items: list[AdmitItem]) -> Step:
+        """Start the admitted requests' prefill: allocate and hold their chunks' KV; the step's cost."""
+        kv = self.kv
         extend_total = 0
         attn_pairs = 0.0
-        for it in result.items:
+        for it in items:
             extend_total += it.take
             attn_pairs += it.take * (it.prefix_len + it.take / 2)
-        self._alloc(extend_total)
-        for it in result.items:
-            it.req.private_base += it.take
-        self.static_private += extend_total
-        self.chunked = next((it.req for it in result.items if not it.last), None)
-        mib = prefill_activation_mib(self.cfg.model, extend_total)
-        oom = "prefill" if mib > self.cfg.memory.available_mib else None
-        duration = self.steptime.prefill_seconds(extend_total, attn_pairs, len(result.items)) / self.cfg.time_scale
-        self._log_prefill(result.items, extend_total)
-        return Step(kind="prefill", duration=duration, items=tuple(result.items), batch_size=len(result.items),
-                    oom=oom, need_mib=mib)
+            if it.new:
+                _start_prefill(it)
+        kv.allocate(extend_total)
+        for it in items:
+            kv.hold(it.req, it.take)
+        cfg = self.cfg
+        mib = prefill_activation_mib(cfg.model, extend_total)
+        oom = "prefill" if mib > cfg.memory.available_mib else None
+        duration = self.steptime.prefill_seconds(extend_total, attn_pairs, len(items)) / cfg.time_scale
+        self.reporter.on_prefill(
+            self.now, items, extend_total, kv, len(self.scheduler.waiting), self.scheduler.waiting_tokens
+        )
+        return Step(kind="prefill", duration=duration, items=tuple(items), batch_size=len(items), oom=oom, need_mib=mib)
 
     def _plan_decode(self) -> Step:
-        bs = self.n_run
-        if bs > self.available + self.cache.evictable_size:
+        kv = self.kv
+        if not self.scheduler.decode_fits(kv):
             self._retract()
-            bs = self.n_run
-        else:
-            self.ratio = self.ratio_schedule.decayed(self.ratio)
+        bs = kv.running.n
         if bs == 0:  # everything retracted or aborted: nothing to decode this round
             return Step(kind="decode", duration=0.0, batch_size=0)
-        self._alloc(bs)
-        graph = 0 < bs <= self.cfg.cuda_graph_max_bs_decode
-        mib = decode_activation_mib(self.cfg.model, bs, self.cfg.cuda_graph_max_bs_decode)
-        oom = "decode" if mib > self.cfg.memory.available_mib else None
-        self.last_cuda_graph = graph
-        duration = self.steptime.decode_seconds(bs, self.kv_tokens_running, graph) / self.cfg.time_scale
+        kv.allocate(bs)
+        cfg = self.cfg
+        graph = 0 < bs <= cfg.cuda_graph_max_bs_decode
+        mib = decode_activation_mib(cfg.model, bs, cfg.cuda_graph_max_bs_decode)
+        oom = "decode" if mib > cfg.memory.available_mib else None
+        self.reporter.last_cuda_graph = graph
+        duration = self.steptime.decode_seconds(bs, kv.running.kv_tokens, graph) / cfg.time_scale
         return Step(kind="decode", duration=duration, batch_size=bs, cuda_graph=graph, oom=oom, need_mib=mib)
 
     def _retract(self) -> None:
-        """Fewest output tokens first (ties: longest prompt), until 20 steps of the rest fit; keep one."""
-        old_ratio = self.ratio
-        free_before = self.available + self.cache.evictable_size
-        order = sorted(self.running, key=lambda r: (self.output_len(r), -r.prompt_len))
-        retracted: list[Req] = []
-        keep = len(order)
-        while keep > 1 and (not retracted or self.available + self.cache.evictable_size < RETRACT_DECODE_STEPS * keep):
-            r = order[len(retracted)]
-            retracted.append(r)
-            keep -= 1
-            self._leave_running(r)
-            self._release(r)
-            r.num_retractions += 1
-            self.retracted_input_tokens += r.prompt_len
-            self.retracted_output_tokens += r.out_base
-            r.fill_ids = r.prompt_ids + tuple(output_token_ids(r.token_seed, 0, r.out_base))
-            r.prefilled = 0
-        gone = set(retracted)
-        self.running = [r for r in self.running if r not in gone]
+        kv, sched = self.kv, self.scheduler
+        old_ratio = sched.ratio
+        free_before = kv.free
+        retracted = sched.retract(kv, self._take_out)
+        kv.running.drop(set(retracted))
         for r in retracted:
-            self._enqueue(r)
-        if self.n_run == 1 and self.available + self.cache.evictable_size < 1:
-            last = self.running.pop()
-            self._leave_running(last)
-            self._release(last)
-            self._log_msg("warning", f"retract_decode: aborted last request {last.rid} due to OOM")
-            self._finish(last, {"type": "abort", "status_code": 500, "message": (
-                "Out of memory even after retracting all other requests in the decode batch. "
-                "Aborting the last request.")})
-        outs = [self.output_len(r) for r in self.running]
-        self.ratio = ratio_after_retract(sum(outs), len(outs), sum(r.max_new for r in self.running))
-        self.batch_is_full = False
-        self.retracted_total += len(retracted)
-        self.last_retracted = len(retracted)
-        gained = self.available + self.cache.evictable_size - free_before
-        self._log_msg("warning", logs.retract_line(len(retracted), gained, old_ratio, self.ratio))
+            sched.enqueue(r)
+        if kv.running.n == 1 and kv.free < 1:
+            last = kv.running.reqs.pop()
+            kv.stop_running(last)
+            kv.release(last)
+            self.reporter.message("warning", f"retract_decode: aborted last request {last.rid} due to OOM")
+            self._finish(
+                last,
+                {
+                    "type": "abort",
+                    "status_code": 500,
+                    "message": (
+                        "Out of memory even after retracting all other requests in the decode batch. "
+                        "Aborting the last request."
+                    ),
+                },
+            )
+        sched.after_retract(kv)
+        self.reporter.on_retract(len(retracted), kv.free - free_before, old_ratio, sched.ratio)
+
+    def _take_out(self, r: Req) -> None:
+        """Retract ``r``: free its KV; its prefill restarts over the prompt and the outputs so far."""
+        self.kv.stop_running(r)
+        self.kv.release(r)
+        r.num_retractions += 1
+        self.reporter.on_retracted(r)
+        r.fill_ids = r.prompt_ids + tuple(output_token_ids(r.token_seed, 0, r.out_base))
+        r.prefilled = 0
 
     # ------------------------------------------------------------------ completion
     def complete(self, step: Step, now: float) -> StepOutcome:
@@ -364,36 +339,29 @@ class Engine:
         return self._complete_decode(step)
 
     def _complete_prefill(self, step: Step) -> StepOutcome:
+        kv = self.kv
         out = StepOutcome(kind="prefill")
         for it in step.items:
             r = it.req
             if r.state is not State.PREFILLING:
                 continue  # aborted meanwhile
             r.prefilled += it.take
-            if self.cache.enabled:
-                _, node = self.cache.insert(r.fill_ids[: r.prefilled])
-                self.cache.lock(node)
-                if r.node is not None:
-                    self.cache.unlock(r.node)
-                r.node = node
-                r.private_base -= it.take
-                self.static_private -= it.take
+            kv.cache_chunk(r, it.take)
             if not it.last:
                 continue
             # The prefill's last position samples the next token.
             if r.out_base < r.max_new:
                 r.out_base += 1
-                self.generated_tokens += 1
+                self.reporter.on_first_token()
             if r.first_token_time is None:
                 r.first_token_time = self.now
             if r.out_base >= r.target:
-                self._release(r)
+                kv.release(r)
                 self._finish(r, self._natural_reason(r))
                 out.finished.append(r)
-                self.batch_is_full = False
+                self.scheduler.batch_changed()
                 continue
-            self.static_private -= r.private_base
-            self._join_running(r)
+            kv.start_running(r)
             out.started.append(r)
         return out
 
@@ -401,29 +369,22 @@ class Engine:
         out = StepOutcome(kind="decode")
         if step.batch_size == 0:
             return out
-        self.g += 1
-        self.decode_steps += 1
-        decoded = self.n_run
+        kv = self.kv
+        done = kv.running.advance()
+        decoded = kv.running.n
         out.decoded = decoded
-        self.generated_tokens += decoded
-        self._gen_tokens_since_log += decoded
-        heap = self._finish_heap
-        done: list[Req] = []
-        while heap and heap[0][0] <= self.g:
-            fg, _, r = heapq.heappop(heap)
-            if r.state is State.RUNNING and r.finish_g == fg:
-                done.append(r)
+        reporter = self.reporter
+        reporter.on_decode(decoded)
         if done:
-            gone = set(done)
-            self.running = [r for r in self.running if r not in gone]
+            kv.running.drop(set(done))
             for r in done:
-                self._leave_running(r)
-                self._release(r)
+                kv.stop_running(r)
+                kv.release(r)
                 self._finish(r, self._natural_reason(r))
-            self.batch_is_full = False
+            self.scheduler.batch_changed()
             out.finished = done
-        if self.decode_steps % self.cfg.decode_log_interval == 0:
-            self._log_decode(step.cuda_graph)
+        if reporter.decode_steps % self.cfg.decode_log_interval == 0:
+            reporter.on_decode_log(self.now, step.cuda_graph, kv, len(self.scheduler.waiting))
         return out
 
     def _natural_reason(self, r: Req) -> dict[str, Any]:
@@ -431,45 +392,17 @@ class Engine:
             return {"type": "length", "length": r.max_new}
         return {"type": "stop", "matched": self.cfg.model.eos_token_id}
 
-    @property
-    def last_decode_log_time(self) -> float:
-        return self._gen_log_tic
-
-    # ------------------------------------------------------------------ cache and logs
     def flush_cache(self) -> bool:
-        if self.waiting or self.running or self.chunked is not None:
+        if self.scheduler.waiting or self.kv.running.reqs or self.scheduler.chunked is not None:
             return False
-        self.cache.reset()
+        self.kv.cache.reset()
         return True
 
-    def _log_msg(self, level: str, msg: str) -> None:
-        if self._log is not None:
-            self._log(level, msg)
 
-    def _log_prefill(self, items: list[AdmitItem] | tuple[AdmitItem, ...], extend_total: int) -> None:
-        hit = sum(it.hit for it in items)
-        self.last_cache_hit_rate = hit / (hit + extend_total) if hit + extend_total else 0.0
-        self._input_tokens_since_log += extend_total
-        elapsed = self.now - self._input_log_tic
-        if elapsed > 0:
-            self.last_input_throughput = self._input_tokens_since_log / elapsed
-            self._input_tokens_since_log = 0
-            self._input_log_tic = self.now
-        if self._log is None:
-            return
-        self._log("info", logs.prefill_line(
-            new_seq=len(items),
-            new_token=extend_total, cached_token=hit, token_usage=self.token_usage, running=self.n_run,
-            queue=len(self.waiting), pending_token=max(0, self.waiting_tokens), cuda_graph=False,
-            input_throughput=self.last_input_throughput))
-
-    def _log_decode(self, cuda_graph: bool) -> None:
-        elapsed = self.now - self._gen_log_tic
-        self.last_gen_throughput = self._gen_tokens_since_log / elapsed if elapsed > 0 else 0.0
-        self._gen_tokens_since_log = 0
-        self._gen_log_tic = self.now
-        if self._log is None:
-            return
-        self._log("info", logs.decode_line(
-            running=self.n_run, used_tokens=self.num_used_tokens, token_usage=self.token_usage,
-            cuda_graph=cuda_graph, gen_throughput=self.last_gen_throughput, queue=len(self.waiting)))
+def _start_prefill(it: AdmitItem) -> None:
+    r = it.req
+    r.state = State.PREFILLING
+    r.node = it.node
+    r.prefilled = it.prefix_len
+    if r.num_retractions == 0:
+        r.cached_tokens = it.prefix_len

@@ -30,7 +30,9 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 
 
 def openai_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    return json_response({"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status)
+    return json_response(
+        {"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status
+    )
 
 
 def native_error(message: str, status: int = 400) -> web.Response:
@@ -57,9 +59,16 @@ class Generation:
     def meta(r: Req, n: int, final: bool = True) -> dict[str, Any]:
         """``meta_info`` after ``n`` tokens; ``final`` carries the finish reason (None while streaming)."""
         reason = r.finish_reason if final else None
-        meta: dict[str, Any] = {"id": r.rid, "finish_reason": reason, "prompt_tokens": r.prompt_len,
-                                "completion_tokens": n, "cached_tokens": r.cached_tokens, "reasoning_tokens": 0,
-                                "weight_version": "default", "num_retractions": r.num_retractions}
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": r.prompt_len,
+            "completion_tokens": n,
+            "cached_tokens": r.cached_tokens,
+            "reasoning_tokens": 0,
+            "weight_version": "default",
+            "num_retractions": r.num_retractions,
+        }
         if reason is not None:
             meta["e2e_latency"] = (r.finish_time or 0.0) - r.arrival
         return meta
@@ -79,11 +88,20 @@ class Generation:
         await asyncio.gather(*(self.driver.run_to_end(r) for r in reqs))
         outs = []
         for r in reqs:
-            if r.finish_reason and r.finish_reason.get("type") == "abort" and r.finish_reason.get("status_code", 0) >= 500:
+            if (
+                r.finish_reason
+                and r.finish_reason.get("type") == "abort"
+                and r.finish_reason.get("status_code", 0) >= 500
+            ):
                 return json_response({"detail": r.finish_reason["message"]}, int(r.finish_reason["status_code"]))
             n = r.out_base
-            outs.append({"text": output_text(r.token_seed, 0, n), "output_ids": output_token_ids(r.token_seed, 0, n),
-                         "meta_info": self.meta(r, n)})
+            outs.append(
+                {
+                    "text": output_text(r.token_seed, 0, n),
+                    "output_ids": output_token_ids(r.token_seed, 0, n),
+                    "meta_info": self.meta(r, n),
+                }
+            )
         return json_response(outs if batch else outs[0])
 
     async def _generate_stream(self, request: web.Request, p: GenParams) -> web.StreamResponse:
@@ -92,8 +110,13 @@ class Generation:
         try:
             r = self.driver.submit(p)
         except QueueFull as exc:
-            await resp.write(b"data: " + orjson.dumps({"error": {"message": exc.message, "type": "invalid_request_error",
-                                                                 "code": 503, "retryable": True}}) + b"\n\ndata: [DONE]\n\n")
+            await resp.write(
+                b"data: "
+                + orjson.dumps(
+                    {"error": {"message": exc.message, "type": "invalid_request_error", "code": 503, "retryable": True}}
+                )
+                + b"\n\ndata: [DONE]\n\n"
+            )
             return resp
         sent, text, closed = 0, "", False
         try:
@@ -108,7 +131,9 @@ class Generation:
                     await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": meta}) + b"\n\n")
                 if finished:
                     if not closed:  # every token went out before it finished: the reason needs a chunk
-                        await resp.write(b"data: " + orjson.dumps({"text": text, "meta_info": self.meta(r, n)}) + b"\n\n")
+                        await resp.write(
+                            b"data: " + orjson.dumps({"text": text, "meta_info": self.meta(r, n)}) + b"\n\n"
+                        )
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
                 await self.driver.wait(r, seen=sent)
@@ -119,8 +144,12 @@ class Generation:
     def _usage(self, reqs: list[Req]) -> dict[str, Any]:
         prompt = sum(r.prompt_len for r in reqs)
         completion = sum(r.out_base for r in reqs)
-        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                                 "completion_tokens": completion, "prompt_tokens_details": None}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+        }
         if self.cfg.enable_cache_report:
             usage["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in reqs)}
         return usage
@@ -147,8 +176,9 @@ class Generation:
             body = await self._read_json(request)
             params = [parse_chat(body, self.cfg)] if chat else parse_completion(body, self.cfg)
         except BadRequest as exc:
-            return openai_error(exc.message, exc.status,
-                                "BadRequestError" if exc.status < 500 else "ServiceUnavailableError")
+            return openai_error(
+                exc.message, exc.status, "BadRequestError" if exc.status < 500 else "ServiceUnavailableError"
+            )
         model = body.get("model") or self.cfg.served_model_name
         if params[0].stream:
             return await self._openai_stream(request, params[0], chat=chat, model=model)
@@ -166,14 +196,34 @@ class Generation:
             finish, matched = self._openai_finish(r)
             text = output_text(r.token_seed, 0, r.out_base)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "reasoning_content": None,
-                                                        "tool_calls": None}, "logprobs": None,
-                                "finish_reason": finish, "matched_stop": matched})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "reasoning_content": None,
+                            "tool_calls": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "matched_stop": matched,
+                    }
+                )
             else:
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish,
-                                "matched_stop": matched})
-        return json_response({"id": reqs[0].rid, "object": "chat.completion" if chat else "text_completion",
-                      "created": int(time.time()), "model": model, "choices": choices, "usage": self._usage(reqs)})
+                choices.append(
+                    {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+                )
+        return json_response(
+            {
+                "id": reqs[0].rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+                "usage": self._usage(reqs),
+            }
+        )
 
     async def _openai_stream(self, request: web.Request, p: GenParams, *, chat: bool, model: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -181,21 +231,47 @@ class Generation:
         try:
             r = self.driver.submit(p)
         except QueueFull as exc:
-            err = {"object": "error", "message": exc.message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+            err = {
+                "object": "error",
+                "message": exc.message,
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": 503,
+            }
             await resp.write(b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n")
             return resp
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
-            return b"data: " + orjson.dumps({"id": r.rid, "object": obj, "created": created, "model": model,
-                                             "choices": [choice] if choice else [], "usage": usage}) + b"\n\n"
+            return (
+                b"data: "
+                + orjson.dumps(
+                    {
+                        "id": r.rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [choice] if choice else [],
+                        "usage": usage,
+                    }
+                )
+                + b"\n\n"
+            )
 
         sent = 0
         try:
             if chat:
-                await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}))
+                await resp.write(
+                    chunk(
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
             while True:
                 n = self.engine.output_len(r)
                 finished = r.state is State.FINISHED
@@ -210,9 +286,21 @@ class Generation:
                 if finished:
                     finish, matched = self._openai_finish(r)
                     if chat:
-                        final = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+                        final = {
+                            "index": 0,
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": finish,
+                            "matched_stop": matched,
+                        }
                     else:
-                        final = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+                        final = {
+                            "index": 0,
+                            "text": "",
+                            "logprobs": None,
+                            "finish_reason": finish,
+                            "matched_stop": matched,
+                        }
                     await resp.write(chunk(final))
                     if p.include_usage:
                         await resp.write(chunk({}, self._usage([r])))

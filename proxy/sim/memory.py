@@ -51,8 +51,9 @@ def default_cuda_graph_max_bs(gpu_mem_mib: float, tp_size: int = 1, max_running_
     return min(max_bs, max_running_requests) if max_running_requests else max_bs
 
 
-def default_mem_fraction_static(gpu_mem_mib: float, chunked_prefill_size: int | None, graph_max_bs: int,
-                                tp_size: int = 1, pp_size: int = 1) -> float:
+def default_mem_fraction_static(
+    gpu_mem_mib: float, chunked_prefill_size: int | None, graph_max_bs: int, tp_size: int = 1, pp_size: int = 1
+) -> float:
     activation_tokens = max(chunked_prefill_size or 0, 2048)
     reserved = 512 + activation_tokens * 1.5 + tp_size * pp_size / 8 * 1024 + GRAPH_MIB_PER_BS * graph_max_bs
     if gpu_mem_mib > 60 * 1024:
@@ -60,7 +61,9 @@ def default_mem_fraction_static(gpu_mem_mib: float, chunked_prefill_size: int | 
     return round((gpu_mem_mib - reserved) / gpu_mem_mib, 3)
 
 
-def kv_pool_tokens(gpu_mem_mib: float, mem_fraction_static: float, weights_bytes: float, kv_bytes_per_token: float) -> int:
+def kv_pool_tokens(
+    gpu_mem_mib: float, mem_fraction_static: float, weights_bytes: float, kv_bytes_per_token: float
+) -> int:
     """Tokens the profiled pool holds (may be <= 0: the weights leave no room)."""
     rest = mem_fraction_static * gpu_mem_mib * MIB - weights_bytes
     return int(rest // kv_bytes_per_token)
@@ -93,8 +96,15 @@ class MemoryPlan:
         return self.available_mib / 1024
 
 
-def plan_memory(gpu: GpuPreset, *, weights_bytes: float, kv_bytes_per_token: float, mem_fraction_static: float,
-                max_total_tokens: int | None, graph_max_bs: int) -> MemoryPlan:
+def plan_memory(
+    gpu: GpuPreset,
+    *,
+    weights_bytes: float,
+    kv_bytes_per_token: float,
+    mem_fraction_static: float,
+    max_total_tokens: int | None,
+    graph_max_bs: int,
+) -> MemoryPlan:
     tokens = kv_pool_tokens(gpu.memory_mib, mem_fraction_static, weights_bytes, kv_bytes_per_token)
     if max_total_tokens is not None and tokens > 0:
         tokens = min(tokens, max_total_tokens)

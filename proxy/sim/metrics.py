@@ -10,7 +10,7 @@ collector adds it. Tokenizer metrics carry ``model_name, engine_type`` (+ ``is_s
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -19,11 +19,70 @@ from prometheus_client.registry import Collector
 from proxy.sim.config import SimConfig
 
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
-               0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+ITL_BUCKETS = (
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.010,
+    0.015,
+    0.020,
+    0.025,
+    0.030,
+    0.035,
+    0.040,
+    0.060,
+    0.080,
+    0.100,
+    0.200,
+    0.400,
+    0.600,
+    0.800,
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+)
 E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
-QUEUE_BUCKETS = (0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300, 400,
-                 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000)
+QUEUE_BUCKETS = (
+    0.0,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    3,
+    4,
+    5,
+    10,
+    15,
+    20,
+    30,
+    40,
+    50,
+    60,
+    70,
+    80,
+    90,
+    100,
+    200,
+    300,
+    400,
+    500,
+    600,
+    700,
+    800,
+    900,
+    1000,
+    1200,
+    1400,
+    1600,
+    1800,
+    2000,
+    2500,
+    3000,
+)
 
 
 class WeightedHistogram(Collector):
@@ -48,7 +107,7 @@ class WeightedHistogram(Collector):
     def collect(self) -> Iterable[HistogramMetricFamily]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
         cum, buckets = 0, []
-        for b, c in zip([*map(str, self.bounds), "+Inf"], self.counts):
+        for b, c in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
             cum += c
             buckets.append((b if b == "+Inf" else str(float(b)), cum))
         fam.add_metric(list(self.labels.values()), buckets, self.total)
@@ -57,10 +116,15 @@ class WeightedHistogram(Collector):
 
 class SimMetrics:
     def __init__(self, cfg: SimConfig) -> None:
-        disable_created_metrics()  # SGLang's multiprocess collector exposes no *_created series
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # SGLang's multiprocess collector exposes no *_created series
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        sched = {"model_name": cfg.served_model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0",
-                 "moe_ep_rank": "0"}
+        sched = {
+            "model_name": cfg.served_model_name,
+            "engine_type": "unified",
+            "tp_rank": "0",
+            "pp_rank": "0",
+            "moe_ep_rank": "0",
+        }
         tok = {"model_name": cfg.served_model_name, "engine_type": "unified"}
         self._sched_labels, self._tok_labels = sched, tok
         names = list(sched)
@@ -96,51 +160,100 @@ class SimMetrics:
         self.retracted_gauge = gauge("num_retracted_reqs", "The number of retracted requests.", ["pid"])
         self.paused_gauge = gauge("num_paused_reqs", "The number of paused requests.", ["pid"])
         self.graph_mem = gauge("graph_memory_usage_gb", "Memory used by CUDA graphs (GB).", ["phase"])
-        self.retracted_total = Counter("sglang:num_retracted_requests_total", "Total retracted requests.", names,
-                                       registry=reg).labels(**sched)
-        self.retracted_in = Counter("sglang:num_retracted_input_tokens_total", "Input tokens of retracted requests.",
-                                    names, registry=reg).labels(**sched)
-        self.retracted_out = Counter("sglang:num_retracted_output_tokens_total",
-                                     "Output tokens of retracted requests.", names, registry=reg).labels(**sched)
-        self.graph_passes = Counter("sglang:cuda_graph_passes_total", "Forward passes by mode.", [*names, "mode"],
-                                    registry=reg)
-        self.queue_time = Histogram("sglang:queue_time_seconds", "Time spent in the waiting queue.", names,
-                                    buckets=QUEUE_BUCKETS, registry=reg).labels(**sched)
+        self.retracted_total = Counter(
+            "sglang:num_retracted_requests_total", "Total retracted requests.", names, registry=reg
+        ).labels(**sched)
+        self.retracted_in = Counter(
+            "sglang:num_retracted_input_tokens_total", "Input tokens of retracted requests.", names, registry=reg
+        ).labels(**sched)
+        self.retracted_out = Counter(
+            "sglang:num_retracted_output_tokens_total", "Output tokens of retracted requests.", names, registry=reg
+        ).labels(**sched)
+        self.graph_passes = Counter(
+            "sglang:cuda_graph_passes_total", "Forward passes by mode.", [*names, "mode"], registry=reg
+        )
+        self.queue_time = Histogram(
+            "sglang:queue_time_seconds", "Time spent in the waiting queue.", names, buckets=QUEUE_BUCKETS, registry=reg
+        ).labels(**sched)
         tnames, st = list(tok), [*tok, "is_streaming"]
-        self.prompt_tokens = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.", st, registry=reg)
-        self.gen_tokens = Counter("sglang:generation_tokens_total", "Number of generation tokens processed.", st,
-                                  registry=reg)
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens_total", "Number of prefill tokens processed.", st, registry=reg
+        )
+        self.gen_tokens = Counter(
+            "sglang:generation_tokens_total", "Number of generation tokens processed.", st, registry=reg
+        )
         self.requests = Counter("sglang:num_requests_total", "Number of requests processed.", st, registry=reg)
-        self.cached_tokens = Counter("sglang:cached_tokens_total", "Number of cached prompt tokens.",
-                                     [*tnames, "cache_source"], registry=reg).labels(**tok, cache_source="device")
-        self.aborted = Counter("sglang:num_aborted_requests_total", "Number of requests aborted.", tnames,
-                               registry=reg).labels(**tok)
-        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              st, buckets=TTFT_BUCKETS, registry=reg)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-                             st, buckets=E2E_BUCKETS, registry=reg)
-        self.itl = WeightedHistogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                     ITL_BUCKETS, tok)
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens_total", "Number of cached prompt tokens.", [*tnames, "cache_source"], registry=reg
+        ).labels(**tok, cache_source="device")
+        self.aborted = Counter(
+            "sglang:num_aborted_requests_total", "Number of requests aborted.", tnames, registry=reg
+        ).labels(**tok)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            st,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            st,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.itl = WeightedHistogram(
+            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS, tok
+        )
         reg.register(self.itl)
         pid = str(os.getpid())
         self.retracted_gauge.labels(**sched, pid=pid).set(0)
         self.paused_gauge.labels(**sched, pid=pid).set(0)
         self._retracted = self.retracted_gauge.labels(**sched, pid=pid)
         mem = cfg.memory
-        for name, value in (("max_total_num_tokens", cfg.max_total_num_tokens), ("page_size", 1),
-                            ("num_pages", cfg.max_total_num_tokens), ("context_len", cfg.context_len),
-                            ("startup_available_gpu_memory_gb", round(mem.available_gb, 2)),
-                            ("weight_memory_usage_gb", round(mem.weights_mib / 1024, 2)),
-                            ("kv_cache_memory_usage_gb", round(mem.kv_pool_mib / 1024, 2))):
+        for name, value in (
+            ("max_total_num_tokens", cfg.max_total_num_tokens),
+            ("page_size", 1),
+            ("num_pages", cfg.max_total_num_tokens),
+            ("context_len", cfg.context_len),
+            ("startup_available_gpu_memory_gb", round(mem.available_gb, 2)),
+            ("weight_memory_usage_gb", round(mem.weights_mib / 1024, 2)),
+            ("kv_cache_memory_usage_gb", round(mem.kv_pool_mib / 1024, 2)),
+        ):
             g[name].labels(**sched).set(value)
         self.graph_mem.labels(**sched, phase="decode").set(round(mem.graph_mib / 1024, 2))
-        self.set_load(running=0, queue=0, usage=0.0, used=0, available=cfg.max_total_num_tokens, evictable=0,
-                      ratio=0.0, gen_throughput=0.0, cache_hit_rate=0.0, seq_lens=0, cuda_graph=False,
-                      retracted_now=0)
+        self.set_load(
+            running=0,
+            queue=0,
+            usage=0.0,
+            used=0,
+            available=cfg.max_total_num_tokens,
+            evictable=0,
+            ratio=0.0,
+            gen_throughput=0.0,
+            cache_hit_rate=0.0,
+            seq_lens=0,
+            cuda_graph=False,
+            retracted_now=0,
+        )
 
-    def set_load(self, *, running: int, queue: int, usage: float, used: int, available: int, evictable: int,
-                 ratio: float, gen_throughput: float, cache_hit_rate: float, seq_lens: int, cuda_graph: bool,
-                 retracted_now: int) -> None:
+    def set_load(
+        self,
+        *,
+        running: int,
+        queue: int,
+        usage: float,
+        used: int,
+        available: int,
+        evictable: int,
+        ratio: float,
+        gen_throughput: float,
+        cache_hit_rate: float,
+        seq_lens: int,
+        cuda_graph: bool,
+        retracted_now: int,
+    ) -> None:
         s, g = self._sched_labels, self.g
         g["num_running_reqs"].labels(**s).set(running)
         g["num_queue_reqs"].labels(**s).set(queue)
@@ -171,8 +284,9 @@ class SimMetrics:
     def on_first_token(self, ttft: float, streaming: bool) -> None:
         self.ttft.labels(**self._tok_labels, is_streaming=_b(streaming)).observe(ttft)
 
-    def on_finish(self, *, prompt_tokens: int, output_tokens: int, cached_tokens: int, e2e: float, streaming: bool,
-                  aborted: bool) -> None:
+    def on_finish(
+        self, *, prompt_tokens: int, output_tokens: int, cached_tokens: int, e2e: float, streaming: bool, aborted: bool
+    ) -> None:
         labels = {**self._tok_labels, "is_streaming": _b(streaming)}
         self.prompt_tokens.labels(**labels).inc(prompt_tokens)
         self.gen_tokens.labels(**labels).inc(output_tokens)

@@ -54,13 +54,31 @@ class ModelPreset:
 GPUS: dict[str, GpuPreset] = {
     g.name: g
     for g in (
-        GpuPreset(name="h100-80gb", label="NVIDIA H100 80GB HBM3", memory_mib=81559, bandwidth_gbs=3350.0, bf16_tflops=989.0),
+        GpuPreset(
+            name="h100-80gb", label="NVIDIA H100 80GB HBM3", memory_mib=81559, bandwidth_gbs=3350.0, bf16_tflops=989.0
+        ),
         GpuPreset(name="h200-141gb", label="NVIDIA H200", memory_mib=143771, bandwidth_gbs=4800.0, bf16_tflops=989.0),
-        GpuPreset(name="a100-80gb", label="NVIDIA A100-SXM4-80GB", memory_mib=81920, bandwidth_gbs=2039.0, bf16_tflops=312.0),
-        GpuPreset(name="a100-40gb", label="NVIDIA A100-SXM4-40GB", memory_mib=40536, bandwidth_gbs=1555.0, bf16_tflops=312.0),
+        GpuPreset(
+            name="a100-80gb", label="NVIDIA A100-SXM4-80GB", memory_mib=81920, bandwidth_gbs=2039.0, bf16_tflops=312.0
+        ),
+        GpuPreset(
+            name="a100-40gb", label="NVIDIA A100-SXM4-40GB", memory_mib=40536, bandwidth_gbs=1555.0, bf16_tflops=312.0
+        ),
         GpuPreset(name="l40s-48gb", label="NVIDIA L40S", memory_mib=46068, bandwidth_gbs=864.0, bf16_tflops=362.0),
-        GpuPreset(name="rtx4090-24gb", label="NVIDIA GeForce RTX 4090", memory_mib=24564, bandwidth_gbs=1008.0, bf16_tflops=165.0),
-        GpuPreset(name="rtx3080-10gb", label="NVIDIA GeForce RTX 3080", memory_mib=10240, bandwidth_gbs=760.0, bf16_tflops=119.0),
+        GpuPreset(
+            name="rtx4090-24gb",
+            label="NVIDIA GeForce RTX 4090",
+            memory_mib=24564,
+            bandwidth_gbs=1008.0,
+            bf16_tflops=165.0,
+        ),
+        GpuPreset(
+            name="rtx3080-10gb",
+            label="NVIDIA GeForce RTX 3080",
+            memory_mib=10240,
+            bandwidth_gbs=760.0,
+            bf16_tflops=119.0,
+        ),
     )
 }
 
@@ -91,6 +109,15 @@ MODELS: dict[str, ModelPreset] = {
 }  # fmt: skip
 
 # Bytes per weight / per KV element by --quantization / --kv-cache-dtype (None and "auto" = bf16).
-WEIGHT_BYTES_FACTOR: dict[str | None, float] = {None: 1.0, "unquant": 1.0, "fp8": 0.5, "w8a8_fp8": 0.5, "w8a8_int8": 0.5,
-                                                 "modelopt_fp8": 0.5, "awq": 0.28, "gptq": 0.28, "mxfp4": 0.27}
+WEIGHT_BYTES_FACTOR: dict[str | None, float] = {
+    None: 1.0,
+    "unquant": 1.0,
+    "fp8": 0.5,
+    "w8a8_fp8": 0.5,
+    "w8a8_int8": 0.5,
+    "modelopt_fp8": 0.5,
+    "awq": 0.28,
+    "gptq": 0.28,
+    "mxfp4": 0.27,
+}
 KV_BYTES_FACTOR: dict[str, float] = {"auto": 1.0, "bf16": 1.0, "bfloat16": 1.0, "fp8_e4m3": 0.5, "fp8_e5m2": 0.5}

@@ -56,8 +56,9 @@ def check_lengths(prompt_len: int, max_new: int | None, cfg: SimConfig) -> int:
     if prompt_len == 0:
         raise BadRequest("The input is empty: give a non-empty prompt.")
     if prompt_len > cfg.max_req_input_len:
-        raise BadRequest(f"The input ({prompt_len} tokens) is longer than the model's context length "
-                         f"({cfg.context_len} tokens).")
+        raise BadRequest(
+            f"The input ({prompt_len} tokens) is longer than the model's context length ({cfg.context_len} tokens)."
+        )
     if max_new is None:
         return cfg.context_len - prompt_len
     if prompt_len + max_new > cfg.context_len:
@@ -65,7 +66,8 @@ def check_lengths(prompt_len: int, max_new: int | None, cfg: SimConfig) -> int:
             f"Requested token count exceeds the model's maximum context length of {cfg.context_len} tokens. "
             f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages "
             f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
-            f"or the completion to fit within the limit.")
+            f"or the completion to fit within the limit."
+        )
     return max_new
 
 
@@ -101,13 +103,22 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
         batch = not isinstance(text, str)
     else:
         batch = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
-        id_lists = [_prompt_ids(x, "input_ids") for x in (ids if batch else [ids])]
+        given: list[Any] = ids if batch and isinstance(ids, list) else [ids]
+        id_lists = [_prompt_ids(x, "input_ids") for x in given]
     if stream and len(id_lists) > 1:
         raise BadRequest("streaming a batch of prompts is not supported by the simulated engine")
     rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
-    params = [GenParams(prompt_ids=p, max_new_tokens=check_lengths(len(p), max_new, cfg), ignore_eos=ignore_eos,
-                        output_len=out_len, stream=stream, rid=r if isinstance(r, str) else None)
-              for p, r in zip(id_lists, rids)]
+    params = [
+        GenParams(
+            prompt_ids=p,
+            max_new_tokens=check_lengths(len(p), max_new, cfg),
+            ignore_eos=ignore_eos,
+            output_len=out_len,
+            stream=stream,
+            rid=r if isinstance(r, str) else None,
+        )
+        for p, r in zip(id_lists, rids, strict=False)
+    ]
     return params, batch
 
 
@@ -144,8 +155,15 @@ def parse_chat(body: Any, cfg: SimConfig) -> GenParams:
     max_new, ignore_eos, out_len, stream, usage = _openai_common(body)
     ids = encode(chat_prompt(turns))
     rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
-    return GenParams(prompt_ids=ids, max_new_tokens=check_lengths(len(ids), max_new, cfg), ignore_eos=ignore_eos,
-                     output_len=out_len, stream=stream, include_usage=usage, rid=rid if isinstance(rid, str) else None)
+    return GenParams(
+        prompt_ids=ids,
+        max_new_tokens=check_lengths(len(ids), max_new, cfg),
+        ignore_eos=ignore_eos,
+        output_len=out_len,
+        stream=stream,
+        include_usage=usage,
+        rid=rid if isinstance(rid, str) else None,
+    )
 
 
 def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
@@ -164,5 +182,15 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
         raise BadRequest("streaming several prompts is not supported by the simulated engine")
     rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
     rid = rid if isinstance(rid, str) and len(prompts) == 1 else None
-    return [GenParams(prompt_ids=p, max_new_tokens=check_lengths(len(p), max_new, cfg), ignore_eos=ignore_eos,
-                      output_len=out_len, stream=stream, include_usage=usage, rid=rid) for p in prompts]
+    return [
+        GenParams(
+            prompt_ids=p,
+            max_new_tokens=check_lengths(len(p), max_new, cfg),
+            ignore_eos=ignore_eos,
+            output_len=out_len,
+            stream=stream,
+            include_usage=usage,
+            rid=rid,
+        )
+        for p in prompts
+    ]

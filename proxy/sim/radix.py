@@ -9,11 +9,11 @@ as free space for admission. :class:`NoPrefixCache` is ``--disable-radix-cache``
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class Node:
-    __slots__ = ("key", "children", "parent", "lock", "last_used", "serial")
+    __slots__ = ("children", "key", "last_used", "lock", "parent", "serial")
 
     def __init__(self, key: tuple[int, ...], parent: Node | None, serial: int = 0) -> None:
         self.serial = serial  # creation order: breaks LRU ties deterministically
@@ -26,7 +26,7 @@ class Node:
 
 def _common_len(key: tuple[int, ...], ids: Sequence[int], start: int) -> int:
     n = min(len(key), len(ids) - start)
-    if key[:n] == tuple(ids[start:start + n]):
+    if key[:n] == tuple(ids[start : start + n]):
         return n
     i = 0
     while i < n and key[i] == ids[start + i]:

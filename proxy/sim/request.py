@@ -54,14 +54,45 @@ class Req:
     ``out = out_base + (engine decode steps - step_base)``."""
 
     __slots__ = (
-        "rid", "seq", "arrival", "prompt_ids", "max_new", "ignore_eos", "target", "token_seed", "stream",
-        "state", "out_base", "step_base", "finish_g", "fill_ids", "prefilled", "node", "private_base",
-        "num_retractions", "cached_tokens", "first_token_time", "finish_time", "finish_reason", "handle",
+        "arrival",
         "big",
+        "cached_tokens",
+        "fill_ids",
+        "finish_g",
+        "finish_reason",
+        "finish_time",
+        "first_token_time",
+        "handle",
+        "ignore_eos",
+        "max_new",
+        "node",
+        "num_retractions",
+        "out_base",
+        "prefilled",
+        "private_base",
+        "prompt_ids",
+        "rid",
+        "seq",
+        "state",
+        "step_base",
+        "stream",
+        "target",
+        "token_seed",
     )  # fmt: skip
 
-    def __init__(self, *, rid: str, seq: int, arrival: float, prompt_ids: tuple[int, ...], max_new: int,
-                 ignore_eos: bool, target: int, token_seed: int, stream: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rid: str,
+        seq: int,
+        arrival: float,
+        prompt_ids: tuple[int, ...],
+        max_new: int,
+        ignore_eos: bool,
+        target: int,
+        token_seed: int,
+        stream: bool = False,
+    ) -> None:
         self.rid = rid
         self.seq = seq
         self.arrival = arrival

@@ -1,113 +1,134 @@
-"""Admission of waiting requests into a prefill batch, after SGLang's ``PrefillAdder``.
+"""SGLang's scheduling policy: which requests to admit, chunk or retract. It decides; the engine acts.
 
-Budget: ``rem_total = free + evictable - offset`` where the offset starts with what the running
-batch is expected still to need (each request's remaining ``max_new_tokens``, clipped at 4096,
-times ``new_token_ratio``; times 1 with ``ignore_eos``). In queue order:
-
-* the chunked request (if any) continues first; while it has chunks left nothing else is added;
-* a request needs ``extend + clipped max_new_tokens + 1 < rem_total``, else the batch is *full*
-  (no new prefill until a request leaves the running batch);
-* ``max_running_requests`` slots; ``--max-prefill-tokens`` input per batch (the first request is
-  always allowed); with chunked prefill a request larger than the chunk budget left is cut to it
-  and becomes the one chunked request; its chunk reserves no output tokens yet;
-* on admission it reserves ``extend + clipped max_new_tokens + 1`` and locks its cached prefix.
-
-One guard of our own: with nothing running, the head of the queue is admitted if its prompt fits
-the pool at all, so a request whose ``max_new_tokens`` reservation exceeds the pool cannot stall
-an idle server.
+* **Queue.** Waiting requests in arrival order, sorted per round by ``--schedule-policy``: ``lpm``
+  (longest cached prefix first; fcfs above 128 waiting, as SGLang), ``lof`` (largest
+  ``max_new_tokens`` first), ``random``, else fcfs.
+* **Prefill.** :meth:`Scheduler.next_prefill` asks :func:`~proxy.sim.prefill_adder.admit` for the
+  next batch within the free slots and takes the admitted requests off the queue. A batch found
+  *full* stays full until a request leaves the running batch (:meth:`Scheduler.batch_changed`).
+* **new_token_ratio** (:mod:`proxy.sim.ratio`): decays on each decode step that fits, is reset when
+  idle and re-estimated after a retraction.
+* **Retraction.** When the next decode step's tokens do not fit, the running requests with the
+  fewest output tokens (ties: longest prompt) go back to the queue until 20 steps of the rest fit;
+  one is always kept (:meth:`Scheduler.retract`, with the engine's ``take_out`` freeing each).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+import random
+from collections.abc import Callable
 
-from proxy.sim.ratio import CLIP_MAX_NEW_TOKENS
+from proxy.sim.config import SimConfig
+from proxy.sim.kv_pool import KvPool
+from proxy.sim.prefill_adder import AdmitResult, admit
+from proxy.sim.ratio import RETRACT_DECODE_STEPS, RatioSchedule, ratio_after_retract
 from proxy.sim.request import Req, State
 
-if TYPE_CHECKING:
-    from proxy.sim.engine import Engine
+LPM_QUEUE_LIMIT = 128  # SGLang turns lpm's prefix sorting off (fcfs) above this queue length
 
 
-@dataclass(frozen=True, slots=True)
-class AdmitItem:
-    req: Req
-    take: int  # tokens computed in this step
-    prefix_len: int  # tokens already in KV before this step
-    last: bool  # the prefill of this request completes with this step
-    hit: int = 0  # cached prefix tokens found at admission (0 for a continuing chunk)
-    new: bool = True  # taken from the waiting queue this round
+class Scheduler:
+    __slots__ = ("batch_is_full", "cfg", "chunked", "ratio", "ratio_schedule", "rng", "waiting", "waiting_tokens")
 
+    def __init__(self, config: SimConfig, rng: random.Random) -> None:
+        self.cfg = config
+        self.rng = rng  # shared with the engine's output-length draws: one stream, as before
+        self.ratio_schedule = RatioSchedule.from_conservativeness(config.schedule_conservativeness)
+        self.ratio = self.ratio_schedule.init
+        self.waiting: list[Req] = []
+        self.waiting_tokens = 0  # uncached input tokens waiting, roughly (#pending-token)
+        self.chunked: Req | None = None  # the request whose prefill continues next round
+        self.batch_is_full = False
 
-@dataclass(slots=True)
-class AdmitResult:
-    items: list[AdmitItem] = field(default_factory=list)
-    batch_full: bool = False
+    # ------------------------------------------------------------------ queue
+    def enqueue(self, r: Req) -> None:
+        r.state = State.WAITING
+        self.waiting.append(r)
+        self.waiting_tokens += len(r.fill_ids)
 
+    def dequeue(self, r: Req) -> None:
+        self.waiting.remove(r)
+        self.waiting_tokens -= len(r.fill_ids)
 
-def clipped_max_new(r: Req) -> int:
-    return min(max(r.max_new - r.out_base, 0), CLIP_MAX_NEW_TOKENS)
+    def queue_full(self) -> bool:
+        cap = self.cfg.max_queued_requests
+        return cap is not None and len(self.waiting) >= cap
 
+    def batch_changed(self) -> None:
+        """A request left the running batch: admission may find room again."""
+        self.batch_is_full = False
 
-def admit(eng: Engine, waiting: Sequence[Req], allocatable: int) -> AdmitResult:
-    cfg, cache = eng.cfg, eng.cache
-    res = AdmitResult()
-    items = res.items
-    offset = eng.running_reservation()
-    rem_input = cfg.max_prefill_tokens
-    rem_chunk = cfg.chunked_prefill_size  # None: chunked prefill disabled
+    def _ordered_waiting(self, kv: KvPool) -> list[Req]:
+        policy = self.cfg.schedule_policy
+        if policy == "lpm" and len(self.waiting) <= LPM_QUEUE_LIMIT and kv.cache.enabled:
+            peek = kv.cache.peek
+            self.waiting.sort(key=lambda r: -peek(r.fill_ids))
+        elif policy == "lof":
+            self.waiting.sort(key=lambda r: -r.max_new)
+        elif policy == "random":
+            self.rng.shuffle(self.waiting)
+        return self.waiting
 
-    c = eng.chunked
-    if c is not None:
-        extend = len(c.fill_ids) - c.prefilled
-        take = extend if rem_chunk is None else min(extend, rem_chunk)
-        last = take == extend
-        items.append(AdmitItem(c, take, c.prefilled, last, hit=0, new=False))
-        offset += take + 1 + (clipped_max_new(c) if last else 0)
-        rem_input -= take
-        if rem_chunk is not None:
-            rem_chunk -= take
-        if not last:
-            return res
+    # ------------------------------------------------------------------ prefill
+    def next_prefill(self, kv: KvPool) -> AdmitResult | None:
+        """The next prefill batch, its new requests taken off the queue; None when nothing is admitted."""
+        n_run = kv.running.n
+        if n_run == 0:
+            self.batch_is_full = False  # an empty running batch is never full
+        if self.chunked is None and (self.batch_is_full or not self.waiting):
+            return None
+        allocatable = self.cfg.max_running_requests - n_run
+        if allocatable <= 0:
+            self.batch_is_full = True
+            return None
+        result = admit(
+            self.cfg,
+            kv,
+            kv.running.reservation(self.ratio),
+            self.chunked,
+            self._ordered_waiting(kv) if self.waiting else [],
+            allocatable,
+        )
+        if result.batch_full:
+            self.batch_is_full = True
+        if not result.items:
+            return None
+        # The admitted requests are a prefix of the (ordered) queue.
+        n_new = sum(1 for it in result.items if it.new)
+        if n_new:
+            for r in self.waiting[:n_new]:
+                self.waiting_tokens -= len(r.fill_ids)
+            del self.waiting[:n_new]
+        self.chunked = next((it.req for it in result.items if not it.last), None)
+        return result
 
-    for r in waiting:
-        if len(items) >= allocatable:
-            res.batch_full = True
-            break
-        fill = r.fill_ids
-        prefix_len, node = cache.match(fill[:-1]) if len(fill) > 1 else (0, None)
-        extend = len(fill) - prefix_len
-        max_new = clipped_max_new(r)
-        free = eng.available + cache.evictable_size
-        if extend + max_new + 1 >= free - offset:
-            idle = not items and eng.n_run == 0 and eng.chunked is None and extend + 1 <= free
-            if not idle:
-                res.batch_full = True
-                break
-        if extend >= rem_input and items:
-            break
-        if rem_chunk is None or extend <= rem_chunk:
-            take, last = extend, True
-        else:
-            take, last = rem_chunk, False
-            if take <= 0:
-                break
-        if node is not None:
-            cache.lock(node)
-        _start_prefill(r, node, prefix_len)
-        items.append(AdmitItem(r, take, prefix_len, last, hit=prefix_len))
-        offset += take + 1 + (max_new if last else 0)
-        rem_input -= take
-        if rem_chunk is not None:
-            rem_chunk -= take
-        if not last or rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
-            break
-    return res
+    # ------------------------------------------------------------------ decode
+    def idle(self) -> None:
+        self.ratio = self.ratio_schedule.init
 
+    def decode_fits(self, kv: KvPool) -> bool:
+        """Whether the next decode step's tokens fit; if so the ratio decays one step."""
+        if kv.running.n > kv.free:
+            return False
+        self.ratio = self.ratio_schedule.decayed(self.ratio)
+        return True
 
-def _start_prefill(r: Req, node: Any, prefix_len: int) -> None:
-    r.state = State.PREFILLING
-    r.node = node
-    r.prefilled = prefix_len
-    if r.num_retractions == 0:
-        r.cached_tokens = prefix_len
+    def retract(self, kv: KvPool, take_out: Callable[[Req], None]) -> list[Req]:
+        """Pick requests to retract, fewest output tokens first, until 20 decode steps of the rest fit;
+        ``take_out`` frees each one (so ``kv.free`` grows). Returns them, in retraction order."""
+        running = kv.running
+        order = sorted(running.reqs, key=lambda r: (running.output_len(r), -r.prompt_len))
+        retracted: list[Req] = []
+        keep = len(order)
+        while keep > 1 and (not retracted or kv.free < RETRACT_DECODE_STEPS * keep):
+            r = order[len(retracted)]
+            retracted.append(r)
+            keep -= 1
+            take_out(r)
+        return retracted
+
+    def after_retract(self, kv: KvPool) -> None:
+        running = kv.running
+        outs = [running.output_len(r) for r in running.reqs]
+        self.ratio = ratio_after_retract(sum(outs), len(outs), sum(r.max_new for r in running.reqs))
+        self.batch_is_full = False

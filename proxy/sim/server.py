@@ -13,11 +13,13 @@ line names it). A CUDA out-of-memory kills the process (exit code 1) after SGLan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -74,10 +76,14 @@ class SimServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
         key = self.cfg.api_key
-        if key and not request.path.startswith(OPEN_PATHS):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return json_response({"error": "Unauthorized"}, 401)
-        return await handler(request)
+        if (
+            key
+            and not request.path.startswith(OPEN_PATHS)
+            and request.headers.get("Authorization", "") != f"Bearer {key}"
+        ):
+            return json_response({"error": "Unauthorized"}, 401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.driver.ready:
@@ -86,57 +92,118 @@ class SimServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.cfg
-        return json_response({"model_path": cfg.model_path, "served_model_name": cfg.served_model_name,
-                      "tokenizer_path": cfg.server_args.get("tokenizer_path") or cfg.model_path, "is_generation": True,
-                      "preferred_sampling_params": None, "weight_version": "default", "load_format": "auto",
-                      "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-                      "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
-                      "architectures": [cfg.model.architecture]})
+        return json_response(
+            {
+                "model_path": cfg.model_path,
+                "served_model_name": cfg.served_model_name,
+                "tokenizer_path": cfg.server_args.get("tokenizer_path") or cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": [cfg.model.architecture],
+            }
+        )
 
     def internal_state(self) -> dict[str, Any]:
         cfg, eng, mem = self.cfg, self.engine, self.cfg.memory
-        return {"effective_max_running_requests_per_dp": cfg.max_running_requests,
-                "last_gen_throughput": eng.last_gen_throughput,
-                "memory_usage": {"weight": round(mem.weights_mib / 1024, 2), "kv_cache": round(mem.kv_pool_mib / 1024, 2),
-                                 "graph": round(mem.graph_mib / 1024, 2), "token_capacity": cfg.max_total_num_tokens},
-                "world_size": 1, "new_token_ratio": eng.ratio, "num_retracted_reqs_total": eng.retracted_total,
-                "sim": {"gpu": cfg.gpu.name, "model": cfg.model.name, "time_scale": cfg.time_scale,
-                        "busy_modelled_s": self.driver.busy_modelled_s, "busy_wall_s": self.driver.busy_wall_s, "max_late_s": self.driver.max_late_s,
-                        "decode_steps": eng.decode_steps, "generated_tokens": eng.generated_tokens}}
+        return {
+            "effective_max_running_requests_per_dp": cfg.max_running_requests,
+            "last_gen_throughput": eng.last_gen_throughput,
+            "memory_usage": {
+                "weight": round(mem.weights_mib / 1024, 2),
+                "kv_cache": round(mem.kv_pool_mib / 1024, 2),
+                "graph": round(mem.graph_mib / 1024, 2),
+                "token_capacity": cfg.max_total_num_tokens,
+            },
+            "world_size": 1,
+            "new_token_ratio": eng.ratio,
+            "num_retracted_reqs_total": eng.retracted_total,
+            "sim": {
+                "gpu": cfg.gpu.name,
+                "model": cfg.model.name,
+                "time_scale": cfg.time_scale,
+                "busy_modelled_s": self.driver.busy_modelled_s,
+                "busy_wall_s": self.driver.busy_wall_s,
+                "max_late_s": self.driver.max_late_s,
+                "decode_steps": eng.decode_steps,
+                "generated_tokens": eng.generated_tokens,
+            },
+        }
 
     async def server_info(self, request: web.Request) -> web.Response:
         body = {k: v for k, v in self.cfg.server_args.items()}
-        body.update(startup_time=self.start_wall, internal_states=[self.internal_state()], version=VERSION,
-                    frontend="python", status="ready" if self.driver.ready else "starting")
+        body.update(
+            startup_time=self.start_wall,
+            internal_states=[self.internal_state()],
+            version=VERSION,
+            frontend="python",
+            status="ready" if self.driver.ready else "starting",
+        )
         return web.Response(body=orjson.dumps(body, default=str), content_type="application/json")
 
     def load_snapshot(self) -> dict[str, Any]:
         eng, cfg = self.engine, self.cfg
-        return {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": eng.n_run,
-                "num_waiting_reqs": len(eng.waiting), "num_waiting_uncached_tokens": max(0, eng.waiting_tokens),
-                "num_used_tokens": eng.num_used_tokens, "num_total_tokens": cfg.max_total_num_tokens,
-                "num_active_tokens": eng.kv_tokens_running, "num_prealloc_ready_tokens": 0,
-                "max_total_num_tokens": cfg.max_total_num_tokens, "max_running_requests": cfg.max_running_requests,
-                "token_usage": round(eng.token_usage, 4), "gen_throughput": eng.last_gen_throughput,
-                "cache_hit_rate": eng.last_cache_hit_rate, "utilization": 1.0 if eng.n_run else 0.0,
-                "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None}
+        return {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": eng.n_run,
+            "num_waiting_reqs": len(eng.waiting),
+            "num_waiting_uncached_tokens": max(0, eng.waiting_tokens),
+            "num_used_tokens": eng.num_used_tokens,
+            "num_total_tokens": cfg.max_total_num_tokens,
+            "num_active_tokens": eng.kv_tokens_running,
+            "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": cfg.max_total_num_tokens,
+            "max_running_requests": cfg.max_running_requests,
+            "token_usage": round(eng.token_usage, 4),
+            "gen_throughput": eng.last_gen_throughput,
+            "cache_hit_rate": eng.last_cache_hit_rate,
+            "utilization": 1.0 if eng.n_run else 0.0,
+            "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
+        }
 
     async def loads(self, request: web.Request) -> web.Response:
         snap = self.load_snapshot()
         if request.query.get("format") == "prometheus":
-            lines = [f'sglang_{k}{{dp_rank="0"}} {float(v)}' for k, v in snap.items()
-                     if k not in ("dp_rank", "timestamp") and isinstance(v, (int, float))]
+            lines = [
+                f'sglang_{k}{{dp_rank="0"}} {float(v)}'
+                for k, v in snap.items()
+                if k not in ("dp_rank", "timestamp") and isinstance(v, (int, float))
+            ]
             return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-        snap["queues"] = {"waiting": len(self.engine.waiting), "grammar": 0, "paused": 0, "retracted": 0,
-                          "prealloc_ready": 0}
-        return json_response({"timestamp": snap["timestamp"], "version": VERSION, "accelerator": self.cfg.gpu.label,
-                      "num_accelerators": 1, "loads": [snap]})
+        snap["queues"] = {
+            "waiting": len(self.engine.waiting),
+            "grammar": 0,
+            "paused": 0,
+            "retracted": 0,
+            "prealloc_ready": 0,
+        }
+        return json_response(
+            {
+                "timestamp": snap["timestamp"],
+                "version": VERSION,
+                "accelerator": self.cfg.gpu.label,
+                "num_accelerators": 1,
+                "loads": [snap],
+            }
+        )
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
         if self.driver.gen_throughput_stale():
             self.metrics.gen_throughput_stale()
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [self._card()]})
@@ -149,8 +216,15 @@ class SimServer:
 
     def _card(self) -> dict[str, Any]:
         name = self.cfg.served_model_name
-        return {"id": name, "object": "model", "created": int(self.start_wall), "owned_by": "sglang", "root": name,
-                "parent": None, "max_model_len": self.cfg.context_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.start_wall),
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.cfg.context_len,
+        }
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
@@ -171,10 +245,15 @@ class SimServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.engine.flush_cache():
-            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                                     "(When there are running or waiting requests, the operation will not be performed.)\n")
-        return web.Response(status=400, text="Cache not flushed. Please check backend logs for more details. "
-                                             "(When there are running or waiting requests, the operation will not be performed.)\n")
+            return web.Response(
+                text="Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+        return web.Response(
+            status=400,
+            text="Cache not flushed. Please check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+        )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -202,17 +281,20 @@ async def serve(cfg: SimConfig, sink: logs.LogSink, on_death: Callable[[int], No
     sink.plain("INFO:     Application startup complete.")
     sink.plain(f"INFO:     Uvicorn running on http://{cfg.host}:{port} (Press CTRL+C to quit)")
     stop = loop.create_future()
+
+    def request_stop() -> None:
+        if not stop.done():
+            stop.set_result(0)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(0))
-        except (NotImplementedError, RuntimeError):
-            pass
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, request_stop)
     tasks = [asyncio.create_task(server.start_up()), asyncio.create_task(server.driver.drive())]
     for task in tasks:
         task.add_done_callback(server.driver.on_task_done)
     try:
         done, _ = await asyncio.wait([stop, server.driver.dead], return_when=asyncio.FIRST_COMPLETED)
-        code = next(iter(done)).result()
+        code: int = next(iter(done)).result()
     finally:
         for t in tasks:
             t.cancel()
@@ -227,6 +309,7 @@ def run_server(cfg: SimConfig, sink: logs.LogSink) -> int:
         finally:
             os._exit(code)
 
+    run: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

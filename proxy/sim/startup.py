@@ -38,37 +38,59 @@ async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
     load_s, capture_s, total_s = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)
     k = cfg.startup_wall_seconds / total_s if total_s > 0 else 0.0  # real seconds per modelled second
     free0 = (mem.total_mib - mem.context_mib) / 1024
-    say("info", f"server_args=ServerArgs(model_path='{cfg.model_path}', served_model_name='{cfg.served_model_name}', "
-                f"host='{cfg.host}', port={cfg.port}, mem_fraction_static={cfg.mem_fraction_static}, "
-                f"max_running_requests={cfg.max_running_requests}, max_queued_requests={cfg.max_queued_requests}, "
-                f"max_total_tokens={cfg.server_args.get('max_total_tokens')}, "
-                f"chunked_prefill_size={cfg.chunked_prefill_size or -1}, max_prefill_tokens={cfg.max_prefill_tokens}, "
-                f"schedule_policy='{cfg.schedule_policy}', schedule_conservativeness={cfg.schedule_conservativeness}, "
-                f"cuda_graph_max_bs_decode={cfg.cuda_graph_max_bs_decode}, enable_metrics={cfg.enable_metrics}, "
-                f"decode_log_interval={cfg.decode_log_interval}, context_length={cfg.context_len})")
+    say(
+        "info",
+        f"server_args=ServerArgs(model_path='{cfg.model_path}', served_model_name='{cfg.served_model_name}', "
+        f"host='{cfg.host}', port={cfg.port}, mem_fraction_static={cfg.mem_fraction_static}, "
+        f"max_running_requests={cfg.max_running_requests}, max_queued_requests={cfg.max_queued_requests}, "
+        f"max_total_tokens={cfg.server_args.get('max_total_tokens')}, "
+        f"chunked_prefill_size={cfg.chunked_prefill_size or -1}, max_prefill_tokens={cfg.max_prefill_tokens}, "
+        f"schedule_policy='{cfg.schedule_policy}', schedule_conservativeness={cfg.schedule_conservativeness}, "
+        f"cuda_graph_max_bs_decode={cfg.cuda_graph_max_bs_decode}, enable_metrics={cfg.enable_metrics}, "
+        f"decode_log_interval={cfg.decode_log_interval}, context_length={cfg.context_len})",
+    )
     await asyncio.sleep(max(0.0, k * (total_s - load_s - capture_s - 1.0) - process_age_s()))
     say("info", f"Load weight begin. avail mem={free0:.2f} GB")
     await asyncio.sleep(k * load_s)
     after_w = free0 - mem.weights_mib / 1024
-    say("info", f"Load weight end. type={cfg.model.architecture}, dtype=torch.bfloat16, avail mem={after_w:.2f} GB, "
-                f"mem usage={mem.weights_mib / 1024:.2f} GB.")
+    say(
+        "info",
+        f"Load weight end. type={cfg.model.architecture}, dtype=torch.bfloat16, avail mem={after_w:.2f} GB, "
+        f"mem usage={mem.weights_mib / 1024:.2f} GB.",
+    )
     kv_half = mem.kv_pool_mib / 2048
-    say("info", f"KV Cache is allocated. #tokens: {cfg.max_total_num_tokens}, K size: {kv_half:.2f} GB, "
-                f"V size: {kv_half:.2f} GB")
+    say(
+        "info",
+        f"KV Cache is allocated. #tokens: {cfg.max_total_num_tokens}, K size: {kv_half:.2f} GB, "
+        f"V size: {kv_half:.2f} GB",
+    )
     after_kv = after_w - mem.kv_pool_mib / 1024
     say("info", f"Memory pool end. avail mem={after_kv:.2f} GB")
     if cfg.cuda_graph_max_bs_decode > 0:
         say("info", f"Capture cuda graph begin. This can take up to several minutes. avail mem={after_kv:.2f} GB")
         say("info", f"Capture cuda graph bs {graph_batch_sizes(cfg.cuda_graph_max_bs_decode)}")
         await asyncio.sleep(k * capture_s)
-        say("info", f"Capture cuda graph end. Time elapsed: {capture_s:.2f} s. mem usage={mem.graph_mib / 1024:.2f} GB. "
-                    f"avail mem={mem.available_gb:.2f} GB.")
+        say(
+            "info",
+            f"Capture cuda graph end. Time elapsed: {capture_s:.2f} s. mem usage={mem.graph_mib / 1024:.2f} GB. "
+            f"avail mem={mem.available_gb:.2f} GB.",
+        )
     if cfg.max_total_num_tokens < cfg.context_len:
-        say("warning", f"KV pool holds {cfg.max_total_num_tokens} tokens, fewer than --context-length "
-                       f"{cfg.context_len}. Requests longer than the pool are rejected.")
-    say("info", logs.startup_line(
-        max_total_num_tokens=cfg.max_total_num_tokens, chunked_prefill_size=cfg.chunked_prefill_size or -1,
-        max_prefill_tokens=cfg.max_prefill_tokens, max_running_requests=cfg.max_running_requests,
-        context_len=cfg.context_len, available_gpu_mem_gb=mem.available_gb))
+        say(
+            "warning",
+            f"KV pool holds {cfg.max_total_num_tokens} tokens, fewer than --context-length "
+            f"{cfg.context_len}. Requests longer than the pool are rejected.",
+        )
+    say(
+        "info",
+        logs.startup_line(
+            max_total_num_tokens=cfg.max_total_num_tokens,
+            chunked_prefill_size=cfg.chunked_prefill_size or -1,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_running_requests=cfg.max_running_requests,
+            context_len=cfg.context_len,
+            available_gpu_mem_gb=mem.available_gb,
+        ),
+    )
     await asyncio.sleep(k * 1.0)  # warm-up request
     say("info", logs.READY_LINE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 _PIECE = re.compile(r"\S{1,4}")
 VOCAB_OFFSET = 1000  # ids below are left for special tokens

@@ -9,8 +9,8 @@ seconds divided by ``config.time_scale`` (1 for the modelled GPU itself).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, LogFn, QueueFull
@@ -61,8 +61,9 @@ def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
     return tuple(range(base, base + max(1, spec.prompt_len)))
 
 
-def simulate(config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn | None = None,
-             max_time: float | None = None) -> SimResult:
+def simulate(
+    config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn | None = None, max_time: float | None = None
+) -> SimResult:
     eng = Engine(config, log=log)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Req] = []
@@ -77,9 +78,16 @@ def simulate(config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn |
         while i < n and workload[order[i]].arrival <= t:
             spec = workload[order[i]]
             try:
-                reqs.append(eng.add(prompt_ids=_prompt(spec, order[i]), max_new_tokens=spec.max_new_tokens,
-                                    ignore_eos=spec.ignore_eos, output_len=spec.output_len, rid=spec.rid,
-                                    now=max(t, spec.arrival)))
+                reqs.append(
+                    eng.add(
+                        prompt_ids=_prompt(spec, order[i]),
+                        max_new_tokens=spec.max_new_tokens,
+                        ignore_eos=spec.ignore_eos,
+                        output_len=spec.output_len,
+                        rid=spec.rid,
+                        now=max(t, spec.arrival),
+                    )
+                )
             except QueueFull:
                 rejected += 1
             i += 1
@@ -95,21 +103,36 @@ def simulate(config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn |
         t += step.duration
         eng.complete(step, t)
         steps += 1
-        trace.append(TracePoint(t, len(eng.waiting), eng.n_run, eng.token_usage, step.kind))
+        trace.append(TracePoint(t, len(eng.scheduler.waiting), eng.kv.running.n, eng.kv.usage, step.kind))
         if max_time is not None and t >= max_time:
             break
     results = tuple(_result(eng, r) for r in reqs)
     out_tokens = sum(rr.output_tokens for rr in results)
     return SimResult(
-        output_tokens=out_tokens, prompt_tokens=sum(rr.prompt_tokens for rr in results), makespan_s=t,
-        output_tok_per_s=out_tokens / t if t > 0 else 0.0, retractions=eng.retracted_total,
-        finished=sum(1 for rr in results if rr.finish_reason in ("stop", "length")), rejected=rejected, oom=oom,
-        steps=steps, trace=tuple(trace), requests=results,
+        output_tokens=out_tokens,
+        prompt_tokens=sum(rr.prompt_tokens for rr in results),
+        makespan_s=t,
+        output_tok_per_s=out_tokens / t if t > 0 else 0.0,
+        retractions=eng.retracted_total,
+        finished=sum(1 for rr in results if rr.finish_reason in ("stop", "length")),
+        rejected=rejected,
+        oom=oom,
+        steps=steps,
+        trace=tuple(trace),
+        requests=results,
     )
 
 
 def _result(eng: Engine, r: Req) -> RequestResult:
     reason = r.finish_reason["type"] if r.finish_reason else "unfinished"
-    return RequestResult(rid=r.rid, arrival=r.arrival, first_token_time=r.first_token_time,
-                         finish_time=r.finish_time, prompt_tokens=r.prompt_len, output_tokens=eng.output_len(r),
-                         cached_tokens=r.cached_tokens, num_retractions=r.num_retractions, finish_reason=reason)
+    return RequestResult(
+        rid=r.rid,
+        arrival=r.arrival,
+        first_token_time=r.first_token_time,
+        finish_time=r.finish_time,
+        prompt_tokens=r.prompt_len,
+        output_tokens=eng.output_len(r),
+        cached_tokens=r.cached_tokens,
+        num_retractions=r.num_retractions,
+        finish_reason=reason,
+    )

@@ -3,13 +3,19 @@
 The supervisor (``proxy.workers.supervisor``) implements :class:`WorkerPool`; the front door,
 pacing and dispatch only read :class:`WorkerInfo` values and react to state changes. The
 controller asks the pool for rolling restarts with new arguments.
+
+A worker's :class:`WorkerState` is the one truth of whether it may get new requests (READY) or
+not: the rollout drains it (``set_state``), the controller holds one about to die and the request
+path reports one it cannot reach (``hold``, ``report_unreachable``); the pool's own transitions
+(DOWN on exit, STARTING, READY) lift those.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 WorkerId = str
 
@@ -60,6 +66,17 @@ class WorkerPool(Protocol):
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
         """Restart one managed worker with new engine args; returns once it is READY (or DOWN)."""
 
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
+        """READY -> DRAINING (stop sending before a restart) or DRAINING -> READY; notifies listeners."""
+
+    def hold(self, worker_id: WorkerId) -> WorkerInfo:
+        """Send nothing more to the worker until it starts again: READY -> DRAINING, any other state
+        as it is. The pool's own transitions lift it (DOWN when it exits, then STARTING, READY)."""
+
+    def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
+        """The request path could not connect to the worker: take it out of READY now (notifies
+        listeners); the pool brings it back when it answers again."""
+
 
 class WorkerLogs(Protocol):
     """A managed worker's output (stdout and stderr merged), line by line, across restarts."""
@@ -67,15 +84,9 @@ class WorkerLogs(Protocol):
     def tail(self, worker_id: WorkerId, n: int) -> list[str]:
         """The last ``n`` lines (a bounded ring)."""
 
-    def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
-        """Every line from now on, as it is written; ends when the pool stops."""
-
     def add_line_listener(self, listener: LineListener) -> None:
         """Called synchronously with (worker_id, line) for each line of any worker."""
 
 
 class SupervisedPool(WorkerPool, WorkerLogs, Protocol):
-    """What the supervisor offers beyond :class:`WorkerPool`: the drain hook and the logs."""
-
-    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
-        """READY -> DRAINING (stop sending before a restart) or DRAINING -> READY; notifies listeners."""
+    """What the supervisor offers beyond :class:`WorkerPool`: the logs."""

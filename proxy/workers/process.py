@@ -15,8 +15,8 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 LineSink = Callable[[str], None]
 _log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class WorkerProcess:
         self._signal_group(signal.SIGTERM)
         try:
             code = await asyncio.wait_for(self._proc.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._signal_group(signal.SIGKILL)
             code = await self._proc.wait()
         # Children that ignored SIGTERM (or outlived the leader) go too.

@@ -5,13 +5,15 @@ port, launched as ``command + build_argv(args, extra_args, host=..., port=...)``
 STARTING until ``GET /health`` answers 200, then READY. A process that exits on its own is DOWN,
 with ``last_error`` taken from its last log lines; the supervisor does not restart it by itself
 (the controller decides). ``restart`` stops a worker and starts it again on the same port with new
-args; the request path calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
+args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
+``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
+take a worker out of READY at once, before its process is seen to exit.
 
 External workers (``kind = "external"``) are only registered: a background probe of ``/health``
 moves them between READY and DOWN; they cannot be restarted.
 
 State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners and ``subscribe_lines`` iterators as they are read, and ``tail`` keeps the
+reach line listeners as they are read, and ``tail`` keeps the
 last ones per worker across restarts.
 """
 
@@ -19,19 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
 import shlex
 import socket
 import time
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.engines.registry import EngineSpec, engine_spec as registry_engine_spec
 from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.process import LineLog, WorkerProcess, signal_name
 
@@ -94,7 +97,7 @@ def free_port(host: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
     for _ in range(50):
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if port not in taken:
             return port
     raise OSError("no free port found")
@@ -125,17 +128,15 @@ class Supervisor:
         self,
         engine_settings: EngineSettings,
         *,
-        engine_spec: EngineSpec | None = None,
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
     ) -> None:
         self._settings = engine_settings
         self._managed = engine_settings.managed
-        kind = str(engine_settings.kind) if self._managed else engine_settings.speaks
-        self._spec = engine_spec or registry_engine_spec(kind)
+        self._engine = engine_settings.engine
         self._poll_s = poll_interval_s
-        self._ready_marker = self._spec.ready_marker()
+        self._ready_marker = self._engine.ready_marker
         self._probe_s = external_probe_interval_s
         self._ring_lines = ring_lines
         self._slots: dict[WorkerId, _Slot] = {}
@@ -145,7 +146,6 @@ class Supervisor:
         self._tasks: set[asyncio.Task[object]] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
-        self._subscriptions: set[Callable[[str | None], None]] = set()
         self._started = False
         self._stopping = False
 
@@ -165,31 +165,6 @@ class Supervisor:
 
     def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
         return self._slot(worker_id).lines.tail(n)
-
-    async def subscribe_lines(self, worker_id: WorkerId) -> AsyncIterator[str]:
-        """Each line of ``worker_id`` from now on; ends when the supervisor stops.
-
-        A consumer more than 10,000 lines behind loses the oldest ones (the log file keeps them).
-        """
-        slot = self._slot(worker_id)
-        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=10_000)
-
-        def put(line: str | None) -> None:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(line)
-
-        remove = slot.lines.add_sink(put)
-        self._subscriptions.add(put)
-        try:
-            while not self._closed.is_set() or not queue.empty():
-                line = await queue.get()
-                if line is None:  # the supervisor stopped
-                    return
-                yield line
-        finally:
-            self._subscriptions.discard(put)
-            remove()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -240,8 +215,6 @@ class Supervisor:
             if slot.state != WorkerState.STOPPED:
                 self._set(slot, WorkerState.STOPPED)
         self._closed.set()
-        for put in list(self._subscriptions):
-            put(None)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._session is not None:
@@ -280,13 +253,30 @@ class Supervisor:
             self._set(slot, state)
         return slot.info()
 
+    def hold(self, worker_id: WorkerId) -> WorkerInfo:
+        """Nothing more is sent to the worker: READY -> DRAINING (any other state takes no traffic
+        anyway). Lifted by the worker's own next transitions: DOWN when it exits, STARTING, READY."""
+        slot = self._slot(worker_id)
+        if slot.state is WorkerState.READY:
+            self._set(slot, WorkerState.DRAINING)
+        return slot.info()
+
+    def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
+        """The request path could not connect. A managed worker is held (its process is dead or
+        closing its port: its exit makes it DOWN); an external one is DOWN now, and the probe makes
+        it READY again once its ``/health`` answers."""
+        slot = self._slot(worker_id)
+        if slot.managed:
+            self.hold(worker_id)
+        elif slot.state in (WorkerState.READY, WorkerState.DRAINING):
+            self._set(slot, WorkerState.DOWN, error=f"unreachable: {error}")
+
     # ------------------------------------------------------------------ managed workers
 
     def _argv(self, args: dict[str, object], port: int) -> tuple[str, ...]:
         s = self._settings
-        build: Callable[..., list[str]] = self._spec.function("argv", "build_argv")
-        command = list(s.command) if s.command else self._spec.default_command()
-        return (*command, *build(args, s.extra_args, host=s.host, port=port))
+        command = list(s.command) if s.command else self._engine.default_command()
+        return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -402,7 +392,9 @@ class Supervisor:
                 continue
             hint = asyncio.ensure_future(slot.ready_seen.wait())
             try:  # the next poll, or the engine's ready line, whichever comes first
-                await asyncio.wait({watcher, hint}, timeout=min(self._poll_s, left), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {watcher, hint}, timeout=min(self._poll_s, left), return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 hint.cancel()
         self._set(
@@ -421,7 +413,7 @@ class Supervisor:
             async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 await resp.read()
                 return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return None
 
     async def _stop_slot(self, slot: _Slot, *, locked: bool = False) -> None:
@@ -474,7 +466,7 @@ class Supervisor:
 
     def _add_slot(self, slot: _Slot) -> None:
         self._slots[slot.id] = slot
-        slot.lines.add_sink(lambda line, wid=slot.id: self._on_line(wid, line))
+        slot.lines.add_sink(functools.partial(self._on_line, slot.id))
 
     def _slot(self, worker_id: WorkerId) -> _Slot:
         try:

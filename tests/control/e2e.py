@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import openai
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -31,7 +32,7 @@ class Proxy:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     @property
-    def controller(self):  # noqa: ANN201
+    def controller(self):
         return self.app[PROXY].controller
 
     async def decisions(self) -> list[dict[str, Any]]:
@@ -43,7 +44,9 @@ class Proxy:
         url = self.state.pool.get(worker_id).url
         async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
             text = await r.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))
+        )
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -55,8 +58,14 @@ async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(tmp_path: Path, *, args: dict[str, Any], extra_args: list[str], control: dict[str, Any],
-                        pacing: dict[str, Any] | None = None) -> AsyncIterator[Proxy]:
+async def running_proxy(
+    tmp_path: Path,
+    *,
+    args: dict[str, Any],
+    extra_args: list[str],
+    control: dict[str, Any],
+    pacing: dict[str, Any] | None = None,
+) -> AsyncIterator[Proxy]:
     journal = tmp_path / "decisions.jsonl"
     policy = parse_policy({
         "engine": {"kind": "sim", "workers": 1, "args": args,
@@ -71,7 +80,9 @@ async def running_proxy(tmp_path: Path, *, args: dict[str, Any], extra_args: lis
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     try:
-        await wait_for(lambda: len(pool.workers()) == 1 and pool.workers()[0].state is WorkerState.READY, 60, "worker ready")
+        await wait_for(
+            lambda: len(pool.workers()) == 1 and pool.workers()[0].state is WorkerState.READY, 60, "worker ready"
+        )
         await wait_for(lambda: st.board.get(pool.workers()[0].id).sample is not None, 20, "first scrape")
         yield Proxy(url=f"http://127.0.0.1:{port}", state=st, journal_path=journal, app=app)
     finally:

@@ -1,26 +1,29 @@
 """The control loop on recorded inputs: modes, journaling, revival of dead workers, outcomes.
 
-The actor here records what it was asked and answers like a pool would; the end-to-end tests
-(test_e2e_*.py) run the same controller against real simulated SGLang processes.
+The controller is built as the app builds it, with fakes of what it reads of the world: SGLang's
+own log reading and death classification, a log tail and a proxy backlog given by the test, an
+actor that records what it was asked and answers like a pool would, and a clock the test moves.
+The end-to-end tests (test_e2e_*.py) run the same controller against real simulated SGLang processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
 
 import pytest
 
-from proxy.control.controller import ActResult, Controller
+from proxy.control.controller import ActResult, Controller, LogReader
 from proxy.control.journal import Journal, verdict
 from proxy.engines.base import Sample
 from proxy.engines.sglang.knobs import KNOBS
-from proxy.engines.sglang.logs import LogFollower, classify_death
+from proxy.engines.sglang.logs import Death, LogFollower, classify_death
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerInfo, WorkerState
+from tests.harness.static_pool import StaticPool
 
 from .recorded import ENGINE_FIXTURES, samples
 
@@ -49,21 +52,54 @@ class RecordingActor:
         return ActResult(info=info(worker_id, self.come_back, args))
 
 
-def info(worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Mapping[str, object] = ARGS) -> WorkerInfo:
+class SGLangLogs:
+    """The engine side, as the app builds it for SGLang."""
+
+    def log_reader(self) -> LogReader:
+        return LogFollower()
+
+    def classify_death(self, tail: Sequence[str]) -> Death:
+        return classify_death(tail)
+
+
+class Around:
+    """The proxy around the controller: a worker's log tail and the requests its queue holds."""
+
+    def __init__(self, *, tail: Sequence[str] = (), backlog: int = 0) -> None:
+        self.tail, self.held = list(tail), backlog
+
+    def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
+        return self.tail[-lines:]
+
+    def backlog(self) -> int:
+        return self.held
+
+
+def info(
+    worker_id: str = "w0", state: WorkerState = WorkerState.READY, args: Mapping[str, object] = ARGS
+) -> WorkerInfo:
     return WorkerInfo(id=worker_id, url="http://127.0.0.1:1", state=state, managed=True, args=dict(args), pid=4242)
 
+
+# samples_conservative.json has about 300 requests on the worker: admission is worth retuning only
+# while at least as many wait in the proxy (otherwise the work ends before a restart pays)
+WAITING = Around(backlog=500)
 
 # samples_retraction_storm.json retracts 0.21 requests per 1k output tokens: a storm for a deployment
 # that sets the threshold there (the default, 0.5, leaves SGLang's own retraction cycle alone)
 STORM_PER_1K = 0.1
 
 
-def controller(mode: ControlMode, tmp_path: Path, actor: RecordingActor | None = None, **kw: object) -> tuple[Controller, Clock]:
+def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor | None = None, *, around: Around | None = None,
+               hold: Callable[[str], object] = lambda worker_id: None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
+    """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only."""
     clock = Clock()
-    settings = replace(ControlSettings(), mode=mode, journal_path=str(tmp_path / "decisions.jsonl"), **kw)  # type: ignore[arg-type]
+    journal_path = str(tmp_path / "decisions.jsonl") if tmp_path is not None else None
+    settings = replace(ControlSettings(), mode=mode, journal_path=journal_path, **kw)  # type: ignore[arg-type]
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
-        actor=actor, reader_factory=LogFollower, classify_death=classify_death, clock=clock,
+        engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
+        hold=hold,
     )  # fmt: skip
     return c, clock
 
@@ -81,7 +117,7 @@ def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path
     feed(c, clock, samples("samples_retraction_storm.json"))
     acts = c.tick()
     assert [a.decision.rule for a in acts] == ["retraction_storm"]
-    asyncio.run(c._carry_out(acts[0]))
+    asyncio.run(c.carry_out(acts[0]))
     assert actor.calls == [("restart", "w0", {**ARGS, "schedule_conservativeness": 1.3})]
     assert c.state("w0").args["schedule_conservativeness"] == 1.3
     entry = c.journal.entries()[-1]
@@ -105,14 +141,16 @@ def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path
 
 def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, actor)
+    c, clock = controller(ControlMode.ADVISE, tmp_path, actor, around=WAITING)
     c.track(info())
     feed(c, clock, samples("samples_conservative.json"))
     assert c.tick() == []
     clock.now += 5
     assert c.tick() == []  # the same advice is not repeated within the cool-down
     entries = c.journal.entries()
-    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("admission_too_conservative", "advised", "advise")]
+    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [
+        ("admission_too_conservative", "advised", "advise")
+    ]
     assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.2]}
     assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
 
@@ -126,7 +164,9 @@ def test_off_only_observes(tmp_path: Path) -> None:
 
 
 def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K)
+    c, clock = controller(
+        ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K
+    )
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
@@ -134,19 +174,19 @@ def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
     assert entry["status"] == "refused" and entry["detail"].startswith("restart budget spent")
 
 
-def test_timid_pacing_is_noted_not_acted_on(tmp_path: Path) -> None:
-    clock = Clock()
-    settings = replace(ControlSettings(), mode=ControlMode.AUTO, journal_path=None)
-    c = Controller(settings, KNOBS, Journal(None), actor=RecordingActor(), backlog=lambda: 400, clock=clock)
+def test_timid_pacing_is_noted_not_acted_on() -> None:
+    c, clock = controller(ControlMode.AUTO, None, around=Around(backlog=400))
     c.track(info())
     feed(c, clock, samples("samples_idle.json"))
     assert c.tick() == []
-    assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [("pacing_too_timid", "noted", "note")]
+    assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [
+        ("pacing_too_timid", "noted", "note")
+    ]
 
 
 def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,))
+    c, _ = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,))
     c.track(info())
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_cuda_oom.log").read_text().splitlines()[:-1]:
         c.on_line("w0", line)  # the process exits before the parent's SIGQUIT line: the block is still open
@@ -154,18 +194,15 @@ def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> No
     assert act is not None
     assert act.revival and act.decision.rule == "prefill_oom"
     assert act.decision.changes == {"chunked_prefill_size": (8192, 4096)}
-    asyncio.run(c._carry_out(act))
+    asyncio.run(c.carry_out(act))
     assert actor.calls == [("revive", "w0", {**ARGS, "chunked_prefill_size": 4096})]
     entry = c.journal.entries()[-1]
     assert entry["status"] == "applied" and entry["reason"].startswith("worker died (out of memory in prefill)")
 
 
-def test_death_classified_from_the_log_tail_when_no_line_was_followed(tmp_path: Path) -> None:
-    clock = Clock()
-    settings = replace(ControlSettings(), mode=ControlMode.AUTO, journal_path=None)
+def test_death_classified_from_the_log_tail_when_no_line_was_followed() -> None:
     tail = (ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log").read_text().splitlines()
-    c = Controller(settings, KNOBS, Journal(None), actor=RecordingActor(), classify_death=classify_death,
-                   tail=lambda wid, n: tail[-n:], clock=clock)  # fmt: skip
+    c, clock = controller(ControlMode.AUTO, None, around=Around(tail=tail))
     c.track(info(args={**ARGS, "max_running_requests": 600}))
     feed(c, clock, [Sample(time=1.0, queue=10, running=500, token_usage=0.9)])
     act = c.decide_revival("w0")
@@ -173,7 +210,8 @@ def test_death_classified_from_the_log_tail_when_no_line_was_followed(tmp_path: 
     assert act.decision.rule == "decode_oom" and act.decision.new_args["max_running_requests"] == 400
 
 
-def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> None:
+@pytest.mark.looptime
+async def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> None:
     c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor())
     c.track(info())
     delays = []
@@ -185,39 +223,44 @@ def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> Non
         assert act is not None
         assert act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
         delays.append(act.decision.delay_s)
-        c._workers["w0"].busy = False
+        await c.carry_out(act)  # after its back-off (loop time)
+        assert c.journal.get(act.entry_id)["status"] == "revived"  # type: ignore[index]
     assert delays == list(ControlSettings().crash_backoff_s[:3])
     assert "ValueError: invalid sampling parameter" in c.journal.entries()[-1]["reason"]
 
 
 def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,))
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=WAITING, crash_backoff_s=(0.0,))
     c.track(info())
     feed(c, clock, samples("samples_conservative.json"))
     [act] = c.tick()
-    asyncio.run(c._carry_out(act))  # conservativeness 1.0 -> 0.3
+    asyncio.run(c.carry_out(act))  # conservativeness 1.0 -> 0.3
     rules = []
     for t in (100.0, 110.0, 120.0):
         clock.now = t
         act = c.decide_revival("w0")
         assert act is not None
         rules.append(act.decision.rule)
-        asyncio.run(c._carry_out(act))
+        asyncio.run(c.carry_out(act))
     assert rules == ["revive", "revive", "crash_loop"]
     assert actor.calls[-1] == ("revive", "w0", ARGS)
 
 
 def test_advise_journals_the_revival_it_would_do(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, actor)
+    c, _ = controller(ControlMode.ADVISE, tmp_path, actor)
     c.track(info())
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
         c.on_line("w0", line)
     assert c.decide_revival("w0") is None
     assert actor.calls == []
     [entry] = c.journal.entries()
-    assert (entry["rule"], entry["status"], entry["changes"]) == ("prefill_oom", "advised", {"chunked_prefill_size": [8192, 4096]})
+    assert (entry["rule"], entry["status"], entry["changes"]) == (
+        "prefill_oom",
+        "advised",
+        {"chunked_prefill_size": [8192, 4096]},
+    )
     assert entry["detail"] == "the worker stays down (mode advise)"
 
 
@@ -238,7 +281,7 @@ def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
     [act] = c.tick()
 
     async def go() -> None:
-        await c._carry_out(act)
+        await c.carry_out(act)
         await c.close()  # the revival it spawned
 
     asyncio.run(go())
@@ -250,30 +293,54 @@ def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("before", "after", "expected"),
     [
-        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1200.0, "retraction_rate_per_min": 0.0}, "better"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 0.0}, {"throughput": 800.0, "retraction_rate_per_min": 0.0}, "worse"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 20.0}, {"throughput": 1010.0, "retraction_rate_per_min": 2.0}, "better"),
-        ({"throughput": 1000.0, "retraction_rate_per_min": 1.0}, {"throughput": 1000.0, "retraction_rate_per_min": 1.0}, "same"),
-        ({"throughput": None, "retraction_rate_per_min": 0.0}, {"throughput": 5.0, "retraction_rate_per_min": 9.0}, "worse"),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 20.0},
+            {"throughput": 1200.0, "retraction_rate_per_min": 0.0},
+            "better",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 0.0},
+            {"throughput": 800.0, "retraction_rate_per_min": 0.0},
+            "worse",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 20.0},
+            {"throughput": 1010.0, "retraction_rate_per_min": 2.0},
+            "better",
+        ),
+        (
+            {"throughput": 1000.0, "retraction_rate_per_min": 1.0},
+            {"throughput": 1000.0, "retraction_rate_per_min": 1.0},
+            "same",
+        ),
+        (
+            {"throughput": None, "retraction_rate_per_min": 0.0},
+            {"throughput": 5.0, "retraction_rate_per_min": 9.0},
+            "worse",
+        ),
     ],
 )
 def test_verdict(before: dict[str, object], after: dict[str, object], expected: str) -> None:
     assert verdict(before, after) == expected
 
 
-def test_a_dying_worker_is_held_until_ready_again(tmp_path: Path) -> None:
-    calls: list[tuple[str, bool]] = []
-    clock = Clock()
-    settings = replace(ControlSettings(), mode=ControlMode.OFF, journal_path=None)
-    c = Controller(settings, KNOBS, Journal(None), reader_factory=LogFollower, hold=lambda w, on: calls.append((w, on)), clock=clock)
+def test_a_dying_worker_is_held_until_ready_again() -> None:
+    """The controller holds a dying worker in the pool (its state, the one truth of 'send nothing');
+    the pool's hold is lifted by the worker's restart, not by the controller."""
+    pool = StaticPool(["http://w0"])
+    c, _ = controller(ControlMode.OFF, None, hold=pool.hold)
     c.track(info())
-    c.on_line("w0", "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0")
-    assert calls == []
+    c.on_line(
+        "w0",
+        "[2026-09-13 16:12:40] Decode batch, #running-req: 5, #token: 1, token usage: 0.10, cuda graph: True, gen throughput (token/s): 1.00, #queue-req: 0",
+    )
+    assert pool.get("w0").state is WorkerState.READY
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
-        c.on_line("w0", line)  # the allocator line already says it: hold once, not per event
-    assert calls == [("w0", True)]
+        c.on_line("w0", line)
+    assert pool.get("w0").state is WorkerState.DRAINING
+    pool.set_state("w0", WorkerState.DOWN)
     c.track(info(state=WorkerState.DOWN))
-    c.track(info(state=WorkerState.STARTING))
-    assert calls == [("w0", True)]
+    assert pool.hold("w0").state is WorkerState.DOWN  # a hold never revives a dead worker
+    pool.set_state("w0", WorkerState.READY)
     c.track(info(state=WorkerState.READY))
-    assert calls == [("w0", True), ("w0", False)]
+    assert pool.get("w0").state is WorkerState.READY

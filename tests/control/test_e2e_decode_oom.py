@@ -35,8 +35,12 @@ async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: P
 
         async def one(i: int) -> int:
             async with sem:
-                r = await client.completions.create(model=MODEL, prompt=f"short prompt {i}", max_tokens=OUTPUT_TOKENS,
-                                                    extra_body={"sim_output_len": OUTPUT_TOKENS})
+                r = await client.completions.create(
+                    model=MODEL,
+                    prompt=f"short prompt {i}",
+                    max_tokens=OUTPUT_TOKENS,
+                    extra_body={"sim_output_len": OUTPUT_TOKENS},
+                )
                 return r.usage.completion_tokens
 
         results = await asyncio.gather(*[one(i) for i in range(N_REQUESTS)])
@@ -56,6 +60,6 @@ async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: P
         assert info.args["max_running_requests"] == new_cap and info.restarts == 1
         assert len(proxy.controller.state(worker).deaths) == 1
         tail = pool.tail(worker, 5000)
-        since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line):]
+        since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line) :]
         assert any("Decode batch" in line for line in since_ready)
         assert not any("OutOfMemoryError" in line for line in since_ready)

@@ -42,7 +42,9 @@ async def test_retraction_storm_is_calmed_without_losing_a_request(tmp_path: Pat
         async def one(i: int) -> int:
             async with sem:
                 r = await client.completions.create(
-                    model=MODEL, prompt=f"request {i}: tell me a story about the number {i}", max_tokens=MAX_TOKENS,
+                    model=MODEL,
+                    prompt=f"request {i}: tell me a story about the number {i}",
+                    max_tokens=MAX_TOKENS,
                     extra_body={"sim_output_len": outputs[i]},
                 )
                 return r.usage.completion_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from proxy.control.decision import ControlState, Decision, RuleKind
+from proxy.control.decision import ControlState, Decision, KnobChange, RuleKind
 from proxy.control.rules import WHILE_SERVING, RuleSettings, evaluate, gate
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.policy import ControlSettings
@@ -22,17 +22,19 @@ def decision(rule: str, kind: RuleKind, direction: int, new: float, t: float, ol
         rule=rule,
         reason="test",
         time=t,
-        evidence={"old_value": old, "new_value": new},
         old_args={**ARGS, "schedule_conservativeness": old},
         new_args={**ARGS, "schedule_conservativeness": new},
         kind=kind,
-        knob="conservativeness",
-        direction=direction,
+        change=KnobChange(
+            knob="conservativeness", arg="schedule_conservativeness", old=old, new=new, direction=direction
+        ),
     )
 
 
 def test_cool_down_after_a_restart() -> None:
-    st = ControlState.initial("w0", ARGS).after_restart(decision("a", RuleKind.TUNING, -1, 0.7, 0.0), 1000.0, C.flip_guard_s)
+    st = ControlState.initial("w0", ARGS).after_restart(
+        decision("a", RuleKind.TUNING, -1, 0.7, 0.0), 1000.0, C.flip_guard_s
+    )
     d = decision("b", RuleKind.TUNING, -1, 0.4, 1050.0, old=0.7)
     why = gate(d, st, C, 1050.0)
     assert why is not None and why.startswith("cool-down") and "70.0 s left" in why
@@ -48,7 +50,9 @@ def test_cool_down_holds_a_real_window_back() -> None:
 
 
 def test_restart_budget() -> None:
-    st = replace(ControlState.initial("w0", ARGS), restarts=tuple(float(t) for t in range(0, 3000, 500)))  # 6 in the hour
+    st = replace(
+        ControlState.initial("w0", ARGS), restarts=tuple(float(t) for t in range(0, 3000, 500))
+    )  # 6 in the hour
     why = gate(decision("a", RuleKind.CORRECTIVE, +1, 1.3, 3000.0), st, C, 3000.0)
     assert why is not None and why.startswith("restart budget spent: 6 restarts")
     assert gate(decision("a", RuleKind.CORRECTIVE, +1, 1.3, 3700.0), st, C, 3700.0) is None  # the oldest aged out
@@ -60,7 +64,9 @@ def test_safety_ignores_cool_down_and_budget() -> None:
 
 
 def test_tuning_never_flips_a_knob_back() -> None:
-    st = ControlState.initial("w0", ARGS).after_restart(decision("retraction_storm", RuleKind.CORRECTIVE, +1, 1.3, 0.0), 0.0, C.flip_guard_s)
+    st = ControlState.initial("w0", ARGS).after_restart(
+        decision("retraction_storm", RuleKind.CORRECTIVE, +1, 1.3, 0.0), 0.0, C.flip_guard_s
+    )
     back = decision("admission_too_conservative", RuleKind.TUNING, -1, 1.0, 500.0, old=1.3)
     why = gate(back, st, C, 500.0)
     assert why is not None and why.startswith("flip guard: conservativeness was raised by retraction_storm")
@@ -68,7 +74,9 @@ def test_tuning_never_flips_a_knob_back() -> None:
 
 
 def test_corrective_may_reverse_once_then_the_way_back_is_shut() -> None:
-    st = ControlState.initial("w0", ARGS).after_restart(decision("admission_too_conservative", RuleKind.TUNING, -1, 0.7, 0.0), 0.0, C.flip_guard_s)
+    st = ControlState.initial("w0", ARGS).after_restart(
+        decision("admission_too_conservative", RuleKind.TUNING, -1, 0.7, 0.0), 0.0, C.flip_guard_s
+    )
     up = decision("retraction_storm", RuleKind.CORRECTIVE, +1, 1.0, 300.0, old=0.7)
     assert gate(up, st, C, 300.0) is None  # retractions after lowering: going back is allowed
     st = st.after_restart(up, 300.0, C.flip_guard_s)
@@ -80,8 +88,12 @@ def test_corrective_may_reverse_once_then_the_way_back_is_shut() -> None:
 
 
 def test_safety_revert_holds_every_moved_knob() -> None:
-    st = ControlState.initial("w0", ARGS).after_restart(decision("admission_too_conservative", RuleKind.TUNING, -1, 0.7, 0.0), 0.0, C.flip_guard_s)
-    revert = Decision(worker_id="w0", rule="crash_loop", reason="r", time=200.0, old_args=st.args, new_args=ARGS, kind=RuleKind.SAFETY)
+    st = ControlState.initial("w0", ARGS).after_restart(
+        decision("admission_too_conservative", RuleKind.TUNING, -1, 0.7, 0.0), 0.0, C.flip_guard_s
+    )
+    revert = Decision(
+        worker_id="w0", rule="crash_loop", reason="r", time=200.0, old_args=st.args, new_args=ARGS, kind=RuleKind.SAFETY
+    )
     st = st.after_restart(revert, 200.0, C.flip_guard_s)
     assert dict(st.args) == ARGS
     why = gate(decision("admission_too_conservative", RuleKind.TUNING, -1, 0.7, 1000.0), st, C, 1000.0)

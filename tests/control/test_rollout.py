@@ -1,9 +1,14 @@
-"""The rolling restart's drain: it waits while requests finish, and takes back at once what will not."""
+"""The rolling restart's drain: it waits while requests finish, and takes back at once what will not.
+
+Run on virtual time (looptime): the durations are exact, and the tests take no real time.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+from collections.abc import Mapping
+
+import pytest
 
 from proxy.control.rollout import Rollout
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
@@ -16,21 +21,14 @@ class FakeDispatcher:
     def __init__(self, finish_at: list[float], started: int = 0) -> None:
         self.finish_at = sorted(finish_at)
         self.started = started  # the first ``started`` of finish_at cannot be taken back
-        self.t0 = 0.0
         self.taken: list[float] = []
-        self.draining: list[bool] = []
 
     def _now(self) -> float:
-        return asyncio.get_running_loop().time() - self.t0
+        return asyncio.get_running_loop().time()
 
     def _open(self) -> list[float]:
         now = self._now()
         return [t for t in self.finish_at if t > now and t not in self.taken]
-
-    def drain(self, worker_id: WorkerId, draining: bool = True) -> None:
-        if draining and not self.draining:
-            self.t0 = asyncio.get_running_loop().time()
-        self.draining.append(draining)
 
     def open_attempts(self, worker_id: WorkerId) -> int:
         return len(self._open())
@@ -40,7 +38,7 @@ class FakeDispatcher:
         while self._open():
             if self._now() >= end:
                 return False
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(min(max(self._open()), end) - self._now())
         return True
 
     def take_back(self, worker_id: WorkerId) -> int:
@@ -52,59 +50,62 @@ class FakeDispatcher:
 
 class FakePool:
     def __init__(self) -> None:
-        self.state = WorkerState.READY
+        self.states = [WorkerState.READY]
         self.restarted: list[Mapping[str, object]] = []
 
     def get(self, worker_id: WorkerId) -> WorkerInfo:
-        return WorkerInfo(id=worker_id, url="http://w", state=self.state, args={}, managed=True)
+        return WorkerInfo(id=worker_id, url="http://w", state=self.states[-1], args={}, managed=True)
 
-    def set_state(self, worker_id: WorkerId, state: WorkerState) -> None:
-        self.state = state
+    def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
+        self.states.append(state)
+        return self.get(worker_id)
 
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
         self.restarted.append(args)
-        self.state = WorkerState.READY
+        self.states.append(WorkerState.READY)
         return self.get(worker_id)
 
 
-def _restart(dispatcher: FakeDispatcher, drain_timeout_s: float = 0.6) -> tuple[dict[str, object], float]:
-    async def go() -> tuple[dict[str, object], float]:
-        pool = FakePool()
-        rollout = Rollout(pool, dispatcher, drain_timeout_s=drain_timeout_s, settle_s=0.05)
-        loop = asyncio.get_running_loop()
-        t = loop.time()
-        result = await rollout.restart("w0", {"x": 1}, "test")
-        assert pool.restarted == [{"x": 1}] and dispatcher.draining[-1] is False
-        return dict(result.details), loop.time() - t
-
-    return asyncio.run(go())
+async def _restart(dispatcher: FakeDispatcher, drain_timeout_s: float = 0.6) -> tuple[dict[str, object], float]:
+    pool = FakePool()
+    rollout = Rollout(pool, dispatcher, drain_timeout_s=drain_timeout_s, settle_s=0.05)
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    result = await rollout.restart("w0", {"x": 1}, "test")
+    assert pool.restarted == [{"x": 1}]
+    assert pool.states == [WorkerState.READY, WorkerState.DRAINING, WorkerState.READY]  # drained, restarted
+    return dict(result.details), loop.time() - t
 
 
-def test_short_outputs_drain_to_the_end() -> None:
+@pytest.mark.looptime
+async def test_short_outputs_drain_to_the_end() -> None:
     """Requests keep finishing: the drain waits for all of them, nothing is taken back."""
-    d, took = _restart(FakeDispatcher([0.02 * i for i in range(1, 20)]))
+    d, took = await _restart(FakeDispatcher([0.02 * i for i in range(1, 20)]))
     assert d["drained"] is True and d["taken_back"] == 0 and "drain_stopped" not in d
-    assert 0.35 < took < 0.6
+    assert took == pytest.approx(0.38)  # the last one finished
 
 
-def test_long_outputs_are_taken_back_after_one_slice() -> None:
+@pytest.mark.looptime
+async def test_long_outputs_are_taken_back_after_one_slice() -> None:
     """Nothing finishes within a slice (outputs far from done): take back at once, not after the timeout."""
-    d, took = _restart(FakeDispatcher([5.0 + i for i in range(30)]))
+    d, took = await _restart(FakeDispatcher([5.0 + i for i in range(30)]))
     assert d["drained"] is False and d["taken_back"] == 30 and "drain_stopped" in d
-    assert took < 0.3  # one slice of 0.1 s (0.6 / 6), not the 0.6 s timeout
+    assert took == pytest.approx(0.1)  # one slice (0.6 / 6), not the 0.6 s timeout
 
 
-def test_the_drain_stops_when_finishing_slows_down() -> None:
+@pytest.mark.looptime
+async def test_the_drain_stops_when_finishing_slows_down() -> None:
     """A third finish early, the rest much later: the drain ends in the first slice that sees too few finish."""
     finish = [0.01 * i for i in range(1, 11)] + [10.0 + i for i in range(20)]
-    d, took = _restart(FakeDispatcher(finish))
+    d, took = await _restart(FakeDispatcher(finish))
     assert d["drained"] is False and d["taken_back"] == 20
-    assert took < 0.35
+    assert took == pytest.approx(0.2)  # the second slice saw none of the 20 finish
 
 
-def test_streams_with_output_are_waited_for_until_the_deadline() -> None:
+@pytest.mark.looptime
+async def test_streams_with_output_are_waited_for_until_the_deadline() -> None:
     """What cannot be taken back (a stream already sending) still gets the drain's whole deadline."""
     finish = [0.45, 5.0, 6.0]  # the first one has sent output: it runs to its end at 0.45 s
-    d, took = _restart(FakeDispatcher(finish, started=1))
+    d, took = await _restart(FakeDispatcher(finish, started=1))
     assert d["taken_back"] == 2 and d["still_running_at_restart"] == 0
-    assert 0.4 < took < 0.6
+    assert took == pytest.approx(0.45)

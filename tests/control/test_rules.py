@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.control.decision import Action, ControlState, RuleKind
+from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
+from proxy.control.evidence import ConservativenessStorm, Retractions
 from proxy.control.rules import (
     ON_DEATH,
     WHILE_SERVING,
@@ -49,21 +50,32 @@ def test_low_usage_with_queue_lowers_conservativeness() -> None:
     assert d is not None and d.rule == "admission_too_conservative" and d.kind is RuleKind.TUNING
     # usage 0.64 with requests waiting: 1.0 x (0.64 / 0.36) / (0.9 / 0.1) = 0.2, in one restart
     assert d.changes == {"schedule_conservativeness": (1.0, 0.2)}
-    assert d.evidence["low_usage_fraction"] == 1.0 and d.direction == -1
-    assert d.evidence["mean_usage_waiting"] == pytest.approx(0.64, abs=0.005)
+    assert d.evidence_json()["low_usage_fraction"] == 1.0 and d.direction == -1
+    assert d.evidence_json()["mean_usage_waiting"] == pytest.approx(0.64, abs=0.005)
     assert "token usage 0.64 (< 0.9)" in d.reason
 
 
 @pytest.mark.parametrize(
     ("window", "args"),
     [
-        pytest.param(window_of(samples("samples_conservative.json", until=15)), ARGS, id="hysteresis-too-little-evidence"),
+        pytest.param(
+            window_of(samples("samples_conservative.json", until=15)), ARGS, id="hysteresis-too-little-evidence"
+        ),
         pytest.param(window_of(samples("samples_healthy.json")), ARGS, id="healthy-usage"),
         pytest.param(window_of(samples("samples_idle.json")), ARGS, id="empty-queue"),
-        pytest.param(window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"),
-        pytest.param(window_of(samples("samples_conservative.json")), {**ARGS, "schedule_conservativeness": 0.1}, id="at-lower-bound"),
         pytest.param(
-            window_of(samples("samples_conservative.json"), [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})]),
+            window_of(samples("samples_capped.json")), {**ARGS, "max_running_requests": 64}, id="batch-at-its-cap"
+        ),
+        pytest.param(
+            window_of(samples("samples_conservative.json")),
+            {**ARGS, "schedule_conservativeness": 0.1},
+            id="at-lower-bound",
+        ),
+        pytest.param(
+            window_of(
+                samples("samples_conservative.json"),
+                [LogEvent(kind=EventKind.RETRACTION, time=30.0, fields={"retracted": 1})],
+            ),
             ARGS,
             id="a-retraction-in-window",
         ),
@@ -77,7 +89,9 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
     from proxy.engines.base import Sample
 
     # long prompts after a start-up: usage climbs 0.10 -> 0.85 over the window with requests waiting
-    filling = [Sample(time=float(t), queue=130, running=min(90, 3 * t), token_usage=0.10 + 0.0125 * t) for t in range(61)]
+    filling = [
+        Sample(time=float(t), queue=130, running=min(90, 3 * t), token_usage=0.10 + 0.0125 * t) for t in range(61)
+    ]
     assert window_of(filling).conservative_fraction(0.9) == 1.0
     assert admission_too_conservative(window_of(filling), state(), SETTINGS) is None
     # the same usage once it has levelled off is evidence
@@ -87,8 +101,14 @@ def test_admission_rule_waits_while_the_pool_is_still_filling() -> None:
 
 
 def test_admission_rule_default_conservativeness_when_unset() -> None:
-    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS)
-    assert d is not None and d.changes == {"schedule_conservativeness": (None, 0.2)} and d.evidence["old_value"] == 1.0
+    d = admission_too_conservative(
+        window_of(samples("samples_conservative.json")), state({"model_path": "m"}), SETTINGS
+    )
+    assert (
+        d is not None
+        and d.changes == {"schedule_conservativeness": (None, 0.2)}
+        and d.evidence_json()["old_value"] == 1.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -102,14 +122,18 @@ def test_admission_rule_default_conservativeness_when_unset() -> None:
 )
 def test_admission_rule_sizes_its_step_by_the_usage(current: float, lower_bound: float, expected: float) -> None:
     settings = RuleSettings(control=ControlSettings(conservativeness_bounds=(lower_bound, 2.0)), knobs=KNOBS)
-    d = admission_too_conservative(window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings)
+    d = admission_too_conservative(
+        window_of(samples("samples_conservative.json")), state({**ARGS, "schedule_conservativeness": current}), settings
+    )
     assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected)
 
 
 def _waiting_at(usage: float) -> Window:
     from proxy.engines.base import Sample
 
-    return window_of([Sample(time=float(t), queue=130, running=300, token_usage=usage + 0.01 * (t % 2)) for t in range(61)])
+    return window_of(
+        [Sample(time=float(t), queue=130, running=300, token_usage=usage + 0.01 * (t % 2)) for t in range(61)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -123,7 +147,7 @@ def _waiting_at(usage: float) -> Window:
 def test_admission_step_follows_how_far_usage_is_below_the_line(usage: float, expected: float) -> None:
     d = admission_too_conservative(_waiting_at(usage), state(), SETTINGS)
     assert d is not None and d.new_args["schedule_conservativeness"] == pytest.approx(expected, abs=0.01)
-    assert d.evidence["possible_gain"] >= SETTINGS.control.admission_min_gain
+    assert d.evidence_json()["possible_gain"] >= SETTINGS.control.admission_min_gain
 
 
 @pytest.mark.parametrize("usage", [0.85, 0.8])
@@ -143,25 +167,31 @@ def test_retraction_counter_storm_raises_conservativeness() -> None:
     d = retraction_storm(w, state(), STORM)
     assert d is not None and d.kind is RuleKind.CORRECTIVE and d.direction == +1
     assert d.changes == {"schedule_conservativeness": (1.0, 1.3)}
-    assert d.evidence["retraction_rate_per_min"] > 6
+    assert d.evidence_json()["retraction_rate_per_min"] > 6
 
 
-def _raised(rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm") -> ControlState:
+def _raised(
+    rate_before: float, throughput_before: float | None, *, at: float = 0.0, rule: str = "retraction_storm"
+) -> ControlState:
     """The state after a raise 0.7 -> 1.0 at ``at`` made on that retraction rate and throughput."""
-    from proxy.control.decision import Decision
-
+    figures = Retractions(retraction_rate_per_min=rate_before, threshold_per_min=6.0, retractions_per_1k_tokens=None,
+                          threshold_per_1k_tokens=0.1, retractions=100, observed_s=60.0)  # fmt: skip
     raise_ = Decision(
-        worker_id="w0", rule=rule, reason="r", time=at, kind=RuleKind.CORRECTIVE, knob="conservativeness", direction=+1,
-        evidence={"retraction_rate_per_min": rate_before, "throughput": throughput_before, "old_value": 0.7, "new_value": 1.0},
+        worker_id="w0", rule=rule, reason="r", time=at, kind=RuleKind.CORRECTIVE,
+        change=KnobChange(knob="conservativeness", arg="schedule_conservativeness", old=0.7, new=1.0, direction=+1),
+        evidence=ConservativenessStorm(storm=figures, throughput=throughput_before),
         old_args={**ARGS, "schedule_conservativeness": 0.7}, new_args=ARGS,
     )  # fmt: skip
-    return replace(state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, STORM.control.flip_guard_s), last_restart=None)
+    return replace(
+        state({**ARGS, "schedule_conservativeness": 0.7}).after_restart(raise_, at, STORM.control.flip_guard_s),
+        last_restart=None,
+    )
 
 
 def test_retraction_rule_records_throughput_for_the_next_look() -> None:
     w = window_of(samples("samples_retraction_storm.json"))
     d = retraction_storm(w, state(), STORM)
-    assert d is not None and d.evidence["throughput"] == pytest.approx(w.throughput, abs=0.1)
+    assert d is not None and d.evidence_json()["throughput"] == pytest.approx(w.throughput, abs=0.1)
 
 
 def test_retraction_rule_raises_again_when_the_last_raise_paid() -> None:
@@ -186,7 +216,9 @@ def test_retraction_rule_raises_again_when_the_last_raise_paid() -> None:
         pytest.param(3.0, 1.2, id="the-last-raise-cut-them-but-throughput-fell"),
     ],
 )
-def test_retraction_rule_must_not_raise_again_when_the_last_raise_did_not_pay(rate_factor: float, throughput_factor: float) -> None:
+def test_retraction_rule_must_not_raise_again_when_the_last_raise_did_not_pay(
+    rate_factor: float, throughput_factor: float
+) -> None:
     w = window_of(samples("samples_retraction_storm.json"))
     assert w.throughput is not None
     st = _raised(w.retraction_rate_per_min * rate_factor, w.throughput * throughput_factor)
@@ -218,9 +250,11 @@ def test_retraction_rule_is_relative_to_the_work_done() -> None:
     storm, whatever the absolute rate (the old threshold, 6 a minute, fired on it)."""
     storm = retraction_storm(_busy_with_retractions(60.0, 1000.0), state({"schedule_conservativeness": 0.1}), SETTINGS)
     assert storm is not None and storm.changes == {"schedule_conservativeness": (0.1, 0.4)}
-    assert storm.evidence["retractions_per_1k_tokens"] == pytest.approx(1.0, abs=0.01)
-    assert storm.evidence["threshold_per_1k_tokens"] == 0.5
-    assert retraction_storm(_busy_with_retractions(57.0, 2260.0), state(), SETTINGS) is None  # a burst at 1.0: 0.42 per 1k
+    assert storm.evidence_json()["retractions_per_1k_tokens"] == pytest.approx(1.0, abs=0.01)
+    assert storm.evidence_json()["threshold_per_1k_tokens"] == 0.5
+    assert (
+        retraction_storm(_busy_with_retractions(57.0, 2260.0), state(), SETTINGS) is None
+    )  # a burst at 1.0: 0.42 per 1k
     # the same count of retractions on a server five times slower is a storm
     assert retraction_storm(_busy_with_retractions(57.0, 452.0), state(), SETTINGS) is not None
     # and a deployment may call less a storm
@@ -255,8 +289,12 @@ def test_memory_headroom_raises_fraction_by_small_steps() -> None:
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), SETTINGS)
     # 13.5 GB free with 0.83 static: the GPU holds >= 13.5 / 0.17 = 79.4 GB; 6 GB more to the pool
     # leaves the band's middle (7.5 GB) free: 0.83 + 6 / 79.4 = 0.906, one restart instead of eight
-    assert d is not None and d.changes == {"mem_fraction_static": (0.83, 0.906)} and d.evidence["available_gpu_mem_gb"] == 13.5
-    assert d.evidence["gpu_total_gb_at_least"] == 79.4
+    assert (
+        d is not None
+        and d.changes == {"mem_fraction_static": (0.83, 0.906)}
+        and d.evidence_json()["available_gpu_mem_gb"] == 13.5
+    )
+    assert d.evidence_json()["gpu_total_gb_at_least"] == 79.4
     assert memory_low(w, state({"mem_fraction_static": 0.83}), SETTINGS) is None
 
 
@@ -271,7 +309,9 @@ def test_memory_rules_need_a_known_fraction_and_respect_bounds() -> None:
 
 def test_memory_headroom_steps_at_least_the_policy_step_and_stays_in_bounds() -> None:
     w = window_of(log_events("log_startup_headroom.log"))  # 13.5 GB free
-    wide = RuleSettings(control=ControlSettings(available_mem_band_gb=(5.0, 13.0), memory_fraction_step=0.01), knobs=KNOBS)
+    wide = RuleSettings(
+        control=ControlSettings(available_mem_band_gb=(5.0, 13.0), memory_fraction_step=0.01), knobs=KNOBS
+    )
     d = memory_headroom(w, state({"mem_fraction_static": 0.83}), wide)  # the middle (9 GB): 0.83 + 4.5 / 79.4
     assert d is not None and d.new_args["mem_fraction_static"] == pytest.approx(0.887)
     big_step = RuleSettings(control=ControlSettings(memory_fraction_step=0.1), knobs=KNOBS)
@@ -307,9 +347,14 @@ def test_prefill_oom_walks_down_the_chunk_ladder() -> None:
 
 
 def test_prefill_oom_reads_the_resolved_chunk_from_the_startup_line() -> None:
-    w = window_of(log_events("log_startup_headroom.log"), log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30))
+    w = window_of(
+        log_events("log_startup_headroom.log"),
+        log_events(ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log", offset=30),
+    )
     d = prefill_oom(w, state({}), SETTINGS)
-    assert d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence["old_value"] == 8192
+    assert (
+        d is not None and d.changes == {"chunked_prefill_size": (None, 4096)} and d.evidence_json()["old_value"] == 8192
+    )
 
 
 def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
@@ -322,7 +367,11 @@ def test_prefill_oom_at_the_floor_lowers_memory_instead() -> None:
 def test_decode_oom_caps_running_below_peak() -> None:
     w = window_of(log_events(ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log"))
     d = decode_oom(w, state({"max_running_requests": 1024}), SETTINGS)
-    assert d is not None and d.changes == {"max_running_requests": (1024, 409)} and d.evidence["peak_running"] == 512
+    assert (
+        d is not None
+        and d.changes == {"max_running_requests": (1024, 409)}
+        and d.evidence_json()["peak_running"] == 512
+    )
     assert prefill_oom(w, state(), SETTINGS) is None  # a decode OOM is not a prefill OOM
 
 
@@ -362,7 +411,13 @@ def test_crash_loop_must_not_fire() -> None:
 def test_revive_delay_grows() -> None:
     c = ControlSettings()
     delays = [revive_delay(state(deaths=tuple(float(i) for i in range(n))), c, 10.0) for n in (0, 1, 2, 3, 9)]
-    assert delays == [c.crash_backoff_s[0], c.crash_backoff_s[0], c.crash_backoff_s[1], c.crash_backoff_s[2], c.crash_backoff_s[-1]]
+    assert delays == [
+        c.crash_backoff_s[0],
+        c.crash_backoff_s[0],
+        c.crash_backoff_s[1],
+        c.crash_backoff_s[2],
+        c.crash_backoff_s[-1],
+    ]
 
 
 # -- pacing too timid (noted only) ---------------------------------------------------------------
@@ -373,7 +428,10 @@ def test_timid_pacing_is_noted() -> None:
     d = pacing_too_timid(w, state(), SETTINGS)
     assert d is not None and d.action is Action.NOTE and d.new_args == d.old_args
     assert pacing_too_timid(window_of(samples("samples_idle.json")), state(), SETTINGS) is None  # proxy held nothing
-    assert pacing_too_timid(window_of(samples("samples_conservative.json")).push_proxy_queue(0.0, 500), state(), SETTINGS) is None
+    assert (
+        pacing_too_timid(window_of(samples("samples_conservative.json")).push_proxy_queue(0.0, 500), state(), SETTINGS)
+        is None
+    )
 
 
 # -- evaluation order -------------------------------------------------------------------------------
@@ -400,5 +458,5 @@ def test_admission_rule_must_not_restart_at_the_end_of_a_batch() -> None:
     assert admission_too_conservative(w.push_proxy_queue(w.now, on_worker - 1), state(), SETTINGS) is None
     assert admission_too_conservative(w.push_proxy_queue(w.now, 0), state(), SETTINGS) is None
     d = admission_too_conservative(w.push_proxy_queue(w.now, 5000), state(), SETTINGS)
-    assert d is not None and d.evidence["proxy_backlog"] == 5000
+    assert d is not None and d.evidence_json()["proxy_backlog"] == 5000
     assert admission_too_conservative(w, state(), SETTINGS) is not None  # no backlog figure: the rule as before

@@ -34,11 +34,13 @@ def test_preemptions_cap_max_num_seqs_at_what_the_full_cache_holds() -> None:
     d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
     assert d is not None and d.rule == "retraction_storm" and d.kind is RuleKind.CORRECTIVE
     assert d.changes == {"max_num_seqs": (128, 19)}  # the median of 20..28, x 0.8
-    assert d.evidence["running_when_kv_full"] == 24 and d.evidence["retraction_rate_per_min"] == 600.0
+    assert d.evidence_json()["running_when_kv_full"] == 24 and d.evidence_json()["retraction_rate_per_min"] == 600.0
     assert "lower max_num_seqs 128 -> 19" in d.reason
 
 
-def with_lengths(samples: list[Sample], capacity: int, tokens_per_request: float, finished_per_s: float = 2.0) -> list[Sample]:
+def with_lengths(
+    samples: list[Sample], capacity: int, tokens_per_request: float, finished_per_s: float = 2.0
+) -> list[Sample]:
     """``samples`` with a KV capacity and requests of ``tokens_per_request`` (prompt + output) finishing."""
     return [
         replace(smp, max_total_tokens=capacity, finished_requests_total=finished_per_s * smp.time,
@@ -52,8 +54,8 @@ def test_preemptions_cap_max_num_seqs_at_the_whole_requests_that_fit() -> None:
     window = Window().push_all(with_lengths(preempting(), 8192, 364.0))
     d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
     assert d is not None and d.changes == {"max_num_seqs": (128, 22)}
-    assert d.evidence["requests_that_fit"] == 22 and d.evidence["kv_capacity_tokens"] == 8192
-    assert d.evidence["mean_request_tokens"] == 364.0 and d.evidence["running_when_kv_full"] == 24
+    assert d.evidence_json()["requests_that_fit"] == 22 and d.evidence_json()["kv_capacity_tokens"] == 8192
+    assert d.evidence_json()["mean_request_tokens"] == 364.0 and d.evidence_json()["running_when_kv_full"] == 24
     assert "22 whole requests of 364 tokens fit its 8192 tokens: lower max_num_seqs 128 -> 22" in d.reason
 
 
@@ -64,18 +66,21 @@ def test_whole_request_fit_is_read_across_a_counter_reset() -> None:
                                       finished_request_tokens_total=smp.finished_request_tokens_total - 40 * 364.0)
                               for smp in samples[20:]]  # fmt: skip
     d = retraction_storm(Window().push_all(samples), ControlState.initial("w0", ARGS), SETTINGS)
-    assert d is not None and d.evidence["requests_that_fit"] == 22
+    assert d is not None and d.evidence_json()["requests_that_fit"] == 22
 
 
 def test_short_requests_fall_back_below_the_running_count() -> None:
     # 8,192 / 200 = 40 whole requests fit, more than ran: the preemptions come from longer ones
     window = Window().push_all(with_lengths(preempting(), 8192, 200.0))
     d = retraction_storm(window, ControlState.initial("w0", ARGS), SETTINGS)
-    assert d is not None and d.changes == {"max_num_seqs": (128, 19)} and "requests_that_fit" not in d.evidence
+    assert d is not None and d.changes == {"max_num_seqs": (128, 19)} and "requests_that_fit" not in d.evidence_json()
 
 
 def test_no_finished_request_falls_back_below_the_running_count() -> None:
-    samples = [replace(smp, finished_requests_total=0.0, finished_request_tokens_total=0.0) for smp in with_lengths(preempting(), 8192, 364.0)]
+    samples = [
+        replace(smp, finished_requests_total=0.0, finished_request_tokens_total=0.0)
+        for smp in with_lengths(preempting(), 8192, 364.0)
+    ]
     d = retraction_storm(Window().push_all(samples), ControlState.initial("w0", ARGS), SETTINGS)
     assert d is not None and d.changes == {"max_num_seqs": (128, 19)}
 
@@ -93,7 +98,11 @@ def test_no_move_when_the_cap_is_already_below_what_fits() -> None:
 
 def test_sglang_still_raises_conservativeness() -> None:
     window = Window().push_all(preempting())
-    d = retraction_storm(window, ControlState.initial("w0", {"schedule_conservativeness": 1.0}), RuleSettings(control=ControlSettings(), knobs=SGLANG_KNOBS))
+    d = retraction_storm(
+        window,
+        ControlState.initial("w0", {"schedule_conservativeness": 1.0}),
+        RuleSettings(control=ControlSettings(), knobs=SGLANG_KNOBS),
+    )
     assert d is not None and set(d.changes) == {"schedule_conservativeness"}
 
 
@@ -109,7 +118,9 @@ def test_recorded_refusal_lowers_max_model_len_to_what_fits() -> None:
     d = evaluate(window, state, SETTINGS, ON_DEATH).decision
     assert d is not None and d.rule == "kv_capacity" and d.kind is RuleKind.SAFETY
     assert d.changes == {"max_model_len": (4096, 1920)}
-    assert d.evidence["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(d.evidence["log"])
+    assert d.evidence_json()["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(
+        d.evidence_json()["log"]
+    )
 
 
 def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
@@ -120,7 +131,9 @@ def test_refusal_without_a_length_raises_the_memory_fraction() -> None:
 
 
 def test_a_warning_that_does_not_stop_the_engine_is_ignored() -> None:
-    event = LogEvent(kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False})
+    event = LogEvent(
+        kind=EventKind.KV_CAPACITY_ERROR, time=1.0, fields={"kv_tokens": 1000, "context_len": 4096, "fatal": False}
+    )
     assert kv_capacity(Window().push(event), ControlState.initial("w0", {}), SETTINGS) is None
 
 

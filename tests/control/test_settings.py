@@ -17,7 +17,9 @@ def test_defaults_follow_the_tuning_guide() -> None:
 
 
 def test_overrides() -> None:
-    c = parse_policy({"control": {"mode": "advise", "window_s": 30, "cooldown_s": 0, "crash_backoff_s": [0, 1]}}).control
+    c = parse_policy(
+        {"control": {"mode": "advise", "window_s": 30, "cooldown_s": 0, "crash_backoff_s": [0, 1]}}
+    ).control
     assert c.mode is ControlMode.ADVISE and c.window_s == 30.0 and c.cooldown_s == 0.0
     assert c.crash_backoff_s == (0.0, 1.0)
     c = parse_policy({"control": {"retractions_per_1k_tokens": 0.25, "admission_min_gain": 0.3}}).control
@@ -33,7 +35,9 @@ def test_overrides() -> None:
         pytest.param({"memory_fraction_bounds": [0.5, 1.2]}, "control.memory_fraction_bounds", id="fraction-bound"),
         pytest.param({"crash_backoff_s": []}, "control.crash_backoff_s", id="empty-backoff"),
         pytest.param({"revive": 1}, "control.revive", id="revive-not-bool"),
-        pytest.param({"retractions_per_1k_tokens": 0}, "control.retractions_per_1k_tokens", id="relative-threshold-zero"),
+        pytest.param(
+            {"retractions_per_1k_tokens": 0}, "control.retractions_per_1k_tokens", id="relative-threshold-zero"
+        ),
         pytest.param({"admission_min_gain": -0.1}, "control.admission_min_gain", id="negative-gain"),
         pytest.param({"restarts_per_hour": -1}, "control.restarts_per_hour", id="negative-budget"),
         pytest.param({"cooldown": 5}, "control.cooldown", id="unknown-key"),

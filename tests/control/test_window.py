@@ -32,7 +32,13 @@ def test_items_before_since_are_ignored() -> None:
 
 def test_retraction_counter_with_reset() -> None:
     w = Window(span_s=100.0).push_all(
-        [s(0, retractions_total=0.0), s(10, retractions_total=5.0), s(20, retractions_total=10.0), s(30, retractions_total=2.0), s(40, retractions_total=4.0)]
+        [
+            s(0, retractions_total=0.0),
+            s(10, retractions_total=5.0),
+            s(20, retractions_total=10.0),
+            s(30, retractions_total=2.0),
+            s(40, retractions_total=4.0),
+        ]
     )
     assert w.retractions == 14  # 5 + 5 + (reset) 2 + 2
     assert w.retraction_rate_per_min == pytest.approx(14 / 40 * 60)
@@ -61,7 +67,12 @@ def test_conservative_fraction_and_cap() -> None:
 
 
 def test_throughput_prefers_the_token_counter() -> None:
-    w = Window().push_all([s(0, generation_tokens_total=0.0, gen_throughput=1.0), s(10, generation_tokens_total=5000.0, gen_throughput=1.0)])
+    w = Window().push_all(
+        [
+            s(0, generation_tokens_total=0.0, gen_throughput=1.0),
+            s(10, generation_tokens_total=5000.0, gen_throughput=1.0),
+        ]
+    )
     assert w.throughput == 500.0
     assert Window().push_all([s(0, gen_throughput=10.0), s(1, gen_throughput=30.0)]).throughput == 20.0
     assert Window().throughput is None

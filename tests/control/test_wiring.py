@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
-from proxy.control.decision import Decision
-from proxy.server.state import PROXY
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
-from tests.server.static_pool import StaticPool
+from proxy.control.decision import Decision
+from proxy.control.journal import Status
+from proxy.policy import ControlMode, parse_policy
+from proxy.server.state import PROXY
+from tests.harness.static_pool import StaticPool
 
 
 @pytest.fixture
@@ -45,9 +46,12 @@ async def test_decisions_endpoint(proxy: tuple[str, object]) -> None:
     journal = app[PROXY].journal
     for worker, rule in (("w0", "retraction_storm"), ("w1", "memory_headroom"), ("w0", "admission_too_conservative")):
         journal.record(Decision(worker_id=worker, rule=rule, reason="r", time=1.0, old_args={"a": 1}, new_args={"a": 2}),
-                       mode="advise", status="advised")  # fmt: skip
+                       mode=ControlMode.ADVISE, status=Status.ADVISED)  # fmt: skip
     status, body = await get(url + "/admin/decisions?worker=w0")
-    assert status == 200 and [d["rule"] for d in body["decisions"]] == ["retraction_storm", "admission_too_conservative"]
+    assert status == 200 and [d["rule"] for d in body["decisions"]] == [
+        "retraction_storm",
+        "admission_too_conservative",
+    ]
     assert body["decisions"][0]["changes"] == {"a": [1, 2]}
     status, body = await get(url + "/admin/decisions?limit=1")
     assert [d["rule"] for d in body["decisions"]] == ["admission_too_conservative"]

@@ -42,7 +42,9 @@ def test_build_argv_refuses_supervisor_flags(name: str) -> None:
     "args",
     [
         pytest.param({"model_path": "m", "max_running_requests": 256, "mem_fraction_static": 0.83}, id="scalars"),
-        pytest.param({"chunked_prefill_size": -1, "schedule_policy": "lpm", "trust_remote_code": True}, id="negative-and-bool"),
+        pytest.param(
+            {"chunked_prefill_size": -1, "schedule_policy": "lpm", "trust_remote_code": True}, id="negative-and-bool"
+        ),
         pytest.param({"cuda_graph_bs_prefill": [1, 16], "watchdog_timeout": 600.0, "log_level": "debug"}, id="list"),
         pytest.param({"sim_time_scale": 10, "sim_mode": "fast", "sim_ratio": 0.5}, id="unknown-guessed"),
     ],

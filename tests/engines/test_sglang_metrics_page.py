@@ -8,31 +8,35 @@ import pytest
 from proxy.engines.sglang.metrics import FIELDS, PREFIX, MetricsParseError, _read_lines, collect_series, parse_metrics
 
 LABELS = 'model_name="m",tp_rank="{r}"'
-PAGE = "\n".join([
-    "# HELP python_gc_objects_collected_total Objects collected during gc",
-    "# TYPE python_gc_objects_collected_total counter",
-    'python_gc_objects_collected_total{generation="0"} 1234.0',
-    "# HELP sglang:num_running_reqs The number of running requests.",
-    "# TYPE sglang:num_running_reqs gauge",
-    *(f"sglang:num_running_reqs{{{LABELS.format(r=r)}}} {10 + r}.0" for r in range(2)),
-    "# TYPE sglang:num_queue_reqs gauge",
-    *(f"sglang:num_queue_reqs{{{LABELS.format(r=r)}}} {3 * r}.0" for r in range(2)),
-    "# TYPE sglang:token_usage gauge",
-    *(f"sglang:token_usage{{{LABELS.format(r=r)}}} 0.{4 + r}" for r in range(2)),
-    "# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.",
-    "# TYPE sglang:time_to_first_token_seconds histogram",
-    *(f'sglang:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {i}.0'
-      for i, le in enumerate(("0.1", "0.5", "1.0", "+Inf"))),
-    'sglang:time_to_first_token_seconds_sum{model_name="m"} 1.5',
-    'sglang:time_to_first_token_seconds_count{model_name="m"} 3.0',
-    "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
-    "# TYPE sglang:prompt_tokens counter",  # prometheus_client names the family without _total
-    'sglang:prompt_tokens_total{model_name="m"} 120.0',
-    "# TYPE sglang:num_retracted_requests_total counter",
-    'sglang:num_retracted_requests_total{model_name="m"} 7.0',
-    'sglang:max_total_num_tokens{model_name="m"} 422286.0',
-    "",
-])
+PAGE = "\n".join(
+    [
+        "# HELP python_gc_objects_collected_total Objects collected during gc",
+        "# TYPE python_gc_objects_collected_total counter",
+        'python_gc_objects_collected_total{generation="0"} 1234.0',
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        *(f"sglang:num_running_reqs{{{LABELS.format(r=r)}}} {10 + r}.0" for r in range(2)),
+        "# TYPE sglang:num_queue_reqs gauge",
+        *(f"sglang:num_queue_reqs{{{LABELS.format(r=r)}}} {3 * r}.0" for r in range(2)),
+        "# TYPE sglang:token_usage gauge",
+        *(f"sglang:token_usage{{{LABELS.format(r=r)}}} 0.{4 + r}" for r in range(2)),
+        "# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE sglang:time_to_first_token_seconds histogram",
+        *(
+            f'sglang:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {i}.0'
+            for i, le in enumerate(("0.1", "0.5", "1.0", "+Inf"))
+        ),
+        'sglang:time_to_first_token_seconds_sum{model_name="m"} 1.5',
+        'sglang:time_to_first_token_seconds_count{model_name="m"} 3.0',
+        "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
+        "# TYPE sglang:prompt_tokens counter",  # prometheus_client names the family without _total
+        'sglang:prompt_tokens_total{model_name="m"} 120.0',
+        "# TYPE sglang:num_retracted_requests_total counter",
+        'sglang:num_retracted_requests_total{model_name="m"} 7.0',
+        'sglang:max_total_num_tokens{model_name="m"} 422286.0',
+        "",
+    ]
+)
 
 
 def test_the_filtered_page_gives_the_same_sample_as_the_whole_page() -> None:

@@ -9,7 +9,13 @@ from proxy.engines.vllm.argv import build_argv, check_arg, parse_argv_args
 
 def test_build_argv_knobs_then_extra_then_host_port() -> None:
     argv = build_argv(
-        {"model": "/m", "max_num_seqs": 24, "gpu_memory_utilization": 0.85, "enable_prefix_caching": False, "seed": None},
+        {
+            "model": "/m",
+            "max_num_seqs": 24,
+            "gpu_memory_utilization": 0.85,
+            "enable_prefix_caching": False,
+            "seed": None,
+        },
         ["--num-gpu-blocks-override", "64"],
         host="127.0.0.1",
         port=8123,
@@ -23,7 +29,9 @@ def test_build_argv_knobs_then_extra_then_host_port() -> None:
 def test_build_argv_round_trips_through_parse() -> None:
     args = {"model": "/m", "max_num_seqs": 24, "max_num_batched_tokens": 2048, "block_size": 16, "dtype": "bfloat16",
             "trust_remote_code": True, "enable_prefix_caching": False, "gpu_memory_utilization": 0.85}  # fmt: skip
-    parsed = parse_argv_args(["python3", "-m", "vllm.entrypoints.openai.api_server", *build_argv(args, [], host="h", port=1)])
+    parsed = parse_argv_args(
+        ["python3", "-m", "vllm.entrypoints.openai.api_server", *build_argv(args, [], host="h", port=1)]
+    )
     assert parsed == {**args, "host": "h", "port": 1}
 
 

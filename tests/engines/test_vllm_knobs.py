@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from proxy.engines.base import KnobName
-from proxy.engines.registry import engine_spec
+from proxy.engines.registry import ENGINES
 from proxy.engines.vllm.argv import KNOWN_FLAGS, check_arg
 from proxy.engines.vllm.knobs import KNOBS, consistent, fitting_max_model_len
 
 
 def test_registry_finds_the_table() -> None:
-    table = engine_spec("vllm").function("knobs", "knobs")()
+    table = ENGINES["vllm"].knobs
     assert {k: v.arg for k, v in table.items()} == {
         KnobName.MAX_RUNNING: "max_num_seqs",
         KnobName.PREFILL_CHUNK: "max_num_batched_tokens",

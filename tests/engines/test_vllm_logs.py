@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from proxy.engines.base import EventKind
-from proxy.engines.vllm.logs import parse_line
+from proxy.engines.vllm.logs import LogFollower, parse_line
+from tests.engines.issue_lines import IssueLine, issue_lines, params, traceback_lines
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -19,8 +20,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
             "(APIServer pid=1) INFO 03-09 12:56:57 [loggers.py:236] Engine 000: Avg prompt throughput: 812.3 tokens/s, "
             "Avg generation throughput: 5763.0 tokens/s, Running: 29 reqs, Waiting: 47 reqs, GPU KV cache usage: 98.4%, "
             "Prefix cache hit rate: 0.0%",
-            {"running": 29, "queue": 47, "token_usage": 0.984, "gen_throughput": 5763.0, "prompt_throughput": 812.3,
-             "retractions": 0, "cache_hit_rate": 0.0, "engines": 1},
+            {
+                "running": 29,
+                "queue": 47,
+                "token_usage": 0.984,
+                "gen_throughput": 5763.0,
+                "prompt_throughput": 812.3,
+                "retractions": 0,
+                "cache_hit_rate": 0.0,
+                "engines": 1,
+            },
             id="gpu-spelling",
         ),
         pytest.param(
@@ -32,7 +41,14 @@ FIXTURES = Path(__file__).parent / "fixtures"
         pytest.param(
             "Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 2,048.0 tokens/s, Running: 128 reqs, "
             "Waiting: 3 reqs, Preemptions: 17, GPU KV cache usage: 100.0%, Prefix cache hit rate: 12.5%",
-            {"running": 128, "queue": 3, "retractions": 17, "token_usage": 1.0, "cache_hit_rate": 0.125, "gen_throughput": 2048.0},
+            {
+                "running": 128,
+                "queue": 3,
+                "retractions": 17,
+                "token_usage": 1.0,
+                "cache_hit_rate": 0.125,
+                "gen_throughput": 2048.0,
+            },
             id="new-v1-preemptions",
         ),
         pytest.param(
@@ -148,7 +164,7 @@ def test_other_lines(line: str, kind: EventKind, fields: dict) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ["", "INFO: 127.0.0.1:5555 - \"POST /v1/completions HTTP/1.1\" 200 OK", "Loading weights took 0.01 seconds"],
+    ["", 'INFO: 127.0.0.1:5555 - "POST /v1/completions HTTP/1.1" 200 OK', "Loading weights took 0.01 seconds"],
 )
 def test_unrelated_lines(line: str) -> None:
     assert parse_line(line, 0.0) is None
@@ -181,15 +197,21 @@ def test_recorded_kv_capacity_refusal() -> None:
 
 def _oom_traceback(frames: list[str]) -> list[str]:
     head = "(EngineCore_DP0 pid=77) ERROR 01-01 00:00:00 [core.py:1510] "
-    return [head + "EngineCore failed to start.", head + "Traceback (most recent call last):"] + [
-        head + f'  File "/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py", line {100 + i}, in {f}'
-        for i, f in enumerate(frames)
-    ] + [head + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB"]
+    return (
+        [head + "EngineCore failed to start.", head + "Traceback (most recent call last):"]
+        + [
+            head
+            + f'  File "/venv/lib/python3.11/site-packages/vllm/v1/worker/gpu_model_runner.py", line {100 + i}, in {f}'
+            for i, f in enumerate(frames)
+        ]
+        + [
+            head
+            + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB"
+        ]
+    )
 
 
 def _follow(lines: list[str]) -> list:
-    from proxy.engines.vllm.logs import LogFollower
-
     follower = LogFollower()
     return [e for i, line in enumerate(lines) for e in follower.feed(line, float(i))]
 
@@ -203,7 +225,7 @@ def test_follower_places_a_profile_run_oom_in_prefill() -> None:
 def test_follower_leaves_other_ooms_unknown_and_forgets_old_tracebacks() -> None:
     first = _oom_traceback(["profile_run", "_dummy_run"])
     second = _oom_traceback(["execute_model", "forward"])
-    events = _follow(first + ["INFO: Application startup complete."] + second)
+    events = _follow([*first, "INFO: Application startup complete.", *second])
     ooms = [e for e in events if e.kind == EventKind.OOM]
     assert [e.fields["phase"] for e in ooms] == ["prefill", "unknown"]
 
@@ -212,4 +234,100 @@ def test_weights_oom() -> None:
     line = ("ERROR 01-01 [gpu_model_runner.py:5146] Failed to load model - not enough GPU memory. Try lowering "
             "--gpu-memory-utilization to free memory for weights, increasing --tensor-parallel-size, or using --quantization.")  # fmt: skip
     event = parse_line(line, 0.0)
-    assert event is not None and event.kind == EventKind.OOM and event.fields == {"phase": "unknown", "cause": "weights"}
+    assert (
+        event is not None and event.kind == EventKind.OOM and event.fields == {"phase": "unknown", "cause": "weights"}
+    )
+
+
+# -- the versions people run: lines from the issue tracker (tests/engines/fixtures/*.txt) --------
+
+V0_STATS = {  # id -> fields the line must give; "v1-..." ids are the V1 engine's line, the others V0's
+    "0.2-llm-engine": {"prompt_throughput": 0.0, "gen_throughput": 77.3, "running": 1, "swapped": 0, "queue": 0,
+                       "token_usage": 0.002, "cpu_token_usage": 0.0},
+    "0.3-no-final-period": {"gen_throughput": 44.9, "running": 2, "queue": 3, "token_usage": 0.821},
+    "0.5-wrapped-in-a-timestamp": {"prompt_throughput": 6501.4, "gen_throughput": 69.1, "running": 4, "queue": 0,
+                                   "token_usage": 0.156},
+    "0.5-idle": {"running": 0, "queue": 0, "swapped": 0, "token_usage": 0.0, "gen_throughput": 0.0},
+    "0.6-collector-timestamp": {"prompt_throughput": 5.4, "gen_throughput": 4.0, "running": 2, "queue": 0},
+    "0.6-final-period": {"gen_throughput": 41.7, "running": 1, "token_usage": 0.02, "cpu_token_usage": 0.0},
+    "0.6-fork-full-batch": {"running": 16, "queue": 0, "token_usage": 0.921},
+    "0.8-v0-cpu-swap-usage": {"gen_throughput": 15.5, "running": 1, "token_usage": 0.0, "cpu_token_usage": 0.001},
+    "0.6-syslog-wrapped": {"prompt_throughput": 5902.0, "gen_throughput": 230.6, "running": 16, "queue": 11,
+                           "token_usage": 0.871},
+    "v1-0.8.4": {"running": 0, "queue": 0, "token_usage": 0.0, "cache_hit_rate": 0.0, "engines": 1},
+    "v1-engine-head": {"prompt_throughput": 1254.4, "gen_throughput": 29.2, "running": 10, "queue": 4,
+                       "token_usage": 0.579, "cache_hit_rate": 0.405},
+    "v1-api-server-pid": {"gen_throughput": 1055.3, "running": 18, "queue": 43, "token_usage": 0.959},
+    "v1-mm-cache-hit-rate": {"gen_throughput": 28.4, "running": 0, "queue": 0, "cache_hit_rate": 0.0},
+    "v1-0.8-head-less": {"prompt_throughput": 13.0, "gen_throughput": 52.1, "running": 0, "queue": 0,
+                         "cache_hit_rate": 0.8, "engines": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("item", params("vllm_v0_lines.txt"))
+def test_stats_lines_of_the_versions_in_use(item: IssueLine) -> None:
+    event = parse_line(item.line, 3.0)
+    assert event is not None and event.kind is EventKind.BATCH_STATS, item.source
+    assert event.time == 3.0 and event.line == item.line
+    for key, value in V0_STATS[item.tags["id"]].items():
+        assert event.fields[key] == pytest.approx(value), key
+    if item.tags["id"].startswith("v1-"):
+        assert event.fields["retractions"] == 0 and "swapped" not in event.fields
+    else:  # V0 reports each preemption on a line of its own, and its queue is "Pending"
+        assert "retractions" not in event.fields and event.fields["engines"] == 1
+
+
+def test_every_stats_line_of_the_versions_in_use_has_expectations() -> None:
+    assert {item.tags["id"] for item in issue_lines("vllm_v0_lines.txt")} == set(V0_STATS)
+
+
+@pytest.mark.parametrize("item", params("vllm_v0_prefix_cache_lines.txt"))
+def test_v0_prefix_cache_line_is_not_read(item: IssueLine) -> None:
+    assert parse_line(item.line, 0.0) is None
+
+
+@pytest.mark.parametrize("item", params("oom_lines.txt"))
+def test_device_oom_wordings(item: IssueLine) -> None:
+    event = parse_line(item.line, 2.0)
+    assert event is not None and event.kind is EventKind.OOM, item.source
+    # PyTorch's allocator and the CUDA runtime are the plain case: vLLM's events name no cause for them.
+    expected_cause = "unknown" if item.tags["cause"] == "device_memory" else item.tags["cause"]
+    expected_phase = "prefill" if "batch_prefill_tmp" in item.line else "unknown"
+    assert event.fields == {"phase": expected_phase, "cause": expected_cause}
+
+
+@pytest.mark.parametrize("item", params("oom_lines.txt"))
+def test_device_oom_wordings_under_a_profile_run_are_prefill(item: IssueLine) -> None:
+    frames = _oom_traceback(["determine_available_memory", "profile_run", "_dummy_run"])[:-1]
+    (oom,) = [e for e in _follow([*frames, item.line]) if e.kind is EventKind.OOM]
+    assert oom.fields["phase"] == "prefill"  # the frames say it when the line does not; FlashInfer's names win
+
+
+def test_not_out_of_memory_cuda_errors_are_not_oom() -> None:
+    # A cuBLAS failure that is not an allocation failure: the error of vllm-project/vllm#18335 as its title quotes it,
+    # with the "RuntimeError: " PyTorch raises it as.
+    line = "RuntimeError: CUDA error: CUBLAS_STATUS_INTERNAL_ERROR when calling `cublasCreate(handle)`"
+    assert parse_line(line, 0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        pytest.param("vllm_nccl_startup.txt", {"phase": "unknown", "cause": "nccl"}, id="nccl-at-start-up"),
+        pytest.param("vllm_sampler_warmup_decode.txt", {"phase": "decode", "cause": "sampler_warmup"}, id="sampler"),
+    ],
+)
+def test_recorded_oom_tracebacks(name: str, fields: dict) -> None:
+    events = _follow(traceback_lines(name))
+    assert [e.kind for e in events] == [EventKind.OOM]
+    assert events[0].fields == fields
+    assert LogFollower().flush(0.0) == []
+
+
+def test_flashinfer_cuda_error_names_flashinfer() -> None:
+    # FlashInfer's C++ side words a failed allocation the same under any engine; this one was printed under SGLang
+    # (sgl-project/sglang#109), the first line of that fixture.
+    line = traceback_lines("sglang_0.1_flashinfer_decode.txt")[0]
+    event = parse_line(line, 0.0)
+    assert event is not None and event.kind is EventKind.OOM
+    assert event.fields == {"phase": "unknown", "cause": "flashinfer_workspace"}

@@ -34,10 +34,36 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(240)
 def test_overhead_benchmark_tiny_run_reports_every_arm(tmp_path: Path) -> None:
     report_path = tmp_path / "overhead.json"
-    cmd = [sys.executable, "-m", "loadtests", "overhead", "--report", str(report_path), "--log-dir", str(tmp_path / "logs"),
-           "--rate", "40", "--duration", "1", "--warmup", "0.3", "--rounds", "1", "--output-len", "8",
-           "--stream-concurrency", "8", "--stream-output-len", "300", "--stream-warmup", "0.5", "--stream-window", "1",
-           "--stream-time-scale", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtests",
+        "overhead",
+        "--report",
+        str(report_path),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--rate",
+        "40",
+        "--duration",
+        "1",
+        "--warmup",
+        "0.3",
+        "--rounds",
+        "1",
+        "--output-len",
+        "8",
+        "--stream-concurrency",
+        "8",
+        "--stream-output-len",
+        "300",
+        "--stream-warmup",
+        "0.5",
+        "--stream-window",
+        "1",
+        "--stream-time-scale",
+        "20",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| pacer |" in done.stdout and "| sglang-router |" in done.stdout  # the table was printed
@@ -62,7 +88,8 @@ def test_overhead_benchmark_tiny_run_reports_every_arm(tmp_path: Path) -> None:
     assert report["pacer"]["chunks_per_cpu_s"] > 0 and report["sglang-router"]["chunks_per_cpu_s"] > 0
     # the added latency is the per-round difference against direct
     assert report["pacer_added_ttft_p50_ms"] == pytest.approx(
-        latency["pacer"]["ttft_p50_ms"] - latency["direct"]["ttft_p50_ms"], abs=1e-3)
+        latency["pacer"]["ttft_p50_ms"] - latency["direct"]["ttft_p50_ms"], abs=1e-3
+    )
 
     assert report["pacer_cpu_ms_per_request"] > 0 and report["router_cpu_ms_per_request"] > 0
     assert 0 <= report["pacer"]["client_send_lag_p99_ms"] < 10_000
@@ -74,8 +101,9 @@ def test_overhead_benchmark_tiny_run_reports_every_arm(tmp_path: Path) -> None:
 
     # every process the benchmark started is gone and its ports are free again
     procs = report["processes"]
-    assert {p["name"] for p in procs} == {f"{tag}-{n}" for tag in ("latency", "stream")
-                                          for n in ("sim", "pacer", "sglang-router")}
+    assert {p["name"] for p in procs} == {
+        f"{tag}-{n}" for tag in ("latency", "stream") for n in ("sim", "pacer", "sglang-router")
+    }
     deadline = time.monotonic() + 10
     while any(_alive(p["pid"]) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -42,7 +42,9 @@ def test_sweep_turns_a_crash_into_throughput() -> None:
     assert bad.oom == "prefill" and bad.score == 0.0
     result = sweep(start, wl, gpu="l40s-48gb", model="llama-3.1-8b", space=SMALL)
     assert result.best.oom is None and result.best.score > 0
-    assert result.best.args["chunked_prefill_size"] in (None, 4096, 8192) or result.best.args["mem_fraction_static"] != 0.9
+    assert (
+        result.best.args["chunked_prefill_size"] in (None, 4096, 8192) or result.best.args["mem_fraction_static"] != 0.9
+    )
 
 
 def test_sweep_respects_the_free_memory_floor() -> None:
@@ -67,7 +69,7 @@ def test_every_scenario_policy_loads(name: str, tmp_path: Path) -> None:
 def test_workload_is_deterministic_and_exact() -> None:
     wl = Workload(count=5, prompt_len=(10, 20), max_tokens=50, output_len=(5, 60), seed=9)
     assert wl.requests() == wl.requests()
-    for spec, (_, max_tokens, out) in zip(wl.specs(), wl.requests()):
+    for spec, (_, max_tokens, out) in zip(wl.specs(), wl.requests(), strict=True):
         assert 10 <= len(spec.prompt_ids or ()) <= 20
         assert spec.output_len == out <= max_tokens == 50
 
@@ -106,7 +108,8 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     for key in ("adaptive_over_oracle", "adaptive_over_default"):
         assert isinstance(on_disk[key], float) and on_disk[key] > 0
     assert report["oracle_sweep"]["best"]["args"] == on_disk["arms"]["oracle"]["args"] | {
-        k: v for k, v in report["oracle_sweep"]["best"]["args"].items() if v is None}
+        k: v for k, v in report["oracle_sweep"]["best"]["args"].items() if v is None
+    }
     assert report_path.with_suffix(".png").stat().st_size > 10_000
     table = report_path.with_suffix(".md").read_text()
     assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
@@ -124,9 +127,15 @@ def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
     from proxy.sim.virtual import simulate
 
     wl = Workload(count=150, prompt_len=(100, 300), max_tokens=600, output_len=(300, 600), seed=6).specs()
-    cfg = sim_config({"schedule_conservativeness": 0.3, "max_total_tokens": 40000}, gpu="a100-40gb", model="llama-3.1-8b")
+    cfg = sim_config(
+        {"schedule_conservativeness": 0.3, "max_total_tokens": 40000}, gpu="a100-40gb", model="llama-3.1-8b"
+    )
     queued, wide = simulate(cfg, wl), simulate_paced(cfg, wl, Pacing(band=Band(lo=10**6, hi=10**6), scrape_s=5.0))
-    assert (wide.output_tokens, wide.retractions, wide.finished) == (queued.output_tokens, queued.retractions, queued.finished)
+    assert (wide.output_tokens, wide.retractions, wide.finished) == (
+        queued.output_tokens,
+        queued.retractions,
+        queued.finished,
+    )
     assert wide.makespan_s == pytest.approx(queued.makespan_s)
     narrow = simulate_paced(cfg, wl, Pacing(band=Band(lo=8, hi=8), scrape_s=5.0))
     assert narrow.finished == 150 and narrow.output_tokens == queued.output_tokens
@@ -143,7 +152,9 @@ def test_decode_oom_premise_holds_behind_the_proxy() -> None:
     head = sc.workload.specs()[:3000]
     dead = evaluate(sc.start_args, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
     assert dead.oom == "decode" and dead.score == 0.0 and dead.makespan_s < 60  # died in the first fill
-    capped = evaluate({**sc.start_args, "max_running_requests": 800}, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
+    capped = evaluate(
+        {**sc.start_args, "max_running_requests": 800}, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc)
+    )
     assert capped.oom is None and capped.output_tok_per_s > 0
 
 

@@ -23,9 +23,9 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 TORCH = "torch==2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -37,8 +37,21 @@ SKIPPED_REQUIREMENTS = frozenset({"torch", "torchaudio", "torchvision", "torchco
 
 # What SGLang's argument parser and metrics collectors import, beyond torch (reference: real-engines.md).
 SGLANG_LIGHT_PACKAGES = (
-    "numpy", "msgspec", "orjson", "psutil", "pybase64", "requests", "packaging", "pillow",
-    "starlette", "pydantic", "pyzmq", "tqdm", "IPython", "aiohttp", "prometheus_client",
+    "numpy",
+    "msgspec",
+    "orjson",
+    "psutil",
+    "pybase64",
+    "requests",
+    "packaging",
+    "pillow",
+    "starlette",
+    "pydantic",
+    "pyzmq",
+    "tqdm",
+    "IPython",
+    "aiohttp",
+    "prometheus_client",
     # sglang.srt.utils.common imports triton at module level; the wheel imports without a GPU
     "triton",
 )
@@ -127,7 +140,11 @@ def _build(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None
     packages: list[str] = list(recipe.extra)
     if recipe.engine_requirements:
         out = _run(
-            [py, "-c", f"import importlib.metadata as m, json; print(json.dumps(m.requires({recipe.distribution!r}) or []))"],
+            [
+                py,
+                "-c",
+                f"import importlib.metadata as m, json; print(json.dumps(m.requires({recipe.distribution!r}) or []))",
+            ],
             log,
         )
         packages += installable_requirements(json.loads(out))

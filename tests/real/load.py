@@ -38,7 +38,9 @@ class LoadResult:
 
     @property
     def each_answered_once(self) -> bool:
-        return not self.errors and sorted(self.answered) == list(range(self.sent)) and set(self.answered.values()) == {1}
+        return (
+            not self.errors and sorted(self.answered) == list(range(self.sent)) and set(self.answered.values()) == {1}
+        )
 
 
 async def run_load(

@@ -73,7 +73,9 @@ def declared_metrics() -> list[dict]:
         if not (isinstance(cls, ast.ClassDef) and cls.name in COLLECTORS):
             continue
         for node in ast.walk(cls):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Gauge", "Counter")):
+            if not (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Gauge", "Counter")
+            ):
                 continue
             kw = {k.arg: k.value for k in node.keywords if k.arg}
             if not isinstance(kw.get("name"), ast.Constant):

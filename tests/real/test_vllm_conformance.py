@@ -56,7 +56,9 @@ def _same(parsed: object, intended: object, name: str) -> bool:
 
 def test_every_argv_the_module_builds_parses_to_the_intended_values(vllm_python: Path) -> None:
     all_cases = cases()
-    proc = subprocess.run([str(vllm_python), str(PROBE)], input=json.dumps(all_cases), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(vllm_python), str(PROBE)], input=json.dumps(all_cases), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = {a["id"]: a for a in json.loads(proc.stdout)}
     problems = []

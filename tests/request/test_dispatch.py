@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
 
 import pytest
 
-from proxy.request.admission import AdmissionQueue, Priority
-from proxy.request.dispatch import Dispatcher, QueueTimeout, choose_worker
 from proxy.engines.base import Sample
-from proxy.request.pacing import Band, LoadBoard
+from proxy.request.admission import AdmissionQueue, Priority, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued
+from proxy.request.dispatch import Dispatcher, QueueTimeout, choose_worker
+from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerInfo, WorkerState
 
 BAND = Band(lo=4, hi=10, headroom=2)  # target 6
@@ -23,6 +24,18 @@ def _workers(*states: WorkerState) -> list[WorkerInfo]:
 def _sample(board: LoadBoard, wid: str, queue: int, running: int = 8, t: float = 100.0) -> None:
     board.get(wid).scrape_started()
     board.publish(wid, Sample(time=t, queue=queue, running=running, token_usage=0.5), None)
+
+
+def _open(load: WorkerLoad) -> Attempt:
+    """Reserve one attempt on the worker (what the dispatcher does when it hands a ticket over)."""
+    attempt = Attempt(Ticket(Priority.BATCH, 0.0, 1.0, None), load.worker_id, 0.0)  # type: ignore[arg-type]
+    load.reserve(attempt)
+    return attempt
+
+
+def _close(load: WorkerLoad, n: int) -> None:
+    for attempt in list(load.attempts)[:n]:
+        load.release(attempt)
 
 
 def _choose(workers, board, now=100.0, **kw):
@@ -52,31 +65,30 @@ def test_estimate_counts_dispatches_and_completions_since_scrape():
     load = board.get("w0")
     _sample(board, "w0", 3)
     for _ in range(3):
-        load.reserve()
+        _open(load)
     assert load.est_queue() == 6
-    load.release()
+    _close(load, 1)
     assert load.est_queue() == 5
     load.scrape_started()  # dispatched while the scrape is on the wire: still counted after it
-    load.reserve()
+    _open(load)
     board.publish("w0", Sample(time=101, queue=2, running=8, token_usage=0.5), None)
     assert load.est_queue() == 2 + 1  # baseline taken when the scrape was sent: counted, never missed
-    load.reserve()
+    _open(load)
     assert load.est_queue() == 4
-    for _ in range(10):
-        load.release()
+    _close(load, 10)
     assert load.est_queue() == 0  # never negative
+    assert load.in_flight == 0 and load.completed == 5  # a release of what is not open counts nothing
 
 
 def test_not_ready_draining_and_stale_are_filtered():
     board = LoadBoard()
-    ws = _workers(WorkerState.STARTING, WorkerState.READY, WorkerState.READY, WorkerState.DRAINING)
+    ws = _workers(WorkerState.STARTING, WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINING)
     for w in ws:
         _sample(board, w.id, 0)
     _sample(board, "w1", 0, t=90.0)  # stale
-    board.get("w2").draining = True
-    # w1 is the only one not filtered for state/draining; it is stale -> fallback to own counts
+    # w1 is the only one not filtered for its state; it is stale -> fallback to own counts
     assert _choose(ws, board) == "w1"
-    board.get("w2").draining = False
+    ws[2] = dataclasses.replace(ws[2], state=WorkerState.READY)
     assert _choose(ws, board) == "w2"  # a fresh worker exists: the stale one counts as saturated
 
 
@@ -86,9 +98,9 @@ def test_fallback_uses_own_counts_when_all_stale():
     _sample(board, "w0", 0, running=5, t=0.0)  # stale at now=100
     load = board.get("w0")
     for _ in range(5 + BAND.hi - 1):
-        load.reserve()
+        _open(load)
     assert _choose(ws, board) == "w0"
-    load.reserve()
+    _open(load)
     assert _choose(ws, board) is None  # in_flight == last_running + hi
     board.publish("w0", None, "unreachable")
     assert load.error == "unreachable" and not load.fresh(100.0, 1.0)
@@ -130,12 +142,17 @@ def test_prefix_affinity_is_sticky_while_open():
 class _Pool:
     def __init__(self, workers):
         self.ws = workers
+        self.unreachable: list[str] = []
 
     def workers(self):
         return self.ws
 
     def get(self, wid):
         return next(w for w in self.ws if w.id == wid)
+
+    def report_unreachable(self, wid, error):
+        self.unreachable.append(wid)
+        self.ws = [dataclasses.replace(w, state=WorkerState.DOWN) if w.id == wid else w for w in self.ws]
 
 
 async def test_dispatcher_priority_gate_and_release():
@@ -149,39 +166,47 @@ async def test_dispatcher_priority_gate_and_release():
     c = d.submit(Priority.BATCH, 10)
     i = d.submit(Priority.INTERACTIVE, 10)
     assert a.future.done() and b.future.done() and not c.future.done() and not i.future.done()
-    att = a.future.result()
-    d.mark_started(att)
-    d.release(att)  # a completion frees room: the interactive request overtakes the older batch one
+    async with d.attempt(a) as att:
+        att.mark_started()
+    # a completion frees room: the interactive request overtakes the older batch one
     assert i.future.done() and not c.future.done()
-    d.release(i.future.result())
+    async with d.attempt(i):
+        pass
     assert c.future.done()
     assert board.get("w0").in_flight == 2
 
 
+@pytest.mark.looptime
 async def test_dispatcher_timeout_and_takeback():
     board = LoadBoard()
     pool = _Pool(_workers(WorkerState.READY))
-    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=1, hi=1), stale_after_s=5.0)
-    _sample(board, "w0", 0, t=time.monotonic())
+    loop = asyncio.get_running_loop()
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=1, hi=1), stale_after_s=5.0, clock=loop.time)
+    _sample(board, "w0", 0, t=loop.time())
     first = d.submit(Priority.INTERACTIVE, 10)
-    attempt = await d.assigned(first)
     late = d.submit(Priority.INTERACTIVE, 0.05)
-    with pytest.raises(QueueTimeout):
-        await d.assigned(late)
-    assert len(d.admission) == 0
-    assert d.take_back("w0") == 1 and attempt.taken_back
-    d.release(attempt)
+    async with d.attempt(first) as attempt:
+        with pytest.raises(QueueTimeout):
+            async with d.attempt(late):
+                pass
+        assert loop.time() == pytest.approx(0.05)
+        assert len(d.admission) == 0
+        assert d.take_back("w0") == 1 and attempt.taken_back
+        await asyncio.sleep(10)  # the take-back cancels the block here...
+        raise AssertionError("not reached")
+    # ...which released the slot and put the ticket back, to the same worker (the only one)
+    assert attempt.requeued is Requeued.TAKEN_BACK and attempt.released
+    async with d.attempt(first) as again:
+        assert again is not attempt and again.worker_id == "w0" and first.requeues == 1
+        assert d.open_attempts("w0") == 1
     assert await d.wait_idle("w0", 0.5)
-    d.requeue(first)
-    again = await d.assigned(first)
-    assert again is not attempt and again.worker_id == "w0" and first.requeues == 1
 
 
 def test_estimate_is_bounded_below_by_own_in_flight_minus_running():
     board = LoadBoard()
     load = board.get("w0")
     for _ in range(30):
-        load.reserve()
+        _open(load)
     # the scrape caught the server right after a batch finished: a short queue, 16 running...
     _sample(board, "w0", 1, running=16)
     # ...but 30 of ours are open there, so about 14 still wait
@@ -196,15 +221,83 @@ async def test_take_back_skips_attempts_whose_output_is_in_and_requeue_renews_pa
     _sample(board, "w0", 0)
     a, b, c = (d.submit(Priority.INTERACTIVE, 10) for _ in range(3))
     att_a, att_b, att_c = (t.future.result() for t in (a, b, c))
-    done = asyncio.get_running_loop().create_future()
-    done.set_result(None)
-    d.start(att_a, done)  # its upstream call already returned: the handler relays it
-    d.mark_started(att_b)  # streaming already
+    att_a.mark_started()  # its upstream call returned: the handler relays it
+    att_b.mark_started()  # streaming already
     assert d.take_back("w0") == 1 and att_c.taken_back and not att_a.taken_back
     assert d.take_back("w0") == 0  # idempotent
     now[0] = 500.0  # long after c's original deadline (110)
-    d.release(att_c)
-    d.requeue(c)
-    assert c.deadline == 510.0
-    again = await d.assigned(c)
-    assert again.worker_id == "w0" and not again.taken_back
+    async with d.attempt(c) as again:  # taken back before its handler woke: straight back to the queue
+        assert c.deadline == 510.0 and c.requeues == 1
+        assert again is not att_c and again.worker_id == "w0" and not again.taken_back
+    assert att_c.released and board.get("w0").in_flight == 2
+
+
+def _dispatcher(*states: WorkerState, max_attempts: int = 3) -> tuple[Dispatcher, _Pool, list[Requeued]]:
+    board = LoadBoard()
+    pool = _Pool(_workers(*states))
+    requeued: list[Requeued] = []
+    d = Dispatcher(
+        pool,
+        board,
+        AdmissionQueue(100),
+        band=Band(lo=4, hi=8),
+        stale_after_s=1e9,
+        max_attempts=max_attempts,
+        on_requeue=requeued.append,
+        clock=lambda: 100.0,
+    )
+    for w in pool.ws:
+        _sample(board, w.id, 0)
+    return d, pool, requeued
+
+
+async def test_a_failure_before_output_is_retried_elsewhere_until_the_attempts_are_spent():
+    d, pool, requeued = _dispatcher(WorkerState.READY, WorkerState.READY, max_attempts=2)
+    ticket = d.submit(Priority.INTERACTIVE, 10)
+    async with d.attempt(ticket) as first:
+        raise AttemptFailed("HTTP 500")
+    assert requeued == [Requeued.RETRY] and ticket.exclude == {first.worker_id} and ticket.failures == 1
+    with pytest.raises(AttemptFailed):
+        async with d.attempt(ticket) as second:
+            assert second.worker_id != first.worker_id
+            raise AttemptFailed("HTTP 500")
+    assert ticket.failures == 2 and requeued == [Requeued.RETRY]
+    assert all(d.board.get(w.id).in_flight == 0 for w in pool.ws)
+
+
+async def test_an_unreachable_worker_is_reported_and_the_request_waits_without_spending_an_attempt():
+    d, pool, requeued = _dispatcher(WorkerState.READY, max_attempts=1)
+    ticket = d.submit(Priority.INTERACTIVE, 10)
+    async with d.attempt(ticket):
+        raise AttemptFailed("cannot connect", unreachable=True)
+    assert pool.unreachable == ["w0"] and requeued == [Requeued.UNREACHABLE] and ticket.failures == 0
+    assert not ticket.future.done() and len(d.admission) == 1  # waits for a live worker
+    pool.ws = _workers(WorkerState.READY)
+    d.on_worker_state(pool.ws[0])
+    _sample(d.board, "w0", 0)
+    d.pump()
+    async with d.attempt(ticket) as attempt:
+        assert attempt.worker_id == "w0"
+
+
+async def test_failures_after_output_and_a_client_that_leaves_propagate_and_release():
+    d, _pool, requeued = _dispatcher(WorkerState.READY)
+    ticket = d.submit(Priority.INTERACTIVE, 10)
+    with pytest.raises(AttemptFailed):
+        async with d.attempt(ticket) as attempt:
+            attempt.mark_started()
+            raise AttemptFailed("broke mid-stream")
+    assert attempt.released and requeued == []
+    other = d.submit(Priority.INTERACTIVE, 10)
+
+    async def client() -> None:
+        async with d.attempt(other):
+            await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(client())
+    await asyncio.sleep(0)
+    assert d.open_attempts("w0") == 1
+    task.cancel()  # the client left: no requeue, the slot is free
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert d.open_attempts("w0") == 0 and requeued == [] and len(d.admission) == 0

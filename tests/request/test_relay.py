@@ -8,7 +8,14 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.fake_worker import MODEL
+from proxy.workers.base import WorkerState
+from tests.harness.fake_engine import MODEL
+
+
+async def _turns(n: int) -> None:
+    """Let the event loop run ``n`` times round."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 async def test_chat_and_completions_plain_and_streamed(make_proxy):
@@ -18,8 +25,9 @@ async def test_chat_and_completions_plain_and_streamed(make_proxy):
     assert chat.choices[0].message.content == "tok tok tok "
     comp = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
     assert comp.choices[0].text == "tok tok "
-    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=5, stream=True)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
     pieces = [c.choices[0].delta.content async for c in stream]
     assert "".join(pieces) == "t0 t1 t2 t3 t4 "
     stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True)
@@ -49,8 +57,9 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05})
     w = h.workers[0]
     async with aiohttp.ClientSession() as s:
-        resp = await s.post(h.url + "/v1/completions",
-                            json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True})
+        resp = await s.post(
+            h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
+        )
         assert resp.status == 200
         await resp.content.readany()
         resp.close()  # the client goes away mid-stream
@@ -64,16 +73,18 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
 async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05, "max_running": 1})
     async with aiohttp.ClientSession() as s:
-        first = asyncio.ensure_future(s.post(h.url + "/v1/completions",
-                                             json={"model": MODEL, "prompt": "a", "max_tokens": 20}))
+        first = asyncio.ensure_future(
+            s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 20})
+        )
         await h.wait_for(lambda: h.state.board.get("w0").in_flight == 1)
-        h.state.dispatcher.drain("w0")  # nothing more goes to the worker: the next one waits in the proxy
-        second = asyncio.ensure_future(s.post(h.url + "/v1/completions",
-                                              json={"model": MODEL, "prompt": "b", "max_tokens": 1}))
+        h.pool.set_state("w0", WorkerState.DRAINING)  # nothing more goes to the worker: the next one waits in the proxy
+        second = asyncio.ensure_future(
+            s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "b", "max_tokens": 1})
+        )
         await h.wait_for(lambda: len(h.state.admission) == 1)
         second.cancel()
         await h.wait_for(lambda: len(h.state.admission) == 0)
-        h.state.dispatcher.drain("w0", False)
+        h.pool.set_state("w0", WorkerState.READY)
         resp = await first
         assert resp.status == 200
     await asyncio.sleep(0.1)
@@ -128,10 +139,11 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     # w0 has one slot: a streamed request runs there (output started), a second waits in w0's own
     # queue. The controller drains w0 and takes back what produced no output: only the waiting
     # one, which then runs on w1. Each request is answered once.
-    h = await make_proxy(n_workers=2, policy={"pacing": {"queue_band": [2, 4]}},
-                         worker={"max_running": 1, "token_delay_s": 0.02})
+    h = await make_proxy(
+        n_workers=2, policy={"pacing": {"queue_band": [2, 4]}}, worker={"max_running": 1, "token_delay_s": 0.02}
+    )
     d = h.state.dispatcher
-    d.drain("w1")
+    h.pool.set_state("w1", WorkerState.DRAINING)
     client = h.client()
 
     got: list[str] = []
@@ -146,8 +158,8 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     await h.wait_for(lambda: len(got) >= 1)
     queued = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="b", max_tokens=2))
     await h.wait_for(lambda: len(h.workers[0].waiting) == 1)
-    d.drain("w0")
-    d.drain("w1", False)
+    h.pool.set_state("w0", WorkerState.DRAINING)
+    h.pool.set_state("w1", WorkerState.READY)
     assert d.take_back("w0") == 1
     text, b = await asyncio.gather(long, queued)
     assert text == "".join(f"t{i} " for i in range(30)) and b.choices[0].text == "tok tok "
@@ -168,13 +180,22 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
     host, port = h.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        body = ('{"model": "%s", "prompt": "x", "max_tokens": %d, "stream": true}' % (MODEL, n)).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        body = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": {n}, "stream": true}}'.encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
         received = [await reader.read(4096)]  # the stream started
-        await asyncio.sleep(1.0)  # the client reads nothing: buffers fill up and the worker must stall
-        stalled_at = worker.emitted
-        await asyncio.sleep(0.5)
+        # the client reads nothing: buffers fill up and the worker must stall. The worker writes one
+        # chunk per loop turn while it can, and the proxy, the worker and this client share one loop:
+        # while the proxy read on, the worker would emit within any 200 turns
+        async with asyncio.timeout(30):
+            while True:
+                stalled_at = worker.emitted
+                await _turns(200)
+                if worker.emitted == stalled_at:
+                    break
+        await _turns(1000)
         assert worker.emitted == stalled_at < n, "the worker kept writing while the client read nothing"
         async with asyncio.timeout(30):
             while not received[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
@@ -190,8 +211,18 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
         size = int(rest[at:eol], 16)
         if size == 0:
             break
-        body += rest[eol + 2:eol + 2 + size]
+        body += rest[eol + 2 : eol + 2 + size]
         at = eol + 2 + size + 2
     texts = [line for line in bytes(body).split(b"\n") if line.startswith(b"data: {")]
     assert len(texts) == n
     assert all(b'"text":"t%d ' % i in t for i, t in enumerate(texts))
+
+
+async def test_a_worker_too_slow_is_a_504_upstream_timeout_not_retried(make_proxy):
+    h = await make_proxy(policy={"proxy": {"request_timeout_s": 0.2}}, worker={"token_delay_s": 1.0})
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=payload) as r:
+        body = await r.json()
+    assert r.status == 504
+    assert body["error"]["code"] == "upstream_timeout" and "within 0.2 s" in body["error"]["message"]
+    assert len(h.workers[0].seen_rids) == 1

@@ -7,7 +7,7 @@ timing and connection handling (keep-alive, close, reset, silence) are exactly w
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -65,9 +65,19 @@ class Script:
         self.server.close()
 
 
+async def until(cond: Callable[[], bool]) -> None:
+    """Wait for ``cond`` to hold (a condition, not a time window)."""
+    async with asyncio.timeout(10):
+        while not cond():
+            await asyncio.sleep(0.001)
+
+
 def sized(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b\r\n%b" % (
-        len(body), extra, body)
+        len(body),
+        extra,
+        body,
+    )
 
 
 def chunk(data: bytes) -> bytes:
@@ -158,30 +168,42 @@ async def test_a_worker_that_closed_an_idle_connection_costs_nothing() -> None:
             resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
             assert await resp.read() == b"ok"
             resp.close()
-            await asyncio.sleep(0.1)  # the FIN arrives while idle: the connection leaves the pool
+            await until(lambda: pool.idle_connections() == 0)  # the FIN arrives while idle: it leaves the pool
         assert srv.connections == 2
     pool.close()
 
 
+@pytest.mark.looptime
 async def test_deadline_covers_the_whole_answer() -> None:
+    """On virtual time: the deadline fires exactly ``timeout_s`` after the POST, reads included."""
+
     async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(30)
+        if len(srv.requests) == 1:
+            w.write(sized(b"ok"))  # the first answers: its connection stays in the pool
+        else:
+            await asyncio.sleep(30)
 
     async def slow_stream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(SSE_HEAD + chunk(b"data: 1\n\n"))
         await asyncio.sleep(30)
 
+    loop = asyncio.get_running_loop()
     pool = UpstreamPool()
     async with Script(silent) as srv:
-        t0 = asyncio.get_running_loop().time()
-        with pytest.raises(UpstreamTimeout, match="within 0.3 s"):
+        resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
+        assert await resp.read() == b"ok"
+        resp.close()
+        t0 = loop.time()
+        with pytest.raises(UpstreamTimeout, match=r"no complete answer within 0\.3 s"):
             await pool.post(srv.url, "/x", b"", timeout_s=0.3)
-        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert loop.time() - t0 == pytest.approx(0.3)
     async with Script(slow_stream) as srv:
+        t0 = loop.time()
         resp = await pool.post(srv.url, "/x", b"", timeout_s=0.3, until_output=True)
         assert await resp.readany() == b"data: 1\n\n"
         with pytest.raises(UpstreamTimeout):
             await resp.readany()
+        assert loop.time() - t0 == pytest.approx(0.3)
         resp.close()
     pool.close()
 
@@ -259,7 +281,7 @@ async def test_a_slow_reader_pauses_the_socket_until_it_catches_up() -> None:
     pool = UpstreamPool(high_water=128 * 1024)
     async with Script(reply) as srv:
         resp = await pool.post(srv.url, "/x", b"", timeout_s=10, until_output=True)
-        await asyncio.sleep(0.3)  # nobody reads: the connection must stop at the mark
+        await until(lambda: resp._conn.paused)  # nobody reads: the connection must stop at the mark
         # the mark plus at most one socket read (up to 256 KiB) past it, not the 4 MiB sent
         assert resp._conn.paused and 128 * 1024 < resp._buffered <= 128 * 1024 + 256 * 1024 + 16
         total = 0

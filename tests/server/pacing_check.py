@@ -18,8 +18,16 @@ class PacingRun:
     samples: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)  # url -> (t, queue, proxy backlog)
 
 
-async def run_burst(proxy_url: str, worker_urls: list[str], n: int, body: "dict | callable", *,
-                    backlog: "callable", sample_every_s: float = 0.02, concurrency: int = 4000) -> PacingRun:
+async def run_burst(
+    proxy_url: str,
+    worker_urls: list[str],
+    n: int,
+    body: dict | callable,
+    *,
+    backlog: callable,
+    sample_every_s: float = 0.02,
+    concurrency: int = 4000,
+) -> PacingRun:
     run = PacingRun(samples={u: [] for u in worker_urls})
     done = asyncio.Event()
     conn = aiohttp.TCPConnector(limit=concurrency)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -31,11 +31,13 @@ class Sim:
 
     async def worker_metric(self, worker_id: str, name: str) -> float:
         url = self.state.pool.get(worker_id).url
-        async with aiohttp.ClientSession() as s:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
 
 
 async def _wait(cond, timeout: float = 20.0) -> None:
@@ -48,12 +50,21 @@ async def _wait(cond, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 async def sim(tmp_path) -> AsyncIterator[Sim]:
-    policy = parse_policy({
-        "engine": {"kind": "sim", "workers": 2, "args": {"max_running_requests": 16},
-                   "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
-                   "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
-        "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
-    }, "<e2e>")
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 2,
+                "args": {"max_running_requests": 16},
+                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        },
+        "<e2e>",
+    )
     pool = Supervisor(policy.engine)
     app = build_app(policy, pool)
     runner, port = await serve(app, "127.0.0.1", 0)
@@ -70,27 +81,36 @@ async def sim(tmp_path) -> AsyncIterator[Sim]:
 async def test_chat_completions_streaming_models(sim):
     client = sim.client()
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
-    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
-                                                max_tokens=6, extra_body={"sim_output_len": 6})
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, extra_body={"sim_output_len": 6}
+    )
     assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
-    comp = await client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4,
-                                           extra_body={"sim_output_len": 4})
+    comp = await client.completions.create(
+        model=MODEL, prompt="once upon a time", max_tokens=4, extra_body={"sim_output_len": 4}
+    )
     assert comp.usage.completion_tokens == 4
-    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=8, stream=True, extra_body={"sim_output_len": 8})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+        extra_body={"sim_output_len": 8},
+    )
     chunks = [c async for c in stream]
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 7
     assert chunks[-1].choices[0].finish_reason == "length"
-    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True,
-                                             extra_body={"sim_output_len": 5})
+    stream = await client.completions.create(
+        model=MODEL, prompt="x", max_tokens=5, stream=True, extra_body={"sim_output_len": 5}
+    )
     assert len([c async for c in stream]) >= 5
     await client.close()
 
 
 async def test_disconnect_aborts_on_worker_and_frees_slot(sim):
     client = sim.client()
-    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100000, stream=True,
-                                             extra_body={"sim_output_len": 100000})
+    stream = await client.completions.create(
+        model=MODEL, prompt="x", max_tokens=100000, stream=True, extra_body={"sim_output_len": 100000}
+    )
     got = 0
     async for _ in stream:
         got += 1
@@ -109,8 +129,10 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
     st = sim.state
     # enough long non-streamed requests that both workers hold some (none has output yet)
     body = {"sim_output_len": 400}
-    tasks = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=400,
-                                                             extra_body=body)) for i in range(12)]
+    tasks = [
+        asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=400, extra_body=body))
+        for i in range(12)
+    ]
     await _wait(lambda: all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers()))
     victim = st.pool.get("w0")
     os.kill(victim.pid, signal.SIGKILL)
@@ -127,8 +149,9 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
 async def test_stream_cut_by_worker_death_ends_with_error_event(sim):
     client = sim.client()
     st = sim.state
-    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100000, stream=True,
-                                             extra_body={"sim_output_len": 100000})
+    stream = await client.completions.create(
+        model=MODEL, prompt="x", max_tokens=100000, stream=True, extra_body={"sim_output_len": 100000}
+    )
     got = 0
     with pytest.raises(openai.APIError) as exc:
         async for _ in stream:

@@ -8,13 +8,16 @@ import aiohttp
 import openai
 import pytest
 
-from tests.server.fake_worker import MODEL
+from proxy.workers.base import WorkerState
+from tests.harness.fake_engine import MODEL
 
 
 async def _post(url: str, data: bytes | str, headers: dict | None = None) -> tuple[int, dict, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
-            return r.status, await r.json(content_type=None), dict(r.headers)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r,
+    ):
+        return r.status, await r.json(content_type=None), dict(r.headers)
 
 
 def _is_openai_error(body: dict) -> bool:
@@ -27,17 +30,45 @@ def _is_openai_error(body: dict) -> bool:
     [
         pytest.param("/v1/chat/completions", "{not json", 400, "not valid JSON", id="not-json"),
         pytest.param("/v1/chat/completions", "[1, 2]", 400, "JSON object", id="not-object"),
-        pytest.param("/v1/chat/completions", '{"model": "fake-model"}', 400, "'messages' is required", id="no-messages"),
+        pytest.param(
+            "/v1/chat/completions", '{"model": "fake-model"}', 400, "'messages' is required", id="no-messages"
+        ),
         pytest.param("/v1/chat/completions", '{"messages": "hi"}', 400, "'messages' must be", id="messages-type"),
         pytest.param("/v1/chat/completions", '{"messages": [{"content": "x"}]}', 400, "role", id="no-role"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "'max_tokens' must be >= 0", id="neg-max-tokens"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', 400, "'max_tokens' must be an integer", id="max-tokens-type"),
-        pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "'stream' must be a boolean", id="stream-type"),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            400,
+            "'max_tokens' must be >= 0",
+            id="neg-max-tokens",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+            400,
+            "'max_tokens' must be an integer",
+            id="max-tokens-type",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            400,
+            "'stream' must be a boolean",
+            id="stream-type",
+        ),
         pytest.param("/v1/completions", '{"model": "fake-model"}', 400, "'prompt' is required", id="no-prompt"),
         pytest.param("/v1/completions", '{"prompt": 5}', 400, "'prompt' must be", id="prompt-type"),
-        pytest.param("/v1/completions", '{"prompt": "x", "model": "gpt-9"}', 404, "'gpt-9' does not exist", id="unknown-model"),
+        pytest.param(
+            "/v1/completions", '{"prompt": "x", "model": "gpt-9"}', 404, "'gpt-9' does not exist", id="unknown-model"
+        ),
         pytest.param("/generate", '{"sampling_params": {}}', 400, "'text' or 'input_ids'", id="generate-no-input"),
-        pytest.param("/generate", '{"text": "x", "sampling_params": {"max_new_tokens": -3}}', 400, "max_new_tokens", id="generate-neg"),
+        pytest.param(
+            "/generate",
+            '{"text": "x", "sampling_params": {"max_new_tokens": -3}}',
+            400,
+            "max_new_tokens",
+            id="generate-neg",
+        ),
         pytest.param("/v1/nowhere", "{}", 404, "no route", id="no-route"),
     ],
 )
@@ -116,14 +147,15 @@ async def test_priority_header_and_batch_key(make_proxy, monkeypatch):
     assert pick_priority(st, {}, None) is Priority.INTERACTIVE
     assert pick_priority(st, {"x-pacer-priority": "batch"}, None) is Priority.BATCH
     assert pick_priority(st, {"x-pacer-priority": "interactive"}, Priority.BATCH) is Priority.BATCH
-    status, payload, _ = await _post(h.url + "/v1/completions", '{"prompt": "x"}',
-                                     {"Authorization": "Bearer k-inter", "x-pacer-priority": "urgent"})
+    status, payload, _ = await _post(
+        h.url + "/v1/completions", '{"prompt": "x"}', {"Authorization": "Bearer k-inter", "x-pacer-priority": "urgent"}
+    )
     assert status == 400 and "x-pacer-priority" in payload["error"]["message"]
 
 
 async def test_queue_full_is_429_with_retry_after(make_proxy):
     h = await make_proxy(policy={"queue": {"capacity": 1, "retry_after_s": 7}})
-    h.state.dispatcher.drain("w0")  # nothing dispatches: requests stay in the proxy queue
+    h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: requests stay in the proxy queue
     async with aiohttp.ClientSession() as s:
         first = s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         import asyncio
@@ -133,7 +165,7 @@ async def test_queue_full_is_429_with_retry_after(make_proxy):
         async with s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}) as r:
             assert r.status == 429 and r.headers["Retry-After"] == "7"
             assert _is_openai_error(await r.json())
-        h.state.dispatcher.drain("w0", False)
+        h.pool.set_state("w0", WorkerState.READY)
         resp = await t
         assert resp.status == 200
         resp.release()
@@ -141,8 +173,6 @@ async def test_queue_full_is_429_with_retry_after(make_proxy):
 
 async def test_queue_timeout_is_clear_503(make_proxy):
     h = await make_proxy(policy={"queue": {"timeout_s": 0.3}})
-    from proxy.workers.base import WorkerState
-
     h.pool.set_state("w0", WorkerState.DOWN)
     client = h.client()
     with pytest.raises(openai.InternalServerError) as exc:
@@ -158,12 +188,19 @@ async def test_metrics_page_has_pacer_series(make_proxy):
     client = h.client()
     await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     await client.close()
-    async with aiohttp.ClientSession() as s:
-        async with s.get(h.url + "/metrics") as r:
-            text = await r.text()
-    for name in ("pacer_queue_depth{priority=\"interactive\"}", "pacer_inflight{", "pacer_requests_admitted_total 1.0",
-                 "pacer_requests_completed_total 1.0", "pacer_queue_time_seconds_bucket", "pacer_added_latency_seconds_bucket",
-                 "pacer_requests_rejected_total", "pacer_requests_retried_total", "pacer_requests_failed_total"):
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
+        text = await r.text()
+    for name in (
+        'pacer_queue_depth{priority="interactive"}',
+        "pacer_inflight{",
+        "pacer_requests_admitted_total 1.0",
+        "pacer_requests_completed_total 1.0",
+        "pacer_queue_time_seconds_bucket",
+        "pacer_added_latency_seconds_bucket",
+        "pacer_requests_rejected_total",
+        "pacer_requests_retried_total",
+        "pacer_requests_failed_total",
+    ):
         assert name in text, name
 
 
@@ -171,17 +208,16 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
     import asyncio
 
     h = await make_proxy(policy={"pacing": {"queue_band": [0, 1]}}, worker={"max_running": 1})
-    d = h.state.dispatcher
-    d.drain("w0")
+    h.pool.set_state("w0", WorkerState.DRAINING)
     batch = h.client(default_headers={"x-pacer-priority": "batch"})
     inter = h.client()
     tasks = []
     for i in range(3):  # one at a time, so their arrival order is known
         tasks.append(asyncio.ensure_future(batch.completions.create(model=MODEL, prompt=f"batch {i}", max_tokens=1)))
-        await h.wait_for(lambda: len(h.state.admission) == i + 1)
+        await h.wait_for(lambda n=i + 1: len(h.state.admission) == n)
     tasks.append(asyncio.ensure_future(inter.completions.create(model=MODEL, prompt="interactive", max_tokens=1)))
     await h.wait_for(lambda: len(h.state.admission) == 4)
-    d.drain("w0", False)
+    h.pool.set_state("w0", WorkerState.READY)
     await asyncio.gather(*tasks)
     order = [b["prompt"] for b in h.workers[0].bodies]
     assert order == ["interactive", "batch 0", "batch 1", "batch 2"]
@@ -190,17 +226,20 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
 
 
 async def test_shutdown_answers_queued_requests_with_503_at_once():
-    from proxy.policy import parse_policy
     from proxy.compose import build_app, serve
+    from proxy.policy import parse_policy
     from proxy.server.state import PROXY
-    from tests.server.fake_worker import FakeWorker
-    from tests.server.static_pool import StaticPool
+    from tests.harness.fake_engine import FakeEngine
+    from tests.harness.static_pool import StaticPool
 
-    worker = FakeWorker()
+    worker = FakeEngine()
     url = await worker.start()
-    doc = {"engine": {"kind": "external", "urls": [url]},
-           "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0}}
-    app = build_app(parse_policy(doc, "<test>"), StaticPool([url]))
+    doc = {
+        "engine": {"kind": "external", "urls": [url]},
+        "pacing": {"queue_band": [0, 0], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+    }
+    pool = StaticPool([url])
+    app = build_app(parse_policy(doc, "<test>"), pool)
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     base = f"http://127.0.0.1:{port}"
@@ -210,10 +249,13 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
             while st.board.get("w0").sample is None:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
-            st.dispatcher.drain("w0")  # nothing dispatches: both requests wait in the proxy queue
-            queued = [asyncio.ensure_future(s.post(base + "/v1/completions",
-                                                   json={"model": MODEL, "prompt": p, "max_tokens": 1}))
-                      for p in ("a", "b")]
+            pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: both requests wait in the proxy queue
+            queued = [
+                asyncio.ensure_future(
+                    s.post(base + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1})
+                )
+                for p in ("a", "b")
+            ]
             while len(st.admission) < 2:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)

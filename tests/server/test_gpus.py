@@ -4,19 +4,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.compose import build_app, serve
 from proxy.observe.nvml import GpuReport, Sampler, sample_gpus, sample_with
 from proxy.policy import parse_policy
-from proxy.compose import build_app, serve
 from proxy.server.state import PROXY, ProxyState
-from tests.observe.test_nvml import _Nvml, _has_gpu
-from tests.server.fake_worker import FakeWorker
-from tests.server.static_pool import StaticPool
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
+from tests.observe.test_nvml import _has_gpu, _Nvml
 
 ADMIN = {"Authorization": "Bearer adm-1"}
 Start = Callable[..., Any]
@@ -30,11 +31,14 @@ async def start_proxy(tmp_path) -> AsyncIterator[Start]:
     cleanups: list[Callable[[], Any]] = []
 
     async def start(sampler: Sampler, interval_s: float = 0.05) -> tuple[str, ProxyState]:
-        worker = FakeWorker()
+        worker = FakeEngine()
         url = await worker.start()
         cleanups.append(worker.stop)
-        doc = {"proxy": {"gpu_sample_interval_s": interval_s}, "auth": {"admin_key_file": str(admin)},
-               "engine": {"kind": "external", "urls": [url]}}
+        doc = {
+            "proxy": {"gpu_sample_interval_s": interval_s},
+            "auth": {"admin_key_file": str(admin)},
+            "engine": {"kind": "external", "urls": [url]},
+        }
         app = build_app(parse_policy(doc, "<test>"), StaticPool([url]), gpu_sampler=sampler)
         runner, port = await serve(app, "127.0.0.1", 0)
         cleanups.append(runner.cleanup)
@@ -55,16 +59,18 @@ async def _first_sample(st: ProxyState) -> GpuReport:
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url, headers=headers) as r:
-            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
 
 
 def _gpu_series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The ``pacer_gpu_*`` samples of a metrics page, by name and sorted labels."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) if family.name.startswith("pacer_gpu_")
-            for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("pacer_gpu_")
+        for s in family.samples
+    }
 
 
 async def test_two_devices_show_as_gauges_and_json(start_proxy: Start) -> None:
@@ -77,9 +83,12 @@ async def test_two_devices_show_as_gauges_and_json(start_proxy: Start) -> None:
     gpu0, gpu1 = (("gpu", "0"), ("name", h100)), (("gpu", "1"), ("name", h100))
     assert _gpu_series(text) == {
         ("pacer_gpu_available", ()): 1.0,
-        ("pacer_gpu_memory_total_bytes", gpu0): total, ("pacer_gpu_memory_total_bytes", gpu1): total,
-        ("pacer_gpu_memory_used_bytes", gpu0): 1e6, ("pacer_gpu_memory_used_bytes", gpu1): 2e6,
-        ("pacer_gpu_memory_free_bytes", gpu0): total - 1e6, ("pacer_gpu_memory_free_bytes", gpu1): total - 2e6,
+        ("pacer_gpu_memory_total_bytes", gpu0): total,
+        ("pacer_gpu_memory_total_bytes", gpu1): total,
+        ("pacer_gpu_memory_used_bytes", gpu0): 1e6,
+        ("pacer_gpu_memory_used_bytes", gpu1): 2e6,
+        ("pacer_gpu_memory_free_bytes", gpu0): total - 1e6,
+        ("pacer_gpu_memory_free_bytes", gpu1): total - 2e6,
         ("pacer_gpu_utilization_pct", gpu0): 87.0,  # gpu 1 has no utilization counter: no sample
     }
 
@@ -134,4 +143,3 @@ async def test_before_the_first_sample(start_proxy: Start) -> None:
     finally:
         release.set()
     assert (await _first_sample(st)).available
-

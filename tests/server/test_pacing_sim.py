@@ -56,19 +56,22 @@ stale_after_s = 1.0
 def pacer(tmp_path):
     (tmp_path / "policy.toml").write_text(POLICY)
     port = free_port("127.0.0.1")
-    log = open(tmp_path / "pacer.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with open(tmp_path / "pacer.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def _ready(url: str, logfile, timeout: float = 90.0) -> list[dict]:
@@ -102,10 +105,17 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
     stop = asyncio.Event()
     watcher = asyncio.ensure_future(watch_backlog(stop))
     t0 = time.monotonic()
-    run = await run_burst(url, [w["url"] for w in workers], N,
-                          lambda i: {"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 64,
-                                     "sim_output_len": 8 + (i * 7919) % 48},
-                          backlog=lambda: backlog["n"])
+    run = await run_burst(
+        url,
+        [w["url"] for w in workers],
+        N,
+        lambda i: {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "max_tokens": 64,
+            "sim_output_len": 8 + (i * 7919) % 48,
+        },
+        backlog=lambda: backlog["n"],
+    )
     elapsed = time.monotonic() - t0
     stop.set()
     await watcher
@@ -119,10 +129,13 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
         for w in workers:
             async with s.get(w["url"] + "/metrics") as r:
                 text = await r.text()
-            finished += sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                            if l.startswith("sglang:num_requests_total"))
+            finished += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("sglang:num_requests_total")
+            )
     assert finished == N
-    for _url, (kept, qmax, below, above) in report.items():
+    for _url, (kept, _qmax, below, above) in report.items():
         assert kept >= 20, report
         assert above == 0, report
         assert below <= 0.25 * kept, report

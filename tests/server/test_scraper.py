@@ -9,11 +9,12 @@ import time
 import aiohttp
 from aiohttp import web
 
-from proxy.request.admission import AdmissionQueue
+from proxy.engines.sglang.engine import SGLANG
 from proxy.observe.scraper import Scraper
+from proxy.request.admission import AdmissionQueue
 from proxy.request.pacing import LoadBoard
 from proxy.server.status_log import format_status
-from tests.server.static_pool import StaticPool
+from tests.harness.static_pool import StaticPool
 
 GOOD = 'sglang:num_queue_reqs{model_name="m"} 7\nsglang:num_running_reqs{model_name="m"} 3\nsglang:token_usage{model_name="m"} 0.42\n'
 
@@ -21,10 +22,12 @@ GOOD = 'sglang:num_queue_reqs{model_name="m"} 7\nsglang:num_running_reqs{model_n
 async def _server(routes: dict[str, web.Response | int]) -> tuple[web.AppRunner, str]:
     app = web.Application()
     for path, answer in routes.items():
+
         async def handler(request, answer=answer):
             if isinstance(answer, int):
                 return web.Response(status=answer)
             return web.Response(text=answer, content_type="text/plain") if isinstance(answer, str) else answer
+
         app.router.add_get(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -38,14 +41,20 @@ async def test_samples_errors_and_staleness():
     bad, url_bad = await _server({"/metrics": "this is { not prometheus"})
     gone, url_gone = await _server({"/metrics": GOOD})
     await gone.cleanup()  # nothing listens there any more
-    loads_only, url_loads = await _server({"/metrics": 404, "/v1/loads": web.json_response(
-        {"loads": [{"num_waiting_reqs": 2, "num_running_reqs": 5, "token_usage": 0.5}]})})
+    loads_only, url_loads = await _server(
+        {
+            "/metrics": 404,
+            "/v1/loads": web.json_response(
+                {"loads": [{"num_waiting_reqs": 2, "num_running_reqs": 5, "token_usage": 0.5}]}
+            ),
+        }
+    )
     pool = StaticPool([url_good, url_bad, url_gone, url_loads])
     board = LoadBoard()
     seen: list[tuple[str, bool]] = []
     board.subscribe(lambda wid, sample, err: seen.append((wid, sample is not None)))
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper(pool, board, session, engine="sglang", interval_s=0.05, timeout_s=1.0)
+        scraper = Scraper(pool, board, session, engine=SGLANG, interval_s=0.05, timeout_s=1.0)
         task = asyncio.ensure_future(scraper.run())
         try:
             deadline = time.monotonic() + 10

@@ -70,7 +70,9 @@ class SimProcess:
             if self.proc.poll() is not None and not any(needle in x for x in self.lines):
                 time.sleep(0.2)
                 if not any(needle in x for x in self.lines):
-                    raise AssertionError(f"process exited ({self.proc.returncode}) without {needle!r}:\n{self.log_text()}")
+                    raise AssertionError(
+                        f"process exited ({self.proc.returncode}) without {needle!r}:\n{self.log_text()}"
+                    )
             time.sleep(0.02)
         raise AssertionError(f"no line with {needle!r} within {timeout}s:\n{self.log_text()}")
 
@@ -90,8 +92,14 @@ class SimProcess:
 
 def start_sim(*argv: str, startup: float = 0.2, wait: bool = True) -> SimProcess:
     cmd = [sys.executable, "-m", "proxy", "sim", "--port", "0", "--sim-startup-seconds", str(startup), *argv]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     lines: list[str] = []
 
     def pump() -> None:
@@ -117,9 +125,12 @@ def start_sim(*argv: str, startup: float = 0.2, wait: bool = True) -> SimProcess
     return sim
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+def http(
+    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()

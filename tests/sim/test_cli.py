@@ -25,11 +25,23 @@ def test_every_flag_the_proxy_may_set_parses() -> None:
 
 
 def test_a_typical_worker_argv_resolves() -> None:
-    argv = build_argv({"model_path": "meta-llama/Llama-3.1-8B-Instruct", "schedule_conservativeness": 0.3,
-                       "max_running_requests": 128, "chunked_prefill_size": 4096, "schedule_policy": "lpm",
-                       "cuda_graph_max_bs_decode": 64, "mem_fraction_static": 0.85, "tp_size": 1,
-                       "log_level": "warning", "trust_remote_code": True},
-                      ["--sim-gpu", "a100-80gb"], host="127.0.0.1", port=31001)
+    argv = build_argv(
+        {
+            "model_path": "meta-llama/Llama-3.1-8B-Instruct",
+            "schedule_conservativeness": 0.3,
+            "max_running_requests": 128,
+            "chunked_prefill_size": 4096,
+            "schedule_policy": "lpm",
+            "cuda_graph_max_bs_decode": 64,
+            "mem_fraction_static": 0.85,
+            "tp_size": 1,
+            "log_level": "warning",
+            "trust_remote_code": True,
+        },
+        ["--sim-gpu", "a100-80gb"],
+        host="127.0.0.1",
+        port=31001,
+    )
     cfg = resolve_config(build_parser().parse_args(argv))
     assert (cfg.schedule_conservativeness, cfg.max_running_requests, cfg.chunked_prefill_size) == (0.3, 128, 4096)
     assert cfg.cuda_graph_max_bs_decode == 64 and cfg.gpu.name == "a100-80gb" and cfg.port == 31001

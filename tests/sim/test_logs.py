@@ -9,17 +9,27 @@ from proxy.engines.sglang.logs import classify_death, parse_line
 from proxy.sim import logs
 from proxy.sim.logs import LogSink
 
-REAL_DECODE = ("Decode batch, #running-req: 66, #token: 84642, token usage: 0.97, cuda graph: False, "
-               "gen throughput (token/s): 2574.67, #queue-req: 11")
-REAL_RETRACT = ("KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 646, "
-                "#new_token_ratio: 0.0980 -> 0.3487")
-REAL_STARTUP = ("max_total_num_tokens=665690, chunked_prefill_size=8192, max_prefill_tokens=16384, "
-                "max_running_requests=4096, context_len=65536, available_gpu_mem=13.50 GB")
+REAL_DECODE = (
+    "Decode batch, #running-req: 66, #token: 84642, token usage: 0.97, cuda graph: False, "
+    "gen throughput (token/s): 2574.67, #queue-req: 11"
+)
+REAL_RETRACT = (
+    "KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 646, "
+    "#new_token_ratio: 0.0980 -> 0.3487"
+)
+REAL_STARTUP = (
+    "max_total_num_tokens=665690, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+    "max_running_requests=4096, context_len=65536, available_gpu_mem=13.50 GB"
+)
 
 
 def test_decode_line_is_sglangs() -> None:
-    assert logs.decode_line(running=66, used_tokens=84642, token_usage=0.9712, cuda_graph=False,
-                            gen_throughput=2574.671, queue=11) == REAL_DECODE
+    assert (
+        logs.decode_line(
+            running=66, used_tokens=84642, token_usage=0.9712, cuda_graph=False, gen_throughput=2574.671, queue=11
+        )
+        == REAL_DECODE
+    )
 
 
 def test_retract_line_is_sglangs() -> None:
@@ -27,16 +37,36 @@ def test_retract_line_is_sglangs() -> None:
 
 
 def test_startup_line_is_sglangs() -> None:
-    assert logs.startup_line(max_total_num_tokens=665690, chunked_prefill_size=8192, max_prefill_tokens=16384,
-                             max_running_requests=4096, context_len=65536, available_gpu_mem_gb=13.5) == REAL_STARTUP
+    assert (
+        logs.startup_line(
+            max_total_num_tokens=665690,
+            chunked_prefill_size=8192,
+            max_prefill_tokens=16384,
+            max_running_requests=4096,
+            context_len=65536,
+            available_gpu_mem_gb=13.5,
+        )
+        == REAL_STARTUP
+    )
 
 
 def test_prefill_line_has_0_5_23_fields_in_order() -> None:
-    line = logs.prefill_line(new_seq=3, new_token=2048, cached_token=512, token_usage=0.25, running=10, queue=4,
-                             pending_token=900, cuda_graph=False, input_throughput=12345.678)
-    assert line == ("Prefill batch, #new-seq: 3, #new-token: 2048, #cached-token: 512, token usage: 0.25, "
-                    "#running-req: 10, #queue-req: 4, #pending-token: 900, cuda graph: False, "
-                    "input throughput (token/s): 12345.68")
+    line = logs.prefill_line(
+        new_seq=3,
+        new_token=2048,
+        cached_token=512,
+        token_usage=0.25,
+        running=10,
+        queue=4,
+        pending_token=900,
+        cuda_graph=False,
+        input_throughput=12345.678,
+    )
+    assert line == (
+        "Prefill batch, #new-seq: 3, #new-token: 2048, #cached-token: 512, token usage: 0.25, "
+        "#running-req: 10, #queue-req: 4, #pending-token: 900, cuda graph: False, "
+        "input throughput (token/s): 12345.68"
+    )
     ev = parse_line("[2026-09-13 16:06:05] " + line, 0.0)
     assert ev is not None and ev.kind is EventKind.BATCH_STATS
     assert ev.fields["cached_tokens"] == 512 and ev.fields["queue"] == 4
@@ -61,6 +91,6 @@ def test_sink_prefix_and_parser_round_trip() -> None:
 def test_oom_tracebacks_tell_prefill_from_decode() -> None:
     for phase in ("prefill", "decode"):
         text = logs.cuda_oom_traceback(phase=phase, need_mib=2048, total_mib=10240, free_mib=500, used_mib=9000)
-        lines = ("[2026-09-13 16:06:05] " + text).splitlines() + ["[2026-09-13 16:06:05] " + logs.SIGQUIT_LINE]
+        lines = [*("[2026-09-13 16:06:05] " + text).splitlines(), "[2026-09-13 16:06:05] " + logs.SIGQUIT_LINE]
         death = classify_death(lines)
         assert (death.cause, death.phase) == ("oom", phase)

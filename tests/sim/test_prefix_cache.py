@@ -11,7 +11,7 @@ from tests.sim.helpers import config, engine, run_until
 
 def test_match_insert_split_and_sizes() -> None:
     c = RadixCache()
-    assert c.insert((1, 2, 3, 4)) [0] == 4
+    assert c.insert((1, 2, 3, 4))[0] == 4
     added, _ = c.insert((1, 2, 9, 9, 9))
     assert added == 3 and c.total_size == 7 and c.evictable_size == 7
     n, node = c.match((1, 2, 3, 7))
@@ -22,7 +22,7 @@ def test_match_insert_split_and_sizes() -> None:
 
 def test_locked_nodes_are_not_evictable_lru_goes_first() -> None:
     c = RadixCache()
-    _, old = c.insert((1, 2, 3))
+    c.insert((1, 2, 3))
     _, new = c.insert((5, 6, 7))
     c.lock(new)
     assert c.evictable_size == 3
@@ -68,8 +68,10 @@ def test_lpm_serves_cached_prefixes_first() -> None:
         eng = engine("--schedule-policy", policy, "--max-running-requests", "1")
         warm = eng.add(prompt_ids=encode(hot + " warm"), max_new_tokens=1, output_len=1, rid="warm")
         run_until(eng, lambda: warm.finish_time is not None)
-        reqs = [eng.add(prompt_ids=encode(f"cold{i} " * 300), max_new_tokens=1, output_len=1, rid=f"cold{i}")
-                for i in range(3)]
+        reqs = [
+            eng.add(prompt_ids=encode(f"cold{i} " * 300), max_new_tokens=1, output_len=1, rid=f"cold{i}")
+            for i in range(3)
+        ]
         reqs.append(eng.add(prompt_ids=encode(hot + " again"), max_new_tokens=1, output_len=1, rid="hot"))
         run_until(eng, lambda: all(r.finish_time is not None for r in reqs), t=10.0)
         return [r.rid for r in sorted(reqs, key=lambda r: r.finish_time)]
@@ -80,7 +82,9 @@ def test_lpm_serves_cached_prefixes_first() -> None:
 
 def test_prefix_sharing_workload_hits_in_virtual_run() -> None:
     system = encode(" ".join(f"sys{i}" for i in range(1000)))
-    wl = [RequestSpec(arrival=i * 0.01, prompt_ids=system + encode(f"user question {i}"), max_new_tokens=32)
-          for i in range(50)]
+    wl = [
+        RequestSpec(arrival=i * 0.01, prompt_ids=system + encode(f"user question {i}"), max_new_tokens=32)
+        for i in range(50)
+    ]
     res = simulate(config("--schedule-policy", "lpm"), wl)
     assert sum(r.cached_tokens for r in res.requests) >= 45 * len(system)

@@ -13,7 +13,8 @@ from tests.sim.helpers import config, engine, unique_prompt
 
 RETRACT_RE = re.compile(
     r"^KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+), #new_tokens_gained: (-?\d+), "
-    r"#new_token_ratio: (\d\.\d{4}) -> (\d\.\d{4})$")
+    r"#new_token_ratio: (\d\.\d{4}) -> (\d\.\d{4})$"
+)
 
 
 def test_long_ignore_eos_outputs_past_the_clip_retract() -> None:
@@ -29,8 +30,10 @@ def test_long_ignore_eos_outputs_past_the_clip_retract() -> None:
 def _mixed(n: int) -> list[RequestSpec]:
     """One request in three stops early by EOS: finishes come staggered and re-open admission, at a
     ratio that has decayed meanwhile, while the long ones keep growing."""
-    return [RequestSpec(arrival=i * 0.05, prompt_len=200, max_new_tokens=1500, output_len=100 if i % 3 == 0 else 1500)
-            for i in range(n)]
+    return [
+        RequestSpec(arrival=i * 0.05, prompt_len=200, max_new_tokens=1500, output_len=100 if i % 3 == 0 else 1500)
+        for i in range(n)
+    ]
 
 
 def test_small_pool_long_outputs_retract_and_recompute() -> None:
@@ -74,11 +77,13 @@ def test_retraction_order_ratio_and_requeue() -> None:
     retracted = [r for r in (first, short_prompt, long_prompt) if r.num_retractions]
     assert retracted[0] is long_prompt and int(n) == len(retracted)
     assert all(r.state is State.WAITING and r in eng.waiting for r in retracted)
-    assert all(r.fill_ids[: r.prompt_len] == r.prompt_ids and len(r.fill_ids) == r.prompt_len + r.out_base
-               for r in retracted)
+    assert all(
+        r.fill_ids[: r.prompt_len] == r.prompt_ids and len(r.fill_ids) == r.prompt_len + r.out_base for r in retracted
+    )
     remaining = eng.running
-    expected = ratio_after_retract(sum(eng.output_len(r) for r in remaining), len(remaining),
-                                   sum(r.max_new for r in remaining))
+    expected = ratio_after_retract(
+        sum(eng.output_len(r) for r in remaining), len(remaining), sum(r.max_new for r in remaining)
+    )
     assert eng.ratio == pytest.approx(expected)
     assert float(new) == pytest.approx(expected, abs=1e-4)
     assert float(old) < 0.7

@@ -22,8 +22,13 @@ def test_health_is_503_while_starting_then_200() -> None:
         sim.wait_ready()
         assert http("GET", sim.url + "/health")[0] == 200
         log = sim.log_text()
-        for needle in ("Load weight end.", "KV Cache is allocated.", "Capture cuda graph end.",
-                       "max_total_num_tokens=", "available_gpu_mem="):
+        for needle in (
+            "Load weight end.",
+            "KV Cache is allocated.",
+            "Capture cuda graph end.",
+            "max_total_num_tokens=",
+            "available_gpu_mem=",
+        ):
             assert needle in log
         assert log.index("max_total_num_tokens=") < log.index("The server is fired up and ready to roll!")
     finally:
@@ -49,8 +54,10 @@ def test_metrics_only_with_enable_metrics_and_queue_limit() -> None:
         assert http("GET", sim.url + "/metrics")[0] == 404
         body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 300}}).encode()
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(http("POST", sim.url + "/generate", body)[0]))
-                   for _ in range(2)]
+        threads = [
+            threading.Thread(target=lambda: results.append(http("POST", sim.url + "/generate", body)[0]))
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
             time.sleep(0.3)
@@ -75,11 +82,22 @@ def test_metrics_only_with_enable_metrics_and_queue_limit() -> None:
 
 
 def test_prefill_oom_kills_the_server_with_sglangs_lines() -> None:
-    sim = start_sim("--sim-gpu", "rtx3080-10gb", "--quantization", "fp8", "--mem-fraction-static", "0.9",
-                    "--chunked-prefill-size", "8192")
+    sim = start_sim(
+        "--sim-gpu",
+        "rtx3080-10gb",
+        "--quantization",
+        "fp8",
+        "--mem-fraction-static",
+        "0.9",
+        "--chunked-prefill-size",
+        "8192",
+    )
     try:
-        status, _ = http("POST", sim.url + "/generate",
-                         json.dumps({"input_ids": list(range(6000)), "sampling_params": {"max_new_tokens": 4}}).encode())
+        status, _ = http(
+            "POST",
+            sim.url + "/generate",
+            json.dumps({"input_ids": list(range(6000)), "sampling_params": {"max_new_tokens": 4}}).encode(),
+        )
     except OSError:
         status = -1
     assert status != 200
@@ -98,8 +116,13 @@ def test_weights_that_do_not_fit_exit_at_start() -> None:
 
     from tests.sim.helpers import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "proxy", "sim", "--sim-gpu", "rtx3080-10gb", "--port", "0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "sim", "--sim-gpu", "rtx3080-10gb", "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1 and "Not enough memory" in out.stderr and out.stdout == ""
 
 
@@ -109,6 +132,11 @@ def test_unknown_flag_is_an_error_like_sglang() -> None:
 
     from tests.sim.helpers import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "proxy", "sim", "--cuda-graph-max-bs", "8"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "sim", "--cuda-graph-max-bs", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "ambiguous" in out.stderr

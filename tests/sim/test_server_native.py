@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -17,8 +18,9 @@ from tests.sim.helpers import SimProcess, http, start_sim
 
 @pytest.fixture(scope="module")
 def sim():
-    s = start_sim("--sim-time-scale", "20", "--enable-metrics", "--decode-log-interval", "4",
-                  "--max-total-tokens", "60000")
+    s = start_sim(
+        "--sim-time-scale", "20", "--enable-metrics", "--decode-log-interval", "4", "--max-total-tokens", "60000"
+    )
     yield s
     assert s.stop() == 0
 
@@ -41,8 +43,16 @@ async def sse(session: aiohttp.ClientSession, url: str, body: object) -> list[ob
 
 
 def test_generate_plain(sim: SimProcess) -> None:
-    status, out = post(sim, "/generate", {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 7},
-                                          "sim_output_len": 5, "return_logprob": False})
+    status, out = post(
+        sim,
+        "/generate",
+        {
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 7},
+            "sim_output_len": 5,
+            "return_logprob": False,
+        },
+    )
     assert status == 200
     meta = out["meta_info"]
     assert meta["finish_reason"]["type"] == "stop" and meta["completion_tokens"] == 5
@@ -61,13 +71,14 @@ def test_generate_input_ids_and_batch(sim: SimProcess) -> None:
 
 async def test_generate_stream_cumulative_text(sim: SimProcess) -> None:
     async with aiohttp.ClientSession() as s:
-        events = await sse(s, sim.url + "/generate", {"text": "hello", "stream": True,
-                                                      "sampling_params": {"max_new_tokens": 10}})
+        events = await sse(
+            s, sim.url + "/generate", {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 10}}
+        )
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) == 10
     texts = [c["text"] for c in chunks]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, 11))
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
@@ -123,20 +134,32 @@ async def test_metrics_count_what_was_served(sim: SimProcess) -> None:
     assert s1.requests_total - (s0.requests_total or 0) == 8
     assert s1.generation_tokens_total - (s0.generation_tokens_total or 0) == 160
     assert s1.max_total_tokens == 60000 and s1.new_token_ratio is not None
-    for needle in ("# TYPE sglang:num_running_reqs gauge", "sglang:num_retracted_requests_total{",
-                   "# TYPE sglang:time_to_first_token_seconds histogram",
-                   "# TYPE sglang:inter_token_latency_seconds histogram",
-                   "# TYPE sglang:e2e_request_latency_seconds histogram", 'is_streaming="false"',
-                   'engine_type="unified"', 'tp_rank="0"', "sglang:cache_hit_rate{", "sglang:gen_throughput{",
-                   "sglang:num_retracted_reqs{"):
+    for needle in (
+        "# TYPE sglang:num_running_reqs gauge",
+        "sglang:num_retracted_requests_total{",
+        "# TYPE sglang:time_to_first_token_seconds histogram",
+        "# TYPE sglang:inter_token_latency_seconds histogram",
+        "# TYPE sglang:e2e_request_latency_seconds histogram",
+        'is_streaming="false"',
+        'engine_type="unified"',
+        'tp_rank="0"',
+        "sglang:cache_hit_rate{",
+        "sglang:gen_throughput{",
+        "sglang:num_retracted_reqs{",
+    ):
         assert needle in text, needle
     assert "_created" not in text
 
 
 async def test_abort_request_ends_a_stream(sim: SimProcess) -> None:
     async with aiohttp.ClientSession() as s:
-        task = asyncio.create_task(sse(s, sim.url + "/generate", {
-            "text": "long", "stream": True, "rid": "to-abort", "sampling_params": {"max_new_tokens": 20000}}))
+        task = asyncio.create_task(
+            sse(
+                s,
+                sim.url + "/generate",
+                {"text": "long", "stream": True, "rid": "to-abort", "sampling_params": {"max_new_tokens": 20000}},
+            )
+        )
         await asyncio.sleep(0.5)
         async with s.post(sim.url + "/abort_request", json={"rid": "to-abort"}) as resp:
             assert resp.status == 200
@@ -170,8 +193,14 @@ async def test_retraction_over_http_counted_logged_and_recomputed() -> None:
     sim = start_sim("--max-total-tokens", "12000", "--sim-time-scale", "200", "--enable-metrics")
     try:
         async with aiohttp.ClientSession() as s:
-            bodies = [{"input_ids": list(range(i * 1000, i * 1000 + 200)), "sim_output_len": 100 if i % 3 == 0 else 1500,
-                       "sampling_params": {"max_new_tokens": 1500}} for i in range(60)]
+            bodies = [
+                {
+                    "input_ids": list(range(i * 1000, i * 1000 + 200)),
+                    "sim_output_len": 100 if i % 3 == 0 else 1500,
+                    "sampling_params": {"max_new_tokens": 1500},
+                }
+                for i in range(60)
+            ]
 
             async def one(body: dict) -> dict:
                 async with s.post(sim.url + "/generate", json=body) as resp:

@@ -12,8 +12,16 @@ MODEL = "sim-llama"
 
 @pytest.fixture(scope="module")
 def sim():
-    s = start_sim("--served-model-name", MODEL, "--sim-time-scale", "50", "--enable-metrics",
-                  "--log-level", "info", "--trust-remote-code")
+    s = start_sim(
+        "--served-model-name",
+        MODEL,
+        "--sim-time-scale",
+        "50",
+        "--enable-metrics",
+        "--log-level",
+        "info",
+        "--trust-remote-code",
+    )
     yield s
     assert s.stop() == 0
 
@@ -31,8 +39,12 @@ def test_models(client: openai.OpenAI) -> None:
 
 
 def test_chat_stops_at_the_scripted_length(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello"}],
-                                          max_tokens=40, extra_body={"sim_output_len": 6, "top_k": 5, "foo": 1})
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=40,
+        extra_body={"sim_output_len": 6, "top_k": 5, "foo": 1},
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop"
     assert len(choice.message.content.split()) == 6
@@ -41,15 +53,21 @@ def test_chat_stops_at_the_scripted_length(client: openai.OpenAI) -> None:
 
 
 def test_chat_length_limit(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a lot"}],
-                                          max_tokens=4)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a lot"}], max_tokens=4
+    )
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 4
 
 
 def test_chat_stream_one_token_per_chunk_with_usage(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
-                                            max_tokens=50, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"sim_output_len": 12})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=50,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"sim_output_len": 12},
+    )
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) == 12
@@ -62,14 +80,16 @@ def test_chat_stream_one_token_per_chunk_with_usage(client: openai.OpenAI) -> No
 def test_completions_and_stream(client: openai.OpenAI) -> None:
     resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 8
-    text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Once", max_tokens=5,
-                                                                         stream=True))
+    text = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Once", max_tokens=5, stream=True)
+    )
     assert len(text.split()) == 5
 
 
 def test_ignore_eos_runs_to_max_tokens(client: openai.OpenAI) -> None:
-    resp = client.completions.create(model=MODEL, prompt="x", max_tokens=9,
-                                     extra_body={"sim_output_len": 2, "ignore_eos": True})
+    resp = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=9, extra_body={"sim_output_len": 2, "ignore_eos": True}
+    )
     assert resp.usage.completion_tokens == 9
 
 

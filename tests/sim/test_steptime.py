@@ -24,7 +24,9 @@ def test_steady_state_gen_throughput_lands_near_the_guide() -> None:
     logs: list[str] = []
     wl = [RequestSpec(prompt_len=800, max_new_tokens=1600) for _ in range(1200)]
     simulate(config(), wl, log=lambda level, msg: logs.append(msg))
-    pat = re.compile(r"#running-req: (\d+), #token: (\d+), token usage: ([\d.]+), .*gen throughput \(token/s\): ([\d.]+)")
+    pat = re.compile(
+        r"#running-req: (\d+), #token: (\d+), token usage: ([\d.]+), .*gen throughput \(token/s\): ([\d.]+)"
+    )
     rows = [tuple(float(x) for x in m.groups()) for m in map(pat.search, logs) if m]
     busy = [r for r in rows if 200 <= r[0] <= 260 and r[2] >= 0.75]
     assert len(busy) >= 10

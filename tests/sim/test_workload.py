@@ -32,9 +32,11 @@ def test_spread_draws_within_bounds() -> None:
 
 
 def test_explicit_output_len_and_ignore_eos() -> None:
-    wl = [RequestSpec(prompt_len=10, max_new_tokens=100, output_len=7),
-          RequestSpec(prompt_len=10, max_new_tokens=100, output_len=7, ignore_eos=True),
-          RequestSpec(prompt_len=10, max_new_tokens=5, output_len=70)]
+    wl = [
+        RequestSpec(prompt_len=10, max_new_tokens=100, output_len=7),
+        RequestSpec(prompt_len=10, max_new_tokens=100, output_len=7, ignore_eos=True),
+        RequestSpec(prompt_len=10, max_new_tokens=5, output_len=70),
+    ]
     res = simulate(config(), wl)
     assert [(r.output_tokens, r.finish_reason) for r in res.requests] == [(7, "stop"), (100, "length"), (5, "length")]
 
@@ -48,20 +50,28 @@ def test_result_fields_and_trace() -> None:
     assert {p.kind for p in res.trace} == {"prefill", "decode"}
     times = [p.time for p in res.trace]
     assert times == sorted(times)
-    assert all(r.first_token_time is not None and r.arrival <= r.first_token_time <= r.finish_time
-               for r in res.requests)
+    assert all(
+        r.first_token_time is not None and r.arrival <= r.first_token_time <= r.finish_time for r in res.requests
+    )
 
 
 def test_time_scale_divides_all_durations() -> None:
     one = simulate(config(), _wl(20))
-    ten = simulate(config("--sim-time-scale", "10"), [RequestSpec(arrival=s.arrival / 10, prompt_len=s.prompt_len,
-                                                                  max_new_tokens=s.max_new_tokens) for s in _wl(20)])
+    ten = simulate(
+        config("--sim-time-scale", "10"),
+        [
+            RequestSpec(arrival=s.arrival / 10, prompt_len=s.prompt_len, max_new_tokens=s.max_new_tokens)
+            for s in _wl(20)
+        ],
+    )
     assert ten.makespan_s * 10 == __import__("pytest").approx(one.makespan_s, rel=1e-6)
 
 
 def test_queue_limit_rejects() -> None:
-    res = simulate(config("--max-queued-requests", "5", "--max-running-requests", "2"),
-                   [RequestSpec(prompt_len=10, max_new_tokens=10) for _ in range(20)])
+    res = simulate(
+        config("--max-queued-requests", "5", "--max-running-requests", "2"),
+        [RequestSpec(prompt_len=10, max_new_tokens=10) for _ in range(20)],
+    )
     # all 20 arrive before the first step: 5 wait, 15 are refused
     assert res.rejected == 15 and res.finished == 5
 
@@ -90,8 +100,17 @@ def test_deterministic_across_processes_and_hash_seeds() -> None:
 
     from tests.sim.helpers import ROOT
 
-    outs = [subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", _SCRIPT],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        for seed in ("1", "2")
+    ]
     assert all(o.returncode == 0 for o in outs), outs[0].stderr
     assert outs[0].stdout == outs[1].stdout
     data = __import__("json").loads(outs[0].stdout)

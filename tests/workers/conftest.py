@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import pytest
 

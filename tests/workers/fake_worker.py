@@ -44,11 +44,19 @@ async def main() -> None:
     opts, engine_flags = parse(sys.argv[1:])
     print(f"fake worker pid {os.getpid()} starting on port {opts.port}", flush=True)
     if opts.fake_exit_at_start is not None:
-        print("RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.", file=sys.stderr, flush=True)
+        print(
+            "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(opts.fake_exit_at_start)
     if opts.fake_clash_once and not os.path.exists(opts.fake_clash_once):
         open(opts.fake_clash_once, "w").close()
-        print(f"OSError: [Errno 98] error while attempting to bind on address ('{opts.host}', {opts.port}): address already in use", file=sys.stderr, flush=True)
+        print(
+            f"OSError: [Errno 98] error while attempting to bind on address ('{opts.host}', {opts.port}): address already in use",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
     if opts.fake_ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -61,7 +69,12 @@ async def main() -> None:
         return web.Response(status=200 if time.monotonic() >= ready_at else 503)
 
     async def args(_: web.Request) -> web.Response:
-        body = {"argv": sys.argv[1:], "engine_flags": engine_flags, "pid": os.getpid(), "child_pid": child.pid if child else None}
+        body = {
+            "argv": sys.argv[1:],
+            "engine_flags": engine_flags,
+            "pid": os.getpid(),
+            "child_pid": child.pid if child else None,
+        }
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def crash(_: web.Request) -> web.Response:
@@ -80,7 +93,11 @@ async def main() -> None:
     while True:
         await asyncio.sleep(0.1)
         step += 1
-        print(f"Decode batch, #running-req: 0, #token: 0, token usage: 0.00, #queue-req: {step}, ", file=sys.stderr, flush=True)
+        print(
+            f"Decode batch, #running-req: 0, #token: 0, token usage: 0.00, #queue-req: {step}, ",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -53,11 +53,8 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     child_pids = [echoed["child_pid"], (await get_json(f"{w1.url}/args"))["child_pid"]]
     assert all(alive(p) for p in child_pids)
 
-    # log lines: live to subscribers and listeners, in the ring, and in the log file
-    lines = sup.subscribe_lines("w1")
-    first = await asyncio.wait_for(lines.__anext__(), 5)
-    assert "Decode batch" in first
-    await lines.aclose()
+    # log lines: live to listeners, in the ring, and in the log file
+    await wait_for(lambda: any(wid == "w1" and "Decode batch" in line for wid, line in heard))
     assert any(wid == "w0" and "fired up" in line for wid, line in heard)
     assert any("starting on port" in line for line in sup.tail("w0", 100))
     log_text = Path(w0.log_path or "").read_text()
@@ -92,7 +89,7 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     await sup.stop()
     assert all(i.state == WorkerState.STOPPED and i.pid is None for i in sup.workers())
     for pid in pids:
-        await wait_for(lambda: not alive(pid), timeout=5)
+        await wait_for(lambda pid=pid: not alive(pid), timeout=5)
 
 
 async def test_drain_hook(make_supervisor) -> None:
@@ -246,19 +243,3 @@ async def test_vllm_workers_get_vllm_flags(make_supervisor) -> None:
     assert info.state == WorkerState.READY
     echoed = await get_json(f"{info.url}/args")
     assert echoed["engine_flags"] == ["--max-num-seqs", "24"] and "--enable-metrics" not in echoed["argv"]
-
-
-async def test_line_subscription_ends_when_the_supervisor_stops(make_supervisor) -> None:
-    sup = make_supervisor()
-    await sup.start()
-    got: list[str] = []
-
-    async def follow() -> None:
-        async for line in sup.subscribe_lines("w0"):
-            got.append(line)
-
-    follower = asyncio.create_task(follow())
-    await wait_for(lambda: len(got) >= 2)
-    await sup.stop()
-    await asyncio.wait_for(follower, 5)
-    assert all("Decode batch" in line for line in got)

@@ -15,7 +15,7 @@ accepted only when ``allow_sim=True``.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from proxy.engines.flags import FlagSpec, FlagTable, flag_name, format_value, parse_flags
 from proxy.engines.flags import spec as _f
@@ -32,7 +32,17 @@ __all__ = [
 ]
 
 
-_SCHEDULE_POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn", "shortest-prefill-first")
+_SCHEDULE_POLICIES = (
+    "lpm",
+    "random",
+    "fcfs",
+    "dfs-weight",
+    "lof",
+    "priority",
+    "routing-key",
+    "hrrn",
+    "shortest-prefill-first",
+)
 _QUANTIZATIONS = (
     "awq", "fp8", "mxfp8", "gptq", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf", "modelopt",
     "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4", "w8a8_int8",
@@ -120,7 +130,7 @@ REMOVED_FLAGS: Mapping[str, str] = {
         "removed in SGLang 0.5.x (split in two; 0.5.23 rejects it as ambiguous): "
         "use cuda_graph_max_bs_decode (and cuda_graph_max_bs_prefill)"
     ),
-    "disable_cuda_graph": "deprecated in SGLang 0.5.x: use cuda_graph_backend_decode = \"disabled\" (and _prefill)",
+    "disable_cuda_graph": 'deprecated in SGLang 0.5.x: use cuda_graph_backend_decode = "disabled" (and _prefill)',
     "enable_dp_attention": "deprecated in SGLang 0.5.x: use attn_dp_size through engine.extra_args",
 }
 

@@ -17,7 +17,8 @@ reads it from ``/server_info`` (:func:`resolved_from_server_info`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from proxy.engines.base import Knob, KnobName
 

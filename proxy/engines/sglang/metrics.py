@@ -7,11 +7,13 @@ summed. Names that differ between versions are listed oldest-last so the newest 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from proxy.engines import prometheus
 from proxy.engines.base import Sample
+from proxy.engines.prometheus import MetricsParseError
+
+__all__ = ["FIELDS", "PREFIX", "MetricsParseError", "collect_series", "parse_loads", "parse_metrics"]
 
 PREFIX = "sglang:"
 
@@ -32,45 +34,23 @@ FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "requests_total": (("num_requests_total",), _SUM),
 }
 REQUIRED = ("queue", "running", "token_usage")
-_READ = frozenset(PREFIX + n for names, _ in FIELDS.values() for n in names)
-
-
-class MetricsParseError(ValueError):
-    """The page is not Prometheus text, or lacks the load gauges SGLang always exports."""
+_READ = frozenset(n for names, _ in FIELDS.values() for n in names)
 
 
 def collect_series(text: str) -> dict[str, list[float]]:
     """Every sample value of every ``sglang:`` series, keyed by its name without the prefix."""
-    values: dict[str, list[float]] = defaultdict(list)
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(PREFIX):
-                    values[sample.name[len(PREFIX):]].append(float(sample.value))
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsParseError(f"not a Prometheus metrics page: {exc}") from exc
-    return values
+    return prometheus.collect_series(text, PREFIX).values
 
 
 def _read_lines(text: str) -> str:
-    """The page without the ``sglang:`` series that :data:`FIELDS` does not read (histogram buckets
-    are most of it; parsing them cost milliseconds per scrape on the proxy's event loop). Lines
-    that are not ``sglang:`` series stay, so a broken page still fails to parse."""
-    keep = []
-    for line in text.split("\n"):
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            name = parts[2] if len(parts) > 2 else ""
-        else:
-            name = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
-        if not name.startswith(PREFIX) or name in _READ or name + "_total" in _READ:
-            keep.append(line)
-    return "\n".join(keep)
+    """The page without the ``sglang:`` series that :data:`FIELDS` does not read (see
+    :func:`proxy.engines.prometheus.keep_read_lines`)."""
+    return prometheus.keep_read_lines(text, PREFIX, _READ)
 
 
 def parse_metrics(text: str, now: float) -> Sample:
     """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
-    series = collect_series(_read_lines(text))
+    series = prometheus.collect_series(text, PREFIX, _READ).values
     found: dict[str, float | None] = {}
     for field_name, (names, combine) in FIELDS.items():
         found[field_name] = None
@@ -99,7 +79,7 @@ def parse_metrics(text: str, now: float) -> Sample:
     )
 
 
-def parse_loads(payload: dict, now: float) -> Sample:
+def parse_loads(payload: dict[str, Any], now: float) -> Sample:
     """Parse ``GET /v1/loads`` JSON (0.5.23): sums over DP ranks."""
     loads = payload.get("loads")
     if not isinstance(loads, list) or not loads:

@@ -11,7 +11,7 @@ without a flag; the supervisor adds only ``--host`` and ``--port``.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from proxy.engines.flags import FlagSpec, FlagTable, flag_name, format_value, parse_flags
 from proxy.engines.flags import spec as _f

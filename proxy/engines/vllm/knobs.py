@@ -19,7 +19,7 @@ down to a block multiple.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from proxy.engines.base import Knob, KnobName
 

@@ -1,12 +1,16 @@
 """vLLM's log lines -> engine-neutral :class:`LogEvent` values.
 
-What is read (V1 engine; older spellings kept where the reference lists them):
+What is read (the V1 engine, and the V0 engine of 0.2-0.6 that many deployments still run):
 
-- the periodic stats line, ``Engine 000: Avg prompt throughput: X tokens/s, Avg generation
-  throughput: Y tokens/s, Running: R reqs, Waiting: W reqs, [Preemptions: P, ]GPU KV cache usage:
-  U%, Prefix cache hit rate: H%`` (``CPU KV cache usage`` on the CPU build; ``N Engines
-  Aggregated:`` under data parallelism; 0.32 may put ``Deferred`` and ``KV fetch`` parts before
-  ``Preemptions``, which counts the interval's preemptions and appears only when > 0) -> ``BATCH_STATS``. An idle engine logs it at DEBUG, so a
+- the periodic stats line -> ``BATCH_STATS`` with ``running``, ``queue``, ``token_usage`` (0..1),
+  ``gen_throughput``, ``prompt_throughput`` and ``engines``. V1: ``Engine 000: Avg prompt throughput: X
+  tokens/s, Avg generation throughput: Y tokens/s, Running: R reqs, Waiting: W reqs, [Preemptions: P, ]GPU
+  KV cache usage: U%, Prefix cache hit rate: H%`` (``CPU KV cache usage`` on the CPU build; ``N Engines
+  Aggregated:`` under data parallelism; no head at all in 0.7-0.8; 0.32 may put ``Deferred`` and ``KV
+  fetch`` parts before ``Preemptions``, which counts the interval's preemptions and appears only when > 0;
+  -> also ``retractions`` and ``cache_hit_rate``). V0: ``Avg prompt throughput: ..., Running: R reqs,
+  Swapped: S reqs, Pending: P reqs, GPU KV cache usage: U%, CPU KV cache usage: C%.`` (Pending is the queue;
+  -> also ``swapped`` and ``cpu_token_usage``, the swap space). An idle engine logs it at DEBUG, so a
   missing line never means a stall;
 - the V0 preemption warning (``... is preempted by PreemptionMode.RECOMPUTE mode because there is
   not enough KV cache space ... total_num_cumulative_preemption=N``) -> ``RETRACTION``; V1 logs no
@@ -20,11 +24,15 @@ What is read (V1 engine; older spellings kept where the reference lists them):
   larger than the available KV cache memory (Y GiB). Based on the available memory, the estimated
   maximum model length is N``; and ``No available memory for the cache blocks``) ->
   ``KV_CAPACITY_ERROR``;
-- out of memory (``torch.OutOfMemoryError``, ``CUDA out of memory``, ``Failed to load model - not
-  enough GPU memory``) -> ``OOM``. The line alone rarely says the phase: the sampler warm-up's
-  message (a batch of ``max_num_seqs`` dummy requests) is ``decode``; :class:`LogFollower`, which
-  reads the traceback above the error, places an OOM raised under ``profile_run`` / ``_dummy_run``
-  (the start-up forward pass of ``max_num_batched_tokens`` tokens) in ``prefill``;
+- out of memory, in the wording of PyTorch's allocator (``torch.OutOfMemoryError`` / ``CUDA out of
+  memory``), the CUDA runtime (``CUDA error: out of memory``, ``cudaErrorMemoryAllocation``), cuBLAS
+  (``CUBLAS_STATUS_ALLOC_FAILED``), NCCL (``Cuda failure 'out of memory'``), FlashInfer (``Failed to
+  allocate memory for ... in AlignedAllocator``) or vLLM (``Failed to load model - not enough GPU
+  memory``) -> ``OOM`` with a ``cause``. The line alone rarely says the phase: the sampler warm-up's
+  message (a batch of ``max_num_seqs`` dummy requests) is ``decode``, FlashInfer's buffer names say theirs;
+  :class:`LogFollower`, which reads the traceback above the error, places an OOM raised under
+  ``profile_run`` / ``_dummy_run`` (the start-up forward pass of ``max_num_batched_tokens`` tokens) in
+  ``prefill`` and one under ``_dummy_sampler_run`` / ``capture_model`` in ``decode``;
 - the engine dying (``Engine core initialization failed``, ``EngineDeadError``) -> ``CRASH``. The
   root cause is printed earlier by the engine-core process, so the KV or OOM event comes first.
 """
@@ -33,16 +41,29 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 
-from proxy.engines.base import EventKind, LogEvent
+from proxy.engines.base import Death, EventKind, LogEvent, death_from_events
 
 _NUM = r"(\d[\d,]*(?:\.\d+)?)"
 
+# The periodic stats line of the V1 engine (vllm/v1/metrics/loggers.py LoggingStatLogger.log): "Engine 000: "
+# or "N Engines Aggregated: " since 0.9 (data parallelism); 0.7-0.8 printed the same line without that head.
 STATS = re.compile(
-    r"(?:Engine (?P<engine>\d+)|(?P<engines>\d+) Engines Aggregated): "
+    r"(?:(?:Engine (?P<engine>\d+)|(?P<engines>\d+) Engines Aggregated): )?"
     rf"Avg prompt throughput: {_NUM} tokens/s, Avg generation throughput: {_NUM} tokens/s, "
     rf"Running: (\d+) reqs, Waiting: (\d+) reqs, (?P<middle>.*?)"  # Deferred, KV fetch, Preemptions
     rf"(?:[\w+ ]+ )?KV cache usage: {_NUM}%(?:, Prefix cache hit rate: {_NUM}%)?"
+)
+# The V0 engine's (vllm/engine/metrics.py LoggingStatLogger.log, 0.4-0.6; vllm/engine/llm_engine.py
+# _log_system_stats before 0.4): "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s,
+# Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, GPU KV cache usage: %.1f%%, CPU KV cache usage: %.1f%%"
+# with a closing "." since 0.4. The prefix cache hit rate is a line of its own there ("Prefix cache hit rate:
+# GPU: x%, CPU: y%", 0.5.5+), not read. Pending is the waiting queue; Swapped the requests preempted to CPU.
+STATS_V0 = re.compile(
+    rf"Avg prompt throughput: {_NUM} tokens/s, Avg generation throughput: {_NUM} tokens/s, "
+    rf"Running: (\d+) reqs, Swapped: (\d+) reqs, Pending: (\d+) reqs, "
+    rf"GPU KV cache usage: {_NUM}%(?:, CPU KV cache usage: {_NUM}%)?"
 )
 PREEMPTIONS = re.compile(r"Preemptions: (\d+)")
 PREEMPTED_V0 = re.compile(
@@ -62,10 +83,41 @@ KV_V1 = re.compile(
     rf"KV cache memory \({_NUM} GiB\)(?:.*?estimated maximum model length is {_NUM})?"
 )
 NO_BLOCKS = "No available memory for the cache blocks"
-OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory occurred|not enough GPU memory")
+# Out of memory, in the wording of whichever layer ran out:
+#   PyTorch's caching allocator  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ..." (torch >= 2.5;
+#                                "torch.cuda.OutOfMemoryError" 2.0-2.4, "RuntimeError: CUDA out of memory." older)
+#   vLLM itself                  "CUDA out of memory occurred when warming up sampler ...", "Failed to load model -
+#                                not enough GPU memory"
+#   the CUDA runtime / driver    "CUDA error: out of memory" (+ "CUDA kernel errors might be asynchronously
+#                                reported ..."), "cudaErrorMemoryAllocation"
+#   cuBLAS                       "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+#   NCCL                         "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
+#   FlashInfer                   "Failed to allocate memory for batch_prefill_tmp_v with size N and alignment 16 in
+#                                AlignedAllocator" (include/flashinfer/allocator.h), "Out of workspace memory in
+#                                AlignedAlloactor" (its older spelling)
+OOM = re.compile(
+    r"OutOfMemoryError|CUDA out of memory|out of memory occurred|not enough GPU memory"
+    r"|CUDA [Ee]rror: out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|Cuda failure (?:\d+ )?'out of memory'"
+    r"|Failed to allocate memory for \w+ with size \d+ and alignment \d+ in AlignedAllocator"
+    r"|Out of workspace memory in AlignedAllo(?:ca|ac)tor"
+)
+OOM_CAUSES: tuple[tuple[str, str], ...] = (  # substring of the OOM line -> cause, the first found wins
+    ("Failed to load model", "weights"),
+    ("AlignedAllo", "flashinfer_workspace"),
+    ("flashinfer/", "flashinfer_workspace"),  # "CUDA Error: out of memory (2) .../flashinfer/handler.cuh"
+    ("CUBLAS_STATUS_ALLOC_FAILED", "cublas"),
+    ("Cuda failure", "nccl"),
+)
+OOM_PHASES: tuple[tuple[str, str], ...] = (  # substring of the OOM line -> phase
+    ("warming up sampler", "decode"),  # a batch of max_num_seqs dummy requests
+    ("batch_prefill_tmp", "prefill"),  # FlashInfer's prefill buffers
+    ("batch_decode_tmp", "decode"),
+)
 SAMPLER_OOM = "warming up sampler"
-WEIGHTS_OOM = "Failed to load model"
-PREFILL_FRAME = re.compile(r'File ".*", line \d+, in (profile_run|_dummy_run)\b')
+# Frames that place an OOM: the start-up forward pass of max_num_batched_tokens tokens (V1
+# gpu_model_runner.py profile_run / _dummy_run; V0 model_runner.py profile_run) is a prefill; the sampler
+# warm-up (_dummy_sampler_run) and CUDA graph capture (capture_model: decode batches) are decode.
+PHASE_FRAME = re.compile(r'File ".*", line \d+, in (?:(profile_run|_dummy_run)|(_dummy_sampler_run|capture_model))\b')
 CRASH = re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue")
 READY_MARKER = "Application startup complete."  # the server answers /health from this line on
 
@@ -78,12 +130,12 @@ def _event(kind: EventKind, now: float, line: str, **fields: float | int | str |
     return LogEvent(kind=kind, time=now, fields=fields, line=line.rstrip("\n"))
 
 
-def parse_line(line: str, now: float) -> LogEvent | None:
-    """One vLLM log line read at monotonic time ``now`` -> an event, or ``None`` if it says nothing we use."""
+def _stats_event(line: str, now: float) -> LogEvent | None:
+    fields: dict[str, float | int | str | bool]
     if m := STATS.search(line):
         _engine, engines, prompt, gen, running, waiting, middle, usage, hit = m.groups()
         preempt = PREEMPTIONS.search(middle)
-        fields: dict[str, float | int | str | bool] = {
+        fields = {
             "prompt_throughput": _n(prompt),
             "gen_throughput": _n(gen),
             "running": int(running),
@@ -95,32 +147,66 @@ def parse_line(line: str, now: float) -> LogEvent | None:
         if hit is not None:
             fields["cache_hit_rate"] = _n(hit) / 100.0
         return _event(EventKind.BATCH_STATS, now, line, **fields)
-    if m := KV_V1.search(line):
-        fields = {"max_model_len": int(_n(m.group(1))), "needed_gib": _n(m.group(2)), "available_gib": _n(m.group(3))}
-        if m.group(4):
-            fields["estimated_max_model_len"] = int(_n(m.group(4)))
-        return _event(EventKind.KV_CAPACITY_ERROR, now, line, **fields)
-    if m := KV_V0.search(line):
-        return _event(
-            EventKind.KV_CAPACITY_ERROR, now, line,
-            max_model_len=int(_n(m.group(1))), estimated_max_model_len=int(_n(m.group(2))),
-        )  # fmt: skip
+    if m := STATS_V0.search(line):
+        prompt, gen, running, swapped, pending, usage, cpu_usage = m.groups()
+        fields = {
+            "prompt_throughput": _n(prompt),
+            "gen_throughput": _n(gen),
+            "running": int(running),
+            "queue": int(pending),
+            "swapped": int(swapped),
+            "token_usage": _n(usage) / 100.0,
+            "engines": 1,
+        }  # no "retractions": V0 reports each preemption on a line of its own (RETRACTION)
+        if cpu_usage is not None:
+            fields["cpu_token_usage"] = _n(cpu_usage) / 100.0  # the swap space
+        return _event(EventKind.BATCH_STATS, now, line, **fields)
+    return None
+
+
+def _oom_event(line: str, now: float) -> LogEvent:
+    phase = next((p for marker, p in OOM_PHASES if marker in line), "unknown")
+    cause = next((c for marker, c in OOM_CAUSES if marker in line), "unknown")
+    if phase == "decode" and SAMPLER_OOM in line:
+        cause = "sampler_warmup"
+    return _event(EventKind.OOM, now, line, phase=phase, cause=cause)
+
+
+def parse_line(line: str, now: float) -> LogEvent | None:
+    """One vLLM log line read at monotonic time ``now`` -> an event, or ``None`` if it says nothing we use.
+
+    Each family is tried only when a substring it must contain is present: most lines of a busy
+    server (HTTP access lines, request logs) contain none of them and cost a few substring scans.
+    """
+    if "throughput: " in line:
+        return _stats_event(line, now)
+    if "KV cache" in line or "max seq len" in line:
+        if m := KV_V1.search(line):
+            fields: dict[str, float | int | str | bool] = {
+                "max_model_len": int(_n(m.group(1))), "needed_gib": _n(m.group(2)), "available_gib": _n(m.group(3)),
+            }  # fmt: skip
+            if m.group(4):
+                fields["estimated_max_model_len"] = int(_n(m.group(4)))
+            return _event(EventKind.KV_CAPACITY_ERROR, now, line, **fields)
+        if m := KV_V0.search(line):
+            return _event(
+                EventKind.KV_CAPACITY_ERROR, now, line,
+                max_model_len=int(_n(m.group(1))), estimated_max_model_len=int(_n(m.group(2))),
+            )  # fmt: skip
+        if m := PREEMPTED_V0.search(line):
+            return _event(EventKind.RETRACTION, now, line, mode=m.group(1), retractions_total=int(m.group(2)))
+        if m := KV_SIZE.search(line):
+            fields = {"max_total_tokens": int(_n(m.group(2))), "device": m.group("device")}
+            if m.group(3):
+                fields |= {"max_model_len": int(_n(m.group(3))), "max_concurrency": _n(m.group(4))}
+            return _event(EventKind.STARTUP, now, line, **fields)
     if NO_BLOCKS in line:
         return _event(EventKind.KV_CAPACITY_ERROR, now, line, no_cache_blocks=True)
-    if m := PREEMPTED_V0.search(line):
-        return _event(EventKind.RETRACTION, now, line, mode=m.group(1), retractions_total=int(m.group(2)))
-    if OOM.search(line):
-        if SAMPLER_OOM in line:
-            return _event(EventKind.OOM, now, line, phase="decode", cause="sampler_warmup")
-        return _event(EventKind.OOM, now, line, phase="unknown", cause="weights" if WEIGHTS_OOM in line else "unknown")
-    if CRASH.search(line):
+    if ("emory" in line or "ALLOC_FAILED" in line or "Cuda failure" in line) and OOM.search(line):
+        return _oom_event(line, now)
+    if "Engine" in line and CRASH.search(line):
         return _event(EventKind.CRASH, now, line)
-    if m := KV_SIZE.search(line):
-        fields = {"max_total_tokens": int(_n(m.group(2))), "device": m.group("device")}
-        if m.group(3):
-            fields |= {"max_model_len": int(_n(m.group(3))), "max_concurrency": _n(m.group(4))}
-        return _event(EventKind.STARTUP, now, line, **fields)
-    if m := MAX_CONCURRENCY.search(line):
+    if "Maximum concurrency" in line and (m := MAX_CONCURRENCY.search(line)):
         return _event(EventKind.STARTUP, now, line, max_model_len=int(_n(m.group(1))), max_concurrency=_n(m.group(2)))
     if READY_MARKER in line:
         return _event(EventKind.READY, now, line)
@@ -140,10 +226,11 @@ class LogFollower:
     def feed(self, line: str, now: float) -> list[LogEvent]:
         event = parse_line(line, now)
         if event is not None and event.kind is EventKind.OOM and event.fields.get("phase") == "unknown":
-            frame = next((m for m in map(PREFILL_FRAME.search, reversed(self._recent)) if m), None)
+            frame = next((m for m in map(PHASE_FRAME.search, reversed(self._recent)) if m), None)  # the innermost
             if frame is not None:
+                phase, where = ("prefill", frame.group(1)) if frame.group(1) else ("decode", frame.group(2))
                 event = LogEvent(kind=EventKind.OOM, time=event.time, line=event.line,
-                                 fields={**event.fields, "phase": "prefill", "cause": frame.group(1)})  # fmt: skip
+                                 fields={**event.fields, "phase": phase, "cause": where})  # fmt: skip
         if event is not None and event.kind in (EventKind.OOM, EventKind.READY):
             self._recent.clear()  # a traceback belongs to one error
         else:
@@ -153,3 +240,16 @@ class LogFollower:
     def flush(self, now: float) -> list[LogEvent]:
         del now
         return []
+
+
+def classify_death(lines: Sequence[str], now: float = 0.0) -> Death:
+    """Classify a dead worker from its log tail: the events :class:`LogFollower` reads in it. A start-up
+    refusal for KV capacity is the cause even though the API server then reports the engine core's
+    failure as a crash (the real cause is printed earlier: reference/vllm.md, start-up errors)."""
+    follower = LogFollower()
+    events = [event for line in lines for event in follower.feed(line, now)] + follower.flush(now)
+    kinds = {event.kind for event in events}
+    if EventKind.KV_CAPACITY_ERROR in kinds and EventKind.READY not in kinds and EventKind.OOM not in kinds:
+        refusal = next(e for e in reversed(events) if e.kind is EventKind.KV_CAPACITY_ERROR)
+        return Death(cause="kv_capacity", detail=refusal.line)
+    return death_from_events(events, lines)

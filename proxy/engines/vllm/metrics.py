@@ -11,12 +11,11 @@ the version declared; their ``_created`` twins are ignored.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
-
+from proxy.engines import prometheus
 from proxy.engines.base import Sample
+from proxy.engines.prometheus import MetricsParseError, Series
+
+__all__ = ["FIELDS", "PREFIX", "MetricsParseError", "Series", "collect_series", "kv_capacity_tokens", "parse_metrics"]
 
 PREFIX = "vllm:"
 
@@ -40,31 +39,14 @@ _PREFIX_HITS = ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
 _PREFIX_QUERIES = ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total")
 
 
-class MetricsParseError(ValueError):
-    """The page is not Prometheus text, or lacks the load gauges vLLM always exports."""
-
-
-@dataclass(slots=True)
-class Series:
-    """Every ``vllm:`` sample value by name (prefix removed), and the labels of info-style gauges."""
-
-    values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    labels: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
+_CAPACITY = "cache_config_info"  # an info-style gauge: the KV capacity is in its labels
+# every series parse_metrics reads; the page's histogram buckets are skipped unparsed
+_READ = frozenset({*(n for names, _ in FIELDS.values() for n in names), *_PREFIX_HITS, *_PREFIX_QUERIES, _CAPACITY})
 
 
 def collect_series(text: str) -> Series:
-    series = Series()
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if not sample.name.startswith(PREFIX):
-                    continue
-                name = sample.name[len(PREFIX):]
-                series.values[name].append(float(sample.value))
-                series.labels[name].append(dict(sample.labels))
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsParseError(f"not a Prometheus metrics page: {exc}") from exc
-    return series
+    """Every ``vllm:`` series that :func:`parse_metrics` reads, prefix removed, with its labels."""
+    return prometheus.collect_series(text, PREFIX, _READ)
 
 
 def _first(series: Series, names: tuple[str, ...], combine: str) -> float | None:
@@ -79,7 +61,7 @@ def kv_capacity_tokens(series: Series) -> int | None:
     """KV capacity in tokens summed over engines, from ``vllm:cache_config_info``'s labels:
     ``kv_cache_size_tokens`` (0.32), else ``num_gpu_blocks * block_size``."""
     total = 0
-    for labels in series.labels.get("cache_config_info", []):
+    for labels in series.labels.get(_CAPACITY, []):
         try:
             if labels.get("kv_cache_size_tokens", "None") != "None":
                 total += int(labels["kv_cache_size_tokens"])

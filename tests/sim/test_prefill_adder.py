@@ -7,10 +7,25 @@ from proxy.sim.virtual import simulate
 from tests.sim.helpers import config, engine, run_until, unique_prompt
 
 
-def _add(eng, n: int, *, prompt: int = 100, max_new: int = 3000, out: int | None = None, ignore_eos: bool = False,
-         salt: int = 0):
-    return [eng.add(prompt_ids=unique_prompt(prompt, salt + i), max_new_tokens=max_new,
-                    output_len=out if out is not None else max_new, ignore_eos=ignore_eos) for i in range(n)]
+def _add(
+    eng,
+    n: int,
+    *,
+    prompt: int = 100,
+    max_new: int = 3000,
+    out: int | None = None,
+    ignore_eos: bool = False,
+    salt: int = 0,
+):
+    return [
+        eng.add(
+            prompt_ids=unique_prompt(prompt, salt + i),
+            max_new_tokens=max_new,
+            output_len=out if out is not None else max_new,
+            ignore_eos=ignore_eos,
+        )
+        for i in range(n)
+    ]
 
 
 def test_new_requests_reserve_full_max_new_running_ones_ratio_times_remaining() -> None:

@@ -1,20 +1,27 @@
+"""The front door's harness: a whole proxy (``build_app`` on a real port) in front of in-process
+fake engines (:class:`~tests.harness.fake_engine.FakeEngine`) on a hand-set
+:class:`~tests.harness.static_pool.StaticPool`; the ``make_proxy`` fixture builds one per call and
+stops all of them after the test.
+"""
+
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import openai
 import pytest
 
-from proxy.policy import parse_policy
 from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
-from tests.server.fake_worker import FakeWorker
-from tests.server.static_pool import StaticPool
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
 
 
 class Harness:
-    def __init__(self, url: str, state: ProxyState, workers: list[FakeWorker], pool: StaticPool) -> None:
+    def __init__(self, url: str, state: ProxyState, workers: list[FakeEngine], pool: StaticPool) -> None:
         self.url = url
         self.state = state
         self.workers = workers
@@ -36,14 +43,20 @@ async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
     """``await make_proxy(n_workers=2, policy={...}, worker={...})`` -> Harness (all torn down after)."""
     cleanups: list[Callable[[], Any]] = []
 
-    async def make(n_workers: int = 1, policy: dict | None = None, worker: dict | None = None,
-                   env: dict | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> Harness:
-        workers = [FakeWorker(**(worker or {})) for _ in range(n_workers)]
+    async def make(
+        n_workers: int = 1,
+        policy: dict | None = None,
+        worker: dict | None = None,
+        env: dict | None = None,
+        monkeypatch: pytest.MonkeyPatch | None = None,
+    ) -> Harness:
+        workers = [FakeEngine(**(worker or {})) for _ in range(n_workers)]
         urls = [await w.start() for w in workers]
         cleanups.extend(w.stop for w in workers)
-        doc: dict[str, Any] = {"engine": {"kind": "external", "urls": urls},
-                               "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05,
-                                          "stale_after_s": 1.0}}
+        doc: dict[str, Any] = {
+            "engine": {"kind": "external", "urls": urls},
+            "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        }
         for section, values in (policy or {}).items():
             doc.setdefault(section, {}).update(values)
         pol = parse_policy(doc, "<test>")

@@ -21,7 +21,7 @@ MODEL = "fake-model"
 
 
 @dataclass
-class FakeWorker:
+class FakeEngine:
     max_running: int = 8
     token_delay_s: float = 0.001
     default_tokens: int = 4
@@ -105,10 +105,16 @@ class FakeWorker:
             choice = {"index": 0, "finish_reason": "length"}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             self.finished.append(body.get("rid"))
-            return web.json_response({"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
-                                      "created": int(time.time()), "model": body.get("model", MODEL),
-                                      "choices": [choice],
-                                      "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}})
+            return web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": body.get("model", MODEL),
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+                }
+            )
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for i in range(n):
@@ -116,8 +122,13 @@ class FakeWorker:
             delta = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
             text = f"t{i} " + "x" * self.pad
             delta.update({"delta": {"content": text}} if chat else {"text": text})
-            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": 0, "model": body.get("model", MODEL), "choices": [delta]}
+            chunk = {
+                "id": "cmpl-1",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 0,
+                "model": body.get("model", MODEL),
+                "choices": [delta],
+            }
             await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             self.emitted += 1
             if mode == "midstream" and i == 1:
@@ -139,9 +150,11 @@ class FakeWorker:
 
     async def metrics(self, request: web.Request) -> web.Response:
         q = len(self.waiting)
-        text = (f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {q}\n'
-                f'sglang:num_running_reqs{{model_name="{MODEL}"}} {self.running}\n'
-                f'sglang:token_usage{{model_name="{MODEL}"}} {self.running / max(1, self.max_running):.2f}\n')
+        text = (
+            f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {q}\n'
+            f'sglang:num_running_reqs{{model_name="{MODEL}"}} {self.running}\n'
+            f'sglang:token_usage{{model_name="{MODEL}"}} {self.running / max(1, self.max_running):.2f}\n'
+        )
         return web.Response(text=text, content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:

@@ -1,0 +1,197 @@
+"""What each rule decided on: one frozen value per rule, written flat into the journal.
+
+A decision carries its rule's evidence (``Decision.evidence``); the journal writes it as one JSON
+object (``to_json``): the fields in order, the keys of a nested evidence in its place, and a field
+marked :data:`OPTIONAL` left out when it is None (a figure the rule did not have, as opposed to one
+it had and found empty). The knob a decision moves (``knob``, ``arg``, ``old_value``,
+``new_value``) is not evidence but part of the decision (:class:`proxy.control.decision.KnobChange`);
+the journal adds its keys to the same object.
+
+| rule | evidence |
+|---|---|
+| ``prefill_oom``, ``decode_oom``, ``oom`` | :class:`PrefillOom`, :class:`DecodeOom`, :class:`UnplacedOom` |
+| ``crash_loop`` | :class:`CrashLoop` |
+| ``retraction_storm`` | :class:`ConservativenessStorm`, or :class:`BatchCapStorm` (an engine without conservativeness) |
+| ``kv_capacity`` | :class:`KvCapacity` |
+| ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
+| ``admission_too_conservative`` | :class:`Admission` |
+| ``pacing_too_timid`` | :class:`TimidPacing` |
+| a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+__all__ = [
+    "NO_EVIDENCE",
+    "OPTIONAL",
+    "Admission",
+    "BatchCapStorm",
+    "ConservativenessStorm",
+    "CrashLoop",
+    "Death",
+    "DecodeOom",
+    "Evidence",
+    "JsonScalar",
+    "KvCapacity",
+    "MemoryBand",
+    "PrefillOom",
+    "RequestFit",
+    "Retractions",
+    "TimidPacing",
+    "UnplacedOom",
+]
+
+JsonScalar = float | int | str | bool | None
+OPTIONAL = {"optional": True}  # field metadata: left out of the JSON when None
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """The figures a rule decided on; subclasses name them (the base alone is "nothing to show")."""
+
+    def to_json(self) -> dict[str, JsonScalar]:
+        out: dict[str, JsonScalar] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Evidence):
+                out.update(value.to_json())
+            elif value is None and f.metadata.get("optional"):
+                continue
+            else:
+                out[f.name] = value
+        return out
+
+
+NO_EVIDENCE = Evidence()
+
+
+# -- out of memory and deaths ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillOom(Evidence):
+    oom_phase: Literal["prefill"] = field(default="prefill", init=False)
+    oom_cause: str  # what the engine's log blamed ("" when it did not say)
+    log: str  # the OOM's first line
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeOom(Evidence):
+    oom_phase: Literal["decode"] = field(default="decode", init=False)
+    oom_cause: str
+    peak_running: int | None  # the largest running batch in the window
+    log: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnplacedOom(Evidence):
+    """Out of memory the log does not place in prefill or decode."""
+
+    oom_phase: Literal["unknown"] = field(default="unknown", init=False)
+    log: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CrashLoop(Evidence):
+    deaths: int  # within window_s
+    window_s: float
+    fallback: Literal["last_good", "policy"]  # whose arguments it goes back to
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Death(Evidence):
+    """A revival: why the worker died, how often lately, after the death rule's evidence (if any)."""
+
+    rule: Evidence = NO_EVIDENCE
+    death: str  # the cause in words
+    deaths_in_window: int
+
+
+# -- retractions ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retractions(Evidence):
+    """The retraction figures of a window and the thresholds they crossed."""
+
+    retraction_rate_per_min: float
+    threshold_per_min: float
+    retractions_per_1k_tokens: float | None  # None: no throughput figure
+    threshold_per_1k_tokens: float
+    retractions: int
+    observed_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConservativenessStorm(Evidence):
+    """A storm answered by raising conservativeness; ``throughput`` lets the next look judge the raise."""
+
+    storm: Retractions
+    throughput: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFit(Evidence):
+    """How many whole requests of the window's mean length fit the KV pool at once."""
+
+    kv_capacity_tokens: int
+    mean_request_tokens: float
+    requests_that_fit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchCapStorm(Evidence):
+    """A storm answered by capping the running batch (an engine without admission conservativeness)."""
+
+    storm: Retractions
+    running_when_kv_full: int
+    fit: RequestFit | None = field(default=None, metadata=OPTIONAL)  # None: the cap is set below what ran instead
+
+
+# -- start-up memory and capacity -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvCapacity(Evidence):
+    """The engine refused to start: the figures its refusal gave (each absent when it did not give it)."""
+
+    log: str
+    max_model_len: float | None = field(default=None, metadata=OPTIONAL)
+    estimated_max_model_len: float | None = field(default=None, metadata=OPTIONAL)
+    needed_gib: float | None = field(default=None, metadata=OPTIONAL)
+    available_gib: float | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBand(Evidence):
+    """Free device memory at start-up against the policy's band."""
+
+    available_gpu_mem_gb: float
+    band_gb: str  # "low-high"
+    gpu_total_gb_at_least: float | None = field(default=None, metadata=OPTIONAL)  # memory_headroom's estimate
+
+
+# -- admission and pacing -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission(Evidence):
+    low_usage_fraction: float  # share of the window with requests waiting at usage < low_usage
+    threshold_fraction: float
+    low_usage: float
+    mean_usage_waiting: float
+    possible_gain: float  # how much larger the batch could grow
+    min_gain: float
+    retractions: int
+    at_cap_fraction: float
+    observed_s: float
+    proxy_backlog: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimidPacing(Evidence):
+    queue_empty_fraction: float
+    threshold_fraction: float

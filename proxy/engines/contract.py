@@ -1,0 +1,90 @@
+"""The engine contract: everything the rest of the proxy may ask of an inference engine.
+
+``proxy.engines.sglang``, ``proxy.engines.vllm`` and the simulated engine each implement
+:class:`Engine` in full; :mod:`proxy.engines.registry` maps a policy's engine name to one of them.
+Callers hold an ``Engine`` and call its methods: nothing outside ``proxy/engines`` knows an engine's
+flags, metric names, log formats or launcher.
+
+Errors: methods that read what an engine wrote raise on a page or line they cannot read
+(``MetricsParseError``) or return ``None`` where "nothing to report" is a normal answer (a log line
+that says nothing); ``check_arg`` returns the problem in words, for the policy reader to place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from proxy.engines.base import Death, Knob, KnobName, LogEvent, Sample
+
+
+class LogReader(Protocol):
+    """Turns one worker's log lines into events; it may keep state across lines (a traceback)."""
+
+    def feed(self, line: str, now: float) -> list[LogEvent]: ...
+
+    def flush(self, now: float) -> list[LogEvent]: ...
+
+
+class Engine(Protocol):
+    """One inference engine, as the supervisor, the scraper, the controller and the policy see it."""
+
+    @property
+    def name(self) -> str:
+        """The policy's name for it (``[engine] kind`` or, for external workers, ``speaks``)."""
+
+    @property
+    def ready_marker(self) -> str:
+        """Text of the log line after which ``/health`` answers 200 (probed at once when it shows)."""
+
+    @property
+    def knobs(self) -> Mapping[KnobName, Knob]:
+        """The arguments the controller may retune, behind engine-neutral names."""
+
+    @property
+    def runtime_args(self) -> frozenset[str]:
+        """Arguments the running server lets a client change (no restart); every other one needs one."""
+
+    @property
+    def loads_path(self) -> str | None:
+        """A JSON load endpoint to read when ``/metrics`` is off (404); None: the engine has none."""
+
+    def default_command(self) -> list[str]:
+        """The launcher a worker's flags are appended to (the policy's ``engine.command`` overrides it)."""
+
+    def required_args(self) -> tuple[str, ...]:
+        """Arguments a managed worker cannot start without."""
+
+    def check_arg(self, name: str, value: object) -> str | None:
+        """The problem with one argument (name with underscores), or None when the engine takes it."""
+
+    def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
+        """The command-line flags of one worker."""
+
+    def prefix_affinity(self, args: Mapping[str, object]) -> bool:
+        """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should
+        keep a prefix on one worker."""
+
+    def parse_metrics(self, text: str, now: float) -> Sample:
+        """One scrape of ``GET /metrics``."""
+
+    def parse_loads(self, payload: Mapping[str, Any], now: float) -> Sample:
+        """One read of :attr:`loads_path` (only called when it is not None)."""
+
+    def log_reader(self) -> LogReader:
+        """A reader for one worker's log (a new one per worker)."""
+
+    def classify_death(self, tail: Sequence[str]) -> Death:
+        """Why a worker died, from the last lines of its log (cause "unknown" when it does not say)."""
+
+    @property
+    def server_info_path(self) -> str | None:
+        """Where the server reports the arguments it resolved; None: its start-up log says it all."""
+
+    def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
+        """Values the engine chose for knobs left unset, from the JSON at :attr:`server_info_path`."""
+
+
+def is_restart_needed(engine: Engine, knob: KnobName) -> bool:
+    """Whether moving ``knob`` takes a restart of the worker on this engine."""
+    return engine.knobs[knob].arg not in engine.runtime_args

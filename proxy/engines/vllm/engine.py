@@ -1,0 +1,81 @@
+"""vLLM's OpenAI server behind the engine contract (:class:`proxy.engines.contract.Engine`).
+
+What can change without a restart: none of the arguments the controller moves. The scheduler's
+``max_num_seqs`` and ``max_num_batched_tokens``, ``gpu_memory_utilization`` (it sizes the KV cache
+at start-up) and ``max_model_len`` are fixed when the engine core starts (``vllm/v1/core/sched``,
+``vllm/config``); the server's run-time endpoints (``/sleep``, ``/wake_up``,
+``/reset_prefix_cache``) move weights and cache contents, not arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.engines.base import Death, Knob, KnobName, Sample
+from proxy.engines.contract import LogReader
+from proxy.engines.vllm import argv, knobs, logs, metrics
+
+__all__ = ["VLLM", "VllmEngine"]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngine:
+    """vLLM (``python -m vllm.entrypoints.openai.api_server``)."""
+
+    name: str = "vllm"
+    command: tuple[str, ...] = ("python3", "-m", "vllm.entrypoints.openai.api_server")
+
+    @property
+    def ready_marker(self) -> str:
+        return logs.READY_MARKER
+
+    @property
+    def knobs(self) -> Mapping[KnobName, Knob]:
+        return knobs.KNOBS
+
+    @property
+    def runtime_args(self) -> frozenset[str]:
+        return frozenset()
+
+    @property
+    def loads_path(self) -> str | None:
+        return None  # no JSON load endpoint: /metrics is always on
+
+    @property
+    def server_info_path(self) -> str | None:
+        return None  # the start-up log prints the values it resolved (KV size, max concurrency)
+
+    def default_command(self) -> list[str]:
+        return list(self.command)
+
+    def required_args(self) -> tuple[str, ...]:
+        return ()  # without --model the server loads its default model
+
+    def check_arg(self, name: str, value: object) -> str | None:
+        return argv.check_arg(name, value)
+
+    def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
+        return argv.build_argv(args, extra_args, host=host, port=port)
+
+    def prefix_affinity(self, args: Mapping[str, object]) -> bool:
+        return False  # the scheduler is FCFS (or priority): it does not group the queue by prefix
+
+    def parse_metrics(self, text: str, now: float) -> Sample:
+        return metrics.parse_metrics(text, now)
+
+    def parse_loads(self, payload: Mapping[str, Any], now: float) -> Sample:
+        raise NotImplementedError("vLLM has no JSON load endpoint (loads_path is None)")
+
+    def log_reader(self) -> LogReader:
+        return logs.LogFollower()
+
+    def classify_death(self, tail: Sequence[str]) -> Death:
+        return logs.classify_death(tail)
+
+    def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
+        return {}  # server_info_path is None: never asked
+
+
+VLLM = VllmEngine()

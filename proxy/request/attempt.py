@@ -1,0 +1,74 @@
+"""One try of one request on one worker: :class:`Attempt`, and why one ended without output.
+
+An attempt is made by the dispatcher when it hands a queued ticket to a worker, and lives until
+the ``async with dispatcher.attempt(ticket)`` block that owns it exits
+(:meth:`proxy.request.dispatch.Dispatcher.attempt`). While it lives it is in its worker's set of
+open attempts (:attr:`proxy.request.pacing.WorkerLoad.attempts`), the one count of what this proxy
+has in flight there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from enum import StrEnum
+
+from proxy.request.admission import Ticket
+from proxy.workers.base import WorkerId
+
+__all__ = ["Attempt", "AttemptFailed", "Requeued"]
+
+
+class Requeued(StrEnum):
+    """Why an attempt ended without output and its ticket went back to the proxy queue."""
+
+    TAKEN_BACK = "taken_back"  # the controller took it back from a worker it drains
+    RETRY = "retry"  # the worker failed before any output (one of the request's attempts spent)
+    UNREACHABLE = "unreachable"  # the worker refused the connection (no attempt spent: it never saw it)
+
+
+class Attempt:
+    """One try of one request on one worker, from dispatch until its ``async with`` block exits."""
+
+    __slots__ = ("dispatched_at", "released", "requeued", "started", "taken_back", "task", "ticket", "worker_id")
+
+    def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
+        self.ticket = ticket
+        self.worker_id = worker_id
+        self.dispatched_at = dispatched_at
+        self.task: asyncio.Task[object] | None = None  # the handler that owns it, until its first output
+        self.started = False  # output went to the client: it can no longer be taken back nor retried
+        self.taken_back = False
+        self.released = False
+        self.requeued: Requeued | None = None  # set when it ended without output and its ticket went back
+
+    def mark_started(self) -> None:
+        """Output is going to the client: from now on the request is committed to this worker."""
+        self.started = True
+        self.task = None
+
+
+class AttemptFailed(Exception):
+    """An attempt failed before any output reached the client (raised inside its ``async with``).
+
+    ``retryable``: another attempt may succeed (a 5xx, a reset, a stream that ended before output);
+    ``unreachable``: the worker refused the connection, so it never saw the request. ``body`` and
+    ``content_type`` keep a worker's own error answer, relayed as is when no retry is left.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        retryable: bool = True,
+        unreachable: bool = False,
+        body: bytes | None = None,
+        content_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retryable = retryable
+        self.unreachable = unreachable
+        self.body = body
+        self.content_type = content_type

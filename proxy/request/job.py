@@ -1,0 +1,20 @@
+"""What the request path forwards: one validated request (the front door's validators make it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Job"]
+
+
+@dataclass(slots=True)
+class Job:
+    """A validated request, ready to queue and forward."""
+
+    path: str  # worker path
+    body: dict[str, Any]  # parsed body; the relay sets "rid" per attempt
+    stream: bool
+    model: str | None  # as given (None: not given, or /generate)
+    affinity: str | None  # leading text of the prompt, for prefix-aware choice
+    single: bool  # one prompt (so a scalar rid can be set)

@@ -1,0 +1,118 @@
+"""The request path's own context: what :func:`proxy.request.relay.forward` needs, and nothing of
+the front door.
+
+:class:`RequestPath` owns the dispatcher (queue, gate, attempts), the upstream connections to the
+workers, the session that posts aborts, the rid counter and the background tasks (aborts), with
+the few settings the relay reads. The front door's ``ProxyState`` holds one; the composition root
+builds it, and opens it (:meth:`RequestPath.open`) and closes it with the app.
+
+The metrics it counts are a :class:`RequestMetrics` seam (the front door's Prometheus registry
+implements it), so this package does not depend on how they are exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from proxy.policy import Policy
+from proxy.request.dispatch import Dispatcher
+from proxy.request.upstream import UpstreamPool
+from proxy.workers.base import WorkerPool
+
+__all__ = ["Counter", "Histogram", "RequestMetrics", "RequestPath", "RequestSettings"]
+
+
+class Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class Histogram(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class RequestMetrics(Protocol):
+    """What the request path counts, each request once (``proxy.server.metrics.ProxyMetrics``)."""
+
+    @property
+    def admitted(self) -> Counter: ...
+    @property
+    def reject_full(self) -> Counter: ...
+    @property
+    def retried(self) -> Counter: ...
+    @property
+    def requeued(self) -> Counter: ...
+    @property
+    def completed(self) -> Counter: ...
+    @property
+    def disconnected(self) -> Counter: ...
+    @property
+    def fail_timeout(self) -> Counter: ...
+    @property
+    def fail_upstream(self) -> Counter: ...
+    @property
+    def fail_midstream(self) -> Counter: ...
+    @property
+    def queue_time(self) -> Histogram: ...
+    @property
+    def added_latency(self) -> Histogram: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestSettings:
+    """The policy's figures the relay reads."""
+
+    request_timeout_s: float  # one upstream attempt, from the POST to the last byte
+    queue_timeout_s: float  # longest wait in the proxy queue
+    retry_after_s: int  # the Retry-After of a 429 or a 503 at shutdown
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> RequestSettings:
+        return cls(
+            request_timeout_s=policy.proxy.request_timeout_s,
+            queue_timeout_s=policy.queue.timeout_s,
+            retry_after_s=policy.queue.retry_after_s,
+        )
+
+
+@dataclass(eq=False)
+class RequestPath:
+    settings: RequestSettings
+    pool: WorkerPool
+    dispatcher: Dispatcher
+    metrics: RequestMetrics
+    upstream: UpstreamPool | None = None  # the connections to the workers, while open
+    session: aiohttp.ClientSession | None = None  # posts aborts, while open
+    _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
+    _rid_counter: itertools.count[int] = field(default_factory=itertools.count)
+    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def open(self, session: aiohttp.ClientSession) -> None:
+        """The app starts serving: connections to the workers open, aborts go through ``session``."""
+        self.session = session
+        self.upstream = UpstreamPool()
+
+    async def close(self) -> None:
+        """The app stopped: wait for the background tasks, close the idle connections."""
+        await self.wait_background()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def new_rid(self) -> str:
+        return f"{self._rid_prefix}{next(self._rid_counter)}"
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Fire and forget, keeping a reference until it ends (aborts, model refreshes)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

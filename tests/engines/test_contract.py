@@ -1,0 +1,88 @@
+"""The engine contract: each registered engine implements it in full, and the registry and the
+policy's vocabulary agree."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from proxy.engines.base import EventKind, KnobName
+from proxy.engines.contract import Engine, is_restart_needed
+from proxy.engines.registry import ENGINES, EngineKind, engine_named
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+CONTRACT = {name for name, _ in inspect.getmembers(Engine) if not name.startswith("_")}
+
+
+def test_the_registry_holds_each_managed_kind() -> None:
+    assert set(ENGINES) == {k.value for k in EngineKind} - {EngineKind.EXTERNAL}
+    assert all(engine.name == name for name, engine in ENGINES.items())
+    with pytest.raises(ValueError, match="unknown engine 'tgi'; expected one of sim, sglang, vllm"):
+        engine_named("tgi")
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_engine_has_every_member_of_the_contract(name: str) -> None:
+    engine = ENGINES[name]
+    assert set(dir(engine)) >= CONTRACT, CONTRACT - set(dir(engine))
+    assert isinstance(engine.ready_marker, str) and engine.ready_marker
+    assert engine.default_command()
+    argv = engine.build_argv({}, [], host="127.0.0.1", port=8001)
+    assert argv[argv.index("--port") + 1] == "8001"
+    assert engine.check_arg("no_such_flag_anywhere", 1) is not None
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_no_knob_the_controller_moves_changes_without_a_restart(name: str) -> None:
+    """SGLang's /set_internal_state allow-list and vLLM's fixed scheduler config (see the engine modules)."""
+    engine = ENGINES[name]
+    assert all(is_restart_needed(engine, knob) for knob in engine.knobs)
+
+
+def test_the_simulator_speaks_sglang_and_takes_its_own_args() -> None:
+    sim, sglang = ENGINES["sim"], ENGINES["sglang"]
+    assert sim.check_arg("sim_gpu", "h100-80gb") is None
+    assert sglang.check_arg("sim_gpu", "h100-80gb") is not None
+    assert sim.required_args() == () and sglang.required_args() == ("model_path",)
+    assert sim.ready_marker == sglang.ready_marker and sim.knobs is sglang.knobs
+    assert sim.default_command()[-2:] == ["proxy", "sim"]
+
+
+def test_prefix_affinity_follows_the_engines_own_scheduler() -> None:
+    assert ENGINES["sglang"].prefix_affinity({"schedule_policy": "lpm"})
+    assert not ENGINES["sglang"].prefix_affinity({"schedule_policy": "fcfs"})
+    assert not ENGINES["sglang"].prefix_affinity({})
+    assert not ENGINES["vllm"].prefix_affinity({"schedule_policy": "lpm"})
+
+
+def test_loads_and_server_info_only_where_the_engine_has_them() -> None:
+    assert ENGINES["sglang"].loads_path == "/v1/loads" and ENGINES["sglang"].server_info_path == "/server_info"
+    assert ENGINES["vllm"].loads_path is None and ENGINES["vllm"].server_info_path is None
+    with pytest.raises(NotImplementedError):
+        ENGINES["vllm"].parse_loads({}, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "log", "cause", "phase"),
+    [
+        ("sglang", "sglang_crash_prefill_allocator.log", "oom", "prefill"),
+        ("sglang", "sglang_crash_decode_cuda_oom.log", "oom", "decode"),
+        ("sglang", "sglang_crash_value_error.log", "crash", "unknown"),
+        ("vllm", "vllm_0.32_cpu_kv_capacity_error.log", "kv_capacity", "unknown"),
+    ],
+)
+def test_classify_death_reads_the_log_tail(name: str, log: str, cause: str, phase: str) -> None:
+    death = ENGINES[name].classify_death((FIXTURES / log).read_text().splitlines())
+    assert (death.cause, death.phase) == (cause, phase)
+
+
+def test_a_log_that_says_nothing_is_an_unknown_death() -> None:
+    for engine in ENGINES.values():
+        death = engine.classify_death(["some line", "the last line"])
+        assert death.cause == "unknown" and death.detail == "the last line"
+        assert engine.log_reader().feed("the last line", 0.0) == []
+        assert EventKind.OOM not in {e.kind for e in engine.log_reader().flush(0.0)}
+    assert KnobName.CONSERVATIVENESS in ENGINES["sglang"].knobs
