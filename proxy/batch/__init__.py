@@ -31,6 +31,10 @@ Wiring, in the composition root::
     app.cleanup_ctx.append(batches)
 
 Durability: see :mod:`proxy.batch.store`. Cancel and expiry: see :mod:`proxy.batch.runner`.
+
+Layering: ``proxy.batch`` sits beside ``proxy.server`` (independent of it): it may import
+``proxy.request`` and the layers below, never ``proxy.server``, ``proxy.compose`` nor ``proxy.cli``
+(the ``layers`` contract in ``pyproject.toml``). The composition root supplies the Executor.
 """
 
 from proxy.batch.routes import BATCH_SERVICE, Authenticate, add_routes, bearer_key

@@ -53,14 +53,19 @@ class FileRefused(Exception):
         self.line = line
 
 
-def _check(n: int, item: Any, endpoint: str, model: str | None, seen: set[str],
-           accepts_model: Callable[[str], bool]) -> RequestLine | BadLine:
+def _check(
+    n: int, item: Any, endpoint: str, model: str | None, seen: set[str], accepts_model: Callable[[str], bool]
+) -> RequestLine | BadLine:
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return BadLine(n, None, "missing_custom_id", f"line {n}: 'custom_id' must be a non-empty string")
     if custom_id in seen:
-        return BadLine(n, custom_id, "duplicate_custom_id",
-                       f"line {n}: custom_id {custom_id!r} is used by an earlier line; custom_id must be unique")
+        return BadLine(
+            n,
+            custom_id,
+            "duplicate_custom_id",
+            f"line {n}: custom_id {custom_id!r} is used by an earlier line; custom_id must be unique",
+        )
     seen.add(custom_id)
 
     def bad(code: str, message: str) -> BadLine:
@@ -79,15 +84,19 @@ def _check(n: int, item: Any, endpoint: str, model: str | None, seen: set[str],
     if not accepts_model(line_model):
         return bad("model_not_found", f"the model {line_model!r} is not served here")
     if model is not None and line_model != model:
-        return bad("mismatched_model", f"model {line_model!r} differs from the batch's model {model!r}; "
-                                       "every line of a batch must name the same model")
+        return bad(
+            "mismatched_model",
+            f"model {line_model!r} differs from the batch's model {model!r}; "
+            "every line of a batch must name the same model",
+        )
     if body.get("stream"):
         return bad("invalid_value", "'body.stream' is not supported in a batch")
     return RequestLine(n, custom_id, line_model, orjson.dumps(body))
 
 
-def validate_lines(lines: Iterable[bytes], *, endpoint: str,
-                   accepts_model: Callable[[str], bool] = lambda _model: True) -> ValidatedFile:
+def validate_lines(
+    lines: Iterable[bytes], *, endpoint: str, accepts_model: Callable[[str], bool] = lambda _model: True
+) -> ValidatedFile:
     """Sort the lines of an input file into requests and bad lines; blank lines are skipped."""
     requests: list[RequestLine] = []
     bad: list[BadLine] = []
@@ -122,6 +131,7 @@ def validate_lines(lines: Iterable[bytes], *, endpoint: str,
     if count == 0:
         raise FileRefused("empty_file", "the file has no request lines")
     if not parsed_any:
-        raise FileRefused("invalid_json_line",
-                          f"the file is not JSONL: line {first_unparsed} is not a JSON object", first_unparsed)
+        raise FileRefused(
+            "invalid_json_line", f"the file is not JSONL: line {first_unparsed} is not a JSON object", first_unparsed
+        )
     return ValidatedFile(tuple(requests), tuple(bad), model)

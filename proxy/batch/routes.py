@@ -63,8 +63,11 @@ async def upload_file(request: web.Request, service: BatchService, owner: str) -
         elif part.name == "file":
             if purpose is None:
                 raise bad_request("send the 'purpose' field before the 'file' field", param="purpose")
-            return _json(await service.upload_file(owner, filename=part.filename or "upload.jsonl",
-                                                   purpose=purpose, chunks=_part_chunks(part)))
+            return _json(
+                await service.upload_file(
+                    owner, filename=part.filename or "upload.jsonl", purpose=purpose, chunks=_part_chunks(part)
+                )
+            )
         else:
             await part.release()
     raise bad_request("the upload has no 'file' field", param="file")
@@ -72,8 +75,15 @@ async def upload_file(request: web.Request, service: BatchService, owner: str) -
 
 async def list_files(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:
     q = request.query
-    return _json(await service.list_files(owner, after=q.get("after"), limit=_int_query(request, "limit", 10_000),
-                                          order=q.get("order", "desc"), purpose=q.get("purpose")))
+    return _json(
+        await service.list_files(
+            owner,
+            after=q.get("after"),
+            limit=_int_query(request, "limit", 10_000),
+            order=q.get("order", "desc"),
+            purpose=q.get("purpose"),
+        )
+    )
 
 
 async def get_file(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:
@@ -96,15 +106,21 @@ async def create_batch(request: web.Request, service: BatchService, owner: str) 
         raise bad_request(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
-    return _json(await service.create_batch(owner, input_file_id=body.get("input_file_id"),
-                                            endpoint=body.get("endpoint"),
-                                            completion_window=body.get("completion_window"),
-                                            metadata=body.get("metadata")))
+    return _json(
+        await service.create_batch(
+            owner,
+            input_file_id=body.get("input_file_id"),
+            endpoint=body.get("endpoint"),
+            completion_window=body.get("completion_window"),
+            metadata=body.get("metadata"),
+        )
+    )
 
 
 async def list_batches(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:
-    return _json(await service.list_batches(owner, after=request.query.get("after"),
-                                            limit=_int_query(request, "limit", 20)))
+    return _json(
+        await service.list_batches(owner, after=request.query.get("after"), limit=_int_query(request, "limit", 20))
+    )
 
 
 async def get_batch(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:

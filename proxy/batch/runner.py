@@ -56,8 +56,15 @@ class Executor(Protocol):
 
 
 class BatchRunner:
-    def __init__(self, db: StoreThread, executor: Executor, *, concurrency: int,
-                 clock: Callable[[], float], accepts_model: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        db: StoreThread,
+        executor: Executor,
+        *,
+        concurrency: int,
+        clock: Callable[[], float],
+        accepts_model: Callable[[str], bool],
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self._db = db
@@ -109,8 +116,9 @@ class BatchRunner:
             stop = self._stops.setdefault(batch.id, asyncio.Event())
             status = batch.status
             if status == "validating":
-                status = await self._db(BatchStore.validate, batch.id, accepts_model=self._accepts_model,
-                                        now=self._now())
+                status = await self._db(
+                    BatchStore.validate, batch.id, accepts_model=self._accepts_model, now=self._now()
+                )
             ending: Ending = "completed"
             if status == "in_progress":
                 ending = await self._dispatch(batch, stop)
@@ -157,10 +165,13 @@ class BatchRunner:
             raise
         except Exception as exc:
             _log.exception("batch %s line %d: the executor failed", batch.id, line.idx)
-            outcome, text = "error", error_line(line.custom_id, code="internal_error",
-                                                message=f"the request failed in the proxy: {exc}")
+            outcome, text = (
+                "error",
+                error_line(line.custom_id, code="internal_error", message=f"the request failed in the proxy: {exc}"),
+            )
         else:
             outcome = "output" if 200 <= result.status_code < 300 else "error"
-            text = output_line(line.custom_id, status_code=result.status_code, request_id=result.request_id,
-                               body=result.body)
+            text = output_line(
+                line.custom_id, status_code=result.status_code, request_id=result.request_id, body=result.body
+            )
         await self._db(BatchStore.record, batch.id, line.idx, outcome, text)

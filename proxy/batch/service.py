@@ -39,12 +39,19 @@ def _not_found(what: str, object_id: str) -> ApiError:
 def _check_metadata(metadata: Any) -> dict[str, str] | None:
     if metadata is None:
         return None
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS or not all(
+    if (
+        not isinstance(metadata, dict)
+        or len(metadata) > MAX_METADATA_KEYS
+        or not all(
             isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE
-            for k, v in metadata.items()):
-        raise bad_request(f"metadata must be an object of at most {MAX_METADATA_KEYS} string values "
-                          f"(keys up to {MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE})",
-                          param="metadata")
+            for k, v in metadata.items()
+        )
+    ):
+        raise bad_request(
+            f"metadata must be an object of at most {MAX_METADATA_KEYS} string values "
+            f"(keys up to {MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE})",
+            param="metadata",
+        )
     return metadata
 
 
@@ -56,9 +63,15 @@ class BatchService:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, data_dir: Path, executor: Executor, *, concurrency: int = 256,
-                   clock: Callable[[], float] = time.time,
-                   accepts_model: Callable[[str], bool] = lambda _model: True) -> AsyncIterator[BatchService]:
+    async def open(
+        cls,
+        data_dir: Path,
+        executor: Executor,
+        *,
+        concurrency: int = 256,
+        clock: Callable[[], float] = time.time,
+        accepts_model: Callable[[str], bool] = lambda _model: True,
+    ) -> AsyncIterator[BatchService]:
         """The service on ``data_dir`` with its runner going; ``accepts_model`` says which models are served."""
         async with StoreThread.open(data_dir) as db:
             runner = BatchRunner(db, executor, concurrency=concurrency, clock=clock, accepts_model=accepts_model)
@@ -81,8 +94,9 @@ class BatchService:
         Its lines are checked when a batch uses it (:mod:`proxy.batch.jsonl`), as OpenAI does.
         """
         if purpose != "batch":
-            raise bad_request(f"purpose must be 'batch' (the only purpose served here), got {purpose!r}",
-                              param="purpose")
+            raise bad_request(
+                f"purpose must be 'batch' (the only purpose served here), got {purpose!r}", param="purpose"
+            )
         staged = self._db.store.staging_dir / f"{new_id('upload-')}.part"
         loop = asyncio.get_running_loop()
         size = 0
@@ -91,22 +105,36 @@ class BatchService:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > MAX_FILE_BYTES:
-                        raise ApiError(413, f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, "
-                                            "the limit for a batch input file", param="file", code="file_too_large")
+                        raise ApiError(
+                            413,
+                            f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, "
+                            "the limit for a batch input file",
+                            param="file",
+                            code="file_too_large",
+                        )
                     await loop.run_in_executor(None, out.write, chunk)
-            return await self._db(BatchStore.add_file, owner, staged=staged, filename=filename, purpose=purpose,
-                                  now=self._now())
+            return await self._db(
+                BatchStore.add_file, owner, staged=staged, filename=filename, purpose=purpose, now=self._now()
+            )
         finally:
             staged.unlink(missing_ok=True)
 
-    async def list_files(self, owner: str, *, after: str | None = None, limit: int = 10_000,
-                         order: str = "desc", purpose: str | None = None) -> Json:
+    async def list_files(
+        self,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 10_000,
+        order: str = "desc",
+        purpose: str | None = None,
+    ) -> Json:
         if not 1 <= limit <= 10_000:
             raise bad_request("limit must be between 1 and 10000", param="limit")
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", param="order")
-        return await self._db(BatchStore.list_files, owner, after=after, limit=limit, ascending=order == "asc",
-                              purpose=purpose)
+        return await self._db(
+            BatchStore.list_files, owner, after=after, limit=limit, ascending=order == "asc", purpose=purpose
+        )
 
     async def get_file(self, owner: str, file_id: str) -> Json:
         found = await self._db(BatchStore.get_file, owner, file_id)
@@ -125,14 +153,14 @@ class BatchService:
 
     # -- batches -------------------------------------------------------------------------------------
 
-    async def create_batch(self, owner: str, *, input_file_id: Any, endpoint: Any, completion_window: Any,
-                           metadata: Any = None) -> Json:
+    async def create_batch(
+        self, owner: str, *, input_file_id: Any, endpoint: Any, completion_window: Any, metadata: Any = None
+    ) -> Json:
         """A ``validating`` batch; the runner validates its file and starts it."""
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
         if completion_window not in COMPLETION_WINDOWS:
-            raise bad_request(f"completion_window must be '24h', got {completion_window!r}",
-                              param="completion_window")
+            raise bad_request(f"completion_window must be '24h', got {completion_window!r}", param="completion_window")
         if not isinstance(input_file_id, str):
             raise bad_request("input_file_id must be a file id", param="input_file_id")
         checked_metadata = _check_metadata(metadata)
@@ -140,11 +168,18 @@ class BatchService:
         if input_file is None:
             raise _not_found("File object", input_file_id)
         if input_file["purpose"] != "batch":
-            raise bad_request(f"the file {input_file_id!r} has purpose {input_file['purpose']!r}, not 'batch'",
-                              param="input_file_id")
-        batch = await self._db(BatchStore.create_batch, owner, input_file_id=input_file_id, endpoint=endpoint,
-                               metadata=checked_metadata, now=self._now(),
-                               window_s=COMPLETION_WINDOWS[completion_window])
+            raise bad_request(
+                f"the file {input_file_id!r} has purpose {input_file['purpose']!r}, not 'batch'", param="input_file_id"
+            )
+        batch = await self._db(
+            BatchStore.create_batch,
+            owner,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            metadata=checked_metadata,
+            now=self._now(),
+            window_s=COMPLETION_WINDOWS[completion_window],
+        )
         self._runner.kick()
         return batch
 

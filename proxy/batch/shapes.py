@@ -22,13 +22,27 @@ def new_id(prefix: str) -> str:
 
 
 def file_object(*, id: str, bytes: int, created_at: int, filename: str, purpose: str) -> Json:
-    return {"id": id, "object": "file", "bytes": bytes, "created_at": created_at, "filename": filename,
-            "purpose": purpose, "status": "processed", "status_details": None, "expires_at": None}
+    return {
+        "id": id,
+        "object": "file",
+        "bytes": bytes,
+        "created_at": created_at,
+        "filename": filename,
+        "purpose": purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
 
 
 def page(data: Sequence[Json], *, has_more: bool) -> Json:
-    return {"object": "list", "data": list(data), "has_more": has_more,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    return {
+        "object": "list",
+        "data": list(data),
+        "has_more": has_more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
 
 
 def output_line(custom_id: str, *, status_code: int, request_id: str, body: bytes) -> bytes:
@@ -36,14 +50,25 @@ def output_line(custom_id: str, *, status_code: int, request_id: str, body: byte
         parsed: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
         parsed = body.decode("utf-8", "replace")
-    return orjson.dumps({"id": new_id("batch_req_"), "custom_id": custom_id,
-                         "response": {"status_code": status_code, "request_id": request_id, "body": parsed},
-                         "error": None})
+    return orjson.dumps(
+        {
+            "id": new_id("batch_req_"),
+            "custom_id": custom_id,
+            "response": {"status_code": status_code, "request_id": request_id, "body": parsed},
+            "error": None,
+        }
+    )
 
 
 def error_line(custom_id: str | None, *, code: str, message: str) -> bytes:
-    return orjson.dumps({"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-                         "error": {"code": code, "message": message}})
+    return orjson.dumps(
+        {
+            "id": new_id("batch_req_"),
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message},
+        }
+    )
 
 
 EXPIRED = ("batch_expired", "This request could not be executed before the completion window expired.")

@@ -63,8 +63,7 @@ CREATE TABLE IF NOT EXISTS lines (
     outcome TEXT, result BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
 """
 
-_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-          "cancelled_at")
+_TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
 class NotCancellable(Exception):
@@ -91,10 +90,18 @@ class PendingLine:
 
 def _batch_object(row: sqlite3.Row) -> Json:
     out: Json = {
-        "id": row["id"], "object": "batch", "endpoint": row["endpoint"], "errors": None,
-        "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
-        "status": row["status"], "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
-        "created_at": row["created_at"], "expires_at": row["expires_at"], "model": row["model"],
+        "id": row["id"],
+        "object": "batch",
+        "endpoint": row["endpoint"],
+        "errors": None,
+        "input_file_id": row["input_file_id"],
+        "completion_window": row["completion_window"],
+        "status": row["status"],
+        "output_file_id": row["output_file_id"],
+        "error_file_id": row["error_file_id"],
+        "created_at": row["created_at"],
+        "expires_at": row["expires_at"],
+        "model": row["model"],
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
         "metadata": orjson.loads(row["metadata"]) if row["metadata"] else None,
     }
@@ -105,8 +112,9 @@ def _batch_object(row: sqlite3.Row) -> Json:
 
 
 def _file_object(row: sqlite3.Row) -> Json:
-    return file_object(id=row["id"], bytes=row["bytes"], created_at=row["created_at"],
-                       filename=row["filename"], purpose=row["purpose"])
+    return file_object(
+        id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"], purpose=row["purpose"]
+    )
 
 
 class BatchStore:
@@ -158,22 +166,24 @@ class BatchStore:
         size = staged.stat().st_size
         os.replace(staged, self.file_path(file_id))
         with self._transaction() as db:
-            db.execute("INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?,?,?,?,?,?)",
-                       (file_id, owner, filename, purpose, size, now))
+            db.execute(
+                "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?,?,?,?,?,?)",
+                (file_id, owner, filename, purpose, size, now),
+            )
         return file_object(id=file_id, bytes=size, created_at=now, filename=filename, purpose=purpose)
 
     def get_file(self, owner: str, file_id: str) -> Json | None:
         row = self._db.execute("SELECT * FROM files WHERE id=? AND owner=?", (file_id, owner)).fetchone()
         return None if row is None else _file_object(row)
 
-    def list_files(self, owner: str, *, after: str | None, limit: int, ascending: bool,
-                   purpose: str | None) -> Json:
+    def list_files(self, owner: str, *, after: str | None, limit: int, ascending: bool, purpose: str | None) -> Json:
         op, order = (">", "ASC") if ascending else ("<", "DESC")
         rows = self._db.execute(
             f"SELECT * FROM files WHERE owner=:owner AND (:purpose IS NULL OR purpose=:purpose) "
             f"AND (:after IS NULL OR seq {op} (SELECT seq FROM files WHERE id=:after AND owner=:owner)) "
             f"ORDER BY seq {order} LIMIT :n",
-            {"owner": owner, "purpose": purpose, "after": after, "n": limit + 1}).fetchall()
+            {"owner": owner, "purpose": purpose, "after": after, "n": limit + 1},
+        ).fetchall()
         return page([_file_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
     def delete_file(self, owner: str, file_id: str) -> bool:
@@ -185,15 +195,26 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------------
 
-    def create_batch(self, owner: str, *, input_file_id: str, endpoint: str, metadata: dict[str, str] | None,
-                     now: int, window_s: int) -> Json:
+    def create_batch(
+        self, owner: str, *, input_file_id: str, endpoint: str, metadata: dict[str, str] | None, now: int, window_s: int
+    ) -> Json:
         batch_id = new_id("batch_")
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, metadata, "
                 "created_at, expires_at) VALUES (?,?,?,?,?,?,?,?,?)",
-                (batch_id, owner, endpoint, input_file_id, "24h", "validating",
-                 orjson.dumps(metadata).decode() if metadata else None, now, now + window_s))
+                (
+                    batch_id,
+                    owner,
+                    endpoint,
+                    input_file_id,
+                    "24h",
+                    "validating",
+                    orjson.dumps(metadata).decode() if metadata else None,
+                    now,
+                    now + window_s,
+                ),
+            )
         batch = self.get_batch(owner, batch_id)
         assert batch is not None
         return batch
@@ -206,7 +227,9 @@ class BatchStore:
         rows = self._db.execute(
             "SELECT * FROM batches WHERE owner=:owner "
             "AND (:after IS NULL OR seq < (SELECT seq FROM batches WHERE id=:after AND owner=:owner)) "
-            "ORDER BY seq DESC LIMIT :n", {"owner": owner, "after": after, "n": limit + 1}).fetchall()
+            "ORDER BY seq DESC LIMIT :n",
+            {"owner": owner, "after": after, "n": limit + 1},
+        ).fetchall()
         return page([_batch_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
     def request_cancel(self, owner: str, batch_id: str, now: int) -> Json | None:
@@ -217,8 +240,10 @@ class BatchStore:
                 return None
             if row["status"] not in ("validating", "in_progress", "cancelling"):
                 raise NotCancellable(f"cannot cancel a batch whose status is {row['status']!r}")
-            db.execute("UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND status!='cancelling'",
-                       (now, batch_id))
+            db.execute(
+                "UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND status!='cancelling'",
+                (now, batch_id),
+            )
         return self.get_batch(owner, batch_id)
 
     # -- the runner's side ---------------------------------------------------------------------------
@@ -249,36 +274,51 @@ class BatchStore:
             if db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()["status"] != "validating":
                 return self.status(batch_id)  # cancelled meanwhile
             db.execute("DELETE FROM lines WHERE batch_id=?", (batch_id,))
-            db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?,?,?,?)",
-                           [(batch_id, r.line, r.custom_id, r.body) for r in checked.requests])
+            db.executemany(
+                "INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?,?,?,?)",
+                [(batch_id, r.line, r.custom_id, r.body) for r in checked.requests],
+            )
             db.executemany(
                 "INSERT INTO lines (batch_id, idx, custom_id, outcome, result) VALUES (?,?,?,'error',?)",
-                [(batch_id, b.line, b.custom_id, error_line(b.custom_id, code=b.code, message=b.message))
-                 for b in checked.bad])
-            db.execute("UPDATE batches SET status='in_progress', in_progress_at=?, model=?, total=?, failed=? "
-                       "WHERE id=?", (now, checked.model, len(checked.requests) + len(checked.bad),
-                                      len(checked.bad), batch_id))
+                [
+                    (batch_id, b.line, b.custom_id, error_line(b.custom_id, code=b.code, message=b.message))
+                    for b in checked.bad
+                ],
+            )
+            db.execute(
+                "UPDATE batches SET status='in_progress', in_progress_at=?, model=?, total=?, failed=? WHERE id=?",
+                (now, checked.model, len(checked.requests) + len(checked.bad), len(checked.bad), batch_id),
+            )
         return "in_progress"
 
     def _fail(self, batch_id: str, now: int, code: str, message: str, line: int | None) -> str:
         errors = orjson.dumps([{"code": code, "message": message, "param": None, "line": line}]).decode()
         with self._transaction() as db:
-            db.execute("UPDATE batches SET status='failed', failed_at=?, errors=? WHERE id=? AND status='validating'",
-                       (now, errors, batch_id))
+            db.execute(
+                "UPDATE batches SET status='failed', failed_at=?, errors=? WHERE id=? AND status='validating'",
+                (now, errors, batch_id),
+            )
         return self.status(batch_id)
 
     def pending_lines(self, batch_id: str, *, after: int, limit: int) -> list[PendingLine]:
         rows = self._db.execute(
             "SELECT idx, custom_id, body FROM lines WHERE batch_id=? AND idx>? AND outcome IS NULL "
-            "ORDER BY idx LIMIT ?", (batch_id, after, limit)).fetchall()
+            "ORDER BY idx LIMIT ?",
+            (batch_id, after, limit),
+        ).fetchall()
         return [PendingLine(r["idx"], r["custom_id"], r["body"]) for r in rows]
 
     def record(self, batch_id: str, idx: int, outcome: Outcome, line: bytes) -> bool:
         """Keep a line's result, once: False when the line already had one."""
         counter = "completed" if outcome == "output" else "failed"
         with self._transaction() as db:
-            fresh = db.execute("UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
-                               (outcome, line, batch_id, idx)).rowcount == 1
+            fresh = (
+                db.execute(
+                    "UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
+                    (outcome, line, batch_id, idx),
+                ).rowcount
+                == 1
+            )
             if fresh:
                 db.execute(f"UPDATE batches SET {counter}={counter}+1 WHERE id=?", (batch_id,))
         return fresh
@@ -290,36 +330,62 @@ class BatchStore:
             if row["status"] not in ACTIVE:
                 return
             if row["ending"] is None:
-                db.execute("UPDATE batches SET ending=?, status=?, finalizing_at=? WHERE id=?",
-                           (ending, "cancelling" if ending == "cancelled" else "finalizing", now, batch_id))
+                db.execute(
+                    "UPDATE batches SET ending=?, status=?, finalizing_at=? WHERE id=?",
+                    (ending, "cancelling" if ending == "cancelled" else "finalizing", now, batch_id),
+                )
             ending = row["ending"] or ending  # a restarted finish ends the way the first one began
             code, message = CANCELLED if ending == "cancelled" else EXPIRED
-            left = db.execute("SELECT idx, custom_id FROM lines WHERE batch_id=? AND outcome IS NULL",
-                              (batch_id,)).fetchall()
-            db.executemany("UPDATE lines SET outcome='error', result=? WHERE batch_id=? AND idx=?",
-                           [(error_line(r["custom_id"], code=code, message=message), batch_id, r["idx"])
-                            for r in left])
+            left = db.execute(
+                "SELECT idx, custom_id FROM lines WHERE batch_id=? AND outcome IS NULL", (batch_id,)
+            ).fetchall()
+            db.executemany(
+                "UPDATE lines SET outcome='error', result=? WHERE batch_id=? AND idx=?",
+                [(error_line(r["custom_id"], code=code, message=message), batch_id, r["idx"]) for r in left],
+            )
             db.execute("UPDATE batches SET failed=failed+? WHERE id=?", (len(left), batch_id))
         made = {outcome: self._write_results(batch_id, outcome) for outcome in ("output", "error")}
         hex_id = batch_id.removeprefix("batch_")
         with self._transaction() as db:
             for outcome, size in made.items():
                 if size is not None:
-                    db.execute("INSERT OR REPLACE INTO files (id, owner, filename, purpose, bytes, created_at) "
-                               "VALUES (?,?,?,?,?,?)", (f"file-{hex_id}-{outcome}", row["owner"],
-                                                        f"batch_{hex_id}_{outcome}.jsonl", "batch_output", size, now))
+                    db.execute(
+                        "INSERT OR REPLACE INTO files (id, owner, filename, purpose, bytes, created_at) "
+                        "VALUES (?,?,?,?,?,?)",
+                        (
+                            f"file-{hex_id}-{outcome}",
+                            row["owner"],
+                            f"batch_{hex_id}_{outcome}.jsonl",
+                            "batch_output",
+                            size,
+                            now,
+                        ),
+                    )
             final_time = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[ending]
-            db.execute(f"UPDATE batches SET status=?, {final_time}=?, output_file_id=?, error_file_id=? WHERE id=?",
-                       (ending, now, None if made["output"] is None else f"file-{hex_id}-output",
-                        None if made["error"] is None else f"file-{hex_id}-error", batch_id))
+            db.execute(
+                f"UPDATE batches SET status=?, {final_time}=?, output_file_id=?, error_file_id=? WHERE id=?",
+                (
+                    ending,
+                    now,
+                    None if made["output"] is None else f"file-{hex_id}-output",
+                    None if made["error"] is None else f"file-{hex_id}-error",
+                    batch_id,
+                ),
+            )
 
     def _write_results(self, batch_id: str, outcome: Outcome) -> int | None:
         """The batch's file of one outcome, in input order; None (and no file) when it has no line."""
         path = self.file_path(f"file-{batch_id.removeprefix('batch_')}-{outcome}")
         staged = self.staging_dir / path.name
         size = 0
-        with staged.open("wb") as out, closing(self._db.execute(
-                "SELECT result FROM lines WHERE batch_id=? AND outcome=? ORDER BY idx", (batch_id, outcome))) as rows:
+        with (
+            staged.open("wb") as out,
+            closing(
+                self._db.execute(
+                    "SELECT result FROM lines WHERE batch_id=? AND outcome=? ORDER BY idx", (batch_id, outcome)
+                )
+            ) as rows,
+        ):
             for (line,) in rows:
                 out.write(line + b"\n")
                 size += len(line) + 1

@@ -27,7 +27,7 @@ def jsonl(*lines: bytes) -> bytes:
 
 async def chunks(data: bytes, size: int = 1000) -> AsyncIterator[bytes]:
     for start in range(0, len(data), size):
-        yield data[start:start + size]
+        yield data[start : start + size]
 
 
 class FakeExecutor:
@@ -36,8 +36,9 @@ class FakeExecutor:
     ``status_of(content) -> status code`` picks other answers.
     """
 
-    def __init__(self, *, gate: asyncio.Event | None = None,
-                 status_of: Callable[[str], int] = lambda _content: 200) -> None:
+    def __init__(
+        self, *, gate: asyncio.Event | None = None, status_of: Callable[[str], int] = lambda _content: 200
+    ) -> None:
         self.gate = gate
         self.status_of = status_of
         self.started: list[str] = []
@@ -50,8 +51,12 @@ class FakeExecutor:
         if self.gate is not None:
             await self.gate.wait()
         status = self.status_of(content)
-        answer = {"id": f"chatcmpl-{content}", "object": "chat.completion", "endpoint": endpoint,
-                  "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+        answer = {
+            "id": f"chatcmpl-{content}",
+            "object": "chat.completion",
+            "endpoint": endpoint,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+        }
         if status != 200:
             answer = {"error": {"message": "refused", "type": "invalid_request_error", "param": None, "code": None}}
         return LineResult(status, orjson.dumps(answer), f"req-{content}")

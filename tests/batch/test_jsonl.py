@@ -16,20 +16,29 @@ def test_good_lines_keep_their_line_numbers_and_the_model() -> None:
     assert out.bad == () and out.model == "m"
 
 
-@pytest.mark.parametrize(("line", "code"), [
-    pytest.param(b"{not json", "invalid_json_line", id="invalid-json"),
-    pytest.param(b"[1, 2]", "invalid_json_line", id="not-an-object"),
-    pytest.param(b'{"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}', "missing_custom_id",
-                 id="no-custom-id"),
-    pytest.param(request_line("a"), "duplicate_custom_id", id="duplicate"),
-    pytest.param(request_line("x", url="/v1/completions"), "mismatched_url", id="wrong-url"),
-    pytest.param(request_line("x", model="other"), "mismatched_model", id="another-model"),
-    pytest.param(request_line("x", model="unknown"), "model_not_found", id="unserved-model"),
-    pytest.param(request_line("x", stream=True), "invalid_value", id="stream"),
-    pytest.param(b'{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}', "invalid_method",
-                 id="method"),
-    pytest.param(b'{"custom_id": "x", "url": "/v1/chat/completions", "body": {}}', "missing_model", id="no-model"),
-])
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        pytest.param(b"{not json", "invalid_json_line", id="invalid-json"),
+        pytest.param(b"[1, 2]", "invalid_json_line", id="not-an-object"),
+        pytest.param(
+            b'{"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}',
+            "missing_custom_id",
+            id="no-custom-id",
+        ),
+        pytest.param(request_line("a"), "duplicate_custom_id", id="duplicate"),
+        pytest.param(request_line("x", url="/v1/completions"), "mismatched_url", id="wrong-url"),
+        pytest.param(request_line("x", model="other"), "mismatched_model", id="another-model"),
+        pytest.param(request_line("x", model="unknown"), "model_not_found", id="unserved-model"),
+        pytest.param(request_line("x", stream=True), "invalid_value", id="stream"),
+        pytest.param(
+            b'{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}',
+            "invalid_method",
+            id="method",
+        ),
+        pytest.param(b'{"custom_id": "x", "url": "/v1/chat/completions", "body": {}}', "missing_model", id="no-model"),
+    ],
+)
 def test_a_bad_line_is_set_apart_and_the_rest_stands(line: bytes, code: str) -> None:
     out = check(request_line("a"), line, request_line("b"))
     assert [r.custom_id for r in out.requests] == ["a", "b"]
