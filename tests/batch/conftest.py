@@ -1,15 +1,21 @@
-"""Helpers for the Batch API's tests: request lines, a fake executor, waiting for a batch to end."""
+"""Helpers for the Batch API's tests: request lines, a fake executor, waiting for a batch to end, and the
+batch routes served on a free port (:func:`serve_batches`) for the ``openai`` client."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
+from aiohttp import web
 
-from proxy.batch import BatchService, LineResult
+from proxy.batch import BATCH_SERVICE, BatchService, LineResult, add_routes
 from proxy.batch.shapes import Json
 
 CHAT = "/v1/chat/completions"
@@ -88,3 +94,49 @@ async def wait_final(service: BatchService, owner: str, batch_id: str) -> Json:
 
 def read_lines(path: Path) -> list[Json]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+@dataclass(frozen=True)
+class Served:
+    """The batch routes of one :class:`BatchService` on a real port."""
+
+    url: str
+    service: BatchService
+
+    def client(self, api_key: str = "key-a") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def serve_batches(
+    data_dir: Path, executor: FakeExecutor, *, concurrency: int = 256, clock: Callable[[], float] = time.time
+) -> AsyncIterator[Served]:
+    """A small aiohttp app with only the batch routes, on a free port of 127.0.0.1; stopped on exit."""
+    async with BatchService.open(data_dir, executor, concurrency=concurrency, clock=clock) as service:
+        app = web.Application()
+        add_routes(app)
+        app[BATCH_SERVICE] = service
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            yield Served(f"http://127.0.0.1:{runner.addresses[0][1]}", service)
+        finally:
+            await runner.cleanup()
+
+
+async def wait_final_over_http(client: openai.AsyncOpenAI, batch_id: str) -> Any:
+    """Poll ``batches.retrieve`` until the batch ends; the openai ``Batch``."""
+    batch: Any = None
+
+    async def ended() -> bool:
+        nonlocal batch
+        batch = await client.batches.retrieve(batch_id)
+        return batch.status in FINAL
+
+    await wait_until(ended)
+    return batch
+
+
+async def content_lines(client: openai.AsyncOpenAI, file_id: str) -> list[Json]:
+    return [orjson.loads(line) for line in (await client.files.content(file_id)).content.splitlines()]

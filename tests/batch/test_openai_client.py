@@ -1,0 +1,172 @@
+"""The Files and Batches endpoints with the ``openai`` client as the client, over a real port."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.batch.conftest import (
+    CHAT,
+    FakeExecutor,
+    Served,
+    content_lines,
+    jsonl,
+    request_line,
+    serve_batches,
+    wait_final_over_http,
+    wait_until,
+)
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    executor = FakeExecutor(status_of=lambda content: 400 if content == "refused" else 200)
+    async with serve_batches(tmp_path / "batches", executor) as served:
+        yield served
+
+
+async def upload(client: openai.AsyncOpenAI, data: bytes) -> str:
+    return (await client.files.create(file=("input.jsonl", data), purpose="batch")).id
+
+
+async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> None:
+    client = served.client()
+    data = jsonl(
+        request_line("a"), request_line("refused"), request_line("x", url="/v1/completions"), request_line("b")
+    )
+    uploaded = await client.files.create(file=("input.jsonl", data), purpose="batch")
+    assert (uploaded.object, uploaded.purpose, uploaded.bytes, uploaded.filename) == (
+        "file",
+        "batch",
+        len(data),
+        "input.jsonl",
+    )
+    assert (await client.files.retrieve(uploaded.id)).id == uploaded.id
+    assert (await client.files.content(uploaded.id)).content == data
+
+    created = await client.batches.create(
+        input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h", metadata={"job": "nightly"}
+    )
+    assert created.status == "validating" and created.metadata == {"job": "nightly"}
+    batch = await wait_final_over_http(client, created.id)
+
+    assert batch.status == "completed"
+    assert batch.request_counts is not None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 2, 2)
+    assert batch.model == "m" and batch.completed_at is not None and batch.in_progress_at is not None
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+
+    output = await content_lines(client, batch.output_file_id)
+    assert [line["custom_id"] for line in output] == ["a", "b"]
+    for line in output:
+        assert line["error"] is None and line["id"].startswith("batch_req_")
+        assert line["response"]["status_code"] == 200
+        assert line["response"]["request_id"] == f"req-{line['custom_id']}"
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == line["custom_id"]
+
+    errors = {line["custom_id"]: line for line in await content_lines(client, batch.error_file_id)}
+    assert set(errors) == {"refused", "x"}
+    assert errors["refused"]["response"]["status_code"] == 400 and errors["refused"]["error"] is None
+    assert errors["refused"]["response"]["body"]["error"]["message"] == "refused"
+    assert errors["x"]["response"] is None and errors["x"]["error"]["code"] == "mismatched_url"
+    assert "line 3" in errors["x"]["error"]["message"]
+
+    output_file = await client.files.retrieve(batch.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.bytes > 0
+
+
+async def test_list_pages_newest_first(served: Served) -> None:
+    client = served.client()
+    file_id = await upload(client, jsonl(request_line("a")))
+    ids = [
+        (await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")).id
+        for _ in range(3)
+    ]
+    listed = await client.batches.list()
+    assert [b.id for b in listed.data] == ids[::-1]
+    first = await client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[:0:-1] and first.has_more
+    rest = await client.batches.list(limit=2, after=ids[1])
+    assert [b.id for b in rest.data] == [ids[0]] and not rest.has_more
+    assert [b.id async for b in client.batches.list(limit=1)] == ids[::-1]  # the client follows the pages
+    files = await client.files.list(purpose="batch")
+    assert [f.id for f in files.data] == [file_id]
+
+
+async def test_cancel_lets_running_lines_finish_and_the_rest_end_in_the_error_file(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    executor = FakeExecutor(gate=gate)
+    async with serve_batches(tmp_path / "batches", executor, concurrency=2) as served:
+        client = served.client()
+        file_id = await upload(client, jsonl(*(request_line(c) for c in "abcd")))
+        created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        await wait_until(lambda: executor.started == ["a", "b"])
+
+        cancelling = await client.batches.cancel(created.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+        gate.set()
+        batch = await wait_final_over_http(client, created.id)
+
+        assert batch.status == "cancelled" and batch.cancelled_at is not None
+        assert executor.started == ["a", "b"]  # nothing started after the cancel
+        assert batch.output_file_id is not None and batch.error_file_id is not None
+        assert [line["custom_id"] for line in await content_lines(client, batch.output_file_id)] == ["a", "b"]
+        errors = await content_lines(client, batch.error_file_id)
+        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+            ("c", "batch_cancelled"),
+            ("d", "batch_cancelled"),
+        ]
+        with pytest.raises(openai.ConflictError, match="cancelled"):
+            await client.batches.cancel(created.id)
+
+
+async def test_a_file_that_is_not_jsonl_fails_the_batch_naming_the_line(served: Served) -> None:
+    client = served.client()
+    file_id = await upload(client, b"\nthis is not json\n[1]\n")
+    created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    batch = await wait_final_over_http(client, created.id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.errors is not None and batch.errors.data is not None
+    [error] = batch.errors.data
+    assert (error.code, error.line) == ("invalid_json_line", 2)
+    assert error.message is not None and "line 2" in error.message
+    assert batch.output_file_id is None and batch.error_file_id is None
+
+
+async def test_bad_purpose_is_refused_naming_it(served: Served) -> None:
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'") as caught:
+        await served.client().files.create(file=("input.jsonl", jsonl(request_line("a"))), purpose="fine-tune")
+    assert caught.value.param == "purpose"
+
+
+async def test_unknown_input_file_is_404_naming_it(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError, match="file-nope"):
+        await served.client().batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        pytest.param("endpoint", "/v1/embeddings", "endpoint must be one of", id="endpoint"),
+        pytest.param("completion_window", "1h", "completion_window must be '24h'", id="window"),
+    ],
+)
+async def test_bad_batch_fields_are_refused_naming_them(served: Served, field: str, value: str, named: str) -> None:
+    client = served.client()
+    fields = {
+        "input_file_id": await upload(client, jsonl(request_line("a"))),
+        "endpoint": CHAT,
+        "completion_window": "24h",
+    }
+    with pytest.raises(openai.BadRequestError, match=named) as caught:
+        await client.batches.create(**{**fields, field: value})
+    assert caught.value.param == field and caught.value.status_code == 400
+
+
+async def test_an_unknown_batch_is_404(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError, match="batch_nope"):
+        await served.client().batches.retrieve("batch_nope")
