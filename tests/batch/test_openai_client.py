@@ -170,3 +170,28 @@ async def test_bad_batch_fields_are_refused_naming_them(served: Served, field: s
 async def test_an_unknown_batch_is_404(served: Served) -> None:
     with pytest.raises(openai.NotFoundError, match="batch_nope"):
         await served.client().batches.retrieve("batch_nope")
+
+
+async def test_another_key_sees_nothing_of_a_batch_or_file_it_did_not_create(served: Served) -> None:
+    owner, stranger = served.client("key-a"), served.client("key-b")
+    file_id = await upload(owner, jsonl(request_line("a")))
+    created = await owner.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    batch = await wait_final_over_http(owner, created.id)
+    assert batch.output_file_id is not None
+
+    for attempt in (
+        stranger.batches.retrieve(created.id),
+        stranger.batches.cancel(created.id),
+        stranger.files.retrieve(file_id),
+        stranger.files.content(file_id),
+        stranger.files.content(batch.output_file_id),
+        stranger.files.delete(file_id),
+        stranger.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await attempt
+    assert (await stranger.batches.list()).data == []
+    assert (await stranger.files.list()).data == []
+
+    assert (await owner.files.retrieve(file_id)).id == file_id  # the stranger's delete did nothing
+    assert [b.id for b in (await owner.batches.list()).data] == [created.id]
