@@ -37,25 +37,34 @@ async def chunks(data: bytes, size: int = 1000) -> AsyncIterator[bytes]:
 
 
 class FakeExecutor:
-    """Answers 200 with the request's content echoed; ``gate`` holds every line until set.
+    """Answers 200 with the request's content echoed; ``gate`` holds the lines ``holds`` picks (every
+    line by default) until set.
 
-    ``status_of(content) -> status code`` picks other answers.
+    ``status_of(content) -> status code`` picks other answers. ``started`` lists the content of every
+    line it was asked to run, ``finished`` of every line it answered.
     """
 
     def __init__(
-        self, *, gate: asyncio.Event | None = None, status_of: Callable[[str], int] = lambda _content: 200
+        self,
+        *,
+        gate: asyncio.Event | None = None,
+        holds: Callable[[str], bool] = lambda _content: True,
+        status_of: Callable[[str], int] = lambda _content: 200,
     ) -> None:
         self.gate = gate
+        self.holds = holds
         self.status_of = status_of
         self.started: list[str] = []
+        self.finished: list[str] = []
         self.owners: set[str] = set()
 
     async def execute(self, endpoint: str, body: dict[str, Any], owner: str) -> LineResult:
         content = body["messages"][0]["content"]
         self.started.append(content)
         self.owners.add(owner)
-        if self.gate is not None:
+        if self.gate is not None and self.holds(content):
             await self.gate.wait()
+        self.finished.append(content)
         status = self.status_of(content)
         answer = {
             "id": f"chatcmpl-{content}",
