@@ -30,6 +30,7 @@ from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml,
 __all__ = [
     "TABLES",
     "AuthSettings",
+    "BatchSettings",
     "ControlMode",
     "ControlSettings",
     "EngineKind",
@@ -301,6 +302,17 @@ class ControlSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSettings:
+    dir: Path = field(
+        default=Path(".pacer/batches"),
+        metadata=key("the Batch API's database and files, relative to the current directory"),
+    )
+    concurrency: int = field(
+        default=256, metadata=key("batch lines in flight at once (the admission paces them)", minimum=1)
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     proxy: ProxySettings = ProxySettings()
     auth: AuthSettings = AuthSettings()
@@ -308,6 +320,7 @@ class Policy:
     engine: EngineSettings = EngineSettings()
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
+    batch: BatchSettings = BatchSettings()
     source: str = "<defaults>"  # the file it came from
 
     def describe(self) -> str:
@@ -332,6 +345,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "engine": EngineSettings,
         "pacing": PacingSettings,
         "control": ControlSettings,
+        "batch": BatchSettings,
     }
 )
 
@@ -371,6 +385,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         engine=_engine(root.table("engine")),
         pacing=_pacing(root.table("pacing")),
         control=_control(root.table("control")),
+        batch=_batch(root.table("batch")),
         source=source,
     )
     root.finish()
@@ -394,6 +409,12 @@ def _auth(t: Table, base: Path) -> AuthSettings:
         admin_key_env=t.str("admin_key_env", None),
         admin_key_file=path("admin_key_file"),
     )
+    t.finish()
+    return s
+
+
+def _batch(t: Table) -> BatchSettings:
+    s = read_settings(t, BatchSettings)
     t.finish()
     return s
 
@@ -583,4 +604,5 @@ def _describe(p: Policy) -> list[str]:
         f"  control  {c.mode}: rules every {c.interval_s:g} s over {c.window_s:g} s, cool-down {c.cooldown_s:g} s, "
         f"<= {c.restarts_per_hour} restarts/h per worker"
     )
+    lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
     return lines
