@@ -4,6 +4,8 @@ observers and the controller around one worker pool.
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
 start the scraper, the status log and the GPU watch; on shutdown stop them, stop the pool and close the session.
+The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
+``cleanup_ctx`` generator each, started after that one and stopped before it.
 Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
 cancels its handler, which frees its slot and aborts the upstream request).
 """
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
+from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes
+from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.journal import Journal
 from proxy.control.rollout import Rollout
@@ -30,12 +34,12 @@ from proxy.request.dispatch import Dispatcher
 from proxy.request.pacing import Band, LoadBoard
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.server import handlers
-from proxy.server.auth import describe, load_keyring
+from proxy.server.auth import bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
-from proxy.server.validation import CHAT, COMPLETIONS, GENERATE
+from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
@@ -95,6 +99,8 @@ def build_app(
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
+    add_routes(app, authenticate=_batch_caller(st))
+    app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     return app
 
 
@@ -248,6 +254,33 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
         st.board.unsubscribe(controller.on_sample)
+
+
+def _batch_caller(st: ProxyState) -> Authenticate:
+    """The Batch API's caller: the API key the proxy checks (any key of an open proxy owns its batches)."""
+
+    def caller(request: web.Request) -> str:
+        check_api_key(st.keys, request.headers)
+        return bearer(request.headers) or ""
+
+    return caller
+
+
+async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The Batch API's store and runner (``batch.dir``): its lines go through the request path in
+    the batch class; unfinished batches resume here."""
+    st = app[PROXY]
+    settings = st.policy.batch
+
+    def accepts_model(model: str) -> bool:
+        return not st.models.known or model in st.models.names
+
+    executor = RequestPathExecutor(st.requests, VALIDATORS)
+    async with BatchService.open(
+        settings.dir, executor, concurrency=settings.concurrency, accepts_model=accepts_model
+    ) as service:
+        app[BATCH_SERVICE] = service
+        yield
 
 
 async def _stop_admitting(app: web.Application) -> None:

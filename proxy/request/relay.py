@@ -23,7 +23,8 @@ client left) and ``/abort_request`` is posted with the request's ``rid``.
 
 Errors, in this layer: exceptions. Opening raises :class:`~proxy.request.attempt.AttemptFailed`
 (consumed by the attempt's block); :func:`forward` raises :class:`~proxy.errors.ApiError` for
-every refusal and returns the response otherwise.
+every refusal and returns the response otherwise; so does :func:`complete`, the same loop for a
+request no client streams from (a batch line), which returns the whole answer.
 
 The upstream leg is :mod:`proxy.request.upstream` (its own HTTP/1.1 client): the open wakes the
 handler once, when a stream's headers and first output are in, and after the first chunk the
@@ -35,6 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TypeVar
 
 import aiohttp
 import orjson
@@ -50,7 +54,9 @@ from proxy.request.sse import has_output
 from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from proxy.workers.base import WorkerState
 
-__all__ = ["EventStream", "Opened", "forward"]
+__all__ = ["EventStream", "Opened", "complete", "forward"]
+
+R = TypeVar("R", bound=web.StreamResponse)
 
 _log = logging.getLogger(__name__)
 
@@ -180,6 +186,30 @@ async def forward(
 
     ``arrived`` is ``time.monotonic()`` when the handler started (for the added-latency metric).
     """
+    return await _answer(path, job, priority, arrived, partial(_respond, path, request))
+
+
+async def complete(path: RequestPath, job: Job, priority: Priority) -> web.Response:
+    """The whole answer to a request that no client streams from (a batch line): queued, dispatched,
+    retried and refused (:class:`~proxy.errors.ApiError`) as :func:`forward` does."""
+    if job.stream:
+        raise ValueError("a streamed request needs a client to stream to: forward it")
+
+    async def whole(opened: Opened, _url: str, _rid: str | None) -> web.Response:
+        return _whole(path, opened)
+
+    return await _answer(path, job, priority, time.monotonic(), whole)
+
+
+async def _answer(
+    path: RequestPath,
+    job: Job,
+    priority: Priority,
+    arrived: float,
+    respond: Callable[[Opened, str, str | None], Awaitable[R]],
+) -> R | web.Response:
+    """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
+    opened attempt (while it holds its worker)."""
     d, m = path.dispatcher, path.metrics
     submitted = time.monotonic()
     try:
@@ -221,7 +251,7 @@ async def forward(
                         m.disconnected.inc()
                     raise
                 attempt.mark_started()
-                return await _respond(path, request, opened, url, rid)
+                return await respond(opened, url, rid)
         except ProxyClosing:
             raise _closing_error(path) from None
         except QueueTimeout:
@@ -235,13 +265,17 @@ async def forward(
         # the attempt ended without output and the ticket is back in the queue: wait for the next
 
 
+def _whole(path: RequestPath, opened: Opened) -> web.Response:
+    path.metrics.completed.inc()
+    return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
+
+
 async def _respond(
     path: RequestPath, request: web.Request, opened: Opened, url: str, rid: str | None
 ) -> web.StreamResponse:
     m = path.metrics
     if opened.resp is None:
-        m.completed.inc()
-        return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
+        return _whole(path, opened)
     resp = opened.resp
     out = EventStream(status=200, headers=_SSE_HEADERS)
     ok = False

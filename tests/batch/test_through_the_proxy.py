@@ -1,0 +1,107 @@
+"""The Batch API as the proxy serves it (``build_app`` on a free port): the ``openai`` client uploads
+and runs a batch whose lines go through the request path, in front of a real simulated worker
+process and, where the test holds the worker, in front of an in-process fake engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
+from proxy.request.admission import Priority
+from proxy.server.state import PROXY
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http, wait_until
+from tests.harness.fake_engine import MODEL as FAKE_MODEL
+
+SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
+
+
+def _client(url: str, api_key: str = "key-a") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+async def sim_proxy(tmp_path: Path) -> AsyncIterator[str]:
+    """The proxy in front of one ``pacer sim`` worker process; its batches under ``tmp_path``."""
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 1,
+                "args": {"max_running_requests": 16},
+                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            "batch": {"dir": str(tmp_path / "batches")},
+        },
+        "<batch e2e>",
+    )
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    st = app[PROXY]
+    try:
+        await wait_until(lambda: [w.state for w in pool.workers()] == [WorkerState.READY], timeout=60)
+        await wait_until(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()  # stops the worker too
+    assert all(w.state is WorkerState.STOPPED for w in pool.workers())
+
+
+async def test_a_batch_of_five_lines_through_the_proxy_to_a_simulated_worker(sim_proxy: str) -> None:
+    client = _client(sim_proxy)
+    ids = [f"req-{n}" for n in range(5)]
+    lines = [request_line(i, model=SIM_MODEL, max_tokens=4, sim_output_len=4) for i in ids]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    batch = await wait_final_over_http(client, created.id)
+
+    assert batch.status == "completed" and batch.error_file_id is None, batch
+    assert batch.request_counts is not None and batch.request_counts.completed == 5
+    assert batch.output_file_id is not None
+    output = await content_lines(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == ids
+    for line in output:
+        answer = line["response"]
+        assert answer["status_code"] == 200 and answer["request_id"]
+        assert answer["body"]["object"] == "chat.completion" and answer["body"]["usage"]["completion_tokens"] == 4
+        assert answer["body"]["choices"][0]["message"]["content"]
+    with pytest.raises(openai.NotFoundError):
+        await _client(sim_proxy, "key-b").batches.retrieve(created.id)
+    await client.close()
+
+
+async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refused(
+    make_proxy: Callable[..., Any], tmp_path: Path
+) -> None:
+    h = await make_proxy(policy={"batch": {"dir": str(tmp_path / "batches")}})
+    client = h.client("key-a")
+    await client.models.list()  # the proxy learns the served models
+    h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: the lines stay in the proxy queue
+    ids = [f"q{n}" for n in range(3)]
+    data = jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids), request_line("x", model="nope"))
+    uploaded = await client.files.create(file=("in.jsonl", data), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+
+    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 3)
+    assert h.state.admission.depth(Priority.INTERACTIVE) == 0
+    h.pool.set_state("w0", WorkerState.READY)
+    batch = await wait_final_over_http(client, created.id)
+
+    assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is not None
+    assert sorted(line["custom_id"] for line in await content_lines(client, batch.output_file_id)) == ids
+    [refused] = await content_lines(client, batch.error_file_id)
+    assert (refused["custom_id"], refused["error"]["code"]) == ("x", "model_not_found")
+    assert sorted(body["messages"][0]["content"] for body in h.workers[0].bodies) == ids
+    await client.close()
