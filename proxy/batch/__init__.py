@@ -8,6 +8,7 @@ Modules, bottom up::
     runner   BatchRunner: executes the lines of unfinished batches through an Executor
     service  BatchService: the operations per owner, and the lifecycle (BatchService.open)
     routes   the aiohttp handlers (add_routes, BATCH_SERVICE)
+    executor RequestPathExecutor: the proxy's Executor (each line through the request path, batch class)
 
 The seam: what the composition root provides.
 
@@ -20,21 +21,20 @@ The seam: what the composition root provides.
 - ``authenticate(request) -> api key`` for the routes (raising ``ApiError`` to refuse a caller); the
   default reads the bearer token unchecked.
 
-Wiring, in the composition root::
+Wiring: the composition root (``proxy.compose``) registers the routes with the proxy's API-key check
+as ``authenticate``, and owns the service in a ``cleanup_ctx`` generator::
 
-    add_routes(app, authenticate=...)            # before the app starts
-
-    async def batches(app: web.Application) -> AsyncIterator[None]:
-        async with BatchService.open(data_dir, executor, concurrency=256, accepts_model=...) as service:
-            app[BATCH_SERVICE] = service
-            yield
-    app.cleanup_ctx.append(batches)
+    async with BatchService.open(policy.batch.dir, RequestPathExecutor(requests, VALIDATORS),
+                                 concurrency=policy.batch.concurrency, accepts_model=...) as service:
+        app[BATCH_SERVICE] = service
+        yield
 
 Durability: see :mod:`proxy.batch.store`. Cancel and expiry: see :mod:`proxy.batch.runner`.
 
 Layering: ``proxy.batch`` sits beside ``proxy.server`` (independent of it): it may import
 ``proxy.request`` and the layers below, never ``proxy.server``, ``proxy.compose`` nor ``proxy.cli``
-(the ``layers`` contract in ``pyproject.toml``). The composition root supplies the Executor.
+(the ``layers`` contract in ``pyproject.toml``); the front door's request validators reach
+:class:`~proxy.batch.executor.RequestPathExecutor` as an argument.
 """
 
 from proxy.batch.routes import BATCH_SERVICE, Authenticate, add_routes, bearer_key
