@@ -83,9 +83,9 @@ async def test_a_batch_of_five_lines_through_the_proxy_to_a_simulated_worker(sim
 
 
 async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refused(
-    make_proxy: Callable[..., Any], tmp_path: Path
+    make_proxy: Callable[..., Any],
 ) -> None:
-    h = await make_proxy(policy={"batch": {"dir": str(tmp_path / "batches")}})
+    h = await make_proxy()
     client = h.client("key-a")
     await client.models.list()  # the proxy learns the served models
     h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: the lines stay in the proxy queue

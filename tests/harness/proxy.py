@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -39,7 +40,7 @@ class Harness:
 
 
 @pytest.fixture
-async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
+async def make_proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """``await make_proxy(n_workers=2, policy={...}, worker={...})`` -> Harness (all torn down after)."""
     cleanups: list[Callable[[], Any]] = []
 
@@ -56,6 +57,7 @@ async def make_proxy() -> AsyncIterator[Callable[..., Any]]:
         doc: dict[str, Any] = {
             "engine": {"kind": "external", "urls": urls},
             "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            "batch": {"dir": str(tmp_path / "batches")},  # never the batches of a proxy run from this directory
         }
         for section, values in (policy or {}).items():
             doc.setdefault(section, {}).update(values)

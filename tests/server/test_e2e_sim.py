@@ -62,6 +62,7 @@ async def sim(tmp_path) -> AsyncIterator[Sim]:
                 "stop_grace_s": 5,
             },
             "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            "batch": {"dir": str(tmp_path / "batches")},
         },
         "<e2e>",
     )
