@@ -23,6 +23,13 @@ from tests.harness.fake_engine import MODEL as FAKE_MODEL
 SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
 
+def _refused_full(h: Any) -> float:
+    """``pacer_requests_rejected_total{reason="queue_full"}`` from the proxy's /metrics text."""
+    prefix = 'pacer_requests_rejected_total{reason="queue_full"} '
+    lines = h.state.metrics.render().decode().splitlines()
+    return sum(float(line.removeprefix(prefix)) for line in lines if line.startswith(prefix))
+
+
 def _client(url: str, api_key: str = "key-a") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
@@ -104,4 +111,22 @@ async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refu
     [refused] = await content_lines(client, batch.error_file_id)
     assert (refused["custom_id"], refused["error"]["code"]) == ("x", "model_not_found")
     assert sorted(body["messages"][0]["content"] for body in h.workers[0].bodies) == ids
+    await client.close()
+
+
+async def test_a_line_the_full_queue_refuses_is_submitted_again_not_failed(make_proxy: Callable[..., Any]) -> None:
+    h = await make_proxy(policy={"queue": {"capacity": 1, "retry_after_s": 0}, "batch": {"concurrency": 3}})
+    client = h.client("key-a")
+    h.pool.set_state("w0", WorkerState.DRAINING)
+    ids = ["a", "b", "c"]
+    uploaded = await client.files.create(
+        file=("in.jsonl", jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids))), purpose="batch"
+    )
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 1 and _refused_full(h) >= 2)
+
+    h.pool.set_state("w0", WorkerState.READY)
+    batch = await wait_final_over_http(client, created.id)
+    assert batch.status == "completed" and batch.error_file_id is None and batch.output_file_id is not None
+    assert sorted(line["custom_id"] for line in await content_lines(client, batch.output_file_id)) == ids
     await client.close()
