@@ -3,7 +3,7 @@
 job.py        what a validated request is (route, body, stream, model, prompt prefix)
 admission.py  the proxy's own queue (classes, FIFO within a class, bounded, deadlines)
 pacing.py     per-worker load: the proxy's open attempts + the latest sample -> est. server queue
-attempt.py    one try of a request on one worker, and why one ended without output
+attempt.py    a request's ticket (its place, from admission on) and its tries, one per worker
 dispatch.py   the pacing gate, worker choice, and ``async with dispatcher.attempt(ticket)``, the one
               owner of an attempt's lifecycle (release always, requeue exactly when nothing was sent)
 sse.py        reading a relayed event stream: when has output started
