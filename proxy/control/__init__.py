@@ -6,7 +6,7 @@
     rules.py       pure rules over (window, state, settings), the gate (cool-down, budget, flip guard)
     journal.py     every decision with its evidence and outcome: JSON lines + GET /admin/decisions
     controller.py  the loop: observe, tick, revive dead workers, hand restarts to an actor
-    rollout.py     the actor: rolling restart through the dispatcher's drain / take-back hooks
+    rollout.py     the actor: rolling restart (the pool's DRAINING state, the dispatcher's take-back, the restart)
 
 Only ``rollout.py`` touches the outside world (``proxy.compose`` wires the controller into ``pacer
 serve``, passing it the engine's log reading, the pool's log tail, the proxy's backlog and the

@@ -19,63 +19,18 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proxy.policy import Priority
+from proxy.request.attempt import Ticket
 
-if TYPE_CHECKING:
-    from proxy.request.attempt import Attempt
-
-__all__ = ["ORDER", "AdmissionQueue", "Priority", "QueueFull", "Ticket"]
+__all__ = ["ORDER", "AdmissionQueue", "Priority", "QueueFull"]
 
 ORDER: tuple[Priority, ...] = (Priority.INTERACTIVE, Priority.BATCH)
 
 
 class QueueFull(Exception):
     """The queue holds ``capacity`` tickets already (the client gets 429 + Retry-After)."""
-
-
-class Ticket:
-    """One request's place in the proxy queue, from admission until it leaves the proxy.
-
-    ``future`` resolves to the :class:`~proxy.request.attempt.Attempt` the dispatcher made for it. ``exclude`` names workers this
-    request already failed on (retries go elsewhere when another worker exists). ``affinity`` is
-    a short prefix key for prefix-aware choice (``None`` when the policy does not ask for it).
-    """
-
-    __slots__ = (
-        "affinity",
-        "cancelled",
-        "deadline",
-        "enqueued_at",
-        "exclude",
-        "failures",
-        "future",
-        "patience",
-        "priority",
-        "queued",
-        "requeues",
-    )
-
-    def __init__(
-        self,
-        priority: Priority,
-        enqueued_at: float,
-        deadline: float,
-        future: asyncio.Future[Attempt],
-        affinity: str | None = None,
-    ) -> None:
-        self.priority = priority
-        self.enqueued_at = enqueued_at
-        self.deadline = deadline
-        self.patience = deadline - enqueued_at  # a requeued ticket may wait this long again
-        self.future = future
-        self.exclude: frozenset[str] = frozenset()
-        self.affinity = affinity
-        self.queued = False  # in a deque and counted in len()
-        self.cancelled = False
-        self.requeues = 0  # how many times it went back to the queue
-        self.failures = 0  # attempts that failed before output (each one spent of ``max_attempts``)
 
 
 class AdmissionQueue:

@@ -1,4 +1,5 @@
-"""One try of one request on one worker: :class:`Attempt`, and why one ended without output.
+"""A request's place in the proxy (:class:`Ticket`, from admission until it leaves) and its tries:
+one try on one worker (:class:`Attempt`), and why one ended without output.
 
 An attempt is made by the dispatcher when it hands a queued ticket to a worker, and lives until
 the ``async with dispatcher.attempt(ticket)`` block that owns it exits
@@ -12,10 +13,53 @@ from __future__ import annotations
 import asyncio
 from enum import StrEnum
 
-from proxy.request.admission import Ticket
+from proxy.policy import Priority
 from proxy.workers.base import WorkerId
 
-__all__ = ["Attempt", "AttemptFailed", "Requeued"]
+__all__ = ["Attempt", "AttemptFailed", "Requeued", "Ticket"]
+
+
+class Ticket:
+    """One request's place in the proxy queue, from admission until it leaves the proxy.
+
+    ``future`` resolves to the :class:`Attempt` the dispatcher made for it. ``exclude`` names workers this
+    request already failed on (retries go elsewhere when another worker exists). ``affinity`` is
+    a short prefix key for prefix-aware choice (``None`` when the policy does not ask for it).
+    """
+
+    __slots__ = (
+        "affinity",
+        "cancelled",
+        "deadline",
+        "enqueued_at",
+        "exclude",
+        "failures",
+        "future",
+        "patience",
+        "priority",
+        "queued",
+        "requeues",
+    )
+
+    def __init__(
+        self,
+        priority: Priority,
+        enqueued_at: float,
+        deadline: float,
+        future: asyncio.Future[Attempt],
+        affinity: str | None = None,
+    ) -> None:
+        self.priority = priority
+        self.enqueued_at = enqueued_at
+        self.deadline = deadline
+        self.patience = deadline - enqueued_at  # a requeued ticket may wait this long again
+        self.future = future
+        self.exclude: frozenset[str] = frozenset()
+        self.affinity = affinity
+        self.queued = False  # in a deque and counted in len()
+        self.cancelled = False
+        self.requeues = 0  # how many times it went back to the queue
+        self.failures = 0  # attempts that failed before output (each one spent of ``max_attempts``)
 
 
 class Requeued(StrEnum):

@@ -51,8 +51,8 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
-from proxy.request.attempt import Attempt, AttemptFailed, Requeued
+from proxy.request.admission import AdmissionQueue, Priority, QueueFull
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 

@@ -5,8 +5,13 @@ Modules, one job each:
 
 * ``presets``, ``memory``, ``config``: GPU/model presets, SGLang's memory defaults and KV pool size,
   the resolved arguments (:func:`proxy.sim.cli.resolve_config` -> :class:`SimConfig`);
-* ``ratio``, ``scheduler``, ``radix``, ``steptime``, ``engine``: the new-token ratio, PrefillAdder-like
-  admission, the prefix cache, the step-time model and the virtual-time scheduler core;
+* ``engine``: the event loop: it advances virtual time and carries out what the parts decide;
+* ``scheduler`` (with ``prefill_adder`` and ``ratio``): decides only: the waiting queue's order,
+  SGLang's PrefillAdder admission, the new-token ratio, which requests to retract;
+* ``kv_pool``, ``radix``, ``running``: the memory model (KV tokens, the prefix cache) and the
+  running batch;
+* ``steptime``, ``memory``: the execution-time model and activation memory (OOMs);
+* ``reporter``: SGLang's log lines and counters;
 * ``virtual``: :func:`simulate` a whole workload as fast as the CPU allows;
 * ``driver``, ``generation``, ``startup``, ``server``, ``metrics``, ``logs``, ``protocol``,
   ``tokenizer``: the real-time HTTP server around the same core.

@@ -13,23 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from proxy.engines.sglang.argv import KNOWN_FLAGS
+from proxy.engines.sglang.argv import KNOWN_FLAGS, SCHEDULE_POLICIES
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.presets import GPUS, MODELS
 
 __all__ = ["SimConfig", "build_parser", "main", "resolve_config"]
-
-SCHEDULE_POLICIES = (
-    "lpm",
-    "random",
-    "fcfs",
-    "dfs-weight",
-    "lof",
-    "priority",
-    "routing-key",
-    "hrrn",
-    "shortest-prefill-first",
-)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,40 +71,26 @@ _MODEL_RUNNER = "/usr/local/lib/python3.12/dist-packages/sglang/srt"
 
 def cuda_oom_traceback(*, phase: str, need_mib: float, total_mib: float, free_mib: float, used_mib: float) -> str:
     """``Scheduler hit an exception:`` with the CUDA out-of-memory traceback of a prefill or a decode."""
-    if phase == "prefill":
-        frames = [
-            ("managers/scheduler.py", 1112, "event_loop_normal", "result = self.run_batch(batch)"),
-            (
-                "managers/scheduler.py",
-                2470,
-                "run_batch",
-                "batch_result = self.model_worker.forward_batch_generation(batch)",
-            ),
-            (
-                "managers/tp_worker.py",
-                402,
-                "forward_batch_generation",
-                "logits_output = self.model_runner.forward(forward_batch)",
-            ),
-            ("model_executor/model_runner.py", 2291, "forward_extend", "return self.model.forward("),
-        ]
-    else:
-        frames = [
-            ("managers/scheduler.py", 1112, "event_loop_normal", "result = self.run_batch(batch)"),
-            (
-                "managers/scheduler.py",
-                2470,
-                "run_batch",
-                "batch_result = self.model_worker.forward_batch_generation(batch)",
-            ),
-            (
-                "managers/tp_worker.py",
-                402,
-                "forward_batch_generation",
-                "logits_output = self.model_runner.forward(forward_batch)",
-            ),
-            ("model_executor/model_runner.py", 2248, "forward_decode", "return self.model.forward("),
-        ]
+    frames = [
+        ("managers/scheduler.py", 1112, "event_loop_normal", "result = self.run_batch(batch)"),
+        (
+            "managers/scheduler.py",
+            2470,
+            "run_batch",
+            "batch_result = self.model_worker.forward_batch_generation(batch)",
+        ),
+        (
+            "managers/tp_worker.py",
+            402,
+            "forward_batch_generation",
+            "logits_output = self.model_runner.forward(forward_batch)",
+        ),
+        (
+            ("model_executor/model_runner.py", 2291, "forward_extend", "return self.model.forward(")
+            if phase == "prefill"
+            else ("model_executor/model_runner.py", 2248, "forward_decode", "return self.model.forward(")
+        ),
+    ]
     lines = ["Scheduler hit an exception: Traceback (most recent call last):"]
     for path, lineno, func, code in frames:
         lines.append(f'  File "{_MODEL_RUNNER}/{path}", line {lineno}, in {func}')

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from proxy.request.admission import AdmissionQueue, Priority, QueueFull, Ticket
+from proxy.request.admission import AdmissionQueue, Priority, QueueFull
+from proxy.request.attempt import Ticket
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 

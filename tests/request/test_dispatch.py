@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from proxy.engines.base import Sample
-from proxy.request.admission import AdmissionQueue, Priority, Ticket
-from proxy.request.attempt import Attempt, AttemptFailed, Requeued
+from proxy.request.admission import AdmissionQueue, Priority
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
 from proxy.request.dispatch import Dispatcher, QueueTimeout, choose_worker
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerInfo, WorkerState

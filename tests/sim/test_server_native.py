@@ -180,6 +180,9 @@ def test_flush_cache(sim: SimProcess) -> None:
 
 
 def test_log_lines_parse(sim: SimProcess) -> None:
+    status, _ = post(sim, "/generate", {"text": "a prefill and some decode steps", "sim_output_len": 12})
+    assert status == 200  # the log has batch lines whichever tests ran before
+    sim.wait_for_line("Decode batch")
     events = [parse_line(line, 0.0) for line in sim.lines]
     kinds = {e.kind for e in events if e is not None}
     assert {EventKind.STARTUP, EventKind.READY, EventKind.BATCH_STATS} <= kinds

@@ -23,6 +23,7 @@ from proxy.engines.flags import spec as _f
 __all__ = [
     "KNOWN_FLAGS",
     "REMOVED_FLAGS",
+    "SCHEDULE_POLICIES",
     "SUPERVISOR_FLAGS",
     "FlagSpec",
     "build_argv",
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-_SCHEDULE_POLICIES = (
+SCHEDULE_POLICIES = (  # ServerArgs.schedule_policy's choices
     "lpm",
     "random",
     "fcfs",
@@ -85,7 +86,7 @@ KNOWN_FLAGS: Mapping[str, FlagSpec] = {
     "max_prefill_tokens": _f("int", minimum=1),
     "prefill_max_requests": _f("int", minimum=1),
     "page_size": _f("int", minimum=1),
-    "schedule_policy": _f("str", *_SCHEDULE_POLICIES),
+    "schedule_policy": _f("str", *SCHEDULE_POLICIES),
     "schedule_conservativeness": _f("float", minimum=0.0),
     "retraction_policy": _f("str", "length", "priority"),
     "enable_priority_scheduling": _f("bool"),
