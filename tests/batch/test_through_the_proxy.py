@@ -4,6 +4,7 @@ process and, where the test holds the worker, in front of an in-process fake eng
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
 from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http, wait_until
 from tests.harness.fake_engine import MODEL as FAKE_MODEL
+from tests.harness.fake_engine import FakeEngine
+from tests.harness.static_pool import StaticPool
 
 SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
@@ -130,3 +133,47 @@ async def test_a_line_the_full_queue_refuses_is_submitted_again_not_failed(make_
     assert batch.status == "completed" and batch.error_file_id is None and batch.output_file_id is not None
     assert sorted(line["custom_id"] for line in await content_lines(client, batch.output_file_id)) == ids
     await client.close()
+
+
+async def test_lines_queued_when_the_proxy_stops_run_on_its_next_start(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    worker_url = await engine.start()
+    policy = parse_policy(
+        {
+            "engine": {"kind": "external", "urls": [worker_url]},
+            "pacing": {"queue_band": [2, 8], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            "batch": {"dir": str(tmp_path / "batches")},
+        },
+        "<batch restart>",
+    )
+    ids = ["a", "b", "c"]
+    try:
+        pool = StaticPool([worker_url])
+        app = build_app(policy, pool)
+        runner, port = await serve(app, "127.0.0.1", 0)
+        try:
+            await wait_until(lambda: app[PROXY].board.get("w0").sample is not None)
+            pool.set_state("w0", WorkerState.DRAINING)
+            async with _client(f"http://127.0.0.1:{port}") as client:
+                data = jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids))
+                uploaded = await client.files.create(file=("in.jsonl", data), purpose="batch")
+                created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+            await wait_until(lambda: app[PROXY].admission.depth(Priority.BATCH) == 3)
+        finally:
+            async with asyncio.timeout(30):  # a stop does not wait for the queued lines
+                await runner.cleanup()
+        assert engine.bodies == []
+
+        app = build_app(policy, StaticPool([worker_url]))
+        runner, port = await serve(app, "127.0.0.1", 0)
+        try:
+            async with _client(f"http://127.0.0.1:{port}") as client:
+                batch = await wait_final_over_http(client, created.id)
+                assert batch.status == "completed" and batch.output_file_id is not None, batch
+                output = await content_lines(client, batch.output_file_id)
+        finally:
+            await runner.cleanup()
+    finally:
+        await engine.stop()
+    assert [line["custom_id"] for line in output] == ids
+    assert sorted(body["messages"][0]["content"] for body in engine.bodies) == ids
