@@ -166,7 +166,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     assert len(h.workers[0].finished) == 1 and len(h.workers[1].finished) == 1
     assert len(h.workers[0].aborted) == 1  # the taken-back one was aborted at w0
     assert await d.wait_idle("w0", 2.0)
-    assert h.state.metrics.requeued._value.get() == 1
+    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total") == 1
     await client.close()
 
 
