@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
-from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes
+from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.journal import Journal
@@ -31,10 +31,11 @@ from proxy.observe.scraper import Scraper
 from proxy.policy import Policy
 from proxy.request.admission import AdmissionQueue
 from proxy.request.dispatch import Dispatcher
+from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.server import handlers
-from proxy.server.auth import bearer, check_api_key, describe, load_keyring
+from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
@@ -55,7 +56,13 @@ def build_app(
     """
     keys = load_keyring(policy.auth)
     board = LoadBoard()
-    admission = AdmissionQueue(policy.queue.capacity)
+    fair = policy.admission
+    admission = AdmissionQueue(
+        policy.queue.capacity,
+        weights={name: k.weight for name, k in fair.keys.items()},
+        batch_floor=fair.batch_floor_share,
+        quantum=fair.quantum_tokens,
+    )
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
     metrics = ProxyMetrics(
@@ -72,7 +79,14 @@ def build_app(
         max_attempts=policy.pacing.max_attempts,
         on_requeue=metrics.count_requeue,
     )
-    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics)
+    limits = KeyLimiter(
+        {
+            name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
+            for name, k in fair.keys.items()
+        },
+        concurrent_retry_after_s=policy.queue.retry_after_s,
+    )
+    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics, limits=limits)
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -275,7 +289,8 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     def accepts_model(model: str) -> bool:
         return not st.models.known or model in st.models.names
 
-    executor = RequestPathExecutor(st.requests, VALIDATORS)
+    names = {owner_of(key): caller.name for key, caller in st.keys.keys.items()}
+    executor = RequestPathExecutor(st.requests, VALIDATORS, key_of_owner=lambda owner: names.get(owner, ANONYMOUS))
     async with BatchService.open(
         settings.dir, executor, concurrency=settings.concurrency, accepts_model=accepts_model
     ) as service:
