@@ -137,7 +137,7 @@ class AdmissionQueue:
         c.queues.setdefault(ticket.key, deque()).append(ticket)
         if ticket.key not in c.deficit:
             c.ring.append(ticket.key)
-            c.deficit[ticket.key] = 0.0
+            c.deficit[ticket.key] = 0.0 if len(c.ring) > 1 else self._quantum(ticket.key)  # alone: its turn now
         self._enqueued(ticket)
 
     def requeue(self, ticket: Ticket) -> None:
@@ -253,12 +253,14 @@ class AdmissionQueue:
                 return head
             if c.deficit[key] >= 0.0 and len(c.ring) > 1:
                 c.ring.rotate(-1)  # its turn is over; the next key gets its quantum
-                nxt = c.ring[0]
-                c.deficit[nxt] += self.quantum * self.weight(nxt)
+                c.deficit[c.ring[0]] += self._quantum(c.ring[0])
             else:  # alone, or fresh in the ring: credit until it covers the head
                 need = head.cost - c.deficit[key]
-                step = self.quantum * self.weight(key)
+                step = self._quantum(key)
                 c.deficit[key] += step * max(1, -(-need // step))
+
+    def _quantum(self, key: str) -> float:
+        return self.quantum * self.weight(key)
 
     def _head_of(self, c: _Class, key: str) -> Ticket | None:
         """The key's first live ticket (cancelled ones before it are dropped)."""
@@ -271,9 +273,13 @@ class AdmissionQueue:
         return None
 
     def _retire(self, c: _Class, key: str) -> None:
-        """A key with nothing left waiting leaves the ring and forgets its credit."""
+        """A key with nothing left waiting leaves the ring and forgets its credit; when it had the
+        turn, the turn passes to the next key."""
+        had_turn = c.ring[0] == key
         c.ring.remove(key)
         del c.deficit[key]
+        if had_turn and c.ring:
+            c.deficit[c.ring[0]] += self._quantum(c.ring[0])
         q = c.queues.pop(key, None)
         if q:
             self._dead -= sum(1 for t in q if not t.queued)
