@@ -38,6 +38,7 @@ from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
+from proxy.server.protocol import EdgeRunner
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
@@ -318,7 +319,10 @@ def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals and a header deadline."""
+    return EdgeRunner(
+        app, header_timeout_s=app[PROXY].policy.proxy.header_timeout_s, handler_cancellation=True, access_log=None
+    )
 
 
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

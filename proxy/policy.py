@@ -75,6 +75,12 @@ class ProxySettings:
     request_timeout_s: float = field(
         default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True)
     )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata=key(
+            "seconds a client may take to send a request's headers, then 408 and closed; 0: no limit", minimum=0
+        ),
+    )
     gpu_sample_interval_s: float = field(
         default=5.0,
         metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),
