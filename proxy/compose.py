@@ -124,6 +124,9 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
         policy = st.policy
         for line in describe(st.keys):
             _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
+        unknown = sorted(set(policy.admission.keys) - set(st.keys.names()))
+        if unknown and not st.keys.open:
+            _log.warning("admission.keys names no configured key: %s (see [auth] name=)", ", ".join(unknown))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
         st.session = aiohttp.ClientSession(
