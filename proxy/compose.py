@@ -40,7 +40,7 @@ from proxy.server.models import ModelCatalog
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
-from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ class _Surroundings:
         self._st = st
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
-        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
-        return tail(worker_id, lines) if tail is not None else []
+        pool = self._st.pool
+        return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
         return len(self._st.admission)
@@ -238,9 +238,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     for info in st.pool.workers():
         controller.track(info)
     st.pool.add_listener(on_state)
-    add_lines = getattr(st.pool, "add_line_listener", None)
-    if add_lines is not None:
-        add_lines(on_line)
+    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+        st.pool.add_line_listener(on_line)
     st.board.subscribe(controller.on_sample)
     _log.info(
         "controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s
