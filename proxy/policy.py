@@ -449,9 +449,8 @@ def _engine(t: Table) -> EngineSettings:
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
-        for flag in ("--host", "--port"):
-            if any(a == flag or a.startswith(flag + "=") for a in extra_args):
-                raise t.error("extra_args", f"{flag} is set by the supervisor (use engine.host / engine.base_port)")
+        if problem := engine_named(kind).check_extra_args(extra_args):
+            raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
             if name not in args:
                 raise t.error(f"args.{name}", f'required for kind = "{kind}"')
