@@ -105,7 +105,7 @@ async def test_retry_on_other_worker_when_one_fails_before_output(make_proxy):
         assert comp.choices[0].text == "tok tok "
         assert len(h.workers[0].seen_rids) == 1 and len(h.workers[1].seen_rids) == 1
         assert h.workers[0].seen_rids[0] != h.workers[1].seen_rids[0]  # a fresh rid per attempt
-        h.workers[0]._fail.clear()
+        h.workers[0].fail_none()
     await client.close()
 
 
