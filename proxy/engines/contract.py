@@ -64,8 +64,12 @@ class Engine(Protocol):
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         """The command-line flags of one worker."""
 
+    @property
+    def secret_args(self) -> frozenset[str]:
+        """Arguments whose value is a secret (API keys): never shown in logs or summaries."""
+
     def masked_argv(self, command: Sequence[str]) -> list[str]:
-        """A worker's command line as logs may show it: secret values (API keys) replaced by ``***``."""
+        """A worker's command line as logs may show it: :attr:`secret_args` values replaced by ``***``."""
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should

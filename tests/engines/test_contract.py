@@ -107,3 +107,4 @@ def test_a_logged_command_line_shows_no_api_key(name: str, admin_key_shown: str 
     admin = admin_key_shown or "--admin-api-key=k2"
     assert shown == ["--model-path", "m", "--api-key", "***", admin, "--port", "8001", "--api-key"]
     assert argv[3] == "k1"  # the command line itself is left as it is
+    assert ENGINES[name].secret_args == ({"api_key"} if admin_key_shown is None else {"api_key", "admin_api_key"})

@@ -62,6 +62,10 @@ class VllmEngine:
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
 
+    @property
+    def secret_args(self) -> frozenset[str]:
+        return argv.TABLE.secret
+
     def masked_argv(self, command: Sequence[str]) -> list[str]:
         return argv.TABLE.masked(command)
 
