@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", default=None, help=f"the proxy (default: ${URL_ENV} or {DEFAULT_URL})")
     parser.add_argument("--admin-key", default=None, help=f"the admin key, to read decisions (default: ${KEY_ENV})")
     parser.add_argument("--start", metavar="POLICY", help="with no proxy at --url, start one with this policy")
-    parser.add_argument("--concurrency", type=int, default=500, help="requests kept in flight (default 500)")
+    parser.add_argument("--concurrency", type=int, default=1000, help="requests kept in flight (default 1000)")
     parser.add_argument("--phase-s", type=float, default=120.0, help="longest time per phase (default 120)")
     parser.add_argument("--settle-s", type=float, default=15.0, help="time a phase runs on after the controller acts")
     parser.add_argument("--phases", type=int, default=len(PHASES), help="how many phases to run (default all)")

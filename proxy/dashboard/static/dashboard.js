@@ -33,6 +33,14 @@
     return Number.isInteger(v) ? String(v) : v.toFixed(digits === undefined ? 2 : digits);
   }
 
+  function shortNum(v) {
+    if (v === null || v === undefined) return "";
+    const a = Math.abs(v);
+    if (a >= 1e6) return `${+(v / 1e6).toFixed(1)}M`;
+    if (a >= 1e3) return `${+(v / 1e3).toFixed(1)}k`;
+    return `${+v.toFixed(2)}`;
+  }
+
   // Decisions as vertical marks: drawn on every chart of their worker (and the proxy's chart).
   function marksPlugin(workerId) {
     return {
@@ -72,7 +80,8 @@
       width: Math.max(320, el.clientWidth || 480),
       height: 200,
       scales: { x: { time: true }, y: yRange ? { range: yRange } : { auto: true } },
-      series: [{}].concat(series),
+      series: [{}].concat(series.map((s) => Object.assign({ points: { show: false } }, s))),
+      axes: [{}, { size: 56, values: (u, vals) => vals.map(shortNum) }],
       plugins: [marksPlugin(workerId)],
       legend: { live: true },
     };
