@@ -3,7 +3,8 @@ observers and the controller around one worker pool.
 
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
-start the scraper, the status log and the GPU watch; on shutdown stop them, stop the pool and close the session.
+start the scraper, the status log and the GPU watch (the dashboard's history is one more observer
+of the board's samples); on shutdown stop them, stop the pool and close the session.
 The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
 ``cleanup_ctx`` generator each, started after that one and stopped before it.
 Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
@@ -26,10 +27,12 @@ from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.journal import Journal
 from proxy.control.rollout import Rollout
+from proxy.dashboard import HISTORY, History
+from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.policy import Policy
-from proxy.request.admission import AdmissionQueue
+from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard
@@ -42,7 +45,7 @@ from proxy.server.protocol import EdgeRunner
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
-from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
@@ -110,6 +113,13 @@ def build_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
     app.router.add_get("/admin/gpus", handlers.admin_gpus)
+    history = History(
+        lambda: ({p.value: admission.depth(p) for p in ORDER}, board.total_in_flight()),
+        lambda worker_id: board.get(worker_id).in_flight,
+    )
+    board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
+    app[HISTORY] = history
+    add_dashboard_routes(app)
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
@@ -197,8 +207,8 @@ class _Surroundings:
         self._st = st
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
-        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
-        return tail(worker_id, lines) if tail is not None else []
+        pool = self._st.pool
+        return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
         return len(self._st.admission)
@@ -256,9 +266,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     for info in st.pool.workers():
         controller.track(info)
     st.pool.add_listener(on_state)
-    add_lines = getattr(st.pool, "add_line_listener", None)
-    if add_lines is not None:
-        add_lines(on_line)
+    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+        st.pool.add_line_listener(on_line)
     st.board.subscribe(controller.on_sample)
     _log.info(
         "controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s

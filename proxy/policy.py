@@ -384,10 +384,8 @@ class Policy:
     def changed(self) -> list[str]:
         """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
         tables = {name: getattr(self, name) for name in TABLES}
-        return changed_keys(
-            tables,
-            secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key),
-        )
+        secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
+        return changed_keys(tables, secret=lambda key: key.startswith("engine.env.") or key in secret_args)
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
@@ -518,9 +516,8 @@ def _engine(t: Table) -> EngineSettings:
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
-        for flag in ("--host", "--port"):
-            if any(a == flag or a.startswith(flag + "=") for a in extra_args):
-                raise t.error("extra_args", f"{flag} is set by the supervisor (use engine.host / engine.base_port)")
+        if problem := engine_named(kind).check_extra_args(extra_args):
+            raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
             if name not in args:
                 raise t.error(f"args.{name}", f'required for kind = "{kind}"')
@@ -658,7 +655,8 @@ def _describe(p: Policy) -> list[str]:
         lines.append(f"  engine   {e.kind} x{e.workers} on {e.host} ({ports}), logs in {e.log_dir}")
         if e.command:
             lines.append(f"           command {' '.join(e.command)}")
-        shown = " ".join(f"{k}={'***' if 'key' in k else v}" for k, v in sorted(e.args.items()))
+        secret = e.engine.secret_args
+        shown = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(e.args.items()))
         lines.append(f"           args {shown or '(engine defaults)'}")
         if e.extra_args:
             lines.append(f"           extra {' '.join(e.extra_args)}")

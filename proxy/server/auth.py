@@ -23,9 +23,9 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from proxy.errors import ApiError
+from proxy.policy import AuthSettings
 from proxy.request.admission import Priority
 
 
@@ -111,20 +111,20 @@ def _read_file(path: str) -> str:
         raise AuthConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
 
 
-def load_keyring(auth: Any, environ: Mapping[str, str] | None = None) -> KeyRing:
-    """Build the key ring from the policy's ``auth`` section (attributes may be absent or None)."""
+def load_keyring(auth: AuthSettings, environ: Mapping[str, str] | None = None) -> KeyRing:
+    """Build the key ring from the policy's ``auth`` section (each source may be unset)."""
     env = os.environ if environ is None else environ
     keys: dict[str, Caller] = {}
     admin: set[str] = set()
-    if auth is not None:
-        if name := getattr(auth, "api_keys_env", None):
-            keys.update(parse_entries(env.get(name, ""), f"${name}"))
-        if path := getattr(auth, "api_keys_file", None):
-            keys.update(parse_entries(_read_file(str(path)), str(path), first=len(keys) + 1))
-        if name := getattr(auth, "admin_key_env", None):
-            admin.update(k for k in parse_entries(env.get(name, ""), f"${name}"))
-        if path := getattr(auth, "admin_key_file", None):
-            admin.update(k for k in parse_entries(_read_file(str(path)), str(path)))
+    if auth.api_keys_env:
+        keys.update(parse_entries(env.get(auth.api_keys_env, ""), f"${auth.api_keys_env}"))
+    if auth.api_keys_file is not None:
+        path = str(auth.api_keys_file)
+        keys.update(parse_entries(_read_file(path), path, first=len(keys) + 1))
+    if auth.admin_key_env:
+        admin.update(parse_entries(env.get(auth.admin_key_env, ""), f"${auth.admin_key_env}"))
+    if auth.admin_key_file is not None:
+        admin.update(parse_entries(_read_file(str(auth.admin_key_file)), str(auth.admin_key_file)))
     return KeyRing(keys=keys, admin_keys=frozenset(admin))
 
 

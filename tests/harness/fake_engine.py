@@ -42,6 +42,10 @@ class FakeEngine:
     def fail_next(self, mode: str, n: int = 1) -> None:
         self._fail.extend([mode] * n)
 
+    def fail_none(self) -> None:
+        """Forget the failures still due: every next request is served."""
+        self._fail.clear()
+
     # -- server-side scheduling ---------------------------------------------------------------------
     async def _acquire(self) -> None:
         if self.running < self.max_running and not self.waiting:
