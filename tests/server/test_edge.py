@@ -82,3 +82,22 @@ async def test_a_request_head_sent_one_byte_at_a_time_is_cut_off(make_proxy):
         await asyncio.sleep(0.7)
         async with s.get(h.url + "/health") as r:
             assert r.status == 200
+
+
+async def test_a_slow_body_after_a_prompt_head_is_not_cut_off(make_proxy):
+    """The deadline is for the head only: a body may take its time (the request timeout governs it)."""
+    h = await make_proxy(policy={"proxy": {"header_timeout_s": 0.3}})
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = orjson.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    for i in range(0, len(body), len(body) // 4 + 1):
+        writer.write(body[i : i + len(body) // 4 + 1])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # 0.8 s in all, past the head deadline
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout=5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200")
