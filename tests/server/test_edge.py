@@ -101,3 +101,22 @@ async def test_a_slow_body_after_a_prompt_head_is_not_cut_off(make_proxy):
     answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout=5)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 200")
+
+
+async def test_a_workers_error_event_in_a_stream_comes_back_in_openais_shape(make_proxy):
+    h = await make_proxy()
+    h.workers[0].fail_next("error_event")
+    payload = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 5}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/chat/completions", json=payload) as r:
+        raw = await r.read()
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    errors = [orjson.loads(e) for e in events if e.startswith(b'{"error"')]
+    assert len(events) == 3 and len(errors) == 1  # two chunks of output, then the error
+    assert set(errors[0]) == {"error"}
+    err = _openai_shaped(errors[0])
+    assert err["message"] == "out of memory (injected)" and err["type"] == "server_error"
+    h.workers[0].fail_next("error_event")
+    stream = await h.client().chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=5)
+    with pytest.raises(openai.APIError, match="out of memory"):
+        async for _ in stream:
+            pass
