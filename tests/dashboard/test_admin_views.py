@@ -130,3 +130,22 @@ async def test_pacer_decisions_filters(proxy: tuple[str, Any]) -> None:
     assert [orjson.loads(line)["rule"] for line in out.splitlines()] == ["admission_too_conservative"]
     rc, _, err = await pacer(*base, "--since", "yesterday")
     assert rc == 2 and "--since" in err
+
+
+async def test_the_page_asks_for_the_admin_key_then_shows_the_proxy(proxy: tuple[str, Any]) -> None:
+    from tests.dashboard.browser import browser_page
+
+    url, _ = proxy
+    async with browser_page() as bp:
+        page = bp.page
+        await page.goto(url + "/dashboard")
+        await page.locator("#keyform").wait_for(state="visible", timeout=10000)
+        assert await page.locator("#summary").inner_text() == "admin key needed"
+        await page.fill("#key", KEY)
+        await page.click("#keyform button")
+        await page.wait_for_function("window.pacer.polls >= 1", timeout=10000)
+        assert await page.locator("tr.decision").count() == 3
+        assert await page.locator("#worker-w1").count() == 1
+        assert "controller advise" in await page.locator("#summary").inner_text()
+        # the 401 the browser logs for the first, keyless poll is the only console error
+        assert all("401" in e for e in bp.console_errors), bp.console_errors
