@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -149,3 +150,22 @@ async def test_the_page_asks_for_the_admin_key_then_shows_the_proxy(proxy: tuple
         assert "controller advise" in await page.locator("#summary").inner_text()
         # the 401 the browser logs for the first, keyless poll is the only console error
         assert all("401" in e for e in bp.console_errors), bp.console_errors
+
+
+async def test_pacer_status_watch_redraws_until_stopped(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "status", "--url", url, "--admin-key", KEY, "--watch", "--interval", "0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = 0
+    try:
+        while seen < 3:
+            line = await asyncio.wait_for(proc.stdout.readline(), 15)
+            assert line, "pacer status --watch exited"
+            seen += line.startswith(b"controller advise")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = await asyncio.wait_for(proc.wait(), 15)
+    assert rc == 0  # Ctrl-C ends the watch cleanly
