@@ -98,7 +98,7 @@ def test_default_toml_shows_the_declared_defaults() -> None:
     } == CHANGED_IN_DEFAULT_TOML
 
 
-@pytest.mark.parametrize("table", ["proxy", "queue", "pacing", "control", "batch"])
+@pytest.mark.parametrize("table", ["proxy", "queue", "pacing", "control", "batch", "admission"])
 def test_default_toml_shows_every_key_of(table: str) -> None:
     shown = {name for (t, name) in shown_keys(DEFAULT_TOML) if t == table}
     assert shown == {f.name for f in dataclasses.fields(TABLES[table])}
