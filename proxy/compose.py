@@ -90,7 +90,9 @@ def build_app(
         },
         concurrent_retry_after_s=policy.queue.retry_after_s,
     )
-    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics, limits=limits)
+    requests = RequestPath(
+        RequestSettings.from_policy(policy), pool, dispatcher, metrics, limits=limits, engine=policy.engine.engine
+    )
     st = ProxyState(
         policy=policy,
         pool=pool,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TypeVar
 
@@ -64,6 +64,7 @@ _log = logging.getLogger(__name__)
 _ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
+_NO_FIELDS: Mapping[str, object] = {}
 
 
 class EventStream(web.StreamResponse):
@@ -255,6 +256,7 @@ async def _queued(
     user_rid = job.body.get("rid")
     base_rid = path.new_rid() if job.single and user_rid is None else None
     tries = 0
+    sent_fields: Mapping[str, object] = _NO_FIELDS
     while True:
         try:
             async with d.attempt(ticket) as attempt:
@@ -262,6 +264,12 @@ async def _queued(
                     m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
                 tries += 1
                 url = path.pool.get(attempt.worker_id).url
+                fields = path.priority_fields(attempt.worker_id, interactive=priority is Priority.INTERACTIVE)
+                if fields is not sent_fields:  # the worker orders its own queue by class (or no longer does)
+                    for name in sent_fields:
+                        job.body.pop(name, None)
+                    job.body.update(fields)
+                    sent_fields = fields
                 rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
                 if rid is not None and base_rid is not None:
                     job.body["rid"] = rid

@@ -50,6 +50,7 @@ class SimConfig:
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     cuda_graph_max_bs_decode: int  # 0: CUDA graphs disabled
@@ -180,6 +181,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         enable_priority_scheduling=ns.enable_priority_scheduling,
         schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
         priority_scheduling_preemption_threshold=ns.priority_scheduling_preemption_threshold,
+        disable_priority_preemption=ns.disable_priority_preemption,
         schedule_conservativeness=ns.schedule_conservativeness,
         disable_radix_cache=ns.disable_radix_cache,
         cuda_graph_max_bs_decode=graph_bs,

@@ -8,7 +8,7 @@
   ``--schedule-low-priority-values-first``). ``fcfs`` orders the queue by (priority, time it entered
   the queue), ``lof`` by (priority, largest ``max_new_tokens``), higher values first unless
   ``--schedule-low-priority-values-first``. When the running batch is full, the head of the queue
-  preempts running requests whose priority is more than ``--priority-scheduling-preemption-threshold``
+  (unless ``--disable-priority-preemption``) preempts running requests whose priority is more than ``--priority-scheduling-preemption-threshold``
   below its own, least important and latest queued first, until its prompt and output fit
   (:meth:`Scheduler.preemptible`, SGLang's ``PrefillAdder.preempt_to_schedule``); the preempted go
   back to the queue as retracted ones do.
@@ -111,7 +111,9 @@ class Scheduler:
         empty unless priority scheduling is on, the running batch is full, and enough of it is more
         than the threshold less important than the head for the head's tokens to fit."""
         cfg = self.cfg
-        if not cfg.enable_priority_scheduling or not self.waiting or self.chunked is not None:
+        if not cfg.enable_priority_scheduling or cfg.disable_priority_preemption:
+            return []
+        if not self.waiting or self.chunked is not None:
             return []
         if kv.running.n < cfg.max_running_requests:
             return []
