@@ -123,18 +123,21 @@ async def interactive(proxy_url: str, rate: float, duration_s: float, output_len
     return summarize(await open_loop(proxy_url + "/v1/completions", body, rate=rate, duration_s=duration_s))
 
 
-def proxy_policy(engine: dict[str, Any], batch_dir: Path, band: tuple[int, int], batch_concurrency: int) -> str:
+def proxy_policy(
+    engine: dict[str, Any], batch_dir: Path, band: tuple[int, int], batch_concurrency: int, batch_queue: int = 0
+) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
         "queue": {"capacity": 200000, "timeout_s": 3600.0},
         "engine": engine,
-        "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0},
+        "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
+                   "batch_queue_beside_interactive": batch_queue},
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
 
 
-DESIGNS = ("band", "priority")
+DESIGNS = ("band", "priority", "cap", "priority-cap")
 
 
 @contextlib.contextmanager
@@ -144,12 +147,16 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
     ``band``: an external worker with SGLang's defaults (FCFS queue); the proxy knows nothing of its
     arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
     (what an operator's policy says); the proxy then marks each request with its class's priority.
+    ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``priority-cap``:
+    both.
     """
     band, conc = tuple(args.band), args.batch_concurrency
-    if design == "band":
+    cap = args.batch_queue if design.endswith("cap") else 0
+    if design in ("band", "cap"):
         with _sim(log_dir, args, f"{name}-sim") as sim:
             engine = {"kind": "external", "urls": [sim.url]}
-            with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc)) as p:
+            policy = proxy_policy(engine, log_dir / name, band, conc, cap)
+            with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
                 yield p
         return
     engine = {
@@ -159,7 +166,7 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
                  "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
-    with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc)) as p:
+    with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc, cap)) as p:
         yield p
 
 
@@ -249,11 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--band", type=int, nargs=2, default=[32, 256], help="the proxy's pacing.queue_band")
     p.add_argument("--batch-concurrency", type=int, default=1024)
     p.add_argument(
+        "--batch-queue", type=int, default=4, help="pacing.batch_queue_beside_interactive of the *cap designs"
+    )
+    p.add_argument(
         "--designs",
         nargs="+",
         choices=DESIGNS,
         default=list(DESIGNS),
-        help="band: an FCFS worker behind the band; priority: the worker orders its queue by class",
+        help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
+        "cap: the band, and a short batch queue while interactive requests arrive; priority-cap: both",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument("--interactive-rate", type=float, default=4.0)

@@ -82,6 +82,8 @@ def build_app(
         prefix_affinity=policy.engine.engine.prefix_affinity(policy.engine.args),
         max_attempts=policy.pacing.max_attempts,
         on_requeue=metrics.count_requeue,
+        batch_queue=policy.pacing.batch_queue_beside_interactive,
+        interactive_window_s=policy.pacing.interactive_window_s,
     )
     limits = KeyLimiter(
         {

@@ -28,7 +28,7 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
     assert [p["concurrency"] for p in report["sweep"]] == [16, 64]
     best = max(report["sweep"], key=lambda p: p["requests_per_s"])["concurrency"]
     assert report["direct"]["concurrency"] == best and report["direct"]["errors"] == 0
-    for design in ("band", "priority"):  # both designs side by side, each on fresh workers
+    for design in ("band", "priority", "cap", "priority-cap"):  # every design side by side, each on fresh workers
         d = report[design]
         for name in ("batch", "batch_during_interactive"):
             b = d[name]
