@@ -210,7 +210,7 @@ class PacingSettings:
         ),
     )
     interactive_window_s: float = field(
-        default=1.0,
+        default=5.0,
         metadata=key("seconds an interactive arrival keeps batch_queue_beside_interactive on", positive=True),
     )
 

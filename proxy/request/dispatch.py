@@ -134,7 +134,7 @@ class Dispatcher:
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
         batch_queue: int = 0,
-        interactive_window_s: float = 1.0,
+        interactive_window_s: float = 5.0,
     ) -> None:
         self.pool = pool
         self.board = board

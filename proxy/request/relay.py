@@ -65,6 +65,7 @@ _ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 _NO_FIELDS: Mapping[str, object] = {}
+_NO_HEADERS: Mapping[str, str] = {}
 
 
 class EventStream(web.StreamResponse):
@@ -197,7 +198,7 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     if job.stream:
         raise ValueError("a streamed request needs a client to stream to: forward it")
 
-    async def whole(opened: Opened, _url: str, _rid: str | None) -> web.Response:
+    async def whole(opened: Opened, _url: str, _rid: str | None, _headers: Mapping[str, str]) -> web.Response:
         return _whole(path, opened)
 
     return await _answer(path, job, priority, time.monotonic(), whole, key)
@@ -208,7 +209,7 @@ async def _answer(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, str, str | None], Awaitable[R]],
+    respond: Callable[[Opened, str, str | None, Mapping[str, str]], Awaitable[R]],
     key: str,
 ) -> R | web.Response:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
@@ -223,7 +224,12 @@ async def _answer(
             429, exc.message, type="rate_limit_error", code="rate_limit_exceeded", headers=exc.headers
         ) from None
     try:
-        return await _queued(path, job, priority, arrived, respond, key, cost, submitted)
+        headers = lease.headers
+
+        def respond_with_limits(opened: Opened, url: str, rid: str | None) -> Awaitable[R]:
+            return respond(opened, url, rid, headers)
+
+        return await _queued(path, job, priority, arrived, respond_with_limits, key, cost, submitted)
     finally:
         lease.release()
 
@@ -301,24 +307,32 @@ async def _queued(
         # the attempt ended without output and the ticket is back in the queue: wait for the next
 
 
-def _whole(path: RequestPath, opened: Opened) -> web.Response:
-    """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message kept."""
+def _whole(path: RequestPath, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
+    """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message
+    kept. ``headers``: the key's rate-limit headers, on a successful answer."""
     path.metrics.completed.inc()
     if opened.status != 200 and opened.body is not None:
         return web.Response(
             status=opened.status, body=openai_error_body(opened.status, opened.body), content_type="application/json"
         )
-    return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
+    return web.Response(
+        status=opened.status, body=opened.body, content_type=opened.content_type or None, headers=headers or None
+    )
 
 
 async def _respond(
-    path: RequestPath, request: web.Request, opened: Opened, url: str, rid: str | None
+    path: RequestPath,
+    request: web.Request,
+    opened: Opened,
+    url: str,
+    rid: str | None,
+    headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
     m = path.metrics
     if opened.resp is None:
-        return _whole(path, opened)
+        return _whole(path, opened, headers)
     resp = opened.resp
-    out = EventStream(status=200, headers=_SSE_HEADERS)
+    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)

@@ -117,15 +117,20 @@ class Scheduler:
             return []
         if kv.running.n < cfg.max_running_requests:
             return []
-        head = self._ordered_waiting(kv)[0]
         sign = self.priority_sign
         running = kv.running
+        head = min(self.waiting, key=lambda r: (r.priority * sign, r.queued_seq))  # the queue's head (fcfs)
+        if self.cfg.schedule_policy == "lof":
+            head = self._ordered_waiting(kv)[0]
+        threshold = cfg.priority_scheduling_preemption_threshold
+        if all((head.priority - r.priority) * -sign <= threshold for r in running.reqs):
+            return []  # the common case (a queue of equals) in one pass, before any sorting
         order = sorted(running.reqs, key=lambda r: (r.priority * -sign, -r.queued_seq))
         budget = kv.free - running.reservation(self.ratio)
         to_free = len(head.fill_ids) + min(head.max_new, CLIP_MAX_NEW_TOKENS) - budget
         chosen: list[Req] = []
         for r in order:
-            if (head.priority - r.priority) * -sign <= cfg.priority_scheduling_preemption_threshold:
+            if (head.priority - r.priority) * -sign <= threshold:
                 break
             chosen.append(r)
             to_free -= min(r.max_new - running.output_len(r), CLIP_MAX_NEW_TOKENS) * self.ratio
