@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,11 +27,20 @@ _SLOW_EXIT = 'trap "sleep 2; exit 0" TERM; echo "$$" >> "$PIDS"; "$@" & echo "$!
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, killed and waiting for its reaper, is not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _left(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """Those of ``pids`` still running after ``within_s`` (a killed process takes a moment to go)."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def _policy(tmp_path: Path) -> Path:
@@ -100,11 +110,71 @@ def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path
                 proc.wait()
         log.close()
         started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
-        left = [p for p in started if _alive(p)]
+        left = _left(started)
         for pid in left:  # none should be; a failing run must not leave them either
             os.killpg(pid, signal.SIGKILL) if pid in started[::2] else os.kill(pid, signal.SIGKILL)
     text = log_path.read_text()
     assert serve.returncode == 0, text[-3000:]
     assert took < 15, f"stopping took {took:.1f} s"
     assert "stopped" in text.splitlines()[-1]
+    assert started and not left, f"worker processes left: {left} of {started}"
+
+
+def _serving(policy: Path) -> list[int]:
+    """The pids of ``pacer serve`` processes running this test's policy."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and str(policy).encode() in argv:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, sig: signal.Signals) -> None:
+    """``pacer demo --start POLICY`` interrupted (or terminated) as the controller restarts the
+    worker: the demo exits, and the proxy it started and that proxy's worker are gone."""
+    policy = _policy(tmp_path)
+    pids = tmp_path / "worker-pids"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]  # no proxy answers here: the demo starts its own
+    out_path = tmp_path / "demo.out"
+    out = out_path.open("w")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--url", f"http://127.0.0.1:{nobody}", "--start", str(policy),
+         "--phases", "1", "--settle-s", "0", "--phase-s", "40", "--concurrency", "700"],
+        stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PIDS=str(pids)), start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "decision #" not in out_path.read_text():  # the controller acts: the restart begins
+            assert demo.poll() is None and time.monotonic() < deadline, out_path.read_text()[-3000:]
+            time.sleep(0.05)
+        proxies = _serving(policy)
+        assert len(proxies) == 1
+        demo.send_signal(sig)
+        try:
+            code = demo.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pacer demo still runs 30 s after {sig.name}: " + out_path.read_text()[-3000:])
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+        out.close()
+        left_proxies = _left(_serving(policy))
+        for pid in left_proxies:
+            os.kill(pid, signal.SIGKILL)
+        started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+        left = _left(started)
+        for pid in left:
+            os.killpg(pid, signal.SIGKILL) if pid in started[::2] else os.kill(pid, signal.SIGKILL)
+    assert code == (130 if sig is signal.SIGINT else 128 + signal.SIGTERM), out_path.read_text()[-2000:]
+    assert not left_proxies, f"the proxy the demo started still runs: {left_proxies}"
     assert started and not left, f"worker processes left: {left} of {started}"
