@@ -29,12 +29,14 @@ from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml,
 
 __all__ = [
     "TABLES",
+    "AdmissionSettings",
     "AuthSettings",
     "BatchSettings",
     "ControlMode",
     "ControlSettings",
     "EngineKind",
     "EngineSettings",
+    "KeySettings",
     "PacingSettings",
     "Policy",
     "PolicyError",
@@ -72,6 +74,12 @@ class ProxySettings:
     )
     request_timeout_s: float = field(
         default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True)
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata=key(
+            "seconds a client may take to send a request's headers, then 408 and closed; 0: no limit", minimum=0
+        ),
     )
     gpu_sample_interval_s: float = field(
         default=5.0,
@@ -313,6 +321,51 @@ class BatchSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KeySettings:
+    """One API key's share and limits, ``[admission.keys.NAME]`` (NAME: the key's name in ``[auth]``)."""
+
+    weight: float = field(
+        default=1.0, metadata=key("its share of tokens within its class, beside others", positive=True)
+    )
+    requests_per_minute: int = field(default=0, metadata=key("requests a minute; 0: no limit", minimum=0))
+    tokens_per_minute: int = field(
+        default=0, metadata=key("estimated tokens (prompt + max_tokens) a minute; 0: no limit", minimum=0)
+    )
+    max_concurrent: int = field(
+        default=0, metadata=key("its requests inside the proxy at once; 0: no limit", minimum=0)
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionSettings:
+    batch_floor_share: float = field(
+        default=0.05,
+        metadata=key(
+            "share of dispatches batch gets while interactive work also waits (batch never starves)",
+            minimum=0,
+            maximum=1,
+        ),
+    )
+    default_max_tokens: int = field(
+        default=256,
+        metadata=key(
+            "completion tokens a request that gives no max_tokens is assumed to ask for (fair share, limits)", minimum=0
+        ),
+    )
+    quantum_tokens: int = field(
+        default=4096, metadata=key("tokens of credit a key of weight 1 gets per turn of the round robin", minimum=1)
+    )
+    keys: Mapping[str, KeySettings] = field(
+        default_factory=dict,
+        metadata=key(
+            "per key name, a table [admission.keys.NAME] of weight (1.0), requests_per_minute, tokens_per_minute, "
+            "max_concurrent (0: no limit); keys not named here get weight 1 and no limits",
+            custom=True,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     proxy: ProxySettings = ProxySettings()
     auth: AuthSettings = AuthSettings()
@@ -321,6 +374,7 @@ class Policy:
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
     batch: BatchSettings = BatchSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     source: str = "<defaults>"  # the file it came from
 
     def describe(self) -> str:
@@ -344,6 +398,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "pacing": PacingSettings,
         "control": ControlSettings,
         "batch": BatchSettings,
+        "admission": AdmissionSettings,
     }
 )
 
@@ -384,6 +439,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         pacing=_pacing(root.table("pacing")),
         control=_control(root.table("control")),
         batch=_batch(root.table("batch")),
+        admission=_admission(root.table("admission")),
         source=source,
     )
     root.finish()
@@ -413,6 +469,19 @@ def _auth(t: Table, base: Path) -> AuthSettings:
 
 def _batch(t: Table) -> BatchSettings:
     s = read_settings(t, BatchSettings)
+    t.finish()
+    return s
+
+
+def _admission(t: Table) -> AdmissionSettings:
+    keys_table = t.table("keys")
+    keys: dict[str, KeySettings] = {}
+    for name in keys_table.mapping_names():
+        sub = keys_table.table(name)
+        keys[name] = read_settings(sub, KeySettings)
+        sub.finish()
+    keys_table.finish()
+    s = read_settings(t, AdmissionSettings, {"keys": MappingProxyType(keys)})
     t.finish()
     return s
 
