@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.errors import ApiError, error_event, openai_error_body
+from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request.admission import Priority, QueueFull, estimate_cost
 from proxy.request.attempt import AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
@@ -314,7 +314,7 @@ async def _respond(
     ok = False
     try:
         await out.prepare(request)
-        await out.write(opened.first)  # the headers and the first output, in one segment
+        await out.write(reshape_error_events(opened.first))  # the headers and the first output, in one segment
         transport = request.transport
         assert transport is not None
         high_water = transport.get_write_buffer_limits()[1]
@@ -326,6 +326,7 @@ async def _respond(
             nonlocal last
             if transport.is_closing():
                 return False  # the client left: aiohttp cancels this handler next
+            data = reshape_error_events(data)  # a worker's error event, in OpenAI's shape
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             last = data
             return transport.get_write_buffer_size() <= high_water
