@@ -148,12 +148,12 @@ def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, s
     out = out_path.open("w")
     demo = subprocess.Popen(
         [sys.executable, "-m", "proxy", "demo", "--url", f"http://127.0.0.1:{nobody}", "--start", str(policy),
-         "--phases", "1", "--settle-s", "0", "--phase-s", "40", "--concurrency", "700"],
+         "--phases", "1", "--settle-s", "60", "--phase-s", "60", "--concurrency", "700"],
         stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PIDS=str(pids)), start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while "decision #" not in out_path.read_text():  # the controller acts: the restart begins
+        while "decision #" not in out_path.read_text():  # the controller acts (the demo runs on 60 s)
             assert demo.poll() is None and time.monotonic() < deadline, out_path.read_text()[-3000:]
             time.sleep(0.05)
         proxies = _serving(policy)
