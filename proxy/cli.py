@@ -94,6 +94,21 @@ def serve_main(argv: list[str]) -> int:
     return uvloop.run(_serve(policy, host, port))
 
 
+def _check_placement(policy: Policy, *, final: bool) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each pool's GPUs, checked against the GPUs NVML sees (when it sees any). ``final``: "auto"
+    must resolve now (serve); otherwise it is shown as resolved at start (check-policy)."""
+    if not any(p.auto_gpus or p.given_gpus for p in policy.pools):
+        return policy.placement(None)
+    from proxy.observe.nvml import sample_gpus
+
+    report = sample_gpus()
+    visible = len(report.devices) if report.available else None
+    if visible is None and not final and any(p.auto_gpus for p in policy.pools):
+        print(f'  gpus     "auto" resolves at start ({report.reason})')
+        return {}
+    return policy.placement(visible)
+
+
 def check_policy_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pacer check-policy", description="Validate a policy file.")
     parser.add_argument("policy", nargs="?", help="policy TOML file")
@@ -111,6 +126,11 @@ def check_policy_main(argv: list[str]) -> int:
         print(f"pacer check-policy: {exc}", file=sys.stderr)
         return 2
     print(policy.describe())
+    try:
+        _check_placement(policy, final=False)
+    except PolicyError as exc:
+        print(f"pacer check-policy: {exc}", file=sys.stderr)
+        return 2
     changed = policy.changed()
     print("  set      " + ("\n           ".join(changed) if changed else "(every key at its default)"))
     print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))

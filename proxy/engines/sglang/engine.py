@@ -68,6 +68,9 @@ class SGLangEngine:
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        return argv.placement_args(gpus_per_worker, model)
+
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return str(args.get("schedule_policy", "")) == "lpm"
 
