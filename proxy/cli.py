@@ -42,10 +42,14 @@ def _setup_logging(level: str) -> None:
 
 async def _serve(policy: Policy, host: str, port: int) -> int:
     from proxy.compose import build_app, serve
-    from proxy.workers.supervisor import Supervisor
+    from proxy.workers.fleet import build_pool
 
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
+    try:
+        gpus = _check_placement(policy, final=True)
+    except PolicyError as exc:
+        _log.error("%s", exc)
+        return 2
+    app = build_app(policy, build_pool(policy, gpus))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -210,7 +210,7 @@ async def _answer(
 ) -> R | web.Response:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
     opened attempt (while it holds its worker)."""
-    d, m = path.dispatcher, path.metrics
+    d, m = path.dispatcher_for(job.model), path.metrics
     submitted = time.monotonic()
     try:
         ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity)

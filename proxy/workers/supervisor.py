@@ -9,6 +9,10 @@ args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent
 ``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
 take a worker out of READY at once, before its process is seen to exit.
 
+One supervisor runs one pool of the policy (``Placement``: its name, model, each worker's GPUs and
+the engine flags that placement sets); a worker's ``CUDA_VISIBLE_DEVICES`` is its GPUs.
+:class:`proxy.workers.fleet.Fleet` puts several pools behind one :class:`WorkerPool`.
+
 External workers (``kind = "external"``) are only registered: a background probe of ``/health``
 moves them between READY and DOWN; they cannot be restarted.
 
@@ -53,6 +57,23 @@ class WorkerError(RuntimeError):
     """An operation the supervisor cannot do for this worker (unknown id, external worker, ...)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Where one pool's workers run and what that adds to their arguments."""
+
+    pool: str = "default"
+    model: str | None = None
+    gpus: tuple[tuple[int, ...], ...] = ()  # per worker ((): no placement, CUDA_VISIBLE_DEVICES left as it is)
+    args: Mapping[str, object] = field(default_factory=dict)  # the engine's placement flags (tp, served name)
+    worker_ids: tuple[str, ...] = ()  # () : w0, w1, ...
+
+    def worker_id(self, index: int) -> str:
+        return self.worker_ids[index] if index < len(self.worker_ids) else f"w{index}"
+
+    def gpus_of(self, index: int) -> tuple[int, ...]:
+        return self.gpus[index] if index < len(self.gpus) else ()
+
+
 @dataclass(slots=True)
 class _Slot:
     """Everything the supervisor knows about one worker; ``info()`` is its public snapshot."""
@@ -75,6 +96,9 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     stopping: bool = False  # set while we stop the process on purpose
     ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
+    pool: str = "default"
+    model: str | None = None
+    gpus: tuple[int, ...] = ()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -89,6 +113,9 @@ class _Slot:
             last_error=self.last_error,
             exit_code=self.exit_code,
             log_path=str(self.log_path) if self.log_path else None,
+            pool=self.pool,
+            model=self.model,
+            gpus=self.gpus,
         )
 
 
@@ -128,11 +155,13 @@ class Supervisor:
         self,
         engine_settings: EngineSettings,
         *,
+        placement: Placement | None = None,
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
     ) -> None:
         self._settings = engine_settings
+        self._place = placement or Placement()
         self._managed = engine_settings.managed
         self._engine = engine_settings.engine
         self._poll_s = poll_interval_s
@@ -177,7 +206,17 @@ class Supervisor:
         s = self._settings
         if not self._managed:
             for i, url in enumerate(s.urls):
-                self._add_slot(_Slot(id=f"w{i}", port=0, url=url, managed=False, state=WorkerState.STARTING))
+                self._add_slot(
+                    _Slot(
+                        id=self._place.worker_id(i),
+                        port=0,
+                        url=url,
+                        managed=False,
+                        state=WorkerState.STARTING,
+                        pool=self._place.pool,
+                        model=self._place.model,
+                    )
+                )
             await asyncio.gather(*(self._probe(slot) for slot in self._slots.values()))
             self._probe_task = asyncio.create_task(self._probe_loop(), name="external-worker-probe")
             return
@@ -188,15 +227,18 @@ class Supervisor:
             else:
                 port, fixed = free_port(s.host, taken), False
             taken.add(port)
-            worker_id = f"w{i}"
+            worker_id = self._place.worker_id(i)
             self._add_slot(
                 _Slot(
                     id=worker_id,
                     port=port,
                     url=self._url(port),
                     managed=True,
-                    args=dict(s.args),
+                    args={**s.args, **self._place.args},
                     port_fixed=fixed,
+                    pool=self._place.pool,
+                    model=self._place.model,
+                    gpus=self._place.gpus_of(i),
                     log_path=Path(s.log_dir) / f"{worker_id}.log",
                     lines=LineLog(self._ring_lines),
                 )
@@ -278,10 +320,12 @@ class Supervisor:
         command = list(s.command) if s.command else self._engine.default_command()
         return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, gpus: tuple[int, ...] = ()) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines must arrive as they are written
         env.update(self._settings.env)
+        if gpus:  # its own GPUs, numbered from 0 inside the worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         return env
 
     async def _start_slot(self, slot: _Slot, *, reason: str, locked: bool = False) -> None:
@@ -320,7 +364,7 @@ class Supervisor:
         slot.ready_seen.clear()
         try:
             process = await WorkerProcess.launch(
-                argv, env=self._env(), lines=slot.lines, log_file=slot.log_path, header=header
+                argv, env=self._env(slot.gpus), lines=slot.lines, log_file=slot.log_path, header=header
             )
         except OSError as e:
             slot.process = slot.watcher = None
@@ -467,6 +511,11 @@ class Supervisor:
     def _add_slot(self, slot: _Slot) -> None:
         self._slots[slot.id] = slot
         slot.lines.add_sink(functools.partial(self._on_line, slot.id))
+
+    def worker_ids(self) -> tuple[WorkerId, ...]:
+        """The ids of this pool's workers, known before they start."""
+        s = self._settings
+        return tuple(self._place.worker_id(i) for i in range(s.workers if self._managed else len(s.urls)))
 
     def _slot(self, worker_id: WorkerId) -> _Slot:
         try:
