@@ -86,3 +86,13 @@ def test_a_log_that_says_nothing_is_an_unknown_death() -> None:
         assert engine.log_reader().feed("the last line", 0.0) == []
         assert EventKind.OOM not in {e.kind for e in engine.log_reader().flush(0.0)}
     assert KnobName.CONSERVATIVENESS in ENGINES["sglang"].knobs
+
+
+def test_placement_flags_come_from_each_engines_own_table() -> None:
+    from proxy.engines.registry import ENGINES
+
+    assert ENGINES["sglang"].placement_args(4, "m") == {"tp_size": 4, "served_model_name": "m"}
+    assert ENGINES["vllm"].placement_args(2, None) == {"tensor_parallel_size": 2}
+    for engine in ENGINES.values():
+        for name, value in engine.placement_args(8, "some/model").items():
+            assert engine.check_arg(name, value) is None, (engine.name, name)
