@@ -11,7 +11,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,bench,fleet]'
 	touch $(STAMP)
 
 ## run: the proxy in front of a simulated SGLang worker (policies/default.toml)

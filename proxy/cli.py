@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from proxy.policy import Policy, PolicyError, documented_defaults, load_policy
+from proxy.policy import Policy, PolicyError, WorkerBackend, documented_defaults, load_policy
 from proxy.server.auth import AuthConfigError, load_keyring
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
@@ -26,6 +29,11 @@ SUBCOMMANDS: dict[str, str] = {
     "check-policy": "proxy.cli:check_policy_main",
 }
 
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from proxy.workers.process import Launcher
 
 _log = logging.getLogger("proxy")
 
@@ -41,7 +49,7 @@ def _setup_logging(level: str) -> None:
 
 
 async def _serve(policy: Policy, host: str, port: int) -> int:
-    from proxy.compose import build_app, serve
+    from proxy.compose import build_app
     from proxy.workers.fleet import build_pool
 
     try:
@@ -49,7 +57,27 @@ async def _serve(policy: Policy, host: str, port: int) -> int:
     except PolicyError as exc:
         _log.error("%s", exc)
         return 2
-    app = build_app(policy, build_pool(policy, gpus))
+    async with _launcher(policy) as launcher:
+        return await _serve_with(policy, build_app(policy, build_pool(policy, gpus, launcher)), host, port)
+
+
+@contextlib.asynccontextmanager
+async def _launcher(policy: Policy) -> AsyncIterator[Launcher | None]:
+    """Where the workers run: this host (None), or the Ray cluster the policy names (attached for the
+    proxy's lifetime)."""
+    if policy.fleet.backend is not WorkerBackend.RAY:
+        yield None
+        return
+    from proxy.workers.ray_backend import RayLauncher
+
+    f = policy.fleet
+    async with RayLauncher(f.ray_address, f.ray_namespace, poll_s=f.node_loss_check_s) as launcher:
+        yield launcher
+
+
+async def _serve_with(policy: Policy, app: web.Application, host: str, port: int) -> int:
+    from proxy.compose import serve
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -100,8 +128,9 @@ def serve_main(argv: list[str]) -> int:
 
 def _check_placement(policy: Policy, *, final: bool) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Each pool's GPUs, checked against the GPUs NVML sees (when it sees any). ``final``: "auto"
-    must resolve now (serve); otherwise it is shown as resolved at start (check-policy)."""
-    if not any(p.auto_gpus or p.given_gpus for p in policy.pools):
+    must resolve now (serve); otherwise it is shown as resolved at start (check-policy). On Ray,
+    Ray's accounting places them (nothing to resolve here)."""
+    if policy.fleet.backend is WorkerBackend.RAY or not any(p.auto_gpus or p.given_gpus for p in policy.pools):
         return policy.placement(None)
     from proxy.observe.nvml import sample_gpus
 

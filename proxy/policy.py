@@ -35,6 +35,7 @@ __all__ = [
     "ControlSettings",
     "EngineKind",
     "EngineSettings",
+    "FleetSettings",
     "PacingSettings",
     "Policy",
     "PolicyError",
@@ -43,6 +44,7 @@ __all__ = [
     "Priority",
     "ProxySettings",
     "QueueSettings",
+    "WorkerBackend",
     "documented_defaults",
     "load_policy",
     "parse_policy",
@@ -303,6 +305,26 @@ class ControlSettings:
     )
 
 
+class WorkerBackend(StrEnum):
+    LOCAL = "local"  # worker processes on this host, started by the proxy
+    RAY = "ray"  # each worker a Ray actor owning its engine process on a node with the GPUs it needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetSettings:
+    """Where managed workers run: on this host, or on a Ray cluster the proxy attaches to."""
+
+    backend: WorkerBackend = field(default=WorkerBackend.LOCAL, metadata=key("local | ray"))
+    ray_address: str = field(
+        default="auto",
+        metadata=key('the Ray cluster to attach to: "auto" (this node\'s), "ray://head:10001", "local" (start one)'),
+    )
+    ray_namespace: str = field(default="pacer", metadata=key("the Ray namespace of the workers' actors"))
+    node_loss_check_s: float = field(
+        default=2.0, metadata=key("seconds between checks that each Ray worker's actor is alive", positive=True)
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchSettings:
     dir: Path = field(
@@ -405,6 +427,7 @@ class Policy:
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
     batch: BatchSettings = BatchSettings()
+    fleet: FleetSettings = FleetSettings()
     pools: tuple[PoolSettings, ...] = (PoolSettings(),)  # [[pool]] tables, or the [engine] table as one
     source: str = "<defaults>"  # the file it came from
 
@@ -458,6 +481,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "pacing": PacingSettings,
         "control": ControlSettings,
         "batch": BatchSettings,
+        "fleet": FleetSettings,
     }
 )
 
@@ -514,10 +538,19 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         pacing=_pacing(root.table("pacing")),
         control=control,
         batch=_batch(root.table("batch")),
+        fleet=_fleet(root.table("fleet")),
         pools=pools,
         source=source,
     )
     root.finish()
+    if policy.fleet.backend is WorkerBackend.RAY:
+        for p in policy.pools:
+            if p.given_gpus:
+                raise PolicyError(
+                    f"pool.{p.name}.gpus",
+                    'on Ray (fleet.backend = "ray") its GPU accounting picks each worker\'s GPUs: use gpus = "auto"',
+                    source=source,
+                )
     return policy
 
 
@@ -615,6 +648,12 @@ def _auth(t: Table, base: Path) -> AuthSettings:
 
 def _batch(t: Table) -> BatchSettings:
     s = read_settings(t, BatchSettings)
+    t.finish()
+    return s
+
+
+def _fleet(t: Table) -> FleetSettings:
+    s = read_settings(t, FleetSettings)
     t.finish()
     return s
 
@@ -806,6 +845,8 @@ def _describe(p: Policy) -> list[str]:
         f"<= {c.restarts_per_hour} restarts/h per worker"
     )
     lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
+    if p.fleet.backend is WorkerBackend.RAY:
+        lines.append(f"  fleet    workers on Ray at {p.fleet.ray_address} (namespace {p.fleet.ray_namespace})")
     return lines
 
 

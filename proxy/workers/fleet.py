@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.process import Launcher
 from proxy.workers.supervisor import Placement, Supervisor, WorkerError
 
 if TYPE_CHECKING:
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["Fleet", "PoolView", "build_pool", "placement_of"]
 
 
-def placement_of(pool: PoolSettings, gpus: tuple[tuple[int, ...], ...]) -> Placement:
-    """What the policy's ``pool`` adds to its workers, given the GPUs each got (``Policy.placement``)."""
+def placement_of(pool: PoolSettings, gpus: tuple[tuple[int, ...], ...], *, cluster: bool = False) -> Placement:
+    """What the policy's ``pool`` adds to its workers, given the GPUs each got here
+    (``Policy.placement``); on a ``cluster`` its accounting picks them (``gpus = "auto"``: tp each)."""
     if pool.shorthand:  # the [engine] table: ids and arguments as they always were
         return Placement(pool=pool.name, model=pool.model, gpus=gpus)
     engine = pool.engine
@@ -41,12 +43,20 @@ def placement_of(pool: PoolSettings, gpus: tuple[tuple[int, ...], ...]) -> Place
         gpus=gpus,
         args=args,
         worker_ids=tuple(pool.worker_id(i) for i in range(n)),
+        num_gpus=pool.tp if cluster and pool.auto_gpus else 0,
     )
 
 
-def build_pool(policy: Policy, gpus: Mapping[str, tuple[tuple[int, ...], ...]]) -> Supervisor | Fleet:
-    """One supervisor per pool of ``policy``; ``gpus``: each pool's GPU ids per worker."""
-    members = [Supervisor(p.engine, placement=placement_of(p, gpus.get(p.name, ()))) for p in policy.pools]
+def build_pool(
+    policy: Policy, gpus: Mapping[str, tuple[tuple[int, ...], ...]], launcher: Launcher | None = None
+) -> Supervisor | Fleet:
+    """One supervisor per pool of ``policy``; ``gpus``: each pool's GPU ids per worker on this host;
+    ``launcher``: where the workers run (None: this host)."""
+    cluster = launcher is not None and not launcher.local
+    members = [
+        Supervisor(p.engine, placement=placement_of(p, gpus.get(p.name, ()), cluster=cluster), launcher=launcher)
+        for p in policy.pools
+    ]
     return members[0] if len(members) == 1 else Fleet(members)
 
 

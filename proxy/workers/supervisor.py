@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
-from proxy.workers.process import LineLog, WorkerProcess, signal_name
+from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle, signal_name
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
@@ -66,6 +66,7 @@ class Placement:
     gpus: tuple[tuple[int, ...], ...] = ()  # per worker ((): no placement, CUDA_VISIBLE_DEVICES left as it is)
     args: Mapping[str, object] = field(default_factory=dict)  # the engine's placement flags (tp, served name)
     worker_ids: tuple[str, ...] = ()  # () : w0, w1, ...
+    num_gpus: int = 0  # GPUs a cluster launcher reserves per worker (its own accounting picks which)
 
     def worker_id(self, index: int) -> str:
         return self.worker_ids[index] if index < len(self.worker_ids) else f"w{index}"
@@ -90,7 +91,8 @@ class _Slot:
     exit_code: int | None = None
     log_path: Path | None = None
     port_fixed: bool = True  # False: chosen by us, may be changed on a clash at first start
-    process: WorkerProcess | None = None
+    process: WorkerHandle | None = None
+    node: str | None = None  # where it runs, when not on this host
     watcher: asyncio.Task[None] | None = None
     lines: LineLog = field(default_factory=LineLog)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -116,6 +118,7 @@ class _Slot:
             pool=self.pool,
             model=self.model,
             gpus=self.gpus,
+            node=self.node,
         )
 
 
@@ -156,12 +159,14 @@ class Supervisor:
         engine_settings: EngineSettings,
         *,
         placement: Placement | None = None,
+        launcher: Launcher | None = None,
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
     ) -> None:
         self._settings = engine_settings
         self._place = placement or Placement()
+        self._launcher: Launcher = launcher or LocalLauncher()
         self._managed = engine_settings.managed
         self._engine = engine_settings.engine
         self._poll_s = poll_interval_s
@@ -320,6 +325,10 @@ class Supervisor:
         command = list(s.command) if s.command else self._engine.default_command()
         return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
 
+    def _remote_env(self) -> dict[str, str]:
+        """What a worker on another node gets from us: the policy's variables only (its GPUs are set there)."""
+        return {"PYTHONUNBUFFERED": "1", **self._settings.env}
+
     def _env(self, gpus: tuple[int, ...] = ()) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines must arrive as they are written
@@ -335,9 +344,10 @@ class Supervisor:
         for attempt in range(_PORT_RETRIES + 1):
             if self._stopping:
                 return
-            if not slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+            local = self._launcher.local  # a remote node's ports are not ours to check
+            if local and not slot.port_fixed and not port_is_free(self._settings.host, slot.port):
                 self._move_port(slot)
-            if slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+            if local and slot.port_fixed and not port_is_free(self._settings.host, slot.port):
                 slot.exit_code = None
                 self._set(slot, WorkerState.DOWN, error=f"port {slot.port} on {self._settings.host} is already in use")
                 return
@@ -363,13 +373,24 @@ class Supervisor:
         slot.last_error = None
         slot.ready_seen.clear()
         try:
-            process = await WorkerProcess.launch(
-                argv, env=self._env(slot.gpus), lines=slot.lines, log_file=slot.log_path, header=header
+            process = await self._launcher.launch(
+                argv,
+                env=self._env(slot.gpus) if self._launcher.local else self._remote_env(),
+                lines=slot.lines,
+                log_file=slot.log_path,
+                header=header,
+                worker_id=slot.id,
+                num_gpus=self._place.num_gpus,
             )
         except OSError as e:
             slot.process = slot.watcher = None
             self._set(slot, WorkerState.DOWN, error=f"cannot start {argv[0]!r}: {e.strerror or e}")
             return
+        if process.node is not None:  # placed by a cluster: where it runs and which GPUs it got there
+            slot.node = process.node
+            if process.address is not None and self._settings.host in ("0.0.0.0", "::"):
+                slot.url = f"http://{process.address}:{slot.port}"
+            slot.gpus = process.gpus or ()
         if self._stopping:  # stop() came while we were launching
             slot.stopping = True
             await process.terminate(self._settings.stop_grace_s)
@@ -389,7 +410,7 @@ class Supervisor:
             except Exception:
                 _log.exception("line listener failed")
 
-    async def _watch(self, slot: _Slot, process: WorkerProcess) -> None:
+    async def _watch(self, slot: _Slot, process: WorkerHandle) -> None:
         """Wait for ``process`` to exit; unless we stopped it, the worker is DOWN."""
         code = await process.wait()
         process.kill_group()  # its children go with it (and close the output pipe they share)
