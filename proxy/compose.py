@@ -3,7 +3,8 @@ observers and the controller around one worker pool.
 
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
-start the scraper, the status log and the GPU watch; on shutdown stop them, stop the pool and close the session.
+start the scraper, the status log and the GPU watch (the dashboard's history is one more observer
+of the board's samples); on shutdown stop them, stop the pool and close the session.
 The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
 ``cleanup_ctx`` generator each, started after that one and stopped before it.
 Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
@@ -21,27 +22,31 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
-from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes
+from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.journal import Journal
 from proxy.control.rollout import Rollout
+from proxy.dashboard import HISTORY, History
+from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.policy import Policy
-from proxy.request.admission import AdmissionQueue
+from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.dispatch import Dispatcher
+from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueDepth, QueueTotals
 from proxy.server import handlers
-from proxy.server.auth import bearer, check_api_key, describe, load_keyring
+from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
+from proxy.server.protocol import EdgeRunner
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
-from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 from proxy.workers.fleet import PoolView
 
 _log = logging.getLogger(__name__)
@@ -57,11 +62,20 @@ def build_app(
     """
     keys = load_keyring(policy.auth)
     board = LoadBoard()  # one per proxy: worker ids are unique across pools
+    fair = policy.admission
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
     lo, hi = policy.pacing.queue_band
     several = len(policy.pools) > 1
-    queues = [AdmissionQueue(policy.queue.capacity) for _ in policy.pools]  # each pool: its own queue
+    queues = [  # each pool: its own queue, fair between keys as [admission] says
+        AdmissionQueue(
+            policy.queue.capacity,
+            weights={name: k.weight for name, k in fair.keys.items()},
+            batch_floor=fair.batch_floor_share,
+            quantum=fair.quantum_tokens,
+        )
+        for _ in policy.pools
+    ]
     admission = queues[0] if not several else QueueTotals(queues)
     metrics = ProxyMetrics(
         admission, board, lambda: {w.id: w.url for w in pool.workers()}, lambda: gpus.last if gpus is not None else None
@@ -86,6 +100,13 @@ def build_app(
         metrics,
         pools=dispatchers if several else {},
         models={p.model: p.name for p in policy.pools if p.model is not None} if several else {},
+        limits=KeyLimiter(  # per key, across every pool
+            {
+                name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
+                for name, k in fair.keys.items()
+            },
+            concurrent_retry_after_s=policy.queue.retry_after_s,
+        ),
     )
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
     st = ProxyState(
@@ -110,6 +131,13 @@ def build_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
     app.router.add_get("/admin/gpus", handlers.admin_gpus)
+    history = History(
+        lambda: ({p.value: admission.depth(p) for p in ORDER}, board.total_in_flight()),
+        lambda worker_id: board.get(worker_id).in_flight,
+    )
+    board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
+    app[HISTORY] = history
+    add_dashboard_routes(app)
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
@@ -124,6 +152,9 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
         policy = st.policy
         for line in describe(st.keys):
             _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
+        unknown = sorted(set(policy.admission.keys) - set(st.keys.names()))
+        if unknown and not st.keys.open:
+            _log.warning("admission.keys names no configured key: %s (see [auth] name=)", ", ".join(unknown))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
         st.session = aiohttp.ClientSession(
@@ -199,8 +230,8 @@ class _Surroundings:
         self._queue = queue
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
-        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
-        return tail(worker_id, lines) if tail is not None else []
+        pool = self._st.pool
+        return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
         return len(self._queue)
@@ -271,9 +302,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         if controller is not None:
             controller.track(info)
     st.pool.add_listener(on_state)
-    add_lines = getattr(st.pool, "add_line_listener", None)
-    if add_lines is not None:
-        add_lines(on_line)
+    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+        st.pool.add_line_listener(on_line)
     for controller in st.controllers.values():
         st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
     for name, controller in st.controllers.items():
@@ -312,7 +342,8 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     def accepts_model(model: str) -> bool:
         return not st.models.known or model in st.models.names
 
-    executor = RequestPathExecutor(st.requests, VALIDATORS)
+    names = {owner_of(key): caller.name for key, caller in st.keys.keys.items()}
+    executor = RequestPathExecutor(st.requests, VALIDATORS, key_of_owner=lambda owner: names.get(owner, ANONYMOUS))
     async with BatchService.open(
         settings.dir, executor, concurrency=settings.concurrency, accepts_model=accepts_model
     ) as service:
@@ -342,7 +373,10 @@ def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals and a header deadline."""
+    return EdgeRunner(
+        app, header_timeout_s=app[PROXY].policy.proxy.header_timeout_s, handler_cancellation=True, access_log=None
+    )
 
 
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -35,8 +35,9 @@ def test_every_shipped_policy_loads_and_describes(path: Path) -> None:
 def test_default_policy_is_what_make_run_needs() -> None:
     p = load_policy(Path(__file__).parents[1] / "policies" / "default.toml")
     assert p.engine.kind == EngineKind.SIM and p.engine.workers == 1 and p.engine.managed
-    assert list(p.engine.extra_args) == ["--sim-time-scale", "10"]
-    assert p.control.mode == ControlMode.OFF and not p.auth.configured
+    assert list(p.engine.extra_args) == ["--sim-time-scale", "10", "--sim-gpu", "a100-40gb"]
+    # the product as it is meant to run: the controller acts on the simulated worker
+    assert p.control.mode == ControlMode.AUTO and not p.auth.configured
 
 
 def test_offline_and_online_differ_where_they_should() -> None:
@@ -197,3 +198,17 @@ def test_policies_are_frozen() -> None:
 def test_toml_round_trip_of_the_shipped_default_matches_parse() -> None:
     path = Path(__file__).parents[1] / "policies" / "default.toml"
     assert load_policy(path) == parse_policy(tomllib.loads(path.read_text()), str(path), base_dir=path.parent)
+
+
+def test_admission_keys_are_read_per_name_and_checked():
+    from proxy.policy import KeySettings
+
+    p = parse_policy(
+        {"admission": {"batch_floor_share": 0.1, "keys": {"alice": {"weight": 2, "tokens_per_minute": 9}}}}
+    )
+    assert p.admission.batch_floor_share == 0.1
+    assert p.admission.keys == {"alice": KeySettings(weight=2.0, tokens_per_minute=9)}
+    with pytest.raises(PolicyError, match=r"admission\.keys\.alice\.wieght"):
+        parse_policy({"admission": {"keys": {"alice": {"wieght": 2}}}})
+    with pytest.raises(PolicyError, match=r"admission\.batch_floor_share"):
+        parse_policy({"admission": {"batch_floor_share": 1.5}})
