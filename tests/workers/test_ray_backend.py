@@ -179,9 +179,11 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
             await asyncio.gather(*tasks)
     assert not errors, errors[:3]
     assert len(answers) > 20
+    # (the controller, in auto, may act on a worker too: wait until both serve again)
+    await wait_for(lambda: all(w.state is WorkerState.READY for w in st.pool.workers()), 60, "both serving")
     after = {w.id: w for w in st.pool.workers()}
     for wid, w in after.items():
-        assert w.state is WorkerState.READY and w.args["max_running_requests"] == 24 and w.restarts == 1
+        assert w.args["max_running_requests"] == 24 and w.restarts >= 1
         assert w.pid != before[wid].pid
 
     # a node dies: its worker's actor is lost, the controller revives it where GPUs are free
@@ -191,7 +193,7 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
     )
     cluster.remove_node(node, allow_graceful=False)
     await wait_for(
-        lambda: st.pool.get("chat-w0").restarts == 2 and st.pool.get("chat-w0").state is WorkerState.READY,
+        lambda: st.pool.get("chat-w0").restarts > victim.restarts and st.pool.get("chat-w0").state is WorkerState.READY,
         90,
         "revived",
     )
