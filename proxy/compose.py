@@ -26,6 +26,7 @@ from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace
 from proxy.control.journal import Journal
+from proxy.control.planner import Observed
 from proxy.control.rollout import Rollout
 from proxy.engines.base import Sample
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
@@ -232,6 +233,15 @@ class _Surroundings:
 
     def backlog(self) -> int:
         return len(self._st.admission)
+
+    def recent_requests(self, worker_id: str) -> Sequence[Observed]:
+        return [
+            Observed(
+                arrived=f.arrived, prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens, max_tokens=f.max_tokens
+            )
+            for f in self._st.board.get(worker_id).facts.recent()
+            if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
+        ]
 
 
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -50,6 +50,7 @@ __all__ = [
     "DecodeStats",
     "Observed",
     "Plan",
+    "PlanInputs",
     "PlanSettings",
     "Prediction",
     "RestartCost",
@@ -57,6 +58,7 @@ __all__ = [
     "calibrate",
     "candidates",
     "plan",
+    "run_plan",
 ]
 
 CONSERVATIVENESS = "schedule_conservativeness"
@@ -342,3 +344,25 @@ def plan(
         reason=reason,
         refused=tuple(refused),
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInputs:
+    """Everything one plan of one worker reads (collected on the event loop, planned off it)."""
+
+    gpu: str
+    model: str
+    args: Mapping[str, object]
+    resolved: Mapping[str, float]
+    decode: tuple[DecodeStats, ...]
+    kv_capacity_tokens: int | None
+    workload: tuple[Observed, ...]
+    cost: RestartCost
+    settings: PlanSettings
+
+
+def run_plan(inputs: PlanInputs) -> Plan:
+    """Calibrate the twin on the worker's signals, then plan (CPU-bound: a few bounded replays)."""
+    sample = sorted(inputs.workload, key=lambda o: o.arrived)[-inputs.settings.max_requests :]
+    twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, sample)
+    return plan(twin, inputs.args, sample, inputs.cost, inputs.settings, inputs.resolved)

@@ -35,6 +35,7 @@ _KEEP = 512
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFact:
     time: float  # when it ended (monotonic)
+    arrived: float  # when it reached the proxy's queue (monotonic)
     prompt_tokens: int | None
     output_tokens: int | None
     max_tokens: int | None  # as asked (None: not given)

@@ -308,6 +308,7 @@ def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, di
     path.dispatcher.board.get(worker_id).facts.record(
         RequestFact(
             time=time.monotonic(),
+            arrived=queued,
             prompt_tokens=prompt,
             output_tokens=output,
             max_tokens=_max_tokens(job.body),

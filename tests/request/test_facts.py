@@ -31,6 +31,7 @@ def test_worker_facts_ring_and_figures():
         facts.record(
             RequestFact(
                 time=float(i),
+                arrived=float(i) - 1,
                 prompt_tokens=20,
                 output_tokens=out,
                 max_tokens=mx,
@@ -43,5 +44,5 @@ def test_worker_facts_ring_and_figures():
     assert facts.output_ratio() == 0.8 and facts.mean_output_tokens() == 180.0
     assert facts.mean_output_tokens(since=3.0) == 400.0
     assert facts.summary()["mean_ttft_s"] == 0.3
-    assert RequestFact(time=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
+    assert RequestFact(time=0, arrived=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
                        queue_s=0).output_ratio is None  # fmt: skip

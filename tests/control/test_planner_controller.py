@@ -1,0 +1,115 @@
+"""The planner inside the controller: a worker's own log lines calibrate the twin, its recent requests
+are replayed, a restart is taken only when it pays, and the journal says what was predicted and
+what was then measured. Recorded inputs, a clock the test moves (no event loop but the act's)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from proxy.control.planner import Observed
+from proxy.engines.base import Sample
+from proxy.policy import ControlMode
+from proxy.sim.request import RequestSpec
+from proxy.sim.virtual import simulate
+from proxy.workers.base import WorkerState
+
+from .test_controller import Around, RecordingActor, controller, feed, info, samples
+
+ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
+
+
+class Requests(Around):
+    """The proxy around the controller, with the requests its workers answered."""
+
+    def __init__(self, requests: list[Observed]) -> None:
+        super().__init__()
+        self.requests = requests
+
+    def recent_requests(self, worker_id: str) -> list[Observed]:
+        return self.requests
+
+
+def _backlog_of_short_answers(n: int = 300) -> list[Observed]:
+    rng = random.Random(7)
+    return [Observed(arrived=i * 0.001, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
+                     max_tokens=4096) for i in range(n)]  # fmt: skip
+
+
+def _serve(c, clock, requests: list[Observed], start: float) -> float:
+    """The worker serves ``requests`` (the simulator at SGLang's defaults): its log lines and scrapes."""
+    lines: list[str] = []
+    specs = [RequestSpec(arrival=r.arrived, prompt_len=r.prompt_tokens, max_new_tokens=r.max_tokens,
+                         output_len=r.output_tokens) for r in requests]  # fmt: skip
+    cfg = c_twin_config()
+    res = simulate(cfg, specs, log=lambda level, msg: lines.append(msg))
+    span = res.makespan_s
+    for i, line in enumerate(lines):
+        clock.now = start + span * i / len(lines)
+        c.on_line("w0", line)
+    tokens = 0
+    for k in range(31):  # a scrape a second, the generation counter at the run's mean rate
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=100, token_usage=0.5,
+                                 generation_tokens_total=float(tokens)))  # fmt: skip
+        tokens += int(res.output_tok_per_s)
+    return res.output_tok_per_s
+
+
+def c_twin_config():
+    from proxy.control.planner import Twin
+
+    return Twin("a100-40gb", "llama-3.1-8b").config(ARGS)
+
+
+def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_gain(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c.track(info(state=WorkerState.STARTING, args=ARGS))
+    clock.now = 30.0
+    c.track(info(args=ARGS))  # ready after 30 s: the restart's measured start-up
+    measured = _serve(c, clock, requests, 30.0)
+    jobs = c.plans_due()
+    assert [j.worker_id for j in jobs] == ["w0"] and jobs[0].inputs.cost.startup_s == 30.0
+    assert jobs[0].inputs.decode  # the decode lines reached the twin
+    act = c.plan_now(jobs[0])
+    assert act is not None and act.decision.rule == "planner"
+    assert act.decision.new_args["schedule_conservativeness"] < 1.0
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and entry["predicted_gain"] > 0.1 and entry["evidence"]["cost_tokens"] > 0
+    assert abs(entry["evidence"]["predicted_current"] - measured) / measured < 0.05  # the calibrated twin
+    asyncio.run(c.carry_out(act))
+    assert actor.calls == [("restart", "w0", dict(act.decision.new_args))]
+    start = clock.now
+    for k in range(int(c.settings.window_s) + 2):  # after: the worker does 20 % better
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=120, token_usage=0.8,
+                                 generation_tokens_total=float(k * int(measured * 1.2))))  # fmt: skip
+    c.tick()
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and 0.15 < entry["measured_gain"] < 0.25
+    assert entry["prediction_error"] == round(abs(entry["predicted_throughput"] - entry["measured_throughput"])
+                                              / entry["measured_throughput"], 4)  # fmt: skip
+    assert c.plans_due() == []  # within the cool-down
+
+
+def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_horizon_s=5.0)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    assert c.plan_now(job) is None and actor.calls == [] and c.journal.entries() == []
+    assert c.plans_due() == []  # the next plan waits plan_interval_s
+
+
+def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.AUTO, None, around=Requests([]), planner=True, retractions_per_1k_tokens=0.1)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    assert c.tick() == []
+    assert c.plans_due() == []  # no requests seen: nothing to replay
