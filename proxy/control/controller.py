@@ -65,7 +65,6 @@ __all__ = [
     "PlanJob",
     "Surroundings",
 ]
-_DEFAULT_STARTUP_S = 60.0  # a worker whose start-up was never seen: a real GPU's slow end
 
 _log = logging.getLogger(__name__)
 _TAIL_LINES = 300
@@ -334,7 +333,7 @@ class Controller:
         running = w.window.peak_running or 0
         held = sum(o.prompt_tokens + o.output_tokens / 2 for o in workload) / len(workload)
         cost = RestartCost(
-            startup_s=w.startup_s if w.startup_s is not None else _DEFAULT_STARTUP_S,
+            startup_s=w.startup_s,  # None: not seen yet (the plan uses the twin's modelled start-up)
             drain_s=w.drain_s,
             recomputed_tokens=running * held,
         )

@@ -26,7 +26,8 @@ second over the current arguments' prediction) is worth a restart only when
     (predicted_tp(best) - predicted_tp(current)) x horizon_s  >  restart cost in tokens
 
 with the restart cost measured on this worker (:class:`RestartCost`: its start-up time as seen,
-the drain, and the tokens it recomputes: what was in flight), so a knob may move back whenever
+the drain, and the tokens it recomputes: what was in flight; before any start of it was seen, the
+twin's modelled start-up on its calibrated clock), so a knob may move back whenever
 the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where
 every argument serves what arrives, predicts no throughput gain and so never restarts.
 
@@ -39,11 +40,12 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.request import RequestSpec
+from proxy.sim.steptime import startup_seconds
 from proxy.sim.virtual import simulate
 
 __all__ = [
@@ -115,13 +117,13 @@ class Prediction:
 class RestartCost:
     """What one restart of this worker costs, as measured on it."""
 
-    startup_s: float  # its last start, launch to ready, as the proxy saw it
+    startup_s: float | None  # its last start, launch to ready, as the proxy saw it (None: not seen yet)
     drain_s: float = 0.0  # the last drain before a restart (0: none seen yet)
     recomputed_tokens: float = 0.0  # tokens held by what was in flight: computed again after the restart
 
     def tokens(self, throughput: float) -> float:
         """Output tokens the restart costs at ``throughput`` tokens/s."""
-        return throughput * (self.startup_s + self.drain_s) + self.recomputed_tokens
+        return throughput * ((self.startup_s or 0.0) + self.drain_s) + self.recomputed_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,4 +367,12 @@ def run_plan(inputs: PlanInputs) -> Plan:
     """Calibrate the twin on the worker's signals, then plan (CPU-bound: a few bounded replays)."""
     sample = sorted(inputs.workload, key=lambda o: o.arrived)[-inputs.settings.max_requests :]
     twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, sample)
-    return plan(twin, inputs.args, sample, inputs.cost, inputs.settings, inputs.resolved)
+    cost = inputs.cost
+    if cost.startup_s is None:  # no start of this worker seen: the twin's own start-up, on its calibrated clock
+        try:
+            cfg = twin.config(inputs.args)
+            modelled = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)[2]
+            cost = replace(cost, startup_s=modelled * twin.step_time_factor)
+        except SimConfigError:
+            pass
+    return plan(twin, inputs.args, sample, cost, inputs.settings, inputs.resolved)
