@@ -316,6 +316,14 @@ class ControlSettings:
         default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)
     )
     plan_requests: int = field(default=300, metadata=key("newest requests a plan replays", minimum=1))
+    canary_margin: float = field(
+        default=0.03,
+        metadata=key(
+            "with 2+ workers a plan goes to one worker first; promoted when its throughput per running request "
+            "beats the others' by this share over window_s, reverted otherwise",
+            minimum=0,
+        ),
+    )
     twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))
     twin_model: str = field(
         default="llama-3.1-8b", metadata=key("the twin's model preset (a simulated worker's own is used)")

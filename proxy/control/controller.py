@@ -32,9 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from proxy.control.canary import Canary, CanaryVerdict, judge, per_load
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, Planned
 from proxy.control.journal import Journal, Status, verdict
@@ -177,6 +178,8 @@ class Controller:
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.canary: Canary | None = None  # a plan tried on one worker of several
+        self._promote: list[WorkerId] = []  # workers still to take the promoted canary's args, in order
 
     @property
     def mode(self) -> ControlMode:
@@ -252,6 +255,11 @@ class Controller:
         others_down = any(w.managed and (w.busy or w.state.started_at is None) for w in self._workers.values())
         for w in self._workers.values():
             w.window = w.window.at(now)
+        canary_act = self._canary_step(now, others_down)
+        if canary_act is not None:
+            acts.append(canary_act)
+            others_down = True
+        for w in self._workers.values():
             self._measure_outcome(w, now)
             if w.busy or w.state.started_at is None:
                 continue
@@ -349,6 +357,64 @@ class Controller:
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings)  # fmt: skip
 
+    def _managed(self) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.managed]
+
+    def _canary_step(self, now: float, others_down: bool) -> Act | None:
+        """Judge a canary whose window is in, or roll its promotion on by one worker."""
+        if self.mode is not ControlMode.AUTO:
+            return None
+        if self._promote and not others_down:
+            wid = self._promote.pop(0)
+            w = self._workers.get(wid)
+            canary = self.canary
+            if w is None or canary is None or w.busy or w.state.started_at is None:
+                return None
+            changed = {k: v for k, v in canary.new_args.items() if canary.old_args.get(k) != v}
+            new_args = {**w.state.args, **changed}
+            if not self._promote:
+                self.canary = None
+            if new_args == dict(w.state.args):
+                return None
+            decision = Decision(worker_id=wid, rule="canary_promote", time=now, old_args=dict(w.state.args),
+                                new_args=new_args, kind=RuleKind.TUNING,
+                                reason=f"the canary {canary.worker_id} beat the others with {changed}: rolled out here")  # fmt: skip
+            entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                           extra={"canary": canary.worker_id})  # fmt: skip
+            w.busy = True
+            return Act(decision=decision, entry_id=entry_id)
+        canary = self.canary
+        if canary is None or canary.due is None or self._promote:
+            return None
+        w = self._workers.get(canary.worker_id)
+        if w is None:
+            self.canary = None
+            return None
+        if w.busy or now < canary.due or w.window.observed_s < self.settings.min_evidence_s:
+            return None
+        mine = per_load(w.window.throughput, w.window.mean_running)
+        others = [per_load(o.window.throughput, o.window.mean_running) for o in self._managed() if o is not w]
+        verdict_ = judge(mine, others, self.settings.canary_margin)
+        if verdict_ is CanaryVerdict.WAIT:
+            return None
+        seen = [o for o in others if o is not None]
+        figures = {"canary_per_load": round(mine or 0.0, 3), "others_per_load": round(sum(seen) / len(seen), 3)}
+        self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
+        if verdict_ is CanaryVerdict.PROMOTE:
+            self._promote = [o.state.worker_id for o in self._managed() if o is not w]
+            return None
+        self.canary = None
+        if others_down:
+            return None
+        decision = Decision(worker_id=w.state.worker_id, rule="canary_revert", time=now, old_args=dict(w.state.args),
+                            new_args=dict(canary.old_args), kind=RuleKind.CORRECTIVE,
+                            reason=f"the canary served {figures['canary_per_load']} tok/s per running request against "
+                                   f"the others' {figures['others_per_load']}: its old args back")  # fmt: skip
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                       extra={"canary": w.state.worker_id, **figures})  # fmt: skip
+        w.busy = True
+        return Act(decision=decision, entry_id=entry_id)
+
     def plan_now(self, job: PlanJob) -> Act | None:
         """Compute ``job`` here (tests, and callers without a loop) and decide on it."""
         return self.decide_plan(job, run_plan(job.inputs))
@@ -406,8 +472,15 @@ class Controller:
             self._journal_once(w, decision, "wait:planner", now, status=Status.REFUSED,
                                detail="another worker is restarting or down: one at a time")  # fmt: skip
             return None
+        fleet = len(self._managed()) >= 2
+        if fleet and self.canary is not None:
+            self._journal_once(w, decision, "wait:canary", now, status=Status.REFUSED,
+                               detail=f"a canary is under way on {self.canary.worker_id}")  # fmt: skip
+            return None
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
-                                       extra=extra)  # fmt: skip
+                                       extra={**extra, "canary": job.worker_id} if fleet else extra)  # fmt: skip
+        if fleet:
+            self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new)
         w.busy = True
         return Act(decision=decision, entry_id=entry_id)
 
@@ -588,8 +661,12 @@ class Controller:
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
             w.pending_outcome = (act.entry_id, now + self.settings.window_s)
+            if self.canary is not None and self.canary.entry_id == act.entry_id:
+                self.canary = replace(self.canary, due=now + self.settings.window_s)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
+            if self.canary is not None and self.canary.entry_id == act.entry_id:
+                self.canary = None  # the canary did not come back: its death's rules take over
             if info.state is WorkerState.DOWN:
                 self._on_death(d.worker_id)

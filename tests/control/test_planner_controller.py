@@ -113,3 +113,53 @@ def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
     assert c.plans_due() == []  # no requests seen: nothing to replay
+
+
+def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int, tok_per_s: float) -> None:
+    for k in range(seconds):
+        clock.now = start + k
+        c.on_sample(worker_id, Sample(time=clock.now, queue=10, running=running, token_usage=0.7,
+                                      generation_tokens_total=k * tok_per_s))  # fmt: skip
+
+
+def _fleet_canary(tmp_path: Path, canary_share: float):
+    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves."""
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c.track(info("w0", args=ARGS))
+    c.track(info("w1", args=ARGS))
+    measured = _serve(c, clock, requests, 0.0)
+    _scrapes(c, clock, "w1", 0.0, 31, 100, measured)
+    (job, _other) = c.plans_due()
+    act = c.plan_now(job)
+    assert act is not None and c.canary is not None and c.canary.worker_id == "w0"
+    assert c.plan_now(_other) is None  # one canary at a time
+    asyncio.run(c.carry_out(act))
+    assert c.canary.due is not None
+    start = clock.now
+    for k in range(int(c.settings.window_s) + 1):  # the canary and the other worker, side by side
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                 generation_tokens_total=k * canary_share * measured))  # fmt: skip
+        c.on_sample("w1", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                 generation_tokens_total=k * measured))  # fmt: skip
+    return c, actor, act, measured
+
+
+def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else_reverted(tmp_path: Path) -> None:
+    better, actor, act, _ = _fleet_canary(tmp_path / "better", 1.3)
+    acts = better.tick()  # the verdict: promote (the canary does 1.3x per running request)
+    entry = better.journal.get(act.entry_id)
+    assert entry is not None and entry["canary_verdict"] == "promote"
+    acts = acts or better.tick()
+    assert [a.decision.rule for a in acts] == ["canary_promote"] and acts[0].decision.worker_id == "w1"
+    assert acts[0].decision.new_args["schedule_conservativeness"] == act.decision.new_args["schedule_conservativeness"]
+    asyncio.run(better.carry_out(acts[0]))
+    assert better.canary is None and [call[1] for call in actor.calls] == ["w0", "w1"]
+
+    worse, actor, act, _ = _fleet_canary(tmp_path / "worse", 0.9)
+    (revert,) = worse.tick()
+    assert revert.decision.rule == "canary_revert" and revert.decision.new_args == ARGS
+    assert worse.journal.get(act.entry_id)["canary_verdict"] == "revert"
+    assert worse.canary is None
