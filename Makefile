@@ -4,7 +4,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast lint format bench clean
+POLICY ?= policies/default.toml
+PORT   ?=
+URL    ?= http://127.0.0.1:8000
+
+.PHONY: run demo test test-fast lint format bench clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,9 +18,22 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-## run: the proxy in front of a simulated SGLang worker (policies/default.toml)
+## run: the proxy in front of a simulated SGLang worker (policies/default.toml), controller in auto;
+##      the dashboard at http://127.0.0.1:8000/dashboard
 run: $(STAMP)
-	$(VENV)/bin/pacer serve --policy policies/default.toml
+	$(VENV)/bin/pacer serve --policy $(POLICY) $(if $(PORT),--port $(PORT))
+
+## demo: a workload that makes the controller act, against the proxy `make run` started (at $(URL));
+##       with none there, it starts one itself with $(POLICY) and stops it at the end
+demo: $(STAMP)
+	$(VENV)/bin/pacer demo --url $(URL) --start $(POLICY)
+
+## browser: Debian's chromium for the dashboard's browser test (CI runs as root on Debian)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (the dashboard's browser test drives it)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi; }
 
 ## lint: ruff (lint and format), mypy (strict on proxy/) and the import contracts (pyproject.toml)
 lint: $(STAMP)
@@ -31,11 +48,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 ## test: the checks above, then every test, the slow real-engine ones included
-test: lint
+test: lint browser
 	$(PY) -m pytest -q
 
 ## test-fast: the checks, then everything but the slow real-engine tests
-test-fast: lint
+test-fast: lint browser
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

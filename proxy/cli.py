@@ -4,6 +4,9 @@ pacer sim [SGLang flags] [--sim-* flags]   the simulated SGLang engine
 pacer serve --policy FILE [--port N]       the proxy (front door, pacing, control)
 pacer check-policy FILE                    validate a policy file without starting anything
 pacer check-policy --defaults              every policy key with its default and meaning
+pacer status [--url U] [--watch]           a running proxy's workers, queues, args, last decisions
+pacer decisions [--url U] [--rule R] ...   its controller's journal (filters, --json)
+pacer demo [--url U] [--start POLICY]      a workload that makes the controller act, with progress
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ SUBCOMMANDS: dict[str, str] = {
     "sim": "proxy.sim.cli:main",
     "serve": "proxy.cli:serve_main",
     "check-policy": "proxy.cli:check_policy_main",
+    "status": "proxy.console.status:main",
+    "decisions": "proxy.console.decisions:main",
+    "demo": "proxy.console.demo:main",
 }
 
 

@@ -3,7 +3,8 @@ observers and the controller around one worker pool.
 
 Lifecycle (one ``cleanup_ctx`` generator): open the shared upstream session, subscribe to worker
 state changes, start the pool (in the background, so ``/health`` answers while workers load),
-start the scraper, the status log and the GPU watch; on shutdown stop them, stop the pool and close the session.
+start the scraper, the status log and the GPU watch (the dashboard's history is one more observer
+of the board's samples); on shutdown stop them, stop the pool and close the session.
 The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
 ``cleanup_ctx`` generator each, started after that one and stopped before it.
 Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
@@ -21,29 +22,33 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
-from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes
+from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace
 from proxy.control.journal import Journal
 from proxy.control.planner import Observed
 from proxy.control.rollout import Rollout
+from proxy.dashboard import HISTORY, History
+from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import Sample
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.policy import ControlMode, Policy
-from proxy.request.admission import AdmissionQueue
+from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.dispatch import Dispatcher
+from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard, SampleObserver
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.server import handlers
-from proxy.server.auth import bearer, check_api_key, describe, load_keyring
+from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
+from proxy.server.protocol import EdgeRunner
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
-from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
@@ -58,7 +63,13 @@ def build_app(
     """
     keys = load_keyring(policy.auth)
     board = LoadBoard()
-    admission = AdmissionQueue(policy.queue.capacity)
+    fair = policy.admission
+    admission = AdmissionQueue(
+        policy.queue.capacity,
+        weights={name: k.weight for name, k in fair.keys.items()},
+        batch_floor=fair.batch_floor_share,
+        quantum=fair.quantum_tokens,
+    )
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
     metrics = ProxyMetrics(
@@ -77,7 +88,14 @@ def build_app(
     )
     if policy.control.mode is ControlMode.AUTO:
         board.subscribe(_fast_tier(board, admission, dispatcher.band, dispatcher.pump))
-    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics)
+    limits = KeyLimiter(
+        {
+            name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
+            for name, k in fair.keys.items()
+        },
+        concurrent_retry_after_s=policy.queue.retry_after_s,
+    )
+    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics, limits=limits)
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -100,6 +118,13 @@ def build_app(
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/workers", handlers.admin_workers)
     app.router.add_get("/admin/gpus", handlers.admin_gpus)
+    history = History(
+        lambda: ({p.value: admission.depth(p) for p in ORDER}, board.total_in_flight()),
+        lambda worker_id: board.get(worker_id).in_flight,
+    )
+    board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
+    app[HISTORY] = history
+    add_dashboard_routes(app)
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
@@ -158,6 +183,9 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
         policy = st.policy
         for line in describe(st.keys):
             _log.warning("%s", line) if "OPEN" in line else _log.info("%s", line)
+        unknown = sorted(set(policy.admission.keys) - set(st.keys.names()))
+        if unknown and not st.keys.open:
+            _log.warning("admission.keys names no configured key: %s (see [auth] name=)", ", ".join(unknown))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
         # workers' cookies are not the proxy's to keep (nor to pass from one client's request to another's)
         st.session = aiohttp.ClientSession(
@@ -228,8 +256,8 @@ class _Surroundings:
         self._st = st
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
-        tail = getattr(self._st.pool, "tail", None)  # only a pool that starts its workers has their output
-        return tail(worker_id, lines) if tail is not None else []
+        pool = self._st.pool
+        return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
         return len(self._st.admission)
@@ -296,9 +324,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     for info in st.pool.workers():
         controller.track(info)
     st.pool.add_listener(on_state)
-    add_lines = getattr(st.pool, "add_line_listener", None)
-    if add_lines is not None:
-        add_lines(on_line)
+    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+        st.pool.add_line_listener(on_line)
     st.board.subscribe(controller.on_sample)
     _log.info(
         "controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s
@@ -333,7 +360,8 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     def accepts_model(model: str) -> bool:
         return not st.models.known or model in st.models.names
 
-    executor = RequestPathExecutor(st.requests, VALIDATORS)
+    names = {owner_of(key): caller.name for key, caller in st.keys.keys.items()}
+    executor = RequestPathExecutor(st.requests, VALIDATORS, key_of_owner=lambda owner: names.get(owner, ANONYMOUS))
     async with BatchService.open(
         settings.dir, executor, concurrency=settings.concurrency, accepts_model=accepts_model
     ) as service:
@@ -361,7 +389,10 @@ def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals and a header deadline."""
+    return EdgeRunner(
+        app, header_timeout_s=app[PROXY].policy.proxy.header_timeout_s, handler_cancellation=True, access_log=None
+    )
 
 
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -12,6 +12,11 @@ stream that already started), so a client always gets a JSON body that names the
     ├── queue timeout / no worker  503     service_unavailable
     ├── upstream failed            502     upstream_error
     └── upstream too slow          504     upstream_timeout
+
+A worker's own refusal (SGLang's ``{"object": "error", "message", ...}``, vLLM's or a native
+``{"error": {"message"}}``, FastAPI's ``{"detail": ...}``, plain text) is re-shaped by
+:func:`openai_error_body`: same status, the worker's message kept, ``type`` from the status when the
+worker's is not one of OpenAI's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,60 @@ class ApiError(Exception):
 
 def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_OPENAI_TYPES = frozenset(_TYPE_BY_STATUS.values()) | {"server_error", "upstream_error", "service_unavailable"}
+
+
+def type_for_status(status: int) -> str:
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return None
+    return orjson.dumps(value).decode()
+
+
+def openai_error_body(status: int, body: bytes) -> bytes:
+    """A worker's error answer in OpenAI's shape, its message kept (see the module docstring)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = body.decode(errors="replace").strip()
+    inner: object = data
+    if isinstance(data, dict) and "error" in data:
+        inner = data["error"]
+    message: str | None = None
+    given_type = param = code = None
+    if isinstance(inner, dict):
+        message = _text(inner.get("message", inner.get("detail")))
+        given_type, param, code = inner.get("type"), inner.get("param"), inner.get("code")
+    else:
+        message = _text(inner)
+    if not message:
+        message = f"the worker answered HTTP {status}"
+    kind = given_type if isinstance(given_type, str) and given_type in _OPENAI_TYPES else type_for_status(status)
+    return error_body(
+        message,
+        type=kind,
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str) else None,
+    )
 
 
 def error_response(err: ApiError) -> web.Response:

@@ -29,12 +29,14 @@ from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml,
 
 __all__ = [
     "TABLES",
+    "AdmissionSettings",
     "AuthSettings",
     "BatchSettings",
     "ControlMode",
     "ControlSettings",
     "EngineKind",
     "EngineSettings",
+    "KeySettings",
     "PacingSettings",
     "Policy",
     "PolicyError",
@@ -72,6 +74,12 @@ class ProxySettings:
     )
     request_timeout_s: float = field(
         default=600.0, metadata=key("seconds one upstream attempt may take, in total", positive=True)
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata=key(
+            "seconds a client may take to send a request's headers, then 408 and closed; 0: no limit", minimum=0
+        ),
     )
     gpu_sample_interval_s: float = field(
         default=5.0,
@@ -342,6 +350,51 @@ class BatchSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KeySettings:
+    """One API key's share and limits, ``[admission.keys.NAME]`` (NAME: the key's name in ``[auth]``)."""
+
+    weight: float = field(
+        default=1.0, metadata=key("its share of tokens within its class, beside others", positive=True)
+    )
+    requests_per_minute: int = field(default=0, metadata=key("requests a minute; 0: no limit", minimum=0))
+    tokens_per_minute: int = field(
+        default=0, metadata=key("estimated tokens (prompt + max_tokens) a minute; 0: no limit", minimum=0)
+    )
+    max_concurrent: int = field(
+        default=0, metadata=key("its requests inside the proxy at once; 0: no limit", minimum=0)
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionSettings:
+    batch_floor_share: float = field(
+        default=0.05,
+        metadata=key(
+            "share of dispatches batch gets while interactive work also waits (batch never starves)",
+            minimum=0,
+            maximum=1,
+        ),
+    )
+    default_max_tokens: int = field(
+        default=256,
+        metadata=key(
+            "completion tokens a request that gives no max_tokens is assumed to ask for (fair share, limits)", minimum=0
+        ),
+    )
+    quantum_tokens: int = field(
+        default=4096, metadata=key("tokens of credit a key of weight 1 gets per turn of the round robin", minimum=1)
+    )
+    keys: Mapping[str, KeySettings] = field(
+        default_factory=dict,
+        metadata=key(
+            "per key name, a table [admission.keys.NAME] of weight (1.0), requests_per_minute, tokens_per_minute, "
+            "max_concurrent (0: no limit); keys not named here get weight 1 and no limits",
+            custom=True,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     proxy: ProxySettings = ProxySettings()
     auth: AuthSettings = AuthSettings()
@@ -350,6 +403,7 @@ class Policy:
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
     batch: BatchSettings = BatchSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     source: str = "<defaults>"  # the file it came from
 
     def describe(self) -> str:
@@ -359,10 +413,8 @@ class Policy:
     def changed(self) -> list[str]:
         """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
         tables = {name: getattr(self, name) for name in TABLES}
-        return changed_keys(
-            tables,
-            secret=lambda key: key.startswith("engine.env.") or (key.startswith("engine.args.") and "key" in key),
-        )
+        secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
+        return changed_keys(tables, secret=lambda key: key.startswith("engine.env.") or key in secret_args)
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
@@ -375,6 +427,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "pacing": PacingSettings,
         "control": ControlSettings,
         "batch": BatchSettings,
+        "admission": AdmissionSettings,
     }
 )
 
@@ -415,6 +468,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         pacing=_pacing(root.table("pacing")),
         control=_control(root.table("control")),
         batch=_batch(root.table("batch")),
+        admission=_admission(root.table("admission")),
         source=source,
     )
     root.finish()
@@ -444,6 +498,19 @@ def _auth(t: Table, base: Path) -> AuthSettings:
 
 def _batch(t: Table) -> BatchSettings:
     s = read_settings(t, BatchSettings)
+    t.finish()
+    return s
+
+
+def _admission(t: Table) -> AdmissionSettings:
+    keys_table = t.table("keys")
+    keys: dict[str, KeySettings] = {}
+    for name in keys_table.mapping_names():
+        sub = keys_table.table(name)
+        keys[name] = read_settings(sub, KeySettings)
+        sub.finish()
+    keys_table.finish()
+    s = read_settings(t, AdmissionSettings, {"keys": MappingProxyType(keys)})
     t.finish()
     return s
 
@@ -478,9 +545,8 @@ def _engine(t: Table) -> EngineSettings:
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
-        for flag in ("--host", "--port"):
-            if any(a == flag or a.startswith(flag + "=") for a in extra_args):
-                raise t.error("extra_args", f"{flag} is set by the supervisor (use engine.host / engine.base_port)")
+        if problem := engine_named(kind).check_extra_args(extra_args):
+            raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
             if name not in args:
                 raise t.error(f"args.{name}", f'required for kind = "{kind}"')
@@ -618,7 +684,8 @@ def _describe(p: Policy) -> list[str]:
         lines.append(f"  engine   {e.kind} x{e.workers} on {e.host} ({ports}), logs in {e.log_dir}")
         if e.command:
             lines.append(f"           command {' '.join(e.command)}")
-        shown = " ".join(f"{k}={'***' if 'key' in k else v}" for k, v in sorted(e.args.items()))
+        secret = e.engine.secret_args
+        shown = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(e.args.items()))
         lines.append(f"           args {shown or '(engine defaults)'}")
         if e.extra_args:
             lines.append(f"           extra {' '.join(e.extra_args)}")

@@ -72,6 +72,10 @@ class Table:
         self._known.append(name)
         return self._data.get(name, default)
 
+    def mapping_names(self) -> list[builtins.str]:
+        """The names this table holds (for tables of named sub-tables)."""
+        return [str(k) for k in self._data]
+
     def table(self, name: str) -> Table:
         return Table(self.raw(name, {}), self.key(name), self._source)
 

@@ -197,3 +197,17 @@ def test_policies_are_frozen() -> None:
 def test_toml_round_trip_of_the_shipped_default_matches_parse() -> None:
     path = Path(__file__).parents[1] / "policies" / "default.toml"
     assert load_policy(path) == parse_policy(tomllib.loads(path.read_text()), str(path), base_dir=path.parent)
+
+
+def test_admission_keys_are_read_per_name_and_checked():
+    from proxy.policy import KeySettings
+
+    p = parse_policy(
+        {"admission": {"batch_floor_share": 0.1, "keys": {"alice": {"weight": 2, "tokens_per_minute": 9}}}}
+    )
+    assert p.admission.batch_floor_share == 0.1
+    assert p.admission.keys == {"alice": KeySettings(weight=2.0, tokens_per_minute=9)}
+    with pytest.raises(PolicyError, match=r"admission\.keys\.alice\.wieght"):
+        parse_policy({"admission": {"keys": {"alice": {"wieght": 2}}}})
+    with pytest.raises(PolicyError, match=r"admission\.batch_floor_share"):
+        parse_policy({"admission": {"batch_floor_share": 1.5}})

@@ -29,30 +29,42 @@ from proxy.request.path import RequestPath
 Validate = Callable[[bytes], Job]
 """The front door's check of a request body for one endpoint (raises ApiError)."""
 
-NOT_NOW = frozenset({"queue_full", "queue_timeout"})
+NOT_NOW = frozenset({"queue_full", "queue_timeout", "rate_limit_exceeded"})
 SHUTTING_DOWN = "shutting_down"
 
 
-class RequestPathExecutor:
-    """Runs batch lines through ``path`` in the ``batch`` class; ``validators`` by endpoint."""
+def _one_key(owner: str) -> str:
+    return "batch"
 
-    def __init__(self, path: RequestPath, validators: Mapping[str, Validate]) -> None:
+
+class RequestPathExecutor:
+    """Runs batch lines through ``path`` in the ``batch`` class; ``validators`` by endpoint.
+
+    ``key_of_owner`` names the API key a batch's owner stands for: its lines share admission and
+    count against that key's limits like the key's other requests (a line over a limit waits)."""
+
+    def __init__(
+        self, path: RequestPath, validators: Mapping[str, Validate], *, key_of_owner: Callable[[str], str] = _one_key
+    ) -> None:
         self._path = path
         self._validators = validators
+        self._key_of_owner = key_of_owner
 
     async def execute(self, endpoint: str, body: dict[str, Any], owner: str) -> LineResult:
         try:
             job = self._validators[endpoint](orjson.dumps(body))
+            key = self._key_of_owner(owner)
             while True:
                 try:
-                    response = await relay.complete(self._path, job, Priority.BATCH)
+                    response = await relay.complete(self._path, job, Priority.BATCH, key)
                     break
                 except ApiError as err:
                     if err.code == SHUTTING_DOWN:
                         await asyncio.Event().wait()  # cancelled with the runner: the line runs on the next start
                     if err.code not in NOT_NOW:
                         raise
-                await asyncio.sleep(max(self._path.settings.retry_after_s, 1))
+                    wait = (err.headers or {}).get("Retry-After", "")
+                await asyncio.sleep(max(int(wait) if wait.isdigit() else self._path.settings.retry_after_s, 1))
         except ApiError as err:
             return LineResult(
                 err.status,

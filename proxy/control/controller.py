@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 from proxy.control.canary import Canary, CanaryVerdict, judge, per_load
@@ -61,6 +61,7 @@ __all__ = [
     "Actor",
     "Controller",
     "DeathReport",
+    "Drain",
     "EngineLogs",
     "LogReader",
     "PlanJob",
@@ -72,9 +73,25 @@ _TAIL_LINES = 300
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    """What a rolling restart's drain did before the restart (the journal entry's ``act``)."""
+
+    in_flight_at_drain: int  # requests open on the worker when it stopped getting new ones
+    drained: bool  # all of them finished before the restart
+    drain_s: float  # how long the drain waited
+    taken_back: int = 0  # not drained: requests without output taken back to the proxy queue
+    still_running_at_restart: int | None = None  # not drained: streams with output still open at the restart
+    drain_stopped: str | None = None  # why the drain ended early (too few finished in a slice)
+
+    def to_json(self) -> dict[str, object]:
+        """The journal's shape: the figures that apply (``None`` ones left out)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True, slots=True)
 class ActResult:
     info: WorkerInfo  # the worker after the restart: READY, or DOWN if it did not come back
-    details: Mapping[str, object] = field(default_factory=dict)  # what the act did (drained, taken back...)
+    drain: Drain | None = None  # a rolling restart's drain (None: a revival, nothing to drain)
 
 
 class Actor(Protocol):
@@ -647,12 +664,11 @@ class Controller:
             return
         now = self.clock()
         info = result.info
-        drain = (result.details or {}).get("drain_s")
-        if isinstance(drain, (int, float)):
-            w.drain_s = float(drain)
+        if result.drain is not None:
+            w.drain_s = result.drain.drain_s
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
-        details = dict(result.details) if result.details else None
+        details = result.drain.to_json() if result.drain is not None else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)

@@ -20,6 +20,8 @@ second while one is under way):
    back); a restart refused before the worker stopped sets it back to READY. With a single worker
    the proxy's queue holds the traffic meanwhile.
 
+What the drain did comes back as a :class:`proxy.control.controller.Drain` (the journal entry's ``act``).
+
 A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path already
 retried what had produced no output and answered the rest with an error; it is restarted at once.
 """
@@ -29,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Protocol
 
-from proxy.control.controller import ActResult
+from proxy.control.controller import ActResult, Drain
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
 __all__ = ["Drainable", "Rollout"]
@@ -82,47 +85,53 @@ class Rollout:
             _log.debug("cannot mark %s %s: %s", worker_id, state, exc)
 
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
-        details: dict[str, object] = {}
         if self.pool.get(worker_id).state is WorkerState.READY:
             self._set_state(worker_id, WorkerState.DRAINING)
         try:
-            details["in_flight_at_drain"] = self.dispatcher.open_attempts(worker_id)
+            in_flight = self.dispatcher.open_attempts(worker_id)
             loop = asyncio.get_running_loop()
             started = loop.time()
             deadline = started + self.drain_timeout_s
-            drained = await self._drain(worker_id, deadline, details)
-            details["drained"] = drained
-            details["drain_s"] = round(loop.time() - started, 3)
-            details["taken_back"] = 0
-            if not drained:
-                details["taken_back"] = self.dispatcher.take_back(worker_id)
+            stopped = await self._drain(worker_id, deadline)
+            drain = Drain(
+                in_flight_at_drain=in_flight, drained=stopped is None, drain_s=round(loop.time() - started, 3)
+            )
+            if stopped is not None:
+                taken_back = self.dispatcher.take_back(worker_id)
                 settled = await self.dispatcher.wait_idle(worker_id, max(deadline - loop.time(), self.settle_s))
-                details["still_running_at_restart"] = 0 if settled else self.dispatcher.open_attempts(worker_id)
-            _log.info("restarting %s: %s (%s)", worker_id, reason, details)
+                drain = replace(
+                    drain,
+                    taken_back=taken_back,
+                    still_running_at_restart=0 if settled else self.dispatcher.open_attempts(worker_id),
+                    drain_stopped=stopped or None,
+                )
+            _log.info("restarting %s: %s (%s)", worker_id, reason, drain.to_json())
             info = await self.pool.restart(worker_id, args, reason)
         except BaseException:
             if self.pool.get(worker_id).state is WorkerState.DRAINING:
                 self._set_state(worker_id, WorkerState.READY)
             raise
-        return ActResult(info=info, details=details)
+        return ActResult(info=info, drain=drain)
 
-    async def _drain(self, worker_id: WorkerId, deadline: float, details: dict[str, object]) -> bool:
-        """Wait for the worker to go idle, slice by slice, while its requests keep finishing."""
+    async def _drain(self, worker_id: WorkerId, deadline: float) -> str | None:
+        """Wait for the worker to go idle, slice by slice, while its requests keep finishing.
+
+        Returns ``None`` when it went idle, else why the drain ended: the slice that saw too few
+        finish, or "" when the deadline came first."""
         loop = asyncio.get_running_loop()
         step = self.drain_timeout_s / self.drain_slices
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                return False
+                return ""
             before = self.dispatcher.open_attempts(worker_id)
             if await self.dispatcher.wait_idle(worker_id, min(step, left)):
-                return True
+                return None
             after = self.dispatcher.open_attempts(worker_id)
             if before - after < self.drain_progress * before:
-                details["drain_stopped"] = f"{before - after} of {before} finished in {step:g} s"
-                return False
+                return f"{before - after} of {before} finished in {step:g} s"
 
     async def revive(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
         _log.info("reviving %s: %s", worker_id, reason)
         info = await self.pool.restart(worker_id, args, reason)
-        return ActResult(info=info, details={})
+        return ActResult(info=info)

@@ -9,4 +9,7 @@ sglang/        SGLang (and the simulator, which speaks it): argv, knobs, logs, m
 vllm/          vLLM's OpenAI server: argv, knobs, logs, metrics, engine
 
 Nothing outside this package knows an engine's flag, metric name, log format or launcher.
+
+Errors: as :mod:`proxy.engines.contract` says: a page that cannot be read raises
+(``MetricsParseError``), "nothing to report" is ``None``, an argument's problem is returned in words.
 """

@@ -58,8 +58,18 @@ class Engine(Protocol):
     def check_arg(self, name: str, value: object) -> str | None:
         """The problem with one argument (name with underscores), or None when the engine takes it."""
 
+    def check_extra_args(self, extra_args: Sequence[str]) -> str | None:
+        """The problem with the policy's verbatim ``extra_args`` (a flag the supervisor sets), or None."""
+
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         """The command-line flags of one worker."""
+
+    @property
+    def secret_args(self) -> frozenset[str]:
+        """Arguments whose value is a secret (API keys): never shown in logs or summaries."""
+
+    def masked_argv(self, command: Sequence[str]) -> list[str]:
+        """A worker's command line as logs may show it: :attr:`secret_args` values replaced by ``***``."""
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should

@@ -47,9 +47,29 @@ class FlagTable:
     known: Mapping[str, FlagSpec]
     supervisor: Mapping[str, FlagSpec]
     removed: Mapping[str, str]  # name -> what to write instead
+    secret: frozenset[str] = frozenset()  # names whose value is a secret (an API key): masked in logs
 
     def lookup(self, name: str) -> FlagSpec | None:
         return self.known.get(name) or self.supervisor.get(name)
+
+    def check_extra_args(self, extra_args: Sequence[str]) -> str | None:
+        """Why verbatim ``extra_args`` cannot be used (they set a flag the supervisor sets), or ``None``."""
+        for name in self.supervisor:
+            flag = flag_name(name)
+            if any(a == flag or a.startswith(flag + "=") for a in extra_args):
+                return f"{flag} is set by the supervisor (use engine.host / engine.base_port)"
+        return None
+
+    def masked(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` with the values of secret flags replaced by ``***`` (for logs)."""
+        flags = {flag_name(name) for name in self.secret}
+        shown = list(argv)
+        for i, token in enumerate(shown):
+            if token in flags and i + 1 < len(shown):
+                shown[i + 1] = "***"
+            elif token.split("=", 1)[0] in flags and "=" in token:
+                shown[i] = token.split("=", 1)[0] + "=***"
+        return shown
 
     def check(self, name: str, value: object) -> str | None:
         """Why ``name = value`` is not a valid engine arg for a policy, or ``None`` if it is."""

@@ -1,68 +1,148 @@
 """The proxy's own queue: what waits here is not yet on any worker.
 
-Priority classes are strict: a ``batch`` ticket is handed out only while no ``interactive`` ticket
-waits. Within a class the order is FIFO; a ticket taken back from a worker (a retry, or a request
-the controller requeues before it produced output) goes to the *front* of its class so that it does
-not lose its place.
+Two classes, and keys within a class::
 
-Every operation is O(1) amortised. A cancelled ticket (client gone, deadline passed) is only
-marked; it is skipped when it reaches the head, and the deques are compacted when dead entries
-outnumber live ones, so a long outage with many timeouts cannot grow memory without bound.
+    class:  interactive first; batch only while no interactive ticket waits, except for a floor:
+            while both wait, every dispatch adds ``batch_floor`` to a credit and a batch ticket goes
+            whenever the credit reaches 1, so batch gets ``batch_floor`` of those dispatches (5% by
+            default) and is never starved, while interactive never waits behind more than one batch
+            dispatch in ``1 / batch_floor``. The credit is not banked while batch has nothing waiting.
+    key:    deficit round robin by *tokens* within a class. Each key with waiting tickets is in a
+            ring; the key at the head of the ring gets ``quantum * weight`` tokens of credit when its
+            turn comes and sends tickets while its credit covers their ``cost`` (the estimated prompt
+            plus completion tokens, :func:`estimate_cost`); then the turn passes. So two backlogged
+            keys get tokens in proportion to their weights, whatever their request sizes, and a key
+            sending 8k-token prompts does not get the share of one sending 100.
+    order:  FIFO within a key. A ticket taken back from a worker (a retry, or a request the
+            controller requeues before it produced output) goes to the *front* of its key and its
+            key to the front of the ring, with its cost refunded, so it does not lose its place.
+
+Every operation is O(1) amortised (a pick may walk the ring once per quantum the head ticket needs).
+A cancelled ticket (client gone, deadline passed) is only marked; it is skipped when it reaches the
+head, and the deques are compacted when dead entries outnumber live ones, so a long outage with
+many timeouts cannot grow memory without bound.
 
 The queue never sleeps and never answers a client: it hands tickets to the dispatcher
 (:meth:`AdmissionQueue.pop`) and the request handler that owns a ticket awaits
-:attr:`Ticket.future`, which the dispatcher resolves with the chosen worker.
+:attr:`Ticket.future`, which the dispatcher resolves with the chosen worker. It keeps, per class and
+key, what ``/metrics`` shows: tickets waiting, dispatched requests and tokens, and the time waited.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.policy import Priority
 from proxy.request.attempt import Ticket
 
-__all__ = ["ORDER", "AdmissionQueue", "Priority", "QueueFull"]
+__all__ = ["ORDER", "AdmissionQueue", "KeyStats", "Priority", "QueueFull", "estimate_cost"]
 
 ORDER: tuple[Priority, ...] = (Priority.INTERACTIVE, Priority.BATCH)
+DEFAULT_QUANTUM = 4096  # tokens of credit per turn of a key of weight 1
+BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated from its body when no tokenizer is at hand
+
+
+def estimate_cost(body_bytes: int, max_tokens: int | None, default_max_tokens: int, n: int = 1) -> int:
+    """A request's estimated tokens: its prompt (body bytes / 4) plus ``n`` completions of
+    ``max_tokens`` (``default_max_tokens`` when not given)."""
+    completion = default_max_tokens if max_tokens is None else max(0, max_tokens)
+    return max(1, body_bytes // BYTES_PER_TOKEN + max(1, n) * completion)
 
 
 class QueueFull(Exception):
     """The queue holds ``capacity`` tickets already (the client gets 429 + Retry-After)."""
 
 
-class AdmissionQueue:
-    """Bounded, two-class, FIFO-within-class queue of :class:`Ticket`."""
+@dataclass(slots=True)
+class KeyStats:
+    """What one key did in one class since start (read by ``/metrics``)."""
 
-    def __init__(self, capacity: int, *, on_change: Callable[[], Any] | None = None, compact_slack: int = 1024) -> None:
+    waiting: int = 0
+    dispatched: int = 0
+    dispatched_tokens: int = 0
+    wait_s: float = 0.0  # total time its dispatched tickets waited
+
+
+class _Class:
+    """One priority class: a deque per key and the ring of keys with waiting tickets."""
+
+    __slots__ = ("deficit", "live", "queues", "ring", "stats")
+
+    def __init__(self) -> None:
+        self.queues: dict[str, deque[Ticket]] = {}
+        self.ring: deque[str] = deque()  # keys with a live ticket; the head has the turn
+        self.deficit: dict[str, float] = {}
+        self.live = 0
+        self.stats: dict[str, KeyStats] = {}
+
+
+class AdmissionQueue:
+    """Bounded queue of :class:`Ticket`: two classes, a batch floor, deficit round robin by tokens."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        on_change: Callable[[], Any] | None = None,
+        compact_slack: int = 1024,
+        weights: Mapping[str, float] | None = None,
+        batch_floor: float = 0.05,
+        quantum: int = DEFAULT_QUANTUM,
+    ) -> None:
         if capacity < 0:
             raise ValueError("queue capacity must be >= 0")
+        if not 0.0 <= batch_floor <= 1.0:
+            raise ValueError("batch_floor must be within [0, 1]")
         self.capacity = capacity
-        self._q: dict[Priority, deque[Ticket]] = {p: deque() for p in ORDER}
-        self._live: dict[Priority, int] = {p: 0 for p in ORDER}
+        self.batch_floor = batch_floor
+        self.quantum = max(1, quantum)
+        self._weights = dict(weights or {})
+        self._classes: dict[Priority, _Class] = {p: _Class() for p in ORDER}
         self._dead = 0
+        self._floor_credit = 0.0
         self._on_change = on_change
         self._compact_slack = compact_slack
+        self._picked: Ticket | None = None
 
     # -- sizes ------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._live[Priority.INTERACTIVE] + self._live[Priority.BATCH]
+        return sum(c.live for c in self._classes.values())
 
     def depth(self, priority: Priority) -> int:
-        return self._live[priority]
+        return self._classes[priority].live
+
+    def held(self) -> int:
+        """Entries the deques hold, live or cancelled-but-not-yet-dropped (memory)."""
+        return sum(len(q) for c in self._classes.values() for q in c.queues.values())
+
+    def stats(self) -> Iterator[tuple[Priority, str, KeyStats]]:
+        """(class, key, its figures) for every key seen in every class."""
+        for p in ORDER:
+            for key, st in self._classes[p].stats.items():
+                yield p, key, st
+
+    def weight(self, key: str) -> float:
+        return self._weights.get(key, 1.0)
 
     # -- mutation ---------------------------------------------------------------------------------
     def push(self, ticket: Ticket) -> None:
-        """Admit a new ticket at the back of its class; raises :class:`QueueFull` past capacity."""
+        """Admit a new ticket at the back of its key; raises :class:`QueueFull` past capacity."""
         if len(self) >= self.capacity:
             raise QueueFull(f"the proxy queue is full ({self.capacity} requests waiting)")
-        self._q[ticket.priority].append(ticket)
+        c = self._classes[ticket.priority]
+        c.queues.setdefault(ticket.key, deque()).append(ticket)
+        if ticket.key not in c.deficit:
+            c.ring.append(ticket.key)
+            c.deficit[ticket.key] = 0.0 if len(c.ring) > 1 else self._quantum(ticket.key)  # alone: its turn now
         self._enqueued(ticket)
 
     def requeue(self, ticket: Ticket) -> None:
-        """Put a ticket that already held a place back at the *front* of its class.
+        """Put a ticket that already held a place back at the *front* of its key, its key at the
+        front of the ring and its cost back in its credit.
 
         Not bounded by capacity: the request was accepted once and must not be dropped now.
         """
@@ -71,28 +151,59 @@ class AdmissionQueue:
         ticket.requeues += 1
         if ticket.future.done():
             ticket.future = asyncio.get_running_loop().create_future()
-        self._q[ticket.priority].appendleft(ticket)
+        c = self._classes[ticket.priority]
+        c.queues.setdefault(ticket.key, deque()).appendleft(ticket)
+        if ticket.key in c.deficit:
+            c.ring.remove(ticket.key)
+        c.ring.appendleft(ticket.key)
+        c.deficit[ticket.key] = c.deficit.get(ticket.key, 0.0) + ticket.cost
+        self._picked = None
         self._enqueued(ticket)
 
     def peek(self) -> Ticket | None:
-        """The next ticket to dispatch (interactive first), without removing it."""
-        for p in ORDER:
-            q = self._q[p]
-            while q:
-                head = q[0]
-                if head.queued:
-                    return head
-                q.popleft()
-                self._dead -= 1
-        return None
+        """The next ticket to dispatch, without removing it (the same one until a push, pop or requeue)."""
+        if self._picked is not None and self._picked.queued:
+            return self._picked
+        interactive, batch = (self._classes[p] for p in ORDER)
+        if interactive.live and batch.live and self._floor_credit >= 1.0:
+            chosen = batch
+        elif interactive.live:
+            chosen = interactive
+        elif batch.live:
+            chosen = batch
+        else:
+            return None
+        self._picked = self._drr_head(chosen)
+        return self._picked
 
     def pop(self) -> Ticket | None:
         head = self.peek()
-        if head is not None:
-            self._q[head.priority].popleft()
-            head.queued = False
-            self._live[head.priority] -= 1
+        if head is None:
+            return None
+        self._picked = None
+        c = self._classes[head.priority]
+        both = self._classes[Priority.INTERACTIVE].live and self._classes[Priority.BATCH].live
+        c.queues[head.key].popleft()
+        head.queued = False
+        c.live -= 1
+        c.deficit[head.key] -= head.cost
+        st = c.stats.setdefault(head.key, KeyStats())
+        st.waiting -= 1
+        st.dispatched += 1
+        st.dispatched_tokens += head.cost
+        if self._head_of(c, head.key) is None:
+            self._retire(c, head.key)
+        if head.priority is Priority.BATCH and self._floor_credit >= 1.0:
+            self._floor_credit -= 1.0
+        if both:
+            self._floor_credit += self.batch_floor
+        elif not self._classes[Priority.BATCH].live:
+            self._floor_credit = 0.0  # nothing of batch waits: its floor is not banked
         return head
+
+    def record_wait(self, ticket: Ticket, waited_s: float) -> None:
+        """The dispatcher's note of how long a dispatched ticket waited (for ``/metrics``)."""
+        self._classes[ticket.priority].stats.setdefault(ticket.key, KeyStats()).wait_s += waited_s
 
     def cancel(self, ticket: Ticket) -> bool:
         """Withdraw a waiting ticket (client gone or deadline passed). True if it was queued."""
@@ -100,31 +211,91 @@ class AdmissionQueue:
         if not ticket.queued:
             return False
         ticket.queued = False
-        self._live[ticket.priority] -= 1
+        c = self._classes[ticket.priority]
+        c.live -= 1
+        c.stats[ticket.key].waiting -= 1
+        if self._picked is ticket:
+            self._picked = None
         self._dead += 1
+        if self._head_of(c, ticket.key) is None:
+            self._retire(c, ticket.key)
         if self._dead > len(self) + self._compact_slack:
             self._compact()
         return True
 
     def drain_all(self) -> list[Ticket]:
         """Remove and return every live ticket (shutdown)."""
-        out = [t for p in ORDER for t in self._q[p] if t.queued]
+        out = [t for c in self._classes.values() for q in c.queues.values() for t in q if t.queued]
         for t in out:
             t.queued = False
-        for p in ORDER:
-            self._q[p].clear()
-            self._live[p] = 0
+        for c in self._classes.values():
+            c.queues.clear()
+            c.ring.clear()
+            c.deficit.clear()
+            c.live = 0
+            for st in c.stats.values():
+                st.waiting = 0
         self._dead = 0
+        self._picked = None
+        self._floor_credit = 0.0
         return out
 
     # -- internals --------------------------------------------------------------------------------
+    def _drr_head(self, c: _Class) -> Ticket:
+        """Deficit round robin: the head key sends while its credit covers its head ticket's cost."""
+        while True:
+            key = c.ring[0]
+            head = self._head_of(c, key)
+            if head is None:  # only cancelled tickets were left
+                self._retire(c, key)
+                continue
+            if c.deficit[key] >= head.cost:
+                return head
+            if c.deficit[key] >= 0.0 and len(c.ring) > 1:
+                c.ring.rotate(-1)  # its turn is over; the next key gets its quantum
+                c.deficit[c.ring[0]] += self._quantum(c.ring[0])
+            else:  # alone, or fresh in the ring: credit until it covers the head
+                need = head.cost - c.deficit[key]
+                step = self._quantum(key)
+                c.deficit[key] += step * max(1, -(-need // step))
+
+    def _quantum(self, key: str) -> float:
+        return self.quantum * self.weight(key)
+
+    def _head_of(self, c: _Class, key: str) -> Ticket | None:
+        """The key's first live ticket (cancelled ones before it are dropped)."""
+        q = c.queues.get(key)
+        while q:
+            if q[0].queued:
+                return q[0]
+            q.popleft()
+            self._dead -= 1
+        return None
+
+    def _retire(self, c: _Class, key: str) -> None:
+        """A key with nothing left waiting leaves the ring and forgets its credit; when it had the
+        turn, the turn passes to the next key."""
+        had_turn = c.ring[0] == key
+        c.ring.remove(key)
+        del c.deficit[key]
+        if had_turn and c.ring:
+            c.deficit[c.ring[0]] += self._quantum(c.ring[0])
+        q = c.queues.pop(key, None)
+        if q:
+            self._dead -= sum(1 for t in q if not t.queued)
+
     def _enqueued(self, ticket: Ticket) -> None:
         ticket.queued = True
-        self._live[ticket.priority] += 1
+        c = self._classes[ticket.priority]
+        c.live += 1
+        c.stats.setdefault(ticket.key, KeyStats()).waiting += 1
+        if self._picked is not None and ticket.priority is Priority.INTERACTIVE:
+            self._picked = None  # an interactive arrival may go before a picked batch ticket
         if self._on_change is not None:
             self._on_change()
 
     def _compact(self) -> None:
-        for p in ORDER:
-            self._q[p] = deque(t for t in self._q[p] if t.queued)
+        for c in self._classes.values():
+            for key in list(c.queues):
+                c.queues[key] = deque(t for t in c.queues[key] if t.queued)
         self._dead = 0

@@ -25,16 +25,20 @@ class Ticket:
     ``future`` resolves to the :class:`Attempt` the dispatcher made for it. ``exclude`` names workers this
     request already failed on (retries go elsewhere when another worker exists). ``affinity`` is
     a short prefix key for prefix-aware choice (``None`` when the policy does not ask for it).
+    ``key`` is the configured name of the caller's API key (its share of admission; never the secret)
+    and ``cost`` the request's estimated tokens (prompt + completion), what fair admission charges.
     """
 
     __slots__ = (
         "affinity",
         "cancelled",
+        "cost",
         "deadline",
         "enqueued_at",
         "exclude",
         "failures",
         "future",
+        "key",
         "patience",
         "priority",
         "queued",
@@ -48,8 +52,13 @@ class Ticket:
         deadline: float,
         future: asyncio.Future[Attempt],
         affinity: str | None = None,
+        *,
+        key: str = "",
+        cost: int = 1,
     ) -> None:
         self.priority = priority
+        self.key = key
+        self.cost = max(1, cost)
         self.enqueued_at = enqueued_at
         self.deadline = deadline
         self.patience = deadline - enqueued_at  # a requeued ticket may wait this long again

@@ -142,8 +142,11 @@ class Dispatcher:
         self._again = False
 
     # -- request side -----------------------------------------------------------------------------
-    def submit(self, priority: Priority, timeout_s: float, affinity: str | None = None) -> Ticket:
-        """Queue a new request; raises :class:`QueueFull` or :class:`ProxyClosing`."""
+    def submit(
+        self, priority: Priority, timeout_s: float, affinity: str | None = None, *, key: str = "", cost: int = 1
+    ) -> Ticket:
+        """Queue a new request of ``key`` (a key's name) estimated at ``cost`` tokens; raises
+        :class:`QueueFull` or :class:`ProxyClosing`."""
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
@@ -153,6 +156,8 @@ class Dispatcher:
             now + timeout_s,
             asyncio.get_running_loop().create_future(),
             affinity if self.prefix_affinity else None,
+            key=key,
+            cost=cost,
         )
         self.admission.push(ticket)  # raises QueueFull
         self.pump()
@@ -301,6 +306,7 @@ class Dispatcher:
             admission.pop()
             if ticket.future.done():  # cancelled between its last check and now
                 continue
+            admission.record_wait(ticket, now - ticket.enqueued_at)
             attempt = Attempt(ticket, worker_id, now)
             self.board.get(worker_id).reserve(attempt)
             ticket.future.set_result(attempt)

@@ -18,3 +18,6 @@ class Job:
     model: str | None  # as given (None: not given, or /generate)
     affinity: str | None  # leading text of the prompt, for prefix-aware choice
     single: bool  # one prompt (so a scalar rid can be set)
+    size: int = 0  # body bytes, for the token estimate of fair admission
+    max_tokens: int | None = None  # completion tokens asked for per choice (None: not given)
+    choices: int = 1  # ``n``

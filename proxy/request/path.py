@@ -23,6 +23,7 @@ import aiohttp
 
 from proxy.policy import Policy
 from proxy.request.dispatch import Dispatcher
+from proxy.request.limits import KeyLimiter
 from proxy.request.upstream import UpstreamPool
 from proxy.workers.base import WorkerPool
 
@@ -44,6 +45,8 @@ class RequestMetrics(Protocol):
     def admitted(self) -> Counter: ...
     @property
     def reject_full(self) -> Counter: ...
+    @property
+    def reject_rate_limited(self) -> Counter: ...
     @property
     def retried(self) -> Counter: ...
     @property
@@ -71,6 +74,7 @@ class RequestSettings:
     request_timeout_s: float  # one upstream attempt, from the POST to the last byte
     queue_timeout_s: float  # longest wait in the proxy queue
     retry_after_s: int  # the Retry-After of a 429 or a 503 at shutdown
+    default_max_tokens: int = 256  # a request's completion tokens when it does not say (its cost estimate)
 
     @classmethod
     def from_policy(cls, policy: Policy) -> RequestSettings:
@@ -78,6 +82,7 @@ class RequestSettings:
             request_timeout_s=policy.proxy.request_timeout_s,
             queue_timeout_s=policy.queue.timeout_s,
             retry_after_s=policy.queue.retry_after_s,
+            default_max_tokens=policy.admission.default_max_tokens,
         )
 
 
@@ -87,6 +92,7 @@ class RequestPath:
     pool: WorkerPool
     dispatcher: Dispatcher
     metrics: RequestMetrics
+    limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")

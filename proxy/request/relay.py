@@ -44,12 +44,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.errors import ApiError, error_event
-from proxy.request.admission import Priority, QueueFull
+from proxy.errors import ApiError, error_event, openai_error_body
+from proxy.request.admission import Priority, QueueFull, estimate_cost
 from proxy.request.attempt import AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
+from proxy.request.limits import RateLimited
 from proxy.request.path import RequestPath
 from proxy.request.sse import has_output
 from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
@@ -184,16 +185,16 @@ def _failure_error(fail: AttemptFailed, attempts: int) -> ApiError:
 
 
 async def forward(
-    path: RequestPath, request: web.Request, job: Job, priority: Priority, arrived: float
+    path: RequestPath, request: web.Request, job: Job, priority: Priority, arrived: float, key: str = ""
 ) -> web.StreamResponse:
-    """Queue, dispatch, open, relay: the one answer to an accepted request.
+    """Queue, dispatch, open, relay: the one answer to an accepted request of ``key`` (a key's name).
 
     ``arrived`` is ``time.monotonic()`` when the handler started (for the added-latency metric).
     """
-    return await _answer(path, job, priority, arrived, partial(_respond, path, request))
+    return await _answer(path, job, priority, arrived, partial(_respond, path, request), key)
 
 
-async def complete(path: RequestPath, job: Job, priority: Priority) -> web.Response:
+async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "") -> web.Response:
     """The whole answer to a request that no client streams from (a batch line): queued, dispatched,
     retried and refused (:class:`~proxy.errors.ApiError`) as :func:`forward` does."""
     if job.stream:
@@ -202,7 +203,7 @@ async def complete(path: RequestPath, job: Job, priority: Priority) -> web.Respo
     async def whole(opened: Opened, _url: str, _rid: str | None) -> web.Response:
         return _whole(path, opened)
 
-    return await _answer(path, job, priority, time.monotonic(), whole)
+    return await _answer(path, job, priority, time.monotonic(), whole, key)
 
 
 async def _answer(
@@ -211,13 +212,38 @@ async def _answer(
     priority: Priority,
     arrived: float,
     respond: Callable[[Opened, str, str | None], Awaitable[R]],
+    key: str,
 ) -> R | web.Response:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
-    opened attempt (while it holds its worker)."""
-    d, m = path.dispatcher, path.metrics
+    opened attempt (while it holds its worker). The key's limits hold the request from here to its end."""
     submitted = time.monotonic()
+    cost = estimate_cost(job.size, job.max_tokens, path.settings.default_max_tokens, job.choices)
     try:
-        ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity)
+        lease = path.limits.acquire(key, cost, submitted)
+    except RateLimited as exc:
+        path.metrics.reject_rate_limited.inc()
+        raise ApiError(
+            429, exc.message, type="rate_limit_error", code="rate_limit_exceeded", headers=exc.headers
+        ) from None
+    try:
+        return await _queued(path, job, priority, arrived, respond, key, cost, submitted)
+    finally:
+        lease.release()
+
+
+async def _queued(
+    path: RequestPath,
+    job: Job,
+    priority: Priority,
+    arrived: float,
+    respond: Callable[[Opened, str, str | None], Awaitable[R]],
+    key: str,
+    cost: int,
+    submitted: float,
+) -> R | web.Response:
+    d, m = path.dispatcher, path.metrics
+    try:
+        ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity, key=key, cost=cost)
     except ProxyClosing:
         raise _closing_error(path) from None
     except QueueFull as exc:
@@ -268,7 +294,9 @@ async def _answer(
         except AttemptFailed as fail:
             m.fail_upstream.inc()
             if fail.body and fail.content_type == "application/json":  # the worker's own error answer
-                return web.Response(status=fail.status, body=fail.body, content_type="application/json")
+                return web.Response(
+                    status=fail.status, body=openai_error_body(fail.status, fail.body), content_type="application/json"
+                )
             raise _failure_error(fail, ticket.failures) from None
         # the attempt ended without output and the ticket is back in the queue: wait for the next
 
@@ -320,7 +348,12 @@ def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, di
 
 
 def _whole(path: RequestPath, opened: Opened) -> web.Response:
+    """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message kept."""
     path.metrics.completed.inc()
+    if opened.status != 200 and opened.body is not None:
+        return web.Response(
+            status=opened.status, body=openai_error_body(opened.status, opened.body), content_type="application/json"
+        )
     return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
 
 

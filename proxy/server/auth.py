@@ -3,21 +3,29 @@
 Keys come from the policy's ``[auth]`` section: ``api_keys_env`` names an environment variable
 (entries separated by commas or newlines), ``api_keys_file`` a file with one entry per line; an
 entry is ``KEY``, ``KEY batch`` or ``KEY:batch`` (likewise ``interactive``: the key's class; a ``batch`` key
-cannot raise itself to ``interactive`` with the priority header). Blank lines and ``#`` comments
-are ignored. The admin key (``admin_key_env`` / ``admin_key_file``) guards ``/admin/*``.
-With no key configured the corresponding endpoints are open, and :func:`describe` says so.
+cannot raise itself to ``interactive`` with the priority header), optionally followed by
+``name=NAME``: the name the key is known by in the policy's ``[keys.NAME]`` (its weight and
+limits), in ``/metrics`` and in logs; the secret itself is never shown. A key without a name is
+``key-N`` (N: its place among all entries, from 1). Blank lines and ``#`` comments are ignored.
+The admin key (``admin_key_env`` / ``admin_key_file``) guards ``/admin/*``. With no key configured
+the corresponding endpoints are open (every caller is ``anonymous``), and :func:`describe` says so.
+
+Keys are found in constant time: the ring is indexed by the SHA-256 digest of each key, and a
+presented token is looked up by its digest, so the time taken does not depend on how much of a
+real key the token matches (the admin key likewise, with :func:`hmac.compare_digest`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from proxy.errors import ApiError
+from proxy.policy import AuthSettings
 from proxy.request.admission import Priority
 
 
@@ -25,27 +33,59 @@ class AuthConfigError(ValueError):
     """A key file is missing or malformed, or a key names an unknown class."""
 
 
+ANONYMOUS = "anonymous"  # the caller of an open proxy
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a key stands for: its configured name and class (None: the policy's default)."""
+
+    name: str
+    cls: Priority | None = None
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class KeyRing:
-    keys: Mapping[str, Priority | None] = field(default_factory=dict)  # key -> its class (None: default)
+    keys: Mapping[str, Caller] = field(default_factory=dict)  # key -> who it stands for
     admin_keys: frozenset[str] = frozenset()
+    by_digest: Mapping[bytes, Caller] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.keys and not self.by_digest:
+            object.__setattr__(self, "by_digest", {_digest(k): c for k, c in self.keys.items()})
 
     @property
     def open(self) -> bool:
         return not self.keys
+
+    def names(self) -> list[str]:
+        """The configured names, each once (the bounded set of ``/metrics`` key labels)."""
+        return sorted({c.name for c in self.keys.values()})
 
     @property
     def admin_open(self) -> bool:
         return not self.admin_keys
 
 
-def parse_entries(text: str, source: str) -> dict[str, Priority | None]:
-    out: dict[str, Priority | None] = {}
+def parse_entries(text: str, source: str, first: int = 1) -> dict[str, Caller]:
+    """The entries of one source; unnamed keys are ``key-N`` counting from ``first``."""
+    out: dict[str, Caller] = {}
     for n, line in enumerate(text.replace(",", "\n").splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
+        name = f"key-{first + len(out)}"
+        named = [p for p in parts[1:] if p.startswith("name=")]
+        if named:
+            name = named[-1].removeprefix("name=")
+            parts = [p for p in parts if p not in named]
+            if not name:
+                raise AuthConfigError(f"{source}: entry {n} has an empty name=")
         if len(parts) == 1 and ":" in line:
             key, _, cls_name = line.rpartition(":")
             if cls_name.lower() in (p.value for p in Priority):
@@ -60,7 +100,7 @@ def parse_entries(text: str, source: str) -> dict[str, Priority | None]:
                 raise AuthConfigError(
                     f"{source}: entry {n} names class {parts[1]!r}; expected interactive or batch"
                 ) from None
-        out[parts[0]] = cls
+        out[parts[0]] = Caller(name, cls)
     return out
 
 
@@ -71,20 +111,20 @@ def _read_file(path: str) -> str:
         raise AuthConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
 
 
-def load_keyring(auth: Any, environ: Mapping[str, str] | None = None) -> KeyRing:
-    """Build the key ring from the policy's ``auth`` section (attributes may be absent or None)."""
+def load_keyring(auth: AuthSettings, environ: Mapping[str, str] | None = None) -> KeyRing:
+    """Build the key ring from the policy's ``auth`` section (each source may be unset)."""
     env = os.environ if environ is None else environ
-    keys: dict[str, Priority | None] = {}
+    keys: dict[str, Caller] = {}
     admin: set[str] = set()
-    if auth is not None:
-        if name := getattr(auth, "api_keys_env", None):
-            keys.update(parse_entries(env.get(name, ""), f"${name}"))
-        if path := getattr(auth, "api_keys_file", None):
-            keys.update(parse_entries(_read_file(str(path)), str(path)))
-        if name := getattr(auth, "admin_key_env", None):
-            admin.update(k for k in parse_entries(env.get(name, ""), f"${name}"))
-        if path := getattr(auth, "admin_key_file", None):
-            admin.update(k for k in parse_entries(_read_file(str(path)), str(path)))
+    if auth.api_keys_env:
+        keys.update(parse_entries(env.get(auth.api_keys_env, ""), f"${auth.api_keys_env}"))
+    if auth.api_keys_file is not None:
+        path = str(auth.api_keys_file)
+        keys.update(parse_entries(_read_file(path), path, first=len(keys) + 1))
+    if auth.admin_key_env:
+        admin.update(parse_entries(env.get(auth.admin_key_env, ""), f"${auth.admin_key_env}"))
+    if auth.admin_key_file is not None:
+        admin.update(parse_entries(_read_file(str(auth.admin_key_file)), str(auth.admin_key_file)))
     return KeyRing(keys=keys, admin_keys=frozenset(admin))
 
 
@@ -99,28 +139,29 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 
 
 def _match(token: str, candidates: Iterable[str]) -> str | None:
-    for key in candidates:
+    found = None
+    for key in candidates:  # every candidate is compared: no early exit
         if hmac.compare_digest(token.encode(), key.encode()):
-            return key
-    return None
+            found = key
+    return found
 
 
-def check_api_key(ring: KeyRing, headers: Mapping[str, str]) -> Priority | None:
-    """The caller's key class (None: none or open); raises 401 when a key is required."""
+def check_api_key(ring: KeyRing, headers: Mapping[str, str]) -> Caller:
+    """Who the caller is (``anonymous`` on an open proxy); raises 401 when a key is required."""
     if ring.open:
-        return None
+        return Caller(ANONYMOUS)
     token = bearer(headers)
     if token is None:
         raise ApiError(
             401,
-            "missing API key: send 'Authorization: Bearer <key>'",
+            "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             type="authentication_error",
             code="invalid_api_key",
         )
-    cls = ring.keys.get(token, False)
-    if cls is False:
+    caller = ring.by_digest.get(_digest(token))
+    if caller is None:
         raise ApiError(401, "incorrect API key provided", type="authentication_error", code="invalid_api_key")
-    return cls  # type: ignore[return-value]
+    return caller
 
 
 def check_admin_key(ring: KeyRing, headers: Mapping[str, str]) -> None:

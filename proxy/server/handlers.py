@@ -86,7 +86,7 @@ def inference_route(path: str) -> Handler:
         st = request.app[PROXY]
         try:
             try:
-                key_class = check_api_key(st.keys, request.headers)
+                caller = check_api_key(st.keys, request.headers)
             except ApiError:
                 st.metrics.reject_auth.inc()
                 raise
@@ -97,11 +97,11 @@ def inference_route(path: str) -> Handler:
                         st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY]
                     )
                 check_model(st, job)
-                priority = pick_priority(st, request.headers, key_class)
+                priority = pick_priority(st, request.headers, caller.cls)
             except ApiError:
                 st.metrics.reject_invalid.inc()
                 raise
-            return await relay.forward(st.requests, request, job, priority, arrived)
+            return await relay.forward(st.requests, request, job, priority, arrived, caller.name)
         except ApiError as err:
             return error_response(err)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.observe.nvml import GpuReport
@@ -41,11 +41,12 @@ class _LiveState(Collector):
         self.urls = urls
         self.gpus = gpus
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         depth = GaugeMetricFamily("pacer_queue_depth", "Requests waiting in the proxy queue", labels=["priority"])
         for p in ORDER:
             depth.add_metric([p.value], self.admission.depth(p))
         yield depth
+        yield from _admission_families(self.admission)
         urls = self.urls()
         inflight = GaugeMetricFamily(
             "pacer_inflight", "Requests the proxy has open on each worker", labels=["worker", "url"]
@@ -68,6 +69,30 @@ class _LiveState(Collector):
         yield queue
         yield usage
         yield from _gpu_families(self.gpus())
+
+
+def _admission_families(admission: AdmissionQueue) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+    """Per class and key (the key's configured name: the label set is bounded by the configuration)."""
+    labels = ["priority", "key"]
+    waiting = GaugeMetricFamily("pacer_key_queue_depth", "Requests waiting in the proxy queue per key", labels=labels)
+    dispatched = CounterMetricFamily(
+        "pacer_key_dispatched_requests", "Requests handed to a worker per class and key", labels=labels
+    )
+    tokens = CounterMetricFamily(
+        "pacer_key_dispatched_tokens",
+        "Estimated tokens (prompt + max_tokens) handed to workers per class and key: the fair-share measure",
+        labels=labels,
+    )
+    wait = CounterMetricFamily(
+        "pacer_key_queue_wait_seconds", "Total time dispatched requests waited in the proxy queue", labels=labels
+    )
+    for p, key, st in admission.stats():
+        lv = [p.value, key]
+        waiting.add_metric(lv, st.waiting)
+        dispatched.add_metric(lv, st.dispatched)
+        tokens.add_metric(lv, st.dispatched_tokens)
+        wait.add_metric(lv, st.wait_s)
+    yield from (waiting, dispatched, tokens, wait)
 
 
 def _gpu_families(report: GpuReport | None) -> Iterable[GaugeMetricFamily]:
@@ -137,6 +162,7 @@ class ProxyMetrics:
         self.reject_full = self.rejected.labels("queue_full")
         self.reject_invalid = self.rejected.labels("invalid")
         self.reject_auth = self.rejected.labels("auth")
+        self.reject_rate_limited = self.rejected.labels("rate_limited")
         self.fail_timeout = self.failed.labels("queue_timeout")
         self.fail_upstream = self.failed.labels("upstream")
         self.fail_midstream = self.failed.labels("mid_stream")

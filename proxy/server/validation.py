@@ -76,6 +76,15 @@ def _common_sampling(body: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' must be a number, got {type(v).__name__}", name)
 
 
+def _cost(raw: bytes, limits: dict[str, Any], sampling: dict[str, Any]) -> tuple[int, int | None, int]:
+    """(body bytes, max tokens asked for, n): what fair admission estimates a request's tokens from."""
+    asked = next(
+        (v for k in ("max_completion_tokens", "max_tokens", "max_new_tokens") if _is_int(v := limits.get(k))), None
+    )
+    n = sampling.get("n")
+    return len(raw), asked, n if isinstance(n, int) and _is_int(n) and n >= 1 else 1
+
+
 def validate_chat(raw: bytes) -> Job:
     body = parse_json_object(raw)
     messages = body.get("messages")
@@ -96,7 +105,7 @@ def validate_chat(raw: bytes) -> Job:
     first = messages[0].get("content")
     affinity = first[:AFFINITY_CHARS] if isinstance(first, str) else None
     single = (body.get("n") or 1) == 1
-    return Job(CHAT, body, _stream_flag(body), _model(body), affinity, single)
+    return Job(CHAT, body, _stream_flag(body), _model(body), affinity, single, *_cost(raw, body, body))
 
 
 def validate_completions(raw: bytes) -> Job:
@@ -119,7 +128,7 @@ def validate_completions(raw: bytes) -> Job:
         raise bad_request("'prompt' must be a non-empty string or array", "prompt")
     _common_sampling(body)
     single = single and (body.get("n") or 1) == 1
-    return Job(COMPLETIONS, body, _stream_flag(body), _model(body), affinity, single)
+    return Job(COMPLETIONS, body, _stream_flag(body), _model(body), affinity, single, *_cost(raw, body, body))
 
 
 def validate_generate(raw: bytes) -> Job:
@@ -141,7 +150,7 @@ def validate_generate(raw: bytes) -> Job:
         _non_negative_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
     single = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
     affinity = text[:AFFINITY_CHARS] if isinstance(text, str) else None
-    return Job(GENERATE, body, _stream_flag(body), None, affinity, single)
+    return Job(GENERATE, body, _stream_flag(body), None, affinity, single, *_cost(raw, sp or {}, sp or {}))
 
 
 VALIDATORS = {CHAT: validate_chat, COMPLETIONS: validate_completions, GENERATE: validate_generate}

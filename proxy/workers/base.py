@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 WorkerId = str
 
@@ -78,8 +78,12 @@ class WorkerPool(Protocol):
         listeners); the pool brings it back when it answers again."""
 
 
+@runtime_checkable
 class WorkerLogs(Protocol):
-    """A managed worker's output (stdout and stderr merged), line by line, across restarts."""
+    """A managed worker's output (stdout and stderr merged), line by line, across restarts.
+
+    Only a pool that starts its workers has it (``isinstance(pool, WorkerLogs)``); external workers'
+    output is not the proxy's to read."""
 
     def tail(self, worker_id: WorkerId, n: int) -> list[str]:
         """The last ``n`` lines (a bounded ring)."""

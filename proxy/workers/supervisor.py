@@ -113,14 +113,6 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def _mask_secrets(argv: tuple[str, ...]) -> str:
-    shown = list(argv)
-    for i, token in enumerate(shown[:-1]):
-        if token in ("--api-key", "--admin-api-key"):
-            shown[i + 1] = "***"
-    return shlex.join(shown)
-
-
 class Supervisor:
     """Implements :class:`proxy.workers.base.SupervisedPool` for one ``[engine]`` table."""
 
@@ -312,7 +304,8 @@ class Supervisor:
     async def _launch(self, slot: _Slot, argv: tuple[str, ...], reason: str) -> None:
         assert slot.log_path is not None
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        header = f"===== {stamp} pacer: {reason}: worker {slot.id} on port {slot.port}: {_mask_secrets(argv)}"
+        shown = shlex.join(self._engine.masked_argv(argv))  # no API key in the log
+        header = f"===== {stamp} pacer: {reason}: worker {slot.id} on port {slot.port}: {shown}"
         slot.argv = argv
         slot.stopping = False
         slot.exit_code = None

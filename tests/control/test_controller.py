@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.control.controller import ActResult, Controller, LogReader
+from proxy.control.controller import ActResult, Controller, Drain, LogReader
 from proxy.control.journal import Journal, verdict
 from proxy.engines.base import Sample
 from proxy.engines.sglang.knobs import KNOBS
@@ -45,7 +45,9 @@ class RecordingActor:
 
     async def restart(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
         self.calls.append(("restart", worker_id, dict(args)))
-        return ActResult(info=info(worker_id, self.come_back, args), details={"drained": True, "taken_back": 0})
+        return ActResult(
+            info=info(worker_id, self.come_back, args), drain=Drain(in_flight_at_drain=0, drained=True, drain_s=0.0)
+        )
 
     async def revive(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
         self.calls.append(("revive", worker_id, dict(args)))
@@ -122,7 +124,7 @@ def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path
     assert c.state("w0").args["schedule_conservativeness"] == 1.3
     entry = c.journal.entries()[-1]
     assert entry["status"] == "applied" and entry["changes"] == {"schedule_conservativeness": [1.0, 1.3]}
-    assert entry["act"] == {"drained": True, "taken_back": 0}
+    assert entry["act"] == {"in_flight_at_drain": 0, "drained": True, "drain_s": 0.0, "taken_back": 0}
     assert entry["evidence"]["retraction_rate_per_min"] > 6 and entry["outcome"]["before"]["throughput"] > 2000
 
     # the next incarnation runs healthy; a window later the outcome is filled in

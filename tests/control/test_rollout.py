@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import pytest
 
+from proxy.control.controller import Drain
 from proxy.control.rollout import Rollout
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
@@ -66,7 +67,7 @@ class FakePool:
         return self.get(worker_id)
 
 
-async def _restart(dispatcher: FakeDispatcher, drain_timeout_s: float = 0.6) -> tuple[dict[str, object], float]:
+async def _restart(dispatcher: FakeDispatcher, drain_timeout_s: float = 0.6) -> tuple[Drain, float]:
     pool = FakePool()
     rollout = Rollout(pool, dispatcher, drain_timeout_s=drain_timeout_s, settle_s=0.05)
     loop = asyncio.get_running_loop()
@@ -74,14 +75,15 @@ async def _restart(dispatcher: FakeDispatcher, drain_timeout_s: float = 0.6) -> 
     result = await rollout.restart("w0", {"x": 1}, "test")
     assert pool.restarted == [{"x": 1}]
     assert pool.states == [WorkerState.READY, WorkerState.DRAINING, WorkerState.READY]  # drained, restarted
-    return dict(result.details), loop.time() - t
+    assert result.drain is not None
+    return result.drain, loop.time() - t
 
 
 @pytest.mark.looptime
 async def test_short_outputs_drain_to_the_end() -> None:
     """Requests keep finishing: the drain waits for all of them, nothing is taken back."""
     d, took = await _restart(FakeDispatcher([0.02 * i for i in range(1, 20)]))
-    assert d["drained"] is True and d["taken_back"] == 0 and "drain_stopped" not in d
+    assert d.drained is True and d.taken_back == 0 and d.drain_stopped is None
     assert took == pytest.approx(0.38)  # the last one finished
 
 
@@ -89,7 +91,7 @@ async def test_short_outputs_drain_to_the_end() -> None:
 async def test_long_outputs_are_taken_back_after_one_slice() -> None:
     """Nothing finishes within a slice (outputs far from done): take back at once, not after the timeout."""
     d, took = await _restart(FakeDispatcher([5.0 + i for i in range(30)]))
-    assert d["drained"] is False and d["taken_back"] == 30 and "drain_stopped" in d
+    assert d.drained is False and d.taken_back == 30 and d.drain_stopped == "0 of 30 finished in 0.1 s"
     assert took == pytest.approx(0.1)  # one slice (0.6 / 6), not the 0.6 s timeout
 
 
@@ -98,7 +100,7 @@ async def test_the_drain_stops_when_finishing_slows_down() -> None:
     """A third finish early, the rest much later: the drain ends in the first slice that sees too few finish."""
     finish = [0.01 * i for i in range(1, 11)] + [10.0 + i for i in range(20)]
     d, took = await _restart(FakeDispatcher(finish))
-    assert d["drained"] is False and d["taken_back"] == 20
+    assert d.drained is False and d.taken_back == 20
     assert took == pytest.approx(0.2)  # the second slice saw none of the 20 finish
 
 
@@ -107,5 +109,5 @@ async def test_streams_with_output_are_waited_for_until_the_deadline() -> None:
     """What cannot be taken back (a stream already sending) still gets the drain's whole deadline."""
     finish = [0.45, 5.0, 6.0]  # the first one has sent output: it runs to its end at 0.45 s
     d, took = await _restart(FakeDispatcher(finish, started=1))
-    assert d["taken_back"] == 2 and d["still_running_at_restart"] == 0
+    assert d.taken_back == 2 and d.still_running_at_restart == 0
     assert took == pytest.approx(0.45)

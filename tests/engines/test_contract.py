@@ -86,3 +86,25 @@ def test_a_log_that_says_nothing_is_an_unknown_death() -> None:
         assert engine.log_reader().feed("the last line", 0.0) == []
         assert EventKind.OOM not in {e.kind for e in engine.log_reader().flush(0.0)}
     assert KnobName.CONSERVATIVENESS in ENGINES["sglang"].knobs
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_extra_args_may_not_set_what_the_supervisor_sets(name: str) -> None:
+    engine = ENGINES[name]
+    for extra in (["--port", "9000"], ["--port=9000"]):
+        assert engine.check_extra_args(extra) == "--port is set by the supervisor (use engine.host / engine.base_port)"
+    assert engine.check_extra_args(["--host", "0.0.0.0"]) is not None
+    assert engine.check_extra_args(["--portable", "--hostile=1"]) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "admin_key_shown"), [("sim", "--admin-api-key=***"), ("sglang", "--admin-api-key=***"), ("vllm", None)]
+)
+def test_a_logged_command_line_shows_no_api_key(name: str, admin_key_shown: str | None) -> None:
+    """SGLang takes ``--api-key`` and ``--admin-api-key``; vLLM only ``--api-key`` (no admin key flag)."""
+    argv = ["--model-path", "m", "--api-key", "k1", "--admin-api-key=k2", "--port", "8001", "--api-key"]
+    shown = ENGINES[name].masked_argv(argv)
+    admin = admin_key_shown or "--admin-api-key=k2"
+    assert shown == ["--model-path", "m", "--api-key", "***", admin, "--port", "8001", "--api-key"]
+    assert argv[3] == "k1"  # the command line itself is left as it is
+    assert ENGINES[name].secret_args == ({"api_key"} if admin_key_shown is None else {"api_key", "admin_api_key"})

@@ -29,7 +29,7 @@ def large_vllm_page() -> str:
 
 def test_the_pre_filter_drops_the_buckets_of_a_large_page() -> None:
     page = large_vllm_page()
-    kept = prometheus.keep_read_lines(page, vllm_metrics.PREFIX, vllm_metrics._READ)
+    kept = prometheus.keep_read_lines(page, vllm_metrics.PREFIX, vllm_metrics.READ)
     assert page.count("_bucket{") > 4000
     assert "vllm:" not in "".join(line for line in kept.splitlines() if "_bucket{" in line)
     assert len(kept) < len(page) / 10
@@ -40,7 +40,7 @@ def test_a_large_page_gives_the_sample_of_the_whole_page() -> None:
     page = large_vllm_page()
     whole = prometheus.collect_series(page, vllm_metrics.PREFIX)  # no read set: every series parsed
     read = vllm_metrics.collect_series(page)
-    assert set(read.values) == vllm_metrics._READ & set(whole.values)
+    assert set(read.values) == vllm_metrics.READ & set(whole.values)
     for name in read.values:
         assert read.values[name] == whole.values[name], name
         assert read.labels[name] == whole.labels[name], name
@@ -61,8 +61,8 @@ def test_sglang_reads_through_the_same_filter() -> None:
         *(f'sglang:e2e_request_latency_seconds_bucket{{le="{le}"}} 1.0' for le in ("0.1", "1.0", "+Inf")),
         "sglang:e2e_request_latency_seconds_sum 0.3", "sglang:e2e_request_latency_seconds_count 1.0", "",
     ])  # fmt: skip
-    assert sglang_metrics._read_lines(page) == prometheus.keep_read_lines(page, "sglang:", sglang_metrics._READ)
-    assert "e2e_request_latency" not in sglang_metrics._read_lines(page)
+    kept = prometheus.keep_read_lines(page, sglang_metrics.PREFIX, sglang_metrics.READ)
+    assert "e2e_request_latency" not in kept and "sglang:num_queue_reqs 4.0" in kept
     sample = sglang_metrics.parse_metrics(page, 1.0)
     assert (sample.queue, sample.running, sample.token_usage) == (4, 2, 0.5)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engines.sglang.metrics import FIELDS, PREFIX, MetricsParseError, _read_lines, collect_series, parse_metrics
+from proxy.engines.prometheus import keep_read_lines
+from proxy.engines.sglang.metrics import FIELDS, PREFIX, READ, MetricsParseError, collect_series, parse_metrics
 
 LABELS = 'model_name="m",tp_rank="{r}"'
 PAGE = "\n".join(
@@ -40,7 +41,7 @@ PAGE = "\n".join(
 
 
 def test_the_filtered_page_gives_the_same_sample_as_the_whole_page() -> None:
-    kept = _read_lines(PAGE)
+    kept = keep_read_lines(PAGE, PREFIX, READ)  # what parse_metrics parses
     assert "_bucket" not in kept and "time_to_first_token" not in kept
     assert "python_gc_objects_collected_total" in kept  # not an sglang: series: left to the parser
     whole, filtered = collect_series(PAGE), collect_series(kept)
@@ -59,5 +60,5 @@ def test_a_broken_page_still_fails(page: str) -> None:
 
 
 def test_the_read_set_covers_every_field() -> None:
-    kept = _read_lines("\n".join(f"{PREFIX}{n} 1.0" for names, _ in FIELDS.values() for n in names))
+    kept = keep_read_lines("\n".join(f"{PREFIX}{n} 1.0" for names, _ in FIELDS.values() for n in names), PREFIX, READ)
     assert len(kept.splitlines()) == sum(len(names) for names, _ in FIELDS.values())

@@ -3,7 +3,7 @@
 It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), streams one SSE chunk
 per token with ``token_delay_s`` between them, serves ``/metrics`` with the live queue, honours
 ``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
-``"500"`` (an error answer), ``"reset"`` (connection dropped before any byte),
+``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies).
 """
 
@@ -42,6 +42,10 @@ class FakeEngine:
     def fail_next(self, mode: str, n: int = 1) -> None:
         self._fail.extend([mode] * n)
 
+    def fail_none(self) -> None:
+        """Forget the failures still due: every next request is served."""
+        self._fail.clear()
+
     # -- server-side scheduling ---------------------------------------------------------------------
     async def _acquire(self) -> None:
         if self.running < self.max_running and not self.waiting:
@@ -75,6 +79,9 @@ class FakeEngine:
         mode = self._fail.pop(0) if self._fail else None
         if mode == "500":
             return web.Response(status=500, text="internal failure (injected)")
+        if mode == "400":
+            refusal = {"object": "error", "message": "n=9 is too large (injected)", "type": "BadRequestError"}
+            return web.Response(status=400, body=orjson.dumps({**refusal, "param": None, "code": 400}))
         if mode == "reset":
             assert request.transport is not None
             request.transport.close()

@@ -107,6 +107,7 @@ async def test_sized_answers_reuse_one_connection_and_send_the_body() -> None:
 
 async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_first() -> None:
     go = asyncio.Event()
+    first_read = asyncio.Event()
 
     async def reply(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(SSE_HEAD)
@@ -114,7 +115,7 @@ async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_firs
         await go.wait()  # headers alone: post(until_output=True) must not return yet
         w.write(chunk(b"data: 1\n\n"))
         await w.drain()
-        await asyncio.sleep(0.05)
+        await first_read.wait()  # the second chunk only once the client has the first: two reads
         w.write(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
 
     pool = UpstreamPool()
@@ -126,6 +127,7 @@ async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_firs
         resp = await opening
         assert resp.content_type == "text/event-stream"
         assert await resp.readany() == b"data: 1\n\n"
+        first_read.set()
         assert await resp.readany() == b"data: 2\n\n"
         assert await resp.readany() == b""
         resp.close()
@@ -222,7 +224,6 @@ async def test_a_stream_broken_midway_raises_and_a_refused_connect_is_an_error()
             await resp.readany()
         resp.close()
         url = srv.url
-    await asyncio.sleep(0.05)
     with pytest.raises(UpstreamError, match="cannot connect"):
         await pool.post(url, "/x", b"", timeout_s=5)  # the server is gone
     pool.close()
@@ -259,7 +260,8 @@ async def test_abort_wakes_the_reader_and_drops_the_connection() -> None:
     async with Script(reply) as srv:
         resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
         reading = asyncio.ensure_future(resp.readany())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the reader runs until it waits for data (none comes)
+        assert not reading.done()
         resp.abort(TakenBack())
         with pytest.raises(TakenBack):
             await reading

@@ -7,27 +7,51 @@ import pytest
 from proxy.errors import ApiError
 from proxy.policy import AuthSettings
 from proxy.request.admission import Priority
-from proxy.server.auth import AuthConfigError, check_admin_key, check_api_key, load_keyring, parse_entries
+from proxy.server.auth import (
+    AuthConfigError,
+    Caller,
+    KeyRing,
+    check_admin_key,
+    check_api_key,
+    load_keyring,
+    parse_entries,
+)
 from proxy.server.validation import validate_chat, validate_completions, validate_generate
 
 
 def test_key_entries_both_spellings():
     assert parse_entries("a, b:batch\nc interactive # note\n\n# comment", "x") == {
-        "a": None,
-        "b": Priority.BATCH,
-        "c": Priority.INTERACTIVE,
+        "a": Caller("key-1"),
+        "b": Caller("key-2", Priority.BATCH),
+        "c": Caller("key-3", Priority.INTERACTIVE),
     }
-    assert parse_entries("url:with:colons", "x") == {"url:with:colons": None}
+    assert parse_entries("url:with:colons", "x") == {"url:with:colons": Caller("key-1")}
     with pytest.raises(AuthConfigError, match="class 'gold'"):
         parse_entries("k gold", "keys.txt")
+
+
+def test_key_entries_carry_names_and_never_expose_the_secret():
+    entries = parse_entries("sk-1 name=alice, sk-2 batch name=etl\nsk-3:batch", "x")
+    assert entries == {
+        "sk-1": Caller("alice"),
+        "sk-2": Caller("etl", Priority.BATCH),
+        "sk-3": Caller("key-3", Priority.BATCH),
+    }
+    ring = KeyRing(keys=entries)
+    assert ring.names() == ["alice", "etl", "key-3"]
+    assert check_api_key(ring, {"x-api-key": "sk-2"}) == Caller("etl", Priority.BATCH)
+    with pytest.raises(ApiError, match="incorrect API key"):
+        check_api_key(ring, {"Authorization": "Bearer sk-"})  # a prefix of a real key is no key
+    with pytest.raises(AuthConfigError, match="empty name"):
+        parse_entries("k name=", "keys.txt")
 
 
 def test_keyring_from_env_and_files(tmp_path):
     f = tmp_path / "keys"
     f.write_text("fk batch\n")
     ring = load_keyring(AuthSettings(api_keys_env="E", api_keys_file=f, admin_key_env="A"), {"E": "ek", "A": "adm"})
-    assert ring.keys == {"ek": None, "fk": Priority.BATCH} and ring.admin_keys == {"adm"}
-    assert check_api_key(ring, {"Authorization": "Bearer fk"}) is Priority.BATCH
+    assert ring.keys == {"ek": Caller("key-1"), "fk": Caller("key-2", Priority.BATCH)} and ring.admin_keys == {"adm"}
+    assert check_api_key(ring, {"Authorization": "Bearer fk"}).cls is Priority.BATCH
     with pytest.raises(ApiError) as e:
         check_api_key(ring, {"Authorization": "Basic fk"})
     assert e.value.status == 401

@@ -162,3 +162,19 @@ async def test_stream_cut_by_worker_death_ends_with_error_event(sim):
                 os.kill(st.pool.get(wid).pid, signal.SIGKILL)
     assert "mid-stream" in str(exc.value)
     await client.close()
+
+
+async def test_the_engines_refusal_reaches_the_client_in_openais_shape(sim):
+    """SGLang answers max_tokens beyond the context with {"object": "error", ...}: the client gets
+    OpenAI's {"error": {...}} with the engine's status and message."""
+    with pytest.raises(openai.BadRequestError) as e:
+        await sim.client().completions.create(model=MODEL, prompt="x", max_tokens=10_000_000)
+    assert e.value.status_code == 400
+    body = e.value.body
+    assert isinstance(body, dict) and "object" not in body
+    assert "maximum context length" in body["message"] and body["type"] == "invalid_request_error"
+    async with aiohttp.ClientSession() as s:
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 10_000_000, "stream": True}
+        async with s.post(sim.url + "/v1/completions", json=payload) as r:
+            raw = await r.json()
+    assert r.status == 400 and set(raw) == {"error"} and set(raw["error"]) == {"message", "type", "param", "code"}

@@ -30,8 +30,11 @@ def post(sim: SimProcess, path: str, body: object) -> tuple[int, object]:
     return status, json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
 
 
-async def sse(session: aiohttp.ClientSession, url: str, body: object) -> list[object]:
-    events: list[object] = []
+async def sse(
+    session: aiohttp.ClientSession, url: str, body: object, events: list[object] | None = None
+) -> list[object]:
+    """The stream's events, appended to ``events`` (when given) as they arrive."""
+    events = [] if events is None else events
     async with session.post(url, json=body) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         async for raw in resp.content:
@@ -152,15 +155,19 @@ async def test_metrics_count_what_was_served(sim: SimProcess) -> None:
 
 
 async def test_abort_request_ends_a_stream(sim: SimProcess) -> None:
+    arrived: list[object] = []
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(
             sse(
                 s,
                 sim.url + "/generate",
                 {"text": "long", "stream": True, "rid": "to-abort", "sampling_params": {"max_new_tokens": 20000}},
+                arrived,
             )
         )
-        await asyncio.sleep(0.5)
+        async with asyncio.timeout(10):
+            while not arrived:  # the request is running: its first tokens came
+                await asyncio.sleep(0.01)
         async with s.post(sim.url + "/abort_request", json={"rid": "to-abort"}) as resp:
             assert resp.status == 200
         events = await asyncio.wait_for(task, 10)

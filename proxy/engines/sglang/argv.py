@@ -135,7 +135,9 @@ REMOVED_FLAGS: Mapping[str, str] = {
     "enable_dp_attention": "deprecated in SGLang 0.5.x: use attn_dp_size through engine.extra_args",
 }
 
-TABLE = FlagTable("SGLang", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS)
+TABLE = FlagTable(
+    "SGLang", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS, secret=frozenset({"api_key", "admin_api_key"})
+)
 
 _SIM_PREFIX = "sim_"
 

@@ -65,8 +65,18 @@ class SGLangEngine:
     def check_arg(self, name: str, value: object) -> str | None:
         return argv.check_arg(name, value, allow_sim=self.sim_args)
 
+    def check_extra_args(self, extra_args: Sequence[str]) -> str | None:
+        return argv.TABLE.check_extra_args(extra_args)
+
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
+
+    @property
+    def secret_args(self) -> frozenset[str]:
+        return argv.TABLE.secret
+
+    def masked_argv(self, command: Sequence[str]) -> list[str]:
+        return argv.TABLE.masked(command)
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return str(args.get("schedule_policy", "")) == "lpm"

@@ -13,7 +13,7 @@ from proxy.engines import prometheus
 from proxy.engines.base import Sample
 from proxy.engines.prometheus import MetricsParseError
 
-__all__ = ["FIELDS", "PREFIX", "MetricsParseError", "collect_series", "parse_loads", "parse_metrics"]
+__all__ = ["FIELDS", "PREFIX", "READ", "MetricsParseError", "collect_series", "parse_loads", "parse_metrics"]
 
 PREFIX = "sglang:"
 
@@ -34,7 +34,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "requests_total": (("num_requests_total",), _SUM),
 }
 REQUIRED = ("queue", "running", "token_usage")
-_READ = frozenset(n for names, _ in FIELDS.values() for n in names)
+READ = frozenset(n for names, _ in FIELDS.values() for n in names)  # the series parsed; the rest skipped unparsed
 
 
 def collect_series(text: str) -> dict[str, list[float]]:
@@ -42,15 +42,9 @@ def collect_series(text: str) -> dict[str, list[float]]:
     return prometheus.collect_series(text, PREFIX).values
 
 
-def _read_lines(text: str) -> str:
-    """The page without the ``sglang:`` series that :data:`FIELDS` does not read (see
-    :func:`proxy.engines.prometheus.keep_read_lines`)."""
-    return prometheus.keep_read_lines(text, PREFIX, _READ)
-
-
 def parse_metrics(text: str, now: float) -> Sample:
     """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
-    series = prometheus.collect_series(text, PREFIX, _READ).values
+    series = prometheus.collect_series(text, PREFIX, READ).values
     found: dict[str, float | None] = {}
     for field_name, (names, combine) in FIELDS.items():
         found[field_name] = None

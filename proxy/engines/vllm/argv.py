@@ -78,7 +78,7 @@ REMOVED_FLAGS: Mapping[str, str] = {
 }
 
 
-TABLE = FlagTable("vLLM", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS)
+TABLE = FlagTable("vLLM", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS, secret=frozenset({"api_key"}))
 
 
 def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | None:

@@ -56,8 +56,18 @@ class VllmEngine:
     def check_arg(self, name: str, value: object) -> str | None:
         return argv.check_arg(name, value)
 
+    def check_extra_args(self, extra_args: Sequence[str]) -> str | None:
+        return argv.TABLE.check_extra_args(extra_args)
+
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
+
+    @property
+    def secret_args(self) -> frozenset[str]:
+        return argv.TABLE.secret
+
+    def masked_argv(self, command: Sequence[str]) -> list[str]:
+        return argv.TABLE.masked(command)
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return False  # the scheduler is FCFS (or priority): it does not group the queue by prefix

@@ -15,7 +15,16 @@ from proxy.engines import prometheus
 from proxy.engines.base import Sample
 from proxy.engines.prometheus import MetricsParseError, Series
 
-__all__ = ["FIELDS", "PREFIX", "MetricsParseError", "Series", "collect_series", "kv_capacity_tokens", "parse_metrics"]
+__all__ = [
+    "FIELDS",
+    "PREFIX",
+    "READ",
+    "MetricsParseError",
+    "Series",
+    "collect_series",
+    "kv_capacity_tokens",
+    "parse_metrics",
+]
 
 PREFIX = "vllm:"
 
@@ -41,12 +50,12 @@ _PREFIX_QUERIES = ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total
 
 _CAPACITY = "cache_config_info"  # an info-style gauge: the KV capacity is in its labels
 # every series parse_metrics reads; the page's histogram buckets are skipped unparsed
-_READ = frozenset({*(n for names, _ in FIELDS.values() for n in names), *_PREFIX_HITS, *_PREFIX_QUERIES, _CAPACITY})
+READ = frozenset({*(n for names, _ in FIELDS.values() for n in names), *_PREFIX_HITS, *_PREFIX_QUERIES, _CAPACITY})
 
 
 def collect_series(text: str) -> Series:
     """Every ``vllm:`` series that :func:`parse_metrics` reads, prefix removed, with its labels."""
-    return prometheus.collect_series(text, PREFIX, _READ)
+    return prometheus.collect_series(text, PREFIX, READ)
 
 
 def _first(series: Series, names: tuple[str, ...], combine: str) -> float | None:

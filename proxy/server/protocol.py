@@ -1,0 +1,142 @@
+"""The HTTP edge below the handlers: what aiohttp refuses before a handler runs, and slow headers.
+
+aiohttp answers a request it cannot parse (a header over 8 KiB, a malformed request line) itself,
+before any middleware runs, with a plain-text 400 and a traceback in the log each time, so an
+unauthenticated client could flood the log. :class:`EdgeRequestHandler` answers those in OpenAI's
+error shape (``code`` ``bad_http_request``, aiohttp's status and reason kept) and logs one line.
+
+aiohttp has no limit on how long a client may take to send its request head: a connection that
+sends a header byte a second is held open for ever (slowloris). The handler arms a timer when the
+first byte of a request head arrives; when the head is not complete within ``header_timeout_s``
+it answers 408 in the same JSON shape and closes the connection. Idle keep-alive connections are
+aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``request_timeout_s``).
+
+:class:`EdgeRunner` is ``web.AppRunner`` serving with this handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from proxy.errors import error_body, type_for_status
+
+__all__ = ["EdgeRequestHandler", "EdgeRunner"]
+
+_log = logging.getLogger(__name__)
+
+
+class EdgeRequestHandler(RequestHandler):
+    """aiohttp's connection handler with JSON refusals, one log line each, and a header deadline."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._in_request = False  # a head was parsed and its handler has not ended yet
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_request and self._head_timer is None and data and self._header_timeout_s > 0:
+            self._head_timer = self._loop.call_later(self._header_timeout_s, self._head_too_slow)
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count > before:
+            self._in_request = True
+            self._cancel_head_timer()
+
+    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super()._handle_request(*args, **kwargs)
+        finally:
+            self._in_request = False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        peer = transport.get_extra_info("peername")
+        _log.warning(
+            "closed a connection from %s: its request headers did not arrive within %g s (proxy.header_timeout_s)",
+            peer[0] if isinstance(peer, tuple) else peer,
+            self._header_timeout_s,
+        )
+        body = error_body(
+            f"the request headers did not arrive within {self._header_timeout_s:g} s",
+            type="invalid_request_error",
+            code="request_timeout",
+        )
+        transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        self.force_close()
+        transport.close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError) or (exc is None and status != 500):
+            reason = (exc.message if isinstance(exc, HttpProcessingError) else None) or message or "bad request"
+            reason = " ".join(str(reason).split())[:300]
+            _log.warning("refused a request from %s before it reached a handler: %s", request.remote, reason)
+            code, kind = "bad_http_request", type_for_status(status)
+        elif status == 504:
+            reason, code, kind = "the request handler timed out", "timeout", "server_error"
+        else:
+            _log.error("unhandled error on a request from %s", request.remote, exc_info=exc)
+            reason, code, kind = "internal error in the proxy (see its log)", None, "server_error"
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response already started; cannot send an error answer")
+        resp = web.Response(
+            status=status, body=error_body(reason, type=kind, code=code), content_type="application/json"
+        )
+        resp.force_close()
+        return resp
+
+
+class _EdgeServer(web.Server):
+    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    def __call__(self) -> RequestHandler:
+        return EdgeRequestHandler(self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs)
+
+
+class EdgeRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections are served by :class:`EdgeRequestHandler`."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # the app's own server: its handler and request factory
+        return _EdgeServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            header_timeout_s=self._header_timeout_s,
+            **plain._kwargs,  # the handler settings the runner was given (access log, keep-alive, ...)
+        )

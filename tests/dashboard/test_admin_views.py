@@ -1,0 +1,132 @@
+"""``/dashboard``, ``/admin/timeline``, ``pacer status`` and ``pacer decisions`` against a real
+front door (two external workers nobody answers for, a journal with entries, an admin key)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from proxy.compose import build_app, serve
+from proxy.control.decision import Decision
+from proxy.control.journal import Status
+from proxy.policy import ControlMode, parse_policy
+from proxy.server.state import PROXY
+from tests.harness.static_pool import StaticPool
+
+KEY = "sesame"
+
+
+@pytest.fixture
+async def proxy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterator[tuple[str, Any]]:
+    monkeypatch.setenv("PACER_TEST_ADMIN", KEY)
+    policy = parse_policy({
+        "engine": {"kind": "external", "urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"]},
+        "auth": {"admin_key_env": "PACER_TEST_ADMIN"},
+        "control": {"mode": "advise", "journal_path": None},
+        "batch": {"dir": str(tmp_path / "batches")},
+    }, "<test>")  # fmt: skip
+    app = build_app(policy, StaticPool(list(policy.engine.urls)))
+    runner, port = await serve(app, "127.0.0.1", 0)
+    try:
+        journal = app[PROXY].journal
+        for worker, rule, status in (("w0", "retraction_storm", Status.ADVISED), ("w1", "memory_headroom", Status.REFUSED),
+                                     ("w0", "admission_too_conservative", Status.ADVISED)):  # fmt: skip
+            journal.record(
+                Decision(worker_id=worker, rule=rule, reason=f"because {rule}", time=1.0,
+                         old_args={"schedule_conservativeness": 1.0}, new_args={"schedule_conservativeness": 0.4}),
+                mode=ControlMode.ADVISE, status=status,
+            )  # fmt: skip
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+async def get(url: str, key: str | None = KEY) -> tuple[int, bytes, str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r.status, await r.read(), r.content_type
+
+
+async def test_page_and_its_files_are_served_from_the_package(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    status, body, ctype = await get(url + "/dashboard", key=None)  # the page holds no data: open
+    assert status == 200 and ctype == "text/html"
+    assert b"uPlot.iife.min.js" in body
+    for path in ("dashboard.js", "dashboard.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"):
+        status, body, _ = await get(f"{url}/dashboard/static/{path}", key=None)
+        assert status == 200 and len(body) > 500, path
+    status, body, _ = await get(url + "/dashboard/static/../routes.py", key=None)
+    assert status == 404 or b"add_routes" not in body
+
+
+async def test_timeline_needs_the_admin_key_and_has_every_part(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    status, body, _ = await get(url + "/admin/timeline", key=None)
+    assert status == 401 and "admin key" in orjson.loads(body)["error"]["message"]
+    status, body, _ = await get(url + "/admin/timeline?window_s=nope")
+    assert status == 400 and orjson.loads(body)["error"]["param"] == "window_s"
+    status, body, _ = await get(url + "/admin/timeline?window_s=60")
+    assert status == 200
+    t = orjson.loads(body)
+    assert t["mode"] == "advise" and t["band"] == [100, 2000] and t["window_s"] == 60
+    assert [w["id"] for w in t["workers"]] == ["w0", "w1"]
+    w0 = t["workers"][0]
+    assert set(w0) >= {"id", "pool", "url", "state", "args", "series", "restarts", "managed"}
+    assert set(w0["series"]) == {"t", "queue", "running", "token_usage", "gen_throughput", "retractions_per_min",
+                                 "in_flight"}  # fmt: skip
+    assert "t" in t["proxy"] and "in_flight" in t["proxy"]
+    rules = [d["rule"] for d in t["decisions"]]
+    assert rules == ["retraction_storm", "memory_headroom", "admission_too_conservative"]
+    assert all(abs(d["t"] - t["now"]) < 60 for d in t["decisions"])  # epoch seconds, for the time axis
+
+
+async def pacer(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_pacer_status(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    rc, out, err = await pacer("status", "--url", url, "--admin-key", KEY)
+    assert rc == 0, err
+    assert "controller advise" in out and "proxy queue interactive 0, batch 0" in out
+    assert "w0 " in out and "w1 " in out and "http://127.0.0.1:9" in out
+    assert "last decisions (3 shown)" in out and "admission_too_conservative [advised]" in out
+    rc, out, err = await pacer("status", "--url", url, env={"PACER_ADMIN_KEY": KEY})  # the key from the env
+    assert rc == 0 and "w1" in out
+    rc, out, err = await pacer("status", "--url", url)
+    assert rc == 1 and "401" in err and "admin key" in err
+    rc, out, err = await pacer("status", "--url", "http://127.0.0.1:9")
+    assert rc == 1 and "cannot reach the proxy" in err
+
+
+async def test_pacer_decisions_filters(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    base = ("decisions", "--url", url, "--admin-key", KEY)
+    rc, out, _ = await pacer(*base)
+    assert rc == 0 and "3 decision(s)" in out and "schedule_conservativeness 1.0 -> 0.4" in out
+    rc, out, _ = await pacer(*base, "--worker", "w0", "--json")
+    entries = [orjson.loads(line) for line in out.splitlines()]
+    assert [e["rule"] for e in entries] == ["retraction_storm", "admission_too_conservative"]
+    rc, out, _ = await pacer(*base, "--status", "refused", "--json")
+    assert [orjson.loads(line)["worker"] for line in out.splitlines()] == ["w1"]
+    rc, out, _ = await pacer(*base, "--rule", "retraction_storm", "--since", "10m", "--json")
+    assert len(out.splitlines()) == 1
+    rc, out, _ = await pacer(*base, "--since", "2999-01-01T00:00:00", "--json")
+    assert rc == 0 and out == ""
+    rc, out, _ = await pacer(*base, "--limit", "1", "--json")
+    assert [orjson.loads(line)["rule"] for line in out.splitlines()] == ["admission_too_conservative"]
+    rc, _, err = await pacer(*base, "--since", "yesterday")
+    assert rc == 2 and "--since" in err

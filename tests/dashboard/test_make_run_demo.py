@@ -1,0 +1,108 @@
+"""``make run`` and ``pacer demo``, as a newcomer runs them: the default policy (its paths and port
+moved into the test's directory) starts the proxy and a simulated worker, the demo's first phase
+makes the controller act, and an interrupt stops the proxy and its worker within bounded time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def admin(url: str, path: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + path, timeout=5) as r:
+        return orjson.loads(r.read())
+
+
+@pytest.mark.timeout(240)
+def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None:
+    text = (ROOT / "policies" / "default.toml").read_text()
+    text = text.replace('log_dir = ".pacer/logs"', f'log_dir = "{tmp_path / "logs"}"')
+    text = text.replace('# journal_path = ".pacer/decisions.jsonl"', f'journal_path = "{tmp_path / "decisions.jsonl"}"')
+    text = text.replace('# dir = ".pacer/batches"', f'dir = "{tmp_path / "batches"}"')
+    assert str(tmp_path / "decisions.jsonl") in text and str(tmp_path / "batches") in text
+    policy = tmp_path / "default.toml"
+    policy.write_text(text)
+    stamp = tmp_path / "installed"  # this environment is installed already: make's stamp says so
+    stamp.touch()
+    log_path = tmp_path / "make-run.log"
+    log_file = log_path.open("w")
+    make = subprocess.Popen(
+        ["make", "--no-print-directory", "-C", str(ROOT), "run", f"POLICY={policy}", "PORT=0",
+         f"VENV={Path(sys.executable).parent.parent}", f"STAMP={stamp}"],
+        stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    pids: list[int] = []
+    stop_started = time.monotonic()
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            assert make.poll() is None, "make run exited: " + log_path.read_text()[-2000:]
+            if m := re.search(r"listening on (http://\S+?) ", log_path.read_text()):
+                url = m.group(1)
+            time.sleep(0.1)
+        assert url, log_path.read_text()[-2000:]
+        assert "controller auto" in log_path.read_text()
+        demo = subprocess.run(
+            [sys.executable, "-m", "proxy", "demo", "--url", url, "--phases", "1", "--phase-s", "90",
+             "--settle-s", "2", "--concurrency", "700"],
+            capture_output=True, text=True, timeout=150,
+        )  # fmt: skip
+        assert demo.returncode == 0, demo.stderr + demo.stdout[-2000:]
+        assert "decision #" in demo.stdout and "admission_too_conservative" in demo.stdout, demo.stdout[-3000:]
+        assert "the controller acted in 1 of 1 phase(s)" in demo.stdout
+        assert re.search(r"sent \d+ · done \d+ \([\d.]+/s", demo.stdout)  # the status line's counts and rate
+        # the restart the demo saw begin ends with the worker serving its new args
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = admin(url, "/admin/workers")
+            decisions = admin(url, "/admin/decisions")["decisions"]
+            if decisions and decisions[-1]["status"] == "applied" and status["in_flight"] == 0:
+                break
+            time.sleep(0.2)
+        assert decisions[-1]["status"] == "applied", decisions
+        workers = status["workers"]
+        assert workers[0]["state"] == "ready" and workers[0]["args"]["schedule_conservativeness"] < 1.0
+        pids = [w["pid"] for w in workers]
+        assert all(pids)
+        stop_started = time.monotonic()
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGINT)  # Ctrl-C in the terminal: make and the proxy get it
+        try:
+            make.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
+            raise
+        log_file.close()
+    assert time.monotonic() - stop_started < 30
+    rest = log_path.read_text()
+    assert "stopped" in rest, rest[-2000:]
+    for pid in pids:  # the simulated worker stopped with the proxy
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(pid), f"worker pid {pid} still runs"
+    decisions = [orjson.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert any(d["rule"] == "admission_too_conservative" and d["status"] == "applied" for d in decisions)

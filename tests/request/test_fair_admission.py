@@ -1,0 +1,121 @@
+"""Fair admission, pure: deficit round robin by tokens between keys, the batch floor, requeue."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from proxy.request.admission import AdmissionQueue, Priority, estimate_cost
+from proxy.request.attempt import Ticket
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
+
+
+def _t(p: Priority, key: str, cost: int) -> Ticket:
+    return Ticket(p, 0.0, 10.0, asyncio.get_running_loop().create_future(), key=key, cost=cost)
+
+
+def _dispatched_tokens(q: AdmissionQueue, pops: int) -> dict[str, int]:
+    got: dict[str, int] = {}
+    for _ in range(pops):
+        t = q.pop()
+        assert t is not None
+        got[t.key] = got.get(t.key, 0) + t.cost
+    return got
+
+
+@pytest.mark.parametrize("weights", [{"big": 1.0, "small": 1.0}, {"big": 1.0, "small": 3.0}])
+async def test_backlogged_keys_get_tokens_by_weight_not_by_requests(weights):
+    """'big' sends 8k-token requests, 'small' 100-token ones; both always backlogged."""
+    q = AdmissionQueue(1_000_000, weights=weights)
+    for _ in range(400):
+        q.push(_t(BATCH, "big", 8000))
+    for _ in range(30_000):
+        q.push(_t(BATCH, "small", 100))
+    got = _dispatched_tokens(q, 2000)
+    share = got["small"] / (got["small"] + got["big"])
+    want = weights["small"] / (weights["small"] + weights["big"])
+    assert share == pytest.approx(want, rel=0.1)
+
+
+async def test_ten_times_the_requests_does_not_buy_ten_times_the_share():
+    rng = random.Random(7)
+    q = AdmissionQueue(1_000_000)
+    for _ in range(10_000):
+        q.push(_t(INTERACTIVE, "heavy", rng.randint(50, 2000)))
+    for _ in range(1_000):
+        q.push(_t(INTERACTIVE, "light", rng.randint(50, 2000)))
+    got = _dispatched_tokens(q, 1200)  # both still backlogged at the end
+    assert got["heavy"] / got["light"] == pytest.approx(1.0, rel=0.1)
+
+
+async def test_a_lone_key_is_never_held_back_and_fifo_within_a_key():
+    q = AdmissionQueue(100)
+    ts = [_t(BATCH, "a", c) for c in (100_000, 5, 70_000)]
+    for t in ts:
+        q.push(t)
+    assert [q.pop() for _ in range(3)] == ts
+    assert q.pop() is None
+
+
+async def test_interactive_goes_first_but_batch_keeps_its_floor():
+    q = AdmissionQueue(100_000, batch_floor=0.05)
+    for _ in range(5000):
+        q.push(_t(INTERACTIVE, "i", 100))
+        q.push(_t(BATCH, "b", 100))
+    order = [q.pop().priority for _ in range(2000)]  # type: ignore[union-attr]
+    batch = order.count(BATCH)
+    assert batch == pytest.approx(100, abs=2)  # 5% of what went while both waited
+    assert max(len(run) for run in "".join("b" if p is BATCH else "i" for p in order).split("i")) == 1
+
+
+async def test_no_floor_means_strict_priority_and_batch_alone_goes_at_once():
+    q = AdmissionQueue(100, batch_floor=0.0)
+    b = _t(BATCH, "b", 1)
+    q.push(b)
+    i = [_t(INTERACTIVE, "i", 1) for _ in range(3)]
+    for t in i:
+        q.push(t)
+    assert [q.pop() for _ in range(4)] == [*i, b]
+
+
+async def test_an_interactive_arrival_goes_before_a_batch_ticket_already_peeked():
+    q = AdmissionQueue(100)
+    b = _t(BATCH, "b", 1)
+    q.push(b)
+    assert q.peek() is b
+    i = _t(INTERACTIVE, "i", 1)
+    q.push(i)
+    assert q.peek() is i
+
+
+async def test_requeued_ticket_goes_before_its_key_and_other_keys():
+    q = AdmissionQueue(100)
+    a1, a2, b1 = _t(BATCH, "a", 10), _t(BATCH, "a", 10), _t(BATCH, "b", 10)
+    for t in (a1, a2, b1):
+        q.push(t)
+    first = q.pop()
+    assert first is a1
+    q.requeue(a1)
+    assert q.pop() is a1
+    assert {q.pop(), q.pop()} == {a2, b1}
+
+
+async def test_cancel_and_stats_per_key():
+    q = AdmissionQueue(100)
+    a, b = _t(BATCH, "a", 10), _t(BATCH, "b", 20)
+    q.push(a)
+    q.push(b)
+    q.cancel(a)
+    assert q.pop() is b and q.pop() is None
+    q.record_wait(b, 1.5)
+    stats = {(p, k): s for p, k, s in q.stats()}
+    assert stats[(BATCH, "b")].dispatched_tokens == 20 and stats[(BATCH, "b")].wait_s == 1.5
+    assert stats[(BATCH, "a")].waiting == 0 and stats[(BATCH, "a")].dispatched == 0
+
+
+def test_cost_estimate():
+    assert estimate_cost(4000, 100, 256) == 1100
+    assert estimate_cost(400, None, 256, n=2) == 100 + 512

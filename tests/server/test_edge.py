@@ -1,0 +1,84 @@
+"""Errors in one shape at the edge: a worker's refusal, aiohttp's own refusals before a handler,
+slow request heads (slowloris) and a key over its limits, through a real proxy on a real port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.harness.fake_engine import MODEL
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _openai_shaped(body: dict) -> dict:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+async def test_a_workers_refusal_comes_back_in_openais_shape_with_its_status_and_message(make_proxy):
+    h = await make_proxy()
+    h.workers[0].fail_next("400")
+    with pytest.raises(openai.BadRequestError) as e:
+        await h.client().chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert e.value.status_code == 400
+    err = _openai_shaped(e.value.body if "error" in e.value.body else {"error": e.value.body})
+    assert err["message"] == "n=9 is too large (injected)" and err["type"] == "invalid_request_error"
+    h.workers[0].fail_next("400")
+    payload = {"model": MODEL, "prompt": "x", "stream": True}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=payload) as r:
+        assert r.status == 400 and r.content_type == "application/json"  # the raw bytes: no "object": "error"
+        assert set(orjson.loads(await r.read())) == {"error"}
+
+
+async def test_a_header_over_8k_gets_a_json_400_and_one_log_line(make_proxy, caplog):
+    h = await make_proxy()
+    caplog.set_level(logging.INFO)
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/v1/models", headers={"X-Big": "a" * 9000}) as r:
+        assert r.status == 400 and r.content_type == "application/json"
+        err = _openai_shaped(await r.json())
+    assert err["code"] == "bad_http_request" and err["type"] == "invalid_request_error"
+    refused = [rec for rec in caplog.records if "before it reached a handler" in rec.getMessage()]
+    assert len(refused) == 1 and refused[0].exc_info is None
+    assert not any(rec.exc_info for rec in caplog.records)
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/health") as r:
+        assert r.status == 200  # the proxy serves on
+
+
+async def test_a_request_head_sent_one_byte_at_a_time_is_cut_off(make_proxy):
+    h = await make_proxy(policy={"proxy": {"header_timeout_s": 0.5}})
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    answer = asyncio.ensure_future(reader.read(4096))  # whatever the proxy sends, as soon as it does
+    for byte in head:
+        if answer.done() or loop.time() - start > 5:
+            break
+        try:
+            writer.write(bytes([byte]))
+            await writer.drain()
+        except OSError:  # the proxy closed it
+            break
+        await asyncio.sleep(0.05)
+    data = await asyncio.wait_for(answer, timeout=5)
+    closed_at = loop.time() - start
+    writer.close()
+    assert closed_at < 2.0, "the slow connection was held open"
+    status, _, rest = data.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408")
+    assert _openai_shaped(orjson.loads(rest.partition(b"\r\n\r\n")[2]))["code"] == "request_timeout"
+    # a prompt client on another connection is not affected, nor one that takes its time between requests
+    async with aiohttp.ClientSession() as s:
+        async with s.get(h.url + "/health") as r:
+            assert r.status == 200
+        await asyncio.sleep(0.7)
+        async with s.get(h.url + "/health") as r:
+            assert r.status == 200
