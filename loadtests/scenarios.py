@@ -497,17 +497,21 @@ def run_scenario(
         results[arm] = r
     tps = {a: r.output_tok_per_s for a, r in results.items()}
     bound = restart_bound(sc, results["adaptive"], best) if {"adaptive", "oracle"} <= set(results) else None
-    errors = [
-        float(d["prediction_error"])
-        for d in results["adaptive"].decisions
-        if isinstance(d.get("prediction_error"), (int, float))
-    ] if "adaptive" in results else []  # fmt: skip
+    decisions = results["adaptive"].decisions if "adaptive" in results else []
+    errors = [float(d["prediction_error"]) for d in decisions if isinstance(d.get("prediction_error"), (int, float))]
+    # plans that did not pay: the twin's prediction for the args the worker ran, against what it measured
+    twin_errors = [
+        float(d["current_prediction_error"]) for d in decisions
+        if isinstance(d.get("current_prediction_error"), (int, float))
+    ]  # fmt: skip
     report: dict[str, Any] = {
         "lost": sum(r.requests_lost for r in results.values()),
         "adaptive_over_best_static": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
         "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
         "adaptive_over_sglang_defaults": _ratio(tps.get("adaptive", 0.0), tps.get("defaults", 0.0)) if {"adaptive", "defaults"} <= set(tps) else None,
-        "prediction_error_median": round(statistics.median(errors), 4) if errors else None,
+        "prediction_error_median": round(statistics.median(errors or twin_errors), 4) if errors or twin_errors else None,
+        "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
+        "plans_noted": len(twin_errors),
         "restarts": results["adaptive"].restarts if "adaptive" in results else None,
         "phases": _phase_figures(sc, results),
         "scenario": sc.name,

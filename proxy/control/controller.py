@@ -443,8 +443,7 @@ class Controller:
             return None
         w.planning = False
         now = self.clock()
-        if not plan.worth or w.busy or w.state.started_at is None:
-            _log.debug("plan for %s: %s", job.worker_id, plan.reason)
+        if w.busy or w.state.started_at is None:
             return None
         old, new = dict(w.state.args), dict(plan.best.args)
         moved = [k for k in new if old.get(k) != new.get(k)]
@@ -471,6 +470,21 @@ class Controller:
             ),
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
+        if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
+            note = replace(decision, action=Action.NOTE, new_args=old, change=None)
+            measured = job.measured_throughput
+            accuracy = (
+                {"current_prediction_error": round(abs(plan.current.output_tok_per_s - measured) / measured, 4)}
+                if measured and measured > 0 else {}
+            )  # fmt: skip
+            key = "note:planner"
+            last = w.state.noted.get(key)
+            if last is None or now - last >= max(self.settings.cooldown_s, self.settings.plan_interval_s):
+                w.state = w.state.note(key, now)
+                self.journal.record(note, mode=self.mode, status=Status.NOTED, detail=plan.reason,
+                                    before=w.window.summary(),
+                                    extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
+            return None
         extra = {
             "predicted_gain": round(plan.predicted_gain, 4),
             "predicted_throughput": decision.evidence_json()["predicted_throughput"],

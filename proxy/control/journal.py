@@ -9,7 +9,9 @@ A decision of the planner carries ``predicted_gain`` (the twin's predicted throu
 new args over the current ones, minus 1) and ``predicted_throughput``; once its window has been
 measured, ``measured_gain`` (the worker's throughput after over before, minus 1),
 ``measured_throughput`` and ``prediction_error`` (``|predicted - measured| / measured``
-throughput).
+throughput). A plan that does not pay is noted (``noted``, once per cool-down) with its
+``predicted_gain`` and ``current_prediction_error``: the twin's predicted throughput under the
+current args against the worker's measured one.
 
 An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
 (``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``

@@ -103,7 +103,10 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
-    assert c.plan_now(job) is None and actor.calls == [] and c.journal.entries() == []
+    assert c.plan_now(job) is None and actor.calls == []
+    (note,) = c.journal.entries()  # the twin's view is noted: its predicted gain, how well it predicts now
+    assert note["status"] == "noted" and "does not pay" in note["detail"] and note["predicted_gain"] > 0.1
+    assert 0 <= note["current_prediction_error"] < 0.05
     assert c.plans_due() == []  # the next plan waits plan_interval_s
 
 
