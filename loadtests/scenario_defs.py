@@ -16,6 +16,7 @@ set on the real GPU, seen through the compressed clock.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -161,9 +162,22 @@ class Scenario:
     control: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the [control] table
     min_available_gb: float = 5.0  # the oracle's floor on start-up free memory (the band's low end)
     queue_timeout_s: float = 600.0  # the proxy's queue patience (a dead worker answers 503 after it)
+    # hidden factors on the simulated engine's step time and activation memory (the arms' workers run
+    # them; the controller's twin is never told: it has to calibrate)
+    step_time_factor: float = 1.0
+    activation_factor: float = 1.0
+
+    def perturb_args(self) -> list[str]:
+        out = []
+        if self.step_time_factor != 1.0:
+            out += ["--sim-step-time-factor", f"{self.step_time_factor:g}"]
+        if self.activation_factor != 1.0:
+            out += ["--sim-activation-factor", f"{self.activation_factor:g}"]
+        return out
 
     def extra_args(self) -> list[str]:
-        return ["--sim-gpu", self.gpu, "--sim-model", self.model, "--sim-time-scale", f"{self.time_scale:g}"]
+        return ["--sim-gpu", self.gpu, "--sim-model", self.model, "--sim-time-scale", f"{self.time_scale:g}",
+                *self.perturb_args()]  # fmt: skip
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -253,6 +267,10 @@ def _scenarios() -> dict[str, Scenario]:
         gpu="a100-40gb", time_scale=10.0,
         control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
     ))  # fmt: skip
+    # the same shift on an engine whose steps take 25 % longer and whose activations need 20 % less
+    # memory than the presets say (hidden: the twin must calibrate on the worker's own lines)
+    s.append(dataclasses.replace(s[-1], name="shift-perturbed", step_time_factor=1.25, activation_factor=0.8,
+                                 premise=s[-1].premise + "; the engine is 25 % slower than its presets"))  # fmt: skip
     return {x.name: x for x in s}
 
 

@@ -407,6 +407,7 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         gpu=sc.gpu,
         model=sc.model,
         space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing),
+        perturb=sc.perturb_args(),
     )
     best = {k: v for k, v in result.best.args.items() if v is not None}
     info = {
@@ -433,11 +434,13 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
         return None
     at_s = max(0.0, (float(applied[0]["monotonic"]) - adaptive.started) * sc.time_scale)
     pacing, specs = scenario_pacing(sc), sc.workload.specs()
-    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
     static: dict[str, float] = {}
     moved: dict[str, float] = {}
     for name, args in (("oracle_args", oracle), ("adaptive_final_args", adaptive.final_args)):
-        cfg = sim_config(args, gpu=sc.gpu, model=sc.model)  # time scale 1: its start-up is the modelled one
+        cfg = sim_config(
+            args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args()
+        )  # time scale 1: its start-up is the modelled one
         static[name] = simulate_paced(cfg, specs, pacing).output_tok_per_s
         restart = Restart(at_s=at_s, config=cfg, startup_s=cfg.startup_wall_seconds)
         moved[name] = simulate_paced(start, specs, pacing, restart).output_tok_per_s

@@ -52,3 +52,14 @@ def test_phase_figures_judge_arrivals_on_queue_time_and_a_batch_on_throughput():
     assert rows is not None and [r["judged_on"] for r in rows] == ["queue time", "throughput"]
     assert rows[0]["adaptive"]["mean_s"] == 1.5  # wall 0.1, 0.2 x time scale 10
     assert rows[1]["adaptive"]["tok_per_s"] == 20 / 20.0  # 20 tokens from 100 s to the last answer at 120 s
+
+
+def test_the_perturbed_shift_runs_its_workers_and_its_sweep_on_the_hidden_factors():
+    from loadtests.oracle import sim_config
+
+    sc = SCENARIOS["shift-perturbed"]
+    assert sc.perturb_args() == ["--sim-step-time-factor", "1.25", "--sim-activation-factor", "0.8"]
+    assert sc.extra_args()[-4:] == sc.perturb_args() and SCENARIOS["shift"].perturb_args() == []
+    cfg = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
+    assert (cfg.step_time_factor, cfg.activation_factor) == (1.25, 0.8)
+    assert "planner" in sc.control and "sim_step_time_factor" not in cfg.server_args  # the twin is not told
