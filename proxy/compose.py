@@ -158,6 +158,7 @@ def _fast_tier(
                 queue=sample.queue,
                 token_usage=sample.token_usage,
                 retractions_total=sample.retractions_total,
+                generation_tokens_total=sample.generation_tokens_total,
                 in_flight=load.in_flight,
                 backlog=len(admission),
                 mean_output_tokens=load.facts.mean_output_tokens(since),

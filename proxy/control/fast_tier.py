@@ -7,7 +7,10 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   there). It is AIMD-like. It starts unset (no limit beyond the queue band: the band already keeps
   the server queue short); the first sign of over-commitment sets it below what the worker held
   (``backoff`` x in flight), and each further sign multiplies it down again, at most once per
-  ``hold_s``. Signs of over-commitment: the engine's retraction counter rose since the last look, or
+  ``hold_s``. Signs of over-commitment: the engine's retraction counter rose since the last look
+  while its smoothed rate per 1,000 output tokens is above ``retractions_per_1k_tokens`` (a batch of
+  long outputs retracts a few requests steadily whatever the limit: that trickle is not a sign; an
+  engine without a token counter: any rise), or
   the time to first token of the worker's recent requests rose above ``ttft_rise`` x its recent
   floor while the server had a queue. It grows additively (``limit / grow_divisor``, at least 1)
   when the pool is under-used with work waiting: the limit binds (in flight >= limit), the proxy
@@ -50,6 +53,8 @@ class PaceSettings:
     hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one
     grow_below_usage: float = 0.9  # grow only while token usage is below this
     ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
+    retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
+    smoothing: float = 0.2  # weight of the newest look in the smoothed retraction and token increments
     floor_decay: float = 1.02  # the TTFT floor rises by this factor per look (so it can follow a change)
     short_output_tokens: float = 256.0  # mean outputs this short: the band's base
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
@@ -64,6 +69,7 @@ class PaceInput:
     queue: int  # the server's waiting queue
     token_usage: float
     retractions_total: float | None  # the engine's counter (None: it does not export one)
+    generation_tokens_total: float | None = None  # the engine's output-token counter (None: not exported)
     in_flight: int  # what the proxy has open on the worker
     backlog: int  # requests waiting in the proxy's queue
     mean_output_tokens: float | None = None  # of the worker's recent requests (None: none yet)
@@ -77,9 +83,19 @@ class Pace:
     limit: int | None = None  # None: no limit beyond the queue band
     queue_target: int | None = None  # None: the band's own target
     retractions_seen: float | None = None
+    tokens_seen: float | None = None
+    retraction_ewma: float = 0.0  # smoothed retracted requests per look
+    token_ewma: float = 0.0  # smoothed output tokens per look
     ttft_floor: float | None = None
     backed_off_at: float = -math.inf
     reason: str = ""  # why the limit last moved (for the status page and logs)
+
+
+def _increase(before: float | None, now: float | None) -> float | None:
+    """A counter's increase between two looks (None: not known; a drop is a reset, counted as 0)."""
+    if before is None or now is None:
+        return None
+    return max(0.0, now - before)
 
 
 def queue_target(lo: int, hi: int, headroom: int, mean_output_tokens: float | None, settings: PaceSettings) -> int:
@@ -96,11 +112,15 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
     """The worker's pace after one more look (pure: same inputs, same answer)."""
     now = look.time
     target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
-    retracted = (
-        look.retractions_total is not None
-        and prev.retractions_seen is not None
-        and look.retractions_total > prev.retractions_seen  # a drop is a counter reset: not a sign
-    )
+    r_inc = _increase(prev.retractions_seen, look.retractions_total)
+    t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
+    a = settings.smoothing
+    r_ewma = prev.retraction_ewma if r_inc is None else (1 - a) * prev.retraction_ewma + a * r_inc
+    t_ewma = prev.token_ewma if t_inc is None else (1 - a) * prev.token_ewma + a * t_inc
+    if look.generation_tokens_total is None:  # no token counter: any rise of the retraction counter counts
+        retracted = bool(r_inc)
+    else:  # retractions per 1,000 output tokens, smoothed: a long batch's steady trickle is not a sign
+        retracted = bool(r_inc) and t_ewma > 0 and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
     floor = prev.ttft_floor
     if look.ttft_s is not None and look.ttft_s > 0:
         floor = look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
@@ -110,7 +130,15 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         and look.queue > 0
         and look.ttft_s > settings.ttft_rise * prev.ttft_floor
     )
-    state = replace(prev, queue_target=target, retractions_seen=look.retractions_total, ttft_floor=floor)
+    state = replace(
+        prev,
+        queue_target=target,
+        retractions_seen=look.retractions_total,
+        tokens_seen=look.generation_tokens_total,
+        retraction_ewma=r_ewma,
+        token_ewma=t_ewma,
+        ttft_floor=floor,
+    )
     held = now - prev.backed_off_at < settings.hold_s
     if (retracted or slow) and not held:
         held_now = max(look.in_flight, look.running + look.queue)

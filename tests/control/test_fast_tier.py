@@ -97,3 +97,14 @@ def test_the_proxy_writes_each_scrape_s_pace_into_the_worker_s_load():
     load = board.get("w0")
     assert load.limit == int(108 * S.backoff) and pumps  # the gate runs again with the new values
     assert load.snapshot()["limit"] == load.limit
+
+
+def test_with_a_token_counter_a_steady_trickle_of_retractions_is_not_over_commitment():
+    def looks(retracted_per_look: float) -> list[PaceInput]:
+        return [_look(float(t), retractions_total=t * retracted_per_look, generation_tokens_total=t * 1600.0)
+                for t in range(30)]  # fmt: skip
+
+    trickle = _run(looks(0.3))  # 0.19 retracted requests per 1,000 tokens: a long batch's own cycle
+    assert all(p.limit is None for p in trickle)
+    storm = _run(looks(8.0))  # 5 per 1,000 tokens
+    assert storm[-1].limit is not None and "retractions" in storm[-1].reason
