@@ -266,7 +266,11 @@ class _Surroundings:
     def recent_requests(self, worker_id: str) -> Sequence[Observed]:
         return [
             Observed(
-                arrived=f.arrived, prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens, max_tokens=f.max_tokens
+                arrived=f.arrived,
+                prompt_tokens=f.prompt_tokens,
+                output_tokens=f.output_tokens,
+                max_tokens=f.max_tokens,
+                finished=f.time,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

@@ -472,11 +472,8 @@ class Controller:
         )  # fmt: skip
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
             note = replace(decision, action=Action.NOTE, new_args=old, change=None)
-            measured = job.measured_throughput
-            accuracy = (
-                {"current_prediction_error": round(abs(plan.current.output_tok_per_s - measured) / measured, 4)}
-                if measured and measured > 0 else {}
-            )  # fmt: skip
+            error = plan.current_error  # the twin on the requests it replayed, against what they got
+            accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
             key = "note:planner"
             last = w.state.noted.get(key)
             if last is None or now - last >= max(self.settings.cooldown_s, self.settings.plan_interval_s):

@@ -59,6 +59,7 @@ __all__ = [
     "Twin",
     "calibrate",
     "candidates",
+    "measured_throughput",
     "plan",
     "run_plan",
 ]
@@ -77,6 +78,16 @@ class Observed:
     prompt_tokens: int
     output_tokens: int
     max_tokens: int
+    finished: float | None = None  # when its answer ended (same clock as ``arrived``)
+
+
+def measured_throughput(workload: Sequence[Observed]) -> float | None:
+    """What the worker did on these requests: their output tokens over first arrival to last answer
+    (the basis of the twin's own figure for them; None: an answer time is missing)."""
+    if not workload or any(o.finished is None for o in workload):
+        return None
+    span = max(o.finished or 0.0 for o in workload) - min(o.arrived for o in workload)
+    return sum(o.output_tokens for o in workload) / span if span > 0 else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,6 +303,13 @@ class Plan:
     replays: int
     reason: str
     refused: tuple[Prediction, ...] = field(default=())  # candidates outside the memory band
+    measured_current: float | None = None  # what the worker did on the replayed requests (same basis)
+
+    @property
+    def current_error(self) -> float | None:
+        """|predicted - measured| / measured throughput of the current args on the replayed requests."""
+        m = self.measured_current
+        return abs(self.current.output_tok_per_s - m) / m if m else None
 
 
 def plan(
@@ -345,6 +363,7 @@ def plan(
         replays=replays,
         reason=reason,
         refused=tuple(refused),
+        measured_current=measured_throughput(sample),
     )
 
 

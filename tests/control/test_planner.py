@@ -106,3 +106,17 @@ def test_candidates_that_leave_too_little_free_memory_are_refused():
 
 def test_restart_cost_in_tokens():
     assert RestartCost(startup_s=30, drain_s=10, recomputed_tokens=5000).tokens(1000.0) == 45_000
+
+
+def test_the_twin_is_judged_on_the_requests_it_replayed():
+    from proxy.control.planner import measured_throughput
+
+    wl = _workload(100, 2.0, (100, 300), 1000)
+    res = simulate(Twin(GPU, MODEL).config({}), [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens,
+                   max_new_tokens=o.max_tokens, output_len=o.output_tokens) for o in wl])  # fmt: skip
+    done = [replace(o, finished=r.finish_time) for o, r in zip(wl, res.requests, strict=True)]
+    assert measured_throughput(wl) is None  # no answer times
+    first = min(o.arrived for o in wl)
+    assert measured_throughput(done) == pytest.approx(res.output_tokens / (res.makespan_s - first), rel=1e-6)
+    p = plan(Twin(GPU, MODEL), {}, done, RestartCost(startup_s=10.0), PlanSettings(max_candidates=1))
+    assert p.current_error is not None and p.current_error < 0.02  # the same engine: the twin is right

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from proxy.control.planner import Observed
@@ -44,6 +45,8 @@ def _serve(c, clock, requests: list[Observed], start: float) -> float:
                          output_len=r.output_tokens) for r in requests]  # fmt: skip
     cfg = c_twin_config()
     res = simulate(cfg, specs, log=lambda level, msg: lines.append(msg))
+    # the proxy saw each answer end when the worker finished it
+    requests[:] = [replace(o, finished=r.finish_time) for o, r in zip(requests, res.requests, strict=True)]
     span = res.makespan_s
     for i, line in enumerate(lines):
         clock.now = start + span * i / len(lines)
