@@ -35,8 +35,9 @@ def test_every_shipped_policy_loads_and_describes(path: Path) -> None:
 def test_default_policy_is_what_make_run_needs() -> None:
     p = load_policy(Path(__file__).parents[1] / "policies" / "default.toml")
     assert p.engine.kind == EngineKind.SIM and p.engine.workers == 1 and p.engine.managed
-    assert list(p.engine.extra_args) == ["--sim-time-scale", "10"]
-    assert p.control.mode == ControlMode.OFF and not p.auth.configured
+    assert list(p.engine.extra_args) == ["--sim-time-scale", "10", "--sim-gpu", "a100-40gb"]
+    # the product as it is meant to run: the controller acts on the simulated worker
+    assert p.control.mode == ControlMode.AUTO and not p.auth.configured
 
 
 def test_offline_and_online_differ_where_they_should() -> None:

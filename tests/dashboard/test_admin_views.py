@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -130,3 +131,41 @@ async def test_pacer_decisions_filters(proxy: tuple[str, Any]) -> None:
     assert [orjson.loads(line)["rule"] for line in out.splitlines()] == ["admission_too_conservative"]
     rc, _, err = await pacer(*base, "--since", "yesterday")
     assert rc == 2 and "--since" in err
+
+
+async def test_the_page_asks_for_the_admin_key_then_shows_the_proxy(proxy: tuple[str, Any]) -> None:
+    from tests.dashboard.browser import browser_page
+
+    url, _ = proxy
+    async with browser_page() as bp:
+        page = bp.page
+        await page.goto(url + "/dashboard")
+        await page.locator("#keyform").wait_for(state="visible", timeout=10000)
+        assert await page.locator("#summary").inner_text() == "admin key needed"
+        await page.fill("#key", KEY)
+        await page.click("#keyform button")
+        await page.wait_for_function("window.pacer.polls >= 1", timeout=10000)
+        assert await page.locator("tr.decision").count() == 3
+        assert await page.locator("#worker-w1").count() == 1
+        assert "controller advise" in await page.locator("#summary").inner_text()
+        # the 401 the browser logs for the first, keyless poll is the only console error
+        assert all("401" in e for e in bp.console_errors), bp.console_errors
+
+
+async def test_pacer_status_watch_redraws_until_stopped(proxy: tuple[str, Any]) -> None:
+    url, _ = proxy
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "status", "--url", url, "--admin-key", KEY, "--watch", "--interval", "0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = 0
+    try:
+        while seen < 3:
+            line = await asyncio.wait_for(proc.stdout.readline(), 15)
+            assert line, "pacer status --watch exited"
+            seen += line.startswith(b"controller advise")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = await asyncio.wait_for(proc.wait(), 15)
+    assert rc == 0  # Ctrl-C ends the watch cleanly

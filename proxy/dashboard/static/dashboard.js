@@ -121,6 +121,24 @@
     };
   }
 
+  // A pause in the samples (the worker restarting, scrapes failing) is a gap in the curves, not a
+  // straight line across it: a null row where two samples are much further apart than usual.
+  function withGaps(cols) {
+    const t = cols[0];
+    if (t.length < 3) return cols;
+    const steps = t.slice(1).map((v, i) => v - t[i]).sort((a, b) => a - b);
+    const limit = Math.max(3 * steps[Math.floor(steps.length / 2)], 2);
+    const out = cols.map(() => []);
+    for (let i = 0; i < t.length; i++) {
+      if (i > 0 && t[i] - t[i - 1] > limit) {
+        out[0].push(t[i - 1] + limit / 2);
+        for (let c = 1; c < cols.length; c++) out[c].push(null);
+      }
+      for (let c = 0; c < cols.length; c++) out[c].push(cols[c][i]);
+    }
+    return out;
+  }
+
   function renderWorker(w, d) {
     let c = pacer.charts[w.id];
     if (!c) c = pacer.charts[w.id] = workerCharts(w);
@@ -132,10 +150,10 @@
       Object.entries(w.args).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join("  ") || "(no args)";
     const lo = s.t.map(() => d.band[0]);
     const hi = s.t.map(() => d.band[1]);
-    c.queue.setData([s.t, s.queue, s.running, s.in_flight, lo, hi]);
-    c.token_usage.setData([s.t, s.token_usage]);
-    c.gen_throughput.setData([s.t, s.gen_throughput]);
-    c.retractions_per_min.setData([s.t, s.retractions_per_min]);
+    c.queue.setData(withGaps([s.t, s.queue, s.running, s.in_flight, lo, hi]));
+    c.token_usage.setData(withGaps([s.t, s.token_usage]));
+    c.gen_throughput.setData(withGaps([s.t, s.gen_throughput]));
+    c.retractions_per_min.setData(withGaps([s.t, s.retractions_per_min]));
   }
 
   function renderProxy(d) {
