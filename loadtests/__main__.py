@@ -3,6 +3,7 @@
 sim        the simulated engine is not the bottleneck (modelled vs sustained token rate)
 overhead   direct vs through sglang-pacer vs through sglang-router
 scenario   controller scenarios: default vs adaptive vs oracle arms
+batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "sim": "loadtests.sim_speed",
     "overhead": "loadtests.overhead",
     "scenario": "loadtests.scenarios",
+    "batch": "loadtests.batch_job",
 }
 
 

@@ -218,11 +218,13 @@ def start_pacer(
     name: str = "pacer",
     timeout_s: float = 60.0,
     cpus: frozenset[int] | None = None,
+    policy_text: str | None = None,
 ) -> contextlib.AbstractContextManager[Proc]:
-    """``pacer serve`` with :func:`pacer_policy`, ready (``/ready`` answers 200) when this returns."""
+    """``pacer serve`` with :func:`pacer_policy` (or ``policy_text``), ready (``/ready`` answers 200)
+    when this returns."""
     log_dir.mkdir(parents=True, exist_ok=True)
     policy = log_dir / f"{name}-policy.toml"
-    policy.write_text(pacer_policy(worker_urls))
+    policy.write_text(policy_text if policy_text is not None else pacer_policy(worker_urls))
     port = free_port()
     argv = [
         sys.executable,

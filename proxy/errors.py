@@ -105,6 +105,27 @@ def openai_error_body(status: int, body: bytes) -> bytes:
     )
 
 
+_ERROR_EVENT = b'data: {"error"'
+
+
+def reshape_error_events(data: bytes) -> bytes:
+    """Server-sent events with a worker's error (``data: {"error": ...}``, complete within ``data``)
+    rewritten in OpenAI's shape; other bytes unchanged. Cheap when there is none (one search)."""
+    if _ERROR_EVENT not in data:
+        return data
+    events = data.split(b"\n\n")
+    for i, event in enumerate(events[:-1]):  # the last piece may be an event in the making
+        if event.startswith(_ERROR_EVENT):
+            try:
+                inner = orjson.loads(event[6:]).get("error")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            code = inner.get("code") if isinstance(inner, dict) else None
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            events[i] = b"data: " + openai_error_body(status, event[6:])
+    return b"\n\n".join(events)
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.Response(
         status=err.status,

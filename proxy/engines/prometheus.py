@@ -13,12 +13,30 @@ to parse. Errors are raised as :class:`MetricsParseError`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["MetricsParseError", "Series", "collect_series", "keep_read_lines"]
+__all__ = [
+    "MAX",
+    "REQUIRED",
+    "SUM",
+    "Fields",
+    "MetricsParseError",
+    "Series",
+    "collect_series",
+    "first_of",
+    "keep_read_lines",
+    "read_fields",
+]
+
+
+SUM, MAX = "sum", "max"  # how the series of one field combine (over DP ranks, label sets)
+# Sample field -> (metric names without the prefix, newest first; how its series combine)
+Fields = Mapping[str, tuple[tuple[str, ...], str]]
+# the load gauges every engine exports: a page without one of them is not a usable scrape
+REQUIRED = ("queue", "running", "token_usage")
 
 
 class MetricsParseError(ValueError):
@@ -74,3 +92,21 @@ def collect_series(text: str, prefix: str, read: Collection[str] | None = None) 
     except (ValueError, TypeError, IndexError) as exc:
         raise MetricsParseError(f"not a Prometheus metrics page: {exc}") from exc
     return series
+
+
+def first_of(values: Mapping[str, list[float]], names: tuple[str, ...], combine: str) -> float | None:
+    """The first of ``names`` (newest first) with samples, combined by ``combine``; None if none has any."""
+    for name in names:
+        if vals := values.get(name):
+            return sum(vals) if combine == SUM else max(vals)
+    return None
+
+
+def read_fields(series: Series, fields: Fields, *, prefix: str, hint: str) -> dict[str, float | None]:
+    """Each field's value from ``series``; :class:`MetricsParseError` naming the missing metrics (and
+    ``hint``, what to check) when a :data:`REQUIRED` gauge is absent."""
+    found = {name: first_of(series.values, names, combine) for name, (names, combine) in fields.items()}
+    missing = [f"{prefix}{fields[f][0][0]}" for f in REQUIRED if found[f] is None]
+    if missing:
+        raise MetricsParseError(f"metrics page lacks {', '.join(missing)} ({hint})")
+    return found

@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.errors import ApiError, error_event, openai_error_body
+from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request.admission import Priority, QueueFull, estimate_cost
 from proxy.request.attempt import AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
@@ -369,8 +369,8 @@ async def _respond(
     try:
         await out.prepare(request)
         opened.tail = opened.first
-        # the headers and the first output, in one segment
-        await out.write(strip_usage(opened.first) if opened.strip_usage else opened.first)
+        first = strip_usage(opened.first) if opened.strip_usage else opened.first
+        await out.write(reshape_error_events(first))  # the headers and the first output, in one segment
         transport = request.transport
         assert transport is not None
         high_water = transport.get_write_buffer_limits()[1]
@@ -389,6 +389,7 @@ async def _respond(
                 data = strip_usage(data)
                 if not data:  # the chunk held only the usage event: nothing to send (an empty chunk ends it)
                     return True
+            data = reshape_error_events(data)  # a worker's error event, in OpenAI's shape
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             last = data
             return transport.get_write_buffer_size() <= high_water

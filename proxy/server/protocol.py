@@ -51,10 +51,11 @@ class EdgeRequestHandler(RequestHandler):
             self._cancel_head_timer()
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_request = True
         try:
             return await super()._handle_request(*args, **kwargs)
         finally:
-            self._in_request = False
+            self._in_request = bool(self._messages)  # a pipelined request parsed already: its body may follow
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
@@ -68,7 +69,7 @@ class EdgeRequestHandler(RequestHandler):
     def _head_too_slow(self) -> None:
         self._head_timer = None
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if self._in_request or transport is None or transport.is_closing():
             return
         peer = transport.get_extra_info("peername")
         _log.warning(

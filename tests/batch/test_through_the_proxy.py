@@ -92,6 +92,24 @@ async def test_a_batch_of_five_lines_through_the_proxy_to_a_simulated_worker(sim
     await client.close()
 
 
+async def test_a_line_the_engine_refuses_is_in_the_error_file_in_openais_shape(sim_proxy: str) -> None:
+    """SGLang refuses max_tokens beyond the context with {"object": "error", ...}; the error file
+    holds OpenAI's {"error": {...}} with the engine's status and message."""
+    client = _client(sim_proxy)
+    lines = [request_line("ok", model=SIM_MODEL, max_tokens=2, sim_output_len=2),
+             request_line("too-long", model=SIM_MODEL, max_tokens=10_000_000)]  # fmt: skip
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    batch = await wait_final_over_http(client, created.id)
+    assert batch.status == "completed" and batch.error_file_id is not None
+    [refused] = await content_lines(client, batch.error_file_id)
+    assert refused["custom_id"] == "too-long" and refused["response"]["status_code"] == 400
+    body = refused["response"]["body"]
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "maximum context length" in body["error"]["message"]
+    await client.close()
+
+
 async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refused(
     make_proxy: Callable[..., Any],
 ) -> None:

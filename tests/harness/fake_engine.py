@@ -4,7 +4,8 @@ It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), stream
 per token with ``token_delay_s`` between them, serves ``/metrics`` with the live queue, honours
 ``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
-``"midstream"`` (two chunks, then the connection dies).
+``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
+error event).
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ class FakeEngine:
             }
             await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             self.emitted += 1
+            if mode == "error_event" and i == 1:  # SGLang's error event in a stream that started
+                refusal = {"object": "error", "message": "out of memory (injected)", "type": "InternalServerError"}
+                await out.write(b"data: " + orjson.dumps({"error": {**refusal, "code": 500}}) + b"\n\ndata: [DONE]\n\n")
+                return out
             if mode == "midstream" and i == 1:
                 assert request.transport is not None
                 request.transport.abort()

@@ -44,9 +44,9 @@ async def test_a_header_over_8k_gets_a_json_400_and_one_log_line(make_proxy, cap
         assert r.status == 400 and r.content_type == "application/json"
         err = _openai_shaped(await r.json())
     assert err["code"] == "bad_http_request" and err["type"] == "invalid_request_error"
-    refused = [rec for rec in caplog.records if "before it reached a handler" in rec.getMessage()]
-    assert len(refused) == 1 and refused[0].exc_info is None
-    assert not any(rec.exc_info for rec in caplog.records)
+    edge = [rec for rec in caplog.records if rec.name in ("proxy.server.protocol", "aiohttp.server")]
+    assert len(edge) == 1 and "before it reached a handler" in edge[0].getMessage()
+    assert edge[0].exc_info is None  # one line, no traceback
     async with aiohttp.ClientSession() as s, s.get(h.url + "/health") as r:
         assert r.status == 200  # the proxy serves on
 
@@ -82,3 +82,41 @@ async def test_a_request_head_sent_one_byte_at_a_time_is_cut_off(make_proxy):
         await asyncio.sleep(0.7)
         async with s.get(h.url + "/health") as r:
             assert r.status == 200
+
+
+async def test_a_slow_body_after_a_prompt_head_is_not_cut_off(make_proxy):
+    """The deadline is for the head only: a body may take its time (the request timeout governs it)."""
+    h = await make_proxy(policy={"proxy": {"header_timeout_s": 0.3}})
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = orjson.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    for i in range(0, len(body), len(body) // 4 + 1):
+        writer.write(body[i : i + len(body) // 4 + 1])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # 0.8 s in all, past the head deadline
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout=5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+
+
+async def test_a_workers_error_event_in_a_stream_comes_back_in_openais_shape(make_proxy):
+    h = await make_proxy()
+    h.workers[0].fail_next("error_event")
+    payload = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 5}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/chat/completions", json=payload) as r:
+        raw = await r.read()
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    errors = [orjson.loads(e) for e in events if e.startswith(b'{"error"')]
+    assert len(events) == 3 and len(errors) == 1  # two chunks of output, then the error
+    assert set(errors[0]) == {"error"}
+    err = _openai_shaped(errors[0])
+    assert err["message"] == "out of memory (injected)" and err["type"] == "server_error"
+    h.workers[0].fail_next("error_event")
+    stream = await h.client().chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=5)
+    with pytest.raises(openai.APIError, match="out of memory"):
+        async for _ in stream:
+            pass

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from proxy.request.admission import Priority
+from tests.batch.conftest import CHAT, jsonl, request_line, wait_final_over_http
 from tests.harness.fake_engine import MODEL
 
 KEYS = "sk-alice name=alice, sk-bob name=bob, sk-etl batch name=etl"
@@ -126,3 +127,15 @@ async def test_interactive_goes_before_queued_batch_and_batch_keeps_its_floor(ma
     assert left > 0, "batch ran out before interactive finished: nothing measured"
     # 60 interactive dispatched while batch waited: batch got ~20% of those dispatches, not 0 and not half
     assert 60 * 0.2 / 0.8 * 0.6 <= during <= 60 * 0.2 / 0.8 * 1.6 + 4
+
+
+async def test_batch_api_lines_are_admitted_as_their_keys_batch_work(make_proxy, keys):
+    h = await make_proxy(policy={"auth": {"api_keys_env": "TEST_PACER_KEYS"}})
+    client = h.client("sk-alice")  # an interactive key: its batch lines are still batch work
+    data = jsonl(*(request_line(f"l{i}", model=MODEL, max_tokens=2) for i in range(4)))
+    uploaded = await client.files.create(file=("in.jsonl", data), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    assert (await wait_final_over_http(client, created.id)).status == "completed"
+    stats = _stats(h)
+    assert stats[(Priority.BATCH, "alice")][1] == 4
+    assert (Priority.INTERACTIVE, "alice") not in stats

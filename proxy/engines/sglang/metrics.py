@@ -11,29 +11,26 @@ from typing import Any
 
 from proxy.engines import prometheus
 from proxy.engines.base import Sample
-from proxy.engines.prometheus import MetricsParseError
+from proxy.engines.prometheus import MAX, SUM, Fields, MetricsParseError
 
 __all__ = ["FIELDS", "PREFIX", "READ", "MetricsParseError", "collect_series", "parse_loads", "parse_metrics"]
 
 PREFIX = "sglang:"
 
-# Sample field -> (metric names, newest first; how series combine)
-_SUM, _MAX = "sum", "max"
-FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "queue": (("num_queue_reqs",), _SUM),
-    "running": (("num_running_reqs",), _SUM),
-    "token_usage": (("token_usage",), _MAX),
-    "gen_throughput": (("gen_throughput",), _SUM),
-    "cache_hit_rate": (("cache_hit_rate",), _MAX),
-    "new_token_ratio": (("new_token_ratio",), _MAX),
-    "max_total_tokens": (("max_total_num_tokens",), _SUM),
+FIELDS: Fields = {
+    "queue": (("num_queue_reqs",), SUM),
+    "running": (("num_running_reqs",), SUM),
+    "token_usage": (("token_usage",), MAX),
+    "gen_throughput": (("gen_throughput",), SUM),
+    "cache_hit_rate": (("cache_hit_rate",), MAX),
+    "new_token_ratio": (("new_token_ratio",), MAX),
+    "max_total_tokens": (("max_total_num_tokens",), SUM),
     # 0.5.x counter; 0.4.10 named it total_retracted_reqs
-    "retractions_total": (("num_retracted_requests_total", "total_retracted_reqs"), _SUM),
-    "prompt_tokens_total": (("prompt_tokens_total",), _SUM),
-    "generation_tokens_total": (("generation_tokens_total",), _SUM),
-    "requests_total": (("num_requests_total",), _SUM),
+    "retractions_total": (("num_retracted_requests_total", "total_retracted_reqs"), SUM),
+    "prompt_tokens_total": (("prompt_tokens_total",), SUM),
+    "generation_tokens_total": (("generation_tokens_total",), SUM),
+    "requests_total": (("num_requests_total",), SUM),
 }
-REQUIRED = ("queue", "running", "token_usage")
 READ = frozenset(n for names, _ in FIELDS.values() for n in names)  # the series parsed; the rest skipped unparsed
 
 
@@ -44,18 +41,8 @@ def collect_series(text: str) -> dict[str, list[float]]:
 
 def parse_metrics(text: str, now: float) -> Sample:
     """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
-    series = prometheus.collect_series(text, PREFIX, READ).values
-    found: dict[str, float | None] = {}
-    for field_name, (names, combine) in FIELDS.items():
-        found[field_name] = None
-        for name in names:
-            if series.get(name):
-                vals = series[name]
-                found[field_name] = sum(vals) if combine == _SUM else max(vals)
-                break
-    missing = [f"{PREFIX}{FIELDS[f][0][0]}" for f in REQUIRED if found[f] is None]
-    if missing:
-        raise MetricsParseError(f"metrics page lacks {', '.join(missing)} (is --enable-metrics set?)")
+    series = prometheus.collect_series(text, PREFIX, READ)
+    found = prometheus.read_fields(series, FIELDS, prefix=PREFIX, hint="is --enable-metrics set?")
     max_total = found["max_total_tokens"]
     return Sample(
         time=now,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from proxy.engines import prometheus
 from proxy.engines.base import Sample
-from proxy.engines.prometheus import MetricsParseError, Series
+from proxy.engines.prometheus import MAX, SUM, Fields, MetricsParseError, Series
 
 __all__ = [
     "FIELDS",
@@ -28,22 +28,19 @@ __all__ = [
 
 PREFIX = "vllm:"
 
-_SUM, _MAX = "sum", "max"
-# Sample field -> (sample names without the prefix, newest first; how series combine)
-FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "queue": (("num_requests_waiting",), _SUM),
-    "running": (("num_requests_running",), _SUM),
-    "token_usage": (("kv_cache_usage_perc", "gpu_cache_usage_perc"), _MAX),
-    "retractions_total": (("num_preemptions_total",), _SUM),
-    "prompt_tokens_total": (("prompt_tokens_total",), _SUM),
-    "generation_tokens_total": (("generation_tokens_total",), _SUM),
-    "requests_total": (("request_success_total",), _SUM),
+FIELDS: Fields = {
+    "queue": (("num_requests_waiting",), SUM),
+    "running": (("num_requests_running",), SUM),
+    "token_usage": (("kv_cache_usage_perc", "gpu_cache_usage_perc"), MAX),
+    "retractions_total": (("num_preemptions_total",), SUM),
+    "prompt_tokens_total": (("prompt_tokens_total",), SUM),
+    "generation_tokens_total": (("generation_tokens_total",), SUM),
+    "requests_total": (("request_success_total",), SUM),
     # per finished request histograms (sum and count)
-    "finished_prompt_tokens": (("request_prompt_tokens_sum",), _SUM),
-    "finished_generation_tokens": (("request_generation_tokens_sum",), _SUM),
-    "finished_requests_total": (("request_prompt_tokens_count",), _SUM),
+    "finished_prompt_tokens": (("request_prompt_tokens_sum",), SUM),
+    "finished_generation_tokens": (("request_generation_tokens_sum",), SUM),
+    "finished_requests_total": (("request_prompt_tokens_count",), SUM),
 }
-REQUIRED = ("queue", "running", "token_usage")
 _PREFIX_HITS = ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total")
 _PREFIX_QUERIES = ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total")
 
@@ -56,14 +53,6 @@ READ = frozenset({*(n for names, _ in FIELDS.values() for n in names), *_PREFIX_
 def collect_series(text: str) -> Series:
     """Every ``vllm:`` series that :func:`parse_metrics` reads, prefix removed, with its labels."""
     return prometheus.collect_series(text, PREFIX, READ)
-
-
-def _first(series: Series, names: tuple[str, ...], combine: str) -> float | None:
-    for name in names:
-        vals = series.values.get(name)
-        if vals:
-            return sum(vals) if combine == _SUM else max(vals)
-    return None
 
 
 def kv_capacity_tokens(series: Series) -> int | None:
@@ -84,12 +73,9 @@ def kv_capacity_tokens(series: Series) -> int | None:
 def parse_metrics(text: str, now: float) -> Sample:
     """Parse one ``/metrics`` page scraped at monotonic time ``now``."""
     series = collect_series(text)
-    found = {name: _first(series, names, combine) for name, (names, combine) in FIELDS.items()}
-    missing = [f"{PREFIX}{FIELDS[f][0][0]}" for f in REQUIRED if found[f] is None]
-    if missing:
-        raise MetricsParseError(f"metrics page lacks {', '.join(missing)} (is this a vLLM server?)")
-    hits = _first(series, _PREFIX_HITS, _SUM)
-    queries = _first(series, _PREFIX_QUERIES, _SUM)
+    found = prometheus.read_fields(series, FIELDS, prefix=PREFIX, hint="is this a vLLM server?")
+    hits = prometheus.first_of(series.values, _PREFIX_HITS, SUM)
+    queries = prometheus.first_of(series.values, _PREFIX_QUERIES, SUM)
     return Sample(
         time=now,
         queue=int(found["queue"] or 0),
