@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,17 +26,20 @@ from aiohttp import web
 from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
+from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace
 from proxy.control.journal import Journal
+from proxy.control.planner import Observed
 from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
+from proxy.engines.base import Sample
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
-from proxy.policy import Policy
+from proxy.policy import ControlMode, Policy
 from proxy.request.admission import ORDER, AdmissionQueue
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
-from proxy.request.pacing import Band, LoadBoard
+from proxy.request.pacing import Band, LoadBoard, SampleObserver
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueDepth, QueueTotals
 from proxy.server import handlers
@@ -109,6 +113,8 @@ def build_app(
         ),
     )
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
+    if policy.control.mode is ControlMode.AUTO:  # each worker's pace; the backlog is every pool's queue
+        board.subscribe(_fast_tier(board, admission, requests.dispatcher.band, functools.partial(_pump_all, requests)))
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -145,6 +151,56 @@ def build_app(
     add_routes(app, authenticate=_batch_caller(st))
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     return app
+
+
+def _pump_all(requests: RequestPath) -> None:
+    for dispatcher in requests.dispatchers():
+        dispatcher.pump()
+
+
+def _fast_tier(
+    board: LoadBoard,
+    admission: QueueDepth,
+    band: Band,
+    pump: Callable[[], None],
+    settings: PaceSettings | None = None,
+) -> SampleObserver:
+    """After each scrape, the worker's fast-tier pace (``proxy.control.fast_tier``) into its load."""
+    settings = settings or PaceSettings()
+    paces: dict[str, Pace] = {}
+
+    def observe(worker_id: str, sample: Sample | None, _error: str | None) -> None:
+        if sample is None:
+            return
+        load = board.get(worker_id)
+        since = sample.time - 60.0
+        pace = next_pace(
+            paces.get(worker_id, Pace()),
+            PaceInput(
+                time=sample.time,
+                running=sample.running,
+                queue=sample.queue,
+                token_usage=sample.token_usage,
+                retractions_total=sample.retractions_total,
+                generation_tokens_total=sample.generation_tokens_total,
+                in_flight=load.in_flight,
+                backlog=len(admission),
+                mean_output_tokens=load.facts.mean_output_tokens(since),
+                ttft_s=load.facts.mean_ttft(since),
+            ),
+            lo=band.lo,
+            hi=band.hi,
+            headroom=band.headroom,
+            settings=settings,
+        )
+        paces[worker_id] = pace
+        if (pace.limit, pace.queue_target) != (load.limit, load.queue_target):
+            if pace.limit != load.limit:
+                _log.info("fast tier %s: %s", worker_id, pace.reason)
+            load.limit, load.queue_target = pace.limit, pace.queue_target
+            pump()
+
+    return observe
 
 
 def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -235,6 +291,19 @@ class _Surroundings:
 
     def backlog(self) -> int:
         return len(self._queue)
+
+    def recent_requests(self, worker_id: str) -> Sequence[Observed]:
+        return [
+            Observed(
+                arrived=f.arrived,
+                prompt_tokens=f.prompt_tokens,
+                output_tokens=f.output_tokens,
+                max_tokens=f.max_tokens,
+                finished=f.time,
+            )
+            for f in self._st.board.get(worker_id).facts.recent()
+            if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
+        ]
 
 
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:

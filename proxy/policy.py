@@ -311,6 +311,35 @@ class ControlSettings:
     memory_fraction_bounds: tuple[float, float] = field(
         default=(0.5, 0.95), metadata=key("[low, high] of mem_fraction_static (high <= 1)", custom=True)
     )
+    # -- the planner (proxy.control.planner)
+    planner: bool = field(
+        default=False,
+        metadata=key(
+            "a calibrated twin of each worker decides tuning restarts (restart only when the predicted gain "
+            "over plan_horizon_s pays the measured restart cost); the rules keep only their safety net"
+        ),
+    )
+    plan_interval_s: float = field(default=60.0, metadata=key("seconds between plans of one worker", positive=True))
+    plan_horizon_s: float = field(
+        default=600.0,
+        metadata=key("seconds the traffic just seen is expected to last (a gain's horizon)", positive=True),
+    )
+    plan_min_gain: float = field(
+        default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)
+    )
+    plan_requests: int = field(default=300, metadata=key("newest requests a plan replays", minimum=1))
+    canary_margin: float = field(
+        default=0.03,
+        metadata=key(
+            "with 2+ workers a plan goes to one worker first; promoted when its throughput per running request "
+            "beats the others' by this share over window_s, reverted otherwise",
+            minimum=0,
+        ),
+    )
+    twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))
+    twin_model: str = field(
+        default="llama-3.1-8b", metadata=key("the twin's model preset (a simulated worker's own is used)")
+    )
 
 
 class WorkerBackend(StrEnum):

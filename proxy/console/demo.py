@@ -15,8 +15,8 @@ has run ``--settle-s`` more, or after ``--phase-s``. The true output length trav
 simulator's ``sim_output_len`` field (a real engine ignores it and answers as it does).
 
 With no proxy at ``--url``, ``--start POLICY`` starts one (``pacer serve --policy POLICY --port 0``)
-as a child process, prints its URL and stops it at the end; without ``--start`` it says how to
-start one and exits 1.
+as a child process, prints its URL and stops it at the end, also when the demo is interrupted
+(Ctrl-C) or sent SIGTERM; without ``--start`` it says how to start one and exits 1.
 """
 
 from __future__ import annotations
@@ -260,6 +260,11 @@ async def _target(args: argparse.Namespace) -> AsyncIterator[str]:
 
 
 async def _demo(args: argparse.Namespace) -> int:
+    # SIGTERM ends the demo as Ctrl-C does: by cancelling it, so that a proxy it started is stopped
+    # (that proxy and its workers run in sessions of their own: no signal to the demo reaches them)
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     async with _target(args) as url:
         await _ready(url, args.ready_timeout_s)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -296,3 +301,6 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\n[demo] interrupted", file=sys.stderr)
         return 130
+    except asyncio.CancelledError:  # SIGTERM
+        print("\n[demo] terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM

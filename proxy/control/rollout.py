@@ -18,7 +18,9 @@ second while one is under way):
    worker with the new args and wait for its health check;
 5. dispatching resumes by itself: the restarted worker is READY again (or DOWN if it did not come
    back); a restart refused before the worker stopped sets it back to READY. With a single worker
-   the proxy's queue holds the traffic meanwhile.
+   the proxy's queue holds the traffic meanwhile. Cancelled (the proxy stops), the rollout sets
+   the worker back to READY only if its restart had not begun: a worker being stopped is the
+   pool's to finish stopping, not one to announce as serving.
 
 What the drain did comes back as a :class:`proxy.control.controller.Drain` (the journal entry's ``act``).
 
@@ -87,6 +89,7 @@ class Rollout:
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
         if self.pool.get(worker_id).state is WorkerState.READY:
             self._set_state(worker_id, WorkerState.DRAINING)
+        restarting = False
         try:
             in_flight = self.dispatcher.open_attempts(worker_id)
             loop = asyncio.get_running_loop()
@@ -106,8 +109,15 @@ class Rollout:
                     drain_stopped=stopped or None,
                 )
             _log.info("restarting %s: %s (%s)", worker_id, reason, drain.to_json())
+            restarting = True
             info = await self.pool.restart(worker_id, args, reason)
-        except BaseException:
+        except asyncio.CancelledError:
+            # the proxy is stopping: a worker still serving takes traffic again until the pool stops
+            # it; one whose restart began (its process may be on its way out) is left to the pool
+            if not restarting and self.pool.get(worker_id).state is WorkerState.DRAINING:
+                self._set_state(worker_id, WorkerState.READY)
+            raise
+        except Exception:  # refused before the worker stopped (bad args...): it serves on as it was
             if self.pool.get(worker_id).state is WorkerState.DRAINING:
                 self._set_state(worker_id, WorkerState.READY)
             raise

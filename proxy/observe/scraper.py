@@ -7,7 +7,8 @@ A garbage page, a non-200 answer, a timeout or an unreachable worker is publishe
 the worker's sample goes stale (the dispatcher treats it as saturated), the loop never dies.
 
 One aiohttp session is shared with the request path. A worker is never scraped twice at once;
-:meth:`Scraper.kick` starts a round at once (used when a worker becomes READY).
+:meth:`Scraper.kick` starts a round at once (used when a worker becomes READY). Cancelling
+:meth:`Scraper.run` ends it even when a kick comes at the same moment.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ class Scraper:
             while True:
                 self._round()
                 self._kick.clear()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+                # lands as the kick is set (a worker turning READY as the proxy stops), and the loop
+                # would then run on with the app's cleanup waiting for it
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kick.wait(), self.interval_s)
+                    async with asyncio.timeout(self.interval_s):
+                        await self._kick.wait()
         finally:
             for task in list(self._tasks):
                 task.cancel()

@@ -59,6 +59,8 @@ class SimConfig:
     output_fraction: float = 1.0
     output_spread: float = 0.0
     output_cap: int | None = None
+    step_time_factor: float = 1.0  # steps take this many times the modelled time (perturbation)
+    activation_factor: float = 1.0  # activations take this many times the modelled memory (perturbation)
     server_args: Mapping[str, Any] = field(default_factory=dict)  # every flag, for /server_info
 
     @property
@@ -92,6 +94,8 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError("the simulator models --page-size 1 only")
     if ns.sim_time_scale <= 0:
         raise SimConfigError("--sim-time-scale must be > 0")
+    if ns.sim_step_time_factor <= 0 or ns.sim_activation_factor <= 0:
+        raise SimConfigError("--sim-step-time-factor and --sim-activation-factor must be > 0")
     if ns.schedule_conservativeness < 0:
         raise SimConfigError("--schedule-conservativeness must be >= 0")
     gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
@@ -148,7 +152,8 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
     )
     served = ns.served_model_name or ns.model_path or model.hf_name
-    args = {k: v for k, v in vars(ns).items()}
+    # the hidden perturbations are not the server's to report (nothing reading /server_info or the log sees them)
+    args = {k: v for k, v in vars(ns).items() if k not in ("sim_step_time_factor", "sim_activation_factor")}
     args.update(
         model_path=ns.model_path or model.hf_name,
         served_model_name=served,
@@ -196,5 +201,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         output_fraction=ns.sim_output_fraction,
         output_spread=ns.sim_output_spread,
         output_cap=ns.sim_output_cap,
+        step_time_factor=ns.sim_step_time_factor,
+        activation_factor=ns.sim_activation_factor,
         server_args=args,
     )

@@ -175,9 +175,14 @@ class WorkerProcess:
             os.close(write_fd)
         loop = asyncio.get_running_loop()
         output = asyncio.StreamReader(limit=_CHUNK, loop=loop)
-        pipe, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(output, loop=loop), os.fdopen(read_fd, "rb", 0)
-        )
+        try:
+            pipe, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(output, loop=loop), os.fdopen(read_fd, "rb", 0)
+            )
+        except BaseException:  # cancelled (the proxy is stopping): nobody would own the process
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
         return cls(proc, output, pipe, argv, lines, log_file)
 
     @property
@@ -194,14 +199,15 @@ class WorkerProcess:
 
     async def drain_output(self, timeout: float) -> None:
         """Let the reader reach EOF; a child that keeps the pipe open must not hold us up for long."""
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        # asyncio.wait neither cancels the reader nor raises its end; a cancel of the caller goes through
+        await asyncio.wait({self._reader}, timeout=timeout)
 
     async def terminate(self, grace_s: float) -> int:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; returns the exit code."""
         self._signal_group(signal.SIGTERM)
         try:
-            code = await asyncio.wait_for(self._proc.wait(), grace_s)
+            async with asyncio.timeout(grace_s):  # not 3.11's wait_for, which may swallow the caller's cancel
+                code = await self._proc.wait()
         except TimeoutError:
             self._signal_group(signal.SIGKILL)
             code = await self._proc.wait()

@@ -111,3 +111,44 @@ async def test_streams_with_output_are_waited_for_until_the_deadline() -> None:
     d, took = await _restart(FakeDispatcher(finish, started=1))
     assert d.taken_back == 2 and d.still_running_at_restart == 0
     assert took == pytest.approx(0.45)
+
+
+class StoppingPool(FakePool):
+    """A restart that is under way (the old process on its way out) when the proxy stops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restart_began = asyncio.Event()
+
+    async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:
+        self.restart_began.set()
+        await asyncio.sleep(3600)  # stopping the old process, then starting the new one
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.looptime
+async def test_cancelled_during_the_restart_it_leaves_the_worker_to_the_pool() -> None:
+    """The proxy stops while the worker restarts: the rollout ends at once and does not announce
+    the worker READY (it is being stopped; that READY also kicked the scraper as the app stopped it)."""
+    pool = StoppingPool()
+    rollout = Rollout(pool, FakeDispatcher([]), drain_timeout_s=0.6, settle_s=0.05)
+    task = asyncio.create_task(rollout.restart("w0", {"x": 1}, "test"))
+    await pool.restart_began.wait()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=1.0)
+    assert task in done and task.cancelled()
+    assert pool.states == [WorkerState.READY, WorkerState.DRAINING]
+
+
+@pytest.mark.looptime
+async def test_cancelled_during_the_drain_the_worker_serves_again() -> None:
+    """Cancelled before the restart began, the worker is untouched: it takes traffic again."""
+    pool = FakePool()
+    rollout = Rollout(pool, FakeDispatcher([50.0], started=1), drain_timeout_s=60.0, settle_s=0.05)
+    task = asyncio.create_task(rollout.restart("w0", {"x": 1}, "test"))
+    await asyncio.sleep(1.0)  # draining
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=1.0)
+    assert task in done and task.cancelled()
+    assert pool.states == [WorkerState.READY, WorkerState.DRAINING, WorkerState.READY]
+    assert pool.restarted == []

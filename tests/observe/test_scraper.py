@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy.engines.sglang.engine import SGLANG
@@ -82,3 +83,22 @@ async def test_samples_errors_and_staleness():
     assert "no sample (" in line
     for r in (good, bad, loads_only):
         await r.cleanup()
+
+
+@pytest.mark.looptime
+async def test_cancelling_the_run_ends_it_even_as_a_kick_comes() -> None:
+    """The proxy stops as a worker turns READY: the kick and the app's cancel land in the same
+    loop turn. The run must end (the app's cleanup awaits it), not swallow the cancel and go on."""
+    pool = StaticPool([])  # no READY worker: a round scrapes nothing
+    async with aiohttp.ClientSession() as session:
+        scraper = Scraper(pool, LoadBoard(), session, engine=SGLANG, interval_s=0.5, timeout_s=1.0)
+        task = asyncio.create_task(scraper.run())
+        await asyncio.sleep(0.1)  # waiting for the next round or a kick
+        scraper.kick()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5.0)
+        assert task in done, "the scraper ran on after its cancellation"
+        assert task.cancelled()
+        rounds = scraper.rounds
+        await asyncio.sleep(2.0)
+        assert scraper.rounds == rounds

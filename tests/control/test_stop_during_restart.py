@@ -1,0 +1,180 @@
+"""Ctrl-C (or SIGTERM) on ``pacer serve`` while the controller restarts a worker: the proxy stops
+within a bound and no worker process is left behind.
+
+The real parts: ``pacer serve`` on the default policy (its controller timings shortened so it acts
+within seconds), the simulated worker, ``pacer demo`` as the load that makes the controller act.
+The worker runs under a small shell that outlives a SIGTERM by two seconds, the way an engine
+takes its time to exit: the signal lands while the rollout waits for the old worker to stop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# the worker: the simulator under a shell that, SIGTERMed with its group, waits 2 s before it exits
+_SLOW_EXIT = 'trap "sleep 2; exit 0" TERM; echo "$$" >> "$PIDS"; "$@" & echo "$!" >> "$PIDS"; wait "$!"'
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, killed and waiting for its reaper, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _left(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """Those of ``pids`` still running after ``within_s`` (a killed process takes a moment to go)."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _policy(tmp_path: Path) -> Path:
+    text = (ROOT / "policies" / "default.toml").read_text()
+    sim = ", ".join(f'"{part}"' for part in (sys.executable, "-m", "proxy", "sim"))
+    swaps = {
+        'log_dir = ".pacer/logs"': f'log_dir = "{tmp_path / "logs"}"',
+        '# journal_path = ".pacer/decisions.jsonl"': f'journal_path = "{tmp_path / "decisions.jsonl"}"',
+        '# dir = ".pacer/batches"': f'dir = "{tmp_path / "batches"}"',
+        'kind = "sim" ': f'command = ["sh", "-c", {_SLOW_EXIT!r}, "sh", {sim}]\nkind = "sim" ',
+        "interval_s = 2.0 ": "interval_s = 0.5 ",
+        "window_s = 20.0 ": "window_s = 4.0 ",
+        "min_evidence_s = 8.0 ": "min_evidence_s = 3.0 ",
+        "gpu_sample_interval_s = 5.0 ": "gpu_sample_interval_s = 0 ",
+    }
+    for old, new in swaps.items():
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / "policy.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path: Path, sig: signal.Signals) -> None:
+    policy = _policy(tmp_path)
+    pids = tmp_path / "worker-pids"
+    env = dict(os.environ, PIDS=str(pids))
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--policy", str(policy), "--port", "0"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    demo = None
+    try:
+        deadline = time.monotonic() + 30
+        url = None
+        while time.monotonic() < deadline and not (url and "is ready" in log_path.read_text()):
+            assert serve.poll() is None, log_path.read_text()[-2000:]
+            if m := re.search(r"listening on (http://\S+?) ", log_path.read_text()):
+                url = m.group(1)
+            time.sleep(0.05)
+        assert url, log_path.read_text()[-2000:]
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "demo", "--url", url, "--phases", "1", "--settle-s", "0",
+             "--phase-s", "40", "--concurrency", "700"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 40
+        while "restarting worker w0" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        time.sleep(0.3)  # the old worker got its SIGTERM and takes 2 s to go
+        stop_started = time.monotonic()
+        serve.send_signal(sig)
+        try:
+            serve.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pacer serve still runs 20 s after {sig.name}: " + log_path.read_text()[-3000:])
+        took = time.monotonic() - stop_started
+    finally:
+        for proc in (demo, serve):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.close()
+        started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+        left = _left(started)
+        for pid in left:  # none should be; a failing run must not leave them either
+            os.killpg(pid, signal.SIGKILL) if pid in started[::2] else os.kill(pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert serve.returncode == 0, text[-3000:]
+    assert took < 15, f"stopping took {took:.1f} s"
+    assert "stopped" in text.splitlines()[-1]
+    assert started and not left, f"worker processes left: {left} of {started}"
+
+
+def _serving(policy: Path) -> list[int]:
+    """The pids of ``pacer serve`` processes running this test's policy."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and str(policy).encode() in argv:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, sig: signal.Signals) -> None:
+    """``pacer demo --start POLICY`` interrupted (or terminated) as the controller restarts the
+    worker: the demo exits, and the proxy it started and that proxy's worker are gone."""
+    policy = _policy(tmp_path)
+    pids = tmp_path / "worker-pids"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]  # no proxy answers here: the demo starts its own
+    out_path = tmp_path / "demo.out"
+    out = out_path.open("w")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--url", f"http://127.0.0.1:{nobody}", "--start", str(policy),
+         "--phases", "1", "--settle-s", "60", "--phase-s", "60", "--concurrency", "700"],
+        stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PIDS=str(pids)), start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "decision #" not in out_path.read_text():  # the controller acts (the demo runs on 60 s)
+            assert demo.poll() is None and time.monotonic() < deadline, out_path.read_text()[-3000:]
+            time.sleep(0.05)
+        proxies = _serving(policy)
+        assert len(proxies) == 1
+        demo.send_signal(sig)
+        try:
+            code = demo.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pacer demo still runs 30 s after {sig.name}: " + out_path.read_text()[-3000:])
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+        out.close()
+        left_proxies = _left(_serving(policy))
+        for pid in left_proxies:
+            os.kill(pid, signal.SIGKILL)
+        started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+        left = _left(started)
+        for pid in left:
+            os.killpg(pid, signal.SIGKILL) if pid in started[::2] else os.kill(pid, signal.SIGKILL)
+    assert code == (130 if sig is signal.SIGINT else 128 + signal.SIGTERM), out_path.read_text()[-2000:]
+    assert not left_proxies, f"the proxy the demo started still runs: {left_proxies}"
+    assert started and not left, f"worker processes left: {left} of {started}"
