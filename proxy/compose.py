@@ -437,8 +437,7 @@ async def _start_pool(st: ProxyState) -> None:
 def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
     if error is not None:
         st.metrics.scrape_errors.labels(worker_id).inc()
-    for dispatcher in st.requests.dispatchers():
-        dispatcher.pump()
+    _pump_all(st.requests)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
