@@ -235,11 +235,14 @@ class SweepResult:
     trials: tuple[Trial, ...] = field(default_factory=tuple)
 
 
-def sim_config(args: Mapping[str, Any], *, gpu: str, model: str, time_scale: float = 1.0) -> SimConfig:
-    """The resolved config a ``pacer sim`` started with these SGLang args would run with."""
+def sim_config(
+    args: Mapping[str, Any], *, gpu: str, model: str, time_scale: float = 1.0, perturb: Sequence[str] = ()
+) -> SimConfig:
+    """The resolved config a ``pacer sim`` started with these SGLang args would run with (``perturb``:
+    the simulator's hidden perturbation flags, the engine the arms really run)."""
     argv = build_argv(
         {k: v for k, v in args.items() if v is not None},
-        ["--sim-gpu", gpu, "--sim-model", model, "--sim-time-scale", str(time_scale)],
+        ["--sim-gpu", gpu, "--sim-model", model, "--sim-time-scale", str(time_scale), *perturb],
         host="127.0.0.1",
         port=0,
     )
@@ -255,9 +258,10 @@ def evaluate(
     min_available_gb: float = 0.0,
     pacing: Pacing | None = None,
     max_activation_fraction: float = 1.0,
+    perturb: Sequence[str] = (),
 ) -> Trial:
     try:
-        cfg = sim_config(args, gpu=gpu, model=model)
+        cfg = sim_config(args, gpu=gpu, model=model, perturb=perturb)
     except SimConfigError:
         return Trial(args=dict(args), output_tok_per_s=0.0, oom="startup")
     free = cfg.memory.available_gb
@@ -283,6 +287,7 @@ def sweep(
     gpu: str,
     model: str,
     space: SearchSpace | None = None,
+    perturb: Sequence[str] = (),
 ) -> SweepResult:
     space = space or SearchSpace()
     seen: dict[tuple[Any, ...], Trial] = {}
@@ -298,6 +303,7 @@ def sweep(
                 min_available_gb=space.min_available_gb,
                 pacing=space.pacing,
                 max_activation_fraction=space.max_activation_fraction,
+                perturb=perturb,
             )
         return seen[key]
 

@@ -16,6 +16,7 @@ set on the real GPU, seen through the compressed clock.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,20 +26,37 @@ from typing import Any
 from proxy.sim.request import RequestSpec
 from proxy.sim.tokenizer import encode
 
-__all__ = ["SCENARIOS", "Scenario", "Workload", "scaled_control"]
+__all__ = ["SCENARIOS", "Phases", "Scenario", "Workload", "planner_control", "scaled_control"]
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    """``count`` requests, all submitted at once (a batch job), with uniform prompt and output lengths."""
+    """``count`` requests with uniform prompt and output lengths: all submitted at ``start_s`` (a batch
+    job) or, with ``rate``, arriving over time from ``start_s``: a renewal process of ``rate`` requests
+    per modelled second whose gaps are gamma-distributed with ``shape`` (1: Poisson; 0.3: bursty, the
+    same mean rate in clumps), seeded."""
 
     count: int
     prompt_len: tuple[int, int]  # tokens, inclusive range
     max_tokens: int
     output_len: tuple[int, int]  # the true output length (EOS), inclusive range, <= max_tokens
     seed: int = 0
+    rate: float | None = None  # requests per modelled second (None: all at once)
+    shape: float = 1.0  # gamma shape of the gaps between arrivals
+    start_s: float = 0.0  # modelled seconds from the start of the run
+
+    def arrivals(self) -> list[float]:
+        """Modelled seconds of each request's arrival, aligned with :meth:`requests`."""
+        if self.rate is None:
+            return [self.start_s] * self.count
+        rng = random.Random(self.seed * 7919 + 1)
+        t, out = self.start_s, []
+        for _ in range(self.count):
+            t += rng.gammavariate(self.shape, 1.0 / (self.shape * self.rate))
+            out.append(t)
+        return out
 
     def requests(self) -> list[tuple[str, int, int]]:
         """(prompt text, max_tokens, true output length) per request, deterministic in the seed.
@@ -55,13 +73,53 @@ class Workload:
 
     def specs(self) -> list[RequestSpec]:
         return [
-            RequestSpec(prompt_ids=tuple(encode(text)), max_new_tokens=max_new, output_len=true_len)
-            for text, max_new, true_len in self.requests()
+            RequestSpec(prompt_ids=tuple(encode(text)), max_new_tokens=max_new, output_len=true_len, arrival=at)
+            for (text, max_new, true_len), at in zip(self.requests(), self.arrivals(), strict=True)
         ]
 
     @property
     def output_tokens(self) -> int:
         return sum(r[2] for r in self.requests())
+
+    def describe(self) -> dict[str, Any]:
+        return {"requests": self.count, "prompt_len": list(self.prompt_len), "max_tokens": self.max_tokens,
+                "output_len": list(self.output_len), "output_tokens": self.output_tokens, "seed": self.seed,
+                "rate": self.rate, "shape": self.shape, "start_s": self.start_s}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Phases:
+    """Workloads one after another (each with its own ``start_s``): the same interface as :class:`Workload`."""
+
+    parts: tuple[Workload, ...]
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.parts)
+
+    def requests(self) -> list[tuple[str, int, int]]:
+        return [r for p in self.parts for r in p.requests()]
+
+    def arrivals(self) -> list[float]:
+        return [a for p in self.parts for a in p.arrivals()]
+
+    def specs(self) -> list[RequestSpec]:
+        return [spec for p in self.parts for spec in p.specs()]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(p.output_tokens for p in self.parts)
+
+    def phase_of(self) -> list[int]:
+        """The phase index of each request, aligned with :meth:`requests`."""
+        return [i for i, p in enumerate(self.parts) for _ in range(p.count)]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "requests": self.count,
+            "output_tokens": self.output_tokens,
+            "phases": [p.describe() for p in self.parts],
+        }
 
 
 def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
@@ -85,11 +143,18 @@ def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
     return out
 
 
+def planner_control(scale: float, gpu: str, model: str, **overrides: Any) -> dict[str, Any]:
+    """:func:`scaled_control` with the planner on: its interval (60 modelled s) and horizon (600) scaled,
+    its twin on the deployment's GPU and model presets (what an operator sets in ``[control]``)."""
+    return scaled_control(scale, planner=True, plan_interval_s=60.0 / scale, plan_horizon_s=600.0 / scale,
+                          twin_gpu=gpu, twin_model=model, **overrides)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     name: str
     premise: str  # one line: what is wrong with the starting arguments
-    workload: Workload
+    workload: Workload | Phases
     start_args: Mapping[str, Any]  # the operator's arguments (the "default" arm runs these, no control)
     gpu: str = "h100-80gb"
     model: str = "llama-3.1-8b"
@@ -97,9 +162,22 @@ class Scenario:
     control: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the [control] table
     min_available_gb: float = 5.0  # the oracle's floor on start-up free memory (the band's low end)
     queue_timeout_s: float = 600.0  # the proxy's queue patience (a dead worker answers 503 after it)
+    # hidden factors on the simulated engine's step time and activation memory (the arms' workers run
+    # them; the controller's twin is never told: it has to calibrate)
+    step_time_factor: float = 1.0
+    activation_factor: float = 1.0
+
+    def perturb_args(self) -> list[str]:
+        out = []
+        if self.step_time_factor != 1.0:
+            out += ["--sim-step-time-factor", f"{self.step_time_factor:g}"]
+        if self.activation_factor != 1.0:
+            out += ["--sim-activation-factor", f"{self.activation_factor:g}"]
+        return out
 
     def extra_args(self) -> list[str]:
-        return ["--sim-gpu", self.gpu, "--sim-model", self.model, "--sim-time-scale", f"{self.time_scale:g}"]
+        return ["--sim-gpu", self.gpu, "--sim-model", self.model, "--sim-time-scale", f"{self.time_scale:g}",
+                *self.perturb_args()]  # fmt: skip
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -170,6 +248,29 @@ def _scenarios() -> dict[str, Scenario]:
         control=scaled_control(12.0),
         min_available_gb=5.0,
     ))  # fmt: skip
+    # shift: chat by day (short answers far below max_tokens 4096, arriving at 3 per modelled second:
+    # arrival-bound, judged on queue time), then a batch of long outputs near max_tokens 2000 submitted
+    # at once (backlogged, judged on throughput), then chat again. The operator tuned for chat
+    # (conservativeness 0.3); SGLang's default is 1.0.
+    chat = {"prompt_len": (300, 900), "max_tokens": 4096, "output_len": (120, 500), "rate": 3.0}
+    s.append(Scenario(
+        name="shift",
+        premise="chat (outputs 3-12 % of max_tokens, arriving over time), then a batch of long outputs near "
+                "max_tokens, then chat: the right schedule_conservativeness differs by phase",
+        workload=Phases(parts=(
+            Workload(count=900, seed=21, start_s=0.0, **chat),  # type: ignore[arg-type]
+            Workload(count=1200, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=22,
+                     start_s=300.0),
+            Workload(count=900, seed=23, start_s=320.0 + 200.0, **chat),  # type: ignore[arg-type]
+        )),
+        start_args={"schedule_conservativeness": 0.3},
+        gpu="a100-40gb", time_scale=10.0,
+        control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
+    ))  # fmt: skip
+    # the same shift on an engine whose steps take 25 % longer and whose activations need 20 % less
+    # memory than the presets say (hidden: the twin must calibrate on the worker's own lines)
+    s.append(dataclasses.replace(s[-1], name="shift-perturbed", step_time_factor=1.25, activation_factor=0.8,
+                                 premise=s[-1].premise + "; the engine is 25 % slower than its presets"))  # fmt: skip
     return {x.name: x for x in s}
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -38,12 +39,12 @@ from typing import Any
 import tomli_w
 
 from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
-from loadtests.scenario_defs import SCENARIOS, Scenario
+from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
 from proxy.request.pacing import Band
 
 __all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
 
-ARMS = ("default", "adaptive", "oracle")
+ARMS = ("default", "adaptive", "oracle", "defaults")
 ARM_KEYS = (
     "output_tok_per_s",
     "requests_ok",
@@ -84,6 +85,7 @@ class ArmResult:
     sim_slowdown: float | None = None  # wall / engine-clock seconds of the last incarnation's steps (1: kept up)
     load_avg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at the start and the end
     started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
+    latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
@@ -241,8 +243,20 @@ async def _sample(
 
 
 async def _one(
-    session: Any, url: str, model: str, i: int, prompt: str, max_tokens: int, out_len: int, t0: float, res: ArmResult
+    session: Any,
+    url: str,
+    model: str,
+    i: int,
+    prompt: str,
+    max_tokens: int,
+    out_len: int,
+    t0: float,
+    res: ArmResult,
+    at_s: float = 0.0,
 ) -> None:
+    """One request, sent ``at_s`` wall seconds after ``t0`` (its arrival)."""
+    if at_s > 0:
+        await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
     body = {
         "model": model,
         "prompt": prompt,
@@ -258,6 +272,7 @@ async def _one(
             res.requests_ok += 1
             res.output_tokens += tokens
             res.completions.append((round(time.monotonic() - t0, 3), tokens))
+            res.latencies[i] = round(time.monotonic() - t0 - at_s, 4)
         else:
             await resp.read()
             res.requests_failed += 1
@@ -339,9 +354,10 @@ async def run_arm(
             load_start = os.getloadavg()[0]
             t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
+            arrivals = [a / sc.time_scale for a in sc.workload.arrivals()]  # modelled -> wall seconds
             tasks = [
-                asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res))
-                for i, (p, m, o) in enumerate(requests)
+                asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res, at))
+                for i, ((p, m, o), at) in enumerate(zip(requests, arrivals, strict=True))
             ]
             done, pending = await asyncio.wait(tasks, timeout=max_run_s)
             for t in pending:
@@ -383,13 +399,15 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sweep's best static arguments, and the sweep itself for the report. Every trial feeds the
     engine through the arms' own pacing gate (:func:`scenario_pacing`): the arrival the arms see."""
     t = time.process_time()
-    pacing = scenario_pacing(sc)
+    over_time = any(a > 0 for a in sc.workload.arrivals())
+    pacing = None if over_time else scenario_pacing(sc)
     result = sweep(
         sc.start_args,
         sc.workload.specs(),
         gpu=sc.gpu,
         model=sc.model,
         space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing),
+        perturb=sc.perturb_args(),
     )
     best = {k: v for k, v in result.best.args.items() if v is not None}
     info = {
@@ -397,8 +415,9 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         "start": result.start.as_dict(),
         "trials": len(result.trials),
         "cpu_s": round(time.process_time() - t, 1),
-        "pacing": {"target": pacing.target, "scrape_s": pacing.scrape_s},
-        "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate; OOM or a "
+        "pacing": None if pacing is None else {"target": pacing.target, "scrape_s": pacing.scrape_s},
+        "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate (arrivals over "
+        "time: fed as they arrive); OOM or a "
         f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
     }
     return best, info
@@ -415,11 +434,13 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
         return None
     at_s = max(0.0, (float(applied[0]["monotonic"]) - adaptive.started) * sc.time_scale)
     pacing, specs = scenario_pacing(sc), sc.workload.specs()
-    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
     static: dict[str, float] = {}
     moved: dict[str, float] = {}
     for name, args in (("oracle_args", oracle), ("adaptive_final_args", adaptive.final_args)):
-        cfg = sim_config(args, gpu=sc.gpu, model=sc.model)  # time scale 1: its start-up is the modelled one
+        cfg = sim_config(
+            args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args()
+        )  # time scale 1: its start-up is the modelled one
         static[name] = simulate_paced(cfg, specs, pacing).output_tok_per_s
         restart = Restart(at_s=at_s, config=cfg, startup_s=cfg.startup_wall_seconds)
         moved[name] = simulate_paced(start, specs, pacing, restart).output_tok_per_s
@@ -466,6 +487,8 @@ def run_scenario(
             args, mode = dict(sc.start_args), "auto"
         elif arm == "oracle":
             args, mode = best, "off"
+        elif arm == "defaults":  # SGLang's own defaults, no control
+            args, mode = {}, "off"
         else:
             raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
         print(f"[{sc.name}] {arm}: args {args}, control {mode}", file=sys.stderr, flush=True)
@@ -477,19 +500,32 @@ def run_scenario(
         results[arm] = r
     tps = {a: r.output_tok_per_s for a, r in results.items()}
     bound = restart_bound(sc, results["adaptive"], best) if {"adaptive", "oracle"} <= set(results) else None
+    decisions = results["adaptive"].decisions if "adaptive" in results else []
+    errors = [float(d["prediction_error"]) for d in decisions if isinstance(d.get("prediction_error"), (int, float))]
+    # plans that did not pay: the twin's prediction for the args the worker ran, against what it measured
+    twin_errors = [
+        float(d["current_prediction_error"]) for d in decisions
+        if isinstance(d.get("current_prediction_error"), (int, float))
+    ]  # fmt: skip
     report: dict[str, Any] = {
+        "lost": sum(r.requests_lost for r in results.values()),
+        "adaptive_over_best_static": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
+        "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
+        "adaptive_over_sglang_defaults": _ratio(tps.get("adaptive", 0.0), tps.get("defaults", 0.0)) if {"adaptive", "defaults"} <= set(tps) else None,
+        "prediction_error_median": round(statistics.median(errors or twin_errors), 4) if errors or twin_errors else None,
+        "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
+        "plans_noted": len(twin_errors),
+        "restarts": results["adaptive"].restarts if "adaptive" in results else None,
+        "phases": _phase_figures(sc, results),
         "scenario": sc.name,
         "premise": sc.premise,
         "gpu": sc.gpu,
         "model": sc.model,
         "time_scale": sc.time_scale,
-        "workload": {"requests": sc.workload.count, "prompt_len": list(sc.workload.prompt_len),
-                     "max_tokens": sc.workload.max_tokens, "output_len": list(sc.workload.output_len),
-                     "output_tokens": sc.workload.output_tokens, "seed": sc.workload.seed},
+        "workload": sc.workload.describe(),
         "control": dict(sc.control),
         "arms": {a: r.summary() for a, r in results.items()},
         "adaptive_over_oracle": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
-        "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
         "oracle_sweep": sweep_info,
         "restart_bound": bound,
         "decisions": {a: r.decisions for a, r in results.items() if r.decisions},
@@ -501,6 +537,30 @@ def run_scenario(
     report_path.with_suffix(".md").write_text(table([report]) + "\n")
     plot_scenario(report, report_path.with_suffix(".png"))
     return report
+
+
+def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[str, Any]] | None:
+    """Per phase of a phased workload and per arm: mean and p99 time from arrival to answer (modelled
+    seconds) and output tokens per modelled second from the phase's first arrival to its last answer.
+    A phase that arrives over time is judged on its time to answer; a batch on its throughput."""
+    if not isinstance(sc.workload, Phases):
+        return None
+    phase_of, arrivals, outputs = sc.workload.phase_of(), sc.workload.arrivals(), [r[2] for r in sc.workload.requests()]
+    out = []
+    for k, part in enumerate(sc.workload.parts):
+        idx = [i for i, p in enumerate(phase_of) if p == k]
+        row: dict[str, Any] = {"phase": k, "judged_on": "queue time" if part.rate is not None else "throughput"}
+        for arm, r in results.items():
+            lat = sorted(r.latencies[i] * sc.time_scale for i in idx if i in r.latencies)
+            if not lat:
+                continue
+            first = min(arrivals[i] for i in idx)
+            last = max(arrivals[i] + r.latencies[i] * sc.time_scale for i in idx if i in r.latencies)
+            tokens = sum(outputs[i] for i in idx if i in r.latencies)
+            row[arm] = {"mean_s": round(sum(lat) / len(lat), 2), "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 2),
+                        "tok_per_s": round(tokens / (last - first), 1) if last > first else None}  # fmt: skip
+        out.append(row)
+    return out
 
 
 def _opt(value: Any) -> str:

@@ -32,20 +32,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
-from proxy.control.decision import Action, ControlState, Decision, RuleKind
-from proxy.control.evidence import Death
+from proxy.control.canary import Canary, CanaryVerdict, judge, per_load
+from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
+from proxy.control.evidence import Death, Planned
 from proxy.control.journal import Journal, Status, verdict
-from proxy.control.rules import ON_DEATH, WHILE_SERVING, RuleSettings, evaluate, revive_delay
+from proxy.control.planner import DecodeStats, Observed, Plan, PlanInputs, PlanSettings, RestartCost, run_plan
+from proxy.control.rules import (
+    ON_DEATH,
+    SAFETY_NET_SERVING,
+    WHILE_SERVING,
+    RuleSettings,
+    evaluate,
+    gate,
+    revive_delay,
+)
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Sample
 from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
-__all__ = ["Act", "ActResult", "Actor", "Controller", "DeathReport", "Drain", "EngineLogs", "LogReader", "Surroundings"]
+__all__ = [
+    "Act",
+    "ActResult",
+    "Actor",
+    "Controller",
+    "DeathReport",
+    "Drain",
+    "EngineLogs",
+    "LogReader",
+    "PlanJob",
+    "Surroundings",
+]
 
 _log = logging.getLogger(__name__)
 _TAIL_LINES = 300
@@ -113,6 +134,9 @@ class Surroundings(Protocol):
     def backlog(self) -> int:
         """Requests waiting in the proxy's own queue."""
 
+    def recent_requests(self, worker_id: WorkerId) -> Sequence[Observed]:
+        """The worker's newest answered requests, as the proxy saw them (the planner's workload)."""
+
 
 @dataclass(slots=True)
 class _Worker:
@@ -122,6 +146,21 @@ class _Worker:
     managed: bool
     busy: bool = False  # an act or a revival is under way
     pending_outcome: tuple[int, float] | None = None  # (journal id, due time)
+    starting_at: float | None = None  # when its current start began (to measure the start-up)
+    startup_s: float | None = None  # its last start-up, launch to ready, as seen
+    drain_s: float = 0.0  # its last drain before a restart
+    last_plan: float = float("-inf")
+    planning: bool = False  # a plan is being computed off the loop
+
+
+@dataclass(frozen=True, slots=True)
+class PlanJob:
+    """A plan to compute for one worker (:func:`~proxy.control.planner.run_plan` on ``inputs``)."""
+
+    worker_id: WorkerId
+    time: float
+    inputs: PlanInputs
+    measured_throughput: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +195,8 @@ class Controller:
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.canary: Canary | None = None  # a plan tried on one worker of several
+        self._promote: list[WorkerId] = []  # workers still to take the promoted canary's args, in order
 
     @property
     def mode(self) -> ControlMode:
@@ -178,9 +219,12 @@ class Controller:
         if info.state is WorkerState.STARTING:
             w.window = w.window.restart(now)
             w.state = w.state.without_resolved()
+            w.starting_at = now
         elif info.state is WorkerState.READY and w.state.started_at is None:
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
+        if info.state is WorkerState.READY and w.starting_at is not None:
+            w.startup_s, w.starting_at = now - w.starting_at, None
         if info.state is WorkerState.DOWN and w.managed and not w.busy:
             self._on_death(info.id)
 
@@ -228,6 +272,11 @@ class Controller:
         others_down = any(w.managed and (w.busy or w.state.started_at is None) for w in self._workers.values())
         for w in self._workers.values():
             w.window = w.window.at(now)
+        canary_act = self._canary_step(now, others_down)
+        if canary_act is not None:
+            acts.append(canary_act)
+            others_down = True
+        for w in self._workers.values():
             self._measure_outcome(w, now)
             if w.busy or w.state.started_at is None:
                 continue
@@ -235,7 +284,8 @@ class Controller:
                 w.state = w.state.mark_good()
             if self.mode is ControlMode.OFF:
                 continue
-            evaluation = evaluate(w.window, w.state, self.rules, WHILE_SERVING)
+            serving_rules = SAFETY_NET_SERVING if self.settings.planner else WHILE_SERVING
+            evaluation = evaluate(w.window, w.state, self.rules, serving_rules)
             for decision, why in evaluation.refused:
                 self._journal_once(
                     w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status=Status.REFUSED, detail=why
@@ -261,6 +311,206 @@ class Controller:
             others_down = True
             acts.append(Act(decision=chosen, entry_id=entry_id))
         return acts
+
+    # -- the planner (synchronous halves; the replays run off the loop in between) ----------------
+
+    def plans_due(self) -> list[PlanJob]:
+        """Workers due a plan: serving, managed (or advised), enough evidence, outside the cool-down
+        and the restart budget; each with what its plan reads."""
+        if not self.settings.planner or self.mode is ControlMode.OFF:
+            return []
+        now = self.clock()
+        c = self.settings
+        jobs = []
+        for wid, w in self._workers.items():
+            if w.busy or w.planning or w.state.started_at is None or now - w.last_plan < c.plan_interval_s:
+                continue
+            if w.window.observed_s < c.min_evidence_s:
+                continue
+            if w.state.last_restart is not None and now - w.state.last_restart < c.cooldown_s:
+                continue
+            if w.state.restarts_within(now) >= c.restarts_per_hour:
+                continue
+            workload = tuple(self.surroundings.recent_requests(wid))
+            if not workload:
+                continue
+            w.last_plan = now
+            jobs.append(PlanJob(wid, now, self._plan_inputs(w, workload), w.window.throughput))
+        return jobs
+
+    def _plan_inputs(self, w: _Worker, workload: tuple[Observed, ...]) -> PlanInputs:
+        c = self.settings
+        args = dict(w.state.args)
+        gpu = str(args.get("sim_gpu") or c.twin_gpu)
+        model = str(args.get("sim_model") or c.twin_model)
+        decode = []
+        for e in w.window.of_kind(EventKind.BATCH_STATS):
+            f = e.fields
+            running, used, tp = f.get("running"), f.get("used_tokens"), f.get("gen_throughput")
+            if f.get("phase") == "decode" and isinstance(running, int) and isinstance(tp, (int, float)):
+                used_tokens = int(used) if isinstance(used, (int, float)) else 0
+                decode.append(DecodeStats(running=running, used_tokens=used_tokens, gen_throughput=float(tp),
+                                          cuda_graph=bool(f.get("graph", True))))  # fmt: skip
+        capacity = w.window.kv_capacity_tokens
+        startup = w.window.startup
+        if capacity is None and startup is not None and isinstance(startup.fields.get("max_total_tokens"), int):
+            capacity = int(startup.fields["max_total_tokens"])
+        running = w.window.peak_running or 0
+        held = sum(o.prompt_tokens + o.output_tokens / 2 for o in workload) / len(workload)
+        cost = RestartCost(
+            startup_s=w.startup_s,  # None: not seen yet (the plan uses the twin's modelled start-up)
+            drain_s=w.drain_s,
+            recomputed_tokens=running * held,
+        )
+        lo, hi = c.conservativeness_bounds
+        settings = PlanSettings(
+            horizon_s=c.plan_horizon_s,
+            max_requests=c.plan_requests,
+            min_gain=c.plan_min_gain,
+            conservativeness_bounds=(lo, hi),
+            memory_fraction_bounds=c.memory_fraction_bounds,
+            min_available_gb=c.available_mem_band_gb[0],
+        )
+        return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
+                          kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings)  # fmt: skip
+
+    def _managed(self) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.managed]
+
+    def _canary_step(self, now: float, others_down: bool) -> Act | None:
+        """Judge a canary whose window is in, or roll its promotion on by one worker."""
+        if self.mode is not ControlMode.AUTO:
+            return None
+        if self._promote and not others_down:
+            wid = self._promote.pop(0)
+            w = self._workers.get(wid)
+            canary = self.canary
+            if w is None or canary is None or w.busy or w.state.started_at is None:
+                return None
+            changed = {k: v for k, v in canary.new_args.items() if canary.old_args.get(k) != v}
+            new_args = {**w.state.args, **changed}
+            if not self._promote:
+                self.canary = None
+            if new_args == dict(w.state.args):
+                return None
+            decision = Decision(worker_id=wid, rule="canary_promote", time=now, old_args=dict(w.state.args),
+                                new_args=new_args, kind=RuleKind.TUNING,
+                                reason=f"the canary {canary.worker_id} beat the others with {changed}: rolled out here")  # fmt: skip
+            entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                           extra={"canary": canary.worker_id})  # fmt: skip
+            w.busy = True
+            return Act(decision=decision, entry_id=entry_id)
+        canary = self.canary
+        if canary is None or canary.due is None or self._promote:
+            return None
+        w = self._workers.get(canary.worker_id)
+        if w is None:
+            self.canary = None
+            return None
+        if w.busy or now < canary.due or w.window.observed_s < self.settings.min_evidence_s:
+            return None
+        mine = per_load(w.window.throughput, w.window.mean_running)
+        others = [per_load(o.window.throughput, o.window.mean_running) for o in self._managed() if o is not w]
+        verdict_ = judge(mine, others, self.settings.canary_margin)
+        if verdict_ is CanaryVerdict.WAIT:
+            return None
+        seen = [o for o in others if o is not None]
+        figures = {"canary_per_load": round(mine or 0.0, 3), "others_per_load": round(sum(seen) / len(seen), 3)}
+        self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
+        if verdict_ is CanaryVerdict.PROMOTE:
+            self._promote = [o.state.worker_id for o in self._managed() if o is not w]
+            return None
+        self.canary = None
+        if others_down:
+            return None
+        decision = Decision(worker_id=w.state.worker_id, rule="canary_revert", time=now, old_args=dict(w.state.args),
+                            new_args=dict(canary.old_args), kind=RuleKind.CORRECTIVE,
+                            reason=f"the canary served {figures['canary_per_load']} tok/s per running request against "
+                                   f"the others' {figures['others_per_load']}: its old args back")  # fmt: skip
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                       extra={"canary": w.state.worker_id, **figures})  # fmt: skip
+        w.busy = True
+        return Act(decision=decision, entry_id=entry_id)
+
+    def plan_now(self, job: PlanJob) -> Act | None:
+        """Compute ``job`` here (tests, and callers without a loop) and decide on it."""
+        return self.decide_plan(job, run_plan(job.inputs))
+
+    def decide_plan(self, job: PlanJob, plan: Plan) -> Act | None:
+        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing."""
+        w = self._workers.get(job.worker_id)
+        if w is None:
+            return None
+        w.planning = False
+        now = self.clock()
+        if w.busy or w.state.started_at is None:
+            return None
+        old, new = dict(w.state.args), dict(plan.best.args)
+        moved = [k for k in new if old.get(k) != new.get(k)]
+        change = None
+        if len(moved) == 1:
+            arg = moved[0]
+            knob = next((k for k, spec in self.rules.knobs.items() if spec.arg == arg), None)
+            before, after = old.get(arg), new[arg]
+            if knob is not None and isinstance(after, (int, float)):
+                prior = before if isinstance(before, (int, float)) else w.state.resolved.get(arg)
+                direction = 1 if prior is None or after > prior else -1
+                change = KnobChange(knob=str(knob), arg=arg, old=prior, new=float(after), direction=direction)
+        decision = Decision(
+            worker_id=job.worker_id, rule="planner", reason=plan.reason, time=now,
+            evidence=Planned(
+                predicted_throughput=round(plan.best.output_tok_per_s, 2),
+                predicted_current=round(plan.current.output_tok_per_s, 2),
+                measured_throughput=round(job.measured_throughput, 2) if job.measured_throughput is not None else None,
+                predicted_queue_s=round(plan.best.mean_queue_s, 3) if plan.best.mean_queue_s is not None else None,
+                gain_tokens=round(plan.gain_tokens), cost_tokens=round(plan.cost_tokens),
+                horizon_s=job.inputs.settings.horizon_s,
+                step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
+                replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
+            ),
+            old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
+        )  # fmt: skip
+        if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
+            note = replace(decision, action=Action.NOTE, new_args=old, change=None)
+            error = plan.current_error  # the twin on the requests it replayed, against what they got
+            accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
+            key = "note:planner"
+            last = w.state.noted.get(key)
+            if last is None or now - last >= max(self.settings.cooldown_s, self.settings.plan_interval_s):
+                w.state = w.state.note(key, now)
+                self.journal.record(note, mode=self.mode, status=Status.NOTED, detail=plan.reason,
+                                    before=w.window.summary(),
+                                    extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
+            return None
+        extra = {
+            "predicted_gain": round(plan.predicted_gain, 4),
+            "predicted_throughput": decision.evidence_json()["predicted_throughput"],
+        }
+        why = gate(decision, w.state, self.settings, now)
+        if why is not None and not why.startswith("flip guard"):  # the economics replace the flip guard
+            self._journal_once(w, decision, f"refused:planner:{why.split(':')[0]}", now, status=Status.REFUSED,
+                               detail=why)  # fmt: skip
+            return None
+        if self.mode is ControlMode.ADVISE or not w.managed:
+            detail = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy"
+            self.journal.record(decision, mode=self.mode, status=Status.ADVISED, detail=detail,
+                                before=w.window.summary(), extra=extra)  # fmt: skip
+            return None
+        if any(o.managed and (o.busy or o.state.started_at is None) for o in self._workers.values() if o is not w):
+            self._journal_once(w, decision, "wait:planner", now, status=Status.REFUSED,
+                               detail="another worker is restarting or down: one at a time")  # fmt: skip
+            return None
+        fleet = len(self._managed()) >= 2
+        if fleet and self.canary is not None:
+            self._journal_once(w, decision, "wait:canary", now, status=Status.REFUSED,
+                               detail=f"a canary is under way on {self.canary.worker_id}")  # fmt: skip
+            return None
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                       extra={**extra, "canary": job.worker_id} if fleet else extra)  # fmt: skip
+        if fleet:
+            self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new)
+        w.busy = True
+        return Act(decision=decision, entry_id=entry_id)
 
     def decide_revival(self, worker_id: WorkerId) -> Act | None:
         """A managed worker died: classify, count, and choose the args it comes back with.
@@ -336,7 +586,16 @@ class Controller:
         entry = self.journal.get(entry_id)
         after = w.window.summary()
         before = (entry or {}).get("outcome", {}) or {}
-        self.journal.update(entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)})
+        fields: dict[str, float] | None = None
+        predicted = (entry or {}).get("predicted_throughput")
+        tb, ta = (before.get("before") or {}).get("throughput"), after.get("throughput")
+        if isinstance(predicted, (int, float)) and isinstance(ta, (int, float)) and ta > 0:
+            fields = {"measured_throughput": ta, "prediction_error": round(abs(predicted - ta) / ta, 4)}
+            if isinstance(tb, (int, float)) and tb > 0:
+                fields["measured_gain"] = round(ta / tb - 1.0, 4)
+        self.journal.update(
+            entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)}, fields=fields
+        )
 
     def _journal_once(
         self,
@@ -370,6 +629,17 @@ class Controller:
             while True:
                 for act in self.tick():
                     await self.carry_out(act)
+                for job in self.plans_due():
+                    self._workers[job.worker_id].planning = True
+                    try:  # the replays are CPU-bound: off the event loop
+                        plan = await asyncio.to_thread(run_plan, job.inputs)
+                    except Exception as exc:
+                        self._workers[job.worker_id].planning = False
+                        _log.warning("plan for %s failed: %s", job.worker_id, exc)
+                        continue
+                    planned = self.decide_plan(job, plan)
+                    if planned is not None:
+                        await self.carry_out(planned)
                 await asyncio.sleep(self.settings.interval_s)
         finally:
             await self.close()
@@ -405,6 +675,8 @@ class Controller:
             return
         now = self.clock()
         info = result.info
+        if result.drain is not None:
+            w.drain_s = result.drain.drain_s
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
         details = result.drain.to_json() if result.drain is not None else None
@@ -416,8 +688,12 @@ class Controller:
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
             w.pending_outcome = (act.entry_id, now + self.settings.window_s)
+            if self.canary is not None and self.canary.entry_id == act.entry_id:
+                self.canary = replace(self.canary, due=now + self.settings.window_s)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
+            if self.canary is not None and self.canary.entry_id == act.entry_id:
+                self.canary = None  # the canary did not come back: its death's rules take over
             if info.state is WorkerState.DOWN:
                 self._on_death(d.worker_id)

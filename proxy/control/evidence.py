@@ -16,6 +16,7 @@ the journal adds its keys to the same object.
 | ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
 | ``admission_too_conservative`` | :class:`Admission` |
 | ``pacing_too_timid`` | :class:`TimidPacing` |
+| ``planner`` (the controller's twin) | :class:`Planned` |
 | a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
 """
 
@@ -37,6 +38,7 @@ __all__ = [
     "JsonScalar",
     "KvCapacity",
     "MemoryBand",
+    "Planned",
     "PrefillOom",
     "RequestFit",
     "Retractions",
@@ -195,3 +197,23 @@ class Admission(Evidence):
 class TimidPacing(Evidence):
     queue_empty_fraction: float
     threshold_fraction: float
+
+
+# -- the planner ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned(Evidence):
+    """A plan of the calibrated twin: what it predicts for the new args and what the restart costs."""
+
+    predicted_throughput: float  # output tokens/s the twin predicts under the new args
+    predicted_current: float  # ... and under the current ones (same recent requests)
+    measured_throughput: float | None  # what the worker did over the window
+    predicted_queue_s: float | None
+    gain_tokens: float  # (new - current) x horizon
+    cost_tokens: float  # the restart's cost, measured on this worker
+    horizon_s: float
+    step_time_factor: float  # the twin's calibration: actual / expected step time
+    kv_factor: float
+    replayed_requests: int
+    replays: int

@@ -5,6 +5,14 @@ given, in a JSON-lines file. An entry changes as its story unfolds (``acting`` -
 outcome measured); each change appends the whole entry again with the same ``id``, so the file is
 append-only and the last line of an id is its current state.
 
+A decision of the planner carries ``predicted_gain`` (the twin's predicted throughput under the
+new args over the current ones, minus 1) and ``predicted_throughput``; once its window has been
+measured, ``measured_gain`` (the worker's throughput after over before, minus 1),
+``measured_throughput`` and ``prediction_error`` (``|predicted - measured| / measured``
+throughput). A plan that does not pay is noted (``noted``, once per cool-down) with its
+``predicted_gain`` and ``current_prediction_error``: the twin's predicted throughput under the
+current args against the worker's measured one.
+
 An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
 (``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``
 is a :class:`Verdict`.
@@ -93,8 +101,10 @@ class Journal:
         status: Status,
         detail: str = "",
         before: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> int:
-        """Journal a decision; returns the entry's id."""
+        """Journal a decision; returns the entry's id. ``extra``: more top-level fields (a plan's
+        ``predicted_gain``...)."""
         entry: dict[str, Any] = {
             "id": self._next_id,
             "time": datetime.fromtimestamp(self._wall(), UTC).isoformat(timespec="milliseconds"),
@@ -113,6 +123,7 @@ class Journal:
             "delay_s": decision.delay_s,
             "detail": detail,
             "outcome": {"before": _plain(before)} if before is not None else None,
+            **_plain(extra or {}),
         }
         self._next_id += 1
         if len(self._entries) == self._entries.maxlen:
@@ -130,6 +141,7 @@ class Journal:
         detail: str | None = None,
         outcome: Mapping[str, Any] | None = None,
         act: Mapping[str, Any] | None = None,
+        fields: Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """Change fields of an entry (None if it aged out of memory): the ones given; ``outcome``
         keys are merged into the outcome, ``act`` is what carrying the decision out did."""
@@ -144,6 +156,8 @@ class Journal:
             entry["outcome"] = {**(entry["outcome"] or {}), **_plain(outcome)}
         if act is not None:
             entry["act"] = _plain(act)
+        if fields is not None:
+            entry.update(_plain(fields))
         entry["updated"] = datetime.fromtimestamp(self._wall(), UTC).isoformat(timespec="milliseconds")
         self._write(entry)
         return entry

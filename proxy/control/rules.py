@@ -40,6 +40,7 @@ from proxy.policy import ControlSettings
 __all__ = [
     "ON_DEATH",
     "RULES",
+    "SAFETY_NET_SERVING",
     "WHILE_SERVING",
     "Evaluation",
     "Rule",
@@ -550,6 +551,8 @@ WHILE_SERVING: tuple[Rule, ...] = (
     pacing_too_timid,
 )
 RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
+# with the planner on, it decides tuning and corrective restarts; while serving the rules keep only these
+SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, pacing_too_timid)
 
 
 # -- gate and evaluation ------------------------------------------------------------------------

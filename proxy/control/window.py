@@ -229,6 +229,18 @@ class Window:
         return sum(gauges) / len(gauges) if gauges else None
 
     @property
+    def mean_running(self) -> float | None:
+        """The mean running batch over the window's samples (its statistics lines without samples)."""
+        values = [float(s.running) for s in self.samples]
+        if not values:
+            values = [
+                float(e.fields["running"])
+                for e in self.of_kind(EventKind.BATCH_STATS)
+                if isinstance(e.fields.get("running"), int)
+            ]
+        return sum(values) / len(values) if values else None
+
+    @property
     def peak_running(self) -> int | None:
         values = [s.running for s in self.samples]
         values += [

@@ -3,8 +3,10 @@
 Gate, per worker (see :mod:`proxy.request.pacing` for the estimate)::
 
     eligible(w) = w is READY                                   (the pool's state: the one "may send")
+                  and in_flight(w) < limit(w)                  (the fast tier's admission limit, if set)
                   and w's sample is fresh                      (stale counts as saturated)
-                  and est_queue(w) < min(band.lo + headroom, band.hi)
+                  and est_queue(w) < target(w)                 (the fast tier's queue target, else
+                                                                min(band.lo + headroom, band.hi))
 
 Dispatching one request raises ``est_queue`` by one, so a worker never gets a request that would
 take the estimate past ``band.hi``; the dispatch target is ``lo + headroom``. If *no* ready worker
@@ -92,11 +94,10 @@ def choose_worker(
     if exclude:
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
+    ready = [(w, load) for w, load in ready if load.has_room()]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
-    target = band.target
     if fresh:
-        open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh]
-        open_ = [o for o in open_ if o[0] < target]
+        open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh if load.est_queue() < load.target(band)]
     else:  # every worker filtered out as stale: fall back to our own counts rather than stall
         open_ = [(load.in_flight, 0, w.id) for w, load in ready if load.in_flight < load.last_running + band.hi]
     if not open_:

@@ -28,6 +28,11 @@ term bounds it: everything this proxy has open on the worker is either running o
 low until the next scrape) and ignores other clients of the worker, which the first term sees.
 Both err high rather than low, so the band's upper edge holds; the next scrape corrects the rest.
 
+Two values the fast tier (``proxy.control.fast_tier``) sets after each scrape, held here only:
+``limit`` (at most that many attempts in flight on the worker; None: no limit) and
+``queue_target`` (the gate's target for ``est_queue`` on this worker, capped by the band's ``hi``;
+None: the band's own target).
+
 A sample older than ``stale_after_s`` (or none yet, or the last scrape failed) makes the worker
 count as saturated. When every ready worker is saturated for that reason alone, the dispatcher
 falls back to its own counts: ``in_flight < last_running + band_hi`` (``last_running`` 0 if the
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 
 from proxy.engines.base import Sample
 from proxy.request.attempt import Attempt
+from proxy.request.facts import WorkerFacts
 from proxy.workers.base import WorkerId
 
 SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
@@ -77,7 +83,10 @@ class WorkerLoad:
         "completed",
         "dispatched",
         "error",
+        "facts",
         "last_running",
+        "limit",
+        "queue_target",
         "sample",
         "worker_id",
     )
@@ -90,6 +99,9 @@ class WorkerLoad:
         self.sample: Sample | None = None  # the latest good scrape
         self.error: str | None = None  # why the latest scrape failed (None if it worked)
         self.last_running = 0  # #running-req of the latest good sample
+        self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
+        self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
+        self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self._base_dispatched = 0
         self._base_completed = 0
         self._pending_base: tuple[int, int] | None = None
@@ -136,6 +148,16 @@ class WorkerLoad:
         self._pending_base = None
 
     # -- reading ----------------------------------------------------------------------------------
+    def has_room(self) -> bool:
+        """Whether the admission limit lets one more request go to the worker."""
+        return self.limit is None or self.in_flight < self.limit
+
+    def target(self, band: Band) -> int:
+        """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
+        if self.queue_target is None:
+            return band.target
+        return max(1, min(self.queue_target, band.hi))
+
     def fresh(self, now: float, stale_after_s: float) -> bool:
         s = self.sample
         return s is not None and self.error is None and now - s.time <= stale_after_s
@@ -160,6 +182,9 @@ class WorkerLoad:
         return {
             "in_flight": self.in_flight,
             "est_queue": self.est_queue(),
+            "limit": self.limit,
+            "queue_target": self.queue_target,
+            "facts": self.facts.summary(),
             "scrape_error": self.error,
             "sample": None
             if s is None

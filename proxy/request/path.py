@@ -92,14 +92,19 @@ class RequestSettings:
 
 @dataclass(eq=False)
 class RequestPath:
+    """``dispatcher`` is the first pool's; with several pools, ``pools`` has each pool's dispatcher
+    (its own queue and gate over its own workers) and ``models`` the pool serving each model."""
+
     settings: RequestSettings
     pool: WorkerPool
     dispatcher: Dispatcher
     metrics: RequestMetrics
+    pools: Mapping[str, Dispatcher] = field(default_factory=dict)  # pool name -> its dispatcher
+    models: Mapping[str, str] = field(default_factory=dict)  # model -> the pool serving it
     limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
-    engine: Engine | None = None  # the workers' engine: what a request carries for the worker's own priority
+    engines: Mapping[str, Engine] = field(default_factory=dict)  # pool name -> its workers' engine
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
     _rid_counter: itertools.count[int] = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -115,12 +120,25 @@ class RequestPath:
         if self.upstream is not None:
             self.upstream.close()
 
+    def dispatcher_for(self, model: str | None) -> Dispatcher:
+        """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
+        pool = self.models.get(model) if model is not None else None
+        return self.pools[pool] if pool is not None else self.dispatcher
+
+    def dispatcher_of(self, pool: str) -> Dispatcher:
+        return self.pools.get(pool, self.dispatcher)
+
+    def dispatchers(self) -> list[Dispatcher]:
+        return list(self.pools.values()) or [self.dispatcher]
+
     def priority_fields(self, worker_id: WorkerId, *, interactive: bool) -> Mapping[str, object]:
         """Body fields that put the request's class in the worker's own queue order (empty unless the
         worker's arguments turn the engine's priority scheduling on)."""
-        if self.engine is None:
+        info = self.pool.get(worker_id)
+        engine = self.engines.get(info.pool)
+        if engine is None:
             return _NO_FIELDS
-        return self.engine.priority_fields(self.pool.get(worker_id).args, interactive=interactive)
+        return engine.priority_fields(info.args, interactive=interactive)
 
     def new_rid(self) -> str:
         return f"{self._rid_prefix}{next(self._rid_counter)}"

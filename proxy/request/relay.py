@@ -48,6 +48,7 @@ from proxy.errors import ApiError, error_event, openai_error_body, reshape_error
 from proxy.request.admission import Priority, QueueFull, estimate_cost
 from proxy.request.attempt import AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
+from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.limits import RateLimited
 from proxy.request.path import RequestPath
@@ -83,7 +84,7 @@ class EventStream(web.StreamResponse):
 class Opened:
     """The outcome of opening an attempt: a whole answer, or a stream with its first output."""
 
-    __slots__ = ("body", "content_type", "first", "resp", "status")
+    __slots__ = ("body", "content_type", "first", "opened_at", "resp", "status", "strip_usage", "tail")
 
     def __init__(
         self,
@@ -98,6 +99,9 @@ class Opened:
         self.body = body
         self.resp = resp
         self.first = first
+        self.tail = b""  # a stream's last chunks as the worker sent them (its usage), set once relayed
+        self.strip_usage = False  # the proxy asked for the stream's usage event: keep it from the client
+        self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
 
 
 async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
@@ -244,7 +248,7 @@ async def _queued(
     cost: int,
     submitted: float,
 ) -> R | web.Response:
-    d, m = path.dispatcher, path.metrics
+    d, m = path.dispatcher_for(job.model), path.metrics
     try:
         ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity, key=key, cost=cost)
     except ProxyClosing:
@@ -259,6 +263,7 @@ async def _queued(
             headers={"Retry-After": str(path.settings.retry_after_s)},
         ) from None
     m.admitted.inc()
+    strip = _ask_for_usage(job)
     user_rid = job.body.get("rid")
     base_rid = path.new_rid() if job.single and user_rid is None else None
     tries = 0
@@ -291,7 +296,10 @@ async def _queued(
                         m.disconnected.inc()
                     raise
                 attempt.mark_started()
-                return await respond(opened, url, rid)
+                opened.strip_usage = strip
+                answer = await respond(opened, url, rid)
+                _record_fact(path, job, opened, attempt.worker_id, attempt.dispatched_at, ticket.enqueued_at)
+                return answer
         except ProxyClosing:
             raise _closing_error(path) from None
         except QueueTimeout:
@@ -305,6 +313,52 @@ async def _queued(
                 )
             raise _failure_error(fail, ticket.failures) from None
         # the attempt ended without output and the ticket is back in the queue: wait for the next
+
+
+_USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _ask_for_usage(job: Job) -> bool:
+    """Ask a stream for its usage event; True when the client did not ask (strip it from the relay)."""
+    if not job.stream or job.path not in _USAGE_PATHS:
+        return False
+    options = job.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return False
+    job.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return True
+
+
+def _max_tokens(body: dict[str, object]) -> int | None:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    params = body.get("sampling_params")
+    value = params.get("max_new_tokens") if isinstance(params, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, dispatched: float, queued: float) -> None:
+    """One answered request's facts into its worker's ring (one parse of the body or the stream's tail)."""
+    if opened.resp is None:
+        prompt, output, reason = read_usage(opened.body or b"") if opened.status == 200 else (None, None, None)
+        ttft = None  # a whole answer: its first token is not seen
+    else:
+        prompt, output, reason = usage_of_stream(opened.tail)
+        ttft = opened.opened_at - dispatched
+    path.dispatcher.board.get(worker_id).facts.record(
+        RequestFact(
+            time=time.monotonic(),
+            arrived=queued,
+            prompt_tokens=prompt,
+            output_tokens=output,
+            max_tokens=_max_tokens(job.body),
+            finish_reason=reason,
+            ttft_s=ttft,
+            queue_s=max(0.0, dispatched - queued),
+        )
+    )
 
 
 def _whole(path: RequestPath, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
@@ -336,18 +390,27 @@ async def _respond(
     ok = False
     try:
         await out.prepare(request)
-        await out.write(reshape_error_events(opened.first))  # the headers and the first output, in one segment
+        opened.tail = opened.first
+        first = strip_usage(opened.first) if opened.strip_usage else opened.first
+        await out.write(reshape_error_events(first))  # the headers and the first output, in one segment
         transport = request.transport
         assert transport is not None
         high_water = transport.get_write_buffer_limits()[1]
         last = opened.first
+        earlier = (b"", b"")  # the two chunks before the latest: the finish reason, usage and [DONE] may come apart
+        strip = opened.strip_usage
 
         def sink(data: bytes) -> bool:
             # the rest of the stream goes from the worker's connection callback straight to the
             # client's socket, framed as HTTP chunks like aiohttp's own writer (which ends it below)
-            nonlocal last
+            nonlocal last, earlier
             if transport.is_closing():
                 return False  # the client left: aiohttp cancels this handler next
+            earlier, opened.tail = (earlier[1], opened.tail), data
+            if strip:
+                data = strip_usage(data)
+                if not data:  # the chunk held only the usage event: nothing to send (an empty chunk ends it)
+                    return True
             data = reshape_error_events(data)  # a worker's error event, in OpenAI's shape
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             last = data
@@ -371,6 +434,7 @@ async def _respond(
                 break
             if ended:
                 m.completed.inc()
+                opened.tail = b"".join((*earlier, opened.tail))
                 break
             await request.writer.drain()  # the client is slow: wait until its socket buffer drained
             resp.resume_pipe()

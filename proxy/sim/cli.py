@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="half-width of a uniform spread around --sim-output-fraction",
     )
     s.add_argument("--sim-output-cap", type=int, default=None, help="no true output is longer than this")
+    s.add_argument(
+        "--sim-step-time-factor",
+        type=float,
+        default=1.0,
+        help="every step takes this many times the modelled time (a hidden perturbation of the GPU model)",
+    )
+    s.add_argument(
+        "--sim-activation-factor",
+        type=float,
+        default=1.0,
+        help="every step's activations take this many times the modelled memory (a hidden perturbation)",
+    )
     # Every other flag SGLang's parser knows: accepted, no effect on the simulation.
     taken = {act.dest for act in p._actions}
     for name, spec in KNOWN_FLAGS.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.sim import memory
@@ -65,6 +65,8 @@ class SimConfig:
     output_fraction: float = 1.0
     output_spread: float = 0.0
     output_cap: int | None = None
+    step_time_factor: float = 1.0  # steps take this many times the modelled time (perturbation)
+    activation_factor: float = 1.0  # activations take this many times the modelled memory (perturbation)
     server_args: Mapping[str, Any] = field(default_factory=dict)  # every flag, for /server_info
 
     @property
@@ -89,12 +91,17 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError(f"unknown --sim-gpu {ns.sim_gpu!r}; choose from {', '.join(GPUS)}")
     if ns.sim_model not in MODELS:
         raise SimConfigError(f"unknown --sim-model {ns.sim_model!r}; choose from {', '.join(MODELS)}")
-    if (ns.tp_size or 1) != 1 or (ns.dp_size or 1) != 1 or (ns.pp_size or 1) != 1:
-        raise SimConfigError("the simulator models one GPU: --tp-size, --dp-size and --pp-size must be 1")
+    tp = ns.tp_size or 1
+    if tp not in (1, 2, 4, 8):
+        raise SimConfigError(f"the simulator models --tp-size 1, 2, 4 or 8; got {tp}")
+    if (ns.dp_size or 1) != 1 or (ns.pp_size or 1) != 1:
+        raise SimConfigError("the simulator models one worker process: --dp-size and --pp-size must be 1")
     if ns.page_size not in (None, 1):
         raise SimConfigError("the simulator models --page-size 1 only")
     if ns.sim_time_scale <= 0:
         raise SimConfigError("--sim-time-scale must be > 0")
+    if ns.sim_step_time_factor <= 0 or ns.sim_activation_factor <= 0:
+        raise SimConfigError("--sim-step-time-factor and --sim-activation-factor must be > 0")
     if ns.schedule_conservativeness < 0:
         raise SimConfigError("--schedule-conservativeness must be >= 0")
     if ns.enable_priority_scheduling and ns.schedule_policy not in PRIORITY_POLICIES:
@@ -102,6 +109,18 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
             f"--enable-priority-scheduling needs --schedule-policy fcfs or lof, not {ns.schedule_policy!r}"
         )
     gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
+    # tensor parallel: the weights and the KV pool spread over tp GPUs, each step reads them at tp
+    # times the bandwidth; per-GPU defaults (chunk size, graph sizes) still come from one GPU
+    node = (
+        gpu
+        if tp == 1
+        else replace(
+            gpu,
+            memory_mib=gpu.memory_mib * tp,
+            bandwidth_gbs=gpu.bandwidth_gbs * tp,
+            bf16_tflops=gpu.bf16_tflops * tp,
+        )
+    )
     weights = model.weights_bytes_bf16 * WEIGHT_BYTES_FACTOR.get(ns.quantization, 1.0)
     kv_bytes = model.kv_bytes_per_token_bf16 * KV_BYTES_FACTOR.get(ns.kv_cache_dtype or "auto", 1.0)
 
@@ -124,7 +143,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
     if not 0 < mfs <= 1:
         raise SimConfigError("--mem-fraction-static must be in (0, 1]")
     plan = memory.plan_memory(
-        gpu,
+        node,
         weights_bytes=weights,
         kv_bytes_per_token=kv_bytes,
         mem_fraction_static=mfs,
@@ -143,7 +162,8 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
     )
     served = ns.served_model_name or ns.model_path or model.hf_name
-    args = {k: v for k, v in vars(ns).items()}
+    # the hidden perturbations are not the server's to report (nothing reading /server_info or the log sees them)
+    args = {k: v for k, v in vars(ns).items() if k not in ("sim_step_time_factor", "sim_activation_factor")}
     args.update(
         model_path=ns.model_path or model.hf_name,
         served_model_name=served,
@@ -154,7 +174,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         context_length=context_len,
         cuda_graph_max_bs_decode=graph_bs,
         page_size=1,
-        tp_size=1,
+        tp_size=tp,
         dp_size=1,
     )
     return SimConfig(
@@ -163,7 +183,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         host=ns.host,
         port=ns.port,
         api_key=ns.api_key,
-        gpu=gpu,
+        gpu=node,
         model=model,
         quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype or "auto",
@@ -185,6 +205,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         schedule_conservativeness=ns.schedule_conservativeness,
         disable_radix_cache=ns.disable_radix_cache,
         cuda_graph_max_bs_decode=graph_bs,
+        tp_size=tp,
         enable_metrics=ns.enable_metrics,
         enable_cache_report=ns.enable_cache_report,
         decode_log_interval=max(1, ns.decode_log_interval),
@@ -194,5 +215,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         output_fraction=ns.sim_output_fraction,
         output_spread=ns.sim_output_spread,
         output_cap=ns.sim_output_cap,
+        step_time_factor=ns.sim_step_time_factor,
+        activation_factor=ns.sim_activation_factor,
         server_args=args,
     )

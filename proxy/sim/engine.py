@@ -274,9 +274,11 @@ class Engine:
         for it in items:
             kv.hold(it.req, it.take)
         cfg = self.cfg
-        mib = prefill_activation_mib(cfg.model, extend_total)
+        mib = prefill_activation_mib(cfg.model, extend_total) * cfg.activation_factor
         oom = "prefill" if mib > cfg.memory.available_mib else None
-        duration = self.steptime.prefill_seconds(extend_total, attn_pairs, len(items)) / cfg.time_scale
+        duration = (
+            self.steptime.prefill_seconds(extend_total, attn_pairs, len(items)) * cfg.step_time_factor / cfg.time_scale
+        )
         self.reporter.on_prefill(
             self.now, items, extend_total, kv, len(self.scheduler.waiting), self.scheduler.waiting_tokens
         )
@@ -292,10 +294,10 @@ class Engine:
         kv.allocate(bs)
         cfg = self.cfg
         graph = 0 < bs <= cfg.cuda_graph_max_bs_decode
-        mib = decode_activation_mib(cfg.model, bs, cfg.cuda_graph_max_bs_decode)
+        mib = decode_activation_mib(cfg.model, bs, cfg.cuda_graph_max_bs_decode) * cfg.activation_factor
         oom = "decode" if mib > cfg.memory.available_mib else None
         self.reporter.last_cuda_graph = graph
-        duration = self.steptime.decode_seconds(bs, kv.running.kv_tokens, graph) / cfg.time_scale
+        duration = self.steptime.decode_seconds(bs, kv.running.kv_tokens, graph) * cfg.step_time_factor / cfg.time_scale
         return Step(kind="decode", duration=duration, batch_size=bs, cuda_graph=graph, oom=oom, need_mib=mib)
 
     def _retract(self) -> None:

@@ -10,7 +10,7 @@ seconds divided by ``config.time_scale`` (1 for the modelled GPU itself).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, LogFn, QueueFull
@@ -52,6 +52,8 @@ class SimResult:
     steps: int
     trace: tuple[TracePoint, ...]
     requests: tuple[RequestResult, ...]
+    # (running, used tokens, gen throughput, cuda graph) at each decode statistics line, as it would log them
+    decode_stats: tuple[tuple[int, int, float, bool], ...] = field(default=(), repr=False)
 
 
 def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
@@ -120,6 +122,7 @@ def simulate(
         steps=steps,
         trace=tuple(trace),
         requests=results,
+        decode_stats=tuple(eng.reporter.decode_stats),
     )
 
 

@@ -147,6 +147,11 @@ class FakeEngine:
                 assert request.transport is not None
                 request.transport.abort()
                 raise asyncio.CancelledError
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):  # OpenAI's usage event: no choices
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "choices": [], "usage": usage}
+            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         self.finished.append(body.get("rid"))
         await out.write_eof()

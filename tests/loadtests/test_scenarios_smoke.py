@@ -187,3 +187,33 @@ def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() ->
     fixed = sim_config({**sc.start_args, "chunked_prefill_size": 8192}, gpu=sc.gpu, model=sc.model)
     revived = simulate_paced(dies, head, pacing, Restart(at_s=10**9, config=fixed, startup_s=20.0))
     assert revived.oom is None and revived.finished == 200
+
+
+@pytest.mark.timeout(240)
+def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> None:
+    """Chat arriving over time, then a small batch, through real proxies (one with the planner and the
+    fast tier): every request answered once, the report's top level and its phases complete."""
+    from loadtests.scenario_defs import Phases, planner_control
+
+    sc = Scenario(
+        name="tiny-shift",
+        premise="test",
+        workload=Phases(parts=(
+            Workload(count=30, prompt_len=(50, 150), max_tokens=400, output_len=(20, 60), seed=2, rate=20.0),
+            Workload(count=20, prompt_len=(50, 150), max_tokens=300, output_len=(250, 300), seed=3, start_s=1.0),
+        )),
+        start_args={"schedule_conservativeness": 0.3},
+        gpu="a100-40gb",
+        time_scale=20.0,
+        control=planner_control(20.0, "a100-40gb", "llama-3.1-8b"),
+    )  # fmt: skip
+    report = run_scenario(sc, tmp_path / "tiny.json", arms=("default", "adaptive"), workdir=tmp_path / "w",
+                          max_run_s=120)  # fmt: skip
+    assert report["lost"] == 0 and report["restarts"] == 0
+    for arm in ("default", "adaptive"):
+        assert report["arms"][arm]["requests_ok"] == 50, arm
+    assert isinstance(report["adaptive_over_default"], float)
+    assert "prediction_error_median" in report and "adaptive_over_best_static" in report
+    chat, batch = report["phases"]
+    assert chat["judged_on"] == "queue time" and batch["judged_on"] == "throughput"
+    assert chat["adaptive"]["mean_s"] > 0 and batch["default"]["tok_per_s"] > 0

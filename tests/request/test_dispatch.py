@@ -303,6 +303,27 @@ async def test_failures_after_output_and_a_client_that_leaves_propagate_and_rele
     assert d.open_attempts("w0") == 0 and requeued == [] and len(d.admission) == 0
 
 
+def test_the_fast_tier_limit_and_queue_target_gate_a_worker():
+    board = LoadBoard()
+    ws = _workers(WorkerState.READY, WorkerState.READY)
+    _sample(board, "w0", 2)
+    _sample(board, "w1", 3)
+    assert _choose(ws, board) == "w0"
+    w0 = board.get("w0")
+    for _ in range(3):
+        _open(w0)
+    w0.limit = 3  # holds as many as it may
+    assert _choose(ws, board) == "w1"
+    w1 = board.get("w1")
+    w1.queue_target = 3  # est_queue 3: closed on w1 too
+    assert _choose(ws, board) is None
+    w1.queue_target = 100  # never past the band's hi (10)
+    assert w1.target(BAND) == 10 and _choose(ws, board) == "w1"
+    w0.limit = None
+    _close(w0, 3)
+    assert _choose(ws, board) == "w0"
+
+
 async def test_batch_queue_stays_short_while_interactive_requests_arrive():
     """pacing.batch_queue_beside_interactive: within the window after an interactive arrival, batch
     requests go only while the estimated worker queue is below the cap; each completion lets the

@@ -227,3 +227,33 @@ async def test_a_worker_too_slow_is_a_504_upstream_timeout_not_retried(make_prox
     assert r.status == 504
     assert body["error"]["code"] == "upstream_timeout" and "within 0.2 s" in body["error"]["message"]
     assert len(h.workers[0].seen_rids) == 1
+
+
+async def test_facts_per_request_and_the_usage_event_only_for_clients_that_asked(make_proxy):
+    h = await make_proxy()
+    client = h.client()
+    facts = h.state.board.get(h.pool.workers()[0].id).facts
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    chunks = [c async for c in stream]
+    # the proxy asked the worker for the usage event; this client did not, so it never sees it
+    assert all(c.choices and c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "t0 t1 t2 t3 "
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    recent = facts.recent()
+    assert [(f.output_tokens, f.max_tokens, f.prompt_tokens) for f in recent] == [(4, 4, 3), (8, 8, 3), (2, 2, 3)]
+    assert [f.finish_reason for f in recent] == ["length"] * 3
+    assert recent[0].ttft_s is not None and recent[0].ttft_s >= 0 and recent[2].ttft_s is None
+    assert all(f.queue_s >= 0 for f in recent)
+    assert facts.output_ratio() == 1.0 and facts.mean_output_tokens() == pytest.approx(14 / 3)
+    await client.close()

@@ -1,0 +1,161 @@
+"""The fast tier: levers the proxy moves itself, in seconds, without restarting a worker.
+
+Two per-worker values, recomputed from every scrape by :func:`next_pace` (a pure function of the
+previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it):
+
+* the **admission limit**: how many requests the proxy lets the worker hold (running plus waiting
+  there). It is AIMD-like. It starts unset (no limit beyond the queue band: the band already keeps
+  the server queue short); the first sign of over-commitment sets it below what the worker held
+  (``backoff`` x in flight), and each further sign multiplies it down again, at most once per
+  ``hold_s``. Signs of over-commitment: the engine's retraction counter rose since the last look
+  while its smoothed rate per 1,000 output tokens is above ``retractions_per_1k_tokens`` (a batch of
+  long outputs retracts a few requests steadily whatever the limit: that trickle is not a sign; an
+  engine without a token counter: any rise), or
+  the time to first token of the worker's recent requests rose above ``ttft_rise`` x its recent
+  floor while the server had a queue. It grows additively (``limit / grow_divisor``, at least 1)
+  when the pool is under-used with work waiting: the limit binds (in flight >= limit), the proxy
+  holds requests back, and token usage is below ``grow_below_usage``. Grown past ``ceiling`` it is
+  unset again.
+* the **queue target**: where inside the policy's band ``[lo, hi]`` the pacing gate keeps the
+  worker's server queue. Short interactive answers want a short server queue (a request waiting
+  there cannot be moved to a worker that frees up first, and it adds to time to first token):
+  the band's base (``lo + headroom``). Long outputs (a batch) want the upper part, so the server
+  always has work to admit when a slot frees: the target moves towards ``hi`` with the mean output
+  length of the worker's recent requests, linearly between ``short_output_tokens`` and
+  ``long_output_tokens``.
+
+Nothing here restarts anything or reads an engine: the inputs are the scrape (engine-neutral
+:class:`~proxy.engines.base.Sample` figures) and the proxy's own per-request facts. The request
+layer's :class:`~proxy.request.pacing.WorkerLoad` holds the values the gate reads (one truth);
+the composition root writes them there after each scrape.
+
+What an engine lets a client change at run time is the engine module's ``runtime_args``: for the
+SGLang versions supported it is only pipeline micro-batch size and speculative acceptance
+thresholds (``/set_internal_state`` refuses every other key), and vLLM has no such endpoint, so no
+scheduler argument (conservativeness, running-request cap, chunk size, memory fraction) can be
+moved without a restart: the proxy's own levers are the fast tier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+__all__ = ["Pace", "PaceInput", "PaceSettings", "next_pace", "queue_target"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PaceSettings:
+    floor: int = 4  # the limit never goes below this
+    ceiling: int = 4096  # grown past this, the limit is lifted
+    backoff: float = 0.8  # multiplicative decrease
+    grow_divisor: int = 16  # additive increase: limit / grow_divisor (at least 1) per look
+    hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one
+    grow_below_usage: float = 0.9  # grow only while token usage is below this
+    ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
+    retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
+    smoothing: float = 0.2  # weight of the newest look in the smoothed retraction and token increments
+    floor_decay: float = 1.02  # the TTFT floor rises by this factor per look (so it can follow a change)
+    short_output_tokens: float = 256.0  # mean outputs this short: the band's base
+    long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PaceInput:
+    """What one look at a worker shows: its scrape, the proxy's counts, its recent requests."""
+
+    time: float
+    running: int
+    queue: int  # the server's waiting queue
+    token_usage: float
+    retractions_total: float | None  # the engine's counter (None: it does not export one)
+    generation_tokens_total: float | None = None  # the engine's output-token counter (None: not exported)
+    in_flight: int  # what the proxy has open on the worker
+    backlog: int  # requests waiting in the proxy's queue
+    mean_output_tokens: float | None = None  # of the worker's recent requests (None: none yet)
+    ttft_s: float | None = None  # mean time to first token of its recent requests
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pace:
+    """One worker's fast-tier values and the little they remember between looks."""
+
+    limit: int | None = None  # None: no limit beyond the queue band
+    queue_target: int | None = None  # None: the band's own target
+    retractions_seen: float | None = None
+    tokens_seen: float | None = None
+    retraction_ewma: float = 0.0  # smoothed retracted requests per look
+    token_ewma: float = 0.0  # smoothed output tokens per look
+    ttft_floor: float | None = None
+    backed_off_at: float = -math.inf
+    reason: str = ""  # why the limit last moved (for the status page and logs)
+
+
+def _increase(before: float | None, now: float | None) -> float | None:
+    """A counter's increase between two looks (None: not known; a drop is a reset, counted as 0)."""
+    if before is None or now is None:
+        return None
+    return max(0.0, now - before)
+
+
+def queue_target(lo: int, hi: int, headroom: int, mean_output_tokens: float | None, settings: PaceSettings) -> int:
+    """The server-queue target inside ``[lo, hi]`` for a worker whose recent outputs average this long."""
+    base = max(1, min(lo + headroom, hi))
+    if mean_output_tokens is None or hi <= base:
+        return base
+    span = max(1.0, settings.long_output_tokens - settings.short_output_tokens)
+    share = min(1.0, max(0.0, (mean_output_tokens - settings.short_output_tokens) / span))
+    return max(base, min(hi, round(base + share * (hi - base))))
+
+
+def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, settings: PaceSettings) -> Pace:
+    """The worker's pace after one more look (pure: same inputs, same answer)."""
+    now = look.time
+    target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
+    r_inc = _increase(prev.retractions_seen, look.retractions_total)
+    t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
+    a = settings.smoothing
+    r_ewma = prev.retraction_ewma if r_inc is None else (1 - a) * prev.retraction_ewma + a * r_inc
+    t_ewma = prev.token_ewma if t_inc is None else (1 - a) * prev.token_ewma + a * t_inc
+    if look.generation_tokens_total is None:  # no token counter: any rise of the retraction counter counts
+        retracted = bool(r_inc)
+    else:  # retractions per 1,000 output tokens, smoothed: a long batch's steady trickle is not a sign
+        retracted = bool(r_inc) and t_ewma > 0 and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
+    floor = prev.ttft_floor
+    if look.ttft_s is not None and look.ttft_s > 0:
+        floor = look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
+    slow = (
+        look.ttft_s is not None
+        and prev.ttft_floor is not None
+        and look.queue > 0
+        and look.ttft_s > settings.ttft_rise * prev.ttft_floor
+    )
+    state = replace(
+        prev,
+        queue_target=target,
+        retractions_seen=look.retractions_total,
+        tokens_seen=look.generation_tokens_total,
+        retraction_ewma=r_ewma,
+        token_ewma=t_ewma,
+        ttft_floor=floor,
+    )
+    held = now - prev.backed_off_at < settings.hold_s
+    if (retracted or slow) and not held:
+        held_now = max(look.in_flight, look.running + look.queue)
+        base = held_now if prev.limit is None else min(prev.limit, held_now)
+        limit = max(settings.floor, math.floor(base * settings.backoff))
+        why = "retractions rose" if retracted else "time to first token rose"
+        return replace(state, limit=limit, backed_off_at=now, reason=f"backed off to {limit}: {why}")
+    if (
+        prev.limit is not None
+        and not held
+        and not retracted
+        and look.backlog > 0
+        and look.in_flight >= prev.limit
+        and look.token_usage < settings.grow_below_usage
+    ):
+        limit = prev.limit + max(1, prev.limit // settings.grow_divisor)
+        if limit > settings.ceiling:
+            return replace(state, limit=None, reason="limit lifted: grown past the ceiling")
+        return replace(state, limit=limit, reason=f"grew to {limit}: under-used with work waiting")
+    return state

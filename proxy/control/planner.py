@@ -1,0 +1,397 @@
+"""The planner: a calibrated twin of a worker replays its recent workload under candidate arguments.
+
+The twin is the simulator's virtual-time core (:func:`proxy.sim.virtual.simulate`, the same
+scheduler, KV pool, memory and step-time model as ``pacer sim``) standing for one worker. It is an
+SGLang model; the controller reaches the engine's argument names only through the knob table it
+was given (``Knob.arg``), never through an engine module.
+
+Calibration (:func:`calibrate`): actual over expected, from what the worker reports.
+
+* ``step_time_factor``: the worker's decode-batch statistics (running requests, tokens held,
+  generation throughput, from its log lines or scrapes) against the step-time model's decode rate
+  at the same batch: the median of ``expected / measured``. It also absorbs a simulated worker's
+  time scale, so the twin runs on the proxy's clock and the recorded arrival times replay as they
+  came.
+* ``kv_factor``: the KV pool the worker reported at start-up over the pool the twin computes for
+  the same arguments (capped at 1: the twin's pool is only ever shrunk to match).
+
+A :class:`Plan` (:func:`plan`): the recent requests (a bounded sample, the newest
+``max_requests``, as :class:`Observed`: arrival, prompt, output and ``max_tokens``) are replayed
+under the current arguments and under a bounded set of candidates (:func:`candidates`: the
+conservativeness values of the settings, one rung either way for the running cap and the prefill
+chunk, one memory step either way; every candidate leaving less free memory at start-up than the
+floor of the policy's band is refused). The best candidate's predicted gain (output tokens per
+second over the current arguments' prediction) is worth a restart only when
+
+    (predicted_tp(best) - predicted_tp(current)) x horizon_s  >  restart cost in tokens
+
+with the restart cost measured on this worker (:class:`RestartCost`: its start-up time as seen,
+the drain, and the tokens it recomputes: what was in flight; before any start of it was seen, the
+twin's modelled start-up on its calibrated clock), so a knob may move back whenever
+the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where
+every argument serves what arrives, predicts no throughput gain and so never restarts.
+
+Cost: at most ``1 + max_candidates`` replays of at most ``max_requests`` requests; the controller
+runs a plan off the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from proxy.sim.cli import build_parser
+from proxy.sim.config import SimConfig, SimConfigError, resolve_config
+from proxy.sim.request import RequestSpec
+from proxy.sim.steptime import startup_seconds
+from proxy.sim.virtual import simulate
+
+__all__ = [
+    "DecodeStats",
+    "Observed",
+    "Plan",
+    "PlanInputs",
+    "PlanSettings",
+    "Prediction",
+    "RestartCost",
+    "Twin",
+    "calibrate",
+    "candidates",
+    "measured_throughput",
+    "plan",
+    "run_plan",
+]
+
+CONSERVATIVENESS = "schedule_conservativeness"
+MAX_RUNNING = "max_running_requests"
+PREFILL_CHUNK = "chunked_prefill_size"
+MEMORY_FRACTION = "mem_fraction_static"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Observed:
+    """One recent request as the proxy saw it (its per-request facts)."""
+
+    arrived: float  # when it reached the proxy (any origin; only differences matter)
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    finished: float | None = None  # when its answer ended (same clock as ``arrived``)
+
+
+def measured_throughput(workload: Sequence[Observed]) -> float | None:
+    """What the worker did on these requests: their output tokens over first arrival to last answer
+    (the basis of the twin's own figure for them; None: an answer time is missing)."""
+    if not workload or any(o.finished is None for o in workload):
+        return None
+    span = max(o.finished or 0.0 for o in workload) - min(o.arrived for o in workload)
+    return sum(o.output_tokens for o in workload) / span if span > 0 else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeStats:
+    """One decode-batch statistic of the worker: requests running, tokens they hold, tokens/s."""
+
+    running: int
+    used_tokens: int
+    gen_throughput: float
+    cuda_graph: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSettings:
+    horizon_s: float = 600.0  # how long the traffic just seen is expected to last
+    max_requests: int = 300  # the replayed sample: the newest this many requests
+    max_candidates: int = 10
+    min_gain: float = 0.03  # a predicted gain below this is noise, whatever the horizon
+    conservativeness: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3)
+    conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
+    memory_fraction_step: float = 0.02
+    memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
+    min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    args: Mapping[str, object]
+    output_tok_per_s: float  # 0 when the twin would not start or dies of OOM
+    mean_queue_s: float | None  # arrival to first token
+    makespan_s: float
+    retractions: int
+    oom: str | None = None
+    available_gpu_mem_gb: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartCost:
+    """What one restart of this worker costs, as measured on it."""
+
+    startup_s: float | None  # its last start, launch to ready, as the proxy saw it (None: not seen yet)
+    drain_s: float = 0.0  # the last drain before a restart (0: none seen yet)
+    recomputed_tokens: float = 0.0  # tokens held by what was in flight: computed again after the restart
+
+    def tokens(self, throughput: float) -> float:
+        """Output tokens the restart costs at ``throughput`` tokens/s."""
+        return throughput * ((self.startup_s or 0.0) + self.drain_s) + self.recomputed_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Twin:
+    """One worker's model: the simulator's presets and this worker's correction factors."""
+
+    gpu: str
+    model: str
+    step_time_factor: float = 1.0
+    kv_factor: float = 1.0
+
+    def config(self, args: Mapping[str, object]) -> SimConfig:
+        """The twin's resolved config under ``args`` (raises SimConfigError: would not start)."""
+        ns = _namespace(args, self.gpu, self.model)
+        ns.sim_step_time_factor = self.step_time_factor
+        cfg = resolve_config(ns)
+        if self.kv_factor < 1.0:
+            ns.max_total_tokens = max(1, int(cfg.max_total_num_tokens * self.kv_factor))
+            cfg = resolve_config(ns)
+        return cfg
+
+    def predict(self, args: Mapping[str, object], workload: Sequence[Observed]) -> Prediction:
+        try:
+            cfg = self.config(args)
+        except SimConfigError as exc:
+            return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
+                              retractions=0, oom=f"startup: {exc}")  # fmt: skip
+        res = simulate(cfg, _specs(workload))
+        waits = [r.first_token_time - r.arrival for r in res.requests if r.first_token_time is not None]
+        return Prediction(
+            args=dict(args),
+            output_tok_per_s=0.0 if res.oom else res.output_tok_per_s,
+            mean_queue_s=sum(waits) / len(waits) if waits else None,
+            makespan_s=res.makespan_s,
+            retractions=res.retractions,
+            oom=res.oom,
+            available_gpu_mem_gb=cfg.memory.available_gb,
+        )
+
+
+def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Namespace:
+    ns = build_parser().parse_args(["--sim-gpu", gpu, "--sim-model", model])
+    for key, value in args.items():
+        if key.startswith("sim_") or not hasattr(ns, key) or value is None:
+            continue  # the twin's own presets stand; a simulated worker's hidden factors are not read
+        if key == CONSERVATIVENESS and isinstance(value, (int, float)):
+            value = float(value)
+        setattr(ns, key, value)
+    return ns
+
+
+def _specs(workload: Sequence[Observed]) -> list[RequestSpec]:
+    if not workload:
+        return []
+    start = min(o.arrived for o in workload)
+    return [
+        RequestSpec(
+            arrival=o.arrived - start,
+            prompt_len=max(1, o.prompt_tokens),
+            max_new_tokens=max(1, o.max_tokens),
+            output_len=max(1, min(o.output_tokens, o.max_tokens)),
+        )
+        for o in sorted(workload, key=lambda o: o.arrived)
+    ]
+
+
+def _decode_ratio(cfg: SimConfig, decode: Sequence[DecodeStats]) -> float | None:
+    """Median of (the step-time model's decode rate at each statistic's batch) / (the rate reported)."""
+    steps = cfg.step_model()
+    ratios = [
+        (d.running / steps.decode_seconds(d.running, max(0, d.used_tokens), d.cuda_graph)) / d.gen_throughput
+        for d in decode
+        if d.running > 0 and d.gen_throughput > 0
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def calibrate(
+    gpu: str,
+    model: str,
+    args: Mapping[str, object],
+    decode: Sequence[DecodeStats],
+    kv_capacity_tokens: int | None,
+    workload: Sequence[Observed] = (),
+    refinements: int = 2,
+) -> Twin:
+    """The twin for a worker running ``args``: presets corrected by what the worker reported.
+
+    The reported generation throughput is measured between two statistics lines, prefill steps
+    included, so the same figure is taken from the twin replaying ``workload`` (when given) and the
+    factor is corrected by the worker's ratio over the twin's, ``refinements`` times: like with like.
+    """
+    twin = Twin(gpu, model)
+    try:
+        cfg = twin.config(args)
+    except SimConfigError:
+        return twin
+    kv_factor = 1.0
+    if kv_capacity_tokens and cfg.max_total_num_tokens > 0:
+        kv_factor = min(1.0, kv_capacity_tokens / cfg.max_total_num_tokens)
+    twin = Twin(gpu, model, kv_factor=kv_factor)
+    live = _decode_ratio(cfg, decode)
+    if live is None:
+        return twin
+    factor = live
+    for _ in range(refinements if workload else 0):  # the twin's own lines at the factor found so far
+        twin = Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
+        res = simulate(twin.config(args), _specs(workload))
+        stats = [
+            DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for r, u, g, c in res.decode_stats
+        ]
+        own = _decode_ratio(cfg, stats)
+        if own is None:
+            break
+        factor *= live / own
+    return Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def candidates(
+    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings
+) -> list[dict[str, object]]:
+    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones)."""
+
+    def current(arg: str) -> float | None:
+        value = _num(args.get(arg))
+        return value if value is not None else resolved.get(arg)
+
+    out: list[dict[str, object]] = []
+    cons = current(CONSERVATIVENESS) or 1.0
+    lo, hi = settings.conservativeness_bounds
+    for value in settings.conservativeness:
+        if lo <= value <= hi and abs(value - cons) > 1e-9:
+            out.append({**args, CONSERVATIVENESS: value})
+    running = current(MAX_RUNNING)
+    if running:
+        for value in (int(running * 0.5), int(running * 2)):
+            if value >= 1:
+                out.append({**args, MAX_RUNNING: value})
+    chunk = current(PREFILL_CHUNK)
+    if chunk and chunk > 0:
+        for value in (int(chunk // 2), int(chunk * 2)):
+            if 512 <= value <= 16384:
+                out.append({**args, PREFILL_CHUNK: value})
+    frac = current(MEMORY_FRACTION)
+    if frac:
+        flo, fhi = settings.memory_fraction_bounds
+        for value in (frac - settings.memory_fraction_step, frac + settings.memory_fraction_step):
+            if flo <= value <= fhi:
+                out.append({**args, MEMORY_FRACTION: round(value, 3)})
+    return out[: settings.max_candidates]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    twin: Twin
+    current: Prediction
+    best: Prediction  # ``current`` when no candidate beats it
+    predicted_gain: float  # best / current throughput - 1
+    gain_tokens: float  # (best - current) throughput x horizon
+    cost_tokens: float
+    worth: bool  # restart with best.args
+    replays: int
+    reason: str
+    refused: tuple[Prediction, ...] = field(default=())  # candidates outside the memory band
+    measured_current: float | None = None  # what the worker did on the replayed requests (same basis)
+
+    @property
+    def current_error(self) -> float | None:
+        """|predicted - measured| / measured throughput of the current args on the replayed requests."""
+        m = self.measured_current
+        return abs(self.current.output_tok_per_s - m) / m if m else None
+
+
+def plan(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    cost: RestartCost,
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None = None,
+) -> Plan:
+    """Replay the newest requests under ``args`` and the candidates; restart only if it pays."""
+    sample = sorted(workload, key=lambda o: o.arrived)[-settings.max_requests :]
+    current = twin.predict(args, sample)
+    best = current
+    refused: list[Prediction] = []
+    replays = 1
+    for cand in candidates(args, resolved or {}, settings):
+        p = twin.predict(cand, sample)
+        replays += 1
+        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
+            refused.append(p)
+            continue
+        if p.oom is None and p.output_tok_per_s > best.output_tok_per_s * 1.001:
+            best = p
+    base = current.output_tok_per_s
+    gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
+    gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
+    cost_tokens = cost.tokens(base)
+    worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    if best is current:
+        reason = "no candidate beats the current arguments on the recent workload"
+    elif not worth:
+        reason = (
+            f"predicted gain {gain:+.1%} x {settings.horizon_s:g} s = {gain_tokens:.0f} tokens "
+            f"does not pay a restart ({cost_tokens:.0f} tokens)"
+        )
+    else:
+        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
+        reason = (
+            f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {best.output_tok_per_s:.0f} tok/s) x "
+            f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens"
+        )
+    return Plan(
+        twin=twin,
+        current=current,
+        best=best,
+        predicted_gain=gain,
+        gain_tokens=gain_tokens,
+        cost_tokens=cost_tokens,
+        worth=worth,
+        replays=replays,
+        reason=reason,
+        refused=tuple(refused),
+        measured_current=measured_throughput(sample),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanInputs:
+    """Everything one plan of one worker reads (collected on the event loop, planned off it)."""
+
+    gpu: str
+    model: str
+    args: Mapping[str, object]
+    resolved: Mapping[str, float]
+    decode: tuple[DecodeStats, ...]
+    kv_capacity_tokens: int | None
+    workload: tuple[Observed, ...]
+    cost: RestartCost
+    settings: PlanSettings
+
+
+def run_plan(inputs: PlanInputs) -> Plan:
+    """Calibrate the twin on the worker's signals, then plan (CPU-bound: a few bounded replays)."""
+    sample = sorted(inputs.workload, key=lambda o: o.arrived)[-inputs.settings.max_requests :]
+    twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, sample)
+    cost = inputs.cost
+    if cost.startup_s is None:  # no start of this worker seen: the twin's own start-up, on its calibrated clock
+        try:
+            cfg = twin.config(inputs.args)
+            modelled = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)[2]
+            cost = replace(cost, startup_s=modelled * twin.step_time_factor)
+        except SimConfigError:
+            pass
+    return plan(twin, inputs.args, sample, cost, inputs.settings, inputs.resolved)

@@ -1,0 +1,110 @@
+"""The fast tier's pure functions on hand-built looks: the admission limit and the queue target."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, queue_target
+
+S = PaceSettings()
+BAND = {"lo": 4, "hi": 64, "headroom": 4}  # base 8
+
+
+def _look(t: float, **kw: object) -> PaceInput:
+    base = {"running": 100, "queue": 8, "token_usage": 0.7, "retractions_total": 0.0, "in_flight": 108, "backlog": 0}
+    base.update(kw)
+    return PaceInput(time=t, **base)  # type: ignore[arg-type]
+
+
+def _run(looks: list[PaceInput], pace: Pace | None = None) -> list[Pace]:
+    pace = pace or Pace()
+    out = []
+    for look in looks:
+        pace = next_pace(pace, look, settings=S, **BAND)
+        out.append(pace)
+    return out
+
+
+def test_no_limit_until_over_commitment_then_multiplicative_back_off_at_most_once_per_hold():
+    paces = _run([_look(0.0), _look(1.0, retractions_total=3.0), _look(2.0, retractions_total=9.0)])
+    assert paces[0].limit is None
+    assert paces[1].limit == int(108 * S.backoff)  # below what the worker held
+    assert "retractions" in paces[1].reason
+    assert paces[2].limit == paces[1].limit  # within hold_s: not again
+    later = _run([_look(1.0 + S.hold_s, retractions_total=20.0, in_flight=86)], paces[2])[0]
+    assert later.limit == int(min(paces[1].limit, 108) * S.backoff)
+
+
+def test_a_counter_reset_is_not_a_retraction():
+    paces = _run([_look(0.0, retractions_total=50.0), _look(1.0, retractions_total=0.0)])
+    assert paces[1].limit is None
+
+
+def test_grows_additively_only_when_binding_with_work_waiting_and_usage_low():
+    start = Pace(limit=64, retractions_seen=0.0, backed_off_at=-100.0)
+    grown = _run([_look(10.0, in_flight=64, backlog=30, token_usage=0.5)], start)[0]
+    assert grown.limit == 64 + 64 // S.grow_divisor
+    for kw in ({"backlog": 0}, {"in_flight": 40}, {"token_usage": 0.95}):
+        look = _look(10.0, **{"in_flight": 64, "backlog": 30, "token_usage": 0.5, **kw})
+        assert _run([look], start)[0].limit == 64, kw
+    held = replace(start, backed_off_at=8.0)
+    assert _run([_look(10.0, in_flight=64, backlog=30, token_usage=0.5)], held)[0].limit == 64
+
+
+def test_grown_past_the_ceiling_the_limit_is_lifted():
+    start = Pace(limit=S.ceiling, retractions_seen=0.0)
+    assert _run([_look(10.0, in_flight=S.ceiling, backlog=1, token_usage=0.1)], start)[0].limit is None
+
+
+def test_time_to_first_token_rising_with_a_server_queue_backs_off():
+    paces = _run([_look(0.0, ttft_s=0.2), _look(1.0, ttft_s=0.25), _look(2.0, ttft_s=1.0)])
+    assert paces[1].limit is None and paces[2].limit is not None and "first token" in paces[2].reason
+    no_queue = _run([_look(0.0, ttft_s=0.2), _look(2.0, ttft_s=1.0, queue=0)])
+    assert no_queue[1].limit is None  # slow answers without a queue are the requests' own length
+
+
+def test_the_floor_follows_a_lasting_change_instead_of_backing_off_forever():
+    looks = [_look(float(t), ttft_s=0.5, queue=0) for t in range(200)]
+    floor = _run([_look(-1.0, ttft_s=0.1), *looks])[-1].ttft_floor
+    assert floor is not None and floor == 0.5
+
+
+def test_queue_target_moves_up_the_band_with_output_length():
+    assert queue_target(4, 64, 4, None, S) == 8
+    assert queue_target(4, 64, 4, 100.0, S) == 8  # short interactive answers: the band's base
+    assert queue_target(4, 64, 4, 2000.0, S) == 64  # a batch of long outputs: the top
+    mid = queue_target(4, 64, 4, (S.short_output_tokens + S.long_output_tokens) / 2, S)
+    assert 8 < mid < 64
+    assert queue_target(0, 0, 0, 2000.0, S) == 1
+    assert _run([_look(0.0, mean_output_tokens=2000.0)])[0].queue_target == 64
+
+
+def test_the_proxy_writes_each_scrape_s_pace_into_the_worker_s_load():
+    from proxy.compose import _fast_tier
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue
+    from proxy.request.pacing import Band, LoadBoard
+
+    board, pumps = LoadBoard(), []
+    board.subscribe(_fast_tier(board, AdmissionQueue(10), Band(lo=4, hi=64, headroom=4), lambda: pumps.append(1)))
+
+    def scrape(t: float, retracted: float) -> None:
+        board.publish("w0", Sample(time=t, queue=8, running=100, token_usage=0.7, retractions_total=retracted), None)
+
+    scrape(1.0, 0.0)
+    assert board.get("w0").limit is None and board.get("w0").queue_target == 8
+    scrape(2.0, 4.0)
+    load = board.get("w0")
+    assert load.limit == int(108 * S.backoff) and pumps  # the gate runs again with the new values
+    assert load.snapshot()["limit"] == load.limit
+
+
+def test_with_a_token_counter_a_steady_trickle_of_retractions_is_not_over_commitment():
+    def looks(retracted_per_look: float) -> list[PaceInput]:
+        return [_look(float(t), retractions_total=t * retracted_per_look, generation_tokens_total=t * 1600.0)
+                for t in range(30)]  # fmt: skip
+
+    trickle = _run(looks(0.3))  # 0.19 retracted requests per 1,000 tokens: a long batch's own cycle
+    assert all(p.limit is None for p in trickle)
+    storm = _run(looks(8.0))  # 5 per 1,000 tokens
+    assert storm[-1].limit is not None and "retractions" in storm[-1].reason

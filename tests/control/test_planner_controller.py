@@ -1,0 +1,171 @@
+"""The planner inside the controller: a worker's own log lines calibrate the twin, its recent requests
+are replayed, a restart is taken only when it pays, and the journal says what was predicted and
+what was then measured. Recorded inputs, a clock the test moves (no event loop but the act's)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from proxy.control.planner import Observed
+from proxy.engines.base import Sample
+from proxy.policy import ControlMode
+from proxy.sim.request import RequestSpec
+from proxy.sim.virtual import simulate
+from proxy.workers.base import WorkerState
+
+from .test_controller import Around, RecordingActor, controller, feed, info, samples
+
+ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
+
+
+class Requests(Around):
+    """The proxy around the controller, with the requests its workers answered."""
+
+    def __init__(self, requests: list[Observed]) -> None:
+        super().__init__()
+        self.requests = requests
+
+    def recent_requests(self, worker_id: str) -> list[Observed]:
+        return self.requests
+
+
+def _backlog_of_short_answers(n: int = 300) -> list[Observed]:
+    rng = random.Random(7)
+    return [Observed(arrived=i * 0.001, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
+                     max_tokens=4096) for i in range(n)]  # fmt: skip
+
+
+def _serve(c, clock, requests: list[Observed], start: float) -> float:
+    """The worker serves ``requests`` (the simulator at SGLang's defaults): its log lines and scrapes."""
+    lines: list[str] = []
+    specs = [RequestSpec(arrival=r.arrived, prompt_len=r.prompt_tokens, max_new_tokens=r.max_tokens,
+                         output_len=r.output_tokens) for r in requests]  # fmt: skip
+    cfg = c_twin_config()
+    res = simulate(cfg, specs, log=lambda level, msg: lines.append(msg))
+    # the proxy saw each answer end when the worker finished it
+    requests[:] = [replace(o, finished=r.finish_time) for o, r in zip(requests, res.requests, strict=True)]
+    span = res.makespan_s
+    for i, line in enumerate(lines):
+        clock.now = start + span * i / len(lines)
+        c.on_line("w0", line)
+    tokens = 0
+    for k in range(31):  # a scrape a second, the generation counter at the run's mean rate
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=100, token_usage=0.5,
+                                 generation_tokens_total=float(tokens)))  # fmt: skip
+        tokens += int(res.output_tok_per_s)
+    return res.output_tok_per_s
+
+
+def c_twin_config():
+    from proxy.control.planner import Twin
+
+    return Twin("a100-40gb", "llama-3.1-8b").config(ARGS)
+
+
+def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_gain(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c.track(info(state=WorkerState.STARTING, args=ARGS))
+    clock.now = 30.0
+    c.track(info(args=ARGS))  # ready after 30 s: the restart's measured start-up
+    measured = _serve(c, clock, requests, 30.0)
+    jobs = c.plans_due()
+    assert [j.worker_id for j in jobs] == ["w0"] and jobs[0].inputs.cost.startup_s == 30.0
+    assert jobs[0].inputs.decode  # the decode lines reached the twin
+    act = c.plan_now(jobs[0])
+    assert act is not None and act.decision.rule == "planner"
+    assert act.decision.new_args["schedule_conservativeness"] < 1.0
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and entry["predicted_gain"] > 0.1 and entry["evidence"]["cost_tokens"] > 0
+    assert abs(entry["evidence"]["predicted_current"] - measured) / measured < 0.05  # the calibrated twin
+    asyncio.run(c.carry_out(act))
+    assert actor.calls == [("restart", "w0", dict(act.decision.new_args))]
+    start = clock.now
+    for k in range(int(c.settings.window_s) + 2):  # after: the worker does 20 % better
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=120, token_usage=0.8,
+                                 generation_tokens_total=float(k * int(measured * 1.2))))  # fmt: skip
+    c.tick()
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and 0.15 < entry["measured_gain"] < 0.25
+    assert entry["prediction_error"] == round(abs(entry["predicted_throughput"] - entry["measured_throughput"])
+                                              / entry["measured_throughput"], 4)  # fmt: skip
+    assert c.plans_due() == []  # within the cool-down
+
+
+def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_horizon_s=5.0)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    assert c.plan_now(job) is None and actor.calls == []
+    (note,) = c.journal.entries()  # the twin's view is noted: its predicted gain, how well it predicts now
+    assert note["status"] == "noted" and "does not pay" in note["detail"] and note["predicted_gain"] > 0.1
+    assert 0 <= note["current_prediction_error"] < 0.05
+    assert c.plans_due() == []  # the next plan waits plan_interval_s
+
+
+def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:
+    c, clock = controller(ControlMode.AUTO, None, around=Requests([]), planner=True, retractions_per_1k_tokens=0.1)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    assert c.tick() == []
+    assert c.plans_due() == []  # no requests seen: nothing to replay
+
+
+def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int, tok_per_s: float) -> None:
+    for k in range(seconds):
+        clock.now = start + k
+        c.on_sample(worker_id, Sample(time=clock.now, queue=10, running=running, token_usage=0.7,
+                                      generation_tokens_total=k * tok_per_s))  # fmt: skip
+
+
+def _fleet_canary(tmp_path: Path, canary_share: float):
+    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves."""
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c.track(info("w0", args=ARGS))
+    c.track(info("w1", args=ARGS))
+    measured = _serve(c, clock, requests, 0.0)
+    _scrapes(c, clock, "w1", 0.0, 31, 100, measured)
+    (job, _other) = c.plans_due()
+    act = c.plan_now(job)
+    assert act is not None and c.canary is not None and c.canary.worker_id == "w0"
+    assert c.plan_now(_other) is None  # one canary at a time
+    asyncio.run(c.carry_out(act))
+    assert c.canary.due is not None
+    start = clock.now
+    for k in range(int(c.settings.window_s) + 1):  # the canary and the other worker, side by side
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                 generation_tokens_total=k * canary_share * measured))  # fmt: skip
+        c.on_sample("w1", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                 generation_tokens_total=k * measured))  # fmt: skip
+    return c, actor, act, measured
+
+
+def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else_reverted(tmp_path: Path) -> None:
+    better, actor, act, _ = _fleet_canary(tmp_path / "better", 1.3)
+    acts = better.tick()  # the verdict: promote (the canary does 1.3x per running request)
+    entry = better.journal.get(act.entry_id)
+    assert entry is not None and entry["canary_verdict"] == "promote"
+    acts = acts or better.tick()
+    assert [a.decision.rule for a in acts] == ["canary_promote"] and acts[0].decision.worker_id == "w1"
+    assert acts[0].decision.new_args["schedule_conservativeness"] == act.decision.new_args["schedule_conservativeness"]
+    asyncio.run(better.carry_out(acts[0]))
+    assert better.canary is None and [call[1] for call in actor.calls] == ["w0", "w1"]
+
+    worse, actor, act, _ = _fleet_canary(tmp_path / "worse", 0.9)
+    (revert,) = worse.tick()
+    assert revert.decision.rule == "canary_revert" and revert.decision.new_args == ARGS
+    assert worse.journal.get(act.entry_id)["canary_verdict"] == "revert"
+    assert worse.canary is None

@@ -1,0 +1,48 @@
+"""Per-request facts: the usage read from whole answers and stream tails, the usage event stripped."""
+
+from __future__ import annotations
+
+from proxy.request.facts import RequestFact, WorkerFacts, read_usage, strip_usage, usage_of_stream
+
+USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}'
+LAST = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}]}'
+
+
+def test_usage_of_whole_answers_and_stream_tails():
+    body = b'{"choices":[{"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":9}}'
+    assert read_usage(body) == (3, 9, "length")
+    assert read_usage(b"not json") == (None, None, None)
+    assert usage_of_stream(LAST + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n") == (7, 5, "stop")
+    assert usage_of_stream(b"data: [DONE]\n\n") == (None, None, None)
+
+
+def test_strip_usage_keeps_every_other_event_and_the_usage_inside_a_choice():
+    data = LAST + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n"
+    assert strip_usage(data) == LAST + b"\n\ndata: [DONE]\n\n"
+    assert strip_usage(USAGE + b"\n\n") == b""  # the relay then sends nothing (an empty chunk would end it)
+    with_choice = b'data: {"choices":[{"index":0}],"usage":{"completion_tokens":1}}\n\n'
+    assert strip_usage(with_choice) == with_choice
+    assert strip_usage(LAST) is LAST  # no usage: untouched, not copied
+
+
+def test_worker_facts_ring_and_figures():
+    facts = WorkerFacts(keep=3)
+    for i, (out, mx) in enumerate([(10, 100), (50, 100), (90, 100), (400, 500)]):
+        facts.record(
+            RequestFact(
+                time=float(i),
+                arrived=float(i) - 1,
+                prompt_tokens=20,
+                output_tokens=out,
+                max_tokens=mx,
+                finish_reason="stop",
+                ttft_s=0.1 * (i + 1),
+                queue_s=0.0,
+            )
+        )
+    assert len(facts) == 3 and facts.answered == 4
+    assert facts.output_ratio() == 0.8 and facts.mean_output_tokens() == 180.0
+    assert facts.mean_output_tokens(since=3.0) == 400.0
+    assert facts.summary()["mean_ttft_s"] == 0.3
+    assert RequestFact(time=0, arrived=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
+                       queue_s=0).output_ratio is None  # fmt: skip
