@@ -64,6 +64,11 @@ class Engine(Protocol):
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         """The command-line flags of one worker."""
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        """The engine's own arguments for a worker given ``gpus_per_worker`` GPUs (tensor parallel;
+        the supervisor sets ``CUDA_VISIBLE_DEVICES`` to exactly those) and serving ``model`` under
+        that name (None: the engine's default name)."""
+
     @property
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""

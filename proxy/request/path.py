@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -88,10 +88,15 @@ class RequestSettings:
 
 @dataclass(eq=False)
 class RequestPath:
+    """``dispatcher`` is the first pool's; with several pools, ``pools`` has each pool's dispatcher
+    (its own queue and gate over its own workers) and ``models`` the pool serving each model."""
+
     settings: RequestSettings
     pool: WorkerPool
     dispatcher: Dispatcher
     metrics: RequestMetrics
+    pools: Mapping[str, Dispatcher] = field(default_factory=dict)  # pool name -> its dispatcher
+    models: Mapping[str, str] = field(default_factory=dict)  # model -> the pool serving it
     limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
@@ -109,6 +114,17 @@ class RequestPath:
         await self.wait_background()
         if self.upstream is not None:
             self.upstream.close()
+
+    def dispatcher_for(self, model: str | None) -> Dispatcher:
+        """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
+        pool = self.models.get(model) if model is not None else None
+        return self.pools[pool] if pool is not None else self.dispatcher
+
+    def dispatcher_of(self, pool: str) -> Dispatcher:
+        return self.pools.get(pool, self.dispatcher)
+
+    def dispatchers(self) -> list[Dispatcher]:
+        return list(self.pools.values()) or [self.dispatcher]
 
     def new_rid(self) -> str:
         return f"{self._rid_prefix}{next(self._rid_counter)}"

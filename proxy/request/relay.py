@@ -241,7 +241,7 @@ async def _queued(
     cost: int,
     submitted: float,
 ) -> R | web.Response:
-    d, m = path.dispatcher, path.metrics
+    d, m = path.dispatcher_for(job.model), path.metrics
     try:
         ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity, key=key, cost=cost)
     except ProxyClosing:

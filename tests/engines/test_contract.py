@@ -88,6 +88,16 @@ def test_a_log_that_says_nothing_is_an_unknown_death() -> None:
     assert KnobName.CONSERVATIVENESS in ENGINES["sglang"].knobs
 
 
+def test_placement_flags_come_from_each_engines_own_table() -> None:
+    from proxy.engines.registry import ENGINES
+
+    assert ENGINES["sglang"].placement_args(4, "m") == {"tp_size": 4, "served_model_name": "m"}
+    assert ENGINES["vllm"].placement_args(2, None) == {"tensor_parallel_size": 2}
+    for engine in ENGINES.values():
+        for name, value in engine.placement_args(8, "some/model").items():
+            assert engine.check_arg(name, value) is None, (engine.name, name)
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_extra_args_may_not_set_what_the_supervisor_sets(name: str) -> None:
     engine = ENGINES[name]

@@ -71,6 +71,9 @@ class SGLangEngine:
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        return argv.placement_args(gpus_per_worker, model)
+
     @property
     def secret_args(self) -> frozenset[str]:
         return argv.TABLE.secret
