@@ -11,9 +11,14 @@ Every phase runs on a fresh ``pacer sim`` worker (same flags, ``--sim-time-scale
    ``batches.create``, poll until ``completed``, with the ``openai`` client); completion time from
    ``batches.create`` to ``completed``, every line checked in the output file. Target: the direct
    completion time / this one >= 0.97.
-4. **interactive**: streamed interactive requests at ``--interactive-rate`` through the proxy, for
-   ``--interactive-duration`` seconds with nothing else running, then again while a second batch of
-   the same job runs; their p99 TTFTs. Target: with the batch within 1.5x of without.
+4. **interactive**: ``--rounds`` rounds, each an interactive phase with nothing else running and one
+   while a batch (``--load-lines``) runs, the order alternating; a phase is ``--interactive-requests``
+   streamed requests through the proxy, a Poisson stream at ``--interactive-rate`` (a p99 of 1,000
+   samples, not of 80 where it is the worst one). Target: the median over rounds of the per-round
+   p99 TTFT ratio (with the batch / without) within 1.5x. Each phase also records how late the
+   client's own loop sent (send lag) and the fraction of the phase the proxy, the worker and the
+   client were runnable but waiting for a CPU (``/proc/<pid>/task/*/schedstat``): stalls of the
+   machine, told apart from the design's.
 
 The proxy's policy: the worker's queue band ``--band`` (the pacing gate keeps that many requests
 waiting in the worker beyond those running), ``batch.concurrency`` ``--batch-concurrency``.
@@ -25,6 +30,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -38,30 +46,31 @@ import orjson
 import tomli_w
 
 from loadtests.loadgen import completion_body, open_loop, summarize
-from loadtests.procs import Proc, start_pacer, start_sim
+from loadtests.procs import Proc, runqueue_wait_seconds, start_pacer, start_sim
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
 
-def request_body(i: int, prompt_tokens: int, output_len: int) -> dict[str, Any]:
-    """One line's request: a distinct prompt of about ``prompt_tokens`` tokens, exactly ``output_len`` out."""
+def request_body(i: int, prompt_tokens: int, output_len: int, tag: str = "") -> dict[str, Any]:
+    """One line's request: a distinct prompt of about ``prompt_tokens`` tokens, exactly ``output_len`` out
+    (``tag`` sets one job's prompts apart from another's, so that none finds the other's in the prefix cache)."""
     return {
         "model": MODEL,
-        "prompt": f"request {i}: " + "lorem ipsum " * max(1, prompt_tokens // 2),
+        "prompt": f"{tag}request {i}: " + "lorem ipsum " * max(1, prompt_tokens // 2),
         "max_tokens": output_len,
         "ignore_eos": True,
         "temperature": 0.0,
     }
 
 
-def jsonl(lines: int, prompt_tokens: int, output_len: int) -> bytes:
+def jsonl(lines: int, prompt_tokens: int, output_len: int, tag: str = "") -> bytes:
     return b"".join(
         orjson.dumps(
             {
                 "custom_id": f"r{i}",
                 "method": "POST",
                 "url": "/v1/completions",
-                "body": request_body(i, prompt_tokens, output_len),
+                "body": request_body(i, prompt_tokens, output_len, tag),
             }
         )
         + b"\n"
@@ -118,11 +127,6 @@ async def run_batch(proxy_url: str, data: bytes, poll_s: float) -> dict[str, Any
             "failed": counts.failed if counts else None}  # fmt: skip
 
 
-async def interactive(proxy_url: str, rate: float, duration_s: float, output_len: int) -> dict[str, Any]:
-    body = completion_body(MODEL, "an interactive question", output_len)
-    return summarize(await open_loop(proxy_url + "/v1/completions", body, rate=rate, duration_s=duration_s))
-
-
 def proxy_policy(
     engine: dict[str, Any], batch_dir: Path, band: tuple[int, int], batch_concurrency: int, batch_queue: int = 0
 ) -> str:
@@ -141,23 +145,23 @@ DESIGNS = ("band", "priority", "cap", "priority-cap")
 
 
 @contextlib.contextmanager
-def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> Iterator[Proc]:
+def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> Iterator[tuple[Proc, list[int]]]:
     """The proxy in front of one fresh simulated worker, as ``design`` deploys it.
 
     ``band``: an external worker with SGLang's defaults (FCFS queue); the proxy knows nothing of its
     arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
     (what an operator's policy says); the proxy then marks each request with its class's priority.
     ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``priority-cap``:
-    both.
+    both. Yields the proxy and the process ids of the workers it did not start itself.
     """
     band, conc = tuple(args.band), args.batch_concurrency
     cap = args.batch_queue if design.endswith("cap") else 0
     if design in ("band", "cap"):
         with _sim(log_dir, args, f"{name}-sim") as sim:
-            engine = {"kind": "external", "urls": [sim.url]}
+            engine: dict[str, Any] = {"kind": "external", "urls": [sim.url]}
             policy = proxy_policy(engine, log_dir / name, band, conc, cap)
             with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
-                yield p
+                yield p, [sim.pid]
         return
     engine = {
         "kind": "sim",
@@ -167,43 +171,134 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
     with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc, cap)) as p:
-        yield p
+        yield p, []
+
+
+def _descendants(pid: int) -> list[int]:
+    """The process ids under ``pid`` (its children, theirs, ...), from ``/proc``; gone ones skipped."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def _cpu_wait(pids: Sequence[int]) -> float:
+    """Seconds the processes ``pids`` were runnable but waiting for a CPU; gone ones count 0."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += runqueue_wait_seconds(pid)
+    return total
+
+
+async def _phase(
+    proxy: Proc, worker_pids: Sequence[int], args: argparse.Namespace, rng: random.Random
+) -> dict[str, Any]:
+    """One phase of ``--interactive-requests`` streamed requests, a Poisson stream at ``--interactive-rate``,
+    with how much the machine held back the client (its send lag), the proxy and the worker (their CPU wait)."""
+    body = completion_body(MODEL, "an interactive question", args.interactive_len)
+    groups = {"pacer": [proxy.pid], "worker": list(worker_pids), "client": [os.getpid()]}
+    wait0 = {name: _cpu_wait(pids) for name, pids in groups.items()}
+    res = await open_loop(
+        proxy.url + "/v1/completions", body, rate=args.interactive_rate,
+        duration_s=args.interactive_requests / args.interactive_rate, poisson=rng,
+    )  # fmt: skip
+    out = summarize(res)
+    for name, pids in groups.items():
+        out[f"{name}_cpu_wait_fraction"] = round((_cpu_wait(pids) - wait0[name]) / max(res.wall_s, 1e-9), 3)
+    return out
+
+
+async def _rounds(proxy: Proc, worker_pids: Sequence[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--rounds`` rounds of an interactive phase with no batch and one beside a batch, the order
+    alternating from round to round (drift of the machine falls on both arms). The batch of a
+    ``with_batch`` phase (``--load-lines``, prompts of its own round) is started and given
+    ``--interactive-delay`` to fill the worker, then cancelled when the phase ends and drained before
+    the next phase."""
+    rng = random.Random(args.seed)
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    rounds: list[dict[str, Any]] = []
+    async with client:
+        for r in range(args.rounds):
+            load = jsonl(args.load_lines or args.lines, args.prompt_tokens, args.output_len, tag=f"round {r} ")
+            file = await client.files.create(file=("load.jsonl", load), purpose="batch")
+            rnd: dict[str, Any] = {"order": ["alone", "with_batch"] if r % 2 == 0 else ["with_batch", "alone"]}
+            for arm in rnd["order"]:
+                if arm == "alone":
+                    rnd[arm] = await _phase(proxy, worker_pids, args, rng)
+                    continue
+                batch = await client.batches.create(
+                    input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+                )
+                while batch.status == "validating":
+                    await asyncio.sleep(args.poll_s)
+                    batch = await client.batches.retrieve(batch.id)
+                await asyncio.sleep(args.interactive_delay)  # the batch fills the worker first
+                rnd[arm] = await _phase(proxy, worker_pids, args, rng)
+                batch = await client.batches.retrieve(batch.id)
+                rnd[arm]["batch_ran_throughout"] = batch.status == "in_progress"
+                with contextlib.suppress(openai.ConflictError):  # it may have finished meanwhile
+                    await client.batches.cancel(batch.id)
+                while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                    await asyncio.sleep(args.poll_s)
+                    batch = await client.batches.retrieve(batch.id)
+            a, w = rnd["alone"]["ttft_p99_ms"], rnd["with_batch"]["ttft_p99_ms"]
+            rnd["p99_ratio"] = round(w / a, 3) if a and w else None
+            rounds.append(rnd)
+    return rounds
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def summarize_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds: each arm's TTFT p50/p99 and machine-stall signs, and the per-round p99 ratio."""
+    out: dict[str, Any] = {"rounds": len(rounds), "p99_ratio_median": _median([r["p99_ratio"] for r in rounds]),
+                           "p99_ratios": [r["p99_ratio"] for r in rounds]}  # fmt: skip
+    for arm in ("alone", "with_batch"):
+        out[arm] = {
+            key: _median([r[arm][key] for r in rounds])
+            for key in ("ttft_p50_ms", "ttft_p99_ms", "client_send_lag_p99_ms", "client_send_lag_max_ms",
+                        "pacer_cpu_wait_fraction", "worker_cpu_wait_fraction", "client_cpu_wait_fraction")
+        }  # fmt: skip
+        out[arm]["requests"] = sum(r[arm]["requests"] for r in rounds)
+        out[arm]["errors"] = sum(r[arm]["errors"] for r in rounds)
+    out["with_batch"]["batch_ran_throughout"] = all(r["with_batch"]["batch_ran_throughout"] for r in rounds)
+    return out
 
 
 def _design(
     args: argparse.Namespace, log_dir: Path, design: str, data: bytes, direct_s: float, say: Any
 ) -> dict[str, Any]:
-    """Phases 3 and 4 for one design: the job through the proxy, then interactive alone and beside it."""
+    """Phases 3 and 4 for one design: the job through the proxy, then the interactive rounds."""
     out: dict[str, Any] = {}
-    with _proxy(log_dir, args, design, f"{design}-batch-pacer") as proxy:
+    with _proxy(log_dir, args, design, f"{design}-batch-pacer") as (proxy, _):
         out["batch"] = asyncio.run(run_batch(proxy.url, data, args.poll_s))
     say(f"{design}: batch through the proxy: {out['batch']['seconds']} s ({out['batch']['status']})")
-    with _proxy(log_dir, args, design, f"{design}-interactive-pacer") as proxy:
-        alone = asyncio.run(
-            interactive(proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len)
-        )
-
-        async def during() -> tuple[dict[str, Any], dict[str, Any]]:
-            job = asyncio.ensure_future(run_batch(proxy.url, data, args.poll_s))
-            await asyncio.sleep(args.interactive_delay)  # the batch fills the worker first
-            inter = await interactive(proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len)
-            return inter, await job
-
-        with_batch, second = asyncio.run(during())
-    out["interactive_alone"] = alone
-    out["interactive_with_batch"] = with_batch
-    out["batch_during_interactive"] = second
+    with _proxy(log_dir, args, design, f"{design}-interactive-pacer") as (proxy, sims):
+        workers = [*sims, *_descendants(proxy.pid)]
+        out["interactive_rounds"] = asyncio.run(_rounds(proxy, workers, args))
+    out["interactive"] = summary = summarize_rounds(out["interactive_rounds"])
     out["batch_vs_direct_throughput"] = round(direct_s / out["batch"]["seconds"], 4)
-    a, w = alone.get("ttft_p99_ms"), with_batch.get("ttft_p99_ms")
-    out["interactive_p99_ttft_ratio"] = round(w / a, 3) if a and w else None
+    out["interactive_p99_ttft_ratio"] = ratio = summary["p99_ratio_median"]
     out["targets"] = {
         "batch_vs_direct_throughput >= 0.97": out["batch_vs_direct_throughput"] >= 0.97,
-        "interactive_p99_ttft_ratio <= 1.5": out["interactive_p99_ttft_ratio"] is not None
-        and out["interactive_p99_ttft_ratio"] <= 1.5,
+        "interactive_p99_ttft_ratio <= 1.5": ratio is not None and ratio <= 1.5,
     }
+    a, w = summary["alone"], summary["with_batch"]
     say(
-        f"{design}: throughput {out['batch_vs_direct_throughput']} of direct, interactive p99 TTFT "
-        f"{a} ms alone, {w} ms with the batch ({out['interactive_p99_ttft_ratio']}x)"
+        f"{design}: throughput {out['batch_vs_direct_throughput']} of direct; interactive TTFT p50/p99 (median of "
+        f"{summary['rounds']} rounds) {a['ttft_p50_ms']}/{a['ttft_p99_ms']} ms alone, {w['ttft_p50_ms']}/"
+        f"{w['ttft_p99_ms']} ms with the batch; p99 ratios {summary['p99_ratios']} (median {ratio}x); "
+        f"send lag p99 {a['client_send_lag_p99_ms']}/{w['client_send_lag_p99_ms']} ms, pacer CPU wait "
+        f"{a['pacer_cpu_wait_fraction']}/{w['pacer_cpu_wait_fraction']}"
     )
     return out
 
@@ -236,8 +331,7 @@ def run(args: argparse.Namespace, log_dir: Path, say: Any = print) -> dict[str, 
     for design in args.designs:
         report[design] = _design(args, log_dir, design, data, report["direct"]["seconds"], say)
     first = report[args.designs[0]]  # the headline keys of earlier reports: the first design's
-    for name in ("batch", "interactive_alone", "interactive_with_batch", "batch_during_interactive",
-                 "batch_vs_direct_throughput", "interactive_p99_ttft_ratio", "targets"):  # fmt: skip
+    for name in ("batch", "interactive", "batch_vs_direct_throughput", "interactive_p99_ttft_ratio", "targets"):
         report[name] = first[name]
     return report
 
@@ -267,10 +361,19 @@ def build_parser() -> argparse.ArgumentParser:
         "cap: the band, and a short batch queue while interactive requests arrive; priority-cap: both",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
-    p.add_argument("--interactive-rate", type=float, default=4.0)
-    p.add_argument("--interactive-duration", type=float, default=10.0)
+    p.add_argument(
+        "--interactive-rate", type=float, default=50.0,
+        help="mean requests/s of the interactive Poisson stream (at --time-scale 10: 5/s of engine time)",
+    )  # fmt: skip
+    p.add_argument("--interactive-requests", type=int, default=1000, help="interactive requests per phase")
     p.add_argument("--interactive-len", type=int, default=32)
-    p.add_argument("--interactive-delay", type=float, default=2.0)
+    p.add_argument("--interactive-delay", type=float, default=2.0, help="seconds the batch runs before a phase")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (no batch, with batch), order alternating")
+    p.add_argument(
+        "--load-lines", type=int, default=0,
+        help="lines of the batch beside the interactive phases (cancelled when a phase ends; default --lines)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=14, help="seed of the interactive arrival times")
     return p
 
 

@@ -17,7 +17,9 @@ the usage event are parsed as JSON, so the client stays cheap.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,18 +132,27 @@ class RunResult:
 
 
 async def open_loop(
-    url: str, body: dict[str, Any], *, rate: float, duration_s: float, timeout_s: float = 60.0
+    url: str,
+    body: dict[str, Any],
+    *,
+    rate: float,
+    duration_s: float,
+    timeout_s: float = 60.0,
+    poisson: random.Random | None = None,
 ) -> RunResult:
-    """``rate`` requests per second for ``duration_s`` on a fixed schedule; waits for them all."""
+    """``rate`` requests per second for ``duration_s``; waits for them all. The schedule is fixed
+    (evenly spaced) unless ``poisson`` is given: then the gaps are exponential draws from it (a
+    Poisson stream of the same mean rate and count, reproducible from the generator's seed)."""
     payload = orjson.dumps(body)
     n = max(1, round(rate * duration_s))
+    offsets = list(itertools.accumulate(poisson.expovariate(rate) for _ in range(n))) if poisson else None
     outcomes: list[Outcome] = []
     tasks: list[asyncio.Task[None]] = []
     cpu0, w0 = time.process_time(), time.perf_counter()
     async with _session(timeout_s) as session:
         start = time.perf_counter() + 0.05
         for i in range(n):
-            at = start + i / rate
+            at = start + (offsets[i] if offsets else i / rate)
             delay = at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -208,5 +219,6 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "chunks_per_s": round(chunks / span, 1),
         "span_s": round(span, 3),
         "client_send_lag_p99_ms": round(percentile(lags, 99), 3) if lags else None,
+        "client_send_lag_max_ms": round(max(lags), 3) if lags else None,
         "client_cpu_cores": round(res.client_cpu_s / max(res.wall_s, 1e-9), 3),
     }

@@ -20,8 +20,8 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
     report_path = tmp_path / "batch.json"
     cmd = [sys.executable, "-m", "loadtests", "batch", "--report", str(report_path), "--log-dir", str(tmp_path / "logs"),
            "--lines", "120", "--sweep-requests", "60", "--concurrency", "16", "64", "--output-len", "16",
-           "--interactive-rate", "10", "--interactive-duration", "1", "--interactive-delay", "0.2",
-           "--interactive-len", "8", "--time-scale", "50"]  # fmt: skip
+           "--interactive-rate", "40", "--interactive-requests", "10", "--interactive-delay", "0.2", "--rounds", "2",
+           "--interactive-len", "8", "--time-scale", "50", "--poll-s", "0.05"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -30,12 +30,22 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
     assert report["direct"]["concurrency"] == best and report["direct"]["errors"] == 0
     for design in ("band", "priority", "cap", "priority-cap"):  # every design side by side, each on fresh workers
         d = report[design]
-        for name in ("batch", "batch_during_interactive"):
-            b = d[name]
-            assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
-            assert b["error_lines"] == 0 and b["failed"] == 0
-        for name in ("interactive_alone", "interactive_with_batch"):
-            assert d[name]["errors"] == 0 and d[name]["ok"] == 10
+        b = d["batch"]
+        assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
+        assert b["error_lines"] == 0 and b["failed"] == 0
+        assert [r["order"] for r in d["interactive_rounds"]] == [["alone", "with_batch"], ["with_batch", "alone"]]
+        for rnd in d["interactive_rounds"]:
+            for arm in ("alone", "with_batch"):
+                assert rnd[arm]["errors"] == 0 and rnd[arm]["ok"] == 10
+                for who in ("pacer", "worker", "client"):
+                    assert 0 <= rnd[arm][f"{who}_cpu_wait_fraction"] < 2
+                assert rnd[arm]["client_send_lag_max_ms"] >= rnd[arm]["client_send_lag_p99_ms"] >= 0
+            assert rnd["p99_ratio"] == round(rnd["with_batch"]["ttft_p99_ms"] / rnd["alone"]["ttft_p99_ms"], 3)
+        summary = d["interactive"]
+        assert summary["rounds"] == 2 and summary["alone"]["requests"] == summary["with_batch"]["requests"] == 20
+        assert summary["p99_ratios"] == [r["p99_ratio"] for r in d["interactive_rounds"]]
+        lo, hi = sorted(summary["p99_ratios"])
+        assert summary["p99_ratio_median"] == pytest.approx((lo + hi) / 2, abs=1e-3)
         for key in ("batch_vs_direct_throughput", "interactive_p99_ttft_ratio"):
             assert isinstance(d[key], float) and math.isfinite(d[key]) and d[key] > 0
         assert set(d["targets"]) == {"batch_vs_direct_throughput >= 0.97", "interactive_p99_ttft_ratio <= 1.5"}
