@@ -96,6 +96,7 @@ def build_app(
             on_requeue=metrics.count_requeue,
             batch_queue=policy.pacing.batch_queue_beside_interactive,
             interactive_window_s=policy.pacing.interactive_window_s,
+            batch_in_flight=policy.pacing.batch_in_flight_beside_interactive,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }

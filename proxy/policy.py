@@ -213,9 +213,22 @@ class PacingSettings:
             minimum=0,
         ),
     )
+    batch_in_flight_beside_interactive: int = field(
+        default=0,
+        metadata=key(
+            "while interactive requests arrive (within interactive_window_s): at most this many batch requests "
+            "open on a worker, running or queued there; set it to the worker's max running requests less a "
+            "reserve of running slots kept for interactive requests (0: no limit)",
+            minimum=0,
+        ),
+    )
     interactive_window_s: float = field(
         default=5.0,
-        metadata=key("seconds an interactive arrival keeps batch_queue_beside_interactive on", positive=True),
+        metadata=key(
+            "seconds an interactive arrival keeps batch_queue_beside_interactive and "
+            "batch_in_flight_beside_interactive on",
+            positive=True,
+        ),
     )
 
 

@@ -19,6 +19,10 @@ Batch beside interactive: while interactive requests keep arriving (one within
 queue, where an interactive request would wait behind it, stays that short. ``est_queue`` moves
 with the proxy's own dispatches and completions between scrapes, so each batch request that ends
 lets the next one go at once; once no interactive request came for a window, the band applies again.
+In the same window, ``pacing.batch_in_flight_beside_interactive`` (when set) holds the batch
+requests this proxy has open on a worker (running or waiting there) to that many: with it set to
+the worker's ``max_running_requests`` less a reserve, that many running slots are left to
+interactive requests, which then never wait for a running batch request to end.
 
 Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
 (``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so
@@ -83,8 +87,10 @@ def choose_worker(
     stale_after_s: float,
     exclude: frozenset[WorkerId] = frozenset(),
     affinity: str | None = None,
+    batch_limit: int | None = None,
 ) -> WorkerId | None:
-    """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads)."""
+    """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
+    ``batch_limit``: only workers with fewer batch requests of this proxy in flight."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -95,6 +101,8 @@ def choose_worker(
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
     ready = [(w, load) for w, load in ready if load.has_room()]
+    if batch_limit is not None:
+        ready = [(w, load) for w, load in ready if load.batch_in_flight < batch_limit]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
         open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh if load.est_queue() < load.target(band)]
@@ -136,6 +144,7 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         batch_queue: int = 0,
         interactive_window_s: float = 5.0,
+        batch_in_flight: int = 0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -149,6 +158,8 @@ class Dispatcher:
         # batch beside interactive: the band batch requests see while interactive ones keep arriving
         self.batch_band = Band(lo=min(batch_queue, band.hi), hi=band.hi) if batch_queue > 0 else None
         self.interactive_window_s = interactive_window_s
+        # batch beside interactive: at most this many batch requests open on a worker (None: no limit)
+        self.batch_in_flight = batch_in_flight if batch_in_flight > 0 else None
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
         self.closing = False
         self._pumping = False
@@ -303,9 +314,9 @@ class Dispatcher:
             return
         workers = self.pool.workers()
         now = self.clock()
-        batch_band = self.band
-        if self.batch_band is not None and now - self._interactive_seen < self.interactive_window_s:
-            batch_band = self.batch_band
+        batch_band, batch_limit = self.band, None
+        if now - self._interactive_seen < self.interactive_window_s:
+            batch_band, batch_limit = self.batch_band or self.band, self.batch_in_flight
         while True:
             ticket = admission.peek()
             if ticket is None:
@@ -318,6 +329,7 @@ class Dispatcher:
                 stale_after_s=self.stale_after_s,
                 exclude=ticket.exclude,
                 affinity=ticket.affinity,
+                batch_limit=batch_limit if ticket.priority is Priority.BATCH else None,
             )
             if worker_id is None:
                 return

@@ -352,3 +352,40 @@ async def test_batch_queue_stays_short_while_interactive_requests_arrive():
     assert sum(t.future.done() for t in batch) == 1 + 6  # the band's target again: 6 estimated waiting
     for t in batch:
         t.future.cancel()
+
+
+async def test_batch_in_flight_leaves_running_slots_to_interactive_requests():
+    """pacing.batch_in_flight_beside_interactive: within the window after an interactive arrival, at
+    most that many batch requests are open on a worker (running or queued), whatever the band allows;
+    interactive requests still go; a batch completion lets the next one go; after the window the
+    band alone applies."""
+    now = [100.0]
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    d = Dispatcher(
+        pool, board, AdmissionQueue(100), band=Band(lo=6, hi=10), stale_after_s=1e9, clock=lambda: now[0],
+        interactive_window_s=1.0, batch_in_flight=3,
+    )  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    load = board.get("w0")
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(5)]
+    assert all(t.future.done() for t in batch)  # no interactive request yet: the band's 6 allow all five
+    for t in batch:
+        async with d.attempt(t):
+            pass
+    assert load.batch_in_flight == 0 and load.in_flight == 0
+    inter = d.submit(Priority.INTERACTIVE, 10)
+    assert inter.future.done()
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(5)]
+    assert [t.future.done() for t in batch] == [True, True, True, False, False]  # 3 batch open, not the band's 6
+    assert load.batch_in_flight == 3 and load.in_flight == 4  # the interactive one is open beside them
+    second = d.submit(Priority.INTERACTIVE, 10)
+    assert second.future.done()  # interactive requests are not held by the batch limit
+    async with d.attempt(batch[0]):
+        pass
+    assert batch[3].future.done() and not batch[4].future.done() and load.batch_in_flight == 3
+    now[0] = 101.5  # no interactive request for longer than the window
+    d.pump()
+    assert batch[4].future.done() and load.batch_in_flight == 4
+    for t in (inter, second, *batch[1:]):
+        t.future.cancel()
