@@ -128,20 +128,26 @@ async def run_batch(proxy_url: str, data: bytes, poll_s: float) -> dict[str, Any
 
 
 def proxy_policy(
-    engine: dict[str, Any], batch_dir: Path, band: tuple[int, int], batch_concurrency: int, batch_queue: int = 0
+    engine: dict[str, Any],
+    batch_dir: Path,
+    band: tuple[int, int],
+    batch_concurrency: int,
+    batch_queue: int = 0,
+    batch_in_flight: int = 0,
 ) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
         "queue": {"capacity": 200000, "timeout_s": 3600.0},
         "engine": engine,
         "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
-                   "batch_queue_beside_interactive": batch_queue},
+                   "batch_queue_beside_interactive": batch_queue,
+                   "batch_in_flight_beside_interactive": batch_in_flight},
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
 
 
-DESIGNS = ("band", "priority", "cap", "priority-cap")
+DESIGNS = ("band", "priority", "cap", "priority-cap", "cap-reserve", "priority-cap-reserve")
 
 
 @contextlib.contextmanager
@@ -151,15 +157,17 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
     ``band``: an external worker with SGLang's defaults (FCFS queue); the proxy knows nothing of its
     arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
     (what an operator's policy says); the proxy then marks each request with its class's priority.
-    ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``priority-cap``:
-    both. Yields the proxy and the process ids of the workers it did not start itself.
+    ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``reserve``:
+    ``pacing.batch_in_flight_beside_interactive = --max-running - --batch-reserve``; a design joined
+    with ``-`` has each lever. Yields the proxy and the process ids of the workers it did not start itself.
     """
-    band, conc = tuple(args.band), args.batch_concurrency
-    cap = args.batch_queue if design.endswith("cap") else 0
-    if design in ("band", "cap"):
+    band, conc, levers = tuple(args.band), args.batch_concurrency, set(design.split("-"))
+    cap = args.batch_queue if "cap" in levers else 0
+    in_flight = args.max_running - args.batch_reserve if "reserve" in levers else 0
+    if "priority" not in levers:
         with _sim(log_dir, args, f"{name}-sim") as sim:
             engine: dict[str, Any] = {"kind": "external", "urls": [sim.url]}
-            policy = proxy_policy(engine, log_dir / name, band, conc, cap)
+            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight)
             with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
                 yield p, [sim.pid]
         return
@@ -170,7 +178,8 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
                  "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
-    with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc, cap)) as p:
+    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight)
+    with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
         yield p, []
 
 
@@ -353,12 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-queue", type=int, default=4, help="pacing.batch_queue_beside_interactive of the *cap designs"
     )
     p.add_argument(
+        "--batch-reserve", type=int, default=16,
+        help="running slots the *reserve designs keep for interactive requests: "
+        "pacing.batch_in_flight_beside_interactive = --max-running less this",
+    )  # fmt: skip
+    p.add_argument(
         "--designs",
         nargs="+",
         choices=DESIGNS,
         default=list(DESIGNS),
         help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
-        "cap: the band, and a short batch queue while interactive requests arrive; priority-cap: both",
+        "cap: the band, and a short batch queue while interactive requests arrive; reserve: running slots "
+        "kept free for interactive requests while they arrive; joined with '-': each lever",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument(
