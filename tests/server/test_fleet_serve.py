@@ -109,9 +109,23 @@ async def test_two_pools_behind_one_proxy(fleet: tuple[str, Path]) -> None:
 
         answers = await asyncio.gather(*(ask(m) for m in [BIG, SMALL] * 10))
         assert answers == [BIG, SMALL] * 10
+        # no model with several pools: a 400 naming them (no pool is the default); /generate may name one
+        async with aiohttp.ClientSession() as s:
+            for path, body in [
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+            ]:
+                async with s.post(url + path, json=body) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 400 and (err["param"], err["code"]) == ("model", "model_required"), err
+                    assert BIG in err["message"] and SMALL in err["message"]
+            gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "model": SMALL}
+            async with s.post(url + "/generate", json=gen) as r:
+                assert r.status == 200, await r.text()
+                assert "text" in await r.json()
         end = time.monotonic() + 10
-        while (counts := await served(ws)) != {"llama-70b": 10, "llama-8b": 10}:  # each pool did its own
-            assert time.monotonic() < end and all(v <= 10 for v in counts.values()), counts
+        while (counts := await served(ws)) != {"llama-70b": 10, "llama-8b": 11}:  # each pool did its own
+            assert time.monotonic() < end and counts["llama-70b"] <= 10 and counts["llama-8b"] <= 11, counts
             await asyncio.sleep(0.05)
 
         with pytest.raises(openai.NotFoundError) as err:
