@@ -14,6 +14,8 @@ minutes later when a GPU worker refuses to start.
 
 from __future__ import annotations
 
+import functools
+
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -543,15 +545,29 @@ class Policy:
         return "\n".join(_describe(self))
 
     def changed(self) -> list[str]:
-        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
+        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets
+        masked. The lines are TOML that rebuilds the policy: with pools, the top-level keys first,
+        then one ``[[pool]]`` table per pool with its own keys and its ``control.key`` /
+        ``pacing.key`` overrides (where it differs from ``[control]`` / ``[pacing]``)."""
         pooled = not self.pools[0].shorthand
         tables = {name: getattr(self, name) for name in TABLES if not (pooled and name == "engine")}
         secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
-        if pooled:
-            for pool in self.pools:
-                tables[f"pool.{pool.name}"] = pool.engine
-                secret_args |= {f"pool.{pool.name}.args.{name}" for name in pool.engine.engine.secret_args}
-        return changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
+        lines = changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
+        for pool in self.pools if pooled else ():
+            pool_secrets = frozenset(f"args.{name}" for name in pool.engine.engine.secret_args)
+            named = PoolKeys(name="")  # the name always shows; the other keys where not at their default
+            lines += ["[[pool]]", *changed_keys({"": pool.keys}, secret=lambda _: False, baseline={"": named})]
+            lines += changed_keys(
+                {"": pool.engine, "control": pool.control, "pacing": pool.pacing},
+                secret=functools.partial(_pool_secret, pool_secrets),
+                baseline={"control": self.control, "pacing": self.pacing},
+            )
+        return lines
+
+
+def _pool_secret(secret_args: frozenset[str], key: str) -> bool:
+    """Whether a [[pool]] table's key holds a secret: its env values, the engine's secret args."""
+    return key.startswith("env.") or key in secret_args
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
