@@ -15,7 +15,6 @@ minutes later when a GPU worker refuses to start.
 from __future__ import annotations
 
 import functools
-
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
