@@ -93,6 +93,8 @@ def build_app(
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
             max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.count_requeue,
+            batch_queue=policy.pacing.batch_queue_beside_interactive,
+            interactive_window_s=policy.pacing.interactive_window_s,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
@@ -110,6 +112,7 @@ def build_app(
             },
             concurrent_retry_after_s=policy.queue.retry_after_s,
         ),
+        engines={p.name: p.engine.engine for p in policy.pools},
     )
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher

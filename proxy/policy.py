@@ -206,6 +206,18 @@ class PacingSettings:
         ),
     )
     max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
+    batch_queue_beside_interactive: int = field(
+        default=0,
+        metadata=key(
+            "while interactive requests arrive (within interactive_window_s): the estimated server queue "
+            "below which batch requests are dispatched, instead of the band's (0: no cap)",
+            minimum=0,
+        ),
+    )
+    interactive_window_s: float = field(
+        default=5.0,
+        metadata=key("seconds an interactive arrival keeps batch_queue_beside_interactive on", positive=True),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

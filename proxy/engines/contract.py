@@ -80,6 +80,11 @@ class Engine(Protocol):
         """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should
         keep a prefix on one worker."""
 
+    def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
+        """Fields to add to a request's body so the worker's own scheduler puts interactive requests
+        before batch ones; empty when the worker's arguments do not turn priority scheduling on (an
+        engine without it may refuse or ignore the field)."""
+
     def parse_metrics(self, text: str, now: float) -> Sample:
         """One scrape of ``GET /metrics``."""
 

@@ -15,6 +15,8 @@ from proxy.sim import memory
 from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
 from proxy.sim.steptime import StepTimeModel, startup_seconds
 
+PRIORITY_POLICIES = ("fcfs", "lof")  # the policies SGLang orders by priority (and the only ones it allows with it)
+
 
 class SimConfigError(ValueError):
     """The arguments cannot describe a server that starts (SGLang would exit at start-up)."""
@@ -45,6 +47,10 @@ class SimConfig:
     max_queued_requests: int | None = None
     context_len: int
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     cuda_graph_max_bs_decode: int  # 0: CUDA graphs disabled
@@ -98,6 +104,10 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError("--sim-step-time-factor and --sim-activation-factor must be > 0")
     if ns.schedule_conservativeness < 0:
         raise SimConfigError("--schedule-conservativeness must be >= 0")
+    if ns.enable_priority_scheduling and ns.schedule_policy not in PRIORITY_POLICIES:
+        raise SimConfigError(  # SGLang's server_args refuses to start the same way
+            f"--enable-priority-scheduling needs --schedule-policy fcfs or lof, not {ns.schedule_policy!r}"
+        )
     gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
     # tensor parallel: the weights and the KV pool spread over tp GPUs, each step reads them at tp
     # times the bandwidth; per-GPU defaults (chunk size, graph sizes) still come from one GPU
@@ -188,6 +198,10 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         max_queued_requests=ns.max_queued_requests,
         context_len=context_len,
         schedule_policy=ns.schedule_policy,
+        enable_priority_scheduling=ns.enable_priority_scheduling,
+        schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
+        priority_scheduling_preemption_threshold=ns.priority_scheduling_preemption_threshold,
+        disable_priority_preemption=ns.disable_priority_preemption,
         schedule_conservativeness=ns.schedule_conservativeness,
         disable_radix_cache=ns.disable_radix_cache,
         cuda_graph_max_bs_decode=graph_bs,
