@@ -93,8 +93,8 @@ def build_app(
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
             max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.count_requeue,
-            batch_queue=policy.pacing.batch_queue_beside_interactive,
-            interactive_window_s=policy.pacing.interactive_window_s,
+            batch_queue=p.pacing.batch_queue_beside_interactive,
+            interactive_window_s=p.pacing.interactive_window_s,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
