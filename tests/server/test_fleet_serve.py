@@ -30,7 +30,11 @@ EXPECTED_GPUS = {"llama-70b-w0": "0,1,2,3", **{f"llama-8b-w{i}": str(4 + i) for 
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    text = POLICY.read_text().replace("[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\n', 1)
+    # auto, so a dead worker is revived; the memory band wide open, so no tuning rule restarts a worker
+    # while the test runs (the 70B pool's ranks start with ~13 GB free, which memory_headroom would use)
+    text = POLICY.read_text().replace(
+        "[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\navailable_mem_band_gb = [1.0, 80.0]\n', 1
+    )
     (tmp_path / "policy.toml").write_text(text)
     port = free_port("127.0.0.1")
     with open(tmp_path / "pacer.log", "w") as log:
