@@ -38,29 +38,29 @@ from loadtests.overhead import _client_pinned, cpu_plan
 from loadtests.procs import Proc, start_pacer, start_sim
 
 POOLS = ("a", "b")
-PACING = {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.2, "stale_after_s": 5.0}
+PACING = {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.2, "stale_after_s": 5.0}  # the defaults
 
 
 def model_of(pool: str) -> str:
     return f"fleet-{pool}"
 
 
-def one_proxy_policy(urls: dict[str, list[str]]) -> str:
+def one_proxy_policy(urls: dict[str, list[str]], pacing: dict[str, Any] = PACING) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0},
         "queue": {"capacity": 100000, "timeout_s": 120.0},
         "pool": [{"name": p, "model": model_of(p), "kind": "external", "urls": urls[p]} for p in POOLS],
-        "pacing": PACING,
+        "pacing": pacing,
         "control": {"mode": "off"},
     })  # fmt: skip
 
 
-def one_pool_policy(urls: list[str]) -> str:
+def one_pool_policy(urls: list[str], pacing: dict[str, Any] = PACING) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0},
         "queue": {"capacity": 100000, "timeout_s": 120.0},
         "engine": {"kind": "external", "urls": urls},
-        "pacing": PACING,
+        "pacing": pacing,
         "control": {"mode": "off"},
     })  # fmt: skip
 
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     out_dir = Path(args.out_dir)
     rounds: list[dict[str, Any]] = []
     pins = cpu_plan(args.pin)
+    pacing = {**PACING, "queue_band": list(args.queue_band), "headroom": args.headroom}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_client_pinned(pins.get("client")))
         urls: dict[str, list[str]] = {p: [] for p in POOLS}
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
                     middle = pins.get("middle")  # with --pin: the arm's proxies, one or two, share one CPU
                     if arm == "one":
                         one = start_pacer(
-                            out_dir, [], name="pacer-one", policy_text=one_proxy_policy(urls), cpus=middle
+                            out_dir, [], name="pacer-one", policy_text=one_proxy_policy(urls, pacing), cpus=middle
                         )
                         procs = {p: stack_arm.enter_context(one) for p in POOLS[:1]}
                         targets = {p: procs[POOLS[0]].url for p in POOLS}
@@ -133,7 +134,11 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
                         procs = {
                             p: stack_arm.enter_context(
                                 start_pacer(
-                                    out_dir, [], name=f"pacer-{p}", policy_text=one_pool_policy(urls[p]), cpus=middle
+                                    out_dir,
+                                    [],
+                                    name=f"pacer-{p}",
+                                    policy_text=one_pool_policy(urls[p], pacing),
+                                    cpus=middle,
                                 )
                             )
                             for p in POOLS
@@ -179,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-running", type=int, default=32, help="each worker's --max-running-requests")
     ap.add_argument("--time-scale", type=float, default=10.0, help="the simulator's --sim-time-scale")
+    ap.add_argument("--queue-band", type=int, nargs=2, default=PACING["queue_band"], metavar=("LO", "HI"))
+    ap.add_argument("--headroom", type=int, default=PACING["headroom"])
     ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
