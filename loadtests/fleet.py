@@ -9,6 +9,14 @@ one ``pacer serve`` per pool. Each arm runs a closed loop per pool at the same c
 pools at once, and the report gives each pool's output tokens per second in each arm and the
 ratio one / separate (target >= 0.98: one queue per node should not cost throughput). Arms
 alternate over rounds; the ratio is of the medians.
+
+CPU budget: the proxies are pinned (``--pin``, the default) to one CPU in both arms, and the
+workers and the client to the others, so each arm relays on the same CPU. Unpinned on a busy
+machine the comparison is not fair: the scheduler shares a CPU between runnable threads, so two
+proxy processes get twice the share of one, and the one-proxy arm, which is no more CPU-bound
+(it uses less CPU than the two together), waits for a CPU longer. Each arm's proxy CPU use
+(``proxy_cpu_cores``) and the time its processes were runnable but waiting for a CPU
+(``proxy_cpu_wait_fraction``) are in the report, so a starved arm shows.
 """
 
 from __future__ import annotations
@@ -19,44 +27,50 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from loadtests.loadgen import Counter, closed_loop, completion_body, summarize
-from loadtests.procs import start_pacer, start_sim
+from loadtests.overhead import _client_pinned, cpu_plan
+from loadtests.procs import Proc, start_pacer, start_sim
 
 POOLS = ("a", "b")
-PACING = {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.2, "stale_after_s": 5.0}
+PACING = {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.2, "stale_after_s": 5.0}  # the defaults
 
 
 def model_of(pool: str) -> str:
     return f"fleet-{pool}"
 
 
-def one_proxy_policy(urls: dict[str, list[str]]) -> str:
+def one_proxy_policy(urls: dict[str, list[str]], pacing: dict[str, Any] = PACING) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0},
         "queue": {"capacity": 100000, "timeout_s": 120.0},
         "pool": [{"name": p, "model": model_of(p), "kind": "external", "urls": urls[p]} for p in POOLS],
-        "pacing": PACING,
+        "pacing": pacing,
         "control": {"mode": "off"},
     })  # fmt: skip
 
 
-def one_pool_policy(urls: list[str]) -> str:
+def one_pool_policy(urls: list[str], pacing: dict[str, Any] = PACING) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0},
         "queue": {"capacity": 100000, "timeout_s": 120.0},
         "engine": {"kind": "external", "urls": urls},
-        "pacing": PACING,
+        "pacing": pacing,
         "control": {"mode": "off"},
     })  # fmt: skip
 
 
-async def _load(targets: dict[str, str], concurrency: int, duration_s: float, max_tokens: int) -> dict[str, Any]:
-    """Both pools at once, each its closed loop against its URL; per-pool summaries."""
+async def _load(
+    targets: dict[str, str], concurrency: int, duration_s: float, max_tokens: int, proxies: list[Proc]
+) -> dict[str, Any]:
+    """Both pools at once, each its closed loop against its URL; per-pool summaries, and the CPU the
+    arm's proxy processes used over the same window (``proxy_cpu_cores``, all of them together) and
+    how long they waited for a CPU (``proxy_cpu_wait_fraction``)."""
     stop = asyncio.Event()
     runs = {
         p: asyncio.create_task(
@@ -70,15 +84,27 @@ async def _load(targets: dict[str, str], concurrency: int, duration_s: float, ma
         )
         for p in POOLS
     }
+    cpu0 = sum(p.cpu_seconds() for p in proxies)
+    wait0 = sum(p.runqueue_wait_seconds() for p in proxies)
+    t0 = time.monotonic()
     await asyncio.sleep(duration_s)
+    dt = time.monotonic() - t0
+    cpu = sum(p.cpu_seconds() for p in proxies) - cpu0
+    wait = sum(p.runqueue_wait_seconds() for p in proxies) - wait0
     stop.set()
-    return {p: summarize(await task) for p, task in runs.items()}
+    out: dict[str, Any] = {p: summarize(await task) for p, task in runs.items()}
+    out["proxy_cpu_cores"] = round(cpu / dt, 3)
+    out["proxy_cpu_wait_fraction"] = round(wait / dt, 3)
+    return out
 
 
 def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     out_dir = Path(args.out_dir)
     rounds: list[dict[str, Any]] = []
+    pins = cpu_plan(args.pin)
+    pacing = {**PACING, "queue_band": list(args.queue_band), "headroom": args.headroom}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_client_pinned(pins.get("client")))
         urls: dict[str, list[str]] = {p: [] for p in POOLS}
         for p, n in (("a", args.workers_a), ("b", args.workers_b)):
             for i in range(n):
@@ -87,6 +113,7 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
                         out_dir,
                         time_scale=args.time_scale,
                         name=f"sim-{p}{i}",
+                        cpus=pins.get("worker"),
                         extra=["--served-model-name", model_of(p), "--max-running-requests", str(args.max_running)],
                     )
                 )
@@ -95,23 +122,36 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
             arms = ("one", "separate") if r % 2 == 0 else ("separate", "one")
             result: dict[str, Any] = {}
             for arm in arms:
-                with contextlib.ExitStack() as proxies:
+                with contextlib.ExitStack() as stack_arm:
+                    middle = pins.get("middle")  # with --pin: the arm's proxies, one or two, share one CPU
                     if arm == "one":
-                        proxy = proxies.enter_context(
-                            start_pacer(out_dir, [], name="pacer-one", policy_text=one_proxy_policy(urls))
+                        one = start_pacer(
+                            out_dir, [], name="pacer-one", policy_text=one_proxy_policy(urls, pacing), cpus=middle
                         )
-                        targets = {p: proxy.url for p in POOLS}
+                        procs = {p: stack_arm.enter_context(one) for p in POOLS[:1]}
+                        targets = {p: procs[POOLS[0]].url for p in POOLS}
                     else:
-                        targets = {
-                            p: proxies.enter_context(
-                                start_pacer(out_dir, [], name=f"pacer-{p}", policy_text=one_pool_policy(urls[p]))
-                            ).url
+                        procs = {
+                            p: stack_arm.enter_context(
+                                start_pacer(
+                                    out_dir,
+                                    [],
+                                    name=f"pacer-{p}",
+                                    policy_text=one_pool_policy(urls[p], pacing),
+                                    cpus=middle,
+                                )
+                            )
                             for p in POOLS
                         }
-                    result[arm] = asyncio.run(_load(targets, args.concurrency, args.duration, args.max_tokens))
+                        targets = {p: procs[p].url for p in POOLS}
+                    result[arm] = asyncio.run(
+                        _load(targets, args.concurrency, args.duration, args.max_tokens, list(procs.values()))
+                    )
                 say(
                     f"round {r + 1} {arm}: "
                     + ", ".join(f"{p} {result[arm][p]['output_tok_per_s']} tok/s" for p in POOLS)
+                    + f"; proxy CPU {result[arm]['proxy_cpu_cores']} cores"
+                    + f" (waiting for a CPU {result[arm]['proxy_cpu_wait_fraction']})"
                 )
             rounds.append(result)
     report: dict[str, Any] = {"rounds": rounds, "pools": {}}
@@ -125,6 +165,10 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
             "ratio": round(one / sep, 4) if sep else None,
             "errors": errors,
         }
+    for arm in ("one", "separate"):
+        report[f"{arm}_proxy_cpu_cores"] = statistics.median(r[arm]["proxy_cpu_cores"] for r in rounds)
+        report[f"{arm}_proxy_cpu_wait_fraction"] = statistics.median(r[arm]["proxy_cpu_wait_fraction"] for r in rounds)
+    report["pinned"] = bool(pins)
     report["min_ratio"] = min((v["ratio"] or 0.0) for v in report["pools"].values())
     report["target"] = 0.98
     return report
@@ -140,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-running", type=int, default=32, help="each worker's --max-running-requests")
     ap.add_argument("--time-scale", type=float, default=10.0, help="the simulator's --sim-time-scale")
+    ap.add_argument("--queue-band", type=int, nargs=2, default=PACING["queue_band"], metavar=("LO", "HI"))
+    ap.add_argument("--headroom", type=int, default=PACING["headroom"])
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="both arms' proxies on one CPU, workers and client on the others: the same CPU budget per arm"
+        " (--no-pin: the OS places everything)",
+    )
     ap.add_argument("--out-dir", default=".pacer/loadtests/fleet")
     ap.add_argument("--json", help="write the report here")
     return ap
@@ -153,6 +206,10 @@ def main(argv: list[str]) -> int:
             f"pool {p}: one proxy {v['one_proxy_tok_per_s']} tok/s, separate {v['separate_proxies_tok_per_s']} tok/s,"
             f" ratio {v['ratio']} (errors {v['errors']})"
         )
+    print(
+        f"proxy CPU: one {report['one_proxy_cpu_cores']} cores, separate {report['separate_proxy_cpu_cores']} cores"
+        f" (pinned: {report['pinned']})"
+    )
     print(f"min ratio {report['min_ratio']} (target >= {report['target']})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -69,7 +69,6 @@ def build_app(
     fair = policy.admission
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
-    lo, hi = policy.pacing.queue_band
     several = len(policy.pools) > 1
     queues = [  # each pool: its own queue, fair between keys as [admission] says
         AdmissionQueue(
@@ -84,19 +83,19 @@ def build_app(
     metrics = ProxyMetrics(
         admission, board, lambda: {w.id: w.url for w in pool.workers()}, lambda: gpus.last if gpus is not None else None
     )
-    dispatchers = {  # ... and its own gate over its own workers
+    dispatchers = {  # ... and its own gate over its own workers, with its own [pacing] (and [pool.pacing])
         p.name: Dispatcher(
             PoolView(pool, p.name) if several else pool,
             board,
             queue,
-            band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
-            stale_after_s=policy.pacing.stale_after_s,
+            band=Band(lo=p.pacing.queue_band[0], hi=p.pacing.queue_band[1], headroom=p.pacing.headroom),
+            stale_after_s=p.pacing.stale_after_s,
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
-            max_attempts=policy.pacing.max_attempts,
+            max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.count_requeue,
-            batch_queue=policy.pacing.batch_queue_beside_interactive,
-            interactive_window_s=policy.pacing.interactive_window_s,
-            batch_in_flight=policy.pacing.batch_in_flight_beside_interactive,
+            batch_queue=p.pacing.batch_queue_beside_interactive,
+            interactive_window_s=p.pacing.interactive_window_s,
+            batch_in_flight=p.pacing.batch_in_flight_beside_interactive,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
@@ -117,8 +116,9 @@ def build_app(
         engines={p.name: p.engine.engine for p in policy.pools},
     )
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
-    if policy.control.mode is ControlMode.AUTO:  # each worker's pace; the backlog is every pool's queue
-        board.subscribe(_fast_tier(board, admission, requests.dispatcher.band, functools.partial(_pump_all, requests)))
+    for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
+        if p.control.mode is ControlMode.AUTO:
+            board.subscribe(_fast_tier(board, dispatchers[p.name]))
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -157,24 +157,17 @@ def build_app(
     return app
 
 
-def _pump_all(requests: RequestPath) -> None:
-    for dispatcher in requests.dispatchers():
-        dispatcher.pump()
-
-
-def _fast_tier(
-    board: LoadBoard,
-    admission: QueueDepth,
-    band: Band,
-    pump: Callable[[], None],
-    settings: PaceSettings | None = None,
-) -> SampleObserver:
-    """After each scrape, the worker's fast-tier pace (``proxy.control.fast_tier``) into its load."""
+def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None) -> SampleObserver:
+    """After each scrape of one of ``dispatcher``'s workers, its fast-tier pace
+    (``proxy.control.fast_tier``) into its load: from that pool's band and its own queue's backlog;
+    a change pumps that pool's gate. Samples of other pools' workers are not its to pace."""
     settings = settings or PaceSettings()
     paces: dict[str, Pace] = {}
+    band, admission = dispatcher.band, dispatcher.admission
+    view = dispatcher.pool
 
     def observe(worker_id: str, sample: Sample | None, _error: str | None) -> None:
-        if sample is None:
+        if sample is None or not _serves(view, worker_id):
             return
         load = board.get(worker_id)
         since = sample.time - 60.0
@@ -202,9 +195,14 @@ def _fast_tier(
             if pace.limit != load.limit:
                 _log.info("fast tier %s: %s", worker_id, pace.reason)
             load.limit, load.queue_target = pace.limit, pace.queue_target
-            pump()
+            dispatcher.pump()
 
     return observe
+
+
+def _serves(pool: WorkerPool, worker_id: str) -> bool:
+    """Whether ``worker_id`` is one of ``pool``'s workers (a pool view holds only its pool's)."""
+    return not isinstance(pool, PoolView) or any(w.id == worker_id for w in pool.workers())
 
 
 def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -231,9 +229,9 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
                     st.board,
                     st.session,
                     engine=pool_settings.engine.engine,
-                    interval_s=policy.pacing.scrape_interval_s,
-                    timeout_s=max(policy.pacing.scrape_interval_s, min(policy.pacing.stale_after_s, 5.0)),
-                    on_result=lambda wid, sample, err: _on_scrape(st, wid, err),
+                    interval_s=pool_settings.pacing.scrape_interval_s,
+                    timeout_s=max(pool_settings.pacing.scrape_interval_s, min(pool_settings.pacing.stale_after_s, 5.0)),
+                    on_result=functools.partial(_on_scrape, st, st.requests.dispatcher_of(pool_settings.name)),
                 )
             )
         st.scraper = st.scrapers[0]
@@ -438,10 +436,13 @@ async def _start_pool(st: ProxyState) -> None:
         _log.exception("starting the workers failed")
 
 
-def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
+def _on_scrape(
+    st: ProxyState, dispatcher: Dispatcher, worker_id: str, _sample: Sample | None, error: str | None
+) -> None:
+    """A scrape of one of ``dispatcher``'s workers: count a failure, run that pool's gate."""
     if error is not None:
         st.metrics.scrape_errors.labels(worker_id).inc()
-    _pump_all(st.requests)
+    dispatcher.pump()
 
 
 def make_runner(app: web.Application) -> web.AppRunner:

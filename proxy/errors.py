@@ -8,6 +8,7 @@ stream that already started), so a client always gets a JSON body that names the
     ├── body too large             413     invalid_request_error
     ├── missing / wrong API key    401     authentication_error
     ├── unknown model              404     invalid_request_error, code model_not_found
+    ├── no model, several pools    400     invalid_request_error, code model_required
     ├── proxy queue full           429     rate_limit_error (+ Retry-After)
     ├── queue timeout / no worker  503     service_unavailable
     ├── upstream failed            502     upstream_error

@@ -14,6 +14,7 @@ minutes later when a GPU worker refuses to start.
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -433,6 +434,7 @@ class PoolSettings:
     keys: PoolKeys = PoolKeys()
     engine: EngineSettings = EngineSettings()
     control: ControlSettings = ControlSettings()
+    pacing: PacingSettings = PacingSettings()  # [pacing] with the pool's [pool.pacing] over it
     shorthand: bool = True  # from [engine]: worker ids w0, w1, ... as before pools existed
 
     @property
@@ -567,15 +569,29 @@ class Policy:
         return "\n".join(_describe(self))
 
     def changed(self) -> list[str]:
-        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
+        """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets
+        masked. The lines are TOML that rebuilds the policy: with pools, the top-level keys first,
+        then one ``[[pool]]`` table per pool with its own keys and its ``control.key`` /
+        ``pacing.key`` overrides (where it differs from ``[control]`` / ``[pacing]``)."""
         pooled = not self.pools[0].shorthand
         tables = {name: getattr(self, name) for name in TABLES if not (pooled and name == "engine")}
         secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
-        if pooled:
-            for pool in self.pools:
-                tables[f"pool.{pool.name}"] = pool.engine
-                secret_args |= {f"pool.{pool.name}.args.{name}" for name in pool.engine.engine.secret_args}
-        return changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
+        lines = changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
+        for pool in self.pools if pooled else ():
+            pool_secrets = frozenset(f"args.{name}" for name in pool.engine.engine.secret_args)
+            named = PoolKeys(name="")  # the name always shows; the other keys where not at their default
+            lines += ["[[pool]]", *changed_keys({"": pool.keys}, secret=lambda _: False, baseline={"": named})]
+            lines += changed_keys(
+                {"": pool.engine, "control": pool.control, "pacing": pool.pacing},
+                secret=functools.partial(_pool_secret, pool_secrets),
+                baseline={"control": self.control, "pacing": self.pacing},
+            )
+        return lines
+
+
+def _pool_secret(secret_args: frozenset[str], key: str) -> bool:
+    """Whether a [[pool]] table's key holds a secret: its env values, the engine's secret args."""
+    return key.startswith("env.") or key in secret_args
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
@@ -600,7 +616,8 @@ def documented_defaults() -> str:
     return (
         defaults_toml(TABLES)
         + pool
-        + "\n# ... and every [engine] key; a [pool.control] table overrides [control] keys for that pool\n"
+        + "\n# ... and every [engine] key; a [pool.control] table overrides [control] keys for that pool,"
+        + " a [pool.pacing] table [pacing] keys\n"
     )
 
 
@@ -629,21 +646,23 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
     base = (base_dir or Path.cwd()).absolute()
     control_table = root.mapping("control")
     control = _control(root.table("control"))
+    pacing_table = root.mapping("pacing")
+    pacing = _pacing(root.table("pacing"))
     pool_tables = root.raw("pool", None)
     if pool_tables is None:
         engine = _engine(root.table("engine"))
-        pools: tuple[PoolSettings, ...] = (PoolSettings(engine=engine, control=control),)
+        pools: tuple[PoolSettings, ...] = (PoolSettings(engine=engine, control=control, pacing=pacing),)
     else:
         if root.has("engine"):
             raise root.error("engine", "use either [engine] (one pool) or [[pool]] tables, not both")
-        pools = _pools(root, pool_tables, control_table, source)
+        pools = _pools(root, pool_tables, control_table, pacing_table, source)
         engine = pools[0].engine
     policy = Policy(
         proxy=_proxy(root.table("proxy")),
         auth=_auth(root.table("auth"), base),
         queue=_queue(root.table("queue")),
         engine=engine,
-        pacing=_pacing(root.table("pacing")),
+        pacing=pacing,
         control=control,
         batch=_batch(root.table("batch")),
         fleet=_fleet(root.table("fleet")),
@@ -663,10 +682,12 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
     return policy
 
 
-def _pools(root: Table, tables: object, control: Mapping[str, Any], source: str) -> tuple[PoolSettings, ...]:
+def _pools(
+    root: Table, tables: object, control: Mapping[str, Any], pacing: Mapping[str, Any], source: str
+) -> tuple[PoolSettings, ...]:
     if not isinstance(tables, list) or not tables:
         raise root.error("pool", "expected [[pool]] tables (an array of tables)")
-    pools = [_pool(Table(data, f"pool[{i}]", source), control, source) for i, data in enumerate(tables)]
+    pools = [_pool(Table(data, f"pool[{i}]", source), control, pacing, source) for i, data in enumerate(tables)]
     names: dict[str, int] = {}
     models: dict[str, str] = {}
     owner: dict[int, str] = {}
@@ -691,7 +712,7 @@ def _pools(root: Table, tables: object, control: Mapping[str, Any], source: str)
     return tuple(pools)
 
 
-def _pool(t: Table, control: Mapping[str, Any], source: str) -> PoolSettings:
+def _pool(t: Table, control: Mapping[str, Any], pacing: Mapping[str, Any], source: str) -> PoolSettings:
     name = t.str("name", None)
     if name is None:
         raise t.error("name", "every [[pool]] needs a name")
@@ -715,6 +736,7 @@ def _pool(t: Table, control: Mapping[str, Any], source: str) -> PoolSettings:
         gpus = tuple(raw_gpus)
     overrides = t.mapping("control")
     pool_control = _control(Table({**control, **overrides}, f"pool[{name}].control", source))
+    pool_pacing = _pacing(Table({**pacing, **t.mapping("pacing")}, f"pool[{name}].pacing", source))
     if gpus is not None:
         per_gpus = len(gpus) // tp
         if t.has("workers") and t.raw("workers") != per_gpus:
@@ -730,6 +752,7 @@ def _pool(t: Table, control: Mapping[str, Any], source: str) -> PoolSettings:
         keys=PoolKeys(name=name, model=model, tp=tp, gpus=AUTO_GPUS if auto else gpus),
         engine=engine,
         control=pool_control,
+        pacing=pool_pacing,
         shorthand=False,
     )
 

@@ -255,17 +255,22 @@ def _bounds_text(key: KeyDoc) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def changed_keys(tables: Mapping[str, Any], *, secret: Callable[[str], bool]) -> list[str]:
+def changed_keys(
+    tables: Mapping[str, Any], *, secret: Callable[[str], bool], baseline: Mapping[str, Any] | None = None
+) -> list[str]:
     """``table.key = value`` (TOML) for every declared key whose value is not its default, in
-    declaration order; ``tables`` maps each table name to its settings object. Values of keys
-    whose dotted name ``secret`` accepts are masked."""
+    declaration order; ``tables`` maps each table name to its settings object (``""``: keys with no
+    table prefix). With a ``baseline`` settings object for a table, its keys are compared with that
+    one's values instead of the defaults (a pool's overrides of the top-level tables). Values of
+    keys whose dotted name ``secret`` accepts are masked."""
     lines = []
     for table, settings in tables.items():
+        base = (baseline or {}).get(table)
         for field, _ in declared_keys(type(settings)):
             value = getattr(settings, field.name)
-            if value == _default(field):
+            if value == (_default(field) if base is None else getattr(base, field.name)):
                 continue
-            name = f"{table}.{field.name}"
+            name = f"{table}.{field.name}" if table else field.name
             if isinstance(value, Mapping):
                 value = {k: "***" if secret(f"{name}.{k}") else v for k, v in value.items()}
             shown = "***" if secret(name) else _inline(_toml_value(value))

@@ -112,12 +112,9 @@ def test_default_toml_shows_every_key_of(table: str) -> None:
     assert shown == {f.name for f in dataclasses.fields(TABLES[table])}
 
 
-ONE_POOL = [p for p in sorted(DEFAULT_TOML.parent.glob("*.toml")) if "[[pool]]" not in p.read_text()]
-
-
-@pytest.mark.parametrize("path", ONE_POOL, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(DEFAULT_TOML.parent.glob("*.toml")), ids=lambda p: p.name)
 def test_the_changed_keys_check_policy_prints_rebuild_the_policy(path: Path) -> None:
-    """(policies with [[pool]] tables list each pool's keys as pool.NAME.key: tests/test_pools.py)"""
+    """(with [[pool]] tables: the top-level keys, then one [[pool]] table per pool)"""
     policy = load_policy(path)
     rebuilt = parse_policy(tomllib.loads("\n".join(policy.changed())), policy.source, base_dir=path.parent)
     assert rebuilt == policy
@@ -137,3 +134,23 @@ def test_the_changed_keys_mask_secrets(capsys: pytest.CaptureFixture[str], tmp_p
         'engine.env = { HF_TOKEN = "***" }',
         "pacing.headroom = 4",
     ]
+
+
+def test_a_pooled_policy_s_changed_keys_rebuild_it_with_each_pool_s_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[pacing]\nheadroom = 4\n[control]\nmode = "advise"\nrestarts_per_hour = 5\n'
+        '[[pool]]\nname = "a"\nmodel = "ma"\nkind = "external"\nurls = ["http://h:1", "http://h:2"]\n'
+        '[pool.pacing]\nqueue_band = [8, 96]\n[pool.control]\nmode = "auto"\nrestarts_per_hour = 5\n'
+        '[[pool]]\nname = "b"\nmodel = "mb"\ntp = 2\ngpus = [0, 1]\nenv = { HF_TOKEN = "hf_x" }\n'
+    )
+    policy = load_policy(path)
+    changed = policy.changed()
+    assert changed[: changed.index("[[pool]]")] == ['pacing.headroom = 4', 'control.mode = "advise"',
+                                                    "control.restarts_per_hour = 5"]  # fmt: skip
+    a = changed[changed.index('name = "a"') :]
+    assert "pacing.queue_band = [8, 96]" in a and 'control.mode = "auto"' in a
+    assert not any(c.startswith("control.restarts_per_hour") for c in a)  # as [control] has it: not repeated
+    assert 'env = { HF_TOKEN = "***" }' in changed and "hf_x" not in "\n".join(changed)
+    rebuilt = parse_policy(tomllib.loads("\n".join(changed).replace('"***"', '"hf_x"')), policy.source)
+    assert rebuilt == policy

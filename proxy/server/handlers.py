@@ -64,11 +64,20 @@ def pick_priority(st: ProxyState, headers: Mapping[str, str], key_class: Priorit
 
 
 def check_model(st: ProxyState, job: Job) -> None:
+    """A request naming a model must name a served one (404). Without ``model``: with one pool it
+    goes to that pool (an OpenAI request gets the served name); with several pools it is a 400
+    naming the models, since no pool is more the default than another."""
     models = st.models
     if job.model is None:
+        if st.requests.models:
+            raise ApiError(
+                400,
+                f"'model' is required: this proxy serves several models: {', '.join(sorted(st.requests.models))}",
+                param="model",
+                code="model_required",
+            )
         if job.path != "/generate" and models.default is not None:
             job.body["model"] = models.default
-            job.model = models.default if st.requests.models else None  # routes to the first pool
         return
     if models.known and job.model not in models.names:
         raise ApiError(

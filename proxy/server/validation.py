@@ -132,8 +132,13 @@ def validate_completions(raw: bytes) -> Job:
 
 
 def validate_generate(raw: bytes) -> Job:
-    """SGLang's native ``/generate``: ``text`` or ``input_ids``, optional ``sampling_params``."""
+    """SGLang's native ``/generate``: ``text`` or ``input_ids``, optional ``sampling_params``; an
+    optional ``model`` (not SGLang's: the proxy's, to pick the pool when it serves several) is taken
+    out of the body before it is forwarded."""
     body = parse_json_object(raw)
+    model = body.pop("model", None)
+    if model is not None and not (isinstance(model, str) and model):
+        raise bad_request("'model' must be a non-empty string", "model")
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None and body.get("input_embeds") is None:
         raise bad_request("one of 'text' or 'input_ids' is required", "text")
@@ -150,7 +155,7 @@ def validate_generate(raw: bytes) -> Job:
         _non_negative_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
     single = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
     affinity = text[:AFFINITY_CHARS] if isinstance(text, str) else None
-    return Job(GENERATE, body, _stream_flag(body), None, affinity, single, *_cost(raw, sp or {}, sp or {}))
+    return Job(GENERATE, body, _stream_flag(body), model, affinity, single, *_cost(raw, sp or {}, sp or {}))
 
 
 VALIDATORS = {CHAT: validate_chat, COMPLETIONS: validate_completions, GENERATE: validate_generate}

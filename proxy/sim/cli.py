@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     from proxy.sim.logs import LogSink
 
-    sink = LogSink()
+    sink = LogSink(rank_prefix=" TP0" if (ns.tp_size or 1) > 1 else "")
     try:
         config = resolve_config(ns)
     except SimConfigError as exc:

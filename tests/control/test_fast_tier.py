@@ -82,11 +82,19 @@ def test_queue_target_moves_up_the_band_with_output_length():
 def test_the_proxy_writes_each_scrape_s_pace_into_the_worker_s_load():
     from proxy.compose import _fast_tier
     from proxy.engines.base import Sample
+    from proxy.policy import parse_policy
     from proxy.request.admission import AdmissionQueue
+    from proxy.request.dispatch import Dispatcher
     from proxy.request.pacing import Band, LoadBoard
+    from proxy.workers.fleet import build_pool
 
+    policy = parse_policy({"engine": {"kind": "external", "urls": ["http://127.0.0.1:9"]}}, "<t>")
     board, pumps = LoadBoard(), []
-    board.subscribe(_fast_tier(board, AdmissionQueue(10), Band(lo=4, hi=64, headroom=4), lambda: pumps.append(1)))
+    dispatcher = Dispatcher(
+        build_pool(policy, {}), board, AdmissionQueue(10), band=Band(lo=4, hi=64, headroom=4), stale_after_s=5.0
+    )
+    dispatcher.pump = lambda: pumps.append(1)  # type: ignore[method-assign]  # counts the gate's runs
+    board.subscribe(_fast_tier(board, dispatcher))
 
     def scrape(t: float, retracted: float) -> None:
         board.publish("w0", Sample(time=t, queue=8, running=100, token_usage=0.7, retractions_total=retracted), None)

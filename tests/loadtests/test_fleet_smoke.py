@@ -5,6 +5,7 @@ not the 0.98 target (timings on a shared test machine prove nothing)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,4 +33,7 @@ def test_fleet_benchmark_tiny_run_reports_each_pool(tmp_path: Path) -> None:
     for arm in ("one", "separate"):
         for p in ("a", "b"):
             assert round_[arm][p]["ok"] == round_[arm][p]["requests"] > 0  # every request answered
+        assert round_[arm]["proxy_cpu_cores"] > 0  # the arm's proxies relayed on some CPU
+        assert report[f"{arm}_proxy_cpu_cores"] > 0 and report[f"{arm}_proxy_cpu_wait_fraction"] >= 0
+    assert report["pinned"] is (len(os.sched_getaffinity(0)) >= 2)  # same CPU budget per arm by default
     assert "min ratio" in proc.stdout

@@ -30,7 +30,11 @@ EXPECTED_GPUS = {"llama-70b-w0": "0,1,2,3", **{f"llama-8b-w{i}": str(4 + i) for 
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    text = POLICY.read_text().replace("[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\n', 1)
+    # auto, so a dead worker is revived; the memory band wide open, so no tuning rule restarts a worker
+    # while the test runs (the 70B pool's ranks start with ~13 GB free, which memory_headroom would use)
+    text = POLICY.read_text().replace(
+        "[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\navailable_mem_band_gb = [1.0, 80.0]\n', 1
+    )
     (tmp_path / "policy.toml").write_text(text)
     port = free_port("127.0.0.1")
     with open(tmp_path / "pacer.log", "w") as log:
@@ -109,9 +113,23 @@ async def test_two_pools_behind_one_proxy(fleet: tuple[str, Path]) -> None:
 
         answers = await asyncio.gather(*(ask(m) for m in [BIG, SMALL] * 10))
         assert answers == [BIG, SMALL] * 10
+        # no model with several pools: a 400 naming them (no pool is the default); /generate may name one
+        async with aiohttp.ClientSession() as s:
+            for path, body in [
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+            ]:
+                async with s.post(url + path, json=body) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 400 and (err["param"], err["code"]) == ("model", "model_required"), err
+                    assert BIG in err["message"] and SMALL in err["message"]
+            gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "model": SMALL}
+            async with s.post(url + "/generate", json=gen) as r:
+                assert r.status == 200, await r.text()
+                assert "text" in await r.json()
         end = time.monotonic() + 10
-        while (counts := await served(ws)) != {"llama-70b": 10, "llama-8b": 10}:  # each pool did its own
-            assert time.monotonic() < end and all(v <= 10 for v in counts.values()), counts
+        while (counts := await served(ws)) != {"llama-70b": 10, "llama-8b": 11}:  # each pool did its own
+            assert time.monotonic() < end and counts["llama-70b"] <= 10 and counts["llama-8b"] <= 11, counts
             await asyncio.sleep(0.05)
 
         with pytest.raises(openai.NotFoundError) as err:

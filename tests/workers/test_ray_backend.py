@@ -141,7 +141,11 @@ def one_pool_auto(tmp_path: Path) -> Policy:
     return fleet_policy(
         tmp_path,
         [{"name": "chat", "model": "chat-model", "tp": 2, "workers": 2}],
-        control={"mode": "auto", "crash_backoff_s": [0.1], "drain_timeout_s": 20},
+        # auto, to revive a lost worker; the simulated worker may start with more free memory than the
+        # default band (5-10 GB), which the memory rule would tune (a restart of its own, at any time
+        # during the test): a band that holds it leaves the controller nothing to tune, so every
+        # restart here is the test's or a revive
+        control={"mode": "auto", "crash_backoff_s": [0.1], "drain_timeout_s": 20, "available_mem_band_gb": [1, 200]},
     )
 
 
@@ -179,11 +183,13 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
             await asyncio.gather(*tasks)
     assert not errors, errors[:3]
     assert len(answers) > 20
-    # (the controller, in auto, may act on a worker too: wait until both serve again)
-    await wait_for(lambda: all(w.state is WorkerState.READY for w in st.pool.workers()), 60, "both serving")
+    journal = st.journal.entries() if st.journal is not None else []
     after = {w.id: w for w in st.pool.workers()}
-    for wid, w in after.items():
-        assert w.args["max_running_requests"] == 24 and w.restarts >= 1
+    for wid, w in after.items():  # the roll's restart only: the controller did not act on the roll's dip
+        assert w.state is WorkerState.READY and w.args["max_running_requests"] == 24 and w.restarts == 1, (
+            w,
+            journal,
+        )
         assert w.pid != before[wid].pid
 
     # a node dies: its worker's actor is lost, the controller revives it where GPUs are free
@@ -193,13 +199,19 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
     )
     cluster.remove_node(node, allow_graceful=False)
     await wait_for(
-        lambda: st.pool.get("chat-w0").restarts > victim.restarts and st.pool.get("chat-w0").state is WorkerState.READY,
+        lambda: st.pool.get("chat-w0").restarts == 2 and st.pool.get("chat-w0").state is WorkerState.READY,
         90,
         "revived",
     )
     revived = st.pool.get("chat-w0")
     assert revived.node != victim.node and len(revived.gpus) == 2
-    await wait_for(lambda: st.pool.get("chat-w1").state is WorkerState.READY, 60, "chat-w1 serving")
+    other = st.pool.get("chat-w1")  # the other worker, on a node that lives: untouched
+    journal = st.journal.entries() if st.journal is not None else []
+    assert other.state is WorkerState.READY, (other, journal)
+    assert (other.pid, other.restarts, other.node) == (after["chat-w1"].pid, 1, after["chat-w1"].node), (
+        other,
+        journal,
+    )
     decisions = st.journal.entries(worker="chat-w0") if st.journal is not None else []
     assert any(d["action"] == "restart" and d["status"] != "failed" for d in decisions), decisions
 

@@ -1,0 +1,84 @@
+"""Each pool paces with its own settings: ``[pool.pacing]`` over ``[pacing]`` for its gate, its
+scrapes and its fast tier; a pool's ``[pool.control] mode`` decides whether its fast tier runs; the
+fast tier of one pool never touches another pool's workers. The app is built (not served) over two
+external pools and samples are published on its load board, as the scrapers do."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from proxy.compose import build_app
+from proxy.engines.base import Sample
+from proxy.policy import parse_policy
+from proxy.server.state import PROXY, ProxyState
+from proxy.workers.fleet import build_pool
+
+
+def two_pools(**b_extra: Any) -> dict[str, Any]:
+    return {
+        "pacing": {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.2},
+        "control": {"mode": "auto"},
+        "proxy": {"gpu_sample_interval_s": 0},
+        "pool": [
+            {"name": "a", "model": "ma", "kind": "external", "urls": ["http://127.0.0.1:9"]},
+            {"name": "b", "model": "mb", "kind": "external", "urls": ["http://127.0.0.1:10"], **b_extra},
+        ],
+    }
+
+
+def test_a_pool_pacing_table_overrides_pacing_keys_for_that_pool_only() -> None:
+    p = parse_policy(two_pools(pacing={"queue_band": [100, 400], "headroom": 50}), "<t>")
+    a, b = p.pools
+    assert (a.pacing.queue_band, a.pacing.headroom) == ((4, 64), 8)
+    assert (b.pacing.queue_band, b.pacing.headroom, b.pacing.scrape_interval_s) == ((100, 400), 50, 0.2)
+    assert p.pacing.queue_band == (4, 64)
+    one = parse_policy({"pacing": {"headroom": 3}}, "<t>")
+    assert one.pools[0].pacing is one.pacing  # the [engine] shorthand paces with [pacing]
+
+
+@pytest.mark.parametrize(
+    ("pacing", "key"),
+    [({"queue_band": [9, 1]}, "pool[b].pacing.queue_band"), ({"headrom": 1}, "pool[b].pacing.headrom")],
+)
+def test_a_bad_pool_pacing_key_is_refused_naming_it(pacing: dict[str, Any], key: str) -> None:
+    with pytest.raises(Exception) as info:
+        parse_policy(two_pools(pacing=pacing), "<t>")
+    assert getattr(info.value, "key", None) == key
+
+
+def sample(t: float) -> Sample:
+    return Sample(time=t, running=3, queue=0, token_usage=0.1)
+
+
+@contextlib.asynccontextmanager
+async def built(doc: dict[str, Any]) -> AsyncIterator[ProxyState]:
+    """The app's state over the policy's (started) external pools; their URLs answer nothing."""
+    policy = parse_policy(doc, "<t>")
+    pool = build_pool(policy, {})
+    app = build_app(policy, pool, manage_pool=False, gpu_sampler=lambda: [])
+    await pool.start()
+    try:
+        yield app[PROXY]
+    finally:
+        await pool.stop()
+
+
+async def test_each_pool_gates_and_paces_with_its_own_band() -> None:
+    async with built(two_pools(pacing={"queue_band": [100, 400], "headroom": 50})) as st:
+        assert st.requests.dispatcher_of("a").band.target == 12 and st.requests.dispatcher_of("b").band.target == 150
+        st.board.publish("a-w0", sample(1.0), None)
+        assert st.board.get("a-w0").queue_target == 12 and st.board.get("b-w0").queue_target is None
+        st.board.publish("b-w0", sample(1.0), None)
+        assert st.board.get("b-w0").queue_target == 150  # its own band's target, not the first pool's
+        assert st.board.get("a-w0").queue_target == 12
+
+
+async def test_a_pool_with_control_off_has_no_fast_tier() -> None:
+    async with built(two_pools(control={"mode": "off"})) as st:
+        st.board.publish("a-w0", sample(1.0), None)
+        st.board.publish("b-w0", sample(1.0), None)
+        assert st.board.get("a-w0").queue_target == 12 and st.board.get("b-w0").queue_target is None
