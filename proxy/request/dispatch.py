@@ -338,7 +338,7 @@ class Dispatcher:
                 continue
             admission.record_wait(ticket, now - ticket.enqueued_at)
             attempt = Attempt(ticket, worker_id, now)
-            self.board.get(worker_id).reserve(attempt)
+            self.board.get(worker_id).reserve(attempt, batch=ticket.priority is Priority.BATCH)
             ticket.future.set_result(attempt)
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------

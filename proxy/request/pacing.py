@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from proxy.engines.base import Sample
-from proxy.policy import Priority
 from proxy.request.attempt import Attempt
 from proxy.request.facts import WorkerFacts
 from proxy.workers.base import WorkerId
@@ -81,7 +80,7 @@ class WorkerLoad:
         "_idle",
         "_pending_base",
         "attempts",
-        "batch_in_flight",
+        "batch_attempts",
         "completed",
         "dispatched",
         "error",
@@ -96,7 +95,7 @@ class WorkerLoad:
     def __init__(self, worker_id: WorkerId) -> None:
         self.worker_id = worker_id
         self.attempts: set[Attempt] = set()  # what this proxy has open on the worker
-        self.batch_in_flight = 0  # of those, the batch class's
+        self.batch_attempts: set[Attempt] = set()  # of those, the batch class's
         self.dispatched = 0  # D: total dispatched (monotonic)
         self.completed = 0  # C: total finished, whatever the outcome (monotonic)
         self.sample: Sample | None = None  # the latest good scrape
@@ -116,10 +115,16 @@ class WorkerLoad:
         """Requests this proxy has open on the worker."""
         return len(self.attempts)
 
-    def reserve(self, attempt: Attempt) -> None:
+    @property
+    def batch_in_flight(self) -> int:
+        """Batch requests this proxy has open on the worker."""
+        return len(self.batch_attempts)
+
+    def reserve(self, attempt: Attempt, *, batch: bool = False) -> None:
         self.attempts.add(attempt)
         self.dispatched += 1
-        self.batch_in_flight += attempt.ticket.priority is Priority.BATCH
+        if batch:
+            self.batch_attempts.add(attempt)
 
     def release(self, attempt: Attempt) -> None:
         """The attempt is over; a second release of the same attempt is a no-op."""
@@ -127,7 +132,7 @@ class WorkerLoad:
             return
         self.attempts.discard(attempt)
         self.completed += 1
-        self.batch_in_flight -= attempt.ticket.priority is Priority.BATCH
+        self.batch_attempts.discard(attempt)
         if not self.attempts and self._idle is not None:
             self._idle.set()
 
