@@ -516,7 +516,8 @@ def run_scenario(
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
         "plans_noted": len(twin_errors),
         "restarts": results["adaptive"].restarts if "adaptive" in results else None,
-        "phases": _phase_figures(sc, results),
+        "phases": (phases := _phase_figures(sc, results)),
+        **_phase_judged(phases),
         "scenario": sc.name,
         "premise": sc.premise,
         "gpu": sc.gpu,
@@ -561,6 +562,43 @@ def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[
                         "tok_per_s": round(tokens / (last - first), 1) if last > first else None}  # fmt: skip
         out.append(row)
     return out
+
+
+STATIC_ARMS = ("default", "oracle", "defaults")
+
+
+def _phase_judged(phases: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A phased run judged phase by phase: against each static arm, the adaptive arm's ratio per phase
+    (its throughput over the arm's for a batch; the arm's mean time to answer over its own for
+    arrivals over time: above 1 is better either way) and their geometric mean; the best static arm is
+    the one the adaptive arm does worst against. Only the static arms that ran are compared (the
+    sweep's best is chosen on the whole run's throughput, not on this)."""
+    if not phases:
+        return {}
+    by_arm: dict[str, list[float]] = {}
+    for row in phases:
+        mine = row.get("adaptive")
+        if not isinstance(mine, dict):
+            return {}
+        for arm in STATIC_ARMS:
+            other = row.get(arm)
+            if not isinstance(other, dict):
+                continue
+            if row["judged_on"] == "throughput":
+                a, b = mine.get("tok_per_s"), other.get("tok_per_s")
+            else:
+                a, b = other.get("mean_s"), mine.get("mean_s")
+            if a and b:
+                by_arm.setdefault(arm, []).append(a / b)
+    scores = {arm: (statistics.geometric_mean(r), r) for arm, r in by_arm.items() if len(r) == len(phases)}
+    if not scores:
+        return {}
+    worst = min(scores, key=lambda arm: scores[arm][0])
+    return {
+        "adaptive_over_best_static_by_phase": round(scores[worst][0], 4),
+        "best_static_by_phase": worst,
+        "phase_ratios": {arm: [round(x, 4) for x in r] for arm, (_, r) in scores.items()},
+    }
 
 
 def _opt(value: Any) -> str:

@@ -217,3 +217,21 @@ def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> N
     chat, batch = report["phases"]
     assert chat["judged_on"] == "queue time" and batch["judged_on"] == "throughput"
     assert chat["adaptive"]["mean_s"] > 0 and batch["default"]["tok_per_s"] > 0
+    assert report["best_static_by_phase"] == "default" and report["adaptive_over_best_static_by_phase"] > 0
+
+
+def test_a_phased_run_is_judged_phase_by_phase_against_the_toughest_static_arm() -> None:
+    from loadtests.scenarios import _phase_judged
+
+    phases = [
+        {"judged_on": "queue time", "adaptive": {"mean_s": 10.0}, "default": {"mean_s": 10.0},
+         "defaults": {"mean_s": 20.0}},
+        {"judged_on": "throughput", "adaptive": {"tok_per_s": 1100.0}, "default": {"tok_per_s": 1000.0},
+         "defaults": {"tok_per_s": 1210.0}},
+    ]  # fmt: skip
+    judged = _phase_judged(phases)
+    # against the operator's args: 1.0 and 1.1; against SGLang's: 2.0 and 0.909
+    assert judged["phase_ratios"] == {"default": [1.0, 1.1], "defaults": [2.0, 0.9091]}
+    assert judged["best_static_by_phase"] == "default"
+    assert judged["adaptive_over_best_static_by_phase"] == round((1.0 * 1.1) ** 0.5, 4)
+    assert _phase_judged(None) == {} and _phase_judged([{"judged_on": "throughput"}]) == {}
