@@ -46,6 +46,12 @@ class Workload:
     rate: float | None = None  # requests per modelled second (None: all at once)
     shape: float = 1.0  # gamma shape of the gaps between arrivals
     start_s: float = 0.0  # modelled seconds from the start of the run
+    priority: str | None = None  # the class its requests are sent as ("interactive", "batch"; None: the default)
+    stream: bool = False  # sent streamed (their time to first token is measured)
+
+    def classes(self) -> list[tuple[str | None, bool]]:
+        """(priority class, streamed) per request, aligned with :meth:`requests`."""
+        return [(self.priority, self.stream)] * self.count
 
     def arrivals(self) -> list[float]:
         """Modelled seconds of each request's arrival, aligned with :meth:`requests`."""
@@ -84,7 +90,8 @@ class Workload:
     def describe(self) -> dict[str, Any]:
         return {"requests": self.count, "prompt_len": list(self.prompt_len), "max_tokens": self.max_tokens,
                 "output_len": list(self.output_len), "output_tokens": self.output_tokens, "seed": self.seed,
-                "rate": self.rate, "shape": self.shape, "start_s": self.start_s}  # fmt: skip
+                "rate": self.rate, "shape": self.shape, "start_s": self.start_s, "priority": self.priority,
+                "stream": self.stream}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +109,9 @@ class Phases:
 
     def arrivals(self) -> list[float]:
         return [a for p in self.parts for a in p.arrivals()]
+
+    def classes(self) -> list[tuple[str | None, bool]]:
+        return [c for p in self.parts for c in p.classes()]
 
     def specs(self) -> list[RequestSpec]:
         return [spec for p in self.parts for spec in p.specs()]
@@ -277,6 +287,24 @@ def _scenarios() -> dict[str, Scenario]:
     # memory than the presets say (hidden: the twin must calibrate on the worker's own lines)
     s.append(dataclasses.replace(s[-1], name="shift-perturbed", step_time_factor=1.25, activation_factor=0.8,
                                  premise=s[-1].premise + "; the engine is 25 % slower than its presets"))  # fmt: skip
+    # mixed: interactive chat (streamed, priority "interactive", 4 per modelled second for 500 s) and a
+    # batch of long outputs (priority "batch", 500 requests submitted at once) on one worker at the
+    # same time. Judged on the interactive class's time to first token (p99) and the batch's
+    # throughput; the operator's args are SGLang's defaults.
+    s.append(Scenario(
+        name="mixed",
+        premise="interactive chat and a backlogged batch of long outputs at once on one worker: the chat's first "
+                "tokens must not wait behind the batch",
+        workload=Phases(parts=(
+            Workload(count=2000, prompt_len=(300, 900), max_tokens=4096, output_len=(120, 500), rate=4.0, seed=31,
+                     priority="interactive", stream=True),
+            Workload(count=500, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=32,
+                     priority="batch"),
+        )),
+        start_args={},
+        gpu="a100-40gb", time_scale=10.0,
+        control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
+    ))  # fmt: skip
     return {x.name: x for x in s}
 
 
