@@ -15,7 +15,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,bench,fleet]'
 	touch $(STAMP)
 
 ## run: the proxy in front of a simulated SGLang worker (policies/default.toml), controller in auto;
@@ -51,9 +51,9 @@ format: $(STAMP)
 test: lint browser
 	$(PY) -m pytest -q
 
-## test-fast: the checks, then everything but the slow real-engine tests
+## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs
 test-fast: lint browser
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not long"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -3,6 +3,7 @@
 sim        the simulated engine is not the bottleneck (modelled vs sustained token rate)
 overhead   direct vs through sglang-pacer vs through sglang-router
 scenario   controller scenarios: default vs adaptive vs oracle arms
+fleet      two pools behind one proxy vs behind separate proxies (per-pool throughput)
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 """
 
@@ -16,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "loadtests.overhead",
     "scenario": "loadtests.scenarios",
     "batch": "loadtests.batch_job",
+    "fleet": "loadtests.fleet",
 }
 
 

@@ -123,15 +123,89 @@ async def interactive(proxy_url: str, rate: float, duration_s: float, output_len
     return summarize(await open_loop(proxy_url + "/v1/completions", body, rate=rate, duration_s=duration_s))
 
 
-def proxy_policy(worker_url: str, batch_dir: Path, band: tuple[int, int], batch_concurrency: int) -> str:
+def proxy_policy(
+    engine: dict[str, Any], batch_dir: Path, band: tuple[int, int], batch_concurrency: int, batch_queue: int = 0
+) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
         "queue": {"capacity": 200000, "timeout_s": 3600.0},
-        "engine": {"kind": "external", "urls": [worker_url]},
-        "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0},
+        "engine": engine,
+        "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
+                   "batch_queue_beside_interactive": batch_queue},
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
+
+
+DESIGNS = ("band", "priority", "cap", "priority-cap")
+
+
+@contextlib.contextmanager
+def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> Iterator[Proc]:
+    """The proxy in front of one fresh simulated worker, as ``design`` deploys it.
+
+    ``band``: an external worker with SGLang's defaults (FCFS queue); the proxy knows nothing of its
+    arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
+    (what an operator's policy says); the proxy then marks each request with its class's priority.
+    ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``priority-cap``:
+    both.
+    """
+    band, conc = tuple(args.band), args.batch_concurrency
+    cap = args.batch_queue if design.endswith("cap") else 0
+    if design in ("band", "cap"):
+        with _sim(log_dir, args, f"{name}-sim") as sim:
+            engine = {"kind": "external", "urls": [sim.url]}
+            policy = proxy_policy(engine, log_dir / name, band, conc, cap)
+            with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
+                yield p
+        return
+    engine = {
+        "kind": "sim",
+        "workers": 1,
+        "args": {"max_running_requests": args.max_running, "enable_priority_scheduling": True,
+                 "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
+        "log_dir": str(log_dir / f"{name}-workers"),
+    }  # fmt: skip
+    with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, log_dir / name, band, conc, cap)) as p:
+        yield p
+
+
+def _design(
+    args: argparse.Namespace, log_dir: Path, design: str, data: bytes, direct_s: float, say: Any
+) -> dict[str, Any]:
+    """Phases 3 and 4 for one design: the job through the proxy, then interactive alone and beside it."""
+    out: dict[str, Any] = {}
+    with _proxy(log_dir, args, design, f"{design}-batch-pacer") as proxy:
+        out["batch"] = asyncio.run(run_batch(proxy.url, data, args.poll_s))
+    say(f"{design}: batch through the proxy: {out['batch']['seconds']} s ({out['batch']['status']})")
+    with _proxy(log_dir, args, design, f"{design}-interactive-pacer") as proxy:
+        alone = asyncio.run(
+            interactive(proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len)
+        )
+
+        async def during() -> tuple[dict[str, Any], dict[str, Any]]:
+            job = asyncio.ensure_future(run_batch(proxy.url, data, args.poll_s))
+            await asyncio.sleep(args.interactive_delay)  # the batch fills the worker first
+            inter = await interactive(proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len)
+            return inter, await job
+
+        with_batch, second = asyncio.run(during())
+    out["interactive_alone"] = alone
+    out["interactive_with_batch"] = with_batch
+    out["batch_during_interactive"] = second
+    out["batch_vs_direct_throughput"] = round(direct_s / out["batch"]["seconds"], 4)
+    a, w = alone.get("ttft_p99_ms"), with_batch.get("ttft_p99_ms")
+    out["interactive_p99_ttft_ratio"] = round(w / a, 3) if a and w else None
+    out["targets"] = {
+        "batch_vs_direct_throughput >= 0.97": out["batch_vs_direct_throughput"] >= 0.97,
+        "interactive_p99_ttft_ratio <= 1.5": out["interactive_p99_ttft_ratio"] is not None
+        and out["interactive_p99_ttft_ratio"] <= 1.5,
+    }
+    say(
+        f"{design}: throughput {out['batch_vs_direct_throughput']} of direct, interactive p99 TTFT "
+        f"{a} ms alone, {w} ms with the batch ({out['interactive_p99_ttft_ratio']}x)"
+    )
+    return out
 
 
 @contextlib.contextmanager
@@ -159,38 +233,12 @@ def run(args: argparse.Namespace, log_dir: Path, say: Any = print) -> dict[str, 
     with _sim(log_dir, args, "direct-sim") as sim:
         report["direct"] = asyncio.run(direct(sim.url, bodies, best))
     say(f"direct at concurrency {best}: {report['direct']['seconds']} s")
-    with _sim(log_dir, args, "batch-sim") as sim:
-        policy = proxy_policy(sim.url, log_dir / "batches", tuple(args.band), args.batch_concurrency)
-        with start_pacer(log_dir, [sim.url], name="batch-pacer", policy_text=policy) as proxy:
-            report["batch"] = asyncio.run(run_batch(proxy.url, data, args.poll_s))
-    say(f"batch through the proxy: {report['batch']['seconds']} s ({report['batch']['status']})")
-    with _sim(log_dir, args, "interactive-sim") as sim:
-        policy = proxy_policy(sim.url, log_dir / "batches-2", tuple(args.band), args.batch_concurrency)
-        with start_pacer(log_dir, [sim.url], name="interactive-pacer", policy_text=policy) as proxy:
-            alone = asyncio.run(
-                interactive(proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len)
-            )
-
-            async def during() -> tuple[dict[str, Any], dict[str, Any]]:
-                job = asyncio.ensure_future(run_batch(proxy.url, data, args.poll_s))
-                await asyncio.sleep(args.interactive_delay)  # the batch fills the worker first
-                inter = await interactive(
-                    proxy.url, args.interactive_rate, args.interactive_duration, args.interactive_len
-                )
-                return inter, await job
-
-            with_batch, second = asyncio.run(during())
-    report["interactive_alone"] = alone
-    report["interactive_with_batch"] = with_batch
-    report["batch_during_interactive"] = second
-    report["batch_vs_direct_throughput"] = round(report["direct"]["seconds"] / report["batch"]["seconds"], 4)
-    a, w = alone.get("ttft_p99_ms"), with_batch.get("ttft_p99_ms")
-    report["interactive_p99_ttft_ratio"] = round(w / a, 3) if a and w else None
-    report["targets"] = {
-        "batch_vs_direct_throughput >= 0.97": report["batch_vs_direct_throughput"] >= 0.97,
-        "interactive_p99_ttft_ratio <= 1.5": report["interactive_p99_ttft_ratio"] is not None
-        and report["interactive_p99_ttft_ratio"] <= 1.5,
-    }
+    for design in args.designs:
+        report[design] = _design(args, log_dir, design, data, report["direct"]["seconds"], say)
+    first = report[args.designs[0]]  # the headline keys of earlier reports: the first design's
+    for name in ("batch", "interactive_alone", "interactive_with_batch", "batch_during_interactive",
+                 "batch_vs_direct_throughput", "interactive_p99_ttft_ratio", "targets"):  # fmt: skip
+        report[name] = first[name]
     return report
 
 
@@ -207,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=10.0, help="the simulator's --sim-time-scale")
     p.add_argument("--band", type=int, nargs=2, default=[32, 256], help="the proxy's pacing.queue_band")
     p.add_argument("--batch-concurrency", type=int, default=1024)
+    p.add_argument(
+        "--batch-queue", type=int, default=4, help="pacing.batch_queue_beside_interactive of the *cap designs"
+    )
+    p.add_argument(
+        "--designs",
+        nargs="+",
+        choices=DESIGNS,
+        default=list(DESIGNS),
+        help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
+        "cap: the band, and a short batch queue while interactive requests arrive; priority-cap: both",
+    )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument("--interactive-rate", type=float, default=4.0)
     p.add_argument("--interactive-duration", type=float, default=10.0)

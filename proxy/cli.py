@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from proxy.policy import Policy, PolicyError, documented_defaults, load_policy
+from proxy.policy import Policy, PolicyError, WorkerBackend, documented_defaults, load_policy
 from proxy.server.auth import AuthConfigError, load_keyring
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
@@ -32,6 +35,11 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "proxy.console.demo:main",
 }
 
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from proxy.workers.process import Launcher
 
 _log = logging.getLogger("proxy")
 
@@ -47,11 +55,35 @@ def _setup_logging(level: str) -> None:
 
 
 async def _serve(policy: Policy, host: str, port: int) -> int:
-    from proxy.compose import build_app, serve
-    from proxy.workers.supervisor import Supervisor
+    from proxy.compose import build_app
+    from proxy.workers.fleet import build_pool
 
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
+    try:
+        gpus = _check_placement(policy, final=True)
+    except PolicyError as exc:
+        _log.error("%s", exc)
+        return 2
+    async with _launcher(policy) as launcher:
+        return await _serve_with(policy, build_app(policy, build_pool(policy, gpus, launcher)), host, port)
+
+
+@contextlib.asynccontextmanager
+async def _launcher(policy: Policy) -> AsyncIterator[Launcher | None]:
+    """Where the workers run: this host (None), or the Ray cluster the policy names (attached for the
+    proxy's lifetime)."""
+    if policy.fleet.backend is not WorkerBackend.RAY:
+        yield None
+        return
+    from proxy.workers.ray_backend import RayLauncher
+
+    f = policy.fleet
+    async with RayLauncher(f.ray_address, f.ray_namespace, poll_s=f.node_loss_check_s) as launcher:
+        yield launcher
+
+
+async def _serve_with(policy: Policy, app: web.Application, host: str, port: int) -> int:
+    from proxy.compose import serve
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -100,6 +132,22 @@ def serve_main(argv: list[str]) -> int:
     return uvloop.run(_serve(policy, host, port))
 
 
+def _check_placement(policy: Policy, *, final: bool) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each pool's GPUs, checked against the GPUs NVML sees (when it sees any). ``final``: "auto"
+    must resolve now (serve); otherwise it is shown as resolved at start (check-policy). On Ray,
+    Ray's accounting places them (nothing to resolve here)."""
+    if policy.fleet.backend is WorkerBackend.RAY or not any(p.auto_gpus or p.given_gpus for p in policy.pools):
+        return policy.placement(None)
+    from proxy.observe.nvml import sample_gpus
+
+    report = sample_gpus()
+    visible = len(report.devices) if report.available else None
+    if visible is None and not final and any(p.auto_gpus for p in policy.pools):
+        print(f'  gpus     "auto" resolves at start ({report.reason})')
+        return {}
+    return policy.placement(visible)
+
+
 def check_policy_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pacer check-policy", description="Validate a policy file.")
     parser.add_argument("policy", nargs="?", help="policy TOML file")
@@ -117,6 +165,11 @@ def check_policy_main(argv: list[str]) -> int:
         print(f"pacer check-policy: {exc}", file=sys.stderr)
         return 2
     print(policy.describe())
+    try:
+        _check_placement(policy, final=False)
+    except PolicyError as exc:
+        print(f"pacer check-policy: {exc}", file=sys.stderr)
+        return 2
     changed = policy.changed()
     print("  set      " + ("\n           ".join(changed) if changed else "(every key at its default)"))
     print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))

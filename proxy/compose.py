@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +41,7 @@ from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard, SampleObserver
 from proxy.request.path import RequestPath, RequestSettings
+from proxy.request.queues import QueueDepth, QueueTotals
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
@@ -49,6 +51,7 @@ from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
 from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
+from proxy.workers.fleet import PoolView
 
 _log = logging.getLogger(__name__)
 
@@ -62,40 +65,59 @@ def build_app(
     Raises :class:`proxy.server.auth.AuthConfigError` if a key file cannot be read.
     """
     keys = load_keyring(policy.auth)
-    board = LoadBoard()
+    board = LoadBoard()  # one per proxy: worker ids are unique across pools
     fair = policy.admission
-    admission = AdmissionQueue(
-        policy.queue.capacity,
-        weights={name: k.weight for name, k in fair.keys.items()},
-        batch_floor=fair.batch_floor_share,
-        quantum=fair.quantum_tokens,
-    )
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
+    lo, hi = policy.pacing.queue_band
+    several = len(policy.pools) > 1
+    queues = [  # each pool: its own queue, fair between keys as [admission] says
+        AdmissionQueue(
+            policy.queue.capacity,
+            weights={name: k.weight for name, k in fair.keys.items()},
+            batch_floor=fair.batch_floor_share,
+            quantum=fair.quantum_tokens,
+        )
+        for _ in policy.pools
+    ]
+    admission = queues[0] if not several else QueueTotals(queues)
     metrics = ProxyMetrics(
         admission, board, lambda: {w.id: w.url for w in pool.workers()}, lambda: gpus.last if gpus is not None else None
     )
-    lo, hi = policy.pacing.queue_band
-    dispatcher = Dispatcher(
+    dispatchers = {  # ... and its own gate over its own workers
+        p.name: Dispatcher(
+            PoolView(pool, p.name) if several else pool,
+            board,
+            queue,
+            band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
+            stale_after_s=policy.pacing.stale_after_s,
+            prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
+            max_attempts=policy.pacing.max_attempts,
+            on_requeue=metrics.count_requeue,
+            batch_queue=policy.pacing.batch_queue_beside_interactive,
+            interactive_window_s=policy.pacing.interactive_window_s,
+        )
+        for p, queue in zip(policy.pools, queues, strict=True)
+    }
+    requests = RequestPath(
+        RequestSettings.from_policy(policy),
         pool,
-        board,
-        admission,
-        band=Band(lo=lo, hi=hi, headroom=policy.pacing.headroom),
-        stale_after_s=policy.pacing.stale_after_s,
-        prefix_affinity=policy.engine.engine.prefix_affinity(policy.engine.args),
-        max_attempts=policy.pacing.max_attempts,
-        on_requeue=metrics.count_requeue,
+        dispatchers[policy.pools[0].name],
+        metrics,
+        pools=dispatchers if several else {},
+        models={p.model: p.name for p in policy.pools if p.model is not None} if several else {},
+        limits=KeyLimiter(  # per key, across every pool
+            {
+                name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
+                for name, k in fair.keys.items()
+            },
+            concurrent_retry_after_s=policy.queue.retry_after_s,
+        ),
+        engines={p.name: p.engine.engine for p in policy.pools},
     )
-    if policy.control.mode is ControlMode.AUTO:
-        board.subscribe(_fast_tier(board, admission, dispatcher.band, dispatcher.pump))
-    limits = KeyLimiter(
-        {
-            name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
-            for name, k in fair.keys.items()
-        },
-        concurrent_retry_after_s=policy.queue.retry_after_s,
-    )
-    requests = RequestPath(RequestSettings.from_policy(policy), pool, dispatcher, metrics, limits=limits)
+    declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
+    if policy.control.mode is ControlMode.AUTO:  # each worker's pace; the backlog is every pool's queue
+        board.subscribe(_fast_tier(board, admission, requests.dispatcher.band, functools.partial(_pump_all, requests)))
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -104,7 +126,7 @@ def build_app(
         requests=requests,
         metrics=metrics,
         keys=keys,
-        models=ModelCatalog(),
+        models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
         gpus=gpus,
     )
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
@@ -134,9 +156,14 @@ def build_app(
     return app
 
 
+def _pump_all(requests: RequestPath) -> None:
+    for dispatcher in requests.dispatchers():
+        dispatcher.pump()
+
+
 def _fast_tier(
     board: LoadBoard,
-    admission: AdmissionQueue,
+    admission: QueueDepth,
     band: Band,
     pump: Callable[[], None],
     settings: PaceSettings | None = None,
@@ -196,27 +223,31 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
             skip_auto_headers=("User-Agent",),
         )
         st.requests.open(st.session)  # its own connections to the workers; the session serves aborts too
-        st.scraper = Scraper(
-            st.pool,
-            st.board,
-            st.session,
-            engine=policy.engine.engine,
-            interval_s=policy.pacing.scrape_interval_s,
-            timeout_s=max(policy.pacing.scrape_interval_s, min(policy.pacing.stale_after_s, 5.0)),
-            on_result=lambda wid, sample, err: _on_scrape(st, wid, err),
-        )
+        for pool_settings in policy.pools:
+            st.scrapers.append(
+                Scraper(
+                    PoolView(st.pool, pool_settings.name) if len(policy.pools) > 1 else st.pool,
+                    st.board,
+                    st.session,
+                    engine=pool_settings.engine.engine,
+                    interval_s=policy.pacing.scrape_interval_s,
+                    timeout_s=max(policy.pacing.scrape_interval_s, min(policy.pacing.stale_after_s, 5.0)),
+                    on_result=lambda wid, sample, err: _on_scrape(st, wid, err),
+                )
+            )
+        st.scraper = st.scrapers[0]
 
         def on_state(info: WorkerInfo) -> None:
-            st.dispatcher.on_worker_state(info)
+            st.requests.dispatcher_of(info.pool).on_worker_state(info)
             if info.state is WorkerState.READY:
-                if st.scraper is not None:
-                    st.scraper.kick()
+                for scraper in st.scrapers:
+                    scraper.kick()
                 if not st.models.known and st.session is not None:
                     st.spawn(st.models.refresh(st.session, info.url))
 
         st.pool.add_listener(on_state)
         tasks = [
-            asyncio.create_task(st.scraper.run(), name="pacer-scraper"),
+            *(asyncio.create_task(s.run(), name="pacer-scraper") for s in st.scrapers),
             asyncio.create_task(
                 run_status_log(
                     st.admission, st.board, st.pool, policy.proxy.status_log_interval_s, policy.pacing.stale_after_s
@@ -251,17 +282,18 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
 
 
 class _Surroundings:
-    """The pool's log tail and the proxy queue's backlog, as the controller asks for them."""
+    """The pool's log tail and its proxy queue's backlog, as a pool's controller asks for them."""
 
-    def __init__(self, st: ProxyState) -> None:
+    def __init__(self, st: ProxyState, queue: QueueDepth) -> None:
         self._st = st
+        self._queue = queue
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         pool = self._st.pool
         return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
-        return len(self._st.admission)
+        return len(self._queue)
 
     def recent_requests(self, worker_id: str) -> Sequence[Observed]:
         return [
@@ -286,29 +318,37 @@ class _Surroundings:
 
 
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """The controller: built when the app starts, fed by the board, the pool's states and log lines."""
+    """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
+    built when the app starts, fed by the board, the pool's states and log lines. One journal."""
     st = app[PROXY]
     policy = st.policy
-    settings = policy.control
-    engine = policy.engine.engine
-    journal = Journal(settings.journal_path)
-    controller = Controller(
-        settings,
-        engine.knobs,
-        journal,
-        engine=engine,
-        surroundings=_Surroundings(st),
-        actor=Rollout(
-            st.pool, st.dispatcher, drain_timeout_s=settings.drain_timeout_s
-        ),  # only managed workers are acted on
-        clock=time.monotonic,
-        hold=st.pool.hold,
-    )
-    st.controller, st.journal = controller, journal
+    journal = Journal(policy.control.journal_path)
+    several = len(policy.pools) > 1
     closed = False
+    engines = {p.name: p.engine.engine for p in policy.pools}
+    for pool_settings in policy.pools:
+        settings = pool_settings.control
+        engine = pool_settings.engine.engine
+        view = PoolView(st.pool, pool_settings.name) if several else st.pool
+        st.controllers[pool_settings.name] = Controller(
+            settings,
+            engine.knobs,
+            journal,
+            engine=engine,
+            surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name).admission),
+            # only managed workers are acted on: for an external pool the controller advises, and its
+            # journal entries say the worker is not managed by this proxy
+            actor=Rollout(
+                view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=settings.drain_timeout_s
+            ),
+            clock=time.monotonic,
+            hold=st.pool.hold,
+        )
+    st.controller, st.journal = st.controllers[policy.pools[0].name], journal
 
     async def read_resolved(info: WorkerInfo) -> None:
         """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""
+        engine = engines.get(info.pool, policy.engine.engine)
         path = engine.server_info_path
         if st.session is None or path is None:
             return
@@ -320,11 +360,13 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             _log.debug("no %s from %s: %s", path, info.id, exc)
             return
-        if isinstance(payload, dict) and not closed:
+        controller = st.controllers.get(info.pool)
+        if isinstance(payload, dict) and not closed and controller is not None:
             controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
 
     def on_state(info: WorkerInfo) -> None:
-        if closed:
+        controller = st.controllers.get(info.pool)
+        if closed or controller is None:
             return
         controller.track(info)
         if info.state is WorkerState.READY and info.managed:
@@ -332,26 +374,33 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
 
     def on_line(worker_id: str, line: str) -> None:
         if not closed:
-            controller.on_line(worker_id, line)
+            for controller in st.controllers.values():
+                controller.on_line(worker_id, line)  # a controller reads only the workers it tracks
 
     for info in st.pool.workers():
-        controller.track(info)
+        controller = st.controllers.get(info.pool)
+        if controller is not None:
+            controller.track(info)
     st.pool.add_listener(on_state)
     if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
         st.pool.add_line_listener(on_line)
-    st.board.subscribe(controller.on_sample)
-    _log.info(
-        "controller %s: rules every %g s over %g s windows", settings.mode, settings.interval_s, settings.window_s
-    )
-    task = asyncio.create_task(controller.run(), name="pacer-controller")
+    for controller in st.controllers.values():
+        st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
+    for name, controller in st.controllers.items():
+        c = controller.settings
+        _log.info("controller %s (pool %s): rules every %g s over %g s windows", c.mode, name, c.interval_s, c.window_s)
+    tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
     try:
         yield
     finally:
         closed = True
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        st.board.unsubscribe(controller.on_sample)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for controller in st.controllers.values():
+            st.board.unsubscribe(controller.on_sample)
 
 
 def _batch_caller(st: ProxyState) -> Authenticate:
@@ -385,7 +434,8 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _stop_admitting(app: web.Application) -> None:
     """Shutdown, first step: queued requests get a 503 now; what already runs on a worker finishes
     within aiohttp's shutdown grace."""
-    app[PROXY].dispatcher.close()
+    for dispatcher in app[PROXY].requests.dispatchers():
+        dispatcher.close()
 
 
 async def _start_pool(st: ProxyState) -> None:
@@ -398,7 +448,7 @@ async def _start_pool(st: ProxyState) -> None:
 def _on_scrape(st: ProxyState, worker_id: str, error: str | None) -> None:
     if error is not None:
         st.metrics.scrape_errors.labels(worker_id).inc()
-    st.dispatcher.pump()
+    _pump_all(st.requests)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:

@@ -36,13 +36,17 @@ __all__ = [
     "ControlSettings",
     "EngineKind",
     "EngineSettings",
+    "FleetSettings",
     "KeySettings",
     "PacingSettings",
     "Policy",
     "PolicyError",
+    "PoolKeys",
+    "PoolSettings",
     "Priority",
     "ProxySettings",
     "QueueSettings",
+    "WorkerBackend",
     "documented_defaults",
     "load_policy",
     "parse_policy",
@@ -201,6 +205,18 @@ class PacingSettings:
         ),
     )
     max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
+    batch_queue_beside_interactive: int = field(
+        default=0,
+        metadata=key(
+            "while interactive requests arrive (within interactive_window_s): the estimated server queue "
+            "below which batch requests are dispatched, instead of the band's (0: no cap)",
+            minimum=0,
+        ),
+    )
+    interactive_window_s: float = field(
+        default=5.0,
+        metadata=key("seconds an interactive arrival keeps batch_queue_beside_interactive on", positive=True),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,6 +354,26 @@ class ControlSettings:
     )
 
 
+class WorkerBackend(StrEnum):
+    LOCAL = "local"  # worker processes on this host, started by the proxy
+    RAY = "ray"  # each worker a Ray actor owning its engine process on a node with the GPUs it needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetSettings:
+    """Where managed workers run: on this host, or on a Ray cluster the proxy attaches to."""
+
+    backend: WorkerBackend = field(default=WorkerBackend.LOCAL, metadata=key("local | ray"))
+    ray_address: str = field(
+        default="auto",
+        metadata=key('the Ray cluster to attach to: "auto" (this node\'s), "ray://head:10001", "local" (start one)'),
+    )
+    ray_namespace: str = field(default="pacer", metadata=key("the Ray namespace of the workers' actors"))
+    node_loss_check_s: float = field(
+        default=2.0, metadata=key("seconds between checks that each Ray worker's actor is alive", positive=True)
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchSettings:
     dir: Path = field(
@@ -347,6 +383,88 @@ class BatchSettings:
     concurrency: int = field(
         default=256, metadata=key("batch lines in flight at once (the admission paces them)", minimum=1)
     )
+
+
+AUTO_GPUS = "auto"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolKeys:
+    """The keys of a ``[[pool]]`` table beside every ``[engine]`` key (and its ``[pool.control]``)."""
+
+    name: str = field(default="default", metadata=key("the pool's name; its worker ids start with it", custom=True))
+    model: str | None = field(
+        default=None,
+        metadata=key(
+            "the model name the pool serves (its workers' served name); requests naming it go to this pool",
+            custom=True,
+        ),
+    )
+    tp: int = field(default=1, metadata=key("GPUs per worker (tensor parallel size)", minimum=1))
+    gpus: tuple[int, ...] | str | None = field(
+        default=None,
+        metadata=key(
+            'GPU ids, tp per worker in order; "auto": GPUs NVML sees that no other pool names; '
+            "not set: no placement (CUDA_VISIBLE_DEVICES left as it is)",
+            custom=True,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSettings:
+    """One pool: identical workers serving one model, with their GPUs and their controller's settings.
+
+    A policy with an ``[engine]`` table (or neither table) has one pool named "default"."""
+
+    keys: PoolKeys = PoolKeys()
+    engine: EngineSettings = EngineSettings()
+    control: ControlSettings = ControlSettings()
+    shorthand: bool = True  # from [engine]: worker ids w0, w1, ... as before pools existed
+
+    @property
+    def name(self) -> str:
+        return self.keys.name
+
+    @property
+    def model(self) -> str | None:
+        return self.keys.model
+
+    @property
+    def tp(self) -> int:
+        return self.keys.tp
+
+    @property
+    def auto_gpus(self) -> bool:
+        return self.keys.gpus == AUTO_GPUS
+
+    @property
+    def given_gpus(self) -> tuple[int, ...]:
+        """The GPU ids the policy names for this pool (none for "auto" or no placement)."""
+        return self.keys.gpus if isinstance(self.keys.gpus, tuple) else ()
+
+    def worker_id(self, index: int) -> str:
+        return f"w{index}" if self.shorthand else f"{self.name}-w{index}"
+
+    def gpu_sets(self, visible: int | None = None, taken: frozenset[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
+        """The GPU ids of each worker ((): no placement). ``auto`` takes the first ``workers x tp``
+        of the ``visible`` GPUs not in ``taken``; PolicyError when there are not enough."""
+        k, n = self.keys, self.engine.workers
+        if self.auto_gpus:
+            if visible is None:
+                raise PolicyError(f"pool.{k.name}.gpus", '"auto" needs NVML to see the GPUs, and it sees none')
+            free = [g for g in range(visible) if g not in taken]
+            if len(free) < n * k.tp:
+                raise PolicyError(
+                    f"pool.{k.name}.gpus",
+                    f'"auto" needs {n * k.tp} GPUs ({n} workers x tp {k.tp}); {len(free)} of {visible} are free',
+                )
+            ids: tuple[int, ...] = tuple(free[: n * k.tp])
+        elif not self.given_gpus:
+            return tuple(() for _ in range(n))
+        else:
+            ids = self.given_gpus
+        return tuple(ids[i * k.tp : (i + 1) * k.tp] for i in range(n))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -403,8 +521,33 @@ class Policy:
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
     batch: BatchSettings = BatchSettings()
+    fleet: FleetSettings = FleetSettings()
+    pools: tuple[PoolSettings, ...] = (PoolSettings(),)  # [[pool]] tables, or the [engine] table as one
     admission: AdmissionSettings = AdmissionSettings()
     source: str = "<defaults>"  # the file it came from
+
+    def placement(self, visible: int | None) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Each pool's GPU ids per worker, given how many GPUs NVML sees (None: it sees none).
+        PolicyError naming the key when a pool asks for GPUs that are not there."""
+        explicit = frozenset(g for p in self.pools for g in p.given_gpus)
+        taken = set(explicit)
+        out: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for p in self.pools:
+            if visible:
+                past = [g for g in p.given_gpus if g >= visible]
+                if past:
+                    raise PolicyError(
+                        f"pool.{p.name}.gpus",
+                        f"GPU {past[0]} does not exist: NVML sees {visible} (ids 0..{visible - 1})",
+                        source=self.source,
+                    )
+            sets = p.gpu_sets(visible, frozenset(taken))
+            taken.update(g for ids in sets for g in ids)
+            out[p.name] = sets
+        return out
+
+    def pool_serving(self, model: str) -> PoolSettings | None:
+        return next((p for p in self.pools if p.model == model), None)
 
     def describe(self) -> str:
         """A few lines for ``pacer check-policy`` and the start-up log."""
@@ -412,9 +555,14 @@ class Policy:
 
     def changed(self) -> list[str]:
         """``table.key = value`` for every key not at its default (``pacer check-policy``); secrets masked."""
-        tables = {name: getattr(self, name) for name in TABLES}
+        pooled = not self.pools[0].shorthand
+        tables = {name: getattr(self, name) for name in TABLES if not (pooled and name == "engine")}
         secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
-        return changed_keys(tables, secret=lambda key: key.startswith("engine.env.") or key in secret_args)
+        if pooled:
+            for pool in self.pools:
+                tables[f"pool.{pool.name}"] = pool.engine
+                secret_args |= {f"pool.{pool.name}.args.{name}" for name in pool.engine.engine.secret_args}
+        return changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
 
 
 # table name -> its settings; the order of ``pacer check-policy --defaults``
@@ -427,6 +575,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "pacing": PacingSettings,
         "control": ControlSettings,
         "batch": BatchSettings,
+        "fleet": FleetSettings,
         "admission": AdmissionSettings,
     }
 )
@@ -434,7 +583,12 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
 
 def documented_defaults() -> str:
     """Every key of every table with its default and meaning, as TOML (``pacer check-policy --defaults``)."""
-    return defaults_toml(TABLES)
+    pool = defaults_toml({"pool": PoolKeys}).replace("[pool]", "[[pool]]  # instead of [engine], once per pool", 1)
+    return (
+        defaults_toml(TABLES)
+        + pool
+        + "\n# ... and every [engine] key; a [pool.control] table overrides [control] keys for that pool\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,19 +614,111 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
     """Validate an already-parsed TOML document. ``base_dir`` anchors relative auth files (default: cwd)."""
     root = Table(mapping, "", source)
     base = (base_dir or Path.cwd()).absolute()
+    control_table = root.mapping("control")
+    control = _control(root.table("control"))
+    pool_tables = root.raw("pool", None)
+    if pool_tables is None:
+        engine = _engine(root.table("engine"))
+        pools: tuple[PoolSettings, ...] = (PoolSettings(engine=engine, control=control),)
+    else:
+        if root.has("engine"):
+            raise root.error("engine", "use either [engine] (one pool) or [[pool]] tables, not both")
+        pools = _pools(root, pool_tables, control_table, source)
+        engine = pools[0].engine
     policy = Policy(
         proxy=_proxy(root.table("proxy")),
         auth=_auth(root.table("auth"), base),
         queue=_queue(root.table("queue")),
-        engine=_engine(root.table("engine")),
+        engine=engine,
         pacing=_pacing(root.table("pacing")),
-        control=_control(root.table("control")),
+        control=control,
         batch=_batch(root.table("batch")),
+        fleet=_fleet(root.table("fleet")),
+        pools=pools,
         admission=_admission(root.table("admission")),
         source=source,
     )
     root.finish()
+    if policy.fleet.backend is WorkerBackend.RAY:
+        for p in policy.pools:
+            if p.given_gpus:
+                raise PolicyError(
+                    f"pool.{p.name}.gpus",
+                    'on Ray (fleet.backend = "ray") its GPU accounting picks each worker\'s GPUs: use gpus = "auto"',
+                    source=source,
+                )
     return policy
+
+
+def _pools(root: Table, tables: object, control: Mapping[str, Any], source: str) -> tuple[PoolSettings, ...]:
+    if not isinstance(tables, list) or not tables:
+        raise root.error("pool", "expected [[pool]] tables (an array of tables)")
+    pools = [_pool(Table(data, f"pool[{i}]", source), control, source) for i, data in enumerate(tables)]
+    names: dict[str, int] = {}
+    models: dict[str, str] = {}
+    owner: dict[int, str] = {}
+    for i, p in enumerate(pools):
+        if p.name in names:
+            raise PolicyError(f"pool[{i}].name", f"{p.name!r} is also pool[{names[p.name]}]", source=source)
+        names[p.name] = i
+        if len(pools) > 1 and p.model is None:
+            raise PolicyError(f"pool.{p.name}.model", "required when there are several pools", source=source)
+        if p.model is not None:
+            if p.model in models:
+                raise PolicyError(
+                    f"pool.{p.name}.model", f"{p.model!r} is served by pool {models[p.model]!r} too", source=source
+                )
+            models[p.model] = p.name
+        for g in p.given_gpus:
+            if g in owner:
+                raise PolicyError(
+                    f"pool.{p.name}.gpus", f"GPU {g} is given twice (pool {owner[g]!r} has it)", source=source
+                )
+            owner[g] = p.name
+    return tuple(pools)
+
+
+def _pool(t: Table, control: Mapping[str, Any], source: str) -> PoolSettings:
+    name = t.str("name", None)
+    if name is None:
+        raise t.error("name", "every [[pool]] needs a name")
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise t.error("name", f"letters, digits, - and _ only (it names the workers); got {name!r}")
+    model = t.str("model", None)
+    tp = t.int("tp", PoolKeys().tp, minimum=1)
+    raw_gpus = t.raw("gpus", None)
+    auto = raw_gpus == AUTO_GPUS
+    gpus: tuple[int, ...] | None = None
+    if raw_gpus is not None and not auto:
+        if not isinstance(raw_gpus, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in raw_gpus
+        ):
+            raise t.error("gpus", f'expected GPU ids (integers >= 0) or "auto", got {raw_gpus!r}')
+        if len(set(raw_gpus)) != len(raw_gpus):
+            twice = next(g for g in raw_gpus if raw_gpus.count(g) > 1)
+            raise t.error("gpus", f"GPU {twice} is given twice")
+        if not raw_gpus or len(raw_gpus) % tp:
+            raise t.error("gpus", f"tp = {tp} does not divide the {len(raw_gpus)} GPUs given")
+        gpus = tuple(raw_gpus)
+    overrides = t.mapping("control")
+    pool_control = _control(Table({**control, **overrides}, f"pool[{name}].control", source))
+    if gpus is not None:
+        per_gpus = len(gpus) // tp
+        if t.has("workers") and t.raw("workers") != per_gpus:
+            raise t.error("workers", f"{len(gpus)} GPUs at tp {tp} make {per_gpus} workers, not {t.raw('workers')!r}")
+    engine = _engine(
+        t,
+        workers=len(gpus) // tp if gpus is not None else None,
+        in_pool=True,
+        placed=tp > 1 or gpus is not None or auto,
+        model=model,
+    )
+    return PoolSettings(
+        keys=PoolKeys(name=name, model=model, tp=tp, gpus=AUTO_GPUS if auto else gpus),
+        engine=engine,
+        control=pool_control,
+        shorthand=False,
+    )
 
 
 def _proxy(t: Table) -> ProxySettings:
@@ -502,6 +748,12 @@ def _batch(t: Table) -> BatchSettings:
     return s
 
 
+def _fleet(t: Table) -> FleetSettings:
+    s = read_settings(t, FleetSettings)
+    t.finish()
+    return s
+
+
 def _admission(t: Table) -> AdmissionSettings:
     keys_table = t.table("keys")
     keys: dict[str, KeySettings] = {}
@@ -523,11 +775,15 @@ def _queue(t: Table) -> QueueSettings:
     return s
 
 
-def _engine(t: Table) -> EngineSettings:
+def _engine(
+    t: Table, *, workers: int | None = None, in_pool: bool = False, placed: bool = False, model: str | None = None
+) -> EngineSettings:
+    """One engine table; in a pool, ``workers`` comes from its GPUs when given, and the arguments
+    that placement sets (``tp_size``, the served name) may not be set by hand."""
     d = EngineSettings()
     kind = t.enum("kind", EngineKind, d.kind)
     managed = kind != EngineKind.EXTERNAL
-    workers = t.int("workers", d.workers, minimum=1)
+    workers = t.int("workers", d.workers if workers is None else workers, minimum=1)
     args = t.mapping("args")
     extra_args = t.str_list("extra_args", []) or ()
     urls = t.str_list("urls", None)
@@ -545,6 +801,10 @@ def _engine(t: Table) -> EngineSettings:
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
+        if in_pool:
+            for name in engine_named(kind).placement_args(1, model):
+                if name in args:
+                    raise t.error(f"args.{name}", "set by the pool (its tp and model keys)")
         if problem := engine_named(kind).check_extra_args(extra_args):
             raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
@@ -562,6 +822,8 @@ def _engine(t: Table) -> EngineSettings:
         for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
             if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
+        if placed:
+            raise t.error("gpus", 'not for kind = "external" (the proxy does not place those servers)')
         if t.has("workers") and workers != len(urls):
             raise t.error("workers", f'kind = "external" runs one worker per URL ({len(urls)}); leave workers out')
         workers = len(urls)
@@ -657,7 +919,7 @@ def _bounds(t: Table, name: str, default: tuple[float, float], *, maximum: float
 
 
 def _describe(p: Policy) -> list[str]:
-    e, q, pc, a = p.engine, p.queue, p.pacing, p.auth
+    q, pc, a = p.queue, p.pacing, p.auth
     lines = [f"policy {p.source}"]
     lines.append(
         f"  proxy    listen {p.proxy.host}:{p.proxy.port}, body <= {p.proxy.max_body_bytes} bytes, "
@@ -679,6 +941,33 @@ def _describe(p: Policy) -> list[str]:
         f"  queue    capacity {q.capacity}, wait <= {q.timeout_s:g} s, default priority {q.default_priority}"
         f" (header {q.priority_header})"
     )
+    for pool in p.pools:
+        lines += _describe_pool(pool, several=len(p.pools) > 1 or not pool.shorthand)
+    lines.append(
+        f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
+        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts"
+    )
+    c = p.control
+    lines.append(
+        f"  control  {c.mode}: rules every {c.interval_s:g} s over {c.window_s:g} s, cool-down {c.cooldown_s:g} s, "
+        f"<= {c.restarts_per_hour} restarts/h per worker"
+    )
+    lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
+    if p.fleet.backend is WorkerBackend.RAY:
+        lines.append(f"  fleet    workers on Ray at {p.fleet.ray_address} (namespace {p.fleet.ray_namespace})")
+    return lines
+
+
+def _describe_pool(pool: PoolSettings, *, several: bool) -> list[str]:
+    e, k = pool.engine, pool.keys
+    lines = []
+    if several:
+        gpus = '"auto"' if pool.auto_gpus else (" ".join(map(str, pool.given_gpus)) or "not placed")
+        control = f", control {pool.control.mode}" if pool.control.mode is not ControlMode.OFF else ""
+        lines.append(f"  pool     {k.name}: model {k.model or '(as its workers say)'}, tp {k.tp}, GPUs {gpus}{control}")
+        for i, ids in enumerate(pool.gpu_sets() if not pool.auto_gpus else ()):
+            if ids:
+                lines.append(f"           {pool.worker_id(i)} on GPU {','.join(map(str, ids))}")
     if e.managed:
         ports = "free ports" if e.base_port == 0 else f"ports {e.base_port}..{e.base_port + e.workers - 1}"
         lines.append(f"  engine   {e.kind} x{e.workers} on {e.host} ({ports}), logs in {e.log_dir}")
@@ -691,14 +980,4 @@ def _describe(p: Policy) -> list[str]:
             lines.append(f"           extra {' '.join(e.extra_args)}")
     else:
         lines.append(f"  engine   external ({e.speaks}): {', '.join(e.urls)}")
-    lines.append(
-        f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
-        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts"
-    )
-    c = p.control
-    lines.append(
-        f"  control  {c.mode}: rules every {c.interval_s:g} s over {c.window_s:g} s, cool-down {c.cooldown_s:g} s, "
-        f"<= {c.restarts_per_hour} restarts/h per worker"
-    )
-    lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
     return lines

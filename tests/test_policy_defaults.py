@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
-from proxy.policy import TABLES, Policy, documented_defaults, load_policy, parse_policy
+from proxy.policy import TABLES, Policy, PoolKeys, documented_defaults, load_policy, parse_policy
 from proxy.policy_schema import key_doc
 
 DEFAULT_TOML = Path(__file__).parents[1] / "policies" / "default.toml"
@@ -62,7 +62,9 @@ def shown_keys(path: Path) -> dict[tuple[str, str], Any]:
 
 
 def test_every_key_has_a_declaration() -> None:
-    assert set(TABLES) == {f.name for f in dataclasses.fields(Policy)} - {"source"}
+    assert set(TABLES) == {f.name for f in dataclasses.fields(Policy)} - {"source", "pools"}
+    for f in dataclasses.fields(PoolKeys):
+        assert key_doc(f).doc, f"pool.{f.name}"
     for table, settings in TABLES.items():
         for f in dataclasses.fields(settings):
             assert key_doc(f).doc, f"{table}.{f.name}"
@@ -70,6 +72,12 @@ def test_every_key_has_a_declaration() -> None:
 
 def test_the_defaults_document_reads_back_as_the_default_policy() -> None:
     doc = tomllib.loads(documented_defaults())
+    (pool,) = doc.pop("pool")  # [[pool]] replaces [engine]: its keys beside every engine key
+    pool_section = documented_defaults().split("[[pool]]")[1]
+    assert {m.group(1) for m in re.finditer(r"^(?:# )?(\w+) = ", pool_section, re.M)} == {
+        f.name for f in dataclasses.fields(PoolKeys)
+    }
+    assert pool == {"name": "default", "tp": 1}
     assert set(doc) == set(TABLES) and doc["auth"] == {}  # no auth key is set by default: all commented out
     for table, settings in TABLES.items():
         section = documented_defaults().split(f"[{table}]\n")[1].split("\n[")[0]
@@ -104,8 +112,12 @@ def test_default_toml_shows_every_key_of(table: str) -> None:
     assert shown == {f.name for f in dataclasses.fields(TABLES[table])}
 
 
-@pytest.mark.parametrize("path", sorted(DEFAULT_TOML.parent.glob("*.toml")), ids=lambda p: p.name)
+ONE_POOL = [p for p in sorted(DEFAULT_TOML.parent.glob("*.toml")) if "[[pool]]" not in p.read_text()]
+
+
+@pytest.mark.parametrize("path", ONE_POOL, ids=lambda p: p.name)
 def test_the_changed_keys_check_policy_prints_rebuild_the_policy(path: Path) -> None:
+    """(policies with [[pool]] tables list each pool's keys as pool.NAME.key: tests/test_pools.py)"""
     policy = load_policy(path)
     rebuilt = parse_policy(tomllib.loads("\n".join(policy.changed())), policy.source, base_dir=path.parent)
     assert rebuilt == policy

@@ -79,7 +79,8 @@ async def _timeline(request: web.Request) -> web.Response:
         workers.append(
             {
                 "id": info.id,
-                "pool": getattr(info, "pool", None),
+                "pool": info.pool,
+                "model": info.model,
                 "url": info.url,
                 "state": info.state.value,
                 "managed": info.managed,

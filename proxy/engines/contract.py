@@ -64,6 +64,11 @@ class Engine(Protocol):
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         """The command-line flags of one worker."""
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        """The engine's own arguments for a worker given ``gpus_per_worker`` GPUs (tensor parallel;
+        the supervisor sets ``CUDA_VISIBLE_DEVICES`` to exactly those) and serving ``model`` under
+        that name (None: the engine's default name)."""
+
     @property
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""
@@ -74,6 +79,11 @@ class Engine(Protocol):
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should
         keep a prefix on one worker."""
+
+    def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
+        """Fields to add to a request's body so the worker's own scheduler puts interactive requests
+        before batch ones; empty when the worker's arguments do not turn priority scheduling on (an
+        engine without it may refuse or ignore the field)."""
 
     def parse_metrics(self, text: str, now: float) -> Sample:
         """One scrape of ``GET /metrics``."""

@@ -13,6 +13,13 @@ take the estimate past ``band.hi``; the dispatch target is ``lo + headroom``. If
 has a fresh sample (scrapes failing, metrics off), the gate falls back to the proxy's own counts:
 ``in_flight(w) < last_running(w) + band.hi``.
 
+Batch beside interactive: while interactive requests keep arriving (one within
+``interactive_window``), a batch request is dispatched only while ``est_queue(w) < batch_queue``
+(``pacing.batch_queue_beside_interactive``, when set): the batch work waiting in a worker's own
+queue, where an interactive request would wait behind it, stays that short. ``est_queue`` moves
+with the proxy's own dispatches and completions between scrapes, so each batch request that ends
+lets the next one go at once; once no interactive request came for a window, the band applies again.
+
 Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
 (``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so
 the same prefix keeps landing on the same worker while that worker has room. A retry avoids the
@@ -127,6 +134,8 @@ class Dispatcher:
         max_attempts: int = 3,
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
+        batch_queue: int = 0,
+        interactive_window_s: float = 5.0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -137,6 +146,10 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.on_requeue = on_requeue  # counts requeues (the metrics)
         self.clock = clock
+        # batch beside interactive: the band batch requests see while interactive ones keep arriving
+        self.batch_band = Band(lo=min(batch_queue, band.hi), hi=band.hi) if batch_queue > 0 else None
+        self.interactive_window_s = interactive_window_s
+        self._interactive_seen = -float("inf")  # when the latest interactive request arrived
         self.closing = False
         self._pumping = False
         self._again = False
@@ -159,6 +172,8 @@ class Dispatcher:
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
+        if priority is Priority.INTERACTIVE:
+            self._interactive_seen = now
         ticket = Ticket(
             priority,
             now,
@@ -299,6 +314,9 @@ class Dispatcher:
             return
         workers = self.pool.workers()
         now = self.clock()
+        batch_band = self.band
+        if self.batch_band is not None and now - self._interactive_seen < self.interactive_window_s:
+            batch_band = self.batch_band
         while True:
             ticket = admission.peek()
             if ticket is None:
@@ -306,7 +324,7 @@ class Dispatcher:
             worker_id = choose_worker(
                 workers,
                 self.board,
-                band=self.band,
+                band=batch_band if ticket.priority is Priority.BATCH else self.band,
                 now=now,
                 stale_after_s=self.stale_after_s,
                 exclude=ticket.exclude,

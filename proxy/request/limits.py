@@ -10,7 +10,9 @@ worker) until their answer ends.
 
 :meth:`KeyLimiter.acquire` either admits (a :class:`Lease`, released when the request ends) or
 raises :class:`RateLimited`, which carries what the 429 answer says: ``Retry-After`` and OpenAI's
-``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers.
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers. An admitted request of a key with
+a requests or tokens limit gets the same ``x-ratelimit-*`` headers on its :class:`Lease` (as OpenAI
+sends them on successful answers); a key without those limits gets none and costs nothing.
 """
 
 from __future__ import annotations
@@ -76,14 +78,19 @@ class RateLimited(Exception):
         self.headers = dict(headers)
 
 
+_NO_HEADERS: Mapping[str, str] = {}
+
+
 class Lease:
-    """A request admitted under its key's concurrency limit; :meth:`release` once it ends."""
+    """A request admitted under its key's concurrency limit; :meth:`release` once it ends.
+    ``headers``: the key's ``x-ratelimit-*`` after this request (empty without such limits)."""
 
-    __slots__ = ("_limiter", "key")
+    __slots__ = ("_limiter", "headers", "key")
 
-    def __init__(self, limiter: KeyLimiter | None, key: str) -> None:
+    def __init__(self, limiter: KeyLimiter | None, key: str, headers: Mapping[str, str] = _NO_HEADERS) -> None:
         self._limiter = limiter
         self.key = key
+        self.headers = headers
 
     def release(self) -> None:
         if self._limiter is not None:
@@ -139,7 +146,7 @@ class KeyLimiter:
         if tok is not None:
             tok.take(cost)
         self._running[key] = running + 1
-        return Lease(self, key)
+        return Lease(self, key, self._rate_headers(lim, req, tok, now) if req or tok else _NO_HEADERS)
 
     def _release(self, key: str) -> None:
         left = self._running.get(key, 0) - 1
@@ -161,7 +168,11 @@ class KeyLimiter:
     def _headers(
         lim: KeyLimits, req: TokenBucket | None, tok: TokenBucket | None, now: float, wait: float
     ) -> dict[str, str]:
-        headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+        return {"Retry-After": str(max(1, math.ceil(wait))), **KeyLimiter._rate_headers(lim, req, tok, now)}
+
+    @staticmethod
+    def _rate_headers(lim: KeyLimits, req: TokenBucket | None, tok: TokenBucket | None, now: float) -> dict[str, str]:
+        headers: dict[str, str] = {}
         for name, bucket, limit in (("requests", req, lim.requests_per_minute), ("tokens", tok, lim.tokens_per_minute)):
             if bucket is None:
                 continue

@@ -3,7 +3,8 @@ the front door.
 
 :class:`RequestPath` owns the dispatcher (queue, gate, attempts), the upstream connections to the
 workers, the session that posts aborts, the rid counter and the background tasks (aborts), with
-the few settings the relay reads. The front door's ``ProxyState`` holds one; the composition root
+the few settings the relay reads, and the workers' engine, which says what a request must carry for
+the worker's own scheduler to put interactive work before batch work (:meth:`RequestPath.priority_fields`). The front door's ``ProxyState`` holds one; the composition root
 builds it, and opens it (:meth:`RequestPath.open`) and closes it with the app.
 
 The metrics it counts are a :class:`RequestMetrics` seam (the front door's Prometheus registry
@@ -15,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 
+from proxy.engines.contract import Engine
 from proxy.policy import Policy
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter
 from proxy.request.upstream import UpstreamPool
-from proxy.workers.base import WorkerPool
+from proxy.workers.base import WorkerId, WorkerPool
 
 __all__ = ["Counter", "Histogram", "RequestMetrics", "RequestPath", "RequestSettings"]
+
+_NO_FIELDS: Mapping[str, object] = {}
 
 
 class Counter(Protocol):
@@ -88,13 +92,19 @@ class RequestSettings:
 
 @dataclass(eq=False)
 class RequestPath:
+    """``dispatcher`` is the first pool's; with several pools, ``pools`` has each pool's dispatcher
+    (its own queue and gate over its own workers) and ``models`` the pool serving each model."""
+
     settings: RequestSettings
     pool: WorkerPool
     dispatcher: Dispatcher
     metrics: RequestMetrics
+    pools: Mapping[str, Dispatcher] = field(default_factory=dict)  # pool name -> its dispatcher
+    models: Mapping[str, str] = field(default_factory=dict)  # model -> the pool serving it
     limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
+    engines: Mapping[str, Engine] = field(default_factory=dict)  # pool name -> its workers' engine
     _rid_prefix: str = field(default_factory=lambda: "pacer-" + secrets.token_hex(4) + "-")
     _rid_counter: itertools.count[int] = field(default_factory=itertools.count)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -109,6 +119,26 @@ class RequestPath:
         await self.wait_background()
         if self.upstream is not None:
             self.upstream.close()
+
+    def dispatcher_for(self, model: str | None) -> Dispatcher:
+        """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
+        pool = self.models.get(model) if model is not None else None
+        return self.pools[pool] if pool is not None else self.dispatcher
+
+    def dispatcher_of(self, pool: str) -> Dispatcher:
+        return self.pools.get(pool, self.dispatcher)
+
+    def dispatchers(self) -> list[Dispatcher]:
+        return list(self.pools.values()) or [self.dispatcher]
+
+    def priority_fields(self, worker_id: WorkerId, *, interactive: bool) -> Mapping[str, object]:
+        """Body fields that put the request's class in the worker's own queue order (empty unless the
+        worker's arguments turn the engine's priority scheduling on)."""
+        info = self.pool.get(worker_id)
+        engine = self.engines.get(info.pool)
+        if engine is None:
+            return _NO_FIELDS
+        return engine.priority_fields(info.args, interactive=interactive)
 
     def new_rid(self) -> str:
         return f"{self._rid_prefix}{next(self._rid_counter)}"

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TypeVar
 
@@ -65,6 +65,8 @@ _log = logging.getLogger(__name__)
 _ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
+_NO_FIELDS: Mapping[str, object] = {}
+_NO_HEADERS: Mapping[str, str] = {}
 
 
 class EventStream(web.StreamResponse):
@@ -200,7 +202,7 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     if job.stream:
         raise ValueError("a streamed request needs a client to stream to: forward it")
 
-    async def whole(opened: Opened, _url: str, _rid: str | None) -> web.Response:
+    async def whole(opened: Opened, _url: str, _rid: str | None, _headers: Mapping[str, str]) -> web.Response:
         return _whole(path, opened)
 
     return await _answer(path, job, priority, time.monotonic(), whole, key)
@@ -211,7 +213,7 @@ async def _answer(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, str, str | None], Awaitable[R]],
+    respond: Callable[[Opened, str, str | None, Mapping[str, str]], Awaitable[R]],
     key: str,
 ) -> R | web.Response:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
@@ -226,7 +228,12 @@ async def _answer(
             429, exc.message, type="rate_limit_error", code="rate_limit_exceeded", headers=exc.headers
         ) from None
     try:
-        return await _queued(path, job, priority, arrived, respond, key, cost, submitted)
+        headers = lease.headers
+
+        def respond_with_limits(opened: Opened, url: str, rid: str | None) -> Awaitable[R]:
+            return respond(opened, url, rid, headers)
+
+        return await _queued(path, job, priority, arrived, respond_with_limits, key, cost, submitted)
     finally:
         lease.release()
 
@@ -241,7 +248,7 @@ async def _queued(
     cost: int,
     submitted: float,
 ) -> R | web.Response:
-    d, m = path.dispatcher, path.metrics
+    d, m = path.dispatcher_for(job.model), path.metrics
     try:
         ticket = d.submit(
             priority,
@@ -268,6 +275,7 @@ async def _queued(
     user_rid = job.body.get("rid")
     base_rid = path.new_rid() if job.single and user_rid is None else None
     tries = 0
+    sent_fields: Mapping[str, object] = _NO_FIELDS
     while True:
         try:
             async with d.attempt(ticket) as attempt:
@@ -275,6 +283,12 @@ async def _queued(
                     m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
                 tries += 1
                 url = path.pool.get(attempt.worker_id).url
+                fields = path.priority_fields(attempt.worker_id, interactive=priority is Priority.INTERACTIVE)
+                if fields is not sent_fields:  # the worker orders its own queue by class (or no longer does)
+                    for name in sent_fields:
+                        job.body.pop(name, None)
+                    job.body.update(fields)
+                    sent_fields = fields
                 rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
                 if rid is not None and base_rid is not None:
                     job.body["rid"] = rid
@@ -355,24 +369,32 @@ def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, di
     )
 
 
-def _whole(path: RequestPath, opened: Opened) -> web.Response:
-    """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message kept."""
+def _whole(path: RequestPath, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
+    """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message
+    kept. ``headers``: the key's rate-limit headers, on a successful answer."""
     path.metrics.completed.inc()
     if opened.status != 200 and opened.body is not None:
         return web.Response(
             status=opened.status, body=openai_error_body(opened.status, opened.body), content_type="application/json"
         )
-    return web.Response(status=opened.status, body=opened.body, content_type=opened.content_type or None)
+    return web.Response(
+        status=opened.status, body=opened.body, content_type=opened.content_type or None, headers=headers or None
+    )
 
 
 async def _respond(
-    path: RequestPath, request: web.Request, opened: Opened, url: str, rid: str | None
+    path: RequestPath,
+    request: web.Request,
+    opened: Opened,
+    url: str,
+    rid: str | None,
+    headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
     m = path.metrics
     if opened.resp is None:
-        return _whole(path, opened)
+        return _whole(path, opened, headers)
     resp = opened.resp
-    out = EventStream(status=200, headers=_SSE_HEADERS)
+    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)

@@ -68,6 +68,7 @@ def check_model(st: ProxyState, job: Job) -> None:
     if job.model is None:
         if job.path != "/generate" and models.default is not None:
             job.body["model"] = models.default
+            job.model = models.default if st.requests.models else None  # routes to the first pool
         return
     if models.known and job.model not in models.names:
         raise ApiError(
@@ -159,6 +160,10 @@ async def admin_workers(request: web.Request) -> web.Response:
         out.append(
             {
                 "id": w.id,
+                "pool": w.pool,
+                "model": w.model,
+                "gpus": list(w.gpus),
+                "node": w.node,
                 "url": w.url,
                 "state": w.state.value,
                 "managed": w.managed,
@@ -172,7 +177,10 @@ async def admin_workers(request: web.Request) -> web.Response:
             }
         )
     queue = {p.value: st.admission.depth(p) for p in ORDER}
-    return _json({"workers": out, "proxy_queue": queue, "in_flight": st.board.total_in_flight()})
+    pools = {
+        name: {p.value: d.admission.depth(p) for p in ORDER} for name, d in st.requests.pools.items()
+    }  # each pool's own queue, when there are several
+    return _json({"workers": out, "proxy_queue": queue, "pool_queues": pools, "in_flight": st.board.total_in_flight()})
 
 
 async def admin_gpus(request: web.Request) -> web.Response:

@@ -16,9 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.observe.nvml import GpuReport
-from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.admission import ORDER
 from proxy.request.attempt import Requeued
 from proxy.request.pacing import LoadBoard
+from proxy.request.queues import QueueDepth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -34,7 +35,7 @@ def _no_gpu_report() -> GpuReport | None:
 
 class _LiveState(Collector):
     def __init__(
-        self, admission: AdmissionQueue, board: LoadBoard, urls: Callable[[], dict[str, str]], gpus: GpuSource
+        self, admission: QueueDepth, board: LoadBoard, urls: Callable[[], dict[str, str]], gpus: GpuSource
     ) -> None:
         self.admission = admission
         self.board = board
@@ -71,7 +72,7 @@ class _LiveState(Collector):
         yield from _gpu_families(self.gpus())
 
 
-def _admission_families(admission: AdmissionQueue) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+def _admission_families(admission: QueueDepth) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
     """Per class and key (the key's configured name: the label set is bounded by the configuration)."""
     labels = ["priority", "key"]
     waiting = GaugeMetricFamily("pacer_key_queue_depth", "Requests waiting in the proxy queue per key", labels=labels)
@@ -122,7 +123,7 @@ def _gpu_families(report: GpuReport | None) -> Iterable[GaugeMetricFamily]:
 class ProxyMetrics:
     def __init__(
         self,
-        admission: AdmissionQueue,
+        admission: QueueDepth,
         board: LoadBoard,
         urls: Callable[[], dict[str, str]],
         gpus: GpuSource = _no_gpu_report,

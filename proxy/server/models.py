@@ -1,5 +1,7 @@
 """The model names the workers serve, as their ``/v1/models`` says (asked once, then cached).
 
+Pools that declare their model (``[[pool]] model``) make the names known from the start
+(:meth:`ModelCatalog.declared`), and each request goes to the pool serving its model.
 An unknown ``model`` in a request is refused with 404 ``model_not_found`` before it queues; a
 request without ``model`` gets the default (the first name served). Until some worker has
 answered, names are unknown and nothing is refused for its model.
@@ -24,6 +26,15 @@ class ModelCatalog:
         self.names: frozenset[str] = frozenset()
         self._pending: asyncio.Future[bool] | None = None
         self._last_try = -1e9
+
+    @classmethod
+    def declared(cls, models: Sequence[tuple[str, str]]) -> ModelCatalog:
+        """The models the policy's pools declare, as (model, pool): known from the start, each card
+        saying which pool serves it; the workers serve them under those names."""
+        catalog = cls()
+        catalog.cards = [{"id": m, "object": "model", "created": 0, "owned_by": "pacer", "pool": p} for m, p in models]
+        catalog.names = frozenset(m for m, _ in models)
+        return catalog
 
     @property
     def known(self) -> bool:

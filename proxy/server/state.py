@@ -11,7 +11,7 @@ scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests:
 from __future__ import annotations
 
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -22,10 +22,10 @@ from proxy.control.journal import Journal
 from proxy.observe.nvml import GpuWatch
 from proxy.observe.scraper import Scraper
 from proxy.policy import Policy
-from proxy.request.admission import AdmissionQueue
 from proxy.request.dispatch import Dispatcher
 from proxy.request.pacing import LoadBoard
 from proxy.request.path import RequestPath
+from proxy.request.queues import QueueDepth
 from proxy.server.auth import KeyRing
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
@@ -37,7 +37,7 @@ class ProxyState:
     policy: Policy
     pool: WorkerPool
     board: LoadBoard
-    admission: AdmissionQueue
+    admission: QueueDepth  # every pool's queue (one AdmissionQueue, or QueueTotals over the pools')
     requests: RequestPath
     metrics: ProxyMetrics
     keys: KeyRing
@@ -47,6 +47,8 @@ class ProxyState:
     gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0
     controller: Controller | None = None  # set while the app runs (the controller's lifecycle)
     journal: Journal | None = None
+    controllers: dict[str, Controller] = field(default_factory=dict)  # per pool, while the app runs
+    scrapers: list[Scraper] = field(default_factory=list)  # per pool (``scraper`` is the first)
 
     @property
     def dispatcher(self) -> Dispatcher:

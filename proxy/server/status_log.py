@@ -10,15 +10,16 @@ import logging
 import time
 from collections.abc import Sequence
 
-from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.admission import ORDER
 from proxy.request.pacing import LoadBoard
+from proxy.request.queues import QueueDepth
 from proxy.workers.base import WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger("proxy.status")
 
 
 def format_status(
-    admission: AdmissionQueue, board: LoadBoard, workers: Sequence[WorkerInfo], now: float, stale_after_s: float
+    admission: QueueDepth, board: LoadBoard, workers: Sequence[WorkerInfo], now: float, stale_after_s: float
 ) -> str:
     per_class = ", ".join(f"{p.value} {admission.depth(p)}" for p in ORDER)
     parts = [f"#proxy-queue: {len(admission)} ({per_class})", f"#in-flight: {board.total_in_flight()}"]
@@ -40,7 +41,7 @@ def format_status(
 
 
 async def run_status_log(
-    admission: AdmissionQueue, board: LoadBoard, pool: WorkerPool, interval_s: float, stale_after_s: float
+    admission: QueueDepth, board: LoadBoard, pool: WorkerPool, interval_s: float, stale_after_s: float
 ) -> None:
     while True:
         await asyncio.sleep(interval_s)

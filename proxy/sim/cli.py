@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs",
         help="fcfs, lpm, lof and random are modelled; the others schedule as fcfs",
     )
+    a("--enable-priority-scheduling", action="store_true", help="order the waiting queue by each request's priority")
+    a("--schedule-low-priority-values-first", action="store_true", help="lower priority values first (default higher)")
+    a("--priority-scheduling-preemption-threshold", type=int, default=10)
+    a("--disable-priority-preemption", action="store_true")
     a("--max-running-requests", type=int, default=None)
     a("--max-queued-requests", type=int, default=None)
     a("--chunked-prefill-size", type=int, default=None, help="-1 disables chunked prefill")
@@ -116,7 +120,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     from proxy.sim.logs import LogSink
 
-    sink = LogSink()
+    sink = LogSink(rank_prefix=" TP0" if (ns.tp_size or 1) > 1 else "")
     try:
         config = resolve_config(ns)
     except SimConfigError as exc:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.sim import memory
 from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
 from proxy.sim.steptime import StepTimeModel, startup_seconds
+
+PRIORITY_POLICIES = ("fcfs", "lof")  # the policies SGLang orders by priority (and the only ones it allows with it)
 
 
 class SimConfigError(ValueError):
@@ -45,6 +47,10 @@ class SimConfig:
     max_queued_requests: int | None = None
     context_len: int
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     cuda_graph_max_bs_decode: int  # 0: CUDA graphs disabled
@@ -85,8 +91,11 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError(f"unknown --sim-gpu {ns.sim_gpu!r}; choose from {', '.join(GPUS)}")
     if ns.sim_model not in MODELS:
         raise SimConfigError(f"unknown --sim-model {ns.sim_model!r}; choose from {', '.join(MODELS)}")
-    if (ns.tp_size or 1) != 1 or (ns.dp_size or 1) != 1 or (ns.pp_size or 1) != 1:
-        raise SimConfigError("the simulator models one GPU: --tp-size, --dp-size and --pp-size must be 1")
+    tp = ns.tp_size or 1
+    if tp not in (1, 2, 4, 8):
+        raise SimConfigError(f"the simulator models --tp-size 1, 2, 4 or 8; got {tp}")
+    if (ns.dp_size or 1) != 1 or (ns.pp_size or 1) != 1:
+        raise SimConfigError("the simulator models one worker process: --dp-size and --pp-size must be 1")
     if ns.page_size not in (None, 1):
         raise SimConfigError("the simulator models --page-size 1 only")
     if ns.sim_time_scale <= 0:
@@ -95,7 +104,23 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError("--sim-step-time-factor and --sim-activation-factor must be > 0")
     if ns.schedule_conservativeness < 0:
         raise SimConfigError("--schedule-conservativeness must be >= 0")
+    if ns.enable_priority_scheduling and ns.schedule_policy not in PRIORITY_POLICIES:
+        raise SimConfigError(  # SGLang's server_args refuses to start the same way
+            f"--enable-priority-scheduling needs --schedule-policy fcfs or lof, not {ns.schedule_policy!r}"
+        )
     gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
+    # tensor parallel: the weights and the KV pool spread over tp GPUs, each step reads them at tp
+    # times the bandwidth; per-GPU defaults (chunk size, graph sizes) still come from one GPU
+    node = (
+        gpu
+        if tp == 1
+        else replace(
+            gpu,
+            memory_mib=gpu.memory_mib * tp,
+            bandwidth_gbs=gpu.bandwidth_gbs * tp,
+            bf16_tflops=gpu.bf16_tflops * tp,
+        )
+    )
     weights = model.weights_bytes_bf16 * WEIGHT_BYTES_FACTOR.get(ns.quantization, 1.0)
     kv_bytes = model.kv_bytes_per_token_bf16 * KV_BYTES_FACTOR.get(ns.kv_cache_dtype or "auto", 1.0)
 
@@ -118,7 +143,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
     if not 0 < mfs <= 1:
         raise SimConfigError("--mem-fraction-static must be in (0, 1]")
     plan = memory.plan_memory(
-        gpu,
+        node,
         weights_bytes=weights,
         kv_bytes_per_token=kv_bytes,
         mem_fraction_static=mfs,
@@ -149,7 +174,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         context_length=context_len,
         cuda_graph_max_bs_decode=graph_bs,
         page_size=1,
-        tp_size=1,
+        tp_size=tp,
         dp_size=1,
     )
     return SimConfig(
@@ -158,7 +183,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         host=ns.host,
         port=ns.port,
         api_key=ns.api_key,
-        gpu=gpu,
+        gpu=node,
         model=model,
         quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype or "auto",
@@ -173,9 +198,14 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         max_queued_requests=ns.max_queued_requests,
         context_len=context_len,
         schedule_policy=ns.schedule_policy,
+        enable_priority_scheduling=ns.enable_priority_scheduling,
+        schedule_low_priority_values_first=ns.schedule_low_priority_values_first,
+        priority_scheduling_preemption_threshold=ns.priority_scheduling_preemption_threshold,
+        disable_priority_preemption=ns.disable_priority_preemption,
         schedule_conservativeness=ns.schedule_conservativeness,
         disable_radix_cache=ns.disable_radix_cache,
         cuda_graph_max_bs_decode=graph_bs,
+        tp_size=tp,
         enable_metrics=ns.enable_metrics,
         enable_cache_report=ns.enable_cache_report,
         decode_log_interval=max(1, ns.decode_log_interval),

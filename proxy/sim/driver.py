@@ -180,6 +180,7 @@ class Driver:
             output_len=p.output_len,
             rid=p.rid,
             stream=p.stream,
+            priority=p.priority if self.engine.cfg.enable_priority_scheduling else None,
             now=self.now(),
         )
         r.handle = Handle(p.stream)

@@ -198,6 +198,7 @@ class Engine:
         output_len: int | None = None,
         rid: str | None = None,
         stream: bool = False,
+        priority: int | None = None,
         now: float | None = None,
     ) -> Req:
         if now is not None:
@@ -220,6 +221,7 @@ class Engine:
             target=target,
             token_seed=self.rng.randrange(1 << 30),
             stream=stream,
+            priority=self.scheduler.default_priority() if priority is None else priority,
         )
         self.scheduler.enqueue(r)
         return r
@@ -249,6 +251,7 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, now: float) -> Step | None:
         self.now = now
+        self._preempt_for_priority()
         admitted = self.scheduler.next_prefill(self.kv)
         if admitted is not None:
             return self._prefill_step(admitted.items)
@@ -323,6 +326,19 @@ class Engine:
             )
         sched.after_retract(kv)
         self.reporter.on_retract(len(retracted), kv.free - free_before, old_ratio, sched.ratio)
+
+    def _preempt_for_priority(self) -> None:
+        """Under priority scheduling, free running slots for a more important waiting request."""
+        kv, sched = self.kv, self.scheduler
+        victims = sched.preemptible(kv)
+        if not victims:
+            return
+        for r in victims:
+            self._take_out(r)
+        kv.running.drop(set(victims))
+        for r in victims:
+            sched.enqueue(r)
+        sched.batch_changed()
 
     def _take_out(self, r: Req) -> None:
         """Retract ``r``: free its KV; its prefill restarts over the prompt and the outputs so far."""

@@ -1,7 +1,8 @@
 """SGLang 0.5.23's log lines, word for word, and the stderr sink that stamps them.
 
-Every line is ``[%Y-%m-%d %H:%M:%S] message`` (TP size 1: no rank prefix), written to stderr and
-flushed at once so a supervisor tailing the stream sees it immediately.
+Every line is ``[%Y-%m-%d %H:%M:%S] message`` (TP size 1: no rank prefix; with tensor parallelism
+SGLang's scheduler adds its rank, ``[%Y-%m-%d %H:%M:%S TP0] message``: the simulator speaks as rank
+0), written to stderr and flushed at once so a supervisor tailing the stream sees it immediately.
 """
 
 from __future__ import annotations
@@ -111,9 +112,12 @@ SIGQUIT_LINE = "SIGQUIT received. signum=None, frame=None. It usually means one 
 class LogSink:
     """Writes SGLang-format lines to a stream (stderr by default), one flush per line."""
 
-    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, clock: Callable[[], float] = time.time, *, rank_prefix: str = ""
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.clock = clock
+        self.rank_prefix = rank_prefix  # " TP0" with tensor parallelism, as SGLang's scheduler writes it
         self._last_sec = -1
         self._stamp = ""
 
@@ -121,7 +125,7 @@ class LogSink:
         now = int(self.clock())
         if now != self._last_sec:
             self._last_sec = now
-            self._stamp = time.strftime("[%Y-%m-%d %H:%M:%S] ", time.localtime(now))
+            self._stamp = time.strftime("[%Y-%m-%d %H:%M:%S", time.localtime(now)) + self.rank_prefix + "] "
         try:
             self.stream.write(self._stamp + message + "\n")
             self.stream.flush()

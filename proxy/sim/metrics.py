@@ -211,18 +211,18 @@ class SimMetrics:
         self.retracted_gauge.labels(**sched, pid=pid).set(0)
         self.paused_gauge.labels(**sched, pid=pid).set(0)
         self._retracted = self.retracted_gauge.labels(**sched, pid=pid)
-        mem = cfg.memory
+        mem, per_gpu = cfg.memory, 1024 * cfg.tp_size  # rank 0's collector: its own GPU's share
         for name, value in (
             ("max_total_num_tokens", cfg.max_total_num_tokens),
             ("page_size", 1),
             ("num_pages", cfg.max_total_num_tokens),
             ("context_len", cfg.context_len),
-            ("startup_available_gpu_memory_gb", round(mem.available_gb, 2)),
-            ("weight_memory_usage_gb", round(mem.weights_mib / 1024, 2)),
-            ("kv_cache_memory_usage_gb", round(mem.kv_pool_mib / 1024, 2)),
+            ("startup_available_gpu_memory_gb", round(mem.available_mib / per_gpu, 2)),
+            ("weight_memory_usage_gb", round(mem.weights_mib / per_gpu, 2)),
+            ("kv_cache_memory_usage_gb", round(mem.kv_pool_mib / per_gpu, 2)),
         ):
             g[name].labels(**sched).set(value)
-        self.graph_mem.labels(**sched, phase="decode").set(round(mem.graph_mib / 1024, 2))
+        self.graph_mem.labels(**sched, phase="decode").set(round(mem.graph_mib / per_gpu, 2))
         self.set_load(
             running=0,
             queue=0,

@@ -29,6 +29,7 @@ class GenParams:
     stream: bool = False
     rid: str | None = None
     include_usage: bool = False
+    priority: int | None = None  # SGLang's request field; None: the server's default (the least important)
 
 
 def _int(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
@@ -39,6 +40,16 @@ def _int(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
         raise BadRequest(f"{key} must be an integer, got {value!r}")
     if value < minimum:
         raise BadRequest(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    """SGLang's ``priority`` field (any integer; ignored by a server without priority scheduling)."""
+    value = body.get("priority")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"priority must be an integer, got {value!r}")
     return value
 
 
@@ -92,6 +103,7 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
     out_len = _int(body, "sim_output_len", 1)
     stream = _bool(body, "stream")
     rid = body.get("rid")
+    priority = _priority(body)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("Either text or input_ids should be provided.")
@@ -116,6 +128,7 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
             output_len=out_len,
             stream=stream,
             rid=r if isinstance(r, str) else None,
+            priority=priority,
         )
         for p, r in zip(id_lists, rids, strict=False)
     ]
@@ -163,6 +176,7 @@ def parse_chat(body: Any, cfg: SimConfig) -> GenParams:
         stream=stream,
         include_usage=usage,
         rid=rid if isinstance(rid, str) else None,
+        priority=_priority(body),
     )
 
 
@@ -182,6 +196,7 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
         raise BadRequest("streaming several prompts is not supported by the simulated engine")
     rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
     rid = rid if isinstance(rid, str) and len(prompts) == 1 else None
+    priority = _priority(body)
     return [
         GenParams(
             prompt_ids=p,
@@ -191,6 +206,7 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
             stream=stream,
             include_usage=usage,
             rid=rid,
+            priority=priority,
         )
         for p in prompts
     ]

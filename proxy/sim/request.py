@@ -69,8 +69,10 @@ class Req:
         "num_retractions",
         "out_base",
         "prefilled",
+        "priority",
         "private_base",
         "prompt_ids",
+        "queued_seq",
         "rid",
         "seq",
         "state",
@@ -92,8 +94,11 @@ class Req:
         target: int,
         token_seed: int,
         stream: bool = False,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
+        self.priority = priority  # SGLang's per-request priority (only ordered under priority scheduling)
+        self.queued_seq = seq  # when it last entered the waiting queue (SGLang's wait_queue_entry_time)
         self.seq = seq
         self.arrival = arrival
         self.prompt_ids = prompt_ids

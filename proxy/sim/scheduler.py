@@ -3,6 +3,15 @@
 * **Queue.** Waiting requests in arrival order, sorted per round by ``--schedule-policy``: ``lpm``
   (longest cached prefix first; fcfs above 128 waiting, as SGLang), ``lof`` (largest
   ``max_new_tokens`` first), ``random``, else fcfs.
+* **Priority** (``--enable-priority-scheduling``, SGLang 0.5.x): each request has a priority (one
+  sent without gets the lowest: ``-sys.maxsize - 1``, or ``sys.maxsize`` with
+  ``--schedule-low-priority-values-first``). ``fcfs`` orders the queue by (priority, time it entered
+  the queue), ``lof`` by (priority, largest ``max_new_tokens``), higher values first unless
+  ``--schedule-low-priority-values-first``. When the running batch is full, the head of the queue
+  (unless ``--disable-priority-preemption``) preempts running requests whose priority is more than ``--priority-scheduling-preemption-threshold``
+  below its own, least important and latest queued first, until its prompt and output fit
+  (:meth:`Scheduler.preemptible`, SGLang's ``PrefillAdder.preempt_to_schedule``); the preempted go
+  back to the queue as retracted ones do.
 * **Prefill.** :meth:`Scheduler.next_prefill` asks :func:`~proxy.sim.prefill_adder.admit` for the
   next batch within the free slots and takes the admitted requests off the queue. A batch found
   *full* stays full until a request leaves the running batch (:meth:`Scheduler.batch_changed`).
@@ -16,19 +25,33 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
 
 from proxy.sim.config import SimConfig
 from proxy.sim.kv_pool import KvPool
 from proxy.sim.prefill_adder import AdmitResult, admit
-from proxy.sim.ratio import RETRACT_DECODE_STEPS, RatioSchedule, ratio_after_retract
+from proxy.sim.ratio import CLIP_MAX_NEW_TOKENS, RETRACT_DECODE_STEPS, RatioSchedule, ratio_after_retract
 from proxy.sim.request import Req, State
 
 LPM_QUEUE_LIMIT = 128  # SGLang turns lpm's prefix sorting off (fcfs) above this queue length
+LOWEST_PRIORITY_HIGH_FIRST = -sys.maxsize - 1  # what a request without a priority gets (SGLang's scheduler)
+LOWEST_PRIORITY_LOW_FIRST = sys.maxsize
 
 
 class Scheduler:
-    __slots__ = ("batch_is_full", "cfg", "chunked", "ratio", "ratio_schedule", "rng", "waiting", "waiting_tokens")
+    __slots__ = (
+        "_queued",
+        "batch_is_full",
+        "cfg",
+        "chunked",
+        "priority_sign",
+        "ratio",
+        "ratio_schedule",
+        "rng",
+        "waiting",
+        "waiting_tokens",
+    )
 
     def __init__(self, config: SimConfig, rng: random.Random) -> None:
         self.cfg = config
@@ -39,10 +62,18 @@ class Scheduler:
         self.waiting_tokens = 0  # uncached input tokens waiting, roughly (#pending-token)
         self.chunked: Req | None = None  # the request whose prefill continues next round
         self.batch_is_full = False
+        self.priority_sign = 1 if config.schedule_low_priority_values_first else -1  # sort key sign
+        self._queued = 0  # queue entries so far: the order a request (re-)entered the queue
 
     # ------------------------------------------------------------------ queue
+    def default_priority(self) -> int:
+        """The priority of a request sent without one (the least important)."""
+        return LOWEST_PRIORITY_LOW_FIRST if self.cfg.schedule_low_priority_values_first else LOWEST_PRIORITY_HIGH_FIRST
+
     def enqueue(self, r: Req) -> None:
         r.state = State.WAITING
+        self._queued += 1
+        r.queued_seq = self._queued
         self.waiting.append(r)
         self.waiting_tokens += len(r.fill_ids)
 
@@ -60,7 +91,12 @@ class Scheduler:
 
     def _ordered_waiting(self, kv: KvPool) -> list[Req]:
         policy = self.cfg.schedule_policy
-        if policy == "lpm" and len(self.waiting) <= LPM_QUEUE_LIMIT and kv.cache.enabled:
+        sign = self.priority_sign
+        if self.cfg.enable_priority_scheduling and policy == "fcfs":
+            self.waiting.sort(key=lambda r: (r.priority * sign, r.queued_seq))
+        elif self.cfg.enable_priority_scheduling and policy == "lof":
+            self.waiting.sort(key=lambda r: (r.priority * sign, -r.max_new))
+        elif policy == "lpm" and len(self.waiting) <= LPM_QUEUE_LIMIT and kv.cache.enabled:
             peek = kv.cache.peek
             self.waiting.sort(key=lambda r: -peek(r.fill_ids))
         elif policy == "lof":
@@ -68,6 +104,39 @@ class Scheduler:
         elif policy == "random":
             self.rng.shuffle(self.waiting)
         return self.waiting
+
+    # ------------------------------------------------------------------ priority preemption
+    def preemptible(self, kv: KvPool) -> list[Req]:
+        """Running requests the head of the queue may preempt now (SGLang's ``preempt_to_schedule``):
+        empty unless priority scheduling is on, the running batch is full, and enough of it is more
+        than the threshold less important than the head for the head's tokens to fit."""
+        cfg = self.cfg
+        if not cfg.enable_priority_scheduling or cfg.disable_priority_preemption:
+            return []
+        if not self.waiting or self.chunked is not None:
+            return []
+        if kv.running.n < cfg.max_running_requests:
+            return []
+        sign = self.priority_sign
+        running = kv.running
+        head = min(self.waiting, key=lambda r: (r.priority * sign, r.queued_seq))  # the queue's head (fcfs)
+        if self.cfg.schedule_policy == "lof":
+            head = self._ordered_waiting(kv)[0]
+        threshold = cfg.priority_scheduling_preemption_threshold
+        if all((head.priority - r.priority) * -sign <= threshold for r in running.reqs):
+            return []  # the common case (a queue of equals) in one pass, before any sorting
+        order = sorted(running.reqs, key=lambda r: (r.priority * -sign, -r.queued_seq))
+        budget = kv.free - running.reservation(self.ratio)
+        to_free = len(head.fill_ids) + min(head.max_new, CLIP_MAX_NEW_TOKENS) - budget
+        chosen: list[Req] = []
+        for r in order:
+            if (head.priority - r.priority) * -sign <= threshold:
+                break
+            chosen.append(r)
+            to_free -= min(r.max_new - running.output_len(r), CLIP_MAX_NEW_TOKENS) * self.ratio
+            if to_free <= 0:
+                break
+        return chosen if chosen and to_free <= 0 else []
 
     # ------------------------------------------------------------------ prefill
     def next_prefill(self, kv: KvPool) -> AdmitResult | None:

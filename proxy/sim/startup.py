@@ -37,7 +37,10 @@ async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
     mem, say = cfg.memory, sink
     load_s, capture_s, total_s = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)
     k = cfg.startup_wall_seconds / total_s if total_s > 0 else 0.0  # real seconds per modelled second
-    free0 = (mem.total_mib - mem.context_mib) / 1024
+    # each rank reports its own GPU: with tensor parallelism the weights, the KV pool and the rest
+    # are spread evenly over tp GPUs, so rank 0 sees a tp-th of each
+    per_gpu = 1024 * cfg.tp_size
+    free0 = (mem.total_mib - mem.context_mib) / per_gpu
     say(
         "info",
         f"server_args=ServerArgs(model_path='{cfg.model_path}', served_model_name='{cfg.served_model_name}', "
@@ -52,19 +55,19 @@ async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
     await asyncio.sleep(max(0.0, k * (total_s - load_s - capture_s - 1.0) - process_age_s()))
     say("info", f"Load weight begin. avail mem={free0:.2f} GB")
     await asyncio.sleep(k * load_s)
-    after_w = free0 - mem.weights_mib / 1024
+    after_w = free0 - mem.weights_mib / per_gpu
     say(
         "info",
         f"Load weight end. type={cfg.model.architecture}, dtype=torch.bfloat16, avail mem={after_w:.2f} GB, "
-        f"mem usage={mem.weights_mib / 1024:.2f} GB.",
+        f"mem usage={mem.weights_mib / per_gpu:.2f} GB.",
     )
-    kv_half = mem.kv_pool_mib / 2048
+    kv_half = mem.kv_pool_mib / (2 * per_gpu)
     say(
         "info",
         f"KV Cache is allocated. #tokens: {cfg.max_total_num_tokens}, K size: {kv_half:.2f} GB, "
         f"V size: {kv_half:.2f} GB",
     )
-    after_kv = after_w - mem.kv_pool_mib / 1024
+    after_kv = after_w - mem.kv_pool_mib / per_gpu
     say("info", f"Memory pool end. avail mem={after_kv:.2f} GB")
     if cfg.cuda_graph_max_bs_decode > 0:
         say("info", f"Capture cuda graph begin. This can take up to several minutes. avail mem={after_kv:.2f} GB")
@@ -72,8 +75,8 @@ async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
         await asyncio.sleep(k * capture_s)
         say(
             "info",
-            f"Capture cuda graph end. Time elapsed: {capture_s:.2f} s. mem usage={mem.graph_mib / 1024:.2f} GB. "
-            f"avail mem={mem.available_gb:.2f} GB.",
+            f"Capture cuda graph end. Time elapsed: {capture_s:.2f} s. mem usage={mem.graph_mib / per_gpu:.2f} GB. "
+            f"avail mem={mem.available_mib / per_gpu:.2f} GB.",
         )
     if cfg.max_total_num_tokens < cfg.context_len:
         say(

@@ -43,6 +43,10 @@ class WorkerInfo:
     last_error: str | None = None  # why it is down, in words
     exit_code: int | None = None  # of the last process that exited (negative: killed by that signal)
     log_path: str | None = None  # the file its stdout+stderr are appended to (managed only)
+    pool: str = "default"  # the policy's pool it belongs to (the [engine] table is the pool "default")
+    model: str | None = None  # the model its pool serves (None: whatever the worker reports)
+    gpus: tuple[int, ...] = ()  # the GPU ids it was given (its CUDA_VISIBLE_DEVICES); () not placed
+    node: str | None = None  # the host it runs on when that is not the proxy's (a Ray node's address)
 
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 LineSink = Callable[[str], None]
 _log = logging.getLogger(__name__)
@@ -58,8 +59,77 @@ def signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+class WorkerHandle(Protocol):
+    """A launched worker as the supervisor drives it: :class:`WorkerProcess` on this host, or a
+    remote one (:mod:`proxy.workers.ray_backend`) that says where it runs and which GPUs it got."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def node(self) -> str | None: ...  # None: this host
+    @property
+    def address(self) -> str | None: ...  # the host its server answers on (None: the policy's host)
+    @property
+    def gpus(self) -> tuple[int, ...] | None: ...  # the GPUs it was given there (None: as placed here)
+
+    async def wait(self) -> int: ...
+    async def drain_output(self, timeout: float) -> None: ...
+    async def terminate(self, grace_s: float) -> int: ...
+    def kill_group(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts worker processes: :class:`LocalLauncher` here, or on a cluster."""
+
+    @property
+    def local(self) -> bool: ...  # ports and CUDA_VISIBLE_DEVICES are this host's
+
+    async def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        lines: LineLog,
+        log_file: Path,
+        header: str,
+        worker_id: str,
+        num_gpus: int,
+    ) -> WorkerHandle: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalLauncher:
+    """Worker processes on this host (the default backend)."""
+
+    local = True
+
+    async def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        lines: LineLog,
+        log_file: Path,
+        header: str,
+        worker_id: str,
+        num_gpus: int,
+    ) -> WorkerHandle:
+        return await WorkerProcess.launch(argv, env=env, lines=lines, log_file=log_file, header=header)
+
+    async def close(self) -> None:
+        return None
+
+
 class WorkerProcess:
     """A launched command; ``await WorkerProcess.launch(...)`` returns once the process exists."""
+
+    node: str | None = None
+    address: str | None = None
+    gpus: tuple[int, ...] | None = None
 
     def __init__(
         self,

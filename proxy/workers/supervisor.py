@@ -9,6 +9,10 @@ args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent
 ``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
 take a worker out of READY at once, before its process is seen to exit.
 
+One supervisor runs one pool of the policy (``Placement``: its name, model, each worker's GPUs and
+the engine flags that placement sets); a worker's ``CUDA_VISIBLE_DEVICES`` is its GPUs.
+:class:`proxy.workers.fleet.Fleet` puts several pools behind one :class:`WorkerPool`.
+
 External workers (``kind = "external"``) are only registered: a background probe of ``/health``
 moves them between READY and DOWN; they cannot be restarted.
 
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
-from proxy.workers.process import LineLog, WorkerProcess, signal_name
+from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle, signal_name
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
@@ -51,6 +55,24 @@ _PORT_RETRIES = 3
 
 class WorkerError(RuntimeError):
     """An operation the supervisor cannot do for this worker (unknown id, external worker, ...)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Where one pool's workers run and what that adds to their arguments."""
+
+    pool: str = "default"
+    model: str | None = None
+    gpus: tuple[tuple[int, ...], ...] = ()  # per worker ((): no placement, CUDA_VISIBLE_DEVICES left as it is)
+    args: Mapping[str, object] = field(default_factory=dict)  # the engine's placement flags (tp, served name)
+    worker_ids: tuple[str, ...] = ()  # () : w0, w1, ...
+    num_gpus: int = 0  # GPUs a cluster launcher reserves per worker (its own accounting picks which)
+
+    def worker_id(self, index: int) -> str:
+        return self.worker_ids[index] if index < len(self.worker_ids) else f"w{index}"
+
+    def gpus_of(self, index: int) -> tuple[int, ...]:
+        return self.gpus[index] if index < len(self.gpus) else ()
 
 
 @dataclass(slots=True)
@@ -69,12 +91,16 @@ class _Slot:
     exit_code: int | None = None
     log_path: Path | None = None
     port_fixed: bool = True  # False: chosen by us, may be changed on a clash at first start
-    process: WorkerProcess | None = None
+    process: WorkerHandle | None = None
+    node: str | None = None  # where it runs, when not on this host
     watcher: asyncio.Task[None] | None = None
     lines: LineLog = field(default_factory=LineLog)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     stopping: bool = False  # set while we stop the process on purpose
     ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
+    pool: str = "default"
+    model: str | None = None
+    gpus: tuple[int, ...] = ()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -89,6 +115,10 @@ class _Slot:
             last_error=self.last_error,
             exit_code=self.exit_code,
             log_path=str(self.log_path) if self.log_path else None,
+            pool=self.pool,
+            model=self.model,
+            gpus=self.gpus,
+            node=self.node,
         )
 
 
@@ -120,11 +150,15 @@ class Supervisor:
         self,
         engine_settings: EngineSettings,
         *,
+        placement: Placement | None = None,
+        launcher: Launcher | None = None,
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
     ) -> None:
         self._settings = engine_settings
+        self._place = placement or Placement()
+        self._launcher: Launcher = launcher or LocalLauncher()
         self._managed = engine_settings.managed
         self._engine = engine_settings.engine
         self._poll_s = poll_interval_s
@@ -169,7 +203,17 @@ class Supervisor:
         s = self._settings
         if not self._managed:
             for i, url in enumerate(s.urls):
-                self._add_slot(_Slot(id=f"w{i}", port=0, url=url, managed=False, state=WorkerState.STARTING))
+                self._add_slot(
+                    _Slot(
+                        id=self._place.worker_id(i),
+                        port=0,
+                        url=url,
+                        managed=False,
+                        state=WorkerState.STARTING,
+                        pool=self._place.pool,
+                        model=self._place.model,
+                    )
+                )
             await asyncio.gather(*(self._probe(slot) for slot in self._slots.values()))
             self._probe_task = asyncio.create_task(self._probe_loop(), name="external-worker-probe")
             return
@@ -180,15 +224,18 @@ class Supervisor:
             else:
                 port, fixed = free_port(s.host, taken), False
             taken.add(port)
-            worker_id = f"w{i}"
+            worker_id = self._place.worker_id(i)
             self._add_slot(
                 _Slot(
                     id=worker_id,
                     port=port,
                     url=self._url(port),
                     managed=True,
-                    args=dict(s.args),
+                    args={**s.args, **self._place.args},
                     port_fixed=fixed,
+                    pool=self._place.pool,
+                    model=self._place.model,
+                    gpus=self._place.gpus_of(i),
                     log_path=Path(s.log_dir) / f"{worker_id}.log",
                     lines=LineLog(self._ring_lines),
                 )
@@ -270,10 +317,16 @@ class Supervisor:
         command = list(s.command) if s.command else self._engine.default_command()
         return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
 
-    def _env(self) -> dict[str, str]:
+    def _remote_env(self) -> dict[str, str]:
+        """What a worker on another node gets from us: the policy's variables only (its GPUs are set there)."""
+        return {"PYTHONUNBUFFERED": "1", **self._settings.env}
+
+    def _env(self, gpus: tuple[int, ...] = ()) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines must arrive as they are written
         env.update(self._settings.env)
+        if gpus:  # its own GPUs, numbered from 0 inside the worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         return env
 
     async def _start_slot(self, slot: _Slot, *, reason: str, locked: bool = False) -> None:
@@ -283,9 +336,10 @@ class Supervisor:
         for attempt in range(_PORT_RETRIES + 1):
             if self._stopping:
                 return
-            if not slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+            local = self._launcher.local  # a remote node's ports are not ours to check
+            if local and not slot.port_fixed and not port_is_free(self._settings.host, slot.port):
                 self._move_port(slot)
-            if slot.port_fixed and not port_is_free(self._settings.host, slot.port):
+            if local and slot.port_fixed and not port_is_free(self._settings.host, slot.port):
                 slot.exit_code = None
                 self._set(slot, WorkerState.DOWN, error=f"port {slot.port} on {self._settings.host} is already in use")
                 return
@@ -312,13 +366,24 @@ class Supervisor:
         slot.last_error = None
         slot.ready_seen.clear()
         try:
-            process = await WorkerProcess.launch(
-                argv, env=self._env(), lines=slot.lines, log_file=slot.log_path, header=header
+            process = await self._launcher.launch(
+                argv,
+                env=self._env(slot.gpus) if self._launcher.local else self._remote_env(),
+                lines=slot.lines,
+                log_file=slot.log_path,
+                header=header,
+                worker_id=slot.id,
+                num_gpus=self._place.num_gpus,
             )
         except OSError as e:
             slot.process = slot.watcher = None
             self._set(slot, WorkerState.DOWN, error=f"cannot start {argv[0]!r}: {e.strerror or e}")
             return
+        if process.node is not None:  # placed by a cluster: where it runs and which GPUs it got there
+            slot.node = process.node
+            if process.address is not None and self._settings.host in ("0.0.0.0", "::"):
+                slot.url = f"http://{process.address}:{slot.port}"
+            slot.gpus = process.gpus or ()
         if self._stopping:  # stop() came while we were launching
             slot.stopping = True
             await process.terminate(self._settings.stop_grace_s)
@@ -338,7 +403,7 @@ class Supervisor:
             except Exception:
                 _log.exception("line listener failed")
 
-    async def _watch(self, slot: _Slot, process: WorkerProcess) -> None:
+    async def _watch(self, slot: _Slot, process: WorkerHandle) -> None:
         """Wait for ``process`` to exit; unless we stopped it, the worker is DOWN."""
         code = await process.wait()
         process.kill_group()  # its children go with it (and close the output pipe they share)
@@ -460,6 +525,11 @@ class Supervisor:
     def _add_slot(self, slot: _Slot) -> None:
         self._slots[slot.id] = slot
         slot.lines.add_sink(functools.partial(self._on_line, slot.id))
+
+    def worker_ids(self) -> tuple[WorkerId, ...]:
+        """The ids of this pool's workers, known before they start."""
+        s = self._settings
+        return tuple(self._place.worker_id(i) for i in range(s.workers if self._managed else len(s.urls)))
 
     def _slot(self, worker_id: WorkerId) -> _Slot:
         try:

@@ -11,7 +11,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from .e2e import MODEL, running_proxy, wait_for
+
+pytestmark = [pytest.mark.long]
 
 N_REQUESTS = 600
 MAX_TOKENS = 1000

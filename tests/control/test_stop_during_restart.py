@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.long]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # the worker: the simulator under a shell that, SIGTERMed with its group, waits 2 s before it exits

@@ -9,8 +9,12 @@ import asyncio
 import random
 from pathlib import Path
 
+import pytest
+
 from tests.control.e2e import MODEL, running_proxy, wait_for
 from tests.dashboard.browser import browser_page
+
+pytestmark = [pytest.mark.long]
 
 N_REQUESTS = 300
 MAX_TOKENS = 1000

@@ -15,6 +15,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+pytestmark = [pytest.mark.long]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

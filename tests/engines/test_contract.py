@@ -88,6 +88,16 @@ def test_a_log_that_says_nothing_is_an_unknown_death() -> None:
     assert KnobName.CONSERVATIVENESS in ENGINES["sglang"].knobs
 
 
+def test_placement_flags_come_from_each_engines_own_table() -> None:
+    from proxy.engines.registry import ENGINES
+
+    assert ENGINES["sglang"].placement_args(4, "m") == {"tp_size": 4, "served_model_name": "m"}
+    assert ENGINES["vllm"].placement_args(2, None) == {"tensor_parallel_size": 2}
+    for engine in ENGINES.values():
+        for name, value in engine.placement_args(8, "some/model").items():
+            assert engine.check_arg(name, value) is None, (engine.name, name)
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_extra_args_may_not_set_what_the_supervisor_sets(name: str) -> None:
     engine = ENGINES[name]
@@ -108,3 +118,49 @@ def test_a_logged_command_line_shows_no_api_key(name: str, admin_key_shown: str 
     assert shown == ["--model-path", "m", "--api-key", "***", admin, "--port", "8001", "--api-key"]
     assert argv[3] == "k1"  # the command line itself is left as it is
     assert ENGINES[name].secret_args == ({"api_key"} if admin_key_shown is None else {"api_key", "admin_api_key"})
+
+
+def test_priority_fields_only_when_the_worker_orders_by_priority() -> None:
+    """SGLang (and the simulator): higher values first unless low values first; vLLM: lower first.
+    Without the worker's flag nothing is added (SGLang ignores or refuses it, vLLM refuses it)."""
+    for name in ("sglang", "sim"):
+        engine = ENGINES[name]
+        assert engine.priority_fields({}, interactive=True) == {}
+        assert engine.priority_fields({"enable_priority_scheduling": False}, interactive=False) == {}
+        on = {"enable_priority_scheduling": True}
+        hi, lo = engine.priority_fields(on, interactive=True), engine.priority_fields(on, interactive=False)
+        assert hi["priority"] - lo["priority"] > 10  # above the default preemption threshold
+        on_low = {**on, "schedule_low_priority_values_first": True}
+        hi, lo = engine.priority_fields(on_low, interactive=True), engine.priority_fields(on_low, interactive=False)
+        assert lo["priority"] - hi["priority"] > 10
+    vllm = ENGINES["vllm"]
+    assert vllm.priority_fields({"scheduling_policy": "fcfs"}, interactive=True) == {}
+    on = {"scheduling_policy": "priority"}
+    assert (
+        vllm.priority_fields(on, interactive=True)["priority"] < vllm.priority_fields(on, interactive=False)["priority"]
+    )
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_the_simulated_scheduler_admits_the_interactive_field_first(low_first: bool) -> None:
+    """What the engine module sends, as the simulator's (SGLang's) queue order reads it."""
+    from proxy.sim.request import State
+    from tests.sim.helpers import engine as sim_engine
+    from tests.sim.helpers import run_until, unique_prompt
+
+    flags = ["--enable-priority-scheduling", "--max-running-requests", "1", "--disable-priority-preemption"]
+    args: dict[str, object] = {"enable_priority_scheduling": True}
+    if low_first:
+        flags.append("--schedule-low-priority-values-first")
+        args["schedule_low_priority_values_first"] = True
+    eng = sim_engine(*flags)
+    fields = {c: ENGINES["sim"].priority_fields(args, interactive=c) for c in (True, False)}
+
+    def add(i: int, interactive: bool):  # type: ignore[no-untyped-def]
+        return eng.add(prompt_ids=unique_prompt(20, i), max_new_tokens=8, **fields[interactive])
+
+    first = add(0, False)
+    run_until(eng, lambda: first.state is State.RUNNING)
+    batch, inter = add(1, False), add(2, True)
+    run_until(eng, lambda: inter.state is not State.WAITING)
+    assert batch.state is State.WAITING

@@ -28,12 +28,15 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
     assert [p["concurrency"] for p in report["sweep"]] == [16, 64]
     best = max(report["sweep"], key=lambda p: p["requests_per_s"])["concurrency"]
     assert report["direct"]["concurrency"] == best and report["direct"]["errors"] == 0
-    for name in ("batch", "batch_during_interactive"):
-        b = report[name]
-        assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
-        assert b["error_lines"] == 0 and b["failed"] == 0
-    for name in ("interactive_alone", "interactive_with_batch"):
-        assert report[name]["errors"] == 0 and report[name]["ok"] == 10
-    for key in ("batch_vs_direct_throughput", "interactive_p99_ttft_ratio"):
-        assert isinstance(report[key], float) and math.isfinite(report[key]) and report[key] > 0
-    assert set(report["targets"]) == {"batch_vs_direct_throughput >= 0.97", "interactive_p99_ttft_ratio <= 1.5"}
+    for design in ("band", "priority", "cap", "priority-cap"):  # every design side by side, each on fresh workers
+        d = report[design]
+        for name in ("batch", "batch_during_interactive"):
+            b = d[name]
+            assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
+            assert b["error_lines"] == 0 and b["failed"] == 0
+        for name in ("interactive_alone", "interactive_with_batch"):
+            assert d[name]["errors"] == 0 and d[name]["ok"] == 10
+        for key in ("batch_vs_direct_throughput", "interactive_p99_ttft_ratio"):
+            assert isinstance(d[key], float) and math.isfinite(d[key]) and d[key] > 0
+        assert set(d["targets"]) == {"batch_vs_direct_throughput >= 0.97", "interactive_p99_ttft_ratio <= 1.5"}
+    assert report["batch"] == report["band"]["batch"]  # the headline keys: the first design's

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engines.sglang.argv import KNOWN_FLAGS, FlagSpec, build_argv
+from proxy.engines.sglang.argv import KNOWN_FLAGS, FlagSpec, build_argv, placement_args
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.metrics import FIELDS, PREFIX, parse_metrics
 from proxy.policy import ControlSettings, EngineKind, load_policy
+from proxy.workers.fleet import placement_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -82,17 +83,28 @@ def cases() -> list[dict]:
             "fields": sorted(expected),
             "expected": expected,
         })  # fmt: skip
-    for path in sorted(POLICIES.glob("*.toml")):  # the shipped policies for real SGLang workers
-        engine = load_policy(path).engine
-        if engine.kind is not EngineKind.SGLANG:
-            continue
-        expected = {**dict(engine.args), "host": HOST, "port": PORT, "enable_metrics": True}
+    for tp in (1, 2, 4, 8):  # what a pool's placement adds (its GPUs are the worker's CUDA_VISIBLE_DEVICES)
+        args = {"model_path": ALWAYS["model_path"], **placement_args(tp, "pool-model")}
+        expected = {**ALWAYS, **args}
         out.append({
-            "id": f"policy:{path.name}",
-            "argv": build_argv(engine.args, engine.extra_args, host=HOST, port=PORT),
+            "id": f"placement:tp={tp}",
+            "argv": build_argv(args, [], host=HOST, port=PORT),
             "fields": sorted(expected),
             "expected": expected,
         })  # fmt: skip
+    for path in sorted(POLICIES.glob("*.toml")):  # the shipped policies for real SGLang workers, each pool
+        for pool in load_policy(path).pools:
+            engine = pool.engine
+            if engine.kind is not EngineKind.SGLANG:
+                continue
+            args = {**engine.args, **(placement_of(pool, ()).args)}
+            expected = {**args, "host": HOST, "port": PORT, "enable_metrics": True}
+            out.append({
+                "id": f"policy:{path.name}:{pool.name}",
+                "argv": build_argv(args, engine.extra_args, host=HOST, port=PORT),
+                "fields": sorted(expected),
+                "expected": expected,
+            })  # fmt: skip
     return out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy.engines.flags import FlagSpec
-from proxy.engines.vllm.argv import KNOWN_FLAGS, build_argv
+from proxy.engines.vllm.argv import KNOWN_FLAGS, build_argv, placement_args
 from proxy.engines.vllm.knobs import KNOBS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -43,6 +43,11 @@ def cases() -> list[dict]:
         expected = {**ALWAYS, name: value}
         argv = build_argv({"model": ALWAYS["model"], name: value}, [], host=HOST, port=PORT)
         out.append({"id": f"{i}:{name}={value}", "argv": argv, "fields": sorted(expected), "expected": expected})
+    for tp in (1, 2, 4, 8):  # what a pool's placement adds (its GPUs are the worker's CUDA_VISIBLE_DEVICES)
+        args = {"model": ALWAYS["model"], **placement_args(tp, "pool-model")}
+        expected = {**ALWAYS, **args}
+        argv = build_argv(args, [], host=HOST, port=PORT)
+        out.append({"id": f"placement:tp={tp}", "argv": argv, "fields": sorted(expected), "expected": expected})
     return out
 
 

@@ -338,3 +338,33 @@ async def test_the_open_attempts_carry_what_the_planner_replays_of_the_work_in_f
             2000,
         )
     assert not board.get("w0").attempts
+
+
+async def test_batch_queue_stays_short_while_interactive_requests_arrive():
+    """pacing.batch_queue_beside_interactive: within the window after an interactive arrival, batch
+    requests go only while the estimated worker queue is below the cap; each completion lets the
+    next one go at once (no scrape needed); after the window, the band's target applies again."""
+    now = [100.0]
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    band = Band(lo=6, hi=10)
+    d = Dispatcher(
+        pool, board, AdmissionQueue(100), band=band, stale_after_s=1e9, clock=lambda: now[0], batch_queue=2,
+        interactive_window_s=1.0,
+    )  # fmt: skip
+    _sample(board, "w0", 0)
+    load = board.get("w0")
+    inter = d.submit(Priority.INTERACTIVE, 10)
+    async with d.attempt(inter):
+        pass  # answered: the worker's queue estimate is back to 0
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(8)]
+    assert [t.future.done() for t in batch] == [True, True] + [False] * 6  # the cap, not the band's 6
+    assert load.est_queue() == 2
+    async with d.attempt(batch[0]):
+        pass
+    assert batch[2].future.done() and not batch[3].future.done()  # refilled on the completion itself
+    now[0] = 101.5  # no interactive request for longer than the window
+    d.pump()
+    assert sum(t.future.done() for t in batch) == 1 + 6  # the band's target again: 6 estimated waiting
+    for t in batch:
+        t.future.cancel()

@@ -197,7 +197,9 @@ async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_prox
                 if worker.emitted == stalled_at:
                     break
         await _turns(1000)
-        assert worker.emitted == stalled_at < n, "the worker kept writing while the client read nothing"
+        # held back: the kernel may still take a little more as its socket buffers grow (under CPU
+        # contention their ACKs come late), but the stream stays far from written out
+        assert stalled_at <= worker.emitted < n // 2, "the worker kept writing while the client read nothing"
         async with asyncio.timeout(30):
             while not received[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
                 received.append(await reader.read(2**20))

@@ -80,8 +80,18 @@ async def test_a_key_over_its_limit_gets_429s_with_headers_and_nobody_else_suffe
         }
     )
     alice, bob = h.client("sk-alice"), h.client("sk-bob")
-    for _ in range(3):
-        await alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    for left in (2, 1):  # successful answers carry the key's limits too (as OpenAI's do)
+        raw = await alice.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["x-ratelimit-remaining-requests"] == str(left)
+        assert raw.headers["x-ratelimit-limit-tokens"] == "100000" and raw.headers["x-ratelimit-reset-tokens"]
+    stream = await alice.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
+    )
+    assert stream.headers["x-ratelimit-remaining-requests"] == "0"
+    assert [c async for c in stream.parse()]
     with pytest.raises(openai.RateLimitError) as e:
         await alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     r = e.value.response
@@ -99,10 +109,14 @@ async def test_a_key_over_its_limit_gets_429s_with_headers_and_nobody_else_suffe
         )
     )
     assert len(answers) == 20
+    plain = await bob.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "y"}], max_tokens=2
+    )
+    assert not [k for k in plain.headers if k.startswith("x-ratelimit")]  # a key without limits: none
     async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as m:
         text = await m.text()
     assert 'pacer_requests_rejected_total{reason="rate_limited"} 1.0' in text
-    assert 'pacer_key_dispatched_requests_total{key="bob",priority="interactive"} 20.0' in text
+    assert 'pacer_key_dispatched_requests_total{key="bob",priority="interactive"} 21.0' in text
     assert "sk-" not in text
 
 

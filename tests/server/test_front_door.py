@@ -207,7 +207,17 @@ async def test_metrics_page_has_pacer_series(make_proxy):
 async def test_interactive_overtakes_queued_batch_work(make_proxy):
     import asyncio
 
-    h = await make_proxy(policy={"pacing": {"queue_band": [0, 1]}}, worker={"max_running": 1})
+    # One request on the worker at a time, so the worker sees the proxy's dispatch order. The pacing
+    # gate's estimate counts a request reserved before a scrape was sent as seen by that scrape; one
+    # still in transit to the worker (reserved, not yet read by the worker) is missed, so a scrape
+    # answered in that window let a second batch request go while the first was in transit, and the
+    # two reached the worker in either order (this test failed about one run in six). Without
+    # scrapes after the first (the draining forgets the sample), the gate falls back to its own
+    # count, ``in_flight < last_running + band_hi`` = 1: dispatches are strictly one after another.
+    h = await make_proxy(
+        policy={"pacing": {"queue_band": [0, 1], "scrape_interval_s": 600.0, "stale_after_s": 600.0}},
+        worker={"max_running": 1},
+    )
     h.pool.set_state("w0", WorkerState.DRAINING)
     batch = h.client(default_headers={"x-pacer-priority": "batch"})
     inter = h.client()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from proxy.engines.base import EventKind
@@ -94,3 +95,30 @@ def test_oom_tracebacks_tell_prefill_from_decode() -> None:
         lines = [*("[2026-09-13 16:06:05] " + text).splitlines(), "[2026-09-13 16:06:05] " + logs.SIGQUIT_LINE]
         death = classify_death(lines)
         assert (death.cause, death.phase) == ("oom", phase)
+
+
+def test_a_tensor_parallel_worker_speaks_as_rank_0_of_its_own_gpu() -> None:
+    # SGLang with --tp-size > 1 prefixes its scheduler's lines with the rank, and each rank reports
+    # the memory of its own GPU: a 70B model at tp 4 on H100s shows a quarter of the weights and the
+    # KV pool per GPU, never the four GPUs' sum
+    import io
+
+    from proxy.sim.startup import start_up
+    from tests.sim.helpers import config
+
+    def lines_of(*argv: str) -> list[str]:
+        buf = io.StringIO()
+        cfg = config("--sim-model", "llama-3.1-70b", "--sim-gpu", "h100-80gb", "--sim-startup-seconds", "0", *argv)
+        asyncio.run(start_up(cfg, LogSink(buf, rank_prefix=" TP0" if cfg.tp_size > 1 else "")))
+        return buf.getvalue().splitlines()
+
+    four = lines_of("--tp-size", "4")
+    assert all(re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] \S", line) for line in four)
+    events = [e for e in (parse_line(line, 0.0) for line in four) if e is not None]
+    startup = [e for e in events if e.kind is EventKind.STARTUP and "available_gpu_mem_gb" in e.fields]
+    assert startup and all(e.fields["tp_rank"] == 0 and 0 < e.fields["available_gpu_mem_gb"] < 80 for e in startup)
+    weights = next(line for line in four if "Load weight end" in line)
+    gb = float(re.search(r"mem usage=([\d.]+) GB", weights).group(1))  # type: ignore[union-attr]
+    assert 30 < gb < 36  # 70B x 2 bytes / 4 GPUs, not 131 GB
+    free = [float(x) for line in four for x in re.findall(r"avail mem=([\d.]+) GB", line)]
+    assert free and all(0 < f <= 80 for f in free) and free == sorted(free, reverse=True)

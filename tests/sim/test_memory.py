@@ -86,5 +86,21 @@ def test_weights_that_do_not_fit_refuse_to_start() -> None:
 
 
 def test_unknown_and_multi_gpu_flags_are_refused() -> None:
-    with pytest.raises(SimConfigError, match="one GPU"):
-        config("--tp-size", "2")
+    with pytest.raises(SimConfigError, match="1, 2, 4 or 8"):
+        config("--tp-size", "3")
+    with pytest.raises(SimConfigError, match="--dp-size"):
+        config("--dp-size", "2")
+
+
+def test_a_tensor_parallel_worker_has_a_larger_kv_pool_and_faster_steps() -> None:
+    one, four = config("--sim-model", "llama-3.1-8b"), config("--sim-model", "llama-3.1-8b", "--tp-size", "4")
+    assert four.tp_size == 4 and four.server_args["tp_size"] == 4
+    # the weights are held once across four GPUs: the pool grows by more than 4x
+    assert four.max_total_num_tokens > 4 * one.max_total_num_tokens
+    for batch in (1, 64):
+        assert four.step_model().decode_seconds(batch, 50_000, True) < one.step_model().decode_seconds(
+            batch, 50_000, True
+        )
+    assert four.step_model().prefill_seconds(4096, 4096**2 / 2, 1) < one.step_model().prefill_seconds(
+        4096, 4096**2 / 2, 1
+    )

@@ -155,6 +155,17 @@ def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | Non
     return TABLE.check(name, value)
 
 
+def placement_args(gpus_per_worker: int, model: str | None) -> dict[str, object]:
+    """The flags of a worker placed on ``gpus_per_worker`` GPUs (its ``CUDA_VISIBLE_DEVICES``, so
+    SGLang's ``--base-gpu-id`` stays 0) serving ``model`` under that name: ``--tp-size`` and
+    ``--served-model-name``. Data parallelism is the pool's worker count (one process each), so
+    the proxy, not ``--dp-size``, spreads the load over the replicas."""
+    out: dict[str, object] = {"tp_size": gpus_per_worker}
+    if model is not None:
+        out["served_model_name"] = model
+    return out
+
+
 def _is_scalar(value: object) -> bool:
     return isinstance(value, (str, int, float, bool))
 

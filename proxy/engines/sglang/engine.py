@@ -8,6 +8,16 @@ What can change without a restart: SGLang's ``POST /set_internal_state`` reaches
 "Updating {k} is not supported." (``python/sglang/srt/managers/scheduler.py``, 0.5.x). So every knob
 the controller moves (conservativeness, chunked prefill, max running requests, memory fraction)
 takes a restart.
+
+Priority (:meth:`SGLangEngine.priority_fields`): with ``enable_priority_scheduling`` SGLang orders
+its waiting queue by each request's ``priority`` field (higher values first, lower with
+``schedule_low_priority_values_first``; a request without one is the least important) and, unless
+``disable_priority_preemption``, a request more than ``priority_scheduling_preemption_threshold``
+(10) above a running one preempts it when the batch is full. The proxy sends interactive requests at
+:data:`INTERACTIVE_PRIORITY` and batch ones at :data:`BATCH_PRIORITY` (reversed signs with low values
+first): a gap of 100, so interactive work preempts batch work at the default threshold and an
+operator who wants no preemption says so with SGLang's own flags. Without the flag the field is not
+sent (SGLang ignores it, or answers 503 with ``abort_on_priority_when_disabled``).
 """
 
 from __future__ import annotations
@@ -15,13 +25,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from proxy.engines.base import Death, Knob, KnobName, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.sglang import argv, knobs, logs, metrics
 
-__all__ = ["SGLANG", "SIM", "SGLangEngine"]
+__all__ = ["BATCH_PRIORITY", "INTERACTIVE_PRIORITY", "SGLANG", "SIM", "SGLangEngine"]
+
+INTERACTIVE_PRIORITY = 100
+BATCH_PRIORITY = 0
+NO_FIELDS: Mapping[str, object] = MappingProxyType({})
+_PRIORITY: Mapping[tuple[bool, bool], Mapping[str, object]] = {  # (interactive, low values first)
+    (True, False): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
+    (False, False): MappingProxyType({"priority": BATCH_PRIORITY}),
+    (True, True): MappingProxyType({"priority": BATCH_PRIORITY}),
+    (False, True): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
+}
 
 RUNTIME_ARGS = frozenset(
     {"pp_max_micro_batch_size", "speculative_accept_threshold_single", "speculative_accept_threshold_acc"}
@@ -71,6 +92,9 @@ class SGLangEngine:
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        return argv.placement_args(gpus_per_worker, model)
+
     @property
     def secret_args(self) -> frozenset[str]:
         return argv.TABLE.secret
@@ -80,6 +104,12 @@ class SGLangEngine:
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return str(args.get("schedule_policy", "")) == "lpm"
+
+    def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
+        if not args.get("enable_priority_scheduling"):
+            return NO_FIELDS
+        low_first = bool(args.get("schedule_low_priority_values_first"))
+        return _PRIORITY[(interactive, low_first)]
 
     def parse_metrics(self, text: str, now: float) -> Sample:
         return metrics.parse_metrics(text, now)

@@ -87,6 +87,15 @@ def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | Non
     return TABLE.check(name, value)
 
 
+def placement_args(gpus_per_worker: int, model: str | None) -> dict[str, object]:
+    """The flags of a worker placed on ``gpus_per_worker`` GPUs (its ``CUDA_VISIBLE_DEVICES``)
+    serving ``model`` under that name: ``--tensor-parallel-size`` and ``--served-model-name``."""
+    out: dict[str, object] = {"tensor_parallel_size": gpus_per_worker}
+    if model is not None:
+        out["served_model_name"] = model
+    return out
+
+
 def _bool_flag(name: str, value: bool) -> str:
     return flag_name(name) if value else "--no-" + name.replace("_", "-")
 

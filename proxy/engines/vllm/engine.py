@@ -5,12 +5,18 @@ What can change without a restart: none of the arguments the controller moves. T
 at start-up) and ``max_model_len`` are fixed when the engine core starts (``vllm/v1/core/sched``,
 ``vllm/config``); the server's run-time endpoints (``/sleep``, ``/wake_up``,
 ``/reset_prefix_cache``) move weights and cache contents, not arguments.
+
+Priority (:meth:`VllmEngine.priority_fields`): with ``scheduling_policy = "priority"`` vLLM takes a
+request's ``priority`` field (default 0, lower values first, ties by arrival) and, when the KV cache
+runs out, preempts the least important running request; without that policy it refuses a non-zero
+priority (400), so the field is sent only when the policy is on: interactive 0, batch 100.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from proxy.engines.base import Death, Knob, KnobName, Sample
@@ -18,6 +24,10 @@ from proxy.engines.contract import LogReader
 from proxy.engines.vllm import argv, knobs, logs, metrics
 
 __all__ = ["VLLM", "VllmEngine"]
+
+NO_FIELDS: Mapping[str, object] = MappingProxyType({})
+INTERACTIVE_FIELDS: Mapping[str, object] = MappingProxyType({"priority": 0})
+BATCH_FIELDS: Mapping[str, object] = MappingProxyType({"priority": 100})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,9 @@ class VllmEngine:
     def build_argv(self, args: Mapping[str, object], extra_args: Sequence[str], *, host: str, port: int) -> list[str]:
         return argv.build_argv(args, extra_args, host=host, port=port)
 
+    def placement_args(self, gpus_per_worker: int, model: str | None) -> dict[str, object]:
+        return argv.placement_args(gpus_per_worker, model)
+
     @property
     def secret_args(self) -> frozenset[str]:
         return argv.TABLE.secret
@@ -71,6 +84,11 @@ class VllmEngine:
 
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return False  # the scheduler is FCFS (or priority): it does not group the queue by prefix
+
+    def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
+        if args.get("scheduling_policy") != "priority":
+            return NO_FIELDS  # vLLM refuses a non-zero priority without the priority policy
+        return INTERACTIVE_FIELDS if interactive else BATCH_FIELDS
 
     def parse_metrics(self, text: str, now: float) -> Sample:
         return metrics.parse_metrics(text, now)

@@ -1,0 +1,63 @@
+"""deploy/kubernetes: every core object is valid against the Kubernetes API schema
+(``kubernetes-validate``, which ships the schemas: no cluster needed), the ConfigMap's policy is
+one the proxy accepts, the probes hit the proxy's health routes, and the KubeRay RayCluster's pod
+templates are valid pod templates with a GPU worker group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.policy import WorkerBackend, parse_policy
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
+VERSION = "1.30.0"
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def validate(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, VERSION, strict=True)
+
+
+def test_the_proxy_objects_are_valid_and_wired() -> None:
+    docs = {d["kind"]: d for d in documents("pacer.yaml")}
+    assert set(docs) == {"ConfigMap", "Deployment", "Service"}
+    for obj in docs.values():
+        validate(obj)
+    policy = parse_policy(__import__("tomllib").loads(docs["ConfigMap"]["data"]["policy.toml"]), "<configmap>")
+    assert policy.fleet.backend is WorkerBackend.RAY and [p.name for p in policy.pools] == ["llama-70b", "llama-8b"]
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["command"][-1] == "/etc/pacer/policy.toml"
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_a_broken_object_is_refused() -> None:
+    (deployment,) = [d for d in documents("pacer.yaml") if d["kind"] == "Deployment"]
+    deployment["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(deployment)
+
+
+def test_the_raycluster_has_valid_pod_templates_and_a_gpu_worker_group() -> None:
+    (cluster,) = documents("raycluster.yaml")
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    spec = cluster["spec"]
+    templates = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+    for template in templates:  # KubeRay's templates are core PodTemplateSpecs
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+    (group,) = spec["workerGroupSpecs"]
+    gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == group["rayStartParams"]["num-gpus"] == "8"
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    ports = {p["containerPort"] for p in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert 10001 in ports  # the Ray client port the proxy attaches to

@@ -1,0 +1,93 @@
+"""An interactive request overtakes batch work already queued on the worker, when the worker's own
+scheduler orders by priority: a real ``pacer sim`` worker started by the supervisor with
+``enable_priority_scheduling``, the proxy in front, the ``openai`` client as the client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+async def _wait(cond, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def _queued_on_worker(url: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sglang:num_queue_reqs"))
+
+
+@pytest.mark.parametrize("priority_scheduling", [True, False])
+async def test_interactive_overtakes_batch_queued_on_the_worker(tmp_path, priority_scheduling: bool) -> None:
+    args = {"max_running_requests": 2, "enable_priority_scheduling": priority_scheduling}
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 1,
+                "args": args,
+                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            # a band that sends every batch request on: they queue on the worker, not in the proxy
+            "pacing": {"queue_band": [16, 16], "headroom": 0, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        },
+        "<priority-e2e>",
+    )
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}/v1"
+    batch = openai.AsyncOpenAI(
+        base_url=base, api_key="none", max_retries=0, timeout=60, default_headers={"x-pacer-priority": "batch"}
+    )
+    inter = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+    finished: list[str] = []
+
+    async def ask(client: openai.AsyncOpenAI, name: str, tokens: int) -> None:
+        await client.completions.create(
+            model=MODEL, prompt=name, max_tokens=tokens, extra_body={"sim_output_len": tokens, "ignore_eos": True}
+        )
+        finished.append(name)
+
+    try:
+
+        async def ready() -> bool:
+            return all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 1
+
+        await _wait(ready, 60)
+        url = pool.workers()[0].url
+        tasks = [asyncio.ensure_future(ask(batch, f"batch {i}", 2000)) for i in range(6)]
+
+        async def four_queued() -> bool:
+            return await _queued_on_worker(url) >= 4
+
+        await _wait(four_queued)  # two run, four wait on the worker
+        await ask(inter, "interactive", 4)
+        await asyncio.gather(*tasks)
+    finally:
+        await batch.close()
+        await inter.close()
+        await runner.cleanup()
+    assert len(finished) == 7
+    if priority_scheduling:  # it went first (preempting a running batch request), before any batch finished
+        assert finished[0] == "interactive"
+    else:  # FCFS on the worker: it waits behind the four queued batch requests
+        assert finished.index("interactive") >= 4

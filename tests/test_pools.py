@@ -1,0 +1,120 @@
+"""[[pool]] tables: several pools of workers, each with its model, tp and GPUs; bad placements are
+refused with the key named; the [engine] table is the one-pool shorthand."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.cli import main
+from proxy.policy import PolicyError, load_policy, parse_policy
+
+POLICIES = Path(__file__).parents[1] / "policies"
+
+
+def pools(*tables: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {"pool": list(tables), **top}
+
+
+def refused(doc: dict[str, Any]) -> PolicyError:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(doc, "<t>")
+    return info.value
+
+
+def test_the_engine_table_is_one_pool_named_default() -> None:
+    p = parse_policy({"engine": {"workers": 2}}, "<t>")
+    (pool,) = p.pools
+    assert pool.name == "default" and pool.engine is p.engine and pool.engine.workers == 2
+    assert [pool.worker_id(i) for i in range(2)] == ["w0", "w1"]
+    assert pool.gpu_sets() == ((), ())  # no placement: CUDA_VISIBLE_DEVICES as it is
+
+
+def test_two_pools_with_their_gpus_models_and_control_overrides() -> None:
+    p = parse_policy(
+        pools(
+            {"name": "big", "model": "m70", "tp": 4, "gpus": [0, 1, 2, 3], "control": {"restarts_per_hour": 1}},
+            {"name": "small", "model": "m8", "gpus": [4, 5, 6, 7], "args": {"sim_model": "llama-3.1-8b"}},
+            control={"mode": "advise", "restarts_per_hour": 5},
+        ),
+        "<t>",
+    )
+    big, small = p.pools
+    assert (big.engine.workers, small.engine.workers) == (1, 4)  # workers from the GPUs: len(gpus) / tp
+    assert big.gpu_sets() == ((0, 1, 2, 3),) and small.gpu_sets() == ((4,), (5,), (6,), (7,))
+    assert big.control.restarts_per_hour == 1 and big.control.mode == "advise"  # override + inherited
+    assert small.control.restarts_per_hour == 5
+    assert big.worker_id(0) == "big-w0" and p.pool_serving("m8") is small and p.pool_serving("x") is None
+    assert p.placement(8) == {"big": ((0, 1, 2, 3),), "small": ((4,), (5,), (6,), (7,))}
+
+
+@pytest.mark.parametrize(
+    ("doc", "key", "words"),
+    [
+        (
+            pools({"name": "a", "model": "x", "gpus": [0, 1]}, {"name": "b", "model": "y", "gpus": [1]}),
+            "pool.b.gpus",
+            "GPU 1 is given twice",
+        ),
+        (pools({"name": "a", "gpus": [0, 0]}), "pool[0].gpus", "GPU 0 is given twice"),
+        (pools({"name": "a", "tp": 4, "gpus": [0, 1, 2]}), "pool[0].gpus", "tp = 4 does not divide the 3 GPUs"),
+        (pools({"name": "a", "gpus": [0, 1], "workers": 3}), "pool[0].workers", "make 2 workers"),
+        (pools({"name": "a", "model": "x"}, {"name": "a", "model": "y"}), "pool[1].name", "also pool[0]"),
+        (pools({"name": "a", "model": "x"}, {"name": "b"}), "pool.b.model", "required when there are several"),
+        (pools({"name": "a", "model": "x"}, {"name": "b", "model": "x"}), "pool.b.model", "served by pool 'a' too"),
+        (pools({"name": "a", "tp": 2, "args": {"tp_size": 2}}), "pool[0].args.tp_size", "set by the pool"),
+        (pools({"name": "a", "gpus": "all"}), "pool[0].gpus", 'or "auto"'),
+        (pools({"name": "a", "kind": "external", "urls": ["http://h:1"], "gpus": [0]}), "pool[0].gpus", "external"),
+        (pools({"name": "a", "tpp": 2}), "pool[0].tpp", "did you mean 'tp'"),
+        ({"engine": {}, "pool": [{"name": "a"}]}, "engine", "not both"),
+    ],
+)
+def test_bad_pools_are_refused_naming_the_key(doc: dict[str, Any], key: str, words: str) -> None:
+    err = refused(doc)
+    assert err.key == key and words in err.problem
+
+
+def test_placement_against_the_gpus_nvml_sees() -> None:
+    p = parse_policy(
+        pools({"name": "a", "model": "x", "gpus": [0, 9]}, {"name": "b", "model": "y", "gpus": "auto", "workers": 2}),
+        "<t>",
+    )
+    with pytest.raises(PolicyError, match=r"pool\.a\.gpus: GPU 9 does not exist: NVML sees 8"):
+        p.placement(8)
+    with pytest.raises(PolicyError, match=r'pool\.b\.gpus: "auto" needs NVML'):
+        p.placement(None)
+    explicit = parse_policy(pools({"name": "a", "gpus": [0, 9]}), "<t>")
+    assert explicit.placement(None) == {"a": ((0,), (9,))}  # no NVML: explicit ids stand as given
+    auto = parse_policy(
+        pools(
+            {"name": "a", "model": "x", "gpus": [0, 1]},
+            {"name": "b", "model": "y", "tp": 2, "gpus": "auto", "workers": 2},
+        ),
+        "<t>",
+    )
+    assert auto.placement(8)["b"] == ((2, 3), (4, 5))  # the first free ones, tp per worker
+    with pytest.raises(PolicyError, match=r'"auto" needs 4 GPUs \(2 workers x tp 2\); 2 of 4 are free'):
+        auto.placement(4)
+
+
+def test_the_fleet_policies_pass_check_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("h100x8-two-models.toml", "sim-8gpu-two-models.toml"):
+        assert main(["check-policy", str(POLICIES / name)]) == 0
+        out = capsys.readouterr().out
+        assert "pool     llama-70b: model meta-llama/Llama-3.1-70B-Instruct, tp 4, GPUs 0 1 2 3" in out
+        assert "llama-8b-w3 on GPU 7" in out
+        p = load_policy(POLICIES / name)
+        assert "pool.llama-8b.workers = 4" in p.changed() and not any(c.startswith("engine.") for c in p.changed())
+        assert [(x.name, x.engine.workers, x.tp) for x in p.pools] == [("llama-70b", 1, 4), ("llama-8b", 4, 1)]
+
+
+def test_check_policy_refuses_a_gpu_given_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (POLICIES / "sim-8gpu-two-models.toml").read_text().replace("gpus = [4, 5, 6, 7]", "gpus = [3, 5, 6, 7]")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    tomllib.loads(text)
+    assert main(["check-policy", str(bad)]) == 2
+    assert "pool.llama-8b.gpus: GPU 3 is given twice (pool 'llama-70b' has it)" in capsys.readouterr().err
