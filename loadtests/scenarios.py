@@ -86,6 +86,7 @@ class ArmResult:
     load_avg: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at the start and the end
     started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
     latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
+    ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
@@ -253,11 +254,14 @@ async def _one(
     t0: float,
     res: ArmResult,
     at_s: float = 0.0,
+    priority: str | None = None,
+    stream: bool = False,
 ) -> None:
-    """One request, sent ``at_s`` wall seconds after ``t0`` (its arrival)."""
+    """One request, sent ``at_s`` wall seconds after ``t0`` (its arrival), in class ``priority`` (the
+    proxy's priority header), streamed when ``stream`` (its first content chunk timed)."""
     if at_s > 0:
         await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -265,10 +269,25 @@ async def _one(
         "sim_output_len": out_len,
         "user": f"scenario-{i}",
     }
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    headers = {"x-pacer-priority": priority} if priority else None
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
         if resp.status == 200:
-            data = await resp.json()
-            tokens = int(data["usage"]["completion_tokens"])
+            if stream:
+                tokens = 0
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("choices") and i not in res.ttfts and event["choices"][0].get("text"):
+                        res.ttfts[i] = round(time.monotonic() - t0 - at_s, 4)
+                    if event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+            else:
+                data = await resp.json()
+                tokens = int(data["usage"]["completion_tokens"])
             res.requests_ok += 1
             res.output_tokens += tokens
             res.completions.append((round(time.monotonic() - t0, 3), tokens))
@@ -355,8 +374,9 @@ async def run_arm(
             t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
             arrivals = [a / sc.time_scale for a in sc.workload.arrivals()]  # modelled -> wall seconds
+            classes = sc.workload.classes()
             tasks = [
-                asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res, at))
+                asyncio.create_task(_one(session, url, model, i, p, m, o, t0, res, at, *classes[i]))
                 for i, ((p, m, o), at) in enumerate(zip(requests, arrivals, strict=True))
             ]
             done, pending = await asyncio.wait(tasks, timeout=max_run_s)
@@ -516,7 +536,9 @@ def run_scenario(
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
         "plans_noted": len(twin_errors),
         "restarts": results["adaptive"].restarts if "adaptive" in results else None,
-        "phases": _phase_figures(sc, results),
+        "phases": (phases := _phase_figures(sc, results)),
+        **_phase_judged(phases),
+        "interactive_ttft_p99_s": _interactive_ttft(sc, results),
         "scenario": sc.name,
         "premise": sc.premise,
         "gpu": sc.gpu,
@@ -549,7 +571,8 @@ def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[
     out = []
     for k, part in enumerate(sc.workload.parts):
         idx = [i for i, p in enumerate(phase_of) if p == k]
-        row: dict[str, Any] = {"phase": k, "judged_on": "queue time" if part.rate is not None else "throughput"}
+        judged = "throughput" if part.rate is None else "time to first token (p99)" if part.stream else "queue time"
+        row: dict[str, Any] = {"phase": k, "judged_on": judged}
         for arm, r in results.items():
             lat = sorted(r.latencies[i] * sc.time_scale for i in idx if i in r.latencies)
             if not lat:
@@ -559,8 +582,62 @@ def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[
             tokens = sum(outputs[i] for i in idx if i in r.latencies)
             row[arm] = {"mean_s": round(sum(lat) / len(lat), 2), "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 2),
                         "tok_per_s": round(tokens / (last - first), 1) if last > first else None}  # fmt: skip
+            ttft = sorted(r.ttfts[i] * sc.time_scale for i in idx if i in r.ttfts)
+            if ttft:
+                row[arm].update(ttft_mean_s=round(sum(ttft) / len(ttft), 3),
+                                ttft_p99_s=round(ttft[int(0.99 * (len(ttft) - 1))], 3))  # fmt: skip
         out.append(row)
     return out
+
+
+STATIC_ARMS = ("default", "oracle", "defaults")
+
+
+def _interactive_ttft(sc: Scenario, results: Mapping[str, ArmResult]) -> dict[str, float] | None:
+    """Per arm, the p99 time to first token (modelled seconds) of the requests sent as ``interactive``."""
+    idx = [i for i, (priority, _) in enumerate(sc.workload.classes()) if priority == "interactive"]
+    out = {}
+    for arm, r in results.items():
+        ttft = sorted(r.ttfts[i] * sc.time_scale for i in idx if i in r.ttfts)
+        if ttft:
+            out[arm] = round(ttft[int(0.99 * (len(ttft) - 1))], 3)
+    return out or None
+
+
+def _phase_judged(phases: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A phased run judged phase by phase: against each static arm, the adaptive arm's ratio per phase
+    (its throughput over the arm's for a batch; the arm's mean time to answer over its own for
+    arrivals over time, or its p99 time to first token for streamed ones: above 1 is better) and their geometric mean; the best static arm is
+    the one the adaptive arm does worst against. Only the static arms that ran are compared (the
+    sweep's best is chosen on the whole run's throughput, not on this)."""
+    if not phases:
+        return {}
+    by_arm: dict[str, list[float]] = {}
+    for row in phases:
+        mine = row.get("adaptive")
+        if not isinstance(mine, dict):
+            return {}
+        for arm in STATIC_ARMS:
+            other = row.get(arm)
+            if not isinstance(other, dict):
+                continue
+            if row["judged_on"] == "throughput":
+                a, b = mine.get("tok_per_s"), other.get("tok_per_s")
+            elif row["judged_on"].startswith("time to first token"):
+                a, b = other.get("ttft_p99_s"), mine.get("ttft_p99_s")
+            else:
+                a, b = other.get("mean_s"), mine.get("mean_s")
+            if a and b:
+                by_arm.setdefault(arm, []).append(a / b)
+    scores = {arm: (statistics.geometric_mean(r), r) for arm, r in by_arm.items() if len(r) == len(phases)}
+    if not scores:
+        return {}
+    worst = min(scores, key=lambda arm: scores[arm][0])
+    return {
+        "adaptive_over_best_static_by_phase": round(scores[worst][0], 4),
+        "best_static_by_phase": worst,
+        "phase_ratios": {arm: [round(x, 4) for x in r] for arm, (_, r) in scores.items()},
+    }
 
 
 def _opt(value: Any) -> str:

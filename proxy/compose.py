@@ -28,7 +28,7 @@ from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
 from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace
 from proxy.control.journal import Journal
-from proxy.control.planner import Observed
+from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
@@ -305,6 +305,14 @@ class _Surroundings:
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
+        ]
+
+    def in_flight(self, worker_id: str) -> Sequence[InFlight]:
+        return [
+            InFlight(
+                arrived=a.ticket.enqueued_at, prompt_tokens=a.ticket.prompt_tokens or 1, max_tokens=a.ticket.max_tokens
+            )
+            for a in self._st.board.get(worker_id).attempts
         ]
 
 

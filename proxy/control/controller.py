@@ -39,7 +39,16 @@ from proxy.control.canary import Canary, CanaryVerdict, judge, per_load
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, Planned
 from proxy.control.journal import Journal, Status, verdict
-from proxy.control.planner import DecodeStats, Observed, Plan, PlanInputs, PlanSettings, RestartCost, run_plan
+from proxy.control.planner import (
+    DecodeStats,
+    InFlight,
+    Observed,
+    Plan,
+    PlanInputs,
+    PlanSettings,
+    RestartCost,
+    run_plan,
+)
 from proxy.control.rules import (
     ON_DEATH,
     SAFETY_NET_SERVING,
@@ -136,6 +145,9 @@ class Surroundings(Protocol):
 
     def recent_requests(self, worker_id: WorkerId) -> Sequence[Observed]:
         """The worker's newest answered requests, as the proxy saw them (the planner's workload)."""
+
+    def in_flight(self, worker_id: WorkerId) -> Sequence[InFlight]:
+        """The requests the proxy has open on the worker now (running or queued there)."""
 
 
 @dataclass(slots=True)
@@ -335,10 +347,13 @@ class Controller:
             if not workload:
                 continue
             w.last_plan = now
-            jobs.append(PlanJob(wid, now, self._plan_inputs(w, workload), w.window.throughput))
+            open_now = tuple(self.surroundings.in_flight(wid))
+            jobs.append(PlanJob(wid, now, self._plan_inputs(w, workload, open_now, now), w.window.throughput))
         return jobs
 
-    def _plan_inputs(self, w: _Worker, workload: tuple[Observed, ...]) -> PlanInputs:
+    def _plan_inputs(
+        self, w: _Worker, workload: tuple[Observed, ...], in_flight: tuple[InFlight, ...] = (), now: float | None = None
+    ) -> PlanInputs:
         c = self.settings
         args = dict(w.state.args)
         gpu = str(args.get("sim_gpu") or c.twin_gpu)
@@ -372,7 +387,8 @@ class Controller:
             min_available_gb=c.available_mem_band_gb[0],
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
-                          kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings)  # fmt: skip
+                          kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
+                          in_flight=in_flight, now=now)  # fmt: skip
 
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]

@@ -8,11 +8,15 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   the server queue short); the first sign of over-commitment sets it below what the worker held
   (``backoff`` x in flight), and each further sign multiplies it down again, at most once per
   ``hold_s``. Signs of over-commitment: the engine's retraction counter rose since the last look
-  while its smoothed rate per 1,000 output tokens is above ``retractions_per_1k_tokens`` (a batch of
-  long outputs retracts a few requests steadily whatever the limit: that trickle is not a sign; an
-  engine without a token counter: any rise), or
-  the time to first token of the worker's recent requests rose above ``ttft_rise`` x its recent
-  floor while the server had a queue. It grows additively (``limit / grow_divisor``, at least 1)
+  while its rate per 1,000 output tokens, smoothed over ``rate_window_s`` of time (and only once
+  that much has been seen), is above ``retractions_per_1k_tokens`` (a batch of long outputs
+  retracts a few requests at a time, steadily, whatever the limit: one such burst over half a
+  second of tokens is not a sign, nor is the trickle; an engine without a token counter: any rise),
+  or the time to first token of the worker's recent requests rose above ``ttft_rise`` x its recent
+  floor while the server had a queue, for a worker whose recent outputs are shorter than
+  ``long_output_tokens`` (interactive answers, judged on their wait; a batch of long outputs waits
+  for KV to free by design, behind the longer server queue this tier itself gives it, and is
+  judged on throughput). It grows additively (``limit / grow_divisor``, at least 1)
   when the pool is under-used with work waiting: the limit binds (in flight >= limit), the proxy
   holds requests back, and token usage is below ``grow_below_usage``. Grown past ``ceiling`` it is
   unset again.
@@ -54,7 +58,7 @@ class PaceSettings:
     grow_below_usage: float = 0.9  # grow only while token usage is below this
     ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
     retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
-    smoothing: float = 0.2  # weight of the newest look in the smoothed retraction and token increments
+    rate_window_s: float = 30.0  # time constant of the smoothed retraction and token rates
     floor_decay: float = 1.02  # the TTFT floor rises by this factor per look (so it can follow a change)
     short_output_tokens: float = 256.0  # mean outputs this short: the band's base
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
@@ -84,8 +88,10 @@ class Pace:
     queue_target: int | None = None  # None: the band's own target
     retractions_seen: float | None = None
     tokens_seen: float | None = None
-    retraction_ewma: float = 0.0  # smoothed retracted requests per look
-    token_ewma: float = 0.0  # smoothed output tokens per look
+    retraction_ewma: float = 0.0  # smoothed retracted requests per second
+    token_ewma: float = 0.0  # smoothed output tokens per second
+    rates_seen_s: float = 0.0  # how long the smoothed rates have been fed
+    looked_at: float | None = None  # the previous look's time
     ttft_floor: float | None = None
     backed_off_at: float = -math.inf
     reason: str = ""  # why the limit last moved (for the status page and logs)
@@ -114,18 +120,29 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
     target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
     r_inc = _increase(prev.retractions_seen, look.retractions_total)
     t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
-    a = settings.smoothing
-    r_ewma = prev.retraction_ewma if r_inc is None else (1 - a) * prev.retraction_ewma + a * r_inc
-    t_ewma = prev.token_ewma if t_inc is None else (1 - a) * prev.token_ewma + a * t_inc
+    dt = now - prev.looked_at if prev.looked_at is not None else 0.0
+    r_ewma, t_ewma, seen_s = prev.retraction_ewma, prev.token_ewma, prev.rates_seen_s
+    if dt > 0 and r_inc is not None and t_inc is not None:
+        a = 1.0 - math.exp(-dt / settings.rate_window_s)  # the same smoothing in time whatever the scrape interval
+        r_ewma = (1 - a) * r_ewma + a * r_inc / dt
+        t_ewma = (1 - a) * t_ewma + a * t_inc / dt
+        seen_s += dt
     if look.generation_tokens_total is None:  # no token counter: any rise of the retraction counter counts
         retracted = bool(r_inc)
-    else:  # retractions per 1,000 output tokens, smoothed: a long batch's steady trickle is not a sign
-        retracted = bool(r_inc) and t_ewma > 0 and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
+    else:  # retractions per 1,000 output tokens over the window: a burst or a steady trickle is not a sign
+        retracted = (
+            bool(r_inc)
+            and seen_s >= settings.rate_window_s
+            and t_ewma > 0
+            and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
+        )
     floor = prev.ttft_floor
     if look.ttft_s is not None and look.ttft_s > 0:
         floor = look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
+    interactive = look.mean_output_tokens is None or look.mean_output_tokens < settings.long_output_tokens
     slow = (
-        look.ttft_s is not None
+        interactive
+        and look.ttft_s is not None
         and prev.ttft_floor is not None
         and look.queue > 0
         and look.ttft_s > settings.ttft_rise * prev.ttft_floor
@@ -137,6 +154,8 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         tokens_seen=look.generation_tokens_total,
         retraction_ewma=r_ewma,
         token_ewma=t_ewma,
+        rates_seen_s=seen_s,
+        looked_at=now,
         ttft_floor=floor,
     )
     held = now - prev.backed_off_at < settings.hold_s

@@ -31,6 +31,18 @@ twin's modelled start-up on its calibrated clock), so a knob may move back whene
 the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where
 every argument serves what arrives, predicts no throughput gain and so never restarts.
 
+The replay holds the work in flight (:func:`replay`): the sampled requests were served alongside
+others, and a replay of them alone into an empty engine predicts them far too fast under load. So
+the replay starts at the sample's first arrival with what was then on the worker: the answered
+requests that arrived before it and ended after it (their remaining output in proportion to the
+time they still ran; what they had produced already is held as prompt, so their KV is there), and
+the requests the proxy has open on the worker when the plan begins (:class:`InFlight`: its own
+attempts; their output is not known yet, so it is the recent median of output over ``max_tokens``
+times their ``max_tokens``; one that arrived before the sample is counted as ending now, the least
+it can still hold). Only the sample's own requests make the figure (their output tokens over
+their first arrival to their last answer in the replay), the basis on which the worker is
+measured (:func:`measured_throughput`), so prediction and measurement are like with like.
+
 Cost: at most ``1 + max_candidates`` replays of at most ``max_requests`` requests; the controller
 runs a plan off the event loop.
 """
@@ -39,28 +51,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.request import RequestSpec
 from proxy.sim.steptime import startup_seconds
-from proxy.sim.virtual import simulate
+from proxy.sim.virtual import RequestResult, simulate
 
 __all__ = [
     "DecodeStats",
+    "InFlight",
     "Observed",
     "Plan",
     "PlanInputs",
     "PlanSettings",
     "Prediction",
+    "Replay",
     "RestartCost",
     "Twin",
     "calibrate",
     "candidates",
     "measured_throughput",
     "plan",
+    "replay",
     "run_plan",
 ]
 
@@ -79,6 +94,114 @@ class Observed:
     output_tokens: int
     max_tokens: int
     finished: float | None = None  # when its answer ended (same clock as ``arrived``)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InFlight:
+    """A request open on the worker as the plan begins (one of the proxy's attempts): how much it
+    will write is not known yet."""
+
+    arrived: float  # same clock as :attr:`Observed.arrived`
+    prompt_tokens: int  # estimated
+    max_tokens: int | None  # as asked (None: not given)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The specs a twin replays and which of them make the figure (the sample's own requests)."""
+
+    specs: tuple[RequestSpec, ...]
+    foreground: frozenset[str]  # rids of the sampled requests
+    until: float | None = None  # the plan's moment, from the sample's first arrival (None: not known)
+    sample_output: int = 0  # output tokens the sample wrote (all of it answered by ``until``)
+
+    def measured(self) -> float | None:
+        """What the worker did on the sample, on the replay's basis: its output over the window (None:
+        the window is not known; :func:`measured_throughput` then)."""
+        return self.sample_output / self.until if self.until else None
+
+
+def _expected_output(answered: Sequence[Observed]) -> Callable[[int], int]:
+    """A request's expected output from its ``max_tokens``: the median output over ``max_tokens`` of
+    the answered requests that asked for the same (traffic classes differ: chat asks for far more than
+    it writes, a batch of long outputs nearly all), else the median output of all of them (no more
+    than it asked for)."""
+    by_cap: dict[int, list[float]] = {}
+    for o in answered:
+        if o.max_tokens > 0:
+            by_cap.setdefault(o.max_tokens, []).append(min(1.0, o.output_tokens / o.max_tokens))
+    medians = {cap: statistics.median(r) for cap, r in by_cap.items()}
+    written = [o.output_tokens for o in answered]
+    overall = statistics.median(written) if written else None
+
+    def expected(cap: int) -> int:
+        if cap in medians:
+            return max(1, round(cap * medians[cap]))
+        return max(1, min(cap, round(overall))) if overall is not None else cap
+
+    return expected
+
+
+def replay(
+    sample: Sequence[Observed],
+    background: Sequence[Observed] = (),
+    in_flight: Sequence[InFlight] = (),
+    now: float | None = None,
+) -> Replay:
+    """The sample with the work that ran alongside it (see the module docstring); times from the
+    sample's first arrival. ``background``: other answered requests (those that ended before the
+    sample's first arrival are left out); ``in_flight``: open when the plan began, at ``now``."""
+    if not sample:
+        return Replay((), frozenset())
+    ordered = sorted(sample, key=lambda o: o.arrived)
+    t0 = ordered[0].arrived
+    specs: list[RequestSpec] = []
+    fg: set[str] = set()
+    for i, o in enumerate(ordered):
+        rid = f"s{i}"
+        fg.add(rid)
+        out = max(1, min(o.output_tokens, o.max_tokens))
+        specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
+                                 max_new_tokens=max(1, o.max_tokens), output_len=out, rid=rid))  # fmt: skip
+    sampled = set(map(id, sample))
+    for i, o in enumerate(background):
+        if id(o) in sampled or o.finished is None or o.finished <= t0:
+            continue
+        if o.arrived >= t0:
+            specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
+                                     max_new_tokens=max(1, o.max_tokens),
+                                     output_len=max(1, min(o.output_tokens, o.max_tokens)), rid=f"b{i}"))  # fmt: skip
+            continue
+        left = (o.finished - t0) / (o.finished - o.arrived)
+        specs.append(_running_at_start(o.prompt_tokens, o.output_tokens, o.max_tokens, left, f"b{i}"))
+    expected = _expected_output(background or sample)
+    end = (
+        max(now, max((o.finished or o.arrived) for o in ordered))
+        if now is not None
+        else max((o.finished or o.arrived) for o in ordered)
+    )
+    for i, r in enumerate(in_flight):
+        cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, max(o.max_tokens for o in ordered))
+        out = expected(cap)
+        if r.arrived >= t0:
+            specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, r.prompt_tokens),
+                                     max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip
+        else:
+            left = (end - t0) / (end - r.arrived) if end > r.arrived else 1.0
+            specs.append(_running_at_start(r.prompt_tokens, out, cap, left, f"f{i}"))
+    specs.sort(key=lambda sp: sp.arrival)
+    last = max(o.finished or o.arrived for o in ordered)  # no plan is older than an answer it read
+    until = max(now, last) - t0 if now is not None and max(now, last) > t0 else None
+    return Replay(tuple(specs), frozenset(fg), until, sum(o.output_tokens for o in ordered))
+
+
+def _running_at_start(prompt: int, output: int, max_tokens: int, left: float, rid: str) -> RequestSpec:
+    """A request already running when the replay starts: what it wrote so far is held as prompt."""
+    output = max(1, min(output, max_tokens))
+    remaining = max(1, min(output, round(output * min(1.0, max(0.0, left)))))
+    done = output - remaining
+    return RequestSpec(arrival=0.0, prompt_len=max(1, prompt + done), max_new_tokens=max(1, max_tokens - done),
+                       output_len=remaining, rid=rid)  # fmt: skip
 
 
 def measured_throughput(workload: Sequence[Observed]) -> float | None:
@@ -118,6 +241,7 @@ class Prediction:
     args: Mapping[str, object]
     output_tok_per_s: float  # 0 when the twin would not start or dies of OOM
     mean_queue_s: float | None  # arrival to first token
+    sample_tok_per_s: float | None = None  # the sample's own, on the basis it is measured on
     makespan_s: float
     retractions: int
     oom: str | None = None
@@ -156,17 +280,31 @@ class Twin:
             cfg = resolve_config(ns)
         return cfg
 
-    def predict(self, args: Mapping[str, object], workload: Sequence[Observed]) -> Prediction:
+    def predict(self, args: Mapping[str, object], workload: Sequence[Observed] | Replay) -> Prediction:
+        """The twin under ``args`` on ``workload`` (a bare sample replays alone, into an empty engine);
+        throughput and queue time are the sample's own (its output tokens over first arrival to last answer)."""
         try:
             cfg = self.config(args)
         except SimConfigError as exc:
             return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
-        res = simulate(cfg, _specs(workload))
-        waits = [r.first_token_time - r.arrival for r in res.requests if r.first_token_time is not None]
+        plan_replay = workload if isinstance(workload, Replay) else replay(workload)
+        window = plan_replay.until
+        res = simulate(cfg, list(plan_replay.specs))
+        own = [r for r in res.requests if r.rid in plan_replay.foreground]
+        waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
+        if window:  # all the work there is, drained; the sample's own output written by the plan's moment
+            tp = res.output_tok_per_s
+            mine: float | None = sum(_written_by(r, window) for r in own) / window
+        else:  # the sample alone: its output over first arrival to last answer
+            ends = [r.finish_time for r in own if r.finish_time is not None]
+            span = max(ends) - min(r.arrival for r in own) if own and ends else 0.0
+            tp = sum(r.output_tokens for r in own) / span if span > 0 and len(ends) == len(own) else 0.0
+            mine = tp
         return Prediction(
             args=dict(args),
-            output_tok_per_s=0.0 if res.oom else res.output_tok_per_s,
+            sample_tok_per_s=None if mine is None or res.oom else mine,
+            output_tok_per_s=0.0 if res.oom else tp,
             mean_queue_s=sum(waits) / len(waits) if waits else None,
             makespan_s=res.makespan_s,
             retractions=res.retractions,
@@ -186,19 +324,13 @@ def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Nam
     return ns
 
 
-def _specs(workload: Sequence[Observed]) -> list[RequestSpec]:
-    if not workload:
-        return []
-    start = min(o.arrived for o in workload)
-    return [
-        RequestSpec(
-            arrival=o.arrived - start,
-            prompt_len=max(1, o.prompt_tokens),
-            max_new_tokens=max(1, o.max_tokens),
-            output_len=max(1, min(o.output_tokens, o.max_tokens)),
-        )
-        for o in sorted(workload, key=lambda o: o.arrived)
-    ]
+def _written_by(r: RequestResult, t: float) -> float:
+    """Output tokens a replayed request had written at ``t`` (evenly from its first token to its end)."""
+    if r.finish_time is None or r.first_token_time is None or t <= r.first_token_time:
+        return 0.0
+    if t >= r.finish_time:
+        return float(r.output_tokens)
+    return r.output_tokens * (t - r.first_token_time) / (r.finish_time - r.first_token_time)
 
 
 def _decode_ratio(cfg: SimConfig, decode: Sequence[DecodeStats]) -> float | None:
@@ -218,7 +350,7 @@ def calibrate(
     args: Mapping[str, object],
     decode: Sequence[DecodeStats],
     kv_capacity_tokens: int | None,
-    workload: Sequence[Observed] = (),
+    workload: Sequence[Observed] | Replay = (),
     refinements: int = 2,
 ) -> Twin:
     """The twin for a worker running ``args``: presets corrected by what the worker reported.
@@ -240,9 +372,10 @@ def calibrate(
     if live is None:
         return twin
     factor = live
-    for _ in range(refinements if workload else 0):  # the twin's own lines at the factor found so far
+    specs = list(workload.specs if isinstance(workload, Replay) else replay(workload).specs)
+    for _ in range(refinements if specs else 0):  # the twin's own lines at the factor found so far
         twin = Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
-        res = simulate(twin.config(args), _specs(workload))
+        res = simulate(twin.config(args), specs)
         stats = [
             DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for r, u, g, c in res.decode_stats
         ]
@@ -308,8 +441,8 @@ class Plan:
     @property
     def current_error(self) -> float | None:
         """|predicted - measured| / measured throughput of the current args on the replayed requests."""
-        m = self.measured_current
-        return abs(self.current.output_tok_per_s - m) / m if m else None
+        m, p = self.measured_current, self.current.sample_tok_per_s
+        return abs(p - m) / m if m and p is not None else None
 
 
 def plan(
@@ -319,15 +452,19 @@ def plan(
     cost: RestartCost,
     settings: PlanSettings,
     resolved: Mapping[str, float] | None = None,
+    in_flight: Sequence[InFlight] = (),
+    now: float | None = None,
 ) -> Plan:
-    """Replay the newest requests under ``args`` and the candidates; restart only if it pays."""
-    sample = sorted(workload, key=lambda o: o.arrived)[-settings.max_requests :]
-    current = twin.predict(args, sample)
+    """Replay the newest requests, with the work in flight alongside them, under ``args`` and the
+    candidates; restart only if it pays."""
+    sample = _sample(workload, settings)
+    loaded = replay(sample, workload, in_flight, now)
+    current = twin.predict(args, loaded)
     best = current
     refused: list[Prediction] = []
     replays = 1
     for cand in candidates(args, resolved or {}, settings):
-        p = twin.predict(cand, sample)
+        p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
             refused.append(p)
@@ -363,7 +500,7 @@ def plan(
         replays=replays,
         reason=reason,
         refused=tuple(refused),
-        measured_current=measured_throughput(sample),
+        measured_current=loaded.measured() or measured_throughput(sample),
     )
 
 
@@ -380,12 +517,18 @@ class PlanInputs:
     workload: tuple[Observed, ...]
     cost: RestartCost
     settings: PlanSettings
+    in_flight: tuple[InFlight, ...] = ()  # open on the worker at ``now``
+    now: float | None = None
+
+
+def _sample(workload: Sequence[Observed], settings: PlanSettings) -> list[Observed]:
+    return sorted(workload, key=lambda o: o.arrived)[-settings.max_requests :]
 
 
 def run_plan(inputs: PlanInputs) -> Plan:
     """Calibrate the twin on the worker's signals, then plan (CPU-bound: a few bounded replays)."""
-    sample = sorted(inputs.workload, key=lambda o: o.arrived)[-inputs.settings.max_requests :]
-    twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, sample)
+    loaded = replay(_sample(inputs.workload, inputs.settings), inputs.workload, inputs.in_flight, inputs.now)
+    twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, loaded)
     cost = inputs.cost
     if cost.startup_s is None:  # no start of this worker seen: the twin's own start-up, on its calibrated clock
         try:
@@ -394,4 +537,6 @@ def run_plan(inputs: PlanInputs) -> Plan:
             cost = replace(cost, startup_s=modelled * twin.step_time_factor)
         except SimConfigError:
             pass
-    return plan(twin, inputs.args, sample, cost, inputs.settings, inputs.resolved)
+    return plan(
+        twin, inputs.args, inputs.workload, cost, inputs.settings, inputs.resolved, inputs.in_flight, inputs.now
+    )

@@ -39,7 +39,7 @@ from typing import Any
 from proxy.policy import Priority
 from proxy.request.attempt import Ticket
 
-__all__ = ["ORDER", "AdmissionQueue", "KeyStats", "Priority", "QueueFull", "estimate_cost"]
+__all__ = ["BYTES_PER_TOKEN", "ORDER", "AdmissionQueue", "KeyStats", "Priority", "QueueFull", "estimate_cost"]
 
 ORDER: tuple[Priority, ...] = (Priority.INTERACTIVE, Priority.BATCH)
 DEFAULT_QUANTUM = 4096  # tokens of credit per turn of a key of weight 1

@@ -39,8 +39,10 @@ class Ticket:
         "failures",
         "future",
         "key",
+        "max_tokens",
         "patience",
         "priority",
+        "prompt_tokens",
         "queued",
         "requeues",
     )
@@ -55,10 +57,14 @@ class Ticket:
         *,
         key: str = "",
         cost: int = 1,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.priority = priority
         self.key = key
         self.cost = max(1, cost)
+        self.prompt_tokens = prompt_tokens  # estimated (None: not known); read by the planner's replay
+        self.max_tokens = max_tokens  # as asked (None: not given)
         self.enqueued_at = enqueued_at
         self.deadline = deadline
         self.patience = deadline - enqueued_at  # a requeued ticket may wait this long again

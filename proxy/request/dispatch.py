@@ -167,10 +167,19 @@ class Dispatcher:
 
     # -- request side -----------------------------------------------------------------------------
     def submit(
-        self, priority: Priority, timeout_s: float, affinity: str | None = None, *, key: str = "", cost: int = 1
+        self,
+        priority: Priority,
+        timeout_s: float,
+        affinity: str | None = None,
+        *,
+        key: str = "",
+        cost: int = 1,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
     ) -> Ticket:
         """Queue a new request of ``key`` (a key's name) estimated at ``cost`` tokens; raises
-        :class:`QueueFull` or :class:`ProxyClosing`."""
+        :class:`QueueFull` or :class:`ProxyClosing`. ``prompt_tokens`` (estimated) and ``max_tokens``
+        ride on the ticket for the planner's picture of the work in flight."""
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
@@ -184,6 +193,8 @@ class Dispatcher:
             affinity if self.prefix_affinity else None,
             key=key,
             cost=cost,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
         )
         self.admission.push(ticket)  # raises QueueFull
         self.pump()

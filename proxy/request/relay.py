@@ -45,7 +45,7 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
-from proxy.request.admission import Priority, QueueFull, estimate_cost
+from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
@@ -250,7 +250,15 @@ async def _queued(
 ) -> R | web.Response:
     d, m = path.dispatcher_for(job.model), path.metrics
     try:
-        ticket = d.submit(priority, path.settings.queue_timeout_s, job.affinity, key=key, cost=cost)
+        ticket = d.submit(
+            priority,
+            path.settings.queue_timeout_s,
+            job.affinity,
+            key=key,
+            cost=cost,
+            prompt_tokens=job.size // BYTES_PER_TOKEN,
+            max_tokens=job.max_tokens,
+        )
     except ProxyClosing:
         raise _closing_error(path) from None
     except QueueFull as exc:

@@ -120,3 +120,61 @@ def test_the_twin_is_judged_on_the_requests_it_replayed():
     assert measured_throughput(done) == pytest.approx(res.output_tokens / (res.makespan_s - first), rel=1e-6)
     p = plan(Twin(GPU, MODEL), {}, done, RestartCost(startup_s=10.0), PlanSettings(max_candidates=1))
     assert p.current_error is not None and p.current_error < 0.02  # the same engine: the twin is right
+
+
+def _recorded_under_load(seed: int = 11, at: float = 600.0, batch: int = 800):
+    """A worker (the simulator, SGLang's defaults) running a backlog of long outputs near
+    ``max_tokens`` while chat arrives over time; what the proxy knows ``at`` that moment: the
+    answered requests (with their answer times) and the ones still open on the worker."""
+    from proxy.control.planner import InFlight
+
+    rng = random.Random(seed)
+    wl = [Observed(arrived=0.01 * i, prompt_tokens=rng.randint(300, 900), output_tokens=rng.randint(1200, 2000),
+                   max_tokens=2000) for i in range(batch)]  # fmt: skip
+    t = 0.0
+    while t < at + 200:
+        t += rng.expovariate(1.5)
+        wl.append(Observed(arrived=t, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
+                           max_tokens=4096))  # fmt: skip
+    res = simulate(Twin(GPU, MODEL).config({}), [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens,
+                   max_new_tokens=o.max_tokens, output_len=o.output_tokens) for o in wl])  # fmt: skip
+    ended = [(o, r.finish_time) for o, r in zip(wl, res.requests, strict=True)]
+    answered = sorted(
+        (replace(o, finished=f) for o, f in ended if f is not None and f <= at), key=lambda o: o.finished or 0
+    )
+    open_now = [InFlight(arrived=o.arrived, prompt_tokens=o.prompt_tokens, max_tokens=o.max_tokens)
+                for o, f in ended if o.arrived <= at and (f is None or f > at)]  # fmt: skip
+    return answered[-512:], open_now, at
+
+
+def test_under_load_the_replay_with_the_work_in_flight_predicts_what_the_worker_did():
+    answered, open_now, at = _recorded_under_load()
+    assert len(open_now) > 100  # hundreds still running or queued alongside the newest answers
+    settings = PlanSettings(max_candidates=0)
+    alone = plan(Twin(GPU, MODEL), {}, answered, RestartCost(startup_s=10.0), settings)
+    loaded = plan(Twin(GPU, MODEL), {}, answered, RestartCost(startup_s=10.0), settings, None, open_now, at)
+    assert alone.current_error is not None and loaded.current_error is not None
+    # into an empty engine the sample runs faster than it did; with the work in flight the twin's
+    # figure over the window up to the plan matches the worker's
+    assert alone.current_error > 0.12 and loaded.current_error < alone.current_error / 2, alone.current_error
+    assert loaded.current_error < 0.10, loaded.current_error
+    assert loaded.current.retractions > 0  # the replay holds the batch: its KV fills as the worker's did
+
+
+def test_the_replay_starts_the_work_already_running_with_what_it_wrote_held_as_prompt():
+    from proxy.control.planner import InFlight, replay
+
+    sample = [Observed(arrived=10.0, prompt_tokens=100, output_tokens=50, max_tokens=100, finished=12.0)]
+    before = Observed(arrived=0.0, prompt_tokens=200, output_tokens=1000, max_tokens=1000, finished=20.0)
+    gone = Observed(arrived=0.0, prompt_tokens=200, output_tokens=10, max_tokens=1000, finished=5.0)
+    r = replay(sample, [*sample, before, gone], [InFlight(arrived=5.0, prompt_tokens=300, max_tokens=800),
+                                                 InFlight(arrived=11.0, prompt_tokens=40, max_tokens=None)], now=15.0)  # fmt: skip
+    by = {s.rid: s for s in r.specs}
+    assert r.foreground == {"s0"} and set(by) == {"s0", "b1", "f0", "f1"}  # the one that ended before is out
+    assert (by["b1"].arrival, by["b1"].output_len, by["b1"].prompt_len) == (0.0, 500, 700)  # half of it left
+    # open, output unknown: no answer asked for its max_tokens (800), so the median output seen (50),
+    # half of it left at the sample's start (arrived at 5, counted as ending at 15)
+    assert (by["f0"].arrival, by["f0"].output_len, by["f0"].prompt_len) == (0.0, 25, 325)
+    # no max_tokens: the sample's largest (100), and the median ratio of the answers that asked for it
+    assert (by["f1"].arrival, by["f1"].max_new_tokens, by["f1"].output_len) == (1.0, 100, 50)
+    assert r.until == 5.0 and r.measured() == 10.0  # the sample's 50 tokens over the 5 s up to the plan

@@ -9,7 +9,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from proxy.control.planner import Observed
+from proxy.control.planner import InFlight, Observed
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
 from proxy.sim.request import RequestSpec
@@ -27,9 +27,13 @@ class Requests(Around):
     def __init__(self, requests: list[Observed]) -> None:
         super().__init__()
         self.requests = requests
+        self.open: list[InFlight] = []
 
     def recent_requests(self, worker_id: str) -> list[Observed]:
         return self.requests
+
+    def in_flight(self, worker_id: str) -> list[InFlight]:
+        return self.open
 
 
 def _backlog_of_short_answers(n: int = 300) -> list[Observed]:

@@ -191,16 +191,19 @@ def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() ->
 
 @pytest.mark.timeout(240)
 def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> None:
-    """Chat arriving over time, then a small batch, through real proxies (one with the planner and the
-    fast tier): every request answered once, the report's top level and its phases complete."""
+    """Chat arriving over time (streamed, interactive), then a small batch (batch class), through real
+    proxies (one with the planner and the fast tier): every request answered once, the report's top
+    level and its phases complete, the interactive first tokens timed."""
     from loadtests.scenario_defs import Phases, planner_control
 
     sc = Scenario(
         name="tiny-shift",
         premise="test",
         workload=Phases(parts=(
-            Workload(count=30, prompt_len=(50, 150), max_tokens=400, output_len=(20, 60), seed=2, rate=20.0),
-            Workload(count=20, prompt_len=(50, 150), max_tokens=300, output_len=(250, 300), seed=3, start_s=1.0),
+            Workload(count=30, prompt_len=(50, 150), max_tokens=400, output_len=(20, 60), seed=2, rate=20.0,
+                     priority="interactive", stream=True),
+            Workload(count=20, prompt_len=(50, 150), max_tokens=300, output_len=(250, 300), seed=3, start_s=1.0,
+                     priority="batch"),
         )),
         start_args={"schedule_conservativeness": 0.3},
         gpu="a100-40gb",
@@ -215,5 +218,27 @@ def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> N
     assert isinstance(report["adaptive_over_default"], float)
     assert "prediction_error_median" in report and "adaptive_over_best_static" in report
     chat, batch = report["phases"]
-    assert chat["judged_on"] == "queue time" and batch["judged_on"] == "throughput"
+    assert chat["judged_on"] == "time to first token (p99)" and batch["judged_on"] == "throughput"
     assert chat["adaptive"]["mean_s"] > 0 and batch["default"]["tok_per_s"] > 0
+    # the streamed interactive class: its first tokens timed, before its answers ended
+    assert 0 < chat["adaptive"]["ttft_p99_s"] <= chat["adaptive"]["p99_s"] and "ttft_p99_s" not in batch["default"]
+    assert set(report["interactive_ttft_p99_s"]) == {"default", "adaptive"}
+    assert report["arms"]["adaptive"]["output_tokens"] == report["arms"]["default"]["output_tokens"]
+    assert report["best_static_by_phase"] == "default" and report["adaptive_over_best_static_by_phase"] > 0
+
+
+def test_a_phased_run_is_judged_phase_by_phase_against_the_toughest_static_arm() -> None:
+    from loadtests.scenarios import _phase_judged
+
+    phases = [
+        {"judged_on": "queue time", "adaptive": {"mean_s": 10.0}, "default": {"mean_s": 10.0},
+         "defaults": {"mean_s": 20.0}},
+        {"judged_on": "throughput", "adaptive": {"tok_per_s": 1100.0}, "default": {"tok_per_s": 1000.0},
+         "defaults": {"tok_per_s": 1210.0}},
+    ]  # fmt: skip
+    judged = _phase_judged(phases)
+    # against the operator's args: 1.0 and 1.1; against SGLang's: 2.0 and 0.909
+    assert judged["phase_ratios"] == {"default": [1.0, 1.1], "defaults": [2.0, 0.9091]}
+    assert judged["best_static_by_phase"] == "default"
+    assert judged["adaptive_over_best_static_by_phase"] == round((1.0 * 1.1) ** 0.5, 4)
+    assert _phase_judged(None) == {} and _phase_judged([{"judged_on": "throughput"}]) == {}

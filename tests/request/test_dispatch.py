@@ -324,6 +324,22 @@ def test_the_fast_tier_limit_and_queue_target_gate_a_worker():
     assert _choose(ws, board) == "w0"
 
 
+async def test_the_open_attempts_carry_what_the_planner_replays_of_the_work_in_flight():
+    board = LoadBoard()
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=2, hi=4),
+                   stale_after_s=1.0, clock=lambda: 100.0)  # fmt: skip
+    _sample(board, "w0", 0)
+    t = d.submit(Priority.BATCH, 10, prompt_tokens=250, max_tokens=2000)
+    async with d.attempt(t):
+        (open_now,) = board.get("w0").attempts
+        assert (open_now.ticket.enqueued_at, open_now.ticket.prompt_tokens, open_now.ticket.max_tokens) == (
+            100.0,
+            250,
+            2000,
+        )
+    assert not board.get("w0").attempts
+
+
 async def test_batch_queue_stays_short_while_interactive_requests_arrive():
     """pacing.batch_queue_beside_interactive: within the window after an interactive arrival, batch
     requests go only while the estimated worker queue is below the cap; each completion lets the
