@@ -6,7 +6,9 @@
 Every trial runs the whole workload through :func:`proxy.sim.virtual.simulate`: the same
 scheduler, memory and step-time model as the ``pacer sim`` server, without sockets or sleeping
 (a few hundred milliseconds of CPU per trial). A trial scores its output tokens per modelled
-second; a server that dies of an out-of-memory error, or that would not start, scores zero.
+second (a backlogged run), or on the mean time from a request's arrival to its answer (``objective =
+"answer_time"``: a run that arrives over time, where every argument that keeps up delivers the same
+tokens per second); a server that dies of an out-of-memory error, or that would not start, scores zero.
 
 The search is coordinate descent over the four knobs the controller can move
 (``schedule_conservativeness``, ``chunked_prefill_size``, ``max_running_requests``,
@@ -88,6 +90,7 @@ class PacedResult:
     oom: str | None
     peak_running: int
     peak_activation_fraction: float = 0.0  # the largest step's activations / the free memory at start-up
+    mean_answer_s: float = 0.0  # mean engine seconds from a request's arrival to its answer (the finished ones)
 
 
 def _prompt_ids(spec: RequestSpec, index: int) -> tuple[int, ...]:
@@ -112,21 +115,26 @@ class Restart:
 def simulate_paced(
     config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing, restart: Restart | None = None
 ) -> PacedResult:
-    """The whole workload (all of it submitted to the proxy at once, in order) fed to one engine
-    through the pacing gate, in virtual time: the live arms' arrival process. With ``restart``, the
-    same run with one restart of the worker under new arguments (what a controller's move costs)."""
+    """The workload submitted to the proxy as it arrives (each request's ``arrival``, engine seconds; all at
+    0 for a batch job), fed to one engine through the pacing gate, in virtual time: the live arms'
+    arrival process. With ``restart``, the same run with one restart of the worker under new arguments
+    (what a controller's move costs). Each answer's time from its arrival is kept (``mean_answer_s``):
+    a run that arrives over time is judged on it."""
     eng = Engine(config)
     load = WorkerLoad("replay")  # the dispatcher's per-worker counts and estimate
-    pending = list(range(len(workload)))[::-1]  # indices still to send, the next one last
+    # indices still to send, in arrival order (ties in submission order), the next one last
+    pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival, i), reverse=True)
     on_worker: dict[str, int] = {}  # rid -> index of what the worker holds
     t = 0.0
     next_scrape = 0.0
     out_tokens = finished = peak = retracted = 0
+    answer_s = 0.0
     need = 0.0
     oom: str | None = None
     while True:
         if restart is not None and t >= restart.at_s:
-            pending.extend(sorted(on_worker.values(), reverse=True))  # taken back, in their order, first
+            taken_back = sorted(on_worker.values(), key=lambda i: (workload[i].arrival, i), reverse=True)
+            pending.extend(taken_back)  # taken back, in their order, first
             on_worker.clear()
             retracted += eng.retracted_total
             eng, load, config = Engine(restart.config), WorkerLoad("replay"), restart.config
@@ -136,7 +144,7 @@ def simulate_paced(
             load.scrape_started()
             load.record(Sample(time=t, queue=len(eng.waiting), running=eng.n_run, token_usage=0.0))
             next_scrape = t + pacing.scrape_s
-        while pending and load.est_queue() < pacing.target:
+        while pending and workload[pending[-1]].arrival <= t and load.est_queue() < pacing.target:
             i = pending.pop()
             spec = workload[i]
             req = eng.add(
@@ -153,7 +161,10 @@ def simulate_paced(
         if step is None:
             if not pending and load.in_flight == 0:
                 break
-            t = next_scrape if restart is None else min(next_scrape, max(restart.at_s, t))  # idle until the next look
+            wake = next_scrape  # idle until the next look, the next arrival or the restart
+            if pending and workload[pending[-1]].arrival > t:
+                wake = min(wake, workload[pending[-1]].arrival)
+            t = wake if restart is None else min(wake, max(restart.at_s, t))
             continue
         if step.oom is not None:
             if restart is not None:  # the worker dies here: that is its restart
@@ -167,7 +178,9 @@ def simulate_paced(
         peak = max(peak, eng.n_run)
         for r in outcome.finished:
             out_tokens += eng.output_len(r)
-            on_worker.pop(r.rid, None)
+            i = on_worker.pop(r.rid, -1)
+            if i >= 0:
+                answer_s += t - workload[i].arrival
             load.release(r.rid)  # type: ignore[arg-type]
         finished += len(outcome.finished)
     return PacedResult(
@@ -179,6 +192,7 @@ def simulate_paced(
         oom=oom,
         peak_running=peak,
         peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0,
+        mean_answer_s=answer_s / finished if finished else 0.0,
     )
 
 
@@ -192,6 +206,11 @@ class SearchSpace:
     mem_fraction_static: tuple[float | None, ...] = (None, 0.6, 0.7, 0.75, 0.8, 0.83, 0.85, 0.87, 0.89, 0.91, 0.93)
     min_available_gb: float = 0.0  # safety floor on start-up free memory
     passes: int = 2
+    # what a trial is scored on: "throughput" (output tokens per modelled second: a backlogged run) or
+    # "answer_time" (the mean time from a request's arrival to its answer, shorter is better: a run
+    # that arrives over time slower than the best arguments serve it, where every argument that keeps
+    # up delivers the same tokens per second and only the waiting differs)
+    objective: str = "throughput"
     pacing: Pacing | None = None  # the proxy's gate in front of the engine (None: the workload queued at once)
     # paced trials: the largest step's activations may take at most this share of the free memory.
     # A replay is not the live arm to the request: decode-oom's conservativeness 1.6 peaked at 97.6 %
@@ -211,10 +230,18 @@ class Trial:
     oom: str | None = None  # "prefill" | "decode" | "startup" (would not start)
     available_gpu_mem_gb: float | None = None
     unsafe: bool = False  # under the free-memory floor: not a candidate
+    mean_answer_s: float = 0.0  # mean modelled seconds from arrival to answer
+    objective: str = "throughput"  # what :attr:`score` is (see :class:`SearchSpace`)
 
     @property
     def score(self) -> float:
-        return 0.0 if self.oom is not None or self.unsafe else self.output_tok_per_s
+        """Higher is better: output tokens per second, or answers per second of waiting (1 / the mean time
+        from arrival to answer); 0 for a trial that crashed, could not start or is not a candidate."""
+        if self.oom is not None or self.unsafe:
+            return 0.0
+        if self.objective == "answer_time":
+            return 1.0 / self.mean_answer_s if self.mean_answer_s > 0 else 0.0
+        return self.output_tok_per_s
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -225,6 +252,8 @@ class Trial:
             "oom": self.oom,
             "available_gpu_mem_gb": None if self.available_gpu_mem_gb is None else round(self.available_gpu_mem_gb, 2),
             "unsafe": self.unsafe,
+            "mean_answer_s": round(self.mean_answer_s, 3),
+            "objective": self.objective,
         }
 
 
@@ -259,17 +288,25 @@ def evaluate(
     pacing: Pacing | None = None,
     max_activation_fraction: float = 1.0,
     perturb: Sequence[str] = (),
+    objective: str = "throughput",
 ) -> Trial:
     try:
         cfg = sim_config(args, gpu=gpu, model=model, perturb=perturb)
     except SimConfigError:
-        return Trial(args=dict(args), output_tok_per_s=0.0, oom="startup")
+        return Trial(args=dict(args), output_tok_per_s=0.0, oom="startup", objective=objective)
     free = cfg.memory.available_gb
     if free < min_available_gb:
-        return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True)
+        return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True, objective=objective)
     res = simulate(cfg, workload) if pacing is None else simulate_paced(cfg, workload, pacing)
     edge = isinstance(res, PacedResult) and res.oom is None and res.peak_activation_fraction > max_activation_fraction
+    if isinstance(res, PacedResult):
+        mean_answer = res.mean_answer_s
+    else:
+        waits = [r.finish_time - r.arrival for r in res.requests if r.finish_time is not None]
+        mean_answer = sum(waits) / len(waits) if waits else 0.0
     return Trial(
+        mean_answer_s=mean_answer,
+        objective=objective,
         args=dict(args),
         output_tok_per_s=0.0 if res.oom else res.output_tok_per_s,
         makespan_s=res.makespan_s,
@@ -304,6 +341,7 @@ def sweep(
                 pacing=space.pacing,
                 max_activation_fraction=space.max_activation_fraction,
                 perturb=perturb,
+                objective=space.objective,
             )
         return seen[key]
 

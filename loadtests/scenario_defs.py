@@ -176,6 +176,12 @@ class Scenario:
     # them; the controller's twin is never told: it has to calibrate)
     step_time_factor: float = 1.0
     activation_factor: float = 1.0
+    # the figure the arms are judged on (and the oracle's sweep scores): "throughput" for a backlogged
+    # run (a batch submitted at once, or arrivals faster than any argument serves them), "answer_time"
+    # (the mean modelled seconds from a request's arrival to its answer) for arrivals over time that
+    # the best arguments keep up with, where every argument that keeps up delivers the same tokens per
+    # second and the premise shows as waiting
+    judged_on: str = "throughput"
 
     def perturb_args(self) -> list[str]:
         out = []
@@ -258,6 +264,61 @@ def _scenarios() -> dict[str, Scenario]:
         control=scaled_control(12.0),
         min_available_gb=5.0,
     ))  # fmt: skip
+    # The five premises with arrivals over time for a modelled hour: a renewal process (Poisson, and
+    # bursty: gamma shape 0.3, the same mean rate in clumps) at a rate near or above what the operator's
+    # arguments serve and below what the best ones serve (paced replays of a batch of the same
+    # requests, modelled requests per second: start args / best found), so the premise shows as
+    # waiting; judged on the mean time from arrival to answer (retraction-storm: on throughput, below). Sized for this CPU: the live arms send
+    # rate x time_scale requests per wall second and the simulated engine must keep up (a few hundred
+    # steps and a few tens of requests per wall second on 2 shared cores), so an hour has to hold a few
+    # thousand requests: early-stop and low-mem-fraction carry longer outputs than their batch runs
+    # (same share of max_tokens), and the planner is on as shipped (``planner_control``).
+    hour = 3600.0
+    over_time: list[tuple[str, str, float, float, Workload, Mapping[str, Any], dict[str, Any]]] = [
+        # capacity 1.15 (conservativeness 1.0) / 1.35 req/s (0.1, mem 0.85)
+        ("early-stop", "max_tokens 16384 but true outputs are 3-12 % of it, arriving at 1.2 per second: admission "
+         "reserves far too much and requests wait", 1.2, 24.0,
+         Workload(count=0, prompt_len=(300, 900), max_tokens=16384, output_len=(500, 2000), seed=41), {}, {}),
+        # capacity 1.06 (0.1, retractions) / 1.11 req/s (1.3, mem 0.85). At 1.05 per second (below both)
+        # the batch never overfills: 10 retractions in the hour and 0.7 % between the start arguments and
+        # the best, the premise gone; it is a backlog's premise, so the requests come faster than any
+        # argument serves them (a backlog of ~400 by the hour's end) and the run is judged on throughput
+        ("retraction-storm", "schedule_conservativeness 0.1 with outputs that mostly run to max_tokens, arriving at "
+         "1.2 per second, faster than any argument serves them: the KV pool overfills and retracted requests "
+         "are recomputed", 1.2, 24.0,
+         Workload(count=0, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=42),
+         {"judged_on": "throughput"}, {"conservativeness_step": 0.9, "conservativeness_bounds": [0.1, 2.0]}),
+        # prompts of 2,000-24,000 tokens (long documents): the first above ~15,600 tokens fills a 16384
+        # chunk whose activations do not fit, whatever the arrival (with the batch run's 1,000-3,000 the
+        # chunk fills only when many wait at once: at 0.85 per second it never did in the hour, and the
+        # start arguments were the best). Capacity 0.168 (chunk 8192) / 0.171 req/s (mem 0.93, 0.5)
+        ("prefill-oom", "chunked_prefill_size 16384 with mem_fraction_static 0.9 on a 48 GB L40S, prompts of "
+         "2,000-24,000 tokens arriving at 0.15 per second: a prefill chunk of 16384 tokens does not fit", 0.15, 40.0,
+         Workload(count=0, prompt_len=(2000, 24000), max_tokens=1024, output_len=(300, 1024), seed=43),
+         {"min_available_gb": 2.0, "queue_timeout_s": 60.0}, {"available_mem_band_gb": [2.0, 10.0]}),
+        # the start arguments die once ~1000 run at once: that takes ~18 requests per modelled second
+        # (~56 s each at that batch), 65,000 an hour; at time scale 6 (the most at which the batch run
+        # kept up) an arm takes 10 wall minutes and ~110 requests per wall second: defined, too big for
+        # this machine (a faster CPU runs it as is)
+        ("decode-oom", "max_running_requests 2048 on a 24 GB RTX 4090 with mem_fraction_static 0.93, short "
+         "requests arriving at 18 per second: a decode batch past ~1000 requests does not fit", 18.0, 6.0,
+         Workload(count=0, prompt_len=(100, 300), max_tokens=1800, output_len=(300, 1200), seed=44),
+         {"min_available_gb": 0.5, "queue_timeout_s": 120.0}, {"available_mem_band_gb": [0.5, 6.0], "max_running_min": 32}),
+        # capacity 0.98 (mem 0.6) / 1.18 req/s (mem 0.91)
+        ("low-mem-fraction", "mem_fraction_static 0.6 on an 80 GB H100, long outputs arriving at 1.05 per second: "
+         "the KV pool is a third of what fits and requests wait", 1.05, 20.0,
+         Workload(count=0, prompt_len=(300, 900), max_tokens=6000, output_len=(2000, 4000), seed=45), {}, {}),
+    ]  # fmt: skip
+    batch = {x.name: x for x in s}
+    for base_name, premise, rate, scale, shape_of, extra, overrides in over_time:
+        base = batch[base_name]
+        for arrivals, gamma_shape in (("poisson", 1.0), ("bursty", 0.3)):
+            s.append(dataclasses.replace(
+                base, name=f"{base_name}-{arrivals}", premise=f"{premise} ({arrivals}: gamma shape {gamma_shape:g})",
+                workload=dataclasses.replace(shape_of, count=round(rate * hour), rate=rate, shape=gamma_shape),
+                time_scale=scale, control=planner_control(scale, base.gpu, base.model, **overrides),
+                **{"judged_on": "answer_time", **extra},
+            ))  # fmt: skip
     # shift: chat by day (answers far below max_tokens 4096, arriving at 6 per modelled second: judged on
     # the time from arrival to answer), then a batch of long outputs near max_tokens 2000 submitted at
     # once (backlogged, judged on throughput), then chat again. The operator tuned for chat

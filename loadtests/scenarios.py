@@ -38,7 +38,7 @@ from typing import Any
 
 import tomli_w
 
-from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
+from loadtests.oracle import PacedResult, Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
 from proxy.request.pacing import Band
 
@@ -87,6 +87,32 @@ class ArmResult:
     started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
     latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
     ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
+    time_scale: float = 1.0  # modelled seconds per wall second (the answer times below are modelled)
+
+    @property
+    def mean_answer_s(self) -> float | None:
+        """Mean modelled seconds from a request's arrival to its answer, over the answered ones."""
+        if not self.latencies:
+            return None
+        return sum(self.latencies.values()) / len(self.latencies) * self.time_scale
+
+    @property
+    def p99_answer_s(self) -> float | None:
+        if not self.latencies:
+            return None
+        lat = sorted(self.latencies.values())
+        return lat[int(0.99 * (len(lat) - 1))] * self.time_scale
+
+    def judged(self, judged_on: str) -> float:
+        """The figure the arm is judged on, higher is better: output tokens per second, or for
+        ``answer_time`` one over the mean time from arrival to answer; an arm that failed or lost a
+        request scores 0 on answer time (its mean over the answered ones would flatter it)."""
+        if judged_on != "answer_time":
+            return self.output_tok_per_s
+        mean = self.mean_answer_s
+        if self.requests_failed or self.requests_lost or not mean:
+            return 0.0
+        return 1.0 / mean
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
@@ -100,6 +126,8 @@ class ArmResult:
             retractions_counter=self.retractions_counter,
             errors=self.errors,
             sim_slowdown=None if self.sim_slowdown is None else round(self.sim_slowdown, 2),
+            mean_answer_s=None if (m := self.mean_answer_s) is None else round(m, 2),
+            p99_answer_s=None if (p := self.p99_answer_s) is None else round(p, 2),
             load_avg=[round(x, 1) for x in self.load_avg],
         )
         return out
@@ -349,7 +377,9 @@ async def run_arm(
         old.unlink()  # would count the earlier run's retractions and OOMs too
     policy = workdir / "policy.toml"
     policy.write_text(policy_toml(sc, args, mode, workdir))
-    res = ArmResult(arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode)
+    res = ArmResult(
+        arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode, time_scale=sc.time_scale
+    )
     requests = sc.workload.requests()
     proxy = ProxyProcess(policy, workdir / "proxy.log")
     url = await proxy.start()
@@ -417,16 +447,16 @@ def scenario_pacing(sc: Scenario) -> Pacing:
 
 def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sweep's best static arguments, and the sweep itself for the report. Every trial feeds the
-    engine through the arms' own pacing gate (:func:`scenario_pacing`): the arrival the arms see."""
+    engine through the arms' own pacing gate (:func:`scenario_pacing`) as the requests arrive: the
+    arrival the arms see; each trial is scored on the figure the arms are judged on (``judged_on``)."""
     t = time.process_time()
-    over_time = any(a > 0 for a in sc.workload.arrivals())
-    pacing = None if over_time else scenario_pacing(sc)
+    pacing = scenario_pacing(sc)
     result = sweep(
         sc.start_args,
         sc.workload.specs(),
         gpu=sc.gpu,
         model=sc.model,
-        space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing),
+        space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing, objective=sc.judged_on),
         perturb=sc.perturb_args(),
     )
     best = {k: v for k, v in result.best.args.items() if v is not None}
@@ -435,10 +465,12 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         "start": result.start.as_dict(),
         "trials": len(result.trials),
         "cpu_s": round(time.process_time() - t, 1),
-        "pacing": None if pacing is None else {"target": pacing.target, "scrape_s": pacing.scrape_s},
+        "pacing": {"target": pacing.target, "scrape_s": pacing.scrape_s},
+        "objective": sc.judged_on,
         "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate (arrivals over "
-        "time: fed as they arrive); OOM or a "
-        f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
+        "time: fed as they arrive); scored on "
+        + ("1 / mean time from arrival to answer" if sc.judged_on == "answer_time" else "output tokens per second")
+        + f"; OOM or a start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
     }
     return best, info
 
@@ -461,9 +493,9 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
         cfg = sim_config(
             args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args()
         )  # time scale 1: its start-up is the modelled one
-        static[name] = simulate_paced(cfg, specs, pacing).output_tok_per_s
+        static[name] = _replay_score(sc, simulate_paced(cfg, specs, pacing))
         restart = Restart(at_s=at_s, config=cfg, startup_s=cfg.startup_wall_seconds)
-        moved[name] = simulate_paced(start, specs, pacing, restart).output_tok_per_s
+        moved[name] = _replay_score(sc, simulate_paced(start, specs, pacing, restart))
     base = static["oracle_args"]
     if base <= 0:
         return None
@@ -472,6 +504,15 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
         out[f"{name}_restarted"] = round(moved[name] / base, 3)
         out[f"{name}_static"] = round(static[name] / base, 3)
     return out
+
+
+def _replay_score(sc: Scenario, res: PacedResult) -> float:
+    """A replay scored as the arms are judged (higher is better; 0 when it died)."""
+    if res.oom is not None:
+        return 0.0
+    if sc.judged_on == "answer_time":
+        return 1.0 / res.mean_answer_s if res.mean_answer_s > 0 else 0.0
+    return res.output_tok_per_s
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -486,8 +527,11 @@ def run_scenario(
     workdir: Path | None = None,
     max_run_s: float = 900.0,
     oracle: Mapping[str, Any] | None = None,
+    sweep_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report."""
+    """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report.
+    ``sweep_path``: the oracle's sweep is read from there when it exists, else run and written there
+    (the sweep is deterministic in the scenario; an hour's trace costs minutes of CPU per sweep)."""
     from loadtests.plot import plot_scenario
 
     report_path = Path(report_path)
@@ -495,8 +539,15 @@ def run_scenario(
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"pacer-scenario-{sc.name}-"))
     sweep_info: dict[str, Any] = {}
     if "oracle" in arms:
-        if oracle is None:
+        if oracle is None and sweep_path is not None and Path(sweep_path).exists():
+            saved = json.loads(Path(sweep_path).read_text())
+            if saved.get("scenario") != sc.name:
+                raise ValueError(f"{sweep_path} holds the sweep of {saved.get('scenario')!r}, not {sc.name!r}")
+            best, sweep_info = saved["args"], saved["sweep"]
+        elif oracle is None:
             best, sweep_info = oracle_args(sc)
+            if sweep_path is not None:
+                Path(sweep_path).write_text(json.dumps({"scenario": sc.name, "args": best, "sweep": sweep_info}))
         else:
             best, sweep_info = dict(oracle), {"best": {"args": dict(oracle)}, "note": "given"}
     results: dict[str, ArmResult] = {}
@@ -518,7 +569,8 @@ def run_scenario(
               f"{r.duration_s:.1f} s, sim slowdown {r.sim_slowdown if r.sim_slowdown is None else round(r.sim_slowdown, 2)}, "
               f"load {r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
         results[arm] = r
-    tps = {a: r.output_tok_per_s for a, r in results.items()}
+    tps = {a: r.judged(sc.judged_on) for a, r in results.items()}  # the judged figure (higher is better)
+    throughput = {a: r.output_tok_per_s for a, r in results.items()}
     bound = restart_bound(sc, results["adaptive"], best) if {"adaptive", "oracle"} <= set(results) else None
     decisions = results["adaptive"].decisions if "adaptive" in results else []
     errors = [float(d["prediction_error"]) for d in decisions if isinstance(d.get("prediction_error"), (int, float))]
@@ -532,6 +584,10 @@ def run_scenario(
         "adaptive_over_best_static": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
         "adaptive_over_default": _ratio(tps.get("adaptive", 0.0), tps.get("default", 0.0)) if {"adaptive", "default"} <= set(tps) else None,
         "adaptive_over_sglang_defaults": _ratio(tps.get("adaptive", 0.0), tps.get("defaults", 0.0)) if {"adaptive", "defaults"} <= set(tps) else None,
+        "judged_on": sc.judged_on,
+        "sim_slowdown": {a: None if r.sim_slowdown is None else round(r.sim_slowdown, 3) for a, r in results.items()},
+        "throughput_over_best_static": _ratio(throughput.get("adaptive", 0.0), throughput.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(throughput) else None,
+        "mean_answer_s": {a: None if (m := r.mean_answer_s) is None else round(m, 2) for a, r in results.items()},
         "prediction_error_median": round(statistics.median(errors or twin_errors), 4) if errors or twin_errors else None,
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
         "plans_noted": len(twin_errors),
@@ -651,27 +707,27 @@ def _load(value: Any) -> str:
 def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
     head = (
-        "| scenario | arm | output tok/s | ok | failed | lost | retractions | restarts | OOM crashes | sim slowdown | "
-        "load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "| scenario | arm | output tok/s | mean answer s | ok | failed | lost | retractions | restarts | OOM crashes | "
+        "sim slowdown | load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     rows = [head]
     for rep in reports:
         for arm, a in rep["arms"].items():
             final = ", ".join(f"{k}={v}" for k, v in sorted(a["final_args"].items())) or "(SGLang defaults)"
-            rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {a['requests_ok']} | "
+            rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {_opt(a.get('mean_answer_s'))} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
                         f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {final} |")  # fmt: skip
     ratios = [
         "",
-        "| scenario | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
+        "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
         "| replay: adaptive's final args from its restart | modelled s of the restart |",
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
         b = rep.get("restart_bound") or {}
         ratios.append(
-            f"| {rep['scenario']} | {'-' if ao is None else f'{ao:.3f}'} | "
+            f"| {rep['scenario']} | {rep.get('judged_on', 'throughput')} | {'-' if ao is None else f'{ao:.3f}'} | "
             f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
             f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |"
         )
@@ -685,6 +741,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     p.add_argument("--workdir", default=None, help="keep each arm's policy, logs and journal here")
     p.add_argument("--max-run-s", type=float, default=900.0, help="give up on an arm after this long")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="the oracle's sweep: read from this JSON file if it exists, else run and written there",
+    )
     ns = p.parse_args(argv)
     arms = [a.strip() for a in ns.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
@@ -696,7 +757,16 @@ def main(argv: list[str]) -> int:
     for name in names:
         path = report if len(names) == 1 else report.with_name(f"{report.stem}-{name}.json")
         work = Path(ns.workdir) / name if ns.workdir else None
-        reports.append(run_scenario(SCENARIOS[name], path, arms=arms, workdir=work, max_run_s=ns.max_run_s))
+        sweep_path = (
+            None
+            if ns.sweep is None
+            else Path(ns.sweep)
+            if len(names) == 1
+            else Path(ns.sweep).with_name(f"{Path(ns.sweep).stem}-{name}.json")
+        )
+        reports.append(
+            run_scenario(SCENARIOS[name], path, arms=arms, workdir=work, max_run_s=ns.max_run_s, sweep_path=sweep_path)
+        )
     if len(names) > 1:
         report.write_text(
             json.dumps(

@@ -1,0 +1,97 @@
+"""The five premises with arrivals over time: their definitions (an hour of Poisson or bursty arrivals,
+judged on the time from arrival to answer, the planner on), and the oracle scoring that figure in its
+paced replay (requests fed as they arrive, each answer timed from its arrival)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from loadtests.oracle import Pacing, SearchSpace, evaluate, sim_config, simulate_paced, sweep
+from loadtests.scenario_defs import SCENARIOS, Workload
+from loadtests.scenarios import ArmResult, _replay_score, scenario_pacing
+from proxy.request.pacing import Band
+from proxy.sim.request import RequestSpec
+
+PREMISES = ("early-stop", "retraction-storm", "prefill-oom", "decode-oom", "low-mem-fraction")
+PACING = Pacing(band=Band(lo=100, hi=400, headroom=32), scrape_s=5.0)
+
+
+@pytest.mark.parametrize("premise", PREMISES)
+def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> None:
+    poisson, bursty = SCENARIOS[f"{premise}-poisson"], SCENARIOS[f"{premise}-bursty"]
+    batch = SCENARIOS[premise]
+    for sc, shape in ((poisson, 1.0), (bursty, 0.3)):
+        wl = sc.workload
+        assert isinstance(wl, Workload) and wl.rate is not None and wl.shape == shape
+        assert sc.judged_on == "answer_time" and sc.control["planner"] is True
+        assert sc.start_args == batch.start_args and sc.gpu == batch.gpu and sc.model == batch.model
+        arrivals = wl.arrivals()
+        assert arrivals == sorted(arrivals) and arrivals[-1] >= 0.95 * 3600  # about a modelled hour of arrivals
+        assert wl.count == round(wl.rate * 3600)
+        # the controller's timings are the deployment's seen through this scenario's clock
+        assert sc.control["plan_interval_s"] == pytest.approx(60.0 / sc.time_scale)
+    # the same mean rate; bursty: gaps with squared coefficient of variation near 1 / 0.3
+    gaps = {}
+    for sc in (poisson, bursty):
+        a = sc.workload.arrivals()
+        gaps[sc.name] = [y - x for x, y in zip(a, a[1:], strict=False)]
+    cv2 = {n: statistics.pvariance(g) / statistics.mean(g) ** 2 for n, g in gaps.items()}
+    assert 0.8 < cv2[poisson.name] < 1.2
+    assert 2.5 < cv2[bursty.name] < 4.5
+    assert statistics.mean(gaps[bursty.name]) == pytest.approx(statistics.mean(gaps[poisson.name]), rel=0.1)
+
+
+def test_the_paced_replay_feeds_requests_as_they_arrive() -> None:
+    """Two requests a minute apart: the second is not sent before it arrives, and each answer is timed from
+    its own arrival (a replay that sent both at 0 would answer the second long before it exists)."""
+    cfg = sim_config({}, gpu="a100-40gb", model="llama-3.1-8b")
+    wl = [
+        RequestSpec(prompt_len=200, max_new_tokens=100, output_len=100, arrival=0.0),
+        RequestSpec(prompt_len=200, max_new_tokens=100, output_len=100, arrival=60.0),
+    ]
+    res = simulate_paced(cfg, wl, PACING)
+    assert res.finished == 2 and res.oom is None
+    assert res.makespan_s > 60.0  # the second arrived at 60 s
+    assert 0.5 < res.mean_answer_s < 10.0  # 100 tokens each, served as they came: seconds, not a minute
+    together = simulate_paced(cfg, [RequestSpec(prompt_len=200, max_new_tokens=100, output_len=100)] * 2, PACING)
+    assert together.makespan_s < 10.0
+
+
+def test_the_oracle_scores_answer_time_where_throughput_cannot_tell() -> None:
+    """Arrivals that both arguments keep up with: the same tokens per second, different waits. Scored
+    on throughput the two tie; on answer time the sweep picks the one that answers sooner."""
+    wl = Workload(count=120, prompt_len=(100, 300), max_tokens=4000, output_len=(200, 400), seed=3, rate=3.0).specs()
+    tight = {"max_total_tokens": 30000}
+    cautious = evaluate({**tight, "schedule_conservativeness": 1.0}, wl, gpu="a100-40gb", model="llama-3.1-8b",
+                        pacing=PACING, objective="answer_time")  # fmt: skip
+    bold = evaluate({**tight, "schedule_conservativeness": 0.1}, wl, gpu="a100-40gb", model="llama-3.1-8b",
+                    pacing=PACING, objective="answer_time")  # fmt: skip
+    assert bold.output_tok_per_s == pytest.approx(cautious.output_tok_per_s, rel=0.01)  # throughput cannot tell
+    assert bold.mean_answer_s < 0.9 * cautious.mean_answer_s
+    assert bold.score == pytest.approx(1.0 / bold.mean_answer_s) and bold.score > cautious.score
+    space = SearchSpace(schedule_conservativeness=(0.1, 1.0), chunked_prefill_size=(None,), max_running_requests=(None,),
+                        mem_fraction_static=(None,), passes=1, pacing=PACING, objective="answer_time")  # fmt: skip
+    result = sweep({**tight, "schedule_conservativeness": 1.0}, wl, gpu="a100-40gb", model="llama-3.1-8b", space=space)
+    assert result.best.args["schedule_conservativeness"] == 0.1
+    assert result.best.objective == "answer_time" and result.best.as_dict()["mean_answer_s"] > 0
+    # a crash scores nothing on either figure
+    dead = evaluate({"chunked_prefill_size": 16384, "mem_fraction_static": 0.9},
+                    Workload(count=20, prompt_len=(3000, 5000), max_tokens=64, output_len=(16, 64)).specs(),
+                    gpu="l40s-48gb", model="llama-3.1-8b", pacing=PACING, objective="answer_time")  # fmt: skip
+    assert dead.oom == "prefill" and dead.score == 0.0
+
+
+def test_a_replay_and_an_arm_are_scored_on_the_scenario_figure() -> None:
+    sc = SCENARIOS["retraction-storm-poisson"]
+    head = Workload(count=30, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=42, rate=1.05)
+    res = simulate_paced(sim_config(sc.start_args, gpu=sc.gpu, model=sc.model), head.specs(), scenario_pacing(sc))
+    assert _replay_score(sc, res) == pytest.approx(1.0 / res.mean_answer_s)
+    arm = ArmResult(arm="adaptive", args={}, control_mode="auto", time_scale=sc.time_scale, output_tok_per_s=900.0,
+                    requests_ok=2, latencies={0: 1.0, 1: 3.0})  # fmt: skip
+    assert arm.mean_answer_s == pytest.approx(2.0 * sc.time_scale)  # wall seconds -> modelled
+    assert arm.judged("answer_time") == pytest.approx(1.0 / (2.0 * sc.time_scale))
+    assert arm.judged("throughput") == 900.0
+    arm.requests_failed = 1  # an arm that did not answer everyone is not judged on the answers it gave
+    assert arm.judged("answer_time") == 0.0
