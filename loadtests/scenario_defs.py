@@ -313,9 +313,12 @@ def _scenarios() -> dict[str, Scenario]:
     for base_name, premise, rate, scale, shape_of, extra, overrides in over_time:
         base = batch[base_name]
         for arrivals, gamma_shape in (("poisson", 1.0), ("bursty", 0.3)):
+            # every request that arrives within the hour (the process drawn past it, cut at the hour)
+            unbounded = dataclasses.replace(shape_of, count=round(2 * rate * hour), rate=rate, shape=gamma_shape)
+            count = sum(1 for at in unbounded.arrivals() if at <= hour)
             s.append(dataclasses.replace(
                 base, name=f"{base_name}-{arrivals}", premise=f"{premise} ({arrivals}: gamma shape {gamma_shape:g})",
-                workload=dataclasses.replace(shape_of, count=round(rate * hour), rate=rate, shape=gamma_shape),
+                workload=dataclasses.replace(unbounded, count=count),
                 time_scale=scale, control=planner_control(scale, base.gpu, base.model, **overrides),
                 **{"judged_on": "answer_time", **extra},
             ))  # fmt: skip

@@ -4,6 +4,7 @@ paced replay (requests fed as they arrive, each answer timed from its arrival)."
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -30,8 +31,10 @@ def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> N
         assert sc.control["planner"] is True
         assert sc.start_args == batch.start_args and sc.gpu == batch.gpu and sc.model == batch.model
         arrivals = wl.arrivals()
-        assert arrivals == sorted(arrivals) and arrivals[-1] >= 0.95 * 3600  # about a modelled hour of arrivals
-        assert wl.count == round(wl.rate * 3600)
+        assert arrivals == sorted(arrivals) and 0.95 * 3600 < arrivals[-1] <= 3600  # a modelled hour of arrivals
+        longer = dataclasses.replace(wl, count=wl.count + 1).arrivals()
+        assert longer[:-1] == arrivals and longer[-1] > 3600  # every arrival within the hour, none after
+        assert wl.count == pytest.approx(wl.rate * 3600, rel=0.15)
         # the controller's timings are the deployment's seen through this scenario's clock
         assert sc.control["plan_interval_s"] == pytest.approx(60.0 / sc.time_scale)
     # the same mean rate; bursty: gaps with squared coefficient of variation near 1 / 0.3
@@ -42,7 +45,7 @@ def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> N
     cv2 = {n: statistics.pvariance(g) / statistics.mean(g) ** 2 for n, g in gaps.items()}
     assert 0.8 < cv2[poisson.name] < 1.2
     assert 2.5 < cv2[bursty.name] < 4.5
-    assert statistics.mean(gaps[bursty.name]) == pytest.approx(statistics.mean(gaps[poisson.name]), rel=0.1)
+    assert statistics.mean(gaps[bursty.name]) == pytest.approx(statistics.mean(gaps[poisson.name]), rel=0.2)
 
 
 def test_the_paced_replay_feeds_requests_as_they_arrive() -> None:
@@ -78,22 +81,23 @@ def test_the_oracle_scores_answer_time_where_throughput_cannot_tell() -> None:
     result = sweep({**tight, "schedule_conservativeness": 1.0}, wl, gpu="a100-40gb", model="llama-3.1-8b", space=space)
     assert result.best.args["schedule_conservativeness"] == 0.1
     assert result.best.objective == "answer_time" and result.best.as_dict()["mean_answer_s"] > 0
-    # a crash scores nothing on either figure
+    # a crash scores nothing on either figure: one long prompt at a time fills the 16384 chunk
     dead = evaluate({"chunked_prefill_size": 16384, "mem_fraction_static": 0.9},
-                    Workload(count=20, prompt_len=(3000, 5000), max_tokens=64, output_len=(16, 64)).specs(),
+                    Workload(count=5, prompt_len=(18000, 20000), max_tokens=64, output_len=(16, 64), rate=0.1).specs(),
                     gpu="l40s-48gb", model="llama-3.1-8b", pacing=PACING, objective="answer_time")  # fmt: skip
     assert dead.oom == "prefill" and dead.score == 0.0
 
 
 def test_a_replay_and_an_arm_are_scored_on_the_scenario_figure() -> None:
-    sc = SCENARIOS["retraction-storm-poisson"]
+    waits, backlog = SCENARIOS["early-stop-poisson"], SCENARIOS["retraction-storm-poisson"]
     head = Workload(count=30, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=42, rate=1.05)
-    res = simulate_paced(sim_config(sc.start_args, gpu=sc.gpu, model=sc.model), head.specs(), scenario_pacing(sc))
-    assert _replay_score(sc, res) == pytest.approx(1.0 / res.mean_answer_s)
-    arm = ArmResult(arm="adaptive", args={}, control_mode="auto", time_scale=sc.time_scale, output_tok_per_s=900.0,
+    res = simulate_paced(sim_config({}, gpu=waits.gpu, model=waits.model), head.specs(), scenario_pacing(waits))
+    assert _replay_score(waits, res) == pytest.approx(1.0 / res.mean_answer_s)
+    assert _replay_score(backlog, res) == res.output_tok_per_s
+    arm = ArmResult(arm="adaptive", args={}, control_mode="auto", time_scale=waits.time_scale, output_tok_per_s=900.0,
                     requests_ok=2, latencies={0: 1.0, 1: 3.0})  # fmt: skip
-    assert arm.mean_answer_s == pytest.approx(2.0 * sc.time_scale)  # wall seconds -> modelled
-    assert arm.judged("answer_time") == pytest.approx(1.0 / (2.0 * sc.time_scale))
+    assert arm.mean_answer_s == pytest.approx(2.0 * waits.time_scale)  # wall seconds -> modelled
+    assert arm.judged("answer_time") == pytest.approx(1.0 / (2.0 * waits.time_scale))
     assert arm.judged("throughput") == 900.0
     arm.requests_failed = 1  # an arm that did not answer everyone is not judged on the answers it gave
     assert arm.judged("answer_time") == 0.0
