@@ -483,6 +483,9 @@ class Controller:
                 horizon_s=job.inputs.settings.horizon_s,
                 step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
                 replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
+                basis=plan.basis, wait_saved_s=round(plan.wait_saved_s), wait_cost_s=round(plan.wait_cost_s),
+                predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
+                current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
             ),
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip

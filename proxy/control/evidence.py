@@ -217,3 +217,10 @@ class Planned(Evidence):
     kv_factor: float
     replayed_requests: int
     replays: int
+    # what the restart is for: "throughput" or "waiting" (the same tokens answered sooner), and the
+    # twin's mean time from arrival to answer under the new and the current args
+    basis: str = "throughput"
+    predicted_answer_s: float | None = None
+    current_answer_s: float | None = None
+    wait_saved_s: float = 0.0  # request-seconds over the horizon
+    wait_cost_s: float = 0.0

@@ -28,8 +28,13 @@ second over the current arguments' prediction) is worth a restart only when
 with the restart cost measured on this worker (:class:`RestartCost`: its start-up time as seen,
 the drain, and the tokens it recomputes: what was in flight; before any start of it was seen, the
 twin's modelled start-up on its calibrated clock), so a knob may move back whenever
-the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where
-every argument serves what arrives, predicts no throughput gain and so never restarts.
+the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where every argument serves what arrives,
+predicts no throughput gain; there the arguments can still differ in how long requests wait
+(admission that reserves too much holds requests back at the same tokens per second), so the
+candidate that answers the same requests soonest is worth a restart when the waiting it saves
+beats the waiting the restart adds (:func:`_waiting_plan`, in request-seconds: the mean answer
+saved x the arrival rate x the horizon, against the requests open and arriving during the outage,
+each held for it).
 
 The replay holds the work in flight (:func:`replay`): the sampled requests were served alongside
 others, and a replay of them alone into an empty engine predicts them far too fast under load. So
@@ -241,6 +246,7 @@ class Prediction:
     args: Mapping[str, object]
     output_tok_per_s: float  # 0 when the twin would not start or dies of OOM
     mean_queue_s: float | None  # arrival to first token
+    mean_answer_s: float | None = None  # arrival to the end of the answer (the sample's own, all of them answered)
     sample_tok_per_s: float | None = None  # the sample's own, on the basis it is measured on
     makespan_s: float
     retractions: int
@@ -259,6 +265,12 @@ class RestartCost:
     def tokens(self, throughput: float) -> float:
         """Output tokens the restart costs at ``throughput`` tokens/s."""
         return throughput * ((self.startup_s or 0.0) + self.drain_s) + self.recomputed_tokens
+
+    def outage_s(self, throughput: float) -> float:
+        """Seconds of the worker's service the restart takes: the drain, the start-up and the time to
+        compute again what was in flight, at ``throughput`` tokens/s."""
+        recompute = self.recomputed_tokens / throughput if throughput > 0 else 0.0
+        return (self.startup_s or 0.0) + self.drain_s + recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +305,7 @@ class Twin:
         res = simulate(cfg, list(plan_replay.specs))
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
+        answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]
         if window:  # all the work there is, drained; the sample's own output written by the plan's moment
             tp = res.output_tok_per_s
             mine: float | None = sum(_written_by(r, window) for r in own) / window
@@ -306,6 +319,7 @@ class Twin:
             sample_tok_per_s=None if mine is None or res.oom else mine,
             output_tok_per_s=0.0 if res.oom else tp,
             mean_queue_s=sum(waits) / len(waits) if waits else None,
+            mean_answer_s=sum(answers) / len(answers) if answers and len(answers) == len(own) and not res.oom else None,
             makespan_s=res.makespan_s,
             retractions=res.retractions,
             oom=res.oom,
@@ -437,6 +451,11 @@ class Plan:
     reason: str
     refused: tuple[Prediction, ...] = field(default=())  # candidates outside the memory band
     measured_current: float | None = None  # what the worker did on the replayed requests (same basis)
+    # what the restart is for: "throughput" (more tokens per second: a backlog) or "waiting" (the same
+    # tokens, answered sooner: arrivals the worker keeps up with, or nearly)
+    basis: str = "throughput"
+    wait_saved_s: float = 0.0  # request-seconds of waiting the best args save over the horizon
+    wait_cost_s: float = 0.0  # request-seconds of waiting the restart adds
 
     @property
     def current_error(self) -> float | None:
@@ -462,6 +481,7 @@ def plan(
     current = twin.predict(args, loaded)
     best = current
     refused: list[Prediction] = []
+    served: list[Prediction] = []  # the candidates inside the band that did not die
     replays = 1
     for cand in candidates(args, resolved or {}, settings):
         p = twin.predict(cand, loaded)
@@ -469,6 +489,8 @@ def plan(
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
             refused.append(p)
             continue
+        if p.oom is None:
+            served.append(p)
         if p.oom is None and p.output_tok_per_s > best.output_tok_per_s * 1.001:
             best = p
     base = current.output_tok_per_s
@@ -476,6 +498,22 @@ def plan(
     gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
     worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    waiting = None if worth else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
+    if waiting is not None and waiting[0] is not current:
+        quicker, saved, paid = waiting
+        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
+        assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
+        reason = (
+            f"{moved}: the same tokens answered sooner (mean answer {current.mean_answer_s:.1f} -> "
+            f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
+            f"{settings.horizon_s:g} s {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
+        )
+        if saved > paid:
+            return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
+                        if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
+                        cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
+                        measured_current=loaded.measured() or measured_throughput(sample), basis="waiting",
+                        wait_saved_s=saved, wait_cost_s=paid)  # fmt: skip
     if best is current:
         reason = "no candidate beats the current arguments on the recent workload"
     elif not worth:
@@ -489,6 +527,8 @@ def plan(
             f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {best.output_tok_per_s:.0f} tok/s) x "
             f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens"
         )
+    if waiting is not None and waiting[0] is not current:
+        reason += f"; waiting: {waiting[1]:.0f} request-seconds saved <= {waiting[2]:.0f} the restart adds"
     return Plan(
         twin=twin,
         current=current,
@@ -502,6 +542,42 @@ def plan(
         refused=tuple(refused),
         measured_current=loaded.measured() or measured_throughput(sample),
     )
+
+
+def _waiting_plan(
+    current: Prediction,
+    served: Sequence[Prediction],
+    sample: Sequence[Observed],
+    in_flight: int,
+    cost: RestartCost,
+    settings: PlanSettings,
+) -> tuple[Prediction, float, float] | None:
+    """Where no candidate writes more tokens per second (arrivals the worker keeps up with), the one
+    that answers the same requests soonest, with the request-seconds of waiting it saves over the
+    horizon (the mean answer saved x the requests expected: the sample's arrival rate x the horizon)
+    and those the restart adds (the requests open on the worker and those arriving while it is out,
+    each held for the outage: drain, start-up, work computed again). None: nothing to compare."""
+    if current.mean_answer_s is None or current.mean_answer_s <= 0 or len(sample) < 2:
+        return None
+    arrived = sorted(o.arrived for o in sample)
+    span = arrived[-1] - arrived[0]
+    if span <= 0:
+        return None
+    rate = (len(arrived) - 1) / span
+    quicker = current
+    for p in served:  # the same tokens (no candidate that writes less), answered sooner by a real margin
+        if p.mean_answer_s is None or p.output_tok_per_s < current.output_tok_per_s * (1.0 - settings.min_gain):
+            continue
+        if p.mean_answer_s < (quicker.mean_answer_s or 0.0) and p.mean_answer_s <= current.mean_answer_s * (
+            1.0 - settings.min_gain
+        ):
+            quicker = p
+    if quicker is current or quicker.mean_answer_s is None:
+        return None
+    saved = (current.mean_answer_s - quicker.mean_answer_s) * rate * settings.horizon_s
+    outage = cost.outage_s(current.output_tok_per_s)
+    paid = (in_flight + rate * outage) * outage
+    return quicker, saved, paid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

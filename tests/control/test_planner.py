@@ -96,6 +96,28 @@ def test_arrival_bound_chat_predicts_no_gain_and_no_restart():
     assert not p.worth and abs(p.predicted_gain) < 0.03
 
 
+def test_bursts_the_worker_keeps_up_with_restart_for_the_waiting_when_it_pays():
+    """A burst of short answers under a large max_tokens, then a trickle: the same tokens whatever the
+    conservativeness (the worker keeps up on average), but 1.0 holds the burst back. The waiting saved
+    over the horizon pays the waiting the restart adds; over a short horizon it does not."""
+    rng = random.Random(3)
+    t, wl = 0.0, []
+    for i in range(300):
+        t += rng.expovariate(20.0 if i < 150 else 2.0)
+        wl.append(Observed(arrived=t, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
+                           max_tokens=4096))  # fmt: skip
+    twin, cost = Twin(GPU, MODEL), RestartCost(startup_s=20.0)
+    p = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings())
+    assert p.worth and p.basis == "waiting" and abs(p.predicted_gain) < 0.03  # not a throughput gain
+    assert p.best.args["schedule_conservativeness"] < 1.0
+    assert p.best.mean_answer_s is not None and p.current.mean_answer_s is not None
+    assert p.best.mean_answer_s < 0.9 * p.current.mean_answer_s
+    assert p.wait_saved_s > p.wait_cost_s > 0 and "answered sooner" in p.reason
+    short = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings(horizon_s=20.0))
+    assert not short.worth and "the restart adds" in short.reason
+    assert RestartCost(startup_s=20.0, drain_s=5.0, recomputed_tokens=1000).outage_s(100.0) == 35.0
+
+
 def test_candidates_that_leave_too_little_free_memory_are_refused():
     wl = _workload(50, 5.0, (50, 100), 200)
     p = plan(Twin(GPU, MODEL), {"mem_fraction_static": 0.85}, wl, RestartCost(startup_s=1.0),
