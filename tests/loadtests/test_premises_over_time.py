@@ -5,6 +5,7 @@ paced replay (requests fed as they arrive, each answer timed from its arrival)."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 import pytest
@@ -41,7 +42,7 @@ def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> N
     gaps = {}
     for sc in (poisson, bursty):
         a = sc.workload.arrivals()
-        gaps[sc.name] = [y - x for x, y in zip(a, a[1:], strict=False)]
+        gaps[sc.name] = [y - x for x, y in itertools.pairwise(a)]
     cv2 = {n: statistics.pvariance(g) / statistics.mean(g) ** 2 for n, g in gaps.items()}
     assert 0.8 < cv2[poisson.name] < 1.2
     assert 2.5 < cv2[bursty.name] < 4.5
