@@ -385,6 +385,7 @@ class Controller:
             conservativeness_bounds=(lo, hi),
             memory_fraction_bounds=c.memory_fraction_bounds,
             min_available_gb=c.available_mem_band_gb[0],
+            max_available_gb=c.available_mem_band_gb[1],
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,

@@ -19,8 +19,9 @@ A :class:`Plan` (:func:`plan`): the recent requests (a bounded sample, the newes
 ``max_requests``, as :class:`Observed`: arrival, prompt, output and ``max_tokens``) are replayed
 under the current arguments and under a bounded set of candidates (:func:`candidates`: the
 conservativeness values of the settings, one rung either way for the running cap and the prefill
-chunk, one memory step either way; every candidate leaving less free memory at start-up than the
-floor of the policy's band is refused). The best candidate's predicted gain (output tokens per
+chunk, one memory step either way, and the memory fraction that leaves the middle of the policy's
+free-memory band free when the current one leaves more or less than the band; every candidate
+leaving less free memory at start-up than the floor of the policy's band is refused). The best candidate's predicted gain (output tokens per
 second over the current arguments' prediction) is worth a restart only when
 
     (predicted_tp(best) - predicted_tp(current)) x horizon_s  >  restart cost in tokens
@@ -239,6 +240,7 @@ class PlanSettings:
     memory_fraction_step: float = 0.02
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
+    max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -483,7 +485,8 @@ def plan(
     refused: list[Prediction] = []
     served: list[Prediction] = []  # the candidates inside the band that did not die
     replays = 1
-    for cand in candidates(args, resolved or {}, settings):
+    in_band = _band_fraction(twin, args, settings)
+    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings):
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
@@ -542,6 +545,34 @@ def plan(
         refused=tuple(refused),
         measured_current=loaded.measured() or measured_throughput(sample),
     )
+
+
+def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSettings) -> dict[str, object] | None:
+    """The candidate whose memory fraction leaves the middle of the free-memory band free at start-up
+    (the twin's own memory model, on a grid of 0.01 within the bounds): one step to where the band
+    says the pool belongs, where the one-step candidates would take many restarts to get there.
+    None: no band top, the current args already inside the band, or no fraction lands in it."""
+    if settings.max_available_gb is None:
+        return None
+    try:
+        now_free = twin.config(args).memory.available_gb
+    except SimConfigError:
+        return None
+    low, high = settings.min_available_gb, settings.max_available_gb
+    if low <= now_free <= high:
+        return None
+    middle = (low + high) / 2
+    flo, fhi = settings.memory_fraction_bounds
+    best: tuple[float, float] | None = None  # (distance from the middle, fraction)
+    for step in range(round(flo * 100), round(fhi * 100) + 1):
+        frac = step / 100
+        try:
+            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+        except SimConfigError:
+            continue
+        if low <= free <= high and (best is None or abs(free - middle) < best[0]):
+            best = (abs(free - middle), frac)
+    return None if best is None else {**args, MEMORY_FRACTION: best[1]}
 
 
 def _waiting_plan(

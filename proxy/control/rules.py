@@ -551,8 +551,11 @@ WHILE_SERVING: tuple[Rule, ...] = (
     pacing_too_timid,
 )
 RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
-# with the planner on, it decides tuning and corrective restarts; while serving the rules keep only these
-SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, pacing_too_timid)
+# with the planner on, it decides tuning and corrective restarts; while serving the rules keep only these:
+# the free-memory band's two edges (a fact of the deployment read from the start-up line, whatever the
+# traffic: acted on at start-up it costs a start-up and no work in flight, while a planner needs a
+# workload to replay first), and the note on timid pacing
+SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, memory_headroom, pacing_too_timid)
 
 
 # -- gate and evaluation ------------------------------------------------------------------------

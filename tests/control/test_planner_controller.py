@@ -9,9 +9,10 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from proxy.control.planner import InFlight, Observed
+from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
+from proxy.sim.logs import startup_line
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 from proxy.workers.base import WorkerState
@@ -123,6 +124,33 @@ def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
     assert c.plans_due() == []  # no requests seen: nothing to replay
+
+
+def test_with_the_planner_free_memory_above_the_band_is_used_from_start_up(tmp_path: Path) -> None:
+    """The band's top edge is a fact of the start-up line: a worker started at mem_fraction_static 0.6
+    with 30 GB free is moved into the band before any request is replayed (the planner has none)."""
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests([]), planner=True)
+    c.track(info(args={**ARGS, "mem_fraction_static": 0.6}))
+    c.on_line("w0", startup_line(max_total_num_tokens=200_000, chunked_prefill_size=8192, max_prefill_tokens=16384,
+                                 max_running_requests=2048, context_len=131072, available_gpu_mem_gb=30.86))  # fmt: skip
+    feed(c, clock, samples("samples_conservative.json", until=30.0))
+    acts = c.tick()
+    assert [a.decision.rule for a in acts] == ["memory_headroom"]
+    assert acts[0].decision.new_args["mem_fraction_static"] > 0.8
+    assert c.plans_due() == []
+
+
+def test_the_planner_weighs_the_fraction_that_lands_in_the_band() -> None:
+    """Among its candidates, the memory fraction that leaves the band's middle free (one step, not
+    many of ``memory_fraction_step``), first so no cap on candidates drops it; none inside the band."""
+    twin = Twin("h100-80gb", "llama-3.1-8b")
+    band = PlanSettings(min_available_gb=5.0, max_available_gb=10.0)
+    moved = _band_fraction(twin, {"mem_fraction_static": 0.6}, band)
+    assert moved is not None and 0.85 <= moved["mem_fraction_static"] <= 0.93
+    assert 5.0 <= twin.config(moved).memory.available_gb <= 10.0
+    assert _band_fraction(twin, moved, band) is None  # already inside
+    assert _band_fraction(twin, {"mem_fraction_static": 0.6}, PlanSettings(min_available_gb=5.0)) is None  # no top
 
 
 def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int, tok_per_s: float) -> None:
