@@ -16,6 +16,13 @@ incarnation), ``restarts`` (worker restarts, from ``/admin/workers``), ``oom_cra
 in the worker's log). The report also carries the decisions journal, the time series sampled every
 0.5 s from ``/admin/workers`` and the worker's ``/metrics``, and the oracle's sweep. A markdown
 table (``FILE.md``) and a plot (``FILE.png``) are written beside the report.
+
+Judging: a scenario is judged on throughput (a backlog) or, with ``judged_on = "answer_time"``
+(arrivals the best arguments keep up with), on each arm's mean modelled seconds from a request's
+arrival to its answer (an arm that failed or lost a request scores nothing there); the report's
+``adaptive_over_best_static`` and ``adaptive_over_default`` are ratios of that figure (higher is
+better: the other arm's mean over the adaptive's), and the oracle's sweep scores the same.
+``--sweep FILE`` keeps the sweep (deterministic in the scenario) between runs.
 """
 
 from __future__ import annotations
