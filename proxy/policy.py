@@ -150,6 +150,14 @@ class EngineSettings:
         default_factory=_empty_table,
         metadata=key("engine flags by name, with underscores (managed kinds)", custom=True),
     )
+    worker_args: tuple[Mapping[str, Any], ...] = field(
+        default=(),
+        metadata=key(
+            "per worker, in order: engine flags over args for that worker only, e.g. [{}, {mem_fraction_static = 0.8}]"
+            " (a worker past the list runs args alone; managed kinds)",
+            custom=True,
+        ),
+    )
     extra_args: tuple[str, ...] = field(
         default=(), metadata=key("more command-line arguments for each worker (managed kinds)", custom=True)
     )
@@ -821,6 +829,11 @@ def _engine(
     managed = kind != EngineKind.EXTERNAL
     workers = t.int("workers", d.workers if workers is None else workers, minimum=1)
     args = t.mapping("args")
+    worker_args = t.raw("worker_args", [])
+    if not isinstance(worker_args, list) or not all(isinstance(a, Mapping) for a in worker_args):
+        raise t.error(
+            "worker_args", "expected an array of tables, one per worker, e.g. [{}, {mem_fraction_static = 0.8}]"
+        )
     extra_args = t.str_list("extra_args", []) or ()
     urls = t.str_list("urls", None)
     speaks = t.str("speaks", None)
@@ -837,10 +850,15 @@ def _engine(
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
+        if len(worker_args) > workers:
+            raise t.error("worker_args", f"{len(worker_args)} tables for {workers} workers")
+        for i, own in enumerate(worker_args):
+            _check_args(t, kind, own, f"worker_args[{i}]")
         if in_pool:
             for name in engine_named(kind).placement_args(1, model):
-                if name in args:
-                    raise t.error(f"args.{name}", "set by the pool (its tp and model keys)")
+                for where, given in (("args", args), *((f"worker_args[{i}]", a) for i, a in enumerate(worker_args))):
+                    if name in given:
+                        raise t.error(f"{where}.{name}", "set by the pool (its tp and model keys)")
         if problem := engine_named(kind).check_extra_args(extra_args):
             raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
@@ -855,7 +873,8 @@ def _engine(
                 raise t.error(f"urls[{i}]", f"expected an http(s)://host:port URL, got {url!r}")
         if speaks is not None and speaks not in ENGINES:
             raise t.error("speaks", f"expected one of {', '.join(ENGINES)}; got {speaks!r}")
-        for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
+        for name, used in (("args", args), ("worker_args", worker_args), ("extra_args", extra_args),
+                           ("command", command), ("env", env)):  # fmt: skip
             if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
         if placed:
@@ -868,6 +887,7 @@ def _engine(
         "kind": kind,
         "workers": workers,
         "args": MappingProxyType(args),
+        "worker_args": tuple(MappingProxyType(dict(a)) for a in worker_args),
         "extra_args": tuple(extra_args),
         "urls": tuple(u.rstrip("/") for u in urls or ()),
         "speaks": speaks or d.speaks,
@@ -881,12 +901,12 @@ def _engine(
     return s
 
 
-def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any]) -> None:
+def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any], where: str = "args") -> None:
     engine = engine_named(kind)
     for name, value in args.items():
         problem = engine.check_arg(name, value)
         if problem:
-            raise t.error(f"args.{name}", problem)
+            raise t.error(f"{where}.{name}", problem)
 
 
 def _pacing(t: Table) -> PacingSettings:
@@ -1012,6 +1032,10 @@ def _describe_pool(pool: PoolSettings, *, several: bool) -> list[str]:
         secret = e.engine.secret_args
         shown = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(e.args.items()))
         lines.append(f"           args {shown or '(engine defaults)'}")
+        for i, own in enumerate(e.worker_args):
+            if own:
+                mine = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(own.items()))
+                lines.append(f"           worker {i} args {mine} (over args)")
         if e.extra_args:
             lines.append(f"           extra {' '.join(e.extra_args)}")
     else:
