@@ -17,7 +17,13 @@ from typing import Any
 __all__ = ["plot_scenario", "throughput_series"]
 
 SMOOTH_S = 2.0
-COLORS = {"default": "#d62728", "adaptive": "#1f77b4", "oracle": "#2ca02c"}
+COLORS = {
+    "default": "#d62728",
+    "adaptive": "#1f77b4",
+    "oracle": "#2ca02c",
+    "defaults": "#7f7f7f",
+    "injected": "#9467bd",
+}
 
 
 def throughput_series(

@@ -365,9 +365,19 @@ class ControlSettings:
     canary_margin: float = field(
         default=0.03,
         metadata=key(
-            "with 2+ workers a plan goes to one worker first; promoted when its throughput per running request "
-            "beats the others' by this share over window_s, reverted otherwise",
+            "with 2+ workers a plan (or an operator's trial) goes to one worker first; judged after window_s on its "
+            "output throughput over the others' mean, against the same share before: promoted when it beats the "
+            "others and gained by this margin, kept when it only gained, reverted otherwise",
             minimum=0,
+        ),
+    )
+    canary_fail_below: float = field(
+        default=0.5,
+        metadata=key(
+            "a canary whose share of the others' throughput falls below this fraction of its share before is "
+            "reverted once min_evidence_s is in, without waiting for window_s (0: always wait)",
+            minimum=0,
+            maximum=1,
         ),
     )
     twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))

@@ -14,7 +14,9 @@ the other workers' mean (:func:`share`), taken twice: just before the canary's r
   arguments, one at a time;
 * ``keep`` when it gained on its own standing but only caught up with the others (a worker started
   with bad arguments, fixed): it keeps its new arguments, the others keep theirs;
-* ``revert`` otherwise (or when it died): the canary is restarted with its old arguments.
+* ``revert`` otherwise (or when it died): the canary is restarted with its old arguments. A canary
+  whose share fell under ``canary_fail_below`` x its share before (:func:`failing`) is reverted as
+  soon as ``min_evidence_s`` of it is in, without waiting for the whole window.
 
 Why total throughput and not throughput per running request: a worker capped to a few running
 requests decodes each of them fast, so per running request it looks far better than the others
@@ -37,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Canary", "CanaryVerdict", "judge", "share"]
+__all__ = ["Canary", "CanaryVerdict", "failing", "judge", "share"]
 
 
 class CanaryVerdict(StrEnum):
@@ -64,6 +66,15 @@ def share(mine: float | None, others: Sequence[float | None]) -> float | None:
         return None
     mean = sum(seen) / len(seen)
     return mine / mean if mean > 0 else None
+
+
+def failing(after: float | None, before: float | None, below: float) -> bool:
+    """A canary clearly worse than it was: its share fell under ``below`` x its share before (1 when
+    not measured). Reverted as soon as there is evidence (``min_evidence_s``), not after the whole
+    window: what a clearly bad candidate costs grows with every second it serves (``below`` 0: never)."""
+    if after is None or below <= 0:
+        return False
+    return after < below * (1.0 if before is None else before)
 
 
 def judge(after: float | None, before: float | None, margin: float) -> CanaryVerdict:

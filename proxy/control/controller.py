@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
-from proxy.control.canary import Canary, CanaryVerdict, judge, share
+from proxy.control.canary import Canary, CanaryVerdict, failing, judge, share
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, Planned
 from proxy.control.journal import Journal, Status, verdict
@@ -405,11 +405,13 @@ class Controller:
         return [w for w in self._workers.values() if w.managed]
 
     def _share(self, w: _Worker) -> float | None:
-        """``w``'s output throughput over the window against the other serving managed workers' mean."""
+        """``w``'s output tokens/s over the window, as decoded, against the other serving managed workers' mean."""
         others = [
-            o.window.throughput for o in self._managed() if o is not w and not o.busy and o.state.started_at is not None
+            o.window.decode_rate
+            for o in self._managed()
+            if o is not w and not o.busy and o.state.started_at is not None
         ]
-        value = share(w.window.throughput, others)
+        value = share(w.window.decode_rate, others)
         return None if value is None else round(value, 4)
 
     def _canary_step(self, now: float, others_down: bool) -> Act | None:
@@ -442,13 +444,21 @@ class Controller:
         if w is None:
             self.canary = None
             return None
-        if w.busy or others_down or now < canary.due or w.window.observed_s < self.settings.min_evidence_s:
+        if w.busy or others_down or w.window.observed_s < self.settings.min_evidence_s:
             return None  # judged against the others only while they all serve
         after = self._share(w)
+        early = now < canary.due
+        if early and not failing(after, canary.before, self.settings.canary_fail_below):
+            return None
         verdict_ = judge(after, canary.before, self.settings.canary_margin)
         if verdict_ is CanaryVerdict.WAIT:
             return None
-        figures = {"canary_share_before": canary.before, "canary_share_after": round(after or 0.0, 4)}
+        figures: dict[str, object] = {
+            "canary_share_before": canary.before,
+            "canary_share_after": round(after or 0.0, 4),
+        }
+        if early:
+            figures["canary_failed_early_s"] = round(w.window.observed_s, 1)  # judged before window_s was in
         self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
         if verdict_ is CanaryVerdict.PROMOTE:
             self._promote = [o.state.worker_id for o in self._managed() if o is not w]
@@ -459,7 +469,7 @@ class Controller:
         before = "not measured" if canary.before is None else f"{canary.before:.3f}"
         decision = Decision(worker_id=w.state.worker_id, rule="canary_revert", time=now, old_args=dict(w.state.args),
                             new_args=dict(canary.old_args), kind=RuleKind.CORRECTIVE,
-                            reason=f"the canary served {figures['canary_share_after']:.3f} x the others' mean "
+                            reason=f"the canary served {after or 0.0:.3f} x the others' mean "
                                    f"throughput (before its restart: {before}): its old args back")  # fmt: skip
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
                                        extra={"canary": w.state.worker_id, **figures})  # fmt: skip

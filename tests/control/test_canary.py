@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.control.canary import CanaryVerdict, judge, share
+from proxy.control.canary import CanaryVerdict, failing, judge, share
 from proxy.control.controller import Controller, TrialRefused
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
@@ -133,3 +133,46 @@ def test_a_trial_that_cannot_start_is_refused_in_words(tmp_path: Path) -> None:
     single.track(info("w0"))
     with pytest.raises(TrialRefused, match="two or more managed workers"):
         single.trial("w0", {"max_running_requests": 4})
+
+
+def test_a_clearly_worse_canary_is_reverted_once_its_evidence_is_in_not_after_the_window(tmp_path: Path) -> None:
+    assert failing(0.2, 1.0, 0.5) and not failing(0.6, 1.0, 0.5) and not failing(0.2, 1.0, 0.0)
+    assert not failing(None, 1.0, 0.5) and failing(0.2, None, 0.5)
+    c, clock, _ = _fleet(tmp_path)
+    even = dict.fromkeys(WORKERS, (100, 3000.0))
+    _scrape(c, clock, 0.0, 30, even)
+    act = c.trial("w1", {"max_running_requests": 4})
+    asyncio.run(c.carry_out(act))
+    start, evidence = clock.now, int(c.settings.min_evidence_s)
+    _scrape(c, clock, start, evidence - 2, {**even, "w1": (4, 600.0)})
+    assert c.tick() == []  # not enough evidence yet
+    slightly = {**even, "w1": (90, 2400.0)}  # 0.8 of the others: worse, but not clearly: it waits for the window
+    c2, clock2, _ = _fleet(tmp_path / "slightly")
+    _scrape(c2, clock2, 0.0, 30, even)
+    asyncio.run(c2.carry_out(c2.trial("w1", {"max_running_requests": 90})))
+    _scrape(c2, clock2, clock2.now, evidence + 2, slightly)
+    assert c2.tick() == [] and c2.canary is not None
+    _scrape(c, clock, start, evidence + 2, {**even, "w1": (4, 600.0)})
+    (revert,) = c.tick()
+    assert revert.decision.rule == "canary_revert" and clock.now < c.settings.window_s + start
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and entry["canary_verdict"] == "revert"
+    assert evidence <= entry["canary_failed_early_s"] < c.settings.window_s
+
+
+def test_the_canary_reads_tokens_as_decoded_not_as_requests_finish() -> None:
+    """Long outputs: no request of the worker finished within the window, so its finished-token
+    counter stands still, while its engine decodes 1,500 tokens/s; the share reads the gauge."""
+    from proxy.control.window import Window
+
+    w = Window(span_s=60.0).begin(0.0)
+    for k in range(21):
+        w = w.push(Sample(time=float(k), queue=5, running=30, token_usage=0.6, generation_tokens_total=9000.0,
+                          gen_throughput=1500.0))  # fmt: skip
+    assert w.throughput is None or w.throughput == 0.0
+    assert w.decode_rate == 1500.0
+    counted = Window(span_s=60.0).begin(0.0)  # a worker that reports no gauge: the counter it is
+    for k in range(21):
+        counted = counted.push(Sample(time=float(k), queue=5, running=30, token_usage=0.6,
+                                      generation_tokens_total=100.0 * k))  # fmt: skip
+    assert counted.decode_rate == counted.throughput == 100.0
