@@ -687,7 +687,7 @@ def _injection(sc: Scenario, r: ArmResult) -> dict[str, Any]:
         canary_share_after=entry.get("canary_share_after"),
     )
     revert = next((d for d in r.decisions if d.get("rule") == "canary_revert" and d.get("worker") == sc.trial.worker
-                   and int(d.get("id", 0)) > int(entry_id)), None)  # fmt: skip
+                   and int(d.get("id", 0)) > int(entry["id"])), None)  # fmt: skip
     if revert is not None:
         out.update(revert_entry=revert.get("id"), revert_status=revert.get("status"),
                    reverted_after_modelled_s=round((float(revert["monotonic"]) - float(entry["monotonic"]))
