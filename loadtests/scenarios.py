@@ -1,11 +1,22 @@
 """Controller scenarios: ``python -m loadtests scenario NAME|all [--report FILE.json] [--arms default,adaptive,oracle]``
 
-Each scenario (:mod:`loadtests.scenario_defs`) runs three arms on the simulated engine, one after
-the other, each a real ``pacer serve`` process in front of one ``pacer sim`` worker:
+Each scenario (:mod:`loadtests.scenario_defs`) runs its arms on the simulated engine, one after
+the other, each a real ``pacer serve`` process in front of ``pacer sim`` workers:
 
 * ``default``: the scenario's starting arguments, control off;
 * ``adaptive``: the same arguments, control ``auto`` (the controller may restart the worker);
-* ``oracle``: the best static arguments of a sweep in virtual time (:mod:`loadtests.oracle`), control off.
+* ``oracle``: the best static arguments of a sweep in virtual time (:mod:`loadtests.oracle`), control off;
+* ``defaults``: SGLang's own defaults, control off;
+* ``injected`` (scenarios with an operator trial, :class:`~loadtests.scenario_defs.Trial`): the
+  adaptive arm, plus the trial sent to ``POST /admin/trial`` (what ``pacer try`` sends) at its moment.
+
+A fleet scenario (``workers`` > 1) runs that many workers in one pool, each with the scenario's
+arguments and its own ``worker_args`` over them in the arms that run the operator's arguments; the
+oracle's sweep runs on one worker's share of the trace and its best arguments go to every worker.
+Its report adds ``min_serving_fraction`` (the least share of the workers READY in any sample of
+an arm under control), the injected trial as the journal tells it (``injection``: the canary's
+verdict and figures, when it was reverted) and ``revert_cost`` (1 - the injected arm's throughput
+over the adaptive arm's).
 
 The workload is submitted at once through the proxy by an asyncio client (every request with
 its true output length in ``sim_output_len``, so every arm sees the same outputs). Per arm:
