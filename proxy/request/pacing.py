@@ -181,10 +181,17 @@ class WorkerLoad:
     def waiting_batch(self, keep: int) -> list[Attempt]:
         """The batch attempts waiting in the worker's queue beyond its ``keep`` oldest, newest first.
 
-        The worker's queue is FIFO, so what waits there is the newest ``est_queue`` of what this proxy
-        sent (a just-sent request counts as waiting until a scrape shows it running); of those, the
-        batch ones that have no output yet, less the ``keep`` oldest (next to be admitted)."""
-        waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: self.est_queue()]
+        The worker's queue is FIFO, so what waits there is the newest of what this proxy sent, as many
+        as the scrape's queue moved forward by the proxy's own dispatches and completions since (the
+        first term of ``est_queue`` only: the second errs high, and a running request taken back
+        would be computed again); of those, the batch ones that have no output yet, less the ``keep``
+        oldest (next to be admitted). Requests the engine retracted wait there too, ahead of the
+        newest, so the count errs towards a few running ones at worst."""
+        s = self.sample
+        if s is None:
+            return []
+        since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
+        waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: max(0, s.queue + since)]
         batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
         return batch[: max(0, len(batch) - keep)]
 

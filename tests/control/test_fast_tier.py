@@ -208,7 +208,9 @@ async def test_the_proxy_takes_back_batch_requests_waiting_at_the_worker_when_in
     board.publish("w0", Sample(time=2.5, queue=6, running=2, token_usage=0.5), None)
     assert load.batch_queue_target == S.batch_queue_beside_interactive
     taken = [t for t in batch if t.future.result().taken_back]
-    assert S.batch_queue_beside_interactive == 2 and taken == batch[4:]  # of the six waiting, the two oldest stay
+    # the six the scrape shows waiting are the newest sent: the chat request and five batch ones, of which
+    # the two oldest stay (next to be admitted)
+    assert S.batch_queue_beside_interactive == 2 and taken == batch[5:]
     assert not chat.future.result().taken_back
     later = d.submit(Priority.BATCH, 100)
     assert not later.future.done()  # the worker's queue is past the batch target

@@ -457,5 +457,18 @@ async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_re
     assert not any(t.future.result().taken_back for t in batch[:3]) and not chat.future.result().taken_back
     later = d.submit(Priority.BATCH, 10)
     assert not later.future.done()  # est_queue 4 >= the batch target 1
+
+    async def handler(ticket: Ticket) -> None:
+        async with d.attempt(ticket):
+            raise AssertionError("not reached: the worker's queue is past the batch target")
+
+    task = asyncio.create_task(handler(batch[4]))
+    await asyncio.sleep(0)  # its handler wakes: the attempt is over, the ticket is at the front of the batch class
+    assert requeued == [Requeued.TAKEN_BACK] and d.admission.peek() is batch[4] and load.in_flight == 5
+    task.cancel()
+    # a scrape right after completions shows one waiting though four of ours are open beside two running:
+    # the estimate errs high (4), the withdrawal reads the scrape's own queue (1) and takes nothing back
+    _sample(board, "w0", 1, running=2)
+    assert load.est_queue() > 1 and load.waiting_batch(keep=0) == []  # the newest one is the chat request
     for t in (*batch, chat, later):
         t.future.cancel()
