@@ -318,6 +318,7 @@ class _Surroundings:
                 output_tokens=f.output_tokens,
                 max_tokens=f.max_tokens,
                 finished=f.time,
+                interactive=f.interactive,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
@@ -326,7 +327,10 @@ class _Surroundings:
     def in_flight(self, worker_id: str) -> Sequence[InFlight]:
         return [
             InFlight(
-                arrived=a.ticket.enqueued_at, prompt_tokens=a.ticket.prompt_tokens or 1, max_tokens=a.ticket.max_tokens
+                arrived=a.ticket.enqueued_at,
+                prompt_tokens=a.ticket.prompt_tokens or 1,
+                max_tokens=a.ticket.max_tokens,
+                interactive=a.ticket.priority is Priority.INTERACTIVE,
             )
             for a in self._st.board.get(worker_id).attempts
         ]
