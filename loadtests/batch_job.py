@@ -134,6 +134,7 @@ def proxy_policy(
     batch_concurrency: int,
     batch_queue: int = 0,
     batch_in_flight: int = 0,
+    headroom: float = 0.0,
 ) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
@@ -141,13 +142,23 @@ def proxy_policy(
         "engine": engine,
         "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
                    "batch_queue_beside_interactive": batch_queue,
-                   "batch_in_flight_beside_interactive": batch_in_flight},
+                   "batch_in_flight_beside_interactive": batch_in_flight,
+                   "interactive_slot_headroom": headroom},
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
 
 
-DESIGNS = ("band", "priority", "cap", "priority-cap", "cap-reserve", "priority-cap-reserve")
+DESIGNS = (
+    "band",
+    "priority",
+    "cap",
+    "priority-cap",
+    "cap-reserve",
+    "priority-cap-reserve",
+    "cap-headroom",
+    "priority-cap-headroom",
+)
 
 
 @contextlib.contextmanager
@@ -158,16 +169,19 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
     arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
     (what an operator's policy says); the proxy then marks each request with its class's priority.
     ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``reserve``:
-    ``pacing.batch_in_flight_beside_interactive = --max-running - --batch-reserve``; a design joined
+    ``pacing.batch_in_flight_beside_interactive = --max-running - --batch-reserve``; ``headroom``: that
+    reserve and ``pacing.interactive_slot_headroom = --interactive-headroom`` slots more per interactive
+    request open on the worker (a reserve that follows the interactive traffic); a design joined
     with ``-`` has each lever. Yields the proxy and the process ids of the workers it did not start itself.
     """
     band, conc, levers = tuple(args.band), args.batch_concurrency, set(design.split("-"))
     cap = args.batch_queue if "cap" in levers else 0
-    in_flight = args.max_running - args.batch_reserve if "reserve" in levers else 0
+    in_flight = args.max_running - args.batch_reserve if levers & {"reserve", "headroom"} else 0
+    headroom = args.interactive_headroom if "headroom" in levers else 0.0
     if "priority" not in levers:
         with _sim(log_dir, args, f"{name}-sim") as sim:
             engine: dict[str, Any] = {"kind": "external", "urls": [sim.url]}
-            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight)
+            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom)
             with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
                 yield p, [sim.pid]
         return
@@ -178,7 +192,7 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
                  "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
-    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight)
+    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom)
     with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
         yield p, []
 
@@ -367,13 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
         "pacing.batch_in_flight_beside_interactive = --max-running less this",
     )  # fmt: skip
     p.add_argument(
+        "--interactive-headroom", type=float, default=1.25,
+        help="running slots the *headroom designs keep per interactive request open on the worker: "
+        "pacing.interactive_slot_headroom",
+    )  # fmt: skip
+    p.add_argument(
         "--designs",
         nargs="+",
         choices=DESIGNS,
         default=list(DESIGNS),
         help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
         "cap: the band, and a short batch queue while interactive requests arrive; reserve: running slots "
-        "kept free for interactive requests while they arrive; joined with '-': each lever",
+        "kept free for interactive requests while they arrive; headroom: that reserve plus slots per "
+        "interactive request open; joined with '-': each lever",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument(

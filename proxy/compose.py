@@ -96,6 +96,7 @@ def build_app(
             batch_queue=p.pacing.batch_queue_beside_interactive,
             interactive_window_s=p.pacing.interactive_window_s,
             batch_in_flight=p.pacing.batch_in_flight_beside_interactive,
+            interactive_headroom=p.pacing.interactive_slot_headroom,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }

@@ -223,6 +223,15 @@ class PacingSettings:
             minimum=0,
         ),
     )
+    interactive_slot_headroom: float = field(
+        default=0.0,
+        metadata=key(
+            "while interactive requests arrive: batch_in_flight_beside_interactive on a worker is lowered by "
+            "this many running slots per interactive request open there, so the slots kept for interactive "
+            "requests follow their traffic (0: the fixed reserve alone; 1.25 keeps a quarter more than they hold)",
+            minimum=0.0,
+        ),
+    )
     interactive_window_s: float = field(
         default=5.0,
         metadata=key(

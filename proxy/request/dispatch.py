@@ -22,7 +22,14 @@ lets the next one go at once; once no interactive request came for a window, the
 In the same window, ``pacing.batch_in_flight_beside_interactive`` (when set) holds the batch
 requests this proxy has open on a worker (running or waiting there) to that many: with it set to
 the worker's ``max_running_requests`` less a reserve, that many running slots are left to
-interactive requests, which then never wait for a running batch request to end.
+interactive requests, which then never wait for a running batch request to end. A fixed reserve
+is right for one interactive rate only: the slots interactive requests hold are their arrival rate
+times how long each runs, and each runs longer beside a batch (every arrival's prefill is a forward
+of its own that the decode steps wait for). ``pacing.interactive_slot_headroom`` (when set) lowers
+the limit on each worker by that many slots per interactive request open there, so the reserve
+follows the interactive traffic the worker is carrying::
+
+    batch_limit(w) = batch_in_flight_beside_interactive - ceil(headroom x interactive_in_flight(w))
 
 Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
 (``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so
@@ -60,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -88,11 +96,13 @@ def choose_worker(
     exclude: frozenset[WorkerId] = frozenset(),
     affinity: str | None = None,
     batch_limit: int | None = None,
+    interactive_headroom: float = 0.0,
     batch: bool = False,
 ) -> WorkerId | None:
     """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
-    ``batch_limit``: only workers with fewer batch requests of this proxy in flight; ``batch``: the
-    request is of the batch class (the fast tier's limit and queue target per class)."""
+    ``batch_limit``: only workers with fewer batch requests of this proxy in flight than it, less
+    ``interactive_headroom`` slots per interactive request open on the worker; ``batch``: the request
+    is of the batch class (the fast tier's limit and queue target per class)."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -104,7 +114,9 @@ def choose_worker(
         ready = others or ready
     ready = [(w, load) for w, load in ready if load.has_room(batch=batch)]
     if batch_limit is not None:
-        ready = [(w, load) for w, load in ready if load.batch_in_flight < batch_limit]
+        ready = [
+            (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
+        ]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
         open_ = [
@@ -119,6 +131,11 @@ def choose_worker(
     if affinity is not None and len(open_) > 1:
         return max(open_, key=lambda o: _rendezvous(o[2], affinity))[2]
     return min(open_)[2]
+
+
+def _held_for(load: WorkerLoad, headroom: float) -> int:
+    """Running slots kept for the interactive requests open on a worker: ``headroom`` per request."""
+    return math.ceil(headroom * (load.in_flight - load.batch_in_flight)) if headroom > 0 else 0
 
 
 class QueueTimeout(Exception):
@@ -151,6 +168,7 @@ class Dispatcher:
         batch_queue: int = 0,
         interactive_window_s: float = 5.0,
         batch_in_flight: int = 0,
+        interactive_headroom: float = 0.0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -166,6 +184,7 @@ class Dispatcher:
         self.interactive_window_s = interactive_window_s
         # batch beside interactive: at most this many batch requests open on a worker (None: no limit)
         self.batch_in_flight = batch_in_flight if batch_in_flight > 0 else None
+        self.interactive_headroom = interactive_headroom  # slots kept per interactive request open there
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
         self.closing = False
         self._pumping = False
@@ -347,6 +366,7 @@ class Dispatcher:
                 exclude=ticket.exclude,
                 affinity=ticket.affinity,
                 batch_limit=batch_limit if ticket.priority is Priority.BATCH else None,
+                interactive_headroom=self.interactive_headroom,
                 batch=ticket.priority is Priority.BATCH,
             )
             if worker_id is None:

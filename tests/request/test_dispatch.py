@@ -472,3 +472,35 @@ async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_re
     assert load.est_queue() > 1 and load.waiting_batch(keep=0) == []  # the newest one is the chat request
     for t in (*batch, chat, later):
         t.future.cancel()
+
+
+async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_open():
+    """pacing.interactive_slot_headroom: the batch's in-flight limit beside interactive requests is
+    lowered by that many slots per interactive request open on the worker, so the slots kept for
+    interactive requests grow and shrink with their traffic."""
+    now = [100.0]
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    d = Dispatcher(
+        pool, board, AdmissionQueue(100), band=Band(lo=50, hi=60), stale_after_s=1e9, clock=lambda: now[0],
+        interactive_window_s=1.0, batch_in_flight=10, interactive_headroom=1.5,
+    )  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    load = board.get("w0")
+    inter = [d.submit(Priority.INTERACTIVE, 10) for _ in range(4)]
+    assert all(t.future.done() for t in inter)
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(10)]
+    # 10 less ceil(1.5 x 4 interactive open) = 4 batch requests
+    assert sum(t.future.done() for t in batch) == 4 and load.batch_in_flight == 4
+    for t in inter[:3]:  # three interactive answers end: one open, 10 - ceil(1.5) = 8 batch allowed
+        async with d.attempt(t):
+            pass
+    assert sum(t.future.done() for t in batch) == 8 and load.batch_in_flight == 8
+    more = [d.submit(Priority.INTERACTIVE, 10) for _ in range(3)]  # interactive is never held by it
+    assert all(t.future.done() for t in more)
+    assert load.batch_in_flight == 8  # over the new limit (10 - 6): no batch request goes until it is under
+    async with d.attempt(batch[0]):
+        pass
+    assert sum(t.future.done() for t in batch) == 8 and load.batch_in_flight == 7
+    for t in (inter[3], *more, *batch[1:]):
+        t.future.cancel()
