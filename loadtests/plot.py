@@ -5,7 +5,8 @@
 Top panel: output tokens/s, from the worker's generation-token counter (followed through restarts)
 between consecutive samples, smoothed over ``SMOOTH_S``. Bottom panel: requests waiting, the
 worker's ``#queue-req`` plus the proxy's own queue. A vertical line marks each worker restart
-(a new worker pid in the samples); a cross marks a sample where the worker was down.
+(a new worker pid in the samples); a cross marks a sample where the worker was down. For a fleet
+(several workers) a third panel gives the share of the workers serving (READY), with the 75 % line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import Any
 __all__ = ["plot_scenario", "throughput_series"]
 
 SMOOTH_S = 2.0
-COLORS = {"default": "#d62728", "adaptive": "#1f77b4", "oracle": "#2ca02c"}
+COLORS = {
+    "default": "#d62728",
+    "adaptive": "#1f77b4",
+    "oracle": "#2ca02c",
+    "defaults": "#7f7f7f",
+    "injected": "#9467bd",
+}
 
 
 def throughput_series(
@@ -62,7 +69,11 @@ def plot_scenario(report: Mapping[str, Any], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    fleet = int(report.get("workers") or 1) > 1
+    if fleet:  # a third panel: the share of the workers serving
+        fig, (top, bottom, serving) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for arm, series in report["series"].items():
         color = COLORS.get(arm)
         summary = report["arms"][arm]
@@ -76,6 +87,9 @@ def plot_scenario(report: Mapping[str, Any], path: str | Path) -> Path:
                 ax.axvline(
                     t, color=color, ls="--", lw=0.9, alpha=0.8, label="restart" if ax is top and i == 0 else None
                 )
+        if fleet:
+            points = [(p["t"], p["serving"]) for p in series if "serving" in p]
+            serving.step([t for t, _ in points], [v for _, v in points], where="post", color=color, lw=1.2, label=arm)
         down = [p["t"] for p in series if p.get("state") == "down"]
         if down:
             top.plot(down, [0.0] * len(down), "x", color=color, ms=4, label=f"{arm}: worker down")
@@ -84,9 +98,16 @@ def plot_scenario(report: Mapping[str, Any], path: str | Path) -> Path:
     top.legend(loc="upper right", fontsize=8)
     top.set_title(f"{report['scenario']}: {report['gpu']}, {report['model']}, time scale {report['time_scale']:g}x")
     bottom.set_ylabel("requests waiting (proxy + worker)")
-    bottom.set_xlabel("seconds since the workload was submitted")
+    if not fleet:
+        bottom.set_xlabel("seconds since the workload was submitted")
     bottom.set_yscale("symlog", linthresh=100)
     bottom.legend(loc="upper right", fontsize=8)
+    if fleet:
+        serving.set_ylabel("share of workers serving")
+        serving.set_ylim(0, 1.05)
+        serving.axhline(0.75, color="black", ls=":", lw=0.8)
+        serving.set_xlabel("seconds since the workload was submitted")
+        serving.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

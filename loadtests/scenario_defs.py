@@ -26,7 +26,7 @@ from typing import Any
 from proxy.sim.request import RequestSpec
 from proxy.sim.tokenizer import encode
 
-__all__ = ["SCENARIOS", "Phases", "Scenario", "Workload", "planner_control", "scaled_control"]
+__all__ = ["SCENARIOS", "Phases", "Scenario", "Trial", "Workload", "planner_control", "scaled_control"]
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -161,6 +161,18 @@ def planner_control(scale: float, gpu: str, model: str, **overrides: Any) -> dic
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Trial:
+    """An operator's trial, injected in a scenario's ``injected`` arm through ``POST /admin/trial``
+    (what ``pacer try`` sends): ``args`` tried on ``worker`` as a canary, ``at_s`` modelled seconds
+    into the run (retried every half second while the controller refuses it: a restart under way)."""
+
+    at_s: float
+    worker: str
+    args: Mapping[str, Any]
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Scenario:
     name: str
     premise: str  # one line: what is wrong with the starting arguments
@@ -176,6 +188,11 @@ class Scenario:
     # them; the controller's twin is never told: it has to calibrate)
     step_time_factor: float = 1.0
     activation_factor: float = 1.0
+    # a fleet: ``workers`` in one pool, each started with ``start_args`` and its own ``worker_args``
+    # over them (the pool's [engine] worker_args) in the arms that run the operator's arguments
+    workers: int = 1
+    worker_args: tuple[Mapping[str, Any], ...] = ()
+    trial: Trial | None = None  # the operator's trial of the ``injected`` arm (None: no such arm)
 
     def perturb_args(self) -> list[str]:
         out = []
@@ -304,6 +321,31 @@ def _scenarios() -> dict[str, Scenario]:
         start_args={},
         gpu="a100-40gb", time_scale=10.0,
         control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
+    ))  # fmt: skip
+    # fleet: four A100 workers in one pool, arrivals over time slightly above what the pool serves
+    # (so every worker's capacity shows in the run's throughput), the operator's arguments
+    # (conservativeness 0.3, tuned for these answers far below max_tokens) on all four, but w3 started
+    # with max_running_requests 64 (copied from a deployment of a larger model): its batch is held
+    # at 64 where the KV pool fits ~130, and it serves 0.70 of what each other worker serves (the
+    # virtual-time replay of one worker's quarter of the trace: 1,327 against 1,905 tok/s; 128:
+    # 1,880). The planner's twin sees it and tries the cap's next rung as a canary; the injected arm
+    # also tries max_running_requests 4 on w0 at 300 modelled s through POST /admin/trial (what
+    # `pacer try` sends): the canary must revert it. Time scale 5 keeps the four simulated engines
+    # and ~70 requests per wall second within about one core.
+    s.append(Scenario(
+        name="fleet",
+        premise="4 A100 workers in one pool; w3 started with max_running_requests 64 (an 8B model's KV pool "
+                "holds ~130): it serves 0.7 of each other worker; plus, injected, an operator's trial of "
+                "max_running_requests 4 on w0",
+        workload=Workload(count=7800, prompt_len=(300, 900), max_tokens=4096, output_len=(300, 1000), seed=41,
+                          rate=13.0),
+        start_args={"schedule_conservativeness": 0.3},
+        worker_args=({}, {}, {}, {"max_running_requests": 64}),
+        workers=4,
+        trial=Trial(at_s=300.0, worker="w0", args={"max_running_requests": 4},
+                    note="injected: a clearly bad candidate the canary must revert"),
+        gpu="a100-40gb", time_scale=5.0,
+        control=planner_control(5.0, "a100-40gb", "llama-3.1-8b"),
     ))  # fmt: skip
     return {x.name: x for x in s}
 

@@ -1,11 +1,22 @@
 """Controller scenarios: ``python -m loadtests scenario NAME|all [--report FILE.json] [--arms default,adaptive,oracle]``
 
-Each scenario (:mod:`loadtests.scenario_defs`) runs three arms on the simulated engine, one after
-the other, each a real ``pacer serve`` process in front of one ``pacer sim`` worker:
+Each scenario (:mod:`loadtests.scenario_defs`) runs its arms on the simulated engine, one after
+the other, each a real ``pacer serve`` process in front of ``pacer sim`` workers:
 
 * ``default``: the scenario's starting arguments, control off;
 * ``adaptive``: the same arguments, control ``auto`` (the controller may restart the worker);
-* ``oracle``: the best static arguments of a sweep in virtual time (:mod:`loadtests.oracle`), control off.
+* ``oracle``: the best static arguments of a sweep in virtual time (:mod:`loadtests.oracle`), control off;
+* ``defaults``: SGLang's own defaults, control off;
+* ``injected`` (scenarios with an operator trial, :class:`~loadtests.scenario_defs.Trial`): the
+  adaptive arm, plus the trial sent to ``POST /admin/trial`` (what ``pacer try`` sends) at its moment.
+
+A fleet scenario (``workers`` > 1) runs that many workers in one pool, each with the scenario's
+arguments and its own ``worker_args`` over them in the arms that run the operator's arguments; the
+oracle's sweep runs on one worker's share of the trace and its best arguments go to every worker.
+Its report adds ``min_serving_fraction`` (the least share of the workers READY in any sample of
+an arm under control), the injected trial as the journal tells it (``injection``: the canary's
+verdict and figures, when it was reverted) and ``revert_cost`` (1 - the injected arm's throughput
+over the adaptive arm's).
 
 The workload is submitted at once through the proxy by an asyncio client (every request with
 its true output length in ``sim_output_len``, so every arm sees the same outputs). Per arm:
@@ -39,12 +50,14 @@ from typing import Any
 import tomli_w
 
 from loadtests.oracle import Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
-from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
+from loadtests.scenario_defs import SCENARIOS, Phases, Scenario, Trial
 from proxy.request.pacing import Band
 
-__all__ = ["ARMS", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
+__all__ = ["ALL_ARMS", "ARMS", "TRIAL_ARM", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
 
 ARMS = ("default", "adaptive", "oracle", "defaults")
+TRIAL_ARM = "injected"  # the adaptive arm with the scenario's operator trial (scenarios that have one)
+ALL_ARMS = (*ARMS, TRIAL_ARM)
 ARM_KEYS = (
     "output_tok_per_s",
     "requests_ok",
@@ -87,6 +100,8 @@ class ArmResult:
     started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
     latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
     ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
+    min_serving_fraction: float | None = None  # the least share of the workers READY in any sample
+    trial: dict[str, Any] | None = None  # the operator's trial this arm injected: when, what the proxy answered
 
     def summary(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ARM_KEYS}
@@ -101,19 +116,27 @@ class ArmResult:
             errors=self.errors,
             sim_slowdown=None if self.sim_slowdown is None else round(self.sim_slowdown, 2),
             load_avg=[round(x, 1) for x in self.load_avg],
+            min_serving_fraction=self.min_serving_fraction,
         )
+        if self.trial is not None:
+            out["trial"] = self.trial
         return out
 
 
 # -- the policy -------------------------------------------------------------------------------------
 
 
-def policy_toml(sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path) -> str:
-    """The policy of one arm: one simulated worker with ``args``, control ``mode``, the scenario's ``[control]``."""
+def policy_toml(
+    sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path, worker_args: Sequence[Mapping[str, Any]] = ()
+) -> str:
+    """The policy of one arm: ``sc.workers`` simulated workers with ``args`` (and each its own
+    ``worker_args`` over them), control ``mode``, the scenario's ``[control]``."""
+    engine_extra: dict[str, Any] = {"worker_args": [dict(a) for a in worker_args]} if worker_args else {}
     tables: dict[str, dict[str, Any]] = {
         "proxy": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 3600.0, "status_log_interval_s": 5.0},
         "queue": {"capacity": 100000, "timeout_s": sc.queue_timeout_s},
-        "engine": {"kind": "sim", "workers": 1, "args": {k: v for k, v in args.items() if v is not None},
+        "engine": {"kind": "sim", "workers": sc.workers, **engine_extra,
+                   "args": {k: v for k, v in args.items() if v is not None},
                    "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
                    # a wall-clock timing like the [control] ones: 5 s on the modelled GPU. Unscaled, a
                    # worker stopped with aborted requests still open on it took the whole 5 s (then
@@ -203,44 +226,80 @@ async def _get_json(session: Any, url: str) -> Any:
 async def _sample(
     session: Any, url: str, t0: float, series: list[dict[str, Any]], counters: dict[str, _Counter], stop: asyncio.Event
 ) -> None:
+    """Every ``SAMPLE_INTERVAL_S``: the workers' states (``serving``: the share READY), the proxy's
+    queue, and from each serving worker's ``/metrics`` its queue, running batch and token usage
+    (summed over the workers; usage their mean) and its generation counter, followed through
+    restarts (``gen_tokens_total``: all workers together)."""
     from proxy.engines.sglang.metrics import parse_metrics
 
     while not stop.is_set():
         tick = time.monotonic()
         try:
             body = await _get_json(session, url + "/admin/workers")
-            w = body["workers"][0]
+            workers = body["workers"]
+            states = [w["state"] for w in workers]
             point: dict[str, Any] = {
                 "t": round(tick - t0, 3),
-                "state": w["state"],
-                "pid": w["pid"],
-                "restarts": w["restarts"],
+                "state": states[0] if len(states) == 1 else "down" if "down" in states else
+                         next((x for x in states if x != "ready"), "ready"),
+                "pid": workers[0]["pid"],
+                "restarts": sum(int(w["restarts"]) for w in workers),
+                "serving": round(states.count("ready") / len(states), 4),
                 "proxy_queue": sum(body["proxy_queue"].values()),
                 "in_flight": body["in_flight"],
                 "queue": None,
                 "running": None,
                 "token_usage": None,
                 "gen_tokens_total": None,
-            }
-            if w["state"] in ("ready", "draining"):
+            }  # fmt: skip
+            if len(workers) > 1:
+                point["states"] = states
+            seen: list[Any] = []
+            for w in workers:
+                if w["state"] not in ("ready", "draining"):
+                    continue
                 try:
                     async with session.get(w["url"] + "/metrics") as resp:
                         sample = parse_metrics(await resp.text(), time.monotonic())
-                    counters["retractions"].feed(sample.retractions_total)
-                    counters["generation"].feed(sample.generation_tokens_total)
-                    point.update(
-                        queue=sample.queue,
-                        running=sample.running,
-                        token_usage=round(sample.token_usage, 4),
-                        gen_tokens_total=round(counters["generation"].total),
-                    )
                 except Exception:  # the worker went away between the two reads
-                    pass
+                    continue
+                counters.setdefault(f"retractions:{w['id']}", _Counter()).feed(sample.retractions_total)
+                counters.setdefault(f"generation:{w['id']}", _Counter()).feed(sample.generation_tokens_total)
+                seen.append(sample)
+            if seen:
+                point.update(
+                    queue=sum(x.queue for x in seen),
+                    running=sum(x.running for x in seen),
+                    token_usage=round(sum(x.token_usage for x in seen) / len(seen), 4),
+                    gen_tokens_total=round(sum(c.total for k, c in counters.items() if k.startswith("generation:"))),
+                )
             series.append(point)
         except Exception as exc:  # keep sampling; one failed read is a gap in the plot
             series.append({"t": round(tick - t0, 3), "error": str(exc)[:200]})
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - tick)))
+
+
+async def _inject(
+    session: Any, url: str, t0: float, trial: Trial, time_scale: float, stop: asyncio.Event
+) -> dict[str, Any]:
+    """The operator's trial, sent as ``pacer try`` sends it at ``trial.at_s`` modelled seconds; while
+    the controller answers 409 (a restart or canary under way) it is sent again every half second."""
+    await asyncio.sleep(max(0.0, t0 + trial.at_s / time_scale - time.monotonic()))
+    body = {"worker": trial.worker, "args": dict(trial.args), "note": trial.note}
+    refused: list[str] = []
+    while not stop.is_set():
+        async with session.post(url + "/admin/trial", json=body) as resp:
+            answer = await resp.json()
+            status = resp.status
+        if status != 409:
+            return {"sent_at_s": round(time.monotonic() - t0, 3), "status": status, "answer": answer,
+                    "refused_first": len(refused), "first_refusal": refused[0] if refused else None}  # fmt: skip
+        refused.append(str(answer.get("error", {}).get("message", answer)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    return {"status": None, "refused_first": len(refused), "first_refusal": refused[0] if refused else None,
+            "note": "the run ended before the controller took the trial"}  # fmt: skip
 
 
 async def _one(
@@ -303,13 +362,16 @@ async def _sim_slowdown(session: Any, url: str) -> float | None:
     """How far the simulated engine fell behind its own clock: wall seconds its steps took over the
     engine-clock seconds they model (``/server_info``; 1.0 = it kept up; above it the run measures
     this machine's CPU, not the arguments). None when the worker does not say."""
+    out = None
     try:
-        w = (await _get_json(session, url + "/admin/workers"))["workers"][0]
-        info = await _get_json(session, w["url"] + "/server_info")
-        sim = info["internal_states"][0]["sim"]
-        return sim["busy_wall_s"] / sim["busy_modelled_s"] if sim["busy_modelled_s"] > 0 else None
+        for w in (await _get_json(session, url + "/admin/workers"))["workers"]:  # the slowest worker
+            info = await _get_json(session, w["url"] + "/server_info")
+            sim = info["internal_states"][0]["sim"]
+            if sim["busy_modelled_s"] > 0:
+                out = max(out or 0.0, sim["busy_wall_s"] / sim["busy_modelled_s"])
     except Exception:  # not a simulated worker, or it is gone
-        return None
+        pass
+    return out
 
 
 def _count_log(log_dir: Path) -> tuple[int, int]:
@@ -340,15 +402,18 @@ async def run_arm(
     *,
     max_run_s: float = 900.0,
     concurrency: int = 4000,
+    worker_args: Sequence[Mapping[str, Any]] = (),
+    trial: Trial | None = None,
 ) -> ArmResult:
-    """One arm, end to end: start the proxy, submit the workload, follow it, stop, count."""
+    """One arm, end to end: start the proxy, submit the workload (and ``trial``, an operator's, at its
+    moment), follow it, stop, count."""
     import aiohttp
 
     workdir.mkdir(parents=True, exist_ok=True)
     for old in (workdir / "logs").glob("*.log"):  # worker logs are appended: a re-run in the same workdir
         old.unlink()  # would count the earlier run's retractions and OOMs too
     policy = workdir / "policy.toml"
-    policy.write_text(policy_toml(sc, args, mode, workdir))
+    policy.write_text(policy_toml(sc, args, mode, workdir, worker_args))
     res = ArmResult(arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode)
     requests = sc.workload.requests()
     proxy = ProxyProcess(policy, workdir / "proxy.log")
@@ -357,22 +422,29 @@ async def run_arm(
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
             deadline = time.monotonic() + 300
-            while True:  # the worker is up and scraped
+            while True:  # every worker is up and scraped
                 try:
                     async with session.get(url + "/ready") as resp:
                         if resp.status == 200:
-                            break
+                            states = [w["state"] for w in (await _get_json(session, url + "/admin/workers"))["workers"]]
+                            if all(x == "ready" for x in states):
+                                break
                 except aiohttp.ClientError:
                     pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
                 await asyncio.sleep(0.2)
             model = (await _get_json(session, url + "/v1/models"))["data"][0]["id"]
-            counters = {"retractions": _Counter(), "generation": _Counter()}
+            counters: dict[str, _Counter] = {}
             stop = asyncio.Event()
             load_start = os.getloadavg()[0]
             t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
+            injector = (
+                asyncio.create_task(_inject(session, url, t0, trial, sc.time_scale, stop))
+                if trial is not None
+                else None
+            )
             arrivals = [a / sc.time_scale for a in sc.workload.arrivals()]  # modelled -> wall seconds
             classes = sc.workload.classes()
             tasks = [
@@ -389,15 +461,19 @@ async def run_arm(
             res.duration_s = time.monotonic() - t0 if pending or broken else res.last_answer_s
             stop.set()
             await sampler
+            if injector is not None:
+                res.trial = await injector
+            serving = [p["serving"] for p in res.series if "serving" in p]
+            res.min_serving_fraction = min(serving) if serving else None
             res.sim_slowdown = await _sim_slowdown(session, url)
             res.load_avg = (load_start, os.getloadavg()[0])
             res.requests_lost = len(requests) - res.requests_ok - res.requests_failed
             res.output_tok_per_s = res.output_tokens / res.duration_s if res.duration_s > 0 else 0.0
-            res.retractions_counter = round(counters["retractions"].total)
+            res.retractions_counter = round(sum(c.total for k, c in counters.items() if k.startswith("retractions:")))
             res.decisions = (await _get_json(session, url + "/admin/decisions"))["decisions"]
             workers = (await _get_json(session, url + "/admin/workers"))["workers"]
-            res.restarts = int(workers[0]["restarts"])
-            res.final_args = dict(workers[0]["args"])
+            res.restarts = sum(int(w["restarts"]) for w in workers)
+            res.final_args = dict(workers[0]["args"]) if len(workers) == 1 else {w["id"]: w["args"] for w in workers}
     finally:
         await proxy.stop()
     res.retractions, res.oom_crashes = _count_log(workdir / "logs")
@@ -421,9 +497,11 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     t = time.process_time()
     over_time = any(a > 0 for a in sc.workload.arrivals())
     pacing = None if over_time else scenario_pacing(sc)
+    # a fleet: one worker's share of the trace (every n-th request), its best arguments for all n
+    specs = sc.workload.specs()[:: sc.workers]
     result = sweep(
         sc.start_args,
-        sc.workload.specs(),
+        specs,
         gpu=sc.gpu,
         model=sc.model,
         space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing),
@@ -436,6 +514,9 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         "trials": len(result.trials),
         "cpu_s": round(time.process_time() - t, 1),
         "pacing": None if pacing is None else {"target": pacing.target, "scrape_s": pacing.scrape_s},
+        "swept_on": "the whole trace"
+        if sc.workers == 1
+        else f"every {sc.workers}th request (one worker's share), the best for all {sc.workers} workers",
         "note": "modelled seconds (time scale 1), the engine fed through the proxy's pacing gate (arrivals over "
         "time: fed as they arrive); OOM or a "
         f"start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
@@ -501,25 +582,35 @@ def run_scenario(
             best, sweep_info = dict(oracle), {"best": {"args": dict(oracle)}, "note": "given"}
     results: dict[str, ArmResult] = {}
     for arm in arms:
+        own: Sequence[Mapping[str, Any]] = sc.worker_args  # the operator's arguments: each worker's own too
+        trial = None
         if arm == "default":
             args, mode = dict(sc.start_args), "off"
         elif arm == "adaptive":
             args, mode = dict(sc.start_args), "auto"
+        elif arm == TRIAL_ARM:  # the adaptive arm with the operator's trial injected
+            if sc.trial is None:
+                continue
+            args, mode, trial = dict(sc.start_args), "auto", sc.trial
         elif arm == "oracle":
-            args, mode = best, "off"
+            args, mode, own = best, "off", ()
         elif arm == "defaults":  # SGLang's own defaults, no control
-            args, mode = {}, "off"
+            args, mode, own = {}, "off", ()
         else:
-            raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-        print(f"[{sc.name}] {arm}: args {args}, control {mode}", file=sys.stderr, flush=True)
-        r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s))
+            raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ALL_ARMS)}")
+        print(f"[{sc.name}] {arm}: args {args}, worker args {list(own)}, control {mode}", file=sys.stderr, flush=True)
+        r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s, worker_args=own, trial=trial))
         print(f"[{sc.name}] {arm}: {r.output_tok_per_s:.0f} tok/s, ok {r.requests_ok}, failed {r.requests_failed}, "
               f"lost {r.requests_lost}, retractions {r.retractions}, restarts {r.restarts}, OOM {r.oom_crashes}, "
               f"{r.duration_s:.1f} s, sim slowdown {r.sim_slowdown if r.sim_slowdown is None else round(r.sim_slowdown, 2)}, "
               f"load {r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
         results[arm] = r
     tps = {a: r.output_tok_per_s for a, r in results.items()}
-    bound = restart_bound(sc, results["adaptive"], best) if {"adaptive", "oracle"} <= set(results) else None
+    bound = (
+        restart_bound(sc, results["adaptive"], best)
+        if {"adaptive", "oracle"} <= set(results) and sc.workers == 1
+        else None
+    )
     decisions = results["adaptive"].decisions if "adaptive" in results else []
     errors = [float(d["prediction_error"]) for d in decisions if isinstance(d.get("prediction_error"), (int, float))]
     # plans that did not pay: the twin's prediction for the args the worker ran, against what it measured
@@ -539,6 +630,7 @@ def run_scenario(
         "phases": (phases := _phase_figures(sc, results)),
         **_phase_judged(phases),
         "interactive_ttft_p99_s": _interactive_ttft(sc, results),
+        **(_fleet_figures(sc, results) if sc.workers > 1 else {}),
         "scenario": sc.name,
         "premise": sc.premise,
         "gpu": sc.gpu,
@@ -559,6 +651,59 @@ def run_scenario(
     report_path.with_suffix(".md").write_text(table([report]) + "\n")
     plot_scenario(report, report_path.with_suffix(".png"))
     return report
+
+
+def _fleet_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> dict[str, Any]:
+    """A fleet's figures: the least share of its workers serving (READY) in any sample of an arm
+    under control, and the operator's injected trial: what the canary judged, when it was
+    reverted, and its cost (1 - the injected arm's throughput over the adaptive arm's)."""
+    controlled = {a: r.min_serving_fraction for a, r in results.items() if r.control_mode == "auto"}
+    seen = [v for v in controlled.values() if v is not None]
+    out: dict[str, Any] = {
+        "min_serving_fraction": min(seen) if seen else None,
+        "min_serving_fraction_by_arm": {a: r.min_serving_fraction for a, r in results.items()},
+        "workers": sc.workers,
+        "worker_args": [dict(a) for a in sc.worker_args],
+        "best_static_basis": f"all {sc.workers} workers with the sweep's best arguments for one worker's share "
+        "of the trace (the oracle arm)",
+    }
+    injected, adaptive = results.get(TRIAL_ARM), results.get("adaptive")
+    if injected is None:
+        return out
+    out["revert_cost"] = (
+        round(1.0 - injected.output_tok_per_s / adaptive.output_tok_per_s, 4)
+        if adaptive is not None and adaptive.output_tok_per_s > 0
+        else None
+    )
+    out["injection"] = _injection(sc, injected)
+    return out
+
+
+def _injection(sc: Scenario, r: ArmResult) -> dict[str, Any]:
+    """The injected trial as the journal tells it: its entry, the canary's verdict and figures, and the
+    revert (modelled seconds from the trial to the worker serving with its own arguments again)."""
+    assert sc.trial is not None
+    sent = r.trial or {}
+    entry_id = (sent.get("answer") or {}).get("entry") if sent.get("status") == 202 else None
+    out: dict[str, Any] = {"worker": sc.trial.worker, "args": dict(sc.trial.args), "at_modelled_s": sc.trial.at_s,
+                           "sent": sent}  # fmt: skip
+    entry = next((d for d in r.decisions if d.get("id") == entry_id), None)
+    if entry is None:
+        return out
+    out.update(
+        entry=entry_id,
+        status=entry.get("status"),
+        canary_verdict=entry.get("canary_verdict"),
+        canary_share_before=entry.get("canary_share_before"),
+        canary_share_after=entry.get("canary_share_after"),
+    )
+    revert = next((d for d in r.decisions if d.get("rule") == "canary_revert" and d.get("worker") == sc.trial.worker
+                   and int(d.get("id", 0)) > int(entry["id"])), None)  # fmt: skip
+    if revert is not None:
+        out.update(revert_entry=revert.get("id"), revert_status=revert.get("status"),
+                   reverted_after_modelled_s=round((float(revert["monotonic"]) - float(entry["monotonic"]))
+                                                   * sc.time_scale, 1))  # fmt: skip
+    return out
 
 
 def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[str, Any]] | None:
@@ -682,14 +827,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests scenario", description=__doc__.split("\n")[0])
     p.add_argument("name", choices=[*SCENARIOS, "all"])
     p.add_argument("--report", default=None, help="JSON report (default: scenario-NAME.json); .md and .png beside it")
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    p.add_argument("--arms", default=",".join(ALL_ARMS), help="comma-separated subset of " + ",".join(ALL_ARMS)
+                   + f" ({TRIAL_ARM}: scenarios with an operator trial only)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="keep each arm's policy, logs and journal here")
     p.add_argument("--max-run-s", type=float, default=900.0, help="give up on an arm after this long")
     ns = p.parse_args(argv)
     arms = [a.strip() for a in ns.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in ALL_ARMS]
     if bad:
-        p.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+        p.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ALL_ARMS)}")
     names = list(SCENARIOS) if ns.name == "all" else [ns.name]
     report = Path(ns.report or f"scenario-{ns.name}.json")
     reports = []

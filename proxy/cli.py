@@ -6,6 +6,7 @@ pacer check-policy FILE                    validate a policy file without starti
 pacer check-policy --defaults              every policy key with its default and meaning
 pacer status [--url U] [--watch]           a running proxy's workers, queues, args, last decisions
 pacer decisions [--url U] [--rule R] ...   its controller's journal (filters, --json)
+pacer try --worker W --args K=V [...]      try arguments on one worker as a canary (judged, kept or reverted)
 pacer demo [--url U] [--start POLICY]      a workload that makes the controller act, with progress
 """
 
@@ -32,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "check-policy": "proxy.cli:check_policy_main",
     "status": "proxy.console.status:main",
     "decisions": "proxy.console.decisions:main",
+    "try": "proxy.console.trial:main",
     "demo": "proxy.console.demo:main",
 }
 

@@ -152,6 +152,7 @@ def build_app(
     app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
+    app.router.add_post("/admin/trial", handlers.admin_trial)
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
     add_routes(app, authenticate=_batch_caller(st))
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open

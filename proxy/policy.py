@@ -150,6 +150,14 @@ class EngineSettings:
         default_factory=_empty_table,
         metadata=key("engine flags by name, with underscores (managed kinds)", custom=True),
     )
+    worker_args: tuple[Mapping[str, Any], ...] = field(
+        default=(),
+        metadata=key(
+            "per worker, in order: engine flags over args for that worker only, e.g. [{}, {mem_fraction_static = 0.8}]"
+            " (a worker past the list runs args alone; managed kinds)",
+            custom=True,
+        ),
+    )
     extra_args: tuple[str, ...] = field(
         default=(), metadata=key("more command-line arguments for each worker (managed kinds)", custom=True)
     )
@@ -366,9 +374,19 @@ class ControlSettings:
     canary_margin: float = field(
         default=0.03,
         metadata=key(
-            "with 2+ workers a plan goes to one worker first; promoted when its throughput per running request "
-            "beats the others' by this share over window_s, reverted otherwise",
+            "with 2+ workers a plan (or an operator's trial) goes to one worker first; judged after window_s on its "
+            "output throughput over the others' mean, against the same share before: promoted when it beats the "
+            "others and gained by this margin, kept when it only gained, reverted otherwise",
             minimum=0,
+        ),
+    )
+    canary_fail_below: float = field(
+        default=0.5,
+        metadata=key(
+            "a canary whose share of the others' throughput falls below this fraction of its share before is "
+            "reverted once min_evidence_s is in, without waiting for window_s (0: always wait)",
+            minimum=0,
+            maximum=1,
         ),
     )
     twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))
@@ -830,6 +848,11 @@ def _engine(
     managed = kind != EngineKind.EXTERNAL
     workers = t.int("workers", d.workers if workers is None else workers, minimum=1)
     args = t.mapping("args")
+    worker_args = t.raw("worker_args", [])
+    if not isinstance(worker_args, list) or not all(isinstance(a, Mapping) for a in worker_args):
+        raise t.error(
+            "worker_args", "expected an array of tables, one per worker, e.g. [{}, {mem_fraction_static = 0.8}]"
+        )
     extra_args = t.str_list("extra_args", []) or ()
     urls = t.str_list("urls", None)
     speaks = t.str("speaks", None)
@@ -846,10 +869,15 @@ def _engine(
         if command is not None and not command:
             raise t.error("command", "must not be empty (leave it out for the default launcher)")
         _check_args(t, kind, args)
+        if len(worker_args) > workers:
+            raise t.error("worker_args", f"{len(worker_args)} tables for {workers} workers")
+        for i, own in enumerate(worker_args):
+            _check_args(t, kind, own, f"worker_args[{i}]")
         if in_pool:
             for name in engine_named(kind).placement_args(1, model):
-                if name in args:
-                    raise t.error(f"args.{name}", "set by the pool (its tp and model keys)")
+                for where, given in (("args", args), *((f"worker_args[{i}]", a) for i, a in enumerate(worker_args))):
+                    if name in given:
+                        raise t.error(f"{where}.{name}", "set by the pool (its tp and model keys)")
         if problem := engine_named(kind).check_extra_args(extra_args):
             raise t.error("extra_args", problem)
         for name in engine_named(kind).required_args():
@@ -864,7 +892,8 @@ def _engine(
                 raise t.error(f"urls[{i}]", f"expected an http(s)://host:port URL, got {url!r}")
         if speaks is not None and speaks not in ENGINES:
             raise t.error("speaks", f"expected one of {', '.join(ENGINES)}; got {speaks!r}")
-        for name, used in (("args", args), ("extra_args", extra_args), ("command", command), ("env", env)):
+        for name, used in (("args", args), ("worker_args", worker_args), ("extra_args", extra_args),
+                           ("command", command), ("env", env)):  # fmt: skip
             if used:
                 raise t.error(name, 'not used with kind = "external" (the proxy does not start those servers)')
         if placed:
@@ -877,6 +906,7 @@ def _engine(
         "kind": kind,
         "workers": workers,
         "args": MappingProxyType(args),
+        "worker_args": tuple(MappingProxyType(dict(a)) for a in worker_args),
         "extra_args": tuple(extra_args),
         "urls": tuple(u.rstrip("/") for u in urls or ()),
         "speaks": speaks or d.speaks,
@@ -890,12 +920,12 @@ def _engine(
     return s
 
 
-def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any]) -> None:
+def _check_args(t: Table, kind: EngineKind, args: Mapping[str, Any], where: str = "args") -> None:
     engine = engine_named(kind)
     for name, value in args.items():
         problem = engine.check_arg(name, value)
         if problem:
-            raise t.error(f"args.{name}", problem)
+            raise t.error(f"{where}.{name}", problem)
 
 
 def _pacing(t: Table) -> PacingSettings:
@@ -1021,6 +1051,10 @@ def _describe_pool(pool: PoolSettings, *, several: bool) -> list[str]:
         secret = e.engine.secret_args
         shown = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(e.args.items()))
         lines.append(f"           args {shown or '(engine defaults)'}")
+        for i, own in enumerate(e.worker_args):
+            if own:
+                mine = " ".join(f"{k}={'***' if k in secret else v}" for k, v in sorted(own.items()))
+                lines.append(f"           worker {i} args {mine} (over args)")
         if e.extra_args:
             lines.append(f"           extra {' '.join(e.extra_args)}")
     else:

@@ -145,6 +145,14 @@ BAD = [
     (_engine(args=[1]), "engine.args", "expected a table"),
     (_engine(extra_args="--x"), "engine.extra_args", "array of strings"),
     (_engine(extra_args=["--port", "1"]), "engine.extra_args", "--port"),
+    (_engine(workers=2, worker_args=[{}, {}, {}]), "engine.worker_args", "3 tables for 2 workers"),
+    (_engine(workers=2, worker_args={"w1": {}}), "engine.worker_args", "array of tables"),
+    (
+        _engine(workers=2, worker_args=[{}, {"mem_fracton_static": 0.6}]),
+        "engine.worker_args[1].mem_fracton_static",
+        "did you mean 'mem_fraction_static'",
+    ),
+    (_engine(kind="external", urls=["http://a:1"], worker_args=[{}]), "engine.worker_args", "not used"),
     (_engine(command=[]), "engine.command", "must not be empty"),
     (_engine(env={"N": 1}), "engine.env.N", "quote it"),
     (_engine(urls=["http://x:1"]), "engine.urls", 'only for kind = "external"'),
@@ -212,3 +220,10 @@ def test_admission_keys_are_read_per_name_and_checked():
         parse_policy({"admission": {"keys": {"alice": {"wieght": 2}}}})
     with pytest.raises(PolicyError, match=r"admission\.batch_floor_share"):
         parse_policy({"admission": {"batch_floor_share": 1.5}})
+
+
+def test_worker_args_start_one_worker_with_its_own_flags_over_the_pools() -> None:
+    p = parse_policy(_engine(workers=3, args={"schedule_conservativeness": 0.5},
+                             worker_args=[{}, {"mem_fraction_static": 0.6}]))  # fmt: skip
+    assert [dict(a) for a in p.engine.worker_args] == [{}, {"mem_fraction_static": 0.6}]
+    assert "worker 1 args mem_fraction_static=0.6 (over args)" in p.describe()

@@ -40,7 +40,17 @@ class AdminClient:
         return cls(args.url, args.admin_key)
 
     def get(self, path: str) -> Any:
-        request = urllib.request.Request(self.url + path)
+        return self._call(urllib.request.Request(self.url + path))
+
+    def post(self, path: str, body: Any) -> Any:
+        """POST ``body`` as JSON; the answer's JSON (a refusal raises :class:`AdminError` with its message)."""
+        data = orjson.dumps(body)
+        return self._call(
+            urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        )
+
+    def _call(self, request: urllib.request.Request) -> Any:
+        path = request.full_url[len(self.url) :]
         if self.key:
             request.add_header("Authorization", f"Bearer {self.key}")
         try:

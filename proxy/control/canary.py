@@ -1,13 +1,33 @@
 """Canary: with two or more workers, new arguments go to one worker first.
 
-The planner's decision restarts one worker (the canary) with the new arguments; the others keep
-theirs. After a window (``window_s`` of evidence on the canary) :func:`judge` compares the canary's
-throughput per unit of request load (output tokens/s over the mean running batch: how well it
-serves what it holds, whatever share of the traffic it got) with the other workers' mean:
+A planner's decision (or an operator's trial, ``POST /admin/trial``) restarts one worker (the
+canary) with the new arguments; the others keep theirs. After a window (``window_s`` of evidence
+on the canary) :func:`judge` compares the canary with the other workers, who served the same
+traffic over the same time.
 
-* ``promote`` when the canary beats them by ``margin``: the others are restarted with its
+The figure is each worker's **share**: its output tokens per second over the window divided by
+the other workers' mean (:func:`share`), taken twice: just before the canary's restart
+(``before``) and over its window (``after``). The verdict reads the change of that share:
+
+* ``promote`` when the canary now beats the others by ``margin`` (``after > 1 + margin``) and
+  gained on its own standing (``after > before x (1 + margin)``): the others are restarted with its
   arguments, one at a time;
-* ``revert`` otherwise (or when it died): the canary is restarted with its old arguments.
+* ``keep`` when it gained on its own standing but only caught up with the others (a worker started
+  with bad arguments, fixed): it keeps its new arguments, the others keep theirs;
+* ``revert`` otherwise (or when it died): the canary is restarted with its old arguments. A canary
+  whose share fell under ``canary_fail_below`` x its share before (:func:`failing`) is reverted as
+  soon as ``min_evidence_s`` of it is in, without waiting for the whole window.
+
+Why total throughput and not throughput per running request: a worker capped to a few running
+requests decodes each of them fast, so per running request it looks far better than the others
+while it serves a fraction of their tokens. The dispatcher sends each worker what it can take
+(pacing by its own server queue), so when the pool has work waiting every worker's throughput is
+its capacity, and the share compares capacities directly; a candidate that turns traffic away
+(a cap, a smaller KV pool) serves a smaller share. When the pool is not backlogged each worker
+serves what arrives for it, the share stays near its old value whatever the arguments, and the
+verdict is ``revert``: a restart is promoted only on a measured gain. Comparing the share before
+and after (rather than the canary alone against its own past) takes out what changed for the
+whole pool meanwhile (the traffic's rate or mix).
 
 Restarts roll one worker at a time (the controller starts no act while another worker is
 restarting or down), so at least (N-1)/N of the fleet serves throughout. Pure: figures in, verdict out.
@@ -19,13 +39,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Canary", "CanaryVerdict", "judge", "per_load"]
+__all__ = ["Canary", "CanaryVerdict", "failing", "judge", "share"]
 
 
 class CanaryVerdict(StrEnum):
-    PROMOTE = "promote"
-    REVERT = "revert"
-    WAIT = "wait"
+    PROMOTE = "promote"  # roll the canary's arguments out to the others
+    KEEP = "keep"  # the canary keeps its arguments; the others keep theirs
+    REVERT = "revert"  # the canary gets its old arguments back
+    WAIT = "wait"  # not measured yet
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,20 +55,34 @@ class Canary:
     entry_id: int  # the journal entry of the decision it tries
     old_args: Mapping[str, object]
     new_args: Mapping[str, object]
+    before: float | None = None  # its share of the others' throughput just before its restart (None: not measured)
     due: float | None = None  # when to judge (None: not serving with the new args yet)
 
 
-def per_load(throughput: float | None, mean_running: float | None) -> float | None:
-    """Output tokens/s per running request (None: not measured)."""
-    if throughput is None or not mean_running or mean_running <= 0:
-        return None
-    return throughput / mean_running
-
-
-def judge(canary: float | None, others: Sequence[float | None], margin: float) -> CanaryVerdict:
-    """Promote when the canary's throughput per load beats the others' mean by ``margin``."""
+def share(mine: float | None, others: Sequence[float | None]) -> float | None:
+    """A worker's output tokens/s over the mean of the other workers' (None: not measured)."""
     seen = [o for o in others if o is not None]
-    if canary is None or not seen:
+    if mine is None or not seen:
+        return None
+    mean = sum(seen) / len(seen)
+    return mine / mean if mean > 0 else None
+
+
+def failing(after: float | None, before: float | None, below: float) -> bool:
+    """A canary clearly worse than it was: its share fell under ``below`` x its share before (1 when
+    not measured). Reverted as soon as there is evidence (``min_evidence_s``), not after the whole
+    window: what a clearly bad candidate costs grows with every second it serves (``below`` 0: never)."""
+    if after is None or below <= 0:
+        return False
+    return after < below * (1.0 if before is None else before)
+
+
+def judge(after: float | None, before: float | None, margin: float) -> CanaryVerdict:
+    """The verdict on a canary whose share of the others' throughput went from ``before`` (None:
+    not measured; taken as 1, an equal) to ``after``."""
+    if after is None:
         return CanaryVerdict.WAIT
-    baseline = sum(seen) / len(seen)
-    return CanaryVerdict.PROMOTE if canary > baseline * (1.0 + margin) else CanaryVerdict.REVERT
+    baseline = 1.0 if before is None else before
+    if after <= baseline * (1.0 + margin):
+        return CanaryVerdict.REVERT
+    return CanaryVerdict.PROMOTE if after > 1.0 + margin else CanaryVerdict.KEEP

@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
-from proxy.control.canary import Canary, CanaryVerdict, judge, per_load
+from proxy.control.canary import Canary, CanaryVerdict, failing, judge, share
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, Planned
 from proxy.control.journal import Journal, Status, verdict
@@ -75,6 +75,7 @@ __all__ = [
     "LogReader",
     "PlanJob",
     "Surroundings",
+    "TrialRefused",
 ]
 
 _log = logging.getLogger(__name__)
@@ -163,6 +164,15 @@ class _Worker:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
+    pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
+
+
+class TrialRefused(Exception):
+    """An operator's trial cannot start now; the message says why, ``code`` names it."""
+
+    def __init__(self, message: str, *, code: str = "trial_refused") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +238,7 @@ class Controller:
                 reader=reader,
                 managed=info.managed,
             )
+        w.pool_state = info.state
         if info.state is WorkerState.STARTING:
             w.window = w.window.restart(now)
             w.state = w.state.without_resolved()
@@ -393,6 +404,16 @@ class Controller:
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
 
+    def _share(self, w: _Worker) -> float | None:
+        """``w``'s output tokens/s over the window, as decoded, against the other serving managed workers' mean."""
+        others = [
+            o.window.decode_rate
+            for o in self._managed()
+            if o is not w and not o.busy and o.state.started_at is not None
+        ]
+        value = share(w.window.decode_rate, others)
+        return None if value is None else round(value, 4)
+
     def _canary_step(self, now: float, others_down: bool) -> Act | None:
         """Judge a canary whose window is in, or roll its promotion on by one worker."""
         if self.mode is not ControlMode.AUTO:
@@ -423,26 +444,33 @@ class Controller:
         if w is None:
             self.canary = None
             return None
-        if w.busy or now < canary.due or w.window.observed_s < self.settings.min_evidence_s:
+        if w.busy or others_down or w.window.observed_s < self.settings.min_evidence_s:
+            return None  # judged against the others only while they all serve
+        after = self._share(w)
+        early = now < canary.due
+        if early and not failing(after, canary.before, self.settings.canary_fail_below):
             return None
-        mine = per_load(w.window.throughput, w.window.mean_running)
-        others = [per_load(o.window.throughput, o.window.mean_running) for o in self._managed() if o is not w]
-        verdict_ = judge(mine, others, self.settings.canary_margin)
+        verdict_ = judge(after, canary.before, self.settings.canary_margin)
         if verdict_ is CanaryVerdict.WAIT:
             return None
-        seen = [o for o in others if o is not None]
-        figures = {"canary_per_load": round(mine or 0.0, 3), "others_per_load": round(sum(seen) / len(seen), 3)}
+        figures: dict[str, object] = {
+            "canary_share_before": canary.before,
+            "canary_share_after": round(after or 0.0, 4),
+        }
+        if early:
+            figures["canary_failed_early_s"] = round(w.window.observed_s, 1)  # judged before window_s was in
         self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
         if verdict_ is CanaryVerdict.PROMOTE:
             self._promote = [o.state.worker_id for o in self._managed() if o is not w]
             return None
         self.canary = None
-        if others_down:
+        if verdict_ is CanaryVerdict.KEEP:
             return None
+        before = "not measured" if canary.before is None else f"{canary.before:.3f}"
         decision = Decision(worker_id=w.state.worker_id, rule="canary_revert", time=now, old_args=dict(w.state.args),
                             new_args=dict(canary.old_args), kind=RuleKind.CORRECTIVE,
-                            reason=f"the canary served {figures['canary_per_load']} tok/s per running request against "
-                                   f"the others' {figures['others_per_load']}: its old args back")  # fmt: skip
+                            reason=f"the canary served {after or 0.0:.3f} x the others' mean "
+                                   f"throughput (before its restart: {before}): its old args back")  # fmt: skip
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
                                        extra={"canary": w.state.worker_id, **figures})  # fmt: skip
         w.busy = True
@@ -524,9 +552,56 @@ class Controller:
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
                                        extra={**extra, "canary": job.worker_id} if fleet else extra)  # fmt: skip
         if fleet:
-            self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new)
+            self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new,
+                                 before=self._share(w))  # fmt: skip
         w.busy = True
         return Act(decision=decision, entry_id=entry_id)
+
+    def trial(self, worker_id: WorkerId, args: Mapping[str, object], *, note: str = "") -> Act:
+        """An operator's trial: ``args`` (merged over the worker's own) tried on ``worker_id`` as a
+        canary, journalled like a plan (reason "operator trial") and judged, promoted, kept or
+        reverted by the same canary code. Returns the act to carry out (the caller starts it);
+        raises :class:`TrialRefused` (in words) when it cannot start now."""
+        now = self.clock()
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise TrialRefused(f"no worker {worker_id!r} in this pool", code="unknown_worker")
+        if self.mode is not ControlMode.AUTO:
+            raise TrialRefused(f"control mode is {self.mode}: a trial restarts a worker, only in auto")
+        if not w.managed:
+            raise TrialRefused(f"worker {worker_id} is not managed by this proxy: it cannot be restarted")
+        if len(self._managed()) < 2:
+            raise TrialRefused("a trial needs two or more managed workers: the canary is judged against the others")
+        if self.canary is not None or self._promote:
+            under_way = self.canary.worker_id if self.canary is not None else "the fleet"
+            raise TrialRefused(f"a canary is under way on {under_way}: one at a time")
+        busy = [
+            wid
+            for wid, o in self._workers.items()
+            if o.managed and (o.busy or o.state.started_at is None or o.pool_state is not WorkerState.READY)
+        ]
+        if busy:
+            raise TrialRefused(f"{', '.join(busy)} restarting or down: one at a time")
+        old = dict(w.state.args)
+        new = {**old, **args}
+        if new == old:
+            raise TrialRefused(f"worker {worker_id} already runs {dict(args)}", code="no_change")
+        moved = {k: v for k, v in new.items() if old.get(k) != v}
+        reason = "operator trial" + (f": {note}" if note else "") + f" of {moved}"
+        decision = Decision(worker_id=worker_id, rule="operator_trial", reason=reason, time=now, old_args=old,
+                            new_args=new, kind=RuleKind.TUNING)  # fmt: skip
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
+                                       extra={"canary": worker_id})  # fmt: skip
+        self.canary = Canary(worker_id=worker_id, entry_id=entry_id, old_args=old, new_args=new,
+                             before=self._share(w))  # fmt: skip
+        w.busy = True
+        return Act(decision=decision, entry_id=entry_id)
+
+    def start_trial(self, worker_id: WorkerId, args: Mapping[str, object], *, note: str = "") -> int:
+        """:meth:`trial`, carried out in the background (the proxy's admin endpoint); returns its journal id."""
+        act = self.trial(worker_id, args, note=note)
+        self._spawn(self.carry_out(act))
+        return act.entry_id
 
     def decide_revival(self, worker_id: WorkerId) -> Act | None:
         """A managed worker died: classify, count, and choose the args it comes back with.
@@ -688,6 +763,8 @@ class Controller:
             _log.warning("restart of %s for %s failed: %s", d.worker_id, d.rule, exc)
             self.journal.update(act.entry_id, status=Status.FAILED, detail=f"{exc.__class__.__name__}: {exc}")
             w.busy = False
+            if self.canary is not None and self.canary.entry_id == act.entry_id:
+                self.canary = None  # refused before the worker stopped: nothing to judge
             return
         now = self.clock()
         info = result.info

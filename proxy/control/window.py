@@ -229,6 +229,22 @@ class Window:
         return sum(gauges) / len(gauges) if gauges else None
 
     @property
+    def decode_rate(self) -> float | None:
+        """Output tokens/s as the engine produces them: the mean of its generation-throughput gauge over
+        the window's samples (its decode statistics lines without samples), else :attr:`throughput`.
+        The finished-token counter behind :attr:`throughput` moves only when a request ends, so over a
+        short window a worker running a few long outputs reads as idle, and one that just started as
+        faster than it is; the gauge counts tokens as they are decoded."""
+        gauges = [s.gen_throughput for s in self.samples if s.gen_throughput is not None]
+        if not gauges:
+            gauges = [
+                float(e.fields["gen_throughput"])
+                for e in self.of_kind(EventKind.BATCH_STATS)
+                if isinstance(e.fields.get("gen_throughput"), (int, float))
+            ]
+        return sum(gauges) / len(gauges) if gauges else self.throughput
+
+    @property
     def mean_running(self) -> float | None:
         """The mean running batch over the window's samples (its statistics lines without samples)."""
         values = [float(s.running) for s in self.samples]

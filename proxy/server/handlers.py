@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import orjson
 from aiohttp import web
 
+from proxy.control.controller import TrialRefused
 from proxy.errors import ApiError, bad_request, error_response
 from proxy.request import relay
 from proxy.request.admission import ORDER, Priority
@@ -227,6 +228,60 @@ async def admin_decisions(request: web.Request) -> web.Response:
     entries = journal.entries(worker=request.query.get("worker"), limit=limit) if journal is not None else []
     mode = st.controller.mode if st.controller is not None else st.policy.control.mode
     return _json({"mode": str(mode), "decisions": entries})
+
+
+async def admin_trial(request: web.Request) -> web.Response:
+    """``POST /admin/trial`` ``{"worker": "w1", "args": {"max_running_requests": 4}, "note": "..."}``: an
+    operator's trial of ``args`` on one worker as a canary (merged over its own args), journalled with
+    reason "operator trial" and judged, promoted, kept or reverted by the controller's canary code.
+    202 with the journal entry's id; 400 for bad input, 404 for an unknown worker, 409 when it cannot
+    start now (not ``auto``, one worker, a canary or restart under way)."""
+    st = request.app[PROXY]
+    check_admin_key(st.keys, request.headers)
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise bad_request("the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    unknown = sorted(set(body) - {"worker", "args", "note"})
+    if unknown:
+        raise bad_request(f"unknown field {unknown[0]!r}; expected worker, args, note", param=unknown[0])
+    worker_id, args, note = body.get("worker"), body.get("args"), body.get("note", "")
+    if not isinstance(worker_id, str) or not worker_id:
+        raise bad_request("worker: expected a worker id (see /admin/workers)", param="worker")
+    if not isinstance(args, dict) or not args:
+        raise bad_request('args: expected an object of engine arguments, e.g. {"max_running_requests": 4}', "args")
+    if not isinstance(note, str):
+        raise bad_request("note: expected a string", param="note")
+    info = next((w for w in st.pool.workers() if w.id == worker_id), None)
+    controller = st.controllers.get(info.pool) if info is not None else None
+    if info is None or controller is None:
+        known = ", ".join(w.id for w in st.pool.workers())
+        raise ApiError(404, f"no worker {worker_id!r}; the workers are {known}", param="worker", code="not_found")
+    pool = next((p for p in st.policy.pools if p.name == info.pool), st.policy.pools[0])
+    engine = pool.engine.engine
+    placed = engine.placement_args(1, pool.model)
+    for name, value in args.items():
+        if name in placed:
+            raise bad_request(f"args.{name}: set by the pool (its tp and model keys), not by a trial", f"args.{name}")
+        problem = engine.check_arg(name, value)
+        if problem:
+            raise bad_request(f"args.{name}: {problem}", param=f"args.{name}")
+    try:
+        entry_id = controller.start_trial(worker_id, args, note=note)
+    except TrialRefused as exc:
+        raise ApiError(409, str(exc), param="worker", code=exc.code) from None
+    return _json(
+        {
+            "entry": entry_id,
+            "worker": worker_id,
+            "args": args,
+            "judged_after_s": controller.settings.window_s,
+            "status": "acting",
+        },
+        status=202,
+    )
 
 
 @web.middleware

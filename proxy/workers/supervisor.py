@@ -231,7 +231,7 @@ class Supervisor:
                     port=port,
                     url=self._url(port),
                     managed=True,
-                    args={**s.args, **self._place.args},
+                    args={**s.args, **(s.worker_args[i] if i < len(s.worker_args) else {}), **self._place.args},
                     port_fixed=fixed,
                     pool=self._place.pool,
                     model=self._place.model,
