@@ -36,7 +36,7 @@ from proxy.engines.base import Sample
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.policy import ControlMode, Policy
-from proxy.request.admission import ORDER, AdmissionQueue
+from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard, SampleObserver
@@ -161,8 +161,11 @@ def build_app(
 
 def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None) -> SampleObserver:
     """After each scrape of one of ``dispatcher``'s workers, its fast-tier pace
-    (``proxy.control.fast_tier``) into its load: from that pool's band and its own queue's backlog;
-    a change pumps that pool's gate. Samples of other pools' workers are not its to pace."""
+    (``proxy.control.fast_tier``) into its load: from that pool's band and its own queue's backlog,
+    the worker's facts read per class (the time-to-first-token sign from the interactive class's own
+    requests); batch requests waiting at the worker beyond the batch queue target beside interactive
+    work are taken back to the proxy's queue; a change pumps that pool's gate. Samples of other
+    pools' workers are not its to pace."""
     settings = settings or PaceSettings()
     paces: dict[str, Pace] = {}
     band, admission = dispatcher.band, dispatcher.admission
@@ -173,6 +176,7 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
             return
         load = board.get(worker_id)
         since = sample.time - 60.0
+        chat_in_flight = load.in_flight - load.batch_in_flight
         pace = next_pace(
             paces.get(worker_id, Pace()),
             PaceInput(
@@ -185,7 +189,9 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
                 in_flight=load.in_flight,
                 backlog=len(admission),
                 mean_output_tokens=load.facts.mean_output_tokens(since),
-                ttft_s=load.facts.mean_ttft(since),
+                ttft_s=load.facts.mean_ttft(since, interactive=True),
+                interactive_output_tokens=load.facts.mean_output_tokens(since, interactive=True),
+                interactive_waiting=chat_in_flight + admission.depth(Priority.INTERACTIVE),
             ),
             lo=band.lo,
             hi=band.hi,
@@ -193,10 +199,20 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
             settings=settings,
         )
         paces[worker_id] = pace
-        if (pace.limit, pace.queue_target) != (load.limit, load.queue_target):
+        withdrawn = 0
+        if pace.batch_queue_target is not None and load.batch_in_flight:
+            withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)
+            if withdrawn:
+                _log.info(
+                    "fast tier %s: %d batch requests back from the worker's queue (interactive work)",
+                    worker_id,
+                    withdrawn,
+                )
+        now = (pace.limit, pace.queue_target, pace.batch_queue_target)
+        if now != (load.limit, load.queue_target, load.batch_queue_target) or withdrawn:
             if pace.limit != load.limit:
                 _log.info("fast tier %s: %s", worker_id, pace.reason)
-            load.limit, load.queue_target = pace.limit, pace.queue_target
+            load.limit, load.queue_target, load.batch_queue_target = now
             dispatcher.pump()
 
     return observe
@@ -304,6 +320,7 @@ class _Surroundings:
                 output_tokens=f.output_tokens,
                 max_tokens=f.max_tokens,
                 finished=f.time,
+                interactive=f.interactive,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
@@ -312,7 +329,10 @@ class _Surroundings:
     def in_flight(self, worker_id: str) -> Sequence[InFlight]:
         return [
             InFlight(
-                arrived=a.ticket.enqueued_at, prompt_tokens=a.ticket.prompt_tokens or 1, max_tokens=a.ticket.max_tokens
+                arrived=a.ticket.enqueued_at,
+                prompt_tokens=a.ticket.prompt_tokens or 1,
+                max_tokens=a.ticket.max_tokens,
+                interactive=a.ticket.priority is Priority.INTERACTIVE,
             )
             for a in self._st.board.get(worker_id).attempts
         ]

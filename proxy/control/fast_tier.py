@@ -1,6 +1,6 @@
 """The fast tier: levers the proxy moves itself, in seconds, without restarting a worker.
 
-Two per-worker values, recomputed from every scrape by :func:`next_pace` (a pure function of the
+Per-worker values, recomputed from every scrape by :func:`next_pace` (a pure function of the
 previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it):
 
 * the **admission limit**: how many requests the proxy lets the worker hold (running plus waiting
@@ -12,14 +12,11 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   that much has been seen), is above ``retractions_per_1k_tokens`` (a batch of long outputs
   retracts a few requests at a time, steadily, whatever the limit: one such burst over half a
   second of tokens is not a sign, nor is the trickle; an engine without a token counter: any rise),
-  or the time to first token of the worker's recent requests rose above ``ttft_rise`` x its recent
-  floor while the server had a queue, for a worker whose recent outputs are shorter than
-  ``long_output_tokens`` (interactive answers, judged on their wait; a batch of long outputs waits
-  for KV to free by design, behind the longer server queue this tier itself gives it, and is
-  judged on throughput). It grows additively (``limit / grow_divisor``, at least 1)
-  when the pool is under-used with work waiting: the limit binds (in flight >= limit), the proxy
-  holds requests back, and token usage is below ``grow_below_usage``. Grown past ``ceiling`` it is
-  unset again.
+  or the time to first token of the worker's recent *interactive* requests rose above
+  ``ttft_rise`` x its recent floor while the server had a queue. It grows additively
+  (``limit / grow_divisor``, at least 1) when the pool is under-used with work waiting: the limit
+  binds (in flight >= limit), the proxy holds requests back, and token usage is below
+  ``grow_below_usage``. Grown past ``ceiling`` it is unset again.
 * the **queue target**: where inside the policy's band ``[lo, hi]`` the pacing gate keeps the
   worker's server queue. Short interactive answers want a short server queue (a request waiting
   there cannot be moved to a worker that frees up first, and it adds to time to first token):
@@ -27,6 +24,34 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   always has work to admit when a slot frees: the target moves towards ``hi`` with the mean output
   length of the worker's recent requests, linearly between ``short_output_tokens`` and
   ``long_output_tokens``.
+* the **batch queue target**, while interactive work is on the worker or waiting for it.
+
+Classes. Each request carries its class (interactive or batch) from the front door to its facts,
+and the rule of admission holds here too: interactive work never waits behind batch work. Three
+things follow, each argued from where a request can wait:
+
+1. *The time-to-first-token sign reads the interactive class's own first tokens* (dispatch to
+   first output: what the server made it wait, not the proxy's queue, which this tier's own limit
+   lengthens and which would feed back into more back-off). A batch's first tokens wait for KV by
+   design and are judged on throughput; averaging them in (or gating the sign on the worker's mean
+   output length, which a batch beside chat pulls either way) makes the sign read the mix instead
+   of the class it protects. An interactive class whose own outputs are long (a client that never
+   says "batch") is judged like a batch: the sign is off above ``long_output_tokens``.
+2. *The limit counts per class* (applied in :class:`~proxy.request.pacing.WorkerLoad`): a batch
+   request goes only while everything in flight on the worker is under it; an interactive request
+   while the interactive requests in flight are. So a back-off squeezes the batch first, and an
+   interactive request never waits in the proxy for a batch request to end; the limit still binds
+   interactive work that over-commits the worker on its own (one class: as before).
+3. *The server's queue is FIFO* (SGLang without priority scheduling, vLLM's default): a batch
+   request waiting there is ahead of every interactive request sent after it, and a batch of long
+   outputs frees KV slowly, so even the band's base of batch work in that queue is minutes of
+   waiting for chat. While interactive work is on the worker or waiting for it (and for
+   ``interactive_hold_s`` after), batch work is kept to ``batch_queue_beside_interactive`` requests
+   in the worker's queue (the proxy refills it at each completion, so the engine still has batch
+   work to admit when KV frees), and batch requests already waiting there beyond that are taken back
+   to the proxy's queue (the composition root does it through the dispatcher: nothing ran for
+   them, so nothing is lost or recomputed). Batch work thus steps back within one scrape when chat
+   arrives, and takes the band again ``interactive_hold_s`` after it stops.
 
 Nothing here restarts anything or reads an engine: the inputs are the scrape (engine-neutral
 :class:`~proxy.engines.base.Sample` figures) and the proxy's own per-request facts. The request
@@ -62,6 +87,8 @@ class PaceSettings:
     floor_decay: float = 1.02  # the TTFT floor rises by this factor per look (so it can follow a change)
     short_output_tokens: float = 256.0  # mean outputs this short: the band's base
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
+    batch_queue_beside_interactive: int = 2  # batch requests waiting at the worker while interactive work is there
+    interactive_hold_s: float = 5.0  # how long after the last interactive request batch work stays stepped back
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,8 +103,12 @@ class PaceInput:
     generation_tokens_total: float | None = None  # the engine's output-token counter (None: not exported)
     in_flight: int  # what the proxy has open on the worker
     backlog: int  # requests waiting in the proxy's queue
-    mean_output_tokens: float | None = None  # of the worker's recent requests (None: none yet)
-    ttft_s: float | None = None  # mean time to first token of its recent requests
+    mean_output_tokens: float | None = None  # of the worker's recent requests, every class (None: none yet)
+    ttft_s: float | None = (
+        None  # mean time to first token (dispatch to first output) of its recent interactive requests
+    )
+    interactive_output_tokens: float | None = None  # mean output of its recent interactive requests (None: as above)
+    interactive_waiting: int = 0  # interactive requests open on the worker or waiting in the proxy for it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +117,8 @@ class Pace:
 
     limit: int | None = None  # None: no limit beyond the queue band
     queue_target: int | None = None  # None: the band's own target
+    batch_queue_target: int | None = None  # the batch class's, beside interactive work (None: queue_target)
+    interactive_seen_at: float = -math.inf  # the latest look with interactive work on or for the worker
     retractions_seen: float | None = None
     tokens_seen: float | None = None
     retraction_ewma: float = 0.0  # smoothed retracted requests per second
@@ -117,7 +150,15 @@ def queue_target(lo: int, hi: int, headroom: int, mean_output_tokens: float | No
 def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, settings: PaceSettings) -> Pace:
     """The worker's pace after one more look (pure: same inputs, same answer)."""
     now = look.time
-    target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
+    interactive_seen_at = now if look.interactive_waiting > 0 else prev.interactive_seen_at
+    beside_interactive = now - interactive_seen_at < settings.interactive_hold_s
+    if beside_interactive:  # the band's target is the interactive class's, from its own outputs
+        own = look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
+        target = queue_target(lo, hi, headroom, own, settings)
+        batch_target: int | None = max(1, min(settings.batch_queue_beside_interactive, target))
+    else:
+        target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
+        batch_target = None
     r_inc = _increase(prev.retractions_seen, look.retractions_total)
     t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
     dt = now - prev.looked_at if prev.looked_at is not None else 0.0
@@ -139,9 +180,10 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
     floor = prev.ttft_floor
     if look.ttft_s is not None and look.ttft_s > 0:
         floor = look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
-    interactive = look.mean_output_tokens is None or look.mean_output_tokens < settings.long_output_tokens
+    chat_output = look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
+    latency_bound = chat_output is None or chat_output < settings.long_output_tokens
     slow = (
-        interactive
+        latency_bound
         and look.ttft_s is not None
         and prev.ttft_floor is not None
         and look.queue > 0
@@ -150,6 +192,8 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
     state = replace(
         prev,
         queue_target=target,
+        batch_queue_target=batch_target,
+        interactive_seen_at=interactive_seen_at,
         retractions_seen=look.retractions_total,
         tokens_seen=look.generation_tokens_total,
         retraction_ewma=r_ewma,

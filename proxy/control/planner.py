@@ -44,7 +44,8 @@ requests that arrived before it and ended after it (their remaining output in pr
 time they still ran; what they had produced already is held as prompt, so their KV is there), and
 the requests the proxy has open on the worker when the plan begins (:class:`InFlight`: its own
 attempts; their output is not known yet, so it is the recent median of output over ``max_tokens``
-times their ``max_tokens``; one that arrived before the sample is counted as ending now, the least
+of the answered requests of their own class times their ``max_tokens``, or all of it while none of
+their class was answered; one that arrived before the sample is counted as ending now, the least
 it can still hold). Only the sample's own requests make the figure (their output tokens over
 their first arrival to their last answer in the replay), the basis on which the worker is
 measured (:func:`measured_throughput`), so prediction and measurement are like with like.
@@ -100,6 +101,7 @@ class Observed:
     output_tokens: int
     max_tokens: int
     finished: float | None = None  # when its answer ended (same clock as ``arrived``)
+    interactive: bool = True  # the class it was sent as (False: batch)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +112,7 @@ class InFlight:
     arrived: float  # same clock as :attr:`Observed.arrived`
     prompt_tokens: int  # estimated
     max_tokens: int | None  # as asked (None: not given)
+    interactive: bool = True  # the class it was sent as (False: batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,23 +130,29 @@ class Replay:
         return self.sample_output / self.until if self.until else None
 
 
-def _expected_output(answered: Sequence[Observed]) -> Callable[[int], int]:
-    """A request's expected output from its ``max_tokens``: the median output over ``max_tokens`` of
-    the answered requests that asked for the same (traffic classes differ: chat asks for far more than
-    it writes, a batch of long outputs nearly all), else the median output of all of them (no more
-    than it asked for)."""
-    by_cap: dict[int, list[float]] = {}
+def _expected_output(answered: Sequence[Observed]) -> Callable[[int, bool], int]:
+    """A request's expected output from its ``max_tokens`` and class, read from the answered requests
+    of its own class (interactive or batch: chat asks for far more than it writes, a batch of long
+    outputs nearly all): the median output over ``max_tokens`` of those that asked for the same, else
+    the median output of all of them (no more than it asked for). A class none of whose requests was
+    answered yet may write all it asked for: the engine's own admission assumes as much, and the other
+    class's lengths say nothing about it (a batch of long outputs read as the chat beside it looked
+    like work a lower conservativeness would finish at once, and the plan restarted for it)."""
+    by_cap: dict[tuple[bool, int], list[float]] = {}
+    written: dict[bool, list[int]] = {}
     for o in answered:
         if o.max_tokens > 0:
-            by_cap.setdefault(o.max_tokens, []).append(min(1.0, o.output_tokens / o.max_tokens))
-    medians = {cap: statistics.median(r) for cap, r in by_cap.items()}
-    written = [o.output_tokens for o in answered]
-    overall = statistics.median(written) if written else None
+            by_cap.setdefault((o.interactive, o.max_tokens), []).append(min(1.0, o.output_tokens / o.max_tokens))
+        written.setdefault(o.interactive, []).append(o.output_tokens)
+    medians = {key: statistics.median(r) for key, r in by_cap.items()}
+    overall = {cls: statistics.median(w) for cls, w in written.items()}
 
-    def expected(cap: int) -> int:
-        if cap in medians:
-            return max(1, round(cap * medians[cap]))
-        return max(1, min(cap, round(overall))) if overall is not None else cap
+    def expected(cap: int, interactive: bool) -> int:
+        if (interactive, cap) in medians:
+            return max(1, round(cap * medians[(interactive, cap)]))
+        if interactive in overall:
+            return max(1, min(cap, round(overall[interactive])))
+        return cap
 
     return expected
 
@@ -188,7 +197,7 @@ def replay(
     )
     for i, r in enumerate(in_flight):
         cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, max(o.max_tokens for o in ordered))
-        out = expected(cap)
+        out = expected(cap, r.interactive)
         if r.arrived >= t0:
             specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, r.prompt_tokens),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip

@@ -97,10 +97,12 @@ def choose_worker(
     affinity: str | None = None,
     batch_limit: int | None = None,
     interactive_headroom: float = 0.0,
+    batch: bool = False,
 ) -> WorkerId | None:
     """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
     ``batch_limit``: only workers with fewer batch requests of this proxy in flight than it, less
-    ``interactive_headroom`` slots per interactive request open on the worker."""
+    ``interactive_headroom`` slots per interactive request open on the worker; ``batch``: the request
+    is of the batch class (the fast tier's limit and queue target per class)."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -110,14 +112,18 @@ def choose_worker(
     if exclude:
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
-    ready = [(w, load) for w, load in ready if load.has_room()]
+    ready = [(w, load) for w, load in ready if load.has_room(batch=batch)]
     if batch_limit is not None:
         ready = [
             (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
         ]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
-        open_ = [(load.est_queue(), load.in_flight, w.id) for w, load in fresh if load.est_queue() < load.target(band)]
+        open_ = [
+            (load.est_queue(), load.in_flight, w.id)
+            for w, load in fresh
+            if load.est_queue() < load.target(band, batch=batch)
+        ]
     else:  # every worker filtered out as stale: fall back to our own counts rather than stall
         open_ = [(load.in_flight, 0, w.id) for w, load in ready if load.in_flight < load.last_running + band.hi]
     if not open_:
@@ -361,6 +367,7 @@ class Dispatcher:
                 affinity=ticket.affinity,
                 batch_limit=batch_limit if ticket.priority is Priority.BATCH else None,
                 interactive_headroom=self.interactive_headroom,
+                batch=ticket.priority is Priority.BATCH,
             )
             if worker_id is None:
                 return
@@ -389,6 +396,18 @@ class Dispatcher:
             return True
         except TimeoutError:
             return False
+
+    def withdraw_batch(self, worker_id: WorkerId, keep: int) -> int:
+        """Take back the batch requests waiting in the worker's queue beyond its ``keep`` oldest
+        (:meth:`WorkerLoad.waiting_batch`), so interactive requests sent after them do not wait
+        behind them there; they go back to the front of the batch class. Returns how many."""
+        n = 0
+        for attempt in self.board.get(worker_id).waiting_batch(keep):
+            attempt.taken_back = True
+            if attempt.task is not None:
+                attempt.task.cancel()
+            n += 1
+        return n
 
     def take_back(self, worker_id: WorkerId) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.

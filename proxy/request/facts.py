@@ -2,7 +2,8 @@
 
 A :class:`RequestFact` is what one answered request showed: its prompt and output tokens (the
 answer's ``usage``), the ``max_tokens`` it asked for, its finish reason, its time to first token
-(from the dispatch to the first output the client got) and its time in the proxy's queue. The
+(from the dispatch to the first output the client got), its time in the proxy's queue and the
+class it was sent as (``interactive``: latency-sensitive, judged on its first tokens; or batch). The
 relay records one per answered attempt into the worker's :class:`WorkerFacts` (a bounded ring,
 held by the worker's :class:`~proxy.request.pacing.WorkerLoad`); figures are computed when read
 (once per scrape), never per chunk.
@@ -42,6 +43,7 @@ class RequestFact:
     finish_reason: str | None
     ttft_s: float | None  # dispatch to first output
     queue_s: float  # time in the proxy's queue
+    interactive: bool = True  # sent as the interactive class (False: batch)
 
     @property
     def output_ratio(self) -> float | None:
@@ -67,22 +69,27 @@ class WorkerFacts:
         self._facts.append(fact)
         self.answered += 1
 
-    def recent(self, since: float | None = None) -> list[RequestFact]:
-        return [f for f in self._facts if since is None or f.time >= since]
+    def recent(self, since: float | None = None, interactive: bool | None = None) -> list[RequestFact]:
+        """The facts of requests that ended at ``since`` or later, of one class (``interactive``) or both (None)."""
+        return [
+            f
+            for f in self._facts
+            if (since is None or f.time >= since) and (interactive is None or f.interactive is interactive)
+        ]
 
     def __len__(self) -> int:
         return len(self._facts)
 
-    def mean_output_tokens(self, since: float | None = None) -> float | None:
-        return _mean([float(f.output_tokens) for f in self.recent(since) if f.output_tokens is not None])
+    def mean_output_tokens(self, since: float | None = None, interactive: bool | None = None) -> float | None:
+        return _mean([float(f.output_tokens) for f in self.recent(since, interactive) if f.output_tokens is not None])
 
     def output_ratio(self, since: float | None = None) -> float | None:
         """Median of output tokens / ``max_tokens`` (None: no request said both)."""
         ratios = [r for f in self.recent(since) if (r := f.output_ratio) is not None]
         return statistics.median(ratios) if ratios else None
 
-    def mean_ttft(self, since: float | None = None) -> float | None:
-        return _mean([f.ttft_s for f in self.recent(since) if f.ttft_s is not None])
+    def mean_ttft(self, since: float | None = None, interactive: bool | None = None) -> float | None:
+        return _mean([f.ttft_s for f in self.recent(since, interactive) if f.ttft_s is not None])
 
     def summary(self) -> dict[str, float | int | None]:
         facts = self.recent()

@@ -28,10 +28,13 @@ term bounds it: everything this proxy has open on the worker is either running o
 low until the next scrape) and ignores other clients of the worker, which the first term sees.
 Both err high rather than low, so the band's upper edge holds; the next scrape corrects the rest.
 
-Two values the fast tier (``proxy.control.fast_tier``) sets after each scrape, held here only:
-``limit`` (at most that many attempts in flight on the worker; None: no limit) and
-``queue_target`` (the gate's target for ``est_queue`` on this worker, capped by the band's ``hi``;
-None: the band's own target).
+Values the fast tier (``proxy.control.fast_tier``) sets after each scrape, held here only:
+``limit`` (None: no limit), counted per class: a batch request goes while everything in flight on
+the worker is under it, an interactive one while the interactive requests in flight are, so no
+interactive request waits in the proxy for a batch request to end; ``queue_target`` (the gate's
+target for ``est_queue`` on this worker, capped by the band's ``hi``; None: the band's own target);
+and ``batch_queue_target`` (the batch class's target while interactive work is on the worker:
+None: ``queue_target``).
 
 A sample older than ``stale_after_s`` (or none yet, or the last scrape failed) makes the worker
 count as saturated. When every ready worker is saturated for that reason alone, the dispatcher
@@ -81,6 +84,7 @@ class WorkerLoad:
         "_pending_base",
         "attempts",
         "batch_attempts",
+        "batch_queue_target",
         "completed",
         "dispatched",
         "error",
@@ -103,6 +107,7 @@ class WorkerLoad:
         self.last_running = 0  # #running-req of the latest good sample
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
+        self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self._base_dispatched = 0
         self._base_completed = 0
@@ -158,15 +163,37 @@ class WorkerLoad:
         self._pending_base = None
 
     # -- reading ----------------------------------------------------------------------------------
-    def has_room(self) -> bool:
-        """Whether the admission limit lets one more request go to the worker."""
-        return self.limit is None or self.in_flight < self.limit
+    def has_room(self, *, batch: bool = False) -> bool:
+        """Whether the admission limit lets one more request of the class go to the worker: a batch
+        request counts everything in flight there, an interactive one only the interactive ones."""
+        if self.limit is None:
+            return True
+        counted = self.in_flight if batch else self.in_flight - self.batch_in_flight
+        return counted < self.limit
 
-    def target(self, band: Band) -> int:
+    def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
-        if self.queue_target is None:
+        own = self.batch_queue_target if batch and self.batch_queue_target is not None else self.queue_target
+        if own is None:
             return band.target
-        return max(1, min(self.queue_target, band.hi))
+        return max(1, min(own, band.hi))
+
+    def waiting_batch(self, keep: int) -> list[Attempt]:
+        """The batch attempts waiting in the worker's queue beyond its ``keep`` oldest, newest first.
+
+        The worker's queue is FIFO, so what waits there is the newest of what this proxy sent, as many
+        as the scrape's queue moved forward by the proxy's own dispatches and completions since (the
+        first term of ``est_queue`` only: the second errs high, and a running request taken back
+        would be computed again); of those, the batch ones that have no output yet, less the ``keep``
+        oldest (next to be admitted). Requests the engine retracted wait there too, ahead of the
+        newest, so the count errs towards a few running ones at worst."""
+        s = self.sample
+        if s is None:
+            return []
+        since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
+        waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: max(0, s.queue + since)]
+        batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
+        return batch[: max(0, len(batch) - keep)]
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         s = self.sample
@@ -194,6 +221,7 @@ class WorkerLoad:
             "est_queue": self.est_queue(),
             "limit": self.limit,
             "queue_target": self.queue_target,
+            "batch_queue_target": self.batch_queue_target,
             "facts": self.facts.summary(),
             "scrape_error": self.error,
             "sample": None

@@ -46,7 +46,7 @@ from aiohttp import web
 
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
-from proxy.request.attempt import AttemptFailed
+from proxy.request.attempt import Attempt, AttemptFailed
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
@@ -306,7 +306,7 @@ async def _queued(
                 attempt.mark_started()
                 opened.strip_usage = strip
                 answer = await respond(opened, url, rid)
-                _record_fact(path, job, opened, attempt.worker_id, attempt.dispatched_at, ticket.enqueued_at)
+                _record_fact(path, job, opened, attempt, ticket.enqueued_at)
                 return answer
         except ProxyClosing:
             raise _closing_error(path) from None
@@ -347,15 +347,16 @@ def _max_tokens(body: dict[str, object]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, dispatched: float, queued: float) -> None:
+def _record_fact(path: RequestPath, job: Job, opened: Opened, attempt: Attempt, queued: float) -> None:
     """One answered request's facts into its worker's ring (one parse of the body or the stream's tail)."""
+    dispatched = attempt.dispatched_at
     if opened.resp is None:
         prompt, output, reason = read_usage(opened.body or b"") if opened.status == 200 else (None, None, None)
         ttft = None  # a whole answer: its first token is not seen
     else:
         prompt, output, reason = usage_of_stream(opened.tail)
         ttft = opened.opened_at - dispatched
-    path.dispatcher.board.get(worker_id).facts.record(
+    path.dispatcher.board.get(attempt.worker_id).facts.record(
         RequestFact(
             time=time.monotonic(),
             arrived=queued,
@@ -365,6 +366,7 @@ def _record_fact(path: RequestPath, job: Job, opened: Opened, worker_id: str, di
             finish_reason=reason,
             ttft_s=ttft,
             queue_s=max(0.0, dispatched - queued),
+            interactive=attempt.ticket.priority is Priority.INTERACTIVE,
         )
     )
 

@@ -136,3 +136,83 @@ def test_a_batch_of_long_outputs_waiting_for_kv_is_not_slowed_by_its_time_to_fir
     assert all(p.limit is None for p in batch)
     chat = _run([_look(float(t), ttft_s=x, queue=8, mean_output_tokens=300.0) for t, x in enumerate(rising)])
     assert chat[-1].limit is not None and "first token" in chat[-1].reason
+
+
+def test_the_first_token_sign_reads_the_interactive_class_not_the_worker_s_mix():
+    """Chat beside a batch of long outputs: the worker's mean output (the mix) is long, the chat's own is
+    short, and the sign reads the chat's. A class sent as interactive whose own outputs are long is
+    judged on throughput, like a batch."""
+    rising = [0.2, 0.3, 1.0, 3.0, 8.0]
+    mixed = [_look(float(t), ttft_s=x, queue=8, mean_output_tokens=1100.0, interactive_output_tokens=300.0,
+                   interactive_waiting=5) for t, x in enumerate(rising)]  # fmt: skip
+    paces = _run(mixed)
+    assert paces[-1].limit is not None and "first token" in paces[-1].reason
+    long_chat = [replace(look, interactive_output_tokens=1600.0, mean_output_tokens=300.0) for look in mixed]
+    assert all(p.limit is None for p in _run(long_chat))
+
+
+def test_batch_keeps_a_short_server_queue_beside_interactive_work_and_the_band_again_after_the_hold():
+    beside = _run([_look(0.0, mean_output_tokens=1100.0, interactive_output_tokens=200.0, interactive_waiting=3)])[0]
+    assert beside.batch_queue_target == S.batch_queue_beside_interactive
+    assert beside.queue_target == 8  # the chat's own short outputs: the band's base, not the mix's upper part
+    still = _run([_look(S.interactive_hold_s - 1.0, mean_output_tokens=1600.0)], beside)[0]
+    assert still.batch_queue_target == S.batch_queue_beside_interactive  # within the hold: still stepped back
+    alone = _run([_look(S.interactive_hold_s + 0.5, mean_output_tokens=1600.0)], still)[0]
+    assert alone.batch_queue_target is None and alone.queue_target == 64  # a batch alone: the band's top
+    tiny = Pace()
+    small_band = next_pace(tiny, _look(0.0, interactive_waiting=1), lo=0, hi=0, headroom=0, settings=S)
+    assert small_band.batch_queue_target == 1  # never past the interactive target, never 0
+
+
+class _ReadyPool:
+    """One ready worker (what the dispatcher reads of a pool)."""
+
+    def __init__(self) -> None:
+        from proxy.workers.base import WorkerInfo, WorkerState
+
+        self.ws = [WorkerInfo(id="w0", url="http://w0", state=WorkerState.READY, managed=True)]
+
+    def workers(self):  # type: ignore[no-untyped-def]
+        return self.ws
+
+    def get(self, wid):  # type: ignore[no-untyped-def]
+        return self.ws[0]
+
+
+async def test_the_proxy_takes_back_batch_requests_waiting_at_the_worker_when_interactive_work_arrives():
+    """The composition: a scrape with interactive work waiting sets the batch target and takes the batch
+    requests waiting beyond it back to the proxy's queue, through the dispatcher."""
+    from proxy.compose import _fast_tier
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board, clock = LoadBoard(), [10.0]
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=lambda: clock[0])  # fmt: skip
+    board.subscribe(_fast_tier(board, d))
+    board.publish("w0", Sample(time=1.0, queue=0, running=0, token_usage=0.1), None)
+    batch = []
+    for _ in range(8):
+        batch.append(d.submit(Priority.BATCH, 100))
+        clock[0] += 0.01
+    assert all(t.future.done() for t in batch)  # the band's base (8): no interactive work yet
+    load = board.get("w0")
+    load.scrape_started()
+    board.publish("w0", Sample(time=2.0, queue=6, running=2, token_usage=0.5), None)
+    assert load.batch_queue_target is None
+    chat = d.submit(Priority.INTERACTIVE, 100)
+    assert chat.future.done()  # est_queue 6 < the band's base 8; it waits at the worker behind six batch requests
+    load.scrape_started()
+    board.publish("w0", Sample(time=2.5, queue=6, running=2, token_usage=0.5), None)
+    assert load.batch_queue_target == S.batch_queue_beside_interactive
+    taken = [t for t in batch if t.future.result().taken_back]
+    # the six the scrape shows waiting are the newest sent: the chat request and five batch ones, of which
+    # the two oldest stay (next to be admitted)
+    assert S.batch_queue_beside_interactive == 2 and taken == batch[5:]
+    assert not chat.future.result().taken_back
+    later = d.submit(Priority.BATCH, 100)
+    assert not later.future.done()  # the worker's queue is past the batch target
+    for t in (*batch, chat, later):
+        t.future.cancel()

@@ -200,3 +200,29 @@ def test_the_replay_starts_the_work_already_running_with_what_it_wrote_held_as_p
     # no max_tokens: the sample's largest (100), and the median ratio of the answers that asked for it
     assert (by["f1"].arrival, by["f1"].max_new_tokens, by["f1"].output_len) == (1.0, 100, 50)
     assert r.until == 5.0 and r.measured() == 10.0  # the sample's 50 tokens over the 5 s up to the plan
+
+
+def test_work_in_flight_is_expected_to_write_what_its_own_class_writes_and_a_batch_read_as_chat_is_no_plan():
+    """The first seconds of chat beside a batch of long outputs: one chat answer in, 200 batch requests
+    (max_tokens 2000) and the chat since still open. Read through the chat's lengths, the batch looks
+    like short work that a lower conservativeness would finish at once (the restart this made, live,
+    lost the run its in-flight work); expected from its own class (none answered yet: all it asked
+    for), the gain is a few percent and does not pay the restart's measured cost."""
+    from proxy.control.planner import InFlight, replay
+
+    rng = random.Random(5)
+    answered = [Observed(arrived=0.3, prompt_tokens=600, output_tokens=300, max_tokens=4096, finished=20.0)]
+    batch = [InFlight(arrived=0.0, prompt_tokens=rng.randint(200, 600), max_tokens=2000, interactive=False)
+             for _ in range(200)]  # fmt: skip
+    chat = [InFlight(arrived=0.25 * k, prompt_tokens=rng.randint(300, 900), max_tokens=4096) for k in range(2, 80)]
+    r = replay(answered, answered, [*batch, *chat], now=20.0)
+    outputs = {s.rid: s.output_len for s in r.specs}
+    # the batch: all it asked for (less what it wrote before the sample's first arrival, 0.3 of 20 s); chat as chat writes
+    assert outputs["f0"] == round(2000 * 19.7 / 20) and outputs[f"f{len(batch)}"] == 300
+    as_chat = [replace(f, interactive=True) for f in batch]
+    cost = RestartCost(startup_s=20.0, recomputed_tokens=100 * 700.0)  # a start-up and a running batch recomputed
+    settings = PlanSettings(horizon_s=600.0)
+    misread = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*as_chat, *chat], 20.0)
+    own = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*batch, *chat], 20.0)
+    assert misread.predicted_gain > 0.15 and misread.worth
+    assert own.predicted_gain < 0.05 and not own.worth, own.reason

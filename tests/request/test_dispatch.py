@@ -407,6 +407,73 @@ async def test_batch_in_flight_leaves_running_slots_to_interactive_requests():
         t.future.cancel()
 
 
+async def test_the_fast_tier_limit_counts_per_class_so_interactive_requests_never_wait_for_batch_ones():
+    """A batch request goes while everything in flight is under the limit; an interactive one while the
+    interactive ones are: a back-off squeezes the batch, and chat never waits for a batch request to end."""
+    board = LoadBoard()
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=20, hi=40),
+                   stale_after_s=1e9, clock=lambda: 100.0)  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    load = board.get("w0")
+    load.limit = 4
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(6)]
+    assert [t.future.done() for t in batch] == [True] * 4 + [False] * 2  # the limit binds the batch
+    chat = [d.submit(Priority.INTERACTIVE, 10) for _ in range(5)]
+    assert [t.future.done() for t in chat] == [True] * 4 + [False]  # 4 batch open do not count against chat...
+    assert load.in_flight == 8 and load.batch_in_flight == 4  # ...but chat alone over the limit still waits
+    async with d.attempt(batch[0]):
+        pass
+    assert chat[4].future.done() is False and not batch[4].future.done()  # 7 open: the batch still over the limit
+    async with d.attempt(chat[0]):
+        pass
+    assert chat[4].future.done() and not batch[4].future.done()
+    for t in (*batch[1:], *chat[1:]):
+        t.future.cancel()
+
+
+async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_requests_are_taken_back():
+    now = [100.0]
+    board = LoadBoard()
+    requeued: list[Requeued] = []
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=6, hi=10),
+                   stale_after_s=1e9, clock=lambda: now[0], on_requeue=requeued.append)  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    load = board.get("w0")
+    batch = []
+    for _ in range(5):  # sent one after another: the newest is the last in the worker's FIFO queue
+        batch.append(d.submit(Priority.BATCH, 10))
+        now[0] += 0.01
+    assert all(t.future.done() for t in batch)
+    _sample(board, "w0", 3, running=2)  # the two oldest run, three wait
+    load.batch_queue_target = 1  # interactive work came: batch keeps one request waiting there
+    assert load.target(Band(lo=6, hi=10), batch=True) == 1 and load.target(Band(lo=6, hi=10)) == 6
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    assert chat.future.done()  # est_queue 3 < the band's 6: interactive still goes
+    waiting = load.waiting_batch(keep=1)  # newest 4 (3 + the chat request) wait; their batch ones less the oldest
+    assert [a.ticket for a in waiting] == [batch[4], batch[3]]
+    assert d.withdraw_batch("w0", keep=1) == 2
+    for t in batch[3:]:  # taken back before their handlers woke: straight back to the queue's batch class
+        assert t.future.result().taken_back
+    assert not any(t.future.result().taken_back for t in batch[:3]) and not chat.future.result().taken_back
+    later = d.submit(Priority.BATCH, 10)
+    assert not later.future.done()  # est_queue 4 >= the batch target 1
+
+    async def handler(ticket: Ticket) -> None:
+        async with d.attempt(ticket):
+            raise AssertionError("not reached: the worker's queue is past the batch target")
+
+    task = asyncio.create_task(handler(batch[4]))
+    await asyncio.sleep(0)  # its handler wakes: the attempt is over, the ticket is at the front of the batch class
+    assert requeued == [Requeued.TAKEN_BACK] and d.admission.peek() is batch[4] and load.in_flight == 5
+    task.cancel()
+    # a scrape right after completions shows one waiting though four of ours are open beside two running:
+    # the estimate errs high (4), the withdrawal reads the scrape's own queue (1) and takes nothing back
+    _sample(board, "w0", 1, running=2)
+    assert load.est_queue() > 1 and load.waiting_batch(keep=0) == []  # the newest one is the chat request
+    for t in (*batch, chat, later):
+        t.future.cancel()
+
+
 async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_open():
     """pacing.interactive_slot_headroom: the batch's in-flight limit beside interactive requests is
     lowered by that many slots per interactive request open on the worker, so the slots kept for

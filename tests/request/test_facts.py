@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from proxy.request.facts import RequestFact, WorkerFacts, read_usage, strip_usage, usage_of_stream
 
 USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12}}'
@@ -38,11 +40,16 @@ def test_worker_facts_ring_and_figures():
                 finish_reason="stop",
                 ttft_s=0.1 * (i + 1),
                 queue_s=0.0,
+                interactive=i != 2,
             )
         )
     assert len(facts) == 3 and facts.answered == 4
     assert facts.output_ratio() == 0.8 and facts.mean_output_tokens() == 180.0
     assert facts.mean_output_tokens(since=3.0) == 400.0
     assert facts.summary()["mean_ttft_s"] == 0.3
+    assert (
+        facts.mean_ttft(interactive=True) == pytest.approx(0.3) and facts.mean_output_tokens(interactive=False) == 90.0
+    )
+    assert [f.time for f in facts.recent(since=2.0, interactive=True)] == [3.0]
     assert RequestFact(time=0, arrived=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
                        queue_s=0).output_ratio is None  # fmt: skip

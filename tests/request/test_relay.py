@@ -251,8 +251,10 @@ async def test_facts_per_request_and_the_usage_event_only_for_clients_that_asked
     )
     chunks = [c async for c in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
-    await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_headers={"x-pacer-priority": "batch"})
     recent = facts.recent()
+    assert [f.interactive for f in recent] == [True, True, False]  # the class each was sent as
+    assert facts.mean_output_tokens(interactive=False) == 2 and facts.mean_ttft(interactive=False) is None
     assert [(f.output_tokens, f.max_tokens, f.prompt_tokens) for f in recent] == [(4, 4, 3), (8, 8, 3), (2, 2, 3)]
     assert [f.finish_reason for f in recent] == ["length"] * 3
     assert recent[0].ttft_s is not None and recent[0].ttft_s >= 0 and recent[2].ttft_s is None
