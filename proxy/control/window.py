@@ -219,6 +219,11 @@ class Window:
         )
         if counted and counted[1] > 0:
             return counted[0] / counted[1]
+        return self._mean_gen_throughput()
+
+    def _mean_gen_throughput(self) -> float | None:
+        """The mean of the engine's generation-throughput gauge over the window's samples (its decode
+        statistics lines where no sample carries it); None when neither says."""
         gauges = [s.gen_throughput for s in self.samples if s.gen_throughput is not None]
         if not gauges:
             gauges = [
@@ -235,14 +240,8 @@ class Window:
         The finished-token counter behind :attr:`throughput` moves only when a request ends, so over a
         short window a worker running a few long outputs reads as idle, and one that just started as
         faster than it is; the gauge counts tokens as they are decoded."""
-        gauges = [s.gen_throughput for s in self.samples if s.gen_throughput is not None]
-        if not gauges:
-            gauges = [
-                float(e.fields["gen_throughput"])
-                for e in self.of_kind(EventKind.BATCH_STATS)
-                if isinstance(e.fields.get("gen_throughput"), (int, float))
-            ]
-        return sum(gauges) / len(gauges) if gauges else self.throughput
+        rate = self._mean_gen_throughput()
+        return rate if rate is not None else self.throughput
 
     @property
     def mean_running(self) -> float | None:

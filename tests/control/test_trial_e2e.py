@@ -9,7 +9,6 @@ The pool starts ``w1`` with its own flag (``worker_args``), so the revert must b
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import openai
 import pytest
 import tomli_w
 
-from proxy.workers.supervisor import free_port
+from tests.harness.serve_process import pacer_serve
 
 MODEL = "sim-model"
 
@@ -42,21 +41,8 @@ def proxy(tmp_path: Path) -> Iterator[str]:
                     "restarts_per_hour": 0, "journal_path": str(tmp_path / "decisions.jsonl")},
     }  # fmt: skip
     (tmp_path / "policy.toml").write_text(tomli_w.dumps(policy))
-    port = free_port("127.0.0.1")
-    with open(tmp_path / "pacer.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with pacer_serve(tmp_path) as (url, _log):
+        yield url
 
 
 def pacer_try(url: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.workers.supervisor import free_port
+from tests.harness.serve_process import pacer_serve
 
 POLICY = Path(__file__).parents[2] / "policies" / "sim-8gpu-two-models.toml"
 BIG, SMALL = "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
@@ -36,23 +34,8 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\navailable_mem_band_gb = [1.0, 80.0]\n', 1
     )
     (tmp_path / "policy.toml").write_text(text)
-    port = free_port("127.0.0.1")
-    with open(tmp_path / "pacer.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with pacer_serve(tmp_path) as served:
+        yield served
 
 
 async def workers(url: str) -> dict[str, dict[str, Any]]:

@@ -15,15 +15,12 @@ band narrower than ``max_running_requests`` dips to zero between refills whateve
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 
 import aiohttp
 import pytest
 
-from proxy.workers.supervisor import free_port
+from tests.harness.serve_process import pacer_serve
 from tests.server.pacing_check import band_report, run_burst
 
 LO, HI = 20, 60
@@ -55,23 +52,8 @@ stale_after_s = 1.0
 @pytest.fixture
 def pacer(tmp_path):
     (tmp_path / "policy.toml").write_text(POLICY)
-    port = free_port("127.0.0.1")
-    with open(tmp_path / "pacer.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", tmp_path / "pacer.log"
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with pacer_serve(tmp_path, grace_s=20.0) as served:
+        yield served
 
 
 async def _ready(url: str, logfile, timeout: float = 90.0) -> list[dict]:
