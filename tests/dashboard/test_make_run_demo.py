@@ -79,8 +79,9 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         while time.monotonic() < deadline:
             status = admin(url, "/admin/workers")
             decisions = admin(url, "/admin/decisions")["decisions"]
-            if decisions and decisions[-1]["status"] == "applied" and status["in_flight"] == 0:
-                break
+            ready = bool(status["workers"]) and status["workers"][0]["state"] == "ready"
+            if decisions and decisions[-1]["status"] == "applied" and status["in_flight"] == 0 and ready:
+                break  # the state is read before the journal: both must show the restart done
             time.sleep(0.2)
         assert decisions[-1]["status"] == "applied", decisions
         workers = status["workers"]
