@@ -176,7 +176,7 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
             return
         load = board.get(worker_id)
         since = sample.time - 60.0
-        chat_in_flight = load.in_flight - load.batch_in_flight
+        chat_in_flight = load.interactive_in_flight
         pace = next_pace(
             paces.get(worker_id, Pace()),
             PaceInput(

@@ -135,7 +135,7 @@ def choose_worker(
 
 def _held_for(load: WorkerLoad, headroom: float) -> int:
     """Running slots kept for the interactive requests open on a worker: ``headroom`` per request."""
-    return math.ceil(headroom * (load.in_flight - load.batch_in_flight)) if headroom > 0 else 0
+    return math.ceil(headroom * load.interactive_in_flight) if headroom > 0 else 0
 
 
 class QueueTimeout(Exception):

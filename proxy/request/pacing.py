@@ -125,6 +125,11 @@ class WorkerLoad:
         """Batch requests this proxy has open on the worker."""
         return len(self.batch_attempts)
 
+    @property
+    def interactive_in_flight(self) -> int:
+        """Requests of the other classes (interactive) this proxy has open on the worker."""
+        return len(self.attempts) - len(self.batch_attempts)
+
     def reserve(self, attempt: Attempt, *, batch: bool = False) -> None:
         self.attempts.add(attempt)
         self.dispatched += 1
@@ -168,7 +173,7 @@ class WorkerLoad:
         request counts everything in flight there, an interactive one only the interactive ones."""
         if self.limit is None:
             return True
-        counted = self.in_flight if batch else self.in_flight - self.batch_in_flight
+        counted = self.in_flight if batch else self.interactive_in_flight
         return counted < self.limit
 
     def target(self, band: Band, *, batch: bool = False) -> int:
