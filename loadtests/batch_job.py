@@ -135,6 +135,7 @@ def proxy_policy(
     batch_queue: int = 0,
     batch_in_flight: int = 0,
     headroom: float = 0.0,
+    step_tokens: int = 0,
 ) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
@@ -143,7 +144,8 @@ def proxy_policy(
         "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
                    "batch_queue_beside_interactive": batch_queue,
                    "batch_in_flight_beside_interactive": batch_in_flight,
-                   "interactive_slot_headroom": headroom},
+                   "interactive_slot_headroom": headroom,
+                   "batch_prefill_tokens_beside_interactive": step_tokens},
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
@@ -158,6 +160,7 @@ DESIGNS = (
     "priority-cap-reserve",
     "cap-headroom",
     "priority-cap-headroom",
+    "cap-headroom-paced",
 )
 
 
@@ -171,17 +174,19 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
     ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``reserve``:
     ``pacing.batch_in_flight_beside_interactive = --max-running - --batch-reserve``; ``headroom``: that
     reserve and ``pacing.interactive_slot_headroom = --interactive-headroom`` slots more per interactive
-    request open on the worker (a reserve that follows the interactive traffic); a design joined
+    request open on the worker (a reserve that follows the interactive traffic); ``paced``:
+    ``pacing.batch_prefill_tokens_beside_interactive = --batch-step-tokens``; a design joined
     with ``-`` has each lever. Yields the proxy and the process ids of the workers it did not start itself.
     """
     band, conc, levers = tuple(args.band), args.batch_concurrency, set(design.split("-"))
     cap = args.batch_queue if "cap" in levers else 0
     in_flight = args.max_running - args.batch_reserve if levers & {"reserve", "headroom"} else 0
     headroom = args.interactive_headroom if "headroom" in levers else 0.0
+    step_tokens = args.batch_step_tokens if "paced" in levers else 0
     if "priority" not in levers:
         with _sim(log_dir, args, f"{name}-sim") as sim:
             engine: dict[str, Any] = {"kind": "external", "urls": [sim.url]}
-            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom)
+            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom, step_tokens)
             with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
                 yield p, [sim.pid]
         return
@@ -192,7 +197,7 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
                  "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
-    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom)
+    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom, step_tokens)
     with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
         yield p, []
 
@@ -386,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
         "pacing.interactive_slot_headroom",
     )  # fmt: skip
     p.add_argument(
+        "--batch-step-tokens", type=int, default=512,
+        help="prompt tokens of batch requests per engine step the *paced designs send a worker beside "
+        "interactive requests: pacing.batch_prefill_tokens_beside_interactive",
+    )  # fmt: skip
+    p.add_argument(
         "--designs",
         nargs="+",
         choices=DESIGNS,
@@ -393,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
         "cap: the band, and a short batch queue while interactive requests arrive; reserve: running slots "
         "kept free for interactive requests while they arrive; headroom: that reserve plus slots per "
-        "interactive request open; joined with '-': each lever",
+        "interactive request open; paced: batch prompt tokens per engine step beside interactive requests; "
+        "joined with '-': each lever",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument(

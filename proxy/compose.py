@@ -97,6 +97,7 @@ def build_app(
             interactive_window_s=p.pacing.interactive_window_s,
             batch_in_flight=p.pacing.batch_in_flight_beside_interactive,
             interactive_headroom=p.pacing.interactive_slot_headroom,
+            batch_step_tokens=p.pacing.batch_prefill_tokens_beside_interactive,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }

@@ -240,6 +240,16 @@ class PacingSettings:
             minimum=0.0,
         ),
     )
+    batch_prefill_tokens_beside_interactive: int = field(
+        default=0,
+        metadata=key(
+            "while interactive requests arrive: batch requests go to a worker at most this many estimated "
+            "prompt tokens per engine step (its decode step time from the scrape: running / output tokens "
+            "per second), so batch refills reach the engine a few at a time instead of as one long prefill "
+            "that interactive requests wait behind (0: no pacing)",
+            minimum=0,
+        ),
+    )
     interactive_window_s: float = field(
         default=5.0,
         metadata=key(

@@ -160,8 +160,20 @@ class AdmissionQueue:
         self._picked = None
         self._enqueued(ticket)
 
-    def peek(self) -> Ticket | None:
-        """The next ticket to dispatch, without removing it (the same one until a push, pop or requeue)."""
+    def peek(self, only: Priority | None = None) -> Ticket | None:
+        """The next ticket to dispatch, without removing it (the same one until a push, pop or requeue).
+
+        ``only``: the next ticket of that class (None if none waits); it becomes the one :meth:`pop`
+        takes. The dispatcher asks for the interactive class when the batch's floor turn came but the
+        batch's own gates hold it: interactive work does not wait behind a batch ticket that cannot go,
+        and the credit stays, so the batch goes first once it can."""
+        if only is not None:
+            c = self._classes[only]
+            if not c.live:
+                return None
+            if self._picked is None or not self._picked.queued or self._picked.priority is not only:
+                self._picked = self._drr_head(c)
+            return self._picked
         if self._picked is not None and self._picked.queued:
             return self._picked
         interactive, batch = (self._classes[p] for p in ORDER)

@@ -98,11 +98,13 @@ def choose_worker(
     batch_limit: int | None = None,
     interactive_headroom: float = 0.0,
     batch: bool = False,
+    paced: bool = False,
 ) -> WorkerId | None:
     """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
     ``batch_limit``: only workers with fewer batch requests of this proxy in flight than it, less
     ``interactive_headroom`` slots per interactive request open on the worker; ``batch``: the request
-    is of the batch class (the fast tier's limit and queue target per class)."""
+    is of the batch class (the fast tier's limit and queue target per class); ``paced``: only workers
+    whose batch pacing has come round (``batch_paced_until <= now``)."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -117,6 +119,8 @@ def choose_worker(
         ready = [
             (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
         ]
+    if paced:
+        ready = [(w, load) for w, load in ready if load.batch_paced_until <= now]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
         open_ = [
@@ -134,8 +138,17 @@ def choose_worker(
 
 
 def _held_for(load: WorkerLoad, headroom: float) -> int:
-    """Running slots kept for the interactive requests open on a worker: ``headroom`` per request."""
-    return math.ceil(headroom * load.interactive_in_flight) if headroom > 0 else 0
+    """Running slots kept for the interactive requests open on a worker: ``headroom`` per request (at
+    least one each: the batch must not be let in where it would be taken back at the next arrival)."""
+    return math.ceil(max(1.0, headroom) * load.interactive_in_flight) if headroom > 0 else 0
+
+
+def _take_back(attempt: Attempt) -> None:
+    """Mark the attempt taken back and cancel its block: its handler requeues the ticket (and aborts
+    the request on the worker) unless output already went to the client."""
+    attempt.taken_back = True
+    if attempt.task is not None:
+        attempt.task.cancel()
 
 
 class QueueTimeout(Exception):
@@ -169,6 +182,7 @@ class Dispatcher:
         interactive_window_s: float = 5.0,
         batch_in_flight: int = 0,
         interactive_headroom: float = 0.0,
+        batch_step_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -185,6 +199,10 @@ class Dispatcher:
         # batch beside interactive: at most this many batch requests open on a worker (None: no limit)
         self.batch_in_flight = batch_in_flight if batch_in_flight > 0 else None
         self.interactive_headroom = interactive_headroom  # slots kept per interactive request open there
+        # batch beside interactive: at most this many estimated prompt tokens to a worker per engine step
+        self.batch_step_tokens = batch_step_tokens
+        self._wake: asyncio.Handle | None = None  # the pump's next run for a paced batch request...
+        self._wake_at = math.inf  # ...and when (the loop's time)
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
         self.closing = False
         self._pumping = False
@@ -223,6 +241,8 @@ class Dispatcher:
         )
         self.admission.push(ticket)  # raises QueueFull
         self.pump()
+        if priority is Priority.INTERACTIVE and self.batch_in_flight is not None and self.interactive_headroom > 0:
+            self._keep_slots_for_interactive()
         return ticket
 
     @contextlib.asynccontextmanager
@@ -325,6 +345,8 @@ class Dispatcher:
         """Shutting down: refuse new tickets and fail every queued one with :class:`ProxyClosing`
         (their handlers answer 503 at once); attempts already on a worker run to completion."""
         self.closing = True
+        if self._wake is not None:
+            self._wake.cancel()
         for ticket in self.admission.drain_all():
             if not ticket.future.done():
                 ticket.future.set_exception(ProxyClosing())
@@ -350,25 +372,21 @@ class Dispatcher:
             return
         workers = self.pool.workers()
         now = self.clock()
-        batch_band, batch_limit = self.band, None
-        if now - self._interactive_seen < self.interactive_window_s:
-            batch_band, batch_limit = self.batch_band or self.band, self.batch_in_flight
+        beside_interactive = now - self._interactive_seen < self.interactive_window_s
+        paced = beside_interactive and self.batch_step_tokens > 0
         while True:
             ticket = admission.peek()
             if ticket is None:
                 return
-            worker_id = choose_worker(
-                workers,
-                self.board,
-                band=batch_band if ticket.priority is Priority.BATCH else self.band,
-                now=now,
-                stale_after_s=self.stale_after_s,
-                exclude=ticket.exclude,
-                affinity=ticket.affinity,
-                batch_limit=batch_limit if ticket.priority is Priority.BATCH else None,
-                interactive_headroom=self.interactive_headroom,
-                batch=ticket.priority is Priority.BATCH,
-            )
+            worker_id = self._place(ticket, workers, now, beside_interactive)
+            if worker_id is None and ticket.priority is Priority.BATCH:
+                # the batch's floor turn (or nothing else waits), but its own gates hold it: interactive
+                # work does not wait behind it (the batch keeps its turn for when it can go)
+                if paced:
+                    self._wake_for_pacing(workers, now)
+                other = admission.peek(Priority.INTERACTIVE)
+                if other is not None:
+                    ticket, worker_id = other, self._place(other, workers, now, beside_interactive)
             if worker_id is None:
                 return
             admission.pop()
@@ -376,8 +394,78 @@ class Dispatcher:
                 continue
             admission.record_wait(ticket, now - ticket.enqueued_at)
             attempt = Attempt(ticket, worker_id, now)
-            self.board.get(worker_id).reserve(attempt, batch=ticket.priority is Priority.BATCH)
+            load = self.board.get(worker_id)
+            batch = ticket.priority is Priority.BATCH
+            load.reserve(attempt, batch=batch)
+            if batch and paced:
+                self._pace_batch(load, ticket, now)
             ticket.future.set_result(attempt)
+
+    def _place(
+        self, ticket: Ticket, workers: Sequence[WorkerInfo], now: float, beside_interactive: bool
+    ) -> WorkerId | None:
+        """:func:`choose_worker` with the class's gates: a batch ticket beside interactive work sees the
+        batch band, the batch in-flight limit and the pacing."""
+        batch = ticket.priority is Priority.BATCH
+        beside = batch and beside_interactive
+        return choose_worker(
+            workers,
+            self.board,
+            band=(self.batch_band or self.band) if beside else self.band,
+            now=now,
+            stale_after_s=self.stale_after_s,
+            exclude=ticket.exclude,
+            affinity=ticket.affinity,
+            batch_limit=self.batch_in_flight if beside else None,
+            interactive_headroom=self.interactive_headroom,
+            batch=batch,
+            paced=beside and self.batch_step_tokens > 0,
+        )
+
+    def _pace_batch(self, load: WorkerLoad, ticket: Ticket, now: float) -> None:
+        """A batch request went to the worker beside interactive work: the next may go once the engine
+        has had the time to take this one's prompt at ``batch_step_tokens`` per step. Unpaced when
+        the scrape shows no step time (nothing running yet: the first prefills cost nobody a wait)."""
+        step = load.engine_step_s()
+        if step is None:
+            return
+        tokens = max(1, ticket.prompt_tokens or 1)
+        load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / self.batch_step_tokens
+
+    def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
+        """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""
+        due = [u for w in workers if (u := self.board.get(w.id).batch_paced_until) > now]
+        if not due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        when = loop.time() + (min(due) - now)
+        if self._wake is not None and self._wake_at <= when:
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake, self._wake_at = loop.call_at(when, self._woken), when
+
+    def _woken(self) -> None:
+        self._wake, self._wake_at = None, math.inf
+        self.pump()
+
+    def _keep_slots_for_interactive(self) -> None:
+        """An interactive request arrived: on a worker where the batch holds more than its share beside
+        interactive work (``batch_in_flight_beside_interactive`` less one slot per interactive request
+        open there), the newest batch requests beyond it are taken back to the proxy's queue and aborted
+        on the worker, so an interactive request finds a running slot instead of waiting for a batch
+        request to end. That is what happens when chat arrives after the batch filled the worker; in
+        steady state the dispatch limit (which keeps ``interactive_slot_headroom`` per request) leaves
+        room for the interactive traffic to vary before this takes anything back."""
+        assert self.batch_in_flight is not None
+        for load in self.board:
+            held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
+            excess = held + load.interactive_in_flight - self.batch_in_flight
+            for attempt in load.newest_batch(excess):
+                _take_back(attempt)
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
@@ -401,13 +489,10 @@ class Dispatcher:
         """Take back the batch requests waiting in the worker's queue beyond its ``keep`` oldest
         (:meth:`WorkerLoad.waiting_batch`), so interactive requests sent after them do not wait
         behind them there; they go back to the front of the batch class. Returns how many."""
-        n = 0
-        for attempt in self.board.get(worker_id).waiting_batch(keep):
-            attempt.taken_back = True
-            if attempt.task is not None:
-                attempt.task.cancel()
-            n += 1
-        return n
+        waiting = self.board.get(worker_id).waiting_batch(keep)
+        for attempt in waiting:
+            _take_back(attempt)
+        return len(waiting)
 
     def take_back(self, worker_id: WorkerId) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.
@@ -420,8 +505,6 @@ class Dispatcher:
         for attempt in list(self.board.get(worker_id).attempts):
             if attempt.started or attempt.taken_back:
                 continue
-            attempt.taken_back = True
-            if attempt.task is not None:
-                attempt.task.cancel()
+            _take_back(attempt)
             n += 1
         return n

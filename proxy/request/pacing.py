@@ -45,6 +45,7 @@ worker was never scraped), so a proxy whose scrapes fail keeps serving at a boun
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ class WorkerLoad:
         "_pending_base",
         "attempts",
         "batch_attempts",
+        "batch_paced_until",
         "batch_queue_target",
         "completed",
         "dispatched",
@@ -109,6 +111,7 @@ class WorkerLoad:
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
+        self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         self._base_dispatched = 0
         self._base_completed = 0
         self._pending_base: tuple[int, int] | None = None
@@ -199,6 +202,23 @@ class WorkerLoad:
         waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: max(0, s.queue + since)]
         batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
         return batch[: max(0, len(batch) - keep)]
+
+    def newest_batch(self, count: int) -> list[Attempt]:
+        """Up to ``count`` of the batch attempts on the worker that have sent no output, newest first:
+        the ones that have done the least work there (queued, or the fewest tokens decoded)."""
+        if count <= 0:
+            return []
+        open_ = [a for a in self.batch_attempts if not a.started and not a.taken_back]
+        return sorted(open_, key=lambda a: a.dispatched_at, reverse=True)[:count]
+
+    def engine_step_s(self) -> float | None:
+        """The worker's decode step time as the latest scrape shows it (``running`` requests each get
+        one token a step: ``running / output tokens per second``); None without a sample, a running
+        request or a throughput figure."""
+        s = self.sample
+        if s is None or s.running <= 0 or not s.gen_throughput or s.gen_throughput <= 0:
+            return None
+        return s.running / s.gen_throughput
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         s = self.sample
