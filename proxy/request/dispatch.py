@@ -29,7 +29,28 @@ of its own that the decode steps wait for). ``pacing.interactive_slot_headroom``
 the limit on each worker by that many slots per interactive request open there, so the reserve
 follows the interactive traffic the worker is carrying::
 
-    batch_limit(w) = batch_in_flight_beside_interactive - ceil(headroom x interactive_in_flight(w))
+    batch_limit(w) = batch_in_flight_beside_interactive - ceil(max(1, headroom) x interactive_in_flight(w))
+
+With the headroom set, the reserve is also kept when the batch got there first (chat arriving after
+a batch filled the worker, or interactive traffic rising faster than batch requests end): at each
+interactive arrival, the batch requests of a worker beyond ``batch_in_flight_beside_interactive`` less
+one slot per interactive request open there are taken back, newest first (those have done the least
+work: still queued, or a few tokens decoded), and aborted on the worker; they wait at the front of
+the batch class. The dispatch limit keeps at least one slot per interactive request, so in steady
+state it takes nothing back.
+
+A batch refill is also paced (``pacing.batch_prefill_tokens_beside_interactive``, when set): an engine
+takes every waiting request into its next prefill forward, so batch requests sent at once (each freed
+slot refilled on its completion, and batch completions come in bunches) make one long prefill that
+every interactive request arriving meanwhile waits for. Beside interactive work, a worker gets its
+next batch request only after ``step x prompt_tokens / batch_prefill_tokens`` seconds, ``step`` being
+its decode step time from the latest scrape (``running / output tokens per second``); a timer runs
+the gate again when the pacing comes round.
+
+A class's turn: the admission queue gives batch a floor share while both classes wait; when the
+batch's turn comes and its own gates (the caps above) hold it, the interactive head goes instead,
+and the batch keeps its turn for when it can go, so interactive work never waits behind a batch
+request that cannot be sent.
 
 Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
 (``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so

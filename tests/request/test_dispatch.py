@@ -492,15 +492,127 @@ async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_ope
     batch = [d.submit(Priority.BATCH, 10) for _ in range(10)]
     # 10 less ceil(1.5 x 4 interactive open) = 4 batch requests
     assert sum(t.future.done() for t in batch) == 4 and load.batch_in_flight == 4
+    now[0] = 100.5
     for t in inter[:3]:  # three interactive answers end: one open, 10 - ceil(1.5) = 8 batch allowed
         async with d.attempt(t):
             pass
     assert sum(t.future.done() for t in batch) == 8 and load.batch_in_flight == 8
     more = [d.submit(Priority.INTERACTIVE, 10) for _ in range(3)]  # interactive is never held by it
     assert all(t.future.done() for t in more)
-    assert load.batch_in_flight == 8  # over the new limit (10 - 6): no batch request goes until it is under
+    # 8 batch + 4 interactive open against 10: the two newest batch requests are taken back
+    taken = [t for t in batch if t.future.done() and t.future.result().taken_back]
+    assert len(taken) == 2 and set(taken) <= set(batch[4:])
+    handlers = await _wake_handlers(d, taken)  # taken back before they woke: straight back to the queue
+    assert load.batch_in_flight == 6  # over the new limit (10 - 6): no batch request goes until it is under
     async with d.attempt(batch[0]):
         pass
-    assert sum(t.future.done() for t in batch) == 8 and load.batch_in_flight == 7
+    assert load.batch_in_flight == 5 and not any(t.future.done() for t in taken)
+    for task in handlers:
+        task.cancel()
     for t in (inter[3], *more, *batch[1:]):
         t.future.cancel()
+
+
+async def test_a_batch_turn_its_own_gates_hold_does_not_hold_interactive_requests():
+    """The batch floor gives batch a turn every 1 / floor dispatches while both classes wait; when that
+    turn comes and the batch's own gates (its in-flight limit beside interactive work) hold it, the
+    interactive requests behind it still go, and the batch keeps its turn for when it can."""
+    board = LoadBoard()
+    d = Dispatcher(
+        _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100, batch_floor=0.5), band=Band(lo=50, hi=60),
+        stale_after_s=1e9, clock=lambda: 100.0, interactive_window_s=10.0, batch_in_flight=1,
+    )  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    first = d.submit(Priority.INTERACTIVE, 10)
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(2)]
+    assert first.future.done() and batch[0].future.done() and not batch[1].future.done()
+    chat = [d.submit(Priority.INTERACTIVE, 10) for _ in range(6)]  # each waits beside batch[1] for an instant
+    assert d.admission.peek() is batch[1]  # the floor credit reached 1: the batch's turn...
+    assert all(t.future.done() for t in chat)  # ...yet no interactive request waited behind it
+    async with d.attempt(batch[0]):
+        pass
+    assert batch[1].future.done()  # its gate opened: it goes at once
+    for t in (first, batch[1], *chat):
+        t.future.cancel()
+
+
+@pytest.mark.looptime
+async def test_batch_requests_beside_interactive_work_are_paced_by_prompt_tokens_per_engine_step():
+    """pacing.batch_prefill_tokens_beside_interactive: beside interactive work a batch request goes to a
+    worker only once the engine has had the time to take the previous ones' prompts at that many tokens
+    per step (the step from the scrape: running / output tokens per second); a timer lets the next one
+    go without waiting for another event; without interactive work the batch is not paced."""
+    loop = asyncio.get_running_loop()
+    board = LoadBoard()
+    d = Dispatcher(
+        _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
+        stale_after_s=1e9, clock=loop.time, interactive_window_s=1.0, batch_step_tokens=100,
+    )  # fmt: skip
+    board.get("w0").scrape_started()
+    board.publish("w0", Sample(time=0.0, queue=0, running=10, token_usage=0.5, gen_throughput=100.0), None)
+    load = board.get("w0")
+    assert load.engine_step_s() == pytest.approx(0.1)  # 10 running at 100 tokens/s: a token each per 0.1 s
+    alone = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(3)]
+    assert all(t.future.done() for t in alone)  # no interactive request yet: not paced
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    batch = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(4)]
+    assert chat.future.done() and [t.future.done() for t in batch] == [True, False, False, False]
+    sent_at = []
+    for t in batch:
+        await t.future
+        sent_at.append(round(loop.time(), 6))
+    assert sent_at == pytest.approx([0.0, 0.05, 0.10, 0.15], abs=1e-5)  # 50 tokens at 100 a step of 0.1 s: 0.05 s apart
+    await asyncio.sleep(1.0)  # the window closes: the batch goes unpaced again
+    later = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(3)]
+    assert all(t.future.done() for t in later)
+    for t in (*alone, chat, *batch, *later):
+        t.future.cancel()
+
+
+async def test_an_interactive_arrival_takes_back_the_newest_batch_requests_beyond_the_reserve():
+    """With pacing.interactive_slot_headroom set, batch requests beyond the batch's share beside
+    interactive work (batch_in_flight_beside_interactive less one slot per interactive request open on
+    the worker) are taken back when an interactive request arrives: the newest first (the least work
+    done), so a chat request arriving after a batch filled the worker finds a running slot."""
+    now = [100.0]
+    board = LoadBoard()
+    requeued: list[Requeued] = []
+    d = Dispatcher(
+        _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
+        stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=1.0, batch_in_flight=5,
+        interactive_headroom=1.5, on_requeue=requeued.append,
+    )  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    load = board.get("w0")
+    batch = []
+    for _ in range(8):  # no interactive work: the band lets all eight go
+        batch.append(d.submit(Priority.BATCH, 10))
+        now[0] += 0.01
+    assert all(t.future.done() for t in batch) and load.batch_in_flight == 8
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    assert chat.future.done()
+    # 8 batch + 1 interactive against 5: the four newest are taken back, the oldest four keep running
+    assert [t.future.result().taken_back for t in batch] == [False] * 4 + [True] * 4
+    second = d.submit(Priority.INTERACTIVE, 10)
+    assert second.future.done()  # 4 (those taken back are on their way out) + 2 > 5: one more
+    assert [t.future.result().taken_back for t in batch] == [False] * 3 + [True] * 5
+    handlers = await _wake_handlers(d, batch[3:])  # each ticket goes back to the batch class's front
+    assert requeued == [Requeued.TAKEN_BACK] * 5 and load.batch_in_flight == 3
+    assert not any(t.future.done() for t in batch[3:])  # 5 - ceil(1.5 x 2) = 2 < 3 open: none goes again
+    for task in handlers:
+        task.cancel()
+    for t in (*batch, chat, second):
+        t.future.cancel()
+
+
+async def _wake_handlers(d: Dispatcher, tickets: list[Ticket]) -> list[asyncio.Task[None]]:
+    """Start a request handler for each ticket and let them run until they wait again (the caller cancels them)."""
+
+    async def handler(ticket: Ticket) -> None:
+        async with d.attempt(ticket):
+            raise AssertionError("not reached: taken back, and nothing lets it go again")
+
+    tasks = [asyncio.create_task(handler(t)) for t in tickets]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return tasks
