@@ -136,6 +136,7 @@ class WorkerLoad:
     def reserve(self, attempt: Attempt, *, batch: bool = False) -> None:
         self.attempts.add(attempt)
         self.dispatched += 1
+        attempt.seq = self.dispatched  # dispatches in one instant share a time: this orders them
         if batch:
             self.batch_attempts.add(attempt)
 
@@ -199,7 +200,7 @@ class WorkerLoad:
         if s is None:
             return []
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
-        waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: max(0, s.queue + since)]
+        waiting = sorted(self.attempts, key=lambda a: a.seq, reverse=True)[: max(0, s.queue + since)]
         batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
         return batch[: max(0, len(batch) - keep)]
 
@@ -209,7 +210,7 @@ class WorkerLoad:
         if count <= 0:
             return []
         open_ = [a for a in self.batch_attempts if not a.started and not a.taken_back]
-        return sorted(open_, key=lambda a: a.dispatched_at, reverse=True)[:count]
+        return sorted(open_, key=lambda a: a.seq, reverse=True)[:count]
 
     def engine_step_s(self) -> float | None:
         """The worker's decode step time as the latest scrape shows it (``running`` requests each get
