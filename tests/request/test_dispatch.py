@@ -500,7 +500,7 @@ async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_ope
     assert all(t.future.done() for t in more)
     # 8 batch + 4 interactive open against 10: the two newest batch requests are taken back
     taken = [t for t in batch if t.future.done() and t.future.result().taken_back]
-    assert taken == batch[6:]  # the last two sent (in one instant: the order of dispatch tells them apart)
+    assert taken == batch[6:8]  # the last two sent (in one instant: the order of dispatch tells them apart)
     handlers = await _wake_handlers(d, taken)  # taken back before they woke: straight back to the queue
     assert load.batch_in_flight == 6  # over the new limit (10 - 6): no batch request goes until it is under
     async with d.attempt(batch[0]):
