@@ -93,6 +93,7 @@ class WorkerLoad:
         "facts",
         "last_running",
         "limit",
+        "output_rate",
         "queue_target",
         "sample",
         "worker_id",
@@ -107,6 +108,7 @@ class WorkerLoad:
         self.sample: Sample | None = None  # the latest good scrape
         self.error: str | None = None  # why the latest scrape failed (None if it worked)
         self.last_running = 0  # #running-req of the latest good sample
+        self.output_rate: float | None = None  # output tokens/s: the engine's gauge, else its counter's rate
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
@@ -158,6 +160,7 @@ class WorkerLoad:
         base = self._pending_base or (self.dispatched, self.completed)
         self._base_dispatched, self._base_completed = base[0], self.completed
         self._pending_base = None
+        self.output_rate = _output_rate(self.sample, sample)
         self.sample = sample
         self.error = None
         self.last_running = sample.running
@@ -169,6 +172,7 @@ class WorkerLoad:
     def forget_sample(self) -> None:
         """The worker restarted or went away: its last sample no longer describes it."""
         self.sample = None
+        self.output_rate = None
         self._pending_base = None
 
     # -- reading ----------------------------------------------------------------------------------
@@ -215,11 +219,11 @@ class WorkerLoad:
     def engine_step_s(self) -> float | None:
         """The worker's decode step time as the latest scrape shows it (``running`` requests each get
         one token a step: ``running / output tokens per second``); None without a sample, a running
-        request or a throughput figure."""
-        s = self.sample
-        if s is None or s.running <= 0 or not s.gen_throughput or s.gen_throughput <= 0:
+        request or an output rate."""
+        s, rate = self.sample, self.output_rate
+        if s is None or s.running <= 0 or rate is None or rate <= 0:
             return None
-        return s.running / s.gen_throughput
+        return s.running / rate
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         s = self.sample
@@ -262,6 +266,18 @@ class WorkerLoad:
                 "max_total_tokens": s.max_total_tokens,
             },
         }
+
+
+def _output_rate(before: Sample | None, now: Sample) -> float | None:
+    """Output tokens per second: the engine's own figure (SGLang's gauge), else the rise of its output
+    token counter since the previous sample (vLLM exports only the counter); None when neither is known."""
+    if now.gen_throughput is not None:
+        return now.gen_throughput
+    if before is None or before.generation_tokens_total is None or now.generation_tokens_total is None:
+        return None
+    dt = now.time - before.time
+    rise = now.generation_tokens_total - before.generation_tokens_total
+    return rise / dt if dt > 0 and rise >= 0 else None
 
 
 class LoadBoard:

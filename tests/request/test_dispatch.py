@@ -615,3 +615,21 @@ async def _wake_handlers(d: Dispatcher, tickets: list[Ticket]) -> list[asyncio.T
     for _ in range(3):
         await asyncio.sleep(0)
     return tasks
+
+
+def test_the_engine_step_comes_from_the_output_gauge_or_else_the_output_counter():
+    """``running / output tokens per second``: SGLang reports the rate as a gauge; vLLM only counts
+    output tokens, so the rate is the counter's rise between two scrapes (a restart's drop: unknown)."""
+    board = LoadBoard()
+    load = board.get("w0")
+    board.publish("w0", Sample(time=10.0, queue=0, running=20, token_usage=0.5, gen_throughput=1000.0), None)
+    assert load.engine_step_s() == pytest.approx(0.02)
+    vllm = board.get("w1")
+    board.publish("w1", Sample(time=10.0, queue=0, running=20, token_usage=0.5, generation_tokens_total=5000.0), None)
+    assert vllm.engine_step_s() is None  # one look: no rate yet
+    board.publish("w1", Sample(time=10.5, queue=0, running=20, token_usage=0.5, generation_tokens_total=5400.0), None)
+    assert vllm.engine_step_s() == pytest.approx(20 / 800.0)
+    board.publish("w1", Sample(time=11.0, queue=0, running=20, token_usage=0.5, generation_tokens_total=10.0), None)
+    assert vllm.engine_step_s() is None  # the counter fell: the engine restarted
+    board.publish("w1", Sample(time=11.5, queue=0, running=0, token_usage=0.0, generation_tokens_total=10.0), None)
+    assert vllm.engine_step_s() is None  # nothing running: no step to pace by
