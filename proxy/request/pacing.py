@@ -4,7 +4,7 @@ One :class:`WorkerLoad` per worker lives in a :class:`LoadBoard`, shared by the 
 reserves and releases), the scraper (which records samples and errors), the status log, the admin
 API and the rollout (which waits for a worker to empty).
 
-What is in flight on a worker is one fact: the set of its open attempts
+What is in flight on a worker is one fact: its open attempts, in the order they were sent
 (:attr:`WorkerLoad.attempts`, added by :meth:`WorkerLoad.reserve` and removed by
 :meth:`WorkerLoad.release`); ``in_flight`` is its length. Whether a worker may get new requests
 is not kept here: it is the pool's :class:`~proxy.workers.base.WorkerState` (READY or not).
@@ -101,8 +101,10 @@ class WorkerLoad:
 
     def __init__(self, worker_id: WorkerId) -> None:
         self.worker_id = worker_id
-        self.attempts: set[Attempt] = set()  # what this proxy has open on the worker
-        self.batch_attempts: set[Attempt] = set()  # of those, the batch class's
+        # what this proxy has open on the worker, in the order it was sent (a dict keeps insertion order:
+        # one pump sends many in one instant, so their times cannot tell the newest)
+        self.attempts: dict[Attempt, None] = {}
+        self.batch_attempts: dict[Attempt, None] = {}  # of those, the batch class's, likewise
         self.dispatched = 0  # D: total dispatched (monotonic)
         self.completed = 0  # C: total finished, whatever the outcome (monotonic)
         self.sample: Sample | None = None  # the latest good scrape
@@ -136,19 +138,18 @@ class WorkerLoad:
         return len(self.attempts) - len(self.batch_attempts)
 
     def reserve(self, attempt: Attempt, *, batch: bool = False) -> None:
-        self.attempts.add(attempt)
+        self.attempts[attempt] = None
         self.dispatched += 1
-        attempt.seq = self.dispatched  # dispatches in one instant share a time: this orders them
         if batch:
-            self.batch_attempts.add(attempt)
+            self.batch_attempts[attempt] = None
 
     def release(self, attempt: Attempt) -> None:
         """The attempt is over; a second release of the same attempt is a no-op."""
         if attempt not in self.attempts:
             return
-        self.attempts.discard(attempt)
+        del self.attempts[attempt]
         self.completed += 1
-        self.batch_attempts.discard(attempt)
+        self.batch_attempts.pop(attempt, None)
         if not self.attempts and self._idle is not None:
             self._idle.set()
 
@@ -204,7 +205,7 @@ class WorkerLoad:
         if s is None:
             return []
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
-        waiting = sorted(self.attempts, key=lambda a: a.seq, reverse=True)[: max(0, s.queue + since)]
+        waiting = list(reversed(self.attempts))[: max(0, s.queue + since)]
         batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
         return batch[: max(0, len(batch) - keep)]
 
@@ -213,8 +214,7 @@ class WorkerLoad:
         the ones that have done the least work there (queued, or the fewest tokens decoded)."""
         if count <= 0:
             return []
-        open_ = [a for a in self.batch_attempts if not a.started and not a.taken_back]
-        return sorted(open_, key=lambda a: a.seq, reverse=True)[:count]
+        return [a for a in reversed(self.batch_attempts) if not a.started and not a.taken_back][:count]
 
     def engine_step_s(self) -> float | None:
         """The worker's decode step time as the latest scrape shows it (``running`` requests each get
