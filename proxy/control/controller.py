@@ -261,7 +261,8 @@ class Controller:
             return
         held = self.surroundings.backlog()
         w.window = w.window.push(sample).push_proxy_queue(sample.time, held)
-        w.backlog = w.backlog.observe(sample.time, sample.queue + held / self._serving_count())
+        waiting = sample.queue + held / self._serving_count()
+        w.backlog = w.backlog.observe(sample.time, waiting, full=sample.token_usage >= self.settings.low_usage)
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
         w = self._workers.get(worker_id)

@@ -7,9 +7,13 @@ seen to last (``plan_horizon_s``). Once work has been waiting for a while, the t
 * **the backlog's age.** :class:`Backlog` is folded over the controller's looks at a worker (each
   scrape: the requests in the server's queue plus the worker's share of those in the proxy's
   queue). A backlog begins at the first look with work waiting and lasts while every look finds
-  some; one look with nothing waiting ends it (the worker caught up: what comes next is a new
-  backlog), so waiting that comes and goes with the noise of the arrivals never grows old. A
-  restart does not end it: the traffic is the same, the requests taken back wait in the proxy.
+  some; one look with nothing waiting and room in the KV pool ends it (the worker caught up: what
+  comes next is a new backlog), so waiting that comes and goes with the noise of the arrivals never
+  grows old. A look with nothing waiting and the pool full (token usage at the policy's
+  ``low_usage`` or above) does not: the worker has just admitted its whole queue into a full pool,
+  and what it retracts or what arrives next waits again (in a recorded retraction storm, the one
+  empty look of an hour's backlog was at usage 0.95; those of a worker keeping up were at 0.55-0.74).
+  A restart does not end it either: the traffic is the same, the requests taken back wait in the proxy.
 * **its trend.** The fold keeps the least-squares sums of (seconds into the backlog, requests
   waiting), so the backlog's growth in requests per second is known without keeping the looks.
 * **the drain.** The work waiting now takes ``waiting / answer rate`` seconds at the rate the worker
@@ -51,9 +55,10 @@ class Backlog:
     sum_tt: float = 0.0
     sum_tw: float = 0.0
 
-    def observe(self, time: float, waiting: float) -> Backlog:
-        """The backlog after one more look: ``waiting`` requests at ``time`` (none: it ends)."""
-        if waiting <= 0:
+    def observe(self, time: float, waiting: float, full: bool = False) -> Backlog:
+        """The backlog after one more look: ``waiting`` requests at ``time``, ``full``: the worker's KV
+        pool full at that look (nothing waiting ends the backlog unless the pool is full)."""
+        if waiting <= 0 and (self.since is None or not full):
             return Backlog()
         since = time if self.since is None else min(self.since, time)
         t = time - since
@@ -114,16 +119,13 @@ class Horizon:
         if self.waiting <= 0:
             return f"horizon {self.seconds:g} s (configured: no work waiting)"
         drain = "drain unknown" if self.drain_s is None else f"{self.drain_s:.0f} s to drain"
-        trend = "" if self.trend is None else f", {self.trend:+.3f}/s"
+        trend = "" if self.trend is None else f" ({self.trend:+.3f}/s)"
         told = (
-            f"work waiting for {self.backlog_s:.0f} s without a break ({self.waiting:.0f} now{trend}, {drain}): "
+            f"work waiting for {self.backlog_s:.0f} s without a break, {self.waiting:.0f} now{trend}, {drain}: "
             f"expected {self.expected_s:.0f} s more"
         )
-        if self.basis == "configured":
-            return f"horizon {self.seconds:g} s (configured; {told})"
-        if self.basis == "longest":
-            return f"horizon {self.seconds:g} s (the longest allowed; {told})"
-        return f"horizon {self.seconds:.0f} s from the traffic ({told})"
+        how = {"configured": "configured", "longest": "the longest allowed", "traffic": "from the traffic"}[self.basis]
+        return f"horizon {self.seconds:g} s {how}: {told}"
 
 
 def expected_horizon(

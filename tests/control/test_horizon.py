@@ -22,6 +22,17 @@ def _fold(looks: list[tuple[float, float]]) -> Backlog:
     return backlog
 
 
+def test_a_look_with_nothing_waiting_in_a_full_pool_does_not_end_the_backlog() -> None:
+    """The worker admitted its whole queue into a full KV pool: it has not caught up (what it
+    retracts, or what arrives next, waits again). Nothing waiting with room in the pool ends it."""
+    b = Backlog().observe(0.0, 40).observe(10.0, 50)
+    kept = b.observe(20.0, 0, full=True)
+    assert kept.since == 0.0 and kept.waiting == 0 and kept.looks == 3
+    assert kept.observe(30.0, 60).age(30.0) == 30.0
+    assert b.observe(20.0, 0, full=False) == Backlog()
+    assert Backlog().observe(0.0, 0, full=True) == Backlog()  # a full pool with nothing waiting begins nothing
+
+
 def test_a_backlog_begins_with_work_waiting_and_one_look_without_any_ends_it() -> None:
     b = _fold([(0.0, 0), (10.0, 3), (20.0, 5), (30.0, 7)])
     assert b.since == 10.0 and b.age(40.0) == 30.0 and b.waiting == 7 and b.looks == 3
@@ -91,8 +102,8 @@ def _horizons(name: str, configured_s: float = 600.0, longest_s: float = 3600.0)
     """(modelled s, horizon) at every minute of a recorded hour, the answer rate over the last minute."""
     rows = _recorded(name)
     backlog, out, next_plan = Backlog(), [], 60.0
-    for i, (t, waiting, _) in enumerate(rows):
-        backlog = backlog.observe(t, waiting)
+    for i, (t, waiting, _, usage) in enumerate(rows):
+        backlog = backlog.observe(t, waiting, full=usage is not None and usage >= 0.9)
         if t >= next_plan:
             earlier = [r for r in rows[: i + 1] if r[0] >= t - 60.0]
             answered, span = rows[i][2] - earlier[0][2], t - earlier[0][0]
@@ -105,12 +116,15 @@ def _horizons(name: str, configured_s: float = 600.0, longest_s: float = 3600.0)
 def test_recorded_hours_a_backlog_that_lasts_earns_a_longer_horizon_and_waiting_that_comes_and_goes_does_not() -> None:
     """retraction-storm-poisson (1.2 arrivals a second against ~1.06 served: work waits in the server's
     queue from 229 modelled s to the end) against early-stop-poisson (the worker keeps up: its queue
-    fills for a few minutes at most, then empties). The storm's horizon leaves the configured 600 s
-    once its backlog has lasted about that long and grows with it, and comes back when the backlog
-    is gone; early-stop's never leaves it."""
+    fills for a few minutes at most, then empties, with room in the KV pool: usage 0.55-0.74). The
+    storm's horizon leaves the configured 600 s once its backlog has lasted about that long and grows
+    with it, and comes back when the backlog is gone; early-stop's never leaves it. A second storm
+    hour had one look with nothing waiting at 999 s, its pool full (0.95): the backlog goes on."""
     storm = _horizons("retraction-storm-poisson")
     early = _horizons("early-stop-poisson")
     assert all(h == 600.0 for _, h in early)
+    again = dict(_horizons("retraction-storm-poisson-2"))
+    assert min(h for t, h in again.items() if 1100.0 <= t <= 2000.0) > 800.0  # not reset at 999 s
     assert all(h == 600.0 for t, h in storm if t < 700.0)
     later = [(t, h) for t, h in storm if 1200.0 <= t <= 3500.0]
     assert later and all(h > t - 229.0 for t, h in later)  # at least its age
