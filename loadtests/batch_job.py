@@ -374,11 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-running", type=int, default=256, help="the worker's --max-running-requests")
-    p.add_argument("--time-scale", type=float, default=10.0, help="the simulator's --sim-time-scale")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="the simulator's --sim-time-scale (at 1 its steps take their modelled time: faster scales measure "
+        "the machine more than the design)",
+    )  # fmt: skip
     p.add_argument("--band", type=int, nargs=2, default=[32, 256], help="the proxy's pacing.queue_band")
     p.add_argument("--batch-concurrency", type=int, default=1024)
     p.add_argument(
-        "--batch-queue", type=int, default=4, help="pacing.batch_queue_beside_interactive of the *cap designs"
+        "--batch-queue", type=int, default=1, help="pacing.batch_queue_beside_interactive of the *cap designs"
     )
     p.add_argument(
         "--batch-reserve", type=int, default=16,
@@ -399,8 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--designs",
         nargs="+",
         choices=DESIGNS,
-        default=list(DESIGNS),
-        help="band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
+        default=["cap-headroom-paced", "band"],
+        help="(default: the recommended design and the band alone) band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
         "cap: the band, and a short batch queue while interactive requests arrive; reserve: running slots "
         "kept free for interactive requests while they arrive; headroom: that reserve plus slots per "
         "interactive request open; paced: batch prompt tokens per engine step beside interactive requests; "
@@ -409,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument(
         "--interactive-rate", type=float, default=50.0,
-        help="mean requests/s of the interactive Poisson stream (at --time-scale 10: 5/s of engine time)",
+        help="mean requests/s of the interactive Poisson stream (wall time: at --time-scale 10, 5/s of engine time)",
     )  # fmt: skip
     p.add_argument("--interactive-requests", type=int, default=1000, help="interactive requests per phase")
     p.add_argument("--interactive-len", type=int, default=32)

@@ -482,7 +482,8 @@ class Dispatcher:
         steady state the dispatch limit (which keeps ``interactive_slot_headroom`` per request) leaves
         room for the interactive traffic to vary before this takes anything back."""
         assert self.batch_in_flight is not None
-        for load in self.board:
+        for worker in self.pool.workers():  # this dispatcher's workers (the board is shared by every pool's)
+            load = self.board.get(worker.id)
             held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
             excess = held + load.interactive_in_flight - self.batch_in_flight
             for attempt in load.newest_batch(excess):

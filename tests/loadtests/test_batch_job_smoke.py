@@ -22,16 +22,16 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
            "--lines", "120", "--sweep-requests", "60", "--concurrency", "16", "64", "--output-len", "16",
            "--interactive-rate", "40", "--interactive-requests", "10", "--interactive-delay", "0.2", "--rounds", "2",
            "--interactive-len", "8", "--time-scale", "50", "--poll-s", "0.05",
-           "--designs", "band", "priority", "priority-cap-reserve"]  # fmt: skip
+           "--designs", "band", "priority", "cap-headroom-paced"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert [p["concurrency"] for p in report["sweep"]] == [16, 64]
     best = max(report["sweep"], key=lambda p: p["requests_per_s"])["concurrency"]
     assert report["direct"]["concurrency"] == best and report["direct"]["errors"] == 0
-    # an external FCFS worker, one the proxy starts with priority scheduling, and every lever at once,
-    # side by side, each on fresh workers
-    for design in ("band", "priority", "priority-cap-reserve"):
+    # an external FCFS worker, one the proxy starts with priority scheduling, and the proxy's own levers
+    # (queue cap, reserve following the interactive traffic, paced refills), side by side, each on fresh workers
+    for design in ("band", "priority", "cap-headroom-paced"):
         d = report[design]
         b = d["batch"]
         assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
