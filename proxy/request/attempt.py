@@ -88,12 +88,23 @@ class Requeued(StrEnum):
 class Attempt:
     """One try of one request on one worker, from dispatch until its ``async with`` block exits."""
 
-    __slots__ = ("dispatched_at", "released", "requeued", "started", "taken_back", "task", "ticket", "worker_id")
+    __slots__ = (
+        "dispatched_at",
+        "released",
+        "requeued",
+        "seq",
+        "started",
+        "taken_back",
+        "task",
+        "ticket",
+        "worker_id",
+    )
 
     def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
         self.ticket = ticket
         self.worker_id = worker_id
         self.dispatched_at = dispatched_at
+        self.seq = 0  # its place in the order of dispatch to its worker (set when the worker's load reserves it)
         self.task: asyncio.Task[object] | None = None  # the handler that owns it, until its first output
         self.started = False  # output went to the client: it can no longer be taken back nor retried
         self.taken_back = False

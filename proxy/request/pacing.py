@@ -93,6 +93,7 @@ class WorkerLoad:
         "facts",
         "last_running",
         "limit",
+        "output_rate",
         "queue_target",
         "sample",
         "worker_id",
@@ -107,6 +108,7 @@ class WorkerLoad:
         self.sample: Sample | None = None  # the latest good scrape
         self.error: str | None = None  # why the latest scrape failed (None if it worked)
         self.last_running = 0  # #running-req of the latest good sample
+        self.output_rate: float | None = None  # output tokens/s: the engine's gauge, else its counter's rate
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
@@ -136,6 +138,7 @@ class WorkerLoad:
     def reserve(self, attempt: Attempt, *, batch: bool = False) -> None:
         self.attempts.add(attempt)
         self.dispatched += 1
+        attempt.seq = self.dispatched  # dispatches in one instant share a time: this orders them
         if batch:
             self.batch_attempts.add(attempt)
 
@@ -157,6 +160,7 @@ class WorkerLoad:
         base = self._pending_base or (self.dispatched, self.completed)
         self._base_dispatched, self._base_completed = base[0], self.completed
         self._pending_base = None
+        self.output_rate = _output_rate(self.sample, sample)
         self.sample = sample
         self.error = None
         self.last_running = sample.running
@@ -168,6 +172,7 @@ class WorkerLoad:
     def forget_sample(self) -> None:
         """The worker restarted or went away: its last sample no longer describes it."""
         self.sample = None
+        self.output_rate = None
         self._pending_base = None
 
     # -- reading ----------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class WorkerLoad:
         if s is None:
             return []
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
-        waiting = sorted(self.attempts, key=lambda a: a.dispatched_at, reverse=True)[: max(0, s.queue + since)]
+        waiting = sorted(self.attempts, key=lambda a: a.seq, reverse=True)[: max(0, s.queue + since)]
         batch = [a for a in waiting if a in self.batch_attempts and not a.started and not a.taken_back]
         return batch[: max(0, len(batch) - keep)]
 
@@ -209,16 +214,16 @@ class WorkerLoad:
         if count <= 0:
             return []
         open_ = [a for a in self.batch_attempts if not a.started and not a.taken_back]
-        return sorted(open_, key=lambda a: a.dispatched_at, reverse=True)[:count]
+        return sorted(open_, key=lambda a: a.seq, reverse=True)[:count]
 
     def engine_step_s(self) -> float | None:
         """The worker's decode step time as the latest scrape shows it (``running`` requests each get
         one token a step: ``running / output tokens per second``); None without a sample, a running
-        request or a throughput figure."""
-        s = self.sample
-        if s is None or s.running <= 0 or not s.gen_throughput or s.gen_throughput <= 0:
+        request or an output rate."""
+        s, rate = self.sample, self.output_rate
+        if s is None or s.running <= 0 or rate is None or rate <= 0:
             return None
-        return s.running / s.gen_throughput
+        return s.running / rate
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         s = self.sample
@@ -261,6 +266,18 @@ class WorkerLoad:
                 "max_total_tokens": s.max_total_tokens,
             },
         }
+
+
+def _output_rate(before: Sample | None, now: Sample) -> float | None:
+    """Output tokens per second: the engine's own figure (SGLang's gauge), else the rise of its output
+    token counter since the previous sample (vLLM exports only the counter); None when neither is known."""
+    if now.gen_throughput is not None:
+        return now.gen_throughput
+    if before is None or before.generation_tokens_total is None or now.generation_tokens_total is None:
+        return None
+    dt = now.time - before.time
+    rise = now.generation_tokens_total - before.generation_tokens_total
+    return rise / dt if dt > 0 and rise >= 0 else None
 
 
 class LoadBoard:
