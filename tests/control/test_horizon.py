@@ -11,6 +11,11 @@ import pytest
 
 from proxy.control.horizon import Backlog, answer_rate, expected_horizon
 from proxy.control.planner import Observed
+from proxy.engines.base import Sample
+from proxy.policy import ControlMode
+from proxy.workers.base import WorkerState
+
+from .test_controller import Around, controller, info
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -131,3 +136,22 @@ def test_recorded_hours_a_backlog_that_lasts_earns_a_longer_horizon_and_waiting_
     assert min(h for t, h in later if t >= 2400.0) > max(h for t, h in later if t <= 1500.0)  # it grows with the age
     assert max(h for _, h in storm) == 3600.0  # up to the longest allowed
     assert storm[-1][1] == 600.0  # the hour's arrivals answered, nothing waits: back to the configured horizon
+
+
+def test_the_controller_counts_the_servers_queue_and_its_share_of_the_proxys_and_a_restart_keeps_the_backlog() -> None:
+    """Two workers serving one pool, 100 requests held by the proxy: each look at a worker counts its
+    own server queue and half the proxy's. The worker's restart (its window emptied) keeps the
+    backlog: the traffic is the same, the requests taken back wait in the proxy."""
+    c, clock = controller(ControlMode.AUTO, None, around=Around(backlog=100))
+    c.track(info("w0"))
+    c.track(info("w1"))
+    for k in range(10):
+        clock.now = float(k)
+        c.on_sample("w0", Sample(time=clock.now, queue=7, running=50, token_usage=0.5))
+    assert c.backlog("w0").waiting == 7 + 50 and c.backlog("w0").age(9.0) == 9.0
+    assert c.backlog("w1").since is None  # not looked at yet
+    c.track(info("w0", state=WorkerState.STARTING))  # a restart begins: only w1 serves the pool now
+    clock.now = 20.0
+    c.track(info("w0"))
+    c.on_sample("w0", Sample(time=clock.now, queue=0, running=0, token_usage=0.0))
+    assert c.backlog("w0").since == 0.0 and c.backlog("w0").waiting == 0 + 50  # the proxy still holds work for it
