@@ -154,10 +154,12 @@ def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
 
 
 def planner_control(scale: float, gpu: str, model: str, **overrides: Any) -> dict[str, Any]:
-    """:func:`scaled_control` with the planner on: its interval (60 modelled s) and horizon (600) scaled,
-    its twin on the deployment's GPU and model presets (what an operator sets in ``[control]``)."""
+    """:func:`scaled_control` with the planner on: its interval (60 modelled s) and horizons (600, and the
+    3,600 the traffic can earn) scaled, its twin on the deployment's GPU and model presets (what an
+    operator sets in ``[control]``)."""
     return scaled_control(scale, planner=True, plan_interval_s=60.0 / scale, plan_horizon_s=600.0 / scale,
-                          twin_gpu=gpu, twin_model=model, **overrides)  # fmt: skip
+                          plan_horizon_max_s=3600.0 / scale, twin_gpu=gpu, twin_model=model,
+                          **overrides)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

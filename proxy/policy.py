@@ -375,7 +375,20 @@ class ControlSettings:
     plan_interval_s: float = field(default=60.0, metadata=key("seconds between plans of one worker", positive=True))
     plan_horizon_s: float = field(
         default=600.0,
-        metadata=key("seconds the traffic just seen is expected to last (a gain's horizon)", positive=True),
+        metadata=key(
+            "seconds the traffic just seen is expected to last (a gain's horizon) when the traffic says no more: "
+            "the horizon's floor",
+            positive=True,
+        ),
+    )
+    plan_horizon_max_s: float = field(
+        default=3600.0,
+        metadata=key(
+            "the longest horizon the traffic itself can earn: work waiting without a break for A seconds is "
+            "expected to last A more and then to drain (waiting / answer rate); the horizon is that, between "
+            "plan_horizon_s and this (at or below plan_horizon_s: the horizon is fixed)",
+            positive=True,
+        ),
     )
     plan_min_gain: float = field(
         default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)

@@ -32,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from proxy.control.canary import Canary, CanaryVerdict, failing, judge, share
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, Planned
+from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Journal, Status, verdict
 from proxy.control.planner import (
     DecodeStats,
@@ -165,6 +166,8 @@ class _Worker:
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
+    # work waiting for it without a break (kept across its restarts: it is the traffic's)
+    backlog: Backlog = field(default_factory=Backlog)
 
 
 class TrialRefused(Exception):
@@ -183,6 +186,7 @@ class PlanJob:
     time: float
     inputs: PlanInputs
     measured_throughput: float | None
+    horizon: Horizon  # the horizon its plan uses, and what the traffic said
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +259,10 @@ class Controller:
         w = self._workers.get(worker_id)
         if w is None or sample is None:
             return
-        w.window = w.window.push(sample).push_proxy_queue(sample.time, self.surroundings.backlog())
+        held = self.surroundings.backlog()
+        w.window = w.window.push(sample).push_proxy_queue(sample.time, held)
+        waiting = sample.queue + held / self._serving_count()
+        w.backlog = w.backlog.observe(sample.time, waiting, full=sample.token_usage >= self.settings.low_usage)
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
         w = self._workers.get(worker_id)
@@ -276,6 +283,14 @@ class Controller:
 
     def window(self, worker_id: WorkerId) -> Window:
         return self._workers[worker_id].window
+
+    def backlog(self, worker_id: WorkerId) -> Backlog:
+        """Work waiting for the worker without a break, as of its latest look."""
+        return self._workers[worker_id].backlog
+
+    def _serving_count(self) -> int:
+        """Workers serving the pool now (the proxy's queue is shared among them): at least 1."""
+        return max(1, sum(1 for w in self._workers.values() if w.pool_state is WorkerState.READY))
 
     def state(self, worker_id: WorkerId) -> ControlState:
         return self._workers[worker_id].state
@@ -359,11 +374,19 @@ class Controller:
                 continue
             w.last_plan = now
             open_now = tuple(self.surroundings.in_flight(wid))
-            jobs.append(PlanJob(wid, now, self._plan_inputs(w, workload, open_now, now), w.window.throughput))
+            horizon = expected_horizon(w.backlog, now, answer_rate(workload, c.plan_requests),
+                                       configured_s=c.plan_horizon_s, longest_s=c.plan_horizon_max_s)  # fmt: skip
+            inputs = self._plan_inputs(w, workload, open_now, now, horizon.seconds)
+            jobs.append(PlanJob(wid, now, inputs, w.window.throughput, horizon))
         return jobs
 
     def _plan_inputs(
-        self, w: _Worker, workload: tuple[Observed, ...], in_flight: tuple[InFlight, ...] = (), now: float | None = None
+        self,
+        w: _Worker,
+        workload: tuple[Observed, ...],
+        in_flight: tuple[InFlight, ...],
+        now: float,
+        horizon_s: float,
     ) -> PlanInputs:
         c = self.settings
         args = dict(w.state.args)
@@ -390,7 +413,7 @@ class Controller:
         )
         lo, hi = c.conservativeness_bounds
         settings = PlanSettings(
-            horizon_s=c.plan_horizon_s,
+            horizon_s=horizon_s,
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),
@@ -501,15 +524,18 @@ class Controller:
                 prior = before if isinstance(before, (int, float)) else w.state.resolved.get(arg)
                 direction = 1 if prior is None or after > prior else -1
                 change = KnobChange(knob=str(knob), arg=arg, old=prior, new=float(after), direction=direction)
+        horizon = job.horizon
+        reason = plan.reason if horizon.basis == "configured" else f"{plan.reason}; {horizon.describe()}"
         decision = Decision(
-            worker_id=job.worker_id, rule="planner", reason=plan.reason, time=now,
+            worker_id=job.worker_id, rule="planner", reason=reason, time=now,
             evidence=Planned(
                 predicted_throughput=round(plan.best.output_tok_per_s, 2),
                 predicted_current=round(plan.current.output_tok_per_s, 2),
                 measured_throughput=round(job.measured_throughput, 2) if job.measured_throughput is not None else None,
                 predicted_queue_s=round(plan.best.mean_queue_s, 3) if plan.best.mean_queue_s is not None else None,
                 gain_tokens=round(plan.gain_tokens), cost_tokens=round(plan.cost_tokens),
-                horizon_s=job.inputs.settings.horizon_s,
+                horizon_s=round(job.inputs.settings.horizon_s, 1),
+                horizon=horizon.evidence(),
                 step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
                 replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
                 basis=plan.basis, wait_saved_s=round(plan.wait_saved_s), wait_cost_s=round(plan.wait_cost_s),

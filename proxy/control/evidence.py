@@ -16,7 +16,7 @@ the journal adds its keys to the same object.
 | ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
 | ``admission_too_conservative`` | :class:`Admission` |
 | ``pacing_too_timid`` | :class:`TimidPacing` |
-| ``planner`` (the controller's twin) | :class:`Planned` |
+| ``planner`` (the controller's twin) | :class:`Planned`, around :class:`PlanHorizon` (why its horizon) |
 | a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
 """
 
@@ -38,6 +38,7 @@ __all__ = [
     "JsonScalar",
     "KvCapacity",
     "MemoryBand",
+    "PlanHorizon",
     "Planned",
     "PrefillOom",
     "RequestFit",
@@ -224,3 +225,17 @@ class Planned(Evidence):
     current_answer_s: float | None = None
     wait_saved_s: float = 0.0  # request-seconds over the horizon
     wait_cost_s: float = 0.0
+    horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanHorizon(Evidence):
+    """Why a plan used its horizon (:func:`proxy.control.horizon.expected_horizon`): the traffic's word."""
+
+    horizon_basis: str  # "configured" (the floor), "traffic" (the backlog's expected remainder) or "longest" (the cap)
+    horizon_configured_s: float  # plan_horizon_s
+    horizon_expected_s: float  # what the backlog said, before the bounds (0: no backlog)
+    backlog_s: float  # seconds work had waited for the worker without a break
+    waiting: float  # requests waiting at the latest look (the server's queue and its share of the proxy's)
+    drain_s: float | None = field(default=None, metadata=OPTIONAL)  # the waiting at the answer rate
+    backlog_trend: float | None = field(default=None, metadata=OPTIONAL)  # requests/s the waiting grew (<0: shrank)

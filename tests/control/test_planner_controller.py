@@ -9,6 +9,9 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+from proxy.control.horizon import answer_rate
 from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
@@ -107,15 +110,53 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
-                          plan_horizon_s=5.0)  # fmt: skip
+                          plan_horizon_s=5.0, plan_horizon_max_s=5.0)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
+    assert job.inputs.settings.horizon_s == 5.0 and job.horizon.basis == "configured"
     assert c.plan_now(job) is None and actor.calls == []
     (note,) = c.journal.entries()  # the twin's view is noted: its predicted gain, how well it predicts now
     assert note["status"] == "noted" and "does not pay" in note["detail"] and note["predicted_gain"] > 0.1
     assert 0 <= note["current_prediction_error"] < 0.05
     assert c.plans_due() == []  # the next plan waits plan_interval_s
+
+
+@pytest.mark.parametrize("caught_up", [False, True])
+def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: Path, caught_up: bool) -> None:
+    """The same plan as above (a gain that a 5 s horizon does not pay) after work has waited on the
+    worker for 400 s without a break: the traffic's horizon (its age, then the 50 waiting drained at
+    the answer rate) pays the restart, and the journal says which horizon and why. One look with
+    nothing waiting (the worker caught up) starts a new backlog: the horizon is the drain, no restart."""
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True, plan_horizon_s=5.0,
+                          plan_horizon_max_s=3600.0)  # fmt: skip
+    c.track(info(args=ARGS))
+    for k in range(400):  # a scrape a second, 50 requests in the server's queue at every one
+        clock.now = float(k)
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=100, token_usage=0.5))
+    _serve(c, clock, requests, 400.0)  # its samples (400-430 s) find 50 waiting too
+    if caught_up:
+        c.on_sample("w0", Sample(time=429.5, queue=0, running=100, token_usage=0.5))
+        clock.now = 430.5
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=100, token_usage=0.5))
+    (job,) = c.plans_due()
+    h = job.horizon
+    rate = answer_rate(requests, c.settings.plan_requests)  # the sample's 300 answers over the time they ended in
+    assert rate and h.drain_s == pytest.approx(50 / rate) and h.waiting == 50
+    assert job.inputs.settings.horizon_s == h.seconds
+    c.plan_now(job)
+    (entry,) = c.journal.entries()
+    if caught_up:
+        assert h.backlog_s == 0.0 and h.seconds == round(h.drain_s, 1) < 30
+        assert entry["status"] == "noted" and "does not pay" in entry["detail"]
+    else:
+        assert h.basis == "traffic" and h.backlog_s == 430.0 and h.seconds == round(430.0 + h.drain_s, 1)
+        assert entry["status"] == "advised" and "horizon" in entry["reason"]
+        assert "work waiting for 430 s" in entry["reason"]
+    ev = entry["evidence"]
+    assert ev["horizon_s"] == h.seconds and ev["horizon_configured_s"] == 5.0 and ev["waiting"] == 50.0
+    assert ev["horizon_basis"] == h.basis and ev["backlog_s"] == h.backlog_s
 
 
 def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:

@@ -1,0 +1,157 @@
+"""The planner's horizon from the traffic itself: the backlog folded over the looks at a worker, its
+expected remainder between the configured horizon and the longest allowed, and two recorded hours
+(the premises' runs with arrivals over time) it must tell apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proxy.control.horizon import Backlog, answer_rate, expected_horizon
+from proxy.control.planner import Observed
+from proxy.engines.base import Sample
+from proxy.policy import ControlMode
+from proxy.workers.base import WorkerState
+
+from .test_controller import Around, controller, info
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _fold(looks: list[tuple[float, float]]) -> Backlog:
+    backlog = Backlog()
+    for time, waiting in looks:
+        backlog = backlog.observe(time, waiting)
+    return backlog
+
+
+def test_a_look_with_nothing_waiting_in_a_full_pool_does_not_end_the_backlog() -> None:
+    """The worker admitted its whole queue into a full KV pool: it has not caught up (what it
+    retracts, or what arrives next, waits again). Nothing waiting with room in the pool ends it."""
+    b = Backlog().observe(0.0, 40).observe(10.0, 50)
+    kept = b.observe(20.0, 0, full=True)
+    assert kept.since == 0.0 and kept.waiting == 0 and kept.looks == 3
+    assert kept.observe(30.0, 60).age(30.0) == 30.0
+    assert b.observe(20.0, 0, full=False) == Backlog()
+    assert Backlog().observe(0.0, 0, full=True) == Backlog()  # a full pool with nothing waiting begins nothing
+
+
+def test_a_backlog_begins_with_work_waiting_and_one_look_without_any_ends_it() -> None:
+    b = _fold([(0.0, 0), (10.0, 3), (20.0, 5), (30.0, 7)])
+    assert b.since == 10.0 and b.age(40.0) == 30.0 and b.waiting == 7 and b.looks == 3
+    assert b.trend == pytest.approx(0.2)  # 3, 5, 7 requests 10 s apart: growing 0.2 a second
+    ended = b.observe(40.0, 0)
+    assert ended == Backlog() and ended.since is None and ended.age(50.0) == 0.0
+    again = ended.observe(50.0, 4)
+    assert again.since == 50.0 and again.trend is None  # a new backlog: one look, no trend yet
+
+
+def test_answer_rate_is_the_newest_answers_over_the_time_they_ended_in() -> None:
+    answered = [Observed(arrived=0.0, prompt_tokens=1, output_tokens=1, max_tokens=1, finished=float(t))
+                for t in range(0, 100, 2)]  # fmt: skip  # one answer every 2 s
+    open_ = Observed(arrived=0.0, prompt_tokens=1, output_tokens=1, max_tokens=1)  # not answered: not counted
+    assert answer_rate([*answered, open_], newest=300) == pytest.approx(0.5)
+    assert answer_rate(answered[-11:] + answered[:5], newest=11) == pytest.approx(0.5)  # the newest 11 only
+    assert answer_rate(answered[:1], newest=300) is None
+
+
+def test_no_backlog_keeps_the_configured_horizon() -> None:
+    h = expected_horizon(Backlog(), 100.0, 1.0, configured_s=600.0, longest_s=3600.0)
+    assert (h.seconds, h.basis, h.backlog_s, h.waiting) == (600.0, "configured", 0.0, 0.0)
+    assert "no work waiting" in h.describe()
+
+
+def test_a_backlog_that_lasted_is_expected_to_last_as_long_again_and_then_drain() -> None:
+    looks = [(float(t), 100 + t / 100) for t in range(0, 1201, 10)]  # growing slowly for 20 minutes
+    h = expected_horizon(_fold(looks), 1200.0, 0.5, configured_s=600.0, longest_s=3600.0)
+    assert h.basis == "traffic" and h.drain_s == pytest.approx(112 / 0.5)
+    assert h.seconds == pytest.approx(1200 + 224, abs=0.1) and h.expected_s == pytest.approx(1424)
+    assert "work waiting for 1200 s" in h.describe() and "224 s to drain" in h.describe()
+    e = h.evidence().to_json()
+    assert e["horizon_basis"] == "traffic" and e["backlog_s"] == 1200.0 and e["drain_s"] == 224.0
+    assert e["backlog_trend"] == pytest.approx(0.01)
+
+
+def test_a_passing_backlog_keeps_the_floor_and_a_long_one_stops_at_the_longest() -> None:
+    young = expected_horizon(_fold([(0.0, 20), (60.0, 30)]), 60.0, 1.0, configured_s=600.0, longest_s=3600.0)
+    assert young.seconds == 600.0 and young.basis == "configured" and young.expected_s == pytest.approx(90.0)
+    old = _fold([(float(t), 50) for t in range(0, 5001, 100)])
+    capped = expected_horizon(old, 5000.0, 1.0, configured_s=600.0, longest_s=3600.0)
+    assert capped.seconds == 3600.0 and capped.basis == "longest"
+    fixed = expected_horizon(old, 5000.0, 1.0, configured_s=600.0, longest_s=600.0)  # longest at the floor: fixed
+    assert fixed.seconds == 600.0 and fixed.basis == "configured"
+
+
+def test_a_shrinking_backlog_is_over_when_its_waiting_is_gone_at_that_pace() -> None:
+    # a batch submitted at once, answered one a second: 1000 waiting, then 900, ... its remainder is
+    # the waiting at the pace it falls, not as long again as it lasted
+    looks = [(float(t), 1000.0 - t) for t in range(0, 501, 10)]
+    h = expected_horizon(_fold(looks), 500.0, 1.0, configured_s=60.0, longest_s=3600.0)
+    assert h.trend == pytest.approx(-1.0) and h.seconds == pytest.approx(500.0) and h.basis == "traffic"
+    # shrinking slowly: no longer than a backlog holding, no shorter than its drain
+    slow = [(float(t), 1000.0 - t / 100) for t in range(0, 501, 10)]
+    hs = expected_horizon(_fold(slow), 500.0, 10.0, configured_s=60.0, longest_s=3600.0)
+    assert hs.seconds == pytest.approx(500.0 + 99.5, abs=0.1)  # age + drain (995 waiting at 10 a second)
+    fast = expected_horizon(_fold(looks), 500.0, 0.1, configured_s=60.0, longest_s=100_000.0)
+    assert fast.seconds == pytest.approx(5000.0)  # the drain at the answer rate, the least it can last
+
+
+def _recorded(name: str) -> list[list[float]]:
+    rows: list[list[float]] = json.loads((FIXTURES / "waiting_premises.json").read_text())[name]
+    return rows
+
+
+def _horizons(name: str, configured_s: float = 600.0, longest_s: float = 3600.0) -> list[tuple[float, float]]:
+    """(modelled s, horizon) at every minute of a recorded hour, the answer rate over the last minute."""
+    rows = _recorded(name)
+    backlog, out, next_plan = Backlog(), [], 60.0
+    for i, (t, waiting, _, usage) in enumerate(rows):
+        backlog = backlog.observe(t, waiting, full=usage is not None and usage >= 0.9)
+        if t >= next_plan:
+            earlier = [r for r in rows[: i + 1] if r[0] >= t - 60.0]
+            answered, span = rows[i][2] - earlier[0][2], t - earlier[0][0]
+            rate = answered / span if span > 0 and answered > 0 else None
+            out.append((t, expected_horizon(backlog, t, rate, configured_s=configured_s, longest_s=longest_s).seconds))
+            next_plan += 60.0
+    return out
+
+
+def test_recorded_hours_a_backlog_that_lasts_earns_a_longer_horizon_and_waiting_that_comes_and_goes_does_not() -> None:
+    """retraction-storm-poisson (1.2 arrivals a second against ~1.06 served: work waits in the server's
+    queue from 229 modelled s to the end) against early-stop-poisson (the worker keeps up: its queue
+    fills for a few minutes at most, then empties, with room in the KV pool: usage 0.55-0.74). The
+    storm's horizon leaves the configured 600 s once its backlog has lasted about that long and grows
+    with it, and comes back when the backlog is gone; early-stop's never leaves it. A second storm
+    hour had one look with nothing waiting at 999 s, its pool full (0.95): the backlog goes on."""
+    storm = _horizons("retraction-storm-poisson")
+    early = _horizons("early-stop-poisson")
+    assert all(h == 600.0 for _, h in early)
+    again = dict(_horizons("retraction-storm-poisson-2"))
+    assert min(h for t, h in again.items() if 1100.0 <= t <= 2000.0) > 800.0  # not reset at 999 s
+    assert all(h == 600.0 for t, h in storm if t < 700.0)
+    later = [(t, h) for t, h in storm if 1200.0 <= t <= 3500.0]
+    assert later and all(h > t - 229.0 for t, h in later)  # at least its age
+    assert min(h for t, h in later if t >= 2400.0) > max(h for t, h in later if t <= 1500.0)  # it grows with the age
+    assert max(h for _, h in storm) == 3600.0  # up to the longest allowed
+    assert storm[-1][1] == 600.0  # the hour's arrivals answered, nothing waits: back to the configured horizon
+
+
+def test_the_controller_counts_the_servers_queue_and_its_share_of_the_proxys_and_a_restart_keeps_the_backlog() -> None:
+    """Two workers serving one pool, 100 requests held by the proxy: each look at a worker counts its
+    own server queue and half the proxy's. The worker's restart (its window emptied) keeps the
+    backlog: the traffic is the same, the requests taken back wait in the proxy."""
+    c, clock = controller(ControlMode.AUTO, None, around=Around(backlog=100))
+    c.track(info("w0"))
+    c.track(info("w1"))
+    for k in range(10):
+        clock.now = float(k)
+        c.on_sample("w0", Sample(time=clock.now, queue=7, running=50, token_usage=0.5))
+    assert c.backlog("w0").waiting == 7 + 50 and c.backlog("w0").age(9.0) == 9.0
+    assert c.backlog("w1").since is None  # not looked at yet
+    c.track(info("w0", state=WorkerState.STARTING))  # a restart begins: only w1 serves the pool now
+    clock.now = 20.0
+    c.track(info("w0"))
+    c.on_sample("w0", Sample(time=clock.now, queue=0, running=0, token_usage=0.0))
+    assert c.backlog("w0").since == 0.0 and c.backlog("w0").waiting == 0 + 50  # the proxy still holds work for it
