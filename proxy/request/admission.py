@@ -163,17 +163,13 @@ class AdmissionQueue:
     def peek(self, only: Priority | None = None) -> Ticket | None:
         """The next ticket to dispatch, without removing it (the same one until a push, pop or requeue).
 
-        ``only``: the next ticket of that class (None if none waits); it becomes the one :meth:`pop`
-        takes. The dispatcher asks for the interactive class when the batch's floor turn came but the
-        batch's own gates hold it: interactive work does not wait behind a batch ticket that cannot go,
-        and the credit stays, so the batch goes first once it can."""
+        ``only``: the next ticket of that class (None if none waits), leaving the pick as it was;
+        ``pop(only)`` takes it. The dispatcher asks for the interactive class when the batch's floor
+        turn came but the batch's own gates hold it: interactive work does not wait behind a batch
+        ticket that cannot go, and the batch keeps its turn (the pick and the credit stay)."""
         if only is not None:
             c = self._classes[only]
-            if not c.live:
-                return None
-            if self._picked is None or not self._picked.queued or self._picked.priority is not only:
-                self._picked = self._drr_head(c)
-            return self._picked
+            return self._drr_head(c) if c.live else None
         if self._picked is not None and self._picked.queued:
             return self._picked
         interactive, batch = (self._classes[p] for p in ORDER)
@@ -188,11 +184,13 @@ class AdmissionQueue:
         self._picked = self._drr_head(chosen)
         return self._picked
 
-    def pop(self) -> Ticket | None:
-        head = self.peek()
+    def pop(self, only: Priority | None = None) -> Ticket | None:
+        """Take the ticket :meth:`peek` shows (of class ``only``, when given) out of the queue."""
+        head = self.peek(only)
         if head is None:
             return None
-        self._picked = None
+        if only is None or head is self._picked:
+            self._picked = None
         c = self._classes[head.priority]
         both = self._classes[Priority.INTERACTIVE].live and self._classes[Priority.BATCH].live
         c.queues[head.key].popleft()

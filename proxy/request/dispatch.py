@@ -400,17 +400,19 @@ class Dispatcher:
             if ticket is None:
                 return
             worker_id = self._place(ticket, workers, now, beside_interactive)
+            only: Priority | None = None
             if worker_id is None and ticket.priority is Priority.BATCH:
-                # the batch's floor turn (or nothing else waits), but its own gates hold it: interactive
-                # work does not wait behind it (the batch keeps its turn for when it can go)
+                # the batch's floor turn (or nothing else waits), but the gate holds it: when it is the
+                # batch's own gates, the interactive head goes instead; the batch keeps its turn for the
+                # next opening (when the gate holds both, nothing goes and the turn stays the batch's)
                 if paced:
                     self._wake_for_pacing(workers, now)
                 other = admission.peek(Priority.INTERACTIVE)
-                if other is not None:
-                    ticket, worker_id = other, self._place(other, workers, now, beside_interactive)
+                if other is not None and (placed := self._place(other, workers, now, beside_interactive)):
+                    ticket, worker_id, only = other, placed, Priority.INTERACTIVE
             if worker_id is None:
                 return
-            admission.pop()
+            admission.pop(only)
             if ticket.future.done():  # cancelled between its last check and now
                 continue
             admission.record_wait(ticket, now - ticket.enqueued_at)

@@ -633,3 +633,27 @@ def test_the_engine_step_comes_from_the_output_gauge_or_else_the_output_counter(
     assert vllm.engine_step_s() is None  # the counter fell: the engine restarted
     board.publish("w1", Sample(time=11.5, queue=0, running=0, token_usage=0.0, generation_tokens_total=10.0), None)
     assert vllm.engine_step_s() is None  # nothing running: no step to pace by
+
+
+async def test_when_the_gate_holds_both_classes_the_batch_keeps_its_floor_turn():
+    """The batch's floor turn is given to interactive work only when the batch's own gates hold it:
+    when the worker has no room for anyone, nothing goes, and at the next opening the batch goes first."""
+    board = LoadBoard()
+    d = Dispatcher(
+        _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100, batch_floor=1.0), band=Band(lo=1, hi=1),
+        stale_after_s=1e9, clock=lambda: 100.0,
+    )  # fmt: skip
+    _sample(board, "w0", 0, running=0)
+    first = d.submit(Priority.INTERACTIVE, 10)
+    assert first.future.done()  # the band's 1: the worker is full now
+    batch = d.submit(Priority.BATCH, 10)
+    chat = [d.submit(Priority.INTERACTIVE, 10) for _ in range(2)]
+    assert not batch.future.done() and not any(t.future.done() for t in chat)
+    async with d.attempt(first):
+        pass  # one opening: an interactive ticket first (no credit yet), and the credit reaches 1...
+    assert chat[0].future.done() and not batch.future.done()
+    async with d.attempt(chat[0]):
+        pass  # ...so the next opening is the batch's, though an interactive ticket waits too
+    assert batch.future.done() and not chat[1].future.done()
+    for t in (batch, chat[1]):
+        t.future.cancel()
