@@ -511,7 +511,7 @@ def plan(
     cost_tokens = cost.tokens(base)
     worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     waiting = None if worth else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
-    if waiting is not None and waiting[0] is not current:
+    if waiting is not None:
         quicker, saved, paid = waiting
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
         assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
@@ -539,7 +539,7 @@ def plan(
             f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {best.output_tok_per_s:.0f} tok/s) x "
             f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens"
         )
-    if waiting is not None and waiting[0] is not current:
+    if waiting is not None:
         reason += f"; waiting: {waiting[1]:.0f} request-seconds saved <= {waiting[2]:.0f} the restart adds"
     return Plan(
         twin=twin,

@@ -486,6 +486,8 @@ class Dispatcher:
         assert self.batch_in_flight is not None
         for worker in self.pool.workers():  # this dispatcher's workers (the board is shared by every pool's)
             load = self.board.get(worker.id)
+            if load.in_flight <= self.batch_in_flight:  # nothing over the share (the hot path: no walk)
+                continue
             held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
             excess = held + load.interactive_in_flight - self.batch_in_flight
             for attempt in load.newest_batch(excess):

@@ -110,7 +110,7 @@ class WorkerLoad:
         self.sample: Sample | None = None  # the latest good scrape
         self.error: str | None = None  # why the latest scrape failed (None if it worked)
         self.last_running = 0  # #running-req of the latest good sample
-        self.output_rate: float | None = None  # output tokens/s: the engine's gauge, else its counter's rate
+        self.output_rate: float | None = None  # output tokens/s: the engine's figure, else its counter's rate
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
@@ -269,8 +269,9 @@ class WorkerLoad:
 
 
 def _output_rate(before: Sample | None, now: Sample) -> float | None:
-    """Output tokens per second: the engine's own figure (SGLang's gauge), else the rise of its output
-    token counter since the previous sample (vLLM exports only the counter); None when neither is known."""
+    """Output tokens per second: the engine's own throughput figure where it reports one, else the rise
+    of its output-token counter since the previous sample (an engine that exports only the counter);
+    None when neither is known."""
     if now.gen_throughput is not None:
         return now.gen_throughput
     if before is None or before.generation_tokens_total is None or now.generation_tokens_total is None:
