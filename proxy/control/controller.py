@@ -48,12 +48,14 @@ from proxy.control.planner import (
     PlanInputs,
     PlanSettings,
     RestartCost,
+    Twin,
     run_plan,
 )
 from proxy.control.rules import (
     ON_DEATH,
     SAFETY_NET_SERVING,
     WHILE_SERVING,
+    Activations,
     RuleSettings,
     evaluate,
     gate,
@@ -212,7 +214,10 @@ class Controller:
         hold: Callable[[WorkerId], object],
     ) -> None:
         self.settings = settings
-        self.rules = RuleSettings(control=settings, knobs=knobs)
+        # with the planner on, the safety net foresees crashes from the twin's activations
+        self.rules = RuleSettings(control=settings, knobs=knobs,
+                                  activations=self._activations if settings.planner else None)  # fmt: skip
+        self._activations_seen: dict[tuple[tuple[str, str], ...], Activations | None] = {}
         self.journal = journal
         self.engine = engine
         self.surroundings = surroundings
@@ -223,6 +228,18 @@ class Controller:
         self._tasks: set[asyncio.Task[None]] = set()
         self.canary: Canary | None = None  # a plan tried on one worker of several
         self._promote: list[WorkerId] = []  # workers still to take the promoted canary's args, in order
+
+    def _twin(self, args: Mapping[str, object]) -> Twin:
+        """The twin's presets for a worker under ``args`` (a simulated worker's own, else the policy's)."""
+        c = self.settings
+        return Twin(str(args.get("sim_gpu") or c.twin_gpu), str(args.get("sim_model") or c.twin_model))
+
+    def _activations(self, args: Mapping[str, object]) -> Activations | None:
+        """The twin's activations under ``args``, once per set of arguments (the rules ask every tick)."""
+        key = tuple(sorted((k, repr(v)) for k, v in args.items()))
+        if key not in self._activations_seen:
+            self._activations_seen[key] = self._twin(args).activations(args)
+        return self._activations_seen[key]
 
     @property
     def mode(self) -> ControlMode:
@@ -390,8 +407,8 @@ class Controller:
     ) -> PlanInputs:
         c = self.settings
         args = dict(w.state.args)
-        gpu = str(args.get("sim_gpu") or c.twin_gpu)
-        model = str(args.get("sim_model") or c.twin_model)
+        twin = self._twin(args)
+        gpu, model = twin.gpu, twin.model
         decode = []
         for e in w.window.of_kind(EventKind.BATCH_STATS):
             f = e.fields

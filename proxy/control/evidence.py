@@ -28,6 +28,7 @@ from typing import Literal
 __all__ = [
     "NO_EVIDENCE",
     "OPTIONAL",
+    "ActivationFit",
     "Admission",
     "BatchCapStorm",
     "ConservativenessStorm",
@@ -175,6 +176,19 @@ class MemoryBand(Evidence):
     available_gpu_mem_gb: float
     band_gb: str  # "low-high"
     gpu_total_gb_at_least: float | None = field(default=None, metadata=OPTIONAL)  # memory_headroom's estimate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationFit(Evidence):
+    """The activations of a full prefill chunk or a full decode batch, as the twin's model of the
+    worker gives them, against the free memory the worker reported at start-up."""
+
+    available_gpu_mem_gb: float
+    need_gb: float  # what the full chunk or batch needs
+    tokens: int | None = field(default=None, metadata=OPTIONAL)  # the prefill chunk, in tokens
+    batch: int | None = field(default=None, metadata=OPTIONAL)  # the decode batch, in requests
+    graph_max_bs: int | None = field(default=None, metadata=OPTIONAL)  # batches up to this run in the CUDA graphs
+    model: str  # whose activations: the twin's presets
 
 
 # -- admission and pacing -------------------------------------------------------------------------

@@ -61,6 +61,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from proxy.control.rules import Activations
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.request import RequestSpec
@@ -302,6 +303,18 @@ class Twin:
             ns.max_total_tokens = max(1, int(cfg.max_total_num_tokens * self.kv_factor))
             cfg = resolve_config(ns)
         return cfg
+
+    def activations(self, args: Mapping[str, object]) -> Activations | None:
+        """The activations of this worker's model under ``args``, for the rules' start-up check
+        (:func:`proxy.control.rules.activations_fit`); None: the twin would not start."""
+        try:
+            cfg = self.config(args)
+        except SimConfigError:
+            return None
+        return Activations(prefill_mib_per_token=cfg.model.prefill_act_mib_per_token,
+                           decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
+                           graph_max_bs=cfg.cuda_graph_max_bs_decode, pool_tokens=cfg.memory.max_total_num_tokens,
+                           model=f"{self.model} on {self.gpu}")  # fmt: skip
 
     def predict(self, args: Mapping[str, object], workload: Sequence[Observed] | Replay) -> Prediction:
         """The twin under ``args`` on ``workload`` (a bare sample replays alone, into an empty engine);

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, KnobMove, RuleKind
 from proxy.control.evidence import (
+    ActivationFit,
     Admission,
     BatchCapStorm,
     ConservativenessStorm,
@@ -42,6 +43,7 @@ __all__ = [
     "RULES",
     "SAFETY_NET_SERVING",
     "WHILE_SERVING",
+    "Activations",
     "Evaluation",
     "Rule",
     "RuleSettings",
@@ -55,10 +57,26 @@ RETRACTION_CUT = 0.5  # a raise that did not cut the retraction rate by this muc
 FILLING_RISE = 0.05  # token usage up by this much from the window's first third to its last: still filling
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Activations:
+    """A worker's activation memory as a model of it gives it (the planner's twin): what a prefill
+    forward needs per token, what a decode batch beyond the CUDA graphs needs per request, and the KV
+    pool the same model computes for the worker's arguments (a pool unlike the one the worker reported
+    says the model is not this worker's, and it is not used)."""
+
+    prefill_mib_per_token: float
+    decode_mib_per_seq: float
+    graph_max_bs: int  # decode batches up to this many run in the graphs captured at start-up
+    pool_tokens: int
+    model: str  # whose presets, for the journal
+
+
 @dataclass(frozen=True, slots=True)
 class RuleSettings:
     control: ControlSettings
     knobs: Mapping[KnobName, Knob]  # the engine's knob table
+    # the worker's activations under its arguments (None, or a None answer: no model of them)
+    activations: Callable[[Mapping[str, object]], Activations | None] | None = None
 
 
 Rule = Callable[[Window, ControlState, RuleSettings], "Decision | None"]
@@ -419,6 +437,64 @@ def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision
     )  # fmt: skip
 
 
+POOL_MATCH = 0.1  # the model's KV pool within this share of the reported one: the model is this worker's
+
+
+def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """A crash foreseen from the start-up line: the activations of a full prefill chunk, or of the
+    largest decode batch the running cap allows beyond the CUDA graphs, need more memory than the
+    worker reported free. The prefill chunk steps down the knob's ladder to the highest rung that
+    fits, then the running cap comes down to the batch that fits (no lower than the graphs' batch).
+    The activations are the model's (:class:`Activations`), used only when the KV pool it computes
+    for the same arguments is the one the worker reported; a model that is off by a margin is
+    caught by the OOM rules when the crash comes."""
+    if s.activations is None or window.startup is None:
+        return None
+    free = _startup_mem(window)
+    pool = window.startup.fields.get("max_total_tokens")
+    if free is None or not isinstance(pool, int) or pool <= 0:
+        return None
+    act = s.activations(state.args)
+    if act is None or abs(act.pool_tokens - pool) > POOL_MATCH * pool:
+        return None
+    free_mib = free * 1024
+
+    def fit(**figures: int) -> ActivationFit:
+        need = next(iter(figures.values())) * (
+            act.prefill_mib_per_token if "tokens" in figures else act.decode_mib_per_seq
+        )
+        return ActivationFit(available_gpu_mem_gb=free, need_gb=round(need / 1024, 2), model=act.model,
+                             graph_max_bs=act.graph_max_bs if "batch" in figures else None, **figures)  # fmt: skip
+
+    chunk_knob = s.knobs.get(KnobName.PREFILL_CHUNK)
+    chunk = _current(chunk_knob, window, state) if chunk_knob else None
+    if chunk_knob is not None and chunk is not None and chunk > 0 and chunk * act.prefill_mib_per_token > free_mib:
+        new: float | None = chunk
+        while new is not None and new * act.prefill_mib_per_token > free_mib:
+            new = chunk_knob.rung_below(new, floor=s.control.prefill_chunk_min)
+        if new is not None:
+            return _move(
+                window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE,
+                knob_name=KnobName.PREFILL_CHUNK, new_value=new, direction=-1, evidence=fit(tokens=int(chunk)),
+                reason=f"a full prefill chunk of {chunk:g} tokens needs {chunk * act.prefill_mib_per_token / 1024:.2f} "
+                f"GB of activations, {free:g} GB free at start-up: lower {{arg}} {{old}} -> {{new}}",
+            )  # fmt: skip
+    running_knob = s.knobs.get(KnobName.MAX_RUNNING)
+    running = _current(running_knob, window, state) if running_knob else None
+    if running_knob is None or running is None or running <= act.graph_max_bs:
+        return None
+    if running * act.decode_mib_per_seq <= free_mib:
+        return None
+    cap = max(act.graph_max_bs, s.control.max_running_min, int(free_mib / act.decode_mib_per_seq))
+    return _move(
+        window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
+        new_value=cap, direction=-1, evidence=fit(batch=int(running)),
+        reason=f"a decode batch of {running:g} requests needs {running * act.decode_mib_per_seq / 1024:.2f} GB of "
+        f"activations beyond the CUDA graphs ({act.graph_max_bs}), {free:g} GB free at start-up: "
+        "lower {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
 def admission_too_conservative(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """Token usage < ``low_usage`` while requests wait, most of the window, without retractions: admit more.
 
@@ -554,8 +630,9 @@ RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
 # with the planner on, it decides tuning and corrective restarts; while serving the rules keep only these:
 # the free-memory band's two edges (a fact of the deployment read from the start-up line, whatever the
 # traffic: acted on at start-up it costs a start-up and no work in flight, while a planner needs a
-# workload to replay first), and the note on timid pacing
-SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, memory_headroom, pacing_too_timid)
+# workload to replay first), the crash the twin's activations foresee from the same line (the model is
+# the planner's: without it the OOM rules learn the same from the crash), and the note on timid pacing
+SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom, pacing_too_timid)
 
 
 # -- gate and evaluation ------------------------------------------------------------------------

@@ -71,3 +71,42 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
             10,
             "journal settled",
         )
+
+
+async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_start_up_line(tmp_path: Path) -> None:
+    """The same worker with the planner on: its twin's activations for a full 8192-token chunk (2 GB)
+    do not fit the ~1.8 GB the start-up line reports free, so the worker is restarted with 4096 before
+    it serves anything, and it never dies: every request answered, none retried."""
+    async with running_proxy(
+        tmp_path,
+        args={"mem_fraction_static": 0.97, "chunked_prefill_size": 8192, "max_running_requests": 64},
+        extra_args=["--sim-time-scale", "5"],
+        control={
+            "mode": "auto",
+            "interval_s": 0.5,
+            "crash_backoff_s": [0.5],
+            "available_mem_band_gb": [1.0, 80],
+            "planner": True,
+        },
+    ) as proxy:
+        pool = proxy.state.pool
+        worker = pool.workers()[0].id
+        await wait_for(lambda: pool.get(worker).args.get("chunked_prefill_size") == 4096
+                       and pool.get(worker).state is WorkerState.READY, 30, "restarted with the chunk that fits")  # fmt: skip
+        client = proxy.client()
+        results = await asyncio.gather(*[
+            client.completions.create(model=MODEL, prompt=long_prompt(i), max_tokens=OUTPUT_TOKENS,
+                                      extra_body={"sim_output_len": OUTPUT_TOKENS})
+            for i in range(N_REQUESTS)
+        ])  # fmt: skip
+        await client.close()
+        assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
+        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total")
+
+        [fit] = [d for d in await proxy.decisions() if d["rule"] == "activations_fit"]
+        assert fit["status"] == "applied" and fit["changes"] == {"chunked_prefill_size": [8192, 4096]}
+        assert fit["evidence"]["need_gb"] == 2.0 and fit["evidence"]["available_gpu_mem_gb"] < 2.0
+        assert not [d for d in await proxy.decisions() if d["rule"] == "prefill_oom"]
+        assert not proxy.controller.state(worker).deaths
+        tail = pool.tail(worker, 2000)
+        assert not any("OutOfMemoryError" in line for line in tail)
