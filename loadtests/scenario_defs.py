@@ -215,6 +215,10 @@ class Scenario:
                 *self.perturb_args()]  # fmt: skip
 
 
+PERTURBED_STEP_TIME = 1.25  # the perturbed premises' hidden factors on the simulated engine
+PERTURBED_ACTIVATIONS = 1.25
+
+
 def _scenarios() -> dict[str, Scenario]:
     # Sizes and time scales: a run lasts 1000-2000 modelled seconds, so that detection plus one
     # restart (about 60-80 modelled seconds: evidence, drain, a 13-23 s start-up, work taken back) is a
@@ -341,6 +345,21 @@ def _scenarios() -> dict[str, Scenario]:
                 time_scale=scale, control=planner_control(scale, base.gpu, base.model, **overrides),
                 **{"judged_on": "answer_time", **extra},
             ))  # fmt: skip
+        # perturbed: the Poisson hour on an engine whose steps take 25 % longer and whose activations
+        # need 25 % more memory than the presets the twin reads (hidden: it calibrates on the worker's
+        # own lines, and its forecast of activations is short by a quarter). The arrivals come 25 %
+        # slower too, so the premise keeps its place between what the start and the best arguments serve
+        slower = PERTURBED_STEP_TIME
+        unbounded = dataclasses.replace(shape_of, count=round(2 * rate / slower * hour), rate=rate / slower, shape=1.0)
+        count = sum(1 for at in unbounded.arrivals() if at <= hour)
+        s.append(dataclasses.replace(
+            base, name=f"{base_name}-poisson-perturbed",
+            premise=f"{premise} (poisson; the engine 25 % slower and its activations 25 % larger than its presets, "
+                    "the arrivals 25 % slower)",
+            workload=dataclasses.replace(unbounded, count=count), step_time_factor=slower,
+            activation_factor=PERTURBED_ACTIVATIONS, time_scale=scale,
+            control=planner_control(scale, base.gpu, base.model, **overrides), **{"judged_on": "answer_time", **extra},
+        ))  # fmt: skip
     # shift: chat by day (answers far below max_tokens 4096, arriving at 6 per modelled second: judged on
     # the time from arrival to answer), then a batch of long outputs near max_tokens 2000 submitted at
     # once (backlogged, judged on throughput), then chat again. The operator tuned for chat
