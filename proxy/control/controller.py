@@ -434,6 +434,7 @@ class Controller:
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),
+            memory_fraction_step=c.memory_fraction_step,
             memory_fraction_bounds=c.memory_fraction_bounds,
             min_available_gb=c.available_mem_band_gb[0],
             max_available_gb=c.available_mem_band_gb[1],

@@ -110,11 +110,12 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
-                          plan_horizon_s=5.0, plan_horizon_max_s=5.0)  # fmt: skip
+                          plan_horizon_s=5.0, plan_horizon_max_s=5.0, memory_fraction_step=0.03)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
     assert job.inputs.settings.horizon_s == 5.0 and job.horizon.basis == "configured"
+    assert job.inputs.settings.memory_fraction_step == 0.03  # the policy's step, one truth for rules and planner
     assert c.plan_now(job) is None and actor.calls == []
     (note,) = c.journal.entries()  # the twin's view is noted: its predicted gain, how well it predicts now
     assert note["status"] == "noted" and "does not pay" in note["detail"] and note["predicted_gain"] > 0.1
