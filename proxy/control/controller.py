@@ -198,6 +198,9 @@ class Act:
     decision: Decision
     entry_id: int
     revival: bool = False  # the worker died: nothing to drain
+    # once the worker serves again, how long before its outcome window opens: a planner's restart
+    # first computes again the work it took back (a window over that measures the restart, not the args)
+    settle_s: float = 0.0
 
 
 class Controller:
@@ -383,6 +386,8 @@ class Controller:
             if w.window.observed_s < c.min_evidence_s:
                 continue
             if w.state.last_restart is not None and now - w.state.last_restart < c.cooldown_s:
+                continue
+            if w.pending_outcome is not None:  # the last restart's outcome is not in yet
                 continue
             if w.state.restarts_within(now) >= c.restarts_per_hour:
                 continue
@@ -574,9 +579,12 @@ class Controller:
                                     before=w.window.summary(),
                                     extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
             return None
+        base = plan.current.output_tok_per_s  # the work in flight computed again at the current pace
+        settle = job.inputs.cost.recomputed_tokens / base if base > 0 else 0.0
         extra = {
             "predicted_gain": round(plan.predicted_gain, 4),
             "predicted_throughput": decision.evidence_json()["predicted_throughput"],
+            "outcome_settle_s": round(settle, 1),
         }
         why = gate(decision, w.state, self.settings, now)
         if why is not None and not why.startswith("flip guard"):  # the economics replace the flip guard
@@ -603,7 +611,7 @@ class Controller:
             self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new,
                                  before=self._share(w))  # fmt: skip
         w.busy = True
-        return Act(decision=decision, entry_id=entry_id)
+        return Act(decision=decision, entry_id=entry_id, settle_s=settle)
 
     def trial(self, worker_id: WorkerId, args: Mapping[str, object], *, note: str = "") -> Act:
         """An operator's trial: ``args`` (merged over the worker's own) tried on ``worker_id`` as a
@@ -828,7 +836,7 @@ class Controller:
             self.journal.update(
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
-            w.pending_outcome = (act.entry_id, now + self.settings.window_s)
+            w.pending_outcome = (act.entry_id, now + act.settle_s + self.settings.window_s)
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, due=now + self.settings.window_s)
         else:

@@ -94,16 +94,27 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     asyncio.run(c.carry_out(act))
     assert actor.calls == [("restart", "w0", dict(act.decision.new_args))]
     start = clock.now
-    for k in range(int(c.settings.window_s) + 2):  # after: the worker does 20 % better
+    # the work taken back is computed again first (at half the pace here): the outcome window opens after it
+    settle = entry["outcome_settle_s"]
+    assert settle > 0 and act.settle_s == pytest.approx(settle, abs=0.05)
+    assert settle == pytest.approx(
+        jobs[0].inputs.cost.recomputed_tokens / entry["evidence"]["predicted_current"], rel=0.01
+    )
+    total = 0.0
+    for k in range(int(settle + c.settings.window_s) + 2):  # then the worker does 20 % better
         clock.now = start + k
+        total += measured * (0.5 if k < settle else 1.2)
         c.on_sample("w0", Sample(time=clock.now, queue=50, running=120, token_usage=0.8,
-                                 generation_tokens_total=float(k * int(measured * 1.2))))  # fmt: skip
+                                 generation_tokens_total=total))  # fmt: skip
+        if k < settle + c.settings.window_s - 1:
+            c.tick()
+            assert "measured_gain" not in (c.journal.get(act.entry_id) or {})  # not before its window is in
+            assert c.plans_due() == []  # the cool-down, then the outcome: no plan on the restart's transient
     c.tick()
     entry = c.journal.get(act.entry_id)
     assert entry is not None and 0.15 < entry["measured_gain"] < 0.25
     assert entry["prediction_error"] == round(abs(entry["predicted_throughput"] - entry["measured_throughput"])
                                               / entry["measured_throughput"], 4)  # fmt: skip
-    assert c.plans_due() == []  # within the cool-down
 
 
 def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> None:
