@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from proxy.workers.base import WorkerState
 
@@ -23,6 +24,19 @@ def long_prompt(i: int) -> str:
     return " ".join(f"{(i * 7919 + j * 31) % 10000:04d}" for j in range(PROMPT_TOKENS))
 
 
+async def _send_all(proxy: Any) -> list[Any]:
+    """The N_REQUESTS long prompts at once, through the openai client."""
+    client = proxy.client()
+    try:
+        return await asyncio.gather(*[
+            client.completions.create(model=MODEL, prompt=long_prompt(i), max_tokens=OUTPUT_TOKENS,
+                                      extra_body={"sim_output_len": OUTPUT_TOKENS})
+            for i in range(N_REQUESTS)
+        ])  # fmt: skip
+    finally:
+        await client.close()
+
+
 async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp_path: Path) -> None:
     async with running_proxy(
         tmp_path,
@@ -34,13 +48,7 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         pool = proxy.state.pool
         worker = pool.workers()[0].id
         first_pid = pool.get(worker).pid
-        client = proxy.client()
-        results = await asyncio.gather(*[
-            client.completions.create(model=MODEL, prompt=long_prompt(i), max_tokens=OUTPUT_TOKENS,
-                                      extra_body={"sim_output_len": OUTPUT_TOKENS})
-            for i in range(N_REQUESTS)
-        ])  # fmt: skip
-        await client.close()
+        results = await _send_all(proxy)
 
         # nothing lost: every request answered once, in full, after the retry on the revived worker
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
@@ -93,13 +101,7 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
         worker = pool.workers()[0].id
         await wait_for(lambda: pool.get(worker).args.get("chunked_prefill_size") == 4096
                        and pool.get(worker).state is WorkerState.READY, 30, "restarted with the chunk that fits")  # fmt: skip
-        client = proxy.client()
-        results = await asyncio.gather(*[
-            client.completions.create(model=MODEL, prompt=long_prompt(i), max_tokens=OUTPUT_TOKENS,
-                                      extra_body={"sim_output_len": OUTPUT_TOKENS})
-            for i in range(N_REQUESTS)
-        ])  # fmt: skip
-        await client.close()
+        results = await _send_all(proxy)
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
         assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total")
 
