@@ -217,6 +217,9 @@ def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> N
         assert report["arms"][arm]["requests_ok"] == 50, arm
     assert isinstance(report["adaptive_over_default"], float)
     assert "prediction_error_median" in report and "adaptive_over_best_static" in report
+    assert (
+        report["twin_error_median"] is None or 0 <= report["twin_error_median"] < 1
+    )  # the twin in sample, when it planned
     chat, batch = report["phases"]
     assert chat["judged_on"] == "time to first token (p99)" and batch["judged_on"] == "throughput"
     assert chat["adaptive"]["mean_s"] > 0 and batch["default"]["tok_per_s"] > 0
