@@ -459,13 +459,6 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
         return None
     free_mib = free * 1024
 
-    def fit(**figures: int) -> ActivationFit:
-        need = next(iter(figures.values())) * (
-            act.prefill_mib_per_token if "tokens" in figures else act.decode_mib_per_seq
-        )
-        return ActivationFit(available_gpu_mem_gb=free, need_gb=round(need / 1024, 2), model=act.model,
-                             graph_max_bs=act.graph_max_bs if "batch" in figures else None, **figures)  # fmt: skip
-
     chunk_knob = s.knobs.get(KnobName.PREFILL_CHUNK)
     chunk = _current(chunk_knob, window, state) if chunk_knob else None
     if chunk_knob is not None and chunk is not None and chunk > 0 and chunk * act.prefill_mib_per_token > free_mib:
@@ -473,11 +466,14 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
         while new is not None and new * act.prefill_mib_per_token > free_mib:
             new = chunk_knob.rung_below(new, floor=s.control.prefill_chunk_min)
         if new is not None:
+            need_gb = chunk * act.prefill_mib_per_token / 1024
             return _move(
                 window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE,
-                knob_name=KnobName.PREFILL_CHUNK, new_value=new, direction=-1, evidence=fit(tokens=int(chunk)),
-                reason=f"a full prefill chunk of {chunk:g} tokens needs {chunk * act.prefill_mib_per_token / 1024:.2f} "
-                f"GB of activations, {free:g} GB free at start-up: lower {{arg}} {{old}} -> {{new}}",
+                knob_name=KnobName.PREFILL_CHUNK, new_value=new, direction=-1,
+                evidence=ActivationFit(available_gpu_mem_gb=free, need_gb=round(need_gb, 2), tokens=int(chunk),
+                                       model=act.model),
+                reason=f"a full prefill chunk of {chunk:g} tokens needs {need_gb:.2f} GB of activations, "
+                f"{free:g} GB free at start-up: lower {{arg}} {{old}} -> {{new}}",
             )  # fmt: skip
     running_knob = s.knobs.get(KnobName.MAX_RUNNING)
     running = _current(running_knob, window, state) if running_knob else None
@@ -486,10 +482,13 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     if running * act.decode_mib_per_seq <= free_mib:
         return None
     cap = max(act.graph_max_bs, s.control.max_running_min, int(free_mib / act.decode_mib_per_seq))
+    need_gb = running * act.decode_mib_per_seq / 1024
     return _move(
         window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=cap, direction=-1, evidence=fit(batch=int(running)),
-        reason=f"a decode batch of {running:g} requests needs {running * act.decode_mib_per_seq / 1024:.2f} GB of "
+        new_value=cap, direction=-1,
+        evidence=ActivationFit(available_gpu_mem_gb=free, need_gb=round(need_gb, 2), batch=int(running),
+                               graph_max_bs=act.graph_max_bs, model=act.model),
+        reason=f"a decode batch of {running:g} requests needs {need_gb:.2f} GB of "
         f"activations beyond the CUDA graphs ({act.graph_max_bs}), {free:g} GB free at start-up: "
         "lower {arg} {old} -> {new}",
     )  # fmt: skip
