@@ -57,6 +57,7 @@ from proxy.control.rules import (
     WHILE_SERVING,
     Activations,
     RuleSettings,
+    activations_fit,
     evaluate,
     gate,
     revive_delay,
@@ -168,6 +169,7 @@ class _Worker:
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
+    held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
     backlog: Backlog = field(default_factory=Backlog)
 
@@ -267,10 +269,13 @@ class Controller:
             w.window = w.window.restart(now)
             w.state = w.state.without_resolved()
             w.starting_at = now
-        elif info.state is WorkerState.READY and w.state.started_at is None:
+        up = info.state is WorkerState.READY or (info.state is WorkerState.DRAINING and w.held_at_start)
+        if info.state is not WorkerState.STARTING:
+            w.held_at_start = False
+        if up and w.state.started_at is None:  # a held one is up too: the tick's rules restart it
             w.window = w.window.begin(now)
             w.state = w.state.serving(now)
-        if info.state is WorkerState.READY and w.starting_at is not None:
+        if up and w.starting_at is not None:
             w.startup_s, w.starting_at = now - w.starting_at, None
         if info.state is WorkerState.DOWN and w.managed and not w.busy:
             self._on_death(info.id)
@@ -296,10 +301,24 @@ class Controller:
         if w is None:
             return
         w.window = w.window.push(event)
+        if event.kind is EventKind.STARTUP and self._crash_foreseen(w):
+            # the start-up line says the arguments will crash once work arrives: the worker comes up held
+            # (it takes no request), and the first tick restarts it with the arguments that fit
+            w.held_at_start = True
+            self._hold(worker_id)
         if event.kind in (EventKind.OOM, EventKind.CRASH) and w.managed:
             # the server is going down (an OOM or a scheduler exception kills it): send it nothing more,
             # so requests are not retried against its closing port; its exit and restart lift the hold
             self._hold(worker_id)
+
+    def _crash_foreseen(self, w: _Worker) -> bool:
+        """A starting worker (not one the controller is restarting), managed, under ``auto`` with the
+        planner, whose start-up line the safety net's forecast (``activations_fit``) would act on now."""
+        if not (w.managed and self.settings.planner and self.mode is ControlMode.AUTO) or w.busy:
+            return False  # a restart under way (busy) waits for its own worker to come up READY
+        if w.pool_state is not WorkerState.STARTING:
+            return False
+        return evaluate(w.window, w.state, self.rules, (activations_fit,)).decision is not None
 
     def window(self, worker_id: WorkerId) -> Window:
         return self._workers[worker_id].window

@@ -74,8 +74,9 @@ class WorkerPool(Protocol):
         """READY -> DRAINING (stop sending before a restart) or DRAINING -> READY; notifies listeners."""
 
     def hold(self, worker_id: WorkerId) -> WorkerInfo:
-        """Send nothing more to the worker until it starts again: READY -> DRAINING, any other state
-        as it is. The pool's own transitions lift it (DOWN when it exits, then STARTING, READY)."""
+        """Send nothing more to the worker until it starts again: READY -> DRAINING, a STARTING one
+        comes up DRAINING once healthy, any other state as it is. The pool's own transitions lift it
+        (DOWN when it exits, then STARTING, READY)."""
 
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         """The request path could not connect to the worker: take it out of READY now (notifies

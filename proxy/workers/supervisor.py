@@ -98,6 +98,7 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     stopping: bool = False  # set while we stop the process on purpose
     ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
+    held: bool = False  # held while starting: it comes up DRAINING, not READY (lifted by its next start)
     pool: str = "default"
     model: str | None = None
     gpus: tuple[int, ...] = ()
@@ -293,11 +294,14 @@ class Supervisor:
         return slot.info()
 
     def hold(self, worker_id: WorkerId) -> WorkerInfo:
-        """Nothing more is sent to the worker: READY -> DRAINING (any other state takes no traffic
-        anyway). Lifted by the worker's own next transitions: DOWN when it exits, STARTING, READY."""
+        """Nothing more is sent to the worker: READY -> DRAINING; a STARTING one comes up DRAINING
+        when healthy (any other state takes no traffic anyway). Lifted by the worker's own next
+        transitions: DOWN when it exits, its next start, READY."""
         slot = self._slot(worker_id)
         if slot.state is WorkerState.READY:
             self._set(slot, WorkerState.DRAINING)
+        elif slot.state is WorkerState.STARTING:
+            slot.held = True
         return slot.info()
 
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
@@ -365,6 +369,7 @@ class Supervisor:
         slot.exit_code = None
         slot.last_error = None
         slot.ready_seen.clear()
+        slot.held = False
         try:
             process = await self._launcher.launch(
                 argv,
@@ -441,7 +446,7 @@ class Supervisor:
                 break
             status = await self._health(slot.url, timeout=min(30.0, remaining))
             if status == 200 and process.returncode is None and slot.process is process:
-                self._set(slot, WorkerState.READY)
+                self._set(slot, WorkerState.DRAINING if slot.held else WorkerState.READY)
                 return False
             last_status = f"HTTP {status}" if status else "connection refused"
             left = max(0.0, deadline - time.monotonic())

@@ -14,8 +14,11 @@ from proxy.control.rules import SAFETY_NET_SERVING, WHILE_SERVING, Activations, 
 from proxy.control.window import Window
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.logs import LogFollower
-from proxy.policy import ControlSettings
+from proxy.policy import ControlMode, ControlSettings
 from proxy.sim.logs import startup_line
+from proxy.workers.base import WorkerState
+
+from .test_controller import controller, info
 
 
 def _started(gpu: str, model: str, args: Mapping[str, object]) -> Window:
@@ -87,3 +90,36 @@ def test_a_model_that_is_not_this_worker_is_not_used() -> None:
 
 def test_the_forecast_is_in_the_planners_safety_net_only() -> None:
     assert activations_fit in SAFETY_NET_SERVING and activations_fit not in WHILE_SERVING
+
+
+def _startup_text(gpu: str, model: str, args: Mapping[str, object]) -> str:
+    cfg = Twin(gpu, model).config(args)
+    return startup_line(max_total_num_tokens=cfg.memory.max_total_num_tokens,
+                        chunked_prefill_size=cfg.chunked_prefill_size or -1, max_prefill_tokens=cfg.max_prefill_tokens,
+                        max_running_requests=cfg.max_running_requests, context_len=cfg.context_len,
+                        available_gpu_mem_gb=cfg.memory.available_gb)  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "planner", "held"), [(ControlMode.AUTO, True, True), (ControlMode.ADVISE, True, False),
+                                                       (ControlMode.AUTO, False, False)])  # fmt: skip
+def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, planner, held) -> None:
+    """The forecast is read from the start-up line while the worker starts: under ``auto`` with the
+    planner the worker is held (it comes up DRAINING: no request reaches the arguments that would
+    crash), and once up the first tick restarts it with the chunk that fits. Advising, or without the
+    planner's twin, the worker comes up as it is."""
+    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_gpu": "l40s-48gb",
+            "sim_model": "llama-3.1-8b"}  # fmt: skip
+    holds: list[str] = []
+    c, clock = controller(mode, None, hold=holds.append, planner=planner, available_mem_band_gb=(2.0, 10.0))
+    c.track(info(state=WorkerState.STARTING, args=args))
+    c.on_line("w0", _startup_text("l40s-48gb", "llama-3.1-8b", args))
+    assert holds == (["w0"] if held else [])
+    clock.now = 2.0
+    c.track(info(state=WorkerState.DRAINING if held else WorkerState.READY, args=args))
+    acts = c.tick()
+    if held:
+        (act,) = acts
+        assert act.decision.rule == "activations_fit"
+        assert act.decision.changes == {"chunked_prefill_size": (16384, 8192)}
+    else:
+        assert [a.decision.rule for a in acts] == []

@@ -243,3 +243,21 @@ async def test_vllm_workers_get_vllm_flags(make_supervisor) -> None:
     assert info.state == WorkerState.READY
     echoed = await get_json(f"{info.url}/args")
     assert echoed["engine_flags"] == ["--max-num-seqs", "24"] and "--enable-metrics" not in echoed["argv"]
+
+
+async def test_a_worker_held_while_starting_comes_up_draining_and_its_restart_lifts_it(make_supervisor) -> None:
+    """A hold while the worker starts (its start-up lines said its arguments will not do) is kept:
+    once healthy it is DRAINING, so no request reaches it; its restart comes up READY."""
+    sup = make_supervisor()
+    held: list[str] = []
+
+    def hold_once(worker_id: str, line: str) -> None:
+        if not held and sup.get(worker_id).state is WorkerState.STARTING:
+            held.append(line)
+            sup.hold(worker_id)
+
+    sup.add_line_listener(hold_once)
+    await sup.start()
+    assert held and sup.get("w0").state is WorkerState.DRAINING
+    await sup.restart("w0", {}, "the arguments that fit")
+    assert sup.get("w0").state is WorkerState.READY
