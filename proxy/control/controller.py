@@ -417,7 +417,7 @@ class Controller:
             open_now = tuple(self.surroundings.in_flight(wid))
             horizon = expected_horizon(w.backlog, now, answer_rate(workload, c.plan_requests),
                                        configured_s=c.plan_horizon_s, longest_s=c.plan_horizon_max_s)  # fmt: skip
-            inputs = self._plan_inputs(w, workload, open_now, now, horizon.seconds)
+            inputs = self._plan_inputs(w, workload, open_now, now, horizon)
             jobs.append(PlanJob(wid, now, inputs, w.window.throughput, horizon))
         return jobs
 
@@ -427,7 +427,7 @@ class Controller:
         workload: tuple[Observed, ...],
         in_flight: tuple[InFlight, ...],
         now: float,
-        horizon_s: float,
+        horizon: Horizon,
     ) -> PlanInputs:
         c = self.settings
         args = dict(w.state.args)
@@ -454,7 +454,8 @@ class Controller:
         )
         lo, hi = c.conservativeness_bounds
         settings = PlanSettings(
-            horizon_s=horizon_s,
+            horizon_s=horizon.seconds,
+            backlog=horizon.basis != "configured",  # the backlog outlasts the configured horizon
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),

@@ -35,7 +35,12 @@ predicts no throughput gain; there the arguments can still differ in how long re
 candidate that answers the same requests soonest is worth a restart when the waiting it saves
 beats the waiting the restart adds (:func:`_waiting_plan`, in request-seconds: the mean answer
 saved x the arrival rate x the horizon, against the requests open and arriving during the outage,
-each held for it).
+each held for it). Not in a backlog (work waiting that outlasts the configured horizon, by its age
+and its drain: the controller's horizon is then the backlog's): there the worker is throughput-bound,
+and with the same tokens per second and the same arrivals the waiting is the same whatever the
+order in which the requests are answered (Little's law), so a candidate that answers the replayed
+sample sooner at the same pace is no gain, and only the throughput basis is asked (in
+retraction-storm's backlogged hours the waiting basis restarted back and forth and lost 3-9 %).
 
 The replay holds the work in flight (:func:`replay`): the sampled requests were served alongside
 others, and a replay of them alone into an empty engine predicts them far too fast under load. So
@@ -242,6 +247,9 @@ class DecodeStats:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanSettings:
     horizon_s: float = 600.0  # how long the traffic just seen is expected to last
+    # the work waiting outlasts the configured horizon (its age and its drain: the horizon is the
+    # backlog's): the worker is busy throughout, throughput-bound, and the waiting basis is not asked
+    backlog: bool = False
     max_requests: int = 300  # the replayed sample: the newest this many requests
     max_candidates: int = 10
     min_gain: float = 0.03  # a predicted gain below this is noise, whatever the horizon
@@ -523,7 +531,9 @@ def plan(
     gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
     worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
-    waiting = None if worth else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
+    waiting = (
+        None if worth or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
+    )
     if waiting is not None:
         quicker, saved, paid = waiting
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)

@@ -226,3 +226,21 @@ def test_work_in_flight_is_expected_to_write_what_its_own_class_writes_and_a_bat
     own = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*batch, *chat], 20.0)
     assert misread.predicted_gain > 0.15 and misread.worth
     assert own.predicted_gain < 0.05 and not own.worth, own.reason
+
+
+def test_in_a_backlog_the_waiting_basis_is_not_asked():
+    """The burst the waiting basis restarts for (above), planned where work has waited without a break
+    for longer than the configured horizon covers: the worker is throughput-bound, answering the sample
+    sooner at the same pace is no gain, and no restart is taken for the waiting."""
+    rng = random.Random(3)
+    t, wl = 0.0, []
+    for i in range(300):
+        t += rng.expovariate(20.0 if i < 150 else 2.0)
+        wl.append(Observed(arrived=t, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
+                           max_tokens=4096))  # fmt: skip
+    twin, cost = Twin(GPU, MODEL), RestartCost(startup_s=20.0)
+    args = {"schedule_conservativeness": 1.0}
+    assert plan(twin, args, wl, cost, PlanSettings()).basis == "waiting"
+    held = plan(twin, args, wl, cost, PlanSettings(backlog=True))
+    assert not held.worth and held.basis == "throughput" and held.wait_saved_s == 0.0
+    assert "answered sooner" not in held.reason and "request-seconds" not in held.reason

@@ -161,9 +161,11 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     (entry,) = c.journal.entries()
     if caught_up:
         assert h.backlog_s == 0.0 and h.seconds == round(h.drain_s, 1) < 30
+        assert job.inputs.settings.backlog  # its drain alone outlasts the configured 5 s: busy throughout
         assert entry["status"] == "noted" and "does not pay" in entry["detail"]
     else:
         assert h.basis == "traffic" and h.backlog_s == 430.0 and h.seconds == round(430.0 + h.drain_s, 1)
+        assert job.inputs.settings.backlog  # the backlog's horizon: the waiting basis is not asked
         assert entry["status"] == "advised" and "horizon" in entry["reason"]
         assert "work waiting for 430 s" in entry["reason"]
     ev = entry["evidence"]
