@@ -96,16 +96,22 @@ def test_arrival_bound_chat_predicts_no_gain_and_no_restart():
     assert not p.worth and abs(p.predicted_gain) < 0.03
 
 
-def test_bursts_the_worker_keeps_up_with_restart_for_the_waiting_when_it_pays():
-    """A burst of short answers under a large max_tokens, then a trickle: the same tokens whatever the
-    conservativeness (the worker keeps up on average), but 1.0 holds the burst back. The waiting saved
-    over the horizon pays the waiting the restart adds; over a short horizon it does not."""
+def _burst_then_trickle() -> list[Observed]:
+    """150 short answers under a large max_tokens arriving at 20 per second, then 150 at 2 per second."""
     rng = random.Random(3)
     t, wl = 0.0, []
     for i in range(300):
         t += rng.expovariate(20.0 if i < 150 else 2.0)
         wl.append(Observed(arrived=t, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
                            max_tokens=4096))  # fmt: skip
+    return wl
+
+
+def test_bursts_the_worker_keeps_up_with_restart_for_the_waiting_when_it_pays():
+    """A burst of short answers under a large max_tokens, then a trickle: the same tokens whatever the
+    conservativeness (the worker keeps up on average), but 1.0 holds the burst back. The waiting saved
+    over the horizon pays the waiting the restart adds; over a short horizon it does not."""
+    wl = _burst_then_trickle()
     twin, cost = Twin(GPU, MODEL), RestartCost(startup_s=20.0)
     p = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings())
     assert p.worth and p.basis == "waiting" and abs(p.predicted_gain) < 0.03  # not a throughput gain
@@ -232,12 +238,7 @@ def test_in_a_backlog_the_waiting_basis_is_not_asked():
     """The burst the waiting basis restarts for (above), planned where work has waited without a break
     for longer than the configured horizon covers: the worker is throughput-bound, answering the sample
     sooner at the same pace is no gain, and no restart is taken for the waiting."""
-    rng = random.Random(3)
-    t, wl = 0.0, []
-    for i in range(300):
-        t += rng.expovariate(20.0 if i < 150 else 2.0)
-        wl.append(Observed(arrived=t, prompt_tokens=rng.randint(200, 800), output_tokens=rng.randint(120, 500),
-                           max_tokens=4096))  # fmt: skip
+    wl = _burst_then_trickle()
     twin, cost = Twin(GPU, MODEL), RestartCost(startup_s=20.0)
     args = {"schedule_conservativeness": 1.0}
     assert plan(twin, args, wl, cost, PlanSettings()).basis == "waiting"
