@@ -1,3 +1,16 @@
 """Fixtures shared across the test packages (each lives in :mod:`tests.harness`)."""
 
+import signal
+
+import pytest
+
 pytest_plugins = ["tests.harness.proxy"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests send Ctrl-C (SIGINT) to the processes they start and expect them to stop as they would at a
+    terminal. A shell starts a background job with SIGINT ignored and every child inherits that (Python
+    then never raises KeyboardInterrupt), so a suite run in the background would see those processes
+    ignore the signal: the suite restores the default, and its children start as from a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
