@@ -689,6 +689,8 @@ def run_scenario(
         "mean_answer_s": {a: None if (m := r.mean_answer_s) is None else round(m, 2) for a, r in results.items()},
         "prediction_error_median": round(statistics.median(errors or twin_errors), 4) if errors or twin_errors else None,
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
+        # acted plans checked on the requests served under their args (the twin out of sample)
+        "plans_checked": len(errors),
         # the twin on the requests it replayed under the args the worker ran (in sample, every plan not acted on)
         "twin_error_median": round(statistics.median(twin_errors), 4) if twin_errors else None,
         "plans_noted": len(twin_errors),

@@ -48,6 +48,11 @@ def format_decision(e: Mapping[str, Any]) -> str:
     predicted, measured = _gain(e, "predicted_gain"), _gain(e, "measured_gain")
     if predicted is not None or measured is not None:
         text += f" gain predicted {predicted} measured {measured}"
+    error = e.get("prediction_error")
+    if isinstance(error, (int, float)):  # the plan's twin on the requests served under its args
+        basis = e.get("prediction_basis", "throughput")
+        text += (f" · twin {error:.1%} off on {basis} (predicted {e.get('predicted_outcome')}, "
+                 f"measured {e.get('measured_outcome')} over {e.get('outcome_requests')} requests)")  # fmt: skip
     outcome = e.get("outcome") or {}
     if isinstance(outcome, Mapping) and outcome.get("verdict"):
         text += f" ({outcome['verdict']})"

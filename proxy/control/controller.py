@@ -42,13 +42,17 @@ from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizo
 from proxy.control.journal import Journal, Status, verdict
 from proxy.control.planner import (
     DecodeStats,
+    Expectation,
     InFlight,
     Observed,
+    Outcome,
+    OutcomeInputs,
     Plan,
     PlanInputs,
     PlanSettings,
     RestartCost,
     Twin,
+    check_outcome,
     run_plan,
 )
 from proxy.control.rules import (
@@ -162,7 +166,7 @@ class _Worker:
     reader: LogReader | None  # None: not managed, no log to read
     managed: bool
     busy: bool = False  # an act or a revival is under way
-    pending_outcome: tuple[int, float] | None = None  # (journal id, due time)
+    pending_outcome: PendingOutcome | None = None  # the last restart's, until its window is in
     starting_at: float | None = None  # when its current start began (to measure the start-up)
     startup_s: float | None = None  # its last start-up, launch to ready, as seen
     drain_s: float = 0.0  # its last drain before a restart
@@ -180,6 +184,25 @@ class TrialRefused(Exception):
     def __init__(self, message: str, *, code: str = "trial_refused") -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PendingOutcome:
+    """A restart whose outcome window is not in yet."""
+
+    entry_id: int
+    opens: float  # the worker serves again and has computed again what it took back
+    due: float  # the window is in
+    expectation: Expectation | None = None  # an acted plan's: checked on the requests served since ``opens``
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeJob:
+    """The check of an acted plan against what the worker did (:func:`~proxy.control.planner.check_outcome`)."""
+
+    worker_id: WorkerId
+    entry_id: int
+    inputs: OutcomeInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +226,7 @@ class Act:
     # once the worker serves again, how long before its outcome window opens: a planner's restart
     # first computes again the work it took back (a window over that measures the restart, not the args)
     settle_s: float = 0.0
+    expectation: Expectation | None = None  # a plan's: what the twin expects of the new args
 
 
 class Controller:
@@ -233,6 +257,7 @@ class Controller:
         self._tasks: set[asyncio.Task[None]] = set()
         self.canary: Canary | None = None  # a plan tried on one worker of several
         self._promote: list[WorkerId] = []  # workers still to take the promoted canary's args, in order
+        self._checks: list[OutcomeJob] = []  # acted plans whose window is in, to check off the loop
 
     def _twin(self, args: Mapping[str, object]) -> Twin:
         """The twin's presets for a worker under ``args`` (a simulated worker's own, else the policy's)."""
@@ -631,7 +656,8 @@ class Controller:
             self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new,
                                  before=self._share(w))  # fmt: skip
         w.busy = True
-        return Act(decision=decision, entry_id=entry_id, settle_s=settle)
+        return Act(decision=decision, entry_id=entry_id, settle_s=settle,
+                   expectation=Expectation(plan.twin, new, plan.basis))  # fmt: skip
 
     def trial(self, worker_id: WorkerId, args: Mapping[str, object], *, note: str = "") -> Act:
         """An operator's trial: ``args`` (merged over the worker's own) tried on ``worker_id`` as a
@@ -746,23 +772,44 @@ class Controller:
     def _measure_outcome(self, w: _Worker, now: float) -> None:
         if w.pending_outcome is None or w.busy:
             return
-        entry_id, due = w.pending_outcome
-        if now < due or w.window.observed_s < self.settings.min_evidence_s:
+        pending = w.pending_outcome
+        if now < pending.due or w.window.observed_s < self.settings.min_evidence_s:
             return
         w.pending_outcome = None
-        entry = self.journal.get(entry_id)
+        entry = self.journal.get(pending.entry_id)
         after = w.window.summary()
         before = (entry or {}).get("outcome", {}) or {}
         fields: dict[str, float] | None = None
-        predicted = (entry or {}).get("predicted_throughput")
         tb, ta = (before.get("before") or {}).get("throughput"), after.get("throughput")
-        if isinstance(predicted, (int, float)) and isinstance(ta, (int, float)) and ta > 0:
-            fields = {"measured_throughput": ta, "prediction_error": round(abs(predicted - ta) / ta, 4)}
+        if pending.expectation is not None and isinstance(ta, (int, float)) and ta > 0:
+            fields = {"measured_throughput": ta}
             if isinstance(tb, (int, float)) and tb > 0:
                 fields["measured_gain"] = round(ta / tb - 1.0, 4)
         self.journal.update(
-            entry_id, outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)}, fields=fields
+            pending.entry_id,
+            outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)},
+            fields=fields,
         )
+        if pending.expectation is not None:
+            wid = w.state.worker_id
+            inputs = OutcomeInputs(expectation=pending.expectation, workload=tuple(self.surroundings.recent_requests(wid)),
+                                   since=pending.opens, in_flight=tuple(self.surroundings.in_flight(wid)), now=now,
+                                   max_requests=self.settings.plan_requests)  # fmt: skip
+            self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
+
+    def outcomes_due(self) -> list[OutcomeJob]:
+        """Acted plans whose window is in, each with the requests it is checked on (taken once)."""
+        jobs, self._checks = self._checks, []
+        return jobs
+
+    def record_outcome(self, job: OutcomeJob, outcome: Outcome) -> None:
+        """Journal how the plan's twin did on the requests served under its args: ``prediction_error``
+        on the plan's basis (none when too few requests were answered in the window)."""
+        fields: dict[str, object] = {"prediction_basis": outcome.basis, "outcome_requests": outcome.requests}
+        if outcome.error is not None and outcome.predicted is not None and outcome.measured is not None:
+            fields |= {"predicted_outcome": round(outcome.predicted, 3), "measured_outcome": round(outcome.measured, 3),
+                       "prediction_error": round(outcome.error, 4)}  # fmt: skip
+        self.journal.update(job.entry_id, fields=fields)
 
     def _journal_once(
         self,
@@ -796,6 +843,11 @@ class Controller:
             while True:
                 for act in self.tick():
                     await self.carry_out(act)
+                for check in self.outcomes_due():  # a replay: off the event loop
+                    try:
+                        self.record_outcome(check, await asyncio.to_thread(check_outcome, check.inputs))
+                    except Exception as exc:
+                        _log.warning("outcome check of decision #%d failed: %s", check.entry_id, exc)
                 for job in self.plans_due():
                     self._workers[job.worker_id].planning = True
                     try:  # the replays are CPU-bound: off the event loop
@@ -856,7 +908,8 @@ class Controller:
             self.journal.update(
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
-            w.pending_outcome = (act.entry_id, now + act.settle_s + self.settings.window_s)
+            opens = now + act.settle_s
+            w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation)
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, due=now + self.settings.window_s)
         else:

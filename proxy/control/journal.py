@@ -7,11 +7,13 @@ append-only and the last line of an id is its current state.
 
 A decision of the planner carries ``predicted_gain`` (the twin's predicted throughput under the
 new args over the current ones, minus 1) and ``predicted_throughput``; once its window has been
-measured, ``measured_gain`` (the worker's throughput after over before, minus 1),
-``measured_throughput`` and ``prediction_error`` (``|predicted - measured| / measured``
-throughput). A plan that does not pay is noted (``noted``, once per cool-down) with its
-``predicted_gain`` and ``current_prediction_error``: the twin's predicted throughput under the
-current args against the worker's measured one.
+measured, ``measured_gain`` (the worker's throughput after over before, minus 1) and
+``measured_throughput``; then the plan's twin checked on the requests served under the new args
+(:func:`~proxy.control.planner.check_outcome`): ``predicted_outcome``, ``measured_outcome``,
+``prediction_error`` (``|predicted - measured| / measured``), ``prediction_basis`` and
+``outcome_requests``. A plan that does not pay is noted (``noted``, once per cool-down) with its
+``predicted_gain`` and ``current_prediction_error``: the twin under the current args against the
+worker on the requests it replayed.
 
 An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
 (``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``

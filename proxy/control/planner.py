@@ -71,12 +71,15 @@ from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.request import RequestSpec
 from proxy.sim.steptime import startup_seconds
-from proxy.sim.virtual import RequestResult, simulate
+from proxy.sim.virtual import simulate
 
 __all__ = [
     "DecodeStats",
+    "Expectation",
     "InFlight",
     "Observed",
+    "Outcome",
+    "OutcomeInputs",
     "Plan",
     "PlanInputs",
     "PlanSettings",
@@ -86,6 +89,7 @@ __all__ = [
     "Twin",
     "calibrate",
     "candidates",
+    "check_outcome",
     "measured_throughput",
     "plan",
     "replay",
@@ -127,13 +131,17 @@ class Replay:
 
     specs: tuple[RequestSpec, ...]
     foreground: frozenset[str]  # rids of the sampled requests
-    until: float | None = None  # the plan's moment, from the sample's first arrival (None: not known)
-    sample_output: int = 0  # output tokens the sample wrote (all of it answered by ``until``)
+    until: float | None = None  # the plan's moment, from the replay's start (None: not known)
+    answered: Mapping[str, float] = field(default_factory=dict)  # rid -> when the worker answered it, from the start
 
     def measured(self) -> float | None:
-        """What the worker did on the sample, on the replay's basis: its output over the window (None:
-        the window is not known; :func:`measured_throughput` then)."""
-        return self.sample_output / self.until if self.until else None
+        """What the worker did over the replay's window: the output (written since the start) of the
+        requests it answered by the plan's moment, per second; the figure its counter of generated
+        tokens reads, and :attr:`Prediction.answered_tok_per_s` of the twin (None: no window)."""
+        if not self.until:
+            return None
+        out = {sp.rid: sp.output_len or 0 for sp in self.specs}  # every replayed spec has its length
+        return sum(out[rid] for rid, t in self.answered.items() if t <= self.until) / self.until
 
 
 def _expected_output(answered: Sequence[Observed]) -> Callable[[int, bool], int]:
@@ -168,26 +176,32 @@ def replay(
     background: Sequence[Observed] = (),
     in_flight: Sequence[InFlight] = (),
     now: float | None = None,
+    start: float | None = None,
 ) -> Replay:
-    """The sample with the work that ran alongside it (see the module docstring); times from the
-    sample's first arrival. ``background``: other answered requests (those that ended before the
-    sample's first arrival are left out); ``in_flight``: open when the plan began, at ``now``."""
-    if not sample:
+    """The sample with the work that ran alongside it (see the module docstring); times from
+    ``start`` (default: the sample's first arrival; the sample then arrived after it). ``background``:
+    other answered requests (those that ended before the start are left out); ``in_flight``: open
+    when the plan began, at ``now``."""
+    if not sample and start is None:
         return Replay((), frozenset())
     ordered = sorted(sample, key=lambda o: o.arrived)
-    t0 = ordered[0].arrived
+    t0 = ordered[0].arrived if start is None else start
     specs: list[RequestSpec] = []
     fg: set[str] = set()
+    answered: dict[str, float] = {}
     for i, o in enumerate(ordered):
         rid = f"s{i}"
         fg.add(rid)
         out = max(1, min(o.output_tokens, o.max_tokens))
         specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
                                  max_new_tokens=max(1, o.max_tokens), output_len=out, rid=rid))  # fmt: skip
+        if o.finished is not None:
+            answered[rid] = o.finished - t0
     sampled = set(map(id, sample))
     for i, o in enumerate(background):
         if id(o) in sampled or o.finished is None or o.finished <= t0:
             continue
+        answered[f"b{i}"] = o.finished - t0
         if o.arrived >= t0:
             specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
                                      max_new_tokens=max(1, o.max_tokens),
@@ -196,13 +210,11 @@ def replay(
         left = (o.finished - t0) / (o.finished - o.arrived)
         specs.append(_running_at_start(o.prompt_tokens, o.output_tokens, o.max_tokens, left, f"b{i}"))
     expected = _expected_output(background or sample)
-    end = (
-        max(now, max((o.finished or o.arrived) for o in ordered))
-        if now is not None
-        else max((o.finished or o.arrived) for o in ordered)
-    )
+    last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
+    end = max(now, last) if now is not None else last
+    widest = max((o.max_tokens for o in ordered or background), default=1)  # for one that gave none
     for i, r in enumerate(in_flight):
-        cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, max(o.max_tokens for o in ordered))
+        cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, widest)
         out = expected(cap, r.interactive)
         if r.arrived >= t0:
             specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, r.prompt_tokens),
@@ -211,9 +223,8 @@ def replay(
             left = (end - t0) / (end - r.arrived) if end > r.arrived else 1.0
             specs.append(_running_at_start(r.prompt_tokens, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)
-    last = max(o.finished or o.arrived for o in ordered)  # no plan is older than an answer it read
-    until = max(now, last) - t0 if now is not None and max(now, last) > t0 else None
-    return Replay(tuple(specs), frozenset(fg), until, sum(o.output_tokens for o in ordered))
+    until = end - t0 if now is not None and end > t0 else None
+    return Replay(tuple(specs), frozenset(fg), until, answered)
 
 
 def _running_at_start(prompt: int, output: int, max_tokens: int, left: float, rid: str) -> RequestSpec:
@@ -267,7 +278,10 @@ class Prediction:
     output_tok_per_s: float  # 0 when the twin would not start or dies of OOM
     mean_queue_s: float | None  # arrival to first token
     mean_answer_s: float | None = None  # arrival to the end of the answer (the sample's own, all of them answered)
-    sample_tok_per_s: float | None = None  # the sample's own, on the basis it is measured on
+    # what the worker is measured on (:meth:`Replay.measured`): the output of the requests answered
+    # by the plan's moment, per second of the window; the sample alone (no window): its output over its
+    # first arrival to its last answer (:func:`measured_throughput`). None: not known, or it died
+    answered_tok_per_s: float | None = None
     makespan_s: float
     retractions: int
     oom: str | None = None
@@ -333,22 +347,26 @@ class Twin:
             return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
-        window = plan_replay.until
         res = simulate(cfg, list(plan_replay.specs))
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
         answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]
-        if window:  # all the work there is, drained; the sample's own output written by the plan's moment
+        ends = [r.finish_time for r in own if r.finish_time is not None]
+        span = max(ends) - min(r.arrival for r in own) if own and ends else 0.0
+        alone = sum(r.output_tokens for r in own) / span if span > 0 and len(ends) == len(own) else None
+        window = plan_replay.until
+        mine: float | None
+        if window:  # with the work that ran alongside: all the work there is, drained
             tp = res.output_tok_per_s
-            mine: float | None = sum(_written_by(r, window) for r in own) / window
-        else:  # the sample alone: its output over first arrival to last answer
-            ends = [r.finish_time for r in own if r.finish_time is not None]
-            span = max(ends) - min(r.arrival for r in own) if own and ends else 0.0
-            tp = sum(r.output_tokens for r in own) / span if span > 0 and len(ends) == len(own) else 0.0
-            mine = tp
+            answered = sum(
+                r.output_tokens for r in res.requests if r.finish_time is not None and r.finish_time <= window
+            )
+            mine = answered / window
+        else:  # the sample alone: its own
+            tp, mine = alone or 0.0, alone
         return Prediction(
             args=dict(args),
-            sample_tok_per_s=None if mine is None or res.oom else mine,
+            answered_tok_per_s=None if res.oom else mine,
             output_tok_per_s=0.0 if res.oom else tp,
             mean_queue_s=sum(waits) / len(waits) if waits else None,
             mean_answer_s=sum(answers) / len(answers) if answers and len(answers) == len(own) and not res.oom else None,
@@ -368,15 +386,6 @@ def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Nam
             value = float(value)
         setattr(ns, key, value)
     return ns
-
-
-def _written_by(r: RequestResult, t: float) -> float:
-    """Output tokens a replayed request had written at ``t`` (evenly from its first token to its end)."""
-    if r.finish_time is None or r.first_token_time is None or t <= r.first_token_time:
-        return 0.0
-    if t >= r.finish_time:
-        return float(r.output_tokens)
-    return r.output_tokens * (t - r.first_token_time) / (r.finish_time - r.first_token_time)
 
 
 def _decode_ratio(cfg: SimConfig, decode: Sequence[DecodeStats]) -> float | None:
@@ -492,7 +501,7 @@ class Plan:
     @property
     def current_error(self) -> float | None:
         """|predicted - measured| / measured throughput of the current args on the replayed requests."""
-        m, p = self.measured_current, self.current.sample_tok_per_s
+        m, p = self.measured_current, self.current.answered_tok_per_s
         return abs(p - m) / m if m and p is not None else None
 
 
@@ -679,3 +688,68 @@ def run_plan(inputs: PlanInputs) -> Plan:
     return plan(
         twin, inputs.args, inputs.workload, cost, inputs.settings, inputs.resolved, inputs.in_flight, inputs.now
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What an acted plan expects of the worker: its twin (calibrated under the old args) on the new
+    args, judged on the plan's basis ("throughput": the sample's own tokens per second; "waiting":
+    its mean answer time)."""
+
+    twin: Twin
+    args: Mapping[str, object]
+    basis: str = "throughput"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutcomeInputs:
+    """What the check of an acted plan reads, once the worker has served under its new args."""
+
+    expectation: Expectation
+    workload: tuple[Observed, ...]  # the worker's newest answered requests
+    since: float  # the outcome window opened here (same clock): only requests arrived since are judged
+    in_flight: tuple[InFlight, ...] = ()  # open on the worker at ``now``
+    now: float
+    max_requests: int = 300
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """The plan's twin against the worker on the same requests, served under the new args."""
+
+    basis: str
+    predicted: float | None  # tokens/s or seconds, on the basis
+    measured: float | None
+    requests: int  # the requests judged
+
+    @property
+    def error(self) -> float | None:
+        """|predicted - measured| / measured (None: nothing to judge)."""
+        if self.predicted is None or not self.measured:
+            return None
+        return abs(self.predicted - self.measured) / self.measured
+
+
+def check_outcome(inputs: OutcomeInputs) -> Outcome:
+    """Replay what the worker did since the outcome window opened (the requests that arrived since,
+    with the work then on it and the work open now) on the plan's twin under the new args, and set
+    what it predicts against what the worker did: the twin's prediction for arguments it was not
+    calibrated on, on traffic it had not seen, like with like. The traffic after a restart is never
+    the one the plan replayed, so the plan's own figure against a window's throughput says as much
+    about the traffic as about the twin. On the plan's basis: "throughput", the output of the
+    requests answered in the window per second (:meth:`Replay.measured`, what the engine's counter of
+    generated tokens reads: a twin too fast or too slow answers more or fewer of them by now);
+    "waiting", the mean answer time of the requests that arrived since and were answered."""
+    expect = inputs.expectation
+    answered = [o for o in inputs.workload if o.arrived >= inputs.since and o.finished is not None]
+    sample = sorted(answered, key=lambda o: o.arrived)[-inputs.max_requests :]
+    loaded = replay(sample, inputs.workload, inputs.in_flight, inputs.now, start=inputs.since)
+    if loaded.until is None or (expect.basis == "waiting" and len(sample) < 2):
+        return Outcome(basis=expect.basis, predicted=None, measured=None, requests=len(sample))
+    p = expect.twin.predict(expect.args, loaded)
+    if expect.basis == "waiting":
+        measured: float | None = statistics.fmean((o.finished or o.arrived) - o.arrived for o in sample)
+        predicted = p.mean_answer_s
+    else:
+        measured, predicted = loaded.measured(), p.answered_tok_per_s
+    return Outcome(basis=expect.basis, predicted=predicted, measured=measured, requests=len(loaded.answered))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.console.decisions import format_decision
 from proxy.control.horizon import answer_rate
-from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction
+from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction, check_outcome
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
 from proxy.sim.logs import startup_line
@@ -74,10 +75,26 @@ def c_twin_config():
     return Twin("a100-40gb", "llama-3.1-8b").config(ARGS)
 
 
-def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_gain(tmp_path: Path) -> None:
+def _served_after(start: float, args: dict[str, object], step_time_factor: float, n: int) -> list[Observed]:
+    """A backlog arriving at ``start`` on a worker under ``args``, whose GPU is ``step_time_factor``
+    slower than the twin's presets (the truth the plan's twin did not see), answered."""
+    rng = random.Random(11)
+    asked = [Observed(arrived=start + i * 0.002, prompt_tokens=rng.randint(200, 800),
+                      output_tokens=rng.randint(120, 500), max_tokens=4096) for i in range(n)]  # fmt: skip
+    specs = [RequestSpec(arrival=o.arrived - start, prompt_len=o.prompt_tokens, max_new_tokens=o.max_tokens,
+                         output_len=o.output_tokens) for o in asked]  # fmt: skip
+    res = simulate(Twin("a100-40gb", "llama-3.1-8b", step_time_factor=step_time_factor).config(args), specs)
+    return [replace(o, finished=start + (r.finish_time or 0.0)) for o, r in zip(asked, res.requests, strict=True)]
+
+
+@pytest.mark.parametrize("truth", [1.0, 1.5], ids=["as-the-twin-expects", "a-slower-gpu-than-calibrated"])
+def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_gain(
+    tmp_path: Path, truth: float
+) -> None:
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    around = Requests(requests)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=around, planner=True)
     c.track(info(state=WorkerState.STARTING, args=ARGS))
     clock.now = 30.0
     c.track(info(args=ARGS))  # ready after 30 s: the restart's measured start-up
@@ -110,11 +127,34 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
             c.tick()
             assert "measured_gain" not in (c.journal.get(act.entry_id) or {})  # not before its window is in
             assert c.plans_due() == []  # the cool-down, then the outcome: no plan on the restart's transient
+    # a backlog arrived as the window opened, served under the new args: what was answered by now, what is open
+    clock.now += 1
+    after = _served_after(start + act.settle_s, dict(act.decision.new_args), truth, n=600)
+    answered = [o for o in after if (o.finished or 0.0) <= clock.now]
+    around.requests = requests + answered
+    around.open = [InFlight(arrived=o.arrived, prompt_tokens=o.prompt_tokens, max_tokens=o.max_tokens)
+                   for o in after if (o.finished or 0.0) > clock.now]  # fmt: skip
+    assert len(answered) > 50 and len(around.open) > 50
     c.tick()
     entry = c.journal.get(act.entry_id)
-    assert entry is not None and 0.15 < entry["measured_gain"] < 0.25
-    assert entry["prediction_error"] == round(abs(entry["predicted_throughput"] - entry["measured_throughput"])
-                                              / entry["measured_throughput"], 4)  # fmt: skip
+    assert entry is not None and 0.15 < entry["measured_gain"] < 0.25  # the window's throughput, after over before
+    assert "prediction_error" not in entry  # the twin is checked off the loop, on the requests served since
+    (check,) = c.outcomes_due()
+    assert c.outcomes_due() == [] and check.inputs.since == pytest.approx(start + act.settle_s)
+    assert check.inputs.expectation.args == act.decision.new_args
+    c.record_outcome(check, check_outcome(check.inputs))
+    entry = c.journal.get(act.entry_id)
+    assert (
+        entry is not None and entry["prediction_basis"] == "throughput" and entry["outcome_requests"] == len(answered)
+    )
+    assert entry["prediction_error"] == pytest.approx(
+        abs(entry["predicted_outcome"] - entry["measured_outcome"]) / entry["measured_outcome"], abs=1e-3
+    )
+    assert f"twin {entry['prediction_error']:.1%} off on throughput" in format_decision(entry)  # pacer decisions
+    if truth == 1.0:  # the twin's step time, calibrated under the old args, holds under the new ones
+        assert entry["prediction_error"] < 0.05
+    else:  # a worker slower than calibrated writes less than predicted, and the journal says so
+        assert entry["prediction_error"] > 0.2 and entry["predicted_outcome"] > entry["measured_outcome"]
 
 
 def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> None:
