@@ -26,7 +26,7 @@ from aiohttp import web
 from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
-from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace
+from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, output_budget
 from proxy.control.journal import Journal
 from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
@@ -120,7 +120,7 @@ def build_app(
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            board.subscribe(_fast_tier(board, dispatchers[p.name]))
+            board.subscribe(_fast_tier(board, dispatchers[p.name], PaceSettings(output_budget=p.control.output_budget)))
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -200,6 +200,8 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
             settings=settings,
         )
         paces[worker_id] = pace
+        load.interactive_output_budget = output_budget(load.facts.written(interactive=True), settings)
+        load.batch_output_budget = output_budget(load.facts.written(interactive=False), settings)
         withdrawn = 0
         if pace.batch_queue_target is not None and load.batch_in_flight:
             withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)
@@ -319,7 +321,8 @@ class _Surroundings:
                 arrived=f.arrived,
                 prompt_tokens=f.prompt_tokens,
                 output_tokens=f.output_tokens,
-                max_tokens=f.max_tokens,
+                # what the worker was asked for: its output budget (an answer in one part), else the client's
+                max_tokens=f.sent_max_tokens if f.sent_max_tokens is not None and f.parts == 1 else f.max_tokens,
                 finished=f.time,
                 interactive=f.interactive,
             )
@@ -332,7 +335,7 @@ class _Surroundings:
             InFlight(
                 arrived=a.ticket.enqueued_at,
                 prompt_tokens=a.ticket.prompt_tokens or 1,
-                max_tokens=a.ticket.max_tokens,
+                max_tokens=a.sent_max_tokens if a.sent_max_tokens is not None else a.ticket.max_tokens,
                 interactive=a.ticket.priority is Priority.INTERACTIVE,
             )
             for a in self._st.board.get(worker_id).attempts

@@ -267,6 +267,14 @@ class ControlSettings:
     mode: ControlMode = field(
         default=ControlMode.OFF, metadata=key("off: pace only; advise: log what the controller would change; auto: act")
     )
+    output_budget: bool = field(
+        default=True,
+        metadata=key(
+            "auto mode, fast tier: send each plain whole request with max_tokens at its class's output budget on "
+            "engines that reserve max_tokens (SGLang), a margin over what that worker's answers write, and continue "
+            "an answer that reaches it: the engine admits for what answers need, with no restart"
+        ),
+    )
     # -- rhythm and restraint (proxy.control)
     interval_s: float = field(default=5.0, metadata=key("seconds between runs of the rules", positive=True))
     window_s: float = field(default=60.0, metadata=key("seconds a rule looks back", positive=True))

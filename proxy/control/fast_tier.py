@@ -25,6 +25,17 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   length of the worker's recent requests, linearly between ``short_output_tokens`` and
   ``long_output_tokens``.
 * the **batch queue target**, while interactive work is on the worker or waiting for it.
+* the **output budget** per class (:func:`output_budget`): the ``max_tokens`` a plain whole request
+  is sent to the worker with, where the worker's engine reserves KV for ``max_tokens`` (SGLang). A
+  high quantile (``budget_quantile``) of what the worker's recent answers of the class wrote, times
+  ``budget_margin``, rounded up to ``budget_step`` tokens; none before ``budget_min_answers`` answers.
+  An answer that reaches it is continued (:mod:`proxy.request.continuation`), so the budget trades a
+  rare continuation (a re-prefill of the text so far, mostly from the prefix cache) for admission
+  that reserves what answers need instead of what clients ask for: what lowering
+  ``schedule_conservativeness`` buys, for each request, from the first minute, without a restart
+  (in early-stop's hour the replay gives the start arguments with the budget 0.99-1.00 of the best
+  static arguments' mean answer; a restart to them pays only in the first minute). The answers it
+  learns from are whole (all parts), so a budget never shrinks what it sees.
 
 Classes. Each request carries its class (interactive or batch) from the front door to its facts,
 and the rule of admission holds here too: interactive work never waits behind batch work. Three
@@ -68,9 +79,10 @@ moved without a restart: the proxy's own levers are the fast tier.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["Pace", "PaceInput", "PaceSettings", "next_pace", "queue_target"]
+__all__ = ["Pace", "PaceInput", "PaceSettings", "next_pace", "output_budget", "queue_target"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +101,15 @@ class PaceSettings:
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
     batch_queue_beside_interactive: int = 2  # batch requests waiting at the worker while interactive work is there
     interactive_hold_s: float = 5.0  # how long after the last interactive request batch work stays stepped back
+    output_budget: bool = (
+        True  # send plain whole requests at their class's output budget (policy control.output_budget)
+    )
+    budget_quantile: float = 0.99  # of the recent answers' output tokens ...
+    budget_margin: float = 1.5  # ... times this, ...
+    budget_step: int = 64  # ... rounded up to a multiple of this
+    budget_min_answers: int = 50  # answers of the class needed before it has a budget
+    budget_answers: int = 256  # the newest answers of the class it is read from
+    budget_floor: int = 256  # never below this many tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +166,17 @@ def queue_target(lo: int, hi: int, headroom: int, mean_output_tokens: float | No
     span = max(1.0, settings.long_output_tokens - settings.short_output_tokens)
     share = min(1.0, max(0.0, (mean_output_tokens - settings.short_output_tokens) / span))
     return max(base, min(hi, round(base + share * (hi - base))))
+
+
+def output_budget(written: Sequence[int], settings: PaceSettings) -> int | None:
+    """The output budget of one class of one worker from what its recent answers wrote (``written``,
+    output tokens, newest last); None: off, or too few answers to say."""
+    if not settings.output_budget or len(written) < settings.budget_min_answers:
+        return None
+    recent = sorted(written[-settings.budget_answers :])
+    high = recent[min(len(recent) - 1, max(0, math.ceil(settings.budget_quantile * len(recent)) - 1))]
+    step = settings.budget_step
+    return max(settings.budget_floor, math.ceil(high * settings.budget_margin / step) * step)
 
 
 def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, settings: PaceSettings) -> Pace:

@@ -85,6 +85,20 @@ class Engine(Protocol):
         before batch ones; empty when the worker's arguments do not turn priority scheduling on (an
         engine without it may refuse or ignore the field)."""
 
+    @property
+    def reserves_max_tokens(self) -> bool:
+        """Whether the engine's admission reserves KV for what each request may still write (its
+        ``max_tokens``), so that a smaller ``max_tokens`` lets it admit more at once; False where it
+        allocates only as tokens are written and preempts when the pool runs out."""
+
+    def continuation_fields(
+        self, path: str, body: Mapping[str, object], written_tokens: int
+    ) -> dict[str, object] | None:
+        """Fields that make a request on ``path`` continue an answer instead of starting one: the
+        ``body`` already holds what was written (a chat's last message is the assistant's text so far,
+        a completion's prompt ends with it), ``written_tokens`` of it. None: the engine cannot
+        continue an answer on that route."""
+
     def parse_metrics(self, text: str, now: float) -> Sample:
         """One scrape of ``GET /metrics``."""
 

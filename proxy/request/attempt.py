@@ -88,7 +88,17 @@ class Requeued(StrEnum):
 class Attempt:
     """One try of one request on one worker, from dispatch until its ``async with`` block exits."""
 
-    __slots__ = ("dispatched_at", "released", "requeued", "started", "taken_back", "task", "ticket", "worker_id")
+    __slots__ = (
+        "dispatched_at",
+        "released",
+        "requeued",
+        "sent_max_tokens",
+        "started",
+        "taken_back",
+        "task",
+        "ticket",
+        "worker_id",
+    )
 
     def __init__(self, ticket: Ticket, worker_id: WorkerId, dispatched_at: float) -> None:
         self.ticket = ticket
@@ -99,6 +109,9 @@ class Attempt:
         self.taken_back = False
         self.released = False
         self.requeued: Requeued | None = None  # set when it ended without output and its ticket went back
+        self.sent_max_tokens: int | None = (
+            None  # the max_tokens the worker was asked for (its output budget), if not as asked
+        )
 
     def mark_started(self) -> None:
         """Output is going to the client: from now on the request is committed to this worker."""

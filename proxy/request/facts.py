@@ -44,6 +44,8 @@ class RequestFact:
     ttft_s: float | None  # dispatch to first output
     queue_s: float  # time in the proxy's queue
     interactive: bool = True  # sent as the interactive class (False: batch)
+    sent_max_tokens: int | None = None  # what the worker was asked for at first (the output budget; None: as asked)
+    parts: int = 1  # the answer's parts: more than one when it reached its output budget and was continued
 
     @property
     def output_ratio(self) -> float | None:
@@ -76,6 +78,10 @@ class WorkerFacts:
             for f in self._facts
             if (since is None or f.time >= since) and (interactive is None or f.interactive is interactive)
         ]
+
+    def written(self, *, interactive: bool) -> list[int]:
+        """Output tokens of the class's answered requests, oldest first (what the output budget reads)."""
+        return [f.output_tokens for f in self._facts if f.interactive is interactive and f.output_tokens is not None]
 
     def __len__(self) -> int:
         return len(self._facts)

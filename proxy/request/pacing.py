@@ -85,12 +85,14 @@ class WorkerLoad:
         "_pending_base",
         "attempts",
         "batch_attempts",
+        "batch_output_budget",
         "batch_paced_until",
         "batch_queue_target",
         "completed",
         "dispatched",
         "error",
         "facts",
+        "interactive_output_budget",
         "last_running",
         "limit",
         "output_rate",
@@ -114,6 +116,9 @@ class WorkerLoad:
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
+        # the fast tier's output budgets per class: the max_tokens a request is sent with (None: as asked)
+        self.interactive_output_budget: int | None = None
+        self.batch_output_budget: int | None = None
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         self._base_dispatched = 0
@@ -126,6 +131,11 @@ class WorkerLoad:
     def in_flight(self) -> int:
         """Requests this proxy has open on the worker."""
         return len(self.attempts)
+
+    def output_budget(self, *, interactive: bool) -> int | None:
+        """The ``max_tokens`` a request of the class is sent with (None: as asked; see
+        :mod:`proxy.request.continuation`)."""
+        return self.interactive_output_budget if interactive else self.batch_output_budget
 
     @property
     def batch_in_flight(self) -> int:
@@ -252,6 +262,7 @@ class WorkerLoad:
             "limit": self.limit,
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
+            "output_budget": {"interactive": self.interactive_output_budget, "batch": self.batch_output_budget},
             "facts": self.facts.summary(),
             "scrape_error": self.error,
             "sample": None

@@ -66,6 +66,10 @@ class RequestMetrics(Protocol):
     @property
     def fail_midstream(self) -> Counter: ...
     @property
+    def continued(self) -> Counter: ...
+    @property
+    def budget_redone(self) -> Counter: ...
+    @property
     def queue_time(self) -> Histogram: ...
     @property
     def added_latency(self) -> Histogram: ...
@@ -139,6 +143,10 @@ class RequestPath:
         if engine is None:
             return _NO_FIELDS
         return engine.priority_fields(info.args, interactive=interactive)
+
+    def engine_of(self, worker_id: WorkerId) -> Engine | None:
+        """The engine of ``worker_id``'s pool (None: not known)."""
+        return self.engines.get(self.pool.get(worker_id).pool)
 
     def new_rid(self) -> str:
         return f"{self._rid_prefix}{next(self._rid_counter)}"

@@ -45,8 +45,10 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
+from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import Attempt, AttemptFailed
+from proxy.request.continuation import Capped
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
@@ -292,11 +294,18 @@ async def _queued(
                 rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
                 if rid is not None and base_rid is not None:
                     job.body["rid"] = rid
-                payload = orjson.dumps(job.body)
+                capped = _capped(path, attempt, job)
+                attempt.sent_max_tokens = None if capped is None else capped.sent
+                payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
                     m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
+                parts = 1
                 try:
                     opened = await _open(path, url, attempt.worker_id, job, payload)
+                    if capped is not None and opened.status == 200 and opened.body is not None:
+                        opened.body, parts, capped = await _continued(
+                            path, url, attempt.worker_id, job, capped, opened.body
+                        )
                 except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
                     if rid is not None:
                         path.spawn(_post_abort(path, url, rid))
@@ -306,7 +315,7 @@ async def _queued(
                 attempt.mark_started()
                 opened.strip_usage = strip
                 answer = await respond(opened, url, rid)
-                _record_fact(path, job, opened, attempt, ticket.enqueued_at)
+                _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, parts)
                 return answer
         except ProxyClosing:
             raise _closing_error(path) from None
@@ -321,6 +330,89 @@ async def _queued(
                 )
             raise _failure_error(fail, ticket.failures) from None
         # the attempt ended without output and the ticket is back in the queue: wait for the next
+
+
+def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
+    """How ``job`` goes to the attempt's worker under its output budget (None: as asked): the budget
+    of the request's class, where the worker's engine reserves ``max_tokens`` and can continue."""
+    load = path.dispatcher.board.get(attempt.worker_id)
+    budget = load.output_budget(interactive=attempt.ticket.priority is Priority.INTERACTIVE)
+    if budget is None:
+        return None
+    engine = path.engine_of(attempt.worker_id)
+    if engine is None or not engine.reserves_max_tokens or engine.continuation_fields(job.path, job.body, 0) is None:
+        return None
+    return continuation.plan(job, budget)
+
+
+async def _continued(
+    path: RequestPath, url: str, worker_id: str, job: Job, capped: Capped, first: bytes
+) -> tuple[bytes, int, Capped | None]:
+    """The whole answer of a request sent under its output budget, its number of parts and its cap
+    (None when it was sent again whole): while a
+    part ends at its cap before the client's ``max_tokens``, the next part continues it on the same
+    worker (:mod:`proxy.request.continuation`). A part that cannot be continued (not one plain choice
+    with its usage, or a refusal) sends the request again whole, as the client asked: nothing is cut
+    short. Raises :class:`AttemptFailed` when a part fails (the attempt's retry rules apply)."""
+    engine = path.engine_of(worker_id)
+    body: bytes = first
+    parts: list[continuation.Part] = []
+    written, text, cap = 0, "", capped.sent
+    while True:
+        part = continuation.read_part(job.path, body)
+        if part is None or engine is None:
+            return await _whole_again(path, url, worker_id, job), 1, None
+        parts.append(part)
+        written += part.completion_tokens
+        text += part.text
+        # it ended by itself, at the client's max_tokens, or at a limit of the engine's own (its context)
+        if part.finish_reason != "length" or written >= capped.asked or part.completion_tokens < cap:
+            break
+        fields = engine.continuation_fields(job.path, job.body, written)
+        if fields is None:
+            return await _whole_again(path, url, worker_id, job), 1, None
+        cap = capped.next_cap(written, capped.sent)
+        more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
+        rid = job.body.get("rid")
+        if isinstance(rid, str):
+            more["rid"] = f"{rid}.c{len(parts)}"
+        path.metrics.continued.inc()
+        opened = await _part(path, url, worker_id, job, more)
+        if opened.status != 200 or opened.body is None:
+            return await _whole_again(path, url, worker_id, job), 1, None
+        body = opened.body
+    return (continuation.merge(job.path, parts) if len(parts) > 1 else first), len(parts), capped
+
+
+async def _part(path: RequestPath, url: str, worker_id: str, job: Job, body: dict[str, object]) -> Opened:
+    """One more request of an attempt on its worker; aborted there if this one is cancelled."""
+    try:
+        return await _open(path, url, worker_id, job, orjson.dumps(body))
+    except asyncio.CancelledError:
+        rid = body.get("rid")
+        if isinstance(rid, str):
+            path.spawn(_post_abort(path, url, rid))
+        raise
+
+
+async def _whole_again(path: RequestPath, url: str, worker_id: str, job: Job) -> bytes:
+    """The request sent again as the client asked (its own ``max_tokens``): the answer, or the
+    worker's refusal as it answered."""
+    path.metrics.budget_redone.inc()
+    body = dict(job.body)
+    rid = body.get("rid")
+    if isinstance(rid, str):
+        body["rid"] = f"{rid}.w"
+    opened = await _part(path, url, worker_id, job, body)
+    if opened.status != 200:
+        raise AttemptFailed(
+            f"worker {worker_id} ({url}) refused the request sent again whole: HTTP {opened.status}",
+            status=opened.status,
+            body=opened.body,
+            content_type=opened.content_type,
+            retryable=False,
+        )
+    return opened.body or b""
 
 
 _USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -347,7 +439,9 @@ def _max_tokens(body: dict[str, object]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _record_fact(path: RequestPath, job: Job, opened: Opened, attempt: Attempt, queued: float) -> None:
+def _record_fact(
+    path: RequestPath, job: Job, opened: Opened, attempt: Attempt, queued: float, capped: Capped | None, parts: int
+) -> None:
     """One answered request's facts into its worker's ring (one parse of the body or the stream's tail)."""
     dispatched = attempt.dispatched_at
     if opened.resp is None:
@@ -367,6 +461,8 @@ def _record_fact(path: RequestPath, job: Job, opened: Opened, attempt: Attempt, 
             ttft_s=ttft,
             queue_s=max(0.0, dispatched - queued),
             interactive=attempt.ticket.priority is Priority.INTERACTIVE,
+            sent_max_tokens=None if capped is None else capped.sent,
+            parts=parts,
         )
     )
 

@@ -149,6 +149,16 @@ class ProxyMetrics:
         self.disconnected = Counter(
             "pacer_client_disconnects", "Clients that went away before their answer ended", registry=r
         )
+        self.continued = Counter(
+            "pacer_output_budget_continuations",
+            "Answers that reached their output budget and were continued (one per continuation)",
+            registry=r,
+        )
+        self.budget_redone = Counter(
+            "pacer_output_budget_redone",
+            "Answers that reached their output budget and could not be continued: sent again whole",
+            registry=r,
+        )
         self.scrape_errors = Counter("pacer_scrape_errors", "Failed worker scrapes", ["worker"], registry=r)
         self.queue_time = Histogram(
             "pacer_queue_time_seconds", "Time a request waited in the proxy queue", buckets=_QUEUE_BUCKETS, registry=r

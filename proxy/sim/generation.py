@@ -25,6 +25,11 @@ from proxy.sim.tokenizer import output_text, output_token_ids
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+def _lead(text: str, p: GenParams) -> str:
+    """An answer's first text: a continuation's first word follows the words before it (a space)."""
+    return " " + text if p.continues and text else text
+
+
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
@@ -192,9 +197,9 @@ class Generation:
             if reason.get("type") == "abort" and reason.get("status_code", 0) >= 500:
                 return openai_error(str(reason.get("message")), int(reason["status_code"]), "InternalServerError")
         choices = []
-        for i, r in enumerate(reqs):
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
             finish, matched = self._openai_finish(r)
-            text = output_text(r.token_seed, 0, r.out_base)
+            text = _lead(output_text(r.token_seed, 0, r.out_base), p)
             if chat:
                 choices.append(
                     {
@@ -276,7 +281,9 @@ class Generation:
                 n = self.engine.output_len(r)
                 finished = r.state is State.FINISHED
                 while sent < n:
-                    piece = output_text(r.token_seed, sent, sent + 1)
+                    piece = (
+                        output_text(r.token_seed, sent, sent + 1) if sent else _lead(output_text(r.token_seed, 0, 1), p)
+                    )
                     sent += 1
                     if chat:
                         choice = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}

@@ -30,6 +30,9 @@ class GenParams:
     rid: str | None = None
     include_usage: bool = False
     priority: int | None = None  # SGLang's request field; None: the server's default (the least important)
+    # its answer goes on from the text at the end of its prompt (a chat's continue_final_message, a completion's
+    # prompt that ends in a word): the first word starts with a space
+    continues: bool = False
 
 
 def _int(body: dict[str, Any], key: str, minimum: int = 0) -> int | None:
@@ -166,7 +169,10 @@ def parse_chat(body: Any, cfg: SimConfig) -> GenParams:
             raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
         turns.append((m["role"], content))
     max_new, ignore_eos, out_len, stream, usage = _openai_common(body)
-    ids = encode(chat_prompt(turns))
+    # continue_final_message: the last assistant message leaves the template and its text is appended
+    # to the prompt, open (SGLang's serving_chat); otherwise a final assistant message is a turn
+    continues = _bool(body, "continue_final_message") and turns[-1][0] == "assistant"
+    ids = encode(chat_prompt(turns[:-1]) + turns[-1][1]) if continues else encode(chat_prompt(turns))
     rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
     return GenParams(
         prompt_ids=ids,
@@ -177,6 +183,7 @@ def parse_chat(body: Any, cfg: SimConfig) -> GenParams:
         include_usage=usage,
         rid=rid if isinstance(rid, str) else None,
         priority=_priority(body),
+        continues=continues,
     )
 
 
@@ -197,6 +204,8 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
     rid = body.get("rid")  # SGLang's OpenAI requests accept a rid too (used by /abort_request)
     rid = rid if isinstance(rid, str) and len(prompts) == 1 else None
     priority = _priority(body)
+    # a text prompt that ends inside a line of words is continued by the next word, space first
+    continues = isinstance(prompt, str) and prompt[-1:].isalnum()
     return [
         GenParams(
             prompt_ids=p,
@@ -207,6 +216,7 @@ def parse_completion(body: Any, cfg: SimConfig) -> list[GenParams]:
             include_usage=usage,
             rid=rid,
             priority=priority,
+            continues=continues,
         )
         for p in prompts
     ]

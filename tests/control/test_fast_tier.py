@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, queue_target
+from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, output_budget, queue_target
 
 S = PaceSettings()
 BAND = {"lo": 4, "hi": 64, "headroom": 4}  # base 8
@@ -216,3 +216,15 @@ async def test_the_proxy_takes_back_batch_requests_waiting_at_the_worker_when_in
     assert not later.future.done()  # the worker's queue is past the batch target
     for t in (*batch, chat, later):
         t.future.cancel()
+
+
+def test_output_budget_is_a_margin_over_a_high_quantile_of_what_answers_wrote():
+    assert output_budget([300] * (S.budget_min_answers - 1), S) is None  # too few answers to say
+    written = list(range(1, 101))  # 1..100 tokens
+    assert output_budget(written, S) == 256  # p99 99 x 1.5 = 149: the floor
+    long = [400 + 16 * i for i in range(100)]  # 400..1984
+    budget = output_budget(long, S)
+    assert budget == 3008  # p99 1968 x 1.5 = 2952, up to a multiple of 64
+    assert output_budget(long, replace(S, output_budget=False)) is None
+    # the newest budget_answers only: an old regime of long answers is forgotten
+    assert output_budget([5000] * 300 + [100] * S.budget_answers, S) == 256

@@ -1,7 +1,8 @@
 """A tiny SGLang-shaped upstream for relay tests: real HTTP on a free port, in-process.
 
 It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), streams one SSE chunk
-per token with ``token_delay_s`` between them, serves ``/metrics`` with the live queue, honours
+per token with ``token_delay_s`` between them (a whole answer: ``sim_output_len`` tokens, at most
+``max_tokens``, finishing "stop" within it and "length" at it; otherwise always "length"), serves ``/metrics`` with the live queue, honours
 ``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
@@ -108,9 +109,13 @@ class FakeEngine:
     async def _emit(self, request: web.Request, body: dict, n: int, mode: str | None) -> web.StreamResponse:
         chat = request.path.endswith("chat/completions")
         if not body.get("stream"):
+            reason = "length"
+            cap = body.get("max_tokens")
+            if isinstance(body.get("sim_output_len"), int) and isinstance(cap, int):  # the true length, then the cap
+                n, reason = min(n, cap), ("stop" if n <= cap else "length")
             await asyncio.sleep(self.token_delay_s * n)
             text = "tok " * n
-            choice = {"index": 0, "finish_reason": "length"}
+            choice = {"index": 0, "finish_reason": reason}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             self.finished.append(body.get("rid"))
             return web.json_response(

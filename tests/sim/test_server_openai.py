@@ -103,3 +103,27 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
     assert "maximum context length" in str(err.value)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+
+
+def test_chat_continues_its_final_assistant_message_as_sglang_does(client: openai.OpenAI) -> None:
+    """``continue_final_message``: the last assistant message leaves the template and its text ends the
+    prompt, open: the prompt is the plain conversation's (generation prompt included) plus that text,
+    and the answer goes on from it (its first word after a space)."""
+    turn = [{"role": "user", "content": "Say hello"}]
+    plain = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=4, extra_body={"sim_output_len": 4})
+    so_far = "hi my dear pal"  # words of up to four characters: a token each
+    more = client.chat.completions.create(
+        model=MODEL,
+        messages=[*turn, {"role": "assistant", "content": so_far}],  # type: ignore[list-item]
+        max_tokens=5,
+        extra_body={"sim_output_len": 3, "continue_final_message": True},
+    )
+    assert more.usage.prompt_tokens == plain.usage.prompt_tokens + len(so_far.split())
+    text = more.choices[0].message.content or ""
+    assert text.startswith(" ") and len(text.split()) == 3 and more.choices[0].finish_reason == "stop"
+    as_turn = client.chat.completions.create(
+        model=MODEL,
+        messages=[*turn, {"role": "assistant", "content": so_far}],
+        max_tokens=2,  # type: ignore[list-item]
+    )
+    assert as_turn.usage.prompt_tokens > more.usage.prompt_tokens  # without the flag: a whole turn, then a new one

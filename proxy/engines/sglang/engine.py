@@ -44,6 +44,9 @@ _PRIORITY: Mapping[tuple[bool, bool], Mapping[str, object]] = {  # (interactive,
     (False, True): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
 }
 
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
 RUNTIME_ARGS = frozenset(
     {"pp_max_micro_batch_size", "speculative_accept_threshold_single", "speculative_accept_threshold_acc"}
 )
@@ -110,6 +113,28 @@ class SGLangEngine:
             return NO_FIELDS
         low_first = bool(args.get("schedule_low_priority_values_first"))
         return _PRIORITY[(interactive, low_first)]
+
+    @property
+    def reserves_max_tokens(self) -> bool:
+        # PrefillAdder: a new request reserves min(max_new_tokens, 4096) of KV, a running one its
+        # remaining max_new_tokens x new_token_ratio (managers/schedule_policy.py)
+        return True
+
+    def continuation_fields(
+        self, path: str, body: Mapping[str, object], written_tokens: int
+    ) -> dict[str, object] | None:
+        fields: dict[str, object]
+        if path == CHAT_PATH:
+            # ChatCompletionRequest.continue_final_message (0.4.x and 0.5.x): the last assistant message is
+            # taken out of the template and its text appended to the prompt, open (serving_chat.py)
+            fields = {"continue_final_message": True}
+        elif path == COMPLETIONS_PATH:
+            fields = {}  # the prompt already ends with the text written
+        else:
+            return None
+        if self.sim_args and isinstance(out := body.get("sim_output_len"), int) and not isinstance(out, bool):
+            fields["sim_output_len"] = max(1, out - written_tokens)  # the simulator's true length, what is left of it
+        return fields
 
     def parse_metrics(self, text: str, now: float) -> Sample:
         return metrics.parse_metrics(text, now)

@@ -90,6 +90,22 @@ class VllmEngine:
             return NO_FIELDS  # vLLM refuses a non-zero priority without the priority policy
         return INTERACTIVE_FIELDS if interactive else BATCH_FIELDS
 
+    @property
+    def reserves_max_tokens(self) -> bool:
+        # the v1 scheduler allocates KV blocks for the tokens a step computes and preempts the newest
+        # request when the pool runs out: max_tokens reserves nothing
+        return False
+
+    def continuation_fields(
+        self, path: str, body: Mapping[str, object], written_tokens: int
+    ) -> dict[str, object] | None:
+        if path == "/v1/chat/completions":
+            # ChatCompletionRequest: both flags, or it refuses ("Cannot set both ... to True")
+            return {"continue_final_message": True, "add_generation_prompt": False}
+        if path == "/v1/completions":
+            return {}
+        return None
+
     def parse_metrics(self, text: str, now: float) -> Sample:
         return metrics.parse_metrics(text, now)
 

@@ -1,0 +1,208 @@
+"""The output budget: the worker sees a smaller ``max_tokens``, and an answer that reaches it goes on.
+
+Why: SGLang's admission reserves KV for what each request may still write: a new request its whole
+``max_tokens`` (clipped to 4,096), a running one its remaining ``max_tokens`` x the new-token ratio.
+Clients ask for far more than they write (chat at ``max_tokens`` 4,096 or 16,384 that answers in a
+few hundred tokens), so the engine holds requests back for KV that is never used; the guide's remedy,
+a lower ``--schedule-conservativeness``, takes a restart and applies to every request alike. The proxy
+sees what requests of each class really write (its per-request facts), so it can send each one with
+``max_tokens`` at the worker's *output budget* (a high quantile of what was written, with a margin:
+:func:`proxy.control.fast_tier.output_budget`) and reserve what answers need, from the first minute,
+with no restart. An answer that reaches the budget before the client's ``max_tokens`` is continued:
+the same request with the text written so far (a chat's last message is the assistant's text, with
+the engine's continuation fields; a completion's prompt ends with it), asking for at most what is
+left, on the same worker within the same attempt, until the answer ends by itself or at the
+client's ``max_tokens``. The client gets one answer: the text of all parts, the first part's prompt
+tokens, the completion tokens of all parts, the last part's finish reason.
+
+Which requests (:func:`plan`): plain, whole answers, where a continuation is the same generation:
+one choice, no streaming (a stream's parts are not stitched yet), no log probabilities, no tools or
+structured output (a grammar's state is not in the text), no stop strings (one could span the seam),
+no penalties over the output (the first part would count as prompt), no ``min_tokens``, no ``seed``,
+no ``ignore_eos``, no ``echo`` or ``suffix``, a chat that does not already end on an assistant message;
+and the engine must reserve ``max_tokens`` (vLLM allocates as it writes: nothing to gain) and be able
+to continue on the route. The budget must save a real share of the client's ``max_tokens``.
+
+What cannot be continued is sent again whole: a part whose answer is not one plain choice with its
+usage (a reasoning model's split answer, a tool call), or that failed, makes the attempt fail before
+any output reached the client, so the request is retried from the start with the client's own
+``max_tokens`` (:attr:`Capped.uncapped`); nothing is cut short. Sampling: the continuation is drawn
+from the model given the text so far, as the one generation would have been; the engine tokenizes
+the text again at the seam, which may split its last word differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.request.job import Job
+
+__all__ = ["CHAT", "COMPLETIONS", "Capped", "Part", "continuation_body", "merge", "plan", "read_part"]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# fields whose effect a continuation would change (or that the proxy cannot carry across the seam),
+# unless they hold the value that means "none": the request is sent as it came
+_NEUTRAL: Mapping[str, tuple[object, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "stop": (None, [], ""),
+    "stop_token_ids": (None, []),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "structural_tag": (None,),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "seed": (None,),
+    "ignore_eos": (None, False),
+    "logit_bias": (None, {}),
+    "continue_final_message": (None, False),
+    "stream": (None, False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Capped:
+    """How one request is sent under the budget: its ``field`` (``max_tokens`` or
+    ``max_completion_tokens``) at ``sent`` instead of the client's ``asked``."""
+
+    field: str
+    asked: int
+    sent: int
+
+    def body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The body with the budget's ``max_tokens`` (a copy: the job's own stays as asked)."""
+        return {**body, self.field: self.sent}
+
+    def next_cap(self, written: int, budget: int) -> int:
+        """What the next part may write: what is left of the client's ``max_tokens``, and no more
+        than the budget or what was written so far, whichever is larger (an answer far past the
+        budget takes few parts: each at most doubles it)."""
+        return max(1, min(self.asked - written, max(budget, written)))
+
+
+def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral`` (None and booleans by identity: ``True`` is not ``1``)."""
+    return any(
+        value is n if n is None or isinstance(n, bool) else value == n and not isinstance(value, bool) for n in neutral
+    )
+
+
+def plan(job: Job, budget: int | None, *, min_saving: float = 0.25) -> Capped | None:
+    """The cap for ``job`` under ``budget`` output tokens (None: sent as it came). ``min_saving``:
+    the budget must be at least this share below the client's ``max_tokens``."""
+    if budget is None or budget <= 0 or job.stream or job.path not in (CHAT, COMPLETIONS):
+        return None
+    body = job.body
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    asked = body.get(field)
+    if not isinstance(asked, int) or isinstance(asked, bool) or budget > asked * (1.0 - min_saving):
+        return None
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not _neutral(body[name], neutral):
+            return None
+    if job.path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+            return None
+        if messages[-1].get("role") == "assistant":
+            return None  # the client's own prefill: its continuation is the client's to ask for
+    elif not isinstance(body.get("prompt"), str):
+        return None  # a prompt of token ids or several prompts: one plain text only
+    return Capped(field=field, asked=asked, sent=budget)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part's answer, as the relay needs it to go on or to merge."""
+
+    payload: dict[str, Any]  # the whole answer, parsed
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+
+
+def read_part(path: str, body: bytes) -> Part | None:
+    """The part in a whole answer on ``path``; None when it is not one plain choice with its usage
+    (then it cannot be continued: the request goes again whole)."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    choices, usage = payload.get("choices"), payload.get("usage")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    if not isinstance(usage, dict):
+        return None
+    prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(written, int):
+        return None
+    choice = choices[0]
+    if path == CHAT:
+        message = choice.get("message")
+        if not isinstance(message, dict) or message.get("tool_calls") or message.get("reasoning_content"):
+            return None  # a split or structured answer: its text alone does not continue it
+        text = message.get("content")
+    else:
+        text = choice.get("text")
+    if not isinstance(text, str):
+        return None
+    reason = choice.get("finish_reason")
+    return Part(payload, text, prompt, written, reason if isinstance(reason, str) else None)
+
+
+def continuation_body(
+    path: str, body: Mapping[str, Any], written_text: str, cap: Capped, max_tokens: int, fields: Mapping[str, object]
+) -> dict[str, Any]:
+    """The request that continues ``body``'s answer after ``written_text``, for at most ``max_tokens``
+    more; ``fields``: the engine's continuation fields (its contract's ``continuation_fields``)."""
+    if path == CHAT:
+        out = {**body, "messages": [*body["messages"], {"role": "assistant", "content": written_text}]}
+    else:
+        out = {**body, "prompt": body["prompt"] + written_text}
+    out[cap.field] = max_tokens
+    out.update(fields)
+    return out
+
+
+def merge(path: str, parts: list[Part]) -> bytes:
+    """One answer from its parts: the first part's shape and prompt tokens, every part's text and
+    completion tokens, the last part's finish reason."""
+    first = parts[0]
+    text = "".join(p.text for p in parts)
+    written = sum(p.completion_tokens for p in parts)
+    payload = dict(first.payload)
+    choice = dict(payload["choices"][0])
+    if path == CHAT:
+        choice["message"] = {**choice["message"], "content": text}
+    else:
+        choice["text"] = text
+    last = parts[-1].payload["choices"][0]
+    choice["finish_reason"] = last.get("finish_reason")
+    if "matched_stop" in last or "matched_stop" in choice:
+        choice["matched_stop"] = last.get("matched_stop")
+    payload["choices"] = [choice]
+    usage = dict(payload["usage"])
+    usage["completion_tokens"] = written
+    usage["total_tokens"] = first.prompt_tokens + written
+    payload["usage"] = usage
+    return orjson.dumps(payload)

@@ -1,0 +1,55 @@
+"""The output budget end to end: a real simulated SGLang worker behind the whole proxy in auto mode,
+the openai client as the client. The fast tier learns the budget from what the worker's answers
+wrote; a longer answer reaches it, is continued (the simulator's ``continue_final_message`` for chat,
+the prompt that ends with the text for completions) and comes back as one answer, every token of it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from .e2e import MODEL, running_proxy, wait_for
+
+SHORT = 40  # what the first answers write, of max_tokens 2000
+LONG = 700  # then one answer this long
+
+
+async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one_answer(tmp_path: Path) -> None:
+    async with running_proxy(
+        tmp_path,
+        args={"schedule_conservativeness": 1.0},
+        extra_args=["--sim-time-scale", "50"],
+        control={"mode": "auto", "restarts_per_hour": 0},
+    ) as proxy:
+        worker = proxy.state.pool.workers()[0].id
+        load = proxy.state.board.get(worker)
+        client = proxy.client()
+        msg = [{"role": "user", "content": "hello there"}]
+        try:
+            await asyncio.gather(*[
+                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
+                                               extra_body={"sim_output_len": SHORT})
+                for _ in range(60)
+            ])  # fmt: skip
+            await wait_for(lambda: load.interactive_output_budget is not None, 10, "a budget learned")
+            assert load.interactive_output_budget == 256  # the floor: 40 x 1.5 is less
+
+            chat = await client.chat.completions.create(
+                model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
+            )
+            text = chat.choices[0].message.content or ""
+            assert len(text.split()) == LONG and chat.usage.completion_tokens == LONG  # every token, one answer
+            assert chat.choices[0].finish_reason == "stop"
+            fact = load.facts.recent()[-1]
+            assert (fact.parts, fact.sent_max_tokens, fact.output_tokens) == (3, 256, LONG)  # 256, 256, then 188
+
+            comp = await client.completions.create(
+                model=MODEL, prompt="tell me a story", max_tokens=600, extra_body={"sim_output_len": 5000}
+            )
+            assert len(comp.choices[0].text.split()) == 600 and comp.usage.completion_tokens == 600
+            assert comp.choices[0].finish_reason == "length"  # the client's own max_tokens
+            assert comp.usage.prompt_tokens < 10  # the first part's prompt, not a continuation's (hundreds longer)
+            continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
+            assert continued == 2 + 2  # 256 -> 512 -> 700; 256 -> 512 -> 600
+        finally:
+            await client.close()

@@ -1,0 +1,120 @@
+"""The output budget through a real proxy over real sockets, with the openai client, in front of fake
+workers that speak the simulator (so a continuation's true length is what is left): a request goes
+at its class's budget, an answer that reaches it is continued on the same worker, and the client
+gets one answer (every part's text and tokens, the last part's finish reason)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.harness.fake_engine import MODEL
+
+SIM_SPEAKER = {"engine": {"speaks": "sim"}}
+
+
+def _sent(h: Any) -> list[tuple[Any, ...]]:
+    return [(b.get("max_tokens"), b.get("rid"), b.get("continue_final_message")) for b in h.workers[0].bodies]
+
+
+async def test_a_chat_answer_past_its_budget_is_continued_into_one_answer(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    load = h.state.board.get("w0")
+    load.interactive_output_budget = 4
+    client = h.client()
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, extra_body={"sim_output_len": 10}
+    )
+    assert chat.choices[0].message.content == "tok " * 10
+    assert chat.choices[0].finish_reason == "stop"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens) == (3, 10, 13)
+    sent = _sent(h)
+    rid = sent[0][1]
+    # 4 at the budget, 4 more (what was written), then 8 (doubling): the last one ends by itself
+    assert sent == [(4, rid, None), (4, f"{rid}.c1", True), (8, f"{rid}.c2", True)]
+    bodies = h.workers[0].bodies
+    assert bodies[1]["messages"][-1] == {"role": "assistant", "content": "tok " * 4}
+    assert bodies[2]["messages"][-1] == {"role": "assistant", "content": "tok " * 8}
+    assert [b["sim_output_len"] for b in bodies] == [10, 6, 2]  # the simulator's true length, what is left
+    fact = load.facts.recent()[-1]
+    assert (fact.output_tokens, fact.max_tokens, fact.sent_max_tokens, fact.parts) == (10, 100, 4, 3)
+    assert fact.finish_reason == "stop"
+    await client.close()
+
+
+async def test_a_completion_goes_on_from_its_prompt_and_stops_at_the_clients_max_tokens(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    h.state.board.get("w0").interactive_output_budget = 4
+    client = h.client()
+    comp = await client.completions.create(model=MODEL, prompt="x", max_tokens=6, extra_body={"sim_output_len": 50})
+    assert comp.choices[0].text == "tok " * 6 and comp.choices[0].finish_reason == "length"
+    assert comp.usage.completion_tokens == 6
+    bodies = h.workers[0].bodies
+    assert [b["max_tokens"] for b in bodies] == [4, 2]  # the second asks only for what the client has left
+    assert bodies[1]["prompt"] == "x" + "tok " * 4 and "continue_final_message" not in bodies[1]
+    await client.close()
+
+
+async def test_short_answers_take_one_part_and_other_requests_go_as_asked(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    h.state.board.get("w0").interactive_output_budget = 8
+    client = h.client()
+    msg = [{"role": "user", "content": "hi"}]
+    short = await client.chat.completions.create(
+        model=MODEL, messages=msg, max_tokens=100, extra_body={"sim_output_len": 3}
+    )
+    assert short.choices[0].message.content == "tok " * 3 and short.usage.completion_tokens == 3
+    await client.chat.completions.create(
+        model=MODEL, messages=msg, max_tokens=100, stop=["\n"], extra_body={"sim_output_len": 3}
+    )
+    await client.chat.completions.create(  # the batch class has no budget of its own yet
+        model=MODEL, messages=msg, max_tokens=100, extra_body={"sim_output_len": 3},
+        extra_headers={"x-pacer-priority": "batch"},
+    )  # fmt: skip
+    assert [b["max_tokens"] for b in h.workers[0].bodies] == [8, 100, 100]
+    await client.close()
+
+
+@pytest.mark.parametrize("failure", ["400", "500"])
+async def test_a_part_the_worker_refuses_sends_the_request_again_whole(make_proxy, failure: str) -> None:
+    h = await make_proxy(policy=SIM_SPEAKER)
+    h.state.board.get("w0").interactive_output_budget = 4
+    w = h.workers[0]
+    w.fail_next("ok")
+    w.fail_next(failure)  # the continuation fails
+    client = h.client()
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, extra_body={"sim_output_len": 10}
+    )
+    assert chat.choices[0].message.content == "tok " * 10 and chat.usage.completion_tokens == 10
+    if failure == "400":  # refused: the same attempt sends it again as the client asked
+        assert [b["max_tokens"] for b in w.bodies] == [4, 4, 100]
+        assert w.bodies[2]["rid"] == w.bodies[0]["rid"] + ".w"
+    else:  # a 5xx fails the attempt before any output: the retry starts again, under the budget
+        assert [b["max_tokens"] for b in w.bodies] == [4, 4, 4, 4, 8]
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
+        metrics = await r.text()
+    assert ("pacer_output_budget_redone_total 1.0" in metrics) is (failure == "400")
+    continued = 1 if failure == "400" else 3  # the failed one, then the retry's two
+    assert f"pacer_output_budget_continuations_total {continued:.1f}" in metrics
+    await client.close()
+
+
+async def test_a_client_that_leaves_during_a_continuation_has_that_part_aborted(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER, worker={"token_delay_s": 0.05})
+    h.state.board.get("w0").interactive_output_budget = 4
+    w = h.workers[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "sim_output_len": 200}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(s.post(h.url + "/v1/chat/completions", json=body))
+        await h.wait_for(lambda: len(w.bodies) == 2)  # the first part answered, the second running
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await h.wait_for(lambda: w.bodies[1]["rid"] in w.aborted)
+    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    assert len(w.bodies) == 2  # nothing more was sent for it
