@@ -13,20 +13,22 @@ the same request with the text written so far (a chat's last message is the assi
 the engine's continuation fields; a completion's prompt ends with it), asking for at most what is
 left, on the same worker within the same attempt, until the answer ends by itself or at the
 client's ``max_tokens``. The client gets one answer: the text of all parts, the first part's prompt
-tokens, the completion tokens of all parts, the last part's finish reason.
+tokens, the completion tokens of all parts, the last part's finish reason; a stream gets one stream,
+its text as it is written (:mod:`proxy.request.stitch`).
 
-Which requests (:func:`plan`): plain, whole answers, where a continuation is the same generation:
-one choice, no streaming (a stream's parts are not stitched yet), no log probabilities, no tools or
+Which requests (:func:`plan`): plain answers, where a continuation is the same generation:
+one choice, no log probabilities, no tools or
 structured output (a grammar's state is not in the text), no stop strings (one could span the seam),
 no penalties over the output (the first part would count as prompt), no ``min_tokens``, no ``seed``,
 no ``ignore_eos``, no ``echo`` or ``suffix``, a chat that does not already end on an assistant message;
 and the engine must reserve ``max_tokens`` (vLLM allocates as it writes: nothing to gain) and be able
 to continue on the route. The budget must save a real share of the client's ``max_tokens``.
 
-What cannot be continued is sent again whole: a part whose answer is not one plain choice with its
-usage (a reasoning model's split answer, a tool call), or that failed, makes the attempt fail before
-any output reached the client, so the request is retried from the start with the client's own
-``max_tokens`` (:attr:`Capped.uncapped`); nothing is cut short. Sampling: the continuation is drawn
+What cannot be continued is sent again whole: a whole answer's part that is not one plain choice
+with its usage (a reasoning model's split answer, a tool call), or that the worker refused, is sent
+again as the client asked, within the same attempt (nothing reached the client yet); nothing is cut
+short. A stream has sent its text already: a continuation the worker refuses ends it with an error
+event, as a worker that fails mid-stream does. Sampling: the continuation is drawn
 from the model given the text so far, as the one generation would have been; the engine tokenizes
 the text again at the seam, which may split its last word differently.
 """
@@ -73,7 +75,6 @@ _NEUTRAL: Mapping[str, tuple[object, ...]] = {
     "ignore_eos": (None, False),
     "logit_bias": (None, {}),
     "continue_final_message": (None, False),
-    "stream": (None, False),
 }
 
 
@@ -107,7 +108,7 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
 def plan(job: Job, budget: int | None, *, min_saving: float = 0.25) -> Capped | None:
     """The cap for ``job`` under ``budget`` output tokens (None: sent as it came). ``min_saving``:
     the budget must be at least this share below the client's ``max_tokens``."""
-    if budget is None or budget <= 0 or job.stream or job.path not in (CHAT, COMPLETIONS):
+    if budget is None or budget <= 0 or job.path not in (CHAT, COMPLETIONS):
         return None
     body = job.body
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -55,6 +56,7 @@ from proxy.request.job import Job
 from proxy.request.limits import RateLimited
 from proxy.request.path import RequestPath
 from proxy.request.sse import has_output
+from proxy.request.stitch import StreamStitcher
 from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from proxy.workers.base import WorkerState
 
@@ -86,7 +88,18 @@ class EventStream(web.StreamResponse):
 class Opened:
     """The outcome of opening an attempt: a whole answer, or a stream with its first output."""
 
-    __slots__ = ("body", "content_type", "first", "opened_at", "resp", "status", "strip_usage", "tail")
+    __slots__ = (
+        "body",
+        "content_type",
+        "first",
+        "opened_at",
+        "parts",
+        "resp",
+        "status",
+        "stitch",
+        "strip_usage",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -104,6 +117,8 @@ class Opened:
         self.tail = b""  # a stream's last chunks as the worker sent them (its usage), set once relayed
         self.strip_usage = False  # the proxy asked for the stream's usage event: keep it from the client
         self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
+        self.stitch: _Stitch | None = None  # a stream sent under its output budget: how to go on
+        self.parts = 1  # the answer's parts (more than one: it reached its output budget and went on)
 
 
 async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
@@ -314,8 +329,11 @@ async def _queued(
                     raise
                 attempt.mark_started()
                 opened.strip_usage = strip
+                opened.parts = parts
+                if capped is not None and opened.resp is not None:
+                    opened.stitch = _Stitch(job, capped, attempt.worker_id)
                 answer = await respond(opened, url, rid)
-                _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, parts)
+                _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
         except ProxyClosing:
             raise _closing_error(path) from None
@@ -491,6 +509,8 @@ async def _respond(
     m = path.metrics
     if opened.resp is None:
         return _whole(path, opened, headers)
+    if opened.stitch is not None:
+        return await _respond_stitched(path, request, opened, url, rid, headers, opened.stitch)
     resp = opened.resp
     out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
     ok = False
@@ -554,3 +574,103 @@ async def _respond(
         resp.close()
         if not ok and rid is not None:
             path.spawn(_post_abort(path, url, rid))
+
+
+@dataclass(frozen=True, slots=True)
+class _Stitch:
+    """A stream sent under its output budget: the request, its cap and its worker, to go on from."""
+
+    job: Job
+    capped: Capped
+    worker_id: str
+
+
+async def _respond_stitched(
+    path: RequestPath,
+    request: web.Request,
+    opened: Opened,
+    url: str,
+    rid: str | None,
+    headers: Mapping[str, str],
+    plan: _Stitch,
+) -> web.StreamResponse:
+    """A stream sent under its output budget, relayed as one stream however many parts it takes
+    (:class:`~proxy.request.stitch.StreamStitcher`): while a part stops at its cap before the
+    client's ``max_tokens``, the next part continues it on the same worker. Output already went to
+    the client, so a part that cannot go on ends the stream with an error event, as a worker that
+    fails mid-stream does. Each event is read here (the plain relay pipes bytes unread)."""
+    m = path.metrics
+    job, capped = plan.job, plan.capped
+    engine = path.engine_of(plan.worker_id)
+    stitcher = StreamStitcher(job.path, client_usage=not opened.strip_usage)
+    stitcher.begin_part()
+    resp = opened.resp
+    assert resp is not None
+    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
+    part_rid, cap, ok = rid, capped.sent, False
+    try:
+        await out.prepare(request)
+        chunk = opened.first
+        while True:
+            while chunk:
+                data = stitcher.feed(chunk)
+                if data:
+                    await out.write(reshape_error_events(data))
+                chunk = await resp.readany()
+            resp.close()
+            end = stitcher.end_part()
+            done = (
+                end.reason != "length"
+                or end.part_written is None
+                or end.part_written < cap
+                or end.written >= capped.asked
+            )
+            fields = None if done or engine is None else engine.continuation_fields(job.path, job.body, end.written)
+            if fields is None:
+                break
+            cap = capped.next_cap(end.written, capped.sent)
+            body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            if part_rid is not None:
+                part_rid = body["rid"] = f"{rid}.c{opened.parts}"
+            m.continued.inc()
+            opened.parts += 1
+            try:
+                resp = await path.upstream.post(  # type: ignore[union-attr]
+                    url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
+                )
+                if resp.status != 200:
+                    refused = (await resp.read())[:300].decode(errors="replace")
+                    resp.close()
+                    raise UpstreamError(f"the worker refused the continuation: HTTP {resp.status}: {refused}")
+            except UpstreamError as exc:
+                m.fail_midstream.inc()
+                _log.warning("a stream sent under its output budget could not go on: %r", exc)
+                await out.write(error_event(f"the answer could not be continued ({exc}); it is incomplete",
+                                            code="upstream_failed_mid_stream"))  # fmt: skip
+                await out.write_eof()
+                ok = True
+                return out
+            stitcher.begin_part()
+            chunk = await resp.readany()
+        client_tail, opened.tail = stitcher.finish()
+        await out.write(client_tail)
+        m.completed.inc()
+        await out.write_eof()
+        ok = True
+        return out
+    except UpstreamError as exc:
+        m.fail_midstream.inc()
+        _log.warning("worker stream broke after output was sent: %r", exc)
+        await out.write(b"\n\n" + error_event(f"the worker failed mid-stream ({exc}); the answer is incomplete",
+                                                code="upstream_failed_mid_stream"))  # fmt: skip
+        await out.write_eof()
+        ok = True
+        return out
+    except (ConnectionResetError, asyncio.CancelledError):
+        m.disconnected.inc()
+        raise
+    finally:
+        resp.close()
+        if not ok and part_rid is not None:
+            path.spawn(_post_abort(path, url, part_rid))

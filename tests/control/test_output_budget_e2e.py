@@ -1,7 +1,8 @@
 """The output budget end to end: a real simulated SGLang worker behind the whole proxy in auto mode,
 the openai client as the client. The fast tier learns the budget from what the worker's answers
 wrote; a longer answer reaches it, is continued (the simulator's ``continue_final_message`` for chat,
-the prompt that ends with the text for completions) and comes back as one answer, every token of it."""
+the prompt that ends with the text for completions) and comes back as one answer, every token of it,
+whole or streamed."""
 
 from __future__ import annotations
 
@@ -49,7 +50,19 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             assert len(comp.choices[0].text.split()) == 600 and comp.usage.completion_tokens == 600
             assert comp.choices[0].finish_reason == "length"  # the client's own max_tokens
             assert comp.usage.prompt_tokens < 10  # the first part's prompt, not a continuation's (hundreds longer)
+            # the budget follows the answers: 700 and 600 are now among the newest 62 (700 x 1.5 -> 1088)
+            await wait_for(lambda: load.interactive_output_budget == 1088, 10, "the budget grown")
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=msg, max_tokens=4000, stream=True, stream_options={"include_usage": True},
+                extra_body={"sim_output_len": 1500},
+            )  # fmt: skip
+            chunks = [c async for c in stream]
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert len(streamed.split()) == 1500 and chunks[-1].usage.completion_tokens == 1500  # 1088, then 412
+            assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+            assert len({c.id for c in chunks}) == 1
             continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
-            assert continued == 2 + 2  # 256 -> 512 -> 700; 256 -> 512 -> 600
+            assert continued == 2 + 2 + 1  # 256 -> 512 -> 700; 256 -> 512 -> 600; 1088 -> 1500
         finally:
             await client.close()

@@ -1,8 +1,8 @@
 """A tiny SGLang-shaped upstream for relay tests: real HTTP on a free port, in-process.
 
 It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), streams one SSE chunk
-per token with ``token_delay_s`` between them (a whole answer: ``sim_output_len`` tokens, at most
-``max_tokens``, finishing "stop" within it and "length" at it; otherwise always "length"), serves ``/metrics`` with the live queue, honours
+per token with ``token_delay_s`` between them (given both, ``sim_output_len`` tokens at most
+``max_tokens``, finishing "stop" within it and "length" at it; otherwise "length" always), serves ``/metrics`` with the live queue, honours
 ``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
@@ -108,11 +108,11 @@ class FakeEngine:
 
     async def _emit(self, request: web.Request, body: dict, n: int, mode: str | None) -> web.StreamResponse:
         chat = request.path.endswith("chat/completions")
+        reason = "length"
+        cap = body.get("max_tokens")
+        if isinstance(body.get("sim_output_len"), int) and isinstance(cap, int):  # the true length, then the cap
+            n, reason = min(n, cap), ("stop" if n <= cap else "length")
         if not body.get("stream"):
-            reason = "length"
-            cap = body.get("max_tokens")
-            if isinstance(body.get("sim_output_len"), int) and isinstance(cap, int):  # the true length, then the cap
-                n, reason = min(n, cap), ("stop" if n <= cap else "length")
             await asyncio.sleep(self.token_delay_s * n)
             text = "tok " * n
             choice = {"index": 0, "finish_reason": reason}
@@ -132,7 +132,7 @@ class FakeEngine:
         await out.prepare(request)
         for i in range(n):
             await asyncio.sleep(self.token_delay_s)
-            delta = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+            delta = {"index": 0, "finish_reason": reason if i == n - 1 else None}
             text = f"t{i} " + "x" * self.pad
             delta.update({"delta": {"content": text}} if chat else {"text": text})
             chunk = {

@@ -58,8 +58,8 @@ def test_requests_a_continuation_would_change_go_as_they_came(budget: int | None
     assert plan(_job(**body), budget) is None
 
 
-def test_streams_generate_and_token_prompts_go_as_they_came():
-    assert plan(_job(stream=True), 512) is None
+def test_generate_and_token_prompts_go_as_they_came_and_streams_go_under_the_budget():
+    assert plan(_job(stream=True, stream_options={"include_usage": True}), 512) is not None
     assert (
         plan(Job("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4096}}, False, None, None, True), 512)
         is None

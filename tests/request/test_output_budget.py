@@ -118,3 +118,49 @@ async def test_a_client_that_leaves_during_a_continuation_has_that_part_aborted(
     await h.wait_for(lambda: w.bodies[1]["rid"] in w.aborted)
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
     assert len(w.bodies) == 2  # nothing more was sent for it
+
+
+async def test_a_streamed_answer_past_its_budget_comes_as_one_stream(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    h.state.board.get("w0").interactive_output_budget = 4
+    client = h.client()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True,
+        stream_options={"include_usage": True}, extra_body={"sim_output_len": 10},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "t0 t1 t2 t3 " + "t0 t1 t2 t3 " + "t0 t1 "  # each fake part counts from t0
+    assert {c.id for c in chunks} == {"cmpl-1"}
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]  # the parts' "length" never reaches the client
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == 3
+    bodies = h.workers[0].bodies
+    assert [b["max_tokens"] for b in bodies] == [4, 4, 8]
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in bodies)
+    assert bodies[2]["messages"][-1] == {"role": "assistant", "content": "t0 t1 t2 t3 t0 t1 t2 t3 "}
+    fact = h.state.board.get("w0").facts.recent()[-1]
+    assert (fact.output_tokens, fact.parts, fact.finish_reason) == (10, 3, "stop")
+    # a client that did not ask for the usage does not get it; the facts still read it
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100, stream=True,
+                                             extra_body={"sim_output_len": 6})  # fmt: skip
+    chunks = [c async for c in stream]
+    assert all(c.usage is None for c in chunks) and "".join(c.choices[0].text for c in chunks) == "t0 t1 t2 t3 t0 t1 "
+    assert h.state.board.get("w0").facts.recent()[-1].output_tokens == 6
+    await client.close()
+
+
+async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    h.state.board.get("w0").interactive_output_budget = 4
+    w = h.workers[0]
+    w.fail_next("ok")
+    w.fail_next("400")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "stream": True, "sim_output_len": 10}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=body) as r:
+        raw = await r.read()
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    assert b"t3" in raw and b'"finish_reason":"length"' not in raw
+    assert b"could not be continued" in events[-2] and b"upstream_failed_mid_stream" in events[-2]
+    assert events[-1] == b"data: [DONE]"
+    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)

@@ -1,0 +1,152 @@
+"""One event stream from the parts of an answer sent under an output budget (a pure state machine).
+
+A streamed request that goes to its worker under the output budget (:mod:`proxy.request.continuation`)
+may come back in parts: each part is a stream of its own, and the client must see one. The relay
+feeds :class:`StreamStitcher` each part's bytes as they arrive and writes what it gives back, so
+the text reaches the client as it is written, part after part:
+
+* every content event goes on at once; a later part's carry the first part's ``id`` and
+  ``created``, and a later chat part's opening role event is dropped (the client has had one);
+* a part's finish event, its usage event and ``data: [DONE]`` are held back until the part ends:
+  then the relay knows whether the answer goes on (the part stopped at its cap, by "length", before
+  the client's ``max_tokens``). If it does they are dropped; if not, :meth:`StreamStitcher.finish`
+  gives the last finish event, the usage of the whole answer (the first part's prompt tokens, every
+  part's completion tokens) when the client asked for it, and ``data: [DONE]``;
+* the text so far is kept, to continue from.
+
+An event that carries content and the finish reason at once goes on as content, its finish held
+back on its own. Events it cannot read (an error event, a comment) go on as they came.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.request.continuation import CHAT
+
+__all__ = ["PartEnd", "StreamStitcher"]
+
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class PartEnd:
+    """How one part of a stream ended."""
+
+    reason: str | None  # its finish reason (None: it ended without one)
+    part_written: int | None  # its completion tokens, from its usage event (None: it sent none)
+    written: int  # the answer's completion tokens so far (every part that said)
+    text: str  # the answer's text so far
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class StreamStitcher:
+    """See the module docstring; ``client_usage``: the client asked for the usage event."""
+
+    __slots__ = (
+        "_chat",
+        "_client_usage",
+        "_first",
+        "_held_finish",
+        "_part_written",
+        "_partial",
+        "_parts",
+        "_prompt",
+        "_reason",
+        "_text",
+        "_written",
+    )
+
+    def __init__(self, path: str, *, client_usage: bool) -> None:
+        self._chat = path == CHAT
+        self._client_usage = client_usage
+        self._first: dict[str, Any] = {}  # the first part's id, object, created, model
+        self._text: list[str] = []
+        self._written = 0
+        self._prompt: int | None = None
+        self._parts = 0
+        self._partial = b""
+        self._held_finish: dict[str, Any] | None = None
+        self._reason: str | None = None
+        self._part_written: int | None = None
+
+    def begin_part(self) -> None:
+        """A part's stream starts (the first one too)."""
+        self._parts += 1
+        self._partial = b""
+        self._held_finish = None
+        self._reason = None
+        self._part_written = None
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes of the part that arrived; what the client gets now."""
+        *events, self._partial = (self._partial + data).split(b"\n\n")
+        return b"".join(self._one(event) for event in events if event.strip())
+
+    def end_part(self) -> PartEnd:
+        """The part's stream ended: how (what is left unfinished of an event is dropped)."""
+        if self._part_written is not None:
+            self._written += self._part_written
+        return PartEnd(self._reason, self._part_written, self._written, "".join(self._text))
+
+    def finish(self) -> tuple[bytes, bytes]:
+        """The answer's end: (what the client gets, the same with the usage event whatever the client
+        asked: what the relay's facts read)."""
+        finish = _event(self._held_finish) if self._held_finish is not None else b""
+        usage = b""
+        if self._prompt is not None:
+            usage = _event({**self._first, "choices": [], "usage": {
+                "prompt_tokens": self._prompt, "completion_tokens": self._written,
+                "total_tokens": self._prompt + self._written}})  # fmt: skip
+        return finish + (usage if self._client_usage else b"") + _DONE, finish + usage + _DONE
+
+    def _one(self, event: bytes) -> bytes:
+        line = event.strip()
+        if not line.startswith(b"data:"):
+            return event + b"\n\n"
+        body = line[5:].strip()
+        if body == b"[DONE]":
+            return b""  # once, at the very end
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return event + b"\n\n"
+        if not isinstance(payload, dict) or "error" in payload:
+            return event + b"\n\n"
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if self._parts == 1 and isinstance(prompt, int):
+                self._prompt = prompt
+            if isinstance(written, int):
+                self._part_written = written
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return b""  # a usage event: the whole answer's goes at the end
+        if self._parts == 1:
+            if not self._first:
+                self._first = {k: payload[k] for k in ("id", "object", "created", "model") if k in payload}
+        else:
+            payload.update(self._first)
+        payload.pop("usage", None)
+        choice = dict(choices[0])
+        delta = choice.get("delta") if self._chat else None
+        text = (delta.get("content") if isinstance(delta, dict) else None) if self._chat else choice.get("text")
+        if isinstance(text, str) and text:
+            self._text.append(text)
+        reason = choice.get("finish_reason")
+        if reason is None:
+            if self._parts > 1 and self._chat and isinstance(delta, dict) and not text and "role" in delta:
+                return b""  # a later part's opening role event: the client has had one
+            return _event(payload) if self._parts > 1 else event + b"\n\n"
+        self._reason = reason if isinstance(reason, str) else None
+        self._held_finish = {**payload, "choices": [{**choice, **({"delta": {}} if self._chat else {"text": ""})}]}
+        if not (isinstance(text, str) and text):
+            return b""
+        return _event({**payload, "choices": [{**choice, "finish_reason": None}]})  # its content goes on

@@ -1,0 +1,81 @@
+"""The stream stitcher on hand-built parts: one stream for the client, whatever the parts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.request.continuation import CHAT, COMPLETIONS
+from proxy.request.stitch import StreamStitcher
+
+
+def _ev(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _chunk(id_: str, delta: dict[str, Any] | None = None, reason: str | None = None, text: str | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+    choice.update({"delta": delta or {}} if text is None else {"text": text})
+    return _ev({"id": id_, "object": "chat.completion.chunk", "created": 7 if id_ == "a" else 9, "model": "m",
+                "choices": [choice]})  # fmt: skip
+
+
+def _usage(id_: str, prompt: int, written: int) -> bytes:
+    return _ev({"id": id_, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": written}})
+
+
+def _events(data: bytes) -> list[Any]:
+    out = []
+    for event in data.split(b"\n\n"):
+        line = event.strip()
+        if line:
+            assert line.startswith(b"data: ")
+            out.append("[DONE]" if line == b"data: [DONE]" else orjson.loads(line[6:]))
+    return out
+
+
+def test_two_chat_parts_are_one_stream_with_the_whole_usage() -> None:
+    s = StreamStitcher(CHAT, client_usage=True)
+    s.begin_part()
+    first = (_chunk("a", {"role": "assistant", "content": ""}) + _chunk("a", {"content": "one"})
+             + _chunk("a", {"content": " two"}) + _chunk("a", {}, "length") + _usage("a", 9, 2) + b"data: [DONE]\n\n")  # fmt: skip
+    sent = s.feed(first[:50]) + s.feed(first[50:])  # an event split across two reads
+    assert [e["choices"][0]["delta"] for e in _events(sent)] == [{"role": "assistant", "content": ""},
+                                                                  {"content": "one"}, {"content": " two"}]  # fmt: skip
+    end = s.end_part()
+    assert (end.reason, end.part_written, end.written, end.text) == ("length", 2, 2, "one two")
+    s.begin_part()
+    second = (_chunk("b", {"role": "assistant", "content": ""}) + _chunk("b", {"content": " three"})
+              + _chunk("b", {}, "stop") + _usage("b", 11, 1) + b"data: [DONE]\n\n")  # fmt: skip
+    more = _events(s.feed(second))
+    assert more == [{"id": "a", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                     "choices": [{"index": 0, "finish_reason": None, "delta": {"content": " three"}}]}]  # fmt: skip
+    end = s.end_part()
+    assert (end.reason, end.written, end.text) == ("stop", 3, "one two three")
+    client, tail = s.finish()
+    finish, usage, done = _events(client)
+    assert finish["id"] == "a" and finish["choices"][0]["finish_reason"] == "stop" and done == "[DONE]"
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    assert tail == client
+
+
+def test_the_usage_goes_to_the_facts_only_when_the_client_did_not_ask() -> None:
+    s = StreamStitcher(COMPLETIONS, client_usage=False)
+    s.begin_part()
+    out = s.feed(_chunk("a", text="x y", reason="stop") + _usage("a", 4, 2) + b"data: [DONE]\n\n")
+    # the content of an event that also finishes goes on at once, its finish waits for the part's end
+    assert [e["choices"][0] for e in _events(out)] == [{"index": 0, "finish_reason": None, "text": "x y"}]
+    assert s.end_part().reason == "stop"
+    client, tail = s.finish()
+    assert [e if e == "[DONE]" else e["choices"] for e in _events(client)] == [
+        [{"index": 0, "finish_reason": "stop", "text": ""}], "[DONE]"]  # fmt: skip
+    assert _events(tail)[1]["usage"]["completion_tokens"] == 2
+
+
+def test_what_it_cannot_read_goes_on_as_it_came() -> None:
+    s = StreamStitcher(CHAT, client_usage=False)
+    s.begin_part()
+    error = _ev({"error": {"message": "boom", "code": 500}})
+    assert s.feed(b": keep-alive\n\n" + error) == b": keep-alive\n\n" + error
+    assert s.end_part().reason is None and s.end_part().part_written is None
