@@ -470,12 +470,17 @@ class Controller:
         startup = w.window.startup
         if capacity is None and startup is not None and isinstance(startup.fields.get("max_total_tokens"), int):
             capacity = int(startup.fields["max_total_tokens"])
-        running = w.window.peak_running or 0
-        held = sum(o.prompt_tokens + o.output_tokens / 2 for o in workload) / len(workload)
+        # what a restart takes back: the batch the worker has been running (its window's mean), each request
+        # half way through an answer of the recent length, its prompt prefilled again (the twin prices that)
+        running = w.window.mean_running or w.window.peak_running or 0
+        written = sum(o.output_tokens / 2 for o in workload) / len(workload)
+        prompts = sum(o.prompt_tokens for o in workload) / len(workload)
         cost = RestartCost(
             startup_s=w.startup_s,  # None: not seen yet (the plan uses the twin's modelled start-up)
             drain_s=w.drain_s,
-            recomputed_tokens=running * held,
+            recomputed_tokens=running * written,
+            refill_prompt_tokens=running * prompts,
+            refill_requests=round(running),
         )
         lo, hi = c.conservativeness_bounds
         settings = PlanSettings(

@@ -290,21 +290,31 @@ class Prediction:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestartCost:
-    """What one restart of this worker costs, as measured on it."""
+    """What one restart of this worker costs, as measured on it.
+
+    What was in flight is computed again: the output it had written is decoded again (a whole answer
+    taken back starts over), at the worker's decode pace, and its prompts are prefilled again, which
+    a GPU does many times faster than it decodes: ``refill_s``, the twin's prefill time for them on
+    the worker's calibrated clock (:func:`run_plan`). A first build counted the prompts as output
+    tokens, at the decode pace: in retraction-storm's hour, 180,000 tokens of cost where a restart in
+    the replay costs 113,000."""
 
     startup_s: float | None  # its last start, launch to ready, as the proxy saw it (None: not seen yet)
     drain_s: float = 0.0  # the last drain before a restart (0: none seen yet)
-    recomputed_tokens: float = 0.0  # tokens held by what was in flight: computed again after the restart
+    recomputed_tokens: float = 0.0  # output written by what was in flight: decoded again after the restart
+    refill_prompt_tokens: float = 0.0  # the prompts of what was in flight: prefilled again
+    refill_requests: int = 0  # how many requests those prompts are
+    refill_s: float = 0.0  # the time to prefill them again (the twin's, set by run_plan)
 
     def tokens(self, throughput: float) -> float:
         """Output tokens the restart costs at ``throughput`` tokens/s."""
-        return throughput * ((self.startup_s or 0.0) + self.drain_s) + self.recomputed_tokens
+        return throughput * ((self.startup_s or 0.0) + self.drain_s + self.refill_s) + self.recomputed_tokens
 
     def outage_s(self, throughput: float) -> float:
         """Seconds of the worker's service the restart takes: the drain, the start-up and the time to
         compute again what was in flight, at ``throughput`` tokens/s."""
         recompute = self.recomputed_tokens / throughput if throughput > 0 else 0.0
-        return (self.startup_s or 0.0) + self.drain_s + recompute
+        return (self.startup_s or 0.0) + self.drain_s + self.refill_s + recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +335,26 @@ class Twin:
             ns.max_total_tokens = max(1, int(cfg.max_total_num_tokens * self.kv_factor))
             cfg = resolve_config(ns)
         return cfg
+
+    def prefill_seconds(self, args: Mapping[str, object], tokens: float, requests: int) -> float:
+        """The worker's time to prefill ``requests`` prompts of ``tokens`` in all, in chunks of its
+        prefill size (the twin's step model on its calibrated clock; 0: the twin would not start)."""
+        try:
+            cfg = self.config(args)
+        except SimConfigError:
+            return 0.0
+        if tokens <= 0 or requests <= 0:
+            return 0.0
+        steps = cfg.step_model()
+        chunk = cfg.chunked_prefill_size or int(tokens)
+        each = tokens / requests
+        seconds, left = 0.0, float(tokens)
+        while left > 0:
+            take = min(float(chunk), left)
+            seqs = max(1, round(take / each))
+            seconds += steps.prefill_seconds(int(take), seqs * (take / seqs) ** 2 / 2, seqs)
+            left -= take
+        return seconds * cfg.step_time_factor / cfg.time_scale
 
     def activations(self, args: Mapping[str, object]) -> Activations | None:
         """The activations of this worker's model under ``args``, for the rules' start-up check
@@ -678,6 +708,10 @@ def run_plan(inputs: PlanInputs) -> Plan:
     loaded = replay(_sample(inputs.workload, inputs.settings), inputs.workload, inputs.in_flight, inputs.now)
     twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens, loaded)
     cost = inputs.cost
+    if cost.refill_prompt_tokens > 0:
+        cost = replace(
+            cost, refill_s=twin.prefill_seconds(inputs.args, cost.refill_prompt_tokens, cost.refill_requests)
+        )
     if cost.startup_s is None:  # no start of this worker seen: the twin's own start-up, on its calibrated clock
         try:
             cfg = twin.config(inputs.args)

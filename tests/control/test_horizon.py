@@ -5,6 +5,7 @@ expected remainder between the configured horizon and the longest allowed, and t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,13 @@ def test_no_backlog_keeps_the_configured_horizon() -> None:
     assert "no work waiting" in h.describe()
 
 
-def test_a_backlog_that_lasted_is_expected_to_last_as_long_again_and_then_drain() -> None:
+def test_a_backlog_that_lasted_is_expected_to_last_its_expected_remainder_and_then_drain() -> None:
     looks = [(float(t), 100 + t / 100) for t in range(0, 1201, 10)]  # growing slowly for 20 minutes
     h = expected_horizon(_fold(looks), 1200.0, 0.5, configured_s=600.0, longest_s=3600.0)
     assert h.basis == "traffic" and h.drain_s == pytest.approx(112 / 0.5)
-    assert h.seconds == pytest.approx(1200 + 224, abs=0.1) and h.expected_s == pytest.approx(1424)
+    # lasting x more with odds A / (A + x): E[min(remainder, 3600)] = 1200 ln(1 + 3600 / 1200), then the drain
+    expected = 1200 * math.log(4.0) + 224
+    assert h.seconds == pytest.approx(expected, abs=0.1) and h.expected_s == pytest.approx(expected)
     assert "work waiting for 1200 s" in h.describe() and "224 s to drain" in h.describe()
     e = h.evidence().to_json()
     assert e["horizon_basis"] == "traffic" and e["backlog_s"] == 1200.0 and e["drain_s"] == 224.0
@@ -76,9 +79,13 @@ def test_a_backlog_that_lasted_is_expected_to_last_as_long_again_and_then_drain(
 
 def test_a_passing_backlog_keeps_the_floor_and_a_long_one_stops_at_the_longest() -> None:
     young = expected_horizon(_fold([(0.0, 20), (60.0, 30)]), 60.0, 1.0, configured_s=600.0, longest_s=3600.0)
-    assert young.seconds == 600.0 and young.basis == "configured" and young.expected_s == pytest.approx(90.0)
+    assert young.seconds == 600.0 and young.basis == "configured"
+    assert young.expected_s == pytest.approx(60 * math.log(61.0) + 30.0)
     old = _fold([(float(t), 50) for t in range(0, 5001, 100)])
-    capped = expected_horizon(old, 5000.0, 1.0, configured_s=600.0, longest_s=3600.0)
+    aged = expected_horizon(old, 5000.0, 1.0, configured_s=600.0, longest_s=3600.0)
+    assert aged.seconds == pytest.approx(5000 * math.log(1.72) + 50, abs=0.1) and aged.basis == "traffic"
+    deep = _fold([(float(t), 5000) for t in range(0, 5001, 100)])  # its drain alone outlasts the longest
+    capped = expected_horizon(deep, 5000.0, 1.0, configured_s=600.0, longest_s=3600.0)
     assert capped.seconds == 3600.0 and capped.basis == "longest"
     fixed = expected_horizon(old, 5000.0, 1.0, configured_s=600.0, longest_s=600.0)  # longest at the floor: fixed
     assert fixed.seconds == 600.0 and fixed.basis == "configured"
@@ -93,7 +100,7 @@ def test_a_shrinking_backlog_is_over_when_its_waiting_is_gone_at_that_pace() -> 
     # shrinking slowly: no longer than a backlog holding, no shorter than its drain
     slow = [(float(t), 1000.0 - t / 100) for t in range(0, 501, 10)]
     hs = expected_horizon(_fold(slow), 500.0, 10.0, configured_s=60.0, longest_s=3600.0)
-    assert hs.seconds == pytest.approx(500.0 + 99.5, abs=0.1)  # age + drain (995 waiting at 10 a second)
+    assert hs.seconds == pytest.approx(500.0 * math.log(8.2) + 99.5, abs=0.1)  # as if holding (995 at 10 a second)
     fast = expected_horizon(_fold(looks), 500.0, 0.1, configured_s=60.0, longest_s=100_000.0)
     assert fast.seconds == pytest.approx(5000.0)  # the drain at the answer rate, the least it can last
 
@@ -122,19 +129,23 @@ def test_recorded_hours_a_backlog_that_lasts_earns_a_longer_horizon_and_waiting_
     """retraction-storm-poisson (1.2 arrivals a second against ~1.06 served: work waits in the server's
     queue from 229 modelled s to the end) against early-stop-poisson (the worker keeps up: its queue
     fills for a few minutes at most, then empties, with room in the KV pool: usage 0.55-0.74). The
-    storm's horizon leaves the configured 600 s once its backlog has lasted about that long and grows
-    with it, and comes back when the backlog is gone; early-stop's never leaves it. A second storm
+    storm's horizon leaves the configured 600 s once its backlog's expected remainder outlasts it
+    (after about three minutes of backlog) and grows with it, and comes back when the backlog is
+    gone; early-stop's leaves it only at the hour's end, while the last arrivals drain. A second storm
     hour had one look with nothing waiting at 999 s, its pool full (0.95): the backlog goes on."""
     storm = _horizons("retraction-storm-poisson")
     early = _horizons("early-stop-poisson")
-    assert all(h == 600.0 for _, h in early)
+    assert all(h == 600.0 for t, h in early if t < 3600.0)
     again = dict(_horizons("retraction-storm-poisson-2"))
     assert min(h for t, h in again.items() if 1100.0 <= t <= 2000.0) > 800.0  # not reset at 999 s
-    assert all(h == 600.0 for t, h in storm if t < 700.0)
-    later = [(t, h) for t, h in storm if 1200.0 <= t <= 3500.0]
-    assert later and all(h > t - 229.0 for t, h in later)  # at least its age
-    assert min(h for t, h in later if t >= 2400.0) > max(h for t, h in later if t <= 1500.0)  # it grows with the age
-    assert max(h for _, h in storm) == 3600.0  # up to the longest allowed
+    assert all(h == 600.0 for t, h in storm if t < 400.0)  # the backlog begins at 229 s
+    assert min(h for t, h in storm if 540.0 <= t <= 3900.0) > 800.0  # its expected remainder beats its age
+    later = [(t, h) for t, h in storm if 1200.0 <= t <= 2000.0]
+    assert later and all(h > t - 229.0 for t, h in later)  # more than its age while the longest is far
+    assert min(h for t, h in storm if 2400.0 <= t <= 3900.0) > max(
+        h for t, h in later if t <= 1500.0
+    )  # grows with the age
+    assert max(h for _, h in storm) < 3600.0  # an expectation never reaches the longest allowed
     assert storm[-1][1] == 600.0  # the hour's arrivals answered, nothing waits: back to the configured horizon
 
 

@@ -134,6 +134,21 @@ def test_candidates_that_leave_too_little_free_memory_are_refused():
 
 def test_restart_cost_in_tokens():
     assert RestartCost(startup_s=30, drain_s=10, recomputed_tokens=5000).tokens(1000.0) == 45_000
+    with_refill = RestartCost(startup_s=30, drain_s=10, recomputed_tokens=5000, refill_s=2.0)
+    assert with_refill.tokens(1000.0) == 47_000 and with_refill.outage_s(1000.0) == 47.0
+
+
+def test_prompts_in_flight_are_prefilled_again_far_faster_than_their_output_is_decoded():
+    """What a restart takes back: its prompts cost the twin's prefill time (chunks of thousands of tokens
+    per step), its output the decode pace (one token per request per step); a first build priced the
+    prompts like output, at the decode pace."""
+    twin = Twin(GPU, MODEL)
+    prompts = twin.prefill_seconds({}, 100 * 400, 100)  # 100 requests of 400 prompt tokens
+    decode = twin.predict({}, [Observed(arrived=0.0, prompt_tokens=400, output_tokens=400, max_tokens=400)] * 100)
+    assert 0 < prompts < 0.25 * (100 * 400) / decode.output_tok_per_s  # under a quarter of decoding as much
+    assert twin.prefill_seconds({}, 0, 0) == 0.0
+    slower = Twin(GPU, MODEL, step_time_factor=2.0)
+    assert slower.prefill_seconds({}, 100 * 400, 100) == pytest.approx(2 * prompts)  # on the calibrated clock
 
 
 def test_the_twin_is_judged_on_the_requests_it_replayed():

@@ -5,6 +5,8 @@ what was then measured. Recorded inputs, a clock the test moves (no event loop b
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -177,8 +179,8 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
 @pytest.mark.parametrize("caught_up", [False, True])
 def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: Path, caught_up: bool) -> None:
     """The same plan as above (a gain that a 5 s horizon does not pay) after work has waited on the
-    worker for 400 s without a break: the traffic's horizon (its age, then the 50 waiting drained at
-    the answer rate) pays the restart, and the journal says which horizon and why. One look with
+    worker for 400 s without a break: the traffic's horizon (its expected remainder, then the 50 waiting
+    drained at the answer rate) pays the restart, and the journal says which horizon and why. One look with
     nothing waiting (the worker caught up) starts a new backlog: the horizon is the drain, no restart."""
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True, plan_horizon_s=5.0,
@@ -197,6 +199,12 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     rate = answer_rate(requests, c.settings.plan_requests)  # the sample's 300 answers over the time they ended in
     assert rate and h.drain_s == pytest.approx(50 / rate) and h.waiting == 50
     assert job.inputs.settings.horizon_s == h.seconds
+    # the restart would take back the batch it has been running (100 at every look), each request half
+    # way through an answer of the recent length, its prompt prefilled again
+    cost = job.inputs.cost
+    assert cost.recomputed_tokens == pytest.approx(100 * statistics.fmean(o.output_tokens / 2 for o in requests))
+    assert cost.refill_prompt_tokens == pytest.approx(100 * statistics.fmean(o.prompt_tokens for o in requests))
+    assert cost.refill_requests == 100
     c.plan_now(job)
     (entry,) = c.journal.entries()
     if caught_up:
@@ -204,7 +212,8 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
         assert job.inputs.settings.backlog  # its drain alone outlasts the configured 5 s: busy throughout
         assert entry["status"] == "noted" and "does not pay" in entry["detail"]
     else:
-        assert h.basis == "traffic" and h.backlog_s == 430.0 and h.seconds == round(430.0 + h.drain_s, 1)
+        expected = 430.0 * math.log(1 + 3600.0 / 430.0) + h.drain_s  # its expected remainder, then the drain
+        assert h.basis == "traffic" and h.backlog_s == 430.0 and h.seconds == round(expected, 1)
         assert job.inputs.settings.backlog  # the backlog's horizon: the waiting basis is not asked
         assert entry["status"] == "advised" and "horizon" in entry["reason"]
         assert "work waiting for 430 s" in entry["reason"]
