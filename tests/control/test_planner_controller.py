@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import statistics
 import random
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
