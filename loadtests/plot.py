@@ -1,12 +1,15 @@
-"""The scenario plot: output throughput and queue over time, one line per arm, restarts marked.
+"""The scenario plot: throughput, queue, running batch and token usage over time, one line per arm,
+restarts marked.
 
     plot_scenario(report, "scenario-early-stop.png")
 
-Top panel: output tokens/s, from the worker's generation-token counter (followed through restarts)
-between consecutive samples, smoothed over ``SMOOTH_S``. Bottom panel: requests waiting, the
-worker's ``#queue-req`` plus the proxy's own queue. A vertical line marks each worker restart
-(a new worker pid in the samples); a cross marks a sample where the worker was down. For a fleet
-(several workers) a third panel gives the share of the workers serving (READY), with the 75 % line.
+In modelled time (the arms run ``time_scale`` times faster): output tokens/s, from the worker's
+generation-token counter (followed through restarts) between consecutive samples, smoothed over
+``SMOOTH_S`` wall seconds; requests waiting (the worker's ``#queue-req`` plus the proxy's own
+queue); requests running; token usage (the 0.9 the tuning guide asks for dotted). A vertical line
+marks each worker restart (a new worker pid in the samples); a cross marks a sample where the
+worker was down. For a fleet (several workers) a last panel gives the share of the workers serving
+(READY), with the 75 % line.
 """
 
 from __future__ import annotations
@@ -70,46 +73,57 @@ def plot_scenario(report: Mapping[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fleet = int(report.get("workers") or 1) > 1
-    if fleet:  # a third panel: the share of the workers serving
-        fig, (top, bottom, serving) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
-    else:
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    scale = float(report.get("time_scale") or 1.0)
+    rows = 5 if fleet else 4
+    fig, axes = plt.subplots(rows, 1, figsize=(10, 2.1 * rows + 1.2), sharex=True)
+    top, waiting, running, usage = axes[:4]
+    serving = axes[4] if fleet else None
+    most_waiting = 0.0
     for arm, series in report["series"].items():
         color = COLORS.get(arm)
         summary = report["arms"][arm]
         times, rates = throughput_series(series)
-        top.plot(times, rates, color=color, lw=1.2, label=f"{arm}: {summary['output_tok_per_s']:.0f} tok/s overall")
-        qt = [p["t"] for p in series if "proxy_queue" in p]
-        qv = [(p.get("queue") or 0) + p["proxy_queue"] for p in series if "proxy_queue" in p]
-        bottom.plot(qt, qv, color=color, lw=1.2, label=arm)
-        for i, t in enumerate(_restarts(series)):
-            for ax in (top, bottom):
-                ax.axvline(
-                    t, color=color, ls="--", lw=0.9, alpha=0.8, label="restart" if ax is top and i == 0 else None
-                )
-        if fleet:
-            points = [(p["t"], p["serving"]) for p in series if "serving" in p]
-            serving.step([t for t, _ in points], [v for _, v in points], where="post", color=color, lw=1.2, label=arm)
-        down = [p["t"] for p in series if p.get("state") == "down"]
+        top.plot([t * scale for t in times], [r / scale for r in rates], color=color, lw=1.0,
+                 label=f"{arm}: {summary['output_tok_per_s'] / scale:.0f} tok/s overall")  # fmt: skip
+        looks = [p for p in series if "proxy_queue" in p]
+        t = [p["t"] * scale for p in looks]
+        queued = [(p.get("queue") or 0) + p["proxy_queue"] for p in looks]
+        most_waiting = max([most_waiting, *queued])
+        waiting.plot(t, queued, color=color, lw=1.0, label=arm)
+        running.plot(t, [p.get("running") or 0 for p in looks], color=color, lw=1.0, label=arm)
+        usage.plot(t, [p.get("token_usage") or 0.0 for p in looks], color=color, lw=1.0, label=arm)
+        for i, at in enumerate(_restarts(series)):
+            for ax in axes:
+                ax.axvline(at * scale, color=color, ls="--", lw=0.9, alpha=0.8,
+                           label=f"{arm}: restart" if ax is top and i == 0 else None)  # fmt: skip
+        if serving is not None:
+            points = [(p["t"] * scale, p["serving"]) for p in series if "serving" in p]
+            serving.step([x for x, _ in points], [v for _, v in points], where="post", color=color, lw=1.2, label=arm)
+        down = [p["t"] * scale for p in series if p.get("state") == "down"]
         if down:
             top.plot(down, [0.0] * len(down), "x", color=color, ms=4, label=f"{arm}: worker down")
-    top.set_ylabel("output tokens/s (wall clock)")
+    top.set_ylabel("output tokens/s")
     top.set_ylim(bottom=0)
-    top.legend(loc="upper right", fontsize=8)
-    top.set_title(f"{report['scenario']}: {report['gpu']}, {report['model']}, time scale {report['time_scale']:g}x")
-    bottom.set_ylabel("requests waiting (proxy + worker)")
-    if not fleet:
-        bottom.set_xlabel("seconds since the workload was submitted")
-    bottom.set_yscale("symlog", linthresh=100)
-    bottom.legend(loc="upper right", fontsize=8)
-    if fleet:
-        serving.set_ylabel("share of workers serving")
+    top.legend(loc="upper right", fontsize=7)
+    top.set_title(f"{report['scenario']}: {report['gpu']}, {report['model']} (modelled time; the arms ran "
+                  f"{scale:g}x faster)", fontsize=10)  # fmt: skip
+    waiting.set_ylabel("waiting\n(proxy + worker)")
+    if most_waiting > 200:  # a backlog of thousands beside a queue of tens: both readable
+        waiting.set_yscale("symlog", linthresh=100)
+    waiting.set_ylim(bottom=0)
+    running.set_ylabel("running")
+    running.set_ylim(bottom=0)
+    usage.set_ylabel("token usage")
+    usage.set_ylim(0, 1.05)
+    usage.axhline(0.9, color="black", ls=":", lw=0.8)
+    if serving is not None:
+        serving.set_ylabel("share of workers\nserving")
         serving.set_ylim(0, 1.05)
         serving.axhline(0.75, color="black", ls=":", lw=0.8)
-        serving.set_xlabel("seconds since the workload was submitted")
-        serving.legend(loc="lower right", fontsize=8)
+        serving.legend(loc="lower right", fontsize=7)
+    axes[-1].set_xlabel("modelled seconds since the workload was submitted")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
