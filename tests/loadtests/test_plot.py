@@ -20,7 +20,7 @@ def _series(restart_at: float | None) -> list[dict[str, object]]:
 def test_restarts_are_found_and_the_plot_is_written(tmp_path: Path) -> None:
     series = _series(restart_at=7.0)
     assert _restarts(series) == [7.0] and _restarts(_series(None)) == []
-    times, rates = throughput_series(series)
+    _, rates = throughput_series(series)
     assert rates and all(abs(r - 200.0) < 1e-6 for r in rates)  # 100 tokens every half second
     report = {"scenario": "s", "gpu": "g", "model": "m", "time_scale": 10.0,
               "series": {"default": _series(None), "adaptive": series},
