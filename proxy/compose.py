@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -26,7 +27,16 @@ from aiohttp import web
 from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
 from proxy.control.controller import Controller
-from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, output_budget
+from proxy.control.evidence import OutputBudget
+from proxy.control.fast_tier import (
+    Pace,
+    PaceInput,
+    PaceSettings,
+    budget_evidence,
+    budget_moved,
+    next_pace,
+    output_budget,
+)
 from proxy.control.journal import Journal
 from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
@@ -118,9 +128,19 @@ def build_app(
         engines={p.name: p.engine.engine for p in policy.pools},
     )
     declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
+
+    def budget_journal(pool_name: str) -> BudgetJournal:
+        def journal(worker_id: str, evidence: OutputBudget, now: float) -> None:
+            controller = st.controllers.get(pool_name)  # none before the app starts: nothing served yet
+            if controller is not None:
+                controller.on_output_budget(worker_id, evidence, now)
+
+        return journal
+
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            board.subscribe(_fast_tier(board, dispatchers[p.name], PaceSettings(output_budget=p.control.output_budget)))
+            settings = PaceSettings(output_budget=p.control.output_budget)
+            board.subscribe(_fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name)))
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -160,7 +180,12 @@ def build_app(
     return app
 
 
-def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None) -> SampleObserver:
+BudgetJournal = Callable[[str, OutputBudget, float], None]
+
+
+def _fast_tier(
+    board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None, journal: BudgetJournal | None = None
+) -> SampleObserver:
     """After each scrape of one of ``dispatcher``'s workers, its fast-tier pace
     (``proxy.control.fast_tier``) into its load: from that pool's band and its own queue's backlog,
     the worker's facts read per class (the time-to-first-token sign from the interactive class's own
@@ -200,8 +225,22 @@ def _fast_tier(board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings 
             settings=settings,
         )
         paces[worker_id] = pace
-        load.interactive_output_budget = output_budget(load.facts.written(interactive=True), settings)
-        load.batch_output_budget = output_budget(load.facts.written(interactive=False), settings)
+        # the answers of requests that arrived before the oldest still open: the first answers of a wave
+        # are its shortest, and a budget read from them alone would be cut short (every answer of such a
+        # cohort is in, long and short)
+        oldest = {True: math.inf, False: math.inf}
+        for attempt in load.attempts:
+            interactive = attempt.ticket.priority is Priority.INTERACTIVE
+            oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
+        for interactive in (True, False):
+            written = load.facts.written(interactive=interactive, arrived_before=oldest[interactive])
+            old, new = load.output_budget(interactive=interactive), output_budget(written, settings)
+            if interactive:
+                load.interactive_output_budget = new
+            else:
+                load.batch_output_budget = new
+            if journal is not None and budget_moved(old, new, settings):
+                journal(worker_id, budget_evidence(written, interactive, old, new, settings), sample.time)
         withdrawn = 0
         if pace.batch_queue_target is not None and load.batch_in_flight:
             withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)
@@ -337,6 +376,7 @@ class _Surroundings:
                 prompt_tokens=a.ticket.prompt_tokens or 1,
                 max_tokens=a.sent_max_tokens if a.sent_max_tokens is not None else a.ticket.max_tokens,
                 interactive=a.ticket.priority is Priority.INTERACTIVE,
+                keeps_written=a.on_take_back is not None,  # the relay reads a whole answer it can end early
             )
             for a in self._st.board.get(worker_id).attempts
         ]

@@ -4,11 +4,16 @@ Two phases, each a closed loop that keeps ``--concurrency`` completions in fligh
 worker admits, so a backlog waits in the proxy and on the server):
 
 1. ``early-stop``: ``max_tokens`` 4096 but the answers stop after 100-400 tokens. SGLang reserves
-   room for what each request *may* still generate, so token usage stays low while requests wait:
-   the controller's ``admission_too_conservative`` rule lowers ``schedule_conservativeness``
-   (a rolling restart of the worker).
-2. ``shift``: the answers now run nearly to ``max_tokens``, so the lowered conservativeness admits
-   more than the KV pool holds and the engine retracts requests; ``retraction_storm`` raises it.
+   room for what each request *may* still generate, so token usage stays low while requests wait.
+   The fast tier's output budget answers it without a restart (``output_budget``): once 50 answers
+   are in, requests go to the worker with ``max_tokens`` at a margin over what answers write, and
+   token usage rises. With ``control.output_budget = false`` the controller's
+   ``admission_too_conservative`` rule lowers ``schedule_conservativeness`` instead (a rolling
+   restart of the worker).
+2. ``shift``: the answers now run nearly to ``max_tokens``: they reach the budget and are continued
+   (the client still gets one answer), and the budget follows what they write until it is lifted.
+   Without the budget, the lowered conservativeness admits more than the KV pool holds and the
+   engine retracts requests; ``retraction_storm`` raises it.
 
 A phase ends when the controller journals a new decision that acts (``acting``/``applied``) and it
 has run ``--settle-s`` more, or after ``--phase-s``. The true output length travels in the

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from proxy.control.canary import Canary, CanaryVerdict, failing, judge, share
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
-from proxy.control.evidence import Death, Planned
+from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Journal, Status, verdict
 from proxy.control.planner import (
@@ -275,6 +275,26 @@ class Controller:
     def mode(self) -> ControlMode:
         return self.settings.mode
 
+    def on_output_budget(self, worker_id: WorkerId, evidence: OutputBudget, now: float) -> None:
+        """The fast tier set, moved or lifted a worker's output budget (no restart: it applies to the
+        next request sent there): journaled with what it read."""
+        w = self._workers.get(worker_id)
+        args = dict(w.state.args) if w is not None else {}
+        budget, before = evidence.budget_tokens, evidence.previous_tokens
+        what = (
+            f"lifted (was {before})"
+            if budget is None
+            else f"{budget} tokens"
+            + ("" if before is None else f" (was {before})")
+            + f": {evidence.quantile:.0%} of the last {evidence.answers} answers wrote at most {evidence.high_tokens}"
+            f", x {evidence.margin:g}"
+        )
+        decision = Decision(worker_id=worker_id, rule="output_budget", time=now, evidence=evidence, old_args=args,
+                            new_args=args, action=Action.NOTE, kind=RuleKind.TUNING,
+                            reason=f"{evidence.request_class} requests go with max_tokens at the output budget: {what}")  # fmt: skip
+        self.journal.record(decision, mode=self.mode, status=Status.APPLIED,
+                            detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
+
     # -- observation ------------------------------------------------------------------------------
 
     def track(self, info: WorkerInfo) -> None:
@@ -472,14 +492,18 @@ class Controller:
             capacity = int(startup.fields["max_total_tokens"])
         # what a restart takes back: the batch the worker has been running (its window's mean), each request
         # half way through an answer of the recent length, its prompt prefilled again (the twin prices that)
+        # and its output decoded again, or, where it keeps what it wrote, prefilled with the prompt
         running = w.window.mean_running or w.window.peak_running or 0
         written = sum(o.output_tokens / 2 for o in workload) / len(workload)
         prompts = sum(o.prompt_tokens for o in workload) / len(workload)
+        # what the requests open now keep of their output when taken back (a whole answer the engine ends
+        # early and gives: prefilled again as prompt, not decoded again)
+        kept = sum(1 for r in in_flight if r.keeps_written) / len(in_flight) if in_flight else 0.0
         cost = RestartCost(
             startup_s=w.startup_s,  # None: not seen yet (the plan uses the twin's modelled start-up)
             drain_s=w.drain_s,
-            recomputed_tokens=running * written,
-            refill_prompt_tokens=running * prompts,
+            recomputed_tokens=running * written * (1.0 - kept),
+            refill_prompt_tokens=running * (prompts + written * kept),
             refill_requests=round(running),
         )
         lo, hi = c.conservativeness_bounds

@@ -16,6 +16,7 @@ the journal adds its keys to the same object.
 | ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
 | ``admission_too_conservative`` | :class:`Admission` |
 | ``pacing_too_timid`` | :class:`TimidPacing` |
+| ``output_budget`` (the fast tier, no restart) | :class:`OutputBudget` |
 | ``planner`` (the controller's twin) | :class:`Planned`, around :class:`PlanHorizon` (why its horizon) |
 | a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
 """
@@ -39,6 +40,7 @@ __all__ = [
     "JsonScalar",
     "KvCapacity",
     "MemoryBand",
+    "OutputBudget",
     "PlanHorizon",
     "Planned",
     "PrefillOom",
@@ -192,6 +194,19 @@ class ActivationFit(Evidence):
 
 
 # -- admission and pacing -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputBudget(Evidence):
+    """The fast tier's output budget of one class on one worker: what its recent answers wrote."""
+
+    request_class: str  # "interactive" or "batch"
+    budget_tokens: int | None  # the max_tokens its plain requests now go with (None: as asked)
+    previous_tokens: int | None
+    answers: int  # the answers it was read from
+    high_tokens: int  # their high quantile (the budget is this x the margin, rounded up)
+    quantile: float
+    margin: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

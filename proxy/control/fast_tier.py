@@ -82,7 +82,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["Pace", "PaceInput", "PaceSettings", "next_pace", "output_budget", "queue_target"]
+from proxy.control.evidence import OutputBudget
+
+__all__ = [
+    "Pace",
+    "PaceInput",
+    "PaceSettings",
+    "budget_evidence",
+    "budget_moved",
+    "next_pace",
+    "output_budget",
+    "queue_target",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +121,7 @@ class PaceSettings:
     budget_min_answers: int = 50  # answers of the class needed before it has a budget
     budget_answers: int = 256  # the newest answers of the class it is read from
     budget_floor: int = 256  # never below this many tokens
+    budget_note_change: float = 0.25  # a move by this share or more is journaled (set and lifted always are)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,12 +183,37 @@ def queue_target(lo: int, hi: int, headroom: int, mean_output_tokens: float | No
 def output_budget(written: Sequence[int], settings: PaceSettings) -> int | None:
     """The output budget of one class of one worker from what its recent answers wrote (``written``,
     output tokens, newest last); None: off, or too few answers to say."""
+    high = _high(written, settings)
+    if high is None:
+        return None
+    step = settings.budget_step
+    return max(settings.budget_floor, math.ceil(high * settings.budget_margin / step) * step)
+
+
+def _high(written: Sequence[int], settings: PaceSettings) -> int | None:
     if not settings.output_budget or len(written) < settings.budget_min_answers:
         return None
     recent = sorted(written[-settings.budget_answers :])
-    high = recent[min(len(recent) - 1, max(0, math.ceil(settings.budget_quantile * len(recent)) - 1))]
-    step = settings.budget_step
-    return max(settings.budget_floor, math.ceil(high * settings.budget_margin / step) * step)
+    return recent[min(len(recent) - 1, max(0, math.ceil(settings.budget_quantile * len(recent)) - 1))]
+
+
+def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bool:
+    """Whether a budget change is worth the journal: set, lifted, or moved by ``budget_note_change``
+    or more (a budget read from a sliding window of answers moves by a step now and then)."""
+    if old is None or new is None:
+        return old != new
+    return abs(new - old) >= settings.budget_note_change * old
+
+
+def budget_evidence(
+    written: Sequence[int], interactive: bool, old: int | None, new: int | None, settings: PaceSettings
+) -> OutputBudget:
+    """The journal's evidence of a budget change (what :func:`output_budget` read)."""
+    high = _high(written, settings)
+    return OutputBudget(request_class="interactive" if interactive else "batch", budget_tokens=new,
+                        previous_tokens=old, answers=min(len(written), settings.budget_answers),
+                        high_tokens=high or 0, quantile=settings.budget_quantile,
+                        margin=settings.budget_margin)  # fmt: skip
 
 
 def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, settings: PaceSettings) -> Pace:

@@ -123,6 +123,7 @@ class InFlight:
     prompt_tokens: int  # estimated
     max_tokens: int | None  # as asked (None: not given)
     interactive: bool = True  # the class it was sent as (False: batch)
+    keeps_written: bool = False  # taken back, it keeps what it wrote (the next worker goes on from there)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,12 @@ class Engine(Protocol):
         ``max_tokens``), so that a smaller ``max_tokens`` lets it admit more at once; False where it
         allocates only as tokens are written and preempts when the pool runs out."""
 
+    @property
+    def keeps_output_on_abort(self) -> bool:
+        """Whether aborting a running whole (not streamed) request by its ``rid`` makes the engine answer
+        it with what it wrote so far, so the proxy can go on from there elsewhere (a request taken back
+        from a worker that restarts keeps its tokens)."""
+
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int
     ) -> dict[str, object] | None:

@@ -11,12 +11,17 @@ has in flight there.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from proxy.policy import Priority
 from proxy.workers.base import WorkerId
 
-__all__ = ["Attempt", "AttemptFailed", "Requeued", "Ticket"]
+if TYPE_CHECKING:
+    from proxy.request.continuation import Part
+
+__all__ = ["Attempt", "AttemptFailed", "Requeued", "TakenBack", "Ticket"]
 
 
 class Ticket:
@@ -45,6 +50,7 @@ class Ticket:
         "prompt_tokens",
         "queued",
         "requeues",
+        "written",
     )
 
     def __init__(
@@ -75,6 +81,9 @@ class Ticket:
         self.cancelled = False
         self.requeues = 0  # how many times it went back to the queue
         self.failures = 0  # attempts that failed before output (each one spent of ``max_attempts``)
+        # what a worker had written of the answer when the request was taken back from it (the parts of
+        # :mod:`proxy.request.continuation`): the next attempt goes on from there instead of starting over
+        self.written: tuple[Part, ...] = ()
 
 
 class Requeued(StrEnum):
@@ -90,6 +99,7 @@ class Attempt:
 
     __slots__ = (
         "dispatched_at",
+        "on_take_back",
         "released",
         "requeued",
         "sent_max_tokens",
@@ -109,14 +119,21 @@ class Attempt:
         self.taken_back = False
         self.released = False
         self.requeued: Requeued | None = None  # set when it ended without output and its ticket went back
-        self.sent_max_tokens: int | None = (
-            None  # the max_tokens the worker was asked for (its output budget), if not as asked
-        )
+        # the max_tokens the worker was asked for (its output budget; None: as asked)
+        self.sent_max_tokens: int | None = None
+        # set while the relay reads a whole answer the worker can end early and still give (what it wrote):
+        # a take-back calls it instead of cancelling the block, and the block ends with :class:`TakenBack`
+        self.on_take_back: Callable[[], None] | None = None
 
     def mark_started(self) -> None:
         """Output is going to the client: from now on the request is committed to this worker."""
         self.started = True
         self.task = None
+
+
+class TakenBack(Exception):
+    """An attempt taken back from its worker ended with what the worker had written (kept on its
+    ticket): raised inside its ``async with`` block, which puts the ticket back in the queue."""
 
 
 class AttemptFailed(Exception):

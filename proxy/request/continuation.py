@@ -43,7 +43,7 @@ import orjson
 
 from proxy.request.job import Job
 
-__all__ = ["CHAT", "COMPLETIONS", "Capped", "Part", "continuation_body", "merge", "plan", "read_part"]
+__all__ = ["CHAT", "COMPLETIONS", "Capped", "Part", "continuation_body", "merge", "plain", "plan", "read_part"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -108,12 +108,23 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
 def plan(job: Job, budget: int | None, *, min_saving: float = 0.25) -> Capped | None:
     """The cap for ``job`` under ``budget`` output tokens (None: sent as it came). ``min_saving``:
     the budget must be at least this share below the client's ``max_tokens``."""
-    if budget is None or budget <= 0 or job.path not in (CHAT, COMPLETIONS):
+    if budget is None or budget <= 0:
+        return None
+    whole = plain(job)
+    if whole is None or budget > whole.asked * (1.0 - min_saving):
+        return None
+    return Capped(field=whole.field, asked=whole.asked, sent=budget)
+
+
+def plain(job: Job) -> Capped | None:
+    """``job`` as it asks (``sent`` is its own ``max_tokens``) when its answer can be continued: a
+    plain request (the module docstring), else None."""
+    if job.path not in (CHAT, COMPLETIONS):
         return None
     body = job.body
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     asked = body.get(field)
-    if not isinstance(asked, int) or isinstance(asked, bool) or budget > asked * (1.0 - min_saving):
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked <= 0:
         return None
     for name, neutral in _NEUTRAL.items():
         if name in body and not _neutral(body[name], neutral):
@@ -126,7 +137,7 @@ def plan(job: Job, budget: int | None, *, min_saving: float = 0.25) -> Capped | 
             return None  # the client's own prefill: its continuation is the client's to ask for
     elif not isinstance(body.get("prompt"), str):
         return None  # a prompt of token ids or several prompts: one plain text only
-    return Capped(field=field, asked=asked, sent=budget)
+    return Capped(field=field, asked=asked, sent=asked)
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
-from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
@@ -165,10 +165,14 @@ def _held_for(load: WorkerLoad, headroom: float) -> int:
 
 
 def _take_back(attempt: Attempt) -> None:
-    """Mark the attempt taken back and cancel its block: its handler requeues the ticket (and aborts
-    the request on the worker) unless output already went to the client."""
+    """Mark the attempt taken back and end its block: its handler requeues the ticket (and aborts
+    the request on the worker) unless output already went to the client. A whole answer the worker
+    can end early and still give (the relay set ``on_take_back``) is ended there instead of cancelled:
+    what the worker wrote comes back and the next attempt goes on from it."""
     attempt.taken_back = True
-    if attempt.task is not None:
+    if attempt.on_take_back is not None:
+        attempt.on_take_back()
+    elif attempt.task is not None:
         attempt.task.cancel()
 
 
@@ -281,10 +285,17 @@ class Dispatcher:
                 self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
                 return
             raise
+        except TakenBack:
+            self._release(attempt)
+            self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+            return
         except AttemptFailed as failure:
             self._release(attempt)
             if attempt.started:
                 raise
+            if attempt.taken_back:  # the worker went away while it was being taken back: no attempt spent
+                self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+                return
             if failure.unreachable:
                 self.pool.report_unreachable(attempt.worker_id, failure.message)
                 if self.pool.get(attempt.worker_id).state is not WorkerState.READY:

@@ -21,6 +21,7 @@ conservativeness is about; the proxy sees it directly.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -79,9 +80,14 @@ class WorkerFacts:
             if (since is None or f.time >= since) and (interactive is None or f.interactive is interactive)
         ]
 
-    def written(self, *, interactive: bool) -> list[int]:
-        """Output tokens of the class's answered requests, oldest first (what the output budget reads)."""
-        return [f.output_tokens for f in self._facts if f.interactive is interactive and f.output_tokens is not None]
+    def written(self, *, interactive: bool, arrived_before: float = math.inf) -> list[int]:
+        """Output tokens of the class's answered requests that arrived before ``arrived_before``, oldest
+        first (what the output budget reads)."""
+        return [
+            f.output_tokens
+            for f in self._facts
+            if f.interactive is interactive and f.output_tokens is not None and f.arrived < arrived_before
+        ]
 
     def __len__(self) -> int:
         return len(self._facts)

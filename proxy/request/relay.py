@@ -48,7 +48,7 @@ from aiohttp import web
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
-from proxy.request.attempt import Attempt, AttemptFailed
+from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
 from proxy.request.continuation import Capped
 from proxy.request.dispatch import ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
@@ -311,22 +311,23 @@ async def _queued(
                     job.body["rid"] = rid
                 capped = _capped(path, attempt, job)
                 attempt.sent_max_tokens = None if capped is None else capped.sent
-                payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
                     m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-                parts = 1
+                upstream = _Upstream(rid)
+                if _keeps_what_it_wrote(path, attempt.worker_id, job, rid):
+                    attempt.on_take_back = partial(_end_early, path, url, attempt, upstream)
                 try:
-                    opened = await _open(path, url, attempt.worker_id, job, payload)
-                    if capped is not None and opened.status == 200 and opened.body is not None:
-                        opened.body, parts, capped = await _continued(
-                            path, url, attempt.worker_id, job, capped, opened.body
-                        )
+                    opened, parts, capped = await _fetch(path, url, attempt.worker_id, job, capped, ticket, upstream)
                 except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
-                    if rid is not None:
-                        path.spawn(_post_abort(path, url, rid))
+                    if upstream.rid is not None:
+                        path.spawn(_post_abort(path, url, upstream.rid))
                     if not attempt.taken_back:
                         m.disconnected.inc()
                     raise
+                finally:
+                    attempt.on_take_back = None
+                if attempt.taken_back and opened.resp is None:  # a whole answer the worker ended early
+                    _keep_what_it_wrote(job, opened, ticket)  # what it wrote goes with the ticket
                 attempt.mark_started()
                 opened.strip_usage = strip
                 opened.parts = parts
@@ -363,8 +364,104 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     return continuation.plan(job, budget)
 
 
+@dataclass(slots=True)
+class _Upstream:
+    """The rid of the request an attempt has open on its worker now (each part has its own)."""
+
+    rid: str | None
+
+    def part(self, body: dict[str, object], base: str | None, suffix: str) -> None:
+        """``body`` is the attempt's next request: its rid is ``base`` with ``suffix``."""
+        if base is not None:
+            self.rid = body["rid"] = f"{base}.{suffix}"
+
+
+TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers within this, else it is cancelled
+
+
+def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, rid: str | None) -> bool:
+    """Whether a take-back of ``job`` from the worker can keep what it wrote: a plain whole request,
+    with a rid to end it by, on an engine that answers such an abort with the text so far and can
+    continue it (:attr:`~proxy.engines.contract.Engine.keeps_output_on_abort`)."""
+    if rid is None or job.stream:
+        return False
+    engine = path.engine_of(worker_id)
+    if engine is None or not engine.keeps_output_on_abort:
+        return False
+    return continuation.plain(job) is not None and engine.continuation_fields(job.path, job.body, 0) is not None
+
+
+def _end_early(path: RequestPath, url: str, attempt: Attempt, upstream: _Upstream) -> None:
+    """A take-back of a whole answer the worker can end early: abort the request there, and it answers
+    with what it wrote (the attempt's block then ends with :class:`TakenBack`). One that does not
+    answer within ``TAKE_BACK_ANSWER_S`` is cancelled, as any take-back."""
+    if upstream.rid is not None:
+        path.spawn(_post_abort(path, url, upstream.rid))
+
+    def late() -> None:
+        if not attempt.released and attempt.task is not None:
+            attempt.task.cancel()
+
+    asyncio.get_running_loop().call_later(TAKE_BACK_ANSWER_S, late)
+
+
+def _keep_what_it_wrote(job: Job, opened: Opened, ticket: Ticket) -> None:
+    """An attempt taken back while the worker wrote its whole answer: the worker ended it early and
+    answered what it wrote, which the ticket keeps for the next attempt (:class:`TakenBack`). An answer
+    that ended by itself before the abort arrived is the answer: nothing is raised."""
+    part = continuation.read_part(job.path, opened.body or b"") if opened.status == 200 else None
+    if part is not None and part.finish_reason != "abort":
+        return
+    ticket.written = (part,) if part is not None and part.completion_tokens > 0 else ()
+    raise TakenBack()
+
+
+async def _fetch(
+    path: RequestPath, url: str, worker_id: str, job: Job, capped: Capped | None, ticket: Ticket, upstream: _Upstream
+) -> tuple[Opened, int, Capped | None]:
+    """The attempt's answer from its worker, its number of parts and the cap it went under: the
+    request as the client sent it or under its output budget (``capped``), continued while a part
+    stops at its cap (:func:`_continued`); or, when an earlier worker had written part of it before
+    it was taken back (``ticket.written``), going on from that text."""
+    base = upstream.rid
+    earlier, ticket.written = ticket.written, ()
+    engine = path.engine_of(worker_id)
+    whole = capped or continuation.plain(job)
+    if earlier and whole is not None and engine is not None:
+        written = sum(p.completion_tokens for p in earlier)
+        fields = engine.continuation_fields(job.path, job.body, written)
+        if fields is not None:
+            cap = whole.next_cap(written, whole.sent)
+            more = continuation.continuation_body(job.path, job.body, "".join(p.text for p in earlier), whole, cap,
+                                                  fields)  # fmt: skip
+            upstream.part(more, base, "r")
+            opened = await _part(path, url, worker_id, job, more)
+            if opened.status != 200 or opened.body is None:  # refused: as the client asked, from the start
+                opened.body, opened.status = await _whole_again(path, url, worker_id, job, upstream, base), 200
+                return opened, 1, None
+            opened.body, parts, kept = await _continued(
+                path, url, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
+            )
+            return opened, parts, kept if capped is not None else None
+    opened = await _open(path, url, worker_id, job, orjson.dumps(job.body if capped is None else capped.body(job.body)))
+    if capped is None or opened.status != 200 or opened.body is None:
+        return opened, 1, capped
+    opened.body, parts, kept = await _continued(path, url, worker_id, job, capped, opened.body, upstream, base)
+    return opened, parts, kept
+
+
 async def _continued(
-    path: RequestPath, url: str, worker_id: str, job: Job, capped: Capped, first: bytes
+    path: RequestPath,
+    url: str,
+    worker_id: str,
+    job: Job,
+    capped: Capped,
+    first: bytes,
+    upstream: _Upstream,
+    base: str | None,
+    *,
+    earlier: tuple[continuation.Part, ...] = (),
+    cap: int | None = None,
 ) -> tuple[bytes, int, Capped | None]:
     """The whole answer of a request sent under its output budget, its number of parts and its cap
     (None when it was sent again whole): while a
@@ -374,12 +471,14 @@ async def _continued(
     short. Raises :class:`AttemptFailed` when a part fails (the attempt's retry rules apply)."""
     engine = path.engine_of(worker_id)
     body: bytes = first
-    parts: list[continuation.Part] = []
-    written, text, cap = 0, "", capped.sent
+    parts: list[continuation.Part] = list(earlier)
+    written = sum(p.completion_tokens for p in earlier)
+    text = "".join(p.text for p in earlier)
+    cap = capped.sent if cap is None else cap
     while True:
         part = continuation.read_part(job.path, body)
         if part is None or engine is None:
-            return await _whole_again(path, url, worker_id, job), 1, None
+            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
         parts.append(part)
         written += part.completion_tokens
         text += part.text
@@ -388,16 +487,14 @@ async def _continued(
             break
         fields = engine.continuation_fields(job.path, job.body, written)
         if fields is None:
-            return await _whole_again(path, url, worker_id, job), 1, None
+            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
         cap = capped.next_cap(written, capped.sent)
         more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
-        rid = job.body.get("rid")
-        if isinstance(rid, str):
-            more["rid"] = f"{rid}.c{len(parts)}"
+        upstream.part(more, base, f"c{len(parts)}")
         path.metrics.continued.inc()
         opened = await _part(path, url, worker_id, job, more)
         if opened.status != 200 or opened.body is None:
-            return await _whole_again(path, url, worker_id, job), 1, None
+            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
         body = opened.body
     return (continuation.merge(job.path, parts) if len(parts) > 1 else first), len(parts), capped
 
@@ -413,14 +510,14 @@ async def _part(path: RequestPath, url: str, worker_id: str, job: Job, body: dic
         raise
 
 
-async def _whole_again(path: RequestPath, url: str, worker_id: str, job: Job) -> bytes:
+async def _whole_again(
+    path: RequestPath, url: str, worker_id: str, job: Job, upstream: _Upstream, base: str | None
+) -> bytes:
     """The request sent again as the client asked (its own ``max_tokens``): the answer, or the
     worker's refusal as it answered."""
     path.metrics.budget_redone.inc()
     body = dict(job.body)
-    rid = body.get("rid")
-    if isinstance(rid, str):
-        body["rid"] = f"{rid}.w"
+    upstream.part(body, base, "w")
     opened = await _part(path, url, worker_id, job, body)
     if opened.status != 200:
         raise AttemptFailed(

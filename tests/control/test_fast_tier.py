@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from proxy.control.fast_tier import Pace, PaceInput, PaceSettings, next_pace, output_budget, queue_target
+from proxy.control.fast_tier import (
+    Pace,
+    PaceInput,
+    PaceSettings,
+    budget_evidence,
+    budget_moved,
+    next_pace,
+    output_budget,
+    queue_target,
+)
 
 S = PaceSettings()
 BAND = {"lo": 4, "hi": 64, "headroom": 4}  # base 8
@@ -228,3 +237,11 @@ def test_output_budget_is_a_margin_over_a_high_quantile_of_what_answers_wrote():
     assert output_budget(long, replace(S, output_budget=False)) is None
     # the newest budget_answers only: an old regime of long answers is forgotten
     assert output_budget([5000] * 300 + [100] * S.budget_answers, S) == 256
+
+
+def test_a_budget_is_journaled_when_set_lifted_or_moved_by_a_quarter():
+    assert budget_moved(None, 512, S) and budget_moved(512, None, S) and not budget_moved(None, None, S)
+    assert not budget_moved(512, 576, S) and budget_moved(512, 640, S) and budget_moved(512, 384, S)
+    ev = budget_evidence([100] * 60, True, None, 256, S)
+    assert (ev.request_class, ev.budget_tokens, ev.previous_tokens, ev.answers, ev.high_tokens) == (
+        "interactive", 256, None, 60, 100)  # fmt: skip

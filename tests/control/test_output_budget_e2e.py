@@ -34,6 +34,10 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             ])  # fmt: skip
             await wait_for(lambda: load.interactive_output_budget is not None, 10, "a budget learned")
             assert load.interactive_output_budget == 256  # the floor: 40 x 1.5 is less
+            (entry,) = [d for d in await proxy.decisions() if d["rule"] == "output_budget"]
+            assert entry["status"] == "applied" and entry["action"] == "note"  # the fast tier: no restart
+            assert entry["evidence"]["budget_tokens"] == 256 and entry["evidence"]["previous_tokens"] is None
+            assert entry["evidence"]["high_tokens"] == SHORT and entry["evidence"]["request_class"] == "interactive"
 
             chat = await client.chat.completions.create(
                 model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
@@ -52,6 +56,8 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             assert comp.usage.prompt_tokens < 10  # the first part's prompt, not a continuation's (hundreds longer)
             # the budget follows the answers: 700 and 600 are now among the newest 62 (700 x 1.5 -> 1088)
             await wait_for(lambda: load.interactive_output_budget == 1088, 10, "the budget grown")
+            moved = [d["evidence"] for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
+            assert (moved["previous_tokens"], moved["budget_tokens"]) == (256, 1088)  # journaled: moved by 25 % or more
             stream = await client.chat.completions.create(
                 model=MODEL, messages=msg, max_tokens=4000, stream=True, stream_options={"include_usage": True},
                 extra_body={"sim_output_len": 1500},
@@ -64,5 +70,41 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             assert len({c.id for c in chunks}) == 1
             continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
             assert continued == 2 + 2 + 1  # 256 -> 512 -> 700; 256 -> 512 -> 600; 1088 -> 1500
+        finally:
+            await client.close()
+
+
+async def test_requests_taken_back_by_a_restart_keep_what_the_worker_wrote(tmp_path: Path) -> None:
+    """A rolling restart that cannot wait for long answers: the drain ends, the requests still running
+    are ended early on the worker (SGLang's graceful abort answers what each wrote), and the
+    restarted worker goes on from that text: every answer complete, in two parts, nothing written
+    twice."""
+    async with running_proxy(
+        tmp_path,
+        args={"schedule_conservativeness": 1.0},
+        extra_args=["--sim-time-scale", "2"],  # 1,500 tokens take the batch of 8 about 7 s
+        control={"mode": "auto", "restarts_per_hour": 0, "drain_timeout_s": 0.5, "output_budget": False},
+    ) as proxy:
+        worker = proxy.state.pool.workers()[0].id
+        load = proxy.state.board.get(worker)
+        client = proxy.client()
+        try:
+            answers = asyncio.gather(*[
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"story {i}"}],
+                                               max_tokens=3000, extra_body={"sim_output_len": 1500})
+                for i in range(8)
+            ])  # fmt: skip
+            await wait_for(lambda: load.in_flight == 8 and (load.sample is not None and load.sample.running == 8),
+                           10, "all running")  # fmt: skip
+            await asyncio.sleep(1.0)  # a few hundred tokens each
+            controller = proxy.state.controllers[proxy.state.pool.get(worker).pool]
+            result = await controller.actor.restart(worker, {"schedule_conservativeness": 0.5}, "test: a restart")
+            assert result.drain is not None and result.drain.taken_back == 8
+            done = await answers
+            assert [len((a.choices[0].message.content or "").split()) for a in done] == [1500] * 8
+            assert [a.usage.completion_tokens for a in done] == [1500] * 8
+            facts = load.facts.recent()[-8:]
+            assert [f.parts for f in facts] == [2] * 8  # what the first worker wrote, then the rest
+            assert proxy.state.pool.get(worker).args["schedule_conservativeness"] == 0.5
         finally:
             await client.close()

@@ -205,6 +205,14 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     assert cost.recomputed_tokens == pytest.approx(100 * statistics.fmean(o.output_tokens / 2 for o in requests))
     assert cost.refill_prompt_tokens == pytest.approx(100 * statistics.fmean(o.prompt_tokens for o in requests))
     assert cost.refill_requests == 100
+    # requests open now that keep what they wrote when taken back: their output is prefilled, not decoded again
+    around = c.surroundings
+    assert isinstance(around, Requests)
+    around.open = [InFlight(arrived=0.0, prompt_tokens=500, max_tokens=4096, keeps_written=True)] * 3
+    kept = c._plan_inputs(c._workers["w0"], tuple(requests), tuple(around.open), job.time, job.horizon).cost
+    assert kept.recomputed_tokens == 0.0
+    assert kept.refill_prompt_tokens == pytest.approx(cost.refill_prompt_tokens + cost.recomputed_tokens)
+    around.open = []
     c.plan_now(job)
     (entry,) = c.journal.entries()
     if caught_up:

@@ -3,7 +3,8 @@
 It keeps a server-side queue (``max_running`` slots, the rest wait FIFO), streams one SSE chunk
 per token with ``token_delay_s`` between them (given both, ``sim_output_len`` tokens at most
 ``max_tokens``, finishing "stop" within it and "length" at it; otherwise "length" always), serves ``/metrics`` with the live queue, honours
-``/abort_request`` by rid and records everything it saw. ``fail_next(mode, n)`` injects failures:
+``/abort_request`` by rid (``answer_aborts``: a whole answer ends with what it wrote, as SGLang 0.5
+answers a graceful abort) and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
 error event).
@@ -36,7 +37,10 @@ class FakeEngine:
     finished: list = field(default_factory=list)
     cancelled: list = field(default_factory=list)
     bodies: list = field(default_factory=list)
+    answer_aborts: bool = False  # an aborted whole answer ends with what it wrote, finish "abort" (else: cancelled)
     _fail: list = field(default_factory=list)
+    _ending: set = field(default_factory=set)
+    _whole: set = field(default_factory=set)
     _active: dict = field(default_factory=dict)
     runner: web.AppRunner | None = None
     url: str = ""
@@ -93,6 +97,8 @@ class FakeEngine:
         task = asyncio.current_task()
         if rid is not None and task is not None:
             self._active[rid] = task
+            if not body.get("stream"):
+                self._whole.add(rid)
         try:
             await self._acquire()
             try:
@@ -113,7 +119,14 @@ class FakeEngine:
         if isinstance(body.get("sim_output_len"), int) and isinstance(cap, int):  # the true length, then the cap
             n, reason = min(n, cap), ("stop" if n <= cap else "length")
         if not body.get("stream"):
-            await asyncio.sleep(self.token_delay_s * n)
+            if self.answer_aborts:  # token by token: an abort ends it with what it wrote (SGLang 0.5)
+                for i in range(n):
+                    await asyncio.sleep(self.token_delay_s)
+                    if body.get("rid") in self._ending:
+                        n, reason = i + 1, "abort"
+                        break
+            else:
+                await asyncio.sleep(self.token_delay_s * n)
             text = "tok " * n
             choice = {"index": 0, "finish_reason": reason}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -165,6 +178,9 @@ class FakeEngine:
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")
         self.aborted.append(rid)
+        if self.answer_aborts and rid in self._whole:
+            self._ending.add(rid)  # it answers with what it wrote at its next token
+            return web.json_response({})
         task = self._active.get(rid)
         if task is not None:
             task.cancel()

@@ -53,3 +53,13 @@ def test_worker_facts_ring_and_figures():
     assert [f.time for f in facts.recent(since=2.0, interactive=True)] == [3.0]
     assert RequestFact(time=0, arrived=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
                        queue_s=0).output_ratio is None  # fmt: skip
+
+
+def test_written_reads_a_class_and_only_the_requests_that_arrived_before_a_moment():
+    facts = WorkerFacts()
+    for i, (out, interactive) in enumerate([(10, True), (500, False), (30, True), (20, True)]):
+        facts.record(RequestFact(time=10.0 + i, arrived=float(i), prompt_tokens=1, output_tokens=out, max_tokens=4096,
+                                 finish_reason="stop", ttft_s=None, queue_s=0.0, interactive=interactive))  # fmt: skip
+    assert facts.written(interactive=True) == [10, 30, 20]
+    assert facts.written(interactive=False) == [500]
+    assert facts.written(interactive=True, arrived_before=2.0) == [10]  # arrived at 0 (and 1, the batch one)

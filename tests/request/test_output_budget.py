@@ -164,3 +164,55 @@ async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(m
     assert b"could not be continued" in events[-2] and b"upstream_failed_mid_stream" in events[-2]
     assert events[-1] == b"data: [DONE]"
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+
+
+async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy):
+    """A rolling restart takes a request back from its worker: the worker ends it early and answers
+    what it wrote (SGLang's graceful abort), and the next attempt goes on from that text instead of
+    starting over. The client gets one answer with every token."""
+    h = await make_proxy(policy=SIM_SPEAKER, worker={"token_delay_s": 0.02, "answer_aborts": True})
+    w = h.workers[0]
+    client = h.client()
+    task = asyncio.ensure_future(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, extra_body={"sim_output_len": 40}
+        )
+    )
+    await h.wait_for(lambda: len(w.bodies) == 1)
+    await asyncio.sleep(0.3)  # some tokens written
+    assert h.state.requests.dispatcher.take_back("w0") == 1
+    chat = await task
+    assert chat.choices[0].message.content == "tok " * 40 and chat.usage.completion_tokens == 40
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.prompt_tokens == 3
+    first, second = w.bodies
+    assert w.aborted == [first["rid"]]
+    kept = first["sim_output_len"] - second["sim_output_len"]  # what the first worker wrote
+    assert 5 <= kept < 40
+    assert second["messages"][-1] == {"role": "assistant", "content": "tok " * kept}
+    assert second["continue_final_message"] is True and second["max_tokens"] == 100 - kept
+    assert second["rid"].endswith(".r") and second["rid"] != first["rid"]
+    fact = h.state.board.get("w0").facts.recent()[-1]
+    assert (fact.output_tokens, fact.parts) == (40, 2)
+    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total") == 1
+    await client.close()
+
+
+async def test_a_worker_that_does_not_answer_an_early_end_has_the_request_taken_back_whole(make_proxy):
+    """An engine said to answer an abort with what it wrote but that drops the request instead: the
+    take-back still ends the attempt (the connection closes), and the request starts over, no attempt
+    spent."""
+    h = await make_proxy(
+        policy=SIM_SPEAKER,
+        worker={"token_delay_s": 0.02},
+    )
+    w = h.workers[0]
+    client = h.client()
+    task = asyncio.ensure_future(
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100, extra_body={"sim_output_len": 20})
+    )
+    await h.wait_for(lambda: len(w.bodies) == 1)
+    assert h.state.requests.dispatcher.take_back("w0") == 1
+    comp = await task
+    assert comp.choices[0].text == "tok " * 20
+    assert [b["max_tokens"] for b in w.bodies] == [100, 100]  # from the start: nothing was kept
+    await client.close()

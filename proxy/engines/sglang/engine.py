@@ -120,12 +120,19 @@ class SGLangEngine:
         # remaining max_new_tokens x new_token_ratio (managers/schedule_policy.py)
         return True
 
+    @property
+    def keeps_output_on_abort(self) -> bool:
+        # a graceful abort (POST /abort_request, no message: FINISH_ABORT() without a status code) of a
+        # running whole request ends it at its next step and answers it normally, with the text written
+        # so far and finish_reason "abort" (tokenizer_manager._handle_abort_finish_reason, 0.5.x)
+        return True
+
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int
     ) -> dict[str, object] | None:
         fields: dict[str, object]
         if path == CHAT_PATH:
-            # ChatCompletionRequest.continue_final_message (0.4.x and 0.5.x): the last assistant message is
+            # ChatCompletionRequest.continue_final_message (0.5.x): the last assistant message is
             # taken out of the template and its text appended to the prompt, open (serving_chat.py)
             fields = {"continue_final_message": True}
         elif path == COMPLETIONS_PATH:

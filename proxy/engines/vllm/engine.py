@@ -96,6 +96,11 @@ class VllmEngine:
         # request when the pool runs out: max_tokens reserves nothing
         return False
 
+    @property
+    def keeps_output_on_abort(self) -> bool:
+        # no /abort_request: a request ends when its connection closes, and its answer with it
+        return False
+
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int
     ) -> dict[str, object] | None:
