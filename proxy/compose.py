@@ -47,6 +47,7 @@ from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
 from proxy.policy import ControlMode, Policy
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
+from proxy.request.continuation import applies_above
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard, SampleObserver
@@ -240,7 +241,8 @@ def _fast_tier(
             else:
                 load.batch_output_budget = new
             if journal is not None and budget_moved(old, new, settings):
-                journal(worker_id, budget_evidence(written, interactive, old, new, settings), sample.time)
+                above = None if new is None else applies_above(new)
+                journal(worker_id, budget_evidence(written, interactive, old, new, settings, above), sample.time)
         withdrawn = 0
         if pace.batch_queue_target is not None and load.batch_in_flight:
             withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)

@@ -281,17 +281,23 @@ class Controller:
         w = self._workers.get(worker_id)
         args = dict(w.state.args) if w is not None else {}
         budget, before = evidence.budget_tokens, evidence.previous_tokens
-        what = (
-            f"lifted (was {before})"
-            if budget is None
-            else f"{budget} tokens"
-            + ("" if before is None else f" (was {before})")
-            + f": {evidence.quantile:.0%} of the last {evidence.answers} answers wrote at most {evidence.high_tokens}"
-            f", x {evidence.margin:g}"
-        )
+        cls = evidence.request_class
+        if budget is None:
+            reason = f"{cls} output budget lifted (was {before}): requests go with the max_tokens they ask for"
+        else:
+            above = (
+                ""
+                if evidence.applies_above_tokens is None
+                else f" asking for more than {evidence.applies_above_tokens}"
+            )
+            reason = (
+                f"{cls} requests{above} go with max_tokens {budget}"
+                + ("" if before is None else f" (was {before})")
+                + f": {evidence.quantile:.0%} of the last {evidence.answers} answers wrote at most "
+                f"{evidence.high_tokens}, x {evidence.margin:g}; an answer that reaches it goes on"
+            )
         decision = Decision(worker_id=worker_id, rule="output_budget", time=now, evidence=evidence, old_args=args,
-                            new_args=args, action=Action.NOTE, kind=RuleKind.TUNING,
-                            reason=f"{evidence.request_class} requests go with max_tokens at the output budget: {what}")  # fmt: skip
+                            new_args=args, action=Action.NOTE, kind=RuleKind.TUNING, reason=reason)  # fmt: skip
         self.journal.record(decision, mode=self.mode, status=Status.APPLIED,
                             detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
 

@@ -202,6 +202,7 @@ class OutputBudget(Evidence):
 
     request_class: str  # "interactive" or "batch"
     budget_tokens: int | None  # the max_tokens its plain requests now go with (None: as asked)
+    applies_above_tokens: int | None  # ... those that ask for more than this (None: no budget)
     previous_tokens: int | None
     answers: int  # the answers it was read from
     high_tokens: int  # their high quantile (the budget is this x the margin, rounded up)

@@ -206,12 +206,18 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
 
 
 def budget_evidence(
-    written: Sequence[int], interactive: bool, old: int | None, new: int | None, settings: PaceSettings
+    written: Sequence[int],
+    interactive: bool,
+    old: int | None,
+    new: int | None,
+    settings: PaceSettings,
+    applies_above: int | None = None,
 ) -> OutputBudget:
-    """The journal's evidence of a budget change (what :func:`output_budget` read)."""
+    """The journal's evidence of a budget change (what :func:`output_budget` read); ``applies_above``:
+    the least ``max_tokens`` of a request it applies to (the request path's rule)."""
     high = _high(written, settings)
     return OutputBudget(request_class="interactive" if interactive else "batch", budget_tokens=new,
-                        previous_tokens=old, answers=min(len(written), settings.budget_answers),
+                        applies_above_tokens=applies_above, previous_tokens=old, answers=min(len(written), settings.budget_answers),
                         high_tokens=high or 0, quantile=settings.budget_quantile,
                         margin=settings.budget_margin)  # fmt: skip
 

@@ -35,6 +35,7 @@ the text again at the seam, which may split its last word differently.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,19 @@ import orjson
 
 from proxy.request.job import Job
 
-__all__ = ["CHAT", "COMPLETIONS", "Capped", "Part", "continuation_body", "merge", "plain", "plan", "read_part"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "MIN_SAVING",
+    "Capped",
+    "Part",
+    "applies_above",
+    "continuation_body",
+    "merge",
+    "plain",
+    "plan",
+    "read_part",
+]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -105,7 +118,15 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
     )
 
 
-def plan(job: Job, budget: int | None, *, min_saving: float = 0.25) -> Capped | None:
+MIN_SAVING = 0.25  # a budget applies to a request only this far below its max_tokens (else: sent as it came)
+
+
+def applies_above(budget: int, min_saving: float = MIN_SAVING) -> int:
+    """The least ``max_tokens`` of a request that ``budget`` applies to (:func:`plan`)."""
+    return math.ceil(budget / (1.0 - min_saving))
+
+
+def plan(job: Job, budget: int | None, *, min_saving: float = MIN_SAVING) -> Capped | None:
     """The cap for ``job`` under ``budget`` output tokens (None: sent as it came). ``min_saving``:
     the budget must be at least this share below the client's ``max_tokens``."""
     if budget is None or budget <= 0:

@@ -361,7 +361,7 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     engine = path.engine_of(attempt.worker_id)
     if engine is None or not engine.reserves_max_tokens or engine.continuation_fields(job.path, job.body, 0) is None:
         return None
-    return continuation.plan(job, budget)
+    return continuation.plan(job, budget)  # the budget applies to those asking for more than applies_above
 
 
 @dataclass(slots=True)

@@ -38,6 +38,8 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             assert entry["status"] == "applied" and entry["action"] == "note"  # the fast tier: no restart
             assert entry["evidence"]["budget_tokens"] == 256 and entry["evidence"]["previous_tokens"] is None
             assert entry["evidence"]["high_tokens"] == SHORT and entry["evidence"]["request_class"] == "interactive"
+            assert entry["evidence"]["applies_above_tokens"] == 342  # a quarter below the client's max_tokens at least
+            assert "interactive requests asking for more than 342 go with max_tokens 256" in entry["reason"]
 
             chat = await client.chat.completions.create(
                 model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
