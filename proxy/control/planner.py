@@ -62,6 +62,7 @@ runs a plan off the event loop.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -571,9 +572,22 @@ def plan(
     gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
     worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    if worth:  # the restart is paid: it takes the KV pool the band's floor allows too, if the twin says so
+        roomier = _roomier(twin, best, loaded, settings)
+        replays += roomier is not None
+        if roomier is not None and roomier.output_tok_per_s >= best.output_tok_per_s:
+            best = roomier
+            gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
+            gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
     waiting = (
         None if worth or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
     )
+    if waiting is not None and waiting[1] > waiting[2]:
+        roomier = _roomier(twin, waiting[0], loaded, settings)
+        replays += roomier is not None
+        answers = roomier.mean_answer_s if roomier is not None else None
+        if roomier is not None and answers is not None and answers <= (waiting[0].mean_answer_s or 0.0):
+            waiting = (roomier, waiting[1], waiting[2])
     if waiting is not None:
         quicker, saved, paid = waiting
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
@@ -617,6 +631,40 @@ def plan(
         refused=tuple(refused),
         measured_current=loaded.measured() or measured_throughput(sample),
     )
+
+
+def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSettings) -> Prediction | None:
+    """``chosen`` (a candidate a restart is paid for) with the largest memory fraction whose free
+    memory at start-up stays at the floor of the policy's band or above (the twin's memory model, on
+    the grid of ``memory_fraction_step``'s multiples within the bounds), replayed: a larger KV pool the restart
+    takes for free. The one-step memory candidates alone rarely pay a restart of their own (0.01 is
+    1-2 % more pool), so a fraction the band allows was left unused behind every other move.
+    None: no larger fraction keeps the floor free, or the twin would not start with it."""
+    args = chosen.args
+    try:
+        now = twin.config(args)
+    except SimConfigError:
+        return None
+    step = settings.memory_fraction_step
+    current = now.mem_fraction_static
+    _, top = settings.memory_fraction_bounds
+    room: float | None = None
+    frac = round((math.floor(current / step + 1e-9) + 1) * step, 3)  # the grid's next value above the current
+    while frac <= top + 1e-9:
+        try:
+            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+        except SimConfigError:
+            break
+        if free < settings.min_available_gb:
+            break
+        room = frac
+        frac = round(frac + step, 3)
+    if room is None:
+        return None
+    p = twin.predict({**args, MEMORY_FRACTION: room}, loaded)
+    if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb):
+        return None
+    return p
 
 
 def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSettings) -> dict[str, object] | None:

@@ -90,6 +90,22 @@ def test_a_backlog_of_short_answers_under_a_large_max_tokens_plans_a_restart_tha
     assert back.best.args["schedule_conservativeness"] > 0.1
 
 
+def test_a_restart_that_pays_takes_the_kv_pool_the_band_floor_allows_too():
+    """Long outputs near max_tokens at conservativeness 0.1 on an A100 40 GB (the default fraction, 0.831,
+    leaves 6.1 GB free): the plan raises conservativeness and, the restart being paid, rides the memory
+    fraction up to the largest that keeps the band's floor (5 GB) free, 0.85, where one step of 0.01 alone
+    never pays a restart of its own. With a floor that leaves no room, the plan is the move alone."""
+    long = _workload(300, 1000.0, (1500, 2000), 2000)
+    twin = Twin(GPU, MODEL)
+    p = plan(twin, {"schedule_conservativeness": 0.1}, long, RestartCost(startup_s=30.0), PlanSettings())
+    assert p.worth and p.best.args["schedule_conservativeness"] > 0.1
+    assert p.best.args["mem_fraction_static"] == 0.85
+    assert p.best.available_gpu_mem_gb is not None and p.best.available_gpu_mem_gb >= 5.0
+    tight = plan(twin, {"schedule_conservativeness": 0.1}, long, RestartCost(startup_s=30.0),
+                 PlanSettings(min_available_gb=6.1))  # fmt: skip
+    assert tight.worth and "mem_fraction_static" not in tight.best.args
+
+
 def test_arrival_bound_chat_predicts_no_gain_and_no_restart():
     wl = _workload(200, 2.0, (20, 200), 4096)
     p = plan(Twin(GPU, MODEL), {}, wl, RestartCost(startup_s=30.0), PlanSettings())
