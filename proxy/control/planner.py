@@ -568,17 +568,15 @@ def plan(
         if p.oom is None and p.output_tok_per_s > best.output_tok_per_s * 1.001:
             best = p
     base = current.output_tok_per_s
-    gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-    gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
-    cost_tokens = cost.tokens(base)
-    worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
-    if worth:  # the restart is paid: it takes the KV pool the band's floor allows too, if the twin says so
+    if best is not current:  # a restart for it takes the KV pool the band's floor allows too, if the twin says so
         roomier = _roomier(twin, best, loaded, settings)
         replays += roomier is not None
         if roomier is not None and roomier.output_tok_per_s >= best.output_tok_per_s:
             best = roomier
-            gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-            gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
+    gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
+    gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
+    cost_tokens = cost.tokens(base)
+    worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     waiting = (
         None if worth or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
     )

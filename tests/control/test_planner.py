@@ -262,7 +262,7 @@ def test_work_in_flight_is_expected_to_write_what_its_own_class_writes_and_a_bat
     misread = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*as_chat, *chat], 20.0)
     own = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*batch, *chat], 20.0)
     assert misread.predicted_gain > 0.15 and misread.worth
-    assert own.predicted_gain < 0.05 and not own.worth, own.reason
+    assert own.predicted_gain < 0.08 and not own.worth, own.reason  # a few percent (the band's KV pool included)
 
 
 def test_in_a_backlog_the_waiting_basis_is_not_asked():
