@@ -288,6 +288,7 @@ class Prediction:
     retractions: int
     oom: str | None = None
     available_gpu_mem_gb: float | None = None
+    peak_running: int = 0  # the largest running batch of the replay
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -401,6 +402,7 @@ class Twin:
             answered_tok_per_s=None if res.oom else mine,
             output_tok_per_s=0.0 if res.oom else tp,
             mean_queue_s=sum(waits) / len(waits) if waits else None,
+            peak_running=max((p.running for p in res.trace), default=0),
             mean_answer_s=sum(answers) / len(answers) if answers and len(answers) == len(own) and not res.oom else None,
             makespan_s=res.makespan_s,
             retractions=res.retractions,
@@ -631,18 +633,32 @@ def plan(
     )
 
 
+ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least
+
+
 def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSettings) -> Prediction | None:
     """``chosen`` (a candidate a restart is paid for) with the largest memory fraction whose free
-    memory at start-up stays at the floor of the policy's band or above (the twin's memory model, on
-    the grid of ``memory_fraction_step``'s multiples within the bounds), replayed: a larger KV pool the restart
-    takes for free. The one-step memory candidates alone rarely pay a restart of their own (0.01 is
-    1-2 % more pool), so a fraction the band allows was left unused behind every other move.
-    None: no larger fraction keeps the floor free, or the twin would not start with it."""
+    memory at start-up stays at the floor of the policy's band or above, and at ``ACTIVATION_MARGIN``
+    x the activations the twin gives for a full prefill chunk and for the replay's largest decode
+    batch past the CUDA graphs (the twin's memory model, on the grid of ``memory_fraction_step``'s
+    multiples within the bounds), replayed: a larger KV pool the restart takes for free. The one-step
+    memory candidates alone rarely pay a restart of their own (0.01 is 1-2 % more pool), so a
+    fraction the band allows was left unused behind every other move. The margin: the twin's
+    activations are presets, not measured (the perturbed premises' engine needs 25 % more), and a
+    pool that leaves only what they say free dies on the first long prompt.
+    None: no larger fraction keeps that free, or the twin would not start with it."""
     args = chosen.args
     try:
         now = twin.config(args)
     except SimConfigError:
         return None
+    act = twin.activations(args)
+    need_mib = 0.0
+    if act is not None:
+        chunk = now.chunked_prefill_size or now.max_prefill_tokens
+        past_graphs = chosen.peak_running if chosen.peak_running > act.graph_max_bs else 0
+        need_mib = max(chunk * act.prefill_mib_per_token, past_graphs * act.decode_mib_per_seq)
+    keep_gb = max(settings.min_available_gb, ACTIVATION_MARGIN * need_mib / 1024)
     step = settings.memory_fraction_step
     current = now.mem_fraction_static
     _, top = settings.memory_fraction_bounds
@@ -653,7 +669,7 @@ def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSetti
             free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
         except SimConfigError:
             break
-        if free < settings.min_available_gb:
+        if free < keep_gb:
             break
         room = frac
         frac = round(frac + step, 3)

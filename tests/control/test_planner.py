@@ -276,3 +276,18 @@ def test_in_a_backlog_the_waiting_basis_is_not_asked():
     held = plan(twin, args, wl, cost, PlanSettings(backlog=True))
     assert not held.worth and held.basis == "throughput" and held.wait_saved_s == 0.0
     assert "answered sooner" not in held.reason and "request-seconds" not in held.reason
+
+
+def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
+    """chunked_prefill_size 8192 on a 48 GB L40S, the band's floor at 2 GB: a full chunk needs 2 GB of
+    activations by the twin's presets, so the larger pool keeps 1.5 x that free (0.92: 3.04 GB), not
+    the floor alone (0.94: 2.14 GB, where an engine whose activations are a quarter larger dies)."""
+    from proxy.control.planner import _roomier, replay
+
+    twin = Twin("l40s-48gb", MODEL)
+    args = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.9}
+    wl = _workload(50, 2.0, (100, 300), 1024)
+    chosen = twin.predict(args, wl)
+    roomier = _roomier(twin, chosen, replay(wl), PlanSettings(min_available_gb=2.0))
+    assert roomier is not None and roomier.args["mem_fraction_static"] == 0.92
+    assert roomier.available_gpu_mem_gb is not None and roomier.available_gpu_mem_gb >= 3.0
