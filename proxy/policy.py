@@ -401,9 +401,9 @@ class ControlSettings:
     plan_confirm: int = field(
         default=2,
         metadata=key(
-            "plans of one worker in a row that must find the same move (the same arguments to the same values) "
-            "worth a restart before it is taken: a twin's gain between candidates moves by a few percent from one "
-            "plan to the next, and one plan at the threshold is noise (1: act on the first)",
+            "plans of one worker in a row that must find the same move (the same arguments, the same way) worth a "
+            "restart before it is taken: a twin's gain between candidates moves by a few percent from one plan to "
+            "the next, and one plan at the threshold is noise (1: act on the first)",
             minimum=1,
         ),
     )
