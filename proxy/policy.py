@@ -398,15 +398,6 @@ class ControlSettings:
             positive=True,
         ),
     )
-    plan_confirm: int = field(
-        default=2,
-        metadata=key(
-            "plans of one worker in a row that must find the same move (the same arguments, the same way) worth a "
-            "restart before it is taken: a twin's gain between candidates moves by a few percent from one plan to "
-            "the next, and one plan at the threshold is noise (1: act on the first)",
-            minimum=1,
-        ),
-    )
     plan_min_gain: float = field(
         default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)
     )

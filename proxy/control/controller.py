@@ -172,19 +172,10 @@ class _Worker:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
-    # the move its latest plans found worth a restart ((arg, way) pairs) and how many plans in a row did
-    confirming: tuple[frozenset[tuple[str, int]], int] | None = None
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
     backlog: Backlog = field(default_factory=Backlog)
-
-
-def _way(before: object, after: object) -> int:
-    """+1 when a move raises an argument (or sets one that was unset), -1 when it lowers it, 0 otherwise."""
-    if isinstance(before, (int, float)) and isinstance(after, (int, float)):
-        return (after > before) - (after < before)
-    return 1 if before is None and after is not None else 0
 
 
 class TrialRefused(Exception):
@@ -656,16 +647,6 @@ class Controller:
             ),
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
-        move = frozenset((k, _way(old.get(k, w.state.resolved.get(k)), new[k])) for k in moved)
-        seen = w.confirming[1] + 1 if w.confirming is not None and w.confirming[0] == move else 1
-        w.confirming = (move, seen) if plan.worth else None
-        if plan.worth and seen < self.settings.plan_confirm:
-            self.journal.record(replace(decision, action=Action.NOTE, new_args=old, change=None), mode=self.mode,
-                                status=Status.NOTED, before=w.window.summary(),
-                                detail=f"a restart that pays, in {seen} plan(s) of the {self.settings.plan_confirm} "
-                                "in a row it needs: the next plan confirms it or not",
-                                extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
-            return None
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
             note = replace(decision, action=Action.NOTE, new_args=old, change=None)
             error = plan.current_error  # the twin on the requests it replayed, against what they got
