@@ -660,7 +660,8 @@ class Controller:
                                     extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
             return None
         base = plan.current.output_tok_per_s  # the work in flight computed again at the current pace
-        settle = job.inputs.cost.recomputed_tokens / base if base > 0 else 0.0
+        # the work taken back: its prompts and what it kept prefilled again, what it lost decoded again
+        settle = plan.refill_s + (job.inputs.cost.recomputed_tokens / base if base > 0 else 0.0)
         extra = {
             "predicted_gain": round(plan.predicted_gain, 4),
             "predicted_throughput": decision.evidence_json()["predicted_throughput"],

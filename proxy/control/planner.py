@@ -531,6 +531,7 @@ class Plan:
     basis: str = "throughput"
     wait_saved_s: float = 0.0  # request-seconds of waiting the best args save over the horizon
     wait_cost_s: float = 0.0  # request-seconds of waiting the restart adds
+    refill_s: float = 0.0  # after the restart, the time to prefill again what it took back (the cost's)
 
     @property
     def current_error(self) -> float | None:
@@ -601,6 +602,7 @@ def plan(
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
                         if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
+                        refill_s=cost.refill_s,
                         measured_current=loaded.measured() or measured_throughput(sample), basis="waiting",
                         wait_saved_s=saved, wait_cost_s=paid)  # fmt: skip
     if best is current:
@@ -625,6 +627,7 @@ def plan(
         predicted_gain=gain,
         gain_tokens=gain_tokens,
         cost_tokens=cost_tokens,
+        refill_s=cost.refill_s,
         worth=worth,
         replays=replays,
         reason=reason,

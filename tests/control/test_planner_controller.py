@@ -15,7 +15,7 @@ import pytest
 
 from proxy.console.decisions import format_decision
 from proxy.control.horizon import answer_rate
-from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction, check_outcome
+from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction, check_outcome, run_plan
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
 from proxy.sim.logs import startup_line
@@ -116,8 +116,10 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     # the work taken back is computed again first (at half the pace here): the outcome window opens after it
     settle = entry["outcome_settle_s"]
     assert settle > 0 and act.settle_s == pytest.approx(settle, abs=0.05)
+    refill_s = run_plan(jobs[0].inputs).refill_s  # the prompts of what it took back, prefilled again
+    assert refill_s > 0
     assert settle == pytest.approx(
-        jobs[0].inputs.cost.recomputed_tokens / entry["evidence"]["predicted_current"], rel=0.01
+        refill_s + jobs[0].inputs.cost.recomputed_tokens / entry["evidence"]["predicted_current"], rel=0.01
     )
     total = 0.0
     for k in range(int(settle + c.settings.window_s) + 2):  # then the worker does 20 % better
