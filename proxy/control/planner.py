@@ -579,10 +579,21 @@ def plan(
     gain = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
     gain_tokens = (best.output_tok_per_s - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
-    worth = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    measured = loaded.measured() or measured_throughput(sample)
+    predicted = current.answered_tok_per_s
+    # how far the twin is from what the worker did on the same requests: a gain inside that is not one
+    # (a sample without answer times says nothing of it: the twin's own figures stand)
+    error = abs(predicted - measured) / measured if measured and predicted is not None else None
+    trusted = error is None or gain > error
+    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    worth = pays and trusted
     waiting = (
-        None if worth or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
+        None if pays or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
     )
+    if waiting is not None and current.mean_answer_s and waiting[0].mean_answer_s is not None:
+        sooner = 1.0 - waiting[0].mean_answer_s / current.mean_answer_s
+        if error is not None and sooner <= error:
+            waiting = None  # answers sooner by less than the twin misses this worker by
     if waiting is not None and waiting[1] > waiting[2]:
         roomier = _roomier(twin, waiting[0], loaded, settings)
         replays += roomier is not None
@@ -607,6 +618,11 @@ def plan(
                         wait_saved_s=saved, wait_cost_s=paid)  # fmt: skip
     if best is current:
         reason = "no candidate beats the current arguments on the recent workload"
+    elif pays and not trusted:
+        reason = (
+            f"predicted gain {gain:+.1%} would pay a restart, but the twin misses what the worker did on the same "
+            f"requests by {error or 0.0:.1%}: no restart on it"
+        )
     elif not worth:
         reason = (
             f"predicted gain {gain:+.1%} x {settings.horizon_s:g} s = {gain_tokens:.0f} tokens "

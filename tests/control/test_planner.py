@@ -17,6 +17,7 @@ from proxy.control.planner import (
     calibrate,
     candidates,
     plan,
+    replay,
 )
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
@@ -261,7 +262,9 @@ def test_work_in_flight_is_expected_to_write_what_its_own_class_writes_and_a_bat
     settings = PlanSettings(horizon_s=600.0)
     misread = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*as_chat, *chat], 20.0)
     own = plan(Twin(GPU, MODEL), {}, answered, cost, settings, None, [*batch, *chat], 20.0)
-    assert misread.predicted_gain > 0.15 and misread.worth
+    # misread, it would pay, were the twin not far from the one answer the worker gave (the error gate)
+    assert misread.predicted_gain > 0.15 and not misread.worth and "misses what the worker did" in misread.reason
+    assert misread.current_error is not None and misread.current_error >= misread.predicted_gain
     assert own.predicted_gain < 0.08 and not own.worth, own.reason  # a few percent (the band's KV pool included)
 
 
@@ -282,7 +285,7 @@ def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
     """chunked_prefill_size 8192 on a 48 GB L40S, the band's floor at 2 GB: a full chunk needs 2 GB of
     activations by the twin's presets, so the larger pool keeps 1.5 x that free (0.92: 3.04 GB), not
     the floor alone (0.94: 2.14 GB, where an engine whose activations are a quarter larger dies)."""
-    from proxy.control.planner import _roomier, replay
+    from proxy.control.planner import _roomier
 
     twin = Twin("l40s-48gb", MODEL)
     args = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.9}
@@ -291,3 +294,24 @@ def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
     roomier = _roomier(twin, chosen, replay(wl), PlanSettings(min_available_gb=2.0))
     assert roomier is not None and roomier.args["mem_fraction_static"] == 0.92
     assert roomier.available_gpu_mem_gb is not None and roomier.available_gpu_mem_gb >= 3.0
+
+
+def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
+    """A backlog of short answers under a large max_tokens (the plan above, +10 % and more), answered by
+    a worker twice as slow as the twin's presets: uncalibrated, the twin misses what the worker did on
+    the same requests by more than the gain it predicts, and the plan does not restart on it; the
+    twin calibrated to that worker does."""
+    wl = _workload(300, 1000.0, (120, 500), 4096)
+    slow = Twin(GPU, MODEL, step_time_factor=2.0)
+    done = slow.predict({"schedule_conservativeness": 1.0}, replay(wl))
+    ends = {r.rid: r.finish_time for r in simulate(slow.config({"schedule_conservativeness": 1.0}),
+                                                    list(replay(wl).specs)).requests}  # fmt: skip
+    answered = [replace(o, finished=o.arrived + (ends[f"s{i}"] or 0.0)) for i, o in
+                enumerate(sorted(wl, key=lambda o: o.arrived))]  # fmt: skip
+    assert done.output_tok_per_s > 0
+    off = plan(Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0),
+               PlanSettings())  # fmt: skip
+    assert off.current_error is not None and off.current_error > off.predicted_gain > 0.03
+    assert not off.worth and "misses what the worker did" in off.reason
+    calibrated = plan(slow, {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0), PlanSettings())
+    assert calibrated.current_error is not None and calibrated.current_error < 0.05 and calibrated.worth
