@@ -235,7 +235,9 @@ def _fast_tier(
             oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
         for interactive in (True, False):
             written = load.facts.written(interactive=interactive, arrived_before=oldest[interactive])
-            old, new = load.output_budget(interactive=interactive), output_budget(written, settings)
+            old = load.output_budget(interactive=interactive)
+            # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
+            new = output_budget(written, settings) or (old if settings.output_budget else None)
             if interactive:
                 load.interactive_output_budget = new
             else:
