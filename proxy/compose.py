@@ -234,17 +234,21 @@ def _fast_tier(
             interactive = attempt.ticket.priority is Priority.INTERACTIVE
             oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
         for interactive in (True, False):
-            written = load.facts.written(interactive=interactive, arrived_before=oldest[interactive])
-            old = load.output_budget(interactive=interactive)
-            # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
-            new = output_budget(written, settings) or (old if settings.output_budget else None)
-            if interactive:
-                load.interactive_output_budget = new
-            else:
-                load.batch_output_budget = new
-            if journal is not None and budget_moved(old, new, settings):
-                above = None if new is None else applies_above(new)
-                journal(worker_id, budget_evidence(written, interactive, old, new, settings, above), sample.time)
+            by_asked = load.facts.written(interactive=interactive, arrived_before=oldest[interactive])
+            for asked in sorted(set(by_asked) | {a for (i, a) in load.output_budgets if i is interactive}):
+                written = by_asked.get(asked, [])
+                key = (interactive, asked)
+                old = load.output_budgets.get(key)
+                # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
+                new = output_budget(written, settings) or (old if settings.output_budget else None)
+                if new is None:
+                    load.output_budgets.pop(key, None)
+                else:
+                    load.output_budgets[key] = new
+                if journal is not None and budget_moved(old, new, settings):
+                    above = None if new is None else applies_above(new)
+                    journal(worker_id, budget_evidence(written, interactive, asked, old, new, settings, above),
+                            sample.time)  # fmt: skip
         withdrawn = 0
         if pace.batch_queue_target is not None and load.batch_in_flight:
             withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)

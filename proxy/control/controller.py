@@ -281,20 +281,17 @@ class Controller:
         w = self._workers.get(worker_id)
         args = dict(w.state.args) if w is not None else {}
         budget, before = evidence.budget_tokens, evidence.previous_tokens
-        cls = evidence.request_class
+        cls, asked = evidence.request_class, evidence.max_tokens
         if budget is None:
-            reason = f"{cls} output budget lifted (was {before}): requests go with the max_tokens they ask for"
+            reason = f"{cls} output budget at max_tokens {asked} lifted (was {before}): requests go as they ask"
         else:
-            above = (
-                ""
-                if evidence.applies_above_tokens is None
-                else f" asking for more than {evidence.applies_above_tokens}"
-            )
+            applies = evidence.applies_above_tokens is None or asked >= evidence.applies_above_tokens
             reason = (
-                f"{cls} requests{above} go with max_tokens {budget}"
-                + ("" if before is None else f" (was {before})")
-                + f": {evidence.quantile:.0%} of the last {evidence.answers} answers wrote at most "
-                f"{evidence.high_tokens}, x {evidence.margin:g}; an answer that reaches it goes on"
+                f"{cls} requests asking for max_tokens {asked} go with {budget if applies else asked}"
+                + ("" if before is None else f" (budget was {before})")
+                + f": {evidence.quantile:.0%} of the last {evidence.answers} such answers wrote at most "
+                f"{evidence.high_tokens}, x {evidence.margin:g}"
+                + ("; an answer that reaches it goes on" if applies else f" = {budget}, too close to what they ask")
             )
         decision = Decision(worker_id=worker_id, rule="output_budget", time=now, evidence=evidence, old_args=args,
                             new_args=args, action=Action.NOTE, kind=RuleKind.TUNING, reason=reason)  # fmt: skip

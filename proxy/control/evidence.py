@@ -201,6 +201,7 @@ class OutputBudget(Evidence):
     """The fast tier's output budget of one class on one worker: what its recent answers wrote."""
 
     request_class: str  # "interactive" or "batch"
+    max_tokens: int  # what the requests it applies to ask for
     budget_tokens: int | None  # the max_tokens its plain requests now go with (None: as asked)
     applies_above_tokens: int | None  # ... those that ask for more than this (None: no budget)
     previous_tokens: int | None

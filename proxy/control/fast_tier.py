@@ -25,9 +25,11 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   length of the worker's recent requests, linearly between ``short_output_tokens`` and
   ``long_output_tokens``.
 * the **batch queue target**, while interactive work is on the worker or waiting for it.
-* the **output budget** per class (:func:`output_budget`): the ``max_tokens`` a plain whole request
-  is sent to the worker with, where the worker's engine reserves KV for ``max_tokens`` (SGLang). A
-  high quantile (``budget_quantile``) of what the worker's recent answers of the class wrote, times
+* the **output budget** per class and ``max_tokens`` asked (:func:`output_budget`): the ``max_tokens``
+  a plain request is sent to the worker with, where the worker's engine reserves KV for ``max_tokens``
+  (SGLang). A high quantile (``budget_quantile``) of what the worker's recent answers of the class
+  that asked for the same wrote (requests that ask alike write alike: in ``shift`` a budget read from
+  chat at 4,096 cut the batch at 2,000 that followed, and its throughput paid 16 %), times
   ``budget_margin``, rounded up to ``budget_step`` tokens; none before ``budget_min_answers`` answers.
   An answer that reaches it is continued (:mod:`proxy.request.continuation`), so the budget trades a
   rare continuation (a re-prefill of the text so far, mostly from the prefix cache) for admission
@@ -208,6 +210,7 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
 def budget_evidence(
     written: Sequence[int],
     interactive: bool,
+    asked: int,
     old: int | None,
     new: int | None,
     settings: PaceSettings,
@@ -216,7 +219,7 @@ def budget_evidence(
     """The journal's evidence of a budget change (what :func:`output_budget` read); ``applies_above``:
     the least ``max_tokens`` of a request it applies to (the request path's rule)."""
     high = _high(written, settings)
-    return OutputBudget(request_class="interactive" if interactive else "batch", budget_tokens=new,
+    return OutputBudget(request_class="interactive" if interactive else "batch", max_tokens=asked, budget_tokens=new,
                         applies_above_tokens=applies_above, previous_tokens=old, answers=min(len(written), settings.budget_answers),
                         high_tokens=high or 0, quantile=settings.budget_quantile,
                         margin=settings.budget_margin)  # fmt: skip

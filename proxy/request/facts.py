@@ -80,14 +80,17 @@ class WorkerFacts:
             if (since is None or f.time >= since) and (interactive is None or f.interactive is interactive)
         ]
 
-    def written(self, *, interactive: bool, arrived_before: float = math.inf) -> list[int]:
+    def written(self, *, interactive: bool, arrived_before: float = math.inf) -> dict[int, list[int]]:
         """Output tokens of the class's answered requests that arrived before ``arrived_before``, oldest
-        first (what the output budget reads)."""
-        return [
-            f.output_tokens
-            for f in self._facts
-            if f.interactive is interactive and f.output_tokens is not None and f.arrived < arrived_before
-        ]
+        first, by the ``max_tokens`` they asked for (what the output budget reads; requests that gave
+        none are left out)."""
+        out: dict[int, list[int]] = {}
+        for f in self._facts:
+            if f.interactive is not interactive or f.output_tokens is None or f.max_tokens is None:
+                continue
+            if f.arrived < arrived_before:
+                out.setdefault(f.max_tokens, []).append(f.output_tokens)
+        return out
 
     def __len__(self) -> int:
         return len(self._facts)

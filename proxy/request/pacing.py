@@ -85,16 +85,15 @@ class WorkerLoad:
         "_pending_base",
         "attempts",
         "batch_attempts",
-        "batch_output_budget",
         "batch_paced_until",
         "batch_queue_target",
         "completed",
         "dispatched",
         "error",
         "facts",
-        "interactive_output_budget",
         "last_running",
         "limit",
+        "output_budgets",
         "output_rate",
         "queue_target",
         "sample",
@@ -116,9 +115,8 @@ class WorkerLoad:
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
-        # the fast tier's output budgets per class: the max_tokens a request is sent with (None: as asked)
-        self.interactive_output_budget: int | None = None
-        self.batch_output_budget: int | None = None
+        # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
+        self.output_budgets: dict[tuple[bool, int], int] = {}
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         self._base_dispatched = 0
@@ -132,10 +130,17 @@ class WorkerLoad:
         """Requests this proxy has open on the worker."""
         return len(self.attempts)
 
-    def output_budget(self, *, interactive: bool) -> int | None:
-        """The ``max_tokens`` a request of the class is sent with (None: as asked; see
-        :mod:`proxy.request.continuation`)."""
-        return self.interactive_output_budget if interactive else self.batch_output_budget
+    def budget_summary(self) -> dict[str, dict[str, int]]:
+        """The output budgets per class, by the ``max_tokens`` asked (the status page's)."""
+        out: dict[str, dict[str, int]] = {"interactive": {}, "batch": {}}
+        for (interactive, asked), budget in sorted(self.output_budgets.items()):
+            out["interactive" if interactive else "batch"][str(asked)] = budget
+        return out
+
+    def output_budget(self, *, interactive: bool, max_tokens: int | None) -> int | None:
+        """The ``max_tokens`` a request of the class that asks for ``max_tokens`` is sent with (None: as
+        asked; see :mod:`proxy.request.continuation`): requests that ask alike write alike."""
+        return None if max_tokens is None else self.output_budgets.get((interactive, max_tokens))
 
     @property
     def batch_in_flight(self) -> int:
@@ -262,7 +267,7 @@ class WorkerLoad:
             "limit": self.limit,
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
-            "output_budget": {"interactive": self.interactive_output_budget, "batch": self.batch_output_budget},
+            "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),
             "scrape_error": self.error,
             "sample": None

@@ -355,7 +355,9 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     """How ``job`` goes to the attempt's worker under its output budget (None: as asked): the budget
     of the request's class, where the worker's engine reserves ``max_tokens`` and can continue."""
     load = path.dispatcher.board.get(attempt.worker_id)
-    budget = load.output_budget(interactive=attempt.ticket.priority is Priority.INTERACTIVE)
+    budget = load.output_budget(
+        interactive=attempt.ticket.priority is Priority.INTERACTIVE, max_tokens=_max_tokens(job.body)
+    )
     if budget is None:
         return None
     engine = path.engine_of(attempt.worker_id)

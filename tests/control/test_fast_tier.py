@@ -242,6 +242,6 @@ def test_output_budget_is_a_margin_over_a_high_quantile_of_what_answers_wrote():
 def test_a_budget_is_journaled_when_set_lifted_or_moved_by_a_quarter():
     assert budget_moved(None, 512, S) and budget_moved(512, None, S) and not budget_moved(None, None, S)
     assert not budget_moved(512, 576, S) and budget_moved(512, 640, S) and budget_moved(512, 384, S)
-    ev = budget_evidence([100] * 60, True, None, 256, S)
-    assert (ev.request_class, ev.budget_tokens, ev.previous_tokens, ev.answers, ev.high_tokens) == (
-        "interactive", 256, None, 60, 100)  # fmt: skip
+    ev = budget_evidence([100] * 60, True, 4096, None, 256, S)
+    assert (ev.request_class, ev.max_tokens, ev.budget_tokens, ev.previous_tokens, ev.answers, ev.high_tokens) == (
+        "interactive", 4096, 256, None, 60, 100)  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 from .e2e import MODEL, running_proxy, wait_for
 
 SHORT = 40  # what the first answers write, of max_tokens 2000
-LONG = 700  # then one answer this long
+LONG = 600  # then one answer this long
 
 
 async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one_answer(tmp_path: Path) -> None:
@@ -32,14 +32,15 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
                                                extra_body={"sim_output_len": SHORT})
                 for _ in range(60)
             ])  # fmt: skip
-            await wait_for(lambda: load.interactive_output_budget is not None, 10, "a budget learned")
-            assert load.interactive_output_budget == 256  # the floor: 40 x 1.5 is less
+            budget = lambda: load.output_budget(interactive=True, max_tokens=2000)  # noqa: E731
+            await wait_for(lambda: budget() is not None, 10, "a budget learned")
+            assert budget() == 256  # the floor: 40 x 1.5 is less
             (entry,) = [d for d in await proxy.decisions() if d["rule"] == "output_budget"]
             assert entry["status"] == "applied" and entry["action"] == "note"  # the fast tier: no restart
             assert entry["evidence"]["budget_tokens"] == 256 and entry["evidence"]["previous_tokens"] is None
             assert entry["evidence"]["high_tokens"] == SHORT and entry["evidence"]["request_class"] == "interactive"
             assert entry["evidence"]["applies_above_tokens"] == 342  # a quarter below the client's max_tokens at least
-            assert "interactive requests asking for more than 342 go with max_tokens 256" in entry["reason"]
+            assert "interactive requests asking for max_tokens 2000 go with 256" in entry["reason"]
 
             chat = await client.chat.completions.create(
                 model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
@@ -48,30 +49,32 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
             assert len(text.split()) == LONG and chat.usage.completion_tokens == LONG  # every token, one answer
             assert chat.choices[0].finish_reason == "stop"
             fact = load.facts.recent()[-1]
-            assert (fact.parts, fact.sent_max_tokens, fact.output_tokens) == (3, 256, LONG)  # 256, 256, then 188
+            assert (fact.parts, fact.sent_max_tokens, fact.output_tokens) == (3, 256, LONG)  # 256, 256, then 88
 
-            comp = await client.completions.create(
-                model=MODEL, prompt="tell me a story", max_tokens=600, extra_body={"sim_output_len": 5000}
-            )
-            assert len(comp.choices[0].text.split()) == 600 and comp.usage.completion_tokens == 600
-            assert comp.choices[0].finish_reason == "length"  # the client's own max_tokens
-            assert comp.usage.prompt_tokens < 10  # the first part's prompt, not a continuation's (hundreds longer)
-            # the budget follows the answers: 700 and 600 are now among the newest 62 (700 x 1.5 -> 1088)
-            await wait_for(lambda: load.interactive_output_budget == 1088, 10, "the budget grown")
+            # the budget follows the answers: 600 is now the highest of the 61 that asked for 2000 (x 1.5 -> 960)
+            await wait_for(lambda: budget() == 960, 10, "the budget grown")
             moved = [d["evidence"] for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
-            assert (moved["previous_tokens"], moved["budget_tokens"]) == (256, 1088)  # journaled: moved by 25 % or more
+            assert (moved["previous_tokens"], moved["budget_tokens"]) == (256, 960)  # journaled: moved by 25 % or more
             stream = await client.chat.completions.create(
-                model=MODEL, messages=msg, max_tokens=4000, stream=True, stream_options={"include_usage": True},
+                model=MODEL, messages=msg, max_tokens=2000, stream=True, stream_options={"include_usage": True},
                 extra_body={"sim_output_len": 1500},
             )  # fmt: skip
             chunks = [c async for c in stream]
             streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert len(streamed.split()) == 1500 and chunks[-1].usage.completion_tokens == 1500  # 1088, then 412
+            assert len(streamed.split()) == 1500 and chunks[-1].usage.completion_tokens == 1500  # 960, then 540
             assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
             assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
             assert len({c.id for c in chunks}) == 1
+
+            # now 1500 x 1.5: a budget too close to the 2000 asked changes no request
+            await wait_for(lambda: (budget() or 0) > 1500, 10, "the budget past three quarters of what is asked")
+            comp = await client.completions.create(
+                model=MODEL, prompt="tell me a story", max_tokens=2000, extra_body={"sim_output_len": 5000}
+            )
+            assert len(comp.choices[0].text.split()) == 2000 and comp.choices[0].finish_reason == "length"
+            assert load.facts.recent()[-1].parts == 1 and load.facts.recent()[-1].sent_max_tokens is None
             continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
-            assert continued == 2 + 2 + 1  # 256 -> 512 -> 700; 256 -> 512 -> 600; 1088 -> 1500
+            assert continued == 2 + 1  # 256 -> 512 -> 600; 960 -> 1500
         finally:
             await client.close()
 

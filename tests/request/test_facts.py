@@ -60,6 +60,9 @@ def test_written_reads_a_class_and_only_the_requests_that_arrived_before_a_momen
     for i, (out, interactive) in enumerate([(10, True), (500, False), (30, True), (20, True)]):
         facts.record(RequestFact(time=10.0 + i, arrived=float(i), prompt_tokens=1, output_tokens=out, max_tokens=4096,
                                  finish_reason="stop", ttft_s=None, queue_s=0.0, interactive=interactive))  # fmt: skip
-    assert facts.written(interactive=True) == [10, 30, 20]
-    assert facts.written(interactive=False) == [500]
-    assert facts.written(interactive=True, arrived_before=2.0) == [10]  # arrived at 0 (and 1, the batch one)
+    assert facts.written(interactive=True) == {4096: [10, 30, 20]}
+    assert facts.written(interactive=False) == {4096: [500]}
+    assert facts.written(interactive=True, arrived_before=2.0) == {4096: [10]}  # arrived at 0 (and 1, the batch one)
+    facts.record(RequestFact(time=20.0, arrived=9.0, prompt_tokens=1, output_tokens=1500, max_tokens=2000,
+                             finish_reason="stop", ttft_s=None, queue_s=0.0))  # fmt: skip
+    assert facts.written(interactive=True) == {4096: [10, 30, 20], 2000: [1500]}  # requests that ask alike
