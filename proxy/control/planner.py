@@ -592,8 +592,12 @@ def plan(
     )
     if waiting is not None and current.mean_answer_s and waiting[0].mean_answer_s is not None:
         sooner = 1.0 - waiting[0].mean_answer_s / current.mean_answer_s
-        if error is not None and sooner <= error:
-            waiting = None  # answers sooner by less than the twin misses this worker by
+        answered = [o.finished - o.arrived for o in sample if o.finished is not None]
+        measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
+        # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
+        answer_error = abs(current.mean_answer_s - measured_answer) / measured_answer if measured_answer else None
+        if answer_error is not None and sooner <= answer_error:
+            waiting = None  # answers sooner by less than the twin misses this worker's answers by
     if waiting is not None and waiting[1] > waiting[2]:
         roomier = _roomier(twin, waiting[0], loaded, settings)
         replays += roomier is not None

@@ -315,3 +315,22 @@ def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
     assert not off.worth and "misses what the worker did" in off.reason
     calibrated = plan(slow, {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0), PlanSettings())
     assert calibrated.current_error is not None and calibrated.current_error < 0.05 and calibrated.worth
+
+
+def test_answers_sooner_by_less_than_the_twin_misses_the_worker_by_is_not_acted_on():
+    """The burst above, answered by a worker whose answers took 40 % longer than the twin's: the
+    waiting the candidate saves (under 40 % of the mean answer) is inside the twin's error on the same
+    requests' answer times, so no restart; answered as the twin expects, the restart goes ahead."""
+    wl = sorted(_burst_then_trickle(), key=lambda o: o.arrived)
+    twin, cost = Twin(GPU, MODEL), RestartCost(startup_s=20.0)
+    ends = {r.rid: r.finish_time for r in simulate(twin.config({"schedule_conservativeness": 1.0}),
+                                                    list(replay(wl).specs)).requests}  # fmt: skip
+
+    def answered(stretch: float) -> list[Observed]:
+        return [replace(o, finished=o.arrived + stretch * ((ends[f"s{i}"] or 0.0) - (o.arrived - wl[0].arrived)))
+                for i, o in enumerate(wl)]  # fmt: skip
+
+    as_expected = plan(twin, {"schedule_conservativeness": 1.0}, answered(1.0), cost, PlanSettings())
+    assert as_expected.worth and as_expected.basis == "waiting"
+    slower = plan(twin, {"schedule_conservativeness": 1.0}, answered(1.4), cost, PlanSettings())
+    assert not slower.worth
