@@ -734,22 +734,12 @@ async def _respond_stitched(
                 part_rid = body["rid"] = f"{rid}.c{opened.parts}"
             m.continued.inc()
             opened.parts += 1
-            try:
-                resp = await path.upstream.post(  # type: ignore[union-attr]
-                    url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
-                )
-                if resp.status != 200:
-                    refused = (await resp.read())[:300].decode(errors="replace")
-                    resp.close()
-                    raise UpstreamError(f"the worker refused the continuation: HTTP {resp.status}: {refused}")
-            except UpstreamError as exc:
-                m.fail_midstream.inc()
-                _log.warning("a stream sent under its output budget could not go on: %r", exc)
-                await out.write(error_event(f"the answer could not be continued ({exc}); it is incomplete",
-                                            code="upstream_failed_mid_stream"))  # fmt: skip
-                await out.write_eof()
-                ok = True
-                return out
+            resp = await path.upstream.post(  # type: ignore[union-attr]
+                url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
+            )
+            if resp.status != 200:
+                refused = (await resp.read())[:300].decode(errors="replace")
+                raise UpstreamError(f"the answer could not be continued: HTTP {resp.status}: {refused}")
             stitcher.begin_part()
             chunk = await resp.readany()
         client_tail, opened.tail = stitcher.finish()
@@ -758,11 +748,11 @@ async def _respond_stitched(
         await out.write_eof()
         ok = True
         return out
-    except UpstreamError as exc:
+    except UpstreamError as exc:  # a part broke, or its continuation was refused, after output went out
         m.fail_midstream.inc()
-        _log.warning("worker stream broke after output was sent: %r", exc)
-        await out.write(b"\n\n" + error_event(f"the worker failed mid-stream ({exc}); the answer is incomplete",
-                                                code="upstream_failed_mid_stream"))  # fmt: skip
+        _log.warning("a stream sent under its output budget broke after output was sent: %r", exc)
+        await out.write(error_event(f"the worker failed mid-stream ({exc}); the answer is incomplete",
+                                    code="upstream_failed_mid_stream"))  # fmt: skip
         await out.write_eof()
         ok = True
         return out
