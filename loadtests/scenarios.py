@@ -108,6 +108,7 @@ class ArmResult:
     latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
     ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
     time_scale: float = 1.0  # modelled seconds per wall second (the answer times below are modelled)
+    proxy_peak_rss_mb: float | None = None  # the proxy process's peak resident memory (Linux: VmHWM)
 
     @property
     def mean_answer_s(self) -> float | None:
@@ -153,6 +154,7 @@ class ArmResult:
             p99_answer_s=None if (p := self.p99_answer_s) is None else round(p, 2),
             load_avg=[round(x, 1) for x in self.load_avg],
             min_serving_fraction=self.min_serving_fraction,
+            proxy_peak_rss_mb=None if self.proxy_peak_rss_mb is None else round(self.proxy_peak_rss_mb),
         )
         if self.trial is not None:
             out["trial"] = self.trial
@@ -223,6 +225,17 @@ class ProxyProcess:
                         found.set_result(m.group(1))
         if not found.done():
             found.set_exception(RuntimeError("pacer serve exited"))
+
+    def peak_rss_mb(self) -> float | None:
+        """The process's peak resident memory so far, from ``/proc`` (None where there is none)."""
+        if self.proc is None:
+            return None
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return None
+        m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+        return int(m.group(1)) / 1024 if m else None
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -512,6 +525,7 @@ async def run_arm(
             workers = (await _get_json(session, url + "/admin/workers"))["workers"]
             res.restarts = sum(int(w["restarts"]) for w in workers)
             res.final_args = dict(workers[0]["args"]) if len(workers) == 1 else {w["id"]: w["args"] for w in workers}
+            res.proxy_peak_rss_mb = proxy.peak_rss_mb()
     finally:
         await proxy.stop()
     res.retractions, res.oom_crashes = _count_log(workdir / "logs")
@@ -865,7 +879,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
     head = (
         "| scenario | arm | output tok/s | mean answer s | ok | failed | lost | retractions | restarts | OOM crashes | "
-        "sim slowdown | load avg | args at the end |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "sim slowdown | load avg | proxy peak RSS MB | args at the end |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     rows = [head]
     for rep in reports:
@@ -873,7 +888,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             final = ", ".join(f"{k}={v}" for k, v in sorted(a["final_args"].items())) or "(SGLang defaults)"
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {_opt(a.get('mean_answer_s'))} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
-                        f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {final} |")  # fmt: skip
+                        f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | "
+                        f"{a.get('proxy_peak_rss_mb') or '-'} | {final} |")  # fmt: skip
     ratios = [
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "

@@ -639,6 +639,7 @@ class Controller:
                 step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
                 replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
                 basis=plan.basis, wait_saved_s=round(plan.wait_saved_s), wait_cost_s=round(plan.wait_cost_s),
+                utilization=None if plan.utilization is None else round(plan.utilization, 3),
                 predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
                 current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
             ),

@@ -256,6 +256,8 @@ class Planned(Evidence):
     current_answer_s: float | None = None
     wait_saved_s: float = 0.0  # request-seconds over the horizon
     wait_cost_s: float = 0.0
+    # the waiting basis: the work arriving over what the new args can do, that the restart's waiting was priced at
+    utilization: float | None = field(default=None, metadata=OPTIONAL)
     horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
 
 

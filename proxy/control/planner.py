@@ -92,6 +92,7 @@ __all__ = [
     "candidates",
     "check_outcome",
     "measured_throughput",
+    "outage_waiting_s",
     "plan",
     "replay",
     "run_plan",
@@ -531,6 +532,7 @@ class Plan:
     basis: str = "throughput"
     wait_saved_s: float = 0.0  # request-seconds of waiting the best args save over the horizon
     wait_cost_s: float = 0.0  # request-seconds of waiting the restart adds
+    utilization: float | None = None  # the waiting basis: the work arriving over what the new args can do
     refill_s: float = 0.0  # after the restart, the time to prefill again what it took back (the cost's)
 
     @property
@@ -588,7 +590,11 @@ def plan(
     pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     worth = pays and trusted
     waiting = (
-        None if pays or settings.backlog else _waiting_plan(current, served, sample, len(in_flight), cost, settings)
+        None
+        if pays or settings.backlog
+        else _waiting_plan(
+            current, served, sample, len(in_flight), cost, settings, lambda p: _capacity(twin, p, loaded)
+        )
     )
     if waiting is not None and current.mean_answer_s and waiting[0].mean_answer_s is not None:
         sooner = 1.0 - waiting[0].mean_answer_s / current.mean_answer_s
@@ -603,15 +609,16 @@ def plan(
         replays += roomier is not None
         answers = roomier.mean_answer_s if roomier is not None else None
         if roomier is not None and answers is not None and answers <= (waiting[0].mean_answer_s or 0.0):
-            waiting = (roomier, waiting[1], waiting[2])
+            waiting = (roomier, *waiting[1:])
     if waiting is not None:
-        quicker, saved, paid = waiting
+        quicker, saved, paid, utilization = waiting
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
         assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
         reason = (
             f"{moved}: the same tokens answered sooner (mean answer {current.mean_answer_s:.1f} -> "
             f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
             f"{settings.horizon_s:g} s {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
+            + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
         )
         if saved > paid:
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
@@ -619,7 +626,7 @@ def plan(
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
                         refill_s=cost.refill_s,
                         measured_current=loaded.measured() or measured_throughput(sample), basis="waiting",
-                        wait_saved_s=saved, wait_cost_s=paid)  # fmt: skip
+                        wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
     if best is current:
         reason = "no candidate beats the current arguments on the recent workload"
     elif pays and not trusted:
@@ -640,6 +647,8 @@ def plan(
         )
     if waiting is not None:
         reason += f"; waiting: {waiting[1]:.0f} request-seconds saved <= {waiting[2]:.0f} the restart adds"
+        if waiting[3] is not None:
+            reason += f" (the worker {waiting[3]:.0%} busy)"
     return Plan(
         twin=twin,
         current=current,
@@ -657,6 +666,16 @@ def plan(
 
 
 ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least
+
+
+def _capacity(twin: Twin, chosen: Prediction, loaded: Replay) -> float | None:
+    """Output tokens/s the twin writes under ``chosen``'s args with the sample's own requests all
+    waiting at once: what the worker can do on this work, the denominator of its utilization."""
+    waiting = tuple(replace(sp, arrival=0.0) for sp in loaded.specs if sp.rid in loaded.foreground)
+    if not waiting:
+        return None
+    most = twin.predict(chosen.args, Replay(waiting, loaded.foreground))
+    return most.output_tok_per_s if most.oom is None and most.output_tok_per_s > 0 else None
 
 
 def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSettings) -> Prediction | None:
@@ -732,6 +751,19 @@ def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSetting
     return None if best is None else {**args, MEMORY_FRACTION: best[1]}
 
 
+def outage_waiting_s(in_flight: int, rate: float, outage_s: float, utilization: float | None) -> float:
+    """Request-seconds of waiting an outage of ``outage_s`` adds on a worker that answers what arrives
+    at ``rate`` requests/s at ``utilization`` (the work arriving over what the worker can do, 0-1): the
+    requests open on it wait the outage out; those arriving meanwhile queue up (``rate x outage``, half
+    the outage each on average) and the queue then drains at the worker's spare capacity only, so every
+    request behind it waits too: the backlog's triangle, ``rate x outage^2 / 2 / (1 - utilization)``
+    (a queue's busy period; at 0.9 ten times the outage's own share). Never less than every arrival
+    held for the whole outage (the start-up is an estimate); utilization held below 0.95."""
+    rho = min(0.95, max(0.0, utilization or 0.0))
+    held = rate * outage_s * outage_s
+    return in_flight * outage_s + max(held, held / 2.0 / (1.0 - rho))
+
+
 def _waiting_plan(
     current: Prediction,
     served: Sequence[Prediction],
@@ -739,12 +771,15 @@ def _waiting_plan(
     in_flight: int,
     cost: RestartCost,
     settings: PlanSettings,
-) -> tuple[Prediction, float, float] | None:
+    capacity: Callable[[Prediction], float | None] = lambda _: None,
+) -> tuple[Prediction, float, float, float | None] | None:
     """Where no candidate writes more tokens per second (arrivals the worker keeps up with), the one
     that answers the same requests soonest, with the request-seconds of waiting it saves over the
-    horizon (the mean answer saved x the requests expected: the sample's arrival rate x the horizon)
-    and those the restart adds (the requests open on the worker and those arriving while it is out,
-    each held for the outage: drain, start-up, work computed again). None: nothing to compare."""
+    horizon (the mean answer saved x the requests expected: the sample's arrival rate x the horizon),
+    those the restart adds (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work
+    computed again) and the utilization they were priced at: the sample's output per second of its
+    arrivals over ``capacity`` (the candidate's output tokens/s with the sample all waiting; None:
+    not known). None: nothing to compare."""
     if current.mean_answer_s is None or current.mean_answer_s <= 0 or len(sample) < 2:
         return None
     arrived = sorted(o.arrived for o in sample)
@@ -764,8 +799,9 @@ def _waiting_plan(
         return None
     saved = (current.mean_answer_s - quicker.mean_answer_s) * rate * settings.horizon_s
     outage = cost.outage_s(current.output_tok_per_s)
-    paid = (in_flight + rate * outage) * outage
-    return quicker, saved, paid
+    most = capacity(quicker)
+    utilization = sum(o.output_tokens for o in sample) / span / most if most else None
+    return quicker, saved, outage_waiting_s(in_flight, rate, outage, utilization), utilization
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

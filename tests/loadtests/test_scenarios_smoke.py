@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,8 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
         assert set(ARM_KEYS) <= set(a), arm
         assert a["requests_lost"] == 0 and a["requests_failed"] == 0 and a["requests_ok"] == 60, (arm, a)
         assert a["output_tok_per_s"] > 0
+        if sys.platform == "linux":  # the proxy's peak resident memory, read from /proc before it stops
+            assert 20 < a["proxy_peak_rss_mb"] < 2000, (arm, a["proxy_peak_rss_mb"])
     assert on_disk["arms"]["default"]["retractions"] > 0  # the storm is real
     assert on_disk["arms"]["oracle"]["control_mode"] == "off"
     for key in ("adaptive_over_oracle", "adaptive_over_default"):
