@@ -17,6 +17,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from proxy.control.fast_tier import PaceSettings
+
 pytestmark = [pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +86,10 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         decisions = admin(url, "/admin/decisions")["decisions"]
         applied = [d for d in decisions if d["rule"] == "output_budget" and d["status"] == "applied"]
         assert applied and applied[0]["evidence"]["budget_tokens"] > 400, applied  # above every answer (100-400)
-        assert budget is not None and budget == applied[-1]["evidence"]["budget_tokens"]
+        # the budget the worker holds is the last journaled one, or a step from it the journal leaves
+        # out (a move under ``budget_note_change`` of it, read from the answers still coming in)
+        last = applied[-1]["evidence"]["budget_tokens"]
+        assert budget is not None and abs(budget - last) < PaceSettings().budget_note_change * last, (budget, last)
         pids = [w["pid"] for w in workers]
         assert all(pids)
         stop_started = time.monotonic()

@@ -135,10 +135,12 @@ async def test_exit_during_startup_is_down_with_its_last_lines(make_supervisor) 
 
 
 async def test_startup_timeout_stops_the_process(make_supervisor) -> None:
-    sup = make_supervisor(extra_args=["--fake-startup-seconds", "60"], startup_timeout_s=1.5)
+    # long enough for the fake to be listening (its /health answers 503 while it starts) on a loaded
+    # 2-core machine: at 1.5 s it sometimes was not yet, and the last /health said "connection refused"
+    sup = make_supervisor(extra_args=["--fake-startup-seconds", "60"], startup_timeout_s=6.0)
     await sup.start()
     info = sup.get("w0")
-    assert info.state == WorkerState.DOWN and "not healthy after 1.5 s" in (info.last_error or "")
+    assert info.state == WorkerState.DOWN and "not healthy after 6 s" in (info.last_error or "")
     assert "HTTP 503" in (info.last_error or "") and info.pid is None
 
 
