@@ -625,7 +625,7 @@ def plan(
                         if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
                         refill_s=cost.refill_s,
-                        measured_current=loaded.measured() or measured_throughput(sample), basis="waiting",
+                        measured_current=measured, basis="waiting",
                         wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
     if best is current:
         reason = "no candidate beats the current arguments on the recent workload"
@@ -661,7 +661,7 @@ def plan(
         replays=replays,
         reason=reason,
         refused=tuple(refused),
-        measured_current=loaded.measured() or measured_throughput(sample),
+        measured_current=measured,
     )
 
 
