@@ -402,6 +402,14 @@ class ControlSettings:
         default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)
     )
     plan_requests: int = field(default=300, metadata=key("newest requests a plan replays", minimum=1))
+    plan_confirmations: int = field(
+        default=2,
+        metadata=key(
+            "consecutive plans of one worker that must each say a restart pays before one is taken (1: the first "
+            "says so); a plan every plan_interval_s that crosses the line once among many is chance, not a trend",
+            minimum=1,
+        ),
+    )
     canary_margin: float = field(
         default=0.03,
         metadata=key(

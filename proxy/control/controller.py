@@ -172,6 +172,7 @@ class _Worker:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
+    plans_paying: int = 0  # consecutive plans that said a restart pays (none taken yet)
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
@@ -645,6 +646,14 @@ class Controller:
             ),
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
+        w.plans_paying = w.plans_paying + 1 if plan.worth else 0
+        confirm = self.settings.plan_confirmations
+        if plan.worth and w.plans_paying < confirm:  # one look across the line among many is chance, not a trend
+            self.journal.record(replace(decision, action=Action.NOTE, new_args=old, change=None), mode=self.mode,
+                                status=Status.NOTED, before=w.window.summary(),
+                                detail=f"pays on {w.plans_paying} consecutive plan(s) of the {confirm} a restart needs",
+                                extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
+            return None
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
             note = replace(decision, action=Action.NOTE, new_args=old, change=None)
             error = plan.current_error  # the twin on the requests it replayed, against what they got
@@ -934,6 +943,7 @@ class Controller:
             w.drain_s = result.drain.drain_s
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
+        w.plans_paying = 0  # whatever restarted it, the plans that pay are counted afresh on its new arguments
         details = result.drain.to_json() if result.drain is not None else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)

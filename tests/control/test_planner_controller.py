@@ -104,7 +104,12 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     jobs = c.plans_due()
     assert [j.worker_id for j in jobs] == ["w0"] and jobs[0].inputs.cost.startup_s == 30.0
     assert jobs[0].inputs.decode  # the decode lines reached the twin
-    act = c.plan_now(jobs[0])
+    assert c.plan_now(jobs[0]) is None  # one plan that pays, among a plan every plan_interval_s, is not yet a trend
+    (noted,) = c.journal.entries()
+    assert noted["status"] == "noted" and noted["detail"] == "pays on 1 consecutive plan(s) of the 2 a restart needs"
+    clock.now += c.settings.plan_interval_s
+    jobs = c.plans_due()
+    act = c.plan_now(jobs[0])  # the next one says so too
     assert act is not None and act.decision.rule == "planner"
     assert act.decision.new_args["schedule_conservativeness"] < 1.0
     entry = c.journal.get(act.entry_id)
@@ -186,7 +191,7 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     nothing waiting (the worker caught up) starts a new backlog: the horizon is the drain, no restart."""
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True, plan_horizon_s=5.0,
-                          plan_horizon_max_s=3600.0)  # fmt: skip
+                          plan_horizon_max_s=3600.0, plan_confirmations=1)  # fmt: skip
     c.track(info(args=ARGS))
     for k in range(400):  # a scrape a second, 50 requests in the server's queue at every one
         clock.now = float(k)
@@ -278,7 +283,8 @@ def _fleet_canary(tmp_path: Path, canary_share: float):
     """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_confirmations=1)  # fmt: skip
     c.track(info("w0", args=ARGS))
     c.track(info("w1", args=ARGS))
     measured = _serve(c, clock, requests, 0.0)
@@ -315,3 +321,29 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else
     assert revert.decision.rule == "canary_revert" and revert.decision.new_args == ARGS
     assert worse.journal.get(act.entry_id)["canary_verdict"] == "revert"
     assert worse.canary is None
+
+
+def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) -> None:
+    """A plan every plan_interval_s is a look at noisy traffic: one that crosses the line among many is chance
+    (early-stop's bursty hour restarted on one such look, every plan before it saying no, and lost 2-12 % to
+    the hour without a restart). The restart waits for ``plan_confirmations`` plans in a row that pay; one
+    that does not starts the count again, and so does the restart itself (its arguments are new)."""
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_confirmations=3)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    pays = run_plan(job.inputs)
+    assert pays.worth
+    doubts = replace(pays, worth=False)
+    for plan in (pays, pays, doubts, pays, pays):
+        assert c.decide_plan(job, plan) is None and actor.calls == []
+    act = c.decide_plan(job, pays)
+    assert act is not None and act.decision.rule == "planner"
+    counted = [e["detail"] for e in c.journal.entries() if e["detail"].startswith("pays on")]
+    assert counted == [f"pays on {k} consecutive plan(s) of the 3 a restart needs" for k in (1, 2, 1, 2)]
+    asyncio.run(c.carry_out(act))
+    assert c.decide_plan(job, pays) is None  # on its new arguments the count starts again
+    assert c.journal.entries()[-1]["detail"].startswith("pays on 1 ")
