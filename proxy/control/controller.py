@@ -195,6 +195,7 @@ class PendingOutcome:
     opens: float  # the worker serves again and has computed again what it took back
     due: float  # the window is in
     expectation: Expectation | None = None  # an acted plan's: checked on the requests served since ``opens``
+    ready: float | None = None  # the restarted worker was ready here
 
 
 @dataclass(frozen=True, slots=True)
@@ -837,7 +838,7 @@ class Controller:
             wid = w.state.worker_id
             inputs = OutcomeInputs(expectation=pending.expectation, workload=tuple(self.surroundings.recent_requests(wid)),
                                    since=pending.opens, in_flight=tuple(self.surroundings.in_flight(wid)), now=now,
-                                   max_requests=self.settings.plan_requests)  # fmt: skip
+                                   max_requests=self.settings.plan_requests, ready=pending.ready)  # fmt: skip
             self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
 
     def outcomes_due(self) -> list[OutcomeJob]:
@@ -953,7 +954,8 @@ class Controller:
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
             opens = now + act.settle_s
-            w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation)
+            w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation,
+                                               ready=now)  # fmt: skip
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, due=now + self.settings.window_s)
         else:

@@ -180,15 +180,19 @@ def replay(
     in_flight: Sequence[InFlight] = (),
     now: float | None = None,
     start: float | None = None,
+    began: float | None = None,
 ) -> Replay:
     """The sample with the work that ran alongside it (see the module docstring); times from
     ``start`` (default: the sample's first arrival; the sample then arrived after it). ``background``:
     other answered requests (those that ended before the start are left out); ``in_flight``: open
-    when the plan began, at ``now``."""
+    when the plan began, at ``now``. ``began``: when the worker's current run began (a restart's
+    ready): nothing it held then had made progress on it before, so a request running at the start
+    has run since its arrival or since then, whichever is later (None: since its arrival)."""
     if not sample and start is None:
         return Replay((), frozenset())
     ordered = sorted(sample, key=lambda o: o.arrived)
     t0 = ordered[0].arrived if start is None else start
+    since_run = -math.inf if began is None else min(began, t0)
     specs: list[RequestSpec] = []
     fg: set[str] = set()
     answered: dict[str, float] = {}
@@ -210,7 +214,7 @@ def replay(
                                      max_new_tokens=max(1, o.max_tokens),
                                      output_len=max(1, min(o.output_tokens, o.max_tokens)), rid=f"b{i}"))  # fmt: skip
             continue
-        left = (o.finished - t0) / (o.finished - o.arrived)
+        left = (o.finished - t0) / (o.finished - max(o.arrived, since_run))
         specs.append(_running_at_start(o.prompt_tokens, o.output_tokens, o.max_tokens, left, f"b{i}"))
     expected = _expected_output(background or sample)
     last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
@@ -223,7 +227,8 @@ def replay(
             specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, r.prompt_tokens),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip
         else:
-            left = (end - t0) / (end - r.arrived) if end > r.arrived else 1.0
+            ran_from = max(r.arrived, since_run)
+            left = (end - t0) / (end - ran_from) if end > ran_from else 1.0
             specs.append(_running_at_start(r.prompt_tokens, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)
     until = end - t0 if now is not None and end > t0 else None
@@ -867,6 +872,7 @@ class OutcomeInputs:
     in_flight: tuple[InFlight, ...] = ()  # open on the worker at ``now``
     now: float
     max_requests: int = 300
+    ready: float | None = None  # the restart's worker was ready here: what it held ran on it from then at most
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -899,7 +905,7 @@ def check_outcome(inputs: OutcomeInputs) -> Outcome:
     expect = inputs.expectation
     answered = [o for o in inputs.workload if o.arrived >= inputs.since and o.finished is not None]
     sample = sorted(answered, key=lambda o: o.arrived)[-inputs.max_requests :]
-    loaded = replay(sample, inputs.workload, inputs.in_flight, inputs.now, start=inputs.since)
+    loaded = replay(sample, inputs.workload, inputs.in_flight, inputs.now, start=inputs.since, began=inputs.ready)
     if loaded.until is None or (expect.basis == "waiting" and len(sample) < 2):
         return Outcome(basis=expect.basis, predicted=None, measured=None, requests=len(sample))
     p = expect.twin.predict(expect.args, loaded)

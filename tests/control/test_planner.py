@@ -10,8 +10,10 @@ import pytest
 
 from proxy.control.planner import (
     DecodeStats,
+    InFlight,
     Observed,
     PlanSettings,
+    Replay,
     RestartCost,
     Twin,
     calibrate,
@@ -362,3 +364,27 @@ def test_answers_sooner_by_less_than_the_twin_misses_the_worker_by_is_not_acted_
     assert as_expected.worth and as_expected.basis == "waiting"
     slower = plan(twin, {"schedule_conservativeness": 1.0}, answered(1.4), cost, PlanSettings())
     assert not slower.worth
+
+
+def test_what_a_restarted_worker_holds_has_run_on_it_only_since_it_was_ready() -> None:
+    """The check of an acted plan replays the window after the restart: a request that arrived 100 s
+    before it and is still open (or ended in it) was taken back by the restart and has run on the new
+    worker only since it was ready, 2 s before the window; counted from its arrival it would look nearly
+    done, and the twin would answer it in the window where the worker did not (retraction-storm's check
+    read the twin 1.6-4.7x the worker on the same requests)."""
+    answered = [Observed(arrived=101.0, prompt_tokens=100, output_tokens=500, max_tokens=1000, finished=105.0),
+                Observed(arrived=0.0, prompt_tokens=100, output_tokens=600, max_tokens=1000, finished=104.0)]  # fmt: skip
+    open_now = [InFlight(arrived=0.0, prompt_tokens=100, max_tokens=1000)]
+    sample = answered[:1]
+
+    def spec(rep: Replay, rid: str) -> RequestSpec:
+        return next(sp for sp in rep.specs if sp.rid == rid)
+
+    plain = replay(sample, answered, open_now, now=110.0, start=100.0)
+    after = replay(sample, answered, open_now, now=110.0, start=100.0, began=98.0)
+    expected = 550  # the class's median output over max_tokens (0.5, 0.6) x its max_tokens
+    assert spec(plain, "f0").output_len == round(expected * 10 / 110)  # since its arrival: 9 % left
+    assert spec(after, "f0").output_len == round(expected * 10 / 12)  # since the restart: 83 % left
+    assert spec(after, "f0").prompt_len == 100 + expected - round(expected * 10 / 12)  # what it wrote, as prompt
+    assert spec(plain, "b1").output_len == round(600 * 4 / 104) and spec(after, "b1").output_len == round(600 * 4 / 6)
+    assert replay(sample, answered, open_now, now=110.0, start=100.0, began=-50.0).specs == plain.specs  # ran longer

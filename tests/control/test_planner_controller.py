@@ -150,6 +150,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     assert "prediction_error" not in entry  # the twin is checked off the loop, on the requests served since
     (check,) = c.outcomes_due()
     assert c.outcomes_due() == [] and check.inputs.since == pytest.approx(start + act.settle_s)
+    assert check.inputs.ready == start  # what the worker holds ran on it from its restart at most
     assert check.inputs.expectation.args == act.decision.new_args
     c.record_outcome(check, check_outcome(check.inputs))
     entry = c.journal.get(act.entry_id)
