@@ -51,6 +51,7 @@ _ERROR_LINES = 8  # log lines quoted in last_error
 _AFTER_READY_POLL_S = 0.05  # /health polls once the engine has logged that it is ready
 _PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
 _PORT_RETRIES = 3
+REFUSED = "connection refused"  # /health: nothing listening on the port (yet)
 
 
 class WorkerError(RuntimeError):
@@ -448,7 +449,10 @@ class Supervisor:
             if status == 200 and process.returncode is None and slot.process is process:
                 self._set(slot, WorkerState.DRAINING if slot.held else WorkerState.READY)
                 return False
-            last_status = f"HTTP {status}" if status else "connection refused"
+            if isinstance(status, int):
+                last_status = f"HTTP {status}"
+            elif status == REFUSED or not last_status.startswith("HTTP"):
+                last_status = status  # a poll that ran out of time does not hide what the worker last answered
             left = max(0.0, deadline - time.monotonic())
             if slot.ready_seen.is_set():  # the ready line came before /health said 200: it will soon
                 await asyncio.wait({watcher}, timeout=min(self._poll_s, _AFTER_READY_POLL_S, left))
@@ -469,15 +473,20 @@ class Supervisor:
         await process.terminate(self._settings.stop_grace_s)
         return False
 
-    async def _health(self, url: str, *, timeout: float) -> int | None:
-        """The status of ``GET {url}/health``; None when nothing answered."""
+    async def _health(self, url: str, *, timeout: float) -> int | str:
+        """The status of ``GET {url}/health``, or why nothing answered: :data:`REFUSED` (nothing
+        listening), no answer within ``timeout``, or the connection's error."""
         assert self._session is not None
         try:
             async with self._session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 await resp.read()
                 return resp.status
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return None
+        except TimeoutError:
+            return f"no answer within {timeout:.2g} s"
+        except aiohttp.ClientConnectorError:
+            return REFUSED
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
     async def _stop_slot(self, slot: _Slot, *, locked: bool = False) -> None:
         process = slot.process
@@ -509,9 +518,9 @@ class Supervisor:
         if status == 200:
             if slot.state in (WorkerState.STARTING, WorkerState.DOWN):
                 self._set(slot, WorkerState.READY)
-        elif status is None:
+        elif isinstance(status, str):
             if slot.state != WorkerState.DOWN:
-                self._set(slot, WorkerState.DOWN, error=f"unreachable: no answer from {slot.url}/health")
+                self._set(slot, WorkerState.DOWN, error=f"unreachable: no answer from {slot.url}/health ({status})")
         elif slot.state == WorkerState.DOWN and status == 503:
             self._set(slot, WorkerState.STARTING)  # answering again, not ready yet
 

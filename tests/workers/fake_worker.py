@@ -4,6 +4,7 @@ Takes the flags the supervisor passes (``--host``, ``--port``, ``--enable-metric
 flags, which it echoes on ``GET /args``) plus its own ``--fake-*`` flags:
 
     --fake-startup-seconds S   /health answers 503 for S seconds, then 200
+    --fake-health-delay S      /health takes S seconds to answer
     --fake-exit-at-start CODE  print an error and exit with CODE before listening
     --fake-clash-once FILE     the first start (FILE absent) fails like a port clash, later ones run
     --fake-ignore-sigterm      ignore SIGTERM (the supervisor must SIGKILL)
@@ -33,6 +34,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--fake-startup-seconds", type=float, default=0.0)
+    p.add_argument("--fake-health-delay", type=float, default=0.0)
     p.add_argument("--fake-exit-at-start", type=int, default=None)
     p.add_argument("--fake-clash-once", default=None)
     p.add_argument("--fake-ignore-sigterm", action="store_true")
@@ -66,6 +68,7 @@ async def main() -> None:
     ready_at = time.monotonic() + opts.fake_startup_seconds
 
     async def health(_: web.Request) -> web.Response:
+        await asyncio.sleep(opts.fake_health_delay)
         return web.Response(status=200 if time.monotonic() >= ready_at else 503)
 
     async def args(_: web.Request) -> web.Response:

@@ -135,13 +135,21 @@ async def test_exit_during_startup_is_down_with_its_last_lines(make_supervisor) 
 
 
 async def test_startup_timeout_stops_the_process(make_supervisor) -> None:
-    # long enough for the fake to be listening (its /health answers 503 while it starts) on a loaded
-    # 2-core machine: at 1.5 s it sometimes was not yet, and the last /health said "connection refused"
+    # the last /health before the deadline may run out of time on a loaded machine: it does not hide the 503
+    # the worker answered before (a first build said "connection refused" then, and this test failed)
     sup = make_supervisor(extra_args=["--fake-startup-seconds", "60"], startup_timeout_s=6.0)
     await sup.start()
     info = sup.get("w0")
     assert info.state == WorkerState.DOWN and "not healthy after 6 s" in (info.last_error or "")
     assert "HTTP 503" in (info.last_error or "") and info.pid is None
+
+
+async def test_a_health_check_that_never_answers_in_time_says_so(make_supervisor) -> None:
+    sup = make_supervisor(extra_args=["--fake-health-delay", "30"], startup_timeout_s=2.0)
+    await sup.start()
+    info = sup.get("w0")
+    assert info.state == WorkerState.DOWN and info.pid is None
+    assert "not healthy after 2 s (last /health: no answer within" in (info.last_error or "")
 
 
 async def test_sigterm_ignored_means_sigkill_after_grace(make_supervisor) -> None:
