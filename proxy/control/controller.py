@@ -647,16 +647,15 @@ class Controller:
             ),
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
+        note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
         w.plans_paying = w.plans_paying + 1 if plan.worth else 0
         confirm = self.settings.plan_confirmations
         if plan.worth and w.plans_paying < confirm:  # one look across the line among many is chance, not a trend
-            self.journal.record(replace(decision, action=Action.NOTE, new_args=old, change=None), mode=self.mode,
-                                status=Status.NOTED, before=w.window.summary(),
+            self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
                                 detail=f"pays on {w.plans_paying} consecutive plan(s) of the {confirm} a restart needs",
                                 extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
             return None
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
-            note = replace(decision, action=Action.NOTE, new_args=old, change=None)
             error = plan.current_error  # the twin on the requests it replayed, against what they got
             accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
             key = "note:planner"
