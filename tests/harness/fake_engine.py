@@ -38,6 +38,7 @@ class FakeEngine:
     cancelled: list = field(default_factory=list)
     bodies: list = field(default_factory=list)
     answer_aborts: bool = False  # an aborted whole answer ends with what it wrote, finish "abort" (else: cancelled)
+    miss_aborts: int = 0  # the next this many aborts find nothing (as one that came before its request)
     _fail: list = field(default_factory=list)
     _ending: set = field(default_factory=set)
     _whole: set = field(default_factory=set)
@@ -178,6 +179,9 @@ class FakeEngine:
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")
         self.aborted.append(rid)
+        if self.miss_aborts > 0:
+            self.miss_aborts -= 1
+            return web.json_response({})
         if self.answer_aborts and rid in self._whole:
             self._ending.add(rid)  # it answers with what it wrote at its next token
             return web.json_response({})

@@ -199,6 +199,30 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
     await client.close()
 
 
+async def test_an_early_end_whose_abort_found_nothing_is_asked_again(make_proxy):
+    """An abort that reaches the worker before the request it names (read on another connection, not
+    registered yet) finds nothing, and the request would run to its end, holding a worker that is
+    about to restart: the abort is posted again while the attempt is open."""
+    h = await make_proxy(policy=SIM_SPEAKER, worker={"token_delay_s": 0.02, "answer_aborts": True, "miss_aborts": 1})
+    w = h.workers[0]
+    client = h.client()
+    task = asyncio.ensure_future(
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1000, extra_body={"sim_output_len": 400})
+    )
+    await h.wait_for(lambda: len(w.bodies) == 1)
+    await asyncio.sleep(0.1)  # some tokens written
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
+    assert h.state.requests.dispatcher.take_back("w0") == 1
+    await h.wait_for(lambda: len(w.bodies) == 2)  # ended there, continued from what it wrote
+    assert loop.time() - asked < 2.0  # not the 8 s its whole answer takes there
+    first = w.bodies[0]["rid"]
+    assert w.aborted == [first, first]  # the first abort found nothing; the second ended it
+    comp = await task
+    assert comp.choices[0].text == "tok " * 400 and comp.usage.completion_tokens == 400
+    await client.close()
+
+
 async def test_a_worker_that_does_not_answer_an_early_end_has_the_request_taken_back_whole(make_proxy):
     """An engine said to answer an abort with what it wrote but that drops the request instead: the
     take-back still ends the attempt (the connection closes), and the request starts over, no attempt
