@@ -379,10 +379,11 @@ class _Upstream:
 
 
 TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers within this, else it is cancelled
-# an early end's abort is posted again after each of these pauses while the request runs on: an abort
-# that reaches the engine before the request it names (read on another connection, not yet registered)
-# finds nothing, SGLang's as the simulator's, and the request would run to its end
-TAKE_BACK_ABORT_AGAIN_S = (0.25, 0.5, 1.0, 2.0, 4.0)
+# an early end's abort is posted again while the request runs on, after 0.25 s, then 0.5 s, then every
+# second: an abort that reaches the engine before the request it names (read on another connection, not
+# registered yet; a busy engine reads its connections late) finds nothing, SGLang's as the simulator's,
+# and the request would run to its end on a worker waiting to restart
+TAKE_BACK_ABORT_AGAIN_S = (0.25, 0.5, 1.0)
 
 
 def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, rid: str | None) -> bool:
@@ -412,21 +413,22 @@ def _end_early(path: RequestPath, url: str, attempt: Attempt, upstream: _Upstrea
     asyncio.get_running_loop().call_later(TAKE_BACK_ANSWER_S, late)
 
 
-def _abort_again(path: RequestPath, url: str, attempt: Attempt, rid: str, k: int = 0) -> None:
-    """Post the abort of ``rid`` again after ``TAKE_BACK_ABORT_AGAIN_S[k]`` if the attempt is still open,
-    and so on down the list: an engine answers an abort of a request it has not registered yet with
-    nothing done."""
-    if k >= len(TAKE_BACK_ABORT_AGAIN_S):
+def _abort_again(path: RequestPath, url: str, attempt: Attempt, rid: str, k: int = 0, waited_s: float = 0.0) -> None:
+    """Post the abort of ``rid`` again after the ``k``-th pause of ``TAKE_BACK_ABORT_AGAIN_S`` (its last
+    one over and over) while the attempt is open, until ``TAKE_BACK_ANSWER_S`` (when it is cancelled): an
+    engine answers an abort of a request it has not registered yet with nothing done."""
+    pause = TAKE_BACK_ABORT_AGAIN_S[min(k, len(TAKE_BACK_ABORT_AGAIN_S) - 1)]
+    if waited_s + pause >= TAKE_BACK_ANSWER_S:
         return
 
     def again() -> None:
         if attempt.released or path.session is None or path.session.closed:
             return
-        _log.debug("abort of %s at %s still open: sent again", rid, url)
+        _log.debug("abort of %s at %s still open after %g s: sent again", rid, url, waited_s + pause)
         path.spawn(_post_abort(path, url, rid))
-        _abort_again(path, url, attempt, rid, k + 1)
+        _abort_again(path, url, attempt, rid, k + 1, waited_s + pause)
 
-    asyncio.get_running_loop().call_later(TAKE_BACK_ABORT_AGAIN_S[k], again)
+    asyncio.get_running_loop().call_later(pause, again)
 
 
 def _keep_what_it_wrote(job: Job, opened: Opened, ticket: Ticket) -> None:
