@@ -423,7 +423,7 @@ class ControlSettings:
         default=0.5,
         metadata=key(
             "a canary whose share of the others' throughput falls below this fraction of its share before is "
-            "reverted once min_evidence_s is in, without waiting for window_s (0: always wait)",
+            "reverted once min_evidence_s is in after its refill, without waiting for window_s (0: always wait)",
             minimum=0,
             maximum=1,
         ),

@@ -3,7 +3,10 @@
 A planner's decision (or an operator's trial, ``POST /admin/trial``) restarts one worker (the
 canary) with the new arguments; the others keep theirs. After a window (``window_s`` of evidence
 on the canary) :func:`judge` compares the canary with the other workers, who served the same
-traffic over the same time.
+traffic over the same time. The evidence begins once the canary has refilled, as the planner
+expects it to (its plan's refill and recomputed work; none for an operator's trial): a worker that
+has just restarted serves its first seconds from an empty batch, and read then it looks worse than
+its arguments are.
 
 The figure is each worker's **share**: its output tokens per second over the window divided by
 the other workers' mean (:func:`share`), taken twice: just before the canary's restart
@@ -56,6 +59,7 @@ class Canary:
     old_args: Mapping[str, object]
     new_args: Mapping[str, object]
     before: float | None = None  # its share of the others' throughput just before its restart (None: not measured)
+    opens: float | None = None  # when its evidence begins: ready, plus the refill its plan expects (None: not yet)
     due: float | None = None  # when to judge (None: not serving with the new args yet)
 
 

@@ -530,14 +530,15 @@ class Controller:
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
 
-    def _share(self, w: _Worker) -> float | None:
-        """``w``'s output tokens/s over the window, as decoded, against the other serving managed workers' mean."""
+    def _share(self, w: _Worker, since: float = float("-inf")) -> float | None:
+        """``w``'s output tokens/s over the window (from ``since`` on), as decoded, against the other serving
+        managed workers' mean over the same time."""
         others = [
-            o.window.decode_rate
+            o.window.after(since).decode_rate
             for o in self._managed()
             if o is not w and not o.busy and o.state.started_at is not None
         ]
-        value = share(w.window.decode_rate, others)
+        value = share(w.window.after(since).decode_rate, others)
         return None if value is None else round(value, 4)
 
     def _canary_step(self, now: float, others_down: bool) -> Act | None:
@@ -570,9 +571,10 @@ class Controller:
         if w is None:
             self.canary = None
             return None
-        if w.busy or others_down or w.window.observed_s < self.settings.min_evidence_s:
-            return None  # judged against the others only while they all serve
-        after = self._share(w)
+        opens = canary.opens if canary.opens is not None else canary.due
+        if w.busy or others_down or now < opens or w.window.after(opens).observed_s < self.settings.min_evidence_s:
+            return None  # judged against the others only while they all serve, once it has refilled
+        after = self._share(w, since=opens)
         early = now < canary.due
         if early and not failing(after, canary.before, self.settings.canary_fail_below):
             return None
@@ -584,7 +586,7 @@ class Controller:
             "canary_share_after": round(after or 0.0, 4),
         }
         if early:
-            figures["canary_failed_early_s"] = round(w.window.observed_s, 1)  # judged before window_s was in
+            figures["canary_failed_early_s"] = round(w.window.after(opens).observed_s, 1)  # before window_s was in
         self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
         if verdict_ is CanaryVerdict.PROMOTE:
             self._promote = [o.state.worker_id for o in self._managed() if o is not w]
@@ -956,7 +958,7 @@ class Controller:
             w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation,
                                                ready=now)  # fmt: skip
             if self.canary is not None and self.canary.entry_id == act.entry_id:
-                self.canary = replace(self.canary, due=now + self.settings.window_s)
+                self.canary = replace(self.canary, opens=opens, due=opens + self.settings.window_s)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)

@@ -105,6 +105,18 @@ class Window:
             proxy_queue=tuple(p for p in self.proxy_queue if p[0] >= now - self.span_s),
         )
 
+    def after(self, start: float) -> Window:
+        """The window's evidence from ``start`` on (what a worker did once a phase of it was over)."""
+        if start <= self.since:
+            return self
+        return replace(
+            self,
+            since=start,
+            samples=tuple(s for s in self.samples if s.time >= start),
+            events=tuple(e for e in self.events if e.time >= start),
+            proxy_queue=tuple(p for p in self.proxy_queue if p[0] >= start),
+        )
+
     def restart(self, at: float) -> Window:
         """A restart begins: nothing seen so far describes the next incarnation."""
         return Window(span_s=self.span_s, since=at, now=max(self.now, at))

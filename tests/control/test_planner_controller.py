@@ -281,7 +281,8 @@ def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int,
 
 
 def _fleet_canary(tmp_path: Path, canary_share: float):
-    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves."""
+    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves once it
+    has refilled, and a fifth of it while it refills (the time its plan expects that to take)."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
@@ -295,14 +296,20 @@ def _fleet_canary(tmp_path: Path, canary_share: float):
     assert act is not None and c.canary is not None and c.canary.worker_id == "w0"
     assert c.plan_now(_other) is None  # one canary at a time
     asyncio.run(c.carry_out(act))
-    assert c.canary.due is not None
+    assert c.canary.due is not None and c.canary.opens is not None
     start = clock.now
-    for k in range(int(c.settings.window_s) + 1):  # the canary and the other worker, side by side
+    refill = c.canary.opens - start
+    assert refill > 0 and refill == pytest.approx(act.settle_s)  # the refill and the recomputed work its plan expects
+    served = 0.0
+    for k in range(math.ceil(refill + c.settings.window_s) + 1):  # the canary and the other worker, side by side
         clock.now = start + k
+        served += (canary_share if k > refill else 0.2) * measured
         c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
-                                 generation_tokens_total=k * canary_share * measured))  # fmt: skip
+                                 generation_tokens_total=served))  # fmt: skip
         c.on_sample("w1", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
                                  generation_tokens_total=k * measured))  # fmt: skip
+        if k < refill + c.settings.min_evidence_s:  # read with its refill, it looks clearly worse: not read so
+            assert c.tick() == []
     return c, actor, act, measured
 
 

@@ -30,6 +30,14 @@ def test_items_before_since_are_ignored() -> None:
     assert [x.time for x in w.samples] == [101.0]
 
 
+def test_the_evidence_after_a_moment() -> None:
+    w = Window(span_s=60.0).push_all([s(t) for t in (0.0, 4.0, 8.0, 12.0)])
+    later = w.after(5.0)
+    assert [x.time for x in later.samples] == [8.0, 12.0] and later.observed_s == 4.0 and w.observed_s == 12.0
+    assert later.push(s(4.5)).samples == later.samples  # before its start: ignored, as before since
+    assert w.after(float("-inf")) is w
+
+
 def test_retraction_counter_with_reset() -> None:
     w = Window(span_s=100.0).push_all(
         [
