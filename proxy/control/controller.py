@@ -441,9 +441,9 @@ class Controller:
 
     # -- the planner (synchronous halves; the replays run off the loop in between) ----------------
 
-    def plans_due(self) -> list[PlanJob]:
-        """Workers due a plan: serving, managed (or advised), enough evidence, outside the cool-down
-        and the restart budget; each with what its plan reads."""
+    def plans_due(self, limit: int | None = None) -> list[PlanJob]:
+        """Workers due a plan (at most ``limit``): serving, managed (or advised), enough evidence, outside
+        the cool-down and the restart budget; each with what its plan reads."""
         if not self.settings.planner or self.mode is ControlMode.OFF:
             return []
         now = self.clock()
@@ -469,6 +469,8 @@ class Controller:
                                        configured_s=c.plan_horizon_s, longest_s=c.plan_horizon_max_s)  # fmt: skip
             inputs = self._plan_inputs(w, workload, open_now, now, horizon)
             jobs.append(PlanJob(wid, now, inputs, w.window.throughput, horizon))
+            if limit is not None and len(jobs) >= limit:
+                break
         return jobs
 
     def _plan_inputs(
@@ -617,6 +619,8 @@ class Controller:
         now = self.clock()
         if w.busy or w.state.started_at is None:
             return None
+        if w.state.started_at > job.time or dict(w.state.args) != dict(job.inputs.args):
+            return None  # the worker restarted while its plan was computed: the plan is of what it was
         old, new = dict(w.state.args), dict(plan.best.args)
         moved = [k for k in new if old.get(k) != new.get(k)]
         change = None
@@ -883,7 +887,14 @@ class Controller:
             self._spawn(self.carry_out(act))
 
     async def run(self) -> None:
-        """Tick every ``interval_s`` until cancelled; acts run one at a time."""
+        """Tick every ``interval_s`` until cancelled; acts run one at a time.
+
+        A plan's replays are CPU-bound and take seconds on a busy host, one worker's plan after
+        another: they run off the event loop while the ticks go on (a canary's fail-fast, the rules,
+        the outcome windows do not wait for the other workers' plans), one plan at a time, and a plan
+        is decided on the first tick after it is in (:meth:`decide_plan`, which drops it if its
+        worker restarted meanwhile)."""
+        computing: tuple[PlanJob, asyncio.Task[Plan]] | None = None
         try:
             while True:
                 for act in self.tick():
@@ -893,20 +904,32 @@ class Controller:
                         self.record_outcome(check, await asyncio.to_thread(check_outcome, check.inputs))
                     except Exception as exc:
                         _log.warning("outcome check of decision #%d failed: %s", check.entry_id, exc)
-                for job in self.plans_due():
-                    self._workers[job.worker_id].planning = True
-                    try:  # the replays are CPU-bound: off the event loop
-                        plan = await asyncio.to_thread(run_plan, job.inputs)
-                    except Exception as exc:
-                        self._workers[job.worker_id].planning = False
-                        _log.warning("plan for %s failed: %s", job.worker_id, exc)
-                        continue
-                    planned = self.decide_plan(job, plan)
+                if computing is not None and computing[1].done():
+                    (job, task), computing = computing, None
+                    planned = self._decide_computed(job, task)
                     if planned is not None:
                         await self.carry_out(planned)
+                if computing is None:
+                    for job in self.plans_due(limit=1):
+                        self._workers[job.worker_id].planning = True
+                        computing = (job, asyncio.create_task(asyncio.to_thread(run_plan, job.inputs)))
                 await asyncio.sleep(self.settings.interval_s)
         finally:
+            if computing is not None:
+                computing[1].cancel()  # its thread ends by itself; the plan is dropped
             await self.close()
+
+    def _decide_computed(self, job: PlanJob, task: asyncio.Task[Plan]) -> Act | None:
+        """Decide on a plan computed off the loop (a failed one is logged, its worker free to plan again)."""
+        try:
+            plan = task.result()
+        except Exception as exc:
+            w = self._workers.get(job.worker_id)
+            if w is not None:
+                w.planning = False
+            _log.warning("plan for %s failed: %s", job.worker_id, exc)
+            return None
+        return self.decide_plan(job, plan)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -5,15 +5,18 @@ what was then measured. Recorded inputs, a clock the test moves (no event loop b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import statistics
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from proxy.console.decisions import format_decision
+from proxy.control import controller as controller_module
 from proxy.control.horizon import answer_rate
 from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction, check_outcome, run_plan
 from proxy.engines.base import Sample
@@ -182,6 +185,68 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
     assert note["status"] == "noted" and "does not pay" in note["detail"] and note["predicted_gain"] > 0.1
     assert 0 <= note["current_prediction_error"] < 0.05
     assert c.plans_due() == []  # the next plan waits plan_interval_s
+
+
+async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's replays take seconds on a busy host (3-4 s a worker on two shared cores in the fleet
+    scenario, each worker's after the other's): the controller ticks on meanwhile, so a canary's
+    fail-fast and the rules do not wait for the plans, and a plan is decided once it is in."""
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True,
+                          plan_horizon_s=5.0, plan_horizon_max_s=5.0, interval_s=0.01)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    release = threading.Event()
+
+    def slow_plan(inputs):  # the replays, held until the test has seen the ticks go on
+        release.wait(60)
+        return run_plan(inputs)
+
+    ticks = 0
+    tick = c.tick
+
+    def counted():
+        nonlocal ticks
+        ticks += 1
+        return tick()
+
+    monkeypatch.setattr(controller_module, "run_plan", slow_plan)
+    monkeypatch.setattr(c, "tick", counted)
+    task = asyncio.create_task(c.run())
+    try:
+        async with asyncio.timeout(60):
+            while ticks < 5:
+                await asyncio.sleep(0.01)
+            assert c.journal.entries() == [] and c._workers["w0"].planning  # its plan still being computed
+            release.set()
+            while not c.journal.entries():
+                await asyncio.sleep(0.01)
+    finally:
+        release.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    (note,) = c.journal.entries()  # decided once in, as plan_now would have
+    assert note["status"] == "noted" and "does not pay" in note["detail"] and not c._workers["w0"].planning
+
+
+def test_a_plan_of_a_worker_that_restarted_while_it_was_computed_is_dropped(tmp_path: Path) -> None:
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_confirmations=1, crash_backoff_s=(0.0,))  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    plan = run_plan(job.inputs)
+    assert plan.worth  # decided at once, it would restart the worker
+    clock.now += 1.0
+    revival = c.decide_revival("w0")  # the worker died while its plan was computed, and came back
+    assert revival is not None
+    asyncio.run(c.carry_out(revival))
+    entries = len(c.journal.entries())
+    assert c.decide_plan(job, plan) is None and len(c.journal.entries()) == entries
+    assert [call[0] for call in actor.calls] == ["revive"]
 
 
 @pytest.mark.parametrize("caught_up", [False, True])
