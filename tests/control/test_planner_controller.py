@@ -418,5 +418,7 @@ def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) 
     counted = [e["detail"] for e in c.journal.entries() if e["detail"].startswith("pays on")]
     assert counted == [f"pays on {k} consecutive plan(s) of the 3 a restart needs" for k in (1, 2, 1, 2)]
     asyncio.run(c.carry_out(act))
-    assert c.decide_plan(job, pays) is None  # on its new arguments the count starts again
+    again = replace(job, time=clock.now, inputs=replace(job.inputs, args=dict(c.state("w0").args)))
+    assert c.decide_plan(again, pays) is None  # on its new arguments the count starts again
     assert c.journal.entries()[-1]["detail"].startswith("pays on 1 ")
+    assert c.decide_plan(job, pays) is None  # a plan of its old arguments, in after the restart: dropped
