@@ -442,14 +442,16 @@ class Controller:
     # -- the planner (synchronous halves; the replays run off the loop in between) ----------------
 
     def plans_due(self, limit: int | None = None) -> list[PlanJob]:
-        """Workers due a plan (at most ``limit``): serving, managed (or advised), enough evidence, outside
-        the cool-down and the restart budget; each with what its plan reads."""
+        """Workers due a plan (at most ``limit``, the longest since its last plan first: one plan at a time,
+        a fleet's first workers would otherwise be due again before its last one's turn): serving, managed
+        (or advised), enough evidence, outside the cool-down and the restart budget; each with what its
+        plan reads."""
         if not self.settings.planner or self.mode is ControlMode.OFF:
             return []
         now = self.clock()
         c = self.settings
         jobs = []
-        for wid, w in self._workers.items():
+        for wid, w in sorted(self._workers.items(), key=lambda item: item[1].last_plan):
             if w.busy or w.planning or w.state.started_at is None or now - w.last_plan < c.plan_interval_s:
                 continue
             if w.window.observed_s < c.min_evidence_s:

@@ -230,6 +230,25 @@ async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypa
     assert note["status"] == "noted" and "does not pay" in note["detail"] and not c._workers["w0"].planning
 
 
+def test_one_plan_at_a_time_goes_to_the_worker_longest_without_one(tmp_path: Path) -> None:
+    """Plans computed one at a time (3-4 s each on a busy host): the first workers of a fleet, due again
+    every plan_interval_s, would keep the last one from its turn. The longest without a plan goes first."""
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True)
+    for wid in ("w0", "w1", "w2"):
+        c.track(info(wid, args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    for wid in ("w1", "w2"):
+        _scrapes(c, clock, wid, 0.0, 31, 100, 3000.0)
+    order = []
+    for _ in range(6):  # each plan in the time of a plan interval: every worker is due again at each look
+        (job,) = c.plans_due(limit=1)
+        order.append(job.worker_id)
+        c.decide_plan(job, run_plan(job.inputs))
+        clock.now += c.settings.plan_interval_s
+    assert order == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
 def test_a_plan_of_a_worker_that_restarted_while_it_was_computed_is_dropped(tmp_path: Path) -> None:
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
