@@ -59,8 +59,9 @@ class Canary:
     old_args: Mapping[str, object]
     new_args: Mapping[str, object]
     before: float | None = None  # its share of the others' throughput just before its restart (None: not measured)
-    opens: float | None = None  # when its evidence begins: ready, plus the refill its plan expects (None: not yet)
-    due: float | None = None  # when to judge (None: not serving with the new args yet)
+    # when its evidence begins: ready, plus the refill its plan expects (None: not serving with the new args
+    # yet); judged window_s later, or earlier if it is clearly failing
+    opens: float | None = None
 
 
 def share(mine: float | None, others: Sequence[float | None]) -> float | None:

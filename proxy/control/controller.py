@@ -569,17 +569,17 @@ class Controller:
             w.busy = True
             return Act(decision=decision, entry_id=entry_id)
         canary = self.canary
-        if canary is None or canary.due is None or self._promote:
+        if canary is None or canary.opens is None or self._promote:
             return None
         w = self._workers.get(canary.worker_id)
         if w is None:
             self.canary = None
             return None
-        opens = canary.opens if canary.opens is not None else canary.due
+        opens = canary.opens
         if w.busy or others_down or now < opens or w.window.after(opens).observed_s < self.settings.min_evidence_s:
             return None  # judged against the others only while they all serve, once it has refilled
         after = self._share(w, since=opens)
-        early = now < canary.due
+        early = now < opens + self.settings.window_s  # the whole window is not in yet
         if early and not failing(after, canary.before, self.settings.canary_fail_below):
             return None
         verdict_ = judge(after, canary.before, self.settings.canary_margin)
@@ -983,7 +983,7 @@ class Controller:
             w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation,
                                                ready=now)  # fmt: skip
             if self.canary is not None and self.canary.entry_id == act.entry_id:
-                self.canary = replace(self.canary, opens=opens, due=opens + self.settings.window_s)
+                self.canary = replace(self.canary, opens=opens)
         else:
             detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
