@@ -72,5 +72,4 @@ class RequestPathExecutor:
                 self._path.new_rid(),
             )
         answer = response.body if isinstance(response.body, bytes) else b""
-        rid = job.body.get("rid")
-        return LineResult(response.status, answer, rid if isinstance(rid, str) else self._path.new_rid())
+        return LineResult(response.status, answer, job.upstream_name or self._path.new_rid())

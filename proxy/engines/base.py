@@ -115,6 +115,23 @@ class Death:
     started: bool = False  # whether the log shows the worker had become ready before it died
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortByName:
+    """How an engine aborts a running request by a name the client sent it under: ``field`` is the
+    request body's field that names it, and posting ``{field: name}`` to ``path`` aborts it."""
+
+    field: str  # SGLang: "rid"
+    path: str  # SGLang: "/abort_request"
+    # whether an aborted whole (not streamed) request is answered with what it wrote so far, so the
+    # proxy can go on from there elsewhere (a request taken back from a worker that restarts keeps its
+    # tokens); False: it is answered with an error, or not at all
+    answers_with_output: bool
+
+    def body(self, name: str) -> dict[str, str]:
+        """The JSON body of the abort of the request sent under ``name``."""
+        return {self.field: name}
+
+
 def death_from_events(events: Sequence[LogEvent], lines: Sequence[str]) -> Death:
     """The death an engine's events over a dead worker's log tail (``lines``) tell of: the last OOM
     first, then the last crash, then a start-up refusal for KV capacity."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from proxy.engines.base import Death, Knob, KnobName, LogEvent, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Sample
 
 
 class LogReader(Protocol):
@@ -92,10 +92,10 @@ class Engine(Protocol):
         allocates only as tokens are written and preempts when the pool runs out."""
 
     @property
-    def keeps_output_on_abort(self) -> bool:
-        """Whether aborting a running whole (not streamed) request by its ``rid`` makes the engine answer
-        it with what it wrote so far, so the proxy can go on from there elsewhere (a request taken back
-        from a worker that restarts keeps its tokens)."""
+    def abort_by_name(self) -> AbortByName | None:
+        """How a running request sent under a name of the proxy's is aborted on a worker that keeps
+        its connection open (a take-back that keeps what it wrote, a part of a request the client
+        left); None: the engine has no such call, and a request ends when its connection closes."""
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int

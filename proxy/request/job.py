@@ -13,7 +13,7 @@ class Job:
     """A validated request, ready to queue and forward."""
 
     path: str  # worker path
-    body: dict[str, Any]  # parsed body; the relay sets "rid" per attempt
+    body: dict[str, Any]  # parsed body; the relay names each attempt in it where the engine aborts by name
     stream: bool
     model: str | None  # as given (None: not given, or /generate)
     affinity: str | None  # leading text of the prompt, for prefix-aware choice
@@ -21,3 +21,4 @@ class Job:
     size: int = 0  # body bytes, for the token estimate of fair admission
     max_tokens: int | None = None  # completion tokens asked for per choice (None: not given)
     choices: int = 1  # ``n``
+    upstream_name: str | None = None  # the name its last attempt went to its worker under (None: unnamed)

@@ -19,7 +19,8 @@ The attempt's lifecycle (release, requeue) is :meth:`proxy.request.dispatch.Disp
 this module opens, relays and answers. The handler task is the only place that writes to the
 client, so a request is answered once. A client that goes away cancels the handler (the app runs
 with ``handler_cancellation``): the upstream connection is closed (SGLang aborts a request whose
-client left) and ``/abort_request`` is posted with the request's ``rid``.
+client left) and, on an engine that aborts a request by name (the contract's ``abort_by_name``:
+SGLang's ``/abort_request`` with its ``rid``), the abort is posted too.
 
 Errors, in this layer: exceptions. Opening raises :class:`~proxy.request.attempt.AttemptFailed`
 (consumed by the attempt's block); :func:`forward` raises :class:`~proxy.errors.ApiError` for
@@ -45,6 +46,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.engines.base import AbortByName
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
@@ -161,13 +163,13 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
             resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
 
 
-async def _post_abort(path: RequestPath, url: str, rid: str) -> None:
+async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, rid: str) -> None:
     session = path.session
     if session is None or session.closed:
         return
     try:
         async with session.post(
-            url + "/abort_request", data=orjson.dumps({"rid": rid}), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
+            url + by_name.path, data=orjson.dumps(by_name.body(rid)), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
         ) as resp:
             await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -219,7 +221,7 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     if job.stream:
         raise ValueError("a streamed request needs a client to stream to: forward it")
 
-    async def whole(opened: Opened, _url: str, _rid: str | None, _headers: Mapping[str, str]) -> web.Response:
+    async def whole(opened: Opened, _upstream: _Upstream, _headers: Mapping[str, str]) -> web.Response:
         return _whole(path, opened)
 
     return await _answer(path, job, priority, time.monotonic(), whole, key)
@@ -230,7 +232,7 @@ async def _answer(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, str, str | None, Mapping[str, str]], Awaitable[R]],
+    respond: Callable[[Opened, _Upstream, Mapping[str, str]], Awaitable[R]],
     key: str,
 ) -> R | web.Response:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
@@ -247,8 +249,8 @@ async def _answer(
     try:
         headers = lease.headers
 
-        def respond_with_limits(opened: Opened, url: str, rid: str | None) -> Awaitable[R]:
-            return respond(opened, url, rid, headers)
+        def respond_with_limits(opened: Opened, upstream: _Upstream) -> Awaitable[R]:
+            return respond(opened, upstream, headers)
 
         return await _queued(path, job, priority, arrived, respond_with_limits, key, cost, submitted)
     finally:
@@ -260,7 +262,7 @@ async def _queued(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, str, str | None], Awaitable[R]],
+    respond: Callable[[Opened, _Upstream], Awaitable[R]],
     key: str,
     cost: int,
     submitted: float,
@@ -289,8 +291,7 @@ async def _queued(
         ) from None
     m.admitted.inc()
     strip = _ask_for_usage(job)
-    user_rid = job.body.get("rid")
-    base_rid = path.new_rid() if job.single and user_rid is None else None
+    named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
     tries = 0
     sent_fields: Mapping[str, object] = _NO_FIELDS
     while True:
@@ -306,21 +307,20 @@ async def _queued(
                         job.body.pop(name, None)
                     job.body.update(fields)
                     sent_fields = fields
-                rid = user_rid if user_rid is not None else (f"{base_rid}.{tries}" if base_rid else None)
-                if rid is not None and base_rid is not None:
-                    job.body["rid"] = rid
+                engine = path.engine_of(attempt.worker_id)
+                by_name = engine.abort_by_name if engine is not None else None
+                named = named or _Named.of(path, job, by_name)
+                upstream = _Upstream(url, by_name, named.attempt(job, tries))
                 capped = _capped(path, attempt, job)
                 attempt.sent_max_tokens = None if capped is None else capped.sent
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
                     m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-                upstream = _Upstream(rid)
-                if _keeps_what_it_wrote(path, attempt.worker_id, job, rid):
-                    attempt.on_take_back = partial(_end_early, path, url, attempt, upstream)
+                if _keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
+                    attempt.on_take_back = partial(_end_early, path, attempt, upstream)
                 try:
-                    opened, parts, capped = await _fetch(path, url, attempt.worker_id, job, capped, ticket, upstream)
+                    opened, parts, capped = await _fetch(path, attempt.worker_id, job, capped, ticket, upstream)
                 except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
-                    if upstream.rid is not None:
-                        path.spawn(_post_abort(path, url, upstream.rid))
+                    upstream.abort(path)
                     if not attempt.taken_back:
                         m.disconnected.inc()
                     raise
@@ -333,7 +333,7 @@ async def _queued(
                 opened.parts = parts
                 if capped is not None and opened.resp is not None:
                     opened.stitch = _Stitch(job, capped, attempt.worker_id)
-                answer = await respond(opened, url, rid)
+                answer = await respond(opened, upstream)
                 _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
         except ProxyClosing:
@@ -366,16 +366,52 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     return continuation.plan(job, budget)  # the budget applies to those asking for more than applies_above
 
 
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """How a job's attempts are named on workers that abort by name: the client's own name (kept as
+    it is, one for all), or one of the proxy's per single-prompt job, numbered per attempt (``.1``,
+    ``.2``, ...) and per part (``.1.c1``); ``base`` None: its attempts go unnamed."""
+
+    field: str | None  # the body field that names a request on the job's workers
+    given: str | None  # the client's own name in that field
+    base: str | None  # the proxy's name for the job
+
+    @classmethod
+    def of(cls, path: RequestPath, job: Job, by_name: AbortByName | None) -> _Named:
+        if by_name is None:
+            return cls(None, None, None)
+        given = job.body.get(by_name.field)
+        if given is not None:  # as the client sent it (a list names a batch of prompts: not aborted by one)
+            return cls(by_name.field, given if isinstance(given, str) else None, None)
+        return cls(by_name.field, None, path.new_rid() if job.single else None)
+
+    def attempt(self, job: Job, tries: int) -> str | None:
+        """The name of the job's ``tries``-th attempt, set in its body (None: unnamed)."""
+        if self.base is None or self.field is None:
+            job.upstream_name = self.given
+        else:
+            job.upstream_name = job.body[self.field] = f"{self.base}.{tries}"
+        return job.upstream_name
+
+
 @dataclass(slots=True)
 class _Upstream:
-    """The rid of the request an attempt has open on its worker now (each part has its own)."""
+    """The request an attempt has open on its worker now: the worker's URL, how a request is aborted
+    there by name, and the name of the one open now (each part has its own; None: unnamed)."""
 
+    url: str
+    by_name: AbortByName | None
     rid: str | None
 
     def part(self, body: dict[str, object], base: str | None, suffix: str) -> None:
-        """``body`` is the attempt's next request: its rid is ``base`` with ``suffix``."""
-        if base is not None:
-            self.rid = body["rid"] = f"{base}.{suffix}"
+        """``body`` is the attempt's next request: its name is ``base`` with ``suffix``."""
+        if base is not None and self.by_name is not None:
+            self.rid = body[self.by_name.field] = f"{base}.{suffix}"
+
+    def abort(self, path: RequestPath) -> None:
+        """Abort the request open now on the worker, if it has a name to abort it by."""
+        if self.rid is not None and self.by_name is not None:
+            path.spawn(_post_abort(path, self.url, self.by_name, self.rid))
 
 
 TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers within this, else it is cancelled
@@ -386,25 +422,25 @@ TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers withi
 TAKE_BACK_ABORT_AGAIN_S = (0.25, 0.5, 1.0)
 
 
-def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, rid: str | None) -> bool:
+def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, upstream: _Upstream) -> bool:
     """Whether a take-back of ``job`` from the worker can keep what it wrote: a plain whole request,
-    with a rid to end it by, on an engine that answers such an abort with the text so far and can
-    continue it (:attr:`~proxy.engines.contract.Engine.keeps_output_on_abort`)."""
-    if rid is None or job.stream:
+    with a name to end it by, on an engine that answers such an abort with the text so far and can
+    continue it (:attr:`~proxy.engines.base.AbortByName.answers_with_output`)."""
+    if upstream.rid is None or upstream.by_name is None or not upstream.by_name.answers_with_output or job.stream:
         return False
     engine = path.engine_of(worker_id)
-    if engine is None or not engine.keeps_output_on_abort:
+    if engine is None:
         return False
     return continuation.plain(job) is not None and engine.continuation_fields(job.path, job.body, 0) is not None
 
 
-def _end_early(path: RequestPath, url: str, attempt: Attempt, upstream: _Upstream) -> None:
+def _end_early(path: RequestPath, attempt: Attempt, upstream: _Upstream) -> None:
     """A take-back of a whole answer the worker can end early: abort the request there, and it answers
     with what it wrote (the attempt's block then ends with :class:`TakenBack`). One that does not
     answer within ``TAKE_BACK_ANSWER_S`` is cancelled, as any take-back."""
     if upstream.rid is not None:
-        path.spawn(_post_abort(path, url, upstream.rid))
-        _abort_again(path, url, attempt, upstream.rid)
+        upstream.abort(path)
+        _abort_again(path, attempt, upstream, upstream.rid)
 
     def late() -> None:
         if not attempt.released and attempt.task is not None:
@@ -413,8 +449,10 @@ def _end_early(path: RequestPath, url: str, attempt: Attempt, upstream: _Upstrea
     asyncio.get_running_loop().call_later(TAKE_BACK_ANSWER_S, late)
 
 
-def _abort_again(path: RequestPath, url: str, attempt: Attempt, rid: str, k: int = 0, waited_s: float = 0.0) -> None:
-    """Post the abort of ``rid`` again after the ``k``-th pause of ``TAKE_BACK_ABORT_AGAIN_S`` (its last
+def _abort_again(
+    path: RequestPath, attempt: Attempt, upstream: _Upstream, rid: str, k: int = 0, waited_s: float = 0.0
+) -> None:
+    """Post the abort of ``rid`` (the request ``upstream`` had open) again after the ``k``-th pause of ``TAKE_BACK_ABORT_AGAIN_S`` (its last
     one over and over) while the attempt is open, until ``TAKE_BACK_ANSWER_S`` (when it is cancelled): an
     engine answers an abort of a request it has not registered yet with nothing done."""
     pause = TAKE_BACK_ABORT_AGAIN_S[min(k, len(TAKE_BACK_ABORT_AGAIN_S) - 1)]
@@ -422,11 +460,11 @@ def _abort_again(path: RequestPath, url: str, attempt: Attempt, rid: str, k: int
         return
 
     def again() -> None:
-        if attempt.released or path.session is None or path.session.closed:
+        if attempt.released or path.session is None or path.session.closed or upstream.by_name is None:
             return
-        _log.debug("abort of %s at %s still open after %g s: sent again", rid, url, waited_s + pause)
-        path.spawn(_post_abort(path, url, rid))
-        _abort_again(path, url, attempt, rid, k + 1, waited_s + pause)
+        _log.debug("abort of %s at %s still open after %g s: sent again", rid, upstream.url, waited_s + pause)
+        path.spawn(_post_abort(path, upstream.url, upstream.by_name, rid))
+        _abort_again(path, attempt, upstream, rid, k + 1, waited_s + pause)
 
     asyncio.get_running_loop().call_later(pause, again)
 
@@ -443,7 +481,7 @@ def _keep_what_it_wrote(job: Job, opened: Opened, ticket: Ticket) -> None:
 
 
 async def _fetch(
-    path: RequestPath, url: str, worker_id: str, job: Job, capped: Capped | None, ticket: Ticket, upstream: _Upstream
+    path: RequestPath, worker_id: str, job: Job, capped: Capped | None, ticket: Ticket, upstream: _Upstream
 ) -> tuple[Opened, int, Capped | None]:
     """The attempt's answer from its worker, its number of parts and the cap it went under: the
     request as the client sent it or under its output budget (``capped``), continued while a part
@@ -461,24 +499,24 @@ async def _fetch(
             more = continuation.continuation_body(job.path, job.body, "".join(p.text for p in earlier), whole, cap,
                                                   fields)  # fmt: skip
             upstream.part(more, base, "r")
-            opened = await _part(path, url, worker_id, job, more)
+            opened = await _part(path, upstream, worker_id, job, more)
             if opened.status != 200 or opened.body is None:  # refused: as the client asked, from the start
-                opened.body, opened.status = await _whole_again(path, url, worker_id, job, upstream, base), 200
+                opened.body, opened.status = await _whole_again(path, worker_id, job, upstream, base), 200
                 return opened, 1, None
             opened.body, parts, kept = await _continued(
-                path, url, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
+                path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
             )
             return opened, parts, kept if capped is not None else None
-    opened = await _open(path, url, worker_id, job, orjson.dumps(job.body if capped is None else capped.body(job.body)))
+    payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
+    opened = await _open(path, upstream.url, worker_id, job, payload)
     if capped is None or opened.status != 200 or opened.body is None:
         return opened, 1, capped
-    opened.body, parts, kept = await _continued(path, url, worker_id, job, capped, opened.body, upstream, base)
+    opened.body, parts, kept = await _continued(path, worker_id, job, capped, opened.body, upstream, base)
     return opened, parts, kept
 
 
 async def _continued(
     path: RequestPath,
-    url: str,
     worker_id: str,
     job: Job,
     capped: Capped,
@@ -504,7 +542,7 @@ async def _continued(
     while True:
         part = continuation.read_part(job.path, body)
         if part is None or engine is None:
-            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
+            return await _whole_again(path, worker_id, job, upstream, base), 1, None
         parts.append(part)
         written += part.completion_tokens
         text += part.text
@@ -513,41 +551,38 @@ async def _continued(
             break
         fields = engine.continuation_fields(job.path, job.body, written)
         if fields is None:
-            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
+            return await _whole_again(path, worker_id, job, upstream, base), 1, None
         cap = capped.next_cap(written, capped.sent)
         more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
         upstream.part(more, base, f"c{len(parts)}")
         path.metrics.continued.inc()
-        opened = await _part(path, url, worker_id, job, more)
+        opened = await _part(path, upstream, worker_id, job, more)
         if opened.status != 200 or opened.body is None:
-            return await _whole_again(path, url, worker_id, job, upstream, base), 1, None
+            return await _whole_again(path, worker_id, job, upstream, base), 1, None
         body = opened.body
     return (continuation.merge(job.path, parts) if len(parts) > 1 else first), len(parts), capped
 
 
-async def _part(path: RequestPath, url: str, worker_id: str, job: Job, body: dict[str, object]) -> Opened:
-    """One more request of an attempt on its worker; aborted there if this one is cancelled."""
+async def _part(path: RequestPath, upstream: _Upstream, worker_id: str, job: Job, body: dict[str, object]) -> Opened:
+    """One more request of an attempt on its worker (``body``, named in ``upstream``); aborted there
+    if this one is cancelled."""
     try:
-        return await _open(path, url, worker_id, job, orjson.dumps(body))
+        return await _open(path, upstream.url, worker_id, job, orjson.dumps(body))
     except asyncio.CancelledError:
-        rid = body.get("rid")
-        if isinstance(rid, str):
-            path.spawn(_post_abort(path, url, rid))
+        upstream.abort(path)
         raise
 
 
-async def _whole_again(
-    path: RequestPath, url: str, worker_id: str, job: Job, upstream: _Upstream, base: str | None
-) -> bytes:
+async def _whole_again(path: RequestPath, worker_id: str, job: Job, upstream: _Upstream, base: str | None) -> bytes:
     """The request sent again as the client asked (its own ``max_tokens``): the answer, or the
     worker's refusal as it answered."""
     path.metrics.budget_redone.inc()
     body = dict(job.body)
     upstream.part(body, base, "w")
-    opened = await _part(path, url, worker_id, job, body)
+    opened = await _part(path, upstream, worker_id, job, body)
     if opened.status != 200:
         raise AttemptFailed(
-            f"worker {worker_id} ({url}) refused the request sent again whole: HTTP {opened.status}",
+            f"worker {worker_id} ({upstream.url}) refused the request sent again whole: HTTP {opened.status}",
             status=opened.status,
             body=opened.body,
             content_type=opened.content_type,
@@ -625,15 +660,14 @@ async def _respond(
     path: RequestPath,
     request: web.Request,
     opened: Opened,
-    url: str,
-    rid: str | None,
+    upstream: _Upstream,
     headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
     m = path.metrics
     if opened.resp is None:
         return _whole(path, opened, headers)
     if opened.stitch is not None:
-        return await _respond_stitched(path, request, opened, url, rid, headers, opened.stitch)
+        return await _respond_stitched(path, request, opened, upstream, headers, opened.stitch)
     resp = opened.resp
     out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
     ok = False
@@ -695,8 +729,8 @@ async def _respond(
         raise
     finally:
         resp.close()
-        if not ok and rid is not None:
-            path.spawn(_post_abort(path, url, rid))
+        if not ok:
+            upstream.abort(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -712,8 +746,7 @@ async def _respond_stitched(
     path: RequestPath,
     request: web.Request,
     opened: Opened,
-    url: str,
-    rid: str | None,
+    upstream: _Upstream,
     headers: Mapping[str, str],
     plan: _Stitch,
 ) -> web.StreamResponse:
@@ -730,7 +763,7 @@ async def _respond_stitched(
     resp = opened.resp
     assert resp is not None
     out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
-    part_rid, cap, ok = rid, capped.sent, False
+    base, cap, ok = upstream.rid, capped.sent, False
     try:
         await out.prepare(request)
         chunk = opened.first
@@ -754,12 +787,11 @@ async def _respond_stitched(
             cap = capped.next_cap(end.written, capped.sent)
             body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            if part_rid is not None:
-                part_rid = body["rid"] = f"{rid}.c{opened.parts}"
+            upstream.part(body, base, f"c{opened.parts}")
             m.continued.inc()
             opened.parts += 1
             resp = await path.upstream.post(  # type: ignore[union-attr]
-                url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
+                upstream.url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
             )
             if resp.status != 200:
                 refused = (await resp.read())[:300].decode(errors="replace")
@@ -785,5 +817,5 @@ async def _respond_stitched(
         raise
     finally:
         resp.close()
-        if not ok and part_rid is not None:
-            path.spawn(_post_abort(path, url, part_rid))
+        if not ok:
+            upstream.abort(path)

@@ -1,7 +1,7 @@
 """Check a request body once and describe what to forward (pure functions, no I/O).
 
 The body is parsed with orjson exactly once; the resulting dict is what the relay re-encodes for
-the worker (adding the ``rid`` it uses for ``/abort_request``). Checks are the ones a worker would
+the worker (adding the name it aborts a request by, on an engine that has one). Checks are the ones a worker would
 otherwise answer with a 4xx after the request had waited in the queue, or answer with a 500.
 """
 

@@ -164,3 +164,15 @@ def test_the_simulated_scheduler_admits_the_interactive_field_first(low_first: b
     batch, inter = add(1, False), add(2, True)
     run_until(eng, lambda: inter.state is not State.WAITING)
     assert batch.state is State.WAITING
+
+
+def test_sglang_aborts_a_request_by_its_rid_and_vllm_only_by_closing_its_connection() -> None:
+    for name in ("sglang", "sim"):
+        by_name = ENGINES[name].abort_by_name
+        assert by_name is not None and by_name.answers_with_output
+        assert (by_name.field, by_name.path, by_name.body("pacer-1.2")) == (
+            "rid",
+            "/abort_request",
+            {"rid": "pacer-1.2"},
+        )
+    assert ENGINES["vllm"].abort_by_name is None

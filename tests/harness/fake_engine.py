@@ -7,7 +7,8 @@ per token with ``token_delay_s`` between them (given both, ``sim_output_len`` to
 answers a graceful abort) and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
-error event).
+error event). ``speaks="vllm"``: its ``/metrics`` page has vLLM's names and it has no
+``/abort_request`` (a POST there is recorded in ``not_found`` and answered 404, as vLLM answers it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class FakeEngine:
     bodies: list = field(default_factory=list)
     answer_aborts: bool = False  # an aborted whole answer ends with what it wrote, finish "abort" (else: cancelled)
     miss_aborts: int = 0  # the next this many aborts find nothing (as one that came before its request)
+    speaks: str = "sglang"  # or "vllm": its metrics page and routes
+    not_found: list = field(default_factory=list)  # bodies POSTed to routes it does not have
     _fail: list = field(default_factory=list)
     _ending: set = field(default_factory=set)
     _whole: set = field(default_factory=set)
@@ -177,6 +180,9 @@ class FakeEngine:
         return out
 
     async def abort(self, request: web.Request) -> web.Response:
+        if self.speaks == "vllm":
+            self.not_found.append(await request.json())
+            return web.json_response({"detail": "Not Found"}, status=404)
         rid = (await request.json()).get("rid")
         self.aborted.append(rid)
         if self.miss_aborts > 0:
@@ -192,6 +198,13 @@ class FakeEngine:
 
     async def metrics(self, request: web.Request) -> web.Response:
         q = len(self.waiting)
+        if self.speaks == "vllm":
+            text = (
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {q}\n'
+                f'vllm:num_requests_running{{model_name="{MODEL}"}} {self.running}\n'
+                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {self.running / max(1, self.max_running):.2f}\n'
+            )
+            return web.Response(text=text, content_type="text/plain")
         text = (
             f'sglang:num_queue_reqs{{model_name="{MODEL}"}} {q}\n'
             f'sglang:num_running_reqs{{model_name="{MODEL}"}} {self.running}\n'

@@ -70,6 +70,25 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
     assert w.finished == []
 
 
+async def test_a_worker_that_aborts_only_by_closing_gets_no_name_and_no_abort_call(make_proxy):
+    # vLLM has no /abort_request and no rid: a request is sent as the client sent it, and a client
+    # that leaves mid-stream ends it by the connection closing alone
+    h = await make_proxy(policy={"engine": {"speaks": "vllm"}}, worker={"token_delay_s": 0.05, "speaks": "vllm"})
+    w = h.workers[0]
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(
+            h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
+        )
+        assert resp.status == 200
+        await resp.content.readany()
+        resp.close()  # the client goes away mid-stream
+    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    await h.wait_for(lambda: w.running == 0)  # the closed connection ended it
+    await h.state.requests.wait_background()
+    assert w.seen_rids == [None] and "rid" not in w.bodies[0]
+    assert w.not_found == [] and w.aborted == [] and w.finished == []
+
+
 async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05, "max_running": 1})
     async with aiohttp.ClientSession() as s:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import Death, Knob, KnobName, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.sglang import argv, knobs, logs, metrics
 
@@ -37,6 +37,12 @@ __all__ = ["BATCH_PRIORITY", "INTERACTIVE_PRIORITY", "SGLANG", "SIM", "SGLangEng
 INTERACTIVE_PRIORITY = 100
 BATCH_PRIORITY = 0
 NO_FIELDS: Mapping[str, object] = MappingProxyType({})
+# a request's ``rid`` (GenerateReqInput, and ChatCompletionRequest / CompletionRequest's ``rid``, 0.5.x)
+# names it for POST /abort_request (AbortReq ``{"rid": ...}``); a graceful abort (no message:
+# FINISH_ABORT() without a status code) of a running whole request ends it at its next step and answers
+# it normally, with the text written so far and finish_reason "abort"
+# (tokenizer_manager._handle_abort_finish_reason)
+_ABORT_BY_RID = AbortByName(field="rid", path="/abort_request", answers_with_output=True)
 _PRIORITY: Mapping[tuple[bool, bool], Mapping[str, object]] = {  # (interactive, low values first)
     (True, False): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
     (False, False): MappingProxyType({"priority": BATCH_PRIORITY}),
@@ -121,11 +127,8 @@ class SGLangEngine:
         return True
 
     @property
-    def keeps_output_on_abort(self) -> bool:
-        # a graceful abort (POST /abort_request, no message: FINISH_ABORT() without a status code) of a
-        # running whole request ends it at its next step and answers it normally, with the text written
-        # so far and finish_reason "abort" (tokenizer_manager._handle_abort_finish_reason, 0.5.x)
-        return True
+    def abort_by_name(self) -> AbortByName:
+        return _ABORT_BY_RID
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int

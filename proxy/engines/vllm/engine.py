@@ -97,9 +97,9 @@ class VllmEngine:
         return False
 
     @property
-    def keeps_output_on_abort(self) -> bool:
+    def abort_by_name(self) -> None:
         # no /abort_request: a request ends when its connection closes, and its answer with it
-        return False
+        return None
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int
