@@ -167,6 +167,7 @@ class _Worker:
     managed: bool
     busy: bool = False  # an act or a revival is under way
     pending_outcome: PendingOutcome | None = None  # the last restart's, until its window is in
+    pending_check: PendingCheck | None = None  # the last acted plan's twin, until enough is answered
     starting_at: float | None = None  # when its current start began (to measure the start-up)
     startup_s: float | None = None  # its last start-up, launch to ready, as seen
     drain_s: float = 0.0  # its last drain before a restart
@@ -195,6 +196,24 @@ class PendingOutcome:
     opens: float  # the worker serves again and has computed again what it took back
     due: float  # the window is in
     expectation: Expectation | None = None  # an acted plan's: checked on the requests served since ``opens``
+    ready: float | None = None  # the restarted worker was ready here
+
+
+# an acted plan's twin is checked once the worker has answered as many requests under the new args as a
+# plan replays (``plan_requests``), when its serving under them ends (a restart) or, at the latest, this
+# many outcome windows after they opened: a window of long answers holds a few dozen, whose throughput
+# says more about which of them happened to end in it than about the twin
+CHECK_AFTER_WINDOWS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheck:
+    """An acted plan whose twin is checked on the requests the worker answers under its args."""
+
+    entry_id: int
+    expectation: Expectation
+    since: float  # the outcome window opened here: requests arrived since are judged
+    until: float  # checked on what was answered by then, however many
     ready: float | None = None  # the restarted worker was ready here
 
 
@@ -405,6 +424,7 @@ class Controller:
             others_down = True
         for w in self._workers.values():
             self._measure_outcome(w, now)
+            self._check_when_answered(w, now)
             if w.busy or w.state.started_at is None:
                 continue
             if w.state.last_good_args != w.state.args and now - w.state.started_at >= self.settings.good_after_s:
@@ -842,14 +862,32 @@ class Controller:
             fields=fields,
         )
         if pending.expectation is not None:
-            wid = w.state.worker_id
-            inputs = OutcomeInputs(expectation=pending.expectation, workload=tuple(self.surroundings.recent_requests(wid)),
-                                   since=pending.opens, in_flight=tuple(self.surroundings.in_flight(wid)), now=now,
-                                   max_requests=self.settings.plan_requests, ready=pending.ready)  # fmt: skip
-            self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
+            until = pending.opens + CHECK_AFTER_WINDOWS * self.settings.window_s
+            w.pending_check = PendingCheck(pending.entry_id, pending.expectation, pending.opens, until, pending.ready)
+
+    def _check_when_answered(self, w: _Worker, now: float) -> None:
+        """Queue the check of the worker's last acted plan (:class:`PendingCheck`) once it has answered
+        ``plan_requests`` requests under its args, once it stops serving under them (it restarts or
+        died: on what it answered until then), or at the check's latest."""
+        pending = w.pending_check
+        if pending is None:
+            return
+        wid = w.state.worker_id
+        workload = tuple(self.surroundings.recent_requests(wid))
+        over = w.busy or w.state.started_at is None or now >= pending.until
+        if not over:
+            answered = sum(1 for o in workload if o.arrived >= pending.since and o.finished is not None)
+            if answered < self.settings.plan_requests:
+                return
+        w.pending_check = None
+        inputs = OutcomeInputs(expectation=pending.expectation, workload=workload, since=pending.since,
+                               in_flight=tuple(self.surroundings.in_flight(wid)), now=now,
+                               max_requests=self.settings.plan_requests, ready=pending.ready)  # fmt: skip
+        self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
 
     def outcomes_due(self) -> list[OutcomeJob]:
-        """Acted plans whose window is in, each with the requests it is checked on (taken once)."""
+        """Acted plans whose check is due (:meth:`_check_when_answered`), each with the requests it is
+        checked on (taken once)."""
         jobs, self._checks = self._checks, []
         return jobs
 
@@ -895,17 +933,25 @@ class Controller:
         another: they run off the event loop while the ticks go on (a canary's fail-fast, the rules,
         the outcome windows do not wait for the other workers' plans), one plan at a time, and a plan
         is decided on the first tick after it is in (:meth:`decide_plan`, which drops it if its
-        worker restarted meanwhile)."""
+        worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
+        time, beside the plan, each journaled on the first tick after it is in."""
         computing: tuple[PlanJob, asyncio.Task[Plan]] | None = None
+        checks: list[OutcomeJob] = []
+        checking: tuple[OutcomeJob, asyncio.Task[Outcome]] | None = None
         try:
             while True:
                 for act in self.tick():
                     await self.carry_out(act)
-                for check in self.outcomes_due():  # a replay: off the event loop
+                checks += self.outcomes_due()
+                if checking is not None and checking[1].done():
+                    (check, done), checking = checking, None
                     try:
-                        self.record_outcome(check, await asyncio.to_thread(check_outcome, check.inputs))
+                        self.record_outcome(check, done.result())
                     except Exception as exc:
                         _log.warning("outcome check of decision #%d failed: %s", check.entry_id, exc)
+                if checking is None and checks:
+                    check = checks.pop(0)
+                    checking = (check, asyncio.create_task(asyncio.to_thread(check_outcome, check.inputs)))
                 if computing is not None and computing[1].done():
                     (job, task), computing = computing, None
                     planned = self._decide_computed(job, task)
@@ -917,8 +963,9 @@ class Controller:
                         computing = (job, asyncio.create_task(asyncio.to_thread(run_plan, job.inputs)))
                 await asyncio.sleep(self.settings.interval_s)
         finally:
-            if computing is not None:
-                computing[1].cancel()  # its thread ends by itself; the plan is dropped
+            for running in (computing, checking):
+                if running is not None:
+                    running[1].cancel()  # its thread ends by itself; what it computes is dropped
             await self.close()
 
     def _decide_computed(self, job: PlanJob, task: asyncio.Task[Plan]) -> Act | None:

@@ -17,8 +17,18 @@ import pytest
 
 from proxy.console.decisions import format_decision
 from proxy.control import controller as controller_module
+from proxy.control.controller import CHECK_AFTER_WINDOWS, OutcomeJob
 from proxy.control.horizon import answer_rate
-from proxy.control.planner import InFlight, Observed, PlanSettings, Twin, _band_fraction, check_outcome, run_plan
+from proxy.control.planner import (
+    InFlight,
+    Observed,
+    Outcome,
+    PlanSettings,
+    Twin,
+    _band_fraction,
+    check_outcome,
+    run_plan,
+)
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
 from proxy.sim.logs import startup_line
@@ -92,9 +102,13 @@ def _served_after(start: float, args: dict[str, object], step_time_factor: float
     return [replace(o, finished=start + (r.finish_time or 0.0)) for o, r in zip(asked, res.requests, strict=True)]
 
 
-@pytest.mark.parametrize("truth", [1.0, 1.5], ids=["as-the-twin-expects", "a-slower-gpu-than-calibrated"])
+@pytest.mark.parametrize(
+    ("truth", "dies"),
+    [(1.0, False), (1.5, False), (1.5, True)],
+    ids=["as-the-twin-expects", "a-slower-gpu-than-calibrated", "a-slower-gpu-that-dies-before-it-answered-enough"],
+)
 def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_gain(
-    tmp_path: Path, truth: float
+    tmp_path: Path, truth: float, dies: bool
 ) -> None:
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
@@ -151,6 +165,21 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     entry = c.journal.get(act.entry_id)
     assert entry is not None and 0.15 < entry["measured_gain"] < 0.25  # the window's throughput, after over before
     assert "prediction_error" not in entry  # the twin is checked off the loop, on the requests served since
+    needed = c.settings.plan_requests
+    if len(answered) < needed:  # fewer answered than a plan replays: the check waits for more, up to its latest
+        assert truth > 1.0 and c.outcomes_due() == []
+        if dies:  # it no longer serves under the new args: checked on what it answered under them
+
+            async def dead() -> None:  # its revival runs on the loop
+                c.track(info(state=WorkerState.DOWN, args=dict(act.decision.new_args)))
+
+            asyncio.run(dead())
+        else:
+            clock.now = start + act.settle_s + CHECK_AFTER_WINDOWS * c.settings.window_s - 1
+            c.tick()  # nothing more answered (the traffic stopped): not yet
+            assert c.outcomes_due() == []
+            clock.now += 1
+        c.tick()
     (check,) = c.outcomes_due()
     assert c.outcomes_due() == [] and check.inputs.since == pytest.approx(start + act.settle_s)
     assert check.inputs.ready == start  # what the worker holds ran on it from its restart at most
@@ -228,6 +257,48 @@ async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypa
             await task
     (note,) = c.journal.entries()  # decided once in, as plan_now would have
     assert note["status"] == "noted" and "does not pay" in note["detail"] and not c._workers["w0"].planning
+
+
+async def test_the_ticks_go_on_while_an_acted_plan_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An acted plan's check replays up to plan_requests requests: off the loop, as a plan is, and
+    journaled once it is in."""
+    c, _clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), interval_s=0.01)
+    c.track(info(args=ARGS))
+    release = threading.Event()
+    outcome = Outcome(basis="throughput", predicted=110.0, measured=100.0, requests=300)
+
+    def slow_check(inputs):  # the replay, held until the test has seen the ticks go on
+        release.wait(60)
+        return outcome
+
+    job = OutcomeJob("w0", 7, inputs=None)  # type: ignore[arg-type]  # only slow_check reads it
+    due, recorded, ticks = [job], [], 0
+    tick = c.tick
+
+    def counted():
+        nonlocal ticks
+        ticks += 1
+        return tick()
+
+    monkeypatch.setattr(controller_module, "check_outcome", slow_check)
+    monkeypatch.setattr(c, "tick", counted)
+    monkeypatch.setattr(c, "outcomes_due", lambda: [due.pop()] if due else [])
+    monkeypatch.setattr(c, "record_outcome", lambda check, out: recorded.append((check, out)))
+    task = asyncio.create_task(c.run())
+    try:
+        async with asyncio.timeout(60):
+            while ticks < 5:
+                await asyncio.sleep(0.01)
+            assert recorded == []  # still being checked
+            release.set()
+            while not recorded:
+                await asyncio.sleep(0.01)
+    finally:
+        release.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert recorded == [(job, outcome)]
 
 
 def test_one_plan_at_a_time_goes_to_the_worker_longest_without_one(tmp_path: Path) -> None:
