@@ -405,7 +405,8 @@ class ControlSettings:
     plan_confirmations: int = field(
         default=2,
         metadata=key(
-            "consecutive plans of one worker that must each say a restart pays before one is taken (1: the first "
+            "plans of one worker that must say a restart pays, none saying it does not in between, before one is "
+            "taken (a plan whose gain is inside the twin's error says neither; 1: the first "
             "says so); a plan every plan_interval_s that crosses the line once among many is chance, not a trend",
             minimum=1,
         ),

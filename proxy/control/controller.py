@@ -173,7 +173,7 @@ class _Worker:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
-    plans_paying: int = 0  # consecutive plans that said a restart pays (none taken yet)
+    plans_paying: int = 0  # plans that said a restart pays, none since saying it does not (none taken yet)
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
@@ -676,11 +676,13 @@ class Controller:
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
         note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
-        w.plans_paying = w.plans_paying + 1 if plan.worth else 0
+        # a plan whose gain is inside the twin's error says neither yes nor no: it leaves the count as it is
+        if not plan.undecided:
+            w.plans_paying = w.plans_paying + 1 if plan.worth else 0
         confirm = self.settings.plan_confirmations
         if plan.worth and w.plans_paying < confirm:  # one look across the line among many is chance, not a trend
             self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
-                                detail=f"pays on {w.plans_paying} consecutive plan(s) of the {confirm} a restart needs",
+                                detail=f"pays on {w.plans_paying} plan(s) of the {confirm} a restart needs, none saying no since",
                                 extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
             return None
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now

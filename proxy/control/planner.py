@@ -528,6 +528,9 @@ class Plan:
     gain_tokens: float  # (best - current) throughput x horizon
     cost_tokens: float
     worth: bool  # restart with best.args
+    # the gain would pay a restart, but it is inside how far the twin is from the worker on the same
+    # requests: the plan can say neither that a restart pays nor that it does not
+    undecided: bool = False
     replays: int
     reason: str
     refused: tuple[Prediction, ...] = field(default=())  # candidates outside the memory band
@@ -667,6 +670,7 @@ def plan(
         reason=reason,
         refused=tuple(refused),
         measured_current=measured,
+        undecided=pays and not trusted,
     )
 
 

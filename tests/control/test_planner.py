@@ -295,7 +295,7 @@ def test_work_in_flight_is_expected_to_write_what_its_own_class_writes_and_a_bat
     # misread, it would pay, were the twin not far from the one answer the worker gave (the error gate)
     assert misread.predicted_gain > 0.15 and not misread.worth and "misses what the worker did" in misread.reason
     assert misread.current_error is not None and misread.current_error >= misread.predicted_gain
-    assert own.predicted_gain < 0.08 and not own.worth, own.reason  # a few percent (the band's KV pool included)
+    assert own.predicted_gain < 0.08 and not own.worth and not own.undecided, own.reason  # a few percent
 
 
 def test_in_a_backlog_the_waiting_basis_is_not_asked():
@@ -342,9 +342,10 @@ def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
     off = plan(Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0),
                PlanSettings())  # fmt: skip
     assert off.current_error is not None and off.current_error > off.predicted_gain > 0.03
-    assert not off.worth and "misses what the worker did" in off.reason
+    assert not off.worth and off.undecided and "misses what the worker did" in off.reason
     calibrated = plan(slow, {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0), PlanSettings())
     assert calibrated.current_error is not None and calibrated.current_error < 0.05 and calibrated.worth
+    assert not calibrated.undecided
 
 
 def test_answers_sooner_by_less_than_the_twin_misses_the_worker_by_is_not_acted_on():

@@ -123,7 +123,10 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     assert jobs[0].inputs.decode  # the decode lines reached the twin
     assert c.plan_now(jobs[0]) is None  # one plan that pays, among a plan every plan_interval_s, is not yet a trend
     (noted,) = c.journal.entries()
-    assert noted["status"] == "noted" and noted["detail"] == "pays on 1 consecutive plan(s) of the 2 a restart needs"
+    assert (
+        noted["status"] == "noted"
+        and noted["detail"] == "pays on 1 plan(s) of the 2 a restart needs, none saying no since"
+    )
     clock.now += c.settings.plan_interval_s
     jobs = c.plans_due()
     act = c.plan_now(jobs[0])  # the next one says so too
@@ -489,8 +492,11 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else
 def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) -> None:
     """A plan every plan_interval_s is a look at noisy traffic: one that crosses the line among many is chance
     (early-stop's bursty hour restarted on one such look, every plan before it saying no, and lost 2-12 % to
-    the hour without a restart). The restart waits for ``plan_confirmations`` plans in a row that pay; one
-    that does not starts the count again, and so does the restart itself (its arguments are new)."""
+    the hour without a restart). The restart waits for ``plan_confirmations`` plans that pay with none saying
+    it does not between them; one that does not starts the count again, and so does the restart itself (its
+    arguments are new). A plan whose gain would pay but is inside the twin's error (undecided) says neither:
+    the count stays (retraction-storm's plans alternated pays / undecided, and its restart came 1,000-1,500
+    modelled s late)."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
@@ -500,13 +506,14 @@ def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) 
     (job,) = c.plans_due()
     pays = run_plan(job.inputs)
     assert pays.worth
-    doubts = replace(pays, worth=False)
-    for plan in (pays, pays, doubts, pays, pays):
+    no = replace(pays, worth=False)
+    undecided = replace(pays, worth=False, undecided=True)
+    for plan in (pays, pays, no, pays, undecided, pays):
         assert c.decide_plan(job, plan) is None and actor.calls == []
     act = c.decide_plan(job, pays)
     assert act is not None and act.decision.rule == "planner"
     counted = [e["detail"] for e in c.journal.entries() if e["detail"].startswith("pays on")]
-    assert counted == [f"pays on {k} consecutive plan(s) of the 3 a restart needs" for k in (1, 2, 1, 2)]
+    assert counted == [f"pays on {k} plan(s) of the 3 a restart needs, none saying no since" for k in (1, 2, 1, 2)]
     asyncio.run(c.carry_out(act))
     again = replace(job, time=clock.now, inputs=replace(job.inputs, args=dict(c.state("w0").args)))
     assert c.decide_plan(again, pays) is None  # on its new arguments the count starts again
