@@ -10,6 +10,7 @@ import math
 import random
 import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -234,30 +235,11 @@ async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypa
         release.wait(60)
         return run_plan(inputs)
 
-    ticks = 0
-    tick = c.tick
-
-    def counted():
-        nonlocal ticks
-        ticks += 1
-        return tick()
+    def held() -> None:
+        assert c.journal.entries() == [] and c._workers["w0"].planning  # its plan still being computed
 
     monkeypatch.setattr(controller_module, "run_plan", slow_plan)
-    monkeypatch.setattr(c, "tick", counted)
-    task = asyncio.create_task(c.run())
-    try:
-        async with asyncio.timeout(60):
-            while ticks < 5:
-                await asyncio.sleep(0.01)
-            assert c.journal.entries() == [] and c._workers["w0"].planning  # its plan still being computed
-            release.set()
-            while not c.journal.entries():
-                await asyncio.sleep(0.01)
-    finally:
-        release.set()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await _run_while_held(c, monkeypatch, release, held, lambda: bool(c.journal.entries()))
     (note,) = c.journal.entries()  # decided once in, as plan_now would have
     assert note["status"] == "noted" and "does not pay" in note["detail"] and not c._workers["w0"].planning
 
@@ -275,33 +257,52 @@ async def test_the_ticks_go_on_while_an_acted_plan_is_checked(tmp_path: Path, mo
         return outcome
 
     job = OutcomeJob("w0", 7, inputs=None)  # type: ignore[arg-type]  # only slow_check reads it
-    due, recorded, ticks = [job], [], 0
+    due: list[OutcomeJob] = [job]
+    recorded: list[tuple[OutcomeJob, Outcome]] = []
+
+    def held() -> None:
+        assert recorded == []  # still being checked
+
+    monkeypatch.setattr(controller_module, "check_outcome", slow_check)
+    monkeypatch.setattr(c, "outcomes_due", lambda: [due.pop()] if due else [])
+    monkeypatch.setattr(c, "record_outcome", lambda check, out: recorded.append((check, out)))
+    await _run_while_held(c, monkeypatch, release, held, lambda: bool(recorded))
+    assert recorded == [(job, outcome)]
+
+
+async def _run_while_held(
+    c: controller_module.Controller,
+    monkeypatch: pytest.MonkeyPatch,
+    release: threading.Event,
+    held: Callable[[], None],
+    done: Callable[[], bool],
+) -> None:
+    """Run the controller until it has ticked five times while what it computes off the loop waits
+    for ``release`` (``held`` checks it is still being computed), then release it and run on until
+    ``done``."""
+    ticks = 0
     tick = c.tick
 
-    def counted():
+    def counted() -> list[controller_module.Act]:
         nonlocal ticks
         ticks += 1
         return tick()
 
-    monkeypatch.setattr(controller_module, "check_outcome", slow_check)
     monkeypatch.setattr(c, "tick", counted)
-    monkeypatch.setattr(c, "outcomes_due", lambda: [due.pop()] if due else [])
-    monkeypatch.setattr(c, "record_outcome", lambda check, out: recorded.append((check, out)))
     task = asyncio.create_task(c.run())
     try:
         async with asyncio.timeout(60):
             while ticks < 5:
                 await asyncio.sleep(0.01)
-            assert recorded == []  # still being checked
+            held()
             release.set()
-            while not recorded:
+            while not done():
                 await asyncio.sleep(0.01)
     finally:
         release.set()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert recorded == [(job, outcome)]
 
 
 def test_one_plan_at_a_time_goes_to_the_worker_longest_without_one(tmp_path: Path) -> None:

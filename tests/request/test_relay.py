@@ -53,16 +53,21 @@ async def test_stream_is_relayed_as_it_arrives(make_proxy):
     await client.close()
 
 
-async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
-    h = await make_proxy(worker={"token_delay_s": 0.05})
-    w = h.workers[0]
+async def _leave_mid_stream(h) -> None:
+    """A client that opens a long stream, reads its first output and goes away."""
     async with aiohttp.ClientSession() as s:
         resp = await s.post(
             h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
         )
         assert resp.status == 200
         await resp.content.readany()
-        resp.close()  # the client goes away mid-stream
+        resp.close()
+
+
+async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
+    h = await make_proxy(worker={"token_delay_s": 0.05})
+    w = h.workers[0]
+    await _leave_mid_stream(h)
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
     await h.wait_for(lambda: len(w.aborted) == 1)
     assert w.aborted == [w.seen_rids[0]]
@@ -75,13 +80,7 @@ async def test_a_worker_that_aborts_only_by_closing_gets_no_name_and_no_abort_ca
     # that leaves mid-stream ends it by the connection closing alone
     h = await make_proxy(policy={"engine": {"speaks": "vllm"}}, worker={"token_delay_s": 0.05, "speaks": "vllm"})
     w = h.workers[0]
-    async with aiohttp.ClientSession() as s:
-        resp = await s.post(
-            h.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
-        )
-        assert resp.status == 200
-        await resp.content.readany()
-        resp.close()  # the client goes away mid-stream
+    await _leave_mid_stream(h)
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
     await h.wait_for(lambda: w.running == 0)  # the closed connection ended it
     await h.state.requests.wait_background()
