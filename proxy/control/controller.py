@@ -887,10 +887,11 @@ class Controller:
                                max_requests=self.settings.plan_requests, ready=pending.ready)  # fmt: skip
         self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
 
-    def outcomes_due(self) -> list[OutcomeJob]:
-        """Acted plans whose check is due (:meth:`_check_when_answered`), each with the requests it is
-        checked on (taken once)."""
-        jobs, self._checks = self._checks, []
+    def outcomes_due(self, limit: int | None = None) -> list[OutcomeJob]:
+        """Acted plans whose check is due (:meth:`_check_when_answered`; at most ``limit``, the oldest
+        first), each with the requests it is checked on (taken once)."""
+        taken = len(self._checks) if limit is None else limit
+        jobs, self._checks = self._checks[:taken], self._checks[taken:]
         return jobs
 
     def record_outcome(self, job: OutcomeJob, outcome: Outcome) -> None:
@@ -938,22 +939,20 @@ class Controller:
         worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
         time, beside the plan, each journaled on the first tick after it is in."""
         computing: tuple[PlanJob, asyncio.Task[Plan]] | None = None
-        checks: list[OutcomeJob] = []
         checking: tuple[OutcomeJob, asyncio.Task[Outcome]] | None = None
         try:
             while True:
                 for act in self.tick():
                     await self.carry_out(act)
-                checks += self.outcomes_due()
                 if checking is not None and checking[1].done():
                     (check, done), checking = checking, None
                     try:
                         self.record_outcome(check, done.result())
                     except Exception as exc:
                         _log.warning("outcome check of decision #%d failed: %s", check.entry_id, exc)
-                if checking is None and checks:
-                    check = checks.pop(0)
-                    checking = (check, asyncio.create_task(asyncio.to_thread(check_outcome, check.inputs)))
+                if checking is None:
+                    for check in self.outcomes_due(limit=1):
+                        checking = (check, asyncio.create_task(asyncio.to_thread(check_outcome, check.inputs)))
                 if computing is not None and computing[1].done():
                     (job, task), computing = computing, None
                     planned = self._decide_computed(job, task)

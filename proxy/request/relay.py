@@ -163,17 +163,17 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
             resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
 
 
-async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, rid: str) -> None:
+async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, name: str) -> None:
     session = path.session
     if session is None or session.closed:
         return
     try:
         async with session.post(
-            url + by_name.path, data=orjson.dumps(by_name.body(rid)), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
+            url + by_name.path, data=orjson.dumps(by_name.body(name)), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
         ) as resp:
             await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        _log.debug("abort of %s at %s failed: %r", rid, url, exc)
+        _log.debug("abort of %s at %s failed: %r", name, url, exc)
 
 
 def _closing_error(path: RequestPath) -> ApiError:
@@ -397,21 +397,23 @@ class _Named:
 @dataclass(slots=True)
 class _Upstream:
     """The request an attempt has open on its worker now: the worker's URL, how a request is aborted
-    there by name, and the name of the one open now (each part has its own; None: unnamed)."""
+    there by name, and the name the one open now was sent under (each part has its own; None: unnamed)."""
 
     url: str
     by_name: AbortByName | None
-    rid: str | None
+    name: str | None
 
     def part(self, body: dict[str, object], base: str | None, suffix: str) -> None:
         """``body`` is the attempt's next request: its name is ``base`` with ``suffix``."""
         if base is not None and self.by_name is not None:
-            self.rid = body[self.by_name.field] = f"{base}.{suffix}"
+            self.name = body[self.by_name.field] = f"{base}.{suffix}"
 
-    def abort(self, path: RequestPath) -> None:
-        """Abort the request open now on the worker, if it has a name to abort it by."""
-        if self.rid is not None and self.by_name is not None:
-            path.spawn(_post_abort(path, self.url, self.by_name, self.rid))
+    def abort(self, path: RequestPath, name: str | None = None) -> None:
+        """Abort the request open now on the worker (or the one sent under ``name``), if it has a name
+        to abort it by."""
+        name = name or self.name
+        if name is not None and self.by_name is not None:
+            path.spawn(_post_abort(path, self.url, self.by_name, name))
 
 
 TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers within this, else it is cancelled
@@ -426,7 +428,7 @@ def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, upstream: 
     """Whether a take-back of ``job`` from the worker can keep what it wrote: a plain whole request,
     with a name to end it by, on an engine that answers such an abort with the text so far and can
     continue it (:attr:`~proxy.engines.base.AbortByName.answers_with_output`)."""
-    if upstream.rid is None or upstream.by_name is None or not upstream.by_name.answers_with_output or job.stream:
+    if upstream.name is None or upstream.by_name is None or not upstream.by_name.answers_with_output or job.stream:
         return False
     engine = path.engine_of(worker_id)
     if engine is None:
@@ -438,9 +440,9 @@ def _end_early(path: RequestPath, attempt: Attempt, upstream: _Upstream) -> None
     """A take-back of a whole answer the worker can end early: abort the request there, and it answers
     with what it wrote (the attempt's block then ends with :class:`TakenBack`). One that does not
     answer within ``TAKE_BACK_ANSWER_S`` is cancelled, as any take-back."""
-    if upstream.rid is not None:
+    if upstream.name is not None:
         upstream.abort(path)
-        _abort_again(path, attempt, upstream, upstream.rid)
+        _abort_again(path, attempt, upstream, upstream.name)
 
     def late() -> None:
         if not attempt.released and attempt.task is not None:
@@ -450,21 +452,22 @@ def _end_early(path: RequestPath, attempt: Attempt, upstream: _Upstream) -> None
 
 
 def _abort_again(
-    path: RequestPath, attempt: Attempt, upstream: _Upstream, rid: str, k: int = 0, waited_s: float = 0.0
+    path: RequestPath, attempt: Attempt, upstream: _Upstream, name: str, k: int = 0, waited_s: float = 0.0
 ) -> None:
-    """Post the abort of ``rid`` (the request ``upstream`` had open) again after the ``k``-th pause of ``TAKE_BACK_ABORT_AGAIN_S`` (its last
-    one over and over) while the attempt is open, until ``TAKE_BACK_ANSWER_S`` (when it is cancelled): an
-    engine answers an abort of a request it has not registered yet with nothing done."""
+    """Post the abort of the request sent under ``name`` again after the ``k``-th pause of
+    ``TAKE_BACK_ABORT_AGAIN_S`` (its last one over and over) while the attempt is open, until
+    ``TAKE_BACK_ANSWER_S`` (when it is cancelled): an engine answers an abort of a request it has not
+    registered yet with nothing done."""
     pause = TAKE_BACK_ABORT_AGAIN_S[min(k, len(TAKE_BACK_ABORT_AGAIN_S) - 1)]
     if waited_s + pause >= TAKE_BACK_ANSWER_S:
         return
 
     def again() -> None:
-        if attempt.released or path.session is None or path.session.closed or upstream.by_name is None:
+        if attempt.released or path.session is None or path.session.closed:
             return
-        _log.debug("abort of %s at %s still open after %g s: sent again", rid, upstream.url, waited_s + pause)
-        path.spawn(_post_abort(path, upstream.url, upstream.by_name, rid))
-        _abort_again(path, attempt, upstream, rid, k + 1, waited_s + pause)
+        _log.debug("abort of %s at %s still open after %g s: sent again", name, upstream.url, waited_s + pause)
+        upstream.abort(path, name)
+        _abort_again(path, attempt, upstream, name, k + 1, waited_s + pause)
 
     asyncio.get_running_loop().call_later(pause, again)
 
@@ -487,7 +490,7 @@ async def _fetch(
     request as the client sent it or under its output budget (``capped``), continued while a part
     stops at its cap (:func:`_continued`); or, when an earlier worker had written part of it before
     it was taken back (``ticket.written``), going on from that text."""
-    base = upstream.rid
+    base = upstream.name
     earlier, ticket.written = ticket.written, ()
     engine = path.engine_of(worker_id)
     whole = capped or continuation.plain(job)
@@ -763,7 +766,7 @@ async def _respond_stitched(
     resp = opened.resp
     assert resp is not None
     out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
-    base, cap, ok = upstream.rid, capped.sent, False
+    base, cap, ok = upstream.name, capped.sent, False
     try:
         await out.prepare(request)
         chunk = opened.first

@@ -264,7 +264,7 @@ async def test_the_ticks_go_on_while_an_acted_plan_is_checked(tmp_path: Path, mo
         assert recorded == []  # still being checked
 
     monkeypatch.setattr(controller_module, "check_outcome", slow_check)
-    monkeypatch.setattr(c, "outcomes_due", lambda: [due.pop()] if due else [])
+    monkeypatch.setattr(c, "outcomes_due", lambda limit=None: [due.pop()] if due else [])
     monkeypatch.setattr(c, "record_outcome", lambda check, out: recorded.append((check, out)))
     await _run_while_held(c, monkeypatch, release, held, lambda: bool(recorded))
     assert recorded == [(job, outcome)]
