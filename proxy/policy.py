@@ -610,12 +610,13 @@ class Policy:
 
     def placement(self, visible: int | None) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Each pool's GPU ids per worker, given how many GPUs NVML sees (None: it sees none).
-        PolicyError naming the key when a pool asks for GPUs that are not there."""
+        PolicyError naming the key when a pool asks for GPUs that are not there; a simulated pool's
+        named GPUs are modelled ones, so it may name more than the host has."""
         explicit = frozenset(g for p in self.pools for g in p.given_gpus)
         taken = set(explicit)
         out: dict[str, tuple[tuple[int, ...], ...]] = {}
         for p in self.pools:
-            if visible:
+            if visible and p.engine.engine.uses_host_gpus:
                 past = [g for g in p.given_gpus if g >= visible]
                 if past:
                     raise PolicyError(

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
+from proxy.observe import nvml
 from proxy.policy import PolicyError, load_policy, parse_policy
+from tests.observe.test_nvml import _Nvml
 
 POLICIES = Path(__file__).parents[1] / "policies"
 
@@ -77,22 +79,24 @@ def test_bad_pools_are_refused_naming_the_key(doc: dict[str, Any], key: str, wor
     assert err.key == key and words in err.problem
 
 
+def on_gpus(**table: Any) -> dict[str, Any]:
+    """A pool of real SGLang workers (they compute on the host's GPUs)."""
+    return {"kind": "sglang", "args": {"model_path": "m"}, **table}
+
+
 def test_placement_against_the_gpus_nvml_sees() -> None:
     p = parse_policy(
-        pools({"name": "a", "model": "x", "gpus": [0, 9]}, {"name": "b", "model": "y", "gpus": "auto", "workers": 2}),
+        pools(on_gpus(name="a", model="x", gpus=[0, 9]), on_gpus(name="b", model="y", gpus="auto", workers=2)),
         "<t>",
     )
     with pytest.raises(PolicyError, match=r"pool\.a\.gpus: GPU 9 does not exist: NVML sees 8"):
         p.placement(8)
     with pytest.raises(PolicyError, match=r'pool\.b\.gpus: "auto" needs NVML'):
         p.placement(None)
-    explicit = parse_policy(pools({"name": "a", "gpus": [0, 9]}), "<t>")
+    explicit = parse_policy(pools(on_gpus(name="a", gpus=[0, 9])), "<t>")
     assert explicit.placement(None) == {"a": ((0,), (9,))}  # no NVML: explicit ids stand as given
     auto = parse_policy(
-        pools(
-            {"name": "a", "model": "x", "gpus": [0, 1]},
-            {"name": "b", "model": "y", "tp": 2, "gpus": "auto", "workers": 2},
-        ),
+        pools(on_gpus(name="a", model="x", gpus=[0, 1]), on_gpus(name="b", model="y", tp=2, gpus="auto", workers=2)),
         "<t>",
     )
     assert auto.placement(8)["b"] == ((2, 3), (4, 5))  # the first free ones, tp per worker
@@ -100,7 +104,27 @@ def test_placement_against_the_gpus_nvml_sees() -> None:
         auto.placement(4)
 
 
-def test_the_fleet_policies_pass_check_policy(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_simulated_pool_names_modelled_gpus_the_host_may_lack() -> None:
+    """The simulator models its GPUs: policies/sim-8gpu-two-models.toml runs on a one-GPU laptop,
+    while a real engine's pool beside it is still held to the GPUs NVML sees."""
+    sim = load_policy(POLICIES / "sim-8gpu-two-models.toml")
+    assert sim.placement(1) == {"llama-70b": ((0, 1, 2, 3),), "llama-8b": ((4,), (5,), (6,), (7,))}
+    mixed = parse_policy(
+        pools({"name": "s", "model": "x", "gpus": [4, 5]}, on_gpus(name="r", model="y", gpus="auto")),
+        "<t>",
+    )
+    assert mixed.placement(1) == {"s": ((4,), (5,)), "r": ((0,),)}
+    real = parse_policy(pools({"name": "s", "model": "x", "gpus": [0]}, on_gpus(name="r", model="y", gpus=[1])), "<t>")
+    with pytest.raises(PolicyError, match=r"pool\.r\.gpus: GPU 1 does not exist: NVML sees 1"):
+        real.placement(1)
+
+
+@pytest.mark.parametrize("host_gpus", [0, 8], ids=["no GPU", "the 8-GPU node they are written for"])
+def test_the_fleet_policies_pass_check_policy(
+    host_gpus: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the host's GPUs as NVML would report them, so the check does not depend on this machine's
+    monkeypatch.setattr(nvml, "sample_gpus", lambda: nvml.sample_with(_Nvml(count=host_gpus)))
     for name in ("h100x8-two-models.toml", "sim-8gpu-two-models.toml"):
         assert main(["check-policy", str(POLICIES / name)]) == 0
         out = capsys.readouterr().out

@@ -70,6 +70,11 @@ class Engine(Protocol):
         that name (None: the engine's default name)."""
 
     @property
+    def uses_host_gpus(self) -> bool:
+        """Whether its workers compute on the host's GPUs, so that the GPU ids a pool names must be
+        ones NVML sees there; False for the simulated engine, whose GPUs are modelled."""
+
+    @property
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""
 

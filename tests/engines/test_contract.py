@@ -176,3 +176,11 @@ def test_sglang_aborts_a_request_by_its_rid_and_vllm_only_by_closing_its_connect
             {"rid": "pacer-1.2"},
         )
     assert ENGINES["vllm"].abort_by_name is None
+
+
+def test_only_the_simulator_places_its_workers_on_modelled_gpus() -> None:
+    assert [(name, ENGINES[name].uses_host_gpus) for name in ("sim", "sglang", "vllm")] == [
+        ("sim", False),
+        ("sglang", True),
+        ("vllm", True),
+    ]

@@ -121,6 +121,10 @@ class SGLangEngine:
         return _PRIORITY[(interactive, low_first)]
 
     @property
+    def uses_host_gpus(self) -> bool:
+        return not self.sim_args  # the simulator models its GPU: CUDA_VISIBLE_DEVICES is only a label there
+
+    @property
     def reserves_max_tokens(self) -> bool:
         # PrefillAdder: a new request reserves min(max_new_tokens, 4096) of KV, a running one its
         # remaining max_new_tokens x new_token_ratio (managers/schedule_policy.py)

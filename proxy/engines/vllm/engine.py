@@ -91,6 +91,10 @@ class VllmEngine:
         return INTERACTIVE_FIELDS if interactive else BATCH_FIELDS
 
     @property
+    def uses_host_gpus(self) -> bool:
+        return True
+
+    @property
     def reserves_max_tokens(self) -> bool:
         # the v1 scheduler allocates KV blocks for the tokens a step computes and preempts the newest
         # request when the pool runs out: max_tokens reserves nothing
