@@ -41,6 +41,7 @@ from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Journal, Status, verdict
 from proxy.control.planner import (
+    ERROR_LOOKS,
     DecodeStats,
     Expectation,
     InFlight,
@@ -174,6 +175,7 @@ class _Worker:
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
     plans_paying: int = 0  # plans that said a restart pays, none since saying it does not (none taken yet)
+    twin_errors: tuple[float, ...] = ()  # the twin's error on its plans' requests under the current args, newest last
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
@@ -549,7 +551,7 @@ class Controller:
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
-                          in_flight=in_flight, now=now)  # fmt: skip
+                          in_flight=in_flight, now=now, earlier_errors=w.twin_errors)  # fmt: skip
 
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
@@ -676,6 +678,8 @@ class Controller:
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
         note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
+        if plan.current_error is not None:  # the twin's error on this worker is read over its last looks
+            w.twin_errors = (*w.twin_errors, plan.current_error)[-(ERROR_LOOKS - 1) :]
         # a plan whose gain is inside the twin's error says neither yes nor no: it leaves the count as it is
         if not plan.undecided:
             w.plans_paying = w.plans_paying + 1 if plan.worth else 0
@@ -1019,6 +1023,7 @@ class Controller:
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
         w.plans_paying = 0  # whatever restarted it, the plans that pay are counted afresh on its new arguments
+        w.twin_errors = ()  # and the twin's error on them
         details = result.drain.to_json() if result.drain is not None else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)

@@ -363,6 +363,24 @@ def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
     calibrated = plan(slow, {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0), PlanSettings())
     assert calibrated.current_error is not None and calibrated.current_error < 0.05 and calibrated.worth
     assert not calibrated.undecided
+    # the error is the median over the twin's last looks at the worker: one look that reads high, among
+    # looks that read a few percent, does not hold the restart back; looks that read high do
+    one_high = plan(Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0),
+                    PlanSettings(), earlier_errors=(0.02, 0.04, 0.5, 0.03))  # fmt: skip
+    assert one_high.worth and not one_high.undecided
+    all_high = plan(Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0),
+                    PlanSettings(), earlier_errors=(0.6, 0.02, 0.7))  # fmt: skip
+    assert all_high.undecided and "(the median of its last 4 looks; " in all_high.reason
+
+
+def test_the_twins_error_is_the_median_of_its_last_looks():
+    from proxy.control.planner import ERROR_LOOKS, twin_error
+
+    assert ERROR_LOOKS == 5
+    assert twin_error((), None) is None
+    assert twin_error((), 0.2) == 0.2
+    assert twin_error((0.1, 0.3), None) == pytest.approx(0.2)
+    assert twin_error((0.9, 0.9, 0.01, 0.02, 0.03, 0.04), 0.5) == pytest.approx(0.03)  # the newest four and this one
 
 
 def test_answers_sooner_by_less_than_the_twin_misses_the_worker_by_is_not_acted_on():

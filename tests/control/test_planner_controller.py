@@ -490,6 +490,41 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else
     assert worse.canary is None
 
 
+def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:
+    """The twin's error on a worker is read over its last looks under the same args (one look's few dozen
+    answers move it more than the twin does): each plan carries the errors of the looks before it, the
+    newest ERROR_LOOKS - 1, and a restart starts them afresh on its new arguments."""
+    from proxy.control.planner import ERROR_LOOKS
+
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    assert job.inputs.earlier_errors == ()
+    pays = run_plan(job.inputs)
+    predicted = pays.current.answered_tok_per_s
+    assert pays.worth and predicted
+    errors = [0.02, 0.3, 0.04, 0.25, 0.06, 0.2]
+    for k, error in enumerate(errors):
+        look = replace(pays, worth=False, measured_current=predicted / (1.0 + error))
+        assert look.current_error == pytest.approx(error)
+        assert c.decide_plan(job, look) is None
+        clock.now += c.settings.plan_interval_s
+        (job,) = c.plans_due()
+        assert job.inputs.earlier_errors == pytest.approx(errors[: k + 1][-(ERROR_LOOKS - 1) :])
+    act = c.decide_plan(job, pays)
+    assert act is None  # the first of the two plans a restart needs
+    clock.now += c.settings.plan_interval_s
+    (job,) = c.plans_due()
+    act = c.decide_plan(job, pays)
+    assert act is not None
+    asyncio.run(c.carry_out(act))
+    clock.now += c.settings.plan_interval_s
+    assert all(j.inputs.earlier_errors == () for j in c.plans_due())
+
+
 def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) -> None:
     """A plan every plan_interval_s is a look at noisy traffic: one that crosses the line among many is chance
     (early-stop's bursty hour restarted on one such look, every plan before it saying no, and lost 2-12 % to
