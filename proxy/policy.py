@@ -399,7 +399,12 @@ class ControlSettings:
         ),
     )
     plan_min_gain: float = field(
-        default=0.03, metadata=key("a predicted throughput gain below this never restarts", minimum=0)
+        default=0.03,
+        metadata=key(
+            "a predicted throughput gain below this never restarts (and a restart takes the band's larger KV pool "
+            "unless the twin puts it this much behind)",
+            minimum=0,
+        ),
     )
     plan_requests: int = field(default=300, metadata=key("newest requests a plan replays", minimum=1))
     plan_confirmations: int = field(
