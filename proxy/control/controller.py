@@ -176,6 +176,7 @@ class _Worker:
     planning: bool = False  # a plan is being computed off the loop
     plans_paying: int = 0  # plans that said a restart pays, none since saying it does not (none taken yet)
     twin_errors: tuple[float, ...] = ()  # the twin's error on its plans' requests under the current args, newest last
+    paying_gains: tuple[Mapping[str, float], ...] = ()  # the candidates' gains on the plans counted in plans_paying
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
@@ -551,7 +552,8 @@ class Controller:
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
-                          in_flight=in_flight, now=now, earlier_errors=w.twin_errors)  # fmt: skip
+                          in_flight=in_flight, now=now, earlier_errors=w.twin_errors,
+                          earlier_gains=w.paying_gains)  # fmt: skip
 
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
@@ -683,6 +685,9 @@ class Controller:
         # a plan whose gain is inside the twin's error says neither yes nor no: it leaves the count as it is
         if not plan.undecided:
             w.plans_paying = w.plans_paying + 1 if plan.worth else 0
+            # the next plan chooses its candidate on the mean over the looks that say a restart pays
+            paying = (*w.paying_gains, plan.gains)[-(ERROR_LOOKS - 1) :]
+            w.paying_gains = paying if plan.worth and plan.basis == "throughput" else ()
         confirm = self.settings.plan_confirmations
         if plan.worth and w.plans_paying < confirm:  # one look across the line among many is chance, not a trend
             self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
@@ -1024,6 +1029,7 @@ class Controller:
         w.busy = False
         w.plans_paying = 0  # whatever restarted it, the plans that pay are counted afresh on its new arguments
         w.twin_errors = ()  # and the twin's error on them
+        w.paying_gains = ()
         details = result.drain.to_json() if result.drain is not None else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)

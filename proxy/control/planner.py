@@ -89,6 +89,7 @@ __all__ = [
     "Replay",
     "RestartCost",
     "Twin",
+    "args_key",
     "calibrate",
     "candidates",
     "check_outcome",
@@ -484,6 +485,11 @@ def calibrate(
     return Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
 
 
+def args_key(args: Mapping[str, object]) -> str:
+    """One candidate's arguments as a key that is the same on every look under the same args."""
+    return ",".join(f"{name}={value!r}" for name, value in sorted(args.items()))
+
+
 def _num(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -545,6 +551,8 @@ class Plan:
     wait_cost_s: float = 0.0  # request-seconds of waiting the restart adds
     utilization: float | None = None  # the waiting basis: the work arriving over what the new args can do
     refill_s: float = 0.0  # after the restart, the time to prefill again what it took back (the cost's)
+    # each served candidate's throughput gain over the current args on this look (:func:`args_key`)
+    gains: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def current_error(self) -> float | None:
@@ -563,14 +571,16 @@ def plan(
     in_flight: Sequence[InFlight] = (),
     now: float | None = None,
     earlier_errors: Sequence[float] = (),
+    earlier_gains: Sequence[Mapping[str, float]] = (),
 ) -> Plan:
     """Replay the newest requests, with the work in flight alongside them, under ``args`` and the
     candidates; restart only if it pays. ``earlier_errors``: the twin's error on the worker's earlier
-    looks under the same args, newest last (:func:`twin_error`)."""
+    looks under the same args, newest last (:func:`twin_error`); ``earlier_gains``: the candidates'
+    gains (:attr:`Plan.gains`) on the earlier looks that said a restart pays, none saying no since: a
+    candidate is chosen, and the restart weighed, on its mean gain over those looks and this one."""
     sample = _sample(workload, settings)
     loaded = replay(sample, workload, in_flight, now)
     current = twin.predict(args, loaded)
-    best = current
     refused: list[Prediction] = []
     served: list[Prediction] = []  # the candidates inside the band that did not die
     replays = 1
@@ -583,23 +593,35 @@ def plan(
             continue
         if p.oom is None:
             served.append(p)
-        if p.oom is None and p.output_tok_per_s > best.output_tok_per_s * 1.001:
-            best = p
     base = current.output_tok_per_s
-    weighed = best.output_tok_per_s  # what the restart is weighed on
+    gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in served} if base > 0 else {}
+
+    def over_looks(p: Prediction) -> float:
+        """``p``'s gain on this look and on the earlier paying looks that replayed it, their mean."""
+        key = args_key(p.args)
+        return statistics.fmean([gains[key], *(g[key] for g in earlier_gains if key in g)])
+
+    best, gain = current, 0.0
+    for p in served:
+        if (mean := over_looks(p)) > max(gain, 0.001):
+            best, gain = p, mean
+    looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g) if best is not current else 1
     pool_note = ""
     if best is not current:  # a restart for it takes the KV pool the band's floor allows too
         roomier = _roomier(twin, best, loaded, settings)
         replays += roomier is not None
         if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
-            if roomier.output_tok_per_s < weighed:
+            if roomier.output_tok_per_s < best.output_tok_per_s:
                 pool_note = (
                     f" (with the band's larger KV pool, which the twin puts "
-                    f"{roomier.output_tok_per_s / weighed - 1.0:+.1%} on these requests: inside what it cannot tell)"
+                    f"{roomier.output_tok_per_s / best.output_tok_per_s - 1.0:+.1%} on these requests: inside what "
+                    "it cannot tell)"
                 )
-            weighed = max(weighed, roomier.output_tok_per_s)
+            gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
             best = roomier
-    gain = weighed / base - 1.0 if base > 0 else 0.0
+    weighed = base * (1.0 + gain)  # what the restart is weighed on
+    if looks > 1:
+        pool_note += f" (its mean over {looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
     gain_tokens = (weighed - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
     measured = loaded.measured() or measured_throughput(sample)
@@ -647,7 +669,7 @@ def plan(
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
                         if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
-                        refill_s=cost.refill_s,
+                        refill_s=cost.refill_s, gains=gains,
                         measured_current=measured, basis="waiting",
                         wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
     if best is current:
@@ -683,6 +705,7 @@ def plan(
         gain_tokens=gain_tokens,
         cost_tokens=cost_tokens,
         refill_s=cost.refill_s,
+        gains=gains,
         worth=worth,
         replays=replays,
         reason=reason,
@@ -871,6 +894,7 @@ class PlanInputs:
     in_flight: tuple[InFlight, ...] = ()  # open on the worker at ``now``
     now: float | None = None
     earlier_errors: tuple[float, ...] = ()  # the twin's error on its earlier looks under these args, newest last
+    earlier_gains: tuple[Mapping[str, float], ...] = ()  # the candidates' gains on the paying looks since a "no"
 
 
 def _sample(workload: Sequence[Observed], settings: PlanSettings) -> list[Observed]:
@@ -903,6 +927,7 @@ def run_plan(inputs: PlanInputs) -> Plan:
         inputs.in_flight,
         inputs.now,
         inputs.earlier_errors,
+        inputs.earlier_gains,
     )
 
 

@@ -130,6 +130,31 @@ def test_a_restart_takes_the_larger_pool_when_the_twin_cannot_tell_it_from_the_p
     assert _no_worse(97.1, 100.0, settings) and not _no_worse(96.9, 100.0, settings)
 
 
+def test_the_candidate_is_chosen_on_its_mean_gain_over_the_looks_that_say_a_restart_pays():
+    """The look above puts 0.7 first; the paying look before it put 1.0 far ahead and 0.7 behind. Over
+    both looks 1.0 leads, and the restart goes to it, weighed on its mean over the two (what the count
+    of paying plans is about: one look among many crossing the line is chance, and so is which
+    candidate leads on one look's 300 requests: retraction-storm restarted to 0.3 on a look after one
+    that put 1.0 first, then to 1.0 1,500 modelled s later)."""
+    from proxy.control.planner import args_key
+
+    wl = _workload(300, 2.0, (1200, 2000), 2000, seed=2)
+    settings = PlanSettings(horizon_s=1200.0, backlog=True)
+    start = {"schedule_conservativeness": 0.1}
+    alone = plan(Twin(GPU, MODEL), start, wl, RestartCost(startup_s=30.0), settings)
+    high, mid = {"schedule_conservativeness": 1.0}, {"schedule_conservativeness": 0.7}
+    assert alone.gains[args_key(mid)] > alone.gains[args_key(high)] > 0
+    earlier = {args_key(high): 0.10, args_key(mid): -0.02}
+    both = plan(Twin(GPU, MODEL), start, wl, RestartCost(startup_s=30.0), settings, earlier_gains=(earlier,))
+    assert both.worth and both.best.args["schedule_conservativeness"] == 1.0
+    mean = (alone.gains[args_key(high)] + 0.10) / 2
+    assert both.predicted_gain >= mean - 1e-9 and "its mean over 2 looks that say a restart pays" in both.reason
+    # a candidate an earlier look did not replay is judged on this look alone
+    unknown = plan(Twin(GPU, MODEL), start, wl, RestartCost(startup_s=30.0), settings,
+                   earlier_gains=({"chunked_prefill_size=1": 0.5},))  # fmt: skip
+    assert unknown.best.args == alone.best.args and unknown.predicted_gain == pytest.approx(alone.predicted_gain)
+
+
 def test_arrival_bound_chat_predicts_no_gain_and_no_restart():
     wl = _workload(200, 2.0, (20, 200), 4096)
     p = plan(Twin(GPU, MODEL), {}, wl, RestartCost(startup_s=30.0), PlanSettings())

@@ -514,15 +514,35 @@ def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path
         clock.now += c.settings.plan_interval_s
         (job,) = c.plans_due()
         assert job.inputs.earlier_errors == pytest.approx(errors[: k + 1][-(ERROR_LOOKS - 1) :])
+    assert job.inputs.earlier_gains == ()  # no look said a restart pays yet
     act = c.decide_plan(job, pays)
     assert act is None  # the first of the two plans a restart needs
     clock.now += c.settings.plan_interval_s
     (job,) = c.plans_due()
+    assert job.inputs.earlier_gains == (pays.gains,)  # the next chooses on the mean over the paying looks
     act = c.decide_plan(job, pays)
     assert act is not None
     asyncio.run(c.carry_out(act))
     clock.now += c.settings.plan_interval_s
-    assert all(j.inputs.earlier_errors == () for j in c.plans_due())
+    assert all(j.inputs.earlier_errors == () and j.inputs.earlier_gains == () for j in c.plans_due())
+
+
+def test_a_plan_that_says_no_drops_the_paying_looks_gains(tmp_path: Path) -> None:
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True,
+                          plan_confirmations=3)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    pays = run_plan(job.inputs)
+    assert pays.worth and pays.gains
+    seen = []
+    for look in (pays, replace(pays, worth=False, undecided=True), pays, replace(pays, worth=False), pays):
+        assert c.decide_plan(job, look) is None
+        clock.now += c.settings.plan_interval_s
+        (job,) = c.plans_due()
+        seen.append(len(job.inputs.earlier_gains))
+    assert seen == [1, 1, 2, 0, 1]  # an undecided look leaves them, a "no" drops them
 
 
 def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) -> None:
