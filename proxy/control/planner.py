@@ -605,14 +605,14 @@ def plan(
     for p in served:
         if (mean := over_looks(p)) > max(gain, 0.001):
             best, gain = p, mean
-    looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g) if best is not current else 1
-    pool_note = ""
+    paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g) if best is not current else 1
+    note = ""  # what the reason adds: the larger pool taken inside the noise, the looks the gain is a mean over
     if best is not current:  # a restart for it takes the KV pool the band's floor allows too
         roomier = _roomier(twin, best, loaded, settings)
         replays += roomier is not None
         if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
             if roomier.output_tok_per_s < best.output_tok_per_s:
-                pool_note = (
+                note = (
                     f" (with the band's larger KV pool, which the twin puts "
                     f"{roomier.output_tok_per_s / best.output_tok_per_s - 1.0:+.1%} on these requests: inside what "
                     "it cannot tell)"
@@ -620,8 +620,8 @@ def plan(
             gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
             best = roomier
     weighed = base * (1.0 + gain)  # what the restart is weighed on
-    if looks > 1:
-        pool_note += f" (its mean over {looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
+    if paying_looks > 1:
+        note += f" (its mean over {paying_looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
     gain_tokens = (weighed - base) * settings.horizon_s
     cost_tokens = cost.tokens(base)
     measured = loaded.measured() or measured_throughput(sample)
@@ -691,7 +691,7 @@ def plan(
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
         reason = (
             f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {weighed:.0f} tok/s) x "
-            f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens{pool_note}"
+            f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens{note}"
         )
     if waiting is not None:
         reason += f"; waiting: {waiting[1]:.0f} request-seconds saved <= {waiting[2]:.0f} the restart adds"
@@ -725,8 +725,8 @@ def twin_error(earlier: Sequence[float], now: float | None) -> float | None:
     (``earlier``, newest last). One look measures the worker on the few dozen long answers that ended in
     its window, and which of them did moves the figure more than the twin does: in two of
     retraction-storm's hours the looks at one worker under one set of args read 1.3-11.1 %, and a
-    restart whose gain (5-9 %) stood above the twin's usual error waited out runs of four looks that
-    read high, about 500 modelled seconds each time."""
+    restart whose gain (5-9 %) stood above the twin's usual error waited out runs of three and four
+    looks that read high, about 500 modelled seconds each time."""
     found = [*earlier[-(ERROR_LOOKS - 1) :], *(() if now is None else (now,))]
     return statistics.median(found) if found else None
 

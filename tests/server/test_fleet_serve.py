@@ -43,12 +43,13 @@ async def workers(url: str) -> dict[str, dict[str, Any]]:
         return {w["id"]: w for w in (await r.json())["workers"]}
 
 
-async def wait_all_ready(url: str, log: Path, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+async def wait_all_ready(url: str, log: Path, timeout: float = 60.0, count: int = 5) -> dict[str, dict[str, Any]]:
+    """The proxy's ``count`` workers once every one is ready with a process."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
             ws = await workers(url)
-            if len(ws) == 5 and all(w["state"] == "ready" and w["pid"] for w in ws.values()):
+            if len(ws) == count and all(w["state"] == "ready" and w["pid"] for w in ws.values()):
                 return ws
         except (aiohttp.ClientError, OSError, ValueError, KeyError):
             pass

@@ -9,7 +9,6 @@ and places its workers on them.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from proxy.cli import main
 from proxy.observe.nvml import sample_gpus
 from tests.harness.serve_process import pacer_serve
 from tests.observe.test_nvml import _has_gpu
-from tests.server.test_fleet_serve import visible_devices, workers
+from tests.server.test_fleet_serve import visible_devices, wait_all_ready
 from tests.server.test_gpus import _gpu_series
 
 pytestmark = pytest.mark.skipif(not _has_gpu(), reason="no GPU here")
@@ -53,19 +52,6 @@ enable_metrics = true
 """
 
 
-async def _ready(url: str, log: Path, count: int, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            ws = await workers(url)
-            if len(ws) == count and all(w["state"] == "ready" and w["pid"] for w in ws.values()):
-                return ws
-        except (aiohttp.ClientError, OSError, ValueError, KeyError):
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("the workers did not come up; the proxy's log:\n" + log.read_text()[-3000:])
-
-
 async def _gpus_sampled(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         for _ in range(100):
@@ -82,7 +68,7 @@ async def test_serve_reads_the_host_gpus_and_places_an_auto_pool_on_them(tmp_pat
     visible = len(host.devices)
     (tmp_path / "policy.toml").write_text(POLICY.replace("{past}", str(visible)))
     with pacer_serve(tmp_path) as (url, log):
-        ws = await _ready(url, log, count=2)
+        ws = await wait_all_ready(url, log, count=2)
         by_pool = {w["pool"]: w for w in ws.values()}
         assert visible_devices(by_pool["placed"]["pid"]) == "0"
         assert visible_devices(by_pool["modelled"]["pid"]) == str(visible)  # a GPU this host does not have
