@@ -41,10 +41,10 @@ from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Journal, Status, verdict
 from proxy.control.planner import (
-    ERROR_LOOKS,
     DecodeStats,
     Expectation,
     InFlight,
+    Looks,
     Observed,
     Outcome,
     OutcomeInputs,
@@ -174,9 +174,7 @@ class _Worker:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     planning: bool = False  # a plan is being computed off the loop
-    plans_paying: int = 0  # plans that said a restart pays, none since saying it does not (none taken yet)
-    twin_errors: tuple[float, ...] = ()  # the twin's error on its plans' requests under the current args, newest last
-    paying_gains: tuple[Mapping[str, float], ...] = ()  # the candidates' gains on the plans counted in plans_paying
+    looks: Looks = field(default_factory=Looks)  # what its plans under the current args said (a restart: afresh)
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     held_at_start: bool = False  # its start-up line foresaw a crash: held, it comes up DRAINING for the restart
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
@@ -475,7 +473,10 @@ class Controller:
         c = self.settings
         jobs = []
         for wid, w in sorted(self._workers.items(), key=lambda item: item[1].last_plan):
-            if w.busy or w.planning or w.state.started_at is None or now - w.last_plan < c.plan_interval_s:
+            if w.busy or w.planning or w.state.started_at is None:
+                continue
+            # a restart that paid and waited for another worker's is looked at again once that one is done
+            if now - w.last_plan < c.plan_interval_s and not (w.looks.held_back and self._restart_under_way(w) is None):
                 continue
             if w.window.observed_s < c.min_evidence_s:
                 continue
@@ -552,8 +553,17 @@ class Controller:
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
-                          in_flight=in_flight, now=now, earlier_errors=w.twin_errors,
-                          earlier_gains=w.paying_gains)  # fmt: skip
+                          in_flight=in_flight, now=now, looks=w.looks)  # fmt: skip
+
+    def _restart_under_way(self, w: _Worker) -> tuple[str, str] | None:
+        """What keeps ``w`` from restarting now (one restart at a time, a canary judged against the others):
+        its journal key and words, or None."""
+        if any(o.managed and (o.busy or o.state.started_at is None) for o in self._workers.values() if o is not w):
+            return "planner", "another worker is restarting or down: one at a time"
+        if len(self._managed()) >= 2 and (self.canary is not None or self._promote):
+            where = self.canary.worker_id if self.canary is not None else "the fleet"
+            return "canary", f"a canary is under way on {where}"
+        return None
 
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
@@ -680,18 +690,11 @@ class Controller:
             old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
         )  # fmt: skip
         note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
-        if plan.current_error is not None:  # the twin's error on this worker is read over its last looks
-            w.twin_errors = (*w.twin_errors, plan.current_error)[-(ERROR_LOOKS - 1) :]
-        # a plan whose gain is inside the twin's error says neither yes nor no: it leaves the count as it is
-        if not plan.undecided:
-            w.plans_paying = w.plans_paying + 1 if plan.worth else 0
-            # the next plan chooses its candidate on the mean over the looks that say a restart pays
-            paying = (*w.paying_gains, plan.gains)[-(ERROR_LOOKS - 1) :]
-            w.paying_gains = paying if plan.worth and plan.basis == "throughput" else ()
+        w.looks = w.looks.after(plan)
         confirm = self.settings.plan_confirmations
-        if plan.worth and w.plans_paying < confirm:  # one look across the line among many is chance, not a trend
+        if plan.worth and w.looks.paying < confirm:  # one look across the line among many is chance, not a trend
             self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
-                                detail=f"pays on {w.plans_paying} plan(s) of the {confirm} a restart needs, none saying no since",
+                                detail=f"pays on {w.looks.paying} plan(s) of the {confirm} a restart needs, none saying no since",
                                 extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
             return None
         if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
@@ -723,15 +726,13 @@ class Controller:
             self.journal.record(decision, mode=self.mode, status=Status.ADVISED, detail=detail,
                                 before=w.window.summary(), extra=extra)  # fmt: skip
             return None
-        if any(o.managed and (o.busy or o.state.started_at is None) for o in self._workers.values() if o is not w):
-            self._journal_once(w, decision, "wait:planner", now, status=Status.REFUSED,
-                               detail="another worker is restarting or down: one at a time")  # fmt: skip
+        waiting_for = self._restart_under_way(w)
+        if waiting_for is not None:  # due again as soon as the fleet is whole (plans_due)
+            w.looks = replace(w.looks, held_back=True)
+            self._journal_once(w, decision, f"wait:{waiting_for[0]}", now, status=Status.REFUSED,
+                               detail=waiting_for[1])  # fmt: skip
             return None
         fleet = len(self._managed()) >= 2
-        if fleet and self.canary is not None:
-            self._journal_once(w, decision, "wait:canary", now, status=Status.REFUSED,
-                               detail=f"a canary is under way on {self.canary.worker_id}")  # fmt: skip
-            return None
         entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary(),
                                        extra={**extra, "canary": job.worker_id} if fleet else extra)  # fmt: skip
         if fleet:
@@ -1027,9 +1028,7 @@ class Controller:
             w.drain_s = result.drain.drain_s
         w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
         w.busy = False
-        w.plans_paying = 0  # whatever restarted it, the plans that pay are counted afresh on its new arguments
-        w.twin_errors = ()  # and the twin's error on them
-        w.paying_gains = ()
+        w.looks = Looks()  # whatever restarted it, its plans are read afresh on its new arguments
         details = result.drain.to_json() if result.drain is not None else None
         if info.state is WorkerState.READY:
             w.window = w.window.begin(now)

@@ -79,6 +79,7 @@ __all__ = [
     "DecodeStats",
     "Expectation",
     "InFlight",
+    "Looks",
     "Observed",
     "Outcome",
     "OutcomeInputs",
@@ -731,6 +732,34 @@ def twin_error(earlier: Sequence[float], now: float | None) -> float | None:
     return statistics.median(found) if found else None
 
 
+@dataclass(frozen=True, slots=True)
+class Looks:
+    """What a worker's plans under its current arguments said, as its next plan and the controller read
+    them; a restart starts them afresh (:meth:`after` folds in each new look).
+
+    ``paying``: looks in a row that said a restart pays, none since saying it does not (a look inside the
+    twin's error says neither and leaves the count); ``errors``: the twin's error on each look's requests,
+    the newest ``ERROR_LOOKS - 1`` (:func:`twin_error`); ``gains``: the candidates' gains on the paying
+    looks of the count (throughput basis), which the confirming look chooses on; ``held_back``: the last
+    look's restart paid but waited for another worker's (one restart at a time), so the worker is due its
+    next look as soon as the fleet is whole again, not a whole ``plan_interval_s`` later."""
+
+    paying: int = 0
+    errors: tuple[float, ...] = ()
+    gains: tuple[Mapping[str, float], ...] = ()
+    held_back: bool = False
+
+    def after(self, plan: Plan) -> Looks:
+        """These looks and ``plan``'s (not yet held back: the controller says so when it is)."""
+        errors = self.errors
+        if plan.current_error is not None:
+            errors = (*errors, plan.current_error)[-(ERROR_LOOKS - 1) :]
+        if plan.undecided:
+            return Looks(paying=self.paying, errors=errors, gains=self.gains)
+        gains = (*self.gains, plan.gains)[-(ERROR_LOOKS - 1) :] if plan.worth and plan.basis == "throughput" else ()
+        return Looks(paying=self.paying + 1 if plan.worth else 0, errors=errors, gains=gains)
+
+
 def _no_worse(larger_pool: float, without: float, settings: PlanSettings) -> bool:
     """Whether the twin's figure for a candidate with the band's larger KV pool (tokens/s, or for the
     waiting basis the inverse: pass the answer times swapped) loses no more than the planner's noise
@@ -893,8 +922,7 @@ class PlanInputs:
     settings: PlanSettings
     in_flight: tuple[InFlight, ...] = ()  # open on the worker at ``now``
     now: float | None = None
-    earlier_errors: tuple[float, ...] = ()  # the twin's error on its earlier looks under these args, newest last
-    earlier_gains: tuple[Mapping[str, float], ...] = ()  # the candidates' gains on the paying looks since a "no"
+    looks: Looks = field(default_factory=Looks)  # what the earlier looks under these args said
 
 
 def _sample(workload: Sequence[Observed], settings: PlanSettings) -> list[Observed]:
@@ -926,8 +954,8 @@ def run_plan(inputs: PlanInputs) -> Plan:
         inputs.resolved,
         inputs.in_flight,
         inputs.now,
-        inputs.earlier_errors,
-        inputs.earlier_gains,
+        inputs.looks.errors,
+        inputs.looks.gains,
     )
 
 

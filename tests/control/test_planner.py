@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 
 from proxy.control.planner import (
+    ERROR_LOOKS,
     DecodeStats,
     InFlight,
+    Looks,
     Observed,
     PlanSettings,
     Replay,
@@ -396,6 +398,16 @@ def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
     all_high = plan(Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, answered, RestartCost(startup_s=30.0),
                     PlanSettings(), earlier_errors=(0.6, 0.02, 0.7))  # fmt: skip
     assert all_high.undecided and "(the median of its last 4 looks; " in all_high.reason
+    # what the looks carry to the next: the errors, newest last; a look inside the twin's error leaves the
+    # count and the paying looks' gains; a "no" drops them; a look that waited is looked at again
+    looks = Looks()
+    for look in (calibrated, off, calibrated, calibrated, one_high):
+        looks = replace(looks.after(look), held_back=True)
+    assert looks.errors == pytest.approx([off.current_error, calibrated.current_error, calibrated.current_error,
+                                          one_high.current_error][-(ERROR_LOOKS - 1) :])  # fmt: skip
+    assert looks.paying == 4 and looks.gains == (calibrated.gains, calibrated.gains, calibrated.gains, one_high.gains)
+    no = looks.after(replace(calibrated, worth=False))
+    assert no.paying == 0 and no.gains == () and not no.held_back and len(no.errors) == ERROR_LOOKS - 1
 
 
 def test_the_twins_error_is_the_median_of_its_last_looks():

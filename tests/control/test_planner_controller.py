@@ -22,6 +22,7 @@ from proxy.control.controller import CHECK_AFTER_WINDOWS, OutcomeJob
 from proxy.control.horizon import answer_rate
 from proxy.control.planner import (
     InFlight,
+    Looks,
     Observed,
     Outcome,
     PlanSettings,
@@ -490,6 +491,46 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else
     assert worse.canary is None
 
 
+def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_fleet_is_whole(tmp_path: Path) -> None:
+    """One restart at a time: a plan that pays while another worker restarts (an operator's trial on w1,
+    its canary, the canary's revert) waits. It used to wait for its next look too, ``plan_interval_s``
+    after the refused one, whenever the fleet was whole again: in the fleet scenario w3's restart,
+    refused while w0's trial was under way, came 137 modelled s after the adaptive arm's. It is looked
+    at again as soon as the fleet is whole."""
+    actor = RecordingActor()
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+                          plan_confirmations=1)  # fmt: skip
+    c.track(info("w0", args=ARGS))
+    c.track(info("w1", args=ARGS))
+    measured = _serve(c, clock, requests, 0.0)
+    _scrapes(c, clock, "w1", 0.0, 31, 100, measured)
+    trial = c.trial("w1", {"max_running_requests": 4})
+    (job,) = c.plans_due()  # w1 restarts: w0 only
+    assert job.worker_id == "w0" and c.plan_now(job) is None
+    waited = c.journal.entries()[-1]
+    assert waited["rule"] == "planner" and waited["status"] == "refused"
+    assert waited["detail"] == "another worker is restarting or down: one at a time"
+    assert c.plans_due() == []
+    asyncio.run(c.carry_out(trial))
+    assert c.plans_due() == []  # w1 serves, as a canary judged against w0: w0 keeps its arguments meanwhile
+    start = clock.now
+    for k in range(int(c.settings.min_evidence_s) + 2):  # the canary serves a twentieth of what w0 does
+        clock.now = start + k
+        c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                 generation_tokens_total=(31 + k) * measured))  # fmt: skip
+        c.on_sample("w1", Sample(time=clock.now, queue=10, running=4, token_usage=0.1,
+                                 generation_tokens_total=k * measured / 20))  # fmt: skip
+    (revert,) = c.tick()
+    assert revert.decision.rule == "canary_revert" and c.plans_due() == []
+    asyncio.run(c.carry_out(revert))
+    assert clock.now - job.time < c.settings.plan_interval_s
+    (again,) = c.plans_due()  # the fleet is whole: w0's look comes now
+    act = c.plan_now(again)
+    assert act is not None and act.decision.rule == "planner" and act.decision.worker_id == "w0"
+    assert c.plans_due() == []  # one look held back is looked at again once, not every tick
+
+
 def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:
     """The twin's error on a worker is read over its last looks under the same args (one look's few dozen
     answers move it more than the twin does): each plan carries the errors of the looks before it, the
@@ -502,7 +543,7 @@ def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
-    assert job.inputs.earlier_errors == ()
+    assert job.inputs.looks.errors == ()
     pays = run_plan(job.inputs)
     predicted = pays.current.answered_tok_per_s
     assert pays.worth and predicted
@@ -513,18 +554,18 @@ def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path
         assert c.decide_plan(job, look) is None
         clock.now += c.settings.plan_interval_s
         (job,) = c.plans_due()
-        assert job.inputs.earlier_errors == pytest.approx(errors[: k + 1][-(ERROR_LOOKS - 1) :])
-    assert job.inputs.earlier_gains == ()  # no look said a restart pays yet
+        assert job.inputs.looks.errors == pytest.approx(errors[: k + 1][-(ERROR_LOOKS - 1) :])
+    assert job.inputs.looks.gains == ()  # no look said a restart pays yet
     act = c.decide_plan(job, pays)
     assert act is None  # the first of the two plans a restart needs
     clock.now += c.settings.plan_interval_s
     (job,) = c.plans_due()
-    assert job.inputs.earlier_gains == (pays.gains,)  # the next chooses on the mean over the paying looks
+    assert job.inputs.looks.gains == (pays.gains,)  # the next chooses on the mean over the paying looks
     act = c.decide_plan(job, pays)
     assert act is not None
     asyncio.run(c.carry_out(act))
     clock.now += c.settings.plan_interval_s
-    assert all(j.inputs.earlier_errors == () and j.inputs.earlier_gains == () for j in c.plans_due())
+    assert all(j.inputs.looks == Looks() for j in c.plans_due())
 
 
 def test_a_plan_that_says_no_drops_the_paying_looks_gains(tmp_path: Path) -> None:
@@ -541,7 +582,7 @@ def test_a_plan_that_says_no_drops_the_paying_looks_gains(tmp_path: Path) -> Non
         assert c.decide_plan(job, look) is None
         clock.now += c.settings.plan_interval_s
         (job,) = c.plans_due()
-        seen.append(len(job.inputs.earlier_gains))
+        seen.append(len(job.inputs.looks.gains))
     assert seen == [1, 1, 2, 0, 1]  # an undecided look leaves them, a "no" drops them
 
 
