@@ -514,21 +514,23 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     assert c.plans_due() == []
     asyncio.run(c.carry_out(trial))
     assert c.plans_due() == []  # w1 serves, as a canary judged against w0: w0 keeps its arguments meanwhile
+    c.track(info("w2", args=ARGS))  # a worker that joins meanwhile: due its first look
     start = clock.now
     for k in range(int(c.settings.min_evidence_s) + 2):  # the canary serves a twentieth of what w0 does
         clock.now = start + k
-        c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
-                                 generation_tokens_total=(31 + k) * measured))  # fmt: skip
+        for other in ("w0", "w2"):
+            c.on_sample(other, Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
+                                      generation_tokens_total=(31 + k) * measured))  # fmt: skip
         c.on_sample("w1", Sample(time=clock.now, queue=10, running=4, token_usage=0.1,
                                  generation_tokens_total=k * measured / 20))  # fmt: skip
     (revert,) = c.tick()
-    assert revert.decision.rule == "canary_revert" and c.plans_due() == []
+    assert revert.decision.rule == "canary_revert"
     asyncio.run(c.carry_out(revert))
     assert clock.now - job.time < c.settings.plan_interval_s
-    (again,) = c.plans_due()  # the fleet is whole: w0's look comes now
+    (again,) = c.plans_due(limit=1)  # the fleet is whole: w0's look comes now, ahead of w2's first
     act = c.plan_now(again)
     assert act is not None and act.decision.rule == "planner" and act.decision.worker_id == "w0"
-    assert c.plans_due() == []  # one look held back is looked at again once, not every tick
+    assert [j.worker_id for j in c.plans_due()] == ["w2"]  # w0 restarts; w2's first look follows
 
 
 def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:
