@@ -464,16 +464,16 @@ class Controller:
 
     def plans_due(self, limit: int | None = None) -> list[PlanJob]:
         """Workers due a plan (at most ``limit``, the longest since its last plan first: one plan at a time,
-        a fleet's first workers would otherwise be due again before its last one's turn): serving, managed
-        (or advised), enough evidence, outside the cool-down and the restart budget; each with what its
-        plan reads."""
+        a fleet's first workers would otherwise be due again before its last one's turn; a worker whose
+        paying restart waited for another worker's goes first, due as soon as the fleet is whole): serving,
+        managed (or advised), enough evidence, outside the cool-down and the restart budget; each with
+        what its plan reads."""
         if not self.settings.planner or self.mode is ControlMode.OFF:
             return []
         now = self.clock()
         c = self.settings
         jobs = []
-        # a restart that paid and waited for another worker's first: it is looked at again once that one is
-        # done, ahead of the looks merely due (in the fleet, w3's waited behind two such plans, ~50 modelled s)
+        # in the fleet scenario w3's held-back look waited behind two merely due, ~50 modelled s
         for wid, w in sorted(self._workers.items(), key=lambda item: (not item[1].looks.held_back, item[1].last_plan)):
             if w.busy or w.planning or w.state.started_at is None:
                 continue
