@@ -882,7 +882,8 @@ def _waiting_plan(
     those the restart adds (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work
     computed again) and the utilization they were priced at: the sample's output per second of its
     arrivals over ``capacity`` (the candidate's output tokens/s with the sample all waiting; None:
-    not known). None: nothing to compare."""
+    not known). None: nothing to compare, or the sample arrived faster than the candidate serves it
+    (utilization 1 or more: a backlog, which the throughput basis is for)."""
     if current.mean_answer_s is None or current.mean_answer_s <= 0 or len(sample) < 2:
         return None
     arrived = sorted(o.arrived for o in sample)
@@ -900,10 +901,16 @@ def _waiting_plan(
             quicker = p
     if quicker is current or quicker.mean_answer_s is None:
         return None
-    saved = (current.mean_answer_s - quicker.mean_answer_s) * rate * settings.horizon_s
-    outage = cost.outage_s(current.output_tok_per_s)
     most = capacity(quicker)
     utilization = sum(o.output_tokens for o in sample) / span / most if most else None
+    if utilization is not None and utilization >= 1.0:
+        # the sample arrived faster than the candidate writes it (a batch submitted at once): the worker
+        # does not keep up, the waiting is the throughput's, and its "rate" x the horizon counts requests
+        # that will never come (shift's batch: 300 requests in a fraction of a second, utilization 517,
+        # 1.4 million request-seconds "saved" over 60 s, and a restart that paid on nothing)
+        return None
+    saved = (current.mean_answer_s - quicker.mean_answer_s) * rate * settings.horizon_s
+    outage = cost.outage_s(current.output_tok_per_s)
     return quicker, saved, outage_waiting_s(in_flight, rate, outage, utilization), utilization
 
 

@@ -15,9 +15,11 @@ from proxy.control.planner import (
     Looks,
     Observed,
     PlanSettings,
+    Prediction,
     Replay,
     RestartCost,
     Twin,
+    _waiting_plan,
     calibrate,
     candidates,
     outage_waiting_s,
@@ -353,6 +355,24 @@ def test_in_a_backlog_the_waiting_basis_is_not_asked():
     held = plan(twin, args, wl, cost, PlanSettings(backlog=True))
     assert not held.worth and held.basis == "throughput" and held.wait_saved_s == 0.0
     assert "answered sooner" not in held.reason and "request-seconds" not in held.reason
+
+
+def test_a_sample_that_arrived_faster_than_it_is_served_is_not_planned_for_its_waiting():
+    """The waiting basis is for arrivals the worker keeps up with. A batch submitted at once, answered
+    over minutes, is not: its arrival "rate" (300 requests in a fraction of a second) x the horizon
+    counts requests that never come (shift's batch: 1.4 million request-seconds "saved" over 60 s, the
+    worker "51,690 % busy", and a restart). The same answers arriving over ten minutes are planned."""
+    fast = Prediction(args={"schedule_conservativeness": 0.1}, output_tok_per_s=1005.0, mean_queue_s=15.0,
+                      mean_answer_s=31.0, makespan_s=600.0, retractions=0)  # fmt: skip
+    current = replace(fast, args={"schedule_conservativeness": 0.3}, output_tok_per_s=1000.0, mean_answer_s=37.0)
+    cost, settings = RestartCost(startup_s=20.0), PlanSettings(horizon_s=60.0)
+
+    def arriving(gap_s: float) -> list[Observed]:
+        return [Observed(arrived=i * gap_s, prompt_tokens=400, output_tokens=1500, max_tokens=2000) for i in range(300)]
+
+    over_time = _waiting_plan(current, [fast], arriving(2.0), 0, cost, settings, lambda _: 1000.0)
+    assert over_time is not None and over_time[0] is fast and over_time[3] == pytest.approx(0.75, rel=0.01)
+    assert _waiting_plan(current, [fast], arriving(0.0001), 0, cost, settings, lambda _: 1000.0) is None
 
 
 def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
