@@ -18,7 +18,7 @@ import pytest
 
 from proxy.console.decisions import format_decision
 from proxy.control import controller as controller_module
-from proxy.control.controller import CHECK_AFTER_WINDOWS, OutcomeJob
+from proxy.control.controller import CHECK_AFTER_WINDOWS, Controller, OutcomeJob
 from proxy.control.horizon import answer_rate
 from proxy.control.planner import (
     InFlight,
@@ -38,7 +38,7 @@ from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 from proxy.workers.base import WorkerState
 
-from .test_controller import Around, RecordingActor, controller, feed, info, samples
+from .test_controller import Around, Clock, RecordingActor, controller, feed, info, samples
 
 ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
 
@@ -440,9 +440,9 @@ def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int,
                                       generation_tokens_total=k * tok_per_s))  # fmt: skip
 
 
-def _fleet_canary(tmp_path: Path, canary_share: float):
-    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves once it
-    has refilled, and a fifth of it while it refills (the time its plan expects that to take)."""
+def _two_workers(tmp_path: Path) -> tuple[Controller, Clock, RecordingActor, float]:
+    """Two workers serving a backlog of short answers, w0's log and scrapes and w1's scrapes in; a restart
+    on one plan that pays. Returns the controller, its clock, the actor and w0's output tokens/s."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
@@ -451,6 +451,13 @@ def _fleet_canary(tmp_path: Path, canary_share: float):
     c.track(info("w1", args=ARGS))
     measured = _serve(c, clock, requests, 0.0)
     _scrapes(c, clock, "w1", 0.0, 31, 100, measured)
+    return c, clock, actor, measured
+
+
+def _fleet_canary(tmp_path: Path, canary_share: float):
+    """Two workers; the planner's act on w0 is a canary serving ``canary_share`` x what w1 serves once it
+    has refilled, and a fifth of it while it refills (the time its plan expects that to take)."""
+    c, clock, actor, measured = _two_workers(tmp_path)
     (job, _other) = c.plans_due()
     act = c.plan_now(job)
     assert act is not None and c.canary is not None and c.canary.worker_id == "w0"
@@ -497,14 +504,7 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     after the refused one, whenever the fleet was whole again: in the fleet scenario w3's restart,
     refused while w0's trial was under way, came 137 modelled s after the adaptive arm's. It is looked
     at again as soon as the fleet is whole."""
-    actor = RecordingActor()
-    requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
-                          plan_confirmations=1)  # fmt: skip
-    c.track(info("w0", args=ARGS))
-    c.track(info("w1", args=ARGS))
-    measured = _serve(c, clock, requests, 0.0)
-    _scrapes(c, clock, "w1", 0.0, 31, 100, measured)
+    c, clock, _actor, measured = _two_workers(tmp_path)
     trial = c.trial("w1", {"max_running_requests": 4})
     (job,) = c.plans_due()  # w1 restarts: w0 only
     assert job.worker_id == "w0" and c.plan_now(job) is None
