@@ -561,10 +561,16 @@ class Controller:
         its journal key and words, or None."""
         if any(o.managed and (o.busy or o.state.started_at is None) for o in self._workers.values() if o is not w):
             return "planner", "another worker is restarting or down: one at a time"
-        if len(self._managed()) >= 2 and (self.canary is not None or self._promote):
-            where = self.canary.worker_id if self.canary is not None else "the fleet"
+        where = self._canary_under_way()
+        if len(self._managed()) >= 2 and where is not None:
             return "canary", f"a canary is under way on {where}"
         return None
+
+    def _canary_under_way(self) -> str | None:
+        """Where a canary is being judged or its promotion rolled out (the fleet), or None."""
+        if self.canary is not None:
+            return self.canary.worker_id
+        return "the fleet" if self._promote else None
 
     def _managed(self) -> list[_Worker]:
         return [w for w in self._workers.values() if w.managed]
@@ -758,8 +764,8 @@ class Controller:
             raise TrialRefused(f"worker {worker_id} is not managed by this proxy: it cannot be restarted")
         if len(self._managed()) < 2:
             raise TrialRefused("a trial needs two or more managed workers: the canary is judged against the others")
-        if self.canary is not None or self._promote:
-            under_way = self.canary.worker_id if self.canary is not None else "the fleet"
+        under_way = self._canary_under_way()
+        if under_way is not None:
             raise TrialRefused(f"a canary is under way on {under_way}: one at a time")
         busy = [
             wid
