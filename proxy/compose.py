@@ -19,7 +19,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -43,9 +43,10 @@ from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import Sample
+from proxy.engines.contract import Engine
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
-from proxy.policy import ControlMode, Policy
+from proxy.policy import ControlMode, Policy, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.continuation import applies_above
 from proxy.request.dispatch import Dispatcher
@@ -61,7 +62,7 @@ from proxy.server.protocol import EdgeRunner
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
-from proxy.workers.base import WorkerInfo, WorkerLogs, WorkerPool, WorkerState
+from proxy.workers.base import PlannedLaunches, WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 from proxy.workers.fleet import PoolView
 
 _log = logging.getLogger(__name__)
@@ -416,6 +417,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             ),
             clock=time.monotonic,
             hold=st.pool.hold,
+            modelled_gpu=functools.partial(_modelled_gpu, engine, pool_settings.engine.extra_args),
         )
     st.controller, st.journal = st.controllers[policy.pools[0].name], journal
 
@@ -454,6 +456,9 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         controller = st.controllers.get(info.pool)
         if controller is not None:
             controller.track(info)
+    if isinstance(st.pool, PlannedLaunches):
+        st.pool.plan_launches(functools.partial(_launch_args, st))
+    st.launches_planned.set()
     st.pool.add_listener(on_state)
     if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
         st.pool.add_line_listener(on_line)
@@ -474,6 +479,24 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await task
         for controller in st.controllers.values():
             st.board.unsubscribe(controller.on_sample)
+
+
+def _modelled_gpu(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> str | None:
+    return engine.modelled_gpu(args, extra_args)
+
+
+def _launch_args(st: ProxyState, info: WorkerInfo) -> Mapping[str, object]:
+    """A worker's first launch, as its pool's controller forecasts it; the GPU's total memory is
+    NVML's on this host (a Ray worker's GPU is on another host: none)."""
+    controller = st.controllers.get(info.pool)
+    if controller is None:
+        return info.args
+    report = st.gpus.last if st.gpus is not None else None
+    total: int | None = None
+    if report is not None and report.available and st.policy.fleet.backend is WorkerBackend.LOCAL:
+        index = info.gpus[0] if info.gpus else 0
+        total = next((d.memory_total_bytes for d in report.devices if d.index == index), None)
+    return controller.launch_args(info.id, info.args, gpu_total_bytes=total)
 
 
 def _batch_caller(st: ProxyState) -> Authenticate:
@@ -513,6 +536,9 @@ async def _stop_admitting(app: web.Application) -> None:
 
 async def _start_pool(st: ProxyState) -> None:
     try:
+        await st.launches_planned.wait()  # the controllers' lifecycle plans each worker's first launch
+        if st.gpus is not None:
+            await st.gpus.sample_once()  # what the forecasts check the twin's GPU against
         await st.pool.start()
     except Exception:
         _log.exception("starting the workers failed")

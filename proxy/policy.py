@@ -434,6 +434,14 @@ class ControlSettings:
             maximum=1,
         ),
     )
+    launch_forecast: bool = field(
+        default=True,
+        metadata=key(
+            "with the planner under auto, a managed worker's first launch takes the start-up rules' moves (memory "
+            "band, activations) read on the twin's forecast of its start-up line, where the twin is that GPU's: a "
+            "simulated worker's own presets, or twin_gpu when NVML's total memory for the worker's GPU matches it"
+        ),
+    )
     twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))
     twin_model: str = field(
         default="llama-3.1-8b", metadata=key("the twin's model preset (a simulated worker's own is used)")

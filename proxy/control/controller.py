@@ -63,6 +63,7 @@ from proxy.control.rules import (
     Activations,
     RuleSettings,
     activations_fit,
+    before_launch,
     evaluate,
     gate,
     revive_delay,
@@ -263,8 +264,10 @@ class Controller:
         actor: Actor,
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
+        modelled_gpu: Callable[[Mapping[str, object]], str | None] = lambda args: None,
     ) -> None:
         self.settings = settings
+        self._modelled_gpu = modelled_gpu  # the GPU preset a simulated worker under these args models
         # with the planner on, the safety net foresees crashes from the twin's activations
         self.rules = RuleSettings(control=settings, knobs=knobs,
                                   activations=self._activations if settings.planner else None)  # fmt: skip
@@ -284,7 +287,7 @@ class Controller:
     def _twin(self, args: Mapping[str, object]) -> Twin:
         """The twin's presets for a worker under ``args`` (a simulated worker's own, else the policy's)."""
         c = self.settings
-        return Twin(str(args.get("sim_gpu") or c.twin_gpu), str(args.get("sim_model") or c.twin_model))
+        return Twin(self._modelled_gpu(args) or c.twin_gpu, str(args.get("sim_model") or c.twin_model))
 
     def _activations(self, args: Mapping[str, object]) -> Activations | None:
         """The twin's activations under ``args``, once per set of arguments (the rules ask every tick)."""
@@ -296,6 +299,46 @@ class Controller:
     @property
     def mode(self) -> ControlMode:
         return self.settings.mode
+
+    def launch_args(
+        self, worker_id: WorkerId, args: Mapping[str, object], gpu_total_bytes: int | None = None
+    ) -> dict[str, object]:
+        """The arguments a managed worker's first launch takes: the start-up rules (the memory band,
+        the activations) read on the twin's forecast of its start-up line, read by the engine's own
+        log reader (:func:`proxy.control.rules.before_launch`), each move journaled. A forecast moves
+        nothing a start-up line would not move once printed; it saves the start-up that reading the
+        line after the launch costs. Only with the planner and ``launch_forecast`` on (advising: the
+        moves are journaled, the worker starts as configured), and only where the twin's GPU is the
+        worker's: the GPU a simulated worker models, or a GPU of the twin preset's size
+        (``gpu_total_bytes``: NVML's total memory of the worker's GPU)."""
+        c = self.settings
+        if not (c.planner and c.launch_forecast) or self.mode is ControlMode.OFF:
+            return dict(args)
+        twin = self._twin(args)
+        if self._modelled_gpu(args) is not None:
+            whose = "the GPU it models"
+        elif gpu_total_bytes is not None and twin.is_gpu(gpu_total_bytes):
+            whose = "the size NVML reports"
+        else:
+            return dict(args)
+        now = self.clock()
+
+        def forecast(candidate: Mapping[str, object]) -> list[LogEvent]:
+            line = self._twin(candidate).startup_line(candidate)
+            if line is None:
+                return []
+            reader = self.engine.log_reader()
+            return [*reader.feed(line, now), *reader.flush(now)]
+
+        decisions = before_launch(worker_id, args, forecast, self.rules, now)
+        status = Status.APPLIED if self.mode is ControlMode.AUTO else Status.ADVISED
+        for decision in decisions:
+            self.journal.record(decision, mode=self.mode, status=status,
+                                detail=f"before its first launch, on the twin's forecast of its start-up line "
+                                f"({twin.model} on {twin.gpu}: {whose})")  # fmt: skip
+        if status is not Status.APPLIED or not decisions:
+            return dict(args)
+        return dict(decisions[-1].new_args)
 
     def on_output_budget(self, worker_id: WorkerId, evidence: OutputBudget, now: float) -> None:
         """The fast tier set, moved or lifted a worker's output budget (no restart: it applies to the

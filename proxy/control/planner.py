@@ -70,7 +70,9 @@ from dataclasses import dataclass, field, replace
 from proxy.control.rules import Activations
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
+from proxy.sim.presets import GPUS, MIB
 from proxy.sim.request import RequestSpec
+from proxy.sim.startup import capacity_line
 from proxy.sim.steptime import startup_seconds
 from proxy.sim.virtual import simulate
 
@@ -381,6 +383,19 @@ class Twin:
                            decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
                            graph_max_bs=cfg.cuda_graph_max_bs_decode, pool_tokens=cfg.memory.max_total_num_tokens,
                            model=f"{self.model} on {self.gpu}")  # fmt: skip
+
+    def startup_line(self, args: Mapping[str, object]) -> str | None:
+        """The start-up line this worker would print under ``args`` (resolved capacity, free memory), as
+        the simulator prints it: a forecast read before the worker is launched. None: it would not start."""
+        try:
+            return capacity_line(self.config(args))
+        except SimConfigError:
+            return None
+
+    def is_gpu(self, total_bytes: int, tolerance: float = 0.02) -> bool:
+        """Whether a device of ``total_bytes`` (NVML's total memory) is the twin's GPU preset's size."""
+        preset = GPUS.get(self.gpu)
+        return preset is not None and abs(total_bytes / MIB - preset.memory_mib) <= tolerance * preset.memory_mib
 
     def predict(self, args: Mapping[str, object], workload: Sequence[Observed] | Replay) -> Prediction:
         """The twin under ``args`` on ``workload`` (a bare sample replays alone, into an empty engine);

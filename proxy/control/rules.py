@@ -14,7 +14,7 @@ refused ones are returned too so the journal can say what was held back and why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, KnobMove, RuleKind
@@ -42,11 +42,13 @@ __all__ = [
     "ON_DEATH",
     "RULES",
     "SAFETY_NET_SERVING",
+    "START_UP",
     "WHILE_SERVING",
     "Activations",
     "Evaluation",
     "Rule",
     "RuleSettings",
+    "before_launch",
     "evaluate",
     "gate",
     "revive_delay",
@@ -632,6 +634,39 @@ RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
 # workload to replay first), the crash the twin's activations foresee from the same line (the model is
 # the planner's: without it the OOM rules learn the same from the crash), and the note on timid pacing
 SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom, pacing_too_timid)
+# what a start-up line alone decides, read before a launch on a forecast of that line
+START_UP: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom)
+LAUNCH_STEPS = 20  # moves at most before a launch (the memory band's floor steps the fraction one step at a time)
+
+
+def before_launch(
+    worker_id: str,
+    args: Mapping[str, object],
+    forecast: Callable[[Mapping[str, object]], Sequence[LogEvent]],
+    s: RuleSettings,
+    now: float,
+) -> tuple[Decision, ...]:
+    """The start-up rules (:data:`START_UP`) read on ``forecast(args)``, the events a model of the
+    worker says its start-up line would be, before the worker is launched: each decision's new
+    arguments are the next forecast's, until no rule moves, a move would undo an earlier one (the
+    forecast disagrees with itself: the worker's own line will say), or :data:`LAUNCH_STEPS`. The
+    last decision's ``new_args`` are the ones to launch with (no decision: ``args``). A forecast
+    without a start-up line says nothing."""
+    decisions: list[Decision] = []
+    current = dict(args)
+    ways: dict[str, int] = {}  # each moved knob: which way
+    for _ in range(LAUNCH_STEPS):
+        window = Window(span_s=s.control.window_s).push_all(replace(e, time=now) for e in forecast(current))
+        if window.startup is None:
+            break
+        decision = evaluate(window, ControlState.initial(worker_id, current), s, START_UP).decision
+        if decision is None or decision.action is not Action.RESTART or decision.knob is None:
+            break
+        if ways.setdefault(decision.knob, decision.direction) != decision.direction:
+            break
+        decisions.append(decision)
+        current = dict(decision.new_args)
+    return tuple(decisions)
 
 
 # -- gate and evaluation ------------------------------------------------------------------------

@@ -74,6 +74,10 @@ class Engine(Protocol):
         """Whether its workers compute on the host's GPUs, so that the GPU ids a pool names must be
         ones NVML sees there; False for the simulated engine, whose GPUs are modelled."""
 
+    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
+        """The GPU preset a simulated engine's worker models, where its arguments or ``extra_args``
+        name one; None for an engine on the host's GPUs (NVML says what they are) or none named."""
+
     @property
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""

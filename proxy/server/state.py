@@ -10,6 +10,7 @@ scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,8 @@ class ProxyState:
     journal: Journal | None = None
     controllers: dict[str, Controller] = field(default_factory=dict)  # per pool, while the app runs
     scrapers: list[Scraper] = field(default_factory=list)  # per pool (``scraper`` is the first)
+    # set once the controllers plan the workers' first launches: the pool starts after it
+    launches_planned: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def dispatcher(self) -> Dispatcher:

@@ -32,6 +32,18 @@ def process_age_s() -> float:
         return 0.0
 
 
+def capacity_line(cfg: SimConfig) -> str:
+    """The start-up line that says what the server resolved: KV pool, prefill chunk, running cap, free memory."""
+    return logs.startup_line(
+        max_total_num_tokens=cfg.max_total_num_tokens,
+        chunked_prefill_size=cfg.chunked_prefill_size or -1,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        max_running_requests=cfg.max_running_requests,
+        context_len=cfg.context_len,
+        available_gpu_mem_gb=cfg.memory.available_gb,
+    )
+
+
 async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
     """Log and wait through start-up; returns once the server is ready (the last line says so)."""
     mem, say = cfg.memory, sink
@@ -84,16 +96,6 @@ async def start_up(cfg: SimConfig, sink: logs.LogSink) -> None:
             f"KV pool holds {cfg.max_total_num_tokens} tokens, fewer than --context-length "
             f"{cfg.context_len}. Requests longer than the pool are rejected.",
         )
-    say(
-        "info",
-        logs.startup_line(
-            max_total_num_tokens=cfg.max_total_num_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size or -1,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            max_running_requests=cfg.max_running_requests,
-            context_len=cfg.context_len,
-            available_gpu_mem_gb=mem.available_gb,
-        ),
-    )
+    say("info", capacity_line(cfg))
     await asyncio.sleep(k * 1.0)  # warm-up request
     say("info", logs.READY_LINE)

@@ -51,6 +51,7 @@ class WorkerInfo:
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
 LineListener = Callable[[WorkerId, str], None]  # called with each output line as it is read
+LaunchPlanner = Callable[[WorkerInfo], Mapping[str, object]]  # a worker as configured -> the args to launch it with
 
 
 class WorkerPool(Protocol):
@@ -95,6 +96,16 @@ class WorkerLogs(Protocol):
 
     def add_line_listener(self, listener: LineListener) -> None:
         """Called synchronously with (worker_id, line) for each line of any worker."""
+
+
+@runtime_checkable
+class PlannedLaunches(Protocol):
+    """A pool that starts its workers and lets the arguments of each one's first launch be planned
+    (the controller's forecast of its start-up); external workers are not launched, nor planned."""
+
+    def plan_launches(self, planner: LaunchPlanner) -> None:
+        """``planner`` is called with each managed worker, as configured, before its first launch and
+        returns the arguments to launch it with (set before ``start``)."""
 
 
 class SupervisedPool(WorkerPool, WorkerLogs, Protocol):

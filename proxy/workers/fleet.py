@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.process import Launcher
 from proxy.workers.supervisor import Placement, Supervisor, WorkerError
 
@@ -92,6 +92,10 @@ class Fleet:
     def add_line_listener(self, listener: LineListener) -> None:
         for member in self._members:
             member.add_line_listener(listener)
+
+    def plan_launches(self, planner: LaunchPlanner) -> None:
+        for member in self._members:
+            member.plan_launches(planner)
 
     def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
         return self._of(worker_id).tail(worker_id, n)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.workers.base import LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
+from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle, signal_name
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ class Supervisor:
         self._ring_lines = ring_lines
         self._slots: dict[WorkerId, _Slot] = {}
         self._listeners: list[StateListener] = []
+        self._launch_planner: LaunchPlanner | None = None
         self._line_listeners: list[LineListener] = []
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -190,6 +191,9 @@ class Supervisor:
 
     def add_line_listener(self, listener: LineListener) -> None:
         self._line_listeners.append(listener)
+
+    def plan_launches(self, planner: LaunchPlanner) -> None:
+        self._launch_planner = planner
 
     def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
         return self._slot(worker_id).lines.tail(n)
@@ -242,7 +246,18 @@ class Supervisor:
                     lines=LineLog(self._ring_lines),
                 )
             )
+        for slot in self._slots.values():
+            self._plan_launch(slot)
         await asyncio.gather(*(self._start_slot(slot, reason="start") for slot in self._slots.values()))
+
+    def _plan_launch(self, slot: _Slot) -> None:
+        """The first launch's arguments, as the launch planner says (as configured when it fails)."""
+        if self._launch_planner is None:
+            return
+        try:
+            slot.args = dict(self._launch_planner(slot.info()))
+        except Exception:
+            _log.exception("planning the first launch of %s failed: it starts as configured", slot.id)
 
     async def stop(self) -> None:
         """SIGTERM every managed worker, SIGKILL after ``stop_grace_s``; the supervisor is done after this."""

@@ -3,19 +3,26 @@ worker prints, read by SGLang's log follower, against the activations of the pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import pytest
 
 from proxy.control.decision import ControlState, RuleKind
 from proxy.control.planner import Twin
-from proxy.control.rules import SAFETY_NET_SERVING, WHILE_SERVING, Activations, RuleSettings, activations_fit
+from proxy.control.rules import (
+    SAFETY_NET_SERVING,
+    WHILE_SERVING,
+    Activations,
+    RuleSettings,
+    activations_fit,
+    before_launch,
+)
 from proxy.control.window import Window
+from proxy.engines.base import EventKind, LogEvent
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.logs import LogFollower
 from proxy.policy import ControlMode, ControlSettings
-from proxy.sim.logs import startup_line
 from proxy.workers.base import WorkerState
 
 from .test_controller import controller, info
@@ -23,12 +30,14 @@ from .test_controller import controller, info
 
 def _started(gpu: str, model: str, args: Mapping[str, object]) -> Window:
     """The window after the start-up line the simulator prints for ``args`` on ``gpu``."""
-    cfg = Twin(gpu, model).config(args)
-    line = startup_line(max_total_num_tokens=cfg.memory.max_total_num_tokens,
-                        chunked_prefill_size=cfg.chunked_prefill_size or -1, max_prefill_tokens=cfg.max_prefill_tokens,
-                        max_running_requests=cfg.max_running_requests, context_len=cfg.context_len,
-                        available_gpu_mem_gb=cfg.memory.available_gb)  # fmt: skip
-    return Window(span_s=60.0).push_all(LogFollower().feed(line, 1.0))
+    return Window(span_s=60.0).push_all(LogFollower().feed(_startup_text(gpu, model, args), 1.0))
+
+
+def _startup_text(gpu: str, model: str, args: Mapping[str, object]) -> str:
+    """The start-up line the simulator prints for ``args`` on ``gpu`` (the twin's forecast is that line)."""
+    line = Twin(gpu, model).startup_line(args)
+    assert line is not None
+    return line
 
 
 def _settings(gpu: str, model: str) -> RuleSettings:
@@ -92,14 +101,6 @@ def test_the_forecast_is_in_the_planners_safety_net_only() -> None:
     assert activations_fit in SAFETY_NET_SERVING and activations_fit not in WHILE_SERVING
 
 
-def _startup_text(gpu: str, model: str, args: Mapping[str, object]) -> str:
-    cfg = Twin(gpu, model).config(args)
-    return startup_line(max_total_num_tokens=cfg.memory.max_total_num_tokens,
-                        chunked_prefill_size=cfg.chunked_prefill_size or -1, max_prefill_tokens=cfg.max_prefill_tokens,
-                        max_running_requests=cfg.max_running_requests, context_len=cfg.context_len,
-                        available_gpu_mem_gb=cfg.memory.available_gb)  # fmt: skip
-
-
 @pytest.mark.parametrize(("mode", "planner", "held"), [(ControlMode.AUTO, True, True), (ControlMode.ADVISE, True, False),
                                                        (ControlMode.AUTO, False, False)])  # fmt: skip
 def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, planner, held) -> None:
@@ -123,3 +124,103 @@ def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(
         assert act.decision.changes == {"chunked_prefill_size": (16384, 8192)}
     else:
         assert [a.decision.rule for a in acts] == []
+
+
+# -- the same rules read before the launch, on the twin's forecast of the start-up line ---------------
+
+
+def _forecast(gpu: str, model: str) -> Callable[[Mapping[str, object]], list[LogEvent]]:
+    def forecast(args: Mapping[str, object]) -> list[LogEvent]:
+        return LogFollower().feed(_startup_text(gpu, model, args), 0.0)
+
+    return forecast
+
+
+def test_before_the_launch_the_chunk_that_would_crash_is_lowered_on_the_forecast() -> None:
+    """prefill-oom's arguments (chunk 16384, fraction 0.9 on a 48 GB L40S): the forecast line says 3.94
+    GB free, a full chunk needs 4 GB; one move to 8192, and at 8192 nothing else moves (3.94 GB is
+    inside the band)."""
+    settings = replace(_settings("l40s-48gb", "llama-3.1-8b"),
+                       control=ControlSettings(available_mem_band_gb=(2.0, 10.0)))  # fmt: skip
+    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
+    (d,) = before_launch("w0", args, _forecast("l40s-48gb", "llama-3.1-8b"), settings, 5.0)
+    assert d.rule == "activations_fit" and d.changes == {"chunked_prefill_size": (16384, 8192)} and d.time == 5.0
+    assert d.new_args == {**args, "chunked_prefill_size": 8192}
+
+
+def test_before_the_launch_idle_memory_is_sized_into_the_band() -> None:
+    """mem_fraction_static 0.6 on an 80 GB H100 leaves ~30 GB free: the band's top is 10, so the
+    fraction is raised once to what leaves the band's middle free, and the forecast at the new
+    fraction lies inside the band."""
+    settings = replace(
+        _settings("h100-80gb", "llama-3.1-8b"), control=ControlSettings(available_mem_band_gb=(2.0, 10.0))
+    )
+    (d,) = before_launch("w0", {"mem_fraction_static": 0.6}, _forecast("h100-80gb", "llama-3.1-8b"), settings, 0.0)
+    assert d.rule == "memory_headroom" and 0.85 < float(d.new_args["mem_fraction_static"]) < 0.95
+    free = Twin("h100-80gb", "llama-3.1-8b").config(d.new_args).memory.available_gb
+    assert 2.0 <= free <= 10.0
+
+
+def _line(free_gb: float) -> LogEvent:
+    return LogEvent(
+        kind=EventKind.STARTUP, time=0.0, fields={"available_gpu_mem_gb": free_gb, "max_total_tokens": 100_000}
+    )
+
+
+def test_before_the_launch_a_move_that_would_undo_one_ends_the_moves() -> None:
+    """A forecast whose free memory jumps across the band between two fractions: the floor lowers the
+    fraction, the top would raise it back; a move that undoes one ends the moves at the one before it."""
+    settings = RuleSettings(control=ControlSettings(available_mem_band_gb=(2.0, 10.0)), knobs=KNOBS)
+
+    def forecast(args: Mapping[str, object]) -> list[LogEvent]:
+        return [_line(1.0 if float(args["mem_fraction_static"]) >= 0.9 else 20.0)]  # type: ignore[arg-type]
+
+    moves = before_launch("w0", {"mem_fraction_static": 0.9}, forecast, settings, 0.0)
+    assert [d.rule for d in moves] == ["memory_low"] and moves[0].new_args["mem_fraction_static"] == 0.89
+
+
+def test_a_forecast_without_a_start_up_line_moves_nothing() -> None:
+    settings = RuleSettings(control=ControlSettings(), knobs=KNOBS)
+    assert before_launch("w0", {"mem_fraction_static": 0.6}, lambda args: [], settings, 0.0) == ()
+
+
+L40S_BYTES = 46068 * 2**20  # NVML's total memory of an L40S
+
+
+@pytest.mark.parametrize(
+    ("mode", "args", "total", "launched"),
+    [
+        # a simulated worker: the twin is its own presets, NVML is not asked
+        (ControlMode.AUTO, {"sim_gpu": "l40s-48gb", "sim_model": "llama-3.1-8b"}, None, 8192),
+        # a real worker on the policy's twin GPU, NVML's total says it is that GPU
+        (ControlMode.AUTO, {}, L40S_BYTES, 8192),
+        # ... a GPU of another size, or no NVML: the twin is not this GPU's, the worker starts as configured
+        (ControlMode.AUTO, {}, 81559 * 2**20, 16384),
+        (ControlMode.AUTO, {}, None, 16384),
+        # advising: the move is journaled, the worker starts as configured
+        (ControlMode.ADVISE, {"sim_gpu": "l40s-48gb", "sim_model": "llama-3.1-8b"}, None, 16384),
+    ],
+)
+def test_a_first_launch_takes_the_forecasts_moves_where_the_twin_is_the_workers_gpu(
+    mode, args, total, launched
+) -> None:
+    c, _ = controller(mode, None, planner=True, available_mem_band_gb=(2.0, 10.0), twin_gpu="l40s-48gb")
+    configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, **args}
+    out = c.launch_args("w0", configured, gpu_total_bytes=total)
+    assert out == {**configured, "chunked_prefill_size": launched}
+    entries = c.journal.entries()
+    if launched == 16384 and mode is ControlMode.AUTO:
+        assert entries == []
+        return
+    (entry,) = entries
+    assert entry["rule"] == "activations_fit" and entry["changes"] == {"chunked_prefill_size": [16384, 8192]}
+    assert entry["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
+    assert entry["detail"].startswith("before its first launch, on the twin's forecast of its start-up line")
+
+
+@pytest.mark.parametrize("kw", [{"planner": False}, {"launch_forecast": False}, {"mode": ControlMode.OFF}])
+def test_no_forecast_without_the_planner_or_when_turned_off(kw) -> None:
+    mode = kw.pop("mode", ControlMode.AUTO)
+    c, _ = controller(mode, None, **{"planner": True, **kw})
+    configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_gpu": "l40s-48gb"}
+    assert c.launch_args("w0", configured) == configured and c.journal.entries() == []

@@ -19,6 +19,7 @@ import pytest
 from proxy.control.controller import ActResult, Controller, Drain, LogReader
 from proxy.control.journal import Journal, verdict
 from proxy.engines.base import Sample
+from proxy.engines.sglang.engine import SIM
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.logs import Death, LogFollower, classify_death
 from proxy.policy import ControlMode, ControlSettings
@@ -101,7 +102,7 @@ def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor |
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
-        hold=hold,
+        hold=hold, modelled_gpu=lambda args: SIM.modelled_gpu(args, ()),
     )  # fmt: skip
     return c, clock
 

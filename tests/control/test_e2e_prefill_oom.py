@@ -82,8 +82,9 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
 
 
 async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_start_up_line(tmp_path: Path) -> None:
-    """The same worker with the planner on: its twin's activations for a full 8192-token chunk (2 GB)
-    do not fit the ~1.8 GB the start-up line reports free, so the worker is restarted with 4096 before
+    """The same worker with the planner on and the forecast before the launch off (what a worker whose
+    GPU the twin cannot vouch for gets): its twin's activations for a full 8192-token chunk (2 GB) do
+    not fit the ~1.8 GB the start-up line reports free, so the worker is restarted with 4096 before
     it serves anything, and it never dies: every request answered, none retried."""
     async with running_proxy(
         tmp_path,
@@ -95,6 +96,7 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
             "crash_backoff_s": [0.5],
             "available_mem_band_gb": [1.0, 80],
             "planner": True,
+            "launch_forecast": False,
         },
     ) as proxy:
         pool = proxy.state.pool
@@ -112,3 +114,33 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
         assert not proxy.controller.state(worker).deaths
         tail = pool.tail(worker, 2000)
         assert not any("OutOfMemoryError" in line for line in tail)
+
+
+async def test_with_the_forecast_the_first_launch_already_takes_the_chunk_that_fits(tmp_path: Path) -> None:
+    """The same worker with the forecast before the launch on (the default with the planner) and the
+    GPU it models named on its command line: the twin prints the start-up line it would print,
+    SGLang's log reader reads it, and the worker is launched with 4096 from the start: no restart, no
+    death, the worker's own start-up line agrees."""
+    async with running_proxy(
+        tmp_path,
+        args={"mem_fraction_static": 0.97, "chunked_prefill_size": 8192, "max_running_requests": 64},
+        extra_args=["--sim-time-scale", "5", "--sim-gpu", "h100-80gb"],  # the GPU it models, named
+        control={"mode": "auto", "interval_s": 0.5, "available_mem_band_gb": [1.0, 80], "planner": True},
+    ) as proxy:
+        pool = proxy.state.pool
+        worker = pool.workers()[0].id
+        info = pool.get(worker)
+        assert info.state is WorkerState.READY and info.restarts == 0
+        assert info.args["chunked_prefill_size"] == 4096 and "--chunked-prefill-size" in info.argv
+        assert info.argv[info.argv.index("--chunked-prefill-size") + 1] == "4096"
+        [fit] = await proxy.decisions()
+        assert fit["rule"] == "activations_fit" and fit["status"] == "applied"
+        assert fit["changes"] == {"chunked_prefill_size": [8192, 4096]}
+        assert fit["detail"].startswith("before its first launch")
+        assert any("chunked_prefill_size=4096" in line for line in pool.tail(worker, 2000))
+
+        results = await _send_all(proxy)
+        assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
+        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total")
+        assert not proxy.controller.state(worker).deaths and pool.get(worker).restarts == 0
+        assert [d["rule"] for d in await proxy.decisions()] == ["activations_fit"]

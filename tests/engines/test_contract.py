@@ -51,6 +51,20 @@ def test_the_simulator_speaks_sglang_and_takes_its_own_args() -> None:
     assert sim.default_command()[-2:] == ["proxy", "sim"]
 
 
+def test_the_gpu_a_simulated_worker_models_is_the_one_its_args_or_extra_args_name() -> None:
+    """The twin of a simulated worker is its own GPU preset, however the policy names it; a real
+    engine models nothing (NVML says what its GPU is)."""
+    sim = ENGINES["sim"]
+    assert sim.modelled_gpu({"sim_gpu": "l40s-48gb"}, ()) == "l40s-48gb"
+    assert sim.modelled_gpu({}, ["--sim-time-scale", "10", "--sim-gpu", "a100-40gb"]) == "a100-40gb"
+    assert sim.modelled_gpu({}, ["--sim-gpu=rtx4090-24gb"]) == "rtx4090-24gb"
+    # both: the extra arguments come last on the command line, and the simulator runs the last
+    assert sim.modelled_gpu({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]) == "a100-40gb"
+    assert sim.modelled_gpu({}, ["--sim-time-scale", "10"]) is None  # not named: the twin stays the policy's
+    for name in ("sglang", "vllm"):
+        assert ENGINES[name].modelled_gpu({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]) is None
+
+
 def test_prefix_affinity_follows_the_engines_own_scheduler() -> None:
     assert ENGINES["sglang"].prefix_affinity({"schedule_policy": "lpm"})
     assert not ENGINES["sglang"].prefix_affinity({"schedule_policy": "fcfs"})

@@ -124,6 +124,13 @@ class SGLangEngine:
     def uses_host_gpus(self) -> bool:
         return not self.sim_args  # the simulator models its GPU: CUDA_VISIBLE_DEVICES is only a label there
 
+    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
+        if not self.sim_args:
+            return None
+        # extra_args come after the args' flags: where both name one, the simulator runs the last
+        named = argv.parse_argv_args(extra_args).get("sim_gpu") or args.get("sim_gpu")
+        return str(named) if named else None
+
     @property
     def reserves_max_tokens(self) -> bool:
         # PrefillAdder: a new request reserves min(max_new_tokens, 4096) of KV, a running one its

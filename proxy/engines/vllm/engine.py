@@ -94,6 +94,9 @@ class VllmEngine:
     def uses_host_gpus(self) -> bool:
         return True
 
+    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
+        return None
+
     @property
     def reserves_max_tokens(self) -> bool:
         # the v1 scheduler allocates KV blocks for the tokens a step computes and preempts the newest
