@@ -271,3 +271,37 @@ async def test_a_worker_held_while_starting_comes_up_draining_and_its_restart_li
     assert held and sup.get("w0").state is WorkerState.DRAINING
     await sup.restart("w0", {}, "the arguments that fit")
     assert sup.get("w0").state is WorkerState.READY
+
+
+async def test_the_launch_planner_sets_each_workers_first_launch_and_a_failing_one_leaves_it_as_configured(
+    make_supervisor,
+) -> None:
+    """The planner sees each managed worker as configured before its first launch; what it returns is
+    what the worker is launched with (its argv, its info). A planner that raises leaves the worker as
+    configured; a restart takes the arguments it is given, not the planner's."""
+    sup: Supervisor = make_supervisor(workers=2, args={"max_running_requests": 8})
+    seen: list[WorkerInfo] = []
+
+    def planner(info: WorkerInfo) -> dict[str, object]:
+        seen.append(info)
+        if info.id == "w1":
+            raise RuntimeError("no forecast")
+        return {**info.args, "max_running_requests": 4}
+
+    sup.plan_launches(planner)
+    await sup.start()
+    assert [(i.id, i.args, i.state) for i in seen] == [
+        ("w0", {"max_running_requests": 8}, WorkerState.STOPPED),
+        ("w1", {"max_running_requests": 8}, WorkerState.STOPPED),
+    ]
+    w0, w1 = sup.workers()
+    assert w0.args == {"max_running_requests": 4} and (await get_json(f"{w0.url}/args"))["engine_flags"] == [
+        "--max-running-requests",
+        "4",
+    ]
+    assert w1.args == {"max_running_requests": 8} and (await get_json(f"{w1.url}/args"))["engine_flags"] == [
+        "--max-running-requests",
+        "8",
+    ]
+    info = await sup.restart("w0", {"max_running_requests": 16}, "more")
+    assert info.args == {"max_running_requests": 16} and len(seen) == 2
