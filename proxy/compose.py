@@ -66,6 +66,7 @@ from proxy.workers.base import PlannedLaunches, WorkerInfo, WorkerLogs, WorkerPo
 from proxy.workers.fleet import PoolView
 
 _log = logging.getLogger(__name__)
+_LAUNCH_NVML_TIMEOUT_S = 5.0  # a first launch waits this long at most for NVML's size of its GPU
 
 
 def build_app(
@@ -485,17 +486,23 @@ def _modelled_gpu(engine: Engine, extra_args: Sequence[str], args: Mapping[str, 
     return engine.modelled_gpu(args, extra_args)
 
 
-def _launch_args(st: ProxyState, info: WorkerInfo) -> Mapping[str, object]:
-    """A worker's first launch, as its pool's controller forecasts it; the GPU's total memory is
-    NVML's on this host (a Ray worker's GPU is on another host: none)."""
+async def _launch_args(st: ProxyState, info: WorkerInfo) -> Mapping[str, object]:
+    """A worker's first launch, as its pool's controller forecasts it. The GPU's total memory is
+    NVML's on this host, read for engines that run on the host's GPUs (sampled now if the watch has
+    not yet; a Ray worker's GPU is on another host: none)."""
     controller = st.controllers.get(info.pool)
     if controller is None:
         return info.args
-    report = st.gpus.last if st.gpus is not None else None
     total: int | None = None
-    if report is not None and report.available and st.policy.fleet.backend is WorkerBackend.LOCAL:
-        index = info.gpus[0] if info.gpus else 0
-        total = next((d.memory_total_bytes for d in report.devices if d.index == index), None)
+    engine = next((p.engine.engine for p in st.policy.pools if p.name == info.pool), st.policy.engine.engine)
+    if st.gpus is not None and engine.uses_host_gpus and st.policy.fleet.backend is WorkerBackend.LOCAL:
+        report = st.gpus.last
+        if report is None:
+            with contextlib.suppress(TimeoutError):
+                report = await asyncio.wait_for(st.gpus.sample_once(), _LAUNCH_NVML_TIMEOUT_S)
+        if report is not None and report.available:
+            index = info.gpus[0] if info.gpus else 0
+            total = next((d.memory_total_bytes for d in report.devices if d.index == index), None)
     return controller.launch_args(info.id, info.args, gpu_total_bytes=total)
 
 
@@ -536,9 +543,9 @@ async def _stop_admitting(app: web.Application) -> None:
 
 async def _start_pool(st: ProxyState) -> None:
     try:
-        await st.launches_planned.wait()  # the controllers' lifecycle plans each worker's first launch
-        if st.gpus is not None:
-            await st.gpus.sample_once()  # what the forecasts check the twin's GPU against
+        # the controllers' lifecycle plans each worker's first launch; it starts right after this
+        # lifecycle without awaiting anything, so the pool still lists its workers once the app is up
+        await st.launches_planned.wait()
         await st.pool.start()
     except Exception:
         _log.exception("starting the workers failed")

@@ -51,7 +51,8 @@ class WorkerInfo:
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
 LineListener = Callable[[WorkerId, str], None]  # called with each output line as it is read
-LaunchPlanner = Callable[[WorkerInfo], Mapping[str, object]]  # a worker as configured -> the args to launch it with
+# a worker as configured -> the args to launch it with
+LaunchPlanner = Callable[[WorkerInfo], Awaitable[Mapping[str, object]]]
 
 
 class WorkerPool(Protocol):

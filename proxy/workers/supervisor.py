@@ -247,15 +247,15 @@ class Supervisor:
                 )
             )
         for slot in self._slots.values():
-            self._plan_launch(slot)
+            await self._plan_launch(slot)
         await asyncio.gather(*(self._start_slot(slot, reason="start") for slot in self._slots.values()))
 
-    def _plan_launch(self, slot: _Slot) -> None:
+    async def _plan_launch(self, slot: _Slot) -> None:
         """The first launch's arguments, as the launch planner says (as configured when it fails)."""
         if self._launch_planner is None:
             return
         try:
-            slot.args = dict(self._launch_planner(slot.info()))
+            slot.args = dict(await self._launch_planner(slot.info()))
         except Exception:
             _log.exception("planning the first launch of %s failed: it starts as configured", slot.id)
 

@@ -45,6 +45,7 @@ async def test_an_sglang_worker_on_a_gpu_nvml_sizes_as_the_twins_is_launched_wit
     app = build_app(policy, pool, gpu_sampler=lambda: sample_with(_Nvml(count=1)))
     runner, _ = await serve(app, "127.0.0.1", 0)
     try:
+        assert [w.id for w in pool.workers()] == ["w0"]  # listed (starting) once the app is up, as before
         await wait_for(lambda: bool(pool.workers()) and pool.workers()[0].state is WorkerState.READY, 30, "ready")
         (info,) = pool.workers()
         assert info.args["chunked_prefill_size"] == launched and info.restarts == 0

@@ -282,7 +282,7 @@ async def test_the_launch_planner_sets_each_workers_first_launch_and_a_failing_o
     sup: Supervisor = make_supervisor(workers=2, args={"max_running_requests": 8})
     seen: list[WorkerInfo] = []
 
-    def planner(info: WorkerInfo) -> dict[str, object]:
+    async def planner(info: WorkerInfo) -> dict[str, object]:
         seen.append(info)
         if info.id == "w1":
             raise RuntimeError("no forecast")
