@@ -42,7 +42,7 @@ from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
-from proxy.engines.base import Sample
+from proxy.engines.base import Modelled, Sample
 from proxy.engines.contract import Engine
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
@@ -418,7 +418,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             ),
             clock=time.monotonic,
             hold=st.pool.hold,
-            modelled_gpu=functools.partial(_modelled_gpu, engine, pool_settings.engine.extra_args),
+            modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
         )
     st.controller, st.journal = st.controllers[policy.pools[0].name], journal
 
@@ -482,8 +482,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             st.board.unsubscribe(controller.on_sample)
 
 
-def _modelled_gpu(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> str | None:
-    return engine.modelled_gpu(args, extra_args)
+def _modelled(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> Modelled:
+    return engine.modelled(args, extra_args)
 
 
 async def _launch_args(st: ProxyState, info: WorkerInfo) -> Mapping[str, object]:

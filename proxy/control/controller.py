@@ -69,7 +69,7 @@ from proxy.control.rules import (
     revive_delay,
 )
 from proxy.control.window import Window
-from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Sample
+from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sample
 from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
@@ -264,10 +264,10 @@ class Controller:
         actor: Actor,
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
-        modelled_gpu: Callable[[Mapping[str, object]], str | None] = lambda args: None,
+        modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
     ) -> None:
         self.settings = settings
-        self._modelled_gpu = modelled_gpu  # the GPU preset a simulated worker under these args models
+        self._modelled = modelled  # the presets a simulated worker under these args models
         # with the planner on, the safety net foresees crashes from the twin's activations
         self.rules = RuleSettings(control=settings, knobs=knobs,
                                   activations=self._activations if settings.planner else None)  # fmt: skip
@@ -287,7 +287,8 @@ class Controller:
     def _twin(self, args: Mapping[str, object]) -> Twin:
         """The twin's presets for a worker under ``args`` (a simulated worker's own, else the policy's)."""
         c = self.settings
-        return Twin(self._modelled_gpu(args) or c.twin_gpu, str(args.get("sim_model") or c.twin_model))
+        modelled = self._modelled(args)
+        return Twin(modelled.gpu or c.twin_gpu, modelled.model or c.twin_model)
 
     def _activations(self, args: Mapping[str, object]) -> Activations | None:
         """The twin's activations under ``args``, once per set of arguments (the rules ask every tick)."""
@@ -315,7 +316,7 @@ class Controller:
         if not (c.planner and c.launch_forecast) or self.mode is ControlMode.OFF:
             return dict(args)
         twin = self._twin(args)
-        if self._modelled_gpu(args) is not None:
+        if self._modelled(args).gpu is not None:
             whose = "the GPU it models"
         elif gpu_total_bytes is not None and twin.is_gpu(gpu_total_bytes):
             whose = "the size NVML reports"

@@ -106,6 +106,15 @@ class Knob:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Modelled:
+    """The presets a simulated worker models, where its arguments name them (None: not named, or a
+    real engine on the host's GPUs, whose GPU NVML says)."""
+
+    gpu: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Death:
     """Why a worker died, read from the last lines of its log."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Modelled, Sample
 
 
 class LogReader(Protocol):
@@ -74,9 +74,9 @@ class Engine(Protocol):
         """Whether its workers compute on the host's GPUs, so that the GPU ids a pool names must be
         ones NVML sees there; False for the simulated engine, whose GPUs are modelled."""
 
-    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
-        """The GPU preset a simulated engine's worker models, where its arguments or ``extra_args``
-        name one; None for an engine on the host's GPUs (NVML says what they are) or none named."""
+    def modelled(self, args: Mapping[str, object], extra_args: Sequence[str]) -> Modelled:
+        """The GPU and model presets a simulated engine's worker models, where its arguments or
+        ``extra_args`` name them; none for an engine on the host's GPUs (NVML says what they are)."""
 
     @property
     def secret_args(self) -> frozenset[str]:

@@ -102,7 +102,7 @@ def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor |
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
-        hold=hold, modelled_gpu=lambda args: SIM.modelled_gpu(args, ()),
+        hold=hold, modelled=lambda args: SIM.modelled(args, ()),
     )  # fmt: skip
     return c, clock
 

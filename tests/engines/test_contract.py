@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.engines.base import EventKind, KnobName
+from proxy.engines.base import EventKind, KnobName, Modelled
 from proxy.engines.contract import Engine, is_restart_needed
 from proxy.engines.registry import ENGINES, EngineKind, engine_named
 
@@ -51,18 +51,22 @@ def test_the_simulator_speaks_sglang_and_takes_its_own_args() -> None:
     assert sim.default_command()[-2:] == ["proxy", "sim"]
 
 
-def test_the_gpu_a_simulated_worker_models_is_the_one_its_args_or_extra_args_name() -> None:
-    """The twin of a simulated worker is its own GPU preset, however the policy names it; a real
-    engine models nothing (NVML says what its GPU is)."""
+def test_the_presets_a_simulated_worker_models_are_the_ones_its_args_or_extra_args_name() -> None:
+    """The twin of a simulated worker is its own GPU and model presets, however the policy names
+    them; a real engine models nothing (NVML says what its GPU is)."""
     sim = ENGINES["sim"]
-    assert sim.modelled_gpu({"sim_gpu": "l40s-48gb"}, ()) == "l40s-48gb"
-    assert sim.modelled_gpu({}, ["--sim-time-scale", "10", "--sim-gpu", "a100-40gb"]) == "a100-40gb"
-    assert sim.modelled_gpu({}, ["--sim-gpu=rtx4090-24gb"]) == "rtx4090-24gb"
+    assert sim.modelled({"sim_gpu": "l40s-48gb"}, ()).gpu == "l40s-48gb"
+    assert sim.modelled({}, ["--sim-time-scale", "10", "--sim-gpu", "a100-40gb"]).gpu == "a100-40gb"
+    assert sim.modelled({}, ["--sim-gpu=rtx4090-24gb"]).gpu == "rtx4090-24gb"
     # both: the extra arguments come last on the command line, and the simulator runs the last
-    assert sim.modelled_gpu({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]) == "a100-40gb"
-    assert sim.modelled_gpu({}, ["--sim-time-scale", "10"]) is None  # not named: the twin stays the policy's
+    assert sim.modelled({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]).gpu == "a100-40gb"
+    assert sim.modelled({}, ["--sim-time-scale", "10"]) == Modelled()  # not named: the twin stays the policy's
+    assert sim.modelled({"sim_model": "qwen2.5-7b"}, ["--sim-model", "llama-3.2-1b"]) == Modelled(model="llama-3.2-1b")
+    assert sim.modelled({"sim_model": "qwen2.5-7b", "sim_gpu": "a100-40gb"}, ()) == Modelled(
+        gpu="a100-40gb", model="qwen2.5-7b"
+    )
     for name in ("sglang", "vllm"):
-        assert ENGINES[name].modelled_gpu({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]) is None
+        assert ENGINES[name].modelled({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]) == Modelled()
 
 
 def test_prefix_affinity_follows_the_engines_own_scheduler() -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, Modelled, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.sglang import argv, knobs, logs, metrics
 
@@ -124,12 +124,13 @@ class SGLangEngine:
     def uses_host_gpus(self) -> bool:
         return not self.sim_args  # the simulator models its GPU: CUDA_VISIBLE_DEVICES is only a label there
 
-    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
+    def modelled(self, args: Mapping[str, object], extra_args: Sequence[str]) -> Modelled:
         if not self.sim_args:
-            return None
+            return Modelled()
         # extra_args come after the args' flags: where both name one, the simulator runs the last
-        named = argv.parse_argv_args(extra_args).get("sim_gpu") or args.get("sim_gpu")
-        return str(named) if named else None
+        flags = argv.parse_argv_args(extra_args)
+        gpu, model = (flags.get(name) or args.get(name) for name in ("sim_gpu", "sim_model"))
+        return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None)
 
     @property
     def reserves_max_tokens(self) -> bool:

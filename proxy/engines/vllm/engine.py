@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import Death, Knob, KnobName, Sample
+from proxy.engines.base import Death, Knob, KnobName, Modelled, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.vllm import argv, knobs, logs, metrics
 
@@ -94,8 +94,8 @@ class VllmEngine:
     def uses_host_gpus(self) -> bool:
         return True
 
-    def modelled_gpu(self, args: Mapping[str, object], extra_args: Sequence[str]) -> str | None:
-        return None
+    def modelled(self, args: Mapping[str, object], extra_args: Sequence[str]) -> Modelled:
+        return Modelled()
 
     @property
     def reserves_max_tokens(self) -> bool:
