@@ -38,6 +38,7 @@ from proxy.control.fast_tier import (
     output_budget,
 )
 from proxy.control.journal import Journal
+from proxy.control.offload import PlanProcess
 from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
@@ -398,88 +399,93 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     st = app[PROXY]
     policy = st.policy
     journal = Journal(policy.control.journal_path)
-    several = len(policy.pools) > 1
-    closed = False
-    engines = {p.name: p.engine.engine for p in policy.pools}
-    for pool_settings in policy.pools:
-        settings = pool_settings.control
-        engine = pool_settings.engine.engine
-        view = PoolView(st.pool, pool_settings.name) if several else st.pool
-        st.controllers[pool_settings.name] = Controller(
-            settings,
-            engine.knobs,
-            journal,
-            engine=engine,
-            surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name).admission),
-            # only managed workers are acted on: for an external pool the controller advises, and its
-            # journal entries say the worker is not managed by this proxy
-            actor=Rollout(
-                view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=settings.drain_timeout_s
-            ),
-            clock=time.monotonic,
-            hold=st.pool.hold,
-            modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
-        )
-    st.controller, st.journal = st.controllers[policy.pools[0].name], journal
+    # the planner's replays run in a process of their own (started at the first plan: none if no pool plans)
+    async with PlanProcess() as planning:
+        several = len(policy.pools) > 1
+        closed = False
+        engines = {p.name: p.engine.engine for p in policy.pools}
+        for pool_settings in policy.pools:
+            settings = pool_settings.control
+            engine = pool_settings.engine.engine
+            view = PoolView(st.pool, pool_settings.name) if several else st.pool
+            st.controllers[pool_settings.name] = Controller(
+                settings,
+                engine.knobs,
+                journal,
+                engine=engine,
+                surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name).admission),
+                # only managed workers are acted on: for an external pool the controller advises, and its
+                # journal entries say the worker is not managed by this proxy
+                actor=Rollout(
+                    view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=settings.drain_timeout_s
+                ),
+                clock=time.monotonic,
+                hold=st.pool.hold,
+                modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
+                offload=planning,
+            )
+        st.controller, st.journal = st.controllers[policy.pools[0].name], journal
 
-    async def read_resolved(info: WorkerInfo) -> None:
-        """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""
-        engine = engines.get(info.pool, policy.engine.engine)
-        path = engine.server_info_path
-        if st.session is None or path is None:
-            return
-        try:
-            async with st.session.get(info.url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status != 200:
-                    return
-                payload = await resp.json(content_type=None)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            _log.debug("no %s from %s: %s", path, info.id, exc)
-            return
-        controller = st.controllers.get(info.pool)
-        if isinstance(payload, dict) and not closed and controller is not None:
-            controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
+        async def read_resolved(info: WorkerInfo) -> None:
+            """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""
+            engine = engines.get(info.pool, policy.engine.engine)
+            path = engine.server_info_path
+            if st.session is None or path is None:
+                return
+            try:
+                async with st.session.get(info.url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status != 200:
+                        return
+                    payload = await resp.json(content_type=None)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                _log.debug("no %s from %s: %s", path, info.id, exc)
+                return
+            controller = st.controllers.get(info.pool)
+            if isinstance(payload, dict) and not closed and controller is not None:
+                controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
 
-    def on_state(info: WorkerInfo) -> None:
-        controller = st.controllers.get(info.pool)
-        if closed or controller is None:
-            return
-        controller.track(info)
-        if info.state is WorkerState.READY and info.managed:
-            st.spawn(read_resolved(info))
-
-    def on_line(worker_id: str, line: str) -> None:
-        if not closed:
-            for controller in st.controllers.values():
-                controller.on_line(worker_id, line)  # a controller reads only the workers it tracks
-
-    for info in st.pool.workers():
-        controller = st.controllers.get(info.pool)
-        if controller is not None:
+        def on_state(info: WorkerInfo) -> None:
+            controller = st.controllers.get(info.pool)
+            if closed or controller is None:
+                return
             controller.track(info)
-    if isinstance(st.pool, PlannedLaunches):
-        st.pool.plan_launches(functools.partial(_launch_args, st))
-    st.launches_planned.set()
-    st.pool.add_listener(on_state)
-    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
-        st.pool.add_line_listener(on_line)
-    for controller in st.controllers.values():
-        st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
-    for name, controller in st.controllers.items():
-        c = controller.settings
-        _log.info("controller %s (pool %s): rules every %g s over %g s windows", c.mode, name, c.interval_s, c.window_s)
-    tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
-    try:
-        yield
-    finally:
-        closed = True
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if info.state is WorkerState.READY and info.managed:
+                st.spawn(read_resolved(info))
+
+        def on_line(worker_id: str, line: str) -> None:
+            if not closed:
+                for controller in st.controllers.values():
+                    controller.on_line(worker_id, line)  # a controller reads only the workers it tracks
+
+        for info in st.pool.workers():
+            controller = st.controllers.get(info.pool)
+            if controller is not None:
+                controller.track(info)
+        if isinstance(st.pool, PlannedLaunches):
+            st.pool.plan_launches(functools.partial(_launch_args, st))
+        st.launches_planned.set()
+        st.pool.add_listener(on_state)
+        if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+            st.pool.add_line_listener(on_line)
         for controller in st.controllers.values():
-            st.board.unsubscribe(controller.on_sample)
+            st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
+        for name, controller in st.controllers.items():
+            c = controller.settings
+            _log.info(
+                "controller %s (pool %s): rules every %g s over %g s windows", c.mode, name, c.interval_s, c.window_s
+            )
+        tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
+        try:
+            yield
+        finally:
+            closed = True
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for controller in st.controllers.values():
+                st.board.unsubscribe(controller.on_sample)
 
 
 def _modelled(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> Modelled:

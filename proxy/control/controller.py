@@ -40,6 +40,7 @@ from proxy.control.decision import Action, ControlState, Decision, KnobChange, R
 from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Journal, Status, verdict
+from proxy.control.offload import Offload, in_thread
 from proxy.control.planner import (
     DecodeStats,
     Expectation,
@@ -265,8 +266,10 @@ class Controller:
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
+        offload: Offload = in_thread,
     ) -> None:
         self.settings = settings
+        self._offload = offload  # where the plans' and checks' replays run, off the event loop
         self._modelled = modelled  # the presets a simulated worker under these args models
         # with the planner on, the safety net foresees crashes from the twin's activations
         self.rules = RuleSettings(control=settings, knobs=knobs,
@@ -994,13 +997,15 @@ class Controller:
         """Tick every ``interval_s`` until cancelled; acts run one at a time.
 
         A plan's replays are CPU-bound and take seconds on a busy host, one worker's plan after
-        another: they run off the event loop while the ticks go on (a canary's fail-fast, the rules,
-        the outcome windows do not wait for the other workers' plans), one plan at a time, and a plan
+        another: they run off the event loop (``offload``; in the app, a process of their own, so
+        they do not hold the interpreter's lock against the relaying) while the ticks go on (a
+        canary's fail-fast, the rules, the outcome windows do not wait for the other workers'
+        plans), one plan at a time, and a plan
         is decided on the first tick after it is in (:meth:`decide_plan`, which drops it if its
         worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
         time, beside the plan, each journaled on the first tick after it is in."""
-        computing: tuple[PlanJob, asyncio.Task[Plan]] | None = None
-        checking: tuple[OutcomeJob, asyncio.Task[Outcome]] | None = None
+        computing: tuple[PlanJob, asyncio.Future[Plan]] | None = None
+        checking: tuple[OutcomeJob, asyncio.Future[Outcome]] | None = None
         try:
             while True:
                 for act in self.tick():
@@ -1013,7 +1018,7 @@ class Controller:
                         _log.warning("outcome check of decision #%d failed: %s", check.entry_id, exc)
                 if checking is None:
                     for check in self.outcomes_due(limit=1):
-                        checking = (check, asyncio.create_task(asyncio.to_thread(check_outcome, check.inputs)))
+                        checking = (check, asyncio.ensure_future(self._offload(check_outcome, check.inputs)))
                 if computing is not None and computing[1].done():
                     (job, task), computing = computing, None
                     planned = self._decide_computed(job, task)
@@ -1022,15 +1027,15 @@ class Controller:
                 if computing is None:
                     for job in self.plans_due(limit=1):
                         self._workers[job.worker_id].planning = True
-                        computing = (job, asyncio.create_task(asyncio.to_thread(run_plan, job.inputs)))
+                        computing = (job, asyncio.ensure_future(self._offload(run_plan, job.inputs)))
                 await asyncio.sleep(self.settings.interval_s)
         finally:
             for running in (computing, checking):
                 if running is not None:
-                    running[1].cancel()  # its thread ends by itself; what it computes is dropped
+                    running[1].cancel()  # what it computes is dropped (its process or thread ends it by itself)
             await self.close()
 
-    def _decide_computed(self, job: PlanJob, task: asyncio.Task[Plan]) -> Act | None:
+    def _decide_computed(self, job: PlanJob, task: asyncio.Future[Plan]) -> Act | None:
         """Decide on a plan computed off the loop (a failed one is logged, its worker free to plan again)."""
         try:
             plan = task.result()

@@ -18,6 +18,7 @@ import pytest
 
 from proxy.control.controller import ActResult, Controller, Drain, LogReader
 from proxy.control.journal import Journal, verdict
+from proxy.control.offload import Offload, in_thread
 from proxy.engines.base import Sample
 from proxy.engines.sglang.engine import SIM
 from proxy.engines.sglang.knobs import KNOBS
@@ -94,7 +95,8 @@ STORM_PER_1K = 0.1
 
 
 def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor | None = None, *, around: Around | None = None,
-               hold: Callable[[str], object] = lambda worker_id: None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
+               hold: Callable[[str], object] = lambda worker_id: None, offload: Offload = in_thread,
+               **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
     """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only."""
     clock = Clock()
     journal_path = str(tmp_path / "decisions.jsonl") if tmp_path is not None else None
@@ -102,7 +104,7 @@ def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor |
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
-        hold=hold, modelled=lambda args: SIM.modelled(args, ()),
+        hold=hold, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
     )  # fmt: skip
     return c, clock
 
