@@ -109,6 +109,7 @@ class ArmResult:
     ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
     time_scale: float = 1.0  # modelled seconds per wall second (the answer times below are modelled)
     proxy_peak_rss_mb: float | None = None  # the proxy process's peak resident memory (Linux: VmHWM)
+    planner_peak_rss_mb: float | None = None  # its planner's process's (None: no plan ran)
 
     @property
     def mean_answer_s(self) -> float | None:
@@ -155,6 +156,7 @@ class ArmResult:
             load_avg=[round(x, 1) for x in self.load_avg],
             min_serving_fraction=self.min_serving_fraction,
             proxy_peak_rss_mb=None if self.proxy_peak_rss_mb is None else round(self.proxy_peak_rss_mb),
+            planner_peak_rss_mb=None if self.planner_peak_rss_mb is None else round(self.planner_peak_rss_mb),
         )
         if self.trial is not None:
             out["trial"] = self.trial
@@ -228,14 +230,26 @@ class ProxyProcess:
 
     def peak_rss_mb(self) -> float | None:
         """The process's peak resident memory so far, from ``/proc`` (None where there is none)."""
+        return None if self.proc is None else _peak_rss_mb(self.proc.pid)
+
+    def planner_peak_rss_mb(self) -> float | None:
+        """The peak resident memory of the planner's process (the proxy's child spawned by
+        ``multiprocessing``; its workers are children too), from ``/proc``; None: none started."""
         if self.proc is None:
             return None
         try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         except OSError:
             return None
-        m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-        return int(m.group(1)) / 1024 if m else None
+        peaks = []
+        for child in children:
+            try:
+                spawned = b"multiprocessing.spawn" in Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if spawned and (peak := _peak_rss_mb(int(child))) is not None:
+                peaks.append(peak)
+        return sum(peaks) if peaks else None
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -526,10 +540,21 @@ async def run_arm(
             res.restarts = sum(int(w["restarts"]) for w in workers)
             res.final_args = dict(workers[0]["args"]) if len(workers) == 1 else {w["id"]: w["args"] for w in workers}
             res.proxy_peak_rss_mb = proxy.peak_rss_mb()
+            res.planner_peak_rss_mb = proxy.planner_peak_rss_mb()
     finally:
         await proxy.stop()
     res.retractions, res.oom_crashes = _count_log(workdir / "logs")
     return res
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory so far (Linux: ``VmHWM`` in ``/proc``; None where there is none)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(m.group(1)) / 1024 if m else None
 
 
 # -- a scenario -------------------------------------------------------------------------------------
@@ -875,11 +900,16 @@ def _load(value: Any) -> str:
     return "-" if not value else f"{value[0]:.1f}-{value[1]:.1f}"
 
 
+def _rss(arm: Mapping[str, Any]) -> str:
+    proxy, planner = arm.get("proxy_peak_rss_mb"), arm.get("planner_peak_rss_mb")
+    return f"{proxy or '-'}" + ("" if planner is None else f" (+ {planner})")
+
+
 def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
     head = (
         "| scenario | arm | output tok/s | mean answer s | ok | failed | lost | retractions | restarts | OOM crashes | "
-        "sim slowdown | load avg | proxy peak RSS MB | args at the end |\n"
+        "sim slowdown | load avg | proxy peak RSS MB (+ planner's process) | args at the end |\n"
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
     )
     rows = [head]
@@ -889,7 +919,7 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {_opt(a.get('mean_answer_s'))} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
                         f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | "
-                        f"{a.get('proxy_peak_rss_mb') or '-'} | {final} |")  # fmt: skip
+                        f"{_rss(a)} | {final} |")  # fmt: skip
     ratios = [
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "

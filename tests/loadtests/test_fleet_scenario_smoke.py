@@ -7,6 +7,7 @@ at most one worker of the two is out at any sample."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,8 @@ def test_tiny_fleet_with_an_injected_trial(tmp_path: Path) -> None:
         assert a["requests_ok"] == 600 and a["requests_failed"] == 0, (arm, a)
         assert set(a["final_args"]) == {"w0", "w1"}
     assert report["min_serving_fraction"] >= 0.5  # one worker of two out at a time, at most
+    if sys.platform == "linux":  # the plans ran in the planner's process, its memory read from /proc
+        assert 20 < report["arms"]["adaptive"]["planner_peak_rss_mb"] < 2000
     injection = report["injection"]
     assert injection["sent"]["status"] == 202 and injection["canary_verdict"] == "revert", injection
     assert injection["revert_status"] == "applied" and injection["reverted_after_modelled_s"] > 0

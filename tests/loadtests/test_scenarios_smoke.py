@@ -106,6 +106,7 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
         assert a["output_tok_per_s"] > 0
         if sys.platform == "linux":  # the proxy's peak resident memory, read from /proc before it stops
             assert 20 < a["proxy_peak_rss_mb"] < 2000, (arm, a["proxy_peak_rss_mb"])
+            assert a["planner_peak_rss_mb"] is None  # no planner in these arms: no process of its own
     assert on_disk["arms"]["default"]["retractions"] > 0  # the storm is real
     assert on_disk["arms"]["oracle"]["control_mode"] == "off"
     for key in ("adaptive_over_oracle", "adaptive_over_default"):
