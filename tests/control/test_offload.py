@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from proxy.control.offload import PlanProcess, PlanProcessDied
+from proxy.control.offload import NICENESS, PlanProcess, PlanProcessDied
 from proxy.control.planner import run_plan
 from proxy.policy import ControlMode
 
@@ -20,6 +20,10 @@ from .test_planner_controller import ARGS, Requests, _backlog_of_short_answers, 
 
 def _pid(_: object) -> int:
     return os.getpid()
+
+
+def _niceness(_: object) -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _busy(seconds: float) -> int:
@@ -49,6 +53,7 @@ async def test_a_plan_computed_in_the_planners_process_is_the_one_computed_here(
         there = await planning(run_plan, job.inputs)
         (pid,) = planning.pids
         assert pid != os.getpid() and await planning(_pid, None) == pid  # one process, each call in turn
+        assert await planning(_niceness, None) == min(_niceness(None) + NICENESS, 19)  # it yields the CPU
     assert there == run_plan(job.inputs)
     assert not _alive(pid)  # leaving stops it
 
