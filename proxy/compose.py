@@ -335,11 +335,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await _stop_tasks(tasks)
             for ticket in st.admission.drain_all():
                 if not ticket.future.done():
                     ticket.future.cancel()
@@ -479,13 +475,18 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             yield
         finally:
             closed = True
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await _stop_tasks(tasks)
             for controller in st.controllers.values():
                 st.board.unsubscribe(controller.on_sample)
+
+
+async def _stop_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait for each to end (what one raised on its way out is its own)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 def _modelled(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> Modelled:

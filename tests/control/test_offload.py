@@ -13,6 +13,7 @@ import pytest
 from proxy.control.offload import NICENESS, PlanProcess, PlanProcessDied
 from proxy.control.planner import run_plan
 from proxy.policy import ControlMode
+from tests.harness.processes import pid_alive
 
 from .test_controller import RecordingActor, controller, info
 from .test_planner_controller import ARGS, Requests, _backlog_of_short_answers, _serve
@@ -34,14 +35,6 @@ def _busy(seconds: float) -> int:
     return n
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 async def test_a_plan_computed_in_the_planners_process_is_the_one_computed_here(tmp_path) -> None:
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True)
@@ -55,7 +48,7 @@ async def test_a_plan_computed_in_the_planners_process_is_the_one_computed_here(
         assert pid != os.getpid() and await planning(_pid, None) == pid  # one process, each call in turn
         assert await planning(_niceness, None) == min(_niceness(None) + NICENESS, 19)  # it yields the CPU
     assert there == run_plan(job.inputs)
-    assert not _alive(pid)  # leaving stops it
+    assert not pid_alive(pid)  # leaving stops it
 
 
 async def test_the_loop_keeps_turning_while_the_process_computes() -> None:
@@ -84,10 +77,10 @@ async def test_a_process_that_dies_costs_its_computation_and_the_next_starts_ano
         first = await planning(_pid, None)
         with pytest.raises(PlanProcessDied, match="_exit"):
             await planning(os._exit, 3)  # killed mid-plan, as the kernel's OOM killer would
-        assert not _alive(first)
+        assert not pid_alive(first)
         second = await planning(_pid, None)
         assert second != first
-    assert not _alive(second)
+    assert not pid_alive(second)
     with pytest.raises(RuntimeError, match="stopped"):
         await planning(_pid, None)
 
@@ -98,7 +91,7 @@ async def test_leaving_stops_a_computation_in_flight() -> None:
         computing = asyncio.ensure_future(planning(_busy, 60.0))
         await asyncio.sleep(0.2)
         started = time.perf_counter()
-    assert time.perf_counter() - started < 10 and not _alive(pid)
+    assert time.perf_counter() - started < 10 and not pid_alive(pid)
     computing.cancel()
     with pytest.raises((asyncio.CancelledError, PlanProcessDied)):
         await computing

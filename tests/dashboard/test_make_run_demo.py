@@ -18,18 +18,11 @@ import orjson
 import pytest
 
 from proxy.control.fast_tier import PaceSettings
+from tests.harness.processes import pid_alive
 
 pytestmark = [pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def admin(url: str, path: str) -> dict:
