@@ -1000,9 +1000,8 @@ class Controller:
         another: they run off the event loop (``offload``; in the app, a process of their own, so
         they do not hold the interpreter's lock against the relaying) while the ticks go on (a
         canary's fail-fast, the rules, the outcome windows do not wait for the other workers'
-        plans), one plan at a time, and a plan
-        is decided on the first tick after it is in (:meth:`decide_plan`, which drops it if its
-        worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
+        plans), one plan at a time, and a plan is decided on the first tick after it is in
+        (:meth:`decide_plan`, which drops it if its worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
         time, beside the plan, each journaled on the first tick after it is in."""
         computing: tuple[PlanJob, asyncio.Future[Plan]] | None = None
         checking: tuple[OutcomeJob, asyncio.Future[Outcome]] | None = None
@@ -1020,8 +1019,8 @@ class Controller:
                     for check in self.outcomes_due(limit=1):
                         checking = (check, asyncio.ensure_future(self._offload(check_outcome, check.inputs)))
                 if computing is not None and computing[1].done():
-                    (job, task), computing = computing, None
-                    planned = self._decide_computed(job, task)
+                    (job, computed), computing = computing, None
+                    planned = self._decide_computed(job, computed)
                     if planned is not None:
                         await self.carry_out(planned)
                 if computing is None:
@@ -1035,10 +1034,10 @@ class Controller:
                     running[1].cancel()  # what it computes is dropped (its process or thread ends it by itself)
             await self.close()
 
-    def _decide_computed(self, job: PlanJob, task: asyncio.Future[Plan]) -> Act | None:
+    def _decide_computed(self, job: PlanJob, computed: asyncio.Future[Plan]) -> Act | None:
         """Decide on a plan computed off the loop (a failed one is logged, its worker free to plan again)."""
         try:
-            plan = task.result()
+            plan = computed.result()
         except Exception as exc:
             w = self._workers.get(job.worker_id)
             if w is not None:

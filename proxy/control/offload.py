@@ -21,6 +21,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -60,12 +61,9 @@ def _background() -> None:
     scenario at the proxy's priority and at niceness +10 alike (an engine that needs a whole core
     still shares it with a niced process at a tenth)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    idle = getattr(os, "SCHED_IDLE", None)
     try:
-        if idle is None:
-            raise OSError("no idle scheduling class here")
-        os.sched_setscheduler(0, idle, os.sched_param(0))
-    except OSError:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # no idle class on this platform, or not allowed
         with contextlib.suppress(OSError):
             os.nice(NICENESS)
 
@@ -117,11 +115,13 @@ class PlanProcess:
     @property
     def pids(self) -> tuple[int, ...]:
         """The process's id, once started (for the tests that check it runs apart and is stopped)."""
-        return _pids(self._executor) if self._executor is not None else ()
+        return tuple(_processes(self._executor)) if self._executor is not None else ()
 
 
-def _pids(executor: ProcessPoolExecutor) -> tuple[int, ...]:
-    return tuple(getattr(executor, "_processes", None) or {})
+def _processes(executor: ProcessPoolExecutor) -> dict[int, BaseProcess]:
+    """The executor's processes by id (a private attribute, stable since Python 3.2: what 3.14's
+    ``terminate_workers`` reads too)."""
+    return dict(getattr(executor, "_processes", None) or {})
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:
@@ -131,7 +131,7 @@ def _stop(executor: ProcessPoolExecutor) -> None:
     if terminate is not None:
         terminate()
         return
-    processes = list((getattr(executor, "_processes", None) or {}).values())
+    processes = list(_processes(executor).values())
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
