@@ -9,6 +9,7 @@ seconds divided by ``config.time_scale`` (1 for the modelled GPU itself).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,11 +57,21 @@ class SimResult:
     decode_stats: tuple[tuple[int, int, float, bool], ...] = field(default=(), repr=False)
 
 
+@functools.cache
+def _filler(size: int) -> tuple[int, ...]:
+    """Token ids 1..size-1, built once per size (a power of two) and shared by every prompt cut from it."""
+    return tuple(range(1, size))
+
+
 def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
+    """A workload request's prompt ids: its own where it gives them, else a first token no other request
+    has (no shared prefix: the radix cache matches from the first token) and the rest cut from one shared
+    filler, so a prompt costs its tuple's slots and no integers of its own (24,000-token prompts held
+    ~36 bytes a token as ranges of their own: a planner's replays of prefill-oom, 380 MB)."""
     if spec.prompt_ids is not None:
         return tuple(spec.prompt_ids)
-    base = -(index + 1) * 10_000_000  # unique per request: no shared prefix
-    return tuple(range(base, base + max(1, spec.prompt_len)))
+    length = max(1, spec.prompt_len)
+    return (-(index + 1), *_filler(1 << (length - 1).bit_length())[: length - 1])
 
 
 def simulate(
