@@ -624,12 +624,14 @@ class Controller:
 
     def _share(self, w: _Worker, since: float = float("-inf")) -> float | None:
         """``w``'s output tokens/s over the window (from ``since`` on), as decoded, against the other serving
-        managed workers' mean over the same time."""
-        others = [
-            o.window.after(since).decode_rate
-            for o in self._managed()
-            if o is not w and not o.busy and o.state.started_at is not None
-        ]
+        managed workers' mean over the same time: those that had served a whole window before it began,
+        where any did (one ready since is still refilling its batch and would flatter ``w``: in the fleet
+        scenario a canary's share read 0.97 before its restart against a worker just reverted from an
+        operator's bad trial, 0.64 in the arm without the trial, and the canary was promoted on it)."""
+        serving = [o for o in self._managed() if o is not w and not o.busy and o.state.started_at is not None]
+        begins = max(since, self.clock() - self.settings.window_s)
+        settled = [o for o in serving if o.window.since <= begins - self.settings.window_s]  # serving since
+        others = [o.window.after(since).decode_rate for o in (settled or serving)]
         value = share(w.window.after(since).decode_rate, others)
         return None if value is None else round(value, 4)
 

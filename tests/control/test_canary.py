@@ -176,3 +176,28 @@ def test_the_canary_reads_tokens_as_decoded_not_as_requests_finish() -> None:
         counted = counted.push(Sample(time=float(k), queue=5, running=30, token_usage=0.6,
                                       generation_tokens_total=100.0 * k))  # fmt: skip
     assert counted.decode_rate == counted.throughput == 100.0
+
+
+def test_a_worker_still_refilling_after_its_own_restart_is_no_yardstick_for_a_canary(tmp_path: Path) -> None:
+    """A trial on w1 just after w0 came back from a restart: w0 serves a fifth of the others while it
+    refills its batch, and read against all three w1 would look 1.36x the others before its restart
+    (the fleet scenario: a canary's share read 0.97 before its restart against a worker just reverted,
+    0.64 without it, and it was promoted on that). Its share is read against the workers that had
+    served a whole window before the reading began, while there are any."""
+    c, clock, actor = _fleet(tmp_path)
+    even = dict.fromkeys(WORKERS, (100, 3000.0))
+    window = int(c.settings.window_s)
+    _scrape(c, clock, 0.0, 3 * window, even)
+    c.track(info("w0", WorkerState.STARTING))
+    clock.now += 5.0
+    c.track(info("w0"))  # ready again: refilling
+    _scrape(c, clock, clock.now, window, {**even, "w0": (20, 600.0)})
+    act = c.trial("w1", {"schedule_conservativeness": 0.5})
+    assert c.canary is not None and c.canary.before == 1.0  # against w2 and w3, which served throughout
+    asyncio.run(c.carry_out(act))
+    assert actor.calls[-1] == ("restart", "w1", {**ARGS, "schedule_conservativeness": 0.5})
+    # with no worker that served a whole window before, the others are all that serve
+    fresh, clock2, _ = _fleet(tmp_path / "fresh")
+    _scrape(fresh, clock2, 0.0, window, {**even, "w0": (20, 600.0)})
+    fresh.trial("w1", {"schedule_conservativeness": 0.5})
+    assert fresh.canary is not None and fresh.canary.before == pytest.approx(3000.0 / 2200.0, abs=1e-3)
