@@ -255,7 +255,7 @@ def replay(
     return Replay(tuple(specs), frozenset(fg), until, answered)
 
 
-CONTINUED_COPIES = 2  # the sample's requests arrive again this many times after the plan's moment
+CONTINUED_COPIES = 2  # the sample's requests arrive again this many times after the newest arrival the replay knows
 
 
 def continued(loaded: Replay, horizon_s: float, copies: int = CONTINUED_COPIES) -> Replay:
