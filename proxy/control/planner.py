@@ -440,8 +440,10 @@ class Twin:
         return preset is not None and abs(total_bytes / MIB - preset.memory_mib) <= tolerance * preset.memory_mib
 
     def predict(self, args: Mapping[str, object], workload: Sequence[Observed] | Replay) -> Prediction:
-        """The twin under ``args`` on ``workload`` (a bare sample replays alone, into an empty engine);
-        throughput and queue time are the sample's own (its output tokens over first arrival to last answer)."""
+        """The twin under ``args`` on ``workload`` (a bare sample replays alone, into an empty engine).
+        Queue and answer times are the sample's own; throughput is all the work replayed, drained, where
+        the replay has a window or goes on (:func:`continued`), else the sample's own (its output tokens
+        over first arrival to last answer); ``answered_tok_per_s`` is the window's (:meth:`Replay.measured`)."""
         try:
             cfg = self.config(args)
         except SimConfigError as exc:
