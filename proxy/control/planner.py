@@ -35,7 +35,8 @@ predicts no throughput gain; there the arguments can still differ in how long re
 candidate that answers the same requests soonest is worth a restart when the waiting it saves
 beats the waiting the restart adds (:func:`_waiting_plan`, in request-seconds: the mean answer
 saved x the arrival rate x the horizon, against the requests open and arriving during the outage,
-each held for it). Not in a backlog (work waiting that outlasts the configured horizon, by its age
+each held for it), the saving a mean over the worker's last looks (under bursty arrivals it comes in
+the bursts). Not in a backlog (work waiting that outlasts the configured horizon, by its age
 and its drain: the controller's horizon is then the backlog's): there the worker is throughput-bound,
 and with the same tokens per second and the same arrivals the waiting is the same whatever the
 order in which the requests are answered (Little's law), so a candidate that answers the replayed
@@ -67,8 +68,10 @@ behind). The figures the twin is judged on against the worker (the
 window's answered output, :meth:`Replay.measured`, and its answer times) come from a replay of the
 window alone under the current arguments.
 
-Cost: at most ``2 + max_candidates`` replays of at most ``(1 + CONTINUED_COPIES) x max_requests``
-requests and the work in flight; the controller runs a plan in a process of its own.
+Cost: ``2 + max_candidates`` replays of at most ``(1 + CONTINUED_COPIES) x max_requests`` requests
+and the work in flight, and at most five more (the band's memory fraction, the larger pool a
+restart takes along, the capacities the waiting basis is priced at); the controller runs a plan in a
+process of its own.
 """
 
 from __future__ import annotations
@@ -613,6 +616,9 @@ class Plan:
     refill_s: float = 0.0  # after the restart, the time to prefill again what it took back (the cost's)
     # each served candidate's throughput gain over the current args on this look (:func:`args_key`)
     gains: Mapping[str, float] = field(default_factory=dict)
+    # each candidate's request-seconds of waiting saved over the horizon on this look (:func:`waiting_savings`;
+    # empty: the waiting basis was not asked)
+    savings: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def current_error(self) -> float | None:
@@ -632,12 +638,15 @@ def plan(
     now: float | None = None,
     earlier_errors: Sequence[float] = (),
     earlier_gains: Sequence[Mapping[str, float]] = (),
+    earlier_savings: Sequence[Mapping[str, float]] = (),
 ) -> Plan:
     """Replay the newest requests, with the work in flight alongside them, under ``args`` and the
     candidates; restart only if it pays. ``earlier_errors``: the twin's error on the worker's earlier
     looks under the same args, newest last (:func:`twin_error`); ``earlier_gains``: the candidates'
     gains (:attr:`Plan.gains`) on the earlier looks that said a restart pays, none saying no since: a
-    candidate is chosen, and the restart weighed, on its mean gain over those looks and this one."""
+    candidate is chosen, and the restart weighed, on its mean gain over those looks and this one;
+    ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`) on the earlier looks that
+    asked the waiting basis, whatever they said: the waiting basis weighs its mean over them and this one."""
     sample = _sample(workload, settings)
     window = replay(sample, workload, in_flight, now)
     loaded = continued(window, settings.horizon_s)
@@ -696,15 +705,23 @@ def plan(
     trusted = error is None or gain > error
     pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     worth = pays and trusted
-    waiting = (
-        None
-        if pays or settings.backlog
-        else _waiting_plan(
-            current, served, sample, len(in_flight), cost, settings, lambda p: _capacity(twin, p, loaded)
-        )
-    )
-    if waiting is not None and current.mean_answer_s and waiting[0].mean_answer_s is not None:
-        sooner = 1.0 - waiting[0].mean_answer_s / current.mean_answer_s
+    capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
+
+    def capacity(p: Prediction) -> float | None:
+        key = args_key(p.args)
+        if key not in capacities:
+            capacities[key] = _capacity(twin, p, loaded)
+        return capacities[key]
+
+    savings: dict[str, float] = {}
+    waiting = None
+    if not (pays or settings.backlog):
+        savings = waiting_savings(current, served, sample, settings, capacity)
+        waiting = _waiting_plan(current, served, sample, len(in_flight), cost, settings, savings,
+                                earlier_savings, capacity)  # fmt: skip
+        replays += len(capacities)
+    if waiting is not None and current.mean_answer_s and waiting.quicker.mean_answer_s is not None:
+        sooner = 1.0 - waiting.quicker.mean_answer_s / current.mean_answer_s
         answered = [o.finished - o.arrived for o in sample if o.finished is not None]
         measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
         # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
@@ -715,28 +732,28 @@ def plan(
         )
         if answer_error is not None and sooner <= answer_error:
             waiting = None  # answers sooner by less than the twin misses this worker's answers by
-    if waiting is not None and waiting[1] > waiting[2]:
-        roomier = _roomier(twin, waiting[0], loaded, settings)
+    if waiting is not None and waiting.saved_s > waiting.cost_s:
+        roomier = _roomier(twin, waiting.quicker, loaded, settings)
         replays += roomier is not None
         answers = roomier.mean_answer_s if roomier is not None else None
-        quickest = waiting[0].mean_answer_s
+        quickest = waiting.quicker.mean_answer_s
         if roomier is not None and answers is not None and quickest and _no_worse(quickest, answers, settings):
-            waiting = (roomier, *waiting[1:])
+            waiting = replace(waiting, quicker=roomier)
     if waiting is not None:
-        quicker, saved, paid, utilization = waiting
+        quicker, saved, paid, utilization = waiting.quicker, waiting.saved_s, waiting.cost_s, waiting.utilization
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
         assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
         reason = (
             f"{moved}: the same tokens answered sooner (mean answer {current.mean_answer_s:.1f} -> "
             f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
-            f"{settings.horizon_s:g} s {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
+            f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
             + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
         )
         if saved > paid:
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
                         if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
-                        refill_s=cost.refill_s, gains=gains,
+                        refill_s=cost.refill_s, gains=gains, savings=savings,
                         measured_current=measured, basis="waiting",
                         wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
     if best is current:
@@ -761,9 +778,12 @@ def plan(
             f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens{note}"
         )
     if waiting is not None:
-        reason += f"; waiting: {waiting[1]:.0f} request-seconds saved <= {waiting[2]:.0f} the restart adds"
-        if waiting[3] is not None:
-            reason += f" (the worker {waiting[3]:.0%} busy)"
+        reason += (
+            f"; waiting: {waiting.saved_s:.0f} request-seconds saved{waiting.over_looks} <= {waiting.cost_s:.0f} "
+            "the restart adds"
+        )
+        if waiting.utilization is not None:
+            reason += f" (the worker {waiting.utilization:.0%} busy)"
     return Plan(
         twin=twin,
         current=current,
@@ -773,6 +793,7 @@ def plan(
         cost_tokens=cost_tokens,
         refill_s=cost.refill_s,
         gains=gains,
+        savings=savings,
         worth=worth,
         replays=replays,
         reason=reason,
@@ -806,13 +827,16 @@ class Looks:
     ``paying``: looks in a row that said a restart pays, none since saying it does not (a look inside the
     twin's error says neither and leaves the count); ``errors``: the twin's error on each look's requests,
     the newest ``ERROR_LOOKS - 1`` (:func:`twin_error`); ``gains``: the candidates' gains on the paying
-    looks of the count (throughput basis), which the confirming look chooses on; ``held_back``: the last
-    look's restart paid but waited for another worker's (one restart at a time), so the worker is due its
-    next look as soon as the fleet is whole again, not a whole ``plan_interval_s`` later."""
+    looks of the count (throughput basis), which the confirming look chooses on; ``savings``: the
+    candidates' waiting saved on the newest ``ERROR_LOOKS - 1`` looks that asked the waiting basis, paying
+    or not (:func:`_waiting_plan` weighs their mean); ``held_back``: the last look's restart paid but
+    waited for another worker's (one restart at a time), so the worker is due its next look as soon as
+    the fleet is whole again, not a whole ``plan_interval_s`` later."""
 
     paying: int = 0
     errors: tuple[float, ...] = ()
     gains: tuple[Mapping[str, float], ...] = ()
+    savings: tuple[Mapping[str, float], ...] = ()
     held_back: bool = False
 
     def after(self, plan: Plan) -> Looks:
@@ -820,10 +844,11 @@ class Looks:
         errors = self.errors
         if plan.current_error is not None:
             errors = (*errors, plan.current_error)[-(ERROR_LOOKS - 1) :]
+        savings = (*self.savings, plan.savings)[-(ERROR_LOOKS - 1) :] if plan.savings else self.savings
         if plan.undecided:
-            return Looks(paying=self.paying, errors=errors, gains=self.gains)
+            return Looks(paying=self.paying, errors=errors, gains=self.gains, savings=savings)
         gains = (*self.gains, plan.gains)[-(ERROR_LOOKS - 1) :] if plan.worth and plan.basis == "throughput" else ()
-        return Looks(paying=self.paying + 1 if plan.worth else 0, errors=errors, gains=gains)
+        return Looks(paying=self.paying + 1 if plan.worth else 0, errors=errors, gains=gains, savings=savings)
 
 
 def _no_worse(larger_pool: float, without: float, settings: PlanSettings) -> bool:
@@ -933,6 +958,64 @@ def outage_waiting_s(in_flight: int, rate: float, outage_s: float, utilization: 
     return in_flight * outage_s + max(held, held / 2.0 / (1.0 - rho))
 
 
+@dataclass(frozen=True, slots=True)
+class WaitingPlan:
+    """A restart for the waiting (:func:`_waiting_plan`): the candidate, the request-seconds of waiting
+    it saves over the horizon (a mean over ``looks`` looks) and those the restart adds, at
+    ``utilization`` (None: not known)."""
+
+    quicker: Prediction
+    saved_s: float
+    cost_s: float
+    utilization: float | None
+    looks: int = 1
+    this_look_s: float = 0.0  # what it saves on this look alone
+
+    @property
+    def over_looks(self) -> str:
+        """What the reason says of the looks the saving is a mean over (nothing for one)."""
+        return f" (a mean over {self.looks} looks; {self.this_look_s:.0f} on this one)" if self.looks > 1 else ""
+
+
+def _arrivals(sample: Sequence[Observed]) -> tuple[float, float] | None:
+    """The sample's arrival rate (requests/s) and the output tokens/s of its arrivals, over the span
+    from its first arrival to its last; None: fewer than two, or all at one moment."""
+    arrived = sorted(o.arrived for o in sample)
+    span = arrived[-1] - arrived[0] if len(arrived) >= 2 else 0.0
+    if span <= 0:
+        return None
+    return (len(arrived) - 1) / span, sum(o.output_tokens for o in sample) / span
+
+
+def waiting_savings(
+    current: Prediction,
+    served: Sequence[Prediction],
+    sample: Sequence[Observed],
+    settings: PlanSettings,
+    capacity: Callable[[Prediction], float | None] = lambda _: None,
+) -> dict[str, float]:
+    """The request-seconds of waiting each candidate that writes the same tokens (no fewer than the
+    current args less ``min_gain``) saves over the horizon on this sample: its mean answer saved x the
+    sample's arrival rate x the horizon (negative: it answers later). Empty where the waiting basis is
+    not asked: no answer times to compare, or the sample arrived faster than the quickest of them
+    writes it (``capacity``: output tokens/s with the sample all waiting; a batch submitted at once,
+    whose "rate" x the horizon counts requests that never come)."""
+    found = _arrivals(sample)
+    if found is None or not current.mean_answer_s:
+        return {}
+    rate, output_rate = found
+    floor = current.output_tok_per_s * (1.0 - settings.min_gain)
+    same = [p for p in served if p.mean_answer_s is not None and p.output_tok_per_s >= floor]
+    if not same:
+        return {}
+    most = capacity(min(same, key=lambda p: p.mean_answer_s or 0.0))
+    if most and output_rate >= most:
+        return {}
+    return {
+        args_key(p.args): (current.mean_answer_s - (p.mean_answer_s or 0.0)) * rate * settings.horizon_s for p in same
+    }
+
+
 def _waiting_plan(
     current: Prediction,
     served: Sequence[Prediction],
@@ -940,44 +1023,61 @@ def _waiting_plan(
     in_flight: int,
     cost: RestartCost,
     settings: PlanSettings,
+    savings: Mapping[str, float],
+    earlier: Sequence[Mapping[str, float]] = (),
     capacity: Callable[[Prediction], float | None] = lambda _: None,
-) -> tuple[Prediction, float, float, float | None] | None:
-    """Where no candidate writes more tokens per second (arrivals the worker keeps up with), the one
-    that answers the same requests soonest, with the request-seconds of waiting it saves over the
-    horizon (the mean answer saved x the requests expected: the sample's arrival rate x the horizon),
-    those the restart adds (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work
-    computed again) and the utilization they were priced at: the sample's output per second of its
-    arrivals over ``capacity`` (the candidate's output tokens/s with the sample all waiting; None:
-    not known). None: nothing to compare, or the sample arrived faster than the candidate serves it
-    (utilization 1 or more: a backlog, which the throughput basis is for)."""
-    if current.mean_answer_s is None or current.mean_answer_s <= 0 or len(sample) < 2:
+) -> WaitingPlan | None:
+    """Where no candidate writes more tokens per second (arrivals the worker keeps up with), the
+    candidate answering the same requests sooner by a real margin (``min_gain``) on this look whose
+    waiting saved over the horizon (``savings``, :func:`waiting_savings`) is the most on average over
+    this look and the ``earlier`` looks that asked the waiting basis (newest last, the last
+    ``ERROR_LOOKS - 1``), with that mean, the request-seconds the restart adds
+    (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work computed again), the
+    utilization they were priced at (the sample's output per second of its arrivals over ``capacity``
+    of the candidate; None: not known) and the looks the mean is over.
+
+    The mean, not this look alone: under bursty arrivals the waiting a candidate saves comes in the
+    bursts. In early-stop's bursty hour the looks that caught a burst read 260-311 request-seconds
+    saved over the horizon against 208-246 the restart adds, the looks between them about none, and a
+    restart taken on two such looks in a row lost 1.7 % of the hour's waiting: it paid 228
+    request-seconds and saved 15 in the 1,200 modelled seconds after it.
+
+    None: nothing to compare, no candidate sooner by the margin, no saving on average, or the sample
+    arrived faster than the candidate serves it (utilization 1 or more: a backlog, which the throughput
+    basis is for)."""
+    found = _arrivals(sample)
+    if found is None or current.mean_answer_s is None or not savings:
         return None
-    arrived = sorted(o.arrived for o in sample)
-    span = arrived[-1] - arrived[0]
-    if span <= 0:
-        return None
-    rate = (len(arrived) - 1) / span
-    quicker = current
-    for p in served:  # the same tokens (no candidate that writes less), answered sooner by a real margin
-        if p.mean_answer_s is None or p.output_tok_per_s < current.output_tok_per_s * (1.0 - settings.min_gain):
+    rate, output_rate = found
+    looks = [*earlier[-(ERROR_LOOKS - 1) :], savings]
+
+    def over_looks(key: str) -> tuple[float, int]:
+        seen = [look[key] for look in looks if key in look]
+        return statistics.fmean(seen), len(seen)
+
+    quicker, saved, count = current, 0.0, 0
+    for p in served:  # sooner on this look by a real margin, the most saved over the looks
+        key = args_key(p.args)
+        if key not in savings or p.mean_answer_s is None:
             continue
-        if p.mean_answer_s < (quicker.mean_answer_s or 0.0) and p.mean_answer_s <= current.mean_answer_s * (
-            1.0 - settings.min_gain
-        ):
-            quicker = p
-    if quicker is current or quicker.mean_answer_s is None:
+        if p.mean_answer_s > current.mean_answer_s * (1.0 - settings.min_gain):
+            continue
+        mean, n = over_looks(key)
+        if mean > saved:
+            quicker, saved, count = p, mean, n
+    if quicker is current:
         return None
     most = capacity(quicker)
-    utilization = sum(o.output_tokens for o in sample) / span / most if most else None
+    utilization = output_rate / most if most else None
     if utilization is not None and utilization >= 1.0:
         # the sample arrived faster than the candidate writes it (a batch submitted at once): the worker
         # does not keep up, the waiting is the throughput's, and its "rate" x the horizon counts requests
         # that will never come (shift's batch: 300 requests in a fraction of a second, utilization 517,
         # 1.4 million request-seconds "saved" over 60 s, and a restart that paid on nothing)
         return None
-    saved = (current.mean_answer_s - quicker.mean_answer_s) * rate * settings.horizon_s
     outage = cost.outage_s(current.output_tok_per_s)
-    return quicker, saved, outage_waiting_s(in_flight, rate, outage, utilization), utilization
+    paid = outage_waiting_s(in_flight, rate, outage, utilization)
+    return WaitingPlan(quicker, saved, paid, utilization, count, savings[args_key(quicker.args)])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1029,6 +1129,7 @@ def run_plan(inputs: PlanInputs) -> Plan:
         inputs.now,
         inputs.looks.errors,
         inputs.looks.gains,
+        inputs.looks.savings,
     )
 
 

@@ -20,12 +20,14 @@ from proxy.control.planner import (
     RestartCost,
     Twin,
     _waiting_plan,
+    args_key,
     calibrate,
     candidates,
     continued,
     outage_waiting_s,
     plan,
     replay,
+    waiting_savings,
 )
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
@@ -405,9 +407,59 @@ def test_a_sample_that_arrived_faster_than_it_is_served_is_not_planned_for_its_w
     def arriving(gap_s: float) -> list[Observed]:
         return [Observed(arrived=i * gap_s, prompt_tokens=400, output_tokens=1500, max_tokens=2000) for i in range(300)]
 
-    over_time = _waiting_plan(current, [fast], arriving(2.0), 0, cost, settings, lambda _: 1000.0)
-    assert over_time is not None and over_time[0] is fast and over_time[3] == pytest.approx(0.75, rel=0.01)
-    assert _waiting_plan(current, [fast], arriving(0.0001), 0, cost, settings, lambda _: 1000.0) is None
+    def most(_: Prediction) -> float:
+        return 1000.0
+
+    over_time = arriving(2.0)
+    saved = waiting_savings(current, [fast], over_time, settings, most)
+    assert saved == {args_key(fast.args): pytest.approx(6.0 * 0.5 * 60.0, rel=0.01)}  # 6 s sooner, 0.5/s, 60 s
+    found = _waiting_plan(current, [fast], over_time, 0, cost, settings, saved, (), most)
+    assert found is not None and found.quicker is fast and found.utilization == pytest.approx(0.75, rel=0.01)
+    at_once = arriving(0.0001)
+    assert waiting_savings(current, [fast], at_once, settings, most) == {}  # not asked: not even recorded
+    assert _waiting_plan(current, [fast], at_once, 0, cost, settings, saved, (), most) is None
+
+
+def test_the_waiting_each_candidate_saves_is_for_the_same_tokens_and_may_be_negative():
+    """Per candidate that writes the same tokens: the mean answer it saves x the arrival rate x the
+    horizon, negative where it answers later; one that writes fewer tokens is not weighed on waiting."""
+    current = Prediction(args={"schedule_conservativeness": 1.0}, output_tok_per_s=1000.0, mean_queue_s=5.0,
+                         mean_answer_s=20.0, makespan_s=600.0, retractions=0)  # fmt: skip
+    sooner = replace(current, args={"schedule_conservativeness": 0.3}, mean_answer_s=18.0)
+    later = replace(current, args={"schedule_conservativeness": 1.3}, mean_answer_s=21.0, output_tok_per_s=1001.0)
+    starved = replace(current, args={"schedule_conservativeness": 0.1}, mean_answer_s=10.0, output_tok_per_s=900.0)
+    sample = [Observed(arrived=i * 4.0, prompt_tokens=400, output_tokens=1500, max_tokens=2000) for i in range(101)]
+    settings = PlanSettings(horizon_s=100.0)
+    found = waiting_savings(current, [sooner, later, starved], sample, settings, lambda _: 1000.0)
+    assert found == {args_key(sooner.args): pytest.approx(50.0), args_key(later.args): pytest.approx(-25.0)}
+    assert waiting_savings(replace(current, mean_answer_s=None), [sooner], sample, settings) == {}
+    assert waiting_savings(current, [sooner], sample[:1], settings) == {}
+
+
+def test_the_waiting_basis_weighs_the_mean_of_its_looks():
+    """Under bursty arrivals the waiting a candidate saves comes in the bursts: the look that caught
+    the burst pays a restart on its own, and not on its mean with four looks between bursts that
+    saved nothing; with four looks that saved as much, it does. The looks carry the savings of the
+    newest four looks that asked the waiting basis, those that did not ask leave them."""
+    wl = _burst_then_trickle()
+    twin, cost, args = Twin(GPU, MODEL), RestartCost(startup_s=20.0), {"schedule_conservativeness": 1.0}
+    alone = plan(twin, args, wl, cost, PlanSettings())
+    assert alone.worth and alone.basis == "waiting" and alone.savings
+    assert alone.wait_saved_s / ERROR_LOOKS < alone.wait_cost_s  # the mean with four that saved nothing
+    calm = {key: 0.0 for key in alone.savings}
+    between = plan(twin, args, wl, cost, PlanSettings(), earlier_savings=(calm,) * 4)
+    assert not between.worth and between.basis == "throughput"
+    assert f"saved (a mean over {ERROR_LOOKS} looks; {alone.wait_saved_s:.0f} on this one) <=" in between.reason
+    steady = plan(twin, args, wl, cost, PlanSettings(), earlier_savings=(alone.savings,) * 4)
+    assert steady.worth and steady.basis == "waiting" and steady.best.args == alone.best.args
+    assert steady.wait_saved_s == pytest.approx(alone.wait_saved_s) and "a mean over 5 looks" in steady.reason
+    # the looks: the newest four that asked; a look that did not (a backlog) leaves them; a restart: afresh
+    looks = Looks()
+    for look in (between, between, alone, steady, alone):
+        looks = looks.after(look)
+    assert looks.savings == (between.savings, alone.savings, steady.savings, alone.savings)
+    backlog = plan(twin, args, wl, cost, PlanSettings(backlog=True))
+    assert backlog.savings == {} and looks.after(backlog).savings == looks.savings
 
 
 def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
