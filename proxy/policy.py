@@ -421,7 +421,8 @@ class ControlSettings:
         metadata=key(
             "with 2+ workers a plan (or an operator's trial) goes to one worker first; judged after window_s on its "
             "output throughput over the others' mean, against the same share before: promoted when it beats the "
-            "others and gained by this margin, kept when it only gained, reverted otherwise",
+            "others and gained by this margin (a plan's canary: and beats them by what pays each of them a restart "
+            "over the plan's horizon), kept when it only gained, reverted otherwise",
             minimum=0,
         ),
     )

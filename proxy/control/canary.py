@@ -13,10 +13,13 @@ the other workers' mean (:func:`share`), taken twice: just before the canary's r
 (``before``) and over its window (``after``). The verdict reads the change of that share:
 
 * ``promote`` when the canary now beats the others by ``margin`` (``after > 1 + margin``) and
-  gained on its own standing (``after > before x (1 + margin)``): the others are restarted with its
-  arguments, one at a time;
+  gained on its own standing (``after > before x (1 + margin)``), and by enough to pay each of the
+  others a restart of its own (``pays_above``: a planner's canary, where its plan priced a restart
+  of this worker; see :func:`pays_above`): the others are restarted with its arguments, one at a
+  time;
 * ``keep`` when it gained on its own standing but only caught up with the others (a worker started
-  with bad arguments, fixed): it keeps its new arguments, the others keep theirs;
+  with bad arguments, fixed), or beat them by less than a restart of each would pay back: it keeps
+  its new arguments, the others keep theirs (their own plans may still move them);
 * ``revert`` otherwise (or when it died): the canary is restarted with its old arguments. A canary
   whose share fell under ``canary_fail_below`` x its share before (:func:`failing`) is reverted as
   soon as ``min_evidence_s`` of it is in, without waiting for the whole window.
@@ -42,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Canary", "CanaryVerdict", "failing", "judge", "share"]
+__all__ = ["Canary", "CanaryVerdict", "failing", "judge", "pays_above", "share"]
 
 
 class CanaryVerdict(StrEnum):
@@ -62,6 +65,22 @@ class Canary:
     # when its evidence begins: ready, plus the refill its plan expects (None: not serving with the new args
     # yet); judged window_s later, or earlier if it is clearly failing
     opens: float | None = None
+    # the share above which a restart of each other worker pays (:func:`pays_above`; None: an operator's
+    # trial, promoted on the margin alone)
+    promote_above: float | None = None
+
+
+def pays_above(cost_tokens: float, throughput: float, horizon_s: float) -> float | None:
+    """The share of the others' throughput above which rolling a canary's arguments out pays: each
+    other worker gains ``share - 1`` of its throughput over the horizon, and its restart costs about
+    what the canary's plan priced one at (``cost_tokens`` at the canary's ``throughput`` before it), so
+    ``1 + cost_tokens / (throughput x horizon_s)``. The planner restarts a worker only where the gain
+    over the horizon pays the restart, and a promotion is N-1 restarts: with the margin alone, a
+    canary 4 % ahead of the others over one window rolled out to three workers whose restarts each
+    cost about 5 % of a horizon's output. None: nothing to price it with."""
+    if throughput <= 0 or horizon_s <= 0 or cost_tokens < 0:
+        return None
+    return 1.0 + cost_tokens / (throughput * horizon_s)
 
 
 def share(mine: float | None, others: Sequence[float | None]) -> float | None:
@@ -82,12 +101,16 @@ def failing(after: float | None, before: float | None, below: float) -> bool:
     return after < below * (1.0 if before is None else before)
 
 
-def judge(after: float | None, before: float | None, margin: float) -> CanaryVerdict:
+def judge(
+    after: float | None, before: float | None, margin: float, promote_above: float | None = None
+) -> CanaryVerdict:
     """The verdict on a canary whose share of the others' throughput went from ``before`` (None:
-    not measured; taken as 1, an equal) to ``after``."""
+    not measured; taken as 1, an equal) to ``after``; promoted only above ``promote_above`` too (None:
+    on the margin alone)."""
     if after is None:
         return CanaryVerdict.WAIT
     baseline = 1.0 if before is None else before
     if after <= baseline * (1.0 + margin):
         return CanaryVerdict.REVERT
-    return CanaryVerdict.PROMOTE if after > 1.0 + margin else CanaryVerdict.KEEP
+    beats = after > max(1.0 + margin, promote_above or 0.0)
+    return CanaryVerdict.PROMOTE if beats else CanaryVerdict.KEEP

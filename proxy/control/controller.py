@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
-from proxy.control.canary import Canary, CanaryVerdict, failing, judge, share
+from proxy.control.canary import Canary, CanaryVerdict, failing, judge, pays_above, share
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
@@ -672,13 +672,15 @@ class Controller:
         early = now < opens + self.settings.window_s  # the whole window is not in yet
         if early and not failing(after, canary.before, self.settings.canary_fail_below):
             return None
-        verdict_ = judge(after, canary.before, self.settings.canary_margin)
+        verdict_ = judge(after, canary.before, self.settings.canary_margin, canary.promote_above)
         if verdict_ is CanaryVerdict.WAIT:
             return None
         figures: dict[str, object] = {
             "canary_share_before": canary.before,
             "canary_share_after": round(after or 0.0, 4),
         }
+        if canary.promote_above is not None:
+            figures["canary_promotion_pays_above"] = round(canary.promote_above, 4)
         if early:
             figures["canary_failed_early_s"] = round(w.window.after(opens).observed_s, 1)  # before window_s was in
         self.journal.update(canary.entry_id, fields={"canary_verdict": str(verdict_), **figures})
@@ -793,7 +795,8 @@ class Controller:
                                        extra={**extra, "canary": job.worker_id} if fleet else extra)  # fmt: skip
         if fleet:
             self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new,
-                                 before=self._share(w))  # fmt: skip
+                                 before=self._share(w), promote_above=pays_above(
+                                     plan.cost_tokens, base, job.inputs.settings.horizon_s))  # fmt: skip
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, settle_s=settle,
                    expectation=Expectation(plan.twin, new, plan.basis))  # fmt: skip

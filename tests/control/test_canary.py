@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.control.canary import CanaryVerdict, failing, judge, share
+from proxy.control.canary import CanaryVerdict, failing, judge, pays_above, share
 from proxy.control.controller import Controller, TrialRefused
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
@@ -33,6 +33,12 @@ def test_share_and_the_verdict() -> None:
     assert judge(1.0, 0.6, 0.03) is CanaryVerdict.KEEP  # a bad start fixed: caught up, nothing to roll out
     assert judge(1.2, 1.19, 0.03) is CanaryVerdict.REVERT  # it always served more (its traffic): no gain
     assert judge(1.2, None, 0.03) is CanaryVerdict.PROMOTE  # not measured before: against equals
+    # a planner's canary: rolled out only where a restart of each other worker pays back over the horizon
+    assert pays_above(60_000.0, 2_000.0, 600.0) == pytest.approx(1.05)
+    assert pays_above(60_000.0, 0.0, 600.0) is None and pays_above(1.0, 2_000.0, 0.0) is None
+    assert judge(1.04, 1.0, 0.03, 1.05) is CanaryVerdict.KEEP  # past the margin, short of what pays
+    assert judge(1.06, 1.0, 0.03, 1.05) is CanaryVerdict.PROMOTE
+    assert judge(1.02, 1.0, 0.03, 1.01) is CanaryVerdict.REVERT  # the margin still stands
 
 
 def _scrape(c: Controller, clock: Clock, start: float, seconds: int, figures: dict[str, tuple[int, float]]) -> None:

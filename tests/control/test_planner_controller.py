@@ -484,8 +484,15 @@ def _fleet_canary(tmp_path: Path, canary_share: float):
     return c, actor, act, measured
 
 
-def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else_reverted(tmp_path: Path) -> None:
+def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_by_what_pays_else_kept_or_reverted(
+    tmp_path: Path,
+) -> None:
     better, actor, act, _ = _fleet_canary(tmp_path / "better", 1.3)
+    # a promotion restarts the others: it pays when each gains more over the horizon than its restart costs
+    evidence = act.decision.evidence_json()
+    pays = 1.0 + evidence["cost_tokens"] / (evidence["predicted_current"] * evidence["horizon_s"])
+    assert better.canary is not None and better.canary.promote_above == pytest.approx(pays, rel=1e-3)
+    assert 1.0 + better.settings.canary_margin < pays < 1.3
     acts = better.tick()  # the verdict: promote (the canary does 1.3x per running request)
     entry = better.journal.get(act.entry_id)
     assert entry is not None and entry["canary_verdict"] == "promote"
@@ -494,6 +501,16 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_else
     assert acts[0].decision.new_args["schedule_conservativeness"] == act.decision.new_args["schedule_conservativeness"]
     asyncio.run(better.carry_out(acts[0]))
     assert better.canary is None and [call[1] for call in actor.calls] == ["w0", "w1"]
+
+    # ahead of the others by more than the margin, by less than a restart of each pays back: it keeps its args
+    ahead = (1.0 + better.settings.canary_margin + pays) / 2
+    kept, actor, act, _ = _fleet_canary(tmp_path / "kept", ahead)
+    assert kept.tick() == [] and kept.tick() == [] and kept.canary is None
+    entry = kept.journal.get(act.entry_id)
+    assert entry is not None and entry["canary_verdict"] == "keep"
+    assert entry["canary_share_after"] == pytest.approx(ahead, abs=0.01)
+    assert entry["canary_promotion_pays_above"] == pytest.approx(pays, rel=1e-3)
+    assert [call[1] for call in actor.calls] == ["w0"]
 
     worse, actor, act, _ = _fleet_canary(tmp_path / "worse", 0.9)
     (revert,) = worse.tick()
