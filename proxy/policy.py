@@ -398,6 +398,15 @@ class ControlSettings:
             positive=True,
         ),
     )
+    plan_trend_s: float = field(
+        default=240.0,
+        metadata=key(
+            "seconds of looks a backlog's trend is read over: the slope of the work a worker holds (waiting plus "
+            "running); where it falls for sure (two standard errors), the backlog is over when its waiting is gone "
+            "at that pace",
+            positive=True,
+        ),
+    )
     plan_min_gain: float = field(
         default=0.03,
         metadata=key(

@@ -380,6 +380,7 @@ class Controller:
                 window=Window(span_s=self.settings.window_s),
                 reader=reader,
                 managed=info.managed,
+                backlog=Backlog(memory_s=self.settings.plan_trend_s),
             )
         w.pool_state = info.state
         if info.state is WorkerState.STARTING:
@@ -404,7 +405,8 @@ class Controller:
         held = self.surroundings.backlog()
         w.window = w.window.push(sample).push_proxy_queue(sample.time, held)
         waiting = sample.queue + held / self._serving_count()
-        w.backlog = w.backlog.observe(sample.time, waiting, full=sample.token_usage >= self.settings.low_usage)
+        w.backlog = w.backlog.observe(sample.time, waiting, running=sample.running,
+                                      full=sample.token_usage >= self.settings.low_usage)  # fmt: skip
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
         w = self._workers.get(worker_id)

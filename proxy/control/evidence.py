@@ -271,4 +271,7 @@ class PlanHorizon(Evidence):
     backlog_s: float  # seconds work had waited for the worker without a break
     waiting: float  # requests waiting at the latest look (the server's queue and its share of the proxy's)
     drain_s: float | None = field(default=None, metadata=OPTIONAL)  # the waiting at the answer rate
-    backlog_trend: float | None = field(default=None, metadata=OPTIONAL)  # requests/s the waiting grew (<0: shrank)
+    # requests/s the work held (waiting + running) changed over the backlog's recent looks (<0: fell)
+    backlog_trend: float | None = field(default=None, metadata=OPTIONAL)
+    # the slowest fall those looks allow (two standard errors): what the horizon took (None: not falling)
+    backlog_falling: float | None = field(default=None, metadata=OPTIONAL)

@@ -14,8 +14,13 @@ seen to last (``plan_horizon_s``). Once work has been waiting for a while, the t
   and what it retracts or what arrives next waits again (in a recorded retraction storm, the one
   empty look of an hour's backlog was at usage 0.95; those of a worker keeping up were at 0.55-0.74).
   A restart does not end it either: the traffic is the same, the requests taken back wait in the proxy.
-* **its trend.** The fold keeps the least-squares sums of (seconds into the backlog, requests
-  waiting), so the backlog's growth in requests per second is known without keeping the looks.
+* **its trend.** Not the waiting's: a retraction moves requests from the running batch to the
+  queue and back, so the waiting swings with the storm while nothing arrives or leaves. The work the
+  worker *holds* (waiting plus running) changes only by what arrives and what is answered: its slope
+  is the flow. The fold keeps the looks of the last ``memory_s`` (:class:`Flow`, a least-squares fit
+  with its standard error), so a backlog built by one phase of the traffic and drained by the next
+  reads as draining (over the whole backlog it read as growing: in a shift's batch phase, a restart
+  was weighed on 143 s of horizon while the work was falling 10 requests a second).
 * **the drain.** The work waiting now takes ``waiting / answer rate`` seconds at the rate the worker
   answers (:func:`answer_rate`, over the plan's own sample of answered requests) even if nothing
   more arrives: a gain in throughput is worth that long whatever the traffic does next.
@@ -28,8 +33,10 @@ what the gain is worth is its expected length there, ``E[min(remainder, M)] = A 
 then the drain: ``A ln(1 + M / A) + drain``. The median (``A``) was the first build's: it ignored
 that a backlog which has lasted ``A`` lasts much longer than ``A`` often enough to count, and the
 plan weighs a gain against a cost by expectation (in retraction-storm's hour a restart that pays
-at the expected horizon pays from about 560 modelled s; at the median, from 1,374 s). A backlog that shrinks at ``r`` requests per second is over in
-``waiting / r`` (no less than the drain, no more than the above). The horizon is that, held
+at the expected horizon pays from about 560 modelled s; at the median, from 1,374 s). A backlog whose held work falls is over when its waiting is gone at that pace: ``waiting / r``
+(no less than the drain, no more than the above), ``r`` the slowest fall the looks allow (the fitted
+slope two standard errors up: the arrivals' noise over a few minutes is no drain; in recorded
+retraction-storm hours the fitted slope alone would have cut the horizon at a fifth of the looks). The horizon is that, held
 between the configured horizon (the floor: no backlog, or a passing one, is planned exactly as with
 the fixed setting) and ``plan_horizon_max_s`` (the most the traffic can earn); :class:`Horizon`
 says which of the three it was and why, for the journal's plan evidence.
@@ -45,7 +52,26 @@ from typing import Literal
 from proxy.control.evidence import PlanHorizon
 from proxy.control.planner import Observed
 
-__all__ = ["Backlog", "Horizon", "answer_rate", "expected_horizon"]
+__all__ = ["Backlog", "Flow", "Horizon", "answer_rate", "expected_horizon"]
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """How fast the work a worker holds changed over the backlog's recent looks (least squares)."""
+
+    slope: float  # requests per second (negative: falling)
+    standard_error: float  # of the slope, from the looks' scatter about the line
+    looks: int
+
+    @property
+    def falling_at_least(self) -> float | None:
+        """The slowest fall (requests per second, positive) the looks allow: the slope two standard errors
+        up; None where it may not be falling at all."""
+        upper = self.slope + _ERRORS * self.standard_error
+        return -upper if upper < 0 else None
+
+
+_ERRORS = 2.0  # standard errors a fall must clear to be believed
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,36 +81,37 @@ class Backlog:
     since: float | None = None  # when the backlog began (None: nothing waiting at the latest look)
     waiting: float = 0.0  # requests waiting at the latest look
     looks: int = 0
-    # least-squares sums over the backlog's looks of t (seconds since ``since``) and w (requests waiting)
-    sum_t: float = 0.0
-    sum_w: float = 0.0
-    sum_tt: float = 0.0
-    sum_tw: float = 0.0
+    memory_s: float = 240.0  # how far back the flow is read
+    held: tuple[tuple[float, float], ...] = ()  # (time, requests held: waiting + running), the last memory_s
 
-    def observe(self, time: float, waiting: float, full: bool = False) -> Backlog:
-        """The backlog after one more look: ``waiting`` requests at ``time``, ``full``: the worker's KV
-        pool full at that look (nothing waiting ends the backlog unless the pool is full)."""
+    def observe(self, time: float, waiting: float, running: float = 0.0, full: bool = False) -> Backlog:
+        """The backlog after one more look: ``waiting`` requests at ``time`` and ``running`` in the worker's
+        batch, ``full``: its KV pool full at that look (nothing waiting ends the backlog unless it is full)."""
         if waiting <= 0 and (self.since is None or not full):
-            return Backlog()
+            return Backlog(memory_s=self.memory_s)
         since = time if self.since is None else min(self.since, time)
-        t = time - since
-        return Backlog(since=since, waiting=waiting, looks=self.looks + 1, sum_t=self.sum_t + t,
-                       sum_w=self.sum_w + waiting, sum_tt=self.sum_tt + t * t,
-                       sum_tw=self.sum_tw + t * waiting)  # fmt: skip
+        held = (*(p for p in self.held if p[0] >= time - self.memory_s), (time, waiting + running))
+        return Backlog(since=since, waiting=waiting, looks=self.looks + 1, memory_s=self.memory_s, held=held)
 
     def age(self, now: float) -> float:
         """Seconds the backlog has lasted at ``now`` (0: none)."""
         return 0.0 if self.since is None else max(0.0, now - self.since)
 
     @property
-    def trend(self) -> float | None:
-        """Requests per second the waiting grew (negative: shrank) over the backlog, by least squares
-        (None: fewer than two looks, or all at one moment)."""
-        n = self.looks
-        spread = n * self.sum_tt - self.sum_t * self.sum_t
-        if n < 2 or spread <= 1e-12:
+    def flow(self) -> Flow | None:
+        """The held work's slope over the last ``memory_s`` (None: fewer than three looks, or all at one
+        moment)."""
+        n = len(self.held)
+        if n < 3:
             return None
-        return (n * self.sum_tw - self.sum_t * self.sum_w) / spread
+        mean_t = sum(t for t, _ in self.held) / n
+        mean_h = sum(h for _, h in self.held) / n
+        spread = sum((t - mean_t) ** 2 for t, _ in self.held)
+        if spread <= 1e-12:
+            return None
+        slope = sum((t - mean_t) * (h - mean_h) for t, h in self.held) / spread
+        scatter = sum((h - mean_h - slope * (t - mean_t)) ** 2 for t, h in self.held)
+        return Flow(slope=slope, standard_error=math.sqrt(scatter / (n - 2) / spread), looks=n)
 
 
 def answer_rate(workload: Sequence[Observed], newest: int) -> float | None:
@@ -110,22 +137,28 @@ class Horizon:
     backlog_s: float  # how long work has waited without a break (0: nothing waiting at the latest look)
     waiting: float  # requests waiting at the latest look
     drain_s: float | None  # the waiting work at the answer rate (None: no rate known)
-    trend: float | None  # requests per second the backlog grew (negative: shrank)
+    flow: Flow | None  # how fast the work held changed over the last looks
 
     def evidence(self) -> PlanHorizon:
         """The journal's plan evidence of it (rounded)."""
+        falling = None if self.flow is None else self.flow.falling_at_least
         return PlanHorizon(horizon_basis=self.basis, horizon_configured_s=self.configured_s,
                            horizon_expected_s=round(self.expected_s, 1), backlog_s=round(self.backlog_s, 1),
                            waiting=round(self.waiting, 1),
                            drain_s=None if self.drain_s is None else round(self.drain_s, 1),
-                           backlog_trend=None if self.trend is None else round(self.trend, 4))  # fmt: skip
+                           backlog_trend=None if self.flow is None else round(self.flow.slope, 4),
+                           backlog_falling=None if falling is None else round(falling, 4))  # fmt: skip
 
     def describe(self) -> str:
         """In words, for the plan's reason."""
         if self.waiting <= 0:
             return f"horizon {self.seconds:g} s (configured: no work waiting)"
         drain = "drain unknown" if self.drain_s is None else f"{self.drain_s:.0f} s to drain"
-        trend = "" if self.trend is None else f" ({self.trend:+.3f}/s)"
+        trend = ""
+        if self.flow is not None:
+            falling = self.flow.falling_at_least
+            fall = "" if falling is None else f", falling at least {falling:.3f}/s"
+            trend = f" (held {self.flow.slope:+.3f}/s{fall})"
         told = (
             f"work waiting for {self.backlog_s:.0f} s without a break, {self.waiting:.0f} now{trend}, {drain}: "
             f"expected {self.expected_s:.0f} s more"
@@ -143,13 +176,14 @@ def expected_horizon(
     age = backlog.age(now)
     waiting = backlog.waiting if backlog.since is not None else 0.0
     drain = waiting / rate if rate is not None and rate > 0 else None
-    trend = backlog.trend
+    flow = backlog.flow
+    falling = None if flow is None else flow.falling_at_least
     top = max(configured_s, longest_s)
     # holding or growing: its expected remainder up to the longest horizon, then the drain
     lasting = (age * math.log1p(top / age) if age > 0 else 0.0) + (drain or 0.0)
-    shrinking = trend is not None and trend < 0  # over when the waiting is gone at that pace
-    expected = max(drain or 0.0, min(lasting, waiting / -trend)) if shrinking and trend is not None else lasting
+    # falling: over when the waiting is gone at that pace
+    expected = lasting if falling is None else max(drain or 0.0, min(lasting, waiting / falling))
     seconds = max(configured_s, round(min(top, expected), 1))
     basis: HorizonBasis = "configured" if seconds <= configured_s else "longest" if expected >= top else "traffic"
     return Horizon(seconds=seconds, basis=basis, configured_s=configured_s, expected_s=expected, backlog_s=age,
-                   waiting=waiting, drain_s=drain, trend=trend)  # fmt: skip
+                   waiting=waiting, drain_s=drain, flow=flow)  # fmt: skip
