@@ -593,6 +593,7 @@ class Controller:
         settings = PlanSettings(
             horizon_s=horizon.seconds,
             backlog=horizon.basis != "configured",  # the backlog outlasts the configured horizon
+            caught_up=w.backlog.since is None,  # nothing waits for it at this look
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),

@@ -225,6 +225,32 @@ def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> Non
     assert c.plans_due() == []  # the next plan waits plan_interval_s
 
 
+@pytest.mark.parametrize("caught_up", [False, True])
+def test_a_worker_that_has_caught_up_is_not_restarted_for_throughput(tmp_path: Path, caught_up: bool) -> None:
+    """A batch answered: its sample, replayed going on, reads as more of the same to come. In
+    shift-perturbed the worker was restarted as its batch phase ended (nothing waiting, +4.7 % on two
+    looks), and the chat that came next waited behind the restart: its phase answered 32 % slower than
+    the best static arguments'. At a look with nothing waiting and room in the KV pool the worker has
+    caught up with what arrives: a throughput gain accrues only while work waits, and only the waiting
+    basis is asked. The same looks with work waiting restart."""
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True,
+                          plan_horizon_s=600.0, plan_horizon_max_s=600.0, plan_confirmations=1)  # fmt: skip
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)  # its scrapes find 50 waiting
+    clock.now += 0.5
+    c.on_sample("w0", Sample(time=clock.now, queue=0 if caught_up else 50, running=40, token_usage=0.3))
+    (job,) = c.plans_due()
+    assert job.inputs.settings.caught_up is caught_up
+    c.plan_now(job)
+    (entry,) = c.journal.entries()
+    if caught_up:
+        assert entry["status"] == "noted" and "nothing waits for the worker" in entry["detail"]
+        assert entry["predicted_gain"] > 0.1  # the twin's view is noted all the same
+    else:
+        assert entry["status"] == "advised" and entry["evidence"]["basis"] == "throughput"
+
+
 async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's replays take seconds on a busy host (3-4 s a worker on two shared cores in the fleet
     scenario, each worker's after the other's): the controller ticks on meanwhile, so a canary's
