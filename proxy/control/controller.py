@@ -404,8 +404,9 @@ class Controller:
             return
         held = self.surroundings.backlog()
         w.window = w.window.push(sample).push_proxy_queue(sample.time, held)
-        waiting = sample.queue + held / self._serving_count()
-        w.backlog = w.backlog.observe(sample.time, waiting, running=sample.running,
+        sharing = self._serving_count()
+        waiting = sample.queue + held / sharing
+        w.backlog = w.backlog.observe(sample.time, waiting, running=sample.running, sharing=sharing,
                                       full=sample.token_usage >= self.settings.low_usage)  # fmt: skip
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
@@ -593,7 +594,9 @@ class Controller:
         settings = PlanSettings(
             horizon_s=horizon.seconds,
             backlog=horizon.basis != "configured",  # the backlog outlasts the configured horizon
-            caught_up=w.backlog.since is None,  # nothing waits for it at this look
+            # a throughput gain accrues only while work waits: none with nothing waiting at this look, the
+            # backlog's remainder where the work it holds falls for sure
+            work_waits_s=0.0 if w.backlog.since is None else horizon.draining_s,
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),
@@ -730,7 +733,8 @@ class Controller:
                 direction = 1 if prior is None or after > prior else -1
                 change = KnobChange(knob=str(knob), arg=arg, old=prior, new=float(after), direction=direction)
         horizon = job.horizon
-        reason = plan.reason if horizon.basis == "configured" else f"{plan.reason}; {horizon.describe()}"
+        told = horizon.basis != "configured" or 0 < plan.accrues_s < horizon.seconds  # the traffic said something
+        reason = f"{plan.reason}; {horizon.describe()}" if told else plan.reason
         decision = Decision(
             worker_id=job.worker_id, rule="planner", reason=reason, time=now,
             evidence=Planned(
@@ -740,6 +744,7 @@ class Controller:
                 predicted_queue_s=round(plan.best.mean_queue_s, 3) if plan.best.mean_queue_s is not None else None,
                 gain_tokens=round(plan.gain_tokens), cost_tokens=round(plan.cost_tokens),
                 horizon_s=round(job.inputs.settings.horizon_s, 1),
+                accrues_s=round(plan.accrues_s, 1),
                 horizon=horizon.evidence(),
                 step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
                 replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
@@ -799,7 +804,7 @@ class Controller:
         if fleet:
             self.canary = Canary(worker_id=job.worker_id, entry_id=entry_id, old_args=old, new_args=new,
                                  before=self._share(w), promote_above=pays_above(
-                                     plan.cost_tokens, base, job.inputs.settings.horizon_s))  # fmt: skip
+                                     plan.cost_tokens, base, plan.accrues_s))  # fmt: skip
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, settle_s=settle,
                    expectation=Expectation(plan.twin, new, plan.basis))  # fmt: skip

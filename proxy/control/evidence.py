@@ -242,7 +242,7 @@ class Planned(Evidence):
     predicted_current: float  # ... and under the current ones (same recent requests)
     measured_throughput: float | None  # what the worker did over the window
     predicted_queue_s: float | None
-    gain_tokens: float  # (new - current) x horizon
+    gain_tokens: float  # (new - current) x the seconds it accrues over
     cost_tokens: float  # the restart's cost, measured on this worker
     horizon_s: float
     step_time_factor: float  # the twin's calibration: actual / expected step time
@@ -258,6 +258,9 @@ class Planned(Evidence):
     wait_cost_s: float = 0.0
     # the waiting basis: the work arriving over what the new args can do, that the restart's waiting was priced at
     utilization: float | None = field(default=None, metadata=OPTIONAL)
+    # the seconds a throughput gain accrues over: the horizon, or less where the work waiting is expected
+    # gone sooner (none waiting: 0)
+    accrues_s: float | None = field(default=None, metadata=OPTIONAL)
     horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
 
 

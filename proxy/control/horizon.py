@@ -20,7 +20,9 @@ seen to last (``plan_horizon_s``). Once work has been waiting for a while, the t
   is the flow. The fold keeps the looks of the last ``memory_s`` (:class:`Flow`, a least-squares fit
   with its standard error), so a backlog built by one phase of the traffic and drained by the next
   reads as draining (over the whole backlog it read as growing: in a shift's batch phase, a restart
-  was weighed on 143 s of horizon while the work was falling 10 requests a second).
+  was weighed on 143 s of horizon while the work was falling 10 requests a second). A look at another
+  number of workers sharing the proxy's queue reads it afresh (each one's share steps, though nothing
+  arrived or was answered).
 * **the drain.** The work waiting now takes ``waiting / answer rate`` seconds at the rate the worker
   answers (:func:`answer_rate`, over the plan's own sample of answered requests) even if nothing
   more arrives: a gain in throughput is worth that long whatever the traffic does next.
@@ -83,15 +85,23 @@ class Backlog:
     looks: int = 0
     memory_s: float = 240.0  # how far back the flow is read
     held: tuple[tuple[float, float], ...] = ()  # (time, requests held: waiting + running), the last memory_s
+    sharing: int = 1  # workers sharing the proxy's queue at the latest look
 
-    def observe(self, time: float, waiting: float, running: float = 0.0, full: bool = False) -> Backlog:
-        """The backlog after one more look: ``waiting`` requests at ``time`` and ``running`` in the worker's
-        batch, ``full``: its KV pool full at that look (nothing waiting ends the backlog unless it is full)."""
+    def observe(
+        self, time: float, waiting: float, running: float = 0.0, full: bool = False, sharing: int = 1
+    ) -> Backlog:
+        """The backlog after one more look: ``waiting`` requests at ``time`` (its share of the proxy's
+        queue among ``sharing`` workers included) and ``running`` in the worker's batch, ``full``: its KV
+        pool full at that look (nothing waiting ends the backlog unless it is full). A look at another
+        number of workers sharing the queue reads the flow afresh: a worker joining or leaving moves each
+        one's share, a step no arrival or answer made."""
         if waiting <= 0 and (self.since is None or not full):
-            return Backlog(memory_s=self.memory_s)
+            return Backlog(memory_s=self.memory_s, sharing=sharing)
         since = time if self.since is None else min(self.since, time)
-        held = (*(p for p in self.held if p[0] >= time - self.memory_s), (time, waiting + running))
-        return Backlog(since=since, waiting=waiting, looks=self.looks + 1, memory_s=self.memory_s, held=held)
+        kept = self.held if sharing == self.sharing else ()
+        held = (*(p for p in kept if p[0] >= time - self.memory_s), (time, waiting + running))
+        return Backlog(since=since, waiting=waiting, looks=self.looks + 1, memory_s=self.memory_s, held=held,
+                       sharing=sharing)  # fmt: skip
 
     def age(self, now: float) -> float:
         """Seconds the backlog has lasted at ``now`` (0: none)."""
@@ -138,6 +148,12 @@ class Horizon:
     waiting: float  # requests waiting at the latest look
     drain_s: float | None  # the waiting work at the answer rate (None: no rate known)
     flow: Flow | None  # how fast the work held changed over the last looks
+
+    @property
+    def draining_s(self) -> float | None:
+        """The backlog's expected remainder where the work it holds falls for sure (None: not falling)."""
+        falling = self.flow is not None and self.flow.falling_at_least is not None
+        return self.expected_s if falling and self.waiting > 0 else None
 
     def evidence(self) -> PlanHorizon:
         """The journal's plan evidence of it (rounded)."""

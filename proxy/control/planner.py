@@ -42,11 +42,13 @@ and with the same tokens per second and the same arrivals the waiting is the sam
 order in which the requests are answered (Little's law), so a candidate that answers the replayed
 sample sooner at the same pace is no gain, and only the throughput basis is asked (in
 retraction-storm's backlogged hours the waiting basis restarted back and forth and lost 3-9 %).
-Where nothing waits for the worker at the look (``PlanSettings.caught_up``: it keeps up with what
-arrives), only the waiting basis is asked: a throughput gain accrues only while work waits, and a
-replay that goes on sends the sample again, so a batch submitted at once and answered reads as more
-to come (in shift-perturbed a restart as the batch phase ended, for +4.7 %, made the chat that came
-next answer 32 % slower).
+A throughput gain accrues only while work waits (``PlanSettings.work_waits_s``): where nothing waits
+for the worker at the look (it keeps up with what arrives) it accrues for none of the horizon, and
+only the waiting basis can pay; where the work it holds falls for sure, for the backlog's remainder
+(:mod:`proxy.control.horizon`) when that is shorter. The replay that goes on sends the sample again,
+so a batch submitted at once and being answered reads as more of it to come: in shift's runs the
+worker was restarted in its batch phase's drain for +5.6-5.9 %, and as it ended, nothing waiting,
+for +4.7-5.6 %; each cost the batch or the chat that came next 5-32 %.
 
 The replay holds the work in flight (:func:`replay`): the sampled requests were served alongside
 others, and a replay of them alone into an empty engine predicts them far too fast under load. So
@@ -325,10 +327,12 @@ class PlanSettings:
     # the work waiting outlasts the configured horizon (its age and its drain: the horizon is the
     # backlog's): the worker is busy throughout, throughput-bound, and the waiting basis is not asked
     backlog: bool = False
-    # nothing waits for the worker at this look (no backlog: it has caught up with what arrives): a
-    # throughput gain accrues only while work waits, so only the waiting basis is asked (a replay that
-    # goes on sends the sample again, and a batch submitted at once and answered reads as more to come)
-    caught_up: bool = False
+    # how long work is expected to wait for the worker, where the traffic says it is less than the
+    # horizon: 0 where nothing waits at this look (no backlog: it has caught up with what arrives), the
+    # backlog's remainder where the work it holds falls for sure (None: the whole horizon). A throughput
+    # gain accrues only while work waits (a replay that goes on sends the sample again, so a batch
+    # submitted at once and being answered reads as more of it to come)
+    work_waits_s: float | None = None
     max_requests: int = 300  # the replayed sample: the newest this many requests
     max_candidates: int = 10
     # a predicted gain below this is noise, whatever the horizon (and a loss below it: see _no_worse)
@@ -606,7 +610,8 @@ class Plan:
     current: Prediction
     best: Prediction  # ``current`` when no candidate beats it
     predicted_gain: float  # best / current throughput - 1
-    gain_tokens: float  # (best - current) throughput x horizon
+    gain_tokens: float  # (best - current) throughput x the seconds it accrues over
+    accrues_s: float  # the horizon, or less where the work waiting is expected gone sooner (the throughput basis)
     cost_tokens: float
     worth: bool  # restart with best.args
     # the gain would pay a restart, but it is inside how far the twin is from the worker on the same
@@ -634,6 +639,13 @@ class Plan:
         """|predicted - measured| / measured throughput of the current args on the replayed requests."""
         m, p = self.measured_current, self.current.answered_tok_per_s
         return abs(p - m) / m if m and p is not None else None
+
+
+def _accrual(accrues_s: float, settings: PlanSettings) -> str:
+    """Why a throughput gain accrues over less than the horizon, for the plan's reason ("": the horizon)."""
+    if accrues_s >= settings.horizon_s:
+        return ""
+    return f" (of the {settings.horizon_s:g} s horizon: the work waiting is gone by then)"
 
 
 def plan(
@@ -703,7 +715,8 @@ def plan(
     weighed = base * (1.0 + gain)  # what the restart is weighed on
     if paying_looks > 1:
         note += f" (its mean over {paying_looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
-    gain_tokens = (weighed - base) * settings.horizon_s
+    accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
+    gain_tokens = (weighed - base) * accrues_s
     cost_tokens = cost.tokens(base)
     measured = loaded.measured() or measured_throughput(sample)
     predicted = current.answered_tok_per_s
@@ -712,7 +725,7 @@ def plan(
     now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
     error = twin_error(earlier_errors, now_error)
     trusted = error is None or gain > error
-    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens and not settings.caught_up
+    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     worth = pays and trusted
     capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
 
@@ -761,6 +774,7 @@ def plan(
         if saved > paid:
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
                         if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
+                        accrues_s=settings.horizon_s,
                         cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
                         refill_s=cost.refill_s, gains=gains, savings=savings,
                         measured_current=measured, basis="waiting",
@@ -775,21 +789,22 @@ def plan(
             + (f" (the median of its last {looks} looks; {now_error or 0.0:.1%} on this one)" if looks > 1 else "")
             + ": no restart on it"
         )
-    elif settings.caught_up and gain >= settings.min_gain and gain_tokens > cost_tokens:
+    elif accrues_s <= 0:
         reason = (
-            f"predicted gain {gain:+.1%} x {settings.horizon_s:g} s = {gain_tokens:.0f} tokens, but nothing waits "
-            "for the worker: a throughput gain accrues only while work waits"
+            f"predicted gain {gain:+.1%}, but nothing waits for the worker: a throughput gain accrues only while "
+            "work waits"
         )
     elif not worth:
         reason = (
-            f"predicted gain {gain:+.1%} x {settings.horizon_s:g} s = {gain_tokens:.0f} tokens "
+            f"predicted gain {gain:+.1%} x {accrues_s:g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens "
             f"does not pay a restart ({cost_tokens:.0f} tokens)"
         )
     else:
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
         reason = (
             f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {weighed:.0f} tok/s) x "
-            f"{settings.horizon_s:g} s = {gain_tokens:.0f} tokens > restart cost {cost_tokens:.0f} tokens{note}"
+            f"{accrues_s:g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens > restart cost "
+            f"{cost_tokens:.0f} tokens{note}"
         )
     if waiting is not None:
         reason += (
@@ -804,6 +819,7 @@ def plan(
         best=best,
         predicted_gain=gain,
         gain_tokens=gain_tokens,
+        accrues_s=accrues_s,
         cost_tokens=cost_tokens,
         refill_s=cost.refill_s,
         gains=gains,

@@ -131,6 +131,19 @@ def test_the_trend_is_the_work_held_not_the_waiting_and_only_the_last_looks() ->
     assert whole.flow is not None and whole.flow.falling_at_least is None
 
 
+def test_a_worker_joining_or_leaving_the_pool_reads_the_flow_afresh() -> None:
+    """Four workers share 400 requests in the proxy's queue (100 each, 50 running); one restarts and
+    three share them (133 each), then it is back. Nothing arrived or was answered: the steps are the
+    share's. Read across the pool's sizes, the step back down is a fall for sure."""
+    looks = [(4, 100.0)] * 20 + [(3, 400.0 / 3)] * 20 + [(4, 100.0)] * 5
+    afresh, across = Backlog(), Backlog()
+    for k, (sharing, waiting) in enumerate(looks):
+        afresh = afresh.observe(10.0 * k, waiting, running=50.0, sharing=sharing)
+        across = across.observe(10.0 * k, waiting, running=50.0)
+    assert afresh.flow is not None and afresh.flow.looks == 5 and afresh.flow.slope == pytest.approx(0.0, abs=1e-9)
+    assert across.flow is not None and across.flow.falling_at_least is not None
+
+
 def test_a_fall_inside_the_arrivals_noise_is_not_believed() -> None:
     """Held work scattered about a slight fall: the fitted slope is negative, but two standard errors
     up it is not; the horizon is that of a backlog holding. The same fall without the scatter is."""

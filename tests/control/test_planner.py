@@ -95,9 +95,15 @@ def test_a_backlog_of_short_answers_under_a_large_max_tokens_plans_a_restart_tha
     # the same gain over a horizon too short for it does not pay the restart
     short = plan(twin, {"schedule_conservativeness": 1.0}, wl, RestartCost(startup_s=30.0), PlanSettings(horizon_s=5.0))
     assert not short.worth and "does not pay" in short.reason
-    # nor where nothing waits for the worker: the gain accrues only while work waits
-    idle = plan(twin, {"schedule_conservativeness": 1.0}, wl, RestartCost(startup_s=30.0), PlanSettings(caught_up=True))
-    assert not idle.worth and idle.predicted_gain > 0.1 and "nothing waits for the worker" in idle.reason
+    # nor where nothing waits for the worker, or the work waiting is gone sooner: a gain accrues only while work waits
+    start = {"schedule_conservativeness": 1.0}
+    idle = plan(twin, start, wl, RestartCost(startup_s=30.0), PlanSettings(work_waits_s=0.0))
+    assert not idle.worth and idle.predicted_gain > 0.1 and idle.accrues_s == 0.0
+    assert "nothing waits for the worker" in idle.reason
+    soon = plan(twin, start, wl, RestartCost(startup_s=30.0), PlanSettings(work_waits_s=5.0))
+    assert not soon.worth and soon.accrues_s == 5.0 and soon.gain_tokens == pytest.approx(short.gain_tokens, rel=0.01)
+    assert "x 5 s (of the 600 s horizon: the work waiting is gone by then)" in soon.reason
+    assert p.accrues_s == 600.0
     # and moving back is not blocked by any guard: long outputs near max_tokens from a low value
     long = _workload(300, 1000.0, (1500, 2000), 2000)
     back = plan(twin, {"schedule_conservativeness": 0.1}, long, RestartCost(startup_s=30.0), PlanSettings())
