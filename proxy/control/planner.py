@@ -796,14 +796,14 @@ def plan(
         )
     elif not worth:
         reason = (
-            f"predicted gain {gain:+.1%} x {accrues_s:g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens "
+            f"predicted gain {gain:+.1%} x {round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens "
             f"does not pay a restart ({cost_tokens:.0f} tokens)"
         )
     else:
         moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
         reason = (
             f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {weighed:.0f} tok/s) x "
-            f"{accrues_s:g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens > restart cost "
+            f"{round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens > restart cost "
             f"{cost_tokens:.0f} tokens{note}"
         )
     if waiting is not None:
