@@ -155,8 +155,8 @@ def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
 
 def planner_control(scale: float, gpu: str, model: str, **overrides: Any) -> dict[str, Any]:
     """:func:`scaled_control` with the planner on: its interval (60 modelled s), horizons (600, and the
-    3,600 the traffic can earn) and the backlog trend's memory (240) scaled, its twin on the deployment's GPU and model presets (what an
-    operator sets in ``[control]``)."""
+    3,600 the traffic can earn) and the backlog trend's memory (240) scaled, its twin on the deployment's
+    GPU and model presets (what an operator sets in ``[control]``)."""
     return scaled_control(scale, planner=True, plan_interval_s=60.0 / scale, plan_horizon_s=600.0 / scale,
                           plan_horizon_max_s=3600.0 / scale, plan_trend_s=240.0 / scale, twin_gpu=gpu, twin_model=model,
                           **overrides)  # fmt: skip

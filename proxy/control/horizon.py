@@ -20,7 +20,7 @@ seen to last (``plan_horizon_s``). Once work has been waiting for a while, the t
   is the flow. The fold keeps the looks of the last ``memory_s`` (:class:`Flow`, a least-squares fit
   with its standard error), so a backlog built by one phase of the traffic and drained by the next
   reads as draining (over the whole backlog it read as growing: in a shift's batch phase, a restart
-  was weighed on 143 s of horizon while the work was falling 10 requests a second). A look at another
+  was weighed on 1,428 modelled s of horizon while the work held fell about a request a second). A look at another
   number of workers sharing the proxy's queue reads it afresh (each one's share steps, though nothing
   arrived or was answered).
 * **the drain.** The work waiting now takes ``waiting / answer rate`` seconds at the rate the worker
