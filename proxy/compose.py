@@ -371,6 +371,7 @@ class _Surroundings:
                 max_tokens=f.sent_max_tokens if f.sent_max_tokens is not None and f.parts == 1 else f.max_tokens,
                 finished=f.time,
                 interactive=f.interactive,
+                written_before=f.written_before,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

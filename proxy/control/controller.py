@@ -807,7 +807,7 @@ class Controller:
                                      plan.cost_tokens, base, plan.accrues_s))  # fmt: skip
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, settle_s=settle,
-                   expectation=Expectation(plan.twin, new, plan.basis))  # fmt: skip
+                   expectation=Expectation(plan.twin, new, plan.basis, old_args=old))  # fmt: skip
 
     def trial(self, worker_id: WorkerId, args: Mapping[str, object], *, note: str = "") -> Act:
         """An operator's trial: ``args`` (merged over the worker's own) tried on ``worker_id`` as a
@@ -932,9 +932,16 @@ class Controller:
         fields: dict[str, float] | None = None
         tb, ta = (before.get("before") or {}).get("throughput"), after.get("throughput")
         if pending.expectation is not None and isinstance(ta, (int, float)) and ta > 0:
-            fields = {"measured_throughput": ta}
+            # the first window after the restart: the gain stands until the check's, over a few hundred
+            # answers each side, replaces it (:meth:`record_outcome`; a restart's first minute refills
+            # what it took back, on a start-up's admission)
+            fields = {"first_window_throughput": ta}
             if isinstance(tb, (int, float)) and tb > 0:
-                fields["measured_gain"] = round(ta / tb - 1.0, 4)
+                fields["first_window_gain"] = round(ta / tb - 1.0, 4)
+            if "gain_requests" not in (entry or {}):  # the check's figures, if they came first, stay
+                fields["measured_throughput"] = ta
+                if "first_window_gain" in fields:
+                    fields["measured_gain"] = fields["first_window_gain"]
         self.journal.update(
             pending.entry_id,
             outcome={"after": after, "verdict": verdict(before.get("before") or {}, after)},
@@ -978,6 +985,9 @@ class Controller:
         if outcome.error is not None and outcome.predicted is not None and outcome.measured is not None:
             fields |= {"predicted_outcome": round(outcome.predicted, 3), "measured_outcome": round(outcome.measured, 3),
                        "prediction_error": round(outcome.error, 4)}  # fmt: skip
+        if outcome.gain is not None and outcome.throughput is not None:  # over the same answers, like with like
+            fields |= {"measured_gain": round(outcome.gain, 4), "measured_throughput": round(outcome.throughput, 1),
+                       "gain_requests": outcome.requests}  # fmt: skip
         self.journal.update(job.entry_id, fields=fields)
 
     def _journal_once(

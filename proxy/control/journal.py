@@ -6,14 +6,19 @@ outcome measured); each change appends the whole entry again with the same ``id`
 append-only and the last line of an id is its current state.
 
 A decision of the planner carries ``predicted_gain`` (the twin's predicted throughput under the
-new args over the current ones, minus 1) and ``predicted_throughput``; once its window has been
-measured, ``measured_gain`` (the worker's throughput after over before, minus 1) and
-``measured_throughput``; then the plan's twin checked on the requests served under the new args
-(:func:`~proxy.control.planner.check_outcome`): ``predicted_outcome``, ``measured_outcome``,
-``prediction_error`` (``|predicted - measured| / measured``), ``prediction_basis`` and
-``outcome_requests``. A plan that does not pay is noted (``noted``, once per cool-down) with its
-``predicted_gain`` and ``current_prediction_error``: the twin under the current args against the
-worker on the requests it replayed.
+new args over the current ones, minus 1) and ``predicted_throughput``. Once its first window after
+the restart is measured: ``first_window_gain`` (the worker's throughput over that window against the
+window before the restart, minus 1) and ``first_window_throughput``, which also stand as
+``measured_gain`` and ``measured_throughput`` until the check replaces them. Then the plan's twin is
+checked on the requests served under the new args (:func:`~proxy.control.planner.check_outcome`):
+``predicted_outcome``, ``measured_outcome``, ``prediction_error`` (``|predicted - measured| /
+measured``), ``prediction_basis``, ``outcome_requests``; and ``measured_gain`` over those requests
+(what the worker wrote per second while it answered them over the same on the requests the plan
+replayed, minus 1: a few hundred answers each side, where a restart's first window is mostly the
+refill of what it took back), ``measured_throughput``, ``gain_requests``. A plan that does not pay
+is noted (``noted``, once per cool-down) with its ``predicted_gain`` and
+``current_prediction_error``: the twin under the current args against the worker on the requests it
+replayed.
 
 An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
 (``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``

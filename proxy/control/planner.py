@@ -143,6 +143,18 @@ class Observed:
     max_tokens: int
     finished: float | None = None  # when its answer ended (same clock as ``arrived``)
     interactive: bool = True  # the class it was sent as (False: batch)
+    # of ``output_tokens``, what an earlier attempt wrote before it was taken back (a restart, a drain):
+    # this worker went on from there, that text prefilled as prompt
+    written_before: int = 0
+
+    @property
+    def here(self) -> RequestSpec:
+        """The work this worker did on it, as a spec arriving at 0 with no rid: what an earlier attempt
+        wrote is prompt, what was left to write the output (of ``output_tokens``, at most ``max_tokens``)."""
+        before = max(0, min(self.written_before, self.output_tokens - 1, self.max_tokens - 1))
+        return RequestSpec(arrival=0.0, prompt_len=max(1, self.prompt_tokens + before),
+                           max_new_tokens=max(1, self.max_tokens - before),
+                           output_len=max(1, min(self.output_tokens, self.max_tokens) - before))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,9 +241,7 @@ def replay(
     for i, o in enumerate(ordered):
         rid = f"s{i}"
         fg.add(rid)
-        out = max(1, min(o.output_tokens, o.max_tokens))
-        specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
-                                 max_new_tokens=max(1, o.max_tokens), output_len=out, rid=rid))  # fmt: skip
+        specs.append(replace(o.here, arrival=o.arrived - t0, rid=rid))
         if o.finished is not None:
             answered[rid] = o.finished - t0
     sampled = set(map(id, sample))
@@ -239,13 +249,12 @@ def replay(
         if id(o) in sampled or o.finished is None or o.finished <= t0:
             continue
         answered[f"b{i}"] = o.finished - t0
+        here = o.here
         if o.arrived >= t0:
-            specs.append(RequestSpec(arrival=o.arrived - t0, prompt_len=max(1, o.prompt_tokens),
-                                     max_new_tokens=max(1, o.max_tokens),
-                                     output_len=max(1, min(o.output_tokens, o.max_tokens)), rid=f"b{i}"))  # fmt: skip
+            specs.append(replace(here, arrival=o.arrived - t0, rid=f"b{i}"))
             continue
         left = (o.finished - t0) / (o.finished - max(o.arrived, since_run))
-        specs.append(_running_at_start(o.prompt_tokens, o.output_tokens, o.max_tokens, left, f"b{i}"))
+        specs.append(_running_at_start(here.prompt_len, here.output_len or 1, here.max_new_tokens, left, f"b{i}"))
     expected = _expected_output(background or sample)
     last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
     end = max(now, last) if now is not None else last
@@ -308,7 +317,7 @@ def measured_throughput(workload: Sequence[Observed]) -> float | None:
     if not workload or any(o.finished is None for o in workload):
         return None
     span = max(o.finished or 0.0 for o in workload) - min(o.arrived for o in workload)
-    return sum(o.output_tokens for o in workload) / span if span > 0 else None
+    return sum(o.here.output_len or 0 for o in workload) / span if span > 0 else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1172,6 +1181,7 @@ class Expectation:
     twin: Twin
     args: Mapping[str, object]
     basis: str = "throughput"
+    old_args: Mapping[str, object] | None = None  # the args the twin was calibrated under (None: no gain measured)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1195,6 +1205,18 @@ class Outcome:
     predicted: float | None  # tokens/s or seconds, on the basis
     measured: float | None
     requests: int  # the requests judged
+    throughput: float | None = None  # what the worker did in the window (tok/s, :meth:`Replay.measured`), any basis
+    # the same figure of the twin under the old args, on the same requests: what the worker would have
+    # done had it not restarted (the twin was calibrated there, and checked against it before acting)
+    without: float | None = None
+
+    @property
+    def gain(self) -> float | None:
+        """What the new args gained on the traffic that came: the worker's throughput in the window
+        over the twin's under the old args on the same requests, minus 1 (None: either is not known).
+        Throughput before the restart against throughput after says as much about the traffic (its
+        rate, its lengths, a burst's end) as about the args."""
+        return self.throughput / self.without - 1.0 if self.throughput is not None and self.without else None
 
     @property
     def error(self) -> float | None:
@@ -1221,9 +1243,12 @@ def check_outcome(inputs: OutcomeInputs) -> Outcome:
     if loaded.until is None or (expect.basis == "waiting" and len(sample) < 2):
         return Outcome(basis=expect.basis, predicted=None, measured=None, requests=len(sample))
     p = expect.twin.predict(expect.args, loaded)
+    throughput = loaded.measured()
+    old = expect.twin.predict(expect.old_args, loaded) if expect.old_args is not None else None
     if expect.basis == "waiting":
         measured: float | None = statistics.fmean((o.finished or o.arrived) - o.arrived for o in sample)
         predicted = p.mean_answer_s
     else:
-        measured, predicted = loaded.measured(), p.answered_tok_per_s
-    return Outcome(basis=expect.basis, predicted=predicted, measured=measured, requests=len(loaded.answered))
+        measured, predicted = throughput, p.answered_tok_per_s
+    return Outcome(basis=expect.basis, predicted=predicted, measured=measured, requests=len(loaded.answered),
+                   throughput=throughput, without=old.answered_tok_per_s if old is not None else None)  # fmt: skip

@@ -47,6 +47,8 @@ class RequestFact:
     interactive: bool = True  # sent as the interactive class (False: batch)
     sent_max_tokens: int | None = None  # what the worker was asked for at first (the output budget; None: as asked)
     parts: int = 1  # the answer's parts: more than one when it reached its output budget and was continued
+    # of ``output_tokens``, what an earlier attempt wrote before it was taken back: this worker went on from there
+    written_before: int = 0
 
     @property
     def output_ratio(self) -> float | None:

@@ -94,6 +94,7 @@ class Opened:
         "body",
         "content_type",
         "first",
+        "going_on_from",
         "opened_at",
         "parts",
         "resp",
@@ -121,6 +122,7 @@ class Opened:
         self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
         self.stitch: _Stitch | None = None  # a stream sent under its output budget: how to go on
         self.parts = 1  # the answer's parts (more than one: it reached its output budget and went on)
+        self.going_on_from = 0  # output tokens an earlier attempt wrote that this answer went on from
 
 
 async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
@@ -509,6 +511,7 @@ async def _fetch(
             opened.body, parts, kept = await _continued(
                 path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
             )
+            opened.going_on_from = written if parts > len(earlier) else 0  # one part: sent again whole
             return opened, parts, kept if capped is not None else None
     payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
     opened = await _open(path, upstream.url, worker_id, job, payload)
@@ -642,6 +645,7 @@ def _record_fact(
             interactive=attempt.ticket.priority is Priority.INTERACTIVE,
             sent_max_tokens=None if capped is None else capped.sent,
             parts=parts,
+            written_before=opened.going_on_from,
         )
     )
 

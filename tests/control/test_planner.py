@@ -24,6 +24,7 @@ from proxy.control.planner import (
     calibrate,
     candidates,
     continued,
+    measured_throughput,
     outage_waiting_s,
     plan,
     replay,
@@ -291,8 +292,6 @@ def test_prompts_in_flight_are_prefilled_again_far_faster_than_their_output_is_d
 
 
 def test_the_twin_is_judged_on_the_requests_it_replayed():
-    from proxy.control.planner import measured_throughput
-
     wl = _workload(100, 2.0, (100, 300), 1000)
     res = simulate(Twin(GPU, MODEL).config({}), [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens,
                    max_new_tokens=o.max_tokens, output_len=o.output_tokens) for o in wl])  # fmt: skip
@@ -577,3 +576,24 @@ def test_what_a_restarted_worker_holds_has_run_on_it_only_since_it_was_ready() -
     assert spec(after, "f0").prompt_len == 100 + expected - round(expected * 10 / 12)  # what it wrote, as prompt
     assert spec(plain, "b1").output_len == round(600 * 4 / 104) and spec(after, "b1").output_len == round(600 * 4 / 6)
     assert replay(sample, answered, open_now, now=110.0, start=100.0, began=-50.0).specs == plain.specs  # ran longer
+
+
+def test_what_an_earlier_attempt_wrote_is_prompt_on_the_worker_that_went_on_from_it() -> None:
+    """A restart takes back what its worker runs and each request keeps what it wrote: the restarted
+    worker goes on from there, that text prefilled as prompt. Replayed as if written again from the
+    start, the twin wrote ~120,000 tokens the worker never did in the retraction storm's check (it read
+    the twin 9-16 % slower than the worker on the same requests); and the worker's own figure counts
+    only what it wrote."""
+    went_on = Observed(arrived=0.0, prompt_tokens=300, output_tokens=1600, max_tokens=2000, finished=110.0,
+                       written_before=1000)  # fmt: skip
+    whole = replace(went_on, written_before=0)
+    after = replay([], [went_on], now=120.0, start=100.0, began=98.0).specs[0]
+    left = round(600 * 10 / 12)  # of the 600 it wrote here, since the restart: 10 s of 12 left
+    assert (after.prompt_len, after.output_len, after.max_new_tokens) == (300 + 1600 - left, left, 2000 - 1600 + left)
+    assert replay([], [whole], now=120.0, start=100.0, began=98.0).specs[0].output_len == round(1600 * 10 / 12)
+    arrived_after = replace(went_on, arrived=101.0)  # in the window (a take-back by a drain that did not restart)
+    spec = replay([arrived_after], now=120.0, start=100.0).specs[0]
+    assert (spec.prompt_len, spec.output_len, spec.max_new_tokens, spec.arrival) == (1300, 600, 1000, 1.0)
+    assert measured_throughput([arrived_after]) == pytest.approx(600 / 9.0)
+    odd = replace(went_on, written_before=5000)  # more than it wrote in all: at least one token is left to write
+    assert odd.here.output_len == 1 and odd.here.prompt_len == 300 + 1599

@@ -193,7 +193,8 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     assert c.outcomes_due() == [] and check.inputs.since == pytest.approx(start + act.settle_s)
     assert check.inputs.ready == start  # what the worker holds ran on it from its restart at most
     assert check.inputs.expectation.args == act.decision.new_args
-    c.record_outcome(check, check_outcome(check.inputs))
+    outcome = check_outcome(check.inputs)
+    c.record_outcome(check, outcome)
     entry = c.journal.get(act.entry_id)
     assert (
         entry is not None and entry["prediction_basis"] == "throughput" and entry["outcome_requests"] == len(answered)
@@ -201,6 +202,17 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     assert entry["prediction_error"] == pytest.approx(
         abs(entry["predicted_outcome"] - entry["measured_outcome"]) / entry["measured_outcome"], abs=1e-3
     )
+    # the measured gain, the first window's until now, is the check's: what the worker wrote per second on
+    # the requests answered under the new args over what the twin writes on them under the old ones
+    assert 0.15 < entry["first_window_gain"] < 0.25 and entry["gain_requests"] == entry["outcome_requests"]
+    assert act.expectation is not None and act.expectation.old_args == ARGS
+    assert entry["measured_throughput"] == pytest.approx(entry["measured_outcome"], abs=0.1)
+    assert outcome.without is not None and outcome.gain is not None
+    assert entry["measured_gain"] == pytest.approx(entry["measured_throughput"] / outcome.without - 1, abs=1e-3)
+    if truth == 1.0:  # as predicted, nearly (+21 % on the plan's requests, +17 % measured on these)
+        assert entry["measured_gain"] > 0.1
+    else:  # the slower GPU wrote less than the twin says the old args would have: the restart did not pay
+        assert entry["measured_gain"] < 0.0
     assert f"twin {entry['prediction_error']:.1%} off on throughput" in format_decision(entry)  # pacer decisions
     if truth == 1.0:  # the twin's step time, calibrated under the old args, holds under the new ones
         assert entry["prediction_error"] < 0.05

@@ -194,7 +194,7 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
     assert second["continue_final_message"] is True and second["max_tokens"] == 100 - kept
     assert second["rid"].endswith(".r") and second["rid"] != first["rid"]
     fact = h.state.board.get("w0").facts.recent()[-1]
-    assert (fact.output_tokens, fact.parts) == (40, 2)
+    assert (fact.output_tokens, fact.parts, fact.written_before) == (40, 2, kept)  # the second went on from kept
     assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total") == 1
     await client.close()
 
@@ -241,4 +241,5 @@ async def test_a_worker_that_does_not_answer_an_early_end_has_the_request_taken_
     comp = await task
     assert comp.choices[0].text == "tok " * 20
     assert [b["max_tokens"] for b in w.bodies] == [100, 100]  # from the start: nothing was kept
+    assert h.state.board.get("w0").facts.recent()[-1].written_before == 0
     await client.close()
