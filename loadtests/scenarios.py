@@ -717,6 +717,10 @@ def run_scenario(
         float(d["current_prediction_error"]) for d in decisions
         if isinstance(d.get("current_prediction_error"), (int, float))
     ]  # fmt: skip
+    # each checked plan's gain: predicted, measured on the requests served under its args (against the twin
+    # under the old args on them), and the first window's, after over before (mostly the restart's refill)
+    names = {"predicted": "predicted_gain", "measured": "measured_gain", "first_window": "first_window_gain"}
+    gains = [{key: d.get(name) for key, name in names.items()} for d in decisions if "gain_requests" in d]
     report: dict[str, Any] = {
         "lost": sum(r.requests_lost for r in results.values()),
         "adaptive_over_best_static": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
@@ -730,6 +734,7 @@ def run_scenario(
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
         # acted plans checked on the requests served under their args (the twin out of sample)
         "plans_checked": len(errors),
+        "plan_gains": gains,
         # the twin on the requests it replayed under the args the worker ran (in sample, every plan not acted on)
         "twin_error_median": round(statistics.median(twin_errors), 4) if twin_errors else None,
         "plans_noted": len(twin_errors),

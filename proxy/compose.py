@@ -385,6 +385,7 @@ class _Surroundings:
                 max_tokens=a.sent_max_tokens if a.sent_max_tokens is not None else a.ticket.max_tokens,
                 interactive=a.ticket.priority is Priority.INTERACTIVE,
                 keeps_written=a.on_take_back is not None,  # the relay reads a whole answer it can end early
+                written_before=a.going_on_from,
             )
             for a in self._st.board.get(worker_id).attempts
         ]

@@ -167,6 +167,7 @@ class InFlight:
     max_tokens: int | None  # as asked (None: not given)
     interactive: bool = True  # the class it was sent as (False: batch)
     keeps_written: bool = False  # taken back, it keeps what it wrote (the next worker goes on from there)
+    written_before: int = 0  # what an earlier attempt wrote (taken back, kept): this worker goes on from there
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,15 +261,17 @@ def replay(
     end = max(now, last) if now is not None else last
     widest = max((o.max_tokens for o in ordered or background), default=1)  # for one that gave none
     for i, r in enumerate(in_flight):
-        cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, widest)
-        out = expected(cap, r.interactive)
+        whole_cap = r.max_tokens if r.max_tokens and r.max_tokens > 0 else max(1, widest)
+        out = expected(whole_cap, r.interactive)
+        before = max(0, min(r.written_before, out - 1, whole_cap - 1))  # an earlier attempt's text: prompt here
+        prompt, cap, out = r.prompt_tokens + before, whole_cap - before, out - before
         if r.arrived >= t0:
-            specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, r.prompt_tokens),
+            specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, prompt),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip
         else:
             ran_from = max(r.arrived, since_run)
             left = (end - t0) / (end - ran_from) if end > ran_from else 1.0
-            specs.append(_running_at_start(r.prompt_tokens, out, cap, left, f"f{i}"))
+            specs.append(_running_at_start(prompt, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)
     until = end - t0 if now is not None and end > t0 else None
     return Replay(tuple(specs), frozenset(fg), until, answered)

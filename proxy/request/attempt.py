@@ -99,6 +99,7 @@ class Attempt:
 
     __slots__ = (
         "dispatched_at",
+        "going_on_from",
         "on_take_back",
         "released",
         "requeued",
@@ -124,6 +125,9 @@ class Attempt:
         # set while the relay reads a whole answer the worker can end early and still give (what it wrote):
         # a take-back calls it instead of cancelling the block, and the block ends with :class:`TakenBack`
         self.on_take_back: Callable[[], None] | None = None
+        # the output tokens an earlier attempt wrote (taken back, kept) that this one goes on from: its
+        # worker prefills them as prompt and writes only the rest
+        self.going_on_from = 0
 
     def mark_started(self) -> None:
         """Output is going to the client: from now on the request is committed to this worker."""

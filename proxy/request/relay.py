@@ -94,7 +94,6 @@ class Opened:
         "body",
         "content_type",
         "first",
-        "going_on_from",
         "opened_at",
         "parts",
         "resp",
@@ -122,7 +121,6 @@ class Opened:
         self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
         self.stitch: _Stitch | None = None  # a stream sent under its output budget: how to go on
         self.parts = 1  # the answer's parts (more than one: it reached its output budget and went on)
-        self.going_on_from = 0  # output tokens an earlier attempt wrote that this answer went on from
 
 
 async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
@@ -320,7 +318,7 @@ async def _queued(
                 if _keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
                     attempt.on_take_back = partial(_end_early, path, attempt, upstream)
                 try:
-                    opened, parts, capped = await _fetch(path, attempt.worker_id, job, capped, ticket, upstream)
+                    opened, parts, capped = await _fetch(path, attempt, job, capped, upstream)
                 except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
                     upstream.abort(path)
                     if not attempt.taken_back:
@@ -486,13 +484,13 @@ def _keep_what_it_wrote(job: Job, opened: Opened, ticket: Ticket) -> None:
 
 
 async def _fetch(
-    path: RequestPath, worker_id: str, job: Job, capped: Capped | None, ticket: Ticket, upstream: _Upstream
+    path: RequestPath, attempt: Attempt, job: Job, capped: Capped | None, upstream: _Upstream
 ) -> tuple[Opened, int, Capped | None]:
     """The attempt's answer from its worker, its number of parts and the cap it went under: the
     request as the client sent it or under its output budget (``capped``), continued while a part
     stops at its cap (:func:`_continued`); or, when an earlier worker had written part of it before
-    it was taken back (``ticket.written``), going on from that text."""
-    base = upstream.name
+    it was taken back (``ticket.written``), going on from that text (``attempt.going_on_from``)."""
+    base, worker_id, ticket = upstream.name, attempt.worker_id, attempt.ticket
     earlier, ticket.written = ticket.written, ()
     engine = path.engine_of(worker_id)
     whole = capped or continuation.plain(job)
@@ -504,14 +502,17 @@ async def _fetch(
             more = continuation.continuation_body(job.path, job.body, "".join(p.text for p in earlier), whole, cap,
                                                   fields)  # fmt: skip
             upstream.part(more, base, "r")
+            attempt.going_on_from = written
             opened = await _part(path, upstream, worker_id, job, more)
             if opened.status != 200 or opened.body is None:  # refused: as the client asked, from the start
+                attempt.going_on_from = 0
                 opened.body, opened.status = await _whole_again(path, worker_id, job, upstream, base), 200
                 return opened, 1, None
             opened.body, parts, kept = await _continued(
                 path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
             )
-            opened.going_on_from = written if parts > len(earlier) else 0  # one part: sent again whole
+            if parts <= len(earlier):  # a part it could not continue: sent again whole, from the start
+                attempt.going_on_from = 0
             return opened, parts, kept if capped is not None else None
     payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
     opened = await _open(path, upstream.url, worker_id, job, payload)
@@ -645,7 +646,7 @@ def _record_fact(
             interactive=attempt.ticket.priority is Priority.INTERACTIVE,
             sent_max_tokens=None if capped is None else capped.sent,
             parts=parts,
-            written_before=opened.going_on_from,
+            written_before=attempt.going_on_from,
         )
     )
 

@@ -597,3 +597,7 @@ def test_what_an_earlier_attempt_wrote_is_prompt_on_the_worker_that_went_on_from
     assert measured_throughput([arrived_after]) == pytest.approx(600 / 9.0)
     odd = replace(went_on, written_before=5000)  # more than it wrote in all: at least one token is left to write
     assert odd.here.output_len == 1 and odd.here.prompt_len == 300 + 1599
+    # open now, going on from 1,000 written: the class writes 80 % of its 2,000 (the answered one), 600 are left
+    open_now = InFlight(arrived=105.0, prompt_tokens=300, max_tokens=2000, written_before=1000)
+    spec = next(sp for sp in replay([whole], in_flight=[open_now], now=120.0).specs if sp.rid == "f0")
+    assert (spec.prompt_len, spec.output_len, spec.max_new_tokens) == (1300, 600, 1000)

@@ -217,6 +217,7 @@ def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> N
     report = run_scenario(sc, tmp_path / "tiny.json", arms=("default", "adaptive"), workdir=tmp_path / "w",
                           max_run_s=120)  # fmt: skip
     assert report["lost"] == 0 and report["restarts"] == 0
+    assert report["plan_gains"] == []  # no plan acted on, none checked
     for arm in ("default", "adaptive"):
         assert report["arms"][arm]["requests_ok"] == 50, arm
     assert isinstance(report["adaptive_over_default"], float)

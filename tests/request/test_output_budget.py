@@ -183,6 +183,9 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
     await h.wait_for(lambda: len(w.bodies) == 1)
     await asyncio.sleep(0.3)  # some tokens written
     assert h.state.requests.dispatcher.take_back("w0") == 1
+    await h.wait_for(lambda: len(w.bodies) == 2)
+    (going_on,) = h.state.board.get("w0").attempts  # open: what the planner reads of it
+    assert going_on.going_on_from == w.bodies[0]["sim_output_len"] - w.bodies[1]["sim_output_len"]
     chat = await task
     assert chat.choices[0].message.content == "tok " * 40 and chat.usage.completion_tokens == 40
     assert chat.choices[0].finish_reason == "stop" and chat.usage.prompt_tokens == 3
