@@ -331,6 +331,7 @@ class DecodeStats:
     used_tokens: int
     gen_throughput: float
     cuda_graph: bool = True
+    ago_s: float | None = None  # logged this long before the plan's moment (None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -520,6 +521,9 @@ def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Nam
     return ns
 
 
+MIN_SPAN_LINES = 3  # the twin's lines in the worker's span it takes to compare like with like
+
+
 def _decode_ratio(cfg: SimConfig, decode: Sequence[DecodeStats]) -> float | None:
     """Median of (the step-time model's decode rate at each statistic's batch) / (the rate reported)."""
     steps = cfg.step_model()
@@ -545,6 +549,11 @@ def calibrate(
     The reported generation throughput is measured between two statistics lines, prefill steps
     included, so the same figure is taken from the twin replaying ``workload`` (when given) and the
     factor is corrected by the worker's ratio over the twin's, ``refinements`` times: like with like.
+    Where the replay has a window and the worker's lines say when they were logged, the twin's lines
+    are those of the same span, the window's last seconds: what the worker was prefilling and
+    decoding then (a batch's long answers, chat's stream of short prompts, a phase beginning) is
+    what the twin replays then, and its lines past the window (draining what was open) or long
+    before it (another phase) say nothing about the worker's.
     """
     twin = Twin(gpu, model)
     try:
@@ -559,13 +568,18 @@ def calibrate(
     if live is None:
         return twin
     factor = live
-    specs = list(workload.specs if isinstance(workload, Replay) else replay(workload).specs)
+    loaded = workload if isinstance(workload, Replay) else replay(workload)
+    specs = list(loaded.specs)
+    ages = [d.ago_s for d in decode if d.ago_s is not None]
+    span = (loaded.until - max(ages), loaded.until) if loaded.until and ages else None
     for _ in range(refinements if specs else 0):  # the twin's own lines at the factor found so far
         twin = Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
         res = simulate(twin.config(args), specs)
-        stats = [
-            DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for r, u, g, c in res.decode_stats
-        ]
+        lines = list(res.decode_stats)
+        if span is not None:
+            within = [line for line in lines if span[0] <= line[0] <= span[1]]
+            lines = within if len(within) >= MIN_SPAN_LINES else lines  # a twin far off: all its lines, this once
+        stats = [DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for _, r, u, g, c in lines]
         own = _decode_ratio(cfg, stats)
         if own is None:
             break

@@ -48,8 +48,8 @@ class StepReporter:
         self.last_retracted = 0
         self.last_cache_hit_rate = 0.0
         self.last_gen_throughput = 0.0
-        # (running, used tokens, gen throughput, cuda graph) of every decode statistics line, logged or not
-        self.decode_stats: list[tuple[int, int, float, bool]] = []
+        # (time, running, used tokens, gen throughput, cuda graph) of every decode statistics line, logged or not
+        self.decode_stats: list[tuple[float, int, int, float, bool]] = []
         self.last_input_throughput = 0.0
         self.last_cuda_graph = False  # whether the last decode step planned ran in a CUDA graph
         self._gen_tokens_since_log = 0
@@ -102,7 +102,7 @@ class StepReporter:
         self.last_gen_throughput = self._gen_tokens_since_log / elapsed if elapsed > 0 else 0.0
         self._gen_tokens_since_log = 0
         self.gen_log_tic = now
-        self.decode_stats.append((kv.running.n, kv.num_used, self.last_gen_throughput, cuda_graph))
+        self.decode_stats.append((now, kv.running.n, kv.num_used, self.last_gen_throughput, cuda_graph))
         if self._log is None:
             return
         self._log(

@@ -53,8 +53,8 @@ class SimResult:
     steps: int
     trace: tuple[TracePoint, ...]
     requests: tuple[RequestResult, ...]
-    # (running, used tokens, gen throughput, cuda graph) at each decode statistics line, as it would log them
-    decode_stats: tuple[tuple[int, int, float, bool], ...] = field(default=(), repr=False)
+    # (time, running, used tokens, gen throughput, cuda graph) at each decode statistics line, as it would log them
+    decode_stats: tuple[tuple[float, int, int, float, bool], ...] = field(default=(), repr=False)
 
 
 @functools.cache

@@ -53,7 +53,9 @@ def _live(workload: list[Observed], args: dict, *, step: float, time_scale: floa
     specs = [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens, max_new_tokens=o.max_tokens,
                          output_len=o.output_tokens) for o in workload]  # fmt: skip
     res = simulate(cfg, specs)
-    stats = [DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for r, u, g, c in res.decode_stats]
+    stats = [
+        DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c) for _, r, u, g, c in res.decode_stats
+    ]
     return cfg, res, stats
 
 
@@ -65,6 +67,39 @@ def test_the_twin_calibrates_to_a_hidden_step_time_and_predicts_throughput_withi
     assert twin.step_time_factor == pytest.approx(hidden / time_scale, rel=0.05)
     predicted = twin.predict({}, wl)
     assert predicted.output_tok_per_s == pytest.approx(res.output_tok_per_s, rel=0.05)
+
+
+def test_the_twin_calibrates_on_its_lines_of_the_span_the_worker_logged_its_own() -> None:
+    """Chat for two minutes (a stream of short prompts prefilled between the decode steps), then a
+    batch of long answers at once, on a worker 25 % slower than its presets. A plan 70 s into the
+    batch has the worker's lines of its last minute, the batch's, and replays its sample from the
+    chat's last answers on: compared with all the twin's lines (the chat's prefills among them, the
+    drain past the window) the worker read 21 % faster than it is; compared with the twin's lines
+    of the same minute, within 6 % at every look."""
+    rng = random.Random(7)
+    t, chat = 0.0, []
+    while t < 120:
+        t += rng.expovariate(6.0)
+        chat.append(Observed(arrived=t, prompt_tokens=rng.randint(300, 900), output_tokens=rng.randint(120, 500),
+                             max_tokens=4096))  # fmt: skip
+    batch = [Observed(arrived=130.0 + i * 0.01, prompt_tokens=rng.randint(200, 600),
+                      output_tokens=rng.randint(1200, 2000), max_tokens=2000) for i in range(300)]  # fmt: skip
+    wl, args = chat + batch, {"schedule_conservativeness": 0.3}
+    cfg = replace(Twin(GPU, MODEL).config(args), step_time_factor=1.25)
+    res = simulate(cfg, [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens, max_new_tokens=o.max_tokens,
+                                     output_len=o.output_tokens, rid=f"r{i}") for i, o in enumerate(wl)])  # fmt: skip
+    ends = {r.rid: r.finish_time for r in res.requests}
+    for now in (200.0, 260.0, 330.0):
+        done = [replace(o, finished=end) for i, o in enumerate(wl) if (end := ends[f"r{i}"]) is not None and end <= now]
+        open_now = [InFlight(arrived=o.arrived, prompt_tokens=o.prompt_tokens, max_tokens=o.max_tokens)
+                    for i, o in enumerate(wl) if o.arrived <= now and (ends[f"r{i}"] or now + 1) > now]  # fmt: skip
+        loaded = replay(sorted(done, key=lambda o: o.arrived)[-300:], done, open_now, now)
+        minute = [DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c, ago_s=now - at)
+                  for at, r, u, g, c in res.decode_stats if now - 60.0 <= at <= now]  # fmt: skip
+        assert calibrate(GPU, MODEL, args, minute, None, loaded).step_time_factor == pytest.approx(1.25, rel=0.06)
+        if now == 200.0:
+            undated = [replace(d, ago_s=None) for d in minute]
+            assert calibrate(GPU, MODEL, args, undated, None, loaded).step_time_factor < 1.25 * 0.85
 
 
 def test_a_smaller_kv_pool_than_the_presets_give_is_matched():
