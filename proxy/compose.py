@@ -372,6 +372,7 @@ class _Surroundings:
                 finished=f.time,
                 interactive=f.interactive,
                 written_before=f.written_before,
+                dispatched=f.arrived + f.queue_s,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
@@ -386,6 +387,7 @@ class _Surroundings:
                 interactive=a.ticket.priority is Priority.INTERACTIVE,
                 keeps_written=a.on_take_back is not None,  # the relay reads a whole answer it can end early
                 written_before=a.going_on_from,
+                dispatched=a.dispatched_at,
             )
             for a in self._st.board.get(worker_id).attempts
         ]

@@ -146,6 +146,7 @@ class Observed:
     # of ``output_tokens``, what an earlier attempt wrote before it was taken back (a restart, a drain):
     # this worker went on from there, that text prefilled as prompt
     written_before: int = 0
+    dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
 
     @property
     def here(self) -> RequestSpec:
@@ -168,6 +169,7 @@ class InFlight:
     interactive: bool = True  # the class it was sent as (False: batch)
     keeps_written: bool = False  # taken back, it keeps what it wrote (the next worker goes on from there)
     written_before: int = 0  # what an earlier attempt wrote (taken back, kept): this worker goes on from there
+    dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +232,9 @@ def replay(
     other answered requests (those that ended before the start are left out); ``in_flight``: open
     when the plan began, at ``now``. ``began``: when the worker's current run began (a restart's
     ready): nothing it held then had made progress on it before, so a request running at the start
-    has run since its arrival or since then, whichever is later (None: since its arrival)."""
+    has run since the proxy sent it to the worker (its arrival where not known) or since then,
+    whichever is later (None: since it was sent). Sent, not arrived: what waited in the proxy's own
+    queue (a batch held back beside chat, a backlog) had made no progress there."""
     if not sample and start is None:
         return Replay((), frozenset())
     ordered = sorted(sample, key=lambda o: o.arrived)
@@ -254,7 +258,7 @@ def replay(
         if o.arrived >= t0:
             specs.append(replace(here, arrival=o.arrived - t0, rid=f"b{i}"))
             continue
-        left = (o.finished - t0) / (o.finished - max(o.arrived, since_run))
+        left = (o.finished - t0) / (o.finished - max(o.arrived if o.dispatched is None else o.dispatched, since_run))
         specs.append(_running_at_start(here.prompt_len, here.output_len or 1, here.max_new_tokens, left, f"b{i}"))
     expected = _expected_output(background or sample)
     last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
@@ -269,7 +273,7 @@ def replay(
             specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, prompt),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip
         else:
-            ran_from = max(r.arrived, since_run)
+            ran_from = max(r.arrived if r.dispatched is None else r.dispatched, since_run)
             left = (end - t0) / (end - ran_from) if end > ran_from else 1.0
             specs.append(_running_at_start(prompt, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)

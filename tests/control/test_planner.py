@@ -613,6 +613,23 @@ def test_what_a_restarted_worker_holds_has_run_on_it_only_since_it_was_ready() -
     assert replay(sample, answered, open_now, now=110.0, start=100.0, began=-50.0).specs == plain.specs  # ran longer
 
 
+def test_what_waited_in_the_proxys_queue_made_no_progress_there() -> None:
+    """A batch held back beside chat: its requests wait in the proxy's queue, then run on the worker.
+    One that arrived 100 s before the replay's start and was sent 2 s before it has run 2 s, not 100:
+    counted from its arrival it looked nearly done, and the twin answered it in the window where the
+    worker had only begun it (mixed's plans read the twin 18-48 % off)."""
+    answered = [Observed(arrived=101.0, prompt_tokens=100, output_tokens=500, max_tokens=1000, finished=105.0),
+                Observed(arrived=0.0, prompt_tokens=100, output_tokens=600, max_tokens=1000, finished=104.0,
+                         dispatched=98.0)]  # fmt: skip
+    open_now = [InFlight(arrived=0.0, prompt_tokens=100, max_tokens=1000, dispatched=98.0)]
+    loaded = replay(answered[:1], answered, open_now, now=110.0, start=100.0)
+    spec = {sp.rid: sp for sp in loaded.specs}
+    assert spec["b1"].output_len == round(600 * 4 / 6)  # 4 s of its 6 on the worker left
+    assert spec["f0"].output_len == round(550 * 10 / 12)  # 10 s of 12 (the class writes 55 % of 1000)
+    sent_later = [replace(answered[1], dispatched=101.0)]  # sent after the start: all of it left, from the start
+    assert replay(answered[:1], sent_later, now=110.0, start=100.0).specs[0].output_len == 600
+
+
 def test_what_an_earlier_attempt_wrote_is_prompt_on_the_worker_that_went_on_from_it() -> None:
     """A restart takes back what its worker runs and each request keeps what it wrote: the restarted
     worker goes on from there, that text prefilled as prompt. Replayed as if written again from the
