@@ -569,7 +569,7 @@ class Controller:
             if f.get("phase") == "decode" and isinstance(running, int) and isinstance(tp, (int, float)):
                 used_tokens = int(used) if isinstance(used, (int, float)) else 0
                 decode.append(DecodeStats(running=running, used_tokens=used_tokens, gen_throughput=float(tp),
-                                          cuda_graph=bool(f.get("graph", True)), ago_s=max(0.0, now - e.time)))  # fmt: skip
+                                          cuda_graph=bool(f.get("graph", True)), at=e.time))  # fmt: skip
         capacity = w.window.kv_capacity_tokens
         startup = w.window.startup
         if capacity is None and startup is not None and isinstance(startup.fields.get("max_total_tokens"), int):

@@ -181,6 +181,7 @@ class Replay:
     until: float | None = None  # the plan's moment, from the replay's start (None: not known)
     answered: Mapping[str, float] = field(default_factory=dict)  # rid -> when the worker answered it, from the start
     continues_at: float | None = None  # the traffic that follows the window arrives from here on (:func:`continued`)
+    start: float | None = None  # the replay's 0 on the requests' clock (None: not known)
 
     def measured(self) -> float | None:
         """What the worker did over the replay's window: the output (written since the start) of the
@@ -278,7 +279,7 @@ def replay(
             specs.append(_running_at_start(prompt, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)
     until = end - t0 if now is not None and end > t0 else None
-    return Replay(tuple(specs), frozenset(fg), until, answered)
+    return Replay(tuple(specs), frozenset(fg), until, answered, start=t0)
 
 
 CONTINUED_COPIES = 2  # the sample's requests arrive again this many times after the newest arrival the replay knows
@@ -306,7 +307,7 @@ def continued(loaded: Replay, horizon_s: float, copies: int = CONTINUED_COPIES) 
         for sp in own
     ]
     specs = tuple(sorted((*loaded.specs, *more), key=lambda sp: sp.arrival))
-    return Replay(specs, loaded.foreground, loaded.until, loaded.answered, continues_at=begin)
+    return Replay(specs, loaded.foreground, loaded.until, loaded.answered, continues_at=begin, start=loaded.start)
 
 
 def _running_at_start(prompt: int, output: int, max_tokens: int, left: float, rid: str) -> RequestSpec:
@@ -335,7 +336,7 @@ class DecodeStats:
     used_tokens: int
     gen_throughput: float
     cuda_graph: bool = True
-    ago_s: float | None = None  # logged this long before the plan's moment (None: not known)
+    at: float | None = None  # when the worker logged it, on the requests' clock (None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -553,8 +554,8 @@ def calibrate(
     The reported generation throughput is measured between two statistics lines, prefill steps
     included, so the same figure is taken from the twin replaying ``workload`` (when given) and the
     factor is corrected by the worker's ratio over the twin's, ``refinements`` times: like with like.
-    Where the replay has a window and the worker's lines say when they were logged, the twin's lines
-    are those of the same span, the window's last seconds: what the worker was prefilling and
+    Where the replay says when it starts and the worker's lines when they were logged, the twin's
+    lines are those of the same span (the window's last seconds): what the worker was prefilling and
     decoding then (a batch's long answers, chat's stream of short prompts, a phase beginning) is
     what the twin replays then, and its lines past the window (draining what was open) or long
     before it (another phase) say nothing about the worker's.
@@ -574,8 +575,8 @@ def calibrate(
     factor = live
     loaded = workload if isinstance(workload, Replay) else replay(workload)
     specs = list(loaded.specs)
-    ages = [d.ago_s for d in decode if d.ago_s is not None]
-    span = (loaded.until - max(ages), loaded.until) if loaded.until and ages else None
+    logged = [d.at for d in decode if d.at is not None]
+    span = (min(logged) - loaded.start, max(logged) - loaded.start) if loaded.start is not None and logged else None
     for _ in range(refinements if specs else 0):  # the twin's own lines at the factor found so far
         twin = Twin(gpu, model, step_time_factor=factor, kv_factor=kv_factor)
         res = simulate(twin.config(args), specs)

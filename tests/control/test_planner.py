@@ -94,11 +94,11 @@ def test_the_twin_calibrates_on_its_lines_of_the_span_the_worker_logged_its_own(
         open_now = [InFlight(arrived=o.arrived, prompt_tokens=o.prompt_tokens, max_tokens=o.max_tokens)
                     for i, o in enumerate(wl) if o.arrived <= now and (ends[f"r{i}"] or now + 1) > now]  # fmt: skip
         loaded = replay(sorted(done, key=lambda o: o.arrived)[-300:], done, open_now, now)
-        minute = [DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c, ago_s=now - at)
+        minute = [DecodeStats(running=r, used_tokens=u, gen_throughput=g, cuda_graph=c, at=at)
                   for at, r, u, g, c in res.decode_stats if now - 60.0 <= at <= now]  # fmt: skip
         assert calibrate(GPU, MODEL, args, minute, None, loaded).step_time_factor == pytest.approx(1.25, rel=0.06)
         if now == 200.0:
-            undated = [replace(d, ago_s=None) for d in minute]
+            undated = [replace(d, at=None) for d in minute]
             assert calibrate(GPU, MODEL, args, undated, None, loaded).step_time_factor < 1.25 * 0.85
 
 

@@ -65,17 +65,23 @@ def _backlog_of_short_answers(n: int = 300) -> list[Observed]:
 
 
 def _serve(c, clock, requests: list[Observed], start: float) -> float:
-    """The worker serves ``requests`` (the simulator at SGLang's defaults): its log lines and scrapes."""
+    """The worker serves ``requests`` (arriving ``start`` later than they say; the simulator at SGLang's
+    defaults): its log lines and scrapes."""
     lines: list[str] = []
     specs = [RequestSpec(arrival=r.arrived, prompt_len=r.prompt_tokens, max_new_tokens=r.max_tokens,
                          output_len=r.output_tokens) for r in requests]  # fmt: skip
     cfg = c_twin_config()
     res = simulate(cfg, specs, log=lambda level, msg: lines.append(msg))
-    # the proxy saw each answer end when the worker finished it
-    requests[:] = [replace(o, finished=r.finish_time) for o, r in zip(requests, res.requests, strict=True)]
-    span = res.makespan_s
-    for i, line in enumerate(lines):
-        clock.now = start + span * i / len(lines)
+    # from ``start`` on: the proxy saw each request arrive then, and its answer end when the worker finished it
+    requests[:] = [replace(o, arrived=start + o.arrived, finished=start + (r.finish_time or 0.0))
+                   for o, r in zip(requests, res.requests, strict=True)]  # fmt: skip
+    # each line when the worker logged it: a decode line at its statistic's time, the others at the last one's
+    logged = iter(at for at, *_ in res.decode_stats)
+    at = 0.0
+    for line in lines:
+        if line.startswith("Decode batch"):
+            at = next(logged)
+        clock.now = start + at
         c.on_line("w0", line)
     tokens = 0
     for k in range(31):  # a scrape a second, the generation counter at the run's mean rate
