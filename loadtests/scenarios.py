@@ -712,6 +712,7 @@ def run_scenario(
     )
     decisions = results["adaptive"].decisions if "adaptive" in results else []
     errors = [float(d["prediction_error"]) for d in decisions if isinstance(d.get("prediction_error"), (int, float))]
+    answers = [float(d["answer_error"]) for d in decisions if isinstance(d.get("answer_error"), (int, float))]
     # plans that did not pay: the twin's prediction for the args the worker ran, against what it measured
     twin_errors = [
         float(d["current_prediction_error"]) for d in decisions
@@ -734,6 +735,8 @@ def run_scenario(
         "prediction_error_basis": "acted plans" if errors else "plans not acted on (current args)" if twin_errors else None,
         # acted plans checked on the requests served under their args (the twin out of sample)
         "plans_checked": len(errors),
+        # acted plans on the throughput basis: the twin's mean answer time against the worker's, on the same requests
+        "answer_error_median": round(statistics.median(answers), 4) if answers else None,
         "plan_gains": gains,
         # the twin on the requests it replayed under the args the worker ran (in sample, every plan not acted on)
         "twin_error_median": round(statistics.median(twin_errors), 4) if twin_errors else None,

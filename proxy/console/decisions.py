@@ -53,6 +53,9 @@ def format_decision(e: Mapping[str, Any]) -> str:
         basis = e.get("prediction_basis", "throughput")
         text += (f" · twin {error:.1%} off on {basis} (predicted {e.get('predicted_outcome')}, "
                  f"measured {e.get('measured_outcome')} over {e.get('outcome_requests')} requests)")  # fmt: skip
+        answers = e.get("answer_error")
+        if isinstance(answers, (int, float)):
+            text += f", {answers:.1%} on answer times"
     outcome = e.get("outcome") or {}
     if isinstance(outcome, Mapping) and outcome.get("verdict"):
         text += f" ({outcome['verdict']})"

@@ -985,6 +985,8 @@ class Controller:
         if outcome.error is not None and outcome.predicted is not None and outcome.measured is not None:
             fields |= {"predicted_outcome": round(outcome.predicted, 3), "measured_outcome": round(outcome.measured, 3),
                        "prediction_error": round(outcome.error, 4)}  # fmt: skip
+        if outcome.basis != "waiting" and outcome.answer_error is not None:  # what the throughput cannot see
+            fields |= {"answer_error": round(outcome.answer_error, 4)}
         if outcome.gain is not None and outcome.throughput is not None:  # over the same answers, like with like
             fields |= {"measured_gain": round(outcome.gain, 4), "measured_throughput": round(outcome.throughput, 1),
                        "gain_requests": outcome.requests}  # fmt: skip

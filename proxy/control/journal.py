@@ -15,7 +15,10 @@ checked on the requests served under the new args (:func:`~proxy.control.planner
 measured``), ``prediction_basis``, ``outcome_requests``; and ``measured_gain`` over those requests
 (what the worker wrote per second while it answered them over the same on the requests the plan
 replayed, minus 1: a few hundred answers each side, where a restart's first window is mostly the
-refill of what it took back), ``measured_throughput``, ``gain_requests``. A plan that does not pay
+refill of what it took back), ``measured_throughput``, ``gain_requests``; on the throughput basis
+also ``answer_error``, the twin's mean answer time on those requests against the worker's (a
+worker that keeps up answers what arrives at any speed: only its answer times say how fast it
+was). A plan that does not pay
 is noted (``noted``, once per cool-down) with its ``predicted_gain`` and
 ``current_prediction_error``: the twin under the current args against the worker on the requests it
 replayed.

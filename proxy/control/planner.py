@@ -1231,6 +1231,18 @@ class Outcome:
     # the same figure of the twin under the old args, on the same requests: what the worker would have
     # done had it not restarted (the twin was calibrated there, and checked against it before acting)
     without: float | None = None
+    # the mean answer time of the requests judged, the twin's and the worker's, any basis: a worker that
+    # keeps up answers what arrives at any speed, twin and worker alike, and only its answer times
+    # say how fast it was
+    answer_predicted: float | None = None
+    answer_measured: float | None = None
+
+    @property
+    def answer_error(self) -> float | None:
+        """|predicted - measured| / measured mean answer time (None: not known)."""
+        if self.answer_predicted is None or not self.answer_measured:
+            return None
+        return abs(self.answer_predicted - self.answer_measured) / self.answer_measured
 
     @property
     def gain(self) -> float | None:
@@ -1267,10 +1279,11 @@ def check_outcome(inputs: OutcomeInputs) -> Outcome:
     p = expect.twin.predict(expect.args, loaded)
     throughput = loaded.measured()
     old = expect.twin.predict(expect.old_args, loaded) if expect.old_args is not None else None
+    answer_s = statistics.fmean((o.finished or o.arrived) - o.arrived for o in sample) if len(sample) >= 2 else None
     if expect.basis == "waiting":
-        measured: float | None = statistics.fmean((o.finished or o.arrived) - o.arrived for o in sample)
-        predicted = p.mean_answer_s
+        measured, predicted = answer_s, p.mean_answer_s
     else:
         measured, predicted = throughput, p.answered_tok_per_s
     return Outcome(basis=expect.basis, predicted=predicted, measured=measured, requests=len(loaded.answered),
-                   throughput=throughput, without=old.answered_tok_per_s if old is not None else None)  # fmt: skip
+                   throughput=throughput, without=old.answered_tok_per_s if old is not None else None,
+                   answer_predicted=p.mean_answer_s, answer_measured=answer_s)  # fmt: skip

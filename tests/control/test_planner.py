@@ -11,9 +11,11 @@ import pytest
 from proxy.control.planner import (
     ERROR_LOOKS,
     DecodeStats,
+    Expectation,
     InFlight,
     Looks,
     Observed,
+    OutcomeInputs,
     PlanSettings,
     Prediction,
     Replay,
@@ -23,6 +25,7 @@ from proxy.control.planner import (
     args_key,
     calibrate,
     candidates,
+    check_outcome,
     continued,
     measured_throughput,
     outage_waiting_s,
@@ -611,6 +614,29 @@ def test_what_a_restarted_worker_holds_has_run_on_it_only_since_it_was_ready() -
     assert spec(after, "f0").prompt_len == 100 + expected - round(expected * 10 / 12)  # what it wrote, as prompt
     assert spec(plain, "b1").output_len == round(600 * 4 / 104) and spec(after, "b1").output_len == round(600 * 4 / 6)
     assert replay(sample, answered, open_now, now=110.0, start=100.0, began=-50.0).specs == plain.specs  # ran longer
+
+
+def test_a_check_on_a_worker_that_keeps_up_reads_its_speed_in_the_answer_times() -> None:
+    """Chat at a rate the worker keeps up with, on a GPU 50 % slower than the twin's: twin and worker
+    answer every request in the window, so the throughput the check judges a throughput plan on is
+    the same on both sides; the answer times are not, and the check says so (the fleet's canary
+    check read 0.0 % on its throughput)."""
+    wl = _workload(200, 2.0, (100, 300), 1000)
+    args = {"schedule_conservativeness": 1.0}
+    slow = simulate(Twin(GPU, MODEL, step_time_factor=1.5).config(args),
+                    [RequestSpec(arrival=o.arrived, prompt_len=o.prompt_tokens, max_new_tokens=o.max_tokens,
+                                 output_len=o.output_tokens, rid=f"r{i}") for i, o in enumerate(wl)])  # fmt: skip
+    answered = tuple(replace(o, finished=r.finish_time) for o, r in zip(wl, slow.requests, strict=True))
+    end = max(o.finished or 0.0 for o in answered) + 30.0
+    twin = Twin(GPU, MODEL)
+    inputs = OutcomeInputs(expectation=Expectation(twin, args, "throughput", old_args=args), workload=answered,
+                           since=0.0, now=end, max_requests=300)  # fmt: skip
+    outcome = check_outcome(inputs)
+    assert outcome.error is not None and outcome.error < 0.01  # every answer in, on both sides
+    assert outcome.gain == pytest.approx(0.0, abs=0.01)  # the same args: nothing gained
+    assert outcome.answer_error is not None and outcome.answer_error > 0.25
+    assert outcome.answer_predicted is not None and outcome.answer_measured is not None
+    assert outcome.answer_predicted < outcome.answer_measured
 
 
 def test_what_waited_in_the_proxys_queue_made_no_progress_there() -> None:

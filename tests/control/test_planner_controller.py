@@ -220,6 +220,14 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     else:  # the slower GPU wrote less than the twin says the old args would have: the restart did not pay
         assert entry["measured_gain"] < 0.0
     assert f"twin {entry['prediction_error']:.1%} off on throughput" in format_decision(entry)  # pacer decisions
+    # and on the same requests' answer times, which a worker that keeps up shows where its throughput cannot
+    assert outcome.answer_predicted is not None and outcome.answer_measured is not None
+    assert entry["answer_error"] == pytest.approx(
+        abs(outcome.answer_predicted - outcome.answer_measured) / outcome.answer_measured, abs=1e-4
+    )
+    assert f"{entry['answer_error']:.1%} on answer times" in format_decision(entry)
+    if truth > 1.0:  # the slower GPU answers later than the twin says
+        assert outcome.answer_predicted < outcome.answer_measured
     if truth == 1.0:  # the twin's step time, calibrated under the old args, holds under the new ones
         assert entry["prediction_error"] < 0.05
     else:  # a worker slower than calibrated writes less than predicted, and the journal says so
