@@ -235,7 +235,9 @@ def replay(
     ready): nothing it held then had made progress on it before, so a request running at the start
     has run since the proxy sent it to the worker (its arrival where not known) or since then,
     whichever is later (None: since it was sent). Sent, not arrived: what waited in the proxy's own
-    queue (a batch held back beside chat, a backlog) had made no progress there."""
+    queue (a batch held back beside chat, a backlog) had made no progress there, and one sent after
+    the start comes to the twin when it came to the worker (replayed from its arrival before the
+    start, a held batch took the twin's pool from the start and the chat beside it waited there)."""
     if not sample and start is None:
         return Replay((), frozenset())
     ordered = sorted(sample, key=lambda o: o.arrived)
@@ -256,10 +258,11 @@ def replay(
             continue
         answered[f"b{i}"] = o.finished - t0
         here = o.here
-        if o.arrived >= t0:
-            specs.append(replace(here, arrival=o.arrived - t0, rid=f"b{i}"))
+        sent = o.arrived if o.dispatched is None else o.dispatched
+        if sent >= t0:
+            specs.append(replace(here, arrival=sent - t0, rid=f"b{i}"))
             continue
-        left = (o.finished - t0) / (o.finished - max(o.arrived if o.dispatched is None else o.dispatched, since_run))
+        left = (o.finished - t0) / (o.finished - max(sent, since_run))
         specs.append(_running_at_start(here.prompt_len, here.output_len or 1, here.max_new_tokens, left, f"b{i}"))
     expected = _expected_output(background or sample)
     last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
@@ -270,11 +273,12 @@ def replay(
         out = expected(whole_cap, r.interactive)
         before = max(0, min(r.written_before, out - 1, whole_cap - 1))  # an earlier attempt's text: prompt here
         prompt, cap, out = r.prompt_tokens + before, whole_cap - before, out - before
-        if r.arrived >= t0:
-            specs.append(RequestSpec(arrival=r.arrived - t0, prompt_len=max(1, prompt),
+        sent = r.arrived if r.dispatched is None else r.dispatched
+        if sent >= t0:
+            specs.append(RequestSpec(arrival=sent - t0, prompt_len=max(1, prompt),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip
         else:
-            ran_from = max(r.arrived if r.dispatched is None else r.dispatched, since_run)
+            ran_from = max(sent, since_run)
             left = (end - t0) / (end - ran_from) if end > ran_from else 1.0
             specs.append(_running_at_start(prompt, out, cap, left, f"f{i}"))
     specs.sort(key=lambda sp: sp.arrival)

@@ -652,8 +652,15 @@ def test_what_waited_in_the_proxys_queue_made_no_progress_there() -> None:
     spec = {sp.rid: sp for sp in loaded.specs}
     assert spec["b1"].output_len == round(600 * 4 / 6)  # 4 s of its 6 on the worker left
     assert spec["f0"].output_len == round(550 * 10 / 12)  # 10 s of 12 (the class writes 55 % of 1000)
-    sent_later = [replace(answered[1], dispatched=101.0)]  # sent after the start: all of it left, from the start
-    assert replay(answered[:1], sent_later, now=110.0, start=100.0).specs[0].output_len == 600
+    # sent after the start: the worker got it then, all of it to write (as it arrived, at the start, the
+    # twin ran the held batch from the start, and the chat beside it waited 15 s where the worker's did not)
+    sent_later = replay(answered[:1], [replace(answered[1], dispatched=101.0)], now=110.0, start=100.0)
+    spec = {sp.rid: sp for sp in sent_later.specs}
+    assert (spec["b0"].arrival, spec["b0"].output_len) == (1.0, 600)
+    open_later = replay(answered[:1], in_flight=[replace(open_now[0], dispatched=103.0)], now=110.0, start=100.0)
+    spec = {sp.rid: sp for sp in open_later.specs}
+    f0 = spec["f0"]
+    assert (f0.arrival, f0.output_len, f0.prompt_len) == (3.0, 500, 100)  # the class writes 50 %
 
 
 def test_what_an_earlier_attempt_wrote_is_prompt_on_the_worker_that_went_on_from_it() -> None:
