@@ -59,7 +59,8 @@ the requests the proxy has open on the worker when the plan begins (:class:`InFl
 attempts; their output is not known yet, so it is the recent median of output over ``max_tokens``
 of the answered requests of their own class times their ``max_tokens``, or all of it while none of
 their class was answered; one that arrived before the sample is counted as ending now, the least
-it can still hold). Only the sample's own requests make the figure (their output tokens over
+it can still hold). Each comes to the replay when the proxy sent it to the worker, where known: what
+waited in the proxy's own queue (a batch held back beside chat) made no progress there. Only the sample's own requests make the figure (their output tokens over
 their first arrival to their last answer in the replay), the basis on which the worker is
 measured (:func:`measured_throughput`), so prediction and measurement are like with like.
 
