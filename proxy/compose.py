@@ -373,6 +373,7 @@ class _Surroundings:
                 interactive=f.interactive,
                 written_before=f.written_before,
                 dispatched=f.arrived + f.queue_s,
+                first_token=None if f.ttft_s is None else f.arrived + f.queue_s + f.ttft_s,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

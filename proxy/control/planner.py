@@ -60,7 +60,8 @@ attempts; their output is not known yet, so it is the recent median of output ov
 of the answered requests of their own class times their ``max_tokens``, or all of it while none of
 their class was answered; one that arrived before the sample is counted as ending now, the least
 it can still hold). Each comes to the replay when the proxy sent it to the worker, where known: what
-waited in the proxy's own queue (a batch held back beside chat) made no progress there. Only the sample's own requests make the figure (their output tokens over
+waited in the proxy's own queue (a batch held back beside chat) made no progress there; where the
+proxy saw its first token (a stream), from then, and its KV is there already. Only the sample's own requests make the figure (their output tokens over
 their first arrival to their last answer in the replay), the basis on which the worker is
 measured (:func:`measured_throughput`), so prediction and measurement are like with like.
 
@@ -148,6 +149,7 @@ class Observed:
     # this worker went on from there, that text prefilled as prompt
     written_before: int = 0
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
+    first_token: float | None = None  # when its first output reached the proxy (a stream; None: not seen)
 
     @property
     def here(self) -> RequestSpec:
@@ -238,7 +240,14 @@ def replay(
     whichever is later (None: since it was sent). Sent, not arrived: what waited in the proxy's own
     queue (a batch held back beside chat, a backlog) had made no progress there, and one sent after
     the start comes to the twin when it came to the worker (replayed from its arrival before the
-    start, a held batch took the twin's pool from the start and the chat beside it waited there)."""
+    start, a held batch took the twin's pool from the start and the chat beside it waited there).
+    Where the proxy saw an answered request's first token (a stream), it knows more: one whose first
+    token came after the start was waiting in the worker's queue then (no progress), and one whose
+    first token came before was running, writing since then, its KV in place (``resumed``: the twin
+    does not prefill it again at its first second, which cost mixed's replays 1-2 s of a 10-13 s
+    window). Whole answers, whose first token the proxy does not see, run from when they were sent
+    and are prefilled again: of what the worker held some waited in its queue, and resumed all
+    alike the perturbed storm's twin read 6 % fast."""
     if not sample and start is None:
         return Replay((), frozenset())
     ordered = sorted(sample, key=lambda o: o.arrived)
@@ -263,8 +272,14 @@ def replay(
         if sent >= t0:
             specs.append(replace(here, arrival=sent - t0, rid=f"b{i}"))
             continue
-        left = (o.finished - t0) / (o.finished - max(sent, since_run))
-        specs.append(_running_at_start(here.prompt_len, here.output_len or 1, here.max_new_tokens, left, f"b{i}"))
+        if o.first_token is not None and o.first_token > t0:  # its first token came later: it was waiting
+            specs.append(replace(here, arrival=0.0, rid=f"b{i}"))
+            continue
+        # its first token seen before the start: it was running, its KV in place, writing since then
+        ran_from = sent if o.first_token is None else o.first_token
+        left = (o.finished - t0) / (o.finished - max(ran_from, since_run))
+        specs.append(_running_at_start(here.prompt_len, here.output_len or 1, here.max_new_tokens, left, f"b{i}",
+                                       resumed=o.first_token is not None))  # fmt: skip
     expected = _expected_output(background or sample)
     last = max(((o.finished or o.arrived) for o in ordered), default=t0)  # no plan is older than an answer it read
     end = max(now, last) if now is not None else last
@@ -315,13 +330,16 @@ def continued(loaded: Replay, horizon_s: float, copies: int = CONTINUED_COPIES) 
     return Replay(specs, loaded.foreground, loaded.until, loaded.answered, continues_at=begin, start=loaded.start)
 
 
-def _running_at_start(prompt: int, output: int, max_tokens: int, left: float, rid: str) -> RequestSpec:
-    """A request already running when the replay starts: what it wrote so far is held as prompt."""
+def _running_at_start(
+    prompt: int, output: int, max_tokens: int, left: float, rid: str, resumed: bool = False
+) -> RequestSpec:
+    """A request already running when the replay starts: what it wrote so far is held as prompt
+    (``resumed``: its KV is in place, the twin does not compute it again)."""
     output = max(1, min(output, max_tokens))
     remaining = max(1, min(output, round(output * min(1.0, max(0.0, left)))))
     done = output - remaining
     return RequestSpec(arrival=0.0, prompt_len=max(1, prompt + done), max_new_tokens=max(1, max_tokens - done),
-                       output_len=remaining, rid=rid)  # fmt: skip
+                       output_len=remaining, rid=rid, resumed=resumed)  # fmt: skip
 
 
 def measured_throughput(workload: Sequence[Observed]) -> float | None:

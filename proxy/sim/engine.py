@@ -200,6 +200,7 @@ class Engine:
         stream: bool = False,
         priority: int | None = None,
         now: float | None = None,
+        resumed: bool = False,
     ) -> Req:
         if now is not None:
             self.now = now
@@ -222,6 +223,7 @@ class Engine:
             token_seed=self.rng.randrange(1 << 30),
             stream=stream,
             priority=self.scheduler.default_priority() if priority is None else priority,
+            resumed=resumed,
         )
         self.scheduler.enqueue(r)
         return r
@@ -263,21 +265,27 @@ class Engine:
     def _prefill_step(self, items: list[AdmitItem]) -> Step:
         """Start the admitted requests' prefill: allocate and hold their chunks' KV; the step's cost."""
         kv = self.kv
-        extend_total = 0
+        extend_total = computed = computed_seqs = 0
         attn_pairs = 0.0
         for it in items:
             extend_total += it.take
-            attn_pairs += it.take * (it.prefix_len + it.take / 2)
             if it.new:
                 _start_prefill(it)
+            if it.req.resumed and it.req.num_retractions == 0:
+                continue  # its KV was there when the run began: allocated, not computed
+            computed += it.take
+            computed_seqs += 1
+            attn_pairs += it.take * (it.prefix_len + it.take / 2)
         kv.allocate(extend_total)
         for it in items:
             kv.hold(it.req, it.take)
         cfg = self.cfg
-        mib = prefill_activation_mib(cfg.model, extend_total) * cfg.activation_factor
+        mib = prefill_activation_mib(cfg.model, computed) * cfg.activation_factor
         oom = "prefill" if mib > cfg.memory.available_mib else None
         duration = (
-            self.steptime.prefill_seconds(extend_total, attn_pairs, len(items)) * cfg.step_time_factor / cfg.time_scale
+            self.steptime.prefill_seconds(computed, attn_pairs, computed_seqs) * cfg.step_time_factor / cfg.time_scale
+            if computed
+            else 0.0
         )
         self.reporter.on_prefill(
             self.now, items, extend_total, kv, len(self.scheduler.waiting), self.scheduler.waiting_tokens

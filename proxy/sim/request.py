@@ -31,6 +31,9 @@ class RequestSpec:
     ignore_eos: bool = False
     output_len: int | None = None  # the true output length; None: drawn from the distribution
     rid: str | None = None
+    # running on the engine a replay stands for when the replay began: its prompt (what it wrote so far
+    # among it) is in that engine's KV already, so computing it costs the replay no time
+    resumed: bool = False
 
 
 def draw_target(rng: random.Random, max_new: int, fraction: float, spread: float, cap: int | None) -> int:
@@ -73,6 +76,7 @@ class Req:
         "private_base",
         "prompt_ids",
         "queued_seq",
+        "resumed",
         "rid",
         "seq",
         "state",
@@ -95,8 +99,10 @@ class Req:
         token_seed: int,
         stream: bool = False,
         priority: int = 0,
+        resumed: bool = False,
     ) -> None:
         self.rid = rid
+        self.resumed = resumed  # its KV was computed before the run began (RequestSpec.resumed)
         self.priority = priority  # SGLang's per-request priority (only ordered under priority scheduling)
         self.queued_seq = seq  # when it last entered the waiting queue (SGLang's wait_queue_entry_time)
         self.seq = seq

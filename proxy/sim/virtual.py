@@ -99,6 +99,7 @@ def simulate(
                         output_len=spec.output_len,
                         rid=spec.rid,
                         now=max(t, spec.arrival),
+                        resumed=spec.resumed,
                     )
                 )
             except QueueFull:
