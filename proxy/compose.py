@@ -372,8 +372,8 @@ class _Surroundings:
                 finished=f.time,
                 interactive=f.interactive,
                 written_before=f.written_before,
-                dispatched=f.arrived + f.queue_s,
-                first_token=None if f.ttft_s is None else f.arrived + f.queue_s + f.ttft_s,
+                dispatched=f.dispatched,
+                first_token=f.first_token,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

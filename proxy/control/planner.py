@@ -152,6 +152,11 @@ class Observed:
     first_token: float | None = None  # when its first output reached the proxy (a stream; None: not seen)
 
     @property
+    def sent(self) -> float:
+        """When the worker got it: sent by the proxy, else as it arrived."""
+        return self.arrived if self.dispatched is None else self.dispatched
+
+    @property
     def here(self) -> RequestSpec:
         """The work this worker did on it, as a spec arriving at 0 with no rid: what an earlier attempt
         wrote is prompt, what was left to write the output (of ``output_tokens``, at most ``max_tokens``)."""
@@ -173,6 +178,11 @@ class InFlight:
     keeps_written: bool = False  # taken back, it keeps what it wrote (the next worker goes on from there)
     written_before: int = 0  # what an earlier attempt wrote (taken back, kept): this worker goes on from there
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
+
+    @property
+    def sent(self) -> float:
+        """When the worker got it: sent by the proxy, else as it arrived."""
+        return self.arrived if self.dispatched is None else self.dispatched
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +277,7 @@ def replay(
         if id(o) in sampled or o.finished is None or o.finished <= t0:
             continue
         answered[f"b{i}"] = o.finished - t0
-        here = o.here
-        sent = o.arrived if o.dispatched is None else o.dispatched
+        here, sent = o.here, o.sent
         if sent >= t0:
             specs.append(replace(here, arrival=sent - t0, rid=f"b{i}"))
             continue
@@ -289,7 +298,7 @@ def replay(
         out = expected(whole_cap, r.interactive)
         before = max(0, min(r.written_before, out - 1, whole_cap - 1))  # an earlier attempt's text: prompt here
         prompt, cap, out = r.prompt_tokens + before, whole_cap - before, out - before
-        sent = r.arrived if r.dispatched is None else r.dispatched
+        sent = r.sent
         if sent >= t0:
             specs.append(RequestSpec(arrival=sent - t0, prompt_len=max(1, prompt),
                                      max_new_tokens=cap, output_len=out, rid=f"f{i}"))  # fmt: skip

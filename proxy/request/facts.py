@@ -51,6 +51,16 @@ class RequestFact:
     written_before: int = 0
 
     @property
+    def dispatched(self) -> float:
+        """When the proxy sent it to the worker (monotonic)."""
+        return self.arrived + self.queue_s
+
+    @property
+    def first_token(self) -> float | None:
+        """When its first output reached the proxy (monotonic; None: a whole answer, not seen)."""
+        return None if self.ttft_s is None else self.dispatched + self.ttft_s
+
+    @property
     def output_ratio(self) -> float | None:
         if self.output_tokens is None or not self.max_tokens:
             return None

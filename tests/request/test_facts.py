@@ -66,3 +66,12 @@ def test_written_reads_a_class_and_only_the_requests_that_arrived_before_a_momen
     facts.record(RequestFact(time=20.0, arrived=9.0, prompt_tokens=1, output_tokens=1500, max_tokens=2000,
                              finish_reason="stop", ttft_s=None, queue_s=0.0))  # fmt: skip
     assert facts.written(interactive=True) == {4096: [10, 30, 20], 2000: [1500]}  # requests that ask alike
+
+
+def test_when_the_worker_got_a_request_and_when_its_first_token_came() -> None:
+    stream = RequestFact(time=20.0, arrived=10.0, prompt_tokens=5, output_tokens=9, max_tokens=16,
+                         finish_reason="stop", ttft_s=0.5, queue_s=2.0)  # fmt: skip
+    assert (stream.dispatched, stream.first_token) == (12.0, 12.5)
+    whole = RequestFact(time=20.0, arrived=10.0, prompt_tokens=5, output_tokens=9, max_tokens=16,
+                        finish_reason="stop", ttft_s=None, queue_s=2.0)  # fmt: skip
+    assert (whole.dispatched, whole.first_token) == (12.0, None)  # a whole answer's first token is not seen
