@@ -597,6 +597,7 @@ class Controller:
             # a throughput gain accrues only while work waits: none with nothing waiting at this look, the
             # backlog's remainder where the work it holds falls for sure
             work_waits_s=0.0 if w.backlog.since is None else horizon.draining_s,
+            queued=self.surroundings.backlog() / self._serving_count(),
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
             conservativeness_bounds=(lo, hi),

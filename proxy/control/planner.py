@@ -34,8 +34,8 @@ predicts no throughput gain; there the arguments can still differ in how long re
 (admission that reserves too much holds requests back at the same tokens per second), so the
 candidate that answers the same requests soonest is worth a restart when the waiting it saves
 beats the waiting the restart adds (:func:`_waiting_plan`, in request-seconds: the mean answer
-saved x the arrival rate x the horizon, against the requests open and arriving during the outage,
-each held for it), the saving a mean over the worker's last looks (under bursty arrivals it comes in
+saved x the arrival rate x the horizon, against the requests open, waiting for the worker in the
+proxy's queue and arriving during the outage, each held for it), the saving a mean over the worker's last looks (under bursty arrivals it comes in
 the bursts). Not in a backlog (work waiting that outlasts the configured horizon, by its age
 and its drain: the controller's horizon is then the backlog's): there the worker is throughput-bound,
 and with the same tokens per second and the same arrivals the waiting is the same whatever the
@@ -383,6 +383,10 @@ class PlanSettings:
     # gain accrues only while work waits (a replay that goes on sends the sample again, so a batch
     # submitted at once and being answered reads as more of it to come)
     work_waits_s: float | None = None
+    # requests waiting for the worker in the proxy's own queue at the look (its share among the workers
+    # serving: the others take it while this one is out): each waits a restart's outage out, as those
+    # open on the worker do (mixed's batch, held back beside the chat, is not on the worker)
+    queued: float = 0.0
     max_requests: int = 300  # the replayed sample: the newest this many requests
     max_candidates: int = 10
     # a predicted gain below this is noise, whatever the horizon (and a loss below it: see _no_worse)
@@ -833,6 +837,7 @@ def plan(
             f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
             f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
             + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
+            + _held_up(settings)
         )
         if saved > paid:
             return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
@@ -876,6 +881,7 @@ def plan(
         )
         if waiting.utilization is not None:
             reason += f" (the worker {waiting.utilization:.0%} busy)"
+        reason += _held_up(settings)
     return Plan(
         twin=twin,
         current=current,
@@ -1038,17 +1044,24 @@ def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSetting
     return None if best is None else {**args, MEMORY_FRACTION: best[1]}
 
 
-def outage_waiting_s(in_flight: int, rate: float, outage_s: float, utilization: float | None) -> float:
+def outage_waiting_s(waiting: float, rate: float, outage_s: float, utilization: float | None) -> float:
     """Request-seconds of waiting an outage of ``outage_s`` adds on a worker that answers what arrives
     at ``rate`` requests/s at ``utilization`` (the work arriving over what the worker can do, 0-1): the
-    requests open on it wait the outage out; those arriving meanwhile queue up (``rate x outage``, half
+    ``waiting`` requests (open on it, or held for it in the proxy's queue) wait the outage out; those arriving meanwhile queue up (``rate x outage``, half
     the outage each on average) and the queue then drains at the worker's spare capacity only, so every
     request behind it waits too: the backlog's triangle, ``rate x outage^2 / 2 / (1 - utilization)``
     (a queue's busy period; at 0.9 ten times the outage's own share). Never less than every arrival
     held for the whole outage (the start-up is an estimate); utilization held below 0.95."""
     rho = min(0.95, max(0.0, utilization or 0.0))
     held = rate * outage_s * outage_s
-    return in_flight * outage_s + max(held, held / 2.0 / (1.0 - rho))
+    return waiting * outage_s + max(held, held / 2.0 / (1.0 - rho))
+
+
+def _held_up(settings: PlanSettings) -> str:
+    """What a waiting-basis reason adds of the requests held for the worker in the proxy's queue."""
+    if settings.queued < 1:
+        return ""
+    return f" ({settings.queued:.0f} waiting for it in the proxy's queue among those it holds up)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1125,7 +1138,8 @@ def _waiting_plan(
     waiting saved over the horizon (``savings``, :func:`waiting_savings`) is the most on average over
     this look and the ``earlier`` looks that asked the waiting basis (newest last, the last
     ``ERROR_LOOKS - 1``), with that mean, the request-seconds the restart adds
-    (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work computed again), the
+    (:func:`outage_waiting_s`: the outage is the drain, the start-up and the work computed again; the
+    ``in_flight`` requests open on the worker and those ``settings.queued`` for it in the proxy wait it out), the
     utilization they were priced at (the sample's output per second of its arrivals over ``capacity``
     of the candidate; None: not known) and the looks the mean is over.
 
@@ -1169,7 +1183,7 @@ def _waiting_plan(
         # 1.4 million request-seconds "saved" over 60 s, and a restart that paid on nothing)
         return None
     outage = cost.outage_s(current.output_tok_per_s)
-    paid = outage_waiting_s(in_flight, rate, outage, utilization)
+    paid = outage_waiting_s(in_flight + settings.queued, rate, outage, utilization)
     return WaitingPlan(quicker, saved, paid, utilization, count, savings[args_key(quicker.args)])
 
 

@@ -302,6 +302,24 @@ def test_the_outage_of_a_busy_worker_costs_the_drain_of_its_queue():
     assert RestartCost(startup_s=20.0, drain_s=5.0, recomputed_tokens=1000).outage_s(100.0) == 35.0
 
 
+def test_requests_held_for_the_worker_in_the_proxys_queue_wait_the_outage_out_too():
+    """The waiting basis prices a restart at the requests it holds up: those open on the worker, those
+    arriving during the outage, and those the proxy holds for it in its own queue (mixed's batch, held
+    back beside the chat: a restart for the chat's answers, 1,906 request-seconds saved against 998,
+    counted none of its ~430 and cost the batch 6 %)."""
+    twin, cost, wl = Twin(GPU, MODEL), RestartCost(startup_s=20.0), _burst_then_trickle()
+    alone = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings())
+    assert alone.worth and alone.basis == "waiting" and "proxy's queue" not in alone.reason
+    outage = cost.outage_s(alone.current.output_tok_per_s)
+    few = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings(queued=3.0))
+    assert few.wait_cost_s == pytest.approx(alone.wait_cost_s + 3.0 * outage)
+    assert few.worth and "(3 waiting for it in the proxy's queue among those it holds up)" in few.reason
+    held = plan(twin, {"schedule_conservativeness": 1.0}, wl, cost, PlanSettings(queued=400.0))
+    assert not held.worth and "request-seconds saved <=" in held.reason, held.reason
+    assert f"<= {alone.wait_cost_s + 400.0 * outage:.0f} the restart adds" in held.reason
+    assert "(400 waiting for it in the proxy's queue among those it holds up)" in held.reason
+
+
 def test_candidates_that_leave_too_little_free_memory_are_refused():
     wl = _workload(50, 5.0, (50, 100), 200)
     p = plan(Twin(GPU, MODEL), {"mem_fraction_static": 0.85}, wl, RestartCost(startup_s=1.0),

@@ -448,6 +448,11 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     assert kept.recomputed_tokens == 0.0
     assert kept.refill_prompt_tokens == pytest.approx(cost.refill_prompt_tokens + cost.recomputed_tokens)
     around.open = []
+    # the requests the proxy holds for it in its own queue (one worker serving: all of them) wait a
+    # restart's outage out too: the waiting basis prices them
+    around.held = 30
+    assert c._plan_inputs(c._workers["w0"], tuple(requests), (), job.time, job.horizon).settings.queued == 30.0
+    around.held = 0
     c.plan_now(job)
     (entry,) = c.journal.entries()
     if caught_up:
