@@ -54,7 +54,7 @@ from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter, KeyLimits
 from proxy.request.pacing import Band, LoadBoard, SampleObserver
 from proxy.request.path import RequestPath, RequestSettings
-from proxy.request.queues import QueueDepth, QueueTotals
+from proxy.request.queues import QueueTotals
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.metrics import ProxyMetrics
@@ -350,16 +350,19 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
 class _Surroundings:
     """The pool's log tail and its proxy queue's backlog, as a pool's controller asks for them."""
 
-    def __init__(self, st: ProxyState, queue: QueueDepth) -> None:
+    def __init__(self, st: ProxyState, dispatcher: Dispatcher) -> None:
         self._st = st
-        self._queue = queue
+        self._dispatcher = dispatcher
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         pool = self._st.pool
         return pool.tail(worker_id, lines) if isinstance(pool, WorkerLogs) else []
 
     def backlog(self) -> int:
-        return len(self._queue)
+        return len(self._dispatcher.admission)
+
+    def held_for_class(self) -> int:
+        return self._dispatcher.held_for_class()
 
     def recent_requests(self, worker_id: str) -> Sequence[Observed]:
         return [
@@ -414,7 +417,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 engine.knobs,
                 journal,
                 engine=engine,
-                surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name).admission),
+                surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
                 # only managed workers are acted on: for an external pool the controller advises, and its
                 # journal entries say the worker is not managed by this proxy
                 actor=Rollout(

@@ -155,6 +155,10 @@ class Surroundings(Protocol):
     def backlog(self) -> int:
         """Requests waiting in the proxy's own queue."""
 
+    def held_for_class(self) -> int:
+        """Of those, the batch requests their class's own gates hold there beside interactive work (by
+        design, not for want of room in the band)."""
+
     def recent_requests(self, worker_id: WorkerId) -> Sequence[Observed]:
         """The worker's newest answered requests, as the proxy saw them (the planner's workload)."""
 
@@ -403,7 +407,7 @@ class Controller:
         if w is None or sample is None:
             return
         held = self.surroundings.backlog()
-        w.window = w.window.push(sample).push_proxy_queue(sample.time, held)
+        w.window = w.window.push(sample).push_proxy_queue(sample.time, held, self.surroundings.held_for_class())
         sharing = self._serving_count()
         waiting = sample.queue + held / sharing
         w.backlog = w.backlog.observe(sample.time, waiting, running=sample.running, sharing=sharing,

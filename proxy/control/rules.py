@@ -600,7 +600,9 @@ def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Dec
 
 
 def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """The server queue is often empty while the proxy holds requests: pacing sends too slowly (noted)."""
+    """The server queue is often empty while the proxy holds requests the band would send: pacing sends
+    too slowly (noted). Batch work its class's gates hold beside interactive work is not counted: it
+    waits there by design."""
     c = s.control
     if window.observed_s < c.min_evidence_s:
         return None
@@ -610,7 +612,8 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
     return Decision(
         worker_id=state.worker_id,
         rule="pacing_too_timid",
-        reason=f"server queue empty in {fraction:.0%} of samples while the proxy held requests: pacing sends too slowly",
+        reason=f"server queue empty in {fraction:.0%} of samples while the proxy held requests the band would send: "
+        "pacing sends too slowly",
         time=window.now,
         evidence=TimidPacing(queue_empty_fraction=round(fraction, 3), threshold_fraction=c.timid_queue_fraction),
         old_args=state.args,

@@ -59,7 +59,8 @@ class Window:
     samples: tuple[Sample, ...] = ()
     events: tuple[LogEvent, ...] = ()
     startup: LogEvent | None = None  # the current incarnation's start-up line (kept past span_s)
-    proxy_queue: tuple[tuple[float, int], ...] = ()  # (time, requests the proxy holds for this pool)
+    # (time, requests the proxy holds for this pool, of which its batch class's own gates hold)
+    proxy_queue: tuple[tuple[float, int, int], ...] = ()
 
     # -- building -------------------------------------------------------------------------------
 
@@ -87,12 +88,14 @@ class Window:
             window = window.push(item)
         return window
 
-    def push_proxy_queue(self, time: float, depth: int) -> Window:
+    def push_proxy_queue(self, time: float, depth: int, for_class: int = 0) -> Window:
+        """The window with one more look at the proxy's queue: ``depth`` requests held, ``for_class`` of
+        them by their class's own gates (batch work beside interactive work)."""
         if time < self.since:
             return self
         now = max(self.now, time)
         kept = tuple(p for p in self.proxy_queue if p[0] >= now - self.span_s)
-        return replace(self, now=now, proxy_queue=(*kept, (time, depth)))
+        return replace(self, now=now, proxy_queue=(*kept, (time, depth, min(for_class, depth))))
 
     def at(self, now: float) -> Window:
         """The window as of ``now``: what fell out of the span is dropped."""
@@ -209,12 +212,13 @@ class Window:
         return sum(1 for _, _, r in points if r >= 0.95 * cap) / len(points)
 
     def timid_fraction(self) -> float:
-        """Share of samples with an empty server queue while the proxy held requests back."""
+        """Share of samples with an empty server queue while the proxy held requests back that the band
+        would send (the batch its class's gates hold beside interactive work waits by design)."""
         if not self.samples or not self.proxy_queue:
             return 0.0
         hits = 0
         for s in self.samples:
-            held = [d for t, d in self.proxy_queue if t <= s.time]
+            held = [d - gated for t, d, gated in self.proxy_queue if t <= s.time]
             hits += s.queue == 0 and bool(held) and held[-1] > 0
         return hits / len(self.samples)
 

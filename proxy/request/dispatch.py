@@ -510,6 +510,22 @@ class Dispatcher:
             self.board.get(info.id).forget_sample()
         self.pump()
 
+    def held_for_class(self) -> int:
+        """Batch requests in the proxy's queue that their class's own gates hold there, not the band:
+        beside interactive work, where the pacing's batch gates are set (within
+        ``interactive_window_s`` of the latest interactive arrival) or the fast tier keeps a batch
+        target on every worker serving. They wait by design while the worker's queue is empty."""
+        batch = self.admission.depth(Priority.BATCH)
+        if not batch:
+            return 0
+        gates = self.batch_band is not None or self.batch_in_flight is not None or self.batch_step_tokens > 0
+        if gates and self.clock() - self._interactive_seen < self.interactive_window_s:
+            return batch
+        serving = [w for w in self.pool.workers() if w.state is WorkerState.READY]
+        if serving and all(self.board.get(w.id).batch_queue_target is not None for w in serving):
+            return batch
+        return 0
+
     def open_attempts(self, worker_id: WorkerId) -> int:
         return self.board.get(worker_id).in_flight
 

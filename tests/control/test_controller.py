@@ -69,14 +69,17 @@ class SGLangLogs:
 class Around:
     """The proxy around the controller: a worker's log tail and the requests its queue holds."""
 
-    def __init__(self, *, tail: Sequence[str] = (), backlog: int = 0) -> None:
-        self.tail, self.held = list(tail), backlog
+    def __init__(self, *, tail: Sequence[str] = (), backlog: int = 0, for_class: int = 0) -> None:
+        self.tail, self.held, self.for_class = list(tail), backlog, for_class
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         return self.tail[-lines:]
 
     def backlog(self) -> int:
         return self.held
+
+    def held_for_class(self) -> int:
+        return self.for_class
 
 
 def info(
@@ -187,6 +190,12 @@ def test_timid_pacing_is_noted_not_acted_on() -> None:
     assert [(e["rule"], e["status"], e["action"]) for e in c.journal.entries()] == [
         ("pacing_too_timid", "noted", "note")
     ]
+    # the same, but what the proxy holds is batch work its class's gates keep beside interactive work
+    # (mixed's batch, held back beside the chat): nothing the band would send, no note
+    c, clock = controller(ControlMode.AUTO, None, around=Around(backlog=400, for_class=400))
+    c.track(info())
+    feed(c, clock, samples("samples_idle.json"))
+    assert c.tick() == [] and c.journal.entries() == []
 
 
 def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> None:

@@ -91,6 +91,11 @@ def test_timid_fraction_needs_proxy_backlog() -> None:
     w = w.push_all([s(1.0, queue=0), s(2.0, queue=0), s(3.0, queue=40), s(4.0, queue=0)])
     assert w.timid_fraction() == 0.75
     assert Window().push_all([s(1.0, queue=0)]).timid_fraction() == 0.0  # the proxy held nothing
+    # batch work its class's gates hold beside interactive work waits by design: only the rest counts
+    looks = [s(1.0, queue=0), s(2.0, queue=0), s(3.0, queue=40), s(4.0, queue=0)]
+    assert Window().push_proxy_queue(0.0, 50, 50).push_all(looks).timid_fraction() == 0.0
+    assert Window().push_proxy_queue(0.0, 50, 49).push_all(looks).timid_fraction() == 0.75
+    assert Window().push_proxy_queue(0.0, 50, 80).proxy_queue == ((0.0, 50, 50),)  # never more than it holds
 
 
 def test_restart_and_begin_keep_the_new_startup_line() -> None:

@@ -466,12 +466,36 @@ async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_re
     await asyncio.sleep(0)  # its handler wakes: the attempt is over, the ticket is at the front of the batch class
     assert requeued == [Requeued.TAKEN_BACK] and d.admission.peek() is batch[4] and load.in_flight == 5
     task.cancel()
+    # the two batch requests in the proxy's queue wait for their class's target, not for the band
+    assert d.held_for_class() == 2
+    load.batch_queue_target = None
+    assert d.held_for_class() == 0  # the batch alone: what the proxy holds waits for the band
+    load.batch_queue_target = 1
     # a scrape right after completions shows one waiting though four of ours are open beside two running:
     # the estimate errs high (4), the withdrawal reads the scrape's own queue (1) and takes nothing back
     _sample(board, "w0", 1, running=2)
     assert load.est_queue() > 1 and load.waiting_batch(keep=0) == []  # the newest one is the chat request
     for t in (*batch, chat, later):
         t.future.cancel()
+
+
+async def test_batch_work_the_pacings_batch_gates_hold_beside_interactive_work_is_held_for_its_class():
+    """pacing.batch_queue_beside_interactive: within interactive_window_s of the latest interactive
+    arrival, the batch requests the proxy holds wait for their class's gate (the journal's timid-pacing
+    note leaves them out); past it, or with no batch gate set, they wait for the band."""
+    now = [100.0]
+    for queue, held_beside in ((1, 3), (0, 0)):
+        d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=1, hi=2),
+                       stale_after_s=1e9, clock=lambda: now[0], batch_queue=queue, interactive_window_s=5.0)  # fmt: skip
+        _sample(d.board, "w0", 2, running=8)  # the worker's queue at the band's top: nothing goes
+        chat = d.submit(Priority.INTERACTIVE, 10)
+        batch = [d.submit(Priority.BATCH, 10) for _ in range(3)]
+        assert not any(t.future.done() for t in (chat, *batch)) and len(d.admission) == 4
+        assert d.held_for_class() == held_beside  # the interactive request is the band's to send either way
+        now[0] += 6.0  # the interactive window is over: the batch waits for the band
+        assert d.held_for_class() == 0
+        for t in (chat, *batch):
+            t.future.cancel()
 
 
 async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_open():
