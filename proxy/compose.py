@@ -207,8 +207,9 @@ def _fast_tier(
         load = board.get(worker_id)
         since = sample.time - 60.0
         chat_in_flight = load.interactive_in_flight
+        prev = paces.get(worker_id, Pace())
         pace = next_pace(
-            paces.get(worker_id, Pace()),
+            prev,
             PaceInput(
                 time=sample.time,
                 running=sample.running,
@@ -219,7 +220,8 @@ def _fast_tier(
                 in_flight=load.in_flight,
                 backlog=len(admission),
                 mean_output_tokens=load.facts.mean_output_tokens(since),
-                ttft_s=load.facts.mean_ttft(since, interactive=True),
+                # the first tokens of what was sent since the last back-off: what that back-off did
+                ttft_s=load.facts.mean_ttft(since, interactive=True, sent_after=prev.backed_off_at),
                 interactive_output_tokens=load.facts.mean_output_tokens(since, interactive=True),
                 interactive_waiting=chat_in_flight + admission.depth(Priority.INTERACTIVE),
             ),

@@ -115,8 +115,14 @@ class WorkerFacts:
         ratios = [r for f in self.recent(since) if (r := f.output_ratio) is not None]
         return statistics.median(ratios) if ratios else None
 
-    def mean_ttft(self, since: float | None = None, interactive: bool | None = None) -> float | None:
-        return _mean([f.ttft_s for f in self.recent(since, interactive) if f.ttft_s is not None])
+    def mean_ttft(
+        self, since: float | None = None, interactive: bool | None = None, sent_after: float = -math.inf
+    ) -> float | None:
+        """The mean time to first token of the requests that ended at ``since`` or later, of one class or
+        both, sent to the worker after ``sent_after`` (None: none)."""
+        return _mean(
+            [f.ttft_s for f in self.recent(since, interactive) if f.ttft_s is not None and f.dispatched > sent_after]
+        )
 
     def summary(self) -> dict[str, float | int | None]:
         facts = self.recent()

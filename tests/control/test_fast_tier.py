@@ -116,6 +116,47 @@ def test_the_proxy_writes_each_scrape_s_pace_into_the_worker_s_load():
     assert load.snapshot()["limit"] == load.limit
 
 
+def test_a_back_off_is_judged_on_the_first_tokens_of_what_was_sent_after_it():
+    """The time-to-first-token sign reads the interactive requests sent to the worker since the last
+    back-off: first tokens that waited before it (mixed's chat behind the batch at the start) are what
+    it answered, and read again every ``hold_s`` they backed the limit off below what the chat alone
+    holds while the GPU went idle. A slow first token sent after it is a sign again."""
+    from proxy.compose import _fast_tier
+    from proxy.engines.base import Sample
+    from proxy.policy import parse_policy
+    from proxy.request.admission import AdmissionQueue
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.facts import RequestFact
+    from proxy.request.pacing import Band, LoadBoard
+    from proxy.workers.fleet import build_pool
+
+    policy = parse_policy({"engine": {"kind": "external", "urls": ["http://127.0.0.1:9"]}}, "<t>")
+    board = LoadBoard()
+    dispatcher = Dispatcher(
+        build_pool(policy, {}), board, AdmissionQueue(10), band=Band(lo=4, hi=64, headroom=4), stale_after_s=5.0
+    )
+    board.subscribe(_fast_tier(board, dispatcher))
+    facts = board.get("w0").facts
+
+    def answered(sent: float, ttft: float, n: int = 1) -> None:
+        for _ in range(n):
+            facts.record(RequestFact(time=sent + ttft + 0.1, arrived=sent, prompt_tokens=300, output_tokens=50,
+                                     max_tokens=4096, finish_reason="stop", ttft_s=ttft, queue_s=0.0))  # fmt: skip
+
+    def scrape(t: float) -> int | None:
+        board.publish("w0", Sample(time=t, queue=8, running=100, token_usage=0.7), None)
+        return board.get("w0").limit
+
+    answered(0.5, 0.1, 3)
+    assert scrape(1.0) is None  # the floor: 0.1 s
+    answered(1.2, 2.0, 10)  # first tokens that waited
+    backed = scrape(2.0)
+    assert backed == int(108 * S.backoff)
+    assert scrape(2.0 + S.hold_s + 1.0) == backed  # nothing sent since has answered: no sign, whatever waited before
+    answered(3.0, 2.0)  # sent after the back-off, and slow: a sign
+    assert scrape(2.0 + 2 * S.hold_s + 2.0) == int(backed * S.backoff)
+
+
 def test_with_a_token_counter_a_steady_trickle_of_retractions_is_not_over_commitment():
     def looks(retracted_per_look: float) -> list[PaceInput]:
         return [_look(float(t), retractions_total=t * retracted_per_look, generation_tokens_total=t * 1600.0)

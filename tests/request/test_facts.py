@@ -51,6 +51,9 @@ def test_worker_facts_ring_and_figures():
         facts.mean_ttft(interactive=True) == pytest.approx(0.3) and facts.mean_output_tokens(interactive=False) == 90.0
     )
     assert [f.time for f in facts.recent(since=2.0, interactive=True)] == [3.0]
+    # sent after a moment: the first tokens of what was dispatched since (arrived i - 1, no proxy queue)
+    assert facts.mean_ttft(interactive=True, sent_after=1.5) == pytest.approx(0.4)
+    assert facts.mean_ttft(interactive=True, sent_after=2.0) is None
     assert RequestFact(time=0, arrived=0, prompt_tokens=1, output_tokens=3, max_tokens=None, finish_reason=None, ttft_s=None,
                        queue_s=0).output_ratio is None  # fmt: skip
 
