@@ -404,7 +404,7 @@ class Dispatcher:
             return
         workers = self.pool.workers()
         now = self.clock()
-        beside_interactive = now - self._interactive_seen < self.interactive_window_s
+        beside_interactive = self._beside_interactive(now)
         paced = beside_interactive and self.batch_step_tokens > 0
         while True:
             ticket = admission.peek()
@@ -510,6 +510,10 @@ class Dispatcher:
             self.board.get(info.id).forget_sample()
         self.pump()
 
+    def _beside_interactive(self, now: float) -> bool:
+        """Whether an interactive request arrived within ``interactive_window_s`` (the batch's gates apply)."""
+        return now - self._interactive_seen < self.interactive_window_s
+
     def held_for_class(self) -> int:
         """Batch requests in the proxy's queue that their class's own gates hold there, not the band:
         beside interactive work, where the pacing's batch gates are set (within
@@ -519,7 +523,7 @@ class Dispatcher:
         if not batch:
             return 0
         gates = self.batch_band is not None or self.batch_in_flight is not None or self.batch_step_tokens > 0
-        if gates and self.clock() - self._interactive_seen < self.interactive_window_s:
+        if gates and self._beside_interactive(self.clock()):
             return batch
         serving = [w for w in self.pool.workers() if w.state is WorkerState.READY]
         if serving and all(self.board.get(w.id).batch_queue_target is not None for w in serving):
