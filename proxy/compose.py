@@ -34,6 +34,7 @@ from proxy.control.fast_tier import (
     PaceSettings,
     budget_evidence,
     budget_moved,
+    kv_peak,
     next_pace,
     output_budget,
 )
@@ -208,6 +209,22 @@ def _fast_tier(
         since = sample.time - 60.0
         chat_in_flight = load.interactive_in_flight
         prev = paces.get(worker_id, Pace())
+        step = load.engine_step_s()
+        kv_peak_share = batch_request_share = None
+        pool_tokens = sample.max_total_tokens
+        if step is not None and pool_tokens and load.batch_in_flight:  # only a batch beside chat is sized by it
+            facts = load.facts
+
+            def expected(interactive: bool) -> tuple[float | None, float | None]:
+                return facts.mean_prompt_tokens(since, interactive), facts.mean_output_tokens(since, interactive)
+
+            batch = load.open_requests(sample.time, step, expected, interactive=False)
+            chat = load.open_requests(sample.time, step, expected, interactive=True)
+            # the interactive class keeps coming: as its open requests end, the next ones need what these
+            # come to hold, free, to be admitted (their prompt and output), all along the batch's peak
+            kv_peak_share = (kv_peak(batch) + sum(held + left for held, left in chat)) / pool_tokens
+            if batch:  # a batch request's whole size: what the next one sent takes of the pool at its end
+                batch_request_share = sum(held + left for held, left in batch) / len(batch) / pool_tokens
         pace = next_pace(
             prev,
             PaceInput(
@@ -224,6 +241,10 @@ def _fast_tier(
                 ttft_s=load.facts.mean_ttft(since, interactive=True, sent_after=prev.backed_off_at),
                 interactive_output_tokens=load.facts.mean_output_tokens(since, interactive=True),
                 interactive_waiting=chat_in_flight + admission.depth(Priority.INTERACTIVE),
+                step_s=step,
+                kv_peak_share=kv_peak_share,
+                batch_request_share=batch_request_share,
+                batch_in_flight=load.batch_in_flight,
             ),
             lo=band.lo,
             hi=band.hi,
@@ -254,20 +275,33 @@ def _fast_tier(
                     above = None if new is None else applies_above(new)
                     journal(worker_id, budget_evidence(written, interactive, asked, old, new, settings, above),
                             sample.time)  # fmt: skip
+        load.first_token_wait_s = pace.first_token_wait_s
         withdrawn = 0
+        if pace.take_back_batch:
+            withdrawn = dispatcher.take_back_newest_batch(worker_id, pace.take_back_batch)
+            _log.info(
+                "fast tier %s: %d batch requests taken back: the open requests' KV heads to %.2f of the pool",
+                worker_id,
+                withdrawn,
+                kv_peak_share,
+            )
         if pace.batch_queue_target is not None and load.batch_in_flight:
-            withdrawn = dispatcher.withdraw_batch(worker_id, keep=pace.batch_queue_target)
-            if withdrawn:
+            # an interactive request overdue for its first token waits there for room: no batch request
+            # stays queued ahead of it (each needs more KV free to be admitted than the chat does)
+            keep = 0 if load.first_token_overdue(sample.time) else pace.batch_queue_target
+            queued = dispatcher.withdraw_batch(worker_id, keep=keep)
+            withdrawn += queued
+            if queued:
                 _log.info(
                     "fast tier %s: %d batch requests back from the worker's queue (interactive work)",
                     worker_id,
-                    withdrawn,
+                    queued,
                 )
-        now = (pace.limit, pace.queue_target, pace.batch_queue_target)
-        if now != (load.limit, load.queue_target, load.batch_queue_target) or withdrawn:
+        now = (pace.limit, pace.queue_target, pace.batch_queue_target, pace.batch_limit)
+        if now != (load.limit, load.queue_target, load.batch_queue_target, load.batch_limit) or withdrawn:
             if pace.limit != load.limit:
                 _log.info("fast tier %s: %s", worker_id, pace.reason)
-            load.limit, load.queue_target, load.batch_queue_target = now
+            load.limit, load.queue_target, load.batch_queue_target, load.batch_limit = now
             dispatcher.pump()
 
     return observe

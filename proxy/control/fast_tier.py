@@ -29,7 +29,8 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   always has work to admit when a slot frees: the target moves towards ``hi`` with the mean output
   length of the worker's recent requests, linearly between ``short_output_tokens`` and
   ``long_output_tokens``.
-* the **batch queue target**, while interactive work is on the worker or waiting for it.
+* the **batch queue target** and the **batch's own limit**, while interactive work is on the worker
+  or waiting for it (below, *Classes* 3-5).
 * the **output budget** per class and ``max_tokens`` asked (:func:`output_budget`): the ``max_tokens``
   a plain request is sent to the worker with, where the worker's engine reserves KV for ``max_tokens``
   (SGLang). A high quantile (``budget_quantile``) of what the worker's recent answers of the class
@@ -70,6 +71,35 @@ things follow, each argued from where a request can wait:
    to the proxy's queue (the composition root does it through the dispatcher: nothing ran for
    them, so nothing is lost or recomputed). Batch work thus steps back within one scrape when chat
    arrives, and takes the band again ``interactive_hold_s`` after it stops.
+4. *The batch holds the KV it is heading for, not what it holds now, and leaves the rest to the
+   interactive class.* A batch of long outputs fills an engine's KV pool as it writes: a batch request
+   sent while usage was low holds ten times its prompt by its end. The engine admits a waiting request
+   only when the KV it reserves is free, and each batch request that ended freed some that the next
+   batch refill took again; once the pool was full, every chat request waited for batch requests to
+   end (in ``mixed`` whole stretches of 100-200 modelled seconds in which every first token waited
+   20-40 s), and the time-to-first-token sign read it a minute late. Beside interactive work the batch
+   has a limit of its own (``Pace.batch_limit``, :func:`batch_kv_limit`): from each request open on the
+   worker, its prompt (its class's recent prompts as the engine counted them, else the proxy's estimate
+   from its bytes), what it has written (the decode steps since it was sent, from the scrape's step
+   time) and what it is expected still to write (its class's recent answers' mean output, else its
+   ``max_tokens``); the KV ahead is :func:`kv_peak` of the batch's, the most they will hold at once
+   from now on, plus the interactive requests' whole size all along (the class keeps coming: as its
+   requests end, the next ones need that much free to be admitted); the batch may
+   hold what it holds plus as many requests of its size (prompt and expected output) as fit under
+   ``grow_below_usage`` of the pool at that peak. Past ``kv_peak_full`` (a batch that got there first,
+   or a flood between two scrapes), the newest batch requests beyond ``grow_below_usage`` are taken
+   back (the least work done; a whole answer the worker can end early keeps what it wrote), before the
+   engine has to retract, and the chat finds room at once. Not sized: a batch alone (it is judged on throughput, and retractions pace it), and no
+   batch request open yet (its size is not known: the first goes, the next scrape sizes the rest).
+5. *An interactive request waiting at the worker for its first token holds the batch's refills
+   there.* Between scrapes the batch's limit stands while requests end. Beside interactive work
+   (``Pace.first_token_wait_s``, from the scrape's decode step time), a streamed interactive request
+   that has had no first token for ``first_token_steps`` steps (its prefill and the step before it take
+   about two) is waiting for room: while one is, no batch request goes to that worker beyond the one
+   the class always keeps going (:meth:`~proxy.request.pacing.WorkerLoad.has_room`), and the next
+   scrape takes back every batch request still queued there ahead of it (each needs more KV free to be
+   admitted than a chat request, and the queue is FIFO). Whole answers do not count: their first token
+   is not seen (the limit's sign still covers them).
 
 Nothing here restarts anything or reads an engine: the inputs are the scrape (engine-neutral
 :class:`~proxy.engines.base.Sample` figures) and the proxy's own per-request facts. The request
@@ -95,8 +125,10 @@ __all__ = [
     "Pace",
     "PaceInput",
     "PaceSettings",
+    "batch_kv_limit",
     "budget_evidence",
     "budget_moved",
+    "kv_peak",
     "next_pace",
     "output_budget",
     "queue_target",
@@ -119,6 +151,12 @@ class PaceSettings:
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
     batch_queue_beside_interactive: int = 2  # batch requests waiting at the worker while interactive work is there
     interactive_hold_s: float = 5.0  # how long after the last interactive request batch work stays stepped back
+    # beside interactive work: how many of the worker's decode steps a streamed interactive request may wait
+    # there for its first token before the batch's refills stop (its prefill and the step before it take ~2)
+    first_token_steps: float = 4.0
+    kv_peak_full: float = (
+        1.0  # beside interactive work: batch requests are taken back while the open ones' KV heads past this
+    )
     output_budget: bool = (
         True  # send plain whole requests at their class's output budget (policy control.output_budget)
     )
@@ -149,6 +187,12 @@ class PaceInput:
     ttft_s: float | None = None
     interactive_output_tokens: float | None = None  # mean output of its recent interactive requests (None: as above)
     interactive_waiting: int = 0  # interactive requests open on the worker or waiting in the proxy for it
+    step_s: float | None = None  # the worker's decode step time from the scrape (None: not known)
+    # the KV ahead, as a share of the worker's pool: the most its open batch requests are expected to hold
+    # at once (:func:`kv_peak`), plus its open interactive requests' whole size (None: not known)
+    kv_peak_share: float | None = None
+    batch_request_share: float | None = None  # a batch request's prompt and expected output, as a share of the pool
+    batch_in_flight: int = 0  # of in_flight, the batch class's
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,6 +202,9 @@ class Pace:
     limit: int | None = None  # None: no limit beyond the queue band
     queue_target: int | None = None  # None: the band's own target
     batch_queue_target: int | None = None  # the batch class's, beside interactive work (None: queue_target)
+    # beside interactive work: a streamed interactive request waiting this long at the worker for its first
+    # token holds the batch's refills there (None: not beside interactive work, or no step time yet)
+    first_token_wait_s: float | None = None
     interactive_seen_at: float = -math.inf  # the latest look with interactive work on or for the worker
     retractions_seen: float | None = None
     tokens_seen: float | None = None
@@ -167,7 +214,23 @@ class Pace:
     looked_at: float | None = None  # the previous look's time
     ttft_floor: float | None = None
     backed_off_at: float = -math.inf
+    # beside interactive work: the batch requests the worker may hold, sized by the KV ahead (None: no cap)
+    batch_limit: int | None = None
+    take_back_batch: int = 0  # the newest batch requests open on the worker to take back now (KV past the pool)
     reason: str = ""  # why the limit last moved (for the status page and logs)
+
+
+def kv_peak(open_requests: Sequence[tuple[int, int]]) -> int:
+    """The most KV tokens ``open_requests`` (each: tokens held now, output tokens still to write) hold at
+    once from now on, each writing one token a step until it ends: before the request that ends ``r``
+    steps from now does, those still running hold what they hold now plus ``r`` tokens each."""
+    ordered = sorted(open_requests, key=lambda held_left: held_left[1])
+    held_after = sum(held for held, _ in ordered)  # what the requests not yet ended hold now
+    peak = held_after
+    for k, (held, left) in enumerate(ordered):
+        peak = max(peak, held_after + left * (len(ordered) - k))
+        held_after -= held
+    return peak
 
 
 def _increase(before: float | None, now: float | None) -> float | None:
@@ -239,9 +302,11 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         own = look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
         target = queue_target(lo, hi, headroom, own, settings)
         batch_target: int | None = max(1, min(settings.batch_queue_beside_interactive, target))
+        wait = None if look.step_s is None else settings.first_token_steps * look.step_s
     else:
         target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
-        batch_target = None
+        batch_target, wait = None, None
+    batch_limit, take_back = batch_kv_limit(look, settings) if beside_interactive else (None, 0)
     r_inc = _increase(prev.retractions_seen, look.retractions_total)
     t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
     dt = now - prev.looked_at if prev.looked_at is not None else 0.0
@@ -276,6 +341,7 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         prev,
         queue_target=target,
         batch_queue_target=batch_target,
+        first_token_wait_s=wait,
         interactive_seen_at=interactive_seen_at,
         retractions_seen=look.retractions_total,
         tokens_seen=look.generation_tokens_total,
@@ -284,6 +350,8 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         rates_seen_s=seen_s,
         looked_at=now,
         ttft_floor=floor,
+        batch_limit=batch_limit,
+        take_back_batch=take_back,
     )
     held = now - prev.backed_off_at < settings.hold_s
     if (retracted or slow) and not held:
@@ -305,3 +373,20 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
             return replace(state, limit=None, reason="limit lifted: grown past the ceiling")
         return replace(state, limit=limit, reason=f"grew to {limit}: under-used with work waiting")
     return state
+
+
+def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None, int]:
+    """Beside interactive work, the batch requests the worker may hold, sized by the KV the open requests
+    are heading for (``look.kv_peak_share``, :func:`kv_peak`), and how many of the newest to take back
+    now: those open, plus the batch requests (each ``look.batch_request_share`` of the pool: its prompt
+    and expected output) that fit under ``grow_below_usage`` once the open ones have written what they
+    are expected to; past ``kv_peak_full``, less the ones that take it past ``grow_below_usage`` (taken
+    back to where the sizing keeps it: a chat request then finds room at once). ``(None, 0)``: not sized
+    (no interactive work beside, nothing of the batch's open, or the pool or the step time not known)."""
+    ahead, size = look.kv_peak_share, look.batch_request_share
+    if ahead is None or not size:
+        return None, 0
+    if ahead > settings.kv_peak_full:  # back to where the sizing keeps it, so the chat finds room at once
+        take = min(look.batch_in_flight, math.ceil((ahead - settings.grow_below_usage) / size - 1e-9))
+        return look.batch_in_flight - take, take
+    return look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size)), 0

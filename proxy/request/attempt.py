@@ -105,6 +105,7 @@ class Attempt:
         "requeued",
         "sent_max_tokens",
         "started",
+        "streamed",
         "taken_back",
         "task",
         "ticket",
@@ -117,6 +118,7 @@ class Attempt:
         self.dispatched_at = dispatched_at
         self.task: asyncio.Task[object] | None = None  # the handler that owns it, until its first output
         self.started = False  # output went to the client: it can no longer be taken back nor retried
+        self.streamed = False  # a stream: ``started`` comes with its first token (a whole answer's, with its end)
         self.taken_back = False
         self.released = False
         self.requeued: Requeued | None = None  # set when it ended without output and its ticket went back

@@ -135,7 +135,7 @@ def choose_worker(
     if exclude:
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
-    ready = [(w, load) for w, load in ready if load.has_room(batch=batch)]
+    ready = [(w, load) for w, load in ready if load.has_room(now, batch=batch)]
     if batch_limit is not None:
         ready = [
             (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
@@ -550,6 +550,15 @@ class Dispatcher:
         for attempt in waiting:
             _take_back(attempt)
         return len(waiting)
+
+    def take_back_newest_batch(self, worker_id: WorkerId, count: int) -> int:
+        """Take back up to ``count`` of the batch requests open on the worker with no output yet, newest
+        first (:meth:`WorkerLoad.newest_batch`: the least work done there; a whole answer the worker can end
+        early keeps what it wrote and goes on from it). They wait at the front of the batch class."""
+        taken = self.board.get(worker_id).newest_batch(count)
+        for attempt in taken:
+            _take_back(attempt)
+        return len(taken)
 
     def take_back(self, worker_id: WorkerId) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.

@@ -110,6 +110,10 @@ class WorkerFacts:
     def mean_output_tokens(self, since: float | None = None, interactive: bool | None = None) -> float | None:
         return _mean([float(f.output_tokens) for f in self.recent(since, interactive) if f.output_tokens is not None])
 
+    def mean_prompt_tokens(self, since: float | None = None, interactive: bool | None = None) -> float | None:
+        """As the engine counted them (the proxy's own estimate of an open request's is from its bytes)."""
+        return _mean([float(f.prompt_tokens) for f in self.recent(since, interactive) if f.prompt_tokens is not None])
+
     def output_ratio(self, since: float | None = None) -> float | None:
         """Median of output tokens / ``max_tokens`` (None: no request said both)."""
         ratios = [r for f in self.recent(since) if (r := f.output_ratio) is not None]

@@ -85,12 +85,14 @@ class WorkerLoad:
         "_pending_base",
         "attempts",
         "batch_attempts",
+        "batch_limit",
         "batch_paced_until",
         "batch_queue_target",
         "completed",
         "dispatched",
         "error",
         "facts",
+        "first_token_wait_s",
         "last_running",
         "limit",
         "output_budgets",
@@ -115,6 +117,10 @@ class WorkerLoad:
         self.limit: int | None = None  # the fast tier's admission limit: at most this many in flight
         self.queue_target: int | None = None  # the fast tier's server-queue target (None: the band's)
         self.batch_queue_target: int | None = None  # the batch class's, beside interactive (None: queue_target)
+        # the fast tier's beside interactive work: at most this many batch requests open here (None: no cap)
+        self.batch_limit: int | None = None
+        # the fast tier's: a streamed interactive request waiting this long for its first token holds batch refills
+        self.first_token_wait_s: float | None = None
         # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
         self.output_budgets: dict[tuple[bool, int], int] = {}
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
@@ -192,13 +198,35 @@ class WorkerLoad:
         self._pending_base = None
 
     # -- reading ----------------------------------------------------------------------------------
-    def has_room(self, *, batch: bool = False) -> bool:
-        """Whether the admission limit lets one more request of the class go to the worker: a batch
-        request counts everything in flight there, an interactive one only the interactive ones."""
+    def has_room(self, now: float, *, batch: bool = False) -> bool:
+        """Whether one more request of the class may go to the worker: under the admission limit (a
+        batch request counts everything in flight there, an interactive one only the interactive
+        ones); for a batch request also under the batch's own ``batch_limit``, and no interactive
+        request overdue for its first token there while the batch already has one in flight
+        (:meth:`first_token_overdue`)."""
+        if batch and self.batch_limit is not None and len(self.batch_attempts) >= self.batch_limit:
+            return False
+        if batch and self.batch_attempts and self.first_token_overdue(now):
+            return False
         if self.limit is None:
             return True
         counted = self.in_flight if batch else self.interactive_in_flight
         return counted < self.limit
+
+    def first_token_overdue(self, now: float) -> bool:
+        """Whether a streamed interactive request open on the worker has waited longer than the fast
+        tier's ``first_token_wait_s`` for its first token: it waits at the worker for room (the KV a
+        batch refill would take, or behind batch requests in the worker's queue). Whole answers are
+        not counted: their first token is not seen."""
+        wait = self.first_token_wait_s
+        if wait is None or len(self.attempts) == len(self.batch_attempts):
+            return False
+        due = now - wait
+        return any(
+            a.streamed and not a.started and not a.taken_back and a.dispatched_at < due
+            for a in self.attempts
+            if a not in self.batch_attempts
+        )
 
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
@@ -206,6 +234,40 @@ class WorkerLoad:
         if own is None:
             return band.target
         return max(1, min(own, band.hi))
+
+    def open_requests(
+        self,
+        now: float,
+        step_s: float,
+        expected: Callable[[bool], tuple[float | None, float | None]],
+        *,
+        interactive: bool,
+    ) -> list[tuple[int, int]]:
+        """Each request of the class open on the worker as (KV tokens it holds, output tokens it is expected still to
+        write), estimated from what the proxy knows: its prompt (its class's recent answers' mean prompt
+        as the engine counted it, ``expected(interactive)[0]``; else the proxy's estimate from its bytes),
+        and as written so far the decode steps since it was sent (``step_s`` each) up to the output
+        expected of its class (``expected(interactive)[1]``: the class's recent answers' mean output; else
+        the ``max_tokens`` it was sent with, the most it writes). The newest, as many as the scrape's
+        queue shows waiting there (FIFO), have written nothing yet."""
+        s = self.sample
+        waiting = 0 if s is None else s.queue
+        prompt_mean, mean = expected(interactive)
+        out: list[tuple[int, int]] = []
+        for n, a in enumerate(reversed(self.attempts)):
+            if (a not in self.batch_attempts) is not interactive:
+                continue
+            ticket = a.ticket
+            asked = a.sent_max_tokens or ticket.max_tokens
+            total = mean if mean is not None else asked
+            if total is None:
+                continue  # nothing known of what it writes: it cannot be projected
+            if asked is not None:
+                total = min(total, asked)
+            written = 0.0 if n < waiting or step_s <= 0 else min(total, (now - a.dispatched_at) / step_s)
+            prompt = prompt_mean if prompt_mean is not None else ticket.prompt_tokens or 0
+            out.append((int(prompt + written), max(0, round(total - written))))
+        return out
 
     def waiting_batch(self, keep: int) -> list[Attempt]:
         """The batch attempts waiting in the worker's queue beyond its ``keep`` oldest, newest first.
@@ -265,6 +327,7 @@ class WorkerLoad:
             "in_flight": self.in_flight,
             "est_queue": self.est_queue(),
             "limit": self.limit,
+            "batch_limit": self.batch_limit,
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
             "output_budget": self.budget_summary(),

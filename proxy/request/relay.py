@@ -297,6 +297,7 @@ async def _queued(
     while True:
         try:
             async with d.attempt(ticket) as attempt:
+                attempt.streamed = job.stream
                 if tries == 0:
                     m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
                 tries += 1

@@ -8,8 +8,10 @@ from proxy.control.fast_tier import (
     Pace,
     PaceInput,
     PaceSettings,
+    batch_kv_limit,
     budget_evidence,
     budget_moved,
+    kv_peak,
     next_pace,
     output_budget,
     queue_target,
@@ -214,6 +216,42 @@ def test_batch_keeps_a_short_server_queue_beside_interactive_work_and_the_band_a
     assert small_band.batch_queue_target == 1  # never past the interactive target, never 0
 
 
+def test_the_kv_peak_is_what_the_open_requests_hold_before_the_next_one_ends():
+    assert kv_peak([]) == 0
+    assert kv_peak([(100, 0), (50, 0)]) == 150  # nothing left to write: what they hold now
+    # two grow: 100 + 10 and 50 + 10 just before the first ends, then 50 + 30 alone
+    assert kv_peak([(100, 10), (50, 30)]) == 170
+    # a long one outlives a crowd of short ones: the crowd's end frees more than the long one ever writes
+    assert kv_peak([(1000, 5)] * 10 + [(10, 200)]) == 10 * 1005 + 15
+    assert kv_peak([(1000, 5)] * 10 + [(10, 20000)]) == 20010
+
+
+def test_beside_interactive_work_the_batch_is_sized_by_the_kv_the_open_requests_head_for():
+    """The batch requests open, plus those (each its prompt and expected output) that fit under
+    grow_below_usage once the open ones have written theirs; past the pool, the newest beyond it are
+    taken back. Not today's usage: a batch sent at low usage fills the pool as it writes. A batch alone,
+    or one whose size is not known yet, is not sized (retractions and usage pace it, as before)."""
+    chat = {"interactive_waiting": 5, "backlog": 40, "token_usage": 0.6, "in_flight": 150, "batch_in_flight": 100}
+    over = _run([_look(0.0, kv_peak_share=1.3, batch_request_share=0.02, **chat)])[0]
+    # back to 0.9 of the pool, where the sizing keeps it; the AIMD limit is apart
+    assert (over.batch_limit, over.take_back_batch) == (80, 20) and over.limit is None
+    assert batch_kv_limit(_look(0.0, kv_peak_share=1.0, batch_request_share=0.02, **chat), S) == (100, 0)
+    room = _run([_look(1.0, kv_peak_share=0.75, batch_request_share=0.02, **{**chat, "batch_in_flight": 80})], over)[0]
+    assert (room.batch_limit, room.take_back_batch) == (80 + 7, 0)  # (0.9 - 0.75) / 0.02
+    unknown = _run([_look(2.0, kv_peak_share=0.75, **chat)], room)[0]
+    assert unknown.batch_limit is None  # nothing of the batch open (no size): its first request goes
+    alone = _run([_look(100.0, kv_peak_share=1.3, batch_request_share=0.02, **{**chat, "interactive_waiting": 0})])
+    assert alone[0].batch_limit is None and alone[0].take_back_batch == 0
+
+
+def test_beside_interactive_work_a_first_token_may_wait_a_few_decode_steps_before_batch_refills_stop():
+    beside = _run([_look(0.0, interactive_waiting=3, step_s=0.03)])[0]
+    assert beside.first_token_wait_s == S.first_token_steps * 0.03
+    assert _run([_look(0.0, interactive_waiting=3)])[0].first_token_wait_s is None  # no step time yet: no hold
+    alone = _run([_look(S.interactive_hold_s + 0.5, step_s=0.03)], beside)[0]
+    assert alone.first_token_wait_s is None  # a batch alone: nothing to wait for
+
+
 class _ReadyPool:
     """One ready worker (what the dispatcher reads of a pool)."""
 
@@ -268,6 +306,40 @@ async def test_the_proxy_takes_back_batch_requests_waiting_at_the_worker_when_in
         t.future.cancel()
 
 
+async def test_an_interactive_request_overdue_for_its_first_token_has_no_batch_request_queued_ahead_of_it():
+    """The composition: the scrape's step time sets the first token's wait; a streamed interactive
+    request past it at the worker takes back every batch request waiting there (each needs more KV free
+    to be admitted than the chat request does, and the worker's queue is FIFO)."""
+    from proxy.compose import _fast_tier
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board, clock = LoadBoard(), [10.0]
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=lambda: clock[0])  # fmt: skip
+    board.subscribe(_fast_tier(board, d))
+    load = board.get("w0")
+    load.scrape_started()
+    board.publish("w0", Sample(time=9.0, queue=0, running=4, token_usage=0.5, generation_tokens_total=0.0), None)
+    batch = [d.submit(Priority.BATCH, 100) for _ in range(4)]
+    chat = d.submit(Priority.INTERACTIVE, 100)
+    chat.future.result().streamed = True
+    load.scrape_started()  # four tokens a step at 100 tokens/s: 0.04 s steps
+    board.publish("w0", Sample(time=10.0, queue=3, running=4, token_usage=0.9, generation_tokens_total=100.0), None)
+    assert load.first_token_wait_s == S.first_token_steps * 0.04
+    assert not any(t.future.result().taken_back for t in batch)  # the chat request was just sent: nothing overdue
+    clock[0] = 11.0
+    load.scrape_started()
+    board.publish("w0", Sample(time=11.0, queue=3, running=4, token_usage=0.9, generation_tokens_total=200.0), None)
+    # the scrape's three waiting are the newest sent: the chat request and two batch ones, both taken back
+    assert [t for t in batch if t.future.result().taken_back] == batch[2:]
+    assert not chat.future.result().taken_back
+    for t in (*batch, chat):
+        t.future.cancel()
+
+
 def test_output_budget_is_a_margin_over_a_high_quantile_of_what_answers_wrote():
     assert output_budget([300] * (S.budget_min_answers - 1), S) is None  # too few answers to say
     written = list(range(1, 101))  # 1..100 tokens
@@ -286,3 +358,41 @@ def test_a_budget_is_journaled_when_set_lifted_or_moved_by_a_quarter():
     ev = budget_evidence([100] * 60, True, 4096, None, 256, S)
     assert (ev.request_class, ev.max_tokens, ev.budget_tokens, ev.previous_tokens, ev.answers, ev.high_tokens) == (
         "interactive", 4096, 256, None, 60, 100)  # fmt: skip
+
+
+async def test_beside_interactive_work_the_newest_batch_requests_past_the_pool_s_kv_are_taken_back():
+    """The composition: the scrape's pool size and step time and the open requests' prompts and
+    max_tokens (no answers yet) give the KV ahead; past the pool, the newest batch requests go back."""
+    from proxy.compose import _fast_tier
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board, clock = LoadBoard(), [10.0]
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=20, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=lambda: clock[0])  # fmt: skip
+    board.subscribe(_fast_tier(board, d))
+    load = board.get("w0")
+
+    def scrape(t: float, tokens: float) -> None:
+        load.scrape_started()
+        board.publish("w0", Sample(time=t, queue=0, running=11, token_usage=0.3, max_total_tokens=12_000,
+                                   generation_tokens_total=tokens), None)  # fmt: skip
+
+    scrape(9.0, 0.0)
+    batch = [d.submit(Priority.BATCH, 100, prompt_tokens=400, max_tokens=800) for _ in range(10)]
+    chat = d.submit(Priority.INTERACTIVE, 100, prompt_tokens=500, max_tokens=300)
+    assert all(t.future.done() for t in (*batch, chat))
+    scrape(10.0, 1100.0)  # 11 running at 1,100 tokens/s: 0.01 s steps; each has 800 of 800 (or 300) to write
+    # ten batch requests head for 1,200 each at their end, and the chat class holds its 800 all along (the
+    # next chat requests hold what this one does): 12,800 of 12,000, past the pool, and 0.167 of it past
+    # the 0.9 the sizing keeps, which two batch requests' shares (0.1 each) cover: the two newest go back,
+    # the batch's limit keeps them out
+    taken = [t for t in batch if t.future.result().taken_back]
+    assert taken == batch[-2:] and not chat.future.result().taken_back
+    assert load.batch_limit == 8
+    later = d.submit(Priority.BATCH, 100, prompt_tokens=400, max_tokens=800)
+    assert not later.future.done()
+    for t in (*batch, chat, later):
+        t.future.cancel()

@@ -681,3 +681,76 @@ async def test_when_the_gate_holds_both_classes_the_batch_keeps_its_floor_turn()
     assert batch.future.done() and not chat[1].future.done()
     for t in (batch, chat[1]):
         t.future.cancel()
+
+
+async def test_batch_refills_wait_while_a_streamed_interactive_request_is_overdue_for_its_first_token():
+    """The fast tier's first_token_wait_s: a streamed interactive request that has waited longer than it
+    at the worker holds the batch's refills there (the KV a batch request would take is what it waits
+    for); not a whole answer's (its first token is not seen), not the batch's first request (the class
+    always keeps one going), and they go again once its first token is out."""
+    now = [100.0]
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=50, hi=60),
+                   stale_after_s=1e9, clock=lambda: now[0])  # fmt: skip
+    _sample(d.board, "w0", 0, running=8)
+    load = d.board.get("w0")
+    load.first_token_wait_s = 0.5
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    whole = d.submit(Priority.INTERACTIVE, 10)
+    chat.future.result().streamed = True  # what the relay marks on a stream's attempt
+    now[0] += 1.0  # both past the wait, no first token yet
+    first = d.submit(Priority.BATCH, 10)
+    assert first.future.done()  # the batch's first request goes: it has nothing on the worker yet
+    second = d.submit(Priority.BATCH, 10)
+    assert not second.future.done() and load.first_token_overdue(now[0])
+    assert not load.has_room(now[0], batch=True) and load.has_room(now[0])  # interactive work still goes
+    chat.future.result().mark_started()  # its first token: the whole answer alone holds nothing back
+    d.pump()
+    assert second.future.done() and not load.first_token_overdue(now[0])
+    late = d.submit(Priority.INTERACTIVE, 10)
+    late.future.result().streamed = True
+    now[0] += 0.4  # within the wait: still its prefill's time
+    third = d.submit(Priority.BATCH, 10)
+    assert third.future.done()
+    load.first_token_wait_s = None  # no interactive work for the hold: the fast tier lifts it
+    now[0] += 10.0
+    fourth = d.submit(Priority.BATCH, 10)
+    assert fourth.future.done()
+    load.batch_limit = 4  # the fast tier's KV sizing beside interactive work: the batch's own cap
+    fifth = d.submit(Priority.BATCH, 10)
+    assert not fifth.future.done() and load.has_room(now[0])  # the batch's cap holds the batch alone
+    load.batch_limit = 5
+    d.pump()
+    assert fifth.future.done()
+    for t in (chat, whole, first, second, late, third, fourth, fifth):
+        t.future.cancel()
+
+
+def test_the_open_requests_kv_is_estimated_from_prompts_steps_since_sent_and_the_class_s_expected_output():
+    board = LoadBoard()
+    load = board.get("w0")
+
+    def open_one(priority: Priority, prompt: int, max_tokens: int, at: float) -> Attempt:
+        ticket = Ticket(priority, 0.0, 1.0, None, prompt_tokens=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
+        attempt = Attempt(ticket, "w0", at)
+        load.reserve(attempt, batch=priority is Priority.BATCH)
+        return attempt
+
+    open_one(Priority.BATCH, 400, 2000, 0.0)  # 100 steps ago at 0.1 s a step
+    open_one(Priority.INTERACTIVE, 600, 4096, 9.0)  # 10 steps ago
+    capped = open_one(Priority.INTERACTIVE, 600, 4096, 9.5)
+    capped.sent_max_tokens = 768  # its output budget: the most it writes on this worker
+    open_one(Priority.BATCH, 300, 2000, 9.9)  # the newest: waiting in the worker's queue
+    _sample(board, "w0", 1, running=3)
+    # the batch's answers: prompts of 350 as the engine counted them, 1,600 written; the chat class has no
+    # answers yet: its prompts as the proxy estimated them and its max_tokens stand
+    expected = {False: (350.0, 1600.0), True: (None, None)}
+    assert load.open_requests(10.0, 0.1, expected.__getitem__, interactive=False) == [
+        (350, 1600),  # waiting there: nothing written yet
+        (450, 1500),  # 100 steps written
+    ]
+    assert load.open_requests(10.0, 0.1, expected.__getitem__, interactive=True) == [
+        (605, 763),  # 5 steps of at most 768
+        (610, 4086),
+    ]
+    no_step = load.open_requests(10.0, 0.0, expected.__getitem__, interactive=False)
+    assert no_step[-1] == (350, 1600)  # no step time: nothing written
