@@ -107,6 +107,7 @@ class ArmResult:
     started: float = 0.0  # time.monotonic() at the first submission (the journal's "monotonic" is on the same clock)
     latencies: dict[int, float] = field(default_factory=dict)  # request index -> wall seconds from arrival to answer
     ttfts: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds to its first text
+    arrivals: dict[int, float] = field(default_factory=dict)  # streamed request index -> wall seconds it was sent at
     time_scale: float = 1.0  # modelled seconds per wall second (the answer times below are modelled)
     proxy_peak_rss_mb: float | None = None  # the proxy process's peak resident memory (Linux: VmHWM)
     planner_peak_rss_mb: float | None = None  # its planner's process's (None: no plan ran)
@@ -405,6 +406,7 @@ async def _one(
                     event = json.loads(line[6:])
                     if event.get("choices") and i not in res.ttfts and event["choices"][0].get("text"):
                         res.ttfts[i] = round(time.monotonic() - t0 - at_s, 4)
+                        res.arrivals[i] = at_s
                     if event.get("usage"):
                         tokens = int(event["usage"]["completion_tokens"])
             else:
@@ -760,6 +762,10 @@ def run_scenario(
         "decisions": {a: r.decisions for a, r in results.items() if r.decisions},
         "series": {a: r.series for a, r in results.items()},
         "completions": {a: r.completions for a, r in results.items()},
+        # each streamed request's arrival and time to its first text (modelled seconds), in arrival order
+        "first_tokens": {a: [[round(r.arrivals[i] * sc.time_scale, 2), round(r.ttfts[i] * sc.time_scale, 3)]
+                             for i in sorted(r.ttfts, key=r.arrivals.__getitem__)]
+                         for a, r in results.items() if r.ttfts},
         "workdir": str(base),
     }  # fmt: skip
     report_path.write_text(json.dumps(report, indent=1))
