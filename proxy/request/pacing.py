@@ -243,13 +243,13 @@ class WorkerLoad:
         *,
         interactive: bool,
     ) -> list[tuple[int, int]]:
-        """Each request of the class open on the worker as (KV tokens it holds, output tokens it is expected still to
-        write), estimated from what the proxy knows: its prompt (its class's recent answers' mean prompt
-        as the engine counted it, ``expected(interactive)[0]``; else the proxy's estimate from its bytes),
-        and as written so far the decode steps since it was sent (``step_s`` each) up to the output
-        expected of its class (``expected(interactive)[1]``: the class's recent answers' mean output; else
-        the ``max_tokens`` it was sent with, the most it writes). The newest, as many as the scrape's
-        queue shows waiting there (FIFO), have written nothing yet."""
+        """Each request of the class open on the worker as (KV tokens it holds, output tokens it is
+        expected still to write), estimated from what the proxy knows: its prompt (its class's recent
+        answers' mean prompt as the engine counted it, ``expected(interactive)[0]``; else the proxy's
+        estimate from its bytes), and as written so far the decode steps since it was sent (``step_s``
+        each) up to the output expected of its class (``expected(interactive)[1]``: the class's recent
+        answers' mean output; else the ``max_tokens`` it was sent with, the most it writes). The newest,
+        as many as the scrape's queue shows waiting there (FIFO), have written nothing yet."""
         s = self.sample
         waiting = 0 if s is None else s.queue
         prompt_mean, mean = expected(interactive)
