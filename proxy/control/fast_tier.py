@@ -381,12 +381,15 @@ def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None,
     now: those open, plus the batch requests (each ``look.batch_request_share`` of the pool: its prompt
     and expected output) that fit under ``grow_below_usage`` once the open ones have written what they
     are expected to; past ``kv_peak_full``, less the ones that take it past ``grow_below_usage`` (taken
-    back to where the sizing keeps it: a chat request then finds room at once). ``(None, 0)``: not sized
-    (no interactive work beside, nothing of the batch's open, or the pool or the step time not known)."""
+    back to where the sizing keeps it: a chat request then finds room at once). The batch always keeps
+    one request going (interactive work that fills the pool on its own does not stop it for good).
+    ``(None, 0)``: not sized (no interactive work beside, nothing of the batch's open, or the pool or
+    the step time not known)."""
     ahead, size = look.kv_peak_share, look.batch_request_share
     if ahead is None or not size:
         return None, 0
     if ahead > settings.kv_peak_full:  # back to where the sizing keeps it, so the chat finds room at once
-        take = min(look.batch_in_flight, math.ceil((ahead - settings.grow_below_usage) / size - 1e-9))
-        return look.batch_in_flight - take, take
-    return look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size)), 0
+        take = math.ceil((ahead - settings.grow_below_usage) / size - 1e-9)
+        take = max(0, min(look.batch_in_flight - 1, take))
+        return max(1, look.batch_in_flight - take), take
+    return max(1, look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size))), 0

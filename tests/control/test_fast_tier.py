@@ -240,6 +240,12 @@ def test_beside_interactive_work_the_batch_is_sized_by_the_kv_the_open_requests_
     assert (room.batch_limit, room.take_back_batch) == (80 + 7, 0)  # (0.9 - 0.75) / 0.02
     unknown = _run([_look(2.0, kv_peak_share=0.75, **chat)], room)[0]
     assert unknown.batch_limit is None  # nothing of the batch open (no size): its first request goes
+    # interactive work alone past the pool: the batch keeps its one request going, nothing more
+    crowded = {**chat, "batch_in_flight": 3}
+    assert batch_kv_limit(_look(5.0, kv_peak_share=1.5, batch_request_share=0.02, **crowded), S) == (1, 2)
+    assert batch_kv_limit(
+        _look(5.0, kv_peak_share=1.5, batch_request_share=0.02, **{**chat, "batch_in_flight": 1}), S
+    ) == (1, 0)
     alone = _run([_look(100.0, kv_peak_share=1.3, batch_request_share=0.02, **{**chat, "interactive_waiting": 0})])
     assert alone[0].batch_limit is None and alone[0].take_back_batch == 0
 
