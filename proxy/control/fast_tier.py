@@ -84,13 +84,14 @@ things follow, each argued from where a request can wait:
    time) and what it is expected still to write (its class's recent answers' mean output, else its
    ``max_tokens``); the KV ahead is :func:`kv_peak` of the batch's, the most they will hold at once
    from now on, plus the interactive requests' whole size all along (the class keeps coming: as its
-   requests end, the next ones need that much free to be admitted); the batch may
-   hold what it holds plus as many requests of its size (prompt and expected output) as fit under
-   ``grow_below_usage`` of the pool at that peak. Past ``kv_peak_full`` (a batch that got there first,
-   or a flood between two scrapes), the newest batch requests beyond ``grow_below_usage`` are taken
-   back (the least work done; a whole answer the worker can end early keeps what it wrote), before the
-   engine has to retract, and the chat finds room at once. Not sized: a batch alone (it is judged on throughput, and retractions pace it), and no
-   batch request open yet (its size is not known: the first goes, the next scrape sizes the rest).
+   requests end, the next ones need that much free to be admitted); the batch may hold what it holds
+   plus as many requests of its size (prompt and expected output) as fit under ``grow_below_usage``
+   of the pool at that peak, and always keeps one going. Past ``kv_peak_full`` (a batch that got
+   there first, or a flood between two scrapes), the newest batch requests beyond
+   ``grow_below_usage`` are taken back (the least work done; a whole answer the worker can end early
+   keeps what it wrote), before the engine has to retract, and the chat finds room at once. Not
+   sized: a batch alone (it is judged on throughput, and retractions pace it), and no batch request
+   open yet (its size is not known: the first goes, the next scrape sizes the rest).
 5. *An interactive request waiting at the worker for its first token holds the batch's refills
    there.* Between scrapes the batch's limit stands while requests end. Beside interactive work
    (``Pace.first_token_wait_s``, from the scrape's decode step time), a streamed interactive request
@@ -154,9 +155,8 @@ class PaceSettings:
     # beside interactive work: how many of the worker's decode steps a streamed interactive request may wait
     # there for its first token before the batch's refills stop (its prefill and the step before it take ~2)
     first_token_steps: float = 4.0
-    kv_peak_full: float = (
-        1.0  # beside interactive work: batch requests are taken back while the open ones' KV heads past this
-    )
+    # beside interactive work: batch requests are taken back while the open ones' KV heads past this
+    kv_peak_full: float = 1.0
     output_budget: bool = (
         True  # send plain whole requests at their class's output budget (policy control.output_budget)
     )

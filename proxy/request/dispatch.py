@@ -500,9 +500,7 @@ class Dispatcher:
             if load.in_flight <= self.batch_in_flight:  # nothing over the share (the hot path: no walk)
                 continue
             held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
-            excess = held + load.interactive_in_flight - self.batch_in_flight
-            for attempt in load.newest_batch(excess):
-                _take_back(attempt)
+            self.take_back_newest_batch(worker.id, held + load.interactive_in_flight - self.batch_in_flight)
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
