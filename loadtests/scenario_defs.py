@@ -136,12 +136,13 @@ def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
     """A deployment's ``[control]`` timings seen through a clock ``scale`` times faster.
 
     The unscaled settings are a batch deployment's: rules every 5 s over 60 s windows, 20 s of
-    evidence, 60 s cool-down, 30 s drain, crash back-off 2-60 s. Rates (retractions per minute) are
-    per wall-clock minute, so they are multiplied by the scale."""
+    evidence, 60 s cool-down, 30 s drain, crash back-off 2-60 s; the fast tier's defaults (a back-off
+    per 5 s, rates smoothed over 30 s, facts over 60 s). Rates (retractions per minute) are per
+    wall-clock minute, so they are multiplied by the scale."""
     base: dict[str, Any] = {
         "interval_s": 5.0, "window_s": 60.0, "min_evidence_s": 20.0, "cooldown_s": 60.0, "drain_timeout_s": 30.0,
         "good_after_s": 120.0, "crash_loop_window_s": 600.0, "crash_backoff_s": [2.0, 5.0, 15.0, 30.0, 60.0],
-        "flip_guard_s": 1800.0,
+        "flip_guard_s": 1800.0, "backoff_hold_s": 5.0, "rate_window_s": 30.0, "facts_window_s": 60.0,
     }  # fmt: skip
     out: dict[str, Any] = {}
     for key, value in base.items():

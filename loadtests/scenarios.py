@@ -183,7 +183,10 @@ def policy_toml(
                    # worker stopped with aborted requests still open on it took the whole 5 s (then
                    # SIGKILL): 80 modelled seconds at time scale 16, a cost no real restart has
                    "stop_grace_s": 5.0 / sc.time_scale},
-        "pacing": dict(PACING),
+        # the interactive window (5 s: the batch's caps beside interactive work, the fast tier's hold of
+        # them) is a wall-clock timing like the [control] ones: unscaled, 50 modelled seconds of the
+        # batch stepped back after the chat stopped
+        "pacing": {**PACING, "interactive_window_s": 5.0 / sc.time_scale},
         "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
     }  # fmt: skip
     return tomli_w.dumps(tables)

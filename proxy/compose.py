@@ -144,7 +144,7 @@ def build_app(
 
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            settings = PaceSettings(output_budget=p.control.output_budget)
+            settings = PaceSettings.of(p.control, p.pacing)
             board.subscribe(_fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name)))
     st = ProxyState(
         policy=policy,
@@ -206,7 +206,7 @@ def _fast_tier(
         if sample is None or not _serves(view, worker_id):
             return
         load = board.get(worker_id)
-        since = sample.time - 60.0
+        since = sample.time - settings.facts_window_s
         chat_in_flight = load.interactive_in_flight
         prev = paces.get(worker_id, Pace())
         step = load.engine_step_s()

@@ -254,7 +254,8 @@ class PacingSettings:
         default=5.0,
         metadata=key(
             "seconds an interactive arrival keeps batch_queue_beside_interactive and "
-            "batch_in_flight_beside_interactive on",
+            "batch_in_flight_beside_interactive on, and (control auto) the fast tier's batch stepped back beside "
+            "interactive work after the last interactive request",
             positive=True,
         ),
     )
@@ -273,6 +274,30 @@ class ControlSettings:
             "auto mode, fast tier: send each plain whole request with max_tokens at its class's output budget on "
             "engines that reserve max_tokens (SGLang), a margin over what that worker's answers write, and continue "
             "an answer that reaches it: the engine admits for what answers need, with no restart"
+        ),
+    )
+    backoff_hold_s: float = field(
+        default=5.0,
+        metadata=key(
+            "auto mode, fast tier: a worker's admission limit backs off at most once per this many seconds, and "
+            "does not grow within this long of a back-off",
+            positive=True,
+        ),
+    )
+    rate_window_s: float = field(
+        default=30.0,
+        metadata=key(
+            "auto mode, fast tier: time constant (seconds) of the smoothed retraction and output-token rates whose "
+            "ratio backs the admission limit off",
+            positive=True,
+        ),
+    )
+    facts_window_s: float = field(
+        default=60.0,
+        metadata=key(
+            "auto mode, fast tier: seconds of answers a worker's facts are read over (mean prompt and output tokens, "
+            "first-token time, per class)",
+            positive=True,
         ),
     )
     # -- rhythm and restraint (proxy.control)

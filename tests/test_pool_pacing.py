@@ -82,3 +82,26 @@ async def test_a_pool_with_control_off_has_no_fast_tier() -> None:
         st.board.publish("a-w0", sample(1.0), None)
         st.board.publish("b-w0", sample(1.0), None)
         assert st.board.get("a-w0").queue_target == 12 and st.board.get("b-w0").queue_target is None
+
+
+async def test_each_pool_s_fast_tier_keeps_its_own_policy_timings() -> None:
+    """The fast tier's timings come from the pool's policy: ``[pool.control] backoff_hold_s`` (one
+    back-off per hold) and ``[pool.pacing] interactive_window_s`` (the hold of the batch's caps
+    beside interactive work, the dispatcher's window too). Retractions that keep rising back pool b's
+    worker off again after its 1 s hold, pool a's not within its default 5 s."""
+    doc = two_pools(control={"backoff_hold_s": 1.0}, pacing={"interactive_window_s": 2.0})
+    async with built(doc) as st:
+        b = st.policy.pools[1]
+        assert (b.control.backoff_hold_s, b.pacing.interactive_window_s) == (1.0, 2.0)
+        assert st.requests.dispatcher_of("b").interactive_window_s == 2.0
+
+        def retracting(t: float, retracted: float) -> Sample:
+            return Sample(time=t, running=50, queue=4, token_usage=0.9, retractions_total=retracted)
+
+        limits: dict[str, list[int | None]] = {"a-w0": [], "b-w0": []}
+        for t, retracted in ((1.0, 0.0), (2.0, 10.0), (3.5, 20.0), (5.0, 30.0)):
+            for worker in limits:
+                st.board.publish(worker, retracting(t, retracted), None)
+                limits[worker].append(st.board.get(worker).limit)
+        assert limits["a-w0"] == [None, 43, 43, 43]  # 0.8 x 54 held, then held for 5 s
+        assert limits["b-w0"] == [None, 43, 34, 27]  # again after each 1 s hold

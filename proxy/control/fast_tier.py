@@ -121,6 +121,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from proxy.control.evidence import OutputBudget
+from proxy.policy import ControlSettings, PacingSettings
 
 __all__ = [
     "Pace",
@@ -142,11 +143,12 @@ class PaceSettings:
     ceiling: int = 4096  # grown past this, the limit is lifted
     backoff: float = 0.8  # multiplicative decrease
     grow_divisor: int = 16  # additive increase: limit / grow_divisor (at least 1) per look
-    hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one
+    hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one (policy backoff_hold_s)
     grow_below_usage: float = 0.9  # grow only while token usage is below this
     ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
     retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
     rate_window_s: float = 30.0  # time constant of the smoothed retraction and token rates
+    facts_window_s: float = 60.0  # the worker's facts (mean prompt, output, first token per class) are read over this
     floor_decay: float = 1.02  # the TTFT floor rises by this factor per look (so it can follow a change)
     short_output_tokens: float = 256.0  # mean outputs this short: the band's base
     long_output_tokens: float = 1024.0  # mean outputs this long: the band's top
@@ -167,6 +169,20 @@ class PaceSettings:
     budget_answers: int = 256  # the newest answers of the class it is read from
     budget_floor: int = 256  # never below this many tokens
     budget_note_change: float = 0.25  # a move by this share or more is journaled (set and lifted always are)
+
+    @classmethod
+    def of(cls, control: ControlSettings, pacing: PacingSettings) -> PaceSettings:
+        """A pool's fast tier as its policy sets it: the timings and the retraction threshold from
+        ``[control]``, the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps
+        beside interactive work use too), the rest at their defaults."""
+        return cls(
+            output_budget=control.output_budget,
+            hold_s=control.backoff_hold_s,
+            rate_window_s=control.rate_window_s,
+            facts_window_s=control.facts_window_s,
+            retractions_per_1k_tokens=control.retractions_per_1k_tokens,
+            interactive_hold_s=pacing.interactive_window_s,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -402,3 +402,18 @@ async def test_beside_interactive_work_the_newest_batch_requests_past_the_pool_s
     assert not later.future.done()
     for t in (*batch, chat, later):
         t.future.cancel()
+
+
+def test_the_policy_sets_the_fast_tier_s_timings_and_threshold():
+    from proxy.policy import parse_policy
+
+    policy = parse_policy(
+        {"control": {"backoff_hold_s": 0.5, "rate_window_s": 3.0, "facts_window_s": 6.0,
+                     "retractions_per_1k_tokens": 0.2, "output_budget": False},
+         "pacing": {"interactive_window_s": 0.7}},
+        "<t>",
+    )  # fmt: skip
+    s = PaceSettings.of(policy.control, policy.pacing)
+    assert (s.hold_s, s.rate_window_s, s.facts_window_s, s.retractions_per_1k_tokens) == (0.5, 3.0, 6.0, 0.2)
+    assert (s.interactive_hold_s, s.output_budget) == (0.7, False)
+    assert PaceSettings.of(parse_policy({}, "<t>").control, parse_policy({}, "<t>").pacing) == PaceSettings()

@@ -65,6 +65,10 @@ def test_every_scenario_policy_loads(name: str, tmp_path: Path) -> None:
     assert policy.control.mode == "auto"
     assert dict(policy.engine.args) == dict(sc.start_args)
     assert policy.control.interval_s == pytest.approx(5.0 / sc.time_scale)
+    # the fast tier's timings are seen through the same faster clock
+    fast = (policy.control.backoff_hold_s, policy.control.rate_window_s, policy.control.facts_window_s)
+    assert fast == pytest.approx((5.0 / sc.time_scale, 30.0 / sc.time_scale, 60.0 / sc.time_scale))
+    assert policy.pacing.interactive_window_s == pytest.approx(5.0 / sc.time_scale)
 
 
 def test_workload_is_deterministic_and_exact() -> None:
