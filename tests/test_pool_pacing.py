@@ -95,13 +95,14 @@ async def test_each_pool_s_fast_tier_keeps_its_own_policy_timings() -> None:
         assert (b.control.backoff_hold_s, b.pacing.interactive_window_s) == (1.0, 2.0)
         assert st.requests.dispatcher_of("b").interactive_window_s == 2.0
 
-        def retracting(t: float, retracted: float) -> Sample:
-            return Sample(time=t, running=50, queue=4, token_usage=0.9, retractions_total=retracted)
+        def retracting(t: float, retracted: float, running: int) -> Sample:
+            return Sample(time=t, running=running, queue=4, token_usage=0.9, retractions_total=retracted)
 
         limits: dict[str, list[int | None]] = {"a-w0": [], "b-w0": []}
-        for t, retracted in ((1.0, 0.0), (2.0, 10.0), (3.5, 20.0), (5.0, 30.0)):
+        # the worker down to each limit by the next look (a back-off bites before the next one)
+        for t, retracted, running in ((1.0, 0.0, 50), (2.0, 10.0, 50), (3.5, 20.0, 39), (5.0, 30.0, 30)):
             for worker in limits:
-                st.board.publish(worker, retracting(t, retracted), None)
+                st.board.publish(worker, retracting(t, retracted, running), None)
                 limits[worker].append(st.board.get(worker).limit)
         assert limits["a-w0"] == [None, 43, 43, 43]  # 0.8 x 54 held, then held for 5 s
         assert limits["b-w0"] == [None, 43, 34, 27]  # again after each 1 s hold

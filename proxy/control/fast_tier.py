@@ -7,7 +7,11 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   there). It is AIMD-like. It starts unset (no limit beyond the queue band: the band already keeps
   the server queue short); the first sign of over-commitment sets it below what the worker held
   (``backoff`` x in flight), and each further sign multiplies it down again, at most once per
-  ``hold_s``. Signs of over-commitment: the engine's retraction counter rose since the last look
+  ``hold_s`` and only once the worker holds no more than the limit: the last back-off has bitten
+  (one decrease per round trip, as TCP's congestion control has it). The requests above a new limit
+  end by themselves, a minute or more for long outputs, and the engine retracts on while they do:
+  judged every ``hold_s`` on those retractions, after mixed's chat stopped the batch's limit went
+  275 -> 44 in nine back-offs in 130 modelled seconds. Signs of over-commitment: the engine's retraction counter rose since the last look
   while its rate per 1,000 output tokens, smoothed over ``rate_window_s`` of time (and only once
   that much has been seen), is above ``retractions_per_1k_tokens`` (a batch of long outputs
   retracts a few requests at a time, steadily, whatever the limit: one such burst over half a
@@ -370,8 +374,11 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         take_back_batch=take_back,
     )
     held = now - prev.backed_off_at < settings.hold_s
-    if (retracted or slow) and not held:
-        held_now = max(look.in_flight, look.running + look.queue)
+    held_now = max(look.in_flight, look.running + look.queue)
+    # the last back-off has bitten once the worker holds no more than it: until then the requests above
+    # it are ending by themselves, and a sign read while they do is the one it already answered
+    bitten = prev.limit is None or held_now <= prev.limit
+    if (retracted or slow) and not held and bitten:
         base = held_now if prev.limit is None else min(prev.limit, held_now)
         limit = max(settings.floor, math.floor(base * settings.backoff))
         why = "retractions rose" if retracted else "time to first token rose"

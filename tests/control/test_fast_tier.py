@@ -42,8 +42,21 @@ def test_no_limit_until_over_commitment_then_multiplicative_back_off_at_most_onc
     assert paces[1].limit == int(108 * S.backoff)  # below what the worker held
     assert "retractions" in paces[1].reason
     assert paces[2].limit == paces[1].limit  # within hold_s: not again
-    later = _run([_look(1.0 + S.hold_s, retractions_total=20.0, in_flight=86)], paces[2])[0]
+    later = _run([_look(1.0 + S.hold_s, retractions_total=20.0, in_flight=86, running=80, queue=6)], paces[2])[0]
     assert later.limit == int(min(paces[1].limit, 108) * S.backoff)
+
+
+def test_a_back_off_again_only_once_the_last_one_has_bitten():
+    """Retractions go on while the requests above a new limit end by themselves: no further back-off
+    until the worker holds no more than the limit (however many ``hold_s`` pass), then one."""
+    first = _run([_look(0.0), _look(1.0, retractions_total=3.0)])[-1]
+    assert first.limit == 86
+    looks = [_look(1.0 + k * S.hold_s, retractions_total=3.0 + 5 * k, in_flight=108 - 4 * k, running=100 - 4 * k)
+             for k in range(1, 6)]  # fmt: skip
+    paces = _run(looks, first)
+    assert [p.limit for p in paces] == [86, 86, 86, 86, 86]  # draining: 104, 100, ... 88 held, above 86
+    bitten = _run([_look(1.0 + 6 * S.hold_s, retractions_total=40.0, in_flight=84, running=78, queue=6)], paces[-1])
+    assert bitten[0].limit == int(84 * S.backoff) and "retractions" in bitten[0].reason
 
 
 def test_a_counter_reset_is_not_a_retraction():
@@ -145,8 +158,8 @@ def test_a_back_off_is_judged_on_the_first_tokens_of_what_was_sent_after_it():
             facts.record(RequestFact(time=sent + ttft + 0.1, arrived=sent, prompt_tokens=300, output_tokens=50,
                                      max_tokens=4096, finish_reason="stop", ttft_s=ttft, queue_s=0.0))  # fmt: skip
 
-    def scrape(t: float) -> int | None:
-        board.publish("w0", Sample(time=t, queue=8, running=100, token_usage=0.7), None)
+    def scrape(t: float, running: int = 100) -> int | None:
+        board.publish("w0", Sample(time=t, queue=8, running=running, token_usage=0.7), None)
         return board.get("w0").limit
 
     answered(0.5, 0.1, 3)
@@ -154,9 +167,10 @@ def test_a_back_off_is_judged_on_the_first_tokens_of_what_was_sent_after_it():
     answered(1.2, 2.0, 10)  # first tokens that waited
     backed = scrape(2.0)
     assert backed == int(108 * S.backoff)
-    assert scrape(2.0 + S.hold_s + 1.0) == backed  # nothing sent since has answered: no sign, whatever waited before
+    # the worker down to the limit: nothing sent since has answered, no sign, whatever waited before
+    assert scrape(2.0 + S.hold_s + 1.0, running=backed - 8) == backed
     answered(3.0, 2.0)  # sent after the back-off, and slow: a sign
-    assert scrape(2.0 + 2 * S.hold_s + 2.0) == int(backed * S.backoff)
+    assert scrape(2.0 + 2 * S.hold_s + 2.0, running=backed - 8) == int(backed * S.backoff)
 
 
 def test_with_a_token_counter_a_steady_trickle_of_retractions_is_not_over_commitment():
