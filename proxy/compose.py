@@ -145,7 +145,9 @@ def build_app(
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
             settings = PaceSettings.of(p.control, p.pacing)
-            board.subscribe(_fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name)))
+            fast_tier = _fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name))
+            board.subscribe(fast_tier)
+            dispatchers[p.name].on_interactive_spell = _look_again(board, dispatchers[p.name], fast_tier)
     st = ProxyState(
         policy=policy,
         pool=pool,
@@ -305,6 +307,21 @@ def _fast_tier(
             dispatcher.pump()
 
     return observe
+
+
+def _look_again(board: LoadBoard, dispatcher: Dispatcher, fast_tier: SampleObserver) -> Callable[[], None]:
+    """The fast tier's look at each of ``dispatcher``'s workers on its latest sample, now: for the first
+    interactive request after a quiet spell, so the batch the worker was given in the meantime is
+    stepped back before the request is placed, not at the next scrape (until then, up to a scrape
+    interval, the batch goes on filling the worker's queue and KV ahead of it)."""
+
+    def look() -> None:
+        for worker in dispatcher.pool.workers():
+            sample = board.get(worker.id).sample
+            if sample is not None:
+                fast_tier(worker.id, sample, None)
+
+    return look
 
 
 def _serves(pool: WorkerPool, worker_id: str) -> bool:

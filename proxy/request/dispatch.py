@@ -229,6 +229,9 @@ class Dispatcher:
         self._wake: asyncio.Handle | None = None  # the pump's next run for a paced batch request...
         self._wake_at = math.inf  # ...and when (the loop's time)
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
+        # called as the first interactive request after a quiet ``interactive_window_s`` is queued, before it
+        # is placed (the fast tier looks again at once instead of at the next scrape)
+        self.on_interactive_spell: Callable[[], None] | None = None
         self.closing = False
         self._pumping = False
         self._again = False
@@ -251,6 +254,7 @@ class Dispatcher:
         if self.closing:
             raise ProxyClosing()
         now = self.clock()
+        spell = priority is Priority.INTERACTIVE and not self._beside_interactive(now)
         if priority is Priority.INTERACTIVE:
             self._interactive_seen = now
         ticket = Ticket(
@@ -265,6 +269,8 @@ class Dispatcher:
             max_tokens=max_tokens,
         )
         self.admission.push(ticket)  # raises QueueFull
+        if spell and self.on_interactive_spell is not None:
+            self.on_interactive_spell()
         self.pump()
         if priority is Priority.INTERACTIVE and self.batch_in_flight is not None and self.interactive_headroom > 0:
             self._keep_slots_for_interactive()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from proxy.control.fast_tier import (
@@ -323,6 +324,63 @@ async def test_the_proxy_takes_back_batch_requests_waiting_at_the_worker_when_in
     later = d.submit(Priority.BATCH, 100)
     assert not later.future.done()  # the worker's queue is past the batch target
     for t in (*batch, chat, later):
+        t.future.cancel()
+
+
+async def test_the_first_interactive_request_of_a_spell_steps_the_batch_back_before_the_next_scrape():
+    """The composition: batch work sent to a quiet worker since its last scrape waits in its queue; the
+    first interactive request after a quiet ``interactive_window_s`` has the fast tier look again at once
+    on that scrape, so the batch beyond the target goes back to the proxy's queue before the chat request
+    is placed (at the next scrape it would wait behind it). Later interactive requests do not look again
+    until a quiet window has passed."""
+    from proxy.compose import _fast_tier, _look_again
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.attempt import Ticket
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board, clock = LoadBoard(), [10.0]
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=lambda: clock[0], interactive_window_s=5.0)  # fmt: skip
+    observer = _fast_tier(board, d)
+    board.subscribe(observer)
+    looks: list[str] = []
+
+    def counted(worker_id: str, sample: Sample | None, error: str | None) -> None:
+        looks.append(worker_id)
+        observer(worker_id, sample, error)
+
+    d.on_interactive_spell = _look_again(board, d, counted)
+    board.publish("w0", Sample(time=1.0, queue=0, running=0, token_usage=0.1), None)
+
+    async def held(ticket: Ticket) -> None:  # a request open on the worker until taken back or cancelled
+        async with d.attempt(ticket):
+            await asyncio.sleep(3600)
+
+    batch = [d.submit(Priority.BATCH, 100) for _ in range(8)]
+    tasks = [asyncio.create_task(held(t)) for t in batch]
+    await asyncio.sleep(0)
+    assert all(t.future.done() for t in batch) and not looks  # the band's base (8); a batch is no spell
+    first = [t.future.result() for t in batch]
+    chat = d.submit(Priority.INTERACTIVE, 100)
+    assert looks == ["w0"] and board.get("w0").batch_queue_target == S.batch_queue_beside_interactive
+    # the eight sent since the scrape wait at the worker: all but the two oldest come back
+    assert [a.taken_back for a in first] == [False] * 2 + [True] * 6
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert chat.future.done() and not chat.future.result().taken_back  # placed once they left the worker
+    assert board.get("w0").batch_in_flight == 2  # the six wait at the front of the proxy's batch class
+    clock[0] += 1.0
+    again = d.submit(Priority.INTERACTIVE, 100)
+    assert looks == ["w0"]  # within the window: the same spell
+    clock[0] += 10.0
+    after = d.submit(Priority.INTERACTIVE, 100)
+    assert looks == ["w0", "w0"]  # a quiet window later: a new spell
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for t in (chat, again, after):
         t.future.cancel()
 
 
