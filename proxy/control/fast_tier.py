@@ -11,11 +11,12 @@ previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it
   (one decrease per round trip, as TCP's congestion control has it). The requests above a new limit
   end by themselves, a minute or more for long outputs, and the engine retracts on while they do:
   judged every ``hold_s`` on those retractions, after mixed's chat stopped the batch's limit went
-  275 -> 44 in nine back-offs in 130 modelled seconds. Signs of over-commitment: the engine's retraction counter rose since the last look
-  while its rate per 1,000 output tokens, smoothed over ``rate_window_s`` of time (and only once
-  that much has been seen), is above ``retractions_per_1k_tokens`` (a batch of long outputs
-  retracts a few requests at a time, steadily, whatever the limit: one such burst over half a
-  second of tokens is not a sign, nor is the trickle; an engine without a token counter: any rise),
+  275 -> 44 in nine back-offs in 130 modelled seconds. Signs of over-commitment: the engine's
+  retraction counter rose since the last look while its rate per 1,000 output tokens, smoothed
+  over ``rate_window_s`` of time (and only once that much has been seen), is above
+  ``retractions_per_1k_tokens`` (a batch of long outputs retracts a few requests at a time,
+  steadily, whatever the limit: one such burst over half a second of tokens is not a sign, nor is
+  the trickle; an engine without a token counter: any rise),
   or the time to first token of the worker's recent *interactive* requests rose above
   ``ttft_rise`` x its recent floor while the server had a queue. The sign reads only the requests
   sent to the worker after the last back-off (``Pace.backed_off_at``): a back-off is judged on what

@@ -358,6 +358,12 @@ async def test_the_first_interactive_request_of_a_spell_steps_the_batch_back_bef
         async with d.attempt(ticket):
             await asyncio.sleep(3600)
 
+    alone = asyncio.create_task(held(d.submit(Priority.INTERACTIVE, 100)))
+    assert not looks  # a spell, but the worker has no batch work to step back: left to its scrapes
+    await asyncio.sleep(0)
+    alone.cancel()
+    await asyncio.gather(alone, return_exceptions=True)
+    clock[0] += 10.0
     batch = [d.submit(Priority.BATCH, 100) for _ in range(8)]
     tasks = [asyncio.create_task(held(t)) for t in batch]
     await asyncio.sleep(0)
