@@ -279,8 +279,9 @@ class ControlSettings:
     backoff_hold_s: float = field(
         default=5.0,
         metadata=key(
-            "auto mode, fast tier: a worker's admission limit backs off at most once per this many seconds, and "
-            "does not grow within this long of a back-off",
+            "auto mode, fast tier: a worker's admission limit backs off at most once per this many seconds, does "
+            "not grow within this long of a back-off, and grows by 1/16 of itself per this many seconds while it "
+            "binds",
             positive=True,
         ),
     )

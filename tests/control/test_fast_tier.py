@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import pytest
+
 from proxy.control.fast_tier import (
     Pace,
     PaceInput,
@@ -66,9 +68,9 @@ def test_a_counter_reset_is_not_a_retraction():
 
 
 def test_grows_additively_only_when_binding_with_work_waiting_and_usage_low():
-    start = Pace(limit=64, retractions_seen=0.0, backed_off_at=-100.0)
+    start = Pace(limit=64, retractions_seen=0.0, backed_off_at=-100.0, looked_at=10.0 - S.hold_s)
     grown = _run([_look(10.0, in_flight=64, backlog=30, token_usage=0.5)], start)[0]
-    assert grown.limit == 64 + 64 // S.grow_divisor
+    assert grown.limit == 64 + 64 // S.grow_divisor  # a hold's worth of binding: one step
     for kw in ({"backlog": 0}, {"in_flight": 40}, {"token_usage": 0.95}):
         look = _look(10.0, **{"in_flight": 64, "backlog": 30, "token_usage": 0.5, **kw})
         assert _run([look], start)[0].limit == 64, kw
@@ -76,8 +78,24 @@ def test_grows_additively_only_when_binding_with_work_waiting_and_usage_low():
     assert _run([_look(10.0, in_flight=64, backlog=30, token_usage=0.5)], held)[0].limit == 64
 
 
+def test_the_limit_grows_by_the_time_it_binds_not_by_the_looks():
+    """A step (limit / grow_divisor) per ``hold_s`` of binding, whatever the scrape interval: looks
+    every tenth of a hold grow it as much over a hold as one look at its end; a long gap between looks
+    counts one hold's worth; growth owed is lost when the limit stops binding."""
+    start = Pace(limit=64, retractions_seen=0.0, backed_off_at=-100.0, looked_at=0.0)
+    binding = {"in_flight": 100, "backlog": 30, "token_usage": 0.5}
+    often = _run([_look(k * S.hold_s / 10, **binding) for k in range(1, 11)], start)
+    assert [p.limit for p in often] == [64, 64, 65, 65, 66, 66, 66, 67, 67, 68]  # 0.4 requests a look
+    assert _run([_look(S.hold_s, **binding)], start)[0].limit == 68
+    assert _run([_look(100 * S.hold_s, **binding)], start)[0].limit == 68  # a long gap: one hold's worth
+    assert _run([_look(S.hold_s / 2, **binding)], start)[0].limit == 66  # half a hold: half a step
+    fifth = _run([_look(S.hold_s / 5, **binding)], start)[0]
+    assert fifth.limit == 64 and fifth.grow_carry == pytest.approx(0.8)  # not yet a whole request
+    assert _run([_look(S.hold_s / 5 + 0.01, **{**binding, "backlog": 0})], fifth)[0].grow_carry == 0.0
+
+
 def test_grown_past_the_ceiling_the_limit_is_lifted():
-    start = Pace(limit=S.ceiling, retractions_seen=0.0)
+    start = Pace(limit=S.ceiling, retractions_seen=0.0, looked_at=10.0 - S.hold_s)
     assert _run([_look(10.0, in_flight=S.ceiling, backlog=1, token_usage=0.1)], start)[0].limit is None
 
 
