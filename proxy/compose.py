@@ -310,17 +310,18 @@ def _fast_tier(
 
 
 def _look_again(board: LoadBoard, dispatcher: Dispatcher, fast_tier: SampleObserver) -> Callable[[], None]:
-    """The fast tier's look, now, on its latest sample, at each of ``dispatcher``'s workers with batch
-    work open: for the first interactive request after a quiet spell, so the batch the worker was given
-    in the meantime is stepped back before the request is placed, not at the next scrape (until then,
-    up to a scrape interval, the batch goes on filling the worker's queue and KV ahead of it). A worker
-    with no batch work has nothing to step back: it is left to its scrapes."""
+    """The fast tier's look at each of ``dispatcher``'s workers on its latest sample, now: for the first
+    interactive request after a quiet spell, so the batch the worker was given in the meantime is
+    stepped back before the request is placed, and batch work arriving with the chat is held to the
+    batch's target beside it, not from the next scrape on (until then, up to a scrape interval, the
+    batch goes on filling the worker's queue and KV ahead of the chat). A look adds no growth to the
+    admission limit (it grows by the time since the last look)."""
 
     def look() -> None:
         for worker in dispatcher.pool.workers():
-            load = board.get(worker.id)
-            if load.sample is not None and load.batch_in_flight:
-                fast_tier(worker.id, load.sample, None)
+            sample = board.get(worker.id).sample
+            if sample is not None:
+                fast_tier(worker.id, sample, None)
 
     return look
 

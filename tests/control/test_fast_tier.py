@@ -376,12 +376,6 @@ async def test_the_first_interactive_request_of_a_spell_steps_the_batch_back_bef
         async with d.attempt(ticket):
             await asyncio.sleep(3600)
 
-    alone = asyncio.create_task(held(d.submit(Priority.INTERACTIVE, 100)))
-    assert not looks  # a spell, but the worker has no batch work to step back: left to its scrapes
-    await asyncio.sleep(0)
-    alone.cancel()
-    await asyncio.gather(alone, return_exceptions=True)
-    clock[0] += 10.0
     batch = [d.submit(Priority.BATCH, 100) for _ in range(8)]
     tasks = [asyncio.create_task(held(t)) for t in batch]
     await asyncio.sleep(0)
@@ -405,6 +399,33 @@ async def test_the_first_interactive_request_of_a_spell_steps_the_batch_back_bef
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for t in (chat, again, after):
+        t.future.cancel()
+
+
+async def test_batch_work_arriving_just_after_a_spell_s_first_request_is_held_to_the_batch_target():
+    """The composition: the chat's first request comes before the batch (they arrive together, the chat a
+    moment first): its look sets the batch's target beside interactive work at once, so the batch that
+    follows does not fill the worker's queue until the next scrape."""
+    from proxy.compose import _fast_tier, _look_again
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board = LoadBoard()
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=lambda: 10.0)  # fmt: skip
+    observer = _fast_tier(board, d)
+    board.subscribe(observer)
+    d.on_interactive_spell = _look_again(board, d, observer)
+    board.publish("w0", Sample(time=9.8, queue=0, running=0, token_usage=0.0), None)
+    chat = d.submit(Priority.INTERACTIVE, 100)
+    batch = [d.submit(Priority.BATCH, 100) for _ in range(8)]
+    sent = [t for t in batch if t.future.done()]
+    assert board.get("w0").batch_queue_target == S.batch_queue_beside_interactive
+    # the worker's queue (the chat request in it) at the target: the rest wait in the proxy, not at the worker
+    assert len(sent) == S.batch_queue_beside_interactive - 1
+    for t in (chat, *batch):
         t.future.cancel()
 
 
