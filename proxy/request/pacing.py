@@ -222,11 +222,12 @@ class WorkerLoad:
         if wait is None or len(self.attempts) == len(self.batch_attempts):
             return False
         due = now - wait
-        return any(
-            a.streamed and not a.started and not a.taken_back and a.dispatched_at < due
-            for a in self.attempts
-            if a not in self.batch_attempts
-        )
+        for a in self.attempts:  # in the order they were dispatched: past ``due`` the rest are newer
+            if a.dispatched_at >= due:
+                return False
+            if a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts:
+                return True
+        return False
 
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
