@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from proxy.workers.die_with_parent import guarded
+
 LineSink = Callable[[str], None]
 _log = logging.getLogger(__name__)
 
@@ -152,7 +154,8 @@ class WorkerProcess:
     async def launch(
         cls, argv: Sequence[str], *, env: Mapping[str, str], lines: LineLog, log_file: Path, header: str
     ) -> WorkerProcess:
-        """Start ``argv`` in a new session; ``header`` is written to the log file first."""
+        """Start ``argv`` in a new session, ended with SIGTERM if the proxy dies (:mod:`.die_with_parent`);
+        ``header`` is written to the log file first."""
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with log_file.open("ab") as f:
             f.write(header.rstrip("\n").encode() + b"\n")
@@ -161,7 +164,7 @@ class WorkerProcess:
         read_fd, write_fd = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv,
+                *guarded(argv, env),  # ended with the proxy, should the proxy be killed outright
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=write_fd,
                 stderr=write_fd,

@@ -35,6 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from proxy.workers.die_with_parent import guarded
 from proxy.workers.process import LineLog, WorkerHandle
 
 __all__ = ["EngineActor", "RayLauncher", "RayWorker"]
@@ -55,7 +56,7 @@ class EngineActor:
         self._lock = threading.Lock()
         merged = {**os.environ, **env}  # the actor's environment carries Ray's CUDA_VISIBLE_DEVICES
         self._proc = subprocess.Popen(
-            list(argv),
+            guarded(argv, merged),  # ended with the actor, should Ray kill it
             env=merged,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

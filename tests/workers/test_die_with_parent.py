@@ -1,0 +1,91 @@
+"""A worker dies with the process that launched it, even when that process is killed outright (a
+SIGKILL leaves it no chance to stop its workers): an engine left running would hold its GPU memory
+and its port, and the proxy started again would launch a second one beside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.workers.die_with_parent import guarded, resolve
+from proxy.workers.process import LineLog, WorkerProcess
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+
+# A parent that launches a sleeping worker the way the proxy does, says its pid, and waits to be killed.
+_PARENT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from proxy.workers.process import LineLog, WorkerProcess
+
+    async def main() -> None:
+        sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+        w = await WorkerProcess.launch(sleeper, env={}, lines=LineLog(), log_file=Path(sys.argv[1]), header="h")
+        print(w.pid, flush=True)
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) is gone for our purpose
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tmp_path / "w.log")], stdout=subprocess.PIPE, text=True
+    )
+    worker = 0
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        time.sleep(0.5)
+        assert _alive(worker), "the worker did not start"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10.0
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker outlived the process that launched it"
+    finally:
+        parent.kill()
+        parent.wait()
+        if worker and _alive(worker):
+            os.killpg(worker, 9)
+
+
+async def test_the_worker_keeps_its_command_pid_and_group(tmp_path: Path) -> None:
+    """The guard execs the command: the pid the launcher holds is the engine's, its argv as given,
+    and it leads its own process group (what stopping a worker signals)."""
+    argv = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"]
+    w = await WorkerProcess.launch(argv, env={}, lines=LineLog(), log_file=tmp_path / "w.log", header="h")
+    try:
+        time.sleep(0.3)
+        with open(f"/proc/{w.pid}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[:-1] == [a.encode() for a in argv]
+        assert os.getpgid(w.pid) == w.pid
+    finally:
+        await w.terminate(grace_s=5.0)
+
+
+def test_a_missing_command_is_refused_at_launch_as_before() -> None:
+    with pytest.raises(FileNotFoundError):
+        resolve("no-such-engine-binary", {"PATH": "/usr/bin:/bin"})
+    with pytest.raises(FileNotFoundError):
+        guarded(["/no/such/engine"], {})
+    assert guarded(["python3", "-V"], {"PATH": os.path.dirname(sys.executable)})[-2:] == ["python3", "-V"]
