@@ -2,14 +2,17 @@
 
 A line is ``{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {"model": ...}}``.
 A bad line (not JSON, no or a duplicate ``custom_id``, another url, another model, ``stream``) becomes a
-:class:`BadLine` that goes to the batch's error file; it never takes the batch down. Only a file that
-is not a request file at all is refused whole (:class:`FileRefused`): empty, over the limits, or with
-no line that parses as a JSON object (the error names the first such line). Line numbers count from 1.
+:class:`BadLine`; as at OpenAI, a file with any bad line fails the batch at validation and nothing of
+it runs, the batch's ``errors`` naming each line (:func:`line_problems`; a batch that ran some lines
+and set others aside would leave the client to join two files, and a duplicate ``custom_id`` could
+not be joined at all). A file that is not a request file at all is refused as one
+(:class:`FileRefused`): empty, over the limits, or with no line that parses as a JSON object (the
+error names the first such line). Line numbers count from 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,7 @@ import orjson
 MAX_REQUESTS = 50_000
 MAX_FILE_BYTES = 200 * 1024 * 1024
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+MAX_LINE_ERRORS = 100  # a failed validation lists at most this many lines, then says how many more
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +116,9 @@ def validate_lines(
         if count > MAX_REQUESTS:
             raise FileRefused("too_many_requests", f"the file has more than {MAX_REQUESTS} requests", n)
         try:
-            item = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            item, reason = None, f"invalid JSON ({exc})"
+            item = orjson.loads(raw.rstrip())
+        except orjson.JSONDecodeError as exc:  # its own line and column count within this line
+            item, reason = None, f"invalid JSON at character {exc.pos + 1}: {exc.msg}"
         else:
             reason = "a request line must be a JSON object"
         if not isinstance(item, dict):
@@ -135,3 +139,19 @@ def validate_lines(
             "invalid_json_line", f"the file is not JSONL: line {first_unparsed} is not a JSON object", first_unparsed
         )
     return ValidatedFile(tuple(requests), tuple(bad), model)
+
+
+def line_problems(bad: Sequence[BadLine]) -> list[tuple[str, str, int | None]]:
+    """A failed validation's ``errors`` (code, message, line), the first :data:`MAX_LINE_ERRORS` lines
+    and, past them, one entry saying how many more."""
+    problems: list[tuple[str, str, int | None]] = [(b.code, b.message, b.line) for b in bad[:MAX_LINE_ERRORS]]
+    if len(bad) > MAX_LINE_ERRORS:
+        more = len(bad) - MAX_LINE_ERRORS
+        problems.append(
+            (
+                "too_many_errors",
+                f"{more} more lines are not valid requests (the first {MAX_LINE_ERRORS} are listed)",
+                None,
+            )
+        )
+    return problems

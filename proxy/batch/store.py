@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, closing, contextmanager
 from dataclasses import dataclass
@@ -36,7 +36,7 @@ from typing import Concatenate, Literal, ParamSpec, TypeVar
 
 import orjson
 
-from proxy.batch.jsonl import FileRefused, validate_lines
+from proxy.batch.jsonl import FileRefused, line_problems, validate_lines
 from proxy.batch.shapes import CANCELLED, EXPIRED, Json, error_line, file_object, new_id, page
 
 P = ParamSpec("P")
@@ -103,7 +103,7 @@ def _batch_object(row: sqlite3.Row) -> Json:
         "expires_at": row["expires_at"],
         "model": row["model"],
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
-        "metadata": orjson.loads(row["metadata"]) if row["metadata"] else None,
+        "metadata": orjson.loads(row["metadata"]) if row["metadata"] is not None else None,
     }
     if row["errors"]:
         out["errors"] = {"object": "list", "data": orjson.loads(row["errors"])}
@@ -210,7 +210,7 @@ class BatchStore:
                     input_file_id,
                     "24h",
                     "validating",
-                    orjson.dumps(metadata).decode() if metadata else None,
+                    orjson.dumps(metadata).decode() if metadata is not None else None,
                     now,
                     now + window_s,
                 ),
@@ -267,9 +267,11 @@ class BatchStore:
             with self.file_path(row["input_file_id"]).open("rb") as f:
                 checked = validate_lines(f, endpoint=row["endpoint"], accepts_model=accepts_model)
         except FileNotFoundError:
-            return self._fail(batch_id, now, "invalid_file", "the input file was deleted", None)
+            return self._fail(batch_id, now, [("invalid_file", "the input file was deleted", None)])
         except FileRefused as exc:
-            return self._fail(batch_id, now, exc.code, exc.message, exc.line)
+            return self._fail(batch_id, now, [(exc.code, exc.message, exc.line)])
+        if checked.bad:  # as OpenAI: a batch runs only when every line is a request it can send
+            return self._fail(batch_id, now, line_problems(checked.bad))
         with self._transaction() as db:
             if db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()["status"] != "validating":
                 return self.status(batch_id)  # cancelled meanwhile
@@ -278,21 +280,17 @@ class BatchStore:
                 "INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?,?,?,?)",
                 [(batch_id, r.line, r.custom_id, r.body) for r in checked.requests],
             )
-            db.executemany(
-                "INSERT INTO lines (batch_id, idx, custom_id, outcome, result) VALUES (?,?,?,'error',?)",
-                [
-                    (batch_id, b.line, b.custom_id, error_line(b.custom_id, code=b.code, message=b.message))
-                    for b in checked.bad
-                ],
-            )
             db.execute(
-                "UPDATE batches SET status='in_progress', in_progress_at=?, model=?, total=?, failed=? WHERE id=?",
-                (now, checked.model, len(checked.requests) + len(checked.bad), len(checked.bad), batch_id),
+                "UPDATE batches SET status='in_progress', in_progress_at=?, model=?, total=? WHERE id=?",
+                (now, checked.model, len(checked.requests), batch_id),
             )
         return "in_progress"
 
-    def _fail(self, batch_id: str, now: int, code: str, message: str, line: int | None) -> str:
-        errors = orjson.dumps([{"code": code, "message": message, "param": None, "line": line}]).decode()
+    def _fail(self, batch_id: str, now: int, problems: Sequence[tuple[str, str, int | None]]) -> str:
+        """``failed`` at validation, ``errors`` one entry per problem: its code, message and line."""
+        errors = orjson.dumps(
+            [{"code": code, "message": message, "param": None, "line": line} for code, message, line in problems]
+        ).decode()
         with self._transaction() as db:
             db.execute(
                 "UPDATE batches SET status='failed', failed_at=?, errors=? WHERE id=? AND status='validating'",
@@ -329,10 +327,10 @@ class BatchStore:
             row = db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
             if row["status"] not in ACTIVE:
                 return
-            if row["ending"] is None:
+            if row["ending"] is None:  # a cancelled batch has its cancelling_at and no finalizing_at (OpenAI's)
                 db.execute(
                     "UPDATE batches SET ending=?, status=?, finalizing_at=? WHERE id=?",
-                    (ending, "cancelling" if ending == "cancelled" else "finalizing", now, batch_id),
+                    (ending, *(("cancelling", None) if ending == "cancelled" else ("finalizing", now)), batch_id),
                 )
             ending = row["ending"] or ending  # a restarted finish ends the way the first one began
             code, message = CANCELLED if ending == "cancelled" else EXPIRED

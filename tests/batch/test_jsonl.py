@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.batch.jsonl import MAX_REQUESTS, FileRefused, ValidatedFile, validate_lines
+from proxy.batch.jsonl import MAX_LINE_ERRORS, MAX_REQUESTS, FileRefused, ValidatedFile, line_problems, validate_lines
 from tests.batch.conftest import CHAT, request_line
 
 
@@ -39,7 +39,7 @@ def test_good_lines_keep_their_line_numbers_and_the_model() -> None:
         pytest.param(b'{"custom_id": "x", "url": "/v1/chat/completions", "body": {}}', "missing_model", id="no-model"),
     ],
 )
-def test_a_bad_line_is_set_apart_and_the_rest_stands(line: bytes, code: str) -> None:
+def test_a_bad_line_is_named_with_its_code_and_line(line: bytes, code: str) -> None:
     out = check(request_line("a"), line, request_line("b"))
     assert [r.custom_id for r in out.requests] == ["a", "b"]
     assert [(b.line, b.code) for b in out.bad] == [(2, code)]
@@ -66,3 +66,17 @@ def test_more_requests_than_openai_allows_are_refused() -> None:
         check(*([line] * (MAX_REQUESTS + 1)))
     assert refused.value.code == "too_many_requests"
     assert refused.value.line == MAX_REQUESTS + 1
+
+
+def test_invalid_json_is_placed_within_its_own_line() -> None:
+    [bad] = check(request_line("a"), b'{"custom_id": "x", "body": \n').bad
+    assert bad.message == "line 2: invalid JSON at character 27: unexpected end of data"
+
+
+def test_a_failed_validation_lists_the_first_lines_and_counts_the_rest() -> None:
+    bad = check(*([request_line("a")] * (MAX_LINE_ERRORS + 8))).bad
+    problems = line_problems(bad)
+    assert len(problems) == MAX_LINE_ERRORS + 1
+    assert problems[0] == ("duplicate_custom_id", bad[0].message, 2)
+    assert problems[-1][0] == "too_many_errors" and "7 more lines" in problems[-1][1]
+    assert line_problems(bad[:3]) == [(b.code, b.message, b.line) for b in bad[:3]]

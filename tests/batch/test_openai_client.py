@@ -35,9 +35,7 @@ async def upload(client: openai.AsyncOpenAI, data: bytes) -> str:
 
 async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> None:
     client = served.client()
-    data = jsonl(
-        request_line("a"), request_line("refused"), request_line("x", url="/v1/completions"), request_line("b")
-    )
+    data = jsonl(request_line("a"), request_line("refused"), request_line("b"))
     uploaded = await client.files.create(file=("input.jsonl", data), purpose="batch")
     assert (uploaded.object, uploaded.purpose, uploaded.bytes, uploaded.filename) == (
         "file",
@@ -56,8 +54,9 @@ async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> 
 
     assert batch.status == "completed"
     assert batch.request_counts is not None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 2, 2)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
     assert batch.model == "m" and batch.completed_at is not None and batch.in_progress_at is not None
+    assert batch.finalizing_at is not None and batch.cancelling_at is None
     assert batch.output_file_id is not None and batch.error_file_id is not None
 
     output = await content_lines(client, batch.output_file_id)
@@ -68,15 +67,51 @@ async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> 
         assert line["response"]["request_id"] == f"req-{line['custom_id']}"
         assert line["response"]["body"]["choices"][0]["message"]["content"] == line["custom_id"]
 
-    errors = {line["custom_id"]: line for line in await content_lines(client, batch.error_file_id)}
-    assert set(errors) == {"refused", "x"}
-    assert errors["refused"]["response"]["status_code"] == 400 and errors["refused"]["error"] is None
-    assert errors["refused"]["response"]["body"]["error"]["message"] == "refused"
-    assert errors["x"]["response"] is None and errors["x"]["error"]["code"] == "mismatched_url"
-    assert "line 3" in errors["x"]["error"]["message"]
+    [refused] = await content_lines(client, batch.error_file_id)
+    assert refused["custom_id"] == "refused" and refused["error"] is None
+    assert refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["message"] == "refused"
 
     output_file = await client.files.retrieve(batch.output_file_id)
     assert output_file.purpose == "batch_output" and output_file.bytes > 0
+
+
+async def test_bad_lines_fail_the_batch_at_validation_naming_each_and_nothing_runs(tmp_path: Path) -> None:
+    """As at OpenAI: a file with a line that is not a request the batch can send (here another url,
+    a duplicate custom_id, a line that is not JSON) fails at validation, ``errors`` naming each line,
+    and no line of it runs; a client never has to join results it cannot tell apart."""
+    executor = FakeExecutor()
+    async with serve_batches(tmp_path / "batches", executor) as served:
+        client = served.client()
+        data = jsonl(
+            request_line("a"),
+            request_line("x", url="/v1/completions"),
+            request_line("a"),
+            b'{"custom_id": "c", "body": ',
+            request_line("b"),
+        )
+        file_id = await upload(client, data)
+        created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        batch = await wait_final_over_http(client, created.id)
+
+        assert batch.status == "failed" and batch.failed_at is not None and batch.in_progress_at is None
+        assert batch.errors is not None and batch.errors.data is not None
+        assert [(e.code, e.line) for e in batch.errors.data] == [
+            ("mismatched_url", 2),
+            ("duplicate_custom_id", 3),
+            ("invalid_json_line", 4),
+        ]
+        assert all(e.message and e.message.startswith(f"line {e.line}: ") for e in batch.errors.data)
+        assert "line 2 " not in (batch.errors.data[2].message or "")  # the parser's own position is not quoted
+        assert batch.output_file_id is None and batch.error_file_id is None
+        assert executor.started == []
+
+
+async def test_empty_metadata_comes_back_as_sent(served: Served) -> None:
+    client = served.client()
+    file_id = await upload(client, jsonl(request_line("a")))
+    created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h", metadata={})
+    assert created.metadata == {} and (await client.batches.retrieve(created.id)).metadata == {}
 
 
 async def test_list_pages_newest_first(served: Served) -> None:
@@ -111,7 +146,7 @@ async def test_cancel_lets_running_lines_finish_and_the_rest_end_in_the_error_fi
         gate.set()
         batch = await wait_final_over_http(client, created.id)
 
-        assert batch.status == "cancelled" and batch.cancelled_at is not None
+        assert batch.status == "cancelled" and batch.cancelled_at is not None and batch.finalizing_at is None
         assert executor.started == ["a", "b"]  # nothing started after the cancel
         assert batch.output_file_id is not None and batch.error_file_id is not None
         assert [line["custom_id"] for line in await content_lines(client, batch.output_file_id)] == ["a", "b"]

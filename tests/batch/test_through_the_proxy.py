@@ -118,8 +118,19 @@ async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refu
     await client.models.list()  # the proxy learns the served models
     h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: the lines stay in the proxy queue
     ids = [f"q{n}" for n in range(3)]
-    data = jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids), request_line("x", model="nope"))
-    uploaded = await client.files.create(file=("in.jsonl", data), purpose="batch")
+    lines = [request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids]
+    unserved = await client.files.create(
+        file=("in.jsonl", jsonl(*lines, request_line("x", model="nope"))), purpose="batch"
+    )
+    refused = await wait_final_over_http(
+        client, (await client.batches.create(input_file_id=unserved.id, endpoint=CHAT, completion_window="24h")).id
+    )
+    assert refused.status == "failed" and refused.errors is not None and refused.errors.data is not None
+    assert [(e.code, e.line) for e in refused.errors.data] == [("model_not_found", 4)]
+    assert "'nope'" in (refused.errors.data[0].message or "")
+    assert h.state.admission.depth(Priority.BATCH) == 0  # none of its lines was sent
+
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
     created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
 
     await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 3)
@@ -127,10 +138,8 @@ async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refu
     h.pool.set_state("w0", WorkerState.READY)
     batch = await wait_final_over_http(client, created.id)
 
-    assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is not None
+    assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is None
     assert sorted(line["custom_id"] for line in await content_lines(client, batch.output_file_id)) == ids
-    [refused] = await content_lines(client, batch.error_file_id)
-    assert (refused["custom_id"], refused["error"]["code"]) == ("x", "model_not_found")
     assert sorted(body["messages"][0]["content"] for body in h.workers[0].bodies) == ids
     await client.close()
 
