@@ -8,7 +8,9 @@ refusal is answered here with an OpenAI error body.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import orjson
 from aiohttp import BodyPartReader, web
@@ -55,22 +57,27 @@ async def upload_file(request: web.Request, service: BatchService, owner: str) -
         raise bad_request("upload a file as multipart/form-data with the fields 'purpose' and 'file'")
     reader = await request.multipart()
     purpose: str | None = None
-    while (part := await reader.next()) is not None:
-        if not isinstance(part, BodyPartReader):
-            continue
-        if part.name == "purpose":
-            purpose = (await part.text()).strip()
-        elif part.name == "file":
-            if purpose is None:
-                raise bad_request("send the 'purpose' field before the 'file' field", param="purpose")
-            return _json(
-                await service.upload_file(
-                    owner, filename=part.filename or "upload.jsonl", purpose=purpose, chunks=_part_chunks(part)
-                )
-            )
-        else:
-            await part.release()
-    raise bad_request("the upload has no 'file' field", param="file")
+    filename = "upload.jsonl"
+    async with contextlib.AsyncExitStack() as received:
+        staged: Path | None = None
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+                service.check_purpose(purpose)
+            elif part.name == "file" and staged is None:  # the fields in any order, as a form may send them
+                filename = part.filename or filename
+                staged = await received.enter_async_context(service.receiving(_part_chunks(part)))
+            elif part.name == "file":
+                raise bad_request("the upload has more than one 'file' field", param="file")
+            else:
+                await part.release()
+        if staged is None:
+            raise bad_request("the upload has no 'file' field", param="file")
+        if purpose is None:
+            raise bad_request("the upload has no 'purpose' field", param="purpose")
+        return _json(await service.add_upload(owner, staged, filename=filename, purpose=purpose))
 
 
 async def list_files(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:

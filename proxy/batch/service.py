@@ -89,14 +89,22 @@ class BatchService:
     # -- files ---------------------------------------------------------------------------------------
 
     async def upload_file(self, owner: str, *, filename: str, purpose: str, chunks: AsyncIterable[bytes]) -> Json:
-        """Receive a batch input file; past 200 MB it is refused (413) while it arrives.
+        """Receive and keep a batch input file whose purpose is known before it arrives."""
+        self.check_purpose(purpose)
+        async with self.receiving(chunks) as staged:
+            return await self.add_upload(owner, staged, filename=filename, purpose=purpose)
 
-        Its lines are checked when a batch uses it (:mod:`proxy.batch.jsonl`), as OpenAI does.
-        """
+    @staticmethod
+    def check_purpose(purpose: str) -> None:
         if purpose != "batch":
             raise bad_request(
                 f"purpose must be 'batch' (the only purpose served here), got {purpose!r}", param="purpose"
             )
+
+    @contextlib.asynccontextmanager
+    async def receiving(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[Path]:
+        """Receive an uploaded file into the staging folder; past 200 MB it is refused (413) while it
+        arrives. Yields the staged file, removed at the block's end unless :meth:`add_upload` took it."""
         staged = self._db.store.staging_dir / f"{new_id('upload-')}.part"
         loop = asyncio.get_running_loop()
         size = 0
@@ -113,11 +121,19 @@ class BatchService:
                             code="file_too_large",
                         )
                     await loop.run_in_executor(None, out.write, chunk)
-            return await self._db(
-                BatchStore.add_file, owner, staged=staged, filename=filename, purpose=purpose, now=self._now()
-            )
+            yield staged
         finally:
             staged.unlink(missing_ok=True)
+
+    async def add_upload(self, owner: str, staged: Path, *, filename: str, purpose: str) -> Json:
+        """Keep a received file as a batch input file.
+
+        Its lines are checked when a batch uses it (:mod:`proxy.batch.jsonl`), as OpenAI does.
+        """
+        self.check_purpose(purpose)
+        return await self._db(
+            BatchStore.add_file, owner, staged=staged, filename=filename, purpose=purpose, now=self._now()
+        )
 
     async def list_files(
         self,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -176,6 +178,29 @@ async def test_bad_purpose_is_refused_naming_it(served: Served) -> None:
     with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'") as caught:
         await served.client().files.create(file=("input.jsonl", jsonl(request_line("a"))), purpose="fine-tune")
     assert caught.value.param == "purpose"
+
+
+async def _post_form(url: str, *fields: tuple[str, bytes | str, str | None]) -> tuple[int, dict[str, Any]]:
+    """A multipart upload with the fields in the order given (name, value, filename: a file's)."""
+    form = aiohttp.FormData()
+    for name, value, filename in fields:
+        form.add_field(name, value, filename=filename)  # bytes go as a file only with a filename
+    headers = {"Authorization": "Bearer key-a"}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/files", data=form, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_the_form_fields_come_in_any_order(served: Served) -> None:
+    """``curl -F file=@in.jsonl -F purpose=batch`` sends the file first: kept as with the purpose first."""
+    data = jsonl(request_line("a"))
+    status, body = await _post_form(served.url, ("file", data, "in.jsonl"), ("purpose", "batch", None))
+    assert status == 200 and (body["purpose"], body["bytes"], body["filename"]) == ("batch", len(data), "in.jsonl")
+    assert (await served.client().files.content(body["id"])).content == data
+    status, body = await _post_form(served.url, ("file", data, "in.jsonl"), ("purpose", "fine-tune", None))
+    assert status == 400 and body["error"]["param"] == "purpose"
+    status, body = await _post_form(served.url, ("file", data, "in.jsonl"))
+    assert status == 400 and "no 'purpose' field" in body["error"]["message"]
+    assert [f.name for f in (served.service._db.store.staging_dir).iterdir()] == []  # nothing left half-kept
 
 
 async def test_unknown_input_file_is_404_naming_it(served: Served) -> None:
