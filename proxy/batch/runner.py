@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.batch.shapes import error_line, output_line
+from proxy.batch.shapes import NO_USAGE, error_line, output_line, usage_of
 from proxy.batch.store import ActiveBatch, BatchStore, Ending, Outcome, PendingLine, StoreThread
 
 _log = logging.getLogger(__name__)
@@ -159,6 +159,7 @@ class BatchRunner:
 
     async def _run_line(self, batch: ActiveBatch, line: PendingLine) -> None:
         outcome: Outcome
+        usage = NO_USAGE
         try:
             result = await self._executor.execute(batch.endpoint, orjson.loads(line.body), batch.owner)
         except asyncio.CancelledError:
@@ -174,4 +175,5 @@ class BatchRunner:
             text = output_line(
                 line.custom_id, status_code=result.status_code, request_id=result.request_id, body=result.body
             )
-        await self._db(BatchStore.record, batch.id, line.idx, outcome, text)
+            usage = usage_of(result.body)
+        await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)

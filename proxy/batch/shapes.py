@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -57,6 +58,39 @@ def output_line(custom_id: str, *, status_code: int, request_id: str, body: byte
             "response": {"status_code": status_code, "request_id": request_id, "body": parsed},
             "error": None,
         }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one answer says it used (its ``usage``: prompt, of which cached, and completion tokens)."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+NO_USAGE = Usage()
+
+
+def usage_of(body: bytes) -> Usage:
+    """The ``usage`` of a chat or completions answer; nothing where it has none (an error's body)."""
+    try:
+        parsed: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return NO_USAGE
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    if not isinstance(usage, dict):
+        return NO_USAGE
+
+    def count(value: Any) -> int:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+    details = usage.get("prompt_tokens_details")
+    return Usage(
+        input_tokens=count(usage.get("prompt_tokens")),
+        cached_tokens=count(details.get("cached_tokens")) if isinstance(details, dict) else 0,
+        output_tokens=count(usage.get("completion_tokens")),
     )
 
 

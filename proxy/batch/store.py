@@ -37,7 +37,7 @@ from typing import Concatenate, Literal, ParamSpec, TypeVar
 import orjson
 
 from proxy.batch.jsonl import FileRefused, line_problems, validate_lines
-from proxy.batch.shapes import CANCELLED, EXPIRED, Json, error_line, file_object, new_id, page
+from proxy.batch.shapes import CANCELLED, EXPIRED, NO_USAGE, Json, Usage, error_line, file_object, new_id, page
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -57,12 +57,22 @@ CREATE TABLE IF NOT EXISTS batches (
     created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER,
     finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
     cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
+    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, body BLOB,
     outcome TEXT, result BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
 """
 
+# columns added since the first schema: a database made before them gets them on open
+_ADDED_COLUMNS = {
+    "batches": (
+        "input_tokens INTEGER NOT NULL DEFAULT 0",
+        "cached_tokens INTEGER NOT NULL DEFAULT 0",
+        "output_tokens INTEGER NOT NULL DEFAULT 0",
+    )
+}
 _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
@@ -104,6 +114,13 @@ def _batch_object(row: sqlite3.Row) -> Json:
         "model": row["model"],
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
         "metadata": orjson.loads(row["metadata"]) if row["metadata"] is not None else None,
+        "usage": {  # the answers' own usage, summed over the lines answered so far
+            "input_tokens": row["input_tokens"],
+            "input_tokens_details": {"cached_tokens": row["cached_tokens"]},
+            "output_tokens": row["output_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": row["input_tokens"] + row["output_tokens"],
+        },
     }
     if row["errors"]:
         out["errors"] = {"object": "list", "data": orjson.loads(row["errors"])}
@@ -132,6 +149,11 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for column in columns:
+                if column.split()[0] not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
     @classmethod
     @contextmanager
@@ -306,8 +328,9 @@ class BatchStore:
         ).fetchall()
         return [PendingLine(r["idx"], r["custom_id"], r["body"]) for r in rows]
 
-    def record(self, batch_id: str, idx: int, outcome: Outcome, line: bytes) -> bool:
-        """Keep a line's result, once: False when the line already had one."""
+    def record(self, batch_id: str, idx: int, outcome: Outcome, line: bytes, usage: Usage = NO_USAGE) -> bool:
+        """Keep a line's result, and add its answer's usage to the batch's, once: False when the line
+        already had one."""
         counter = "completed" if outcome == "output" else "failed"
         with self._transaction() as db:
             fresh = (
@@ -318,7 +341,11 @@ class BatchStore:
                 == 1
             )
             if fresh:
-                db.execute(f"UPDATE batches SET {counter}={counter}+1 WHERE id=?", (batch_id,))
+                db.execute(
+                    f"UPDATE batches SET {counter}={counter}+1, input_tokens=input_tokens+?, "
+                    "cached_tokens=cached_tokens+?, output_tokens=output_tokens+? WHERE id=?",
+                    (usage.input_tokens, usage.cached_tokens, usage.output_tokens, batch_id),
+                )
         return fresh
 
     def finish(self, batch_id: str, ending: Ending, now: int) -> None:

@@ -71,6 +71,12 @@ class FakeExecutor:
             "object": "chat.completion",
             "endpoint": endpoint,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": len(content),
+                "total_tokens": 10 + len(content),
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
         }
         if status != 200:
             answer = {"error": {"message": "refused", "type": "invalid_request_error", "param": None, "code": None}}

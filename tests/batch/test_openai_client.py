@@ -59,6 +59,9 @@ async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> 
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (3, 2, 1)
     assert batch.model == "m" and batch.completed_at is not None and batch.in_progress_at is not None
     assert batch.finalizing_at is not None and batch.cancelling_at is None
+    assert batch.usage is not None  # the answered lines' own usage, summed (the refused one has none)
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (20, 2, 22)
+    assert batch.usage.input_tokens_details.cached_tokens == 8
     assert batch.output_file_id is not None and batch.error_file_id is not None
 
     output = await content_lines(client, batch.output_file_id)
