@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from proxy.policy import Policy, PolicyError, WorkerBackend, documented_defaults, load_policy
-from proxy.server.auth import AuthConfigError, load_keyring
+from proxy.server.auth import AuthConfigError, load_keyring, unkeyed
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
 SUBCOMMANDS: dict[str, str] = {
@@ -162,11 +162,13 @@ def check_policy_main(argv: list[str]) -> int:
         parser.error("a policy file is required (or --defaults)")
     try:
         policy = load_policy(args.policy)
-        keys = load_keyring(policy.auth)
+        keys = load_keyring(policy.auth, refuse_unkeyed=False)  # the keys may be given where it is served
     except (PolicyError, AuthConfigError) as exc:
         print(f"pacer check-policy: {exc}", file=sys.stderr)
         return 2
     print(policy.describe())
+    if problem := unkeyed(policy.auth, keys):
+        print(f"  warning  here {problem}: pacer serve refuses to start so")
     try:
         _check_placement(policy, final=False)
     except PolicyError as exc:
@@ -174,7 +176,7 @@ def check_policy_main(argv: list[str]) -> int:
         return 2
     changed = policy.changed()
     print("  set      " + ("\n           ".join(changed) if changed else "(every key at its default)"))
-    print(f"ok: {args.policy}" + (" (runs open: no API keys found)" if keys.open else ""))
+    print(f"ok: {args.policy}" + (" (runs open: no API keys configured)" if keys.open and not problem else ""))
     return 0
 
 

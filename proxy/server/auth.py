@@ -111,8 +111,13 @@ def _read_file(path: str) -> str:
         raise AuthConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
 
 
-def load_keyring(auth: AuthSettings, environ: Mapping[str, str] | None = None) -> KeyRing:
-    """Build the key ring from the policy's ``auth`` section (each source may be unset)."""
+def load_keyring(
+    auth: AuthSettings, environ: Mapping[str, str] | None = None, *, refuse_unkeyed: bool = True
+) -> KeyRing:
+    """Build the key ring from the policy's ``auth`` section (each source may be unset). A source the
+    policy names that gives no key (a variable unset or empty, an empty file) is refused
+    (:func:`unkeyed`): the proxy would run open where its operator asked for keys, a mistyped ``-e``
+    away from exposing every route and the admin API on a public address."""
     env = os.environ if environ is None else environ
     keys: dict[str, Caller] = {}
     admin: set[str] = set()
@@ -125,7 +130,26 @@ def load_keyring(auth: AuthSettings, environ: Mapping[str, str] | None = None) -
         admin.update(parse_entries(env.get(auth.admin_key_env, ""), f"${auth.admin_key_env}"))
     if auth.admin_key_file is not None:
         admin.update(parse_entries(_read_file(str(auth.admin_key_file)), str(auth.admin_key_file)))
-    return KeyRing(keys=keys, admin_keys=frozenset(admin))
+    ring = KeyRing(keys=keys, admin_keys=frozenset(admin))
+    if refuse_unkeyed and (problem := unkeyed(auth, ring)):
+        raise AuthConfigError(problem)
+    return ring
+
+
+def unkeyed(auth: AuthSettings, ring: KeyRing) -> str | None:
+    """What is wrong when the policy names where keys come from and they gave none (None: nothing)."""
+
+    def sources(env: str | None, file: object) -> str:
+        return " and ".join(([f"${env}"] if env else []) + ([str(file)] if file is not None else []))
+
+    problems = []
+    if ring.open and (named := sources(auth.api_keys_env, auth.api_keys_file)):
+        problems.append(f"the policy takes API keys from {named}, which gave none")
+    if ring.admin_open and (named := sources(auth.admin_key_env, auth.admin_key_file)):
+        problems.append(f"the policy takes the admin key from {named}, which gave none")
+    if not problems:
+        return None
+    return "; ".join(problems) + " (set them, or remove the setting from [auth] to run open on purpose)"
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from proxy.cli import main
 from proxy.errors import ApiError
 from proxy.policy import AuthSettings
 from proxy.request.admission import Priority
@@ -61,6 +64,38 @@ def test_keyring_from_env_and_files(tmp_path):
     with pytest.raises(AuthConfigError, match="cannot read key file"):
         load_keyring(AuthSettings(api_keys_file=tmp_path / "missing"), {})
     assert load_keyring(AuthSettings(), {}).open
+
+
+def test_a_named_key_source_that_gives_none_is_refused_not_run_open(tmp_path, monkeypatch, capsys):
+    """The policy asks for keys from $E (or a file) and there are none: the proxy would run open, every
+    route and the admin API with it. serve refuses to start, naming the source; check-policy, which
+    may run where the keys are not given, warns."""
+    empty = tmp_path / "keys"
+    empty.write_text("# no keys yet\n")
+    for auth, env, named in [
+        (AuthSettings(api_keys_env="E"), {}, "API keys from $E"),
+        (AuthSettings(api_keys_env="E"), {"E": " "}, "API keys from $E"),
+        (AuthSettings(api_keys_file=empty), {}, f"API keys from {empty}"),
+        (AuthSettings(api_keys_env="E", admin_key_env="A"), {"E": "k"}, "the admin key from $A"),
+    ]:
+        with pytest.raises(AuthConfigError, match=re.escape(named)) as refused:
+            load_keyring(auth, env)
+        assert "to run open on purpose" in str(refused.value)
+        assert load_keyring(auth, env, refuse_unkeyed=False).open or "admin" in named
+    # one named source that gives keys is enough: the proxy does not run open
+    assert not load_keyring(AuthSettings(api_keys_env="E", api_keys_file=empty), {"E": "k"}).open
+    assert load_keyring(AuthSettings(), {}).open  # nothing named: open, as configured
+
+    policy = tmp_path / "p.toml"
+    policy.write_text(
+        '[engine]\nkind = "external"\nurls = ["http://127.0.0.1:9"]\n[auth]\napi_keys_env = "PACER_T_KEYS"\n'
+    )
+    monkeypatch.delenv("PACER_T_KEYS", raising=False)
+    assert main(["serve", "--policy", str(policy)]) == 2
+    assert "API keys from $PACER_T_KEYS, which gave none" in capsys.readouterr().err
+    assert main(["check-policy", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert "warning  here the policy takes API keys from $PACER_T_KEYS" in out and "runs open" not in out
 
 
 @pytest.mark.parametrize(
