@@ -86,6 +86,14 @@ class ProxySettings:
             "seconds a client may take to send a request's headers, then 408 and closed; 0: no limit", minimum=0
         ),
     )
+    body_timeout_s: float = field(
+        default=60.0,
+        metadata=key(
+            "seconds a client may take to send an inference request's body once its headers arrived, "
+            "then 408 and closed; 0: no limit",
+            minimum=0,
+        ),
+    )
     gpu_sample_interval_s: float = field(
         default=5.0,
         metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),

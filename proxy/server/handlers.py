@@ -6,6 +6,7 @@ a bug in the proxy becomes a 500 with a short message, never a traceback to the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,17 +33,26 @@ def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, within ``limit`` bytes and ``timeout_s`` seconds (0: no limit): a client that
+    sends complete headers and then trickles its body would otherwise hold the connection for ever."""
     length = request.content_length
     if length is not None and length > limit:
         raise ApiError(
             413, f"request body is {length} bytes; the limit is {limit} (proxy.max_body_bytes)", code="body_too_large"
         )
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s or None):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(
             413, f"request body is larger than the limit of {limit} bytes (proxy.max_body_bytes)", code="body_too_large"
+        ) from None
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (proxy.body_timeout_s)",
+            code="request_timeout",
         ) from None
 
 
@@ -102,7 +112,7 @@ def inference_route(path: str) -> Handler:
                 st.metrics.reject_auth.inc()
                 raise
             try:
-                job = validate(await read_body(request, st.policy.proxy.max_body_bytes))
+                job = validate(await read_body(request, st.policy.proxy.max_body_bytes, st.policy.proxy.body_timeout_s))
                 if not st.models.known and job.path != "/generate" and st.session is not None:
                     await st.models.ensure(
                         st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY]
@@ -114,7 +124,10 @@ def inference_route(path: str) -> Handler:
                 raise
             return await relay.forward(st.requests, request, job, priority, arrived, caller.name)
         except ApiError as err:
-            return error_response(err)
+            response = error_response(err)
+            if err.status == 408:  # the rest of the body may still come: the connection cannot be reused
+                response.force_close()
+            return response
 
     handle.__name__ = f"handle_{path.strip('/').replace('/', '_')}"
     return handle

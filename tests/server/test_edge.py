@@ -103,6 +103,30 @@ async def test_a_slow_body_after_a_prompt_head_is_not_cut_off(make_proxy):
     assert answer.startswith(b"HTTP/1.1 200")
 
 
+async def test_a_body_that_stops_arriving_is_cut_off_with_408(make_proxy):
+    """Complete headers, then part of the body and nothing more: 408 once ``body_timeout_s`` passed,
+    and the connection not kept (the rest of that body could still come; aiohttp lingers a bounded
+    while for it, then closes)."""
+    h = await make_proxy(policy={"proxy": {"body_timeout_s": 0.5}})
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"model"'
+    )
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(4096), timeout=5)
+    writer.close()
+    assert loop.time() - start < 3.0
+    status, _, rest = data.partition(b"\r\n")
+    head, _, body = rest.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+    err = _openai_shaped(orjson.loads(body))
+    assert err["code"] == "request_timeout" and "proxy.body_timeout_s" in err["message"]
+
+
 async def test_a_workers_error_event_in_a_stream_comes_back_in_openais_shape(make_proxy):
     h = await make_proxy()
     h.workers[0].fail_next("error_event")
