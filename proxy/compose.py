@@ -165,6 +165,7 @@ def build_app(
         app.router.add_post(path, handlers.inference_route(path))
     app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
     app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)

@@ -133,15 +133,37 @@ def inference_route(path: str) -> Handler:
     return handle
 
 
-async def list_models(request: web.Request) -> web.Response:
+async def _model_cards(request: web.Request) -> list[dict[str, object]]:
+    """The served models' cards, for a caller with a key (401 otherwise)."""
     st = request.app[PROXY]
-    try:
-        check_api_key(st.keys, request.headers)
-    except ApiError as err:
-        return error_response(err)
+    check_api_key(st.keys, request.headers)
     if not st.models.known and st.session is not None:
         await st.models.ensure(st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY], 0.0)
-    return _json({"object": "list", "data": st.models.cards})
+    return list(st.models.cards)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    try:
+        return _json({"object": "list", "data": await _model_cards(request)})
+    except ApiError as err:
+        return error_response(err)
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: one served model's card (a model id may hold slashes), 404 naming
+    the served ones otherwise."""
+    wanted = request.match_info["model"]
+    try:
+        cards = await _model_cards(request)
+        for card in cards:
+            if card.get("id") == wanted:
+                return _json(card)
+        served = ", ".join(sorted(str(c.get("id")) for c in cards)) or "none yet"
+        raise ApiError(
+            404, f"the model '{wanted}' does not exist; served: {served}", param="model", code="model_not_found"
+        )
+    except ApiError as err:
+        return error_response(err)
 
 
 async def health(request: web.Request) -> web.Response:

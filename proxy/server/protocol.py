@@ -9,7 +9,7 @@ aiohttp has no limit on how long a client may take to send its request head: a c
 sends a header byte a second is held open for ever (slowloris). The handler arms a timer when the
 first byte of a request head arrives; when the head is not complete within ``header_timeout_s``
 it answers 408 in the same JSON shape and closes the connection. Idle keep-alive connections are
-aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``request_timeout_s``).
+aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``body_timeout_s``).
 
 :class:`EdgeRunner` is ``web.AppRunner`` serving with this handler.
 """

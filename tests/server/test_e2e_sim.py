@@ -82,6 +82,7 @@ async def sim(tmp_path) -> AsyncIterator[Sim]:
 async def test_chat_completions_streaming_models(sim):
     client = sim.client()
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL  # an id with a slash
     chat = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, extra_body={"sim_output_len": 6}
     )

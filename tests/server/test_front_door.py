@@ -106,6 +106,22 @@ async def test_generate_native_route(make_proxy):
     assert h.workers[0].seen_rids[0].startswith("pacer-")
 
 
+async def test_one_model_is_retrieved_by_its_id(make_proxy, monkeypatch):
+    """``client.models.retrieve(id)``, as OpenAI and SGLang serve it: the card; an unknown id (slashes
+    and all) 404 naming the served ones; a key is needed as for the list."""
+    monkeypatch.setenv("T_KEYS", "k-1")
+    h = await make_proxy(policy={"auth": {"api_keys_env": "T_KEYS"}})
+    client = h.client(api_key="k-1")
+    card = await client.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("org/nope")
+    assert "'org/nope' does not exist" in missing.value.message and MODEL in missing.value.message
+    await client.close()
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/v1/models/" + MODEL) as r:
+        assert r.status == 401 and _is_openai_error(await r.json())
+
+
 async def test_api_keys_and_admin_key(make_proxy, monkeypatch, tmp_path):
     monkeypatch.setenv("T_KEYS", "k-inter,k-batch:batch")
     admin = tmp_path / "admin.txt"
