@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import importlib
 import logging
@@ -123,10 +124,12 @@ def serve_main(argv: list[str]) -> int:
     except (PolicyError, AuthConfigError) as exc:
         print(f"pacer serve: {exc}", file=sys.stderr)
         return 2
-    for line in policy.describe().splitlines():
-        _log.info("%s", line)
     host = args.host or policy.proxy.host
     port = policy.proxy.port if args.port is None else args.port
+    # the command line's address is the one the proxy serves on: the summary says that one
+    policy = dataclasses.replace(policy, proxy=dataclasses.replace(policy.proxy, host=host, port=port))
+    for line in policy.describe().splitlines():
+        _log.info("%s", line)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows

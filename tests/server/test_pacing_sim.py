@@ -74,6 +74,8 @@ async def _ready(url: str, logfile, timeout: float = 90.0) -> list[dict]:
 async def test_burst_keeps_each_worker_queue_in_band(pacer):
     url, logfile = pacer
     workers = await _ready(url, logfile)
+    # the policy's port is 8000; the summary names the one --port gave, which it serves on
+    assert f"proxy    listen {url.removeprefix('http://')}," in logfile.read_text()
     backlog = {"n": 0}
 
     async def watch_backlog(stop: asyncio.Event) -> None:
