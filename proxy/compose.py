@@ -34,6 +34,7 @@ from proxy.control.fast_tier import (
     PaceSettings,
     budget_evidence,
     budget_moved,
+    budget_overrun,
     kv_peak,
     next_pace,
     output_budget,
@@ -262,22 +263,34 @@ def _fast_tier(
         for attempt in load.attempts:
             interactive = attempt.ticket.priority is Priority.INTERACTIVE
             oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
+        budgets = load.output_budgets
         for interactive in (True, False):
-            by_asked = load.facts.written(interactive=interactive, arrived_before=oldest[interactive])
-            for asked in sorted(set(by_asked) | {a for (i, a) in load.output_budgets if i is interactive}):
+            by_asked = load.facts.written(
+                interactive=interactive,
+                arrived_before=oldest[interactive],
+                arrived_from=budgets.read_from_of(interactive=interactive),
+            )
+            for asked in sorted(set(by_asked) | set(budgets.asked(interactive=interactive))):
                 written = by_asked.get(asked, [])
                 key = (interactive, asked)
-                old = load.output_budgets.get(key)
-                # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
-                new = output_budget(written, settings) or (old if settings.output_budget else None)
-                if new is None:
-                    load.output_budgets.pop(key, None)
-                else:
-                    load.output_budgets[key] = new
+                old = budgets.get(key)
+                # the first parts under it that ended over the facts' window: reached it, or ended within it
+                reached = budgets.reached(key, since=since)
+                within = load.facts.ended_within_budget(
+                    interactive=interactive, max_tokens=asked, sent_after=budgets.set_at(key), ended_since=since
+                )
+                overrun = old is not None and budget_overrun(reached, within, settings)
+                if overrun:  # the answers got longer: lifted now, read again from the answers that come next
+                    new = None
+                    budgets.lift_as_overrun(key, sample.time)
+                else:  # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
+                    new = output_budget(written, settings) or (old if settings.output_budget else None)
+                    budgets.set(key, new, sample.time)
                 if journal is not None and budget_moved(old, new, settings):
                     above = None if new is None else applies_above(new)
-                    journal(worker_id, budget_evidence(written, interactive, asked, old, new, settings, above),
-                            sample.time)  # fmt: skip
+                    evidence = budget_evidence(written, interactive, asked, old, new, settings, above,
+                                               overrun=(reached, within) if overrun else None)  # fmt: skip
+                    journal(worker_id, evidence, sample.time)
         load.first_token_wait_s = pace.first_token_wait_s
         withdrawn = 0
         if pace.take_back_batch:

@@ -10,8 +10,9 @@ worker admits, so a backlog waits in the proxy and on the server):
    token usage rises. With ``control.output_budget = false`` the controller's
    ``admission_too_conservative`` rule lowers ``schedule_conservativeness`` instead (a rolling
    restart of the worker).
-2. ``shift``: the answers now run nearly to ``max_tokens``: they reach the budget and are continued
-   (the client still gets one answer), and the budget follows what they write until it is lifted.
+2. ``shift``: the answers now run nearly to ``max_tokens``: the first reach the budget and are
+   continued (the client still gets one answer), and as a tenth of them reach it the budget is
+   lifted (a few seconds in) and the requests go as they ask.
    Without the budget, the lowered conservativeness admits more than the KV pool holds and the
    engine retracts requests; ``retraction_storm`` raises it.
 

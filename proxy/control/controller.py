@@ -355,7 +355,13 @@ class Controller:
         args = dict(w.state.args) if w is not None else {}
         budget, before = evidence.budget_tokens, evidence.previous_tokens
         cls, asked = evidence.request_class, evidence.max_tokens
-        if budget is None:
+        if budget is None and evidence.reached is not None:
+            reason = (
+                f"{cls} output budget at max_tokens {asked} lifted (was {before}): {evidence.reached} of the "
+                f"{evidence.reached + (evidence.ended_within or 0)} answers that ended or went on since it was set "
+                "reached it, so answers are now longer; requests go as they ask, and those going on ask for the rest"
+            )
+        elif budget is None:
             reason = f"{cls} output budget at max_tokens {asked} lifted (was {before}): requests go as they ask"
         else:
             applies = evidence.applies_above_tokens is None or asked >= evidence.applies_above_tokens

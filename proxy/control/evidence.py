@@ -209,6 +209,9 @@ class OutputBudget(Evidence):
     high_tokens: int  # their high quantile (the budget is this x the margin, rounded up)
     quantile: float
     margin: float
+    # lifted because answers reach it: those that did (in their first part), those that ended within it
+    reached: int | None = None
+    ended_within: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -137,6 +137,7 @@ __all__ = [
     "batch_kv_limit",
     "budget_evidence",
     "budget_moved",
+    "budget_overrun",
     "kv_peak",
     "next_pace",
     "output_budget",
@@ -176,6 +177,10 @@ class PaceSettings:
     budget_answers: int = 256  # the newest answers of the class it is read from
     budget_floor: int = 256  # never below this many tokens
     budget_note_change: float = 0.25  # a move by this share or more is journaled (set and lifted always are)
+    # answers reaching their budget: at least this many, and this share of those that ended under it, lift it
+    # (read at the high quantile with a margin, it holds all but a rare one while the answers stay alike)
+    budget_overrun_answers: int = 8
+    budget_overrun_share: float = 0.1
 
     @classmethod
     def of(cls, control: ControlSettings, pacing: PacingSettings) -> PaceSettings:
@@ -291,6 +296,19 @@ def _high(written: Sequence[int], settings: PaceSettings) -> int | None:
     return recent[min(len(recent) - 1, max(0, math.ceil(settings.budget_quantile * len(recent)) - 1))]
 
 
+def budget_overrun(reached: int, ended_within: int, settings: PaceSettings) -> bool:
+    """Whether answers reaching an output budget say it is too small: since it took its value, over
+    the facts' window (``facts_window_s``: a rare answer reaching it must not add up over hours),
+    ``reached`` answers wrote to it in their first part (each then goes on in another) and
+    ``ended_within`` ended within it. Read at the ``budget_quantile`` of what was written, with
+    ``budget_margin``, it holds all but a rare answer while the answers stay alike; when they get
+    longer, every one reaches it, and none ends to say so (they go on part by part, each part at the
+    back of the engine's queue): the budget has to go at once, not when the long answers have ended."""
+    return reached >= settings.budget_overrun_answers and reached >= settings.budget_overrun_share * (
+        reached + ended_within
+    )
+
+
 def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bool:
     """Whether a budget change is worth the journal: set, lifted, or moved by ``budget_note_change``
     or more (a budget read from a sliding window of answers moves by a step now and then)."""
@@ -307,14 +325,18 @@ def budget_evidence(
     new: int | None,
     settings: PaceSettings,
     applies_above: int | None = None,
+    overrun: tuple[int, int] | None = None,
 ) -> OutputBudget:
     """The journal's evidence of a budget change (what :func:`output_budget` read); ``applies_above``:
-    the least ``max_tokens`` of a request it applies to (the request path's rule)."""
+    the least ``max_tokens`` of a request it applies to (the request path's rule); ``overrun``: the
+    answers that reached it and those that ended within it, when it was lifted for that
+    (:func:`budget_overrun`)."""
     high = _high(written, settings)
     return OutputBudget(request_class="interactive" if interactive else "batch", max_tokens=asked, budget_tokens=new,
                         applies_above_tokens=applies_above, previous_tokens=old, answers=min(len(written), settings.budget_answers),
                         high_tokens=high or 0, quantile=settings.budget_quantile,
-                        margin=settings.budget_margin)  # fmt: skip
+                        margin=settings.budget_margin, reached=None if overrun is None else overrun[0],
+                        ended_within=None if overrun is None else overrun[1])  # fmt: skip
 
 
 def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, settings: PaceSettings) -> Pace:

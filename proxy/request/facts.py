@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,17 +93,39 @@ class WorkerFacts:
             if (since is None or f.time >= since) and (interactive is None or f.interactive is interactive)
         ]
 
-    def written(self, *, interactive: bool, arrived_before: float = math.inf) -> dict[int, list[int]]:
-        """Output tokens of the class's answered requests that arrived before ``arrived_before``, oldest
-        first, by the ``max_tokens`` they asked for (what the output budget reads; requests that gave
-        none are left out)."""
+    def written(
+        self,
+        *,
+        interactive: bool,
+        arrived_before: float = math.inf,
+        arrived_from: Callable[[int], float] = lambda _asked: -math.inf,
+    ) -> dict[int, list[int]]:
+        """Output tokens of the class's answered requests that arrived before ``arrived_before`` (and
+        at ``arrived_from(max_tokens)`` or later), oldest first, by the ``max_tokens`` they asked for
+        (what the output budget reads; requests that gave none are left out)."""
         out: dict[int, list[int]] = {}
         for f in self._facts:
             if f.interactive is not interactive or f.output_tokens is None or f.max_tokens is None:
                 continue
-            if f.arrived < arrived_before:
+            if arrived_from(f.max_tokens) <= f.arrived < arrived_before:
                 out.setdefault(f.max_tokens, []).append(f.output_tokens)
         return out
+
+    def ended_within_budget(
+        self, *, interactive: bool, max_tokens: int, sent_after: float, ended_since: float = -math.inf
+    ) -> int:
+        """The class's answers asking for ``max_tokens`` sent under an output budget after
+        ``sent_after`` that ended in their first part (at ``ended_since`` or later): the budget held them."""
+        return sum(
+            1
+            for f in self._facts
+            if f.interactive is interactive
+            and f.max_tokens == max_tokens
+            and f.sent_max_tokens is not None
+            and f.parts == 1
+            and f.dispatched > sent_after
+            and f.time >= ended_since
+        )
 
     def __len__(self) -> int:
         return len(self._facts)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from proxy.engines.base import Sample
 from proxy.request.attempt import Attempt
+from proxy.request.budgets import OutputBudgets
 from proxy.request.facts import WorkerFacts
 from proxy.workers.base import WorkerId
 
@@ -122,7 +123,7 @@ class WorkerLoad:
         # the fast tier's: a streamed interactive request waiting this long for its first token holds batch refills
         self.first_token_wait_s: float | None = None
         # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
-        self.output_budgets: dict[tuple[bool, int], int] = {}
+        self.output_budgets = OutputBudgets()
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         self._base_dispatched = 0
@@ -139,7 +140,7 @@ class WorkerLoad:
     def budget_summary(self) -> dict[str, dict[str, int]]:
         """The output budgets per class, by the ``max_tokens`` asked (the status page's)."""
         out: dict[str, dict[str, int]] = {"interactive": {}, "batch": {}}
-        for (interactive, asked), budget in sorted(self.output_budgets.items()):
+        for (interactive, asked), budget in self.output_budgets.items():
             out["interactive" if interactive else "batch"][str(asked)] = budget
         return out
 
@@ -147,6 +148,11 @@ class WorkerLoad:
         """The ``max_tokens`` a request of the class that asks for ``max_tokens`` is sent with (None: as
         asked; see :mod:`proxy.request.continuation`): requests that ask alike write alike."""
         return None if max_tokens is None else self.output_budgets.get((interactive, max_tokens))
+
+    def note_budget_reached(self, *, interactive: bool, max_tokens: int, now: float) -> None:
+        """An answer of the class that asked for ``max_tokens`` reached its output budget in its first
+        part (:meth:`OutputBudgets.note_reached`)."""
+        self.output_budgets.note_reached((interactive, max_tokens), now)
 
     @property
     def batch_in_flight(self) -> int:

@@ -333,7 +333,7 @@ async def _queued(
                 opened.strip_usage = strip
                 opened.parts = parts
                 if capped is not None and opened.resp is not None:
-                    opened.stitch = _Stitch(job, capped, attempt.worker_id)
+                    opened.stitch = _Stitch(job, capped, attempt.worker_id, _interactive(attempt))
                 answer = await respond(opened, upstream)
                 _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
@@ -510,8 +510,9 @@ async def _fetch(
                 opened.body, opened.status = await _whole_again(path, worker_id, job, upstream, base), 200
                 return opened, 1, None
             opened.body, parts, kept = await _continued(
-                path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap
-            )
+                path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap,
+                interactive=_interactive(attempt),
+            )  # fmt: skip
             if parts <= len(earlier):  # a part it could not continue: sent again whole, from the start
                 attempt.going_on_from = 0
             return opened, parts, kept if capped is not None else None
@@ -519,7 +520,9 @@ async def _fetch(
     opened = await _open(path, upstream.url, worker_id, job, payload)
     if capped is None or opened.status != 200 or opened.body is None:
         return opened, 1, capped
-    opened.body, parts, kept = await _continued(path, worker_id, job, capped, opened.body, upstream, base)
+    opened.body, parts, kept = await _continued(
+        path, worker_id, job, capped, opened.body, upstream, base, interactive=_interactive(attempt)
+    )
     return opened, parts, kept
 
 
@@ -534,6 +537,7 @@ async def _continued(
     *,
     earlier: tuple[continuation.Part, ...] = (),
     cap: int | None = None,
+    interactive: bool = True,
 ) -> tuple[bytes, int, Capped | None]:
     """The whole answer of a request sent under its output budget, its number of parts and its cap
     (None when it was sent again whole): while a
@@ -560,7 +564,9 @@ async def _continued(
         fields = engine.continuation_fields(job.path, job.body, written)
         if fields is None:
             return await _whole_again(path, worker_id, job, upstream, base), 1, None
-        cap = capped.next_cap(written, capped.sent)
+        if len(parts) == 1:
+            _reached_budget(path, worker_id, interactive, capped)
+        cap = _next_cap(path, worker_id, interactive, capped, written)
         more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
         upstream.part(more, base, f"c{len(parts)}")
         path.metrics.continued.inc()
@@ -742,6 +748,24 @@ async def _respond(
             upstream.abort(path)
 
 
+def _interactive(attempt: Attempt) -> bool:
+    return attempt.ticket.priority is Priority.INTERACTIVE
+
+
+def _reached_budget(path: RequestPath, worker_id: str, interactive: bool, capped: Capped) -> None:
+    """An answer's first part wrote all its output budget allowed: the budget's overrun, noted now
+    (:mod:`proxy.request.budgets`), not once the answer ends."""
+    load = path.dispatcher.board.get(worker_id)
+    load.note_budget_reached(interactive=interactive, max_tokens=capped.asked, now=time.monotonic())
+
+
+def _next_cap(path: RequestPath, worker_id: str, interactive: bool, capped: Capped, written: int) -> int:
+    """What an answer's next part may write, under the worker's budget for its kind as it is now: a
+    budget lifted meanwhile (the answers got longer) lets it write the rest in one part."""
+    budget = path.dispatcher.board.get(worker_id).output_budget(interactive=interactive, max_tokens=capped.asked)
+    return capped.next_cap(written, capped.asked if budget is None else budget)
+
+
 @dataclass(frozen=True, slots=True)
 class _Stitch:
     """A stream sent under its output budget: the request, its cap and its worker, to go on from."""
@@ -749,6 +773,7 @@ class _Stitch:
     job: Job
     capped: Capped
     worker_id: str
+    interactive: bool  # the class it was sent as: its budget's
 
 
 async def _respond_stitched(
@@ -793,7 +818,9 @@ async def _respond_stitched(
             fields = None if done or engine is None else engine.continuation_fields(job.path, job.body, end.written)
             if fields is None:
                 break
-            cap = capped.next_cap(end.written, capped.sent)
+            if opened.parts == 1:
+                _reached_budget(path, plan.worker_id, plan.interactive, capped)
+            cap = _next_cap(path, plan.worker_id, plan.interactive, capped, end.written)
             body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             upstream.part(body, base, f"c{opened.parts}")

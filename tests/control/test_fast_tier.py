@@ -14,6 +14,7 @@ from proxy.control.fast_tier import (
     batch_kv_limit,
     budget_evidence,
     budget_moved,
+    budget_overrun,
     kv_peak,
     next_pace,
     output_budget,
@@ -481,6 +482,37 @@ def test_a_budget_is_journaled_when_set_lifted_or_moved_by_a_quarter():
     ev = budget_evidence([100] * 60, True, 4096, None, 256, S)
     assert (ev.request_class, ev.max_tokens, ev.budget_tokens, ev.previous_tokens, ev.answers, ev.high_tokens) == (
         "interactive", 4096, 256, None, 60, 100)  # fmt: skip
+
+
+def test_a_budget_overruns_when_a_real_share_of_the_answers_under_it_reach_it():
+    """A rare answer reaching it is what the margin over the high quantile allows; a tenth of them, at
+    least eight, say the answers got longer (every one reaches it then)."""
+    assert not budget_overrun(0, 500, S) and not budget_overrun(7, 0, S)  # too few to say
+    assert budget_overrun(8, 0, S) and budget_overrun(8, 72, S)  # eight: a tenth of 80
+    assert not budget_overrun(8, 73, S)
+    assert not budget_overrun(5, 495, S)  # 1 %: the quantile's own
+    ev = budget_evidence([40] * 60, True, 2000, 256, None, S, overrun=(12, 3))
+    assert (ev.budget_tokens, ev.previous_tokens, ev.reached, ev.ended_within) == (None, 256, 12, 3)
+    assert budget_evidence([40] * 60, True, 2000, None, 256, S).reached is None
+
+
+def test_the_budgets_count_what_reached_each_since_it_took_its_value():
+    from proxy.request.budgets import OutputBudgets
+
+    b, key = OutputBudgets(), (True, 2000)
+    b.note_reached(key, 1.0)  # no budget: nothing to reach
+    b.set(key, 256, 2.0)
+    assert (b.get(key), b.set_at(key), b.reached(key), b.read_from(key)) == (256, 2.0, 0, float("-inf"))
+    b.note_reached(key, 3.0)
+    b.note_reached(key, 3.5)
+    b.set(key, 256, 4.0)  # the same value: it stands, and so does what reached it
+    assert (b.set_at(key), b.reached(key), b.reached(key, since=3.2)) == (2.0, 2, 1)  # over a window too
+    b.set(key, 320, 5.0)  # another value: counted afresh
+    assert (b.set_at(key), b.reached(key)) == (5.0, 0)
+    b.note_reached(key, 6.0)
+    b.lift_as_overrun(key, 7.0)
+    assert (b.get(key), b.reached(key), b.read_from(key), b.asked(interactive=True)) == (None, 0, 7.0, [])
+    assert b.read_from_of(interactive=True)(2000) == 7.0 and b.read_from_of(interactive=False)(2000) == float("-inf")
 
 
 async def test_beside_interactive_work_the_newest_batch_requests_past_the_pool_s_kv_are_taken_back():

@@ -113,3 +113,49 @@ async def test_requests_taken_back_by_a_restart_keep_what_the_worker_wrote(tmp_p
             assert proxy.state.pool.get(worker).args["schedule_conservativeness"] == 0.5
         finally:
             await client.close()
+
+
+async def test_answers_that_get_longer_lift_the_budget_while_they_run(tmp_path: Path) -> None:
+    """The demo's shift in small: a budget learned from short answers, then a wave of long ones. Each
+    reaches the budget in its first part and goes on; none ends for a while, so the whole answers the
+    budget is read from cannot say it is too small. The answers reaching it do: the budget is lifted
+    while they run (journaled with what reached it), their next parts ask for the rest at once, and it
+    is not set again from the short answers of before."""
+    async with running_proxy(
+        tmp_path,
+        args={"schedule_conservativeness": 1.0},
+        extra_args=["--sim-time-scale", "10"],
+        control={"mode": "auto", "restarts_per_hour": 0},
+    ) as proxy:
+        worker = proxy.state.pool.workers()[0].id
+        load = proxy.state.board.get(worker)
+        client = proxy.client()
+        msg = [{"role": "user", "content": "hello there"}]
+        budget = lambda: load.output_budget(interactive=True, max_tokens=2000)  # noqa: E731
+        try:
+            await asyncio.gather(*[
+                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
+                                               extra_body={"sim_output_len": SHORT})
+                for _ in range(60)
+            ])  # fmt: skip
+            await wait_for(lambda: budget() == 256, 10, "a budget learned")
+            long = asyncio.gather(*[
+                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
+                                               extra_body={"sim_output_len": 1500})
+                for _ in range(20)
+            ])  # fmt: skip
+            await wait_for(lambda: budget() is None, 10, "the budget lifted")
+            assert load.in_flight > 0  # while the long answers run, not once they have ended
+            lifted = [d for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
+            evidence = lifted["evidence"]
+            assert (evidence["previous_tokens"], evidence["budget_tokens"]) == (256, None)
+            assert evidence["reached"] >= 8 and "answers are now longer" in lifted["reason"]
+            done = await long
+            assert [a.usage.completion_tokens for a in done] == [1500] * 20
+            # 256, 256 at most before the lift was seen, then the rest in one part (under the budget: 256,
+            # 256, 512, 476)
+            assert max(f.parts for f in load.facts.recent()[-20:]) <= 3
+            await asyncio.sleep(0.5)  # looks go on: the short answers of before do not set it again
+            assert budget() is None
+        finally:
+            await client.close()

@@ -69,6 +69,22 @@ def test_written_reads_a_class_and_only_the_requests_that_arrived_before_a_momen
     facts.record(RequestFact(time=20.0, arrived=9.0, prompt_tokens=1, output_tokens=1500, max_tokens=2000,
                              finish_reason="stop", ttft_s=None, queue_s=0.0))  # fmt: skip
     assert facts.written(interactive=True) == {4096: [10, 30, 20], 2000: [1500]}  # requests that ask alike
+    # a budget lifted at 2.0 for those asking 4096 reads only what arrived from then on
+    later = facts.written(interactive=True, arrived_from=lambda asked: 2.0 if asked == 4096 else -1.0)
+    assert later == {4096: [30, 20], 2000: [1500]}
+
+
+def test_the_answers_a_budget_held_are_those_sent_under_it_that_ended_in_one_part():
+    facts = WorkerFacts()
+    for queue_s, sent, parts, interactive in [(1.0, 256, 1, True), (3.0, 256, 1, True), (3.0, 256, 3, True),
+                                              (3.0, None, 1, True), (3.0, 256, 1, False)]:  # fmt: skip
+        facts.record(RequestFact(time=10.0, arrived=0.0, prompt_tokens=1, output_tokens=9, max_tokens=2000,
+                                 finish_reason="stop", ttft_s=None, queue_s=queue_s, interactive=interactive,
+                                 sent_max_tokens=sent, parts=parts))  # fmt: skip
+    assert facts.ended_within_budget(interactive=True, max_tokens=2000, sent_after=2.0) == 1  # sent at 3.0
+    assert facts.ended_within_budget(interactive=True, max_tokens=2000, sent_after=0.0) == 2
+    assert facts.ended_within_budget(interactive=True, max_tokens=4096, sent_after=0.0) == 0
+    assert facts.ended_within_budget(interactive=True, max_tokens=2000, sent_after=0.0, ended_since=10.5) == 0
 
 
 def test_when_the_worker_got_a_request_and_when_its_first_token_came() -> None:

@@ -24,7 +24,7 @@ def _sent(h: Any) -> list[tuple[Any, ...]]:
 async def test_a_chat_answer_past_its_budget_is_continued_into_one_answer(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
     load = h.state.board.get("w0")
-    load.output_budgets[(True, 100)] = 4
+    load.output_budgets.set((True, 100), 4, 0.0)
     client = h.client()
     chat = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, extra_body={"sim_output_len": 10}
@@ -48,7 +48,7 @@ async def test_a_chat_answer_past_its_budget_is_continued_into_one_answer(make_p
 
 async def test_a_completion_goes_on_from_its_prompt_and_stops_at_the_clients_max_tokens(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
-    h.state.board.get("w0").output_budgets[(True, 6)] = 4
+    h.state.board.get("w0").output_budgets.set((True, 6), 4, 0.0)
     client = h.client()
     comp = await client.completions.create(model=MODEL, prompt="x", max_tokens=6, extra_body={"sim_output_len": 50})
     assert comp.choices[0].text == "tok " * 6 and comp.choices[0].finish_reason == "length"
@@ -61,7 +61,7 @@ async def test_a_completion_goes_on_from_its_prompt_and_stops_at_the_clients_max
 
 async def test_short_answers_take_one_part_and_other_requests_go_as_asked(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
-    h.state.board.get("w0").output_budgets[(True, 100)] = 8
+    h.state.board.get("w0").output_budgets.set((True, 100), 8, 0.0)
     client = h.client()
     msg = [{"role": "user", "content": "hi"}]
     short = await client.chat.completions.create(
@@ -84,7 +84,7 @@ async def test_short_answers_take_one_part_and_other_requests_go_as_asked(make_p
 @pytest.mark.parametrize("failure", ["400", "500"])
 async def test_a_part_the_worker_refuses_sends_the_request_again_whole(make_proxy, failure: str) -> None:
     h = await make_proxy(policy=SIM_SPEAKER)
-    h.state.board.get("w0").output_budgets[(True, 100)] = 4
+    h.state.board.get("w0").output_budgets.set((True, 100), 4, 0.0)
     w = h.workers[0]
     w.fail_next("ok")
     w.fail_next(failure)  # the continuation fails
@@ -108,7 +108,7 @@ async def test_a_part_the_worker_refuses_sends_the_request_again_whole(make_prox
 
 async def test_a_client_that_leaves_during_a_continuation_has_that_part_aborted(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER, worker={"token_delay_s": 0.05})
-    h.state.board.get("w0").output_budgets[(True, 400)] = 4
+    h.state.board.get("w0").output_budgets.set((True, 400), 4, 0.0)
     w = h.workers[0]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "sim_output_len": 200}
     async with aiohttp.ClientSession() as s:
@@ -124,7 +124,7 @@ async def test_a_client_that_leaves_during_a_continuation_has_that_part_aborted(
 
 async def test_a_streamed_answer_past_its_budget_comes_as_one_stream(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
-    h.state.board.get("w0").output_budgets[(True, 100)] = 4
+    h.state.board.get("w0").output_budgets.set((True, 100), 4, 0.0)
     client = h.client()
     stream = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, stream=True,
@@ -154,7 +154,7 @@ async def test_a_streamed_answer_past_its_budget_comes_as_one_stream(make_proxy)
 
 async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
-    h.state.board.get("w0").output_budgets[(True, 100)] = 4
+    h.state.board.get("w0").output_budgets.set((True, 100), 4, 0.0)
     w = h.workers[0]
     w.fail_next("ok")
     w.fail_next("400")
