@@ -907,7 +907,23 @@ class Controller:
                 before=w.window.summary(),
             )
             return None
-        entry_id = self.journal.record(decision, mode=self.mode, status=Status.ACTING, before=w.window.summary())
+        back_in = decision.delay_s
+        _log.warning(
+            "worker %s died (%s, death %d in %g s): %s %s",
+            worker_id,
+            cause,
+            deaths,
+            self.settings.crash_loop_window_s,
+            "restarting it" if decision.rule == "revive" else f"{decision.rule}: restarting it",
+            f"in {back_in:g} s (crash back-off)" if back_in > 0 else "now",
+        )
+        entry_id = self.journal.record(
+            decision,
+            mode=self.mode,
+            status=Status.ACTING,
+            before=w.window.summary(),
+            detail=f"back in {back_in:g} s (crash back-off), then the start-up" if back_in > 0 else "",
+        )
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, revival=True)
 

@@ -225,7 +225,9 @@ def test_death_classified_from_the_log_tail_when_no_line_was_followed() -> None:
 
 
 @pytest.mark.looptime
-async def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) -> None:
+async def test_plain_crash_revives_with_same_args_and_backs_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor())
     c.track(info())
     delays = []
@@ -237,6 +239,15 @@ async def test_plain_crash_revives_with_same_args_and_backs_off(tmp_path: Path) 
         assert act is not None
         assert act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
         delays.append(act.decision.delay_s)
+        # the operator sees when it comes back: in the journal while it waits, and in the log
+        assert (
+            c.journal.get(act.entry_id)["detail"]
+            == f"back in {act.decision.delay_s:g} s (crash back-off), then the start-up"
+        )  # type: ignore[index]
+        assert (
+            "worker w0 died (crash: ValueError" in caplog.text
+            and f"in {act.decision.delay_s:g} s (crash back-off)" in caplog.text
+        )
         await c.carry_out(act)  # after its back-off (loop time)
         assert c.journal.get(act.entry_id)["status"] == "revived"  # type: ignore[index]
     assert delays == list(ControlSettings().crash_backoff_s[:3])
