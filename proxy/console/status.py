@@ -36,7 +36,7 @@ def format_status(workers: Mapping[str, Any], decisions: Mapping[str, Any], last
         state = w.get("state", "?") + ("" if w.get("fresh", True) or not s else "*")
         lines.append(
             f"{w['id']:<8} {state:<9} {_num(s.get('queue')):>6} {_num(s.get('running')):>8} "
-            f"{_num(s.get('token_usage')):>6} {_num(s.get('gen_throughput'), 0):>8} {_num(w.get('in_flight')):>8} "
+            f"{_num(s.get('token_usage')):>6} {_num(w.get('output_rate'), 0):>8} {_num(w.get('in_flight')):>8} "
             f"{_num(w.get('restarts')):>8}  {w.get('url', '')}"
         )
         args = " ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in (w.get("args") or {}).items())

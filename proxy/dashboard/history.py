@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from proxy.engines.base import Sample
+from proxy.engines.base import Sample, output_rate
 
 __all__ = ["History", "ProxyPoint", "WorkerPoint"]
 
@@ -82,15 +82,12 @@ class History:
         if sample is not None:
             t = now_wall - max(0.0, self._mono() - sample.time)
             prev = self._last_sample.get(worker_id)
-            retractions = throughput = None
+            retractions = None
             if prev is not None and sample.time > prev.time:
                 dt = sample.time - prev.time
                 d_retracted = _delta(sample.retractions_total, prev.retractions_total)
                 retractions = None if d_retracted is None else d_retracted / dt * 60.0
-                d_generated = _delta(sample.generation_tokens_total, prev.generation_tokens_total)
-                throughput = None if d_generated is None else d_generated / dt
-            if sample.gen_throughput is not None:
-                throughput = sample.gen_throughput
+            throughput = output_rate(prev, sample)
             self._last_sample[worker_id] = sample
             ring = self._workers.get(worker_id)
             if ring is None:

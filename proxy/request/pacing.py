@@ -49,7 +49,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from proxy.engines.base import Sample
+from proxy.engines.base import Sample, output_rate
 from proxy.request.attempt import Attempt
 from proxy.request.budgets import OutputBudgets
 from proxy.request.facts import WorkerFacts
@@ -188,7 +188,7 @@ class WorkerLoad:
         base = self._pending_base or (self.dispatched, self.completed)
         self._base_dispatched, self._base_completed = base[0], self.completed
         self._pending_base = None
-        self.output_rate = _output_rate(self.sample, sample)
+        self.output_rate = output_rate(self.sample, sample)
         self.sample = sample
         self.error = None
         self.last_running = sample.running
@@ -337,6 +337,7 @@ class WorkerLoad:
             "batch_limit": self.batch_limit,
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
+            "output_rate": self.output_rate,  # output tokens/s now (0 when nothing runs)
             "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),
             "scrape_error": self.error,
@@ -352,19 +353,6 @@ class WorkerLoad:
                 "max_total_tokens": s.max_total_tokens,
             },
         }
-
-
-def _output_rate(before: Sample | None, now: Sample) -> float | None:
-    """Output tokens per second: the engine's own throughput figure where it reports one, else the rise
-    of its output-token counter since the previous sample (an engine that exports only the counter);
-    None when neither is known."""
-    if now.gen_throughput is not None:
-        return now.gen_throughput
-    if before is None or before.generation_tokens_total is None or now.generation_tokens_total is None:
-        return None
-    dt = now.time - before.time
-    rise = now.generation_tokens_total - before.generation_tokens_total
-    return rise / dt if dt > 0 and rise >= 0 else None
 
 
 class LoadBoard:

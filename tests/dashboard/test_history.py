@@ -58,6 +58,10 @@ def test_engine_throughput_gauge_wins_and_sample_time_is_kept() -> None:
     series = h.worker_series("w0", since=0.0)
     assert series["gen_throughput"] == [42.0]
     assert series["t"] == [clocks.wall - 0.5]  # when it was scraped, on the wall clock
+    clocks.tick(1.0)
+    idle = Sample(time=clocks.mono, queue=0, running=0, token_usage=0.0, gen_throughput=42.0)
+    h.on_sample("w0", idle, None)  # SGLang's gauge keeps its last decode batch's figure once idle
+    assert h.worker_series("w0", since=0.0)["gen_throughput"] == [42.0, 0.0]
 
 
 def test_proxy_queue_per_class_at_most_every_step_and_rings_are_bounded() -> None:
