@@ -535,9 +535,9 @@ async def _continued(
     upstream: _Upstream,
     base: str | None,
     *,
+    interactive: bool,
     earlier: tuple[continuation.Part, ...] = (),
     cap: int | None = None,
-    interactive: bool = True,
 ) -> tuple[bytes, int, Capped | None]:
     """The whole answer of a request sent under its output budget, its number of parts and its cap
     (None when it was sent again whole): while a
