@@ -15,6 +15,7 @@ the proxy is imported.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -32,13 +33,13 @@ def resolve(command: str, env: Mapping[str, str]) -> str:
     missing engine is still refused at launch rather than as an exit of the guard."""
     if os.sep in command:
         if not os.path.exists(command):
-            raise FileNotFoundError(2, "No such file or directory", command)
-        if not os.access(command, os.X_OK):
-            raise PermissionError(13, "Permission denied", command)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", command)
+        if not os.path.isfile(command) or not os.access(command, os.X_OK):
+            raise PermissionError(errno.EACCES, "Permission denied", command)
         return command
     found = shutil.which(command, path=env.get("PATH", os.defpath))
     if found is None:
-        raise FileNotFoundError(2, "No such file or directory", command)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", command)
     return found
 
 
@@ -57,7 +58,16 @@ def _main(args: Sequence[str]) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request took effect
         sys.exit(128 + int(signal.SIGTERM))
-    os.execv(executable, command)
+    # Python ignores these at its start and an ignored signal stays so across exec: the command gets
+    # them as a process started directly does (what Popen's restore_signals gave it)
+    for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        os.execv(executable, command)
+    except OSError as exc:  # checked before the launch, but it may have changed since, or not be a program
+        print(f"cannot start {executable}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        sys.exit(127)
 
 
 if __name__ == "__main__":

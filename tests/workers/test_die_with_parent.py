@@ -4,7 +4,9 @@ and its port, and the proxy started again would launch a second one beside it.""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -39,11 +41,15 @@ _PARENT = textwrap.dedent(
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) is gone for our purpose
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    # a zombie (exited, not yet reaped by init) is gone for our purpose
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[:-1]
 
 
 def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> None:
@@ -72,15 +78,34 @@ def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> N
 async def test_the_worker_keeps_its_command_pid_and_group(tmp_path: Path) -> None:
     """The guard execs the command: the pid the launcher holds is the engine's, its argv as given,
     and it leads its own process group (what stopping a worker signals)."""
-    argv = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"]
+    argv = ["sleep", "30"]  # not Python: Python would ignore SIGPIPE again at its own start
     w = await WorkerProcess.launch(argv, env={}, lines=LineLog(), log_file=tmp_path / "w.log", header="h")
     try:
-        time.sleep(0.3)
-        with open(f"/proc/{w.pid}/cmdline", "rb") as f:
-            assert f.read().split(b"\0")[:-1] == [a.encode() for a in argv]
+        deadline = time.monotonic() + 10.0  # the guard execs the command once it has started
+        while _cmdline(w.pid) != [a.encode() for a in argv] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _cmdline(w.pid) == [a.encode() for a in argv]
         assert os.getpgid(w.pid) == w.pid
+        with open(f"/proc/{w.pid}/status") as f:  # SIGPIPE as a process started directly has it
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert not ignored & (1 << (signal.SIGPIPE - 1))
     finally:
         await w.terminate(grace_s=5.0)
+
+
+async def test_a_command_that_cannot_run_says_so_in_its_log(tmp_path: Path) -> None:
+    """Checked at launch, but a program can go (or not be one) by the time the guard execs it: one
+    line in the worker's log and exit 127, as a shell says it."""
+    script = tmp_path / "engine"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    log = tmp_path / "w.log"
+    lines = LineLog()
+    w = await WorkerProcess.launch([str(script)], env={}, lines=lines, log_file=log, header="h")
+    assert await w.wait() == 127
+    await w.drain_output(timeout=5.0)
+    w.close()
+    assert any(line.startswith(f"cannot start {script}:") for line in lines.tail(5)), lines.tail(5)
 
 
 def test_a_missing_command_is_refused_at_launch_as_before() -> None:
@@ -88,4 +113,6 @@ def test_a_missing_command_is_refused_at_launch_as_before() -> None:
         resolve("no-such-engine-binary", {"PATH": "/usr/bin:/bin"})
     with pytest.raises(FileNotFoundError):
         guarded(["/no/such/engine"], {})
+    with pytest.raises(PermissionError):  # a folder is no program
+        guarded([os.path.dirname(sys.executable)], {})
     assert guarded(["python3", "-V"], {"PATH": os.path.dirname(sys.executable)})[-2:] == ["python3", "-V"]
