@@ -612,7 +612,11 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     names = {owner_of(key): caller.name for key, caller in st.keys.keys.items()}
     executor = RequestPathExecutor(st.requests, VALIDATORS, key_of_owner=lambda owner: names.get(owner, ANONYMOUS))
     async with BatchService.open(
-        settings.dir, executor, concurrency=settings.concurrency, accepts_model=accepts_model
+        settings.dir,
+        executor,
+        concurrency=settings.concurrency,
+        accepts_model=accepts_model,
+        body_timeout_s=st.policy.proxy.body_timeout_s,
     ) as service:
         app[BATCH_SERVICE] = service
         yield

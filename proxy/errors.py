@@ -22,6 +22,10 @@ worker's is not one of OpenAI's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import orjson
 from aiohttp import web
 
@@ -128,12 +132,31 @@ def reshape_error_events(data: bytes) -> bytes:
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.Response(
+    response = web.Response(
         status=err.status,
         body=error_body(err.message, type=err.type, param=err.param, code=err.code),
         content_type="application/json",
         headers=err.headers,
     )
+    if err.status == 408:  # the rest of the request may still come: the connection cannot be reused
+        response.force_close()
+    return response
+
+
+@contextlib.asynccontextmanager
+async def body_deadline(timeout_s: float) -> AsyncIterator[None]:
+    """Read a request's body within ``timeout_s`` (0: no limit), else 408 naming
+    ``proxy.body_timeout_s``: a client that sends its headers and then trickles its body (or stops)
+    would otherwise hold the connection for ever."""
+    try:
+        async with asyncio.timeout(timeout_s or None):
+            yield
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (proxy.body_timeout_s)",
+            code="request_timeout",
+        ) from None
 
 
 def error_event(message: str, *, type: str = "upstream_error", code: str | None = None) -> bytes:

@@ -17,7 +17,7 @@ from aiohttp import BodyPartReader, web
 
 from proxy.batch.service import BatchService, owner_of
 from proxy.batch.shapes import Json
-from proxy.errors import ApiError, bad_request, error_response
+from proxy.errors import ApiError, bad_request, body_deadline, error_response
 
 BATCH_SERVICE = web.AppKey("batch_service", BatchService)
 
@@ -47,8 +47,13 @@ def _int_query(request: web.Request, name: str, default: int) -> int:
         raise bad_request(f"{name} must be an integer, got {raw!r}", param=name) from None
 
 
-async def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
-    while chunk := await part.read_chunk(1 << 16):
+async def _part_chunks(part: BodyPartReader, timeout_s: float) -> AsyncIterator[bytes]:
+    """A part's chunks, each within ``timeout_s`` (an upload may take long; a stalled one is cut off)."""
+    while True:
+        async with body_deadline(timeout_s):
+            chunk = await part.read_chunk(1 << 16)
+        if not chunk:
+            return
         yield chunk
 
 
@@ -60,19 +65,27 @@ async def upload_file(request: web.Request, service: BatchService, owner: str) -
     filename = "upload.jsonl"
     async with contextlib.AsyncExitStack() as received:
         staged: Path | None = None
-        while (part := await reader.next()) is not None:
+        while True:
+            async with body_deadline(service.body_timeout_s):
+                part = await reader.next()
+            if part is None:
+                break
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
+                async with body_deadline(service.body_timeout_s):
+                    purpose = (await part.text()).strip()
                 service.check_purpose(purpose)
             elif part.name == "file" and staged is None:  # the fields in any order, as a form may send them
                 filename = part.filename or filename
-                staged = await received.enter_async_context(service.receiving(_part_chunks(part)))
+                staged = await received.enter_async_context(
+                    service.receiving(_part_chunks(part, service.body_timeout_s))
+                )
             elif part.name == "file":
                 raise bad_request("the upload has more than one 'file' field", param="file")
             else:
-                await part.release()
+                async with body_deadline(service.body_timeout_s):
+                    await part.release()
         if staged is None:
             raise bad_request("the upload has no 'file' field", param="file")
         if purpose is None:
@@ -108,7 +121,9 @@ async def delete_file(request: web.Request, service: BatchService, owner: str) -
 
 async def create_batch(request: web.Request, service: BatchService, owner: str) -> web.StreamResponse:
     try:
-        body = orjson.loads(await request.read())
+        async with body_deadline(service.body_timeout_s):
+            raw = await request.read()
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -56,10 +56,13 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 class BatchService:
-    def __init__(self, db: StoreThread, runner: BatchRunner, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, db: StoreThread, runner: BatchRunner, clock: Callable[[], float], body_timeout_s: float = 60.0
+    ) -> None:
         self._db = db
         self._runner = runner
         self._clock = clock
+        self.body_timeout_s = body_timeout_s  # each read of a request's body (a JSON body, a part, a chunk)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -71,13 +74,15 @@ class BatchService:
         concurrency: int = 256,
         clock: Callable[[], float] = time.time,
         accepts_model: Callable[[str], bool] = lambda _model: True,
+        body_timeout_s: float = 60.0,
     ) -> AsyncIterator[BatchService]:
-        """The service on ``data_dir`` with its runner going; ``accepts_model`` says which models are served."""
+        """The service on ``data_dir`` with its runner going; ``accepts_model`` says which models are
+        served; ``body_timeout_s``: the most a client may take to send each piece of a body (0: no limit)."""
         async with StoreThread.open(data_dir) as db:
             runner = BatchRunner(db, executor, concurrency=concurrency, clock=clock, accepts_model=accepts_model)
             task = asyncio.create_task(runner.run(), name="batch runner")
             try:
-                yield cls(db, runner, clock)
+                yield cls(db, runner, clock, body_timeout_s)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -63,11 +63,13 @@ def output_line(custom_id: str, *, status_code: int, request_id: str, body: byte
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """What one answer says it used (its ``usage``: prompt, of which cached, and completion tokens)."""
+    """What one answer says it used (its ``usage``: prompt tokens, of which cached, and completion
+    tokens, of which reasoning)."""
 
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0  # of the output, a reasoning model's
 
 
 NO_USAGE = Usage()
@@ -86,11 +88,12 @@ def usage_of(body: bytes) -> Usage:
     def count(value: Any) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
-    details = usage.get("prompt_tokens_details")
+    prompt, completion = usage.get("prompt_tokens_details"), usage.get("completion_tokens_details")
     return Usage(
         input_tokens=count(usage.get("prompt_tokens")),
-        cached_tokens=count(details.get("cached_tokens")) if isinstance(details, dict) else 0,
+        cached_tokens=count(prompt.get("cached_tokens")) if isinstance(prompt, dict) else 0,
         output_tokens=count(usage.get("completion_tokens")),
+        reasoning_tokens=count(completion.get("reasoning_tokens")) if isinstance(completion, dict) else 0,
     )
 
 

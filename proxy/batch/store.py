@@ -59,7 +59,7 @@ CREATE TABLE IF NOT EXISTS batches (
     cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
     input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
-    output_tokens INTEGER NOT NULL DEFAULT 0);
+    output_tokens INTEGER NOT NULL DEFAULT 0, reasoning_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, body BLOB,
     outcome TEXT, result BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
@@ -71,6 +71,7 @@ _ADDED_COLUMNS = {
         "input_tokens INTEGER NOT NULL DEFAULT 0",
         "cached_tokens INTEGER NOT NULL DEFAULT 0",
         "output_tokens INTEGER NOT NULL DEFAULT 0",
+        "reasoning_tokens INTEGER NOT NULL DEFAULT 0",
     )
 }
 _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
@@ -118,7 +119,7 @@ def _batch_object(row: sqlite3.Row) -> Json:
             "input_tokens": row["input_tokens"],
             "input_tokens_details": {"cached_tokens": row["cached_tokens"]},
             "output_tokens": row["output_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": row["reasoning_tokens"]},
             "total_tokens": row["input_tokens"] + row["output_tokens"],
         },
     }
@@ -149,11 +150,12 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        for table, columns in _ADDED_COLUMNS.items():
-            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            for column in columns:
-                if column.split()[0] not in have:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
+        with self._transaction() as db:  # one process adds them, should two open the folder at once
+            for table, columns in _ADDED_COLUMNS.items():
+                have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+                for column in columns:
+                    if column.split()[0] not in have:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
     @classmethod
     @contextmanager
@@ -343,8 +345,9 @@ class BatchStore:
             if fresh:
                 db.execute(
                     f"UPDATE batches SET {counter}={counter}+1, input_tokens=input_tokens+?, "
-                    "cached_tokens=cached_tokens+?, output_tokens=output_tokens+? WHERE id=?",
-                    (usage.input_tokens, usage.cached_tokens, usage.output_tokens, batch_id),
+                    "cached_tokens=cached_tokens+?, output_tokens=output_tokens+?, "
+                    "reasoning_tokens=reasoning_tokens+? WHERE id=?",
+                    (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, batch_id),
                 )
         return fresh
 

@@ -6,7 +6,6 @@ a bug in the proxy becomes a 500 with a short message, never a traceback to the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -15,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from proxy.control.controller import TrialRefused
-from proxy.errors import ApiError, bad_request, error_response
+from proxy.errors import ApiError, bad_request, body_deadline, error_response
 from proxy.request import relay
 from proxy.request.admission import ORDER, Priority
 from proxy.request.job import Job
@@ -42,17 +41,11 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
             413, f"request body is {length} bytes; the limit is {limit} (proxy.max_body_bytes)", code="body_too_large"
         )
     try:
-        async with asyncio.timeout(timeout_s or None):
+        async with body_deadline(timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(
             413, f"request body is larger than the limit of {limit} bytes (proxy.max_body_bytes)", code="body_too_large"
-        ) from None
-    except TimeoutError:
-        raise ApiError(
-            408,
-            f"the request body did not arrive within {timeout_s:g} s (proxy.body_timeout_s)",
-            code="request_timeout",
         ) from None
 
 
@@ -124,10 +117,7 @@ def inference_route(path: str) -> Handler:
                 raise
             return await relay.forward(st.requests, request, job, priority, arrived, caller.name)
         except ApiError as err:
-            response = error_response(err)
-            if err.status == 408:  # the rest of the body may still come: the connection cannot be reused
-                response.force_close()
-            return response
+            return error_response(err)
 
     handle.__name__ = f"handle_{path.strip('/').replace('/', '_')}"
     return handle
@@ -274,7 +264,7 @@ async def admin_trial(request: web.Request) -> web.Response:
     st = request.app[PROXY]
     check_admin_key(st.keys, request.headers)
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(await read_body(request, st.policy.proxy.max_body_bytes, st.policy.proxy.body_timeout_s))
     except orjson.JSONDecodeError:
         raise bad_request("the body must be a JSON object") from None
     if not isinstance(body, dict):

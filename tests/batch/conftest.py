@@ -76,6 +76,7 @@ class FakeExecutor:
                 "completion_tokens": len(content),
                 "total_tokens": 10 + len(content),
                 "prompt_tokens_details": {"cached_tokens": 4},
+                "completion_tokens_details": {"reasoning_tokens": 1},
             },
         }
         if status != 200:
@@ -124,10 +125,17 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serve_batches(
-    data_dir: Path, executor: FakeExecutor, *, concurrency: int = 256, clock: Callable[[], float] = time.time
+    data_dir: Path,
+    executor: FakeExecutor,
+    *,
+    concurrency: int = 256,
+    clock: Callable[[], float] = time.time,
+    body_timeout_s: float = 60.0,
 ) -> AsyncIterator[Served]:
     """A small aiohttp app with only the batch routes, on a free port of 127.0.0.1; stopped on exit."""
-    async with BatchService.open(data_dir, executor, concurrency=concurrency, clock=clock) as service:
+    async with BatchService.open(
+        data_dir, executor, concurrency=concurrency, clock=clock, body_timeout_s=body_timeout_s
+    ) as service:
         app = web.Application()
         add_routes(app)
         app[BATCH_SERVICE] = service

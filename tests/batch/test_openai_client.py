@@ -62,6 +62,7 @@ async def test_a_batch_from_upload_to_output_and_error_files(served: Served) -> 
     assert batch.usage is not None  # the answered lines' own usage, summed (the refused one has none)
     assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (20, 2, 22)
     assert batch.usage.input_tokens_details.cached_tokens == 8
+    assert batch.usage.output_tokens_details.reasoning_tokens == 2
     assert batch.output_file_id is not None and batch.error_file_id is not None
 
     output = await content_lines(client, batch.output_file_id)
@@ -204,6 +205,37 @@ async def test_the_form_fields_come_in_any_order(served: Served) -> None:
     status, body = await _post_form(served.url, ("file", data, "in.jsonl"))
     assert status == 400 and "no 'purpose' field" in body["error"]["message"]
     assert [f.name for f in (served.service._db.store.staging_dir).iterdir()] == []  # nothing left half-kept
+
+
+@pytest.mark.parametrize(
+    ("head", "sent"),
+    [
+        pytest.param(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: 100000\r\n\r\n",
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n{"custom_id"',
+            id="an upload that stalls",
+        ),
+        pytest.param(
+            b"POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n",
+            b'{"input_file_id"',
+            id="a batch's body that stops",
+        ),
+    ],
+)
+async def test_a_body_that_stops_arriving_is_cut_off_with_408(tmp_path: Path, head: bytes, sent: bytes) -> None:
+    async with serve_batches(tmp_path / "batches", FakeExecutor(), body_timeout_s=0.5) as served:
+        host, port = served.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + sent)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(4096), timeout=5)
+        writer.close()
+        await writer.wait_closed()  # else the server lingers for the rest of the body before it stops
+        status, _, rest = data.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), data
+        assert b"proxy.body_timeout_s" in rest and b"connection: close" in rest.lower()
+        assert list(served.service._db.store.staging_dir.iterdir()) == []  # the partial upload is not kept
 
 
 async def test_unknown_input_file_is_404_naming_it(served: Served) -> None:
