@@ -7,7 +7,10 @@ whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from .e2e import MODEL, running_proxy, wait_for
 
@@ -15,68 +18,79 @@ SHORT = 40  # what the first answers write, of max_tokens 2000
 LONG = 600  # then one answer this long
 
 
-async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one_answer(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _sim_proxy(tmp_path: Path, *, time_scale: float) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """The whole proxy in auto mode (no restarts) before one simulated worker at ``time_scale``:
+    the proxy, its worker's load, an openai client (closed at the end)."""
     async with running_proxy(
         tmp_path,
         args={"schedule_conservativeness": 1.0},
-        extra_args=["--sim-time-scale", "50"],
+        extra_args=["--sim-time-scale", str(time_scale)],
         control={"mode": "auto", "restarts_per_hour": 0},
     ) as proxy:
-        worker = proxy.state.pool.workers()[0].id
-        load = proxy.state.board.get(worker)
+        load = proxy.state.board.get(proxy.state.pool.workers()[0].id)
         client = proxy.client()
-        msg = [{"role": "user", "content": "hello there"}]
         try:
-            await asyncio.gather(*[
-                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
-                                               extra_body={"sim_output_len": SHORT})
-                for _ in range(60)
-            ])  # fmt: skip
-            budget = lambda: load.output_budget(interactive=True, max_tokens=2000)  # noqa: E731
-            await wait_for(lambda: budget() is not None, 10, "a budget learned")
-            assert budget() == 256  # the floor: 40 x 1.5 is less
-            (entry,) = [d for d in await proxy.decisions() if d["rule"] == "output_budget"]
-            assert entry["status"] == "applied" and entry["action"] == "note"  # the fast tier: no restart
-            assert entry["evidence"]["budget_tokens"] == 256 and entry["evidence"]["previous_tokens"] is None
-            assert entry["evidence"]["high_tokens"] == SHORT and entry["evidence"]["request_class"] == "interactive"
-            assert entry["evidence"]["applies_above_tokens"] == 342  # a quarter below the client's max_tokens at least
-            assert "interactive requests asking for max_tokens 2000 go with 256" in entry["reason"]
-
-            chat = await client.chat.completions.create(
-                model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
-            )
-            text = chat.choices[0].message.content or ""
-            assert len(text.split()) == LONG and chat.usage.completion_tokens == LONG  # every token, one answer
-            assert chat.choices[0].finish_reason == "stop"
-            fact = load.facts.recent()[-1]
-            assert (fact.parts, fact.sent_max_tokens, fact.output_tokens) == (3, 256, LONG)  # 256, 256, then 88
-
-            # the budget follows the answers: 600 is now the highest of the 61 that asked for 2000 (x 1.5 -> 960)
-            await wait_for(lambda: budget() == 960, 10, "the budget grown")
-            moved = [d["evidence"] for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
-            assert (moved["previous_tokens"], moved["budget_tokens"]) == (256, 960)  # journaled: moved by 25 % or more
-            stream = await client.chat.completions.create(
-                model=MODEL, messages=msg, max_tokens=2000, stream=True, stream_options={"include_usage": True},
-                extra_body={"sim_output_len": 1500},
-            )  # fmt: skip
-            chunks = [c async for c in stream]
-            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert len(streamed.split()) == 1500 and chunks[-1].usage.completion_tokens == 1500  # 960, then 540
-            assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
-            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
-            assert len({c.id for c in chunks}) == 1
-
-            # now 1500 x 1.5: a budget too close to the 2000 asked changes no request
-            await wait_for(lambda: (budget() or 0) > 1500, 10, "the budget past three quarters of what is asked")
-            comp = await client.completions.create(
-                model=MODEL, prompt="tell me a story", max_tokens=2000, extra_body={"sim_output_len": 5000}
-            )
-            assert len(comp.choices[0].text.split()) == 2000 and comp.choices[0].finish_reason == "length"
-            assert load.facts.recent()[-1].parts == 1 and load.facts.recent()[-1].sent_max_tokens is None
-            continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
-            assert continued == 2 + 1  # 256 -> 512 -> 600; 960 -> 1500
+            yield proxy, load, client
         finally:
             await client.close()
+
+
+async def _short_answers(client: Any, msg: list[dict[str, str]], n: int = 60) -> None:
+    """``n`` answers of ``SHORT`` tokens asking for 2,000: what the budget is first learned from."""
+    await asyncio.gather(*[
+        client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": SHORT})
+        for _ in range(n)
+    ])  # fmt: skip
+
+
+async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one_answer(tmp_path: Path) -> None:
+    async with _sim_proxy(tmp_path, time_scale=50) as (proxy, load, client):
+        msg = [{"role": "user", "content": "hello there"}]
+        await _short_answers(client, msg)
+        budget = lambda: load.output_budget(interactive=True, max_tokens=2000)  # noqa: E731
+        await wait_for(lambda: budget() is not None, 10, "a budget learned")
+        assert budget() == 256  # the floor: 40 x 1.5 is less
+        (entry,) = [d for d in await proxy.decisions() if d["rule"] == "output_budget"]
+        assert entry["status"] == "applied" and entry["action"] == "note"  # the fast tier: no restart
+        assert entry["evidence"]["budget_tokens"] == 256 and entry["evidence"]["previous_tokens"] is None
+        assert entry["evidence"]["high_tokens"] == SHORT and entry["evidence"]["request_class"] == "interactive"
+        assert entry["evidence"]["applies_above_tokens"] == 342  # a quarter below the client's max_tokens at least
+        assert "interactive requests asking for max_tokens 2000 go with 256" in entry["reason"]
+
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=msg, max_tokens=2000, extra_body={"sim_output_len": LONG}
+        )
+        text = chat.choices[0].message.content or ""
+        assert len(text.split()) == LONG and chat.usage.completion_tokens == LONG  # every token, one answer
+        assert chat.choices[0].finish_reason == "stop"
+        fact = load.facts.recent()[-1]
+        assert (fact.parts, fact.sent_max_tokens, fact.output_tokens) == (3, 256, LONG)  # 256, 256, then 88
+
+        # the budget follows the answers: 600 is now the highest of the 61 that asked for 2000 (x 1.5 -> 960)
+        await wait_for(lambda: budget() == 960, 10, "the budget grown")
+        moved = [d["evidence"] for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
+        assert (moved["previous_tokens"], moved["budget_tokens"]) == (256, 960)  # journaled: moved by 25 % or more
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=msg, max_tokens=2000, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim_output_len": 1500},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(streamed.split()) == 1500 and chunks[-1].usage.completion_tokens == 1500  # 960, then 540
+        assert [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role] == ["assistant"]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+        assert len({c.id for c in chunks}) == 1
+
+        # now 1500 x 1.5: a budget too close to the 2000 asked changes no request
+        await wait_for(lambda: (budget() or 0) > 1500, 10, "the budget past three quarters of what is asked")
+        comp = await client.completions.create(
+            model=MODEL, prompt="tell me a story", max_tokens=2000, extra_body={"sim_output_len": 5000}
+        )
+        assert len(comp.choices[0].text.split()) == 2000 and comp.choices[0].finish_reason == "length"
+        assert load.facts.recent()[-1].parts == 1 and load.facts.recent()[-1].sent_max_tokens is None
+        continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
+        assert continued == 2 + 1  # 256 -> 512 -> 600; 960 -> 1500
 
 
 async def test_requests_taken_back_by_a_restart_keep_what_the_worker_wrote(tmp_path: Path) -> None:
@@ -121,41 +135,26 @@ async def test_answers_that_get_longer_lift_the_budget_while_they_run(tmp_path: 
     budget is read from cannot say it is too small. The answers reaching it do: the budget is lifted
     while they run (journaled with what reached it), their next parts ask for the rest at once, and it
     is not set again from the short answers of before."""
-    async with running_proxy(
-        tmp_path,
-        args={"schedule_conservativeness": 1.0},
-        extra_args=["--sim-time-scale", "10"],
-        control={"mode": "auto", "restarts_per_hour": 0},
-    ) as proxy:
-        worker = proxy.state.pool.workers()[0].id
-        load = proxy.state.board.get(worker)
-        client = proxy.client()
+    async with _sim_proxy(tmp_path, time_scale=10) as (proxy, load, client):
         msg = [{"role": "user", "content": "hello there"}]
         budget = lambda: load.output_budget(interactive=True, max_tokens=2000)  # noqa: E731
-        try:
-            await asyncio.gather(*[
-                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
-                                               extra_body={"sim_output_len": SHORT})
-                for _ in range(60)
-            ])  # fmt: skip
-            await wait_for(lambda: budget() == 256, 10, "a budget learned")
-            long = asyncio.gather(*[
-                client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
-                                               extra_body={"sim_output_len": 1500})
-                for _ in range(20)
-            ])  # fmt: skip
-            await wait_for(lambda: budget() is None, 10, "the budget lifted")
-            assert load.in_flight > 0  # while the long answers run, not once they have ended
-            lifted = [d for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
-            evidence = lifted["evidence"]
-            assert (evidence["previous_tokens"], evidence["budget_tokens"]) == (256, None)
-            assert evidence["reached"] >= 8 and "answers are now longer" in lifted["reason"]
-            done = await long
-            assert [a.usage.completion_tokens for a in done] == [1500] * 20
-            # 256, 256 at most before the lift was seen, then the rest in one part (under the budget: 256,
-            # 256, 512, 476)
-            assert max(f.parts for f in load.facts.recent()[-20:]) <= 3
-            await asyncio.sleep(0.5)  # looks go on: the short answers of before do not set it again
-            assert budget() is None
-        finally:
-            await client.close()
+        await _short_answers(client, msg)
+        await wait_for(lambda: budget() == 256, 10, "a budget learned")
+        long = asyncio.gather(*[
+            client.chat.completions.create(model=MODEL, messages=msg, max_tokens=2000,
+                                           extra_body={"sim_output_len": 1500})
+            for _ in range(20)
+        ])  # fmt: skip
+        await wait_for(lambda: budget() is None, 10, "the budget lifted")
+        assert load.in_flight > 0  # while the long answers run, not once they have ended
+        lifted = [d for d in await proxy.decisions() if d["rule"] == "output_budget"][-1]
+        evidence = lifted["evidence"]
+        assert (evidence["previous_tokens"], evidence["budget_tokens"]) == (256, None)
+        assert evidence["reached"] >= 8 and "answers are now longer" in lifted["reason"]
+        done = await long
+        assert [a.usage.completion_tokens for a in done] == [1500] * 20
+        # 256, 256 at most before the lift was seen, then the rest in one part (under the budget: 256,
+        # 256, 512, 476)
+        assert max(f.parts for f in load.facts.recent()[-20:]) <= 3
+        await asyncio.sleep(0.5)  # looks go on: the short answers of before do not set it again
+        assert budget() is None
