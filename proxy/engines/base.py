@@ -42,16 +42,15 @@ class Sample:
 def output_rate(before: Sample | None, now: Sample) -> float | None:
     """Output tokens per second: the engine's own throughput figure where it reports one (0 while
     nothing runs), else the rise of its output-token counter since the previous sample (an engine
-    that exports only the counter); None when neither is known."""
+    that exports only the counter); None when neither is known (also across a restart)."""
     if now.gen_throughput is not None:  # SGLang's gauge keeps its last decode batch's figure when idle
         return now.gen_throughput if now.running > 0 else 0.0
     if before is None or before.generation_tokens_total is None or now.generation_tokens_total is None:
         return None
     dt = now.time - before.time
     rise = now.generation_tokens_total - before.generation_tokens_total
-    if rise < 0:  # a drop: the worker restarted, its counter began again
-        rise = now.generation_tokens_total
-    return rise / dt if dt > 0 else None
+    # a drop: the worker restarted and its counter began again at a moment the samples do not show
+    return rise / dt if dt > 0 and rise >= 0 else None
 
 
 class EventKind(StrEnum):
