@@ -19,7 +19,10 @@ COPY proxy ./proxy
 COPY policies ./policies
 # No [sglang] extra: the image's SGLang and torch stay as they are. The image installs into its
 # system Python; PIP_BREAK_SYSTEM_PACKAGES lets a PEP 668 base do the same (older pips ignore it).
-RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir . \
+# For workers on a Ray cluster (fleet.backend = "ray", proxy and Ray nodes alike):
+#   docker build --build-arg PACER_EXTRAS="[fleet]" -t sglang-pacer .
+ARG PACER_EXTRAS=""
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir ".${PACER_EXTRAS}" \
     && mkdir -p /etc/pacer /var/log/pacer
 
 # Mount the policy at /etc/pacer/policy.toml (the copies in /opt/sglang-pacer/policies are examples);

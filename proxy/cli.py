@@ -141,7 +141,9 @@ def _check_placement(policy: Policy, *, final: bool) -> dict[str, tuple[tuple[in
     """Each pool's GPUs, checked against the GPUs NVML sees (when it sees any). ``final``: "auto"
     must resolve now (serve); otherwise it is shown as resolved at start (check-policy). On Ray,
     Ray's accounting places them (nothing to resolve here)."""
-    if policy.fleet.backend is WorkerBackend.RAY or not any(p.auto_gpus or p.given_gpus for p in policy.pools):
+    if policy.fleet.backend is WorkerBackend.RAY:  # its accounting reserves tp GPUs a worker, on the node it picks
+        return {}
+    if not any(p.auto_gpus or p.given_gpus for p in policy.pools):
         return policy.placement(None)
     from proxy.observe.nvml import sample_gpus
 

@@ -41,6 +41,21 @@ def test_the_proxy_objects_are_valid_and_wired() -> None:
     assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
 
 
+def test_the_ray_policy_passes_the_checks_serve_makes(tmp_path, capsys) -> None:
+    """On Ray, `gpus = "auto"` is Ray's accounting (tp GPUs a worker, on the node it picks), not
+    NVML's on the proxy's host: serve's placement check must not refuse it (it did: "auto" needs
+    NVML to see the GPUs)."""
+    from proxy.cli import _check_placement, main
+
+    (config,) = [d for d in documents("pacer.yaml") if d["kind"] == "ConfigMap"]
+    path = tmp_path / "policy.toml"
+    path.write_text(config["data"]["policy.toml"])
+    policy = parse_policy(__import__("tomllib").loads(path.read_text()), str(path))
+    assert all(p.auto_gpus for p in policy.pools)
+    assert _check_placement(policy, final=True) == {}
+    assert main(["check-policy", str(path)]) == 0, capsys.readouterr().err
+
+
 def test_a_broken_object_is_refused() -> None:
     (deployment,) = [d for d in documents("pacer.yaml") if d["kind"] == "Deployment"]
     deployment["spec"]["replicas"] = "one"
