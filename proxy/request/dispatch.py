@@ -512,6 +512,8 @@ class Dispatcher:
     def on_worker_state(self, info: WorkerInfo) -> None:
         if info.state is not WorkerState.READY:
             self.board.get(info.id).forget_sample()
+        if info.state is WorkerState.DOWN:
+            self.fail_over(info.id)
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:
@@ -563,6 +565,24 @@ class Dispatcher:
         for attempt in taken:
             _take_back(attempt)
         return len(taken)
+
+    def fail_over(self, worker_id: WorkerId) -> int:
+        """The worker is down: every request on it that sent its client nothing goes back to the front
+        of the queue now, for a worker that serves. Its block is cancelled here, not ended early there
+        (nothing there answers): a dead process's connections fail by themselves, but an engine whose
+        launcher died (a Ray actor killed) may hold them open for minutes as it shuts down. Returns how
+        many."""
+        n = 0
+        for attempt in list(self.board.get(worker_id).attempts):
+            if attempt.started or attempt.taken_back:
+                continue
+            attempt.taken_back = True
+            if attempt.task is not None:
+                attempt.task.cancel()
+            n += 1
+        if n:
+            _log.warning("worker %s is down: %d requests that had no output go to another worker", worker_id, n)
+        return n
 
     def take_back(self, worker_id: WorkerId) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.

@@ -202,6 +202,41 @@ async def test_dispatcher_timeout_and_takeback():
     assert await d.wait_idle("w0", 0.5)
 
 
+@pytest.mark.looptime
+async def test_a_worker_down_sends_its_requests_without_output_to_another_at_once():
+    """A worker reported down (its Ray actor killed: the engine may hold its connections open for
+    minutes while it shuts down) gives back every request that sent nothing yet, now, to the front of
+    the queue, where another worker takes it; one whose output is in runs on as before."""
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY, WorkerState.STARTING))
+    loop = asyncio.get_running_loop()
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=4, hi=8), stale_after_s=1e9, clock=loop.time)
+    _sample(board, "w0", 0, t=loop.time())
+    streaming, waiting = d.submit(Priority.INTERACTIVE, 100), d.submit(Priority.INTERACTIVE, 100)
+    streaming.future.result().mark_started()
+    second: list[str] = []
+
+    async def handler() -> None:
+        async with d.attempt(waiting) as attempt:
+            assert attempt.worker_id == "w0"
+            await asyncio.sleep(300)  # the engine holds the connection...
+            raise AssertionError("not reached")
+        # ...until the block is cancelled: the attempt released, its ticket back in the queue
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(1)
+    pool.ws = [WorkerInfo(id="w0", url="http://w0", state=WorkerState.DOWN, managed=True),
+               WorkerInfo(id="w1", url="http://w1", state=WorkerState.READY, managed=True)]  # fmt: skip
+    _sample(board, "w1", 0, t=loop.time())
+    d.on_worker_state(pool.ws[0])
+    await task  # at once, not after the 300 s
+    assert loop.time() == pytest.approx(1.0)
+    async with d.attempt(waiting) as again:
+        second.append(again.worker_id)
+    assert second == ["w1"] and waiting.requeues == 1
+    assert board.get("w0").in_flight == 1  # the stream with output runs on
+
+
 def test_estimate_is_bounded_below_by_own_in_flight_minus_running():
     board = LoadBoard()
     load = board.get("w0")
