@@ -74,6 +74,7 @@ from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sa
 from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
+from proxy.workers.process import signal_name
 
 __all__ = [
     "Act",
@@ -407,7 +408,7 @@ class Controller:
         if up and w.starting_at is not None:
             w.startup_s, w.starting_at = now - w.starting_at, None
         if info.state is WorkerState.DOWN and w.managed and not w.busy:
-            self._on_death(info.id)
+            self._on_death(info.id, info.exit_code)
 
     def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
         w = self._workers.get(worker_id)
@@ -867,8 +868,9 @@ class Controller:
         self._spawn(self.carry_out(act))
         return act.entry_id
 
-    def decide_revival(self, worker_id: WorkerId) -> Act | None:
-        """A managed worker died: classify, count, and choose the args it comes back with.
+    def decide_revival(self, worker_id: WorkerId, exit_code: int | None = None) -> Act | None:
+        """A managed worker died (``exit_code``: its process's, negative for a signal, where known):
+        classify, count, and choose the args it comes back with.
 
         Returns the revival to carry out (``auto`` with ``revive``), else None: ``advise`` journals
         what it would do, ``off`` only records the death.
@@ -878,7 +880,7 @@ class Controller:
         if w.reader is not None:
             for event in w.reader.flush(now):
                 w.window = w.window.push(event)
-        cause = self._death_cause(worker_id, w, now)
+        cause = self._death_cause(worker_id, w, now, exit_code)
         w.state = w.state.after_death(now)
         if self.mode is ControlMode.OFF:
             return None
@@ -928,8 +930,9 @@ class Controller:
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, revival=True)
 
-    def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float) -> str:
-        """In words, from the window's events; the log tail is read when the follower saw nothing."""
+    def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float, exit_code: int | None = None) -> str:
+        """In words, from the window's events; the log tail is read when the follower saw nothing;
+        then how the process ended (a signal, an exit code)."""
         oom, crash = w.window.last(EventKind.OOM), w.window.last(EventKind.CRASH)
         if oom is not None:
             return f"out of memory in {oom.fields.get('phase', 'unknown')}"
@@ -937,7 +940,9 @@ class Controller:
             return f"crash: {crash.fields.get('exception') or crash.line.splitlines()[0][:160]}"
         death = self.engine.classify_death(self.surroundings.log_tail(worker_id, _TAIL_LINES))
         if death is None or death.cause == "unknown":
-            return "exited"
+            if exit_code is not None and exit_code < 0:
+                return f"killed by {signal_name(exit_code)}"
+            return "exited" if exit_code is None else f"exited with code {exit_code}"
         if death.cause == "oom":
             w.window = w.window.push(
                 LogEvent(
@@ -1041,8 +1046,8 @@ class Controller:
 
     # -- acting (async) ---------------------------------------------------------------------------
 
-    def _on_death(self, worker_id: WorkerId) -> None:
-        act = self.decide_revival(worker_id)
+    def _on_death(self, worker_id: WorkerId, exit_code: int | None) -> None:
+        act = self.decide_revival(worker_id, exit_code)
         if act is not None:
             self._spawn(self.carry_out(act))
 
@@ -1156,4 +1161,4 @@ class Controller:
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = None  # the canary did not come back: its death's rules take over
             if info.state is WorkerState.DOWN:
-                self._on_death(d.worker_id)
+                self._on_death(d.worker_id, info.exit_code)

@@ -9,6 +9,7 @@ The end-to-end tests (test_e2e_*.py) run the same controller against real simula
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -287,6 +288,19 @@ def test_advise_journals_the_revival_it_would_do(tmp_path: Path) -> None:
         {"chunked_prefill_size": [8192, 4096]},
     )
     assert entry["detail"] == "the worker stays down (mode advise)"
+
+
+async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(tmp_path: Path) -> None:
+    """No crash or OOM line, followed or in the tail: the journal says what the exit said (kill -9, an
+    exit code), not a bare 'exited'."""
+    for code, said in [(-9, "killed by SIGKILL"), (3, "exited with code 3"), (None, "exited")]:
+        c, _ = controller(ControlMode.AUTO, tmp_path / str(code), RecordingActor(), crash_backoff_s=(0.0,))
+        c.track(info())
+        c.track(dataclasses.replace(info(state=WorkerState.DOWN), exit_code=code))
+        (entry,) = c.journal.entries()
+        assert entry["rule"] == "revive" and entry["reason"].startswith(f"worker died ({said});"), entry["reason"]
+        assert entry["evidence"]["death"] == said
+        await c.close()
 
 
 def test_off_records_the_death_only(tmp_path: Path) -> None:
