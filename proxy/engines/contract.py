@@ -82,6 +82,11 @@ class Engine(Protocol):
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""
 
+    @property
+    def model_args(self) -> frozenset[str]:
+        """Arguments that say which model a worker serves (its weights, tokenizer, served name): a
+        trial of other arguments on one worker of a pool must not change them."""
+
     def masked_argv(self, command: Sequence[str]) -> list[str]:
         """A worker's command line as logs may show it: :attr:`secret_args` values replaced by ``***``."""
 

@@ -48,6 +48,7 @@ class FlagTable:
     supervisor: Mapping[str, FlagSpec]
     removed: Mapping[str, str]  # name -> what to write instead
     secret: frozenset[str] = frozenset()  # names whose value is a secret (an API key): masked in logs
+    identity: frozenset[str] = frozenset()  # names that say which model a worker serves: no trial changes them
 
     def lookup(self, name: str) -> FlagSpec | None:
         return self.known.get(name) or self.supervisor.get(name)

@@ -290,6 +290,11 @@ async def admin_trial(request: web.Request) -> web.Response:
     for name, value in args.items():
         if name in placed:
             raise bad_request(f"args.{name}: set by the pool (its tp and model keys), not by a trial", f"args.{name}")
+        if name in engine.model_args:
+            raise bad_request(
+                f"args.{name}: says which model the worker serves; a trial compares the pool's workers on one model",
+                f"args.{name}",
+            )
         problem = engine.check_arg(name, value)
         if problem:
             raise bad_request(f"args.{name}: {problem}", param=f"args.{name}")

@@ -99,6 +99,10 @@ async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None
         async with s.post(url + "/admin/trial", json={"worker": "w1"}) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["param"] == "args"
+        async with s.post(url + "/admin/trial", json={"worker": "w1", "args": {"model_path": "other/model"}}) as r:
+            body = await r.json()  # another model on one worker of the pool is no trial of its arguments
+            assert r.status == 400 and body["error"]["param"] == "args.model_path"
+            assert "says which model the worker serves" in body["error"]["message"]
 
         stop, answers, failures = asyncio.Event(), [], []
         load = asyncio.create_task(_load(url, stop, answers, failures))

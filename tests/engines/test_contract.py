@@ -136,6 +136,7 @@ def test_a_logged_command_line_shows_no_api_key(name: str, admin_key_shown: str 
     assert shown == ["--model-path", "m", "--api-key", "***", admin, "--port", "8001", "--api-key"]
     assert argv[3] == "k1"  # the command line itself is left as it is
     assert ENGINES[name].secret_args == ({"api_key"} if admin_key_shown is None else {"api_key", "admin_api_key"})
+    assert "served_model_name" in ENGINES[name].model_args  # a trial may not change which model it serves
 
 
 def test_priority_fields_only_when_the_worker_orders_by_priority() -> None:

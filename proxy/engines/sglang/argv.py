@@ -136,7 +136,12 @@ REMOVED_FLAGS: Mapping[str, str] = {
 }
 
 TABLE = FlagTable(
-    "SGLang", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS, secret=frozenset({"api_key", "admin_api_key"})
+    "SGLang",
+    KNOWN_FLAGS,
+    SUPERVISOR_FLAGS,
+    REMOVED_FLAGS,
+    secret=frozenset({"api_key", "admin_api_key"}),
+    identity=frozenset({"model_path", "tokenizer_path", "served_model_name"}),
 )
 
 _SIM_PREFIX = "sim_"

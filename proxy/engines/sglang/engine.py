@@ -108,6 +108,10 @@ class SGLangEngine:
     def secret_args(self) -> frozenset[str]:
         return argv.TABLE.secret
 
+    @property
+    def model_args(self) -> frozenset[str]:
+        return argv.TABLE.identity
+
     def masked_argv(self, command: Sequence[str]) -> list[str]:
         return argv.TABLE.masked(command)
 

@@ -78,7 +78,14 @@ REMOVED_FLAGS: Mapping[str, str] = {
 }
 
 
-TABLE = FlagTable("vLLM", KNOWN_FLAGS, SUPERVISOR_FLAGS, REMOVED_FLAGS, secret=frozenset({"api_key"}))
+TABLE = FlagTable(
+    "vLLM",
+    KNOWN_FLAGS,
+    SUPERVISOR_FLAGS,
+    REMOVED_FLAGS,
+    secret=frozenset({"api_key"}),
+    identity=frozenset({"model", "tokenizer", "served_model_name"}),
+)
 
 
 def check_arg(name: str, value: object, *, allow_sim: bool = False) -> str | None:

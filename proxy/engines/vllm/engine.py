@@ -79,6 +79,10 @@ class VllmEngine:
     def secret_args(self) -> frozenset[str]:
         return argv.TABLE.secret
 
+    @property
+    def model_args(self) -> frozenset[str]:
+        return argv.TABLE.identity
+
     def masked_argv(self, command: Sequence[str]) -> list[str]:
         return argv.TABLE.masked(command)
 
