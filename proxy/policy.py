@@ -348,7 +348,9 @@ class ControlSettings:
     )
     revive: bool = field(
         default=True,
-        metadata=key("in auto mode, restart a managed worker that died (with safer args when a rule says so)"),
+        metadata=key(
+            "restart a managed worker that died: in auto with safer args when a rule says so, in advise as it was"
+        ),
     )
     journal_path: str | None = field(
         default=".pacer/decisions.jsonl",

@@ -22,9 +22,10 @@ Modes (``[control] mode``):
 A worker this proxy does not manage (an external one) is never restarted: what ``auto`` would do
 to it is journaled as ``advised``.
 
-A managed worker that dies is revived in ``auto`` (unless ``revive = false``) after a back-off
-that grows with its recent deaths, with the death rules' safer arguments (a smaller prefill chunk
-after a prefill OOM...) or, without a rule, its current ones; ``advise`` journals that revival.
+A managed worker that dies is revived (unless ``revive = false``; not in ``off``) after a back-off
+that grows with its recent deaths, in ``auto`` with the death rules' safer arguments (a smaller
+prefill chunk after a prefill OOM...) or, without a rule, its current ones; in ``advise`` with its
+current ones, the rule's change journaled as advice (a dead worker is no advice to give).
 """
 
 from __future__ import annotations
@@ -900,16 +901,30 @@ class Controller:
                 time=now, evidence=Death(death=cause, deaths_in_window=deaths),
                 old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay,
             )  # fmt: skip
-        if self.mode is ControlMode.ADVISE or not self.settings.revive:
-            why = "mode advise" if self.mode is ControlMode.ADVISE else "revive = false"
+        if not self.settings.revive:
             self.journal.record(
                 decision,
                 mode=self.mode,
                 status=Status.ADVISED,
-                detail=f"the worker stays down ({why})",
+                detail="the worker stays down (revive = false)",
                 before=w.window.summary(),
             )
             return None
+        if self.mode is ControlMode.ADVISE and dict(decision.new_args) != dict(w.state.args):
+            # advise changes no argument, but a dead worker is no advice: it comes back as it was,
+            # and what a rule would change is journaled beside it
+            self.journal.record(
+                decision,
+                mode=self.mode,
+                status=Status.ADVISED,
+                detail="advice (mode advise): the worker comes back with its own arguments",
+                before=w.window.summary(),
+            )
+            decision = Decision(
+                worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
+                time=now, evidence=Death(death=cause, deaths_in_window=deaths),
+                old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=decision.delay_s,
+            )  # fmt: skip
         back_in = decision.delay_s
         _log.warning(
             "worker %s died (%s, death %d in %g s): %s %s",

@@ -273,21 +273,33 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     assert actor.calls[-1] == ("revive", "w0", ARGS)
 
 
-def test_advise_journals_the_revival_it_would_do(tmp_path: Path) -> None:
+def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as_advice(tmp_path: Path) -> None:
+    """A fleet in advise must not stay dead: the worker comes back with its own arguments (advise
+    changes none), and what the death's rule would change is advice in the journal."""
     actor = RecordingActor()
     c, _ = controller(ControlMode.ADVISE, tmp_path, actor)
     c.track(info())
     for line in (ENGINE_FIXTURES / "sglang_crash_prefill_allocator.log").read_text().splitlines():
         c.on_line("w0", line)
-    assert c.decide_revival("w0") is None
-    assert actor.calls == []
-    [entry] = c.journal.entries()
-    assert (entry["rule"], entry["status"], entry["changes"]) == (
+    act = c.decide_revival("w0", exit_code=1)
+    assert act is not None and act.revival
+    assert act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
+    advice, revival = c.journal.entries()
+    assert (advice["rule"], advice["status"], advice["changes"]) == (
         "prefill_oom",
         "advised",
         {"chunked_prefill_size": [8192, 4096]},
     )
-    assert entry["detail"] == "the worker stays down (mode advise)"
+    assert advice["detail"] == "advice (mode advise): the worker comes back with its own arguments"
+    assert (revival["rule"], revival["status"]) == ("revive", "acting")
+
+
+def test_revive_false_leaves_a_dead_worker_down(tmp_path: Path) -> None:
+    c, _ = controller(ControlMode.AUTO, tmp_path, RecordingActor(), revive=False)
+    c.track(info())
+    assert c.decide_revival("w0") is None
+    [entry] = c.journal.entries()
+    assert (entry["status"], entry["detail"]) == ("advised", "the worker stays down (revive = false)")
 
 
 async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(tmp_path: Path) -> None:
