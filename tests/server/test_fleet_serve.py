@@ -31,7 +31,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     # auto, so a dead worker is revived; the memory band wide open, so no tuning rule restarts a worker
     # while the test runs (the 70B pool's ranks start with ~13 GB free, which memory_headroom would use)
     text = POLICY.read_text().replace(
-        "[control]\n", '[control]\nmode = "auto"\ncrash_backoff_s = [0.2]\navailable_mem_band_gb = [1.0, 80.0]\n', 1
+        'mode = "advise"', 'mode = "auto"\ncrash_backoff_s = [0.2]\navailable_mem_band_gb = [1.0, 80.0]', 1
     )
     (tmp_path / "policy.toml").write_text(text)
     with pacer_serve(tmp_path) as served:
