@@ -86,8 +86,8 @@ def parse_entries(text: str, source: str, first: int = 1) -> dict[str, Caller]:
             parts = [p for p in parts if p not in named]
             if not name:
                 raise AuthConfigError(f"{source}: entry {n} has an empty name=")
-        if len(parts) == 1 and ":" in line:
-            key, _, cls_name = line.rpartition(":")
+        if len(parts) == 1 and ":" in parts[0]:  # KEY:CLASS (the name, if any, is set apart above)
+            key, _, cls_name = parts[0].rpartition(":")
             if cls_name.lower() in (p.value for p in Priority):
                 parts = [key, cls_name]
         if len(parts) > 2:

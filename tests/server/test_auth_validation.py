@@ -29,6 +29,11 @@ def test_key_entries_both_spellings():
         "c": Caller("key-3", Priority.INTERACTIVE),
     }
     assert parse_entries("url:with:colons", "x") == {"url:with:colons": Caller("key-1")}
+    # the documented KEY:CLASS with a name: the key is the key, not "KEY:batch"
+    assert parse_entries("sk-c:batch name=etl, sk-d name=ops", "x") == {
+        "sk-c": Caller("etl", Priority.BATCH),
+        "sk-d": Caller("ops"),
+    }
     with pytest.raises(AuthConfigError, match="class 'gold'"):
         parse_entries("k gold", "keys.txt")
 
