@@ -1,7 +1,7 @@
 """The decision journal: every decision with its evidence, what was done, and how it turned out.
 
 Entries live in memory (the newest ``keep``, for ``GET /admin/decisions``) and, when a path is
-given, in a JSON-lines file. An entry changes as its story unfolds (``acting`` -> ``applied`` ->
+given, in a JSON-lines file, which a proxy started again takes up (:meth:`Journal._resume`). An entry changes as its story unfolds (``acting`` -> ``applied`` ->
 outcome measured); each change appends the whole entry again with the same ``id``, so the file is
 append-only and the last line of an id is its current state.
 
@@ -102,6 +102,47 @@ class Journal:
         self._by_id: dict[int, dict[str, Any]] = {}
         self._next_id = 1
         self._wall = wall_clock
+        if self.path is not None:
+            self._resume(self.path)
+
+    def _resume(self, path: Path) -> None:
+        """Take up the file an earlier run wrote: its entries (the last line of each id, the newest
+        ``keep``) are the views' history again, and ids go on after its highest (a second ``"id": 1``
+        would break the file's rule that an id's last line is its state). An entry still ``acting``
+        was under way when that run stopped: it is closed as ``failed``, saying so. A line cut short
+        by a killed process is skipped."""
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            _log.warning("cannot read decision journal %s: %s; its history starts afresh", path, exc)
+            return
+        if raw and not raw.endswith(b"\n"):  # cut short: the next entry must begin a line of its own
+            self._write_raw(b"\n")
+        latest: dict[int, dict[str, Any]] = {}
+        bad = 0
+        for line in raw.splitlines():
+            try:
+                entry = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int):
+                latest[entry["id"]] = entry
+            else:
+                bad += 1
+        if bad:
+            _log.warning("decision journal %s: %d unreadable lines skipped", path, bad)
+        for entry_id in sorted(latest)[-(self._entries.maxlen or len(latest)) :]:
+            self._entries.append(latest[entry_id])
+            self._by_id[entry_id] = latest[entry_id]
+        self._next_id = max(latest, default=0) + 1
+        for entry in list(self._entries):
+            if entry.get("status") == Status.ACTING:
+                self.update(entry["id"], status=Status.FAILED, detail="the proxy stopped while it was under way")
+        if latest:
+            _log.info("decision journal %s: %d decisions of earlier runs taken up", path, len(latest))
 
     def record(
         self,
@@ -181,11 +222,14 @@ class Journal:
         return found[-limit:] if limit else found
 
     def _write(self, entry: Mapping[str, Any]) -> None:
+        self._write_raw(orjson.dumps(entry) + b"\n")
+
+    def _write_raw(self, data: bytes) -> None:
         if self.path is None:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("ab") as f:
-                f.write(orjson.dumps(entry) + b"\n")
+                f.write(data)
         except OSError as exc:
             _log.warning("cannot append to decision journal %s: %s", self.path, exc)

@@ -197,10 +197,7 @@ class AdmissionQueue:
         head.queued = False
         c.live -= 1
         c.deficit[head.key] -= head.cost
-        st = c.stats.setdefault(head.key, KeyStats())
-        st.waiting -= 1
-        st.dispatched += 1
-        st.dispatched_tokens += head.cost
+        c.stats.setdefault(head.key, KeyStats()).waiting -= 1
         if self._head_of(c, head.key) is None:
             self._retire(c, head.key)
         if head.priority is Priority.BATCH and self._floor_credit >= 1.0:
@@ -211,9 +208,13 @@ class AdmissionQueue:
             self._floor_credit = 0.0  # nothing of batch waits: its floor is not banked
         return head
 
-    def record_wait(self, ticket: Ticket, waited_s: float) -> None:
-        """The dispatcher's note of how long a dispatched ticket waited (for ``/metrics``)."""
-        self._classes[ticket.priority].stats.setdefault(ticket.key, KeyStats()).wait_s += waited_s
+    def record_dispatch(self, ticket: Ticket, waited_s: float) -> None:
+        """The dispatcher's note that a ticket it popped went to a worker, and how long it waited (for
+        ``/metrics``; a popped ticket whose client had left meanwhile is not dispatched)."""
+        st = self._classes[ticket.priority].stats.setdefault(ticket.key, KeyStats())
+        st.dispatched += 1
+        st.dispatched_tokens += ticket.cost
+        st.wait_s += waited_s
 
     def cancel(self, ticket: Ticket) -> bool:
         """Withdraw a waiting ticket (client gone or deadline passed). True if it was queued."""

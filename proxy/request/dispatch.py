@@ -432,7 +432,7 @@ class Dispatcher:
             admission.pop(only)
             if ticket.future.done():  # cancelled between its last check and now
                 continue
-            admission.record_wait(ticket, now - ticket.enqueued_at)
+            admission.record_dispatch(ticket, now - ticket.enqueued_at)
             attempt = Attempt(ticket, worker_id, now)
             load = self.board.get(worker_id)
             batch = ticket.priority is Priority.BATCH

@@ -295,8 +295,10 @@ async def _queued(
     tries = 0
     sent_fields: Mapping[str, object] = _NO_FIELDS
     while True:
+        placed = False  # the client left while its ticket waited for a worker: counted here
         try:
             async with d.attempt(ticket) as attempt:
+                placed = True
                 attempt.streamed = job.stream
                 if tries == 0:
                     m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
@@ -337,6 +339,10 @@ async def _queued(
                 answer = await respond(opened, upstream)
                 _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
+        except asyncio.CancelledError:
+            if not placed:  # once placed, the fetch and the relay count a client that leaves
+                m.disconnected.inc()
+            raise
         except ProxyClosing:
             raise _closing_error(path) from None
         except QueueTimeout:

@@ -136,6 +136,29 @@ def test_a_figure_the_rule_had_is_written_even_when_empty() -> None:
     assert ConservativenessStorm(storm=STORM, throughput=None).to_json()["retractions_per_1k_tokens"] is None
 
 
+def test_a_journal_takes_up_its_file_after_a_restart(tmp_path: Path) -> None:
+    """The proxy started again on the same file: the views have the earlier decisions, ids go on
+    after the highest (an id's last line is its state), an entry left acting is closed as failed,
+    and a line a killed process cut short is skipped."""
+    path = tmp_path / "decisions.jsonl"
+    first = Journal(path, wall_clock=lambda: 1_800_000_000.0)
+    decision = Decision(worker_id="w0", rule="revive", reason="r", time=1.0, kind=RuleKind.SAFETY,
+                        evidence=Death(death="killed by SIGKILL", deaths_in_window=1))  # fmt: skip
+    done = first.record(decision, mode=ControlMode.AUTO, status=Status.ACTING)
+    first.update(done, status=Status.REVIVED)
+    left = first.record(decision, mode=ControlMode.AUTO, status=Status.ACTING)
+    with path.open("ab") as f:
+        f.write(b'{"id": 3, "worker": "w0", "rul')  # the process killed mid-line
+
+    again = Journal(path, wall_clock=lambda: 1_800_000_100.0)
+    assert [(e["id"], e["status"]) for e in again.entries()] == [(done, "revived"), (left, "failed")]
+    assert again.get(left)["detail"] == "the proxy stopped while it was under way"  # type: ignore[index]
+    assert again.record(decision, mode=ControlMode.AUTO, status=Status.NOTED) == 3
+    ids = [json.loads(line)["id"] for line in path.read_text().splitlines() if line.endswith("}")]
+    assert ids == [1, 1, 2, 2, 3]  # the cut line was not taken as an entry; no id begins again
+    assert Journal(path, keep=1).entries()[0]["id"] == 3  # the newest keep
+
+
 def test_the_journal_line_carries_the_figures_then_the_knob(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "decisions.jsonl", wall_clock=lambda: 1_800_000_000.0)
     decision = Decision(

@@ -110,7 +110,8 @@ async def test_cancel_and_stats_per_key():
     q.push(b)
     q.cancel(a)
     assert q.pop() is b and q.pop() is None
-    q.record_wait(b, 1.5)
+    assert {k: s.dispatched for _, k, s in q.stats()} == {"a": 0, "b": 0}  # popped: not yet sent
+    q.record_dispatch(b, 1.5)
     stats = {(p, k): s for p, k, s in q.stats()}
     assert stats[(BATCH, "b")].dispatched_tokens == 20 and stats[(BATCH, "b")].wait_s == 1.5
     assert stats[(BATCH, "a")].waiting == 0 and stats[(BATCH, "a")].dispatched == 0

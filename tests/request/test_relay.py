@@ -108,6 +108,10 @@ async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
         assert resp.status == 200
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
     assert len(h.workers[0].seen_rids) == 1  # the withdrawn request never reached the worker
+    # every admitted request ends in one outcome: the one that left while it waited counts as a disconnect
+    assert h.state.metrics.disconnected._value.get() == 1
+    dispatched = {k: st.dispatched for _, k, st in h.state.admission.stats()}
+    assert sum(dispatched.values()) == 1  # the withdrawn one was never sent
 
 
 async def test_retry_on_other_worker_when_one_fails_before_output(make_proxy):
