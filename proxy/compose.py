@@ -394,6 +394,7 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
                 name="pacer-status-log",
             ),
         ]
+        tasks.append(asyncio.create_task(app[HISTORY].run(policy.pacing.scrape_interval_s), name="pacer-history"))
         if st.gpus is not None:
             tasks.append(asyncio.create_task(st.gpus.run(), name="pacer-gpu-watch"))
         if manage_pool:

@@ -16,6 +16,7 @@ starts again at its new value, which counts as the difference).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -103,9 +104,21 @@ class History:
                     in_flight=self._in_flight(worker_id),
                 )
             )
+        self.proxy_point()
+
+    def proxy_point(self) -> None:
+        """One point of the proxy's queue and in flight (at most one per ``min_proxy_step_s``)."""
+        now_wall = self._wall()
         if not self._proxy or now_wall - self._proxy[-1].t >= self._min_proxy_step_s:
             queue, in_flight = self._proxy_queue()
             self._proxy.append(ProxyPoint(t=round(now_wall, 3), queue=dict(queue), in_flight=in_flight))
+
+    async def run(self, interval_s: float) -> None:
+        """The proxy's points on a clock of their own, until cancelled: the samples add one as they
+        come, but while no worker is ready none come, and a queue filling then is what matters."""
+        while True:
+            self.proxy_point()
+            await asyncio.sleep(interval_s)
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)

@@ -3,6 +3,8 @@ counter that drops (a restart) starts again, the ring keeps only the newest poin
 
 from __future__ import annotations
 
+import asyncio
+
 from proxy.dashboard.history import History
 from proxy.engines.base import Sample
 
@@ -75,3 +77,22 @@ def test_proxy_queue_per_class_at_most_every_step_and_rings_are_bounded() -> Non
     p = h.proxy_series(since=0.0)
     assert len(p["t"]) == 3 and p["queue_interactive"] == [3, 3, 3] and p["queue_batch"] == [7, 7, 7]
     assert p["in_flight"] == [5, 5, 5]
+
+
+async def test_the_proxy_queue_is_recorded_while_no_worker_is_scraped() -> None:
+    """The only worker down or starting: no sample comes, but the queue fills then, and the chart must
+    show it (it showed the last value before the outage, then nothing)."""
+    clocks, queued = Clocks(), {"interactive": 0}
+    h = History(lambda: (dict(queued), 0), lambda worker_id: 0, wall_clock=lambda: clocks.wall,
+                monotonic=lambda: clocks.mono)  # fmt: skip
+    for depth in (0, 120, 300):
+        queued["interactive"] = depth
+        h.proxy_point()
+        h.proxy_point()  # at most one a min_proxy_step_s
+        clocks.tick(1.0)
+    series = h.proxy_series(since=0.0)
+    assert series["queue_interactive"] == [0, 120, 300] and h.worker_ids() == []
+    runner = asyncio.create_task(h.run(0.01))  # the clock of its own the proxy runs it on
+    await asyncio.sleep(0.05)
+    runner.cancel()
+    assert len(h.proxy_series(since=0.0)["t"]) == 4  # the wall clock stood still: one more point
