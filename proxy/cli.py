@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -197,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except BrokenPipeError:  # `pacer decisions | head` closed the pipe: what it wanted was printed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
 
 
 if __name__ == "__main__":

@@ -87,9 +87,13 @@ def main(argv: list[str]) -> int:
     add_connection_args(parser)
     parser.add_argument("--worker", help="only this worker's decisions")
     parser.add_argument("--rule", help="only this rule's (e.g. retraction_storm)")
-    parser.add_argument("--status", help="only this status (advised, refused, noted, acting, applied, revived, failed)")
+    parser.add_argument(
+        "--status",
+        choices=["advised", "refused", "noted", "acting", "applied", "revived", "failed"],
+        help="only this status",
+    )
     parser.add_argument("--since", help="only newer than a duration ago (90s, 15m, 2h, 1d) or an ISO time")
-    parser.add_argument("--limit", type=int, help="at most the newest N after filtering")
+    parser.add_argument("--limit", type=_count, help="at most the newest N after filtering")
     parser.add_argument("--json", action="store_true", help="one JSON object per line, the journal's own fields")
     args = parser.parse_args(argv)
     try:
@@ -114,3 +118,14 @@ def main(argv: list[str]) -> int:
     for e in entries:
         print(format_decision(e))
     return 0
+
+
+def _count(text: str) -> int:
+    """A count for the command line: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value

@@ -19,6 +19,7 @@ admin key when one is set (the page asks for it and sends it as ``Authorization:
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ async def _timeline(request: web.Request) -> web.Response:
             window_s = float(text)
         except ValueError:
             window_s = -1.0
-        if not window_s > 0:
+        if not 0 < window_s < math.inf:
             raise ApiError(400, f"window_s must be a positive number of seconds, got {text!r}", param="window_s")
     history = request.app[HISTORY]
     now = history.now()

@@ -72,8 +72,9 @@ async def test_timeline_needs_the_admin_key_and_has_every_part(proxy: tuple[str,
     url, _ = proxy
     status, body, _ = await get(url + "/admin/timeline", key=None)
     assert status == 401 and "admin key" in orjson.loads(body)["error"]["message"]
-    status, body, _ = await get(url + "/admin/timeline?window_s=nope")
-    assert status == 400 and orjson.loads(body)["error"]["param"] == "window_s"
+    for bad in ("nope", "inf", "0"):
+        status, body, _ = await get(url + f"/admin/timeline?window_s={bad}")
+        assert status == 400 and orjson.loads(body)["error"]["param"] == "window_s", bad
     status, body, _ = await get(url + "/admin/timeline?window_s=60")
     assert status == 200
     t = orjson.loads(body)
