@@ -96,9 +96,7 @@ def build_app(
         for _ in policy.pools
     ]
     admission = queues[0] if not several else QueueTotals(queues)
-    metrics = ProxyMetrics(
-        admission, board, lambda: {w.id: w.url for w in pool.workers()}, lambda: gpus.last if gpus is not None else None
-    )
+    metrics = ProxyMetrics(admission, board, pool.workers, lambda: gpus.last if gpus is not None else None)
     dispatchers = {  # ... and its own gate over its own workers, with its own [pacing] (and [pool.pacing])
         p.name: Dispatcher(
             PoolView(pool, p.name) if several else pool,

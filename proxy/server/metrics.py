@@ -9,7 +9,7 @@ histograms are pre-bound to their labels where the label set is fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +20,7 @@ from proxy.request.admission import ORDER
 from proxy.request.attempt import Requeued
 from proxy.request.pacing import LoadBoard
 from proxy.request.queues import QueueDepth
+from proxy.workers.base import WorkerInfo, WorkerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -35,11 +36,11 @@ def _no_gpu_report() -> GpuReport | None:
 
 class _LiveState(Collector):
     def __init__(
-        self, admission: QueueDepth, board: LoadBoard, urls: Callable[[], dict[str, str]], gpus: GpuSource
+        self, admission: QueueDepth, board: LoadBoard, workers: Callable[[], Sequence[WorkerInfo]], gpus: GpuSource
     ) -> None:
         self.admission = admission
         self.board = board
-        self.urls = urls
+        self.workers = workers
         self.gpus = gpus
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
@@ -48,7 +49,9 @@ class _LiveState(Collector):
             depth.add_metric([p.value], self.admission.depth(p))
         yield depth
         yield from _admission_families(self.admission)
-        urls = self.urls()
+        workers = self.workers()
+        urls = {w.id: w.url for w in workers}
+        yield from _worker_families(workers)
         inflight = GaugeMetricFamily(
             "pacer_inflight", "Requests the proxy has open on each worker", labels=["worker", "url"]
         )
@@ -70,6 +73,22 @@ class _LiveState(Collector):
         yield queue
         yield usage
         yield from _gpu_families(self.gpus())
+
+
+def _worker_families(workers: Sequence[WorkerInfo]) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+    """Each worker's state by pool: an alert sees a worker down, or a pool with none serving."""
+    labels = ["worker", "pool"]
+    up = GaugeMetricFamily("pacer_worker_up", "1 while the worker serves (ready), else 0", labels=labels)
+    state = GaugeMetricFamily(
+        "pacer_worker_state", "1 for the state the worker is in (one series per state)", labels=[*labels, "state"]
+    )
+    restarts = CounterMetricFamily("pacer_worker_restarts", "Restarts of the worker (revivals included)", labels=labels)
+    for w in workers:
+        up.add_metric([w.id, w.pool], 1 if w.state is WorkerState.READY else 0)
+        for s in WorkerState:
+            state.add_metric([w.id, w.pool, s.value], 1 if w.state is s else 0)
+        restarts.add_metric([w.id, w.pool], w.restarts)
+    yield from (up, state, restarts)
 
 
 def _admission_families(admission: QueueDepth) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
@@ -125,7 +144,7 @@ class ProxyMetrics:
         self,
         admission: QueueDepth,
         board: LoadBoard,
-        urls: Callable[[], dict[str, str]],
+        workers: Callable[[], Sequence[WorkerInfo]],
         gpus: GpuSource = _no_gpu_report,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -169,7 +188,7 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_LiveState(admission, board, urls, gpus))
+        r.register(_LiveState(admission, board, workers, gpus))
         self.reject_full = self.rejected.labels("queue_full")
         self.reject_invalid = self.rejected.labels("invalid")
         self.reject_auth = self.rejected.labels("auth")

@@ -15,6 +15,7 @@ from proxy.observe.nvml import GpuDevice, GpuReport
 from proxy.request.admission import AdmissionQueue
 from proxy.request.pacing import LoadBoard
 from proxy.server.metrics import ProxyMetrics
+from proxy.workers.base import WorkerInfo, WorkerState
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "sglang-pacer.json"
@@ -35,7 +36,8 @@ def proxy_names() -> set[str]:
     device = GpuDevice(index=0, name="H100", uuid=None, memory_total_bytes=8, memory_used_bytes=4,
                        memory_free_bytes=4, utilization_gpu_pct=50, utilization_memory_pct=10)  # fmt: skip
     report = GpuReport(time=1.0, devices=(device,))
-    metrics = ProxyMetrics(AdmissionQueue(10), board, lambda: {"w0": "http://w0"}, lambda: report)
+    w0 = WorkerInfo(id="w0", url="http://w0", state=WorkerState.READY, managed=True)
+    metrics = ProxyMetrics(AdmissionQueue(10), board, lambda: [w0], lambda: report)
     return page_names(metrics.render().decode())
 
 

@@ -216,8 +216,15 @@ async def test_metrics_page_has_pacer_series(make_proxy):
         "pacer_requests_rejected_total",
         "pacer_requests_retried_total",
         "pacer_requests_failed_total",
+        'pacer_worker_up{pool="default",worker="w0"} 1.0',  # a down worker, or a pool with none up, alerts
+        'pacer_worker_state{pool="default",state="ready",worker="w0"} 1.0',
+        'pacer_worker_state{pool="default",state="down",worker="w0"} 0.0',
+        'pacer_worker_restarts_total{pool="default",worker="w0"} 0.0',
     ):
         assert name in text, name
+    h.pool.set_state("w0", WorkerState.DOWN)
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
+        assert 'pacer_worker_up{pool="default",worker="w0"} 0.0' in await r.text()
 
 
 async def test_interactive_overtakes_queued_batch_work(make_proxy):
