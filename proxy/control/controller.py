@@ -896,35 +896,21 @@ class Controller:
                 delay_s=max(delay, chosen.delay_s),
             )  # fmt: skip
         else:
-            decision = Decision(
-                worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
-                time=now, evidence=Death(death=cause, deaths_in_window=deaths),
-                old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay,
-            )  # fmt: skip
+            decision = self._revival(worker_id, w, cause, deaths, now, delay)
+        advice = None
         if not self.settings.revive:
-            self.journal.record(
-                decision,
-                mode=self.mode,
-                status=Status.ADVISED,
-                detail="the worker stays down (revive = false)",
-                before=w.window.summary(),
-            )
-            return None
-        if self.mode is ControlMode.ADVISE and dict(decision.new_args) != dict(w.state.args):
+            advice = "the worker stays down (revive = false)"
+        elif self.mode is ControlMode.ADVISE and dict(decision.new_args) != dict(w.state.args):
             # advise changes no argument, but a dead worker is no advice: it comes back as it was,
             # and what a rule would change is journaled beside it
+            advice = "advice (mode advise): the worker comes back with its own arguments"
+        if advice is not None:
             self.journal.record(
-                decision,
-                mode=self.mode,
-                status=Status.ADVISED,
-                detail="advice (mode advise): the worker comes back with its own arguments",
-                before=w.window.summary(),
+                decision, mode=self.mode, status=Status.ADVISED, detail=advice, before=w.window.summary()
             )
-            decision = Decision(
-                worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
-                time=now, evidence=Death(death=cause, deaths_in_window=deaths),
-                old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=decision.delay_s,
-            )  # fmt: skip
+            if not self.settings.revive:
+                return None
+            decision = self._revival(worker_id, w, cause, deaths, now, decision.delay_s)
         back_in = decision.delay_s
         _log.warning(
             "worker %s died (%s, death %d in %g s): %s %s",
@@ -944,6 +930,15 @@ class Controller:
         )
         w.busy = True
         return Act(decision=decision, entry_id=entry_id, revival=True)
+
+    @staticmethod
+    def _revival(worker_id: WorkerId, w: _Worker, cause: str, deaths: int, now: float, delay_s: float) -> Decision:
+        """The worker back with the arguments it died with, after ``delay_s``."""
+        return Decision(
+            worker_id=worker_id, rule="revive", reason=f"worker died ({cause}); restarting it with the same args",
+            time=now, evidence=Death(death=cause, deaths_in_window=deaths),
+            old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay_s,
+        )  # fmt: skip
 
     def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float, exit_code: int | None = None) -> str:
         """In words, from the window's events; the log tail is read when the follower saw nothing;
