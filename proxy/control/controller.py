@@ -873,8 +873,9 @@ class Controller:
         """A managed worker died (``exit_code``: its process's, negative for a signal, where known):
         classify, count, and choose the args it comes back with.
 
-        Returns the revival to carry out (``auto`` with ``revive``), else None: ``advise`` journals
-        what it would do, ``off`` only records the death.
+        Returns the revival to carry out (``auto``, or ``advise`` with the args it died with; both
+        with ``revive``), else None: ``revive = false`` journals what it would do, ``off`` only
+        records the death.
         """
         now = self.clock()
         w = self._workers[worker_id]

@@ -164,13 +164,13 @@ def _held_for(load: WorkerLoad, headroom: float) -> int:
     return math.ceil(max(1.0, headroom) * load.interactive_in_flight) if headroom > 0 else 0
 
 
-def _take_back(attempt: Attempt) -> None:
+def _take_back(attempt: Attempt, *, end_early: bool = True) -> None:
     """Mark the attempt taken back and end its block: its handler requeues the ticket (and aborts
     the request on the worker) unless output already went to the client. A whole answer the worker
-    can end early and still give (the relay set ``on_take_back``) is ended there instead of cancelled:
-    what the worker wrote comes back and the next attempt goes on from it."""
+    can end early and still give (the relay set ``on_take_back``) is ended there instead of cancelled,
+    with ``end_early``: what the worker wrote comes back and the next attempt goes on from it."""
     attempt.taken_back = True
-    if attempt.on_take_back is not None:
+    if end_early and attempt.on_take_back is not None:
         attempt.on_take_back()
     elif attempt.task is not None:
         attempt.task.cancel()
@@ -568,33 +568,26 @@ class Dispatcher:
 
     def fail_over(self, worker_id: WorkerId) -> int:
         """The worker is down: every request on it that sent its client nothing goes back to the front
-        of the queue now, for a worker that serves. Its block is cancelled here, not ended early there
-        (nothing there answers): a dead process's connections fail by themselves, but an engine whose
-        launcher died (a Ray actor killed) may hold them open for minutes as it shuts down. Returns how
-        many."""
-        n = 0
-        for attempt in list(self.board.get(worker_id).attempts):
-            if attempt.started or attempt.taken_back:
-                continue
-            attempt.taken_back = True
-            if attempt.task is not None:
-                attempt.task.cancel()
-            n += 1
+        of the queue now, for a worker that serves (:meth:`take_back`, none ended early there: nothing
+        there answers). A dead process's connections fail by themselves, but an engine whose launcher
+        died (a Ray actor killed) may hold them open for minutes as it shuts down. Returns how many."""
+        n = self.take_back(worker_id, end_early=False)
         if n:
             _log.warning("worker %s is down: %d requests that had no output go to another worker", worker_id, n)
         return n
 
-    def take_back(self, worker_id: WorkerId) -> int:
+    def take_back(self, worker_id: WorkerId, *, end_early: bool = True) -> int:
         """Requeue every request on the worker that produced no output yet; returns how many.
 
         Each one's ``async with`` block is cancelled (its upstream call is closed and aborted on
-        the worker) and its ticket goes back to the front of the proxy queue. Started requests run
-        to the end.
+        the worker) and its ticket goes back to the front of the proxy queue; with ``end_early``, one
+        the worker can end early gives what it wrote (:func:`_take_back`). Started requests run to
+        the end.
         """
         n = 0
         for attempt in list(self.board.get(worker_id).attempts):
             if attempt.started or attempt.taken_back:
                 continue
-            _take_back(attempt)
+            _take_back(attempt, end_early=end_early)
             n += 1
         return n

@@ -149,11 +149,6 @@ class WorkerLoad:
         asked; see :mod:`proxy.request.continuation`): requests that ask alike write alike."""
         return None if max_tokens is None else self.output_budgets.get((interactive, max_tokens))
 
-    def note_budget_reached(self, *, interactive: bool, max_tokens: int, now: float) -> None:
-        """An answer of the class that asked for ``max_tokens`` reached its output budget in its first
-        part (:meth:`OutputBudgets.note_reached`)."""
-        self.output_budgets.note_reached((interactive, max_tokens), now)
-
     @property
     def batch_in_flight(self) -> int:
         """Batch requests this proxy has open on the worker."""

@@ -761,8 +761,7 @@ def _interactive(attempt: Attempt) -> bool:
 def _reached_budget(path: RequestPath, worker_id: str, interactive: bool, capped: Capped) -> None:
     """An answer's first part wrote all its output budget allowed: the budget's overrun, noted now
     (:mod:`proxy.request.budgets`), not once the answer ends."""
-    load = path.dispatcher.board.get(worker_id)
-    load.note_budget_reached(interactive=interactive, max_tokens=capped.asked, now=time.monotonic())
+    path.dispatcher.board.get(worker_id).output_budgets.note_reached((interactive, capped.asked), time.monotonic())
 
 
 def _next_cap(path: RequestPath, worker_id: str, interactive: bool, capped: Capped, written: int) -> int:
