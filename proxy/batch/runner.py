@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.batch.shapes import NO_USAGE, error_line, output_line, usage_of
+from proxy.batch.shapes import NO_USAGE, error_line, output_line, parse_answer, usage_of
 from proxy.batch.store import ActiveBatch, BatchStore, Ending, Outcome, PendingLine, StoreThread
 
 _log = logging.getLogger(__name__)
@@ -172,8 +172,9 @@ class BatchRunner:
             )
         else:
             outcome = "output" if 200 <= result.status_code < 300 else "error"
+            answer = parse_answer(result.body)
             text = output_line(
-                line.custom_id, status_code=result.status_code, request_id=result.request_id, body=result.body
+                line.custom_id, status_code=result.status_code, request_id=result.request_id, answer=answer
             )
-            usage = usage_of(result.body)
+            usage = usage_of(answer)
         await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)

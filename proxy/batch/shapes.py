@@ -46,16 +46,21 @@ def page(data: Sequence[Json], *, has_more: bool) -> Json:
     }
 
 
-def output_line(custom_id: str, *, status_code: int, request_id: str, body: bytes) -> bytes:
+def parse_answer(body: bytes) -> Any:
+    """A worker's answer as JSON, or as text where it is not JSON."""
     try:
-        parsed: Any = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
-        parsed = body.decode("utf-8", "replace")
+        return body.decode("utf-8", "replace")
+
+
+def output_line(custom_id: str, *, status_code: int, request_id: str, answer: Any) -> bytes:
+    """A result line around ``answer`` (:func:`parse_answer`)."""
     return orjson.dumps(
         {
             "id": new_id("batch_req_"),
             "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": parsed},
+            "response": {"status_code": status_code, "request_id": request_id, "body": answer},
             "error": None,
         }
     )
@@ -75,13 +80,10 @@ class Usage:
 NO_USAGE = Usage()
 
 
-def usage_of(body: bytes) -> Usage:
-    """The ``usage`` of a chat or completions answer; nothing where it has none (an error's body)."""
-    try:
-        parsed: Any = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return NO_USAGE
-    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+def usage_of(answer: Any) -> Usage:
+    """The ``usage`` of a chat or completions answer (:func:`parse_answer`); nothing where it has
+    none (an error's body)."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
     if not isinstance(usage, dict):
         return NO_USAGE
 

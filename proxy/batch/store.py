@@ -57,15 +57,14 @@ CREATE TABLE IF NOT EXISTS batches (
     created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER,
     finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
     cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
-    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
-    output_tokens INTEGER NOT NULL DEFAULT 0, reasoning_tokens INTEGER NOT NULL DEFAULT 0);
+    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, body BLOB,
     outcome TEXT, result BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
 """
 
-# columns added since the first schema: a database made before them gets them on open
+# columns added since the first schema, declared here only: every database, new or made before them,
+# gets them on open
 _ADDED_COLUMNS = {
     "batches": (
         "input_tokens INTEGER NOT NULL DEFAULT 0",
