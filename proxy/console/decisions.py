@@ -40,9 +40,20 @@ def _gain(entry: Mapping[str, Any], name: str) -> object:
     return outcome.get(name) if isinstance(outcome, Mapping) else None
 
 
+def local_time(text: str) -> str:
+    """The journal's ISO time (UTC) as this machine's local time with its zone, as the dashboard shows
+    it; a time that does not parse is printed as it came."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return text
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 def format_decision(e: Mapping[str, Any]) -> str:
     changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (e.get("changes") or {}).items())
-    text = f"#{e.get('id')} {e.get('time', '')[:19]} {e.get('worker')} {e.get('rule')} [{e.get('status')}]"
+    when = local_time(str(e.get("time", "")))
+    text = f"#{e.get('id')} {when} {e.get('worker')} {e.get('rule')} [{e.get('status')}]"
     if changes:
         text += f" {changes}"
     predicted, measured = _gain(e, "predicted_gain"), _gain(e, "measured_gain")
