@@ -58,7 +58,7 @@ from proxy.request.job import Job
 from proxy.request.limits import RateLimited
 from proxy.request.path import RequestPath
 from proxy.request.sse import has_output
-from proxy.request.stitch import StreamStitcher
+from proxy.request.stitch import StreamStitcher, WholeEvents
 from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from proxy.workers.base import WorkerState
 
@@ -694,28 +694,35 @@ async def _respond(
     ok = False
     try:
         await out.prepare(request)
-        opened.tail = opened.first
-        first = strip_usage(opened.first) if opened.strip_usage else opened.first
-        await out.write(reshape_error_events(first))  # the headers and the first output, in one segment
+        strip = opened.strip_usage
+        whole = WholeEvents()  # the usage and error events are read and rewritten whole, however they arrive
+        earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
+
+        def client_bytes(data: bytes) -> bytes:
+            nonlocal earlier
+            data = whole.feed(data)
+            if not data:
+                return data
+            earlier, opened.tail = (earlier[1], opened.tail), data
+            if strip:
+                data = strip_usage(data)
+            return reshape_error_events(data)  # a worker's error event, in OpenAI's shape
+
+        last = client_bytes(opened.first)
+        await out.write(last)  # the headers and the first output, in one segment
         transport = request.transport
         assert transport is not None
         high_water = transport.get_write_buffer_limits()[1]
-        last = opened.first
-        earlier = (b"", b"")  # the two chunks before the latest: the finish reason, usage and [DONE] may come apart
-        strip = opened.strip_usage
 
         def sink(data: bytes) -> bool:
             # the rest of the stream goes from the worker's connection callback straight to the
             # client's socket, framed as HTTP chunks like aiohttp's own writer (which ends it below)
-            nonlocal last, earlier
+            nonlocal last
             if transport.is_closing():
                 return False  # the client left: aiohttp cancels this handler next
-            earlier, opened.tail = (earlier[1], opened.tail), data
-            if strip:
-                data = strip_usage(data)
-                if not data:  # the chunk held only the usage event: nothing to send (an empty chunk ends it)
-                    return True
-            data = reshape_error_events(data)  # a worker's error event, in OpenAI's shape
+            data = client_bytes(data)
+            if not data:  # nothing whole to send (an empty chunk would end the response)
+                return True
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             last = data
             return transport.get_write_buffer_size() <= high_water
@@ -738,7 +745,9 @@ async def _respond(
                 break
             if ended:
                 m.completed.inc()
-                opened.tail = b"".join((*earlier, opened.tail))
+                rest = whole.rest()  # a stream that ended without its last boundary: as it came
+                opened.tail = b"".join((*earlier, opened.tail, rest))
+                await out.write(rest)
                 break
             await request.writer.drain()  # the client is slow: wait until its socket buffer drained
             resp.resume_pipe()

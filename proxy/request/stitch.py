@@ -27,7 +27,7 @@ import orjson
 
 from proxy.request.continuation import CHAT
 
-__all__ = ["PartEnd", "StreamStitcher"]
+__all__ = ["PartEnd", "StreamStitcher", "WholeEvents"]
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -44,6 +44,32 @@ class PartEnd:
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+class WholeEvents:
+    """A stream's bytes cut at its last event boundary: a worker's event may arrive in two reads (a
+    remote worker, a segment boundary), and what the relay rewrites (the usage event it asked for,
+    an error event) is recognised only whole. The client's parser waits for a whole event anyway, so
+    holding back its first half costs no time. Free when reads end on a boundary, as they mostly do."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events up to the last boundary in what arrived (and what was held back)."""
+        if not self._rest and data.endswith(b"\n\n"):
+            return data
+        data = self._rest + data
+        end = data.rfind(b"\n\n") + 2
+        self._rest = data[end:] if end > 1 else data
+        return data[:end] if end > 1 else b""
+
+    def rest(self) -> bytes:
+        """What came after the last boundary (a stream that ended without one)."""
+        rest, self._rest = self._rest, b""
+        return rest
 
 
 class StreamStitcher:

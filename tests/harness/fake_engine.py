@@ -7,7 +7,8 @@ per token with ``token_delay_s`` between them (given both, ``sim_output_len`` to
 answers a graceful abort) and records everything it saw. ``fail_next(mode, n)`` injects failures:
 ``"500"`` (an error answer), ``"400"`` (a refusal in SGLang's ``{"object": "error"}`` shape), ``"reset"`` (connection dropped before any byte),
 ``"midstream"`` (two chunks, then the connection dies), ``"error_event"`` (two chunks, then SGLang's
-error event). ``speaks="vllm"``: its ``/metrics`` page has vLLM's names and it has no
+error event). ``split_events``: every streamed event is written in two halves a moment apart, so
+that the proxy reads it in two pieces (as a worker on another host may send it). ``speaks="vllm"``: its ``/metrics`` page has vLLM's names and it has no
 ``/abort_request`` (a POST there is recorded in ``not_found`` and answered 404, as vLLM answers it).
 """
 
@@ -41,6 +42,7 @@ class FakeEngine:
     answer_aborts: bool = False  # an aborted whole answer ends with what it wrote, finish "abort" (else: cancelled)
     miss_aborts: int = 0  # the next this many aborts find nothing (as one that came before its request)
     speaks: str = "sglang"  # or "vllm": its metrics page and routes
+    split_events: bool = False  # each streamed event in two writes, a moment apart (two reads at the proxy)
     not_found: list = field(default_factory=list)  # bodies POSTed to routes it does not have
     _fail: list = field(default_factory=list)
     _ending: set = field(default_factory=set)
@@ -159,11 +161,12 @@ class FakeEngine:
                 "model": body.get("model", MODEL),
                 "choices": [delta],
             }
-            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await self._send(out, b"data: " + orjson.dumps(chunk) + b"\n\n")
             self.emitted += 1
             if mode == "error_event" and i == 1:  # SGLang's error event in a stream that started
                 refusal = {"object": "error", "message": "out of memory (injected)", "type": "InternalServerError"}
-                await out.write(b"data: " + orjson.dumps({"error": {**refusal, "code": 500}}) + b"\n\ndata: [DONE]\n\n")
+                await self._send(out, b"data: " + orjson.dumps({"error": {**refusal, "code": 500}}) + b"\n\n")
+                await self._send(out, b"data: [DONE]\n\n")
                 return out
             if mode == "midstream" and i == 1:
                 assert request.transport is not None
@@ -173,11 +176,20 @@ class FakeEngine:
         if isinstance(options, dict) and options.get("include_usage"):  # OpenAI's usage event: no choices
             usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
             chunk = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "choices": [], "usage": usage}
-            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
+            await self._send(out, b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await self._send(out, b"data: [DONE]\n\n")
         self.finished.append(body.get("rid"))
         await out.write_eof()
         return out
+
+    async def _send(self, out: web.StreamResponse, event: bytes) -> None:
+        if not self.split_events:
+            await out.write(event)
+            return
+        half = len(event) // 2
+        await out.write(event[:half])
+        await asyncio.sleep(0.02)  # the first half goes out on its own: the proxy reads it alone
+        await out.write(event[half:])
 
     async def abort(self, request: web.Request) -> web.Response:
         if self.speaks == "vllm":

@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from proxy.workers.base import WorkerState
@@ -282,4 +283,35 @@ async def test_facts_per_request_and_the_usage_event_only_for_clients_that_asked
     assert recent[0].ttft_s is not None and recent[0].ttft_s >= 0 and recent[2].ttft_s is None
     assert all(f.queue_s >= 0 for f in recent)
     assert facts.output_ratio() == 1.0 and facts.mean_output_tokens() == pytest.approx(14 / 3)
+    await client.close()
+
+
+async def test_events_split_across_reads_are_rewritten_whole(make_proxy):
+    # a worker on another host may deliver an event in two reads: the usage event the proxy asked
+    # for must still be kept from a client that did not ask, and an error event still reshaped
+    h = await make_proxy(worker={"split_events": True})
+    client = h.client()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert chunks and all(c.choices and c.usage is None for c in chunks)  # no `choices: []` chunk to trip on
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "t0 t1 t2 t3 "
+    assert h.state.board.get(h.pool.workers()[0].id).facts.recent()[-1].output_tokens == 4  # the facts read it
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    h.workers[0].fail_next("error_event")
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/chat/completions", json=payload) as r:
+        raw = await r.read()
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and len(events) == 4
+    assert orjson.loads(events[2])["error"]["type"] == "server_error"  # OpenAI's shape, not SGLang's
     await client.close()

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from proxy.request.continuation import CHAT, COMPLETIONS
-from proxy.request.stitch import StreamStitcher
+from proxy.request.stitch import StreamStitcher, WholeEvents
 
 
 def _ev(payload: Any) -> bytes:
@@ -79,3 +79,13 @@ def test_what_it_cannot_read_goes_on_as_it_came() -> None:
     error = _ev({"error": {"message": "boom", "code": 500}})
     assert s.feed(b": keep-alive\n\n" + error) == b": keep-alive\n\n" + error
     assert s.end_part().reason is None and s.end_part().part_written is None
+
+
+def test_whole_events_holds_back_an_events_first_half_until_its_boundary() -> None:
+    whole = WholeEvents()
+    assert whole.feed(b"data: 1\n\n") == b"data: 1\n\n"  # a read on a boundary goes on as it came
+    assert whole.feed(b'data: 2\n\ndata: {"us') == b"data: 2\n\n"
+    assert whole.feed(b'age": 1}') == b""  # still no boundary
+    assert whole.feed(b"\n") == b""
+    assert whole.feed(b"\ndata: [DONE]\n\n") == b'data: {"usage": 1}\n\ndata: [DONE]\n\n'
+    assert whole.feed(b"data: tail") == b"" and whole.rest() == b"data: tail" and whole.rest() == b""
