@@ -235,6 +235,9 @@ def _toml_value(value: Any) -> Any:
         return [_toml_value(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _toml_value(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a table of tables' entry
+        fields = dataclasses.fields(value)
+        return {f.name: _toml_value(getattr(value, f.name)) for f in fields if getattr(value, f.name) != _default(f)}
     return value
 
 
@@ -283,9 +286,8 @@ def _inline(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_inline(v) for v in value) + "]"
     if isinstance(value, dict):
-        return (
-            "{ " + ", ".join(f"{tomli_w.dumps({k: 0}).split(' = ')[0]} = {_inline(v)}" for k, v in value.items()) + " }"
-        )
+        pairs = ", ".join(f"{tomli_w.dumps({k: 0}).split(' = ')[0]} = {_inline(v)}" for k, v in value.items())
+        return "{ " + pairs + " }" if pairs else "{}"
     return tomli_w.dumps({"v": value}).removeprefix("v = ").rstrip()
 
 

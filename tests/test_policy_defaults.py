@@ -154,3 +154,18 @@ def test_a_pooled_policy_s_changed_keys_rebuild_it_with_each_pool_s_overrides(tm
     assert 'env = { HF_TOKEN = "***" }' in changed and "hf_x" not in "\n".join(changed)
     rebuilt = parse_policy(tomllib.loads("\n".join(changed).replace('"***"', '"hf_x"')), policy.source)
     assert rebuilt == policy
+
+
+def test_the_changed_keys_of_per_key_tables_rebuild_the_policy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "keys.txt").write_text("k1 name=bob\nk2 name=carol\n")
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[auth]\napi_keys_file = "keys.txt"\n'
+        "[admission.keys.bob]\nrequests_per_minute = 2\nweight = 3.0\n[admission.keys.carol]\n"
+    )
+    assert main(["check-policy", str(path)]) == 0  # it had stopped on a TypeError
+    assert "admission.keys = { bob = { weight = 3.0, requests_per_minute = 2 }, carol = {} }" in capsys.readouterr().out
+    policy = load_policy(path)
+    assert parse_policy(tomllib.loads("\n".join(policy.changed())), policy.source) == policy
