@@ -59,6 +59,7 @@ from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueTotals
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
+from proxy.server.cors import Cors
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.protocol import EdgeRunner
@@ -158,7 +159,11 @@ def build_app(
         models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
         gpus=gpus,
     )
-    app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
+    cors = Cors(policy.proxy.cors_allow_origins)
+    app = web.Application(
+        client_max_size=policy.proxy.max_body_bytes, middlewares=[cors.preflight, handlers.error_middleware]
+    )
+    app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
         app.router.add_post(path, handlers.inference_route(path))

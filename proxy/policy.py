@@ -94,6 +94,13 @@ class ProxySettings:
             minimum=0,
         ),
     )
+    cors_allow_origins: tuple[str, ...] = field(
+        default=("*",),
+        metadata=key(
+            'origins browsers may call from (CORS): ["*"] any, as SGLang and vLLM allow; [] none; '
+            'or a list such as ["https://app.example.com"]'
+        ),
+    )
     gpu_sample_interval_s: float = field(
         default=5.0,
         metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),

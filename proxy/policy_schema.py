@@ -219,6 +219,8 @@ def _read_key(t: Table, name: str, kind: Any, default: Any, key: KeyDoc) -> Any:
         return t.str(name, default)
     if kind is Path:
         return Path(t.str(name, str(default)) or default)
+    if kind == tuple[str, ...]:
+        return t.str_list(name, list(default))
     raise TypeError(f"no reader for key {name} of type {kind!r}")
 
 

@@ -22,3 +22,4 @@ class Job:
     max_tokens: int | None = None  # completion tokens asked for per choice (None: not given)
     choices: int = 1  # ``n``
     upstream_name: str | None = None  # the name its last attempt went to its worker under (None: unnamed)
+    request_id: str | None = None  # the proxy's id for it, told the client (None: one is made when it is named)

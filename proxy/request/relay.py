@@ -376,7 +376,7 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
 @dataclass(frozen=True, slots=True)
 class _Named:
     """How a job's attempts are named on workers that abort by name: the client's own name (kept as
-    it is, one for all), or one of the proxy's per single-prompt job, numbered per attempt (``.1``,
+    it is, one for all), or the proxy's id of a single-prompt job (the client's ``x-request-id``), numbered per attempt (``.1``,
     ``.2``, ...) and per part (``.1.c1``); ``base`` None: its attempts go unnamed."""
 
     field: str | None  # the body field that names a request on the job's workers
@@ -390,7 +390,7 @@ class _Named:
         given = job.body.get(by_name.field)
         if given is not None:  # as the client sent it (a list names a batch of prompts: not aborted by one)
             return cls(by_name.field, given if isinstance(given, str) else None, None)
-        return cls(by_name.field, None, path.new_rid() if job.single else None)
+        return cls(by_name.field, None, (job.request_id or path.new_rid()) if job.single else None)
 
     def attempt(self, job: Job, tries: int) -> str | None:
         """The name of the job's ``tries``-th attempt, set in its body (None: unnamed)."""

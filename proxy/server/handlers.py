@@ -26,6 +26,15 @@ from proxy.workers.base import WorkerState
 
 _log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQUEST_ID = web.RequestKey("request_id", str)  # an inference request's id, its x-request-id header
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``x-request-id`` on every answer to an inference request, its error answers too: the id a
+    client quotes, and the name of its attempts on a worker that names requests (``ID.1``, ...)."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["x-request-id"] = request_id
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
@@ -98,6 +107,7 @@ def inference_route(path: str) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         st = request.app[PROXY]
+        request[REQUEST_ID] = request_id = st.requests.new_rid()
         try:
             try:
                 caller = check_api_key(st.keys, request.headers)
@@ -110,6 +120,7 @@ def inference_route(path: str) -> Handler:
                     await st.models.ensure(
                         st.session, [w.url for w in st.pool.workers() if w.state is WorkerState.READY]
                     )
+                job.request_id = request_id
                 check_model(st, job)
                 priority = pick_priority(st, request.headers, caller.cls)
             except ApiError:
@@ -323,9 +334,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         what = "no route" if exc.status == 404 else exc.reason
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 says what the route takes
         return error_response(
             ApiError(
-                exc.status, f"{what}: {request.method} {request.path}", code="not_found" if exc.status == 404 else None
+                exc.status,
+                f"{what}: {request.method} {request.path}",
+                code="not_found" if exc.status == 404 else None,
+                headers=allow,
             )
         )
     except ApiError as err:

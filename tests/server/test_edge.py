@@ -144,3 +144,49 @@ async def test_a_workers_error_event_in_a_stream_comes_back_in_openais_shape(mak
     with pytest.raises(openai.APIError, match="out of memory"):
         async for _ in stream:
             pass
+
+
+async def test_every_inference_answer_carries_its_request_id_the_name_of_its_attempts(make_proxy):
+    h = await make_proxy()
+    client = h.client()
+    raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    request_id = raw.headers["x-request-id"]
+    assert request_id and raw.parse().choices  # what openai's client reads as the answer's request id
+    assert h.workers[0].seen_rids[-1] == f"{request_id}.1"  # the worker's log names it by the same id
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=True)
+    async for _ in stream:
+        pass
+    assert stream.response.headers["x-request-id"] not in ("", request_id)
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert e.value.request_id  # a refusal has one too, to quote
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/v1/chat/completions") as r:
+        assert r.status == 405 and r.headers["Allow"] == "POST"  # aiohttp's Allow kept through the reshaping
+    await client.close()
+
+
+async def test_browsers_may_call_from_any_origin_by_default_and_a_list_narrows_it(make_proxy):
+    h = await make_proxy()
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        async with s.options(h.url + "/v1/chat/completions", headers=preflight) as r:
+            assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        payload = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
+        async with s.post(h.url + "/v1/chat/completions", json=payload, headers={"Origin": "https://app.example"}) as r:
+            await r.read()
+            assert r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "x-request-id" in r.headers["Access-Control-Expose-Headers"]
+        async with s.get(h.url + "/v1/models") as r:  # no Origin: not a browser's cross-origin call
+            assert "Access-Control-Allow-Origin" not in r.headers
+    narrow = await make_proxy(policy={"proxy": {"cors_allow_origins": ["https://app.example"]}})
+    async with aiohttp.ClientSession() as s:
+        async with s.options(narrow.url + "/v1/models", headers=preflight) as r:
+            assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+            assert r.headers["Vary"] == "Origin"
+        async with s.options(narrow.url + "/v1/models", headers={**preflight, "Origin": "https://evil.example"}) as r:
+            assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+        async with s.get(narrow.url + "/v1/models", headers={"Origin": "https://evil.example"}) as r:
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
