@@ -144,7 +144,10 @@ class QueueSettings:
     timeout_s: float = field(
         default=300.0, metadata=key("longest wait in the proxy's queue in seconds, then 503", positive=True)
     )
-    retry_after_s: int = field(default=2, metadata=key("the Retry-After (seconds) a 429 carries", minimum=0))
+    retry_after_s: int = field(
+        default=2,
+        metadata=key("the Retry-After (seconds) a 429 (queue full) and a 503 (queue timeout) carry", minimum=0),
+    )
     default_priority: Priority = field(
         default=Priority.INTERACTIVE, metadata=key("priority of requests without the header")
     )

@@ -347,7 +347,13 @@ async def _queued(
             raise _closing_error(path) from None
         except QueueTimeout:
             m.fail_timeout.inc()
-            raise ApiError(503, _no_worker_message(path), type="service_unavailable", code="queue_timeout") from None
+            raise ApiError(
+                503,
+                _no_worker_message(path),
+                type="service_unavailable",
+                code="queue_timeout",
+                headers={"Retry-After": str(path.settings.retry_after_s)},
+            ) from None
         except AttemptFailed as fail:
             m.fail_upstream.inc()
             if fail.body and fail.content_type == "application/json":  # the worker's own error answer

@@ -195,6 +195,7 @@ async def test_queue_timeout_is_clear_503(make_proxy):
         await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert exc.value.status_code == 503
     assert "no worker is ready (w0 down)" in exc.value.message and "0.3 s" in exc.value.message
+    assert exc.value.response.headers["Retry-After"] == "2"  # queue.retry_after_s: when to come back, as for a 429
     assert len(h.state.admission) == 0
     await client.close()
 
