@@ -19,7 +19,9 @@ class Job:
     affinity: str | None  # leading text of the prompt, for prefix-aware choice
     single: bool  # one prompt (so a scalar rid can be set)
     size: int = 0  # body bytes, for the token estimate of fair admission
-    max_tokens: int | None = None  # completion tokens asked for per choice (None: not given)
+    # completion tokens asked for per choice: max_completion_tokens over max_tokens, as the engines
+    # read them (None: not given)
+    max_tokens: int | None = None
     choices: int = 1  # ``n``
     upstream_name: str | None = None  # the name its last attempt went to its worker under (None: unnamed)
     request_id: str | None = None  # the proxy's id for it, told the client (None: one is made when it is named)

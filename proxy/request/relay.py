@@ -368,9 +368,7 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     """How ``job`` goes to the attempt's worker under its output budget (None: as asked): the budget
     of the request's class, where the worker's engine reserves ``max_tokens`` and can continue."""
     load = path.dispatcher.board.get(attempt.worker_id)
-    budget = load.output_budget(
-        interactive=attempt.ticket.priority is Priority.INTERACTIVE, max_tokens=_max_tokens(job.body)
-    )
+    budget = load.output_budget(interactive=attempt.ticket.priority is Priority.INTERACTIVE, max_tokens=job.max_tokens)
     if budget is None:
         return None
     engine = path.engine_of(attempt.worker_id)
@@ -631,16 +629,6 @@ def _ask_for_usage(job: Job) -> bool:
     return True
 
 
-def _max_tokens(body: dict[str, object]) -> int | None:
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    params = body.get("sampling_params")
-    value = params.get("max_new_tokens") if isinstance(params, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _record_fact(
     path: RequestPath, job: Job, opened: Opened, attempt: Attempt, queued: float, capped: Capped | None, parts: int
 ) -> None:
@@ -658,7 +646,7 @@ def _record_fact(
             arrived=queued,
             prompt_tokens=prompt,
             output_tokens=output,
-            max_tokens=_max_tokens(job.body),
+            max_tokens=job.max_tokens,
             finish_reason=reason,
             ttft_s=ttft,
             queue_s=max(0.0, dispatched - queued),

@@ -49,9 +49,19 @@ def _non_negative_int(body: dict[str, Any], name: str, label: str | None = None)
 def _stream_flag(body: dict[str, Any]) -> bool:
     v = body.get("stream", False)
     if v is None:
-        return False
+        v = False
     if not isinstance(v, bool):
         raise bad_request(f"'stream' must be a boolean, got {type(v).__name__}", "stream")
+    options = body.get("stream_options")
+    if options is not None:  # the proxy adds include_usage to it: a wrong one is refused, not replaced
+        if not isinstance(options, dict):
+            raise bad_request(f"'stream_options' must be an object, got {type(options).__name__}", "stream_options")
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise bad_request(
+                f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
+                "stream_options.include_usage",
+            )
     return v
 
 

@@ -112,6 +112,14 @@ def test_a_named_key_source_that_gives_none_is_refused_not_run_open(tmp_path, mo
         (b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', "max_completion_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": "abc"}',
+            "stream_options",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"include_usage": 1}}',
+            "stream_options.include_usage",
+        ),
     ],
 )
 def test_chat_checks_name_the_field(raw, param):
@@ -127,6 +135,12 @@ def test_jobs_describe_what_to_forward():
     assert not job.single and job.model == "m"
     job = validate_completions(b'{"prompt": [1, 2, 3]}')
     assert job.single and job.affinity is None
+    job = validate_chat(
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 5}'
+    )
+    assert (
+        job.max_tokens == 5
+    )  # max_completion_tokens wins, as SGLang and vLLM read the two (the facts and budgets too)
     with pytest.raises(ApiError):
         validate_completions(b'{"prompt": [1, "a"]}')
     job = validate_generate(b'{"text": "t", "sampling_params": {"max_new_tokens": 3}}')
