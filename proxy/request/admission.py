@@ -13,9 +13,18 @@ Two classes, and keys within a class::
             plus completion tokens, :func:`estimate_cost`); then the turn passes. So two backlogged
             keys get tokens in proportion to their weights, whatever their request sizes, and a key
             sending 8k-token prompts does not get the share of one sending 100.
+            A key that had nothing waiting goes before the ring (as fq_codel's new flows): it gets a
+            quantum of credit at once and sends its first ticket when that covers it, then joins the
+            ring's back. So a light key's request waits for no backlogged key's turn to end (a turn
+            is ~70 short chat requests at the default quantum); a key is new again only once it
+            had nothing waiting, so it cannot jump the ring with more than one request at a time.
     order:  FIFO within a key. A ticket taken back from a worker (a retry, or a request the
             controller requeues before it produced output) goes to the *front* of its key and its
-            key to the front of the ring, with its cost refunded, so it does not lose its place.
+            key before every other, with its cost refunded, so it does not lose its place.
+    full:   at capacity, a new ticket of a key holding fewer waiting tickets than the key holding
+            the most pushes out that key's newest ticket (longest queue drop): its client gets the
+            429 a full queue gives, and one key flooding the queue does not lock the others out.
+            A key holding the most itself gets the 429.
 
 Every operation is O(1) amortised (a pick may walk the ring once per quantum the head ticket needs).
 A cancelled ticket (client gone, deadline passed) is only marked; it is skipped when it reaches the
@@ -68,13 +77,14 @@ class KeyStats:
 
 
 class _Class:
-    """One priority class: a deque per key and the ring of keys with waiting tickets."""
+    """One priority class: a deque per key, the new keys and the ring of keys with waiting tickets."""
 
-    __slots__ = ("deficit", "live", "queues", "ring", "stats")
+    __slots__ = ("deficit", "fresh", "live", "queues", "ring", "stats")
 
     def __init__(self) -> None:
         self.queues: dict[str, deque[Ticket]] = {}
-        self.ring: deque[str] = deque()  # keys with a live ticket; the head has the turn
+        self.fresh: deque[str] = deque()  # keys that had nothing waiting: served before the ring
+        self.ring: deque[str] = deque()  # backlogged keys with a live ticket; the head has the turn
         self.deficit: dict[str, float] = {}
         self.live = 0
         self.stats: dict[str, KeyStats] = {}
@@ -129,20 +139,31 @@ class AdmissionQueue:
         return self._weights.get(key, 1.0)
 
     # -- mutation ---------------------------------------------------------------------------------
-    def push(self, ticket: Ticket) -> None:
-        """Admit a new ticket at the back of its key; raises :class:`QueueFull` past capacity."""
+    def push(self, ticket: Ticket) -> Ticket | None:
+        """Admit a new ticket at the back of its key. At capacity it pushes out the newest ticket of
+        the key holding the most, and returns it (withdrawn: its owner must be told), when that key
+        holds more than this one will; otherwise raises :class:`QueueFull`."""
+        pushed_out = None
         if len(self) >= self.capacity:
-            raise QueueFull(f"the proxy queue is full ({self.capacity} requests waiting)")
+            pushed_out = self._longest_newest(ticket.key)
+            if pushed_out is None:
+                raise QueueFull(f"the proxy queue is full ({self.capacity} requests waiting)")
+            self.cancel(pushed_out)
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).append(ticket)
         if ticket.key not in c.deficit:
-            c.ring.append(ticket.key)
-            c.deficit[ticket.key] = 0.0 if len(c.ring) > 1 else self._quantum(ticket.key)  # alone: its turn now
+            c.deficit[ticket.key] = self._quantum(ticket.key)  # a new key's one quantum, before the ring
+            c.fresh.append(ticket.key)
         self._enqueued(ticket)
+        return pushed_out
+
+    def waiting_of(self, key: str) -> int:
+        """The key's tickets waiting, both classes."""
+        return sum(st.waiting for c in self._classes.values() if (st := c.stats.get(key)) is not None)
 
     def requeue(self, ticket: Ticket) -> None:
-        """Put a ticket that already held a place back at the *front* of its key, its key at the
-        front of the ring and its cost back in its credit.
+        """Put a ticket that already held a place back at the *front* of its key, its key before
+        every other (the front of the new keys) and its cost back in its credit.
 
         Not bounded by capacity: the request was accepted once and must not be dropped now.
         """
@@ -154,8 +175,8 @@ class AdmissionQueue:
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).appendleft(ticket)
         if ticket.key in c.deficit:
-            c.ring.remove(ticket.key)
-        c.ring.appendleft(ticket.key)
+            (c.fresh if ticket.key in c.fresh else c.ring).remove(ticket.key)
+        c.fresh.appendleft(ticket.key)  # before every key, new or backlogged
         c.deficit[ticket.key] = c.deficit.get(ticket.key, 0.0) + ticket.cost
         self._picked = None
         self._enqueued(ticket)
@@ -200,6 +221,9 @@ class AdmissionQueue:
         c.stats.setdefault(head.key, KeyStats()).waiting -= 1
         if self._head_of(c, head.key) is None:
             self._retire(c, head.key)
+        elif c.fresh and c.fresh[0] == head.key:  # a new key sent its first: it waits its turns in the ring
+            c.fresh.popleft()
+            c.ring.append(head.key)
         if head.priority is Priority.BATCH and self._floor_credit >= 1.0:
             self._floor_credit -= 1.0
         if both:
@@ -241,6 +265,7 @@ class AdmissionQueue:
             t.queued = False
         for c in self._classes.values():
             c.queues.clear()
+            c.fresh.clear()
             c.ring.clear()
             c.deficit.clear()
             c.live = 0
@@ -253,7 +278,18 @@ class AdmissionQueue:
 
     # -- internals --------------------------------------------------------------------------------
     def _drr_head(self, c: _Class) -> Ticket:
-        """Deficit round robin: the head key sends while its credit covers its head ticket's cost."""
+        """Deficit round robin: a new key first when its quantum covers its head ticket, then the
+        ring's head key while its credit covers its head ticket's cost."""
+        while c.fresh:
+            key = c.fresh[0]
+            head = self._head_of(c, key)
+            if head is None:  # only cancelled tickets were left
+                self._retire(c, key)
+            elif c.deficit[key] >= head.cost:
+                return head
+            else:  # a ticket beyond its quantum: it waits for its turns in the ring, its credit kept
+                c.fresh.popleft()
+                c.ring.append(key)
         while True:
             key = c.ring[0]
             head = self._head_of(c, key)
@@ -284,16 +320,35 @@ class AdmissionQueue:
         return None
 
     def _retire(self, c: _Class, key: str) -> None:
-        """A key with nothing left waiting leaves the ring and forgets its credit; when it had the
-        turn, the turn passes to the next key."""
-        had_turn = c.ring[0] == key
-        c.ring.remove(key)
+        """A key with nothing left waiting leaves the new keys or the ring and forgets its credit;
+        when it had the ring's turn, the turn passes to the next key."""
+        if key in c.fresh:
+            c.fresh.remove(key)
+        else:
+            had_turn = c.ring[0] == key
+            c.ring.remove(key)
+            if had_turn and c.ring:
+                c.deficit[c.ring[0]] += self._quantum(c.ring[0])
         del c.deficit[key]
-        if had_turn and c.ring:
-            c.deficit[c.ring[0]] += self._quantum(c.ring[0])
         q = c.queues.pop(key, None)
         if q:
             self._dead -= sum(1 for t in q if not t.queued)
+
+    def _longest_newest(self, key: str) -> Ticket | None:
+        """The newest first-time ticket of the key holding the most waiting, batch before
+        interactive, when that key holds more than ``key`` will with one more (None: none such)."""
+        held: dict[str, int] = {}
+        for c in self._classes.values():
+            for k, st in c.stats.items():
+                held[k] = held.get(k, 0) + st.waiting
+        longest = max(held, key=held.__getitem__, default=None)
+        if longest is None or longest == key or held[longest] <= held.get(key, 0) + 1:
+            return None
+        for p in reversed(ORDER):
+            for t in reversed(self._classes[p].queues.get(longest, ())):
+                if t.queued and t.requeues == 0:
+                    return t
+        return None
 
     def _enqueued(self, ticket: Ticket) -> None:
         ticket.queued = True

@@ -268,7 +268,14 @@ class Dispatcher:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
         )
-        self.admission.push(ticket)  # raises QueueFull
+        pushed_out = self.admission.push(ticket)  # raises QueueFull
+        if pushed_out is not None and not pushed_out.future.done():  # its handler answers 429, as a full queue does
+            pushed_out.future.set_exception(
+                QueueFull(
+                    f"the proxy queue is full ({self.admission.capacity} requests waiting) and this key holds "
+                    "the most of them: its newest request made room for another key's"
+                )
+            )
         if spell and self.on_interactive_spell is not None:
             self.on_interactive_spell()
         self.pump()

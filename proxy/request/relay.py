@@ -345,6 +345,15 @@ async def _queued(
             raise
         except ProxyClosing:
             raise _closing_error(path) from None
+        except QueueFull as exc:  # pushed out of the full queue by another key's request
+            m.fail_pushed_out.inc()
+            raise ApiError(
+                429,
+                f"{exc}; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(path.settings.retry_after_s)},
+            ) from None
         except QueueTimeout:
             m.fail_timeout.inc()
             raise ApiError(

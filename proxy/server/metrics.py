@@ -194,6 +194,7 @@ class ProxyMetrics:
         self.reject_auth = self.rejected.labels("auth")
         self.reject_rate_limited = self.rejected.labels("rate_limited")
         self.fail_timeout = self.failed.labels("queue_timeout")
+        self.fail_pushed_out = self.failed.labels("pushed_out")  # by another key's request from the full queue
         self.fail_upstream = self.failed.labels("upstream")
         self.fail_midstream = self.failed.labels("mid_stream")
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from proxy.request.admission import AdmissionQueue, Priority, estimate_cost
+from proxy.request.admission import AdmissionQueue, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import Ticket
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
@@ -120,3 +120,38 @@ async def test_cancel_and_stats_per_key():
 def test_cost_estimate():
     assert estimate_cost(4000, 100, 256) == 1100
     assert estimate_cost(400, None, 256, n=2) == 100 + 512
+
+
+async def test_a_light_keys_request_goes_before_the_rest_of_a_backlogged_keys_turn():
+    q = AdmissionQueue(1000)
+    for _ in range(200):
+        q.push(_t(INTERACTIVE, "heavy", 60))  # a turn of 4096 tokens is ~68 of these
+    assert [q.pop().key for _ in range(3)] == ["heavy"] * 3
+    light = _t(INTERACTIVE, "light", 60)
+    q.push(light)
+    assert q.pop() is light  # not after the 65 left of heavy's turn
+    assert q.pop().key == "heavy"
+    big = _t(INTERACTIVE, "light", 10_000)  # more than its one quantum: it waits its turn in the ring
+    q.push(big)
+    assert all(q.pop().key == "heavy" for _ in range(60))
+
+
+async def test_a_full_queue_pushes_out_the_newest_of_the_key_holding_the_most():
+    q = AdmissionQueue(10)
+    heavy = [_t(INTERACTIVE, "heavy", 10) for _ in range(9)]
+    for t in heavy:
+        q.push(t)
+    batch = _t(BATCH, "heavy", 10)
+    q.push(batch)
+    with pytest.raises(QueueFull):  # the key holding the most gets the 429 itself
+        q.push(_t(INTERACTIVE, "heavy", 10))
+    light = _t(INTERACTIVE, "light", 10)
+    assert q.push(light) is batch  # the newest of heavy's, batch before interactive
+    assert batch.cancelled and not batch.queued and len(q) == 10 and q.waiting_of("heavy") == 9
+    assert q.push(_t(INTERACTIVE, "light", 10)) is heavy[-1]
+    for _ in range(3):
+        q.push(_t(INTERACTIVE, "light", 10))
+    assert q.waiting_of("light") == 5 and q.waiting_of("heavy") == 5
+    with pytest.raises(QueueFull):  # even: nobody is pushed out
+        q.push(_t(INTERACTIVE, "light", 10))
+    assert q.push(_t(INTERACTIVE, "third", 10)) is not None  # a third key still gets in

@@ -153,3 +153,28 @@ async def test_batch_api_lines_are_admitted_as_their_keys_batch_work(make_proxy,
     stats = _stats(h)
     assert stats[(Priority.BATCH, "alice")][1] == 4
     assert (Priority.INTERACTIVE, "alice") not in stats
+
+
+async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_proxy, keys):
+    h = await make_proxy(
+        worker={"max_running": 2, "token_delay_s": 0.01},
+        policy={
+            "auth": {"api_keys_env": "TEST_PACER_KEYS"},
+            "queue": {"capacity": 20},
+            "pacing": {"queue_band": [0, 1], "headroom": 0},
+        },
+    )
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        flood = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=8)) for _ in range(80)]
+        while h.state.admission.waiting_of("alice") < 20:  # alice holds the whole queue
+            await asyncio.sleep(0.005)
+        bob = [await _post(s, h.url, "sk-bob", max_tokens=2) for _ in range(5)]  # one at a time, as a chat user
+        alice = await asyncio.gather(*flood)
+    assert bob == [200] * 5  # each pushed out alice's newest instead of getting the 429 itself
+    assert alice.count(429) >= 60 - 5 and alice.count(200) + alice.count(429) == 80  # one answer each
+    async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
+        text = await r.text()
+    pushed_out = next(
+        line for line in text.splitlines() if line.startswith('pacer_requests_failed_total{reason="pushed_out"}')
+    )
+    assert float(pushed_out.split()[-1]) >= 1  # at least bob's first made room
