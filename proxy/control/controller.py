@@ -885,6 +885,11 @@ class Controller:
         cause = self._death_cause(worker_id, w, now, exit_code)
         w.state = w.state.after_death(now)
         if self.mode is ControlMode.OFF:
+            _log.warning(
+                "worker %s died (%s): it stays down (control.mode = off restarts nothing; advise or auto revive it)",
+                worker_id,
+                cause,
+            )
             return None
         delay = revive_delay(w.state, self.settings, now)
         deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)

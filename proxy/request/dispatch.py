@@ -580,7 +580,11 @@ class Dispatcher:
         died (a Ray actor killed) may hold them open for minutes as it shuts down. Returns how many."""
         n = self.take_back(worker_id, end_early=False)
         if n:
-            _log.warning("worker %s is down: %d requests that had no output go to another worker", worker_id, n)
+            _log.warning(
+                "worker %s is down: %d requests that had no output are back in the queue for a worker that serves",
+                worker_id,
+                n,
+            )
         return n
 
     def take_back(self, worker_id: WorkerId, *, end_early: bool = True) -> int:

@@ -8,6 +8,8 @@ The end-to-end tests (test_e2e_*.py) run the same controller against real simula
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import dataclasses
 import json
@@ -315,13 +317,15 @@ async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(
         await c.close()
 
 
-def test_off_records_the_death_only(tmp_path: Path) -> None:
+def test_off_records_the_death_only_and_says_the_worker_stays_down(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor())
     c.track(info())
     clock.now = 5.0
-    c.track(info(state=WorkerState.DOWN))
+    with caplog.at_level(logging.WARNING, logger="proxy.control.controller"):
+        c.track(info(state=WorkerState.DOWN))
     assert c.journal.entries() == [] and c.state("w0").deaths == (5.0,)
     assert not (tmp_path / "decisions.jsonl").exists()
+    assert "worker w0 died (exited): it stays down (control.mode = off" in caplog.text  # not a silent outage
 
 
 def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
