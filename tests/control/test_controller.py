@@ -8,11 +8,10 @@ The end-to-end tests (test_e2e_*.py) run the same controller against real simula
 
 from __future__ import annotations
 
-import logging
-
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
