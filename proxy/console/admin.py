@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -24,20 +25,58 @@ class AdminError(Exception):
     """The proxy could not be reached or refused the call; the message says which, in words."""
 
 
+def base_url(text: str) -> str:
+    """The proxy's base URL: ``http(s)://host[:port]``, an OpenAI base URL's ``/v1`` taken off (the
+    admin API is beside it); anything else raises ValueError naming what is wrong."""
+    url = text.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"expected the proxy's URL, such as {DEFAULT_URL}, got {text!r}")
+    return url.removesuffix("/v1")
+
+
+def _url_arg(text: str) -> str:
+    try:
+        return base_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def count(text: str) -> int:
+    """A count for the command line: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help=f"the proxy's base URL (default: ${URL_ENV} or {DEFAULT_URL})")
+    parser.add_argument(
+        "--url", type=_url_arg, default=None, help=f"the proxy's base URL (default: ${URL_ENV} or {DEFAULT_URL})"
+    )
     parser.add_argument("--admin-key", default=None, help=f"the proxy's admin key (default: ${KEY_ENV})")
 
 
 class AdminClient:
     def __init__(self, url: str | None, admin_key: str | None, *, timeout_s: float = 10.0) -> None:
-        self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+        try:
+            self.url = base_url(url or os.environ.get(URL_ENV) or DEFAULT_URL)
+        except ValueError as exc:
+            raise AdminError(f"{exc} (from ${URL_ENV})") from None
         self.key = admin_key if admin_key is not None else os.environ.get(KEY_ENV)
         self.timeout_s = timeout_s
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AdminClient:
-        return cls(args.url, args.admin_key)
+        """The client the command line (or the environment) names; a bad ``$PACER_URL`` ends the
+        command with its message (exit 1)."""
+        try:
+            return cls(args.url, args.admin_key)
+        except AdminError as exc:
+            raise SystemExit(f"pacer: {exc}") from None
 
     def get(self, path: str) -> Any:
         return self._call(urllib.request.Request(self.url + path))
@@ -60,7 +99,8 @@ class AdminClient:
             message = exc.reason
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 message = orjson.loads(exc.read())["error"]["message"]
-            raise AdminError(f"{self.url}{path} answered {exc.code}: {message}") from None
+            hint = f" (the admin key: --admin-key or ${KEY_ENV})" if exc.code in (401, 403) else ""
+            raise AdminError(f"{self.url}{path} answered {exc.code}: {message}{hint}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise AdminError(f"cannot reach the proxy at {self.url}: {reason}") from None

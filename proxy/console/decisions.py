@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 
 import orjson
 
-from proxy.console.admin import AdminClient, AdminError, add_connection_args
+from proxy.console.admin import AdminClient, AdminError, add_connection_args, count
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
         help="only this status",
     )
     parser.add_argument("--since", help="only newer than a duration ago (90s, 15m, 2h, 1d) or an ISO time")
-    parser.add_argument("--limit", type=_count, help="at most the newest N after filtering")
+    parser.add_argument("--limit", type=count, help="at most the newest N after filtering")
     parser.add_argument("--json", action="store_true", help="one JSON object per line, the journal's own fields")
     args = parser.parse_args(argv)
     try:
@@ -129,14 +129,3 @@ def main(argv: list[str]) -> int:
     for e in entries:
         print(format_decision(e))
     return 0
-
-
-def _count(text: str) -> int:
-    """A count for the command line: a whole number, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value

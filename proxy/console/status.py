@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from proxy.console.admin import AdminClient, AdminError, add_connection_args
+from proxy.console.admin import AdminClient, AdminError, add_connection_args, count
 from proxy.console.decisions import format_decision
 
 
@@ -41,9 +41,13 @@ def format_status(workers: Mapping[str, Any], decisions: Mapping[str, Any], last
         )
         args = " ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in (w.get("args") or {}).items())
         lines.append(f"{'':<8} args: {args or '(none)'}")
-    entries: Sequence[Mapping[str, Any]] = decisions.get("decisions", [])[-last:] if last > 0 else []
+    journal: Sequence[Mapping[str, Any]] = decisions.get("decisions", [])
+    entries = journal[-last:] if last > 0 else []
     lines.append("")
-    lines.append(f"last decisions ({len(entries)} shown):" if entries else "no decisions yet")
+    if entries:
+        lines.append(f"last decisions ({len(entries)} shown):")
+    else:
+        lines.append("decisions not shown (--last 0)" if journal else "no decisions yet")
     lines.extend("  " + format_decision(e) for e in entries)
     return "\n".join(lines)
 
@@ -51,20 +55,30 @@ def format_status(workers: Mapping[str, Any], decisions: Mapping[str, Any], last
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pacer status", description="Show a running proxy's workers and decisions.")
     add_connection_args(parser)
-    parser.add_argument("--last", type=int, default=5, help="how many of the newest decisions to show (default 5)")
-    parser.add_argument("--watch", action="store_true", help="redraw until interrupted")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch")
+    parser.add_argument("--last", type=count, default=5, help="how many of the newest decisions to show (default 5)")
+    parser.add_argument("--watch", action="store_true", help="redraw until interrupted (an unreachable proxy too)")
+    parser.add_argument(
+        "--interval", type=_seconds, default=2.0, help="seconds between redraws with --watch (default 2)"
+    )
     parser.add_argument("--json", action="store_true", help="print the raw workers and decisions as JSON")
     args = parser.parse_args(argv)
     client = AdminClient.from_args(args)
     try:
         while True:
-            workers = client.get("/admin/workers")
-            decisions = client.get(f"/admin/decisions?limit={max(args.last, 1)}")
-            if args.json:
-                text = orjson.dumps({"workers": workers, "decisions": decisions}, option=orjson.OPT_INDENT_2).decode()
+            try:
+                workers = client.get("/admin/workers")
+                decisions = client.get(f"/admin/decisions?limit={max(args.last, 1)}")
+            except AdminError as exc:
+                if not args.watch:
+                    raise
+                text = f"pacer status: {exc}; trying again in {args.interval:g} s"  # a watch waits it out
             else:
-                text = format_status(workers, decisions, args.last)
+                if args.json:
+                    text = orjson.dumps(
+                        {"workers": workers, "decisions": decisions}, option=orjson.OPT_INDENT_2
+                    ).decode()
+                else:
+                    text = format_status(workers, decisions, args.last)
             if args.watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")
             print(text, flush=True)
@@ -78,3 +92,13 @@ def main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
