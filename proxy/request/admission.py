@@ -55,10 +55,16 @@ DEFAULT_QUANTUM = 4096  # tokens of credit per turn of a key of weight 1
 BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated from its body when no tokenizer is at hand
 
 
+MAX_COMPLETION_ESTIMATE = 1 << 20  # beyond any model's context: a larger max_tokens is refused by the engine
+
+
 def estimate_cost(body_bytes: int, max_tokens: int | None, default_max_tokens: int, n: int = 1) -> int:
     """A request's estimated tokens: its prompt (body bytes / 4) plus ``n`` completions of
-    ``max_tokens`` (``default_max_tokens`` when not given)."""
-    completion = default_max_tokens if max_tokens is None else max(0, max_tokens)
+    ``max_tokens`` (``default_max_tokens`` when not given), each at most
+    :data:`MAX_COMPLETION_ESTIMATE`: a ``max_tokens`` of 10^11 would otherwise wait ~10^7 turns of
+    the round robin (holding its key's later requests behind it) instead of reaching the engine,
+    which answers that it exceeds the context."""
+    completion = default_max_tokens if max_tokens is None else min(max(0, max_tokens), MAX_COMPLETION_ESTIMATE)
     return max(1, body_bytes // BYTES_PER_TOKEN + max(1, n) * completion)
 
 

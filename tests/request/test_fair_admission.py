@@ -120,6 +120,7 @@ async def test_cancel_and_stats_per_key():
 def test_cost_estimate():
     assert estimate_cost(4000, 100, 256) == 1100
     assert estimate_cost(400, None, 256, n=2) == 100 + 512
+    assert estimate_cost(0, 10**11, 256) == 1 << 20  # the engine refuses it; it must get there to be refused
 
 
 async def test_a_light_keys_request_goes_before_the_rest_of_a_backlogged_keys_turn():
