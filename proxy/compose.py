@@ -160,10 +160,9 @@ def build_app(
         gpus=gpus,
     )
     cors = Cors(policy.proxy.cors_allow_origins)
-    app = web.Application(
-        client_max_size=policy.proxy.max_body_bytes, middlewares=[cors.preflight, handlers.error_middleware]
-    )
+    app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
+    cors.add_preflight_route(app.router)
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
         app.router.add_post(path, handlers.inference_route(path))

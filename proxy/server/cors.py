@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.server.handlers import Handler
-
 __all__ = ["Cors"]
 
 _METHODS = "GET, POST, PUT, DELETE, OPTIONS"
@@ -39,12 +37,16 @@ class Cors:
             return "*"
         return origin if origin in self.origins else None
 
-    @web.middleware
-    async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """A browser's preflight (``OPTIONS`` with ``Access-Control-Request-Method``) answered here,
-        before routing, which knows no ``OPTIONS``; every other request goes on."""
-        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
-            return await handler(request)
+    def add_preflight_route(self, router: web.UrlDispatcher) -> None:
+        """``OPTIONS`` on every path: the proxy's routes know no other use of it (a route, not a
+        middleware: nothing is added to the other requests' way)."""
+        router.add_route("OPTIONS", "/{path:.*}", self.preflight)
+
+    async def preflight(self, request: web.Request) -> web.StreamResponse:
+        """A browser's preflight (``OPTIONS`` with ``Access-Control-Request-Method``); any other
+        ``OPTIONS`` gets 405, as before."""
+        if "Access-Control-Request-Method" not in request.headers:
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST", "PUT", "DELETE"])
         allow = self.allowed(request.headers.get("Origin"))
         if allow is None:
             return web.Response(status=403, text="cross-origin requests from this origin are not allowed")

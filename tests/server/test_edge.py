@@ -161,7 +161,10 @@ async def test_every_inference_answer_carries_its_request_id_the_name_of_its_att
         await client.chat.completions.create(model="nope", messages=MESSAGES)
     assert e.value.request_id  # a refusal has one too, to quote
     async with aiohttp.ClientSession() as s, s.get(h.url + "/v1/chat/completions") as r:
-        assert r.status == 405 and r.headers["Allow"] == "POST"  # aiohttp's Allow kept through the reshaping
+        assert r.status == 405 and set(r.headers["Allow"].split(",")) == {
+            "POST",
+            "OPTIONS",
+        }  # kept through the reshaping
     await client.close()
 
 
@@ -190,3 +193,9 @@ async def test_browsers_may_call_from_any_origin_by_default_and_a_list_narrows_i
             assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
         async with s.get(narrow.url + "/v1/models", headers={"Origin": "https://evil.example"}) as r:
             assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+
+
+async def test_an_options_that_is_no_preflight_is_a_405(make_proxy):
+    h = await make_proxy()
+    async with aiohttp.ClientSession() as s, s.options(h.url + "/v1/models") as r:
+        assert r.status == 405 and _openai_shaped(await r.json())["message"].startswith("Method Not Allowed")
