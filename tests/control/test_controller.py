@@ -273,6 +273,33 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     assert actor.calls[-1] == ("revive", "w0", ARGS)
 
 
+# the pool's words for a worker started with an unknown flag (tests/workers/test_exit_text.py)
+BAD_FLAG = "exited with code 2: pacer sim: error: unrecognized arguments: --no-such-flag"
+
+
+def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
+    """The pool's words for a death are cut at their front in the journal: the end is what says why."""
+    why = "exited with code 2: " + " | ".join(["[--sim-output-spread SIM_OUTPUT_SPREAD]"] * 40) + " | " + BAD_FLAG
+
+    class DiesAgain(RecordingActor):
+        async def revive(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
+            self.calls.append(("revive", worker_id, dict(args)))
+            return ActResult(info=replace(info(worker_id, WorkerState.DOWN, args), exit_code=2, last_error=why))
+
+    c, _ = controller(ControlMode.AUTO, tmp_path, DiesAgain(), crash_backoff_s=(0.0,))
+    c.track(info())
+    act = c.decide_revival("w0", 2)
+    assert act is not None
+
+    async def go() -> None:
+        await c.carry_out(act)
+        await c.close()  # the revival its death spawned
+
+    asyncio.run(go())
+    detail = c.journal.get(act.entry_id)["detail"]  # type: ignore[index]
+    assert detail.startswith("w0 is down: …") and detail.endswith(BAD_FLAG) and len(detail) < 1100
+
+
 def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as_advice(tmp_path: Path) -> None:
     """A fleet in advise must not stay dead: the worker comes back with its own arguments (advise
     changes none), and what the death's rule would change is advice in the journal."""
