@@ -66,6 +66,7 @@ from proxy.control.rules import (
     RuleSettings,
     activations_fit,
     before_launch,
+    crash_loop_unbroken,
     evaluate,
     gate,
     revive_delay,
@@ -876,7 +877,8 @@ class Controller:
     ) -> Act | None:
         """A managed worker died (``exit_code``: its process's, negative for a signal, where known;
         ``last_error``: the pool's words for it, how it ended and what it said last): classify,
-        count, and choose the args it comes back with.
+        count, and choose the args it comes back with. A crash loop the ``crash_loop`` rule cannot
+        break (it would go back to the args the worker runs) is journaled once per loop.
 
         Returns the revival to carry out (``auto``, or ``advise`` with the args it died with; both
         with ``revive``), else None: ``revive = false`` journals what it would do, ``off`` only
@@ -893,6 +895,8 @@ class Controller:
             return None
         delay = revive_delay(w.state, self.settings, now)
         deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)
+        if deaths < self.settings.crash_loop:  # the loop, if it was in one, is over
+            w.state = w.state.with_crash_loop_noted(False)
         chosen = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH).decision
         if chosen is not None:
             decision = Decision(
@@ -917,6 +921,11 @@ class Controller:
             if not self.settings.revive:
                 return None
             decision = self._revival(worker_id, w, cause, deaths, now, decision.delay_s)
+        loop = crash_loop_unbroken(w.state, self.settings, now, cause)
+        if loop is not None:
+            _log.warning("worker %s: %s", worker_id, loop.reason)
+            w.state = w.state.with_crash_loop_noted(True)
+            self.journal.record(loop, mode=self.mode, status=Status.NOTED, before=w.window.summary())
         back_in = decision.delay_s
         _log.warning(
             "worker %s died (%s, death %d in %g s): %s %s",
