@@ -66,6 +66,7 @@ from proxy.control.rules import (
     RuleSettings,
     activations_fit,
     before_launch,
+    crash_loop_unbroken,
     evaluate,
     gate,
     revive_delay,
@@ -75,7 +76,7 @@ from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sa
 from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
-from proxy.workers.process import signal_name
+from proxy.workers.exit_text import how_it_ended, keep_end
 
 __all__ = [
     "Act",
@@ -93,6 +94,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _TAIL_LINES = 300
+_DEATH_CHARS = 500  # a death's cause in words, at most (cut at its front: a dying process says why last)
+_DETAIL_CHARS = 1000  # a failed revival's detail, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,7 +412,7 @@ class Controller:
         if up and w.starting_at is not None:
             w.startup_s, w.starting_at = now - w.starting_at, None
         if info.state is WorkerState.DOWN and w.managed and not w.busy:
-            self._on_death(info.id, info.exit_code)
+            self._on_death(info.id, info.exit_code, info.last_error)
 
     def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
         w = self._workers.get(worker_id)
@@ -869,9 +872,13 @@ class Controller:
         self._spawn(self.carry_out(act))
         return act.entry_id
 
-    def decide_revival(self, worker_id: WorkerId, exit_code: int | None = None) -> Act | None:
-        """A managed worker died (``exit_code``: its process's, negative for a signal, where known):
-        classify, count, and choose the args it comes back with.
+    def decide_revival(
+        self, worker_id: WorkerId, exit_code: int | None = None, last_error: str | None = None
+    ) -> Act | None:
+        """A managed worker died (``exit_code``: its process's, negative for a signal, where known;
+        ``last_error``: the pool's words for it, how it ended and what it said last): classify,
+        count, and choose the args it comes back with. A crash loop the ``crash_loop`` rule cannot
+        break (it would go back to the args the worker runs) is journaled once per loop.
 
         Returns the revival to carry out (``auto``, or ``advise`` with the args it died with; both
         with ``revive``), else None: ``revive = false`` journals what it would do, ``off`` only
@@ -882,7 +889,7 @@ class Controller:
         if w.reader is not None:
             for event in w.reader.flush(now):
                 w.window = w.window.push(event)
-        cause = self._death_cause(worker_id, w, now, exit_code)
+        cause = self._death_cause(worker_id, w, now, exit_code, last_error)
         w.state = w.state.after_death(now)
         if self.mode is ControlMode.OFF:
             _log.warning(
@@ -893,6 +900,8 @@ class Controller:
             return None
         delay = revive_delay(w.state, self.settings, now)
         deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)
+        if deaths < self.settings.crash_loop:  # the loop, if it was in one, is over
+            w.state = w.state.with_crash_loop_noted(False)
         chosen = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH).decision
         if chosen is not None:
             decision = Decision(
@@ -917,6 +926,11 @@ class Controller:
             if not self.settings.revive:
                 return None
             decision = self._revival(worker_id, w, cause, deaths, now, decision.delay_s)
+        loop = crash_loop_unbroken(w.state, self.settings, now, cause)
+        if loop is not None:
+            _log.warning("worker %s: %s", worker_id, loop.reason)
+            w.state = w.state.with_crash_loop_noted(True)
+            self.journal.record(loop, mode=self.mode, status=Status.NOTED, before=w.window.summary())
         back_in = decision.delay_s
         _log.warning(
             "worker %s died (%s, death %d in %g s): %s %s",
@@ -946,9 +960,11 @@ class Controller:
             old_args=w.state.args, new_args=w.state.args, kind=RuleKind.SAFETY, delay_s=delay_s,
         )  # fmt: skip
 
-    def _death_cause(self, worker_id: WorkerId, w: _Worker, now: float, exit_code: int | None = None) -> str:
+    def _death_cause(
+        self, worker_id: WorkerId, w: _Worker, now: float, exit_code: int | None = None, last_error: str | None = None
+    ) -> str:
         """In words, from the window's events; the log tail is read when the follower saw nothing;
-        then how the process ended (a signal, an exit code)."""
+        then the pool's words (how the process ended and what it said last), or how it ended."""
         oom, crash = w.window.last(EventKind.OOM), w.window.last(EventKind.CRASH)
         if oom is not None:
             return f"out of memory in {oom.fields.get('phase', 'unknown')}"
@@ -956,9 +972,9 @@ class Controller:
             return f"crash: {crash.fields.get('exception') or crash.line.splitlines()[0][:160]}"
         death = self.engine.classify_death(self.surroundings.log_tail(worker_id, _TAIL_LINES))
         if death is None or death.cause == "unknown":
-            if exit_code is not None and exit_code < 0:
-                return f"killed by {signal_name(exit_code)}"
-            return "exited" if exit_code is None else f"exited with code {exit_code}"
+            if last_error:
+                return keep_end(last_error, _DEATH_CHARS)
+            return "exited" if exit_code is None else how_it_ended(exit_code)
         if death.cause == "oom":
             w.window = w.window.push(
                 LogEvent(
@@ -1062,8 +1078,8 @@ class Controller:
 
     # -- acting (async) ---------------------------------------------------------------------------
 
-    def _on_death(self, worker_id: WorkerId, exit_code: int | None) -> None:
-        act = self.decide_revival(worker_id, exit_code)
+    def _on_death(self, worker_id: WorkerId, exit_code: int | None, last_error: str | None) -> None:
+        act = self.decide_revival(worker_id, exit_code, last_error)
         if act is not None:
             self._spawn(self.carry_out(act))
 
@@ -1172,9 +1188,9 @@ class Controller:
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, opens=opens)
         else:
-            detail = f"{d.worker_id} is {info.state}: {info.last_error or ''}"[:500]
+            detail = f"{d.worker_id} is {info.state}: " + keep_end(info.last_error or "", _DETAIL_CHARS)
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = None  # the canary did not come back: its death's rules take over
             if info.state is WorkerState.DOWN:
-                self._on_death(d.worker_id, info.exit_code)
+                self._on_death(d.worker_id, info.exit_code, info.last_error)

@@ -127,6 +127,7 @@ class ControlState:
     blocked: Mapping[str, float] = field(default_factory=_frozen)  # "knob:+1" -> until (monotonic)
     last_good_args: Mapping[str, object] | None = None  # args that ran good_after_s without dying
     noted: Mapping[str, float] = field(default_factory=_frozen)  # journal key -> last time written
+    crash_loop_noted: bool = False  # the crash loop it is in was journaled (until a death ends the loop)
 
     @classmethod
     def initial(cls, worker_id: str, args: Mapping[str, object], now: float | None = None) -> ControlState:
@@ -207,3 +208,6 @@ class ControlState:
 
     def note(self, key: str, now: float) -> ControlState:
         return replace(self, noted=_frozen({**self.noted, key: now}))
+
+    def with_crash_loop_noted(self, noted: bool) -> ControlState:
+        return replace(self, crash_loop_noted=noted)

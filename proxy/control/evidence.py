@@ -105,6 +105,7 @@ class CrashLoop(Evidence):
     deaths: int  # within window_s
     window_s: float
     fallback: Literal["last_good", "policy"]  # whose arguments it goes back to
+    last_death: str | None = field(default=None, metadata=OPTIONAL)  # a loop they cannot break: its last cause
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -49,6 +49,7 @@ __all__ = [
     "Rule",
     "RuleSettings",
     "before_launch",
+    "crash_loop_unbroken",
     "evaluate",
     "gate",
     "revive_delay",
@@ -263,9 +264,9 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
     deaths = state.deaths_within(window.now, c.crash_loop_window_s)
     if deaths < c.crash_loop:
         return None
-    fallback = state.last_good_args if state.last_good_args is not None else state.initial_args
+    fallback = _crash_loop_fallback(state)
     if dict(fallback) == dict(state.args):
-        return None
+        return None  # nothing to go back to: crash_loop_unbroken notes it
     return Decision(
         worker_id=state.worker_id,
         rule="crash_loop",
@@ -280,6 +281,38 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
         new_args=fallback,
         kind=RuleKind.SAFETY,
         delay_s=revive_delay(state, s.control, window.now),
+    )
+
+
+def _crash_loop_fallback(state: ControlState) -> Mapping[str, object]:
+    return state.last_good_args if state.last_good_args is not None else state.initial_args
+
+
+def crash_loop_unbroken(state: ControlState, c: ControlSettings, now: float, death: str) -> Decision | None:
+    """A crash loop :func:`crash_loop` cannot break: the worker already runs the arguments it would go
+    back to, so each death only revives it, after the crash back-off. A note, once per loop (until
+    ``state.crash_loop_noted`` is cleared: a death with fewer than ``crash_loop`` deaths in the
+    window ends the loop), with the deaths and the last one's cause (``death``, in words)."""
+    deaths = state.deaths_within(now, c.crash_loop_window_s)
+    if deaths < c.crash_loop or state.crash_loop_noted or dict(_crash_loop_fallback(state)) != dict(state.args):
+        return None
+    whose = "the last arguments that ran well" if state.last_good_args is not None else "the policy's arguments"
+    return Decision(
+        worker_id=state.worker_id,
+        rule="crash_loop",
+        reason=f"crash loop: {deaths} deaths in {c.crash_loop_window_s:g} s, the last: {death}; it runs {whose}, "
+        f"nothing to go back to: revived after each death (crash back-off up to {c.crash_backoff_s[-1]:g} s)",
+        time=now,
+        evidence=CrashLoop(
+            deaths=deaths,
+            window_s=c.crash_loop_window_s,
+            fallback="last_good" if state.last_good_args is not None else "policy",
+            last_death=death,
+        ),
+        old_args=state.args,
+        new_args=state.args,
+        action=Action.NOTE,
+        kind=RuleKind.SAFETY,
     )
 
 

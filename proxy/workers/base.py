@@ -87,13 +87,13 @@ class WorkerPool(Protocol):
 
 @runtime_checkable
 class WorkerLogs(Protocol):
-    """A managed worker's output (stdout and stderr merged), line by line, across restarts.
+    """A managed worker's output (stdout and stderr merged), line by line.
 
     Only a pool that starts its workers has it (``isinstance(pool, WorkerLogs)``); external workers'
     output is not the proxy's to read."""
 
     def tail(self, worker_id: WorkerId, n: int) -> list[str]:
-        """The last ``n`` lines (a bounded ring)."""
+        """The last ``n`` lines of the worker's current run (its last, once it died; a bounded ring)."""
 
     def add_line_listener(self, listener: LineListener) -> None:
         """Called synchronously with (worker_id, line) for each line of any worker."""

@@ -29,19 +29,29 @@ _MAX_LINE = 64 * 1024  # a longer "line" is cut and passed on in pieces
 
 
 class LineLog:
-    """The last ``maxlen`` lines of one worker (across restarts) and the live sinks that want each new one."""
+    """The last ``maxlen`` lines of one worker (across restarts) and the live sinks that want each new one.
+
+    :meth:`begin_run` marks where a launch's output begins: :meth:`run_tail` is that run's alone (a
+    death is explained by what the process that died said, not by an earlier run's last words)."""
 
     def __init__(self, maxlen: int = 2000) -> None:
         self._ring: deque[str] = deque(maxlen=maxlen)
         self._sinks: list[LineSink] = []
+        self._pushed = 0  # lines pushed since this log was made
+        self._run_began = 0  # ... when the current run began
 
     def add_sink(self, sink: LineSink) -> Callable[[], None]:
         """Register ``sink``; returns a function that removes it."""
         self._sinks.append(sink)
         return lambda: self._sinks.remove(sink) if sink in self._sinks else None
 
+    def begin_run(self) -> None:
+        """The lines pushed from now on are a new run's (called before each launch)."""
+        self._run_began = self._pushed
+
     def push(self, line: str) -> None:
         self._ring.append(line)
+        self._pushed += 1
         for sink in list(self._sinks):
             try:
                 sink(line)
@@ -49,9 +59,14 @@ class LineLog:
                 _log.exception("line sink failed")
 
     def tail(self, n: int) -> list[str]:
+        """The last ``n`` lines, whichever runs they came from."""
         if n <= 0:
             return []
         return list(self._ring)[-n:]
+
+    def run_tail(self, n: int) -> list[str]:
+        """The last ``n`` lines of the current run (the last one, once it ended)."""
+        return self.tail(min(n, self._pushed - self._run_began))
 
 
 def signal_name(code: int) -> str:

@@ -3,7 +3,8 @@
 Each managed worker is one process (:class:`~proxy.workers.process.WorkerProcess`) on its own
 port, launched as ``command + build_argv(args, extra_args, host=..., port=...)``. A worker is
 STARTING until ``GET /health`` answers 200, then READY. A process that exits on its own is DOWN,
-with ``last_error`` taken from its last log lines; the supervisor does not restart it by itself
+with ``last_error`` saying how it ended and what its run's output said last (its error lines:
+:func:`~proxy.workers.exit_text.describe_exit`); the supervisor does not restart it by itself
 (the controller decides). ``restart`` stops a worker and starts it again on the same port with new
 args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
 ``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
@@ -17,8 +18,8 @@ External workers (``kind = "external"``) are only registered: a background probe
 moves them between READY and DOWN; they cannot be restarted.
 
 State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners as they are read, and ``tail`` keeps the
-last ones per worker across restarts.
+reach line listeners as they are read, and ``tail`` gives the last ones of a worker's current (or
+last) run: an earlier run's output does not explain this one's death.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
-from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle, signal_name
+from proxy.workers.exit_text import describe_exit
+from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
 
 _log = logging.getLogger(__name__)
 
-_ERROR_LINES = 8  # log lines quoted in last_error
 _AFTER_READY_POLL_S = 0.05  # /health polls once the engine has logged that it is ready
 _PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
 _PORT_RETRIES = 3
@@ -196,7 +197,7 @@ class Supervisor:
         self._launch_planner = planner
 
     def tail(self, worker_id: WorkerId, n: int = 50) -> list[str]:
-        return self._slot(worker_id).lines.tail(n)
+        return self._slot(worker_id).lines.run_tail(n)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -386,6 +387,7 @@ class Supervisor:
         slot.last_error = None
         slot.ready_seen.clear()
         slot.held = False
+        slot.lines.begin_run()  # what this process says, apart from what an earlier run said
         try:
             process = await self._launcher.launch(
                 argv,
@@ -433,10 +435,7 @@ class Supervisor:
         if slot.process is not process or slot.stopping:
             return
         slot.exit_code = code
-        how = f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
-        last = [line for line in slot.lines.tail(200) if line.strip()][-_ERROR_LINES:]
-        error = f"{how}" + (": " + " | ".join(last) if last else "")
-        self._set(slot, WorkerState.DOWN, error=error[-2000:])
+        self._set(slot, WorkerState.DOWN, error=describe_exit(code, slot.lines.run_tail(200)))
 
     async def _wait_healthy(self, slot: _Slot) -> bool:
         """Poll /health until 200 (READY) or the process exits / time runs out (DOWN).
@@ -455,7 +454,7 @@ class Supervisor:
                 await asyncio.shield(watcher)
                 if slot.stopping or self._stopping:
                     return False
-                text = " ".join(slot.lines.tail(30)).lower()
+                text = " ".join(slot.lines.run_tail(30)).lower()
                 return any(marker in text for marker in _PORT_CLASH)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -274,6 +274,67 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     assert actor.calls[-1] == ("revive", "w0", ARGS)
 
 
+# the pool's words for a worker started with an unknown flag (tests/workers/test_exit_text.py)
+BAD_FLAG = "exited with code 2: pacer sim: error: unrecognized arguments: --no-such-flag"
+
+
+def test_a_crash_loop_on_the_policys_own_args_is_noted_once_per_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The crash_loop rule has nothing to go back to (the worker runs the policy's arguments): each
+    death only revives it. The loop is journaled and logged once, when it begins, with its deaths and
+    the last cause; not at every death after; again once a later loop begins."""
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), crash_backoff_s=(0.0, 60.0))
+    c.track(info())
+
+    def die(t: float) -> None:
+        clock.now = t
+        act = c.decide_revival("w0", 2, BAD_FLAG)
+        assert act is not None and act.decision.rule == "revive" and dict(act.decision.new_args) == ARGS
+
+    for t in (10.0, 20.0, 30.0, 40.0, 50.0):
+        die(t)
+    notes = [e for e in c.journal.entries() if e["rule"] == "crash_loop"]
+    assert [(e["status"], e["action"], e["evidence"]["deaths"]) for e in notes] == [("noted", "note", 3)]
+    [note] = notes
+    assert note["evidence"]["last_death"] == BAD_FLAG and note["evidence"]["fallback"] == "policy"
+    assert note["reason"] == (
+        f"crash loop: 3 deaths in 600 s, the last: {BAD_FLAG}; it runs the policy's arguments, nothing to go "
+        "back to: revived after each death (crash back-off up to 60 s)"
+    )
+    assert caplog.text.count("crash loop: ") == 1
+    # the revivals say why it died: the flag, not a bare exit code
+    assert c.journal.entries()[-1]["reason"] == f"worker died ({BAD_FLAG}); restarting it with the same args"
+
+    die(2000.0)  # long after: the loop is over
+    for t in (2010.0, 2020.0):  # a new one begins
+        die(t)
+    assert [e["evidence"]["deaths"] for e in c.journal.entries() if e["rule"] == "crash_loop"] == [3, 3]
+
+
+def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
+    """The pool's words for a death are cut at their front in the journal: the end is what says why."""
+    why = "exited with code 2: " + " | ".join(["[--sim-output-spread SIM_OUTPUT_SPREAD]"] * 40) + " | " + BAD_FLAG
+
+    class DiesAgain(RecordingActor):
+        async def revive(self, worker_id: str, args: Mapping[str, object], reason: str) -> ActResult:
+            self.calls.append(("revive", worker_id, dict(args)))
+            return ActResult(info=replace(info(worker_id, WorkerState.DOWN, args), exit_code=2, last_error=why))
+
+    c, _ = controller(ControlMode.AUTO, tmp_path, DiesAgain(), crash_backoff_s=(0.0,))
+    c.track(info())
+    act = c.decide_revival("w0", 2)
+    assert act is not None
+
+    async def go() -> None:
+        await c.carry_out(act)
+        await c.close()  # the revival its death spawned
+
+    asyncio.run(go())
+    detail = c.journal.get(act.entry_id)["detail"]  # type: ignore[index]
+    assert detail.startswith("w0 is down: …") and detail.endswith(BAD_FLAG) and len(detail) < 1100
+
+
 def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as_advice(tmp_path: Path) -> None:
     """A fleet in advise must not stay dead: the worker comes back with its own arguments (advise
     changes none), and what the death's rule would change is advice in the journal."""

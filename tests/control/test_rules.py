@@ -14,6 +14,7 @@ from proxy.control.rules import (
     RuleSettings,
     admission_too_conservative,
     crash_loop,
+    crash_loop_unbroken,
     decode_oom,
     evaluate,
     memory_headroom,
@@ -406,6 +407,32 @@ def test_crash_loop_must_not_fire() -> None:
     assert crash_loop(Window(now=1000.0), old, SETTINGS) is None  # deaths out of the 600 s window
     same = state(deaths=(10.0, 20.0, 30.0))
     assert crash_loop(Window(now=35.0), same, SETTINGS) is None  # already on the fallback args
+
+
+NO_MODULE = "exited with code 1: python3: Error while finding module specification for 'sglang.launch_server'"
+
+
+def test_a_crash_loop_on_the_fallback_args_is_a_note_with_its_deaths_and_last_cause() -> None:
+    """What crash_loop leaves alone (nothing to go back to) is noted, not left silent."""
+    same = state(deaths=(10.0, 20.0, 30.0))
+    d = crash_loop_unbroken(same, SETTINGS.control, 35.0, NO_MODULE)
+    assert d is not None and d.rule == "crash_loop" and d.action is Action.NOTE and dict(d.new_args) == ARGS
+    assert d.evidence.to_json() == {"deaths": 3, "window_s": 600.0, "fallback": "policy", "last_death": NO_MODULE}
+    assert d.reason.startswith(f"crash loop: 3 deaths in 600 s, the last: {NO_MODULE}; it runs the policy's arguments")
+    good = state({**ARGS, "schedule_conservativeness": 0.7}, deaths=(10.0, 20.0, 30.0))
+    on_good = crash_loop_unbroken(replace(good, last_good_args=good.args), SETTINGS.control, 35.0, "x")
+    assert on_good is not None and "it runs the last arguments that ran well" in on_good.reason
+    assert on_good.evidence.to_json()["fallback"] == "last_good"
+
+
+def test_a_crash_loop_note_must_not_be_written() -> None:
+    assert crash_loop_unbroken(state(deaths=(10.0, 20.0)), SETTINGS.control, 35.0, "x") is None  # no loop
+    assert crash_loop_unbroken(state(deaths=(10.0, 20.0, 30.0)), SETTINGS.control, 1000.0, "x") is None  # past
+    noted = state(deaths=(10.0, 20.0, 30.0), crash_loop_noted=True)
+    assert crash_loop_unbroken(noted, SETTINGS.control, 35.0, "x") is None  # this loop was noted
+    other = state({**ARGS, "schedule_conservativeness": 0.7}, initial_args=ARGS, deaths=(10.0, 20.0, 30.0))
+    assert crash_loop(Window(now=35.0), other, SETTINGS) is not None
+    assert crash_loop_unbroken(other, SETTINGS.control, 35.0, "x") is None  # crash_loop goes back to the policy's
 
 
 def test_revive_delay_grows() -> None:

@@ -134,6 +134,23 @@ async def test_exit_during_startup_is_down_with_its_last_lines(make_supervisor) 
     assert "Not enough memory" in (info.last_error or "")
 
 
+async def test_a_second_death_is_told_by_its_own_run_not_the_first(make_supervisor) -> None:
+    """The log file and the ring keep every run's lines; the cause of a death and the tail the
+    controller classifies are the run that died's alone (they had repeated the first run's error)."""
+    sup = make_supervisor(extra_args=["--fake-exit-at-start", "7"])
+    await sup.start()
+    first = sup.get("w0")
+    assert first.state == WorkerState.DOWN
+    assert (
+        first.last_error
+        == "exited with code 7: RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
+    )
+    info = await sup.restart("w0", {}, "again")
+    assert info.state == WorkerState.DOWN and info.last_error == first.last_error
+    assert len([line for line in sup.tail("w0", 100) if "starting on port" in line]) == 1
+    assert Path(info.log_path or "").read_text().count("Not enough memory") == 2  # the file keeps both
+
+
 async def test_startup_timeout_stops_the_process(make_supervisor) -> None:
     # the last /health before the deadline may run out of time on a loaded machine: it does not hide the 503
     # the worker answered before (a first build said "connection refused" then, and this test failed)

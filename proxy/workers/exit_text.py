@@ -1,0 +1,57 @@
+"""Why a worker process ended, in one short line for the operator: how it ended and what it said.
+
+A dying process says why at the end of its output, after whatever came before (argparse prints
+its usage, then ``prog: error: ...``; Python prints a traceback, then ``SomeError: ...``). So the
+line quotes the process's error lines when it printed some, else its last lines; and text too long
+for where it is shown is cut at its front, never at its end (:func:`keep_end`).
+
+These are conventions of command-line programs and of Python, not of one engine: an engine's own
+reading of a death (OOM, crash, start-up refusal) is its module's ``classify_death``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from proxy.workers.process import signal_name
+
+CUT_MARK = "…"
+ERROR_LINES_QUOTED = 2  # the last error lines a summary quotes (a chained exception's two ends)
+LAST_LINES_QUOTED = 8  # the last lines it quotes when none of them reads as an error
+SUMMARY_CHARS = 2000
+
+# "prog: error: unrecognized arguments: ...", "ERROR: ...", or a Python exception's last line,
+# "ValueError: ...", "torch.OutOfMemoryError: ...": an exception name (…Error, …Exception) then ": "
+_ERROR_LINE = re.compile(r"(?i:\berror: \S)|\b\w*(?:Error|Exception): \S")
+
+
+def keep_end(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters: its end, after :data:`CUT_MARK` where its front was cut."""
+    if len(text) <= limit:
+        return text
+    if limit <= len(CUT_MARK):
+        return text[len(text) - limit :] if limit > 0 else ""
+    return CUT_MARK + text[len(text) - limit + len(CUT_MARK) :]
+
+
+def error_lines(lines: Sequence[str]) -> list[str]:
+    """The lines of ``lines`` that read as an error (stripped), in order."""
+    return [line.strip() for line in lines if _ERROR_LINE.search(line)]
+
+
+def how_it_ended(code: int) -> str:
+    return f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
+
+
+def describe_exit(code: int, lines: Sequence[str], limit: int = SUMMARY_CHARS) -> str:
+    """How a process ended (exit ``code``, negative for a signal) and what its output ``lines`` (one
+    run's, oldest first) said last: its last error lines, else its last lines, joined by `` | ``, at
+    most ``limit`` characters in all with the quote cut at its front."""
+    how = how_it_ended(code)
+    said = [line.strip() for line in lines if line.strip()]
+    quoted = error_lines(said)[-ERROR_LINES_QUOTED:] or said[-LAST_LINES_QUOTED:]
+    if not quoted:
+        return how
+    head = f"{how}: "
+    return head + keep_end(" | ".join(quoted), max(limit - len(head), len(CUT_MARK) + 1))
