@@ -44,14 +44,18 @@ def how_it_ended(code: int) -> str:
     return f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
 
 
-def describe_exit(code: int, lines: Sequence[str], limit: int = SUMMARY_CHARS) -> str:
-    """How a process ended (exit ``code``, negative for a signal) and what its output ``lines`` (one
-    run's, oldest first) said last: its last error lines, else its last lines, joined by `` | ``, at
-    most ``limit`` characters in all with the quote cut at its front."""
-    how = how_it_ended(code)
+def what_it_said(lines: Sequence[str], limit: int = SUMMARY_CHARS) -> str:
+    """What output ``lines`` (one run's, oldest first) said last: its last error lines, else its last
+    lines, joined by `` | `` in at most ``limit`` characters, cut at the front ("" when it said nothing)."""
     said = [line.strip() for line in lines if line.strip()]
     quoted = error_lines(said)[-ERROR_LINES_QUOTED:] or said[-LAST_LINES_QUOTED:]
-    if not quoted:
-        return how
+    return keep_end(" | ".join(quoted), max(limit, len(CUT_MARK) + 1)) if quoted else ""
+
+
+def describe_exit(code: int, lines: Sequence[str], limit: int = SUMMARY_CHARS) -> str:
+    """How a process ended (exit ``code``, negative for a signal) and :func:`what_it_said`, at most
+    ``limit`` characters in all."""
+    how = how_it_ended(code)
     head = f"{how}: "
-    return head + keep_end(" | ".join(quoted), max(limit - len(head), len(CUT_MARK) + 1))
+    said = what_it_said(lines, limit - len(head))
+    return head + said if said else how

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
-from proxy.workers.exit_text import describe_exit
+from proxy.workers.exit_text import describe_exit, what_it_said
 from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle
 
 if TYPE_CHECKING:
@@ -478,10 +478,12 @@ class Supervisor:
                 )
             finally:
                 hint.cancel()
+        said = what_it_said(slot.lines.run_tail(200), 500)
         self._set(
             slot,
             WorkerState.DOWN,
-            error=f"not healthy after {self._settings.startup_timeout_s:g} s (last /health: {last_status}); stopped",
+            error=f"not healthy after {self._settings.startup_timeout_s:g} s (last /health: {last_status}); stopped"
+            + (f"; it said last: {said}" if said else "; it printed nothing"),
         )
         slot.stopping = True
         await process.terminate(self._settings.stop_grace_s)

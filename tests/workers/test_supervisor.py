@@ -159,6 +159,7 @@ async def test_startup_timeout_stops_the_process(make_supervisor) -> None:
     info = sup.get("w0")
     assert info.state == WorkerState.DOWN and "not healthy after 6 s" in (info.last_error or "")
     assert "HTTP 503" in (info.last_error or "") and info.pid is None
+    assert "; it said last: " in (info.last_error or "")  # what the worker printed, to see why it hung
 
 
 async def test_a_health_check_that_never_answers_in_time_says_so(make_supervisor) -> None:
