@@ -162,7 +162,6 @@ def build_app(
     cors = Cors(policy.proxy.cors_allow_origins)
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
-    cors.add_preflight_route(app.router)
     app[PROXY] = st
     for path in (CHAT, COMPLETIONS, GENERATE):
         app.router.add_post(path, handlers.inference_route(path))
@@ -188,6 +187,7 @@ def build_app(
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
     add_routes(app, authenticate=_batch_caller(st))
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
+    cors.add_preflight_routes(app.router)  # every route is in
     return app
 
 

@@ -13,20 +13,23 @@ Two classes, and keys within a class::
             plus completion tokens, :func:`estimate_cost`); then the turn passes. So two backlogged
             keys get tokens in proportion to their weights, whatever their request sizes, and a key
             sending 8k-token prompts does not get the share of one sending 100.
-            A key that had nothing waiting goes before the ring (as fq_codel's new flows): it gets a
-            quantum of credit at once and sends its first ticket when that covers it, then joins the
-            ring's back. So a light key's request waits for no backlogged key's turn to end (a turn
-            is ~70 short chat requests at the default quantum); a key is new again only once it
-            had nothing waiting, so it cannot jump the ring with more than one request at a time.
+            A key not in the ring goes before it (as fq_codel's new flows): it gets a quantum of
+            credit at once and sends its first ticket when that covers it, then joins the ring's
+            back, even with nothing left waiting, and leaves the ring only when its turn comes with
+            nothing waiting. So a light key's request waits for no backlogged key's turn to end (a
+            turn is ~70 short chat requests at the default quantum), and a key keeping one request
+            waiting cannot jump the ring with each.
     order:  FIFO within a key. A ticket taken back from a worker (a retry, or a request the
             controller requeues before it produced output) goes to the *front* of its key and its
             key before every other, with its cost refunded, so it does not lose its place.
     full:   at capacity, a new ticket of a key holding fewer waiting tickets than the key holding
-            the most pushes out that key's newest ticket (longest queue drop): its client gets the
-            429 a full queue gives, and one key flooding the queue does not lock the others out.
-            A key holding the most itself gets the 429.
+            the most pushes out that key's newest ticket of its class or a lower one (longest queue
+            drop; a batch arrival never pushes out interactive work): its client gets the 429 a
+            full queue gives, and one key flooding the queue does not lock the others out. A key
+            holding the most itself gets the 429. That look is O(keys waiting), at capacity only.
 
-Every operation is O(1) amortised (a pick may walk the ring once per quantum the head ticket needs).
+Every operation is O(1) amortised (a pick may walk the ring once per quantum the head ticket needs;
+a push at capacity looks at every key waiting).
 A cancelled ticket (client gone, deadline passed) is only marked; it is skipped when it reaches the
 head, and the deques are compacted when dead entries outnumber live ones, so a long outage with
 many timeouts cannot grow memory without bound.
@@ -151,7 +154,7 @@ class AdmissionQueue:
         holds more than this one will; otherwise raises :class:`QueueFull`."""
         pushed_out = None
         if len(self) >= self.capacity:
-            pushed_out = self._longest_newest(ticket.key)
+            pushed_out = self._longest_newest(ticket)
             if pushed_out is None:
                 raise QueueFull(f"the proxy queue is full ({self.capacity} requests waiting)")
             self.cancel(pushed_out)
@@ -180,8 +183,13 @@ class AdmissionQueue:
             ticket.future = asyncio.get_running_loop().create_future()
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).appendleft(ticket)
-        if ticket.key in c.deficit:
-            (c.fresh if ticket.key in c.fresh else c.ring).remove(ticket.key)
+        if ticket.key in c.fresh:
+            c.fresh.remove(ticket.key)
+        elif ticket.key in c.deficit:
+            had_turn = c.ring[0] == ticket.key
+            c.ring.remove(ticket.key)
+            if had_turn and c.ring:  # the turn passes on, as when a key retires
+                c.deficit[c.ring[0]] += self._quantum(c.ring[0])
         c.fresh.appendleft(ticket.key)  # before every key, new or backlogged
         c.deficit[ticket.key] = c.deficit.get(ticket.key, 0.0) + ticket.cost
         self._picked = None
@@ -225,11 +233,15 @@ class AdmissionQueue:
         c.live -= 1
         c.deficit[head.key] -= head.cost
         c.stats.setdefault(head.key, KeyStats()).waiting -= 1
-        if self._head_of(c, head.key) is None:
-            self._retire(c, head.key)
-        elif c.fresh and c.fresh[0] == head.key:  # a new key sent its first: it waits its turns in the ring
+        if c.fresh and c.fresh[0] == head.key:
+            # a new key sent its first: it joins the ring's back, emptied or not (it retires when its
+            # turn comes with nothing waiting), so keeping one request waiting cannot make every
+            # request new (fq_codel's rule); its new turn's leftover credit is not carried there
             c.fresh.popleft()
             c.ring.append(head.key)
+            c.deficit[head.key] = 0.0
+        elif self._head_of(c, head.key) is None:
+            self._retire(c, head.key)
         if head.priority is Priority.BATCH and self._floor_credit >= 1.0:
             self._floor_credit -= 1.0
         if both:
@@ -340,20 +352,26 @@ class AdmissionQueue:
         if q:
             self._dead -= sum(1 for t in q if not t.queued)
 
-    def _longest_newest(self, key: str) -> Ticket | None:
-        """The newest first-time ticket of the key holding the most waiting, batch before
-        interactive, when that key holds more than ``key`` will with one more (None: none such)."""
+    def _longest_newest(self, arriving: Ticket) -> Ticket | None:
+        """The ticket a full queue drops for ``arriving``: the newest first-time ticket of the key
+        holding the most waiting that has one, of ``arriving``'s class or a lower one (batch
+        first), when that key holds more than ``arriving``'s will with it (None: none such).
+        Looks at the keys with something queued only."""
         held: dict[str, int] = {}
         for c in self._classes.values():
-            for k, st in c.stats.items():
-                held[k] = held.get(k, 0) + st.waiting
-        longest = max(held, key=held.__getitem__, default=None)
-        if longest is None or longest == key or held[longest] <= held.get(key, 0) + 1:
-            return None
-        for p in reversed(ORDER):
-            for t in reversed(self._classes[p].queues.get(longest, ())):
-                if t.queued and t.requeues == 0:
-                    return t
+            for k in c.queues:
+                held[k] = held.get(k, 0) + c.stats[k].waiting
+        mine = held.get(arriving.key, 0) + 1
+        classes = [p for p in reversed(ORDER) if p is arriving.priority or p is Priority.BATCH]
+        for k in sorted(held, key=held.__getitem__, reverse=True):
+            if held[k] <= mine:
+                return None
+            if k == arriving.key:
+                continue
+            for p in classes:
+                for t in reversed(self._classes[p].queues.get(k, ())):
+                    if t.queued and t.requeues == 0:
+                        return t
         return None
 
     def _enqueued(self, ticket: Ticket) -> None:

@@ -702,6 +702,7 @@ async def _respond(
         earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
 
         def client_bytes(data: bytes) -> bytes:
+            """What of the worker's bytes goes to the client now: whole events, rewritten."""
             nonlocal earlier
             data = whole.feed(data)
             if not data:
@@ -748,9 +749,10 @@ async def _respond(
                 break
             if ended:
                 m.completed.inc()
-                rest = whole.rest()  # a stream that ended without its last boundary: as it came
+                rest = whole.rest()  # a stream that ended without its last boundary: rewritten as the rest
                 opened.tail = b"".join((*earlier, opened.tail, rest))
-                await out.write(rest)
+                if rest:
+                    await out.write(reshape_error_events(strip_usage(rest) if strip else rest))
                 break
             await request.writer.drain()  # the client is slow: wait until its socket buffer drained
             resp.resume_pipe()

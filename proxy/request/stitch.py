@@ -50,8 +50,11 @@ class WholeEvents:
     """A stream's bytes cut at its last event boundary: a worker's event may arrive in two reads (a
     remote worker, a segment boundary), and what the relay rewrites (the usage event it asked for,
     an error event) is recognised only whole. The client's parser waits for a whole event anyway, so
-    holding back its first half costs no time. Free when reads end on a boundary, as they mostly do."""
+    holding back its first half costs no time. Free when reads end on a boundary, as they mostly do.
+    A boundary is a blank line, ``\n\n`` or ``\r\n\r\n``; more than :attr:`HELD_MAX` bytes with
+    none goes on as it is (no usage or error event is that long)."""
 
+    HELD_MAX = 4 << 20
     __slots__ = ("_rest",)
 
     def __init__(self) -> None:
@@ -62,9 +65,12 @@ class WholeEvents:
         if not self._rest and data.endswith(b"\n\n"):
             return data
         data = self._rest + data
-        end = data.rfind(b"\n\n") + 2
-        self._rest = data[end:] if end > 1 else data
-        return data[:end] if end > 1 else b""
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if not end and len(data) > self.HELD_MAX:
+            end = len(data)
+        self._rest = data[end:]
+        return data[:end]
 
     def rest(self) -> bytes:
         """What came after the last boundary (a stream that ended without one)."""

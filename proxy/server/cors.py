@@ -8,9 +8,12 @@ key to call, and credentials (cookies) are never allowed.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from proxy.errors import ApiError, error_response
 
 __all__ = ["Cors"]
 
@@ -37,19 +40,26 @@ class Cors:
             return "*"
         return origin if origin in self.origins else None
 
-    def add_preflight_route(self, router: web.UrlDispatcher) -> None:
-        """``OPTIONS`` on every path: the proxy's routes know no other use of it (a route, not a
-        middleware: nothing is added to the other requests' way)."""
-        router.add_route("OPTIONS", "/{path:.*}", self.preflight)
+    def add_preflight_routes(self, router: web.UrlDispatcher) -> None:
+        """``OPTIONS`` on every route registered so far (call it last): a route of each resource,
+        not a middleware on every request's way, nor a catch-all (which would turn an unknown
+        path's 404 into a 405)."""
+        for resource in router.resources():
+            if isinstance(resource, web.Resource) and all(route.method != "OPTIONS" for route in resource):
+                resource.add_route("OPTIONS", self.preflight)
 
     async def preflight(self, request: web.Request) -> web.StreamResponse:
         """A browser's preflight (``OPTIONS`` with ``Access-Control-Request-Method``); any other
-        ``OPTIONS`` gets 405, as before."""
+        ``OPTIONS`` gets 405 naming the route's methods."""
         if "Access-Control-Request-Method" not in request.headers:
-            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST", "PUT", "DELETE"])
+            resource = request.match_info.route.resource
+            methods = sorted({r.method for r in resource or ()} - {"OPTIONS"})
+            raise web.HTTPMethodNotAllowed(request.method, methods)
         allow = self.allowed(request.headers.get("Origin"))
         if allow is None:
-            return web.Response(status=403, text="cross-origin requests from this origin are not allowed")
+            return error_response(
+                ApiError(403, "cross-origin requests from this origin are not allowed (proxy.cors_allow_origins)")
+            )
         headers = {
             "Access-Control-Allow-Origin": allow,
             "Access-Control-Allow-Methods": _METHODS,
@@ -58,16 +68,24 @@ class Cors:
         asked = request.headers.get("Access-Control-Request-Headers")
         if asked:
             headers["Access-Control-Allow-Headers"] = asked
-        if allow != "*":
-            headers["Vary"] = "Origin"
-        return web.Response(status=204, headers=headers)
+        return web.Response(status=204, headers=headers)  # Vary: on_prepare adds it
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        """The CORS headers on an answer to an allowed origin (streams too: before their headers go)."""
+        """The CORS headers on an answer to an allowed origin (streams too: before their headers go);
+        with a list of origins every answer varies by ``Origin``, for caches between."""
+        if self.origins and "*" not in self.origins:
+            _vary_by_origin(response.headers)
         allow = self.allowed(request.headers.get("Origin"))
         if allow is None:
             return
         response.headers["Access-Control-Allow-Origin"] = allow
         response.headers["Access-Control-Expose-Headers"] = _EXPOSED
-        if allow != "*":
-            response.headers["Vary"] = "Origin"
+
+
+def _vary_by_origin(headers: MutableMapping[str, str]) -> None:
+    """``Origin`` added to ``Vary`` (kept with what it named already)."""
+    vary = headers.get("Vary")
+    if vary is None:
+        headers["Vary"] = "Origin"
+    elif "origin" not in {v.strip().lower() for v in vary.split(",")}:
+        headers["Vary"] = f"{vary}, Origin"

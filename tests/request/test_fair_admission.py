@@ -156,3 +156,42 @@ async def test_a_full_queue_pushes_out_the_newest_of_the_key_holding_the_most():
     with pytest.raises(QueueFull):  # even: nobody is pushed out
         q.push(_t(INTERACTIVE, "light", 10))
     assert q.push(_t(INTERACTIVE, "third", 10)) is not None  # a third key still gets in
+
+
+async def test_a_ticket_taken_back_from_the_key_whose_turn_it_is_passes_the_turn_on():
+    q = AdmissionQueue(100_000)
+    for key in "abc":
+        for _ in range(2000):
+            q.push(_t(INTERACTIVE, key, 100))
+    got = {"a": 0, "b": 0, "c": 0}
+    for n in range(1, 601):
+        t = q.pop()
+        got[t.key] += 1
+        if t.key == "a" and n % 5 == 0:
+            t.queued = False
+            q.requeue(t)  # a worker died under it: back at the front, with its cost refunded
+            got["a"] -= 1
+    assert got["b"] == pytest.approx(got["c"], rel=0.15)  # b's turns were skipped (10 of 600 against c's 300)
+
+
+async def test_a_key_keeping_one_request_waiting_gets_no_more_than_its_share():
+    q = AdmissionQueue(100_000)
+    for _ in range(2000):
+        q.push(_t(INTERACTIVE, "backlogged", 100))
+    q.push(_t(INTERACTIVE, "sparse", 100))
+    got = {"backlogged": 0, "sparse": 0}
+    for _ in range(1000):
+        t = q.pop()
+        got[t.key] += 1
+        if t.key == "sparse":
+            q.push(_t(INTERACTIVE, "sparse", 100))  # its next, as soon as the last went: never two waiting
+    assert got["sparse"] / 1000 <= 0.55  # it had jumped the ring with every request (79 %)
+
+
+async def test_a_batch_arrival_never_pushes_out_interactive_work():
+    q = AdmissionQueue(4)
+    for _ in range(4):
+        q.push(_t(INTERACTIVE, "heavy", 10))
+    with pytest.raises(QueueFull):
+        q.push(_t(BATCH, "light", 10))
+    assert q.push(_t(INTERACTIVE, "light", 10)) is not None

@@ -89,3 +89,10 @@ def test_whole_events_holds_back_an_events_first_half_until_its_boundary() -> No
     assert whole.feed(b"\n") == b""
     assert whole.feed(b"\ndata: [DONE]\n\n") == b'data: {"usage": 1}\n\ndata: [DONE]\n\n'
     assert whole.feed(b"data: tail") == b"" and whole.rest() == b"data: tail" and whole.rest() == b""
+
+
+def test_whole_events_knows_crlf_boundaries_and_lets_an_endless_event_go_on() -> None:
+    whole = WholeEvents()
+    assert whole.feed(b"data: 1\r\n\r\ndata: 2") == b"data: 1\r\n\r\n" and whole.rest() == b"data: 2"
+    huge = b"data: " + b"x" * WholeEvents.HELD_MAX
+    assert whole.feed(huge[:10]) == b"" and whole.feed(huge[10:]) == huge  # not held without end

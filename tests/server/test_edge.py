@@ -193,9 +193,16 @@ async def test_browsers_may_call_from_any_origin_by_default_and_a_list_narrows_i
             assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
         async with s.get(narrow.url + "/v1/models", headers={"Origin": "https://evil.example"}) as r:
             assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+            assert r.headers["Vary"] == "Origin"  # a cache between must not hand this to an allowed origin
+        async with s.get(narrow.url + "/v1/nope", headers={"Origin": "https://app.example"}) as r:
+            assert r.status == 404  # an unknown path is still no route, for browsers too
 
 
-async def test_an_options_that_is_no_preflight_is_a_405(make_proxy):
+async def test_an_options_that_is_no_preflight_is_a_405_and_an_unknown_path_a_404(make_proxy):
     h = await make_proxy()
-    async with aiohttp.ClientSession() as s, s.options(h.url + "/v1/models") as r:
-        assert r.status == 405 and _openai_shaped(await r.json())["message"].startswith("Method Not Allowed")
+    async with aiohttp.ClientSession() as s:
+        async with s.options(h.url + "/v1/models") as r:
+            assert r.status == 405 and _openai_shaped(await r.json())["message"].startswith("Method Not Allowed")
+            assert set(r.headers["Allow"].split(",")) == {"GET", "HEAD"}  # the route's own methods
+        async with s.options(h.url + "/v1/nope", headers={"Access-Control-Request-Method": "POST"}) as r:
+            assert r.status == 404
