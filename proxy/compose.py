@@ -7,8 +7,9 @@ start the scraper, the status log and the GPU watch (the dashboard's history is 
 of the board's samples); on shutdown stop them, stop the pool and close the session.
 The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
 ``cleanup_ctx`` generator each, started after that one and stopped before it.
-Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
-cancels its handler, which frees its slot and aborts the upstream request).
+Serve it with :func:`serving` (or :func:`serve`, :func:`make_runner`; ``handler_cancellation=True``: a
+client that disconnects cancels its handler, which frees its slot and aborts the upstream request):
+the address is bound before the app starts, so a port in use fails before any worker launches.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
@@ -62,7 +64,7 @@ from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_k
 from proxy.server.cors import Cors
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
-from proxy.server.protocol import EdgeRunner
+from proxy.server.protocol import EdgeRunner, Listener, ListenerSite
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
@@ -659,10 +661,40 @@ def make_runner(app: web.Application) -> web.AppRunner:
     )
 
 
+class CannotListen(Exception):
+    """The proxy's address cannot be bound (in use, or not this host's): nothing was started."""
+
+
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the bound port.
+
+    The address is bound first: :class:`CannotListen` when it cannot be, before the app (its
+    workers) starts."""
+    try:
+        listener = await Listener.bind(host, port, backlog=4096)
+    except OSError as exc:
+        why = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from exc
     runner = make_runner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
-    await site.start()
-    return runner, runner.addresses[0][1]
+    try:
+        await runner.setup()
+        await ListenerSite(runner, listener, host).start()
+    except BaseException:
+        try:
+            await runner.cleanup()
+        finally:
+            listener.close()
+        raise
+    return runner, listener.port
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on ``host:port`` (0: a free port) for the block, which gets the bound port; on
+    exit stop it (its lifecycles: the workers stop). Raises :class:`CannotListen`,
+    with nothing started, when the address cannot be bound."""
+    runner, bound = await serve(app, host, port)
+    try:
+        yield bound
+    finally:
+        await runner.cleanup()
