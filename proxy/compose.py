@@ -10,6 +10,9 @@ The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and 
 Serve it with :func:`serving` (or :func:`serve`, :func:`make_runner`; ``handler_cancellation=True``: a
 client that disconnects cancels its handler, which frees its slot and aborts the upstream request):
 the address is bound before the app starts, so a port in use fails before any worker launches.
+Stopping begins with the drain (an ``on_shutdown`` hook, :mod:`proxy.server.drain`): queued
+requests get 503 at once, the requests in flight get ``proxy.shutdown_grace_s`` to end and are then
+ended (:func:`stop_now`, a second signal, ends them at once); then the lifecycles above stop.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from proxy.request.queues import QueueTotals
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.cors import Cors
+from proxy.server.drain import Drain
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.server.protocol import EdgeRunner, Listener, ListenerSite
@@ -160,6 +164,7 @@ def build_app(
         keys=keys,
         models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
         gpus=gpus,
+        drain=Drain(policy.proxy.shutdown_grace_s),
     )
     cors = Cors(policy.proxy.cors_allow_origins)
     app = web.Application(
@@ -184,7 +189,7 @@ def build_app(
     board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
     app[HISTORY] = history
     add_dashboard_routes(app)
-    app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
+    app.on_shutdown.append(_drain)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
     app.router.add_post("/admin/trial", handlers.admin_trial)
@@ -628,11 +633,17 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _stop_admitting(app: web.Application) -> None:
-    """Shutdown, first step: queued requests get a 503 now; what already runs on a worker finishes
-    within aiohttp's shutdown grace."""
-    for dispatcher in app[PROXY].requests.dispatchers():
-        dispatcher.close()
+async def _drain(app: web.Application) -> None:
+    """Shutdown, first step: queued requests get a 503 now; the requests in flight get
+    ``proxy.shutdown_grace_s`` to end, then are ended (:class:`~proxy.server.drain.Drain`)."""
+    st = app[PROXY]
+    await st.drain.run(st.requests)
+
+
+def stop_now(app: web.Application) -> bool:
+    """A second signal: end the shutdown's drain at once (or make it end at once, not begun yet).
+    False when the drain is over (the workers are stopping)."""
+    return app[PROXY].drain.stop_now()
 
 
 async def _start_pool(st: ProxyState) -> None:
@@ -654,10 +665,22 @@ def _on_scrape(
     dispatcher.pump()
 
 
+# aiohttp's own shutdown_timeout, after the drain: what a handler still open then gets before it is
+# cancelled (twice this at most); one in the request path was ended by the drain and ends at once
+HANDLERS_AFTER_DRAIN_S = 2.0
+
+
 def make_runner(app: web.Application) -> web.AppRunner:
-    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals and a header deadline."""
+    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals, a header deadline, the
+    requests it answers counted for the drain."""
+    st = app[PROXY]
     return EdgeRunner(
-        app, header_timeout_s=app[PROXY].policy.proxy.header_timeout_s, handler_cancellation=True, access_log=None
+        app,
+        header_timeout_s=st.policy.proxy.header_timeout_s,
+        open_requests=st.drain.open_requests,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=HANDLERS_AFTER_DRAIN_S,
     )
 
 
@@ -691,7 +714,7 @@ async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
 @contextlib.asynccontextmanager
 async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
     """Serve ``app`` on ``host:port`` (0: a free port) for the block, which gets the bound port; on
-    exit stop it (its lifecycles: the workers stop). Raises :class:`CannotListen`,
+    exit stop it: the drain, then its lifecycles (the workers stop). Raises :class:`CannotListen`,
     with nothing started, when the address cannot be bound."""
     runner, bound = await serve(app, host, port)
     try:

@@ -11,9 +11,10 @@ first byte of a request head arrives; when the head is not complete within ``hea
 it answers 408 in the same JSON shape and closes the connection. Idle keep-alive connections are
 aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``body_timeout_s``).
 
-:class:`EdgeRunner` is ``web.AppRunner`` serving with this handler, and :class:`Listener` its
-address, bound before the runner is set up (before the app starts anything: its workers), so an
-address in use fails first; :class:`ListenerSite` serves it.
+:class:`EdgeRunner` is ``web.AppRunner`` serving with this handler, which counts the requests it is
+answering (:class:`~proxy.server.drain.OpenRequests`: what the shutdown's drain waits for), and
+:class:`Listener` its address, bound before the runner is set up (before the app starts anything:
+its workers), so an address in use fails first; :class:`ListenerSite` serves it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_body, type_for_status
+from proxy.server.drain import OpenRequests
 
 __all__ = ["EdgeRequestHandler", "EdgeRunner", "Listener", "ListenerSite"]
 
@@ -38,9 +40,10 @@ _log = logging.getLogger(__name__)
 class EdgeRequestHandler(RequestHandler):
     """aiohttp's connection handler with JSON refusals, one log line each, and a header deadline."""
 
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
         self._head_timer: asyncio.TimerHandle | None = None
         self._in_request = False  # a head was parsed and its handler has not ended yet
 
@@ -55,9 +58,11 @@ class EdgeRequestHandler(RequestHandler):
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
         self._in_request = True
+        self._open_requests.count += 1
         try:
             return await super()._handle_request(*args, **kwargs)
         finally:
+            self._open_requests.count -= 1
             self._in_request = bool(self._messages)  # a pipelined request parsed already: its body may follow
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -119,20 +124,31 @@ class EdgeRequestHandler(RequestHandler):
 
 
 class _EdgeServer(web.Server):
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
 
     def __call__(self) -> RequestHandler:
-        return EdgeRequestHandler(self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs)
+        return EdgeRequestHandler(
+            self,
+            loop=self._loop,
+            header_timeout_s=self._header_timeout_s,
+            open_requests=self._open_requests,
+            **self._kwargs,
+        )
 
 
 class EdgeRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections are served by :class:`EdgeRequestHandler`."""
+    """``web.AppRunner`` whose connections are served by :class:`EdgeRequestHandler`, counting the
+    requests they answer into ``open_requests``."""
 
-    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, *, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any
+    ) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # the app's own server: its handler and request factory
@@ -142,6 +158,7 @@ class EdgeRunner(web.AppRunner):
             handler_cancellation=plain.handler_cancellation,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self._header_timeout_s,
+            open_requests=self._open_requests,
             **plain._kwargs,  # the handler settings the runner was given (access log, keep-alive, ...)
         )
 
