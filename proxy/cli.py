@@ -86,27 +86,37 @@ async def _launcher(policy: Policy) -> AsyncIterator[Launcher | None]:
 
 
 async def _serve_with(policy: Policy, app: web.Application, host: str, port: int) -> int:
-    from proxy.compose import serve
+    """Serve until SIGTERM or SIGINT, then stop: the drain (at most ``proxy.shutdown_grace_s``; a
+    second signal ends it at once), then the workers. 1 when the address cannot be bound (nothing
+    started)."""
+    from proxy.compose import CannotListen, serving, stop_now
 
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            _log.info("%s received", sig.name)
+            stop.set()
+        elif stop_now(app):
+            _log.warning("%s, a second signal: stopping now", sig.name)
+        else:
+            _log.warning("%s, a second signal: the requests have ended already; the workers are stopping", sig.name)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        runner, bound = await serve(app, host, port)
-    except OSError as exc:
-        _log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
-        return 1
-    # Everything built so far (modules, app, session) lives as long as the process: keep it out of
-    # the collector's full passes, which otherwise scan it all and pause the event loop for tens of ms.
-    gc.collect()
-    gc.freeze()
-    _log.info("sglang-pacer listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)", host, bound, host, bound)
-    try:
+        loop.add_signal_handler(sig, on_signal, sig)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            bound = await stack.enter_async_context(serving(app, host, port))
+        except CannotListen as exc:
+            _log.error("%s", exc)
+            return 1
+        # Everything built so far (modules, app, session) lives as long as the process: keep it out of
+        # the collector's full passes, which otherwise scan it all and pause the event loop for tens of ms.
+        gc.collect()
+        gc.freeze()
+        _log.info("sglang-pacer listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)", host, bound, host, bound)
         await stop.wait()
-        _log.info("stopping: no new requests; stopping workers")
-    finally:
-        await runner.cleanup()
     _log.info("stopped")
     return 0
 

@@ -7,8 +7,12 @@ start the scraper, the status log and the GPU watch (the dashboard's history is 
 of the board's samples); on shutdown stop them, stop the pool and close the session.
 The controller and the Batch API (``/v1/files``, ``/v1/batches``: its store and runner) have a
 ``cleanup_ctx`` generator each, started after that one and stopped before it.
-Serve it with :func:`make_runner` (``handler_cancellation=True``: a client that disconnects
-cancels its handler, which frees its slot and aborts the upstream request).
+Serve it with :func:`serving` (or :func:`serve`, :func:`make_runner`; ``handler_cancellation=True``: a
+client that disconnects cancels its handler, which frees its slot and aborts the upstream request):
+the address is bound before the app starts, so a port in use fails before any worker launches.
+Stopping begins with the drain (an ``on_shutdown`` hook, :mod:`proxy.server.drain`): queued
+requests get 503 at once, the requests in flight get ``proxy.shutdown_grace_s`` to end and are then
+ended (:func:`stop_now`, a second signal, ends them at once); then the lifecycles above stop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
@@ -60,9 +65,10 @@ from proxy.request.queues import QueueTotals
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.cors import Cors
+from proxy.server.drain import Drain
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
-from proxy.server.protocol import EdgeRunner
+from proxy.server.protocol import EdgeRunner, Listener, ListenerSite
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
@@ -158,6 +164,7 @@ def build_app(
         keys=keys,
         models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
         gpus=gpus,
+        drain=Drain(policy.proxy.shutdown_grace_s),
     )
     cors = Cors(policy.proxy.cors_allow_origins)
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
@@ -180,7 +187,7 @@ def build_app(
     board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
     app[HISTORY] = history
     add_dashboard_routes(app)
-    app.on_shutdown.append(_stop_admitting)  # runs before aiohttp waits for the open handlers
+    app.on_shutdown.append(_drain)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
     app.router.add_post("/admin/trial", handlers.admin_trial)
@@ -625,11 +632,17 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _stop_admitting(app: web.Application) -> None:
-    """Shutdown, first step: queued requests get a 503 now; what already runs on a worker finishes
-    within aiohttp's shutdown grace."""
-    for dispatcher in app[PROXY].requests.dispatchers():
-        dispatcher.close()
+async def _drain(app: web.Application) -> None:
+    """Shutdown, first step: queued requests get a 503 now; the requests in flight get
+    ``proxy.shutdown_grace_s`` to end, then are ended (:class:`~proxy.server.drain.Drain`)."""
+    st = app[PROXY]
+    await st.drain.run(st.requests)
+
+
+def stop_now(app: web.Application) -> bool:
+    """A second signal: end the shutdown's drain at once (or make it end at once, not begun yet).
+    False when the drain is over (the workers are stopping)."""
+    return app[PROXY].drain.stop_now()
 
 
 async def _start_pool(st: ProxyState) -> None:
@@ -651,17 +664,59 @@ def _on_scrape(
     dispatcher.pump()
 
 
+# aiohttp's own shutdown_timeout, after the drain: what a handler still open then gets before it is
+# cancelled (twice this at most); one in the request path was ended by the drain and ends at once
+HANDLERS_AFTER_DRAIN_S = 2.0
+
+
 def make_runner(app: web.Application) -> web.AppRunner:
-    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals and a header deadline."""
+    """Serves with :class:`~proxy.server.protocol.EdgeRunner`: JSON refusals, a header deadline, the
+    requests it answers counted for the drain."""
+    st = app[PROXY]
     return EdgeRunner(
-        app, header_timeout_s=app[PROXY].policy.proxy.header_timeout_s, handler_cancellation=True, access_log=None
+        app,
+        header_timeout_s=st.policy.proxy.header_timeout_s,
+        open_requests=st.drain.open_requests,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=HANDLERS_AFTER_DRAIN_S,
     )
 
 
+class CannotListen(Exception):
+    """The proxy's address cannot be bound (in use, or not this host's): nothing was started."""
+
+
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the bound port."""
+    """Start serving; returns the runner (``await runner.cleanup()`` to stop) and the bound port.
+
+    The address is bound first: :class:`CannotListen` when it cannot be, before the app (its
+    workers) starts."""
+    try:
+        listener = await Listener.bind(host, port, backlog=4096)
+    except OSError as exc:
+        why = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from exc
     runner = make_runner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
-    await site.start()
-    return runner, runner.addresses[0][1]
+    try:
+        await runner.setup()
+        await ListenerSite(runner, listener, host).start()
+    except BaseException:
+        try:
+            await runner.cleanup()
+        finally:
+            listener.close()
+        raise
+    return runner, listener.port
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on ``host:port`` (0: a free port) for the block, which gets the bound port; on
+    exit stop it: the drain, then its lifecycles (the workers stop). Raises :class:`CannotListen`,
+    with nothing started, when the address cannot be bound."""
+    runner, bound = await serve(app, host, port)
+    try:
+        yield bound
+    finally:
+        await runner.cleanup()

@@ -105,6 +105,15 @@ class ProxySettings:
         default=5.0,
         metadata=key("seconds between NVML samples for /metrics and /admin/gpus; 0 turns them off", minimum=0),
     )
+    shutdown_grace_s: float = field(
+        default=20.0,
+        metadata=key(
+            "seconds the requests in flight get to end after SIGTERM or SIGINT (queued ones get 503 at once); "
+            "then they are ended (a stream with an error event, others 503) and the workers stop; "
+            "a second signal ends them at once",
+            minimum=0,
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1108,7 +1117,7 @@ def _describe(p: Policy) -> list[str]:
     lines = [f"policy {p.source}"]
     lines.append(
         f"  proxy    listen {p.proxy.host}:{p.proxy.port}, body <= {p.proxy.max_body_bytes} bytes, "
-        f"upstream timeout {p.proxy.request_timeout_s:g} s"
+        f"upstream timeout {p.proxy.request_timeout_s:g} s, shutdown grace {p.proxy.shutdown_grace_s:g} s"
     )
     if a.configured:
         sources = [

@@ -120,6 +120,26 @@ class RequestPath:
         self.session = session
         self.upstream = UpstreamPool()
 
+    def stop_admitting(self) -> int:
+        """Shutting down: no request is dispatched any more; each queued one is refused (its handler
+        answers 503). Returns how many were queued (batch lines too)."""
+        queued = 0
+        for dispatcher in self.dispatchers():
+            queued += len(dispatcher.admission)
+            dispatcher.close()
+        return queued
+
+    def in_flight(self) -> int:
+        """Requests on a worker now (batch lines too)."""
+        return self.dispatcher.board.total_in_flight()
+
+    def end_in_flight(self) -> int:
+        """Shutting down, past the grace: end every request still on a worker. Its answer's reader
+        gets :class:`~proxy.request.upstream.UpstreamEnded`, so a stream ends with an error event and a
+        request with no output yet gets a 503 (the relay's); no new request leaves for a worker.
+        Returns how many were ended."""
+        return self.upstream.end_in_flight("the proxy is shutting down") if self.upstream is not None else 0
+
     async def close(self) -> None:
         """The app stopped: wait for the background tasks, close the idle connections."""
         await self.wait_background()

@@ -59,7 +59,13 @@ from proxy.request.limits import RateLimited
 from proxy.request.path import RequestPath
 from proxy.request.sse import has_output
 from proxy.request.stitch import StreamStitcher, WholeEvents
-from proxy.request.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
+from proxy.request.upstream import (
+    UpstreamEnded,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from proxy.workers.base import WorkerState
 
 __all__ = ["EventStream", "Opened", "complete", "forward"]
@@ -156,6 +162,8 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
         raise AttemptFailed(f"{where} did not answer within {timeout_s:g} s", status=504, retryable=False) from None
     except UpstreamUnreachable as exc:
         raise AttemptFailed(f"{where} is unreachable: {exc}", unreachable=True) from None
+    except UpstreamEnded:  # the proxy is shutting down: no output went out, the client sends it again
+        raise ProxyClosing() from None
     except UpstreamError as exc:
         raise AttemptFailed(f"{where} failed before any output: {exc}") from None
     finally:
@@ -179,7 +187,7 @@ async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, name: s
 def _closing_error(path: RequestPath) -> ApiError:
     return ApiError(
         503,
-        "sglang-pacer is shutting down; the request was not started, send it again",
+        "sglang-pacer is shutting down and did not answer the request; send it again",
         type="service_unavailable",
         code="shutting_down",
         headers={"Retry-After": str(path.settings.retry_after_s)},
@@ -737,15 +745,8 @@ async def _respond(
                 ended = await resp.piped()
             except UpstreamError as exc:
                 m.fail_midstream.inc()
-                _log.warning("worker stream broke after output was sent: %r", exc)
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                await out.write(
-                    sep
-                    + error_event(
-                        f"the worker failed mid-stream ({exc}); the answer is incomplete",
-                        code="upstream_failed_mid_stream",
-                    )
-                )
+                await out.write(sep + _mid_stream_error(exc, "worker stream broke after output was sent"))
                 break
             if ended:
                 m.completed.inc()
@@ -766,6 +767,19 @@ async def _respond(
         resp.close()
         if not ok:
             upstream.abort(path)
+
+
+def _mid_stream_error(exc: UpstreamError, what: str) -> bytes:
+    """The error event that ends a stream whose worker leg broke after output went out (logged), or
+    that the proxy ended as it shut down (counted in its shutdown's log line instead)."""
+    if isinstance(exc, UpstreamEnded):
+        return error_event(
+            "sglang-pacer is shutting down; the answer is incomplete", type="service_unavailable", code="shutting_down"
+        )
+    _log.warning("%s: %r", what, exc)
+    return error_event(
+        f"the worker failed mid-stream ({exc}); the answer is incomplete", code="upstream_failed_mid_stream"
+    )
 
 
 def _interactive(attempt: Attempt) -> bool:
@@ -861,9 +875,7 @@ async def _respond_stitched(
         return out
     except UpstreamError as exc:  # a part broke, or its continuation was refused, after output went out
         m.fail_midstream.inc()
-        _log.warning("a stream sent under its output budget broke after output was sent: %r", exc)
-        await out.write(error_event(f"the worker failed mid-stream ({exc}); the answer is incomplete",
-                                    code="upstream_failed_mid_stream"))  # fmt: skip
+        await out.write(_mid_stream_error(exc, "a stream sent under its output budget broke after output was sent"))
         await out.write_eof()
         ok = True
         return out

@@ -25,10 +25,11 @@ by ``httptools`` (llhttp, the parser Node.js uses), its body handed over as it a
 - **Ending early**: :meth:`UpstreamResponse.close` on an unfinished answer closes its connection
   (SGLang aborts a request whose connection closed); the relay does so when its client leaves or
   the controller takes the request back. :meth:`UpstreamResponse.abort` fails the waiting reader
-  with a given exception, then closes: the request's deadline uses it.
+  with a given exception, then closes: the request's deadline uses it, and so does
+  :meth:`UpstreamPool.end_in_flight` (the proxy's shutdown ends every answer still in flight).
 - **Errors** are exceptions, one tree: :class:`UpstreamError` (broken or not HTTP), with
   :class:`UpstreamUnreachable` (nothing to connect to: the worker never saw the request) and
-  :class:`UpstreamTimeout` (the deadline passed).
+  :class:`UpstreamTimeout` (the deadline passed) and :class:`UpstreamEnded` (the proxy ended it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "UpstreamTimeout", "UpstreamUnreachable"]
+__all__ = [
+    "UpstreamEnded",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+]
 
 
 class UpstreamError(Exception):
@@ -55,6 +63,10 @@ class UpstreamUnreachable(UpstreamError):
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The request's deadline passed before its answer ended."""
+
+
+class UpstreamEnded(UpstreamError):
+    """The proxy ended the request itself (it is shutting down): no fault of the worker's."""
 
 
 _Key = tuple[str, str, int]  # scheme, host, port
@@ -323,6 +335,7 @@ class _Connection(asyncio.Protocol):
     def finished(self, resp: UpstreamResponse, *, reusable: bool) -> None:
         if self.response is resp:
             self.response = None
+        self.pool._busy.discard(self)
         if reusable and not self.lost:
             self.resume()
             self.pool._release(self)
@@ -356,6 +369,12 @@ class UpstreamPool:
         self._heads: dict[tuple[str, str], bytes] = {}
         self._tls_context: ssl.SSLContext | None = None
         self._closed = False
+        self._busy: set[_Connection] = set()  # each with a request in flight
+
+    @property
+    def closed(self) -> bool:
+        """New requests are refused (shutting down)."""
+        return self._closed
 
     def idle_connections(self) -> int:
         return sum(len(v) for v in self._idle.values())
@@ -378,7 +397,7 @@ class UpstreamPool:
         body, reads included), :class:`UpstreamUnreachable` when no connection can be made and
         :class:`UpstreamError` when the worker breaks the connection before answering."""
         if self._closed:
-            raise UpstreamError("the proxy's upstream connections are closed (shutting down)")
+            raise UpstreamEnded("the proxy's upstream connections are closed (shutting down)")
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         ep = self._endpoints.get(url)
@@ -400,8 +419,12 @@ class UpstreamPool:
         conn = self._take(key)
         if conn is None:
             conn = await self._connect(key, loop, deadline, timeout_s)
+            if self.closed:  # ended while it connected
+                conn._drop()
+                raise UpstreamEnded("the proxy's upstream connections are closed (shutting down)")
         resp = UpstreamResponse(conn, until_output)
         conn.response = resp
+        self._busy.add(conn)
         if timeout_s is not None and deadline is not None:
             resp._timer = loop.call_at(deadline, resp._time_out, timeout_s)
         assert conn.transport is not None
@@ -457,6 +480,7 @@ class UpstreamPool:
         idle.append(conn)
 
     def _forget(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
@@ -468,3 +492,13 @@ class UpstreamPool:
             for conn in list(idle):
                 conn._drop()
         self._idle.clear()
+
+    def end_in_flight(self, reason: str) -> int:
+        """Close, and end every answer still in flight: its reader gets :class:`UpstreamEnded` with
+        ``reason`` and its connection is closed (the worker aborts the request). Returns how many."""
+        self.close()
+        ended = [conn.response for conn in self._busy if conn.response is not None]
+        for resp in ended:
+            resp.abort(UpstreamEnded(reason))
+        self._busy.clear()
+        return len(ended)

@@ -11,13 +11,17 @@ first byte of a request head arrives; when the head is not complete within ``hea
 it answers 408 in the same JSON shape and closes the connection. Idle keep-alive connections are
 aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``body_timeout_s``).
 
-:class:`EdgeRunner` is ``web.AppRunner`` serving with this handler.
+:class:`EdgeRunner` is ``web.AppRunner`` serving with this handler, which counts the requests it is
+answering (:class:`~proxy.server.drain.OpenRequests`: what the shutdown's drain waits for), and
+:class:`Listener` its address, bound before the runner is set up (before the app starts anything:
+its workers), so an address in use fails first; :class:`ListenerSite` serves it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,8 +30,9 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_body, type_for_status
+from proxy.server.drain import OpenRequests
 
-__all__ = ["EdgeRequestHandler", "EdgeRunner"]
+__all__ = ["EdgeRequestHandler", "EdgeRunner", "Listener", "ListenerSite"]
 
 _log = logging.getLogger(__name__)
 
@@ -35,9 +40,10 @@ _log = logging.getLogger(__name__)
 class EdgeRequestHandler(RequestHandler):
     """aiohttp's connection handler with JSON refusals, one log line each, and a header deadline."""
 
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
         self._head_timer: asyncio.TimerHandle | None = None
         self._in_request = False  # a head was parsed and its handler has not ended yet
 
@@ -52,9 +58,11 @@ class EdgeRequestHandler(RequestHandler):
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
         self._in_request = True
+        self._open_requests.count += 1
         try:
             return await super()._handle_request(*args, **kwargs)
         finally:
+            self._open_requests.count -= 1
             self._in_request = bool(self._messages)  # a pipelined request parsed already: its body may follow
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -116,20 +124,31 @@ class EdgeRequestHandler(RequestHandler):
 
 
 class _EdgeServer(web.Server):
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
 
     def __call__(self) -> RequestHandler:
-        return EdgeRequestHandler(self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs)
+        return EdgeRequestHandler(
+            self,
+            loop=self._loop,
+            header_timeout_s=self._header_timeout_s,
+            open_requests=self._open_requests,
+            **self._kwargs,
+        )
 
 
 class EdgeRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections are served by :class:`EdgeRequestHandler`."""
+    """``web.AppRunner`` whose connections are served by :class:`EdgeRequestHandler`, counting the
+    requests they answer into ``open_requests``."""
 
-    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, *, header_timeout_s: float, open_requests: OpenRequests, **kwargs: Any
+    ) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._open_requests = open_requests
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # the app's own server: its handler and request factory
@@ -139,5 +158,60 @@ class EdgeRunner(web.AppRunner):
             handler_cancellation=plain.handler_cancellation,
             loop=asyncio.get_running_loop(),
             header_timeout_s=self._header_timeout_s,
+            open_requests=self._open_requests,
             **plain._kwargs,  # the handler settings the runner was given (access log, keep-alive, ...)
         )
+
+
+class Listener:
+    """An address bound before the app starts (:meth:`bind`; ``web.TCPSite`` binds only once the app
+    has started: its workers), served once :class:`ListenerSite` starts. :meth:`close` releases one
+    never served (one served closes with its site)."""
+
+    def __init__(self) -> None:
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0  # the bound one (0 asked: a free one)
+        self.factory: Callable[[], asyncio.BaseProtocol] | None = None  # its connections' handler, once served
+
+    @classmethod
+    async def bind(cls, host: str, port: int, *, backlog: int = 128) -> Listener:
+        """Bind ``host:port`` (connections are refused until it is served); raises ``OSError`` when
+        the address cannot be bound (in use, not this host's)."""
+        listener = cls()
+        listener._server = await asyncio.get_running_loop().create_server(
+            listener._connection, host, port, backlog=backlog, reuse_address=True, start_serving=False
+        )
+        sockets = getattr(listener._server, "sockets", None)  # asyncio's or uvloop's server
+        listener.port = int(sockets[0].getsockname()[1]) if sockets else port
+        return listener
+
+    @property
+    def server(self) -> asyncio.AbstractServer:
+        assert self._server is not None, "not bound"
+        return self._server
+
+    def _connection(self) -> asyncio.BaseProtocol:
+        assert self.factory is not None, "a connection was accepted before the listener was served"
+        return self.factory()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class ListenerSite(web.BaseSite):
+    """The runner's site on a :class:`Listener` (made once the runner is set up)."""
+
+    def __init__(self, runner: web.BaseRunner, listener: Listener, host: str) -> None:
+        super().__init__(runner)
+        self._listener = listener
+        self._host = host
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._listener.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        self._listener.factory = self._runner.server
+        self._server = self._listener.server  # the runner's cleanup stops this site: it closes
+        await self._server.start_serving()

@@ -28,6 +28,7 @@ from proxy.request.pacing import LoadBoard
 from proxy.request.path import RequestPath
 from proxy.request.queues import QueueDepth
 from proxy.server.auth import KeyRing
+from proxy.server.drain import Drain
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
 from proxy.workers.base import WorkerPool
@@ -43,6 +44,7 @@ class ProxyState:
     metrics: ProxyMetrics
     keys: KeyRing
     models: ModelCatalog
+    drain: Drain  # the shutdown's first step (proxy.shutdown_grace_s); counts the requests the edge answers
     session: aiohttp.ClientSession | None = None  # scrapes, aborts, model lists and admin calls
     scraper: Scraper | None = None
     gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0

@@ -1,0 +1,207 @@
+"""How ``pacer serve`` starts and stops, as a real process on real sockets in front of the simulated
+worker.
+
+- SIGTERM with requests in flight: they get ``proxy.shutdown_grace_s`` to end, then are ended, each
+  with one answer (a stream with an error event, a whole answer with a 503), and the proxy exits with
+  its worker stopped; a second signal ends the drain at once.
+- A port in use: the proxy says so and exits before any worker launches, without a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+# answers of 8000 tokens: about 11 s on the simulated worker at ten times the modelled speed, far
+# longer than the drains below take
+LONG = 8000
+POLICY = """\
+[proxy]
+gpu_sample_interval_s = 0
+shutdown_grace_s = {grace}
+
+[engine]
+kind = "sim"
+workers = 1
+extra_args = ["--sim-time-scale", "10", "--sim-startup-seconds", "0", "--sim-output-fraction", "1",
+              "--sim-output-spread", "0"]
+
+[control]
+mode = "off"
+"""
+
+
+@contextlib.contextmanager
+def serving(folder: Path, grace_s: float, port: int = 0) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``pacer serve`` on ``folder/policy.toml`` (its state and worker logs under ``folder``); killed
+    if it still runs when the block ends."""
+    (folder / "policy.toml").write_text(POLICY.format(grace=grace_s))
+    log_path = folder / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--policy", "policy.toml", "--port", str(port)],
+            cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            yield proc, log_path
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def ready_url(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 30.0) -> str:
+    """The proxy's URL once its worker is ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log.read_text()
+        m = re.search(r"listening on (http://\S+?) ", text)
+        if m and "worker w0 is ready" in text:
+            return m.group(1)
+        assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+        await asyncio.sleep(0.05)
+
+
+async def wait_log(proc: subprocess.Popen[bytes], log: Path, line: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        await asyncio.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, waiting for its reaper, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class InFlight:
+    """Two long streams and one long whole answer, each as the client receives it."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self.first_output = [asyncio.Event(), asyncio.Event()]
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG}
+        self.streams = [asyncio.create_task(self._stream(session, url, body, seen)) for seen in self.first_output]
+        self.whole = asyncio.create_task(self._whole(session, url, body))
+
+    @staticmethod
+    async def _stream(
+        session: aiohttp.ClientSession, url: str, body: dict[str, Any], seen: asyncio.Event
+    ) -> tuple[int, list[bytes]]:
+        async with session.post(url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            events = []
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    seen.set()
+            return resp.status, events
+
+    @staticmethod
+    async def _whole(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+    async def started(self, session: aiohttp.ClientSession, url: str) -> int:
+        """Once all three run on the worker (the streams with output out): the worker's pid."""
+        for seen in self.first_output:
+            await asyncio.wait_for(seen.wait(), 10)
+        deadline = time.monotonic() + 10
+        while True:
+            async with session.get(url + "/admin/workers") as resp:
+                (worker,) = (await resp.json())["workers"]
+            if worker["in_flight"] == 3:
+                return int(worker["pid"])
+            assert time.monotonic() < deadline, worker
+            await asyncio.sleep(0.02)
+
+    async def answers(self) -> tuple[list[tuple[int, list[bytes]]], tuple[int, Any]]:
+        streams = await asyncio.wait_for(asyncio.gather(*self.streams), 30)
+        return streams, await asyncio.wait_for(self.whole, 30)
+
+
+def assert_ended_by_the_proxy(streams: list[tuple[int, list[bytes]]], whole: tuple[int, Any]) -> None:
+    """Each stream: output, then one error event (shutting_down) and [DONE]; the whole answer: a 503."""
+    for status, events in streams:
+        assert status == 200 and len(events) > 2 and events[-1] == b"[DONE]", events[-3:]
+        error = orjson.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down" and "incomplete" in error["message"], error
+        assert all(b'"error"' not in e for e in events[:-2])
+    status, body = whole
+    assert status == 503 and body["error"]["code"] == "shutting_down", whole
+
+
+@pytest.mark.timeout(90)
+async def test_sigterm_ends_the_requests_in_flight_after_the_grace_and_stops_the_worker(tmp_path: Path) -> None:
+    with serving(tmp_path, grace_s=1.0) as (proc, log):
+        url = await ready_url(proc, log)
+        async with aiohttp.ClientSession() as session:
+            requests = InFlight(session, url)
+            worker_pid = await requests.started(session, url)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            streams, whole = await requests.answers()
+            code = await asyncio.to_thread(proc.wait, 30)
+            took = time.monotonic() - signalled
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert_ended_by_the_proxy(streams, whole)
+    assert "stopping: 3 request(s) in flight, waiting at most 1 s for them to end" in text, text[-3000:]
+    assert "ending 3 request(s) still in flight after 1.0 s" in text, text[-3000:]
+    assert took < 5, f"stopped {took:.1f} s after SIGTERM (a grace of 1 s); answers take ~11 s"
+    assert "Traceback" not in text and text.splitlines()[-1].endswith("stopped"), text[-3000:]
+    assert not alive(worker_pid)
+
+
+@pytest.mark.timeout(90)
+async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
+    with serving(tmp_path, grace_s=60.0) as (proc, log):
+        url = await ready_url(proc, log)
+        async with aiohttp.ClientSession() as session:
+            requests = InFlight(session, url)
+            worker_pid = await requests.started(session, url)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await wait_log(proc, log, "waiting at most 60 s for them to end")
+            proc.send_signal(signal.SIGINT)
+            streams, whole = await requests.answers()
+            code = await asyncio.to_thread(proc.wait, 30)
+            took = time.monotonic() - signalled
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert_ended_by_the_proxy(streams, whole)
+    assert "SIGINT, a second signal: stopping now" in text and "(stopped now)" in text, text[-3000:]
+    assert took < 5, f"stopped {took:.1f} s after the first signal; answers take ~11 s"
+    assert "Traceback" not in text and text.splitlines()[-1].endswith("stopped"), text[-3000:]
+    assert not alive(worker_pid)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_stops_before_any_worker_launches(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with serving(tmp_path, grace_s=1.0, port=port) as (proc, log):
+            code = proc.wait(30)
+    text = log.read_text()
+    assert code == 1, text[-3000:]
+    lines = text.splitlines()
+    assert lines[-1].endswith(f"cannot listen on 127.0.0.1:{port}: address already in use"), text[-3000:]
+    assert "Traceback" not in text and "Error" not in text, text[-3000:]
+    assert "worker w0" not in text and not (tmp_path / ".pacer").exists(), "a worker was launched: " + text[-3000:]
