@@ -21,7 +21,8 @@ Two classes, and keys within a class::
             waiting cannot jump the ring with each.
     order:  FIFO within a key. A ticket taken back from a worker (a retry, or a request the
             controller requeues before it produced output) goes to the *front* of its key and its
-            key before every other, with its cost refunded, so it does not lose its place.
+            key to the front of the ring (after the new keys' first requests), with its cost
+            refunded, so it loses neither its place nor its share.
     full:   at capacity, a new ticket of a key holding fewer waiting tickets than the key holding
             the most pushes out that key's newest ticket of its class or a lower one (longest queue
             drop; a batch arrival never pushes out interactive work): its client gets the 429 a
@@ -171,8 +172,9 @@ class AdmissionQueue:
         return sum(st.waiting for c in self._classes.values() if (st := c.stats.get(key)) is not None)
 
     def requeue(self, ticket: Ticket) -> None:
-        """Put a ticket that already held a place back at the *front* of its key, its key before
-        every other (the front of the new keys) and its cost back in its credit.
+        """Put a ticket that already held a place back at the *front* of its key, its key at the
+        front of the ring (its turn next, after the new keys' first requests; a turn it had, kept) or
+        of the new keys, and its cost back in its credit: it loses neither its place nor its share.
 
         Not bounded by capacity: the request was accepted once and must not be dropped now.
         """
@@ -183,14 +185,14 @@ class AdmissionQueue:
             ticket.future = asyncio.get_running_loop().create_future()
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).appendleft(ticket)
-        if ticket.key in c.fresh:
+        if ticket.key in c.fresh:  # a new key: first among the new ones
             c.fresh.remove(ticket.key)
-        elif ticket.key in c.deficit:
-            had_turn = c.ring[0] == ticket.key
+            c.fresh.appendleft(ticket.key)
+        elif ticket.key in c.deficit:  # in the ring: at its front, the turn its own (kept, if it had it)
             c.ring.remove(ticket.key)
-            if had_turn and c.ring:  # the turn passes on, as when a key retires
-                c.deficit[c.ring[0]] += self._quantum(c.ring[0])
-        c.fresh.appendleft(ticket.key)  # before every key, new or backlogged
+            c.ring.appendleft(ticket.key)
+        else:  # it had nothing else waiting: first among the new keys
+            c.fresh.appendleft(ticket.key)
         c.deficit[ticket.key] = c.deficit.get(ticket.key, 0.0) + ticket.cost
         self._picked = None
         self._enqueued(ticket)
