@@ -22,7 +22,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
@@ -695,7 +694,7 @@ async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
     try:
         listener = await Listener.bind(host, port, backlog=4096)
     except OSError as exc:
-        why = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        why = (exc.strerror or str(exc)).lower()  # "address already in use", or a name that does not resolve
         raise CannotListen(f"cannot listen on {host}:{port}: {why}") from exc
     runner = make_runner(app)
     try:

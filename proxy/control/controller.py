@@ -900,7 +900,7 @@ class Controller:
             return None
         delay = revive_delay(w.state, self.settings, now)
         deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)
-        if deaths < self.settings.crash_loop:  # the loop, if it was in one, is over
+        if deaths <= 1:  # the loop it was in, if any, is over: the death before left the window
             w.state = w.state.with_crash_loop_noted(False)
         chosen = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH).decision
         if chosen is not None:
@@ -926,7 +926,8 @@ class Controller:
             if not self.settings.revive:
                 return None
             decision = self._revival(worker_id, w, cause, deaths, now, decision.delay_s)
-        loop = crash_loop_unbroken(w.state, self.settings, now, cause)
+        # a loop on the same arguments only: a rule changing them (an OOM's) is no loop yet
+        loop = crash_loop_unbroken(w.state, self.settings, now, cause) if decision.rule == "revive" else None
         if loop is not None:
             _log.warning("worker %s: %s", worker_id, loop.reason)
             w.state = w.state.with_crash_loop_noted(True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -175,14 +176,30 @@ class Listener:
 
     @classmethod
     async def bind(cls, host: str, port: int, *, backlog: int = 128) -> Listener:
-        """Bind ``host:port`` (connections are refused until it is served); raises ``OSError`` when
-        the address cannot be bound (in use, not this host's)."""
-        listener = cls()
-        listener._server = await asyncio.get_running_loop().create_server(
-            listener._connection, host, port, backlog=backlog, reuse_address=True, start_serving=False
-        )
-        sockets = getattr(listener._server, "sockets", None)  # asyncio's or uvloop's server
-        listener.port = int(sockets[0].getsockname()[1]) if sockets else port
+        """Bind and listen on ``host:port`` (its first address; connections wait in the backlog until
+        it is served); raises ``OSError`` when the address cannot be bound (in use, not this host's).
+        Listening at once holds the port: a socket only bound (``create_server``'s
+        ``start_serving=False``) lets another ``SO_REUSEADDR`` server bind it meanwhile, and under
+        uvloop that one then gets every connection."""
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, address = (
+            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            listener = cls()
+            listener.port = int(sock.getsockname()[1])
+            listener._server = await loop.create_server(
+                listener._connection, sock=sock, backlog=backlog, start_serving=False
+            )
+        except BaseException:
+            sock.close()
+            raise
         return listener
 
     @property

@@ -19,11 +19,13 @@ from proxy.workers.process import signal_name
 CUT_MARK = "…"
 ERROR_LINES_QUOTED = 2  # the last error lines a summary quotes (a chained exception's two ends)
 LAST_LINES_QUOTED = 8  # the last lines it quotes when none of them reads as an error
+ENDING_LINES = 100  # the lines of a run's end its error lines are looked for in (chained tracebacks fit)
 SUMMARY_CHARS = 2000
 
 # "prog: error: unrecognized arguments: ...", "ERROR: ...", or a Python exception's last line,
 # "ValueError: ...", "torch.OutOfMemoryError: ...": an exception name (…Error, …Exception) then ": "
-_ERROR_LINE = re.compile(r"(?i:\berror: \S)|\b\w*(?:Error|Exception): \S")
+# or the line's end (a bare "AssertionError")
+_ERROR_LINE = re.compile(r"(?i:\berror: \S)|\b\w*(?:Error|Exception)(?:: \S|$)")
 
 
 def keep_end(text: str, limit: int) -> str:
@@ -44,11 +46,13 @@ def how_it_ended(code: int) -> str:
     return f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
 
 
-def what_it_said(lines: Sequence[str], limit: int = SUMMARY_CHARS) -> str:
-    """What output ``lines`` (one run's, oldest first) said last: its last error lines, else its last
-    lines, joined by `` | `` in at most ``limit`` characters, cut at the front ("" when it said nothing)."""
+def what_it_said(lines: Sequence[str], limit: int = SUMMARY_CHARS, *, errors: bool = True) -> str:
+    """What output ``lines`` (one run's, oldest first) said last: with ``errors``, the error lines of
+    its end (its last :data:`ENDING_LINES`: an error a healthy engine logged long before, a request
+    it refused, is not why it ended); else, or with none, its last lines. Joined
+    by `` | `` in at most ``limit`` characters, cut at the front ("" when it said nothing)."""
     said = [line.strip() for line in lines if line.strip()]
-    quoted = error_lines(said)[-ERROR_LINES_QUOTED:] or said[-LAST_LINES_QUOTED:]
+    quoted = (error_lines(said[-ENDING_LINES:])[-ERROR_LINES_QUOTED:] if errors else []) or said[-LAST_LINES_QUOTED:]
     return keep_end(" | ".join(quoted), max(limit, len(CUT_MARK) + 1)) if quoted else ""
 
 
@@ -57,5 +61,5 @@ def describe_exit(code: int, lines: Sequence[str], limit: int = SUMMARY_CHARS) -
     ``limit`` characters in all."""
     how = how_it_ended(code)
     head = f"{how}: "
-    said = what_it_said(lines, limit - len(head))
+    said = what_it_said(lines, limit - len(head), errors=code >= 0)  # a signal: what it was doing, as it was
     return head + said if said else how

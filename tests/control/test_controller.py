@@ -311,6 +311,10 @@ def test_a_crash_loop_on_the_policys_own_args_is_noted_once_per_loop(
         die(t)
     assert [e["evidence"]["deaths"] for e in c.journal.entries() if e["rule"] == "crash_loop"] == [3, 3]
 
+    for t in (5000.0, 5290.0, 5580.0, 5895.0, 6180.0, 6470.0, 6790.0):  # one loop of a death every ~300 s:
+        die(t)  # 2 or 3 deaths in the window by turns, never 1
+    assert [e["evidence"]["deaths"] for e in c.journal.entries() if e["rule"] == "crash_loop"] == [3, 3, 3]
+
 
 def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
     """The pool's words for a death are cut at their front in the journal: the end is what says why."""

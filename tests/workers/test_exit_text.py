@@ -87,3 +87,12 @@ def test_a_run_s_tail_holds_only_the_lines_since_its_launch() -> None:
         lines.push(f"second run line {i}")
     assert lines.run_tail(10) == [f"second run line {i}" for i in range(1, 6)]
     assert lines.run_tail(2) == ["second run line 4", "second run line 5"]
+
+
+def test_an_error_logged_long_before_the_end_is_not_why_it_ended() -> None:
+    refused = ["ValueError: prompt too long (a request refused, the engine went on)"]
+    healthy = [f"[2026-11-28 12:00:{i:02d}] Decode batch. #running-req: 3" for i in range(120)]
+    assert describe_exit(1, refused + healthy + ["AssertionError"]) == "exited with code 1: AssertionError"
+    assert describe_exit(-9, refused + healthy[:5]) == "killed by SIGKILL: " + " | ".join(
+        (refused + healthy[:5])[-8:]
+    )  # a signal: what it was doing, not an error line of its past
