@@ -48,13 +48,25 @@ if TYPE_CHECKING:
 _log = logging.getLogger("proxy")
 
 
+class LogFormat(logging.Formatter):
+    """``[time] message``, as SGLang's own lines read; a warning or an error says so after the time
+    (``[time] WARNING ...``, ``[time] ERROR ...``), so an operator can grep for them."""
+
+    def __init__(self) -> None:
+        super().__init__("[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        if record.levelno < logging.WARNING:
+            return text
+        stamp = f"[{record.asctime}] "
+        return f"{stamp}{record.levelname} {text.removeprefix(stamp)}"
+
+
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="[%(asctime)s] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormat())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 

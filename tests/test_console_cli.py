@@ -3,6 +3,7 @@ refuses a bad URL or interval, waits out an unreachable proxy with ``--watch``, 
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -93,3 +94,21 @@ def test_a_refused_admin_call_names_the_admin_key(monkeypatch) -> None:  # type:
         ):
             client.get("/admin/workers")
         server.shutdown()
+
+
+def test_the_proxys_log_marks_warnings_and_errors() -> None:
+    import logging
+
+    from proxy.cli import LogFormat
+
+    def line(level: int, message: str) -> str:
+        record = logging.LogRecord("proxy", level, __file__, 1, message, None, None)
+        return LogFormat().format(record)
+
+    assert re.fullmatch(
+        r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] worker w0 is ready", line(logging.INFO, "worker w0 is ready")
+    )
+    assert re.fullmatch(
+        r"\[[\d :-]+\] WARNING worker w0 died \(exited\)", line(logging.WARNING, "worker w0 died (exited)")
+    )
+    assert re.fullmatch(r"\[[\d :-]+\] ERROR cannot listen", line(logging.ERROR, "cannot listen"))
