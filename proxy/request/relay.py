@@ -184,6 +184,17 @@ async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, name: s
         _log.debug("abort of %s at %s failed: %r", name, url, exc)
 
 
+def _queue_full_error(path: RequestPath, exc: QueueFull) -> ApiError:
+    """429 ``queue_full``: the queue was full as the request came, or it was pushed out of it."""
+    return ApiError(
+        429,
+        f"{exc}; retry later",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(path.settings.retry_after_s)},
+    )
+
+
 def _closing_error(path: RequestPath) -> ApiError:
     return ApiError(
         503,
@@ -290,13 +301,7 @@ async def _queued(
         raise _closing_error(path) from None
     except QueueFull as exc:
         m.reject_full.inc()
-        raise ApiError(
-            429,
-            f"{exc}; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(path.settings.retry_after_s)},
-        ) from None
+        raise _queue_full_error(path, exc) from None
     m.admitted.inc()
     strip = _ask_for_usage(job)
     named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
@@ -355,13 +360,7 @@ async def _queued(
             raise _closing_error(path) from None
         except QueueFull as exc:  # pushed out of the full queue by another key's request
             m.fail_pushed_out.inc()
-            raise ApiError(
-                429,
-                f"{exc}; retry later",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(path.settings.retry_after_s)},
-            ) from None
+            raise _queue_full_error(path, exc) from None
         except QueueTimeout:
             m.fail_timeout.inc()
             raise ApiError(

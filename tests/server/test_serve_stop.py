@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,49 +147,53 @@ def assert_ended_by_the_proxy(streams: list[tuple[int, list[bytes]]], whole: tup
     assert status == 503 and body["error"]["code"] == "shutting_down", whole
 
 
-@pytest.mark.timeout(90)
-async def test_sigterm_ends_the_requests_in_flight_after_the_grace_and_stops_the_worker(tmp_path: Path) -> None:
-    with serving(tmp_path, grace_s=1.0) as (proc, log):
+@dataclass(frozen=True)
+class Stopped:
+    """How a proxy with three requests in flight stopped (exit code 0): seconds after SIGTERM, its log."""
+
+    took_s: float
+    log: str
+
+
+async def stop_with_three_in_flight(tmp_path: Path, grace_s: float, second_signal: bool) -> Stopped:
+    """Three requests in flight (two streams with output out, one whole answer), then SIGTERM (and,
+    with ``second_signal``, SIGINT once the drain began): each ended by the proxy, the worker gone."""
+    with serving(tmp_path, grace_s=grace_s) as (proc, log):
         url = await ready_url(proc, log)
         async with aiohttp.ClientSession() as session:
             requests = InFlight(session, url)
             worker_pid = await requests.started(session, url)
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
+            if second_signal:
+                await wait_log(proc, log, f"waiting at most {grace_s:g} s for them to end")
+                proc.send_signal(signal.SIGINT)
             streams, whole = await requests.answers()
             code = await asyncio.to_thread(proc.wait, 30)
             took = time.monotonic() - signalled
     text = log.read_text()
     assert code == 0, text[-3000:]
     assert_ended_by_the_proxy(streams, whole)
-    assert "stopping: 3 request(s) in flight, waiting at most 1 s for them to end" in text, text[-3000:]
-    assert re.search(r"ending 3 request\(s\) still in flight after 1\.\d s", text), text[-3000:]  # polled
-    assert took < 5, f"stopped {took:.1f} s after SIGTERM (a grace of 1 s); answers take ~11 s"
     assert "Traceback" not in text and text.splitlines()[-1].endswith("stopped"), text[-3000:]
     assert not alive(worker_pid)
+    return Stopped(took, text)
+
+
+@pytest.mark.timeout(90)
+async def test_sigterm_ends_the_requests_in_flight_after_the_grace_and_stops_the_worker(tmp_path: Path) -> None:
+    stopped = await stop_with_three_in_flight(tmp_path, 1.0, second_signal=False)
+    text = stopped.log
+    assert "stopping: 3 request(s) in flight, waiting at most 1 s for them to end" in text, text[-3000:]
+    assert re.search(r"ending 3 request\(s\) still in flight after 1\.\d s", text), text[-3000:]  # polled
+    assert stopped.took_s < 5, f"stopped {stopped.took_s:.1f} s after SIGTERM (a grace of 1 s); answers take ~11 s"
 
 
 @pytest.mark.timeout(90)
 async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
-    with serving(tmp_path, grace_s=60.0) as (proc, log):
-        url = await ready_url(proc, log)
-        async with aiohttp.ClientSession() as session:
-            requests = InFlight(session, url)
-            worker_pid = await requests.started(session, url)
-            signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            await wait_log(proc, log, "waiting at most 60 s for them to end")
-            proc.send_signal(signal.SIGINT)
-            streams, whole = await requests.answers()
-            code = await asyncio.to_thread(proc.wait, 30)
-            took = time.monotonic() - signalled
-    text = log.read_text()
-    assert code == 0, text[-3000:]
-    assert_ended_by_the_proxy(streams, whole)
+    stopped = await stop_with_three_in_flight(tmp_path, 60.0, second_signal=True)
+    text = stopped.log
     assert "SIGINT, a second signal: stopping now" in text and "(stopped now)" in text, text[-3000:]
-    assert took < 5, f"stopped {took:.1f} s after the first signal; answers take ~11 s"
-    assert "Traceback" not in text and text.splitlines()[-1].endswith("stopped"), text[-3000:]
-    assert not alive(worker_pid)
+    assert stopped.took_s < 5, f"stopped {stopped.took_s:.1f} s after the first signal; answers take ~11 s"
 
 
 @pytest.mark.timeout(60)
