@@ -557,11 +557,20 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 "controller %s (pool %s): rules every %g s over %g s windows", c.mode, name, c.interval_s, c.window_s
             )
         tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
+
+        async def stop_control() -> None:
+            """No decision from now on, none carried out (the shutdown's drain calls it first: no
+            restart or revival while the requests in flight end)."""
+            nonlocal closed
+            closed = True
+            await _stop_tasks(tasks)
+
+        st.stop_control = stop_control
         try:
             yield
         finally:
-            closed = True
-            await _stop_tasks(tasks)
+            await stop_control()
+            st.stop_control = None
             for controller in st.controllers.values():
                 st.board.unsubscribe(controller.on_sample)
 
@@ -635,6 +644,8 @@ async def _drain(app: web.Application) -> None:
     """Shutdown, first step: queued requests get a 503 now; the requests in flight get
     ``proxy.shutdown_grace_s`` to end, then are ended (:class:`~proxy.server.drain.Drain`)."""
     st = app[PROXY]
+    if st.stop_control is not None:
+        await st.stop_control()  # no restart, revival or take-back decided while the requests end
     await st.drain.run(st.requests)
 
 

@@ -567,7 +567,10 @@ class Dispatcher:
     def take_back_newest_batch(self, worker_id: WorkerId, count: int) -> int:
         """Take back up to ``count`` of the batch requests open on the worker with no output yet, newest
         first (:meth:`WorkerLoad.newest_batch`: the least work done there; a whole answer the worker can end
-        early keeps what it wrote and goes on from it). They wait at the front of the batch class."""
+        early keeps what it wrote and goes on from it). They wait at the front of the batch class.
+        None while the proxy stops: what is on a worker ends there (taken back, it could only be refused)."""
+        if self.closing:
+            return 0
         taken = self.board.get(worker_id).newest_batch(count)
         for attempt in taken:
             _take_back(attempt)
@@ -593,8 +596,10 @@ class Dispatcher:
         Each one's ``async with`` block is cancelled (its upstream call is closed and aborted on
         the worker) and its ticket goes back to the front of the proxy queue; with ``end_early``, one
         the worker can end early gives what it wrote (:func:`_take_back`). Started requests run to
-        the end.
+        the end. None while the proxy stops (as :meth:`take_back_newest_batch`).
         """
+        if self.closing:
+            return 0
         n = 0
         for attempt in list(self.board.get(worker_id).attempts):
             if attempt.started or attempt.taken_back:

@@ -11,7 +11,7 @@ scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,8 @@ class ProxyState:
     scrapers: list[Scraper] = field(default_factory=list)  # per pool (``scraper`` is the first)
     # set once the controllers plan the workers' first launches: the pool starts after it
     launches_planned: asyncio.Event = field(default_factory=asyncio.Event)
+    # stops the controllers (idempotent), set while they run: the shutdown's drain calls it first
+    stop_control: Callable[[], Awaitable[None]] | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 
 from proxy.compose import build_app, serve
 from proxy.policy import parse_policy
@@ -22,11 +23,18 @@ from tests.harness.static_pool import StaticPool
 
 
 class Harness:
-    def __init__(self, url: str, state: ProxyState, workers: list[FakeEngine], pool: StaticPool) -> None:
+    def __init__(
+        self, url: str, state: ProxyState, workers: list[FakeEngine], pool: StaticPool, runner: web.AppRunner
+    ) -> None:
         self.url = url
         self.state = state
         self.workers = workers
         self.pool = pool
+        self.runner = runner
+
+    async def stop(self) -> None:
+        """Stop the proxy as a signal does (its drain, then its lifecycles), before the test ends."""
+        await _cleanup(self.runner)
 
     def client(self, api_key: str = "none", **kw: Any) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kw)
@@ -37,6 +45,11 @@ class Harness:
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError("condition not reached in time")
             await asyncio.sleep(0.01)
+
+
+async def _cleanup(runner: web.AppRunner) -> None:
+    if runner.server is not None:  # not stopped by the test already
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -65,8 +78,8 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         pool = StaticPool(urls)
         app = build_app(pol, pool)
         runner, port = await serve(app, "127.0.0.1", 0)
-        cleanups.append(runner.cleanup)
-        h = Harness(f"http://127.0.0.1:{port}", app[PROXY], workers, pool)
+        cleanups.append(lambda: _cleanup(runner))
+        h = Harness(f"http://127.0.0.1:{port}", app[PROXY], workers, pool, runner)
         await h.wait_for(lambda: all(h.state.board.get(w.id).sample is not None for w in pool.workers()))
         return h
 

@@ -789,3 +789,16 @@ def test_the_open_requests_kv_is_estimated_from_prompts_steps_since_sent_and_the
     ]
     no_step = load.open_requests(10.0, 0.0, expected.__getitem__, interactive=False)
     assert no_step[-1] == (350, 1600)  # no step time: nothing written
+
+
+async def test_nothing_is_taken_back_while_the_proxy_stops():
+    board = LoadBoard()
+    d = Dispatcher(
+        _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=4, hi=8), stale_after_s=1e9
+    )
+    _sample(board, "w0", 0)
+    interactive, batch = d.submit(Priority.INTERACTIVE, 10), d.submit(Priority.BATCH, 10)
+    attempts = [t.future.result() for t in (interactive, batch)]
+    d.close()  # the drain began: what is on a worker ends there, a take-back could only be refused
+    assert d.take_back("w0") == 0 and d.take_back_newest_batch("w0", 1) == 0 and d.fail_over("w0") == 0
+    assert not any(a.taken_back for a in attempts)

@@ -226,3 +226,23 @@ async def test_the_bound_port_is_held_before_it_is_served() -> None:
         listener.close()
     with pytest.raises(CannotListen, match=r"cannot listen on no-such-host\.invalid:8000: \w"):
         await serve(None, "no-such-host.invalid", 8000)  # type: ignore[arg-type]  # refused before the app
+
+
+async def test_the_controllers_stop_before_the_drain(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    # a restart, a revival or a canary decided while the requests in flight end would cut them
+    h = await make_proxy(policy={"control": {"mode": "auto"}})
+    st = h.state
+    running_at_drain: list[str] = []
+    drain = st.drain.run
+
+    async def run(requests):  # type: ignore[no-untyped-def]
+        tasks = asyncio.all_tasks()
+        running_at_drain.extend(
+            t.get_name() for t in tasks if t.get_name().startswith("pacer-controller-") and not t.done()
+        )
+        await drain(requests)
+
+    assert any(t.get_name().startswith("pacer-controller-") for t in asyncio.all_tasks())
+    st.drain.run = run  # type: ignore[method-assign]
+    await h.stop()
+    assert running_at_drain == [] and st.stop_control is None
