@@ -83,7 +83,7 @@ class RequestSettings:
 
     request_timeout_s: float  # one upstream attempt, from the POST to the last byte
     queue_timeout_s: float  # longest wait in the proxy queue
-    retry_after_s: int  # the Retry-After of a 429 or a 503 at shutdown
+    retry_after_s: int  # the Retry-After of a 429 (queue full), a 503 (queue timeout, shutdown)
     default_max_tokens: int = 256  # a request's completion tokens when it does not say (its cost estimate)
 
     @classmethod

@@ -184,15 +184,14 @@ async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, name: s
         _log.debug("abort of %s at %s failed: %r", name, url, exc)
 
 
+def _come_back(path: RequestPath) -> dict[str, str]:
+    """The ``Retry-After`` of the proxy's own "not now" answers (``queue.retry_after_s``)."""
+    return {"Retry-After": str(path.settings.retry_after_s)}
+
+
 def _queue_full_error(path: RequestPath, exc: QueueFull) -> ApiError:
     """429 ``queue_full``: the queue was full as the request came, or it was pushed out of it."""
-    return ApiError(
-        429,
-        f"{exc}; retry later",
-        type="rate_limit_error",
-        code="queue_full",
-        headers={"Retry-After": str(path.settings.retry_after_s)},
-    )
+    return ApiError(429, f"{exc}; retry later", type="rate_limit_error", code="queue_full", headers=_come_back(path))
 
 
 def _closing_error(path: RequestPath) -> ApiError:
@@ -201,7 +200,7 @@ def _closing_error(path: RequestPath) -> ApiError:
         "sglang-pacer is shutting down and did not answer the request; send it again",
         type="service_unavailable",
         code="shutting_down",
-        headers={"Retry-After": str(path.settings.retry_after_s)},
+        headers=_come_back(path),
     )
 
 
@@ -368,7 +367,7 @@ async def _queued(
                 _no_worker_message(path),
                 type="service_unavailable",
                 code="queue_timeout",
-                headers={"Retry-After": str(path.settings.retry_after_s)},
+                headers=_come_back(path),
             ) from None
         except AttemptFailed as fail:
             m.fail_upstream.inc()
@@ -396,8 +395,8 @@ def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
 @dataclass(frozen=True, slots=True)
 class _Named:
     """How a job's attempts are named on workers that abort by name: the client's own name (kept as
-    it is, one for all), or the proxy's id of a single-prompt job (the client's ``x-request-id``), numbered per attempt (``.1``,
-    ``.2``, ...) and per part (``.1.c1``); ``base`` None: its attempts go unnamed."""
+    it is, one for all), or the proxy's id of a single-prompt job (its ``x-request-id``), numbered
+    per attempt (``.1``, ``.2``, ...) and per part (``.1.c1``); ``base`` None: its attempts go unnamed."""
 
     field: str | None  # the body field that names a request on the job's workers
     given: str | None  # the client's own name in that field
