@@ -87,11 +87,11 @@ class StreamStitcher:
         "_first",
         "_held_finish",
         "_part_written",
-        "_partial",
         "_parts",
         "_prompt",
         "_reason",
         "_text",
+        "_whole",
         "_written",
     )
 
@@ -103,7 +103,7 @@ class StreamStitcher:
         self._written = 0
         self._prompt: int | None = None
         self._parts = 0
-        self._partial = b""
+        self._whole = WholeEvents()
         self._held_finish: dict[str, Any] | None = None
         self._reason: str | None = None
         self._part_written: int | None = None
@@ -111,14 +111,14 @@ class StreamStitcher:
     def begin_part(self) -> None:
         """A part's stream starts (the first one too)."""
         self._parts += 1
-        self._partial = b""
+        self._whole = WholeEvents()  # what a part left unfinished of an event is dropped
         self._held_finish = None
         self._reason = None
         self._part_written = None
 
     def feed(self, data: bytes) -> bytes:
         """The bytes of the part that arrived; what the client gets now."""
-        *events, self._partial = (self._partial + data).split(b"\n\n")
+        events = self._whole.feed(data).split(b"\n\n")
         return b"".join(self._one(event) for event in events if event.strip())
 
     def end_part(self) -> PartEnd:
