@@ -645,7 +645,7 @@ async def _drain(app: web.Application) -> None:
     ``proxy.shutdown_grace_s`` to end, then are ended (:class:`~proxy.server.drain.Drain`)."""
     st = app[PROXY]
     if st.stop_control is not None:
-        await st.stop_control()  # no restart, revival or take-back decided while the requests end
+        await st.stop_control()  # no restart or revival while the requests end (take-backs: the dispatchers close)
     await st.drain.run(st.requests)
 
 

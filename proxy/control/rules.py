@@ -291,8 +291,8 @@ def _crash_loop_fallback(state: ControlState) -> Mapping[str, object]:
 def crash_loop_unbroken(state: ControlState, c: ControlSettings, now: float, death: str) -> Decision | None:
     """A crash loop :func:`crash_loop` cannot break: the worker already runs the arguments it would go
     back to, so each death only revives it, after the crash back-off. A note, once per loop (until
-    ``state.crash_loop_noted`` is cleared: a death with fewer than ``crash_loop`` deaths in the
-    window ends the loop), with the deaths and the last one's cause (``death``, in words)."""
+    the controller clears ``state.crash_loop_noted``: a death alone in the window ends the loop),
+    with the deaths and the last one's cause (``death``, in words)."""
     deaths = state.deaths_within(now, c.crash_loop_window_s)
     if deaths < c.crash_loop or state.crash_loop_noted or dict(_crash_loop_fallback(state)) != dict(state.args):
         return None
