@@ -67,6 +67,7 @@ from proxy.server.cors import Cors
 from proxy.server.drain import Drain
 from proxy.server.metrics import ProxyMetrics
 from proxy.server.models import ModelCatalog
+from proxy.server.native import add_native_routes
 from proxy.server.protocol import EdgeRunner, Listener, ListenerSite
 from proxy.server.state import PROXY, ProxyState
 from proxy.server.status_log import run_status_log
@@ -191,6 +192,7 @@ def build_app(
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
     app.router.add_post("/admin/trial", handlers.admin_trial)
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
+    add_native_routes(app, (p.engine.engine for p in policy.pools))
     add_routes(app, authenticate=_batch_caller(st))
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     cors.add_preflight_routes(app.router)  # every route is in
@@ -503,6 +505,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 ),
                 clock=time.monotonic,
                 hold=st.pool.hold,
+                give_up=st.pool.give_up,
                 modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
                 offload=planning,
             )

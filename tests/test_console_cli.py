@@ -52,6 +52,16 @@ def test_status_refuses_a_bad_url_and_interval_and_shows_when_decisions_are_hidd
     assert "no decisions yet" in format_status({"workers": []}, {"decisions": []}, 0)
 
 
+def test_status_says_why_a_worker_is_not_serving() -> None:
+    from proxy.console.status import format_status
+
+    down = {"id": "w0", "state": "down", "last_error": "killed by SIGKILL; it stays down (control.mode = off)"}
+    shown = format_status({"workers": [down, {**down, "id": "w1", "state": "ready"}]}, {"decisions": []}, 0)
+    assert shown.count("why: killed by SIGKILL; it stays down (control.mode = off)") == 1  # the down one's only
+    long = format_status({"workers": [{**down, "last_error": "x" * 1000}]}, {"decisions": []}, 0)
+    assert "why: " + "x" * 237 + "...\n" in long and "x" * 238 not in long
+
+
 def test_status_watch_waits_out_an_unreachable_proxy(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from proxy.cli import main
 

@@ -21,6 +21,13 @@ def _num(value: object, digits: int = 2) -> str:
     return "-" if value is None else str(value)
 
 
+_WHY_CHARS = 240  # a death's cause quotes the end of the worker's output: its first words say what happened
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def format_status(workers: Mapping[str, Any], decisions: Mapping[str, Any], last: int) -> str:
     queue = workers.get("proxy_queue", {})
     lines = [
@@ -41,6 +48,8 @@ def format_status(workers: Mapping[str, Any], decisions: Mapping[str, Any], last
         )
         args = " ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in (w.get("args") or {}).items())
         lines.append(f"{'':<8} args: {args or '(none)'}")
+        if w.get("state") != "ready" and w.get("last_error"):  # why it is not serving: the pool's words
+            lines.append(f"{'':<8} why: {_clip(str(w['last_error']), _WHY_CHARS)}")
     journal: Sequence[Mapping[str, Any]] = decisions.get("decisions", [])
     entries = journal[-last:] if last > 0 else []
     lines.append("")

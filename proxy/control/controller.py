@@ -274,6 +274,7 @@ class Controller:
         actor: Actor,
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
+        give_up: Callable[[WorkerId, str], object] | None = None,
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
         offload: Offload = in_thread,
     ) -> None:
@@ -289,6 +290,7 @@ class Controller:
         self.surroundings = surroundings
         self.actor = actor
         self._hold = hold  # send a worker nothing more until it starts again (the pool's hold)
+        self._give_up = give_up  # tell the pool nothing will start a dead worker again (the pool's give_up)
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -411,7 +413,7 @@ class Controller:
             w.state = w.state.serving(now)
         if up and w.starting_at is not None:
             w.startup_s, w.starting_at = now - w.starting_at, None
-        if info.state is WorkerState.DOWN and w.managed and not w.busy:
+        if info.state is WorkerState.DOWN and w.managed and not w.busy and not info.stays_down:
             self._on_death(info.id, info.exit_code, info.last_error)
 
     def on_sample(self, worker_id: WorkerId, sample: Sample | None, error: str | None = None) -> None:
@@ -1083,6 +1085,9 @@ class Controller:
         act = self.decide_revival(worker_id, exit_code, last_error)
         if act is not None:
             self._spawn(self.carry_out(act))
+        elif self._give_up is not None:  # the request path refuses its requests instead of queueing them
+            why = "control.mode = off" if self.mode is ControlMode.OFF else "control.revive = false"
+            self._give_up(worker_id, f"it stays down ({why})")
 
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled; acts run one at a time.

@@ -139,6 +139,18 @@ class Death:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NativeRoute:
+    """One of an engine's own endpoints besides inference and ``/metrics`` that its clients call (model
+    and server info, a deep health check, a cache flush, an abort by name): the proxy serves it as
+    the engine does, from one ready worker of the model (``every_worker`` False: the answer is that
+    worker's) or from each one (True: one answer, a success only when every worker's was)."""
+
+    method: str  # "GET" or "POST"
+    path: str
+    every_worker: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AbortByName:
     """How an engine aborts a running request by a name the client sent it under: ``field`` is the
     request body's field that names it, and posting ``{field: name}`` to ``path`` aborts it."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Modelled, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Modelled, NativeRoute, Sample
 
 
 class LogReader(Protocol):
@@ -110,6 +110,11 @@ class Engine(Protocol):
         """How a running request sent under a name of the proxy's is aborted on a worker that keeps
         its connection open (a take-back that keeps what it wrote, a part of a request the client
         left); None: the engine has no such call, and a request ends when its connection closes."""
+
+    @property
+    def native_routes(self) -> tuple[NativeRoute, ...]:
+        """The engine's own endpoints its clients call besides inference (SGLang's model and server
+        info, ``/health_generate``, ``/flush_cache``, ``/abort_request``), served through the proxy."""
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int

@@ -65,7 +65,7 @@ there is no polling loop and no sleep on the hot path. It resolves each ticket's
 One owner of an attempt's lifecycle, :meth:`Dispatcher.attempt`::
 
     while True:
-        async with dispatcher.attempt(ticket) as attempt:   # waits for a worker (QueueTimeout, ProxyClosing)
+        async with dispatcher.attempt(ticket) as attempt:   # waits for a worker (QueueTimeout, ProxyClosing, NoWorker)
             ...                                             # open upstream; attempt.mark_started(); relay
             return answer
         # only here when the attempt ended without output and the ticket is back in the queue
@@ -78,7 +78,7 @@ refused the connection (it is reported to the pool, which stops sending to it, a
 spent). Any other exit (an answer, a client that left, a failure with no retry left) propagates.
 So a request is answered once, by the handler that owns it, from whichever worker serves it.
 
-Errors, in this layer: exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing`` leave
+Errors, in this layer: exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing``, ``NoWorker`` leave
 :meth:`Dispatcher.submit` and :meth:`Dispatcher.attempt`; ``AttemptFailed`` goes into the block's
 exit); "no worker now" is a ``None`` from :func:`choose_worker`, not an error.
 """
@@ -98,7 +98,7 @@ from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, T
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
-__all__ = ["Dispatcher", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
+__all__ = ["Dispatcher", "NoWorker", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
 
 _log = logging.getLogger(__name__)
 
@@ -184,6 +184,11 @@ class ProxyClosing(Exception):
     """The proxy is shutting down: a queued (or newly submitted) request will not be dispatched."""
 
 
+class NoWorker(Exception):
+    """Every worker of the pool is down and stays down (nothing will start one again): a queued (or
+    newly submitted) request will not be dispatched. The message says which and why."""
+
+
 def _no_requeue_hook(why: Requeued) -> None:
     return None
 
@@ -253,6 +258,8 @@ class Dispatcher:
         ride on the ticket for the planner's picture of the work in flight."""
         if self.closing:
             raise ProxyClosing()
+        if (none_serve := self._none_will_serve()) is not None:
+            raise NoWorker(none_serve)
         now = self.clock()
         spell = priority is Priority.INTERACTIVE and not self._beside_interactive(now)
         if priority is Priority.INTERACTIVE:
@@ -375,6 +382,9 @@ class Dispatcher:
         if self.closing:
             ticket.future.set_exception(ProxyClosing())
             return
+        if (none_serve := self._none_will_serve()) is not None:
+            ticket.future.set_exception(NoWorker(none_serve))
+            return
         self.admission.requeue(ticket)
         self.pump()
 
@@ -395,6 +405,15 @@ class Dispatcher:
         for ticket in self.admission.drain_all():
             if not ticket.future.done():
                 ticket.future.set_exception(ProxyClosing())
+
+    def _none_will_serve(self) -> str | None:
+        """Why no request can be served, when every worker of the pool is down and stays down (the
+        controller gave each up: the policy revives nothing); None while one serves or may again."""
+        workers = self.pool.workers()
+        if not workers or not all(w.stays_down for w in workers):
+            return None
+        down = "; ".join(f"{w.id}: {w.last_error or 'down'}" for w in workers)
+        return f"no worker will serve this request: every worker is down and stays down ({down})"
 
     # -- the gate ---------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -521,6 +540,10 @@ class Dispatcher:
             self.board.get(info.id).forget_sample()
         if info.state is WorkerState.DOWN:
             self.fail_over(info.id)
+        if info.stays_down and (none_serve := self._none_will_serve()) is not None:
+            for ticket in self.admission.drain_all():  # their handlers answer 503 at once, not at their timeout
+                if not ticket.future.done():
+                    ticket.future.set_exception(NoWorker(none_serve))
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:

@@ -52,7 +52,7 @@ from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
 from proxy.request.continuation import Capped
-from proxy.request.dispatch import ProxyClosing, QueueTimeout
+from proxy.request.dispatch import NoWorker, ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.limits import RateLimited
@@ -204,6 +204,12 @@ def _closing_error(path: RequestPath) -> ApiError:
     )
 
 
+def _none_will_serve_error(exc: NoWorker) -> ApiError:
+    """503 ``no_worker``: every worker of the model is down for good (the policy revives none); no
+    ``Retry-After``, since only an operator brings one back."""
+    return ApiError(503, str(exc), type="service_unavailable", code="no_worker")
+
+
 def _no_worker_message(path: RequestPath) -> str:
     workers = path.pool.workers()
     ready = [w for w in workers if w.state is WorkerState.READY]
@@ -298,6 +304,9 @@ async def _queued(
         )
     except ProxyClosing:
         raise _closing_error(path) from None
+    except NoWorker as exc:
+        m.reject_no_worker.inc()
+        raise _none_will_serve_error(exc) from None
     except QueueFull as exc:
         m.reject_full.inc()
         raise _queue_full_error(path, exc) from None
@@ -357,6 +366,9 @@ async def _queued(
             raise
         except ProxyClosing:
             raise _closing_error(path) from None
+        except NoWorker as exc:
+            m.fail_no_worker.inc()
+            raise _none_will_serve_error(exc) from None
         except QueueFull as exc:  # pushed out of the full queue by another key's request
             m.fail_pushed_out.inc()
             raise _queue_full_error(path, exc) from None

@@ -151,7 +151,10 @@ class ProxyMetrics:
         r = self.registry
         self.admitted = Counter("pacer_requests_admitted", "Requests accepted into the proxy queue", registry=r)
         self.rejected = Counter(
-            "pacer_requests_rejected", "Requests refused (auth, validation, full queue)", ["reason"], registry=r
+            "pacer_requests_rejected",
+            "Requests refused (auth, validation, full queue, no worker)",
+            ["reason"],
+            registry=r,
         )
         self.retried = Counter(
             "pacer_requests_retried",
@@ -193,8 +196,10 @@ class ProxyMetrics:
         self.reject_invalid = self.rejected.labels("invalid")
         self.reject_auth = self.rejected.labels("auth")
         self.reject_rate_limited = self.rejected.labels("rate_limited")
+        self.reject_no_worker = self.rejected.labels("no_worker")  # every worker down for good, as it came
         self.fail_timeout = self.failed.labels("queue_timeout")
         self.fail_pushed_out = self.failed.labels("pushed_out")  # by another key's request from the full queue
+        self.fail_no_worker = self.failed.labels("no_worker")  # every worker down for good (the policy revives none)
         self.fail_upstream = self.failed.labels("upstream")
         self.fail_midstream = self.failed.labels("mid_stream")
 

@@ -47,6 +47,9 @@ class WorkerInfo:
     model: str | None = None  # the model its pool serves (None: whatever the worker reports)
     gpus: tuple[int, ...] = ()  # the GPU ids it was given (its CUDA_VISIBLE_DEVICES); () not placed
     node: str | None = None  # the host it runs on when that is not the proxy's (a Ray node's address)
+    # down, and nothing will start it again (the controller's call: the policy revives nothing);
+    # its next launch (an operator's restart or trial) lifts it
+    stays_down: bool = False
 
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
@@ -83,6 +86,11 @@ class WorkerPool(Protocol):
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         """The request path could not connect to the worker: take it out of READY now (notifies
         listeners); the pool brings it back when it answers again."""
+
+    def give_up(self, worker_id: WorkerId, why: str) -> None:
+        """Nothing will start this DOWN managed worker again (``why``, in words, joins its
+        ``last_error``): it is marked ``stays_down`` (notifies listeners) until its next launch. A
+        worker in any other state, or external, is left as it is."""
 
 
 @runtime_checkable

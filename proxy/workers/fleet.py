@@ -120,6 +120,9 @@ class Fleet:
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         self._of(worker_id).report_unreachable(worker_id, error)
 
+    def give_up(self, worker_id: WorkerId, why: str) -> None:
+        self._of(worker_id).give_up(worker_id, why)
+
 
 class PoolView:
     """The workers of one pool of ``whole``; calls about a worker go to ``whole``."""
@@ -159,3 +162,6 @@ class PoolView:
 
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         self.whole.report_unreachable(worker_id, error)
+
+    def give_up(self, worker_id: WorkerId, why: str) -> None:
+        self.whole.give_up(worker_id, why)

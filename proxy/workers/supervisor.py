@@ -101,6 +101,7 @@ class _Slot:
     stopping: bool = False  # set while we stop the process on purpose
     ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
     held: bool = False  # held while starting: it comes up DRAINING, not READY (lifted by its next start)
+    stays_down: bool = False  # given up on: nothing will start it again (lifted by its next launch)
     pool: str = "default"
     model: str | None = None
     gpus: tuple[int, ...] = ()
@@ -122,6 +123,7 @@ class _Slot:
             model=self.model,
             gpus=self.gpus,
             node=self.node,
+            stays_down=self.stays_down,
         )
 
 
@@ -331,6 +333,13 @@ class Supervisor:
         elif slot.state in (WorkerState.READY, WorkerState.DRAINING):
             self._set(slot, WorkerState.DOWN, error=f"unreachable: {error}")
 
+    def give_up(self, worker_id: WorkerId, why: str) -> None:
+        slot = self._slot(worker_id)
+        if not slot.managed or slot.state is not WorkerState.DOWN or slot.stays_down:
+            return
+        slot.stays_down = True
+        self._set(slot, WorkerState.DOWN, error=f"{slot.last_error or 'down'}; {why}")
+
     # ------------------------------------------------------------------ managed workers
 
     def _argv(self, args: dict[str, object], port: int) -> tuple[str, ...]:
@@ -387,6 +396,7 @@ class Supervisor:
         slot.last_error = None
         slot.ready_seen.clear()
         slot.held = False
+        slot.stays_down = False
         slot.lines.begin_run()  # what this process says, apart from what an earlier run said
         try:
             process = await self._launcher.launch(

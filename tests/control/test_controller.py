@@ -101,7 +101,7 @@ STORM_PER_1K = 0.1
 
 def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor | None = None, *, around: Around | None = None,
                hold: Callable[[str], object] = lambda worker_id: None, offload: Offload = in_thread,
-               **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
+               give_up: Callable[[str, str], object] | None = None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
     """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only."""
     clock = Clock()
     journal_path = str(tmp_path / "decisions.jsonl") if tmp_path is not None else None
@@ -109,7 +109,7 @@ def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor |
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
-        hold=hold, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
+        hold=hold, give_up=give_up, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
     )  # fmt: skip
     return c, clock
 
@@ -361,11 +361,15 @@ def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as
 
 
 def test_revive_false_leaves_a_dead_worker_down(tmp_path: Path) -> None:
-    c, _ = controller(ControlMode.AUTO, tmp_path, RecordingActor(), revive=False)
+    given_up: list[tuple[str, str]] = []
+    c, _ = controller(ControlMode.AUTO, tmp_path, RecordingActor(), revive=False, give_up=lambda *a: given_up.append(a))
     c.track(info())
-    assert c.decide_revival("w0") is None
+    c.track(info(state=WorkerState.DOWN))
     [entry] = c.journal.entries()
     assert (entry["status"], entry["detail"]) == ("advised", "the worker stays down (revive = false)")
+    assert given_up == [("w0", "it stays down (control.revive = false)")]  # the pool refuses its requests
+    c.track(dataclasses.replace(info(state=WorkerState.DOWN), stays_down=True))  # the pool saying so: no second death
+    assert len(c.journal.entries()) == 1 and given_up == [("w0", "it stays down (control.revive = false)")]
 
 
 async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(tmp_path: Path) -> None:
@@ -382,11 +386,14 @@ async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(
 
 
 def test_off_records_the_death_only_and_says_the_worker_stays_down(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor())
+    given_up: list[tuple[str, str]] = []
+    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor(), give_up=lambda *a: given_up.append(a))
     c.track(info())
     clock.now = 5.0
     with caplog.at_level(logging.WARNING, logger="proxy.control.controller"):
         c.track(info(state=WorkerState.DOWN))
+    assert given_up == [("w0", "it stays down (control.mode = off)")]
+    c.track(dataclasses.replace(info(state=WorkerState.DOWN), stays_down=True))
     assert c.journal.entries() == [] and c.state("w0").deaths == (5.0,)
     assert not (tmp_path / "decisions.jsonl").exists()
     assert "worker w0 died (exited): it stays down (control.mode = off" in caplog.text  # not a silent outage

@@ -10,7 +10,7 @@ import pytest
 from proxy.engines.base import Sample
 from proxy.request.admission import AdmissionQueue, Priority
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
-from proxy.request.dispatch import Dispatcher, QueueTimeout, choose_worker
+from proxy.request.dispatch import Dispatcher, NoWorker, QueueTimeout, choose_worker
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerInfo, WorkerState
 
@@ -802,3 +802,31 @@ async def test_nothing_is_taken_back_while_the_proxy_stops():
     d.close()  # the drain began: what is on a worker ends there, a take-back could only be refused
     assert d.take_back("w0") == 0 and d.take_back_newest_batch("w0", 1) == 0 and d.fail_over("w0") == 0
     assert not any(a.taken_back for a in attempts)
+
+
+async def test_when_every_worker_stays_down_requests_are_refused_not_queued():
+    """The controller gave each worker up (the policy revives none): what waits fails with
+    :class:`NoWorker` as the last one is given up, a new request at once, a requeue too; while one
+    worker may still come back, requests wait for it."""
+    down = dataclasses.replace(_workers(WorkerState.DOWN)[0], last_error="killed by SIGKILL")
+    pool = _Pool([down, dataclasses.replace(down, id="w1")])
+    d = Dispatcher(pool, LoadBoard(), AdmissionQueue(100), band=Band(lo=1, hi=4), stale_after_s=1.0, clock=lambda: 0.0)
+    waiting = [d.submit(Priority.INTERACTIVE, 60), d.submit(Priority.BATCH, 60)]
+    gone = dataclasses.replace(down, stays_down=True, last_error="killed by SIGKILL; it stays down")
+    pool.ws = [gone, pool.ws[1]]
+    d.on_worker_state(gone)  # w1 may still come back: they wait
+    assert not any(t.future.done() for t in waiting) and len(d.admission) == 2
+    pool.ws = [gone, dataclasses.replace(gone, id="w1")]
+    d.on_worker_state(pool.ws[1])
+    for ticket in waiting:
+        with pytest.raises(
+            NoWorker, match=r"every worker is down and stays down \(w0: killed by SIGKILL; it stays down; w1"
+        ):
+            ticket.future.result()
+    assert len(d.admission) == 0
+    with pytest.raises(NoWorker):
+        d.submit(Priority.INTERACTIVE, 60)
+    ticket = Ticket(Priority.BATCH, 0.0, 60.0, asyncio.get_running_loop().create_future())
+    d._requeue(ticket, Attempt(ticket, "w0", 0.0), Requeued.UNREACHABLE)  # a request the worker's death gave back
+    with pytest.raises(NoWorker):
+        ticket.future.result()

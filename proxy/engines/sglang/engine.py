@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, Modelled, Sample
+from proxy.engines.base import AbortByName, Death, Knob, KnobName, Modelled, NativeRoute, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.sglang import argv, knobs, logs, metrics
 
@@ -43,6 +43,20 @@ NO_FIELDS: Mapping[str, object] = MappingProxyType({})
 # it normally, with the text written so far and finish_reason "abort"
 # (tokenizer_manager._handle_abort_finish_reason)
 _ABORT_BY_RID = AbortByName(field="rid", path="/abort_request", answers_with_output=True)
+# http_server.py (0.5.x): the info its clients read at start (the frontend's RuntimeEndpoint reads
+# /get_model_info), the deep health check (a one-token generate), and what acts on every worker (the
+# router sends /flush_cache to each; a rid is aborted wherever it runs); the /get_* names are the
+# deprecated aliases, still served
+_NATIVE = (
+    *(
+        NativeRoute(method="GET", path=p)
+        for p in ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
+    ),
+    NativeRoute(method="GET", path="/health_generate"),
+    NativeRoute(method="GET", path="/flush_cache", every_worker=True),
+    NativeRoute(method="POST", path="/flush_cache", every_worker=True),
+    NativeRoute(method="POST", path="/abort_request", every_worker=True),
+)
 _PRIORITY: Mapping[tuple[bool, bool], Mapping[str, object]] = {  # (interactive, low values first)
     (True, False): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
     (False, False): MappingProxyType({"priority": BATCH_PRIORITY}),
@@ -145,6 +159,10 @@ class SGLangEngine:
     @property
     def abort_by_name(self) -> AbortByName:
         return _ABORT_BY_RID
+
+    @property
+    def native_routes(self) -> tuple[NativeRoute, ...]:
+        return _NATIVE
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int

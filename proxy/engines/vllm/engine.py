@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import Death, Knob, KnobName, Modelled, Sample
+from proxy.engines.base import Death, Knob, KnobName, Modelled, NativeRoute, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.vllm import argv, knobs, logs, metrics
 
@@ -28,6 +28,9 @@ __all__ = ["VLLM", "VllmEngine"]
 NO_FIELDS: Mapping[str, object] = MappingProxyType({})
 INTERACTIVE_FIELDS: Mapping[str, object] = MappingProxyType({"priority": 0})
 BATCH_FIELDS: Mapping[str, object] = MappingProxyType({"priority": 100})
+
+
+_NATIVE = (NativeRoute(method="GET", path="/version"),)  # api_server.py: {"version": ...}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,10 @@ class VllmEngine:
     def abort_by_name(self) -> None:
         # no /abort_request: a request ends when its connection closes, and its answer with it
         return None
+
+    @property
+    def native_routes(self) -> tuple[NativeRoute, ...]:
+        return _NATIVE
 
     def continuation_fields(
         self, path: str, body: Mapping[str, object], written_tokens: int

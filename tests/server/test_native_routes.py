@@ -1,0 +1,89 @@
+"""SGLang's own endpoints besides inference, through the proxy, in front of two real ``pacer sim``
+workers: what a native client (SGLang's frontend ``RuntimeEndpoint`` reads ``/get_model_info`` as it
+starts) and an operator (``/flush_cache``, ``/abort_request`` by ``rid``) call on SGLang."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
+from proxy.server.state import PROXY, ProxyState
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+from tests.server.test_e2e_sim import _wait
+
+
+@pytest.fixture
+async def proxy(tmp_path) -> AsyncIterator[tuple[str, ProxyState]]:
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 2,
+                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            "batch": {"dir": str(tmp_path / "batches")},
+        },
+        "<native>",
+    )
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    try:
+        await _wait(lambda: sum(w.state is WorkerState.READY for w in pool.workers()) == 2, 60)
+        yield f"http://127.0.0.1:{port}", app[PROXY]
+    finally:
+        await runner.cleanup()
+
+
+async def test_info_and_health_come_from_a_worker_as_it_answers(proxy) -> None:
+    url, st = proxy
+    async with aiohttp.ClientSession() as s:
+        worker = st.pool.get("w0").url
+        for path in ("/get_model_info", "/model_info"):
+            async with s.get(url + path) as mine, s.get(worker + path) as theirs:
+                assert mine.status == 200 and await mine.json() == await theirs.json()
+        async with s.get(url + "/get_server_info") as r:
+            info = await r.json()
+        assert r.status == 200 and "internal_states" in info and info["frontend"] == "python"
+        async with s.get(url + "/health_generate") as r:
+            assert r.status == 200
+        async with s.get(url + "/get_model_info?model=another") as r:  # one model served, and not that one
+            assert r.status == 404 and "'another' does not exist" in (await r.json())["error"]["message"]
+        for w in st.pool.workers():
+            st.pool.set_state(w.id, WorkerState.DRAINING)
+        async with s.get(url + "/health_generate") as r:  # nothing ready: the deep check says so
+            body = await r.json()
+        assert r.status == 503 and body["error"]["code"] == "not_ready", body
+        for w in st.pool.workers():
+            st.pool.set_state(w.id, WorkerState.READY)
+
+
+async def test_flush_and_abort_reach_every_worker(proxy) -> None:
+    url, st = proxy
+    async with aiohttp.ClientSession() as s:
+        for method in ("GET", "POST"):
+            async with s.request(method, url + "/flush_cache") as r:
+                assert r.status == 200 and (await r.text()).startswith("Cache flushed.")
+        # a long request under the client's rid, aborted by that rid wherever it runs
+        payload = {"text": "hello", "rid": "abort-me", "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
+        running = asyncio.ensure_future(s.post(url + "/generate", json=payload))
+        await _wait(lambda: st.board.total_in_flight() == 1)
+        holder = next(w.id for w in st.pool.workers() if st.board.get(w.id).in_flight == 1)
+        async with s.post(url + "/flush_cache") as r:  # a request runs there: SGLang's refusal, naming the worker
+            refused = await r.json()
+        assert r.status == 400 and f"{holder}: 400 'Cache not flushed." in refused["error"]["message"], refused
+        async with s.post(url + "/abort_request", json={"rid": "abort-me"}) as r:
+            assert r.status == 200
+        async with await asyncio.wait_for(running, 10) as r:
+            answer = await r.json()
+        assert answer["meta_info"]["id"] == "abort-me" and answer["meta_info"]["finish_reason"]["type"] == "abort"
+        assert answer["meta_info"]["completion_tokens"] < 30000

@@ -1,0 +1,84 @@
+"""A worker that dies where the policy revives nothing (``control.mode = "off"``): the requests it
+had, and every request after, are answered 503 ``no_worker`` at once, saying why, instead of each
+waiting out ``queue.timeout_s`` for a worker that will not come; an operator's restart brings it
+back and requests flow again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+
+from proxy.compose import build_app, serve
+from proxy.policy import parse_policy
+from proxy.server.state import PROXY
+from proxy.workers.base import WorkerState
+from proxy.workers.supervisor import Supervisor
+from tests.server.test_e2e_sim import MODEL, _wait
+
+QUEUE_TIMEOUT_S = 120  # far longer than the test: an answer before it is the proxy's own
+
+
+async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_path) -> None:
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 1,
+                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            "queue": {"timeout_s": QUEUE_TIMEOUT_S},
+            "control": {"mode": "off", "journal_path": str(tmp_path / "decisions.jsonl")},
+            "batch": {"dir": str(tmp_path / "batches")},
+        },
+        "<stays-down>",
+    )
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    st = app[PROXY]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        await _wait(lambda: pool.get("w0").state is WorkerState.READY, 60)
+        body = {"sim_output_len": 4000}  # long: still running when the worker is killed
+        on_it = asyncio.ensure_future(
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
+        )
+        await _wait(lambda: st.board.get("w0").in_flight == 1)
+        started = time.monotonic()
+        os.kill(pool.get("w0").pid, signal.SIGKILL)
+        await _wait(lambda: pool.get("w0").stays_down)
+        errors = []
+        try:
+            await on_it
+        except openai.APIStatusError as e:
+            errors.append(e)
+        try:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        except openai.APIStatusError as e:
+            errors.append(e)
+        assert time.monotonic() - started < 20  # not the queue's timeout
+        assert [(e.status_code, e.code) for e in errors] == [(503, "no_worker")] * 2
+        message = errors[1].message
+        assert "w0: killed by SIGKILL" in message and "stays down (control.mode = off)" in message, message
+        assert "retry-after" not in errors[1].response.headers  # only an operator brings it back
+        registry = st.metrics.registry
+        assert registry.get_sample_value("pacer_requests_failed_total", {"reason": "no_worker"}) == 1
+        assert registry.get_sample_value("pacer_requests_rejected_total", {"reason": "no_worker"}) == 1
+
+        await pool.restart("w0", pool.get("w0").args, "the operator's restart")  # its next launch lifts it
+        assert pool.get("w0").state is WorkerState.READY and not pool.get("w0").stays_down
+        await _wait(lambda: st.board.get("w0").sample is not None)
+        again = await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"sim_output_len": 2})
+        assert again.usage.completion_tokens == 2
+        pool.give_up("w0", "it stays down")  # a worker that serves is not given up
+        assert not pool.get("w0").stays_down
+    finally:
+        await client.close()
+        await runner.cleanup()
