@@ -837,6 +837,7 @@ def _pools(
     names: dict[str, int] = {}
     models: dict[str, str] = {}
     owner: dict[int, str] = {}
+    ports: dict[str, range] = {}
     for i, p in enumerate(pools):
         if p.name in names:
             raise PolicyError(f"pool[{i}].name", f"{p.name!r} is also pool[{names[p.name]}]", source=source)
@@ -855,6 +856,17 @@ def _pools(
                     f"pool.{p.name}.gpus", f"GPU {g} is given twice (pool {owner[g]!r} has it)", source=source
                 )
             owner[g] = p.name
+        e = p.engine
+        if e.managed and e.base_port:  # fixed ports: two pools' workers must not share one (on a node, a clash)
+            mine = range(e.base_port, e.base_port + e.workers)
+            for other, theirs in ports.items():
+                if mine.start < theirs.stop and theirs.start < mine.stop:
+                    raise PolicyError(
+                        f"pool.{p.name}.base_port",
+                        f"ports {mine.start}..{mine.stop - 1} overlap those of pool {other!r} ({theirs.start}..{theirs.stop - 1})",
+                        source=source,
+                    )
+            ports[p.name] = mine
     return tuple(pools)
 
 
@@ -877,7 +889,9 @@ def _pool(t: Table, control: Mapping[str, Any], pacing: Mapping[str, Any], sourc
         if len(set(raw_gpus)) != len(raw_gpus):
             twice = next(g for g in raw_gpus if raw_gpus.count(g) > 1)
             raise t.error("gpus", f"GPU {twice} is given twice")
-        if not raw_gpus or len(raw_gpus) % tp:
+        if not raw_gpus:
+            raise t.error("gpus", 'is empty: give the GPU ids, "auto", or leave it out (no placement)')
+        if len(raw_gpus) % tp:
             raise t.error("gpus", f"tp = {tp} does not divide the {len(raw_gpus)} GPUs given")
         gpus = tuple(raw_gpus)
     overrides = t.mapping("control")

@@ -14,7 +14,9 @@ import pytest
 from proxy.compose import build_app
 from proxy.engines.base import Sample
 from proxy.policy import parse_policy
+from proxy.request import relay
 from proxy.server.state import PROXY, ProxyState
+from proxy.workers.base import WorkerState
 from proxy.workers.fleet import build_pool
 
 
@@ -106,3 +108,16 @@ async def test_each_pool_s_fast_tier_keeps_its_own_policy_timings() -> None:
                 limits[worker].append(st.board.get(worker).limit)
         assert limits["a-w0"] == [None, 43, 43, 43]  # 0.8 x 54 held, then held for 5 s
         assert limits["b-w0"] == [None, 43, 34, 27]  # again after each 1 s hold
+
+
+async def test_a_queue_timeout_names_the_workers_of_the_request_s_own_pool() -> None:
+    """A model whose workers are all down: the 503 says so with their causes, not the other pool's
+    ready workers' pacing."""
+    async with built(two_pools()) as st:
+        for w in st.pool.workers():
+            assert w.state is WorkerState.DOWN  # nothing answers at their URLs
+        message = relay._no_worker_message(st.requests, st.requests.dispatcher_of("b"))
+        assert message.startswith(
+            "no worker is ready (b-w0 down: unreachable: no answer from http://127.0.0.1:10/health"
+        )
+        assert "a-w0" not in message

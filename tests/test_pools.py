@@ -63,6 +63,15 @@ def test_two_pools_with_their_gpus_models_and_control_overrides() -> None:
         ),
         (pools({"name": "a", "gpus": [0, 0]}), "pool[0].gpus", "GPU 0 is given twice"),
         (pools({"name": "a", "tp": 4, "gpus": [0, 1, 2]}), "pool[0].gpus", "tp = 4 does not divide the 3 GPUs"),
+        (pools({"name": "a", "gpus": []}), "pool[0].gpus", "is empty"),
+        (
+            pools(
+                {"name": "a", "model": "x", "gpus": [0, 1], "base_port": 31700},
+                {"name": "b", "model": "y", "gpus": [2, 3], "base_port": 31701},
+            ),
+            "pool.b.base_port",
+            "ports 31701..31702 overlap those of pool 'a' (31700..31701)",
+        ),
         (pools({"name": "a", "gpus": [0, 1], "workers": 3}), "pool[0].workers", "make 2 workers"),
         (pools({"name": "a", "model": "x"}, {"name": "a", "model": "y"}), "pool[1].name", "also pool[0]"),
         (pools({"name": "a", "model": "x"}, {"name": "b"}), "pool.b.model", "required when there are several"),
@@ -77,6 +86,12 @@ def test_two_pools_with_their_gpus_models_and_control_overrides() -> None:
 def test_bad_pools_are_refused_naming_the_key(doc: dict[str, Any], key: str, words: str) -> None:
     err = refused(doc)
     assert err.key == key and words in err.problem
+
+
+def test_pools_on_ports_side_by_side_are_fine() -> None:
+    doc = pools({"name": "a", "model": "x", "gpus": [0, 1], "base_port": 31700},
+                {"name": "b", "model": "y", "gpus": [2, 3], "base_port": 31702})  # fmt: skip
+    assert [p.engine.base_port for p in parse_policy(doc, "<t>").pools] == [31700, 31702]
 
 
 def on_gpus(**table: Any) -> dict[str, Any]:

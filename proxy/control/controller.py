@@ -76,7 +76,7 @@ from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sa
 from proxy.engines.contract import LogReader
 from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
-from proxy.workers.exit_text import how_it_ended, keep_end
+from proxy.workers.exit_text import how_it_ended, shorten_cause
 
 __all__ = [
     "Act",
@@ -94,7 +94,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _TAIL_LINES = 300
-_DEATH_CHARS = 500  # a death's cause in words, at most (cut at its front: a dying process says why last)
+_DEATH_CHARS = 500  # a death's cause in words, at most (how it ended kept, what it said cut at its front: a dying process says why last)
 _DETAIL_CHARS = 1000  # a failed revival's detail, at most
 
 
@@ -976,7 +976,7 @@ class Controller:
         death = self.engine.classify_death(self.surroundings.log_tail(worker_id, _TAIL_LINES))
         if death is None or death.cause == "unknown":
             if last_error:
-                return keep_end(last_error, _DEATH_CHARS)
+                return shorten_cause(last_error, _DEATH_CHARS)
             return "exited" if exit_code is None else how_it_ended(exit_code)
         if death.cause == "oom":
             w.window = w.window.push(
@@ -1194,7 +1194,7 @@ class Controller:
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, opens=opens)
         else:
-            detail = f"{d.worker_id} is {info.state}: " + keep_end(info.last_error or "", _DETAIL_CHARS)
+            detail = f"{d.worker_id} is {info.state}: " + shorten_cause(info.last_error or "", _DETAIL_CHARS)
             self.journal.update(act.entry_id, status=Status.FAILED, detail=detail, act=details)
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = None  # the canary did not come back: its death's rules take over

@@ -52,7 +52,7 @@ from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
 from proxy.request.continuation import Capped
-from proxy.request.dispatch import NoWorker, ProxyClosing, QueueTimeout
+from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.limits import RateLimited
@@ -67,6 +67,7 @@ from proxy.request.upstream import (
     UpstreamUnreachable,
 )
 from proxy.workers.base import WorkerState
+from proxy.workers.exit_text import shorten_cause
 
 __all__ = ["EventStream", "Opened", "complete", "forward"]
 
@@ -77,6 +78,7 @@ _log = logging.getLogger(__name__)
 _ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
+_CAUSE_CHARS = 200  # of a down worker's cause, in a queue timeout's message
 _NO_FIELDS: Mapping[str, object] = {}
 _NO_HEADERS: Mapping[str, str] = {}
 
@@ -210,13 +212,18 @@ def _none_will_serve_error(exc: NoWorker) -> ApiError:
     return ApiError(503, str(exc), type="service_unavailable", code="no_worker")
 
 
-def _no_worker_message(path: RequestPath) -> str:
-    workers = path.pool.workers()
+def _no_worker_message(path: RequestPath, dispatcher: Dispatcher) -> str:
+    """Why a request of ``dispatcher``'s pool waited out its queue timeout: that pool's workers' states
+    (a down one's cause, short) or their pacing limits."""
+    workers = dispatcher.pool.workers()
     ready = [w for w in workers if w.state is WorkerState.READY]
     waited = f"waited {path.settings.queue_timeout_s:g} s in the proxy queue (queue.timeout_s)"
     if not ready:
-        states = ", ".join(f"{w.id} {w.state}" for w in workers) or "none configured"
-        return f"no worker is ready ({states}); the request {waited}"
+        states = ", ".join(
+            f"{w.id} {w.state}" + (f": {shorten_cause(w.last_error, _CAUSE_CHARS)}" if w.last_error else "")
+            for w in workers
+        )
+        return f"no worker is ready ({states or 'none configured'}); the request {waited}"
     return f"all {len(ready)} ready worker(s) stayed at their pacing limit; the request {waited}"
 
 
@@ -376,7 +383,7 @@ async def _queued(
             m.fail_timeout.inc()
             raise ApiError(
                 503,
-                _no_worker_message(path),
+                _no_worker_message(path, d),
                 type="service_unavailable",
                 code="queue_timeout",
                 headers=_come_back(path),

@@ -37,6 +37,16 @@ def keep_end(text: str, limit: int) -> str:
     return CUT_MARK + text[len(text) - limit + len(CUT_MARK) :]
 
 
+def shorten_cause(cause: str, limit: int) -> str:
+    """A cause in words, ``how: what it said`` (:func:`describe_exit`'s shape), in at most ``limit``
+    characters: its head (how it ended: "killed by SIGKILL") kept whole and what follows cut at its
+    front; a cause without that shape, or too short a limit for its head, as :func:`keep_end` cuts it."""
+    how, sep, said = cause.partition(": ")
+    if len(cause) <= limit or not sep or len(how) + len(sep) + len(CUT_MARK) + 1 > limit:
+        return keep_end(cause, limit)
+    return how + sep + keep_end(said, limit - len(how) - len(sep))
+
+
 def error_lines(lines: Sequence[str]) -> list[str]:
     """The lines of ``lines`` that read as an error (stripped), in order."""
     return [line.strip() for line in lines if _ERROR_LINE.search(line)]

@@ -317,7 +317,8 @@ def test_a_crash_loop_on_the_policys_own_args_is_noted_once_per_loop(
 
 
 def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
-    """The pool's words for a death are cut at their front in the journal: the end is what says why."""
+    """The pool's words for a death are cut in the journal after how it ended, at the front of what
+    it said: the end is what says why."""
     why = "exited with code 2: " + " | ".join(["[--sim-output-spread SIM_OUTPUT_SPREAD]"] * 40) + " | " + BAD_FLAG
 
     class DiesAgain(RecordingActor):
@@ -336,7 +337,7 @@ def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
 
     asyncio.run(go())
     detail = c.journal.get(act.entry_id)["detail"]  # type: ignore[index]
-    assert detail.startswith("w0 is down: …") and detail.endswith(BAD_FLAG) and len(detail) < 1100
+    assert detail.startswith("w0 is down: exited with code 2: …") and detail.endswith(BAD_FLAG) and len(detail) < 1100
 
 
 def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as_advice(tmp_path: Path) -> None:

@@ -38,6 +38,18 @@ def test_the_proxy_objects_are_valid_and_wired() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["command"][-1] == "/etc/pacer/policy.toml"
+    # the state volume is where the policy's default paths (.pacer/...) resolve: the image's WORKDIR
+    (workdir,) = [
+        line.split()[1]
+        for line in (DEPLOY.parents[1] / "Dockerfile").read_text().splitlines()
+        if line.startswith("WORKDIR ")
+    ]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["state"] == f"{workdir}/.pacer" and str(policy.control.journal_path).startswith(".pacer/")
+    assert policy.batch.dir.parts[0] == ".pacer" and all(p.engine.log_dir.parts[0] == ".pacer" for p in policy.pools)
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]  # endpoints drop it first
+    grace = docs["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= 5 + policy.proxy.shutdown_grace_s + 30  # the drain and the workers' stop fit after it
     assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
 
 

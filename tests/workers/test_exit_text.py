@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.workers.exit_text import CUT_MARK, describe_exit, error_lines, keep_end
+from proxy.workers.exit_text import CUT_MARK, describe_exit, error_lines, keep_end, shorten_cause
 from proxy.workers.process import LineLog
 
 FIXTURES = Path(__file__).with_name("fixtures")
@@ -72,6 +72,20 @@ def test_a_long_quote_is_cut_at_its_front_and_says_so() -> None:
 )
 def test_keep_end(text: str, limit: int, kept: str) -> None:
     assert keep_end(text, limit) == kept
+
+
+def test_a_cause_shortened_again_keeps_how_it_ended() -> None:
+    """The journal keeps a death's cause in fewer characters than the pool's: a kill -9 under load
+    quotes long decode lines, and the signal must survive the cut."""
+    lines = [f"[2026-11-28 12:30:0{i}] Decode batch, #running-req: 4, #token: 90, " + "x" * 100 for i in range(8)]
+    cause = describe_exit(-9, lines)
+    short = shorten_cause(cause, 300)
+    assert len(short) == 300 and short.startswith(f"killed by SIGKILL: {CUT_MARK}") and short.endswith("x" * 100)
+    assert shorten_cause(cause, len(cause)) == cause
+    assert shorten_cause("no head at all " * 10, 20) == keep_end("no head at all " * 10, 20)
+    assert shorten_cause("a very long head of a cause: then more", 12) == keep_end(
+        "a very long head of a cause: then more", 12
+    )
 
 
 def test_a_run_s_tail_holds_only_the_lines_since_its_launch() -> None:
