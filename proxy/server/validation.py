@@ -141,6 +141,11 @@ def validate_completions(raw: bytes) -> Job:
     return Job(COMPLETIONS, body, _stream_flag(body), _model(body), affinity, single, *_cost(raw, body, body))
 
 
+def _max_new_tokens(sampling: dict[str, Any]) -> int:
+    value = sampling.get("max_new_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
 def validate_generate(raw: bytes) -> Job:
     """SGLang's native ``/generate``: ``text`` or ``input_ids``, optional ``sampling_params``; an
     optional ``model`` (not SGLang's: the proxy's, to pick the pool when it serves several) is taken
@@ -159,13 +164,27 @@ def validate_generate(raw: bytes) -> Job:
     if ids is not None and not isinstance(ids, list):
         raise bad_request("'input_ids' must be an array", "input_ids")
     sp = body.get("sampling_params")
-    if sp is not None:
-        if not isinstance(sp, dict):
-            raise bad_request("'sampling_params' must be an object", "sampling_params")
+    each: list[dict[str, Any]]  # a batch of prompts may give each its own (GenerateReqInput takes a list)
+    if sp is None:
+        each = [{}]
+    elif isinstance(sp, dict):
+        each = [sp]
         _non_negative_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
-    single = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
+    elif isinstance(sp, list) and sp and all(isinstance(one, dict) for one in sp):
+        each = sp
+        for i, one in enumerate(sp):
+            _non_negative_int(one, "max_new_tokens", f"sampling_params[{i}].max_new_tokens")
+    else:
+        raise bad_request(
+            "'sampling_params' must be an object, or an array of objects (one per prompt)", "sampling_params"
+        )
+    # the most any one prompt asks for; n > 1 makes SGLang run the prompt as a batch (its rid a list)
+    asked = max(each, key=_max_new_tokens)
+    cost = _cost(raw, asked, asked)
+    one_prompt = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
+    single = one_prompt and isinstance(sp, dict | None) and cost[2] == 1
     affinity = text[:AFFINITY_CHARS] if isinstance(text, str) else None
-    return Job(GENERATE, body, _stream_flag(body), model, affinity, single, *_cost(raw, sp or {}, sp or {}))
+    return Job(GENERATE, body, _stream_flag(body), model, affinity, single, *cost)
 
 
 VALIDATORS = {CHAT: validate_chat, COMPLETIONS: validate_completions, GENERATE: validate_generate}

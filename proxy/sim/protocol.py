@@ -98,11 +98,8 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be an object")
-    max_new = _int(sp, "max_new_tokens")
-    max_new = 128 if max_new is None else max_new
-    ignore_eos = _bool(sp, "ignore_eos")
+    if not (isinstance(sp, dict) or (isinstance(sp, list) and all(isinstance(one, dict) for one in sp))):
+        raise BadRequest("sampling_params must be an object or a list of objects (one per prompt)")
     out_len = _int(body, "sim_output_len", 1)
     stream = _bool(body, "stream")
     rid = body.get("rid")
@@ -123,18 +120,23 @@ def parse_generate(body: Any, cfg: SimConfig) -> tuple[list[GenParams], bool]:
     if stream and len(id_lists) > 1:
         raise BadRequest("streaming a batch of prompts is not supported by the simulated engine")
     rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
-    params = [
-        GenParams(
-            prompt_ids=p,
-            max_new_tokens=check_lengths(len(p), max_new, cfg),
-            ignore_eos=ignore_eos,
-            output_len=out_len,
-            stream=stream,
-            rid=r if isinstance(r, str) else None,
-            priority=priority,
+    each = sp if isinstance(sp, list) else [sp] * len(id_lists)  # GenerateReqInput: a dict, or one per prompt
+    if len(each) != len(id_lists):
+        raise BadRequest(f"sampling_params has {len(each)} entries for {len(id_lists)} prompts")
+    params = []
+    for p, r, one in zip(id_lists, rids, each, strict=False):
+        max_new = _int(one, "max_new_tokens")
+        params.append(
+            GenParams(
+                prompt_ids=p,
+                max_new_tokens=check_lengths(len(p), 128 if max_new is None else max_new, cfg),
+                ignore_eos=_bool(one, "ignore_eos"),
+                output_len=out_len,
+                stream=stream,
+                rid=r if isinstance(r, str) else None,
+                priority=priority,
+            )
         )
-        for p, r in zip(id_lists, rids, strict=False)
-    ]
     return params, batch
 
 

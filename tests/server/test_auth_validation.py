@@ -148,5 +148,17 @@ def test_jobs_describe_what_to_forward():
     assert not validate_generate(b'{"text": ["a", "b"]}').single
     with pytest.raises(ApiError, match=r"sampling_params\.max_new_tokens"):
         validate_generate(b'{"text": "t", "sampling_params": {"max_new_tokens": "x"}}')
+    # a batch of prompts, each with its own sampling_params (SGLang's GenerateReqInput takes a list)
+    batch = validate_generate(
+        b'{"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 300}]}'
+    )
+    assert not batch.single and batch.max_tokens == 300
+    with pytest.raises(ApiError, match=r"sampling_params\[1\]\.max_new_tokens"):
+        validate_generate(b'{"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": -1}]}')
+    with pytest.raises(ApiError, match="an array of objects"):
+        validate_generate(b'{"text": ["a"], "sampling_params": [3]}')
+    # n > 1: SGLang runs the prompt as a batch, its rid a list: the proxy names no attempt of it
+    parallel = validate_generate(b'{"text": "t", "sampling_params": {"n": 2, "max_new_tokens": 5}}')
+    assert not parallel.single and parallel.choices == 2
     with pytest.raises(ApiError, match="empty"):
         validate_chat(b"")

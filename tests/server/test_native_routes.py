@@ -87,3 +87,15 @@ async def test_flush_and_abort_reach_every_worker(proxy) -> None:
             answer = await r.json()
         assert answer["meta_info"]["id"] == "abort-me" and answer["meta_info"]["finish_reason"]["type"] == "abort"
         assert answer["meta_info"]["completion_tokens"] < 30000
+
+
+async def test_a_batch_of_prompts_with_sampling_params_each(proxy) -> None:
+    url, _ = proxy
+    payload = {
+        "text": ["one", "two"],
+        "sampling_params": [{"max_new_tokens": 3, "ignore_eos": True}, {"max_new_tokens": 5, "ignore_eos": True}],
+    }
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=payload) as r:
+        answers = await r.json()
+    assert r.status == 200, answers
+    assert [a["meta_info"]["completion_tokens"] for a in answers] == [3, 5]
