@@ -505,7 +505,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 ),
                 clock=time.monotonic,
                 hold=st.pool.hold,
-                give_up=st.pool.give_up,
+                declare_down=st.pool.declare_down,
                 modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
                 offload=planning,
             )

@@ -274,7 +274,7 @@ class Controller:
         actor: Actor,
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
-        give_up: Callable[[WorkerId, str], object] | None = None,
+        declare_down: Callable[..., object] | None = None,
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
         offload: Offload = in_thread,
     ) -> None:
@@ -290,7 +290,8 @@ class Controller:
         self.surroundings = surroundings
         self.actor = actor
         self._hold = hold  # send a worker nothing more until it starts again (the pool's hold)
-        self._give_up = give_up  # tell the pool nothing will start a dead worker again (the pool's give_up)
+        # tell the pool a dead worker stays down, or loops (the pool's declare_down: worker id, why, for_good=)
+        self._declare_down = declare_down
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -1082,12 +1083,24 @@ class Controller:
     # -- acting (async) ---------------------------------------------------------------------------
 
     def _on_death(self, worker_id: WorkerId, exit_code: int | None, last_error: str | None) -> None:
+        """Decide the revival and carry it out; tell the pool when the worker stays down, or is in a
+        crash loop no rule breaks (the request path refuses its requests instead of queueing them)."""
         act = self.decide_revival(worker_id, exit_code, last_error)
         if act is not None:
             self._spawn(self.carry_out(act))
-        elif self._give_up is not None:  # the request path refuses its requests instead of queueing them
+        if self._declare_down is None:
+            return
+        if act is None:
             why = "control.mode = off" if self.mode is ControlMode.OFF else "control.revive = false"
-            self._give_up(worker_id, f"it stays down ({why})")
+            self._declare_down(worker_id, f"it stays down ({why})")
+        elif act.decision.rule == "revive" and (state := self._workers[worker_id].state).crash_loop_noted:
+            window = self.settings.crash_loop_window_s
+            deaths = state.deaths_within(self.clock(), window)
+            self._declare_down(
+                worker_id,
+                f"in a crash loop ({deaths} deaths in {window:g} s): revived after each death, it serves once it starts",
+                for_good=False,
+            )
 
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled; acts run one at a time.

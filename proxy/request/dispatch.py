@@ -185,8 +185,13 @@ class ProxyClosing(Exception):
 
 
 class NoWorker(Exception):
-    """Every worker of the pool is down and stays down (nothing will start one again): a queued (or
-    newly submitted) request will not be dispatched. The message says which and why."""
+    """Every worker of the pool is down and stays down (nothing will start one again), or is in a
+    crash loop (``for_good`` False: one may serve again): a queued (or newly submitted) request will
+    not be dispatched. The message says which and why."""
+
+    def __init__(self, message: str, *, for_good: bool) -> None:
+        super().__init__(message)
+        self.for_good = for_good
 
 
 def _no_requeue_hook(why: Requeued) -> None:
@@ -259,7 +264,7 @@ class Dispatcher:
         if self.closing:
             raise ProxyClosing()
         if (none_serve := self._none_will_serve()) is not None:
-            raise NoWorker(none_serve)
+            raise none_serve
         now = self.clock()
         spell = priority is Priority.INTERACTIVE and not self._beside_interactive(now)
         if priority is Priority.INTERACTIVE:
@@ -383,7 +388,7 @@ class Dispatcher:
             ticket.future.set_exception(ProxyClosing())
             return
         if (none_serve := self._none_will_serve()) is not None:
-            ticket.future.set_exception(NoWorker(none_serve))
+            ticket.future.set_exception(none_serve)
             return
         self.admission.requeue(ticket)
         self.pump()
@@ -406,14 +411,22 @@ class Dispatcher:
             if not ticket.future.done():
                 ticket.future.set_exception(ProxyClosing())
 
-    def _none_will_serve(self) -> str | None:
+    def _none_will_serve(self) -> NoWorker | None:
         """Why no request can be served, when every worker of the pool is down and stays down (the
-        controller gave each up: the policy revives nothing); None while one serves or may again."""
+        policy revives nothing) or dies as it starts (a crash loop the controller only revives);
+        None while one serves or may start to."""
         workers = self.pool.workers()
-        if not workers or not all(w.stays_down for w in workers):
+        if not workers or not all(w.stays_down or w.crash_loop for w in workers):
             return None
+        for_good = all(w.stays_down for w in workers)
         down = "; ".join(f"{w.id}: {w.last_error or 'down'}" for w in workers)
-        return f"no worker will serve this request: every worker is down and stays down ({down})"
+        if for_good:
+            return NoWorker(
+                f"no worker will serve this request: every worker is down and stays down ({down})", for_good=True
+            )
+        return NoWorker(
+            f"no worker serves this request now: every worker is down or in a crash loop ({down})", for_good=False
+        )
 
     # -- the gate ---------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -540,10 +553,10 @@ class Dispatcher:
             self.board.get(info.id).forget_sample()
         if info.state is WorkerState.DOWN:
             self.fail_over(info.id)
-        if info.stays_down and (none_serve := self._none_will_serve()) is not None:
+        if (info.stays_down or info.crash_loop) and (none_serve := self._none_will_serve()) is not None:
             for ticket in self.admission.drain_all():  # their handlers answer 503 at once, not at their timeout
                 if not ticket.future.done():
-                    ticket.future.set_exception(NoWorker(none_serve))
+                    ticket.future.set_exception(none_serve)
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:

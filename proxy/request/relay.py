@@ -206,10 +206,12 @@ def _closing_error(path: RequestPath) -> ApiError:
     )
 
 
-def _none_will_serve_error(exc: NoWorker) -> ApiError:
-    """503 ``no_worker``: every worker of the model is down for good (the policy revives none); no
-    ``Retry-After``, since only an operator brings one back."""
-    return ApiError(503, str(exc), type="service_unavailable", code="no_worker")
+def _none_will_serve_error(path: RequestPath, exc: NoWorker) -> ApiError:
+    """503 ``no_worker``: every worker of the model is down for good (the policy revives none: no
+    ``Retry-After``, only an operator brings one back) or in a crash loop (``Retry-After``: the
+    controller revives it, and it may start)."""
+    headers = None if exc.for_good else _come_back(path)
+    return ApiError(503, str(exc), type="service_unavailable", code="no_worker", headers=headers)
 
 
 def _no_worker_message(path: RequestPath, dispatcher: Dispatcher) -> str:
@@ -313,7 +315,7 @@ async def _queued(
         raise _closing_error(path) from None
     except NoWorker as exc:
         m.reject_no_worker.inc()
-        raise _none_will_serve_error(exc) from None
+        raise _none_will_serve_error(path, exc) from None
     except QueueFull as exc:
         m.reject_full.inc()
         raise _queue_full_error(path, exc) from None
@@ -375,7 +377,7 @@ async def _queued(
             raise _closing_error(path) from None
         except NoWorker as exc:
             m.fail_no_worker.inc()
-            raise _none_will_serve_error(exc) from None
+            raise _none_will_serve_error(path, exc) from None
         except QueueFull as exc:  # pushed out of the full queue by another key's request
             m.fail_pushed_out.inc()
             raise _queue_full_error(path, exc) from None

@@ -50,6 +50,8 @@ class WorkerInfo:
     # down, and nothing will start it again (the controller's call: the policy revives nothing);
     # its next launch (an operator's restart or trial) lifts it
     stays_down: bool = False
+    # in a crash loop the controller goes on reviving it (it dies as it starts): lifted once it is READY
+    crash_loop: bool = False
 
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
@@ -87,10 +89,12 @@ class WorkerPool(Protocol):
         """The request path could not connect to the worker: take it out of READY now (notifies
         listeners); the pool brings it back when it answers again."""
 
-    def give_up(self, worker_id: WorkerId, why: str) -> None:
-        """Nothing will start this DOWN managed worker again (``why``, in words, joins its
-        ``last_error``): it is marked ``stays_down`` (notifies listeners) until its next launch. A
-        worker in any other state, or external, is left as it is."""
+    def declare_down(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> None:
+        """The controller's word on a DOWN managed worker (``why``, in words, joins its ``last_error``;
+        listeners are told): ``for_good``, nothing will start it again (``stays_down``, until its next
+        launch); else it is in a crash loop the controller goes on reviving (``crash_loop``, until it
+        is READY), unless the run that died had been READY (it served: its deaths are no loop of dying
+        as it starts). A worker in any other state, or external, is left as it is."""
 
 
 @runtime_checkable

@@ -120,8 +120,8 @@ class Fleet:
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         self._of(worker_id).report_unreachable(worker_id, error)
 
-    def give_up(self, worker_id: WorkerId, why: str) -> None:
-        self._of(worker_id).give_up(worker_id, why)
+    def declare_down(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> None:
+        self._of(worker_id).declare_down(worker_id, why, for_good=for_good)
 
 
 class PoolView:
@@ -163,5 +163,5 @@ class PoolView:
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         self.whole.report_unreachable(worker_id, error)
 
-    def give_up(self, worker_id: WorkerId, why: str) -> None:
-        self.whole.give_up(worker_id, why)
+    def declare_down(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> None:
+        self.whole.declare_down(worker_id, why, for_good=for_good)

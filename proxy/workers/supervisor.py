@@ -102,6 +102,8 @@ class _Slot:
     ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
     held: bool = False  # held while starting: it comes up DRAINING, not READY (lifted by its next start)
     stays_down: bool = False  # given up on: nothing will start it again (lifted by its next launch)
+    crash_loop: bool = False  # dies as it starts, revived after each death (lifted once it is READY)
+    served: bool = False  # its current (or last) run was READY at some point
     pool: str = "default"
     model: str | None = None
     gpus: tuple[int, ...] = ()
@@ -124,6 +126,7 @@ class _Slot:
             gpus=self.gpus,
             node=self.node,
             stays_down=self.stays_down,
+            crash_loop=self.crash_loop,
         )
 
 
@@ -333,11 +336,16 @@ class Supervisor:
         elif slot.state in (WorkerState.READY, WorkerState.DRAINING):
             self._set(slot, WorkerState.DOWN, error=f"unreachable: {error}")
 
-    def give_up(self, worker_id: WorkerId, why: str) -> None:
+    def declare_down(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> None:
         slot = self._slot(worker_id)
-        if not slot.managed or slot.state is not WorkerState.DOWN or slot.stays_down:
+        if not slot.managed or slot.state is not WorkerState.DOWN or (slot.stays_down if for_good else slot.crash_loop):
             return
-        slot.stays_down = True
+        if for_good:
+            slot.stays_down = True
+        elif slot.served:  # the run that died had served: deaths far apart, not a loop that dies as it starts
+            return
+        else:
+            slot.crash_loop = True
         self._set(slot, WorkerState.DOWN, error=f"{slot.last_error or 'down'}; {why}")
 
     # ------------------------------------------------------------------ managed workers
@@ -396,7 +404,7 @@ class Supervisor:
         slot.last_error = None
         slot.ready_seen.clear()
         slot.held = False
-        slot.stays_down = False
+        slot.stays_down = slot.served = False
         slot.lines.begin_run()  # what this process says, apart from what an earlier run said
         try:
             process = await self._launcher.launch(
@@ -579,6 +587,8 @@ class Supervisor:
 
     def _set(self, slot: _Slot, state: WorkerState, *, error: str | None = None) -> None:
         slot.state = state
+        if state is WorkerState.READY:
+            slot.crash_loop, slot.served = False, True  # it started: the loop is over
         if error is not None:
             slot.last_error = error
         info = slot.info()

@@ -101,7 +101,7 @@ STORM_PER_1K = 0.1
 
 def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor | None = None, *, around: Around | None = None,
                hold: Callable[[str], object] = lambda worker_id: None, offload: Offload = in_thread,
-               give_up: Callable[[str, str], object] | None = None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
+               declare_down: Callable[[str, str], object] | None = None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
     """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only."""
     clock = Clock()
     journal_path = str(tmp_path / "decisions.jsonl") if tmp_path is not None else None
@@ -109,7 +109,7 @@ def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor |
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
-        hold=hold, give_up=give_up, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
+        hold=hold, declare_down=declare_down, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
     )  # fmt: skip
     return c, clock
 
@@ -316,6 +316,28 @@ def test_a_crash_loop_on_the_policys_own_args_is_noted_once_per_loop(
     assert [e["evidence"]["deaths"] for e in c.journal.entries() if e["rule"] == "crash_loop"] == [3, 3, 3]
 
 
+async def test_a_crash_loop_no_rule_breaks_is_declared_to_the_pool(tmp_path: Path) -> None:
+    """The pool hears of the loop as it is noted, so the request path refuses the pool's requests
+    (with a Retry-After) instead of queueing them to their timeout; the revivals go on."""
+    declared: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, crash_backoff_s=(0.0,),
+                          declare_down=lambda *a, **kw: declared.append((a, kw)))  # fmt: skip
+    c.track(info())
+    for t in (10.0, 20.0, 30.0):
+        assert declared == []
+        clock.now = t
+        c.track(dataclasses.replace(info(state=WorkerState.DOWN), exit_code=2, last_error=BAD_FLAG))
+        for _ in range(5):  # the revival it spawned runs
+            await asyncio.sleep(0)
+    assert declared == [
+        (("w0", "in a crash loop (3 deaths in 600 s): revived after each death, it serves once it starts"),
+         {"for_good": False}),
+    ]  # fmt: skip
+    assert [call[0] for call in actor.calls] == ["revive"] * 3
+    await c.close()
+
+
 def test_a_revival_that_fails_keeps_the_end_of_why(tmp_path: Path) -> None:
     """The pool's words for a death are cut in the journal after how it ended, at the front of what
     it said: the end is what says why."""
@@ -363,7 +385,9 @@ def test_advise_revives_a_dead_worker_as_it_was_and_journals_the_rules_change_as
 
 def test_revive_false_leaves_a_dead_worker_down(tmp_path: Path) -> None:
     given_up: list[tuple[str, str]] = []
-    c, _ = controller(ControlMode.AUTO, tmp_path, RecordingActor(), revive=False, give_up=lambda *a: given_up.append(a))
+    c, _ = controller(
+        ControlMode.AUTO, tmp_path, RecordingActor(), revive=False, declare_down=lambda *a: given_up.append(a)
+    )
     c.track(info())
     c.track(info(state=WorkerState.DOWN))
     [entry] = c.journal.entries()
@@ -388,7 +412,7 @@ async def test_a_death_with_nothing_in_its_log_is_told_by_how_the_process_ended(
 
 def test_off_records_the_death_only_and_says_the_worker_stays_down(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     given_up: list[tuple[str, str]] = []
-    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor(), give_up=lambda *a: given_up.append(a))
+    c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor(), declare_down=lambda *a: given_up.append(a))
     c.track(info())
     clock.now = 5.0
     with caplog.at_level(logging.WARNING, logger="proxy.control.controller"):

@@ -38,8 +38,8 @@ class StaticPool:
     def report_unreachable(self, worker_id: WorkerId, error: str) -> None:
         self.set_state(worker_id, WorkerState.DOWN)
 
-    def give_up(self, worker_id: WorkerId, why: str) -> None:
-        return None  # its workers are external: the pool's give_up leaves them as they are
+    def declare_down(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> None:
+        return None  # its workers are external: the pool's declare_down leaves them as they are
 
     async def start(self) -> None:
         return None

@@ -830,3 +830,23 @@ async def test_when_every_worker_stays_down_requests_are_refused_not_queued():
     d._requeue(ticket, Attempt(ticket, "w0", 0.0), Requeued.UNREACHABLE)  # a request the worker's death gave back
     with pytest.raises(NoWorker):
         ticket.future.result()
+
+
+async def test_a_pool_in_a_crash_loop_refuses_until_a_worker_serves():
+    """A crash loop the controller only revives: refused at once (the error says one may serve
+    again), and served again once a worker is READY (the pool lifts the loop's mark)."""
+    looping = dataclasses.replace(
+        _workers(WorkerState.STARTING)[0],
+        crash_loop=True,
+        last_error="exited with code 2: error: unrecognized arguments",
+    )
+    gone = dataclasses.replace(looping, id="w1", crash_loop=False, stays_down=True, state=WorkerState.DOWN)
+    pool = _Pool([looping, gone])
+    board = LoadBoard()
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=Band(lo=1, hi=4), stale_after_s=1.0, clock=lambda: 100.0)
+    with pytest.raises(NoWorker, match="every worker is down or in a crash loop") as refused:
+        d.submit(Priority.INTERACTIVE, 60)
+    assert not refused.value.for_good and "w0: exited with code 2" in str(refused.value)
+    pool.ws = [dataclasses.replace(looping, state=WorkerState.READY, crash_loop=False), gone]
+    _sample(board, "w0", 0)
+    assert d.submit(Priority.INTERACTIVE, 60).future.done()

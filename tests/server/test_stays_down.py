@@ -1,7 +1,8 @@
 """A worker that dies where the policy revives nothing (``control.mode = "off"``): the requests it
 had, and every request after, are answered 503 ``no_worker`` at once, saying why, instead of each
 waiting out ``queue.timeout_s`` for a worker that will not come; an operator's restart brings it
-back and requests flow again."""
+back and requests flow again. A worker in a crash loop no rule breaks (an unknown flag): its
+requests are refused at once too, with a ``Retry-After``, while the controller goes on reviving it."""
 
 from __future__ import annotations
 
@@ -77,8 +78,48 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
         await _wait(lambda: st.board.get("w0").sample is not None)
         again = await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"sim_output_len": 2})
         assert again.usage.completion_tokens == 2
-        pool.give_up("w0", "it stays down")  # a worker that serves is not given up
+        pool.declare_down("w0", "it stays down")  # a worker that serves is not given up
         assert not pool.get("w0").stays_down
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_after(tmp_path) -> None:
+    policy = parse_policy(
+        {
+            "engine": {
+                "kind": "sim",
+                "workers": 1,
+                "extra_args": ["--no-such-flag"],
+                "log_dir": str(tmp_path / "logs"),
+                "startup_timeout_s": 60,
+                "stop_grace_s": 5,
+            },
+            "queue": {"timeout_s": QUEUE_TIMEOUT_S, "retry_after_s": 9},
+            "control": {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")},
+            "batch": {"dir": str(tmp_path / "batches")},
+        },
+        "<crash-loop>",
+    )
+    pool = Supervisor(policy.engine)
+    app = build_app(policy, pool)
+    runner, port = await serve(app, "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        await _wait(lambda: pool.get("w0").crash_loop, 60)
+        started = time.monotonic()
+        try:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError("answered by a worker that cannot start")
+        except openai.APIStatusError as e:
+            refused = e
+        assert time.monotonic() - started < 10
+        assert (refused.status_code, refused.code) == (503, "no_worker")
+        assert refused.response.headers["retry-after"] == "9"  # the controller revives it: come back
+        message = refused.message
+        assert "in a crash loop" in message and "unrecognized arguments: --no-such-flag" in message, message
+        await _wait(lambda: pool.get("w0").restarts >= 3)  # the revivals go on
     finally:
         await client.close()
         await runner.cleanup()
