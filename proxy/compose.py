@@ -631,7 +631,12 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
         return not st.models.known or model in st.models.names
 
     names = {owner_of(key): caller.name for key, caller in st.keys.keys.items()}
-    executor = RequestPathExecutor(st.requests, VALIDATORS, key_of_owner=lambda owner: names.get(owner, ANONYMOUS))
+    executor = RequestPathExecutor(
+        st.requests,
+        VALIDATORS,
+        key_of_owner=lambda owner: names.get(owner, ANONYMOUS),
+        max_body_bytes=st.policy.proxy.max_body_bytes,
+    )
     async with BatchService.open(
         settings.dir,
         executor,

@@ -12,9 +12,11 @@ Modules, bottom up::
 
 The seam: what the composition root provides.
 
-- An :class:`Executor`: ``async def execute(endpoint, body, owner) -> LineResult(status_code,
+- An :class:`Executor`: ``async def execute(endpoint, body, owner, withdraw) -> LineResult(status_code,
   body, request_id)`` that sends one request through the proxy's admission (in the ``batch`` class)
-  and returns the final answer. ``owner`` is the hash of the API key that created the batch.
+  and returns the final answer, or raises ``NotNow`` (the proxy's "not now": tried again after its
+  ``Retry-After``) or ``Withdrawn`` (``withdraw`` was set before the line reached a worker). ``owner``
+  is the hash of the API key that created the batch.
 - The data directory (the policy's, e.g. ``.pacer/batches``), the runner's ``concurrency`` (how many
   lines it keeps in flight; the admission paces them) and ``accepts_model`` (which models a batch may
   name).
@@ -38,7 +40,7 @@ Layering: ``proxy.batch`` sits beside ``proxy.server`` (independent of it): it m
 """
 
 from proxy.batch.routes import BATCH_SERVICE, Authenticate, add_routes, bearer_key
-from proxy.batch.runner import BatchRunner, Executor, LineResult
+from proxy.batch.runner import BatchRunner, Executor, LineResult, NotNow, Withdrawn
 from proxy.batch.service import BatchService, owner_of
 from proxy.batch.store import BatchStore, StoreThread
 
@@ -50,7 +52,9 @@ __all__ = [
     "BatchStore",
     "Executor",
     "LineResult",
+    "NotNow",
     "StoreThread",
+    "Withdrawn",
     "add_routes",
     "bearer_key",
     "owner_of",

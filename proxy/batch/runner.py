@@ -6,11 +6,18 @@ fed). A driver validates a ``validating`` batch, then hands out its unanswered l
 records each result before it counts (see :mod:`proxy.batch.store`), and ends the batch:
 
 - all lines answered: ``finalizing`` -> ``completed``;
-- cancel (:meth:`BatchRunner.cancel`): no new line starts from that moment; the lines already
-  running finish and keep their results; the rest go to the error file as ``batch_cancelled``;
-  ``cancelling`` -> ``cancelled``;
-- the completion window ran out (checked with ``clock`` before each line starts): no new line
-  starts; running lines finish; the rest go to the error file as ``batch_expired``; ``expired``.
+- cancel (:meth:`BatchRunner.cancel`): no new line starts from that moment, and a started one that
+  has not reached a worker (waiting in the proxy's queue, or for a "not now" to pass) is withdrawn;
+  the lines on a worker finish and keep their results; the rest go to the error file as
+  ``batch_cancelled``; ``cancelling`` -> ``cancelled``;
+- the completion window ran out (checked with ``clock`` before each line starts, and as a line waits
+  out a "not now"): no new line starts; lines on a worker finish; the rest go to the error file as
+  ``batch_expired``; ``expired``.
+
+A "not now" from the proxy (:class:`NotNow`: a full queue, a queue timeout, the owner's key at its
+rate limit) is no result: the line gives its slot back, the batch starts no new line until the
+``Retry-After`` has passed, and the line is tried again then. So a batch held back by its key's limit
+holds no slot another owner's batch could use.
 
 Started again on the same data directory, the runner picks up every unfinished batch where the
 database says it stands: lines without a recorded result (those in flight at the crash included)
@@ -20,6 +27,7 @@ run (again), finished results are never run or written twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,15 +52,28 @@ class LineResult:
     request_id: str
 
 
+class NotNow(Exception):
+    """The proxy cannot take the line now: try it again after ``retry_after_s`` (its ``Retry-After``)."""
+
+    def __init__(self, why: str, retry_after_s: float) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+
+
+class Withdrawn(Exception):
+    """``withdraw`` was set before the line reached a worker: it has no result (the batch was cancelled)."""
+
+
 class Executor(Protocol):
     """Runs one request of a batch; ``owner`` identifies the API key the batch belongs to (a hash).
 
-    It returns the final answer (a refusal worth retrying is retried inside); an exception fails the
-    line with code ``internal_error``; cancellation means the runner is stopping and the line runs
-    again on the next start.
+    It returns the final answer, or raises :class:`NotNow` (the runner tries again later) or
+    :class:`Withdrawn` (``withdraw`` was set while the line had not reached a worker); any other
+    exception fails the line with code ``internal_error``; cancellation means the runner is stopping
+    and the line runs again on the next start.
     """
 
-    async def execute(self, endpoint: str, body: dict[str, Any], owner: str) -> LineResult: ...
+    async def execute(self, endpoint: str, body: dict[str, Any], owner: str, withdraw: asyncio.Event) -> LineResult: ...
 
 
 class BatchRunner:
@@ -75,6 +96,9 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Event] = {}
+        # a batch told "not now": no line of it starts before this (the event loop's time: a Retry-After
+        # is a span of seconds; the completion window is on ``clock``)
+        self._resume_at: dict[str, float] = {}
 
     def _now(self) -> int:
         return int(self._clock())
@@ -108,9 +132,6 @@ class BatchRunner:
     def _forget_driver(self, task: asyncio.Task[None]) -> None:
         self._drivers = {bid: t for bid, t in self._drivers.items() if t is not task}
 
-    def _release_slot(self, _task: asyncio.Task[None]) -> None:
-        self._slots.release()
-
     async def _drive(self, batch: ActiveBatch) -> None:
         try:
             stop = self._stops.setdefault(batch.id, asyncio.Event())
@@ -133,10 +154,12 @@ class BatchRunner:
             _log.exception("batch %s: the runner failed; it is retried on the next start", batch.id)
         finally:
             self._stops.pop(batch.id, None)
+            self._resume_at.pop(batch.id, None)
 
     async def _dispatch(self, batch: ActiveBatch, stop: asyncio.Event) -> Ending:
         """Start every unanswered line, within the slots, until done, cancelled or expired; wait for those running."""
         ending: Ending = "completed"
+        expired: list[int] = []  # lines that waited out a "not now" past the window
         after = 0
         async with asyncio.TaskGroup() as running:
             while ending == "completed" and not stop.is_set():
@@ -144,6 +167,9 @@ class BatchRunner:
                 if not lines:
                     break
                 for line in lines:
+                    if not await self._after_not_now(batch, stop):
+                        ending = "expired" if not stop.is_set() else ending
+                        break
                     await self._slots.acquire()
                     if stop.is_set():
                         self._slots.release()
@@ -152,29 +178,93 @@ class BatchRunner:
                         self._slots.release()
                         ending = "expired"
                         break
-                    task = running.create_task(self._run_line(batch, line))
-                    task.add_done_callback(self._release_slot)
+                    running.create_task(self._run_line(batch, line, stop, expired))  # it owns the slot
                     after = line.idx
-        return ending
+        return "expired" if expired and ending == "completed" else ending
 
-    async def _run_line(self, batch: ActiveBatch, line: PendingLine) -> None:
-        outcome: Outcome
-        usage = NO_USAGE
+    async def _after_not_now(self, batch: ActiveBatch, stop: asyncio.Event) -> bool:
+        """Wait until the batch may start lines again (a "not now" told it when); False: it was
+        cancelled or its window ran out meanwhile."""
+        loop = asyncio.get_running_loop()
+        while (wait := self._resume_at.get(batch.id, 0.0) - loop.time()) > 0:
+            if self._clock() >= batch.expires_at:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(wait, max(batch.expires_at - self._clock(), 0.0))):
+                    await stop.wait()
+            if stop.is_set():
+                return False
+        return not stop.is_set() and self._clock() < batch.expires_at
+
+    async def _run_line(self, batch: ActiveBatch, line: PendingLine, stop: asyncio.Event, expired: list[int]) -> None:
+        """One line, holding the slot it was started with except while it waits out a "not now"
+        (the batch starts no new line until that has passed). No result when it is withdrawn (the
+        batch cancelled before it reached a worker) or its window ran out while it waited."""
+        slot = _Slot(self._slots)
         try:
-            result = await self._executor.execute(batch.endpoint, orjson.loads(line.body), batch.owner)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            _log.exception("batch %s line %d: the executor failed", batch.id, line.idx)
-            outcome, text = (
-                "error",
-                error_line(line.custom_id, code="internal_error", message=f"the request failed in the proxy: {exc}"),
-            )
-        else:
-            outcome = "output" if 200 <= result.status_code < 300 else "error"
-            answer = parse_answer(result.body)
-            text = output_line(
-                line.custom_id, status_code=result.status_code, request_id=result.request_id, answer=answer
-            )
-            usage = usage_of(answer)
-        await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)
+            result = await self._answer(batch, line, stop, slot)
+            if result is None:
+                if not stop.is_set():
+                    expired.append(line.idx)
+                return
+            outcome: Outcome
+            usage = NO_USAGE
+            if isinstance(result, Exception):
+                outcome, text = (
+                    "error",
+                    error_line(
+                        line.custom_id, code="internal_error", message=f"the request failed in the proxy: {result}"
+                    ),
+                )
+            else:
+                outcome = "output" if 200 <= result.status_code < 300 else "error"
+                answer = parse_answer(result.body)
+                text = output_line(
+                    line.custom_id, status_code=result.status_code, request_id=result.request_id, answer=answer
+                )
+                usage = usage_of(answer)
+            await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)
+        except Withdrawn:
+            return
+        finally:
+            slot.give_back()
+
+    async def _answer(
+        self, batch: ActiveBatch, line: PendingLine, stop: asyncio.Event, slot: _Slot
+    ) -> LineResult | Exception | None:
+        """The executor's answer to the line, tried again after each "not now" (the slot given back
+        meanwhile); the exception that failed it; None when the batch cannot wait any more for it
+        (cancelled, or its window ran out). Raises :class:`Withdrawn`."""
+        body = orjson.loads(line.body)
+        while True:
+            try:
+                return await self._executor.execute(batch.endpoint, body, batch.owner, stop)
+            except NotNow as later:
+                resume = asyncio.get_running_loop().time() + later.retry_after_s
+                self._resume_at[batch.id] = max(self._resume_at.get(batch.id, 0.0), resume)
+                slot.give_back()
+                if not await self._after_not_now(batch, stop):
+                    return None
+                await slot.take()
+            except (asyncio.CancelledError, Withdrawn):
+                raise
+            except Exception as exc:
+                _log.exception("batch %s line %d: the executor failed", batch.id, line.idx)
+                return exc
+
+
+class _Slot:
+    """One of the runner's slots, held by a line (taken before it starts)."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots = slots
+        self._held = True
+
+    def give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.release()
+
+    async def take(self) -> None:
+        await self._slots.acquire()
+        self._held = True

@@ -25,3 +25,4 @@ class Job:
     choices: int = 1  # ``n``
     upstream_name: str | None = None  # the name its last attempt went to its worker under (None: unnamed)
     request_id: str | None = None  # the proxy's id for it, told the client (None: one is made when it is named)
+    on_worker: bool = False  # an attempt of it is on a worker now (the relay's; False while it waits in the queue)

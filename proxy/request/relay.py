@@ -328,7 +328,7 @@ async def _queued(
         placed = False  # the client left while its ticket waited for a worker: counted here
         try:
             async with d.attempt(ticket) as attempt:
-                placed = True
+                placed = job.on_worker = True
                 attempt.streamed = job.stream
                 if tries == 0:
                     m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
@@ -397,6 +397,8 @@ async def _queued(
                     status=fail.status, body=openai_error_body(fail.status, fail.body), content_type="application/json"
                 )
             raise _failure_error(fail, ticket.failures) from None
+        finally:
+            job.on_worker = False
         # the attempt ended without output and the ticket is back in the queue: wait for the next
 
 

@@ -58,7 +58,9 @@ class FakeExecutor:
         self.finished: list[str] = []
         self.owners: set[str] = set()
 
-    async def execute(self, endpoint: str, body: dict[str, Any], owner: str) -> LineResult:
+    async def execute(
+        self, endpoint: str, body: dict[str, Any], owner: str, withdraw: asyncio.Event | None = None
+    ) -> LineResult:
         content = body["messages"][0]["content"]
         self.started.append(content)
         self.owners.add(owner)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from proxy.batch import BatchService, owner_of
+from proxy.batch import BatchService, NotNow, owner_of
 from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final, wait_until
 
 OWNER = owner_of("key-a")
@@ -80,3 +80,34 @@ async def test_a_batch_resumed_after_its_window_expires_without_running_again(tm
     assert batch["status"] == "expired" and second.started == []
     assert [line["custom_id"] for line in output] == ["a"]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("b", "batch_expired"), ("c", "batch_expired")]
+
+
+class RateLimited(FakeExecutor):
+    """Tells the lines ``refused`` picks "not now" (their key at its limit) every time."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+        self.told = 0
+
+    async def execute(self, endpoint, body, owner, withdraw=None):  # type: ignore[no-untyped-def]
+        if body["messages"][0]["content"] in self.refused:
+            self.told += 1
+            raise NotNow("rate limit", 0.05)
+        return await super().execute(endpoint, body, owner, withdraw)
+
+
+async def test_a_line_waiting_out_a_not_now_past_the_window_expires(tmp_path: Path) -> None:
+    """A "not now" holds the batch's next lines until its Retry-After; the window running out
+    meanwhile ends the batch ``expired``, the waiting line and those after it in the error file."""
+    clock = ManualClock(START)
+    executor = RateLimited("cde")
+    async with BatchService.open(tmp_path, executor, concurrency=1, clock=clock) as service:
+        batch_id = await _create(service, "abcde")
+        await wait_until(lambda: executor.told >= 3)  # c, told again after each Retry-After; d and e held
+        assert executor.started == ["a", "b"]
+        clock.now = START + DAY
+        batch = await wait_final(service, OWNER, batch_id)
+        errors = read_lines(await service.file_content(OWNER, batch["error_file_id"]))
+    assert batch["status"] == "expired" and batch["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(c, "batch_expired") for c in "cde"]

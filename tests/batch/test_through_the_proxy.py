@@ -204,3 +204,78 @@ async def test_lines_queued_when_the_proxy_stops_run_on_its_next_start(tmp_path:
         await engine.stop()
     assert [line["custom_id"] for line in output] == ids
     assert sorted(body["messages"][0]["content"] for body in engine.bodies) == ids
+
+
+async def test_a_rate_limited_owner_s_batch_leaves_the_slots_to_others_and_cancels_at_once(
+    make_proxy: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """alice's key allows 2 requests a minute: her batch's lines are told "not now" (429, Retry-After
+    some 30 s). They give their runner slots back while they wait, so etl's batch beside it runs as
+    if alone; and a cancel ends alice's batch at once (her waiting lines reached no worker)."""
+    monkeypatch.setenv("TEST_BATCH_KEYS", "sk-alice name=alice, sk-etl batch name=etl")
+    h = await make_proxy(
+        policy={
+            "auth": {"api_keys_env": "TEST_BATCH_KEYS"},
+            "admission": {"keys": {"alice": {"requests_per_minute": 2}}},
+            "batch": {"concurrency": 4},
+        }
+    )
+    alice, etl = h.client("sk-alice"), h.client("sk-etl")
+    mine = [request_line(f"a{n}", model=FAKE_MODEL, max_tokens=2) for n in range(20)]
+    uploaded = await alice.files.create(file=("a.jsonl", jsonl(*mine)), purpose="batch")
+    held = await alice.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    await wait_until(lambda: (h.state.metrics.registry.get_sample_value(
+        "pacer_requests_rejected_total", {"reason": "rate_limited"}) or 0) >= 2)  # fmt: skip
+
+    theirs = [request_line(f"e{n}", model=FAKE_MODEL, max_tokens=2) for n in range(10)]
+    uploaded = await etl.files.create(file=("e.jsonl", jsonl(*theirs)), purpose="batch")
+    created = await etl.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    async with asyncio.timeout(10):  # alice's Retry-After is some 30 s: not behind her lines
+        done = await wait_final_over_http(etl, created.id)
+    assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 10
+
+    await alice.batches.cancel(held.id)
+    async with asyncio.timeout(10):
+        cancelled = await wait_final_over_http(alice, held.id)
+    assert cancelled.status == "cancelled" and cancelled.request_counts is not None
+    assert cancelled.request_counts.completed == 2 and cancelled.request_counts.total == 20  # her minute's two
+    await alice.close()
+    await etl.close()
+
+
+async def test_a_cancel_withdraws_the_lines_waiting_in_the_proxy_queue(make_proxy: Callable[..., Any]) -> None:
+    h = await make_proxy()
+    client = h.client("key-a")
+    h.pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: the lines wait in the proxy's queue
+    lines = [request_line(f"q{n}", model=FAKE_MODEL, max_tokens=2) for n in range(5)]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 5)
+    await client.batches.cancel(created.id)
+    async with asyncio.timeout(10):
+        batch = await wait_final_over_http(client, created.id)
+    assert batch.status == "cancelled" and batch.error_file_id is not None
+    assert h.state.admission.depth(Priority.BATCH) == 0
+    errors = await content_lines(client, batch.error_file_id)
+    assert sorted(e["custom_id"] for e in errors) == [f"q{n}" for n in range(5)]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    h.pool.set_state("w0", WorkerState.READY)
+    assert h.workers[0].bodies == []  # none reached the worker
+    await client.close()
+
+
+async def test_a_line_over_the_body_limit_is_refused_as_a_client_s_request_would_be(
+    make_proxy: Callable[..., Any],
+) -> None:
+    h = await make_proxy(policy={"proxy": {"max_body_bytes": 4096}})
+    client = h.client("key-a")
+    lines = [request_line("small", model=FAKE_MODEL, max_tokens=2), request_line("x" * 5000, model=FAKE_MODEL)]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
+    created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    batch = await wait_final_over_http(client, created.id)
+    assert batch.status == "completed" and batch.error_file_id is not None and batch.output_file_id is not None
+    [refused] = await content_lines(client, batch.error_file_id)
+    assert refused["response"]["status_code"] == 413
+    assert "the limit is 4096 (proxy.max_body_bytes)" in refused["response"]["body"]["error"]["message"]
+    assert len(h.workers[0].bodies) == 1
+    await client.close()
