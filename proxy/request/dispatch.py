@@ -243,6 +243,9 @@ class Dispatcher:
         # is placed (the fast tier looks again at once instead of at the next scrape)
         self.on_interactive_spell: Callable[[], None] | None = None
         self.closing = False
+        # why no request of this pool can be served now (every worker down for good or in a crash
+        # loop), kept as the pool's states change: a request is refused on it without a look at them
+        self._refusal: tuple[str, bool] | None = self._none_will_serve()
         self._pumping = False
         self._again = False
 
@@ -263,8 +266,8 @@ class Dispatcher:
         ride on the ticket for the planner's picture of the work in flight."""
         if self.closing:
             raise ProxyClosing()
-        if (none_serve := self._none_will_serve()) is not None:
-            raise none_serve
+        if self._refusal is not None:
+            raise NoWorker(self._refusal[0], for_good=self._refusal[1])
         now = self.clock()
         spell = priority is Priority.INTERACTIVE and not self._beside_interactive(now)
         if priority is Priority.INTERACTIVE:
@@ -387,8 +390,8 @@ class Dispatcher:
         if self.closing:
             ticket.future.set_exception(ProxyClosing())
             return
-        if (none_serve := self._none_will_serve()) is not None:
-            ticket.future.set_exception(none_serve)
+        if self._refusal is not None:
+            ticket.future.set_exception(NoWorker(self._refusal[0], for_good=self._refusal[1]))
             return
         self.admission.requeue(ticket)
         self.pump()
@@ -411,22 +414,17 @@ class Dispatcher:
             if not ticket.future.done():
                 ticket.future.set_exception(ProxyClosing())
 
-    def _none_will_serve(self) -> NoWorker | None:
-        """Why no request can be served, when every worker of the pool is down and stays down (the
-        policy revives nothing) or dies as it starts (a crash loop the controller only revives);
-        None while one serves or may start to."""
+    def _none_will_serve(self) -> tuple[str, bool] | None:
+        """Why no request can be served, and whether for good: every worker of the pool is down and
+        stays down (the policy revives nothing) or dies as it starts (a crash loop the controller
+        only revives); None while one serves or may start to."""
         workers = self.pool.workers()
         if not workers or not all(w.stays_down or w.crash_loop for w in workers):
             return None
-        for_good = all(w.stays_down for w in workers)
         down = "; ".join(f"{w.id}: {w.last_error or 'down'}" for w in workers)
-        if for_good:
-            return NoWorker(
-                f"no worker will serve this request: every worker is down and stays down ({down})", for_good=True
-            )
-        return NoWorker(
-            f"no worker serves this request now: every worker is down or in a crash loop ({down})", for_good=False
-        )
+        if all(w.stays_down for w in workers):
+            return f"no worker will serve this request: every worker is down and stays down ({down})", True
+        return f"no worker serves this request now: every worker is down or in a crash loop ({down})", False
 
     # -- the gate ---------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -553,10 +551,11 @@ class Dispatcher:
             self.board.get(info.id).forget_sample()
         if info.state is WorkerState.DOWN:
             self.fail_over(info.id)
-        if (info.stays_down or info.crash_loop) and (none_serve := self._none_will_serve()) is not None:
+        self._refusal = self._none_will_serve()
+        if self._refusal is not None:
             for ticket in self.admission.drain_all():  # their handlers answer 503 at once, not at their timeout
                 if not ticket.future.done():
-                    ticket.future.set_exception(none_serve)
+                    ticket.future.set_exception(NoWorker(self._refusal[0], for_good=self._refusal[1]))
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:

@@ -848,5 +848,6 @@ async def test_a_pool_in_a_crash_loop_refuses_until_a_worker_serves():
         d.submit(Priority.INTERACTIVE, 60)
     assert not refused.value.for_good and "w0: exited with code 2" in str(refused.value)
     pool.ws = [dataclasses.replace(looping, state=WorkerState.READY, crash_loop=False), gone]
+    d.on_worker_state(pool.ws[0])  # the pool tells its listeners
     _sample(board, "w0", 0)
     assert d.submit(Priority.INTERACTIVE, 60).future.done()
