@@ -103,7 +103,13 @@ def build_app(
         for _ in policy.pools
     ]
     admission = queues[0] if not several else QueueTotals(queues)
-    metrics = ProxyMetrics(admission, board, pool.workers, lambda: gpus.last if gpus is not None else None)
+    metrics = ProxyMetrics(
+        admission,
+        {p.name: queue for p, queue in zip(policy.pools, queues, strict=True)},
+        board,
+        pool.workers,
+        lambda: gpus.last if gpus is not None else None,
+    )
     dispatchers = {  # ... and its own gate over its own workers, with its own [pacing] (and [pool.pacing])
         p.name: Dispatcher(
             PoolView(pool, p.name) if several else pool,
@@ -113,7 +119,7 @@ def build_app(
             stale_after_s=p.pacing.stale_after_s,
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
             max_attempts=p.pacing.max_attempts,
-            on_requeue=metrics.count_requeue,
+            on_requeue=metrics.of(p.name).count_requeue,
             batch_queue=p.pacing.batch_queue_beside_interactive,
             interactive_window_s=p.pacing.interactive_window_s,
             batch_in_flight=p.pacing.batch_in_flight_beside_interactive,
@@ -126,8 +132,9 @@ def build_app(
         RequestSettings.from_policy(policy),
         pool,
         dispatchers[policy.pools[0].name],
-        metrics,
+        metrics.of(policy.pools[0].name),
         pools=dispatchers if several else {},
+        pool_metrics={p.name: metrics.of(p.name) for p in policy.pools} if several else {},
         models={p.model: p.name for p in policy.pools if p.model is not None} if several else {},
         limits=KeyLimiter(  # per key, across every pool
             {

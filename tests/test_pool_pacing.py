@@ -121,3 +121,23 @@ async def test_a_queue_timeout_names_the_workers_of_the_request_s_own_pool() -> 
             "no worker is ready (b-w0 down: unreachable: no answer from http://127.0.0.1:10/health"
         )
         assert "a-w0" not in message
+
+
+async def test_each_pool_s_requests_are_counted_under_its_name() -> None:
+    """A fleet's operator tells which model's requests fail or wait: the request path's series and the
+    queue depth carry the pool; the door's refusals (before a pool is chosen) do not."""
+    async with built(two_pools()) as st:
+        assert st.requests.metrics_for("mb") is st.metrics.of("b")
+        assert st.requests.metrics_for("ma") is st.metrics.of("a") is st.requests.metrics_for(None)
+        st.metrics.of("b").fail_timeout.inc()
+        st.metrics.of("b").completed.inc()
+        text = st.metrics.render().decode()
+    assert 'pacer_requests_failed_total{pool="b",reason="queue_timeout"} 1.0' in text
+    assert (
+        'pacer_requests_completed_total{pool="b"} 1.0' in text
+        and 'pacer_requests_completed_total{pool="a"} 0.0' in text
+    )
+    assert (
+        'pacer_queue_depth{pool="a",priority="batch"} 0.0' in text
+        and 'pacer_queue_depth{pool="b",priority="batch"}' in text
+    )

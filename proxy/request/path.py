@@ -102,8 +102,9 @@ class RequestSettings:
 
 @dataclass(eq=False)
 class RequestPath:
-    """``dispatcher`` is the first pool's; with several pools, ``pools`` has each pool's dispatcher
-    (its own queue and gate over its own workers) and ``models`` the pool serving each model."""
+    """``dispatcher`` and ``metrics`` are the first pool's; with several pools, ``pools`` has each
+    pool's dispatcher (its own queue and gate over its own workers), ``pool_metrics`` what is counted
+    of its requests and ``models`` the pool serving each model."""
 
     settings: RequestSettings
     pool: WorkerPool
@@ -111,6 +112,7 @@ class RequestPath:
     metrics: RequestMetrics
     pools: Mapping[str, Dispatcher] = field(default_factory=dict)  # pool name -> its dispatcher
     models: Mapping[str, str] = field(default_factory=dict)  # model -> the pool serving it
+    pool_metrics: Mapping[str, RequestMetrics] = field(default_factory=dict)  # pool name -> its counts
     limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
@@ -154,6 +156,11 @@ class RequestPath:
         """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
         pool = self.models.get(model) if model is not None else None
         return self.pools[pool] if pool is not None else self.dispatcher
+
+    def metrics_for(self, model: str | None) -> RequestMetrics:
+        """What is counted of ``model``'s requests (the first pool's for any other), as :meth:`dispatcher_for`."""
+        pool = self.models.get(model) if model is not None else None
+        return self.pool_metrics[pool] if pool is not None else self.metrics
 
     def dispatcher_of(self, pool: str) -> Dispatcher:
         return self.pools.get(pool, self.dispatcher)

@@ -56,7 +56,7 @@ from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTime
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.limits import RateLimited
-from proxy.request.path import RequestPath
+from proxy.request.path import RequestMetrics, RequestPath
 from proxy.request.sse import has_output
 from proxy.request.stitch import StreamStitcher, WholeEvents
 from proxy.request.upstream import (
@@ -254,8 +254,8 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     if job.stream:
         raise ValueError("a streamed request needs a client to stream to: forward it")
 
-    async def whole(opened: Opened, _upstream: _Upstream, _headers: Mapping[str, str]) -> web.Response:
-        return _whole(path, opened)
+    async def whole(opened: Opened, upstream: _Upstream, _headers: Mapping[str, str]) -> web.Response:
+        return _whole(upstream.metrics, opened)
 
     return await _answer(path, job, priority, time.monotonic(), whole, key)
 
@@ -300,7 +300,7 @@ async def _queued(
     cost: int,
     submitted: float,
 ) -> R | web.Response:
-    d, m = path.dispatcher_for(job.model), path.metrics
+    d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
     try:
         ticket = d.submit(
             priority,
@@ -343,7 +343,7 @@ async def _queued(
                 engine = path.engine_of(attempt.worker_id)
                 by_name = engine.abort_by_name if engine is not None else None
                 named = named or _Named.of(path, job, by_name)
-                upstream = _Upstream(url, by_name, named.attempt(job, tries))
+                upstream = _Upstream(url, by_name, named.attempt(job, tries), m)
                 capped = _capped(path, attempt, job)
                 attempt.sent_max_tokens = None if capped is None else capped.sent
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
@@ -446,11 +446,13 @@ class _Named:
 @dataclass(slots=True)
 class _Upstream:
     """The request an attempt has open on its worker now: the worker's URL, how a request is aborted
-    there by name, and the name the one open now was sent under (each part has its own; None: unnamed)."""
+    there by name, the name the one open now was sent under (each part has its own; None: unnamed),
+    and what is counted of its pool's requests."""
 
     url: str
     by_name: AbortByName | None
     name: str | None
+    metrics: RequestMetrics
 
     def part(self, body: dict[str, object], base: str | None, suffix: str) -> None:
         """``body`` is the attempt's next request: its name is ``base`` with ``suffix``."""
@@ -617,7 +619,7 @@ async def _continued(
         cap = _next_cap(path, worker_id, interactive, capped, written)
         more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
         upstream.part(more, base, f"c{len(parts)}")
-        path.metrics.continued.inc()
+        upstream.metrics.continued.inc()
         opened = await _part(path, upstream, worker_id, job, more)
         if opened.status != 200 or opened.body is None:
             return await _whole_again(path, worker_id, job, upstream, base), 1, None
@@ -638,7 +640,7 @@ async def _part(path: RequestPath, upstream: _Upstream, worker_id: str, job: Job
 async def _whole_again(path: RequestPath, worker_id: str, job: Job, upstream: _Upstream, base: str | None) -> bytes:
     """The request sent again as the client asked (its own ``max_tokens``): the answer, or the
     worker's refusal as it answered."""
-    path.metrics.budget_redone.inc()
+    upstream.metrics.budget_redone.inc()
     body = dict(job.body)
     upstream.part(body, base, "w")
     opened = await _part(path, upstream, worker_id, job, body)
@@ -696,10 +698,10 @@ def _record_fact(
     )
 
 
-def _whole(path: RequestPath, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
+def _whole(m: RequestMetrics, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
     """A whole answer; a worker's refusal (not 200) in OpenAI's error shape, its status and message
     kept. ``headers``: the key's rate-limit headers, on a successful answer."""
-    path.metrics.completed.inc()
+    m.completed.inc()
     if opened.status != 200 and opened.body is not None:
         return web.Response(
             status=opened.status, body=openai_error_body(opened.status, opened.body), content_type="application/json"
@@ -716,9 +718,9 @@ async def _respond(
     upstream: _Upstream,
     headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
-    m = path.metrics
+    m = upstream.metrics
     if opened.resp is None:
-        return _whole(path, opened, headers)
+        return _whole(upstream.metrics, opened, headers)
     if opened.stitch is not None:
         return await _respond_stitched(path, request, opened, upstream, headers, opened.stitch)
     resp = opened.resp
@@ -843,7 +845,7 @@ async def _respond_stitched(
     client's ``max_tokens``, the next part continues it on the same worker. Output already went to
     the client, so a part that cannot go on ends the stream with an error event, as a worker that
     fails mid-stream does. Each event is read here (the plain relay pipes bytes unread)."""
-    m = path.metrics
+    m = upstream.metrics
     job, capped = plan.job, plan.capped
     engine = path.engine_of(plan.worker_id)
     stitcher = StreamStitcher(job.path, client_usage=not opened.strip_usage)

@@ -53,7 +53,7 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         # nothing lost: every request answered once, in full, after the retry on the revived worker
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
         assert all(r.usage.prompt_tokens == PROMPT_TOKENS for r in results)
-        assert proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total") >= 1
+        assert proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"}) >= 1
 
         decisions = await proxy.decisions()
         [oom] = [d for d in decisions if d["rule"] == "prefill_oom"]
@@ -105,7 +105,7 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
                        and pool.get(worker).state is WorkerState.READY, 30, "restarted with the chunk that fits")  # fmt: skip
         results = await _send_all(proxy)
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
-        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total")
+        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
 
         [fit] = [d for d in await proxy.decisions() if d["rule"] == "activations_fit"]
         assert fit["status"] == "applied" and fit["changes"] == {"chunked_prefill_size": [8192, 4096]}
@@ -141,6 +141,6 @@ async def test_with_the_forecast_the_first_launch_already_takes_the_chunk_that_f
 
         results = await _send_all(proxy)
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
-        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total")
+        assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
         assert not proxy.controller.state(worker).deaths and pool.get(worker).restarts == 0
         assert [d["rule"] for d in await proxy.decisions()] == ["activations_fit"]

@@ -89,7 +89,9 @@ async def test_a_budget_learned_from_short_answers_continues_a_long_one_into_one
         )
         assert len(comp.choices[0].text.split()) == 2000 and comp.choices[0].finish_reason == "length"
         assert load.facts.recent()[-1].parts == 1 and load.facts.recent()[-1].sent_max_tokens is None
-        continued = proxy.state.metrics.registry.get_sample_value("pacer_output_budget_continuations_total")
+        continued = proxy.state.metrics.registry.get_sample_value(
+            "pacer_output_budget_continuations_total", {"pool": "default"}
+        )
         assert continued == 2 + 1  # 256 -> 512 -> 600; 960 -> 1500
 
 

@@ -37,7 +37,8 @@ def proxy_names() -> set[str]:
                        memory_free_bytes=4, utilization_gpu_pct=50, utilization_memory_pct=10)  # fmt: skip
     report = GpuReport(time=1.0, devices=(device,))
     w0 = WorkerInfo(id="w0", url="http://w0", state=WorkerState.READY, managed=True)
-    metrics = ProxyMetrics(AdmissionQueue(10), board, lambda: [w0], lambda: report)
+    queue = AdmissionQueue(10)
+    metrics = ProxyMetrics(queue, {"default": queue}, board, lambda: [w0], lambda: report)
     return page_names(metrics.render().decode())
 
 

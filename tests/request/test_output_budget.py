@@ -100,9 +100,9 @@ async def test_a_part_the_worker_refuses_sends_the_request_again_whole(make_prox
         assert [b["max_tokens"] for b in w.bodies] == [4, 4, 4, 4, 8]
     async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
         metrics = await r.text()
-    assert ("pacer_output_budget_redone_total 1.0" in metrics) is (failure == "400")
+    assert ('pacer_output_budget_redone_total{pool="default"} 1.0' in metrics) is (failure == "400")
     continued = 1 if failure == "400" else 3  # the failed one, then the retry's two
-    assert f"pacer_output_budget_continuations_total {continued:.1f}" in metrics
+    assert f'pacer_output_budget_continuations_total{{pool="default"}} {continued:.1f}' in metrics
     await client.close()
 
 
@@ -198,7 +198,7 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
     assert second["rid"].endswith(".r") and second["rid"] != first["rid"]
     fact = h.state.board.get("w0").facts.recent()[-1]
     assert (fact.output_tokens, fact.parts, fact.written_before) == (40, 2, kept)  # the second went on from kept
-    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total") == 1
+    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total", {"pool": "default"}) == 1
     await client.close()
 
 

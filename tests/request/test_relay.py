@@ -110,7 +110,7 @@ async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
     await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
     assert len(h.workers[0].seen_rids) == 1  # the withdrawn request never reached the worker
     # every admitted request ends in one outcome: the one that left while it waited counts as a disconnect
-    assert h.state.metrics.disconnected._value.get() == 1
+    assert h.state.metrics.of("default").disconnected._value.get() == 1
     dispatched = {k: st.dispatched for _, k, st in h.state.admission.stats()}
     assert sum(dispatched.values()) == 1  # the withdrawn one was never sent
 
@@ -190,7 +190,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     assert len(h.workers[0].finished) == 1 and len(h.workers[1].finished) == 1
     assert len(h.workers[0].aborted) == 1  # the taken-back one was aborted at w0
     assert await d.wait_idle("w0", 2.0)
-    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total") == 1
+    assert h.state.metrics.registry.get_sample_value("pacer_requests_requeued_total", {"pool": "default"}) == 1
     await client.close()
 
 

@@ -104,7 +104,7 @@ async def test_killing_the_only_worker_under_load_fails_no_plain_request(tmp_pat
             await asyncio.gather(*clients)
     assert errors == []
     assert statuses[200] == sent and sum(statuses.values()) == sent  # every request answered, and with a 200
-    retried = st.metrics.registry.get_sample_value("pacer_requests_retried_total")
+    retried = st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
     assert retried is not None and retried > 0  # some were in flight at a kill and went back to the queue
 
 

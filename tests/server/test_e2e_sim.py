@@ -140,7 +140,7 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
     os.kill(victim.pid, signal.SIGKILL)
     done = await asyncio.gather(*tasks)
     assert all(c.usage.completion_tokens == 400 for c in done)
-    assert (st.metrics.registry.get_sample_value("pacer_requests_retried_total") or 0) >= 3
+    assert (st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"}) or 0) >= 3
     await _wait(lambda: st.pool.get("w0").state is WorkerState.DOWN)
     # new work keeps flowing to the survivor
     more = await client.completions.create(model=MODEL, prompt="after", max_tokens=2, extra_body={"sim_output_len": 2})

@@ -176,6 +176,8 @@ async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_
     async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
         text = await r.text()
     pushed_out = next(
-        line for line in text.splitlines() if line.startswith('pacer_requests_failed_total{reason="pushed_out"}')
+        line
+        for line in text.splitlines()
+        if line.startswith('pacer_requests_failed_total{pool="default",reason="pushed_out"}')
     )
     assert float(pushed_out.split()[-1]) >= 1  # at least bob's first made room

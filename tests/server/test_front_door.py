@@ -208,10 +208,11 @@ async def test_metrics_page_has_pacer_series(make_proxy):
     async with aiohttp.ClientSession() as s, s.get(h.url + "/metrics") as r:
         text = await r.text()
     for name in (
-        'pacer_queue_depth{priority="interactive"}',
-        "pacer_inflight{",
-        "pacer_requests_admitted_total 1.0",
-        "pacer_requests_completed_total 1.0",
+        'pacer_queue_depth{pool="default",priority="interactive"}',  # each pool's: a model's backlog alerts
+        'pacer_inflight{pool="default",url=',
+        'pacer_worker_queue_estimate{pool="default",worker="w0"}',
+        'pacer_requests_admitted_total{pool="default"} 1.0',
+        'pacer_requests_completed_total{pool="default"} 1.0',
         "pacer_queue_time_seconds_bucket",
         "pacer_added_latency_seconds_bucket",
         "pacer_requests_rejected_total",

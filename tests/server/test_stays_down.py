@@ -70,7 +70,7 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
         assert "w0: killed by SIGKILL" in message and "stays down (control.mode = off)" in message, message
         assert "retry-after" not in errors[1].response.headers  # only an operator brings it back
         registry = st.metrics.registry
-        assert registry.get_sample_value("pacer_requests_failed_total", {"reason": "no_worker"}) == 1
+        assert registry.get_sample_value("pacer_requests_failed_total", {"pool": "default", "reason": "no_worker"}) == 1
         assert registry.get_sample_value("pacer_requests_rejected_total", {"reason": "no_worker"}) == 1
 
         await pool.restart("w0", pool.get("w0").args, "the operator's restart")  # its next launch lifts it
