@@ -175,6 +175,8 @@ def _check_placement(policy: Policy, *, final: bool) -> dict[str, tuple[tuple[in
     if visible is None and not final and any(p.auto_gpus for p in policy.pools):
         print(f'  gpus     "auto" resolves at start ({report.reason})')
         return {}
+    if visible is None and not final and any(p.given_gpus and p.engine.engine.uses_host_gpus for p in policy.pools):
+        print(f"  gpus     the ids given are not checked against the host's GPUs ({report.reason})")
     return policy.placement(visible)
 
 

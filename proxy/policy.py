@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -817,6 +817,8 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         source=source,
     )
     root.finish()
+    if policy.fleet.backend is WorkerBackend.LOCAL:
+        _ports_apart(policy.pools, source)
     if policy.fleet.backend is WorkerBackend.RAY:
         for p in policy.pools:
             if p.given_gpus:
@@ -828,6 +830,25 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
     return policy
 
 
+def _ports_apart(pools: Sequence[PoolSettings], source: str) -> None:
+    """Fixed ports on one host: two pools' workers must not share one (on Ray, pools on different
+    nodes may)."""
+    ports: dict[str, range] = {}
+    for p in pools:
+        e = p.engine
+        if not (e.managed and e.base_port):
+            continue
+        mine = range(e.base_port, e.base_port + e.workers)
+        for other, theirs in ports.items():
+            if mine.start < theirs.stop and theirs.start < mine.stop:
+                raise PolicyError(
+                    f"pool.{p.name}.base_port",
+                    f"ports {mine.start}..{mine.stop - 1} overlap those of pool {other!r} ({theirs.start}..{theirs.stop - 1})",
+                    source=source,
+                )
+        ports[p.name] = mine
+
+
 def _pools(
     root: Table, tables: object, control: Mapping[str, Any], pacing: Mapping[str, Any], source: str
 ) -> tuple[PoolSettings, ...]:
@@ -837,7 +858,6 @@ def _pools(
     names: dict[str, int] = {}
     models: dict[str, str] = {}
     owner: dict[int, str] = {}
-    ports: dict[str, range] = {}
     for i, p in enumerate(pools):
         if p.name in names:
             raise PolicyError(f"pool[{i}].name", f"{p.name!r} is also pool[{names[p.name]}]", source=source)
@@ -856,17 +876,6 @@ def _pools(
                     f"pool.{p.name}.gpus", f"GPU {g} is given twice (pool {owner[g]!r} has it)", source=source
                 )
             owner[g] = p.name
-        e = p.engine
-        if e.managed and e.base_port:  # fixed ports: two pools' workers must not share one (on a node, a clash)
-            mine = range(e.base_port, e.base_port + e.workers)
-            for other, theirs in ports.items():
-                if mine.start < theirs.stop and theirs.start < mine.stop:
-                    raise PolicyError(
-                        f"pool.{p.name}.base_port",
-                        f"ports {mine.start}..{mine.stop - 1} overlap those of pool {other!r} ({theirs.start}..{theirs.stop - 1})",
-                        source=source,
-                    )
-            ports[p.name] = mine
     return tuple(pools)
 
 

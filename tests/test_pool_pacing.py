@@ -117,10 +117,8 @@ async def test_a_queue_timeout_names_the_workers_of_the_request_s_own_pool() -> 
         for w in st.pool.workers():
             assert w.state is WorkerState.DOWN  # nothing answers at their URLs
         message = relay._no_worker_message(st.requests, st.requests.dispatcher_of("b"))
-        assert message.startswith(
-            "no worker is ready (b-w0 down: unreachable: no answer from http://127.0.0.1:10/health"
-        )
-        assert "a-w0" not in message
+        assert message.startswith("no worker is ready (b-w0 down); the request waited 300 s")
+        assert "a-w0" not in message and "127.0.0.1" not in message  # its own pool; no host told a client
 
 
 async def test_each_pool_s_requests_are_counted_under_its_name() -> None:
@@ -141,3 +139,34 @@ async def test_each_pool_s_requests_are_counted_under_its_name() -> None:
         'pacer_queue_depth{pool="a",priority="batch"} 0.0' in text
         and 'pacer_queue_depth{pool="b",priority="batch"}' in text
     )
+
+
+async def test_ready_names_the_pools_with_no_worker_ready() -> None:
+    """One model's workers all down: the proxy is still ready (the other model serves), and /ready's
+    body says which model's pool is not serving."""
+    import orjson
+    from aiohttp.test_utils import make_mocked_request
+
+    from proxy.server import handlers
+    from tests.harness.fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    url = await engine.start()
+    doc = two_pools()
+    doc["pool"][0]["urls"] = [url]  # a answers; b's URL answers nothing
+    policy = parse_policy(doc, "<t>")
+    pool = build_pool(policy, {})
+    app = build_app(policy, pool, manage_pool=False, gpu_sampler=lambda: [])
+    await pool.start()
+    try:
+        answer = await handlers.ready(make_mocked_request("GET", "/ready", app=app))
+    finally:
+        await pool.stop()
+        await engine.stop()
+    assert answer.status == 200
+    assert orjson.loads(answer.body) == {
+        "status": "ready",
+        "ready_workers": 1,
+        "workers": 2,
+        "pools_not_serving": ["b"],
+    }

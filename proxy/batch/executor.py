@@ -6,8 +6,8 @@ The front door's validators check each line as they check a client's request (th
 this package does not import the front door), its size too (``proxy.max_body_bytes``). A refusal of
 the line itself (invalid, or the worker's own error answer) is its result. The proxy's "not now"
 answers are not: a full queue, a line that waited ``queue.timeout_s`` for a worker, the key's rate
-limit raise :class:`~proxy.batch.runner.NotNow` with their ``Retry-After``, and the runner tries
-the line again then. A cancel (``withdraw``) withdraws a line that has not reached a worker; one on
+limit, no worker serving raise :class:`~proxy.batch.runner.NotNow` with their ``Retry-After`` (else
+``queue.retry_after_s``), and the runner tries the line again then. A cancel (``withdraw``) withdraws a line that has not reached a worker; one on
 a worker finishes. While the proxy shuts down, a line waits to be cancelled with the runner, so it
 runs again on the next start instead of ending in the error file.
 """
@@ -32,7 +32,9 @@ from proxy.request.path import RequestPath
 Validate = Callable[[bytes], Job]
 """The front door's check of a request body for one endpoint (raises ApiError)."""
 
-NOT_NOW = frozenset({"queue_full", "queue_timeout", "rate_limit_exceeded"})
+# the proxy's own "not now": a full queue, a line that waited out the queue timeout, the key's rate
+# limit, no worker serving (a crash loop, or down until an operator restarts one): tried again later
+NOT_NOW = frozenset({"queue_full", "queue_timeout", "rate_limit_exceeded", "no_worker"})
 SHUTTING_DOWN = "shutting_down"
 
 

@@ -167,20 +167,31 @@ class BatchRunner:
                 if not lines:
                     break
                 for line in lines:
-                    if not await self._after_not_now(batch, stop):
+                    slot = await self._next_slot(batch, stop)
+                    if slot is None:
                         ending = "expired" if not stop.is_set() else ending
                         break
-                    await self._slots.acquire()
-                    if stop.is_set():
-                        self._slots.release()
-                        break
-                    if self._clock() >= batch.expires_at:
-                        self._slots.release()
-                        ending = "expired"
-                        break
-                    running.create_task(self._run_line(batch, line, stop, expired))  # it owns the slot
+                    task = running.create_task(self._run_line(batch, line, stop, expired, slot))
+                    task.add_done_callback(slot.given_back)  # also when it is cancelled before it runs
                     after = line.idx
         return "expired" if expired and ending == "completed" else ending
+
+    async def _next_slot(self, batch: ActiveBatch, stop: asyncio.Event) -> _Slot | None:
+        """A slot to start the batch's next line with, once no "not now" holds the batch; None: it was
+        cancelled or its window ran out. A line told "not now" while this waited for the slot holds
+        the batch again: the slot goes back until that has passed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not await self._after_not_now(batch, stop):
+                return None
+            await self._slots.acquire()
+            slot = _Slot(self._slots)
+            if stop.is_set() or self._clock() >= batch.expires_at:
+                slot.give_back()
+                return None
+            if self._resume_at.get(batch.id, 0.0) <= loop.time():
+                return slot
+            slot.give_back()
 
     async def _after_not_now(self, batch: ActiveBatch, stop: asyncio.Event) -> bool:
         """Wait until the batch may start lines again (a "not now" told it when); False: it was
@@ -196,11 +207,12 @@ class BatchRunner:
                 return False
         return not stop.is_set() and self._clock() < batch.expires_at
 
-    async def _run_line(self, batch: ActiveBatch, line: PendingLine, stop: asyncio.Event, expired: list[int]) -> None:
+    async def _run_line(
+        self, batch: ActiveBatch, line: PendingLine, stop: asyncio.Event, expired: list[int], slot: _Slot
+    ) -> None:
         """One line, holding the slot it was started with except while it waits out a "not now"
         (the batch starts no new line until that has passed). No result when it is withdrawn (the
         batch cancelled before it reached a worker) or its window ran out while it waited."""
-        slot = _Slot(self._slots)
         try:
             result = await self._answer(batch, line, stop, slot)
             if result is None:
@@ -264,6 +276,10 @@ class _Slot:
         if self._held:
             self._held = False
             self._slots.release()
+
+    def given_back(self, _done: asyncio.Task[None]) -> None:
+        """The line's task is done (however it ended, even cancelled before its first step)."""
+        self.give_back()
 
     async def take(self) -> None:
         await self._slots.acquire()

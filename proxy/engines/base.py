@@ -143,11 +143,14 @@ class NativeRoute:
     """One of an engine's own endpoints besides inference and ``/metrics`` that its clients call (model
     and server info, a deep health check, a cache flush, an abort by name): the proxy serves it as
     the engine does, from one ready worker of the model (``every_worker`` False: the answer is that
-    worker's) or from each one (True: one answer, a success only when every worker's was)."""
+    worker's) or from each one that runs requests (True: one answer, a success only when every
+    worker's was). ``operator``: it acts on every caller's work (a flush, an abort, which can end
+    all): the admin key's, not a client's."""
 
     method: str  # "GET" or "POST"
     path: str
     every_worker: bool = False
+    operator: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -97,10 +97,25 @@ from proxy.request.admission import AdmissionQueue, Priority, QueueFull
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
+from proxy.workers.exit_text import how_it_ended
 
-__all__ = ["Dispatcher", "NoWorker", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker"]
+__all__ = ["Dispatcher", "NoWorker", "ProxyClosing", "QueueFull", "QueueTimeout", "choose_worker", "worker_words"]
 
 _log = logging.getLogger(__name__)
+
+
+def worker_words(w: WorkerInfo) -> str:
+    """A worker's state in words a client may be told: its state, how its process ended, whether it
+    stays down or loops. Never what it printed (another caller's text with ``--log-requests``, paths,
+    hosts): the operator's views (``/admin/workers``, ``pacer status``, the journal) have that."""
+    words = f"{w.id} {w.state}"
+    if w.state is WorkerState.DOWN and w.exit_code is not None:
+        words += f" ({how_it_ended(w.exit_code)})"
+    if w.stays_down:
+        words += ", stays down"
+    elif w.crash_loop:
+        words += ", in a crash loop"
+    return words
 
 
 def _rendezvous(worker_id: str, key: str) -> int:
@@ -421,7 +436,7 @@ class Dispatcher:
         workers = self.pool.workers()
         if not workers or not all(w.stays_down or w.crash_loop for w in workers):
             return None
-        down = "; ".join(f"{w.id}: {w.last_error or 'down'}" for w in workers)
+        down = "; ".join(worker_words(w) for w in workers)
         if all(w.stays_down for w in workers):
             return f"no worker will serve this request: every worker is down and stays down ({down})", True
         return f"no worker serves this request now: every worker is down or in a crash loop ({down})", False

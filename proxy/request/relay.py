@@ -52,7 +52,7 @@ from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
 from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
 from proxy.request.continuation import Capped
-from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout
+from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout, worker_words
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.limits import RateLimited
@@ -67,7 +67,6 @@ from proxy.request.upstream import (
     UpstreamUnreachable,
 )
 from proxy.workers.base import WorkerState
-from proxy.workers.exit_text import shorten_cause
 
 __all__ = ["EventStream", "Opened", "complete", "forward"]
 
@@ -78,7 +77,6 @@ _log = logging.getLogger(__name__)
 _ABORT_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
-_CAUSE_CHARS = 200  # of a down worker's cause, in a queue timeout's message
 _NO_FIELDS: Mapping[str, object] = {}
 _NO_HEADERS: Mapping[str, str] = {}
 
@@ -216,15 +214,12 @@ def _none_will_serve_error(path: RequestPath, exc: NoWorker) -> ApiError:
 
 def _no_worker_message(path: RequestPath, dispatcher: Dispatcher) -> str:
     """Why a request of ``dispatcher``'s pool waited out its queue timeout: that pool's workers' states
-    (a down one's cause, short) or their pacing limits."""
+    (:func:`~proxy.request.dispatch.worker_words`) or their pacing limits."""
     workers = dispatcher.pool.workers()
     ready = [w for w in workers if w.state is WorkerState.READY]
     waited = f"waited {path.settings.queue_timeout_s:g} s in the proxy queue (queue.timeout_s)"
     if not ready:
-        states = ", ".join(
-            f"{w.id} {w.state}" + (f": {shorten_cause(w.last_error, _CAUSE_CHARS)}" if w.last_error else "")
-            for w in workers
-        )
+        states = ", ".join(worker_words(w) for w in workers)
         return f"no worker is ready ({states or 'none configured'}); the request {waited}"
     return f"all {len(ready)} ready worker(s) stayed at their pacing limit; the request {waited}"
 

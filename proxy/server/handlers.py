@@ -176,7 +176,10 @@ async def ready(request: web.Request) -> web.Response:
     workers = st.pool.workers()
     n = sum(1 for w in workers if w.state is WorkerState.READY)
     if n:
-        return _json({"status": "ready", "ready_workers": n, "workers": len(workers)})
+        serving = {w.pool for w in workers if w.state is WorkerState.READY}
+        # a pool with none ready: its model's requests wait (or are refused), though the proxy is ready
+        down = sorted({w.pool for w in workers} - serving)
+        return _json({"status": "ready", "ready_workers": n, "workers": len(workers), "pools_not_serving": down})
     return error_response(
         ApiError(
             503,

@@ -2,13 +2,14 @@
 model and server info (its frontend's ``RuntimeEndpoint`` reads ``/get_model_info`` as it starts),
 its deep health check, a cache flush and an abort by ``rid``; vLLM's ``/version``.
 
-Each is served as the engine serves it, with the caller's API key checked as for inference:
+Each is served as the engine serves it, with the caller's API key checked as for inference (the
+admin key for what acts on every caller's work: a flush, an abort, which SGLang lets end all):
 
 - from one ready worker of the model (the one with the fewest of the proxy's requests open), its
   answer as it gave it;
-- or from every ready worker of the model (``every_worker``: a flush, an abort), one answer: the
-  first worker's when every one succeeded, else an error naming each worker that did not (the
-  first refusal's status, as SGLang's 400 for a flush while requests run; 502 for a failure).
+- or from every worker of the model that runs requests (``every_worker``: ready or draining), one
+  answer: the first worker's when every one succeeded, else an error naming each worker that did
+  not (the first refusal's status, as SGLang's 400 for a flush while requests run; 502 for a failure).
 
 The model is ``?model=NAME`` (a body has no model on these routes); without one, a proxy serving
 several models sends an ``every_worker`` call to all of them and refuses the others with a 400
@@ -28,7 +29,7 @@ from aiohttp import web
 from proxy.engines.base import NativeRoute
 from proxy.engines.contract import Engine
 from proxy.errors import ApiError, error_body, error_response
-from proxy.server.auth import check_api_key
+from proxy.server.auth import check_admin_key, check_api_key
 from proxy.server.handlers import Handler, read_body
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerInfo, WorkerState
@@ -65,7 +66,10 @@ def _handler(route: NativeRoute) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         st = request.app[PROXY]
         try:
-            check_api_key(st.keys, request.headers)
+            if route.operator:
+                check_admin_key(st.keys, request.headers)
+            else:
+                check_api_key(st.keys, request.headers)
             body = b""
             if request.method == "POST":
                 body = await read_body(request, st.policy.proxy.max_body_bytes, st.policy.proxy.body_timeout_s)
@@ -94,8 +98,9 @@ def _handler(route: NativeRoute) -> Handler:
 
 
 def _ready_workers(st: ProxyState, route: NativeRoute, model: str | None) -> list[WorkerInfo]:
-    """The ready workers the call goes to: of ``model``'s pool, else of every pool whose engine has
-    the route (one pool only for a call one worker answers); 404, 400 or 503 saying why there are none."""
+    """The workers the call goes to (ready ones; draining ones too for a call to every worker: their
+    requests run on): of ``model``'s pool, else of every pool whose engine has the route (one pool
+    only for a call one worker answers); 404, 400 or 503 saying why there are none."""
     engines = st.requests.engines
     pools = [name for name, engine in engines.items() if route in engine.native_routes]
     if model is not None:
@@ -125,7 +130,8 @@ def _ready_workers(st: ProxyState, route: NativeRoute, model: str | None) -> lis
     if not pools:
         raise ApiError(404, f"the model's engine has no {route.method} {route.path}", code="not_found")
     workers = [w for w in st.pool.workers() if w.pool in pools]
-    ready = [w for w in workers if w.state is WorkerState.READY]
+    running = (WorkerState.READY, WorkerState.DRAINING) if route.every_worker else (WorkerState.READY,)
+    ready = [w for w in workers if w.state in running]
     if not ready:
         states = ", ".join(f"{w.id} {w.state}" for w in workers) or "none configured"
         raise ApiError(503, f"no worker is ready ({states})", type="service_unavailable", code="not_ready")

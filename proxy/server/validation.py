@@ -179,7 +179,8 @@ def validate_generate(raw: bytes) -> Job:
             "'sampling_params' must be an object, or an array of objects (one per prompt)", "sampling_params"
         )
     # the most any one prompt asks for; n > 1 makes SGLang run the prompt as a batch (its rid a list)
-    asked = max(each, key=_max_new_tokens)
+    unbounded = [one for one in each if _max_new_tokens(one) < 0]  # the engine's default, the estimate's too
+    asked = unbounded[0] if unbounded else max(each, key=_max_new_tokens)
     cost = _cost(raw, asked, asked)
     one_prompt = isinstance(text, str) or (text is None and isinstance(ids, list) and (not ids or _is_int(ids[0])))
     single = one_prompt and isinstance(sp, dict | None) and cost[2] == 1

@@ -25,6 +25,7 @@ last) run: an earlier run's output does not explain this one's death.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import inspect
@@ -175,6 +176,8 @@ class Supervisor:
         self._ring_lines = ring_lines
         self._slots: dict[WorkerId, _Slot] = {}
         self._listeners: list[StateListener] = []
+        self._untold: collections.deque[WorkerInfo] = collections.deque()  # changes not yet told (_tell)
+        self._telling = False
         self._launch_planner: LaunchPlanner | None = None
         self._line_listeners: list[LineListener] = []
         self._session: aiohttp.ClientSession | None = None
@@ -294,6 +297,8 @@ class Supervisor:
         async with slot.lock:
             _log.info("restarting worker %s (%s)", worker_id, reason)
             await self._stop_slot(slot, locked=True)
+            if dict(args) != slot.args:  # other arguments (a rule's, an operator's): no loop of these yet
+                slot.crash_loop = False
             slot.args = dict(args)
             slot.restarts += 1
             await self._wait_port_free(slot.port)
@@ -591,21 +596,34 @@ class Supervisor:
             slot.crash_loop, slot.served = False, True  # it started: the loop is over
         if error is not None:
             slot.last_error = error
-        info = slot.info()
         if state == WorkerState.DOWN:
             _log.warning("worker %s is down: %s", slot.id, slot.last_error)
         else:
             _log.info("worker %s is %s (%s)", slot.id, state, slot.url)
-        for listener in list(self._listeners):
-            try:
-                result = listener(info)
-            except Exception:
-                _log.exception("state listener failed")
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(self._await_listener(result))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        self._tell(slot.info())
+
+    def _tell(self, info: WorkerInfo) -> None:
+        """Every listener hears of ``info``, in order of the changes: a change a listener makes while
+        it is told (the controller's declare_down) is told after the one it heard."""
+        self._untold.append(info)
+        if self._telling:
+            return
+        self._telling = True
+        try:
+            while self._untold:
+                told = self._untold.popleft()
+                for listener in list(self._listeners):
+                    try:
+                        result = listener(told)
+                    except Exception:
+                        _log.exception("state listener failed")
+                        continue
+                    if inspect.isawaitable(result):
+                        task = asyncio.ensure_future(self._await_listener(result))
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+        finally:
+            self._telling = False
 
     @staticmethod
     async def _await_listener(result: Awaitable[None]) -> None:

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
-from proxy.batch import BatchService, NotNow, owner_of
+from proxy.batch import BatchRunner, BatchService, NotNow, owner_of
+from proxy.batch.store import ActiveBatch, PendingLine
 from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final, wait_until
 
 OWNER = owner_of("key-a")
@@ -111,3 +113,50 @@ async def test_a_line_waiting_out_a_not_now_past_the_window_expires(tmp_path: Pa
         errors = read_lines(await service.file_content(OWNER, batch["error_file_id"]))
     assert batch["status"] == "expired" and batch["request_counts"] == {"total": 5, "completed": 2, "failed": 3}
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(c, "batch_expired") for c in "cde"]
+
+
+class NotNowOnce(FakeExecutor):
+    """Tells the first line "not now" once (its key's limit for ``retry_after_s``)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__()
+        self.retry_after_s = retry_after_s
+        self.told = False
+        self.at: list[tuple[str, float]] = []  # each line asked, when (the loop's time)
+
+    async def execute(self, endpoint, body, owner, withdraw=None):  # type: ignore[no-untyped-def]
+        self.at.append((body["messages"][0]["content"], asyncio.get_running_loop().time()))
+        if not self.told:
+            self.told = True
+            raise NotNow("rate limit", self.retry_after_s)
+        return await super().execute(endpoint, body, owner, withdraw)
+
+
+async def test_a_not_now_holds_the_batch_until_its_retry_after(tmp_path: Path) -> None:
+    """The slot the told line gives back is not taken by the next line meanwhile: it would only be
+    told "not now" too."""
+    executor = NotNowOnce(0.3)
+    async with BatchService.open(tmp_path, executor, concurrency=1, clock=ManualClock(START)) as service:
+        batch_id = await _create(service, "abc")
+        batch = await wait_final(service, OWNER, batch_id)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 3
+    (_, told), *after = executor.at
+    assert sorted(line for line, _ in after) == ["a", "b", "c"]
+    assert all(when >= told + 0.3 for _, when in after)  # nothing started while the Retry-After ran
+
+
+async def test_a_line_cancelled_before_it_runs_gives_its_slot_back() -> None:
+    """A line's task cancelled before its first step (its TaskGroup aborting as a sibling fails)
+    never runs its body: the slot it was started with goes back all the same (a slot lost so stalls
+    every batch until the proxy restarts)."""
+    runner = BatchRunner(None, FakeExecutor(), concurrency=1, clock=ManualClock(START), accepts_model=lambda m: True)  # type: ignore[arg-type]
+    batch = ActiveBatch(id="batch_x", owner=OWNER, endpoint=CHAT, status="in_progress", expires_at=int(START + DAY))
+    slot = await runner._next_slot(batch, asyncio.Event())
+    assert slot is not None and runner._slots.locked()
+    line = PendingLine(idx=0, custom_id="a", body=b"{}")
+    task = asyncio.ensure_future(runner._run_line(batch, line, asyncio.Event(), [], slot))
+    task.add_done_callback(slot.given_back)  # as the dispatch loop starts a line
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert not runner._slots.locked()

@@ -99,3 +99,21 @@ async def test_a_batch_of_prompts_with_sampling_params_each(proxy) -> None:
         answers = await r.json()
     assert r.status == 200, answers
     assert [a["meta_info"]["completion_tokens"] for a in answers] == [3, 5]
+
+
+async def test_what_acts_on_every_caller_s_work_takes_the_admin_key(make_proxy, monkeypatch) -> None:
+    """A client's key reads the model's info; an abort (SGLang's takes abort_all) or a flush, which
+    reach every caller's requests, take the admin key."""
+    monkeypatch.setenv("TEST_NATIVE_KEYS", "sk-user name=user")
+    monkeypatch.setenv("TEST_NATIVE_ADMIN", "sk-admin")
+    h = await make_proxy(policy={"auth": {"api_keys_env": "TEST_NATIVE_KEYS", "admin_key_env": "TEST_NATIVE_ADMIN"}})
+    user, admin = {"Authorization": "Bearer sk-user"}, {"Authorization": "Bearer sk-admin"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(h.url + "/abort_request", json={"abort_all": True}, headers=user) as r:
+            assert r.status == 401 and "admin key" in (await r.json())["error"]["message"]
+        async with s.post(h.url + "/abort_request", json={"rid": "x"}) as r:
+            assert r.status == 401
+        async with s.post(h.url + "/abort_request", json={"rid": "x"}, headers=admin) as r:
+            assert r.status == 200
+        async with s.get(h.url + "/get_model_info") as r:
+            assert r.status == 401  # no key at all

@@ -67,7 +67,9 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
         assert time.monotonic() - started < 20  # not the queue's timeout
         assert [(e.status_code, e.code) for e in errors] == [(503, "no_worker")] * 2
         message = errors[1].message
-        assert "w0: killed by SIGKILL" in message and "stays down (control.mode = off)" in message, message
+        assert "(w0 down (killed by SIGKILL), stays down)" in message, message
+        assert "Decode batch" not in message  # what the worker printed is the operator's to read, not a client's
+        assert "stays down (control.mode = off)" in (pool.get("w0").last_error or "")  # pacer status shows it
         assert "retry-after" not in errors[1].response.headers  # only an operator brings it back
         registry = st.metrics.registry
         assert registry.get_sample_value("pacer_requests_failed_total", {"pool": "default", "reason": "no_worker"}) == 1
@@ -118,7 +120,9 @@ async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_af
         assert (refused.status_code, refused.code) == (503, "no_worker")
         assert refused.response.headers["retry-after"] == "9"  # the controller revives it: come back
         message = refused.message
-        assert "in a crash loop" in message and "unrecognized arguments: --no-such-flag" in message, message
+        assert "every worker is down or in a crash loop" in message and ", in a crash loop)" in message, message
+        assert "--no-such-flag" not in message  # the worker's output is in pacer status, not told a client
+        assert "unrecognized arguments: --no-such-flag" in (pool.get("w0").last_error or "")
         await _wait(lambda: pool.get("w0").restarts >= 3)  # the revivals go on
     finally:
         await client.close()

@@ -323,3 +323,24 @@ async def test_the_launch_planner_sets_each_workers_first_launch_and_a_failing_o
     ]
     info = await sup.restart("w0", {"max_running_requests": 16}, "more")
     assert info.args == {"max_running_requests": 16} and len(seen) == 2
+
+
+async def test_a_worker_declared_down_is_told_after_its_death_and_its_marks_are_lifted(make_supervisor) -> None:
+    """declare_down from inside a listener (the controller's, as it hears of the death) is told to
+    every listener after the death itself, never before it; a crash loop's mark goes with a restart
+    on other arguments, and a worker that serves is never marked."""
+    sup = make_supervisor(extra_args=["--fake-exit-at-start", "7"])
+    told: list[tuple[WorkerState, bool]] = []
+
+    def controller(info: WorkerInfo) -> None:
+        if info.state is WorkerState.DOWN and not info.crash_loop:
+            sup.declare_down(info.id, "in a crash loop", for_good=False)
+
+    sup.add_listener(controller)
+    sup.add_listener(lambda info: told.append((info.state, info.crash_loop)))
+    await sup.start()
+    assert told[-2:] == [(WorkerState.DOWN, False), (WorkerState.DOWN, True)]
+    assert sup.get("w0").crash_loop and sup.get("w0").last_error.endswith("; in a crash loop")  # type: ignore[union-attr]
+    await sup.restart("w0", {"max_running_requests": 8}, "a rule's other arguments")
+    assert sup.get("w0").state is WorkerState.DOWN and told[-1] == (WorkerState.DOWN, True)  # it loops on these
+    assert (WorkerState.STARTING, False) in told[2:]  # the restart on other arguments lifted the mark

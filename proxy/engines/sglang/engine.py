@@ -53,9 +53,10 @@ _NATIVE = (
         for p in ("/model_info", "/get_model_info", "/server_info", "/get_server_info")
     ),
     NativeRoute(method="GET", path="/health_generate"),
-    NativeRoute(method="GET", path="/flush_cache", every_worker=True),
-    NativeRoute(method="POST", path="/flush_cache", every_worker=True),
-    NativeRoute(method="POST", path="/abort_request", every_worker=True),
+    NativeRoute(method="GET", path="/flush_cache", every_worker=True, operator=True),
+    NativeRoute(method="POST", path="/flush_cache", every_worker=True, operator=True),
+    # a rid, or abort_all: another caller's requests too
+    NativeRoute(method="POST", path="/abort_request", every_worker=True, operator=True),
 )
 _PRIORITY: Mapping[tuple[bool, bool], Mapping[str, object]] = {  # (interactive, low values first)
     (True, False): MappingProxyType({"priority": INTERACTIVE_PRIORITY}),
