@@ -17,10 +17,10 @@ from proxy.policy import parse_policy
 from proxy.request.admission import Priority
 from proxy.server.state import PROXY
 from proxy.workers.base import WorkerState
-from proxy.workers.supervisor import Supervisor
 from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http, wait_until
 from tests.harness.fake_engine import MODEL as FAKE_MODEL
 from tests.harness.fake_engine import FakeEngine
+from tests.harness.sim_proxy import serve_sims
 from tests.harness.static_pool import StaticPool
 
 SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
@@ -40,32 +40,12 @@ def _client(url: str, api_key: str = "key-a") -> openai.AsyncOpenAI:
 @pytest.fixture
 async def sim_proxy(tmp_path: Path) -> AsyncIterator[str]:
     """The proxy in front of one ``pacer sim`` worker process; its batches under ``tmp_path``."""
-    policy = parse_policy(
-        {
-            "engine": {
-                "kind": "sim",
-                "workers": 1,
-                "args": {"max_running_requests": 16},
-                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
-                "log_dir": str(tmp_path / "logs"),
-                "startup_timeout_s": 60,
-                "stop_grace_s": 5,
-            },
-            "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
-            "batch": {"dir": str(tmp_path / "batches")},
-        },
-        "<batch e2e>",
-    )
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    st = app[PROXY]
-    try:
+    pacing = {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0}
+    async with serve_sims(tmp_path, {"workers": 1, "args": {"max_running_requests": 16}}, pacing=pacing) as p:
+        pool, st = p.pool, p.state
         await wait_until(lambda: [w.state for w in pool.workers()] == [WorkerState.READY], timeout=60)
         await wait_until(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()  # stops the worker too
+        yield p.url
     assert all(w.state is WorkerState.STOPPED for w in pool.workers())
 
 

@@ -12,11 +12,9 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.compose import build_app, serve
-from proxy.policy import parse_policy
-from proxy.server.state import PROXY, ProxyState
+from proxy.server.state import ProxyState
 from proxy.workers.base import WorkerState
-from proxy.workers.supervisor import Supervisor
+from tests.harness.sim_proxy import serve_sims
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
@@ -50,32 +48,12 @@ async def _wait(cond, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 async def sim(tmp_path) -> AsyncIterator[Sim]:
-    policy = parse_policy(
-        {
-            "engine": {
-                "kind": "sim",
-                "workers": 2,
-                "args": {"max_running_requests": 16},
-                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
-                "log_dir": str(tmp_path / "logs"),
-                "startup_timeout_s": 60,
-                "stop_grace_s": 5,
-            },
-            "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
-            "batch": {"dir": str(tmp_path / "batches")},
-        },
-        "<e2e>",
-    )
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    st = app[PROXY]
-    try:
+    pacing = {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0}
+    async with serve_sims(tmp_path, {"workers": 2, "args": {"max_running_requests": 16}}, pacing=pacing) as p:
+        pool, st = p.pool, p.state
         await _wait(lambda: all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 2, 60)
         await _wait(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
-        yield Sim(f"http://127.0.0.1:{port}", st)
-    finally:
-        await runner.cleanup()  # stops the workers too
+        yield Sim(p.url, st)
     assert all(w.state is WorkerState.STOPPED for w in pool.workers())
 
 

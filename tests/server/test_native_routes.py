@@ -10,38 +10,17 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from proxy.compose import build_app, serve
-from proxy.policy import parse_policy
-from proxy.server.state import PROXY, ProxyState
+from proxy.server.state import ProxyState
 from proxy.workers.base import WorkerState
-from proxy.workers.supervisor import Supervisor
+from tests.harness.sim_proxy import serve_sims
 from tests.server.test_e2e_sim import _wait
 
 
 @pytest.fixture
 async def proxy(tmp_path) -> AsyncIterator[tuple[str, ProxyState]]:
-    policy = parse_policy(
-        {
-            "engine": {
-                "kind": "sim",
-                "workers": 2,
-                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
-                "log_dir": str(tmp_path / "logs"),
-                "startup_timeout_s": 60,
-                "stop_grace_s": 5,
-            },
-            "batch": {"dir": str(tmp_path / "batches")},
-        },
-        "<native>",
-    )
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    try:
-        await _wait(lambda: sum(w.state is WorkerState.READY for w in pool.workers()) == 2, 60)
-        yield f"http://127.0.0.1:{port}", app[PROXY]
-    finally:
-        await runner.cleanup()
+    async with serve_sims(tmp_path, {"workers": 2}) as p:
+        await _wait(lambda: sum(w.state is WorkerState.READY for w in p.pool.workers()) == 2, 60)
+        yield p.url, p.state
 
 
 async def test_info_and_health_come_from_a_worker_as_it_answers(proxy) -> None:

@@ -10,120 +10,89 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import openai
 
-from proxy.compose import build_app, serve
-from proxy.policy import parse_policy
-from proxy.server.state import PROXY
 from proxy.workers.base import WorkerState
-from proxy.workers.supervisor import Supervisor
+from tests.harness.sim_proxy import serve_sims
 from tests.server.test_e2e_sim import MODEL, _wait
 
 QUEUE_TIMEOUT_S = 120  # far longer than the test: an answer before it is the proxy's own
 
 
-async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_path) -> None:
-    policy = parse_policy(
-        {
-            "engine": {
-                "kind": "sim",
-                "workers": 1,
-                "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
-                "log_dir": str(tmp_path / "logs"),
-                "startup_timeout_s": 60,
-                "stop_grace_s": 5,
-            },
-            "queue": {"timeout_s": QUEUE_TIMEOUT_S},
-            "control": {"mode": "off", "journal_path": str(tmp_path / "decisions.jsonl")},
-            "batch": {"dir": str(tmp_path / "batches")},
-        },
-        "<stays-down>",
-    )
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    st = app[PROXY]
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    try:
-        await _wait(lambda: pool.get("w0").state is WorkerState.READY, 60)
-        body = {"sim_output_len": 4000}  # long: still running when the worker is killed
-        on_it = asyncio.ensure_future(
-            client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
-        )
-        await _wait(lambda: st.board.get("w0").in_flight == 1)
-        started = time.monotonic()
-        os.kill(pool.get("w0").pid, signal.SIGKILL)
-        await _wait(lambda: pool.get("w0").stays_down)
-        errors = []
-        try:
-            await on_it
-        except openai.APIStatusError as e:
-            errors.append(e)
-        try:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-        except openai.APIStatusError as e:
-            errors.append(e)
-        assert time.monotonic() - started < 20  # not the queue's timeout
-        assert [(e.status_code, e.code) for e in errors] == [(503, "no_worker")] * 2
-        message = errors[1].message
-        assert "(w0 down (killed by SIGKILL), stays down)" in message, message
-        assert "Decode batch" not in message  # what the worker printed is the operator's to read, not a client's
-        assert "stays down (control.mode = off)" in (pool.get("w0").last_error or "")  # pacer status shows it
-        assert "retry-after" not in errors[1].response.headers  # only an operator brings it back
-        registry = st.metrics.registry
-        assert registry.get_sample_value("pacer_requests_failed_total", {"pool": "default", "reason": "no_worker"}) == 1
-        assert registry.get_sample_value("pacer_requests_rejected_total", {"reason": "no_worker"}) == 1
-
-        await pool.restart("w0", pool.get("w0").args, "the operator's restart")  # its next launch lifts it
-        assert pool.get("w0").state is WorkerState.READY and not pool.get("w0").stays_down
-        await _wait(lambda: st.board.get("w0").sample is not None)
-        again = await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"sim_output_len": 2})
-        assert again.usage.completion_tokens == 2
-        pool.declare_down("w0", "it stays down")  # a worker that serves is not given up
-        assert not pool.get("w0").stays_down
-    finally:
-        await client.close()
-        await runner.cleanup()
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_after(tmp_path) -> None:
-    policy = parse_policy(
-        {
-            "engine": {
-                "kind": "sim",
-                "workers": 1,
-                "extra_args": ["--no-such-flag"],
-                "log_dir": str(tmp_path / "logs"),
-                "startup_timeout_s": 60,
-                "stop_grace_s": 5,
-            },
-            "queue": {"timeout_s": QUEUE_TIMEOUT_S, "retry_after_s": 9},
-            "control": {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")},
-            "batch": {"dir": str(tmp_path / "batches")},
-        },
-        "<crash-loop>",
-    )
-    pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
-    runner, port = await serve(app, "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-    try:
-        await _wait(lambda: pool.get("w0").crash_loop, 60)
-        started = time.monotonic()
-        try:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-            raise AssertionError("answered by a worker that cannot start")
-        except openai.APIStatusError as e:
-            refused = e
-        assert time.monotonic() - started < 10
-        assert (refused.status_code, refused.code) == (503, "no_worker")
-        assert refused.response.headers["retry-after"] == "9"  # the controller revives it: come back
-        message = refused.message
-        assert "every worker is down or in a crash loop" in message and ", in a crash loop)" in message, message
-        assert "--no-such-flag" not in message  # the worker's output is in pacer status, not told a client
-        assert "unrecognized arguments: --no-such-flag" in (pool.get("w0").last_error or "")
-        await _wait(lambda: pool.get("w0").restarts >= 3)  # the revivals go on
-    finally:
-        await client.close()
-        await runner.cleanup()
+async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_path: Path) -> None:
+    control = {"mode": "off", "journal_path": str(tmp_path / "decisions.jsonl")}
+    async with serve_sims(tmp_path, {"workers": 1}, queue={"timeout_s": QUEUE_TIMEOUT_S}, control=control) as p:
+        pool, st = p.pool, p.state
+        async with _client(p.url) as client:
+            await _wait(lambda: pool.get("w0").state is WorkerState.READY, 60)
+            body = {"sim_output_len": 4000}  # long: still running when the worker is killed
+            on_it = asyncio.ensure_future(
+                client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
+            )
+            await _wait(lambda: st.board.get("w0").in_flight == 1)
+            started = time.monotonic()
+            os.kill(pool.get("w0").pid, signal.SIGKILL)
+            await _wait(lambda: pool.get("w0").stays_down)
+            errors = []
+            try:
+                await on_it
+            except openai.APIStatusError as e:
+                errors.append(e)
+            try:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            except openai.APIStatusError as e:
+                errors.append(e)
+            assert time.monotonic() - started < 20  # not the queue's timeout
+            assert [(e.status_code, e.code) for e in errors] == [(503, "no_worker")] * 2
+            message = errors[1].message
+            assert "(w0 down (killed by SIGKILL), stays down)" in message, message
+            assert "Decode batch" not in message  # what the worker printed is the operator's to read, not a client's
+            assert "stays down (control.mode = off)" in (pool.get("w0").last_error or "")  # pacer status shows it
+            assert "retry-after" not in errors[1].response.headers  # only an operator brings it back
+            registry = st.metrics.registry
+            assert (
+                registry.get_sample_value("pacer_requests_failed_total", {"pool": "default", "reason": "no_worker"})
+                == 1
+            )
+            assert registry.get_sample_value("pacer_requests_rejected_total", {"reason": "no_worker"}) == 1
+
+            await pool.restart("w0", pool.get("w0").args, "the operator's restart")  # its next launch lifts it
+            assert pool.get("w0").state is WorkerState.READY and not pool.get("w0").stays_down
+            await _wait(lambda: st.board.get("w0").sample is not None)
+            again = await client.completions.create(
+                model=MODEL, prompt="x", max_tokens=2, extra_body={"sim_output_len": 2}
+            )
+            assert again.usage.completion_tokens == 2
+            pool.declare_down("w0", "it stays down")  # a worker that serves is not given up
+            assert not pool.get("w0").stays_down
+
+
+async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_after(tmp_path: Path) -> None:
+    control = {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")}
+    queue = {"timeout_s": QUEUE_TIMEOUT_S, "retry_after_s": 9}
+    async with serve_sims(
+        tmp_path, {"workers": 1, "extra_args": ["--no-such-flag"]}, queue=queue, control=control
+    ) as p:
+        pool = p.pool
+        async with _client(p.url) as client:
+            await _wait(lambda: pool.get("w0").crash_loop, 60)
+            started = time.monotonic()
+            try:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+                raise AssertionError("answered by a worker that cannot start")
+            except openai.APIStatusError as e:
+                refused = e
+            assert time.monotonic() - started < 10
+            assert (refused.status_code, refused.code) == (503, "no_worker")
+            assert refused.response.headers["retry-after"] == "9"  # the controller revives it: come back
+            message = refused.message
+            assert "every worker is down or in a crash loop" in message and ", in a crash loop)" in message, message
+            assert "--no-such-flag" not in message  # the worker's output is in pacer status, not told a client
+            assert "unrecognized arguments: --no-such-flag" in (pool.get("w0").last_error or "")
+            await _wait(lambda: pool.get("w0").restarts >= 3)  # the revivals go on
