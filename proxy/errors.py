@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import orjson
 from aiohttp import web
@@ -166,3 +166,9 @@ def error_event(message: str, *, type: str = "upstream_error", code: str | None 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def model_not_found(model: str, served: Iterable[str]) -> ApiError:
+    """404 ``model_not_found``: ``model`` is not one the proxy serves (``served`` named)."""
+    names = ", ".join(sorted(served)) or "none yet"
+    return ApiError(404, f"the model '{model}' does not exist; served: {names}", param="model", code="model_not_found")

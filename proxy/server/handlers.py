@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from proxy.control.controller import TrialRefused
-from proxy.errors import ApiError, bad_request, body_deadline, error_response
+from proxy.errors import ApiError, bad_request, body_deadline, error_response, model_not_found
 from proxy.request import relay
 from proxy.request.admission import ORDER, Priority
 from proxy.request.job import Job
@@ -93,12 +93,7 @@ def check_model(st: ProxyState, job: Job) -> None:
             job.body["model"] = models.default
         return
     if models.known and job.model not in models.names:
-        raise ApiError(
-            404,
-            f"the model '{job.model}' does not exist; served: {', '.join(sorted(models.names))}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(job.model, models.names)
 
 
 def inference_route(path: str) -> Handler:
@@ -159,10 +154,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
         for card in cards:
             if card.get("id") == wanted:
                 return _json(card)
-        served = ", ".join(sorted(str(c.get("id")) for c in cards)) or "none yet"
-        raise ApiError(
-            404, f"the model '{wanted}' does not exist; served: {served}", param="model", code="model_not_found"
-        )
+        raise model_not_found(wanted, (str(c.get("id")) for c in cards))
     except ApiError as err:
         return error_response(err)
 

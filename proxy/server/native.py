@@ -28,7 +28,7 @@ from aiohttp import web
 
 from proxy.engines.base import NativeRoute
 from proxy.engines.contract import Engine
-from proxy.errors import ApiError, error_body, error_response
+from proxy.errors import ApiError, error_body, error_response, model_not_found
 from proxy.server.auth import check_admin_key, check_api_key
 from proxy.server.handlers import Handler, read_body
 from proxy.server.state import PROXY, ProxyState
@@ -73,7 +73,7 @@ def _handler(route: NativeRoute) -> Handler:
             body = b""
             if request.method == "POST":
                 body = await read_body(request, st.policy.proxy.max_body_bytes, st.policy.proxy.body_timeout_s)
-            workers = _ready_workers(st, route, request.query.get("model"))
+            workers = _workers_for(st, route, request.query.get("model"))
             if not route.every_worker:
                 chosen = min(workers, key=lambda w: st.board.get(w.id).in_flight)
                 return _respond(await _send(st, chosen, request, body))
@@ -97,28 +97,17 @@ def _handler(route: NativeRoute) -> Handler:
     return handle
 
 
-def _ready_workers(st: ProxyState, route: NativeRoute, model: str | None) -> list[WorkerInfo]:
+def _workers_for(st: ProxyState, route: NativeRoute, model: str | None) -> list[WorkerInfo]:
     """The workers the call goes to (ready ones; draining ones too for a call to every worker: their
     requests run on): of ``model``'s pool, else of every pool whose engine has the route (one pool
     only for a call one worker answers); 404, 400 or 503 saying why there are none."""
     engines = st.requests.engines
     pools = [name for name, engine in engines.items() if route in engine.native_routes]
     if model is not None:
-        by_model = st.requests.models
-        if by_model:
-            if model not in by_model:
-                raise ApiError(
-                    404,
-                    f"the model '{model}' does not exist; served: {', '.join(sorted(by_model))}",
-                    param="model",
-                    code="model_not_found",
-                )
-            pools = [p for p in pools if p == by_model[model]]
-        elif st.models.known and model not in st.models.names:
-            served = ", ".join(sorted(st.models.names))
-            raise ApiError(
-                404, f"the model '{model}' does not exist; served: {served}", param="model", code="model_not_found"
-            )
+        if st.models.known and model not in st.models.names:  # several pools: each model is declared
+            raise model_not_found(model, st.models.names)
+        if model in st.requests.models:
+            pools = [p for p in pools if p == st.requests.models[model]]
     elif len(pools) > 1 and not route.every_worker:
         raise ApiError(
             400,
@@ -167,6 +156,4 @@ def _quote(answer: _Answer) -> str:
 
 
 def _respond(answer: _Answer) -> web.Response:
-    if answer.content_type.startswith("text/") or answer.content_type == "application/json":
-        return web.Response(status=answer.status, body=answer.body, content_type=answer.content_type)
     return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
