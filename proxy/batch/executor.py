@@ -7,9 +7,10 @@ this package does not import the front door), its size too (``proxy.max_body_byt
 the line itself (invalid, or the worker's own error answer) is its result. The proxy's "not now"
 answers are not: a full queue, a line that waited ``queue.timeout_s`` for a worker, the key's rate
 limit, no worker serving raise :class:`~proxy.batch.runner.NotNow` with their ``Retry-After`` (else
-``queue.retry_after_s``), and the runner tries the line again then. A cancel (``withdraw``) withdraws a line that has not reached a worker; one on
-a worker finishes. While the proxy shuts down, a line waits to be cancelled with the runner, so it
-runs again on the next start instead of ending in the error file.
+``queue.retry_after_s``), and the runner tries the line again then. A cancel (``withdraw``)
+withdraws a line that has not reached a worker; one on a worker finishes. While the proxy shuts
+down, a line waits to be cancelled with the runner, so it runs again on the next start instead of
+ending in the error file.
 """
 
 from __future__ import annotations

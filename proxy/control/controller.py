@@ -128,6 +128,11 @@ class Actor(Protocol):
         """Restart a worker that died."""
 
 
+class DeclareDown(Protocol):
+    def __call__(self, worker_id: WorkerId, why: str, *, for_good: bool = True) -> object:
+        """The pool's ``declare_down``: a dead worker stays down, or (``for_good`` False) loops."""
+
+
 class DeathReport(Protocol):
     """Why a worker died, as its engine reads the log tail (``proxy.engines.<engine>.logs.Death``)."""
 
@@ -274,7 +279,7 @@ class Controller:
         actor: Actor,
         clock: Callable[[], float],
         hold: Callable[[WorkerId], object],
-        declare_down: Callable[..., object] | None = None,
+        declare_down: DeclareDown | None = None,
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
         offload: Offload = in_thread,
     ) -> None:
@@ -290,8 +295,7 @@ class Controller:
         self.surroundings = surroundings
         self.actor = actor
         self._hold = hold  # send a worker nothing more until it starts again (the pool's hold)
-        # tell the pool a dead worker stays down, or loops (the pool's declare_down: worker id, why, for_good=)
-        self._declare_down = declare_down
+        self._declare_down = declare_down  # tell the pool a dead worker stays down, or loops
         self.clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._tasks: set[asyncio.Task[None]] = set()

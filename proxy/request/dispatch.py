@@ -282,7 +282,7 @@ class Dispatcher:
         if self.closing:
             raise ProxyClosing()
         if self._refusal is not None:
-            raise NoWorker(self._refusal[0], for_good=self._refusal[1])
+            raise self._refused()
         now = self.clock()
         spell = priority is Priority.INTERACTIVE and not self._beside_interactive(now)
         if priority is Priority.INTERACTIVE:
@@ -406,7 +406,7 @@ class Dispatcher:
             ticket.future.set_exception(ProxyClosing())
             return
         if self._refusal is not None:
-            ticket.future.set_exception(NoWorker(self._refusal[0], for_good=self._refusal[1]))
+            ticket.future.set_exception(self._refused())
             return
         self.admission.requeue(ticket)
         self.pump()
@@ -425,9 +425,17 @@ class Dispatcher:
         self.closing = True
         if self._wake is not None:
             self._wake.cancel()
+        self._fail_queued(ProxyClosing)
+
+    def _fail_queued(self, error: Callable[[], Exception]) -> None:
+        """Every queued ticket fails with an ``error()`` of its own: its handler answers at once."""
         for ticket in self.admission.drain_all():
             if not ticket.future.done():
-                ticket.future.set_exception(ProxyClosing())
+                ticket.future.set_exception(error())
+
+    def _refused(self) -> NoWorker:
+        assert self._refusal is not None
+        return NoWorker(self._refusal[0], for_good=self._refusal[1])
 
     def _none_will_serve(self) -> tuple[str, bool] | None:
         """Why no request can be served, and whether for good: every worker of the pool is down and
@@ -568,9 +576,7 @@ class Dispatcher:
             self.fail_over(info.id)
         self._refusal = self._none_will_serve()
         if self._refusal is not None:
-            for ticket in self.admission.drain_all():  # their handlers answer 503 at once, not at their timeout
-                if not ticket.future.done():
-                    ticket.future.set_exception(NoWorker(self._refusal[0], for_good=self._refusal[1]))
+            self._fail_queued(self._refused)  # answered 503 at once, not at their queue timeout
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:

@@ -152,14 +152,18 @@ class RequestPath:
         if self.upstream is not None:
             self.upstream.close()
 
+    def _pool_serving(self, model: str | None) -> str | None:
+        """The pool serving ``model`` when there are several (None: the first pool's)."""
+        return self.models.get(model) if model is not None else None
+
     def dispatcher_for(self, model: str | None) -> Dispatcher:
         """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
-        pool = self.models.get(model) if model is not None else None
+        pool = self._pool_serving(model)
         return self.pools[pool] if pool is not None else self.dispatcher
 
     def metrics_for(self, model: str | None) -> RequestMetrics:
-        """What is counted of ``model``'s requests (the first pool's for any other), as :meth:`dispatcher_for`."""
-        pool = self.models.get(model) if model is not None else None
+        """What is counted of ``model``'s requests (the first pool's for any other)."""
+        pool = self._pool_serving(model)
         return self.pool_metrics[pool] if pool is not None else self.metrics
 
     def dispatcher_of(self, pool: str) -> Dispatcher:

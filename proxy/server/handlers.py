@@ -213,6 +213,7 @@ async def admin_workers(request: web.Request) -> web.Response:
                 "restarts": w.restarts,
                 "last_error": w.last_error,
                 "stays_down": w.stays_down,
+                "crash_loop": w.crash_loop,
                 "fresh": load.fresh(now, st.policy.pacing.stale_after_s),
                 "draining": w.state is WorkerState.DRAINING,
                 **snap,
