@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import tomli_w
 
+from proxy.policy_retired import retired_message
+
 E = TypeVar("E", bound=StrEnum)
 T = TypeVar("T")
 _METADATA_KEY = "policy"
@@ -138,6 +140,9 @@ class Table:
         """Reject every key that no reader asked for."""
         for name in self._data:
             if name not in self._known:
+                retired = retired_message(self.key(name))
+                if retired is not None:
+                    raise self.error(name, retired)
                 close = difflib.get_close_matches(name, self._known, n=1)
                 hint = (
                     f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(set(self._known)))}"

@@ -227,3 +227,13 @@ def test_worker_args_start_one_worker_with_its_own_flags_over_the_pools() -> Non
                              worker_args=[{}, {"mem_fraction_static": 0.6}]))  # fmt: skip
     assert [dict(a) for a in p.engine.worker_args] == [{}, {"mem_fraction_static": 0.6}]
     assert "worker 1 args mem_fraction_static=0.6 (over args)" in p.describe()
+
+
+def test_a_retired_key_is_refused_naming_what_replaced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import MappingProxyType
+
+    from proxy import policy_retired
+
+    monkeypatch.setattr(policy_retired, "RETIRED_KEYS", MappingProxyType({"proxy.old_knob": "derived from the worker"}))
+    with pytest.raises(PolicyError, match=r"proxy\.old_knob: this key was removed: derived from the worker"):
+        parse_policy({"proxy": {"old_knob": 1}})
