@@ -1,27 +1,21 @@
 """The batch runner: executes the request lines of unfinished batches through an :class:`Executor`.
 
-One driver task per unfinished batch; all drivers share ``concurrency`` slots, so at most that many
-lines are in flight at once (the proxy's admission does the real pacing; the runner only keeps it
-fed). A driver validates a ``validating`` batch, then hands out its unanswered lines in input order,
-records each result before it counts (see :mod:`proxy.batch.store`), and ends the batch:
+One driver task per unfinished batch; all drivers share ``concurrency`` slots (the proxy's
+admission does the pacing; the runner only keeps it fed). A driver validates a ``validating``
+batch, hands out its unanswered lines in input order, records each result before it counts (see
+:mod:`proxy.batch.store`), and ends the batch:
 
 - all lines answered: ``finalizing`` -> ``completed``;
-- cancel (:meth:`BatchRunner.cancel`): no new line starts from that moment, and a started one that
-  has not reached a worker (waiting in the proxy's queue, or for a "not now" to pass) is withdrawn;
-  the lines on a worker finish and keep their results; the rest go to the error file as
-  ``batch_cancelled``; ``cancelling`` -> ``cancelled``;
-- the completion window ran out (checked with ``clock`` before each line starts, and as a line waits
-  out a "not now"): no new line starts; lines on a worker finish; the rest go to the error file as
-  ``batch_expired``; ``expired``.
+- cancel: no new line starts; a line not yet on a worker is withdrawn; lines on a worker finish;
+  the rest go to the error file as ``batch_cancelled``; ``cancelling`` -> ``cancelled``;
+- the completion window ran out: the same, as ``batch_expired``; ``expired``.
 
-A "not now" from the proxy (:class:`NotNow`: a full queue, a queue timeout, the owner's key at its
-rate limit) is no result: the line gives its slot back, the batch starts no new line until the
-``Retry-After`` has passed, and the line is tried again then. So a batch held back by its key's limit
-holds no slot another owner's batch could use.
+A "not now" from the proxy (:class:`NotNow`: a full queue, a queue timeout, the key's rate limit)
+is no result: the line gives its slot back and the batch starts nothing until its ``Retry-After``
+has passed. So one key's limit holds no slot another owner's batch could use.
 
-Started again on the same data directory, the runner picks up every unfinished batch where the
-database says it stands: lines without a recorded result (those in flight at the crash included)
-run (again), finished results are never run or written twice.
+Started again on the same data directory, the runner resumes every unfinished batch: lines without
+a recorded result run (again); finished results are never run or written twice.
 """
 
 from __future__ import annotations

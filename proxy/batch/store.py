@@ -1,24 +1,19 @@
 """The durable state of the Batch API: one SQLite database (WAL) and the files beside it.
 
-Layout under the data directory::
+Layout under the data directory: ``batches.sqlite3`` (files, batches, every request line with its
+result), ``files/<file id>.jsonl`` (uploads and the output and error files), ``staging/`` (uploads
+being received).
 
-    batches.sqlite3      files, batches and every request line with its recorded result
-    files/<file id>.jsonl  uploaded input files and the output/error files of finished batches
-    staging/             uploads being received (moved into files/ once complete)
-
-Exactly once: each request line is a row; its result (the finished output or error line) is written
-to that row, and the batch's counter bumped, in one transaction that only applies while the row has
-no result yet. A line counts as done only once that transaction committed, so a line in flight when
-the process dies simply has no result and runs again; a late duplicate of a recorded result is
-dropped. The output and error files are built at :meth:`BatchStore.finish` from the recorded results,
-in input order, into a temporary file that is renamed into place, and the file rows and final status
-are committed together afterwards; a crash in between leaves the batch ``finalizing`` (or
-``cancelling``) and the next start builds the same files again under the same ids. WAL with
-``synchronous=NORMAL`` keeps every committed transaction across a killed process (not across a
-power cut).
+Exactly once: a line's result is written to its row, and the batch's counter bumped, in one
+transaction that applies only while the row has no result. A line in flight when the process dies
+has no result and runs again; a late duplicate is dropped. :meth:`BatchStore.finish` builds the
+output and error files from the recorded results, in input order, into a temporary file renamed
+into place, then commits the file rows and final status; a crash in between leaves the batch
+``finalizing`` (or ``cancelling``) and the next start builds the same files again under the same
+ids. WAL with ``synchronous=NORMAL`` keeps every commit across a killed process (not a power cut).
 
 :class:`BatchStore` is synchronous; :class:`StoreThread` runs its methods one at a time on a thread
-of their own, so the event loop never waits on the disk.
+of its own, so the event loop never waits on the disk.
 """
 
 from __future__ import annotations

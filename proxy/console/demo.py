@@ -1,28 +1,20 @@
 """``pacer demo``: a workload that gives the controller something to do, with a status line.
 
-Two phases, each a closed loop that keeps ``--concurrency`` completions in flight (more than the
-worker admits, so a backlog waits in the proxy and on the server):
+Two phases, each a closed loop of ``--concurrency`` completions in flight (more than the worker
+admits, so a backlog waits):
 
-1. ``early-stop``: ``max_tokens`` 4096 but the answers stop after 100-400 tokens. SGLang reserves
-   room for what each request *may* still generate, so token usage stays low while requests wait.
-   The fast tier's output budget answers it without a restart (``output_budget``): once 50 answers
-   are in, requests go to the worker with ``max_tokens`` at a margin over what answers write, and
-   token usage rises. With ``control.output_budget = false`` the controller's
-   ``admission_too_conservative`` rule lowers ``schedule_conservativeness`` instead (a rolling
-   restart of the worker).
-2. ``shift``: the answers now run nearly to ``max_tokens``: the first reach the budget and are
-   continued (the client still gets one answer), and as a tenth of them reach it the budget is
-   lifted (a few seconds in) and the requests go as they ask.
-   Without the budget, the lowered conservativeness admits more than the KV pool holds and the
-   engine retracts requests; ``retraction_storm`` raises it.
+1. ``early-stop``: ``max_tokens`` 4096, answers of 100-400 tokens. SGLang reserves room for what a
+   request may still write, so token usage stays low. The output budget answers it without a
+   restart; with ``control.output_budget = false`` the ``admission_too_conservative`` rule lowers
+   ``schedule_conservativeness`` by a rolling restart instead.
+2. ``shift``: answers run nearly to ``max_tokens``. Those past the budget are continued (one answer
+   each) and the budget is lifted; without it, the engine retracts and ``retraction_storm`` acts.
 
-A phase ends when the controller journals a new decision that acts (``acting``/``applied``) and it
-has run ``--settle-s`` more, or after ``--phase-s``. The true output length travels in the
-simulator's ``sim_output_len`` field (a real engine ignores it and answers as it does).
+A phase ends ``--settle-s`` after the controller journals a decision that acts, or after
+``--phase-s``. The true output length travels in the simulator's ``sim_output_len`` field.
 
-With no proxy at ``--url``, ``--start POLICY`` starts one (``pacer serve --policy POLICY --port 0``)
-as a child process, prints its URL and stops it at the end, also when the demo is interrupted
-(Ctrl-C) or sent SIGTERM; without ``--start`` it says how to start one and exits 1.
+With no proxy at ``--url``, ``--start POLICY`` starts one as a child process and stops it at the
+end (Ctrl-C and SIGTERM included); without ``--start`` it says how to start one and exits 1.
 """
 
 from __future__ import annotations

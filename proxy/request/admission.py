@@ -1,44 +1,22 @@
 """The proxy's own queue: what waits here is not yet on any worker.
 
-Two classes, and keys within a class::
+- **Classes.** Interactive first; while both wait, batch gets ``batch_floor`` of the dispatches (a
+  credit, not banked while batch has nothing waiting), so it is never starved.
+- **Keys.** Deficit round robin by estimated *tokens* within a class (:func:`estimate_cost`): two
+  backlogged keys get tokens in proportion to their weights, whatever their request sizes. A key
+  not in the ring goes first, as fq_codel's new flows, then joins the ring's back and leaves only
+  when its turn comes with nothing waiting: a light key waits for no backlogged key's turn.
+- **Order.** FIFO within a key. A ticket taken back from a worker goes to the front of its key, and
+  its key to the front of the ring, cost refunded: it loses neither its place nor its share.
+- **Full.** At capacity, a key holding fewer waiting tickets than the key holding the most pushes
+  out that key's newest ticket of its class or a lower one (never interactive work for batch); the
+  key holding the most gets the 429 itself. One key flooding the queue cannot lock the others out.
 
-    class:  interactive first; batch only while no interactive ticket waits, except for a floor:
-            while both wait, every dispatch adds ``batch_floor`` to a credit and a batch ticket goes
-            whenever the credit reaches 1, so batch gets ``batch_floor`` of those dispatches (5% by
-            default) and is never starved, while interactive never waits behind more than one batch
-            dispatch in ``1 / batch_floor``. The credit is not banked while batch has nothing waiting.
-    key:    deficit round robin by *tokens* within a class. Each key with waiting tickets is in a
-            ring; the key at the head of the ring gets ``quantum * weight`` tokens of credit when its
-            turn comes and sends tickets while its credit covers their ``cost`` (the estimated prompt
-            plus completion tokens, :func:`estimate_cost`); then the turn passes. So two backlogged
-            keys get tokens in proportion to their weights, whatever their request sizes, and a key
-            sending 8k-token prompts does not get the share of one sending 100.
-            A key not in the ring goes before it (as fq_codel's new flows): it gets a quantum of
-            credit at once and sends its first ticket when that covers it, then joins the ring's
-            back, even with nothing left waiting, and leaves the ring only when its turn comes with
-            nothing waiting. So a light key's request waits for no backlogged key's turn to end (a
-            turn is ~70 short chat requests at the default quantum), and a key keeping one request
-            waiting cannot jump the ring with each.
-    order:  FIFO within a key. A ticket taken back from a worker (a retry, or a request the
-            controller requeues before it produced output) goes to the *front* of its key and its
-            key to the front of the ring (after the new keys' first requests), with its cost
-            refunded, so it loses neither its place nor its share.
-    full:   at capacity, a new ticket of a key holding fewer waiting tickets than the key holding
-            the most pushes out that key's newest ticket of its class or a lower one (longest queue
-            drop; a batch arrival never pushes out interactive work): its client gets the 429 a
-            full queue gives, and one key flooding the queue does not lock the others out. A key
-            holding the most itself gets the 429. That look is O(keys waiting), at capacity only.
-
-Every operation is O(1) amortised (a pick may walk the ring once per quantum the head ticket needs;
-a push at capacity looks at every key waiting).
-A cancelled ticket (client gone, deadline passed) is only marked; it is skipped when it reaches the
-head, and the deques are compacted when dead entries outnumber live ones, so a long outage with
-many timeouts cannot grow memory without bound.
-
-The queue never sleeps and never answers a client: it hands tickets to the dispatcher
-(:meth:`AdmissionQueue.pop`) and the request handler that owns a ticket awaits
-:attr:`Ticket.future`, which the dispatcher resolves with the chosen worker. It keeps, per class and
-key, what ``/metrics`` shows: tickets waiting, dispatched requests and tokens, and the time waited.
+Operations are O(1) amortised (a push at capacity looks at every key waiting). A cancelled ticket
+is only marked and skipped at the head; the deques are compacted when dead entries outnumber live
+ones, so memory stays bounded. The queue never sleeps and never answers a client: the dispatcher
+pops tickets and resolves :attr:`Ticket.future` with the chosen worker. Per class and key it keeps
+what ``/metrics`` shows: waiting, dispatched requests and tokens, time waited.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ wrote (:func:`proxy.control.fast_tier.output_budget`), and those come in only on
 ended, all its parts. When the answers get longer than the budget, every one of them reaches it,
 is continued at the back of the engine's queue and goes on part by part beside all the others:
 none ends, so no new evidence arrives, while every answer takes several round trips through the
-queue (the demo's long phase: no answer for over a minute). So the relay also notes each answer
+queue. So the relay also notes each answer
 whose first part reached its budget, the moment it does (:meth:`OutputBudgets.note_reached`): the
 budget's own overrun, read at the next look (:func:`proxy.control.fast_tier.budget_overrun`).
 A budget lifted on it is set again only from answers that arrived after the lift

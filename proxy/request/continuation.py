@@ -1,36 +1,23 @@
 """The output budget: the worker sees a smaller ``max_tokens``, and an answer that reaches it goes on.
 
-Why: SGLang's admission reserves KV for what each request may still write: a new request its whole
-``max_tokens`` (clipped to 4,096), a running one its remaining ``max_tokens`` x the new-token ratio.
-Clients ask for far more than they write (chat at ``max_tokens`` 4,096 or 16,384 that answers in a
-few hundred tokens), so the engine holds requests back for KV that is never used; the guide's remedy,
-a lower ``--schedule-conservativeness``, takes a restart and applies to every request alike. The proxy
-sees what requests of each class really write (its per-request facts), so it can send each one with
-``max_tokens`` at the worker's *output budget* (a high quantile of what was written, with a margin:
-:func:`proxy.control.fast_tier.output_budget`) and reserve what answers need, from the first minute,
-with no restart. An answer that reaches the budget before the client's ``max_tokens`` is continued:
-the same request with the text written so far (a chat's last message is the assistant's text, with
-the engine's continuation fields; a completion's prompt ends with it), asking for at most what is
-left, on the same worker within the same attempt, until the answer ends by itself or at the
-client's ``max_tokens``. The client gets one answer: the text of all parts, the first part's prompt
-tokens, the completion tokens of all parts, the last part's finish reason; a stream gets one stream,
-its text as it is written (:mod:`proxy.request.stitch`).
+Why: SGLang reserves KV for what each request may still write, its whole ``max_tokens`` at first.
+Clients ask for far more than they write, so the engine holds requests back for KV never used; a
+lower ``--schedule-conservativeness`` takes a restart and applies to every request alike. The
+proxy sees what answers of each class write, so it sends each request with ``max_tokens`` at the
+worker's budget (:func:`proxy.control.fast_tier.output_budget`), with no restart. An answer that
+reaches the budget is continued: the same request with the text so far (a chat's last message is
+the assistant's text; a completion's prompt ends with it), on the same worker within the same
+attempt, until it ends by itself or at the client's ``max_tokens``. The client gets one answer, or
+one stream (:mod:`proxy.request.stitch`), with the usage of all parts.
 
-Which requests (:func:`plan`): plain answers, where a continuation is the same generation:
-one choice, no log probabilities, no tools or
-structured output (a grammar's state is not in the text), no stop strings (one could span the seam),
-no penalties over the output (the first part would count as prompt), no ``min_tokens``, no ``seed``,
-no ``ignore_eos``, no ``echo`` or ``suffix``, a chat that does not already end on an assistant message;
-and the engine must reserve ``max_tokens`` (vLLM allocates as it writes: nothing to gain) and be able
-to continue on the route. The budget must save a real share of the client's ``max_tokens``.
+Which requests (:func:`plan`): plain answers, where a continuation is the same generation (one
+choice; no log probabilities, tools, structured output, stop strings, output penalties,
+``min_tokens``, ``seed``, ``ignore_eos``, ``echo`` or ``suffix``), on an engine that reserves
+``max_tokens`` and can continue on the route, where the budget saves a real share.
 
-What cannot be continued is sent again whole: a whole answer's part that is not one plain choice
-with its usage (a reasoning model's split answer, a tool call), or that the worker refused, is sent
-again as the client asked, within the same attempt (nothing reached the client yet); nothing is cut
-short. A stream has sent its text already: a continuation the worker refuses ends it with an error
-event, as a worker that fails mid-stream does. Sampling: the continuation is drawn
-from the model given the text so far, as the one generation would have been; the engine tokenizes
-the text again at the seam, which may split its last word differently.
+What cannot be continued (a split answer, a tool call, a refused part) is sent again whole within
+the same attempt, as the client asked. A stream has sent its text already: a refused continuation
+ends it with an error event. The engine tokenizes the text again at the seam.
 """
 
 from __future__ import annotations

@@ -1,86 +1,23 @@
 """Which worker gets the next queued request, and when (the pacing gate).
 
-Gate, per worker (see :mod:`proxy.request.pacing` for the estimate)::
+A worker is eligible while it is READY, under the fast tier's admission limit, its sample fresh,
+and its estimated queue (:mod:`proxy.request.pacing`) under its target (the fast tier's, else
+``min(band.lo + headroom, band.hi)``); with no fresh sample anywhere, the proxy's own counts gate.
+Beside interactive work (one within ``interactive_window``) the batch is held back further, each
+lever a ``pacing`` key: a short batch queue on the worker, a cap on its batch requests open there
+less slots per interactive request open (batch past it taken back, newest first), and refills
+paced by prompt tokens per engine step, so a wave of completions is not one long prefill the chats
+wait behind. When the batch's turn comes and its gates hold it, the interactive head goes instead.
+Among eligible workers: least estimated queue, then least in flight; with prefix affinity
+(``lpm``) a rendezvous hash of the prompt's prefix. A retry avoids the workers it failed on.
 
-    eligible(w) = w is READY                                   (the pool's state: the one "may send")
-                  and in_flight(w) < limit(w)                  (the fast tier's admission limit, if set)
-                  and w's sample is fresh                      (stale counts as saturated)
-                  and est_queue(w) < target(w)                 (the fast tier's queue target, else
-                                                                min(band.lo + headroom, band.hi))
-
-Dispatching one request raises ``est_queue`` by one, so a worker never gets a request that would
-take the estimate past ``band.hi``; the dispatch target is ``lo + headroom``. If *no* ready worker
-has a fresh sample (scrapes failing, metrics off), the gate falls back to the proxy's own counts:
-``in_flight(w) < last_running(w) + band.hi``.
-
-Batch beside interactive: while interactive requests keep arriving (one within
-``interactive_window``), a batch request is dispatched only while ``est_queue(w) < batch_queue``
-(``pacing.batch_queue_beside_interactive``, when set): the batch work waiting in a worker's own
-queue, where an interactive request would wait behind it, stays that short. ``est_queue`` moves
-with the proxy's own dispatches and completions between scrapes, so each batch request that ends
-lets the next one go at once; once no interactive request came for a window, the band applies again.
-In the same window, ``pacing.batch_in_flight_beside_interactive`` (when set) holds the batch
-requests this proxy has open on a worker (running or waiting there) to that many: with it set to
-the worker's ``max_running_requests`` less a reserve, that many running slots are left to
-interactive requests, which then never wait for a running batch request to end. A fixed reserve
-is right for one interactive rate only: the slots interactive requests hold are their arrival rate
-times how long each runs, and each runs longer beside a batch (every arrival's prefill is a forward
-of its own that the decode steps wait for). ``pacing.interactive_slot_headroom`` (when set) lowers
-the limit on each worker by that many slots per interactive request open there, so the reserve
-follows the interactive traffic the worker is carrying::
-
-    batch_limit(w) = batch_in_flight_beside_interactive - ceil(max(1, headroom) x interactive_in_flight(w))
-
-With the headroom set, the reserve is also kept when the batch got there first (chat arriving after
-a batch filled the worker, or interactive traffic rising faster than batch requests end): at each
-interactive arrival, the batch requests of a worker beyond ``batch_in_flight_beside_interactive`` less
-one slot per interactive request open there are taken back, newest first (those have done the least
-work: still queued, or a few tokens decoded), and aborted on the worker; they wait at the front of
-the batch class. The dispatch limit keeps at least one slot per interactive request, so in steady
-state it takes nothing back.
-
-A batch refill is also paced (``pacing.batch_prefill_tokens_beside_interactive``, when set): an engine
-takes every waiting request into its next prefill forward, so batch requests sent at once (each freed
-slot refilled on its completion, and batch completions come in bunches) make one long prefill that
-every interactive request arriving meanwhile waits for. Beside interactive work, a worker gets its
-next batch request only after ``step x prompt_tokens / batch_prefill_tokens`` seconds, ``step`` being
-its decode step time from the latest scrape (``running / output tokens per second``); a timer runs
-the gate again when the pacing comes round.
-
-A class's turn: the admission queue gives batch a floor share while both classes wait; when the
-batch's turn comes and its own gates (the caps above) hold it, the interactive head goes instead,
-and the batch keeps its turn for when it can go, so interactive work never waits behind a batch
-request that cannot be sent.
-
-Choice among eligible workers: least ``est_queue`` then least ``in_flight``; with prefix affinity
-(``lpm``) the eligible worker with the highest rendezvous hash of the request's prompt prefix, so
-the same prefix keeps landing on the same worker while that worker has room. A retry avoids the
-workers the request already failed on when any other ready worker exists.
-
-:class:`Dispatcher` runs the gate whenever something changes (a request arrives, one finishes,
-a sample arrives, a worker changes state): :meth:`Dispatcher.pump` is synchronous and cheap, so
-there is no polling loop and no sleep on the hot path. It resolves each ticket's future with an
-:class:`~proxy.request.attempt.Attempt`.
-
-One owner of an attempt's lifecycle, :meth:`Dispatcher.attempt`::
-
-    while True:
-        async with dispatcher.attempt(ticket) as attempt:   # waits for a worker (QueueTimeout, ProxyClosing, NoWorker)
-            ...                                             # open upstream; attempt.mark_started(); relay
-            return answer
-        # only here when the attempt ended without output and the ticket is back in the queue
-
-Leaving the block always releases the worker slot. The ticket goes back to the queue exactly when
-no output was sent and the request still wants an answer: the controller took the attempt back
-(:meth:`take_back` cancels the block while it has no output), or it raised
-:class:`~proxy.request.attempt.AttemptFailed` with a retry left (``max_attempts``), or the worker
-refused the connection (it is reported to the pool, which stops sending to it, and no attempt is
-spent). Any other exit (an answer, a client that left, a failure with no retry left) propagates.
-So a request is answered once, by the handler that owns it, from whichever worker serves it.
-
-Errors, in this layer: exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing``, ``NoWorker`` leave
-:meth:`Dispatcher.submit` and :meth:`Dispatcher.attempt`; ``AttemptFailed`` goes into the block's
-exit); "no worker now" is a ``None`` from :func:`choose_worker`, not an error.
+:class:`Dispatcher` runs the gate whenever something changes (:meth:`Dispatcher.pump` is
+synchronous: no polling loop, no sleep on the hot path). :meth:`Dispatcher.attempt` owns an
+attempt's lifecycle: leaving its block releases the slot, and the ticket is requeued exactly when
+no output was sent and the request still wants an answer (a take-back, a failure with a retry left,
+a refused connection, which spends no attempt). So a request is answered once, by its handler.
+Errors are exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing``, ``NoWorker``); "no worker
+now" is a ``None`` from :func:`choose_worker`.
 """
 
 from __future__ import annotations

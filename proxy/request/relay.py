@@ -2,34 +2,22 @@
 
     submit ──► wait for a worker (queue timeout → 503) ──► open upstream (until its first output)
                  ▲                                            │
-                 └── requeue: no output sent, and a retry  ◄──┤
-                     left, the worker unreachable, or taken   ▼
-                     back by the controller        relay bytes to the client as they arrive
+                 └── requeue: no output sent, a retry left,◄──┤
+                     or taken back by the controller          ▼
+                                                   relay bytes to the client as they arrive
 
-"Opening" covers everything before the client sees a byte: the POST, the response headers and,
-for a stream, its first content (:mod:`proxy.request.sse`: a chat stream's opening role event is
-held back until content follows; for a plain response, the whole body). Only failures in that
-phase are retried (on another worker when one exists): a 5xx, a reset, a stream that closed
-before any content. A refused connection reports the worker to the pool (which stops sending to
-it) and puts the request back in the queue without spending one of its attempts. Once output went
-to the client the request is committed: an upstream failure then ends the stream with an error
-event.
+"Opening" is everything before the client sees a byte: the POST, the headers and, for a stream,
+its first content (:mod:`proxy.request.sse`). Only failures then are retried, on another worker
+when one exists; a refused connection reports the worker to the pool and requeues without
+spending an attempt. Once output went out the request is committed: a failure ends the stream
+with an error event.
 
-The attempt's lifecycle (release, requeue) is :meth:`proxy.request.dispatch.Dispatcher.attempt`'s;
-this module opens, relays and answers. The handler task is the only place that writes to the
-client, so a request is answered once. A client that goes away cancels the handler (the app runs
-with ``handler_cancellation``): the upstream connection is closed (SGLang aborts a request whose
-client left) and, on an engine that aborts a request by name (the contract's ``abort_by_name``:
-SGLang's ``/abort_request`` with its ``rid``), the abort is posted too.
-
-Errors, in this layer: exceptions. Opening raises :class:`~proxy.request.attempt.AttemptFailed`
-(consumed by the attempt's block); :func:`forward` raises :class:`~proxy.errors.ApiError` for
-every refusal and returns the response otherwise; so does :func:`complete`, the same loop for a
-request no client streams from (a batch line), which returns the whole answer.
-
-The upstream leg is :mod:`proxy.request.upstream` (its own HTTP/1.1 client): the open wakes the
-handler once, when a stream's headers and first output are in, and after the first chunk the
-rest of a stream is piped from the worker connection's callback to the client's socket.
+The attempt's lifecycle is :meth:`proxy.request.dispatch.Dispatcher.attempt`'s; this module opens,
+relays and answers. The handler task alone writes to the client, so a request is answered once. A
+client that leaves cancels the handler: the upstream connection closes and, where the engine
+aborts by name (the contract's ``abort_by_name``), the abort is posted too. :func:`forward` and
+:func:`complete` (a batch line's whole answer) raise :class:`~proxy.errors.ApiError` for every
+refusal. The upstream leg is :mod:`proxy.request.upstream`.
 """
 
 from __future__ import annotations

@@ -2,34 +2,22 @@
 
     pool = UpstreamPool()
     resp = await pool.post("http://127.0.0.1:30000", "/v1/completions", body, timeout_s=600)
-    resp.status, resp.content_type
     chunk = await resp.readany()        # b"" at the end; raises UpstreamError if the worker broke
-    resp.close()                        # finished: back to the pool; unfinished: the connection is closed
+    resp.close()                        # finished: back to the pool; unfinished: the connection closes
 
-Why not aiohttp's client: relaying a stream is one ``readany`` per token, and for the time to first
-token what counts is the work between a client's request and the worker's first byte. A general
-client pays per request for cookies, redirects, auto headers, tracing hooks and timer contexts,
-and per chunk for a StreamReader built for every use. This module does what the relay needs and
-nothing else: one keep-alive connection per request in flight (no pipelining), the response parsed
-by ``httptools`` (llhttp, the parser Node.js uses), its body handed over as it arrives.
+Why not aiohttp's client: a relayed stream is one ``readany`` per token, and a general client pays
+per request for cookies, redirects, hooks and timer contexts, and per chunk for a StreamReader.
+This one does what the relay needs: a keep-alive connection per request in flight, reused per
+worker newest first; answers parsed by ``httptools`` (llhttp) and handed over as they arrive; one
+deadline timer per request; back-pressure past ``high_water`` unread bytes, so a slow client slows
+the worker's stream instead of filling memory.
 
-- **Connections** are kept per worker (scheme, host, port) and reused, newest first, while the
-  worker keeps them alive (``Connection: close`` or an unfinished answer closes one; one idle past
-  ``idle_timeout_s`` is not reused). A failure is never retried here: the relay decides, because
-  only it knows whether the worker may already have started the request (and gives a retry a new
-  ``rid``).
-- **Timeout**: one deadline per request (``timeout_s`` from the POST to the last byte, like
-  aiohttp's ``ClientTimeout(total=...)``): a single timer, not a context per read.
-- **Back-pressure**: past ``high_water`` unread bytes the connection stops reading from the socket
-  until the relay catches up, so a slow client slows the worker's stream instead of filling memory.
-- **Ending early**: :meth:`UpstreamResponse.close` on an unfinished answer closes its connection
-  (SGLang aborts a request whose connection closed); the relay does so when its client leaves or
-  the controller takes the request back. :meth:`UpstreamResponse.abort` fails the waiting reader
-  with a given exception, then closes: the request's deadline uses it, and so does
-  :meth:`UpstreamPool.end_in_flight` (the proxy's shutdown ends every answer still in flight).
-- **Errors** are exceptions, one tree: :class:`UpstreamError` (broken or not HTTP), with
-  :class:`UpstreamUnreachable` (nothing to connect to: the worker never saw the request) and
-  :class:`UpstreamTimeout` (the deadline passed) and :class:`UpstreamEnded` (the proxy ended it).
+A failure is never retried here: only the relay knows whether the worker may have started the
+request. :meth:`UpstreamResponse.close` on an unfinished answer closes its connection (SGLang aborts
+such a request); :meth:`UpstreamResponse.abort` fails the reader first (the deadline, and the
+shutdown's :meth:`UpstreamPool.end_in_flight`). Errors: :class:`UpstreamError`, with
+:class:`UpstreamUnreachable` (the worker never saw the request), :class:`UpstreamTimeout` and
+:class:`UpstreamEnded` (the proxy ended it).
 """
 
 from __future__ import annotations

@@ -7,15 +7,12 @@ A driver (the HTTP server, or :func:`proxy.sim.virtual.simulate`) repeats::
     outcome = engine.complete(step, now)
 
 The engine wires the parts and carries out what they decide:
-
-* :class:`~proxy.sim.scheduler.Scheduler` decides (the queue, ``PrefillAdder`` admission,
-  ``new_token_ratio``, retraction);
-* :class:`~proxy.sim.kv_pool.KvPool` is the memory (KV tokens, the radix cache, the running batch
-  of :mod:`proxy.sim.running`);
-* :class:`~proxy.sim.steptime.StepTimeModel` gives a batch's duration and :mod:`proxy.sim.memory`
-  its activation memory: a step whose activations do not fit is returned with ``oom`` set, and the
-  server dies of it;
-* :class:`~proxy.sim.reporter.StepReporter` keeps the counters and writes the log lines.
+:class:`~proxy.sim.scheduler.Scheduler` decides (queue, admission, ``new_token_ratio``,
+retraction); :class:`~proxy.sim.kv_pool.KvPool` is the memory (KV tokens, the radix cache, the
+running batch); :class:`~proxy.sim.steptime.StepTimeModel` gives a batch's duration and
+:mod:`proxy.sim.memory` its activations (a step that does not fit comes back with ``oom`` set, and
+the server dies of it); :class:`~proxy.sim.reporter.StepReporter` keeps the counters and writes
+the log lines.
 
 ``plan`` follows SGLang's loop: a prefill batch when the waiting queue (or a chunked request) can
 be admitted, else one decode step over the running batch, retracting first when the next step's

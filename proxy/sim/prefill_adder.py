@@ -1,25 +1,22 @@
 """Admission of waiting requests into a prefill batch, after SGLang's ``PrefillAdder``.
 
-Budget: ``rem_total = free + evictable - offset`` where the offset starts with what the running
-batch is expected still to need (each request's remaining ``max_new_tokens``, clipped at 4096,
-times ``new_token_ratio``; times 1 with ``ignore_eos``). In queue order:
+Budget: ``rem_total = free + evictable - offset``, the offset starting with what the running batch
+is expected still to need (each request's remaining ``max_new_tokens``, clipped at 4096, times
+``new_token_ratio``; times 1 with ``ignore_eos``). In queue order:
 
 * the chunked request (if any) continues first; while it has chunks left nothing else is added;
 * a request needs ``extend + clipped max_new_tokens + 1 < rem_total``, else the batch is *full*
   (no new prefill until a request leaves the running batch);
-* ``max_running_requests`` slots; ``--max-prefill-tokens`` input per batch (the first request is
+* ``max_running_requests`` slots; ``--max-prefill-tokens`` input per batch (the first request
   always allowed); with chunked prefill a request larger than the chunk budget left is cut to it
-  and becomes the one chunked request; its chunk reserves no output tokens yet;
-* on admission it reserves ``extend + clipped max_new_tokens + 1`` and locks its cached prefix
-  (as SGLang's adder does: the next candidate's budget sees the prefix as no longer evictable).
+  and becomes the one chunked request, reserving no output tokens yet;
+* on admission it reserves ``extend + clipped max_new_tokens + 1`` and locks its cached prefix.
 
 One guard of our own: with nothing running, the head of the queue is admitted if its prompt fits
-the pool at all, so a request whose ``max_new_tokens`` reservation exceeds the pool cannot stall
-an idle server.
+the pool at all, so an oversized ``max_new_tokens`` cannot stall an idle server.
 
-:func:`admit` only decides (the prefix locks aside): it leaves the queue and the requests as they
-are; the scheduler takes the admitted ones off the queue and the engine starts their prefill
-(:attr:`AdmitItem.node` and :attr:`AdmitItem.prefix_len` say where each starts).
+:func:`admit` only decides (the prefix locks aside); the scheduler takes the admitted requests off
+the queue and the engine starts their prefill (:class:`AdmitItem` says where each starts).
 """
 
 from __future__ import annotations

@@ -3,23 +3,20 @@
 * **Queue.** Waiting requests in arrival order, sorted per round by ``--schedule-policy``: ``lpm``
   (longest cached prefix first; fcfs above 128 waiting, as SGLang), ``lof`` (largest
   ``max_new_tokens`` first), ``random``, else fcfs.
-* **Priority** (``--enable-priority-scheduling``, SGLang 0.5.x): each request has a priority (one
-  sent without gets the lowest: ``-sys.maxsize - 1``, or ``sys.maxsize`` with
-  ``--schedule-low-priority-values-first``). ``fcfs`` orders the queue by (priority, time it entered
-  the queue), ``lof`` by (priority, largest ``max_new_tokens``), higher values first unless
-  ``--schedule-low-priority-values-first``. When the running batch is full, the head of the queue
-  (unless ``--disable-priority-preemption``) preempts running requests whose priority is more than ``--priority-scheduling-preemption-threshold``
-  below its own, least important and latest queued first, until its prompt and output fit
-  (:meth:`Scheduler.preemptible`, SGLang's ``PrefillAdder.preempt_to_schedule``); the preempted go
-  back to the queue as retracted ones do.
+* **Priority** (``--enable-priority-scheduling``, SGLang 0.5.x): ``fcfs`` orders by (priority, time
+  queued), ``lof`` by (priority, largest ``max_new_tokens``); a request sent without one gets the
+  lowest. When the running batch is full, the head of the queue preempts running requests more than
+  ``--priority-scheduling-preemption-threshold`` below it, least important and latest first, until
+  it fits (:meth:`Scheduler.preemptible`, SGLang's ``PrefillAdder.preempt_to_schedule``), unless
+  ``--disable-priority-preemption``; the preempted go back to the queue as retracted ones do.
 * **Prefill.** :meth:`Scheduler.next_prefill` asks :func:`~proxy.sim.prefill_adder.admit` for the
-  next batch within the free slots and takes the admitted requests off the queue. A batch found
-  *full* stays full until a request leaves the running batch (:meth:`Scheduler.batch_changed`).
-* **new_token_ratio** (:mod:`proxy.sim.ratio`): decays on each decode step that fits, is reset when
-  idle and re-estimated after a retraction.
+  next batch. A batch found *full* stays full until a request leaves the running batch
+  (:meth:`Scheduler.batch_changed`).
+* **new_token_ratio** (:mod:`proxy.sim.ratio`): decays on each decode step that fits, resets when
+  idle, is re-estimated after a retraction.
 * **Retraction.** When the next decode step's tokens do not fit, the running requests with the
   fewest output tokens (ties: longest prompt) go back to the queue until 20 steps of the rest fit;
-  one is always kept (:meth:`Scheduler.retract`, with the engine's ``take_out`` freeing each).
+  one is always kept (:meth:`Scheduler.retract`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ Prefill is compute-bound (but never faster than one pass over the weights)::
 
 where ``attn_pairs`` sums ``extend x (prefix + extend / 2)`` over the batch's requests.
 
-Calibration: the H100 + Llama-3.1-8B preset at the guide's line (``#running-req: 233, #token:
-370959``) decodes a step in 47 ms, 4,930 token/s; with the prefills that replace finishing requests
-interleaved, the logged gen throughput lands near the guide's 4,594 (tests/sim/test_steptime.py).
+Calibration: the H100 + Llama-3.1-8B preset reproduces the guide's decode line (``#running-req:
+233, #token: 370959``) and its logged gen throughput (tests/sim/test_steptime.py holds it there).
 """
 
 from __future__ import annotations

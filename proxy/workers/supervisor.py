@@ -3,23 +3,19 @@
 Each managed worker is one process (:class:`~proxy.workers.process.WorkerProcess`) on its own
 port, launched as ``command + build_argv(args, extra_args, host=..., port=...)``. A worker is
 STARTING until ``GET /health`` answers 200, then READY. A process that exits on its own is DOWN,
-with ``last_error`` saying how it ended and what its run's output said last (its error lines:
-:func:`~proxy.workers.exit_text.describe_exit`); the supervisor does not restart it by itself
-(the controller decides). ``restart`` stops a worker and starts it again on the same port with new
-args; the rollout calls ``set_state(id, DRAINING)`` first so nothing new is sent to it.
-``hold`` (a worker about to die) and ``report_unreachable`` (the request path could not connect)
-take a worker out of READY at once, before its process is seen to exit.
+with ``last_error`` saying how it ended and what its run printed last
+(:func:`~proxy.workers.exit_text.describe_exit`); the controller, not the supervisor, decides to
+restart it. ``restart`` starts a worker again on the same port with new args (the rollout sets it
+DRAINING first). ``hold`` and ``report_unreachable`` take a worker out of READY at once.
 
-One supervisor runs one pool of the policy (``Placement``: its name, model, each worker's GPUs and
-the engine flags that placement sets); a worker's ``CUDA_VISIBLE_DEVICES`` is its GPUs.
-:class:`proxy.workers.fleet.Fleet` puts several pools behind one :class:`WorkerPool`.
-
-External workers (``kind = "external"``) are only registered: a background probe of ``/health``
-moves them between READY and DOWN; they cannot be restarted.
+One supervisor runs one pool (``Placement``: its name, model, each worker's GPUs and the flags
+that placement sets); :class:`proxy.workers.fleet.Fleet` puts several pools behind one
+:class:`WorkerPool`. External workers (``kind = "external"``) are only registered: a probe of
+``/health`` moves them between READY and DOWN; they cannot be restarted.
 
 State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners as they are read, and ``tail`` gives the last ones of a worker's current (or
-last) run: an earlier run's output does not explain this one's death.
+reach line listeners as they are read; ``tail`` gives the last ones of a worker's current (or
+last) run, so an earlier run's output does not explain this one's death.
 """
 
 from __future__ import annotations

@@ -2,28 +2,21 @@
 
 Two layers:
 
-* :func:`parse_line` is pure and looks at one line: the periodic ``Decode batch`` / ``Prefill batch``
-  statistics (every shape since 0.1.x: the 0.1.x head-less decode line and ``new fill batch``, 0.2-0.4
-  ``Decode batch.`` with ``cache hit rate`` and ``Prefill batch(mixed ...)``, 0.5 ``Decode batch,``),
-  retractions (0.5.23 WARNING form, the 0.4.10/0.5.5 INFO form and the older ``Decode out of memory
-  happened`` wordings), the start-up capacity line (and 0.1.x's ``max_total_num_token=``), readiness, the
-  KV allocator's out-of-memory errors, the KV-pool-vs-context-length warning and crash heads (``Scheduler
-  hit an exception``; ``Exception in ModelTpServer`` and the like before 0.3).
-* :class:`LogFollower` keeps the little state a crash needs: ``Scheduler hit an exception:`` is
-  followed by a traceback on lines of their own, and only the traceback tells a CUDA OOM in
-  prefill from one in decode. The follower collects the block until the next prefixed log line
-  (or :meth:`LogFollower.flush`) and then emits one ``CRASH`` event, plus an ``OOM`` event when the
-  death was an out-of-memory that no allocator line had reported yet. A device OOM is recognised in the
-  wording of PyTorch's allocator, the CUDA runtime, cuBLAS, NCCL and FlashInfer (``cause`` says which
-  when it is not PyTorch's: ``cublas``, ``nccl``, ``flashinfer_workspace``).
+* :func:`parse_line` is pure and reads one line: the periodic ``Decode batch`` / ``Prefill batch``
+  statistics (every shape since 0.1.x), retractions (the 0.5.23 WARNING form and the older
+  wordings), the start-up capacity line, readiness, the KV allocator's out-of-memory errors, the
+  KV-pool-vs-context-length warning and crash heads (``Scheduler hit an exception``).
+* :class:`LogFollower` keeps the little state a crash needs: the traceback after a crash head is
+  what tells a CUDA OOM in prefill from one in decode. It collects the block until the next
+  prefixed line (or :meth:`LogFollower.flush`) and emits one ``CRASH`` event, plus an ``OOM`` event
+  when no allocator line had reported it. A device OOM is recognised in the wording of PyTorch,
+  the CUDA runtime, cuBLAS, NCCL and FlashInfer (``cause`` names the last four).
 
 :func:`classify_death` runs a fresh follower over the last lines of a dead worker's log.
 
-Every line starts with ``[%(asctime)s{ms}{prefix}] `` where the prefix names ranks
-(`` DP1 PP0 TP3 EP2``; the time alone before 0.3, ``[gpu_id=0]`` in 0.2.x); the ranks go into the
-event's fields (``tp_rank``, ``dp_rank``, ``gpu_id``...).
-Field names are engine-neutral (``queue``, ``running``, ``token_usage``, ``gen_throughput``,
-``retracted``, ``max_total_tokens``, ``available_gpu_mem_gb``, ``phase``...).
+Every line starts with ``[time{prefix}] ``, the prefix naming ranks (`` DP1 PP0 TP3 EP2``); the
+ranks go into the event's fields. Field names are engine-neutral (``queue``, ``running``,
+``token_usage``, ``gen_throughput``, ``retracted``, ``available_gpu_mem_gb``, ``phase``...).
 """
 
 from __future__ import annotations

@@ -2,39 +2,21 @@
 
 What is read (the V1 engine, and the V0 engine of 0.2-0.6 that many deployments still run):
 
-- the periodic stats line -> ``BATCH_STATS`` with ``running``, ``queue``, ``token_usage`` (0..1),
-  ``gen_throughput``, ``prompt_throughput`` and ``engines``. V1: ``Engine 000: Avg prompt throughput: X
-  tokens/s, Avg generation throughput: Y tokens/s, Running: R reqs, Waiting: W reqs, [Preemptions: P, ]GPU
-  KV cache usage: U%, Prefix cache hit rate: H%`` (``CPU KV cache usage`` on the CPU build; ``N Engines
-  Aggregated:`` under data parallelism; no head at all in 0.7-0.8; 0.32 may put ``Deferred`` and ``KV
-  fetch`` parts before ``Preemptions``, which counts the interval's preemptions and appears only when > 0;
-  -> also ``retractions`` and ``cache_hit_rate``). V0: ``Avg prompt throughput: ..., Running: R reqs,
-  Swapped: S reqs, Pending: P reqs, GPU KV cache usage: U%, CPU KV cache usage: C%.`` (Pending is the queue;
-  -> also ``swapped`` and ``cpu_token_usage``, the swap space). An idle engine logs it at DEBUG, so a
-  missing line never means a stall;
-- the V0 preemption warning (``... is preempted by PreemptionMode.RECOMPUTE mode because there is
-  not enough KV cache space ... total_num_cumulative_preemption=N``) -> ``RETRACTION``; V1 logs no
-  per-preemption line (read ``vllm:num_preemptions_total`` or the stats line's ``Preemptions``);
-- ``GPU KV cache size: 8,192 tokens, Maximum concurrency for 1,024 tokens per request: 8.00x``
-  (``CPU ...`` on the CPU build; older versions print the two halves on separate lines) -> ``STARTUP``; uvicorn's ``Application startup complete.``
-  -> ``READY``;
+- the periodic stats line -> ``BATCH_STATS`` (``running``, ``queue``, ``token_usage``,
+  ``gen_throughput``, ``prompt_throughput``, ``engines``; V1's ``Preemptions`` part, present only
+  when > 0, as ``retractions``; V0's ``Swapped`` as ``swapped``). An idle engine logs it at DEBUG,
+  so a missing line never means a stall;
+- the V0 preemption warning -> ``RETRACTION`` (V1 logs none: read ``vllm:num_preemptions_total``);
+- ``GPU KV cache size: N tokens`` (``CPU`` on the CPU build) -> ``STARTUP``; uvicorn's
+  ``Application startup complete.`` -> ``READY``;
 - the start-up refusals when the KV cache cannot hold one request of ``max_model_len`` tokens, in
-  every version's wording (V0 ``max seq len (A) is larger than the maximum number of tokens that
-  can be stored in KV cache (B)``; V1 ``... max seq len (A), (X GiB KV cache is needed, which is
-  larger than the available KV cache memory (Y GiB). Based on the available memory, the estimated
-  maximum model length is N``; and ``No available memory for the cache blocks``) ->
-  ``KV_CAPACITY_ERROR``;
-- out of memory, in the wording of PyTorch's allocator (``torch.OutOfMemoryError`` / ``CUDA out of
-  memory``), the CUDA runtime (``CUDA error: out of memory``, ``cudaErrorMemoryAllocation``), cuBLAS
-  (``CUBLAS_STATUS_ALLOC_FAILED``), NCCL (``Cuda failure 'out of memory'``), FlashInfer (``Failed to
-  allocate memory for ... in AlignedAllocator``) or vLLM (``Failed to load model - not enough GPU
-  memory``) -> ``OOM`` with a ``cause``. The line alone rarely says the phase: the sampler warm-up's
-  message (a batch of ``max_num_seqs`` dummy requests) is ``decode``, FlashInfer's buffer names say theirs;
-  :class:`LogFollower`, which reads the traceback above the error, places an OOM raised under
-  ``profile_run`` / ``_dummy_run`` (the start-up forward pass of ``max_num_batched_tokens`` tokens) in
-  ``prefill`` and one under ``_dummy_sampler_run`` / ``capture_model`` in ``decode``;
-- the engine dying (``Engine core initialization failed``, ``EngineDeadError``) -> ``CRASH``. The
-  root cause is printed earlier by the engine-core process, so the KV or OOM event comes first.
+  every version's wording (V1's carries the estimated maximum length) -> ``KV_CAPACITY_ERROR``;
+- out of memory, in the wording of PyTorch, the CUDA runtime, cuBLAS, NCCL, FlashInfer or vLLM ->
+  ``OOM`` with a ``cause``. :class:`LogFollower` reads the traceback above it to place the OOM:
+  under ``profile_run`` / ``_dummy_run`` in ``prefill``, under ``_dummy_sampler_run`` /
+  ``capture_model`` in ``decode``;
+- the engine dying (``Engine core initialization failed``, ``EngineDeadError``) -> ``CRASH``; the
+  root cause, printed earlier by the engine-core process, comes first.
 """
 
 from __future__ import annotations
