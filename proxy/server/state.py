@@ -1,7 +1,7 @@
 """Everything the front door's handlers share, in one typed object stored on the app.
 
 Other parts (the controller, the batch API) reach the request path through it:
-``app[PROXY].requests`` (:class:`~proxy.request.path.RequestPath`: the dispatcher with its
+``app[PROXY].requests`` (:class:`~proxy.request.path.RequestPath`: each pool's dispatcher with its
 ``wait_idle`` / ``take_back`` hooks, the upstream connections, the background tasks),
 ``app[PROXY].board`` (per-worker in-flight attempts and latest samples, ``subscribe`` for every
 scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests: its state);
