@@ -35,12 +35,17 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi; }
 
-## lint: ruff (lint and format), mypy (strict on proxy/) and the import contracts (pyproject.toml)
+## lint: ruff (lint and format), mypy (strict on proxy/ and tools/), the import contracts (pyproject.toml)
+##       and the house's own checks (tools/): functions over 80 lines, module docstrings over 25,
+##       engine names outside the engines; each prints its offenders and fails on one not in tools/allowed/
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(PY) -m tools.long_functions
+	$(PY) -m tools.long_docstrings
+	$(PY) -m tools.engine_names
 
 ## format: let ruff fix what it can and format the tree
 format: $(STAMP)

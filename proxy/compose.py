@@ -131,11 +131,10 @@ def build_app(
     requests = RequestPath(
         RequestSettings.from_policy(policy),
         pool,
-        dispatchers[policy.pools[0].name],
-        metrics.of(policy.pools[0].name),
-        pools=dispatchers if several else {},
-        pool_metrics={p.name: metrics.of(p.name) for p in policy.pools} if several else {},
-        models={p.model: p.name for p in policy.pools if p.model is not None} if several else {},
+        board,
+        dispatchers,
+        {p.name: metrics.of(p.name) for p in policy.pools},
+        models={p.model: p.name for p in policy.pools if p.model is not None},
         limits=KeyLimiter(  # per key, across every pool
             {
                 name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
@@ -391,7 +390,6 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
                     on_result=functools.partial(_on_scrape, st, st.requests.dispatcher_of(pool_settings.name)),
                 )
             )
-        st.scraper = st.scrapers[0]
 
         def on_state(info: WorkerInfo) -> None:
             st.requests.dispatcher_of(info.pool).on_worker_state(info)
@@ -516,7 +514,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
                 offload=planning,
             )
-        st.controller, st.journal = st.controllers[policy.pools[0].name], journal
+        st.journal = journal
 
         async def read_resolved(info: WorkerInfo) -> None:
             """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""

@@ -707,9 +707,6 @@ class Policy:
             out[p.name] = sets
         return out
 
-    def pool_serving(self, model: str) -> PoolSettings | None:
-        return next((p for p in self.pools if p.model == model), None)
-
     def describe(self) -> str:
         """A few lines for ``pacer check-policy`` and the start-up log."""
         return "\n".join(_describe(self))

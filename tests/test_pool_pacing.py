@@ -13,6 +13,7 @@ import pytest
 
 from proxy.compose import build_app
 from proxy.engines.base import Sample
+from proxy.errors import ApiError
 from proxy.policy import parse_policy
 from proxy.request import relay
 from proxy.server.state import PROXY, ProxyState
@@ -81,6 +82,7 @@ async def test_each_pool_gates_and_paces_with_its_own_band() -> None:
 
 async def test_a_pool_with_control_off_has_no_fast_tier() -> None:
     async with built(two_pools(control={"mode": "off"})) as st:
+        assert st.control_mode() == "a auto, b off"  # as /admin/decisions and the dashboard say it
         st.board.publish("a-w0", sample(1.0), None)
         st.board.publish("b-w0", sample(1.0), None)
         assert st.board.get("a-w0").queue_target == 12 and st.board.get("b-w0").queue_target is None
@@ -126,7 +128,11 @@ async def test_each_pool_s_requests_are_counted_under_its_name() -> None:
     queue depth carry the pool; the door's refusals (before a pool is chosen) do not."""
     async with built(two_pools()) as st:
         assert st.requests.metrics_for("mb") is st.metrics.of("b")
-        assert st.requests.metrics_for("ma") is st.metrics.of("a") is st.requests.metrics_for(None)
+        assert st.requests.metrics_for("ma") is st.metrics.of("a")
+        for model, status in (("mc", 404), (None, 400)):  # no pool is the default of another's requests
+            with pytest.raises(ApiError) as refused:
+                st.requests.metrics_for(model)
+            assert refused.value.status == status and "ma, mb" in refused.value.message
         st.metrics.of("b").fail_timeout.inc()
         st.metrics.of("b").completed.inc()
         text = st.metrics.render().decode()

@@ -49,7 +49,7 @@ def test_two_pools_with_their_gpus_models_and_control_overrides() -> None:
     assert big.gpu_sets() == ((0, 1, 2, 3),) and small.gpu_sets() == ((4,), (5,), (6,), (7,))
     assert big.control.restarts_per_hour == 1 and big.control.mode == "advise"  # override + inherited
     assert small.control.restarts_per_hour == 5
-    assert big.worker_id(0) == "big-w0" and p.pool_serving("m8") is small and p.pool_serving("x") is None
+    assert big.worker_id(0) == "big-w0" and (big.model, small.model) == ("m70", "m8")
     assert p.placement(8) == {"big": ((0, 1, 2, 3),), "small": ((4,), (5,), (6,), (7,))}
 
 

@@ -95,12 +95,11 @@ async def _timeline(request: web.Request) -> web.Response:
         for entry in st.journal.entries(limit=MAX_DECISIONS):
             entry["t"] = _epoch(entry.get("time"))
             decisions.append(entry)
-    mode = st.controller.mode if st.controller is not None else st.policy.control.mode
     lo, hi = st.policy.pacing.queue_band
     body = {
         "now": now,
         "window_s": window_s,
-        "mode": str(mode),
+        "mode": st.control_mode(),
         "band": [lo, hi],
         "headroom": st.policy.pacing.headroom,
         "workers": workers,

@@ -145,10 +145,6 @@ class AdmissionQueue:
         self._enqueued(ticket)
         return pushed_out
 
-    def waiting_of(self, key: str) -> int:
-        """The key's tickets waiting, both classes."""
-        return sum(st.waiting for c in self._classes.values() if (st := c.stats.get(key)) is not None)
-
     def requeue(self, ticket: Ticket) -> None:
         """Put a ticket that already held a place back at the *front* of its key, its key at the
         front of the ring (its turn next, after the new keys' first requests; a turn it had, kept) or

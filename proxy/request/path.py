@@ -1,7 +1,7 @@
 """The request path's own context: what :func:`proxy.request.relay.forward` needs, and nothing of
 the front door.
 
-:class:`RequestPath` owns the dispatcher (queue, gate, attempts), the upstream connections to the
+:class:`RequestPath` owns each pool's dispatcher (queue, gate, attempts), the upstream connections to the
 workers, the session that posts aborts, the rid counter and the background tasks (aborts), with
 the few settings the relay reads, and the workers' engine, which says what a request must carry for
 the worker's own scheduler to put interactive work before batch work (:meth:`RequestPath.priority_fields`). The front door's ``ProxyState`` holds one; the composition root
@@ -23,9 +23,11 @@ from typing import Any, Protocol
 import aiohttp
 
 from proxy.engines.contract import Engine
+from proxy.errors import ApiError, model_not_found
 from proxy.policy import Policy
 from proxy.request.dispatch import Dispatcher
 from proxy.request.limits import KeyLimiter
+from proxy.request.pacing import LoadBoard
 from proxy.request.upstream import UpstreamPool
 from proxy.workers.base import WorkerId, WorkerPool
 
@@ -102,17 +104,16 @@ class RequestSettings:
 
 @dataclass(eq=False)
 class RequestPath:
-    """``dispatcher`` and ``metrics`` are the first pool's; with several pools, ``pools`` has each
-    pool's dispatcher (its own queue and gate over its own workers), ``pool_metrics`` what is counted
-    of its requests and ``models`` the pool serving each model."""
+    """``pools`` has each pool's dispatcher (its own queue and gate over its own workers),
+    ``pool_metrics`` what is counted of its requests and ``models`` the pool serving each declared
+    model; with one pool, every request and every worker is its."""
 
     settings: RequestSettings
     pool: WorkerPool
-    dispatcher: Dispatcher
-    metrics: RequestMetrics
-    pools: Mapping[str, Dispatcher] = field(default_factory=dict)  # pool name -> its dispatcher
-    models: Mapping[str, str] = field(default_factory=dict)  # model -> the pool serving it
-    pool_metrics: Mapping[str, RequestMetrics] = field(default_factory=dict)  # pool name -> its counts
+    board: LoadBoard  # every worker's load, across the pools (each dispatcher's board)
+    pools: Mapping[str, Dispatcher]  # pool name -> its dispatcher, each pool
+    pool_metrics: Mapping[str, RequestMetrics]  # pool name -> its counts, each pool
+    models: Mapping[str, str] = field(default_factory=dict)  # declared model -> the pool serving it
     limits: KeyLimiter = field(default_factory=lambda: KeyLimiter({}))  # per-key rate limits
     upstream: UpstreamPool | None = None  # the connections to the workers, while open
     session: aiohttp.ClientSession | None = None  # posts aborts, while open
@@ -137,7 +138,7 @@ class RequestPath:
 
     def in_flight(self) -> int:
         """Requests on a worker now (batch lines too)."""
-        return self.dispatcher.board.total_in_flight()
+        return self.board.total_in_flight()
 
     def end_in_flight(self) -> int:
         """Shutting down, past the grace: end every request still on a worker. Its answer's reader
@@ -152,25 +153,39 @@ class RequestPath:
         if self.upstream is not None:
             self.upstream.close()
 
-    def _pool_serving(self, model: str | None) -> str | None:
-        """The pool serving ``model`` when there are several (None: the first pool's)."""
-        return self.models.get(model) if model is not None else None
+    def pool_for(self, model: str | None) -> str:
+        """The pool serving ``model``: the one declaring it; with one pool, that pool. With several
+        pools (each declares its model), no model is a 400 and any other a 404, naming the served ones
+        (the front door asks first; a batch line naming a model no longer served gets it here)."""
+        pool = self.models.get(model) if model is not None else None
+        if pool is None and len(self.pools) == 1:
+            pool = next(iter(self.pools))
+        if pool is not None:
+            return pool
+        if model is not None:
+            raise model_not_found(model, self.models)
+        served = ", ".join(sorted(self.models))
+        raise ApiError(
+            400,
+            f"'model' is required: this proxy serves several models: {served}",
+            param="model",
+            code="model_required",
+        )
 
     def dispatcher_for(self, model: str | None) -> Dispatcher:
-        """The dispatcher of the pool serving ``model`` (the first pool's for any other)."""
-        pool = self._pool_serving(model)
-        return self.pools[pool] if pool is not None else self.dispatcher
+        """The dispatcher of the pool serving ``model`` (:meth:`pool_for`)."""
+        return self.pools[self.pool_for(model)]
 
     def metrics_for(self, model: str | None) -> RequestMetrics:
-        """What is counted of ``model``'s requests (the first pool's for any other)."""
-        pool = self._pool_serving(model)
-        return self.pool_metrics[pool] if pool is not None else self.metrics
+        """What is counted of ``model``'s requests (:meth:`pool_for`)."""
+        return self.pool_metrics[self.pool_for(model)]
 
     def dispatcher_of(self, pool: str) -> Dispatcher:
-        return self.pools.get(pool, self.dispatcher)
+        """The dispatcher of the pool named ``pool``; with one pool, of every worker."""
+        return next(iter(self.pools.values())) if len(self.pools) == 1 else self.pools[pool]
 
     def dispatchers(self) -> list[Dispatcher]:
-        return list(self.pools.values()) or [self.dispatcher]
+        return list(self.pools.values())
 
     def priority_fields(self, worker_id: WorkerId, *, interactive: bool) -> Mapping[str, object]:
         """Body fields that put the request's class in the worker's own queue order (empty unless the

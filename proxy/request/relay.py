@@ -258,7 +258,7 @@ async def _answer(
     try:
         lease = path.limits.acquire(key, cost, submitted)
     except RateLimited as exc:
-        path.metrics.reject_rate_limited.inc()
+        path.metrics_for(job.model).reject_rate_limited.inc()
         raise ApiError(
             429, exc.message, type="rate_limit_error", code="rate_limit_exceeded", headers=exc.headers
         ) from None
@@ -388,7 +388,7 @@ async def _queued(
 def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
     """How ``job`` goes to the attempt's worker under its output budget (None: as asked): the budget
     of the request's class, where the worker's engine reserves ``max_tokens`` and can continue."""
-    load = path.dispatcher.board.get(attempt.worker_id)
+    load = path.board.get(attempt.worker_id)
     budget = load.output_budget(interactive=attempt.ticket.priority is Priority.INTERACTIVE, max_tokens=job.max_tokens)
     if budget is None:
         return None
@@ -663,7 +663,7 @@ def _record_fact(
     else:
         prompt, output, reason = usage_of_stream(opened.tail)
         ttft = opened.opened_at - dispatched
-    path.dispatcher.board.get(attempt.worker_id).facts.record(
+    path.board.get(attempt.worker_id).facts.record(
         RequestFact(
             time=time.monotonic(),
             arrived=queued,
@@ -795,13 +795,13 @@ def _interactive(attempt: Attempt) -> bool:
 def _reached_budget(path: RequestPath, worker_id: str, interactive: bool, capped: Capped) -> None:
     """An answer's first part wrote all its output budget allowed: the budget's overrun, noted now
     (:mod:`proxy.request.budgets`), not once the answer ends."""
-    path.dispatcher.board.get(worker_id).output_budgets.note_reached((interactive, capped.asked), time.monotonic())
+    path.board.get(worker_id).output_budgets.note_reached((interactive, capped.asked), time.monotonic())
 
 
 def _next_cap(path: RequestPath, worker_id: str, interactive: bool, capped: Capped, written: int) -> int:
     """What an answer's next part may write, under the worker's budget for its kind as it is now: a
     budget lifted meanwhile (the answers got longer) lets it write the rest in one part."""
-    budget = path.dispatcher.board.get(worker_id).output_budget(interactive=interactive, max_tokens=capped.asked)
+    budget = path.board.get(worker_id).output_budget(interactive=interactive, max_tokens=capped.asked)
     return capped.next_cap(written, capped.asked if budget is None else budget)
 
 

@@ -82,13 +82,7 @@ def check_model(st: ProxyState, job: Job) -> None:
     naming the models, since no pool is more the default than another."""
     models = st.models
     if job.model is None:
-        if st.requests.models:
-            raise ApiError(
-                400,
-                f"'model' is required: this proxy serves several models: {', '.join(sorted(st.requests.models))}",
-                param="model",
-                code="model_required",
-            )
+        st.requests.pool_for(None)  # several pools: a 400 naming their models
         if job.path != "/generate" and models.default is not None:
             job.body["model"] = models.default
         return
@@ -222,7 +216,7 @@ async def admin_workers(request: web.Request) -> web.Response:
     queue = {p.value: st.admission.depth(p) for p in ORDER}
     pools = {
         name: {p.value: d.admission.depth(p) for p in ORDER} for name, d in st.requests.pools.items()
-    }  # each pool's own queue, when there are several
+    }  # each pool's own queue
     return _json({"workers": out, "proxy_queue": queue, "pool_queues": pools, "in_flight": st.board.total_in_flight()})
 
 
@@ -259,8 +253,7 @@ async def admin_decisions(request: web.Request) -> web.Response:
         limit = int(limit_text)
     journal = st.journal
     entries = journal.entries(worker=request.query.get("worker"), limit=limit) if journal is not None else []
-    mode = st.controller.mode if st.controller is not None else st.policy.control.mode
-    return _json({"mode": str(mode), "decisions": entries})
+    return _json({"mode": st.control_mode(), "decisions": entries})
 
 
 async def admin_trial(request: web.Request) -> web.Response:

@@ -1,7 +1,7 @@
 """Everything the front door's handlers share, in one typed object stored on the app.
 
 Other parts (the controller, the batch API) reach the request path through it:
-``app[PROXY].requests`` (:class:`~proxy.request.path.RequestPath`: the dispatcher with its
+``app[PROXY].requests`` (:class:`~proxy.request.path.RequestPath`: each pool's dispatcher with its
 ``wait_idle`` / ``take_back`` hooks, the upstream connections, the background tasks),
 ``app[PROXY].board`` (per-worker in-flight attempts and latest samples, ``subscribe`` for every
 scrape) and ``app[PROXY].pool`` (the one truth of which worker may get requests: its state);
@@ -23,7 +23,6 @@ from proxy.control.journal import Journal
 from proxy.observe.nvml import GpuWatch
 from proxy.observe.scraper import Scraper
 from proxy.policy import Policy
-from proxy.request.dispatch import Dispatcher
 from proxy.request.pacing import LoadBoard
 from proxy.request.path import RequestPath
 from proxy.request.queues import QueueDepth
@@ -46,20 +45,21 @@ class ProxyState:
     models: ModelCatalog
     drain: Drain  # the shutdown's first step (proxy.shutdown_grace_s); counts the requests the edge answers
     session: aiohttp.ClientSession | None = None  # scrapes, aborts, model lists and admin calls
-    scraper: Scraper | None = None
     gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0
-    controller: Controller | None = None  # set while the app runs (the controller's lifecycle)
     journal: Journal | None = None
     controllers: dict[str, Controller] = field(default_factory=dict)  # per pool, while the app runs
-    scrapers: list[Scraper] = field(default_factory=list)  # per pool (``scraper`` is the first)
+    scrapers: list[Scraper] = field(default_factory=list)  # per pool, while the app runs
     # set once the controllers plan the workers' first launches: the pool starts after it
     launches_planned: asyncio.Event = field(default_factory=asyncio.Event)
     # stops the controllers (idempotent), set while they run: the shutdown's drain calls it first
     stop_control: Callable[[], Awaitable[None]] | None = None
 
-    @property
-    def dispatcher(self) -> Dispatcher:
-        return self.requests.dispatcher
+    def control_mode(self) -> str:
+        """The controllers' mode: one word when the pools' agree, else each pool's ("a auto, b off")."""
+        modes = {p.name: p.control.mode for p in self.policy.pools}
+        if len(set(modes.values())) == 1:
+            return str(next(iter(modes.values())))
+        return ", ".join(f"{name} {mode}" for name, mode in modes.items())
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Fire and forget (model refreshes), kept with the request path's background tasks."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1024**3
 MIB = 1024**2
 
 

@@ -47,10 +47,6 @@ WORD_IDS: tuple[int, ...] = tuple(piece_id(w) for w in WORDS)
 _STRIDE = 7  # coprime with len(WORDS): a reply cycles through every word
 
 
-def output_word_index(seed: int, k: int) -> int:
-    return (seed + k * _STRIDE) % len(WORDS)
-
-
 def output_token_ids(seed: int, start: int, stop: int) -> list[int]:
     return [WORD_IDS[(seed + k * _STRIDE) % len(WORDS)] for k in range(start, stop)]
 

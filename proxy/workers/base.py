@@ -119,7 +119,3 @@ class PlannedLaunches(Protocol):
     def plan_launches(self, planner: LaunchPlanner) -> None:
         """``planner`` is called with each managed worker, as configured, before its first launch and
         returns the arguments to launch it with (set before ``start``)."""
-
-
-class SupervisedPool(WorkerPool, WorkerLogs, Protocol):
-    """What the supervisor offers beyond :class:`WorkerPool`: the logs."""

@@ -61,7 +61,8 @@ def build_pool(
 
 
 class Fleet:
-    """Implements :class:`proxy.workers.base.SupervisedPool` over one supervisor per pool."""
+    """Implements :class:`~proxy.workers.base.WorkerPool`, :class:`~proxy.workers.base.WorkerLogs` and
+    :class:`~proxy.workers.base.PlannedLaunches` over one supervisor per pool."""
 
     def __init__(self, members: Sequence[Supervisor]) -> None:
         self._members = list(members)

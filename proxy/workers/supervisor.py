@@ -149,7 +149,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    """Implements :class:`proxy.workers.base.SupervisedPool` for one ``[engine]`` table."""
+    """Implements :class:`~proxy.workers.base.WorkerPool`, :class:`~proxy.workers.base.WorkerLogs` and
+    :class:`~proxy.workers.base.PlannedLaunches` for one ``[engine]`` table."""
 
     def __init__(
         self,

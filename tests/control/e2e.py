@@ -33,7 +33,7 @@ class Proxy:
 
     @property
     def controller(self):
-        return self.app[PROXY].controller
+        return self.app[PROXY].controllers["default"]
 
     async def decisions(self) -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/decisions") as r:

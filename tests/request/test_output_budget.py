@@ -182,7 +182,7 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
     )
     await h.wait_for(lambda: len(w.bodies) == 1)
     await asyncio.sleep(0.3)  # some tokens written
-    assert h.state.requests.dispatcher.take_back("w0") == 1
+    assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
     await h.wait_for(lambda: len(w.bodies) == 2)
     (going_on,) = h.state.board.get("w0").attempts  # open: what the planner reads of it
     assert going_on.going_on_from == w.bodies[0]["sim_output_len"] - w.bodies[1]["sim_output_len"]
@@ -216,7 +216,7 @@ async def test_an_early_end_whose_abort_found_nothing_is_asked_again(make_proxy)
     await asyncio.sleep(0.1)  # some tokens written
     loop = asyncio.get_running_loop()
     asked = loop.time()
-    assert h.state.requests.dispatcher.take_back("w0") == 1
+    assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
     await h.wait_for(lambda: len(w.bodies) == 2)  # ended there, continued from what it wrote
     assert loop.time() - asked < 2.0  # not the 8 s its whole answer takes there
     first = w.bodies[0]["rid"]
@@ -240,7 +240,7 @@ async def test_a_worker_that_does_not_answer_an_early_end_has_the_request_taken_
         client.completions.create(model=MODEL, prompt="x", max_tokens=100, extra_body={"sim_output_len": 20})
     )
     await h.wait_for(lambda: len(w.bodies) == 1)
-    assert h.state.requests.dispatcher.take_back("w0") == 1
+    assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
     comp = await task
     assert comp.choices[0].text == "tok " * 20
     assert [b["max_tokens"] for b in w.bodies] == [100, 100]  # from the start: nothing was kept

@@ -166,7 +166,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     h = await make_proxy(
         n_workers=2, policy={"pacing": {"queue_band": [2, 4]}}, worker={"max_running": 1, "token_delay_s": 0.02}
     )
-    d = h.state.dispatcher
+    d = h.state.requests.dispatcher_of("default")
     h.pool.set_state("w1", WorkerState.DRAINING)
     client = h.client()
 
