@@ -13,39 +13,30 @@ take the estimate past ``band.hi``; the dispatch target is ``lo + headroom``. If
 has a fresh sample (scrapes failing, metrics off), the gate falls back to the proxy's own counts:
 ``in_flight(w) < last_running(w) + band.hi``.
 
-Batch beside interactive: while interactive requests keep arriving (one within
-``interactive_window``), a batch request is dispatched only while ``est_queue(w) < batch_queue``
-(``pacing.batch_queue_beside_interactive``, when set): the batch work waiting in a worker's own
-queue, where an interactive request would wait behind it, stays that short. ``est_queue`` moves
-with the proxy's own dispatches and completions between scrapes, so each batch request that ends
+Batch beside interactive, always on: while interactive requests keep arriving (one within
+``interactive_window``), a batch request goes to a worker only while (numbers from
+:mod:`proxy.request.pacing`, derived from the worker's running-request limit ``L``)::
+
+    est_queue(w) < BATCH_QUEUE_BESIDE_INTERACTIVE           (1: batch work barely waits in its queue)
+    batch_in_flight(w) < batch_in_flight_cap(L)              (L less a reserve of L / 16)
+                         - ceil(1.25 x interactive_in_flight(w))   (slots kept per interactive request open)
+    and its batch pacing has come round                      (2 x L prompt tokens per engine step)
+
+``est_queue`` moves with the proxy's own dispatches and completions, so each batch request that ends
 lets the next one go at once; once no interactive request came for a window, the band applies again.
-In the same window, ``pacing.batch_in_flight_beside_interactive`` (when set) holds the batch
-requests this proxy has open on a worker (running or waiting there) to that many: with it set to
-the worker's ``max_running_requests`` less a reserve, that many running slots are left to
-interactive requests, which then never wait for a running batch request to end. A fixed reserve
-is right for one interactive rate only: the slots interactive requests hold are their arrival rate
-times how long each runs, and each runs longer beside a batch (every arrival's prefill is a forward
-of its own that the decode steps wait for). ``pacing.interactive_slot_headroom`` (when set) lowers
-the limit on each worker by that many slots per interactive request open there, so the reserve
-follows the interactive traffic the worker is carrying::
+Interactive requests need running slots: beside a batch each runs longer (every arrival's prefill is
+a forward the decode steps wait for), so the reserve follows the interactive requests open there.
+It is also kept when the batch got there first: at each interactive arrival, the batch requests of
+a worker beyond its cap less one slot per interactive request open there are taken back, newest
+first (the least work done), and aborted on the worker; they wait at the front of the batch class.
 
-    batch_limit(w) = batch_in_flight_beside_interactive - ceil(max(1, headroom) x interactive_in_flight(w))
-
-With the headroom set, the reserve is also kept when the batch got there first (chat arriving after
-a batch filled the worker, or interactive traffic rising faster than batch requests end): at each
-interactive arrival, the batch requests of a worker beyond ``batch_in_flight_beside_interactive`` less
-one slot per interactive request open there are taken back, newest first (those have done the least
-work: still queued, or a few tokens decoded), and aborted on the worker; they wait at the front of
-the batch class. The dispatch limit keeps at least one slot per interactive request, so in steady
-state it takes nothing back.
-
-A batch refill is also paced (``pacing.batch_prefill_tokens_beside_interactive``, when set): an engine
-takes every waiting request into its next prefill forward, so batch requests sent at once (each freed
-slot refilled on its completion, and batch completions come in bunches) make one long prefill that
-every interactive request arriving meanwhile waits for. Beside interactive work, a worker gets its
-next batch request only after ``step x prompt_tokens / batch_prefill_tokens`` seconds, ``step`` being
-its decode step time from the latest scrape (``running / output tokens per second``); a timer runs
-the gate again when the pacing comes round.
+Paced refills: an engine takes every waiting request into its next prefill forward, so batch
+requests sent at once (a wave of completions refilled) make one long prefill that every interactive
+arrival waits for. Beside interactive work a worker gets its next batch request only after
+``step x prompt_tokens / (2 x L)`` seconds, ``step`` being its decode step time from the latest
+scrape (``running / output tokens per second``); a timer runs the gate when the pacing comes round.
+Where a worker's limit cannot be read (no server info, none in its arguments) it gets the queue cap
+and refills paced by the most it was seen running, not the share (:meth:`WorkerLoad.batch_room_beside_interactive`).
 
 A class's turn: the admission queue gives batch a floor share while both classes wait; when the
 batch's turn comes and its own gates (the caps above) hold it, the interactive head goes instead,
@@ -95,7 +86,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
-from proxy.request.pacing import Band, LoadBoard, WorkerLoad
+from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.exit_text import how_it_ended
 
@@ -131,16 +122,14 @@ def choose_worker(
     stale_after_s: float,
     exclude: frozenset[WorkerId] = frozenset(),
     affinity: str | None = None,
-    batch_limit: int | None = None,
-    interactive_headroom: float = 0.0,
     batch: bool = False,
-    paced: bool = False,
+    beside_interactive: bool = False,
 ) -> WorkerId | None:
     """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
-    ``batch_limit``: only workers with fewer batch requests of this proxy in flight than it, less
-    ``interactive_headroom`` slots per interactive request open on the worker; ``batch``: the request
-    is of the batch class (the fast tier's limit and queue target per class); ``paced``: only workers
-    whose batch pacing has come round (``batch_paced_until <= now``)."""
+    ``batch``: the request is of the batch class (the fast tier's limit and queue target per class);
+    ``beside_interactive``: a batch request while interactive ones arrive, so only workers with room
+    for the batch's share (:meth:`WorkerLoad.batch_room_beside_interactive`) whose batch pacing has come
+    round (``batch_paced_until <= now``)."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -151,12 +140,10 @@ def choose_worker(
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
     ready = [(w, load) for w, load in ready if load.has_room(now, batch=batch)]
-    if batch_limit is not None:
+    if beside_interactive:
         ready = [
-            (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
+            (w, load) for w, load in ready if load.batch_room_beside_interactive() and load.batch_paced_until <= now
         ]
-    if paced:
-        ready = [(w, load) for w, load in ready if load.batch_paced_until <= now]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
         open_ = [
@@ -171,12 +158,6 @@ def choose_worker(
     if affinity is not None and len(open_) > 1:
         return max(open_, key=lambda o: _rendezvous(o[2], affinity))[2]
     return min(open_)[2]
-
-
-def _held_for(load: WorkerLoad, headroom: float) -> int:
-    """Running slots kept for the interactive requests open on a worker: ``headroom`` per request (at
-    least one each: the batch must not be let in where it would be taken back at the next arrival)."""
-    return math.ceil(max(1.0, headroom) * load.interactive_in_flight) if headroom > 0 else 0
 
 
 def _take_back(attempt: Attempt, *, end_early: bool = True) -> None:
@@ -228,11 +209,7 @@ class Dispatcher:
         max_attempts: int = 3,
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
-        batch_queue: int = 0,
         interactive_window_s: float = 5.0,
-        batch_in_flight: int = 0,
-        interactive_headroom: float = 0.0,
-        batch_step_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -244,13 +221,8 @@ class Dispatcher:
         self.on_requeue = on_requeue  # counts requeues (the metrics)
         self.clock = clock
         # batch beside interactive: the band batch requests see while interactive ones keep arriving
-        self.batch_band = Band(lo=min(batch_queue, band.hi), hi=band.hi) if batch_queue > 0 else None
+        self.batch_band = Band(lo=min(BATCH_QUEUE_BESIDE_INTERACTIVE, band.hi), hi=band.hi)
         self.interactive_window_s = interactive_window_s
-        # batch beside interactive: at most this many batch requests open on a worker (None: no limit)
-        self.batch_in_flight = batch_in_flight if batch_in_flight > 0 else None
-        self.interactive_headroom = interactive_headroom  # slots kept per interactive request open there
-        # batch beside interactive: at most this many estimated prompt tokens to a worker per engine step
-        self.batch_step_tokens = batch_step_tokens
         self._wake: asyncio.Handle | None = None  # the pump's next run for a paced batch request...
         self._wake_at = math.inf  # ...and when (the loop's time)
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
@@ -309,7 +281,7 @@ class Dispatcher:
         if spell and self.on_interactive_spell is not None:
             self.on_interactive_spell()
         self.pump()
-        if priority is Priority.INTERACTIVE and self.batch_in_flight is not None and self.interactive_headroom > 0:
+        if priority is Priority.INTERACTIVE:
             self._keep_slots_for_interactive()
         return ticket
 
@@ -471,7 +443,6 @@ class Dispatcher:
         workers = self.pool.workers()
         now = self.clock()
         beside_interactive = self._beside_interactive(now)
-        paced = beside_interactive and self.batch_step_tokens > 0
         while True:
             ticket = admission.peek()
             if ticket is None:
@@ -482,7 +453,7 @@ class Dispatcher:
                 # the batch's floor turn (or nothing else waits), but the gate holds it: when it is the
                 # batch's own gates, the interactive head goes instead; the batch keeps its turn for the
                 # next opening (when the gate holds both, nothing goes and the turn stays the batch's)
-                if paced:
+                if beside_interactive:
                     self._wake_for_pacing(workers, now)
                 other = admission.peek(Priority.INTERACTIVE)
                 if other is not None and (placed := self._place(other, workers, now, beside_interactive)):
@@ -497,7 +468,7 @@ class Dispatcher:
             load = self.board.get(worker_id)
             batch = ticket.priority is Priority.BATCH
             load.reserve(attempt, batch=batch)
-            if batch and paced:
+            if batch and beside_interactive:
                 self._pace_batch(load, ticket, now)
             ticket.future.set_result(attempt)
 
@@ -505,32 +476,31 @@ class Dispatcher:
         self, ticket: Ticket, workers: Sequence[WorkerInfo], now: float, beside_interactive: bool
     ) -> WorkerId | None:
         """:func:`choose_worker` with the class's gates: a batch ticket beside interactive work sees the
-        batch band, the batch in-flight limit and the pacing."""
+        batch band, the batch's share of each worker and the pacing."""
         batch = ticket.priority is Priority.BATCH
         beside = batch and beside_interactive
         return choose_worker(
             workers,
             self.board,
-            band=(self.batch_band or self.band) if beside else self.band,
+            band=self.batch_band if beside else self.band,
             now=now,
             stale_after_s=self.stale_after_s,
             exclude=ticket.exclude,
             affinity=ticket.affinity,
-            batch_limit=self.batch_in_flight if beside else None,
-            interactive_headroom=self.interactive_headroom,
             batch=batch,
-            paced=beside and self.batch_step_tokens > 0,
+            beside_interactive=beside,
         )
 
     def _pace_batch(self, load: WorkerLoad, ticket: Ticket, now: float) -> None:
         """A batch request went to the worker beside interactive work: the next may go once the engine
-        has had the time to take this one's prompt at ``batch_step_tokens`` per step. Unpaced when
-        the scrape shows no step time (nothing running yet: the first prefills cost nobody a wait)."""
-        step = load.engine_step_s()
-        if step is None:
+        has had the time to take this one's prompt at the worker's batch prompt tokens per step. Unpaced
+        when the scrape shows no step time (nothing running yet: the first prefills cost nobody a wait)
+        or the worker's running limit is unknown."""
+        step, per_step = load.engine_step_s(), load.batch_step_tokens()
+        if step is None or per_step is None:
             return
         tokens = max(1, ticket.prompt_tokens or 1)
-        load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / self.batch_step_tokens
+        load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / per_step
 
     def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
         """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""
@@ -554,19 +524,15 @@ class Dispatcher:
 
     def _keep_slots_for_interactive(self) -> None:
         """An interactive request arrived: on a worker where the batch holds more than its share beside
-        interactive work (``batch_in_flight_beside_interactive`` less one slot per interactive request
-        open there), the newest batch requests beyond it are taken back to the proxy's queue and aborted
-        on the worker, so an interactive request finds a running slot instead of waiting for a batch
-        request to end. That is what happens when chat arrives after the batch filled the worker; in
-        steady state the dispatch limit (which keeps ``interactive_slot_headroom`` per request) leaves
-        room for the interactive traffic to vary before this takes anything back."""
-        assert self.batch_in_flight is not None
+        interactive work (:meth:`WorkerLoad.batch_over_share`), the newest batch requests beyond it are
+        taken back to the proxy's queue and aborted on the worker, so an interactive request finds a
+        running slot instead of waiting for a batch request to end. That is what happens when chat
+        arrives after the batch filled the worker; in steady state the dispatch limit (which keeps
+        1.25 slots per interactive request) leaves room for the traffic to vary before this takes any."""
         for worker in self.pool.workers():  # this dispatcher's workers (the board is shared by every pool's)
-            load = self.board.get(worker.id)
-            if load.in_flight <= self.batch_in_flight:  # nothing over the share (the hot path: no walk)
-                continue
-            held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
-            self.take_back_newest_batch(worker.id, held + load.interactive_in_flight - self.batch_in_flight)
+            over = self.board.get(worker.id).batch_over_share()
+            if over:
+                self.take_back_newest_batch(worker.id, over)
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
@@ -585,14 +551,13 @@ class Dispatcher:
 
     def held_for_class(self) -> int:
         """Batch requests in the proxy's queue that their class's own gates hold there, not the band:
-        beside interactive work, where the pacing's batch gates are set (within
-        ``interactive_window_s`` of the latest interactive arrival) or the fast tier keeps a batch
-        target on every worker serving. They wait by design while the worker's queue is empty."""
+        beside interactive work (within ``interactive_window_s`` of the latest interactive arrival), or
+        where the fast tier keeps a batch target on every worker serving. They wait by design while the
+        worker's queue is empty."""
         batch = self.admission.depth(Priority.BATCH)
         if not batch:
             return 0
-        gates = self.batch_band is not None or self.batch_in_flight is not None or self.batch_step_tokens > 0
-        if gates and self._beside_interactive(self.clock()):
+        if self._beside_interactive(self.clock()):
             return batch
         serving = [w for w in self.pool.workers() if w.state is WorkerState.READY]
         if serving and all(self.board.get(w.id).batch_queue_target is not None for w in serving):
