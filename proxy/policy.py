@@ -1126,7 +1126,8 @@ def _describe(p: Policy) -> list[str]:
         lines += _describe_pool(pool, several=len(p.pools) > 1 or not pool.shorthand)
     lines.append(
         f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
-        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts"
+        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts; "
+        f"chat protected beside a batch for {pc.interactive_window_s:g} s after the last (from each worker's limit)"
     )
     c = p.control
     lines.append(
