@@ -215,3 +215,17 @@ def test_the_running_limit_comes_from_sglang_s_server_info_and_vllm_has_none() -
     assert sglang.running_limit({"max_running_requests": True}) is None
     assert ENGINES["sim"].running_limit({"max_running_requests": 8}) == 8
     assert vllm.running_limit({"max_num_seqs": 256}) is None
+
+
+def test_a_worker_s_launch_arguments_give_its_running_limit_where_they_name_it() -> None:
+    """Before (and without) its server info: vLLM's ``max_num_seqs``, SGLang's ``max_running_requests``."""
+    from proxy.compose import _launched_running_limit
+    from proxy.workers.base import WorkerInfo, WorkerState
+
+    def info(**args: object) -> WorkerInfo:
+        return WorkerInfo(id="w0", url="http://w0", state=WorkerState.READY, managed=True, args=args)
+
+    assert _launched_running_limit(ENGINES["vllm"], info(max_num_seqs=64)) == 64
+    assert _launched_running_limit(ENGINES["sglang"], info(max_running_requests=32)) == 32
+    assert _launched_running_limit(ENGINES["sglang"], info(max_num_seqs=64)) is None  # not SGLang's name
+    assert _launched_running_limit(ENGINES["vllm"], info()) is None  # left to the engine: its default
