@@ -482,7 +482,7 @@ class _Surroundings:
 
 def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:
     """The most requests a worker runs at once as it was started (its ``max_running`` knob's argument),
-    None where its arguments leave it to the engine (its server info, else its scrapes, tell)."""
+    None where its arguments leave it to the engine (its server info tells, where it has one)."""
     knob = engine.knobs.get(KnobName.MAX_RUNNING)
     value = None if knob is None else info.args.get(knob.arg)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
