@@ -20,8 +20,9 @@ Every phase runs on a fresh ``pacer sim`` worker (same flags, ``--sim-time-scale
    client were runnable but waiting for a CPU (``/proc/<pid>/task/*/schedstat``): stalls of the
    machine, told apart from the design's.
 
-The proxy's policy: the worker's queue band ``--band`` (the pacing gate keeps that many requests
-waiting in the worker beyond those running), ``batch.concurrency`` ``--batch-concurrency``.
+The proxy's policy: ``[pacing]`` as ``policies/default.toml`` ships it, unchanged (the interactive
+protection has no key: its numbers come from the worker's server info and scrapes), ``[control]``
+off (the request path alone), ``batch.concurrency`` ``--batch-concurrency``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from loadtests.loadgen import completion_body, open_loop, summarize
 from loadtests.procs import Proc, runqueue_wait_seconds, start_pacer, start_sim
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
+SHIPPED_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.toml"  # what `make run` serves
 
 
 def request_body(i: int, prompt_tokens: int, output_len: int, tag: str = "") -> dict[str, Any]:
@@ -101,6 +104,14 @@ async def direct(url: str, bodies: Sequence[bytes], concurrency: int) -> dict[st
             "requests_per_s": round(len(bodies) / elapsed, 2), "errors": errors}  # fmt: skip
 
 
+async def running_limits(proxy_url: str) -> list[int | None]:
+    """Each worker's running-request limit as the proxy read it (``/admin/workers``): what its
+    interactive protection is derived from."""
+    async with aiohttp.ClientSession() as s, s.get(proxy_url + "/admin/workers") as r:
+        doc = await r.json()
+    return [w.get("running_limit") for w in doc["workers"]]
+
+
 async def run_batch(proxy_url: str, data: bytes, poll_s: float) -> dict[str, Any]:
     """One batch through the proxy's Batch API with the openai client; completion time and counts."""
     client = openai.AsyncOpenAI(base_url=proxy_url + "/v1", api_key="bench", max_retries=0, timeout=600)
@@ -127,67 +138,42 @@ async def run_batch(proxy_url: str, data: bytes, poll_s: float) -> dict[str, Any
             "failed": counts.failed if counts else None}  # fmt: skip
 
 
-def proxy_policy(
-    engine: dict[str, Any],
-    batch_dir: Path,
-    band: tuple[int, int],
-    batch_concurrency: int,
-    batch_queue: int = 0,
-    batch_in_flight: int = 0,
-    headroom: float = 0.0,
-    step_tokens: int = 0,
-) -> str:
+def shipped_pacing() -> dict[str, Any]:
+    """The ``[pacing]`` table of :data:`SHIPPED_POLICY`, as it is."""
+    pacing: dict[str, Any] = tomllib.loads(SHIPPED_POLICY.read_text())["pacing"]
+    return pacing
+
+
+def proxy_policy(engine: dict[str, Any], batch_dir: Path, batch_concurrency: int) -> str:
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0.0},
         "queue": {"capacity": 200000, "timeout_s": 3600.0},
         "engine": engine,
-        "pacing": {"queue_band": list(band), "headroom": 0, "scrape_interval_s": 0.1, "stale_after_s": 5.0,
-                   "batch_queue_beside_interactive": batch_queue,
-                   "batch_in_flight_beside_interactive": batch_in_flight,
-                   "interactive_slot_headroom": headroom,
-                   "batch_prefill_tokens_beside_interactive": step_tokens},
+        "pacing": shipped_pacing(),
         "control": {"mode": "off"},
         "batch": {"dir": str(batch_dir), "concurrency": batch_concurrency},
     })  # fmt: skip
 
 
-DESIGNS = (
-    "band",
-    "priority",
-    "cap",
-    "priority-cap",
-    "cap-reserve",
-    "priority-cap-reserve",
-    "cap-headroom",
-    "priority-cap-headroom",
-    "cap-headroom-paced",
-)
+DESIGNS = ("shipped", "priority")
 
 
 @contextlib.contextmanager
 def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> Iterator[tuple[Proc, list[int]]]:
-    """The proxy in front of one fresh simulated worker, as ``design`` deploys it.
+    """The proxy in front of one fresh simulated worker, as ``design`` deploys it, with the shipped
+    ``[pacing]`` either way.
 
-    ``band``: an external worker with SGLang's defaults (FCFS queue); the proxy knows nothing of its
-    arguments. ``priority``: a worker the proxy starts itself with ``enable_priority_scheduling``
-    (what an operator's policy says); the proxy then marks each request with its class's priority.
-    ``cap``: as ``band`` plus ``pacing.batch_queue_beside_interactive = --batch-queue``; ``reserve``:
-    ``pacing.batch_in_flight_beside_interactive = --max-running - --batch-reserve``; ``headroom``: that
-    reserve and ``pacing.interactive_slot_headroom = --interactive-headroom`` slots more per interactive
-    request open on the worker (a reserve that follows the interactive traffic); ``paced``:
-    ``pacing.batch_prefill_tokens_beside_interactive = --batch-step-tokens``; a design joined
-    with ``-`` has each lever. Yields the proxy and the process ids of the workers it did not start itself.
+    ``shipped``: an external worker with SGLang's defaults (FCFS queue) and ``--max-running``; the proxy
+    reads its running-request limit from its server info. ``priority``: a worker the proxy starts itself
+    with ``enable_priority_scheduling`` (what an operator's policy says); the proxy then marks each
+    request with its class's priority. Yields the proxy and the process ids of the workers it did not
+    start itself.
     """
-    band, conc, levers = tuple(args.band), args.batch_concurrency, set(design.split("-"))
-    cap = args.batch_queue if "cap" in levers else 0
-    in_flight = args.max_running - args.batch_reserve if levers & {"reserve", "headroom"} else 0
-    headroom = args.interactive_headroom if "headroom" in levers else 0.0
-    step_tokens = args.batch_step_tokens if "paced" in levers else 0
-    if "priority" not in levers:
+    policy_dir, conc = log_dir / name, args.batch_concurrency
+    if design == "shipped":
         with _sim(log_dir, args, f"{name}-sim") as sim:
             engine: dict[str, Any] = {"kind": "external", "urls": [sim.url]}
-            policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom, step_tokens)
-            with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
+            with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, policy_dir, conc)) as p:
                 yield p, [sim.pid]
         return
     engine = {
@@ -197,8 +183,7 @@ def _proxy(log_dir: Path, args: argparse.Namespace, design: str, name: str) -> I
                  "sim_time_scale": args.time_scale, "sim_startup_seconds": 0.2, "log_level": "warning"},
         "log_dir": str(log_dir / f"{name}-workers"),
     }  # fmt: skip
-    policy = proxy_policy(engine, log_dir / name, band, conc, cap, in_flight, headroom, step_tokens)
-    with start_pacer(log_dir, [], name=name, policy_text=policy) as p:
+    with start_pacer(log_dir, [], name=name, policy_text=proxy_policy(engine, policy_dir, conc)) as p:
         yield p, []
 
 
@@ -309,6 +294,7 @@ def _design(
     out: dict[str, Any] = {}
     with _proxy(log_dir, args, design, f"{design}-batch-pacer") as (proxy, _):
         out["batch"] = asyncio.run(run_batch(proxy.url, data, args.poll_s))
+        out["running_limits"] = asyncio.run(running_limits(proxy.url))
     say(f"{design}: batch through the proxy: {out['batch']['seconds']} s ({out['batch']['status']})")
     with _proxy(log_dir, args, design, f"{design}-interactive-pacer") as (proxy, sims):
         workers = [*sims, *_descendants(proxy.pid)]
@@ -344,6 +330,8 @@ def run(args: argparse.Namespace, log_dir: Path, say: Any = print) -> dict[str, 
     report: dict[str, Any] = {
         "command": "python -m loadtests batch " + " ".join(sys.argv[2:]),
         "settings": vars(args).copy(),
+        "pacing": shipped_pacing(),  # every design's, as policies/default.toml ships it
+        "pacing_is_shipped": True,
     }
     sweep: list[dict[str, Any]] = []
     with _sim(log_dir, args, "sweep-sim") as sim:
@@ -379,36 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the simulator's --sim-time-scale (at 1 its steps take their modelled time: faster scales measure "
         "the machine more than the design)",
     )  # fmt: skip
-    p.add_argument("--band", type=int, nargs=2, default=[32, 256], help="the proxy's pacing.queue_band")
     p.add_argument("--batch-concurrency", type=int, default=1024)
-    p.add_argument(
-        "--batch-queue", type=int, default=1, help="pacing.batch_queue_beside_interactive of the *cap designs"
-    )
-    p.add_argument(
-        "--batch-reserve", type=int, default=16,
-        help="running slots the *reserve designs keep for interactive requests: "
-        "pacing.batch_in_flight_beside_interactive = --max-running less this",
-    )  # fmt: skip
-    p.add_argument(
-        "--interactive-headroom", type=float, default=1.25,
-        help="running slots the *headroom designs keep per interactive request open on the worker: "
-        "pacing.interactive_slot_headroom",
-    )  # fmt: skip
-    p.add_argument(
-        "--batch-step-tokens", type=int, default=512,
-        help="prompt tokens of batch requests per engine step the *paced designs send a worker beside "
-        "interactive requests: pacing.batch_prefill_tokens_beside_interactive",
-    )  # fmt: skip
     p.add_argument(
         "--designs",
         nargs="+",
         choices=DESIGNS,
-        default=["cap-headroom-paced", "band"],
-        help="(default: the recommended design and the band alone) band: an FCFS worker behind the band; priority: the worker orders its queue by class; "
-        "cap: the band, and a short batch queue while interactive requests arrive; reserve: running slots "
-        "kept free for interactive requests while they arrive; headroom: that reserve plus slots per "
-        "interactive request open; paced: batch prompt tokens per engine step beside interactive requests; "
-        "joined with '-': each lever",
+        default=["shipped"],
+        help="shipped: an FCFS worker behind the shipped [pacing]; priority: the same, the worker ordering its "
+        "queue by class (priority scheduling)",
     )
     p.add_argument("--poll-s", type=float, default=0.2)
     p.add_argument(

@@ -49,7 +49,7 @@ from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
-from proxy.engines.base import Modelled, Sample
+from proxy.engines.base import KnobName, Modelled, Sample
 from proxy.engines.contract import Engine
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
@@ -120,11 +120,7 @@ def build_app(
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
             max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.of(p.name).count_requeue,
-            batch_queue=p.pacing.batch_queue_beside_interactive,
             interactive_window_s=p.pacing.interactive_window_s,
-            batch_in_flight=p.pacing.batch_in_flight_beside_interactive,
-            interactive_headroom=p.pacing.interactive_slot_headroom,
-            batch_step_tokens=p.pacing.batch_prefill_tokens_beside_interactive,
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
@@ -482,6 +478,14 @@ class _Surroundings:
         ]
 
 
+def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:
+    """The most requests a worker runs at once as it was started (its ``max_running`` knob's argument),
+    None where its arguments leave it to the engine (its server info tells, where it has one)."""
+    knob = engine.knobs.get(KnobName.MAX_RUNNING)
+    value = None if knob is None else info.args.get(knob.arg)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
     built when the app starts, fed by the board, the pool's states and log lines. One journal."""
@@ -517,9 +521,13 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         st.journal = journal
 
         async def read_resolved(info: WorkerInfo) -> None:
-            """What the engine chose for args left unset (``mem_fraction_static``...), from its server info."""
+            """What the engine chose for args left unset (``mem_fraction_static``...), from its server info
+            (the controller's, for a worker it manages), and how many requests it runs at once (the
+            pacing's, for every worker: its launch arguments first, its server info over them)."""
             engine = engines.get(info.pool, policy.engine.engine)
             path = engine.server_info_path
+            load = st.board.get(info.id)
+            load.running_limit = _launched_running_limit(engine, info)
             if st.session is None or path is None:
                 return
             try:
@@ -530,8 +538,11 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                 _log.debug("no %s from %s: %s", path, info.id, exc)
                 return
+            if not isinstance(payload, dict) or closed:
+                return
+            load.running_limit = engine.running_limit(payload) or load.running_limit
             controller = st.controllers.get(info.pool)
-            if isinstance(payload, dict) and not closed and controller is not None:
+            if controller is not None and info.managed:
                 controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
 
         def on_state(info: WorkerInfo) -> None:
@@ -539,7 +550,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             if closed or controller is None:
                 return
             controller.track(info)
-            if info.state is WorkerState.READY and info.managed:
+            if info.state is WorkerState.READY:
                 st.spawn(read_resolved(info))
 
         def on_line(worker_id: str, line: str) -> None:

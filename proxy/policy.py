@@ -241,48 +241,12 @@ class PacingSettings:
         ),
     )
     max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
-    batch_queue_beside_interactive: int = field(
-        default=0,
-        metadata=key(
-            "while interactive requests arrive (within interactive_window_s): the estimated server queue "
-            "below which batch requests are dispatched, instead of the band's (0: no cap)",
-            minimum=0,
-        ),
-    )
-    batch_in_flight_beside_interactive: int = field(
-        default=0,
-        metadata=key(
-            "while interactive requests arrive (within interactive_window_s): at most this many batch requests "
-            "open on a worker, running or queued there; set it to the worker's max running requests less a "
-            "reserve of running slots kept for interactive requests (0: no limit)",
-            minimum=0,
-        ),
-    )
-    interactive_slot_headroom: float = field(
-        default=0.0,
-        metadata=key(
-            "while interactive requests arrive: batch_in_flight_beside_interactive on a worker is lowered by "
-            "this many running slots per interactive request open there, so the slots kept for interactive "
-            "requests follow their traffic (0: the fixed reserve alone; 1.25 keeps a quarter more than they hold)",
-            minimum=0.0,
-        ),
-    )
-    batch_prefill_tokens_beside_interactive: int = field(
-        default=0,
-        metadata=key(
-            "while interactive requests arrive: batch requests go to a worker at most this many estimated "
-            "prompt tokens per engine step (its decode step time from the scrape: running / output tokens "
-            "per second), so batch refills reach the engine a few at a time instead of as one long prefill "
-            "that interactive requests wait behind (0: no pacing)",
-            minimum=0,
-        ),
-    )
     interactive_window_s: float = field(
         default=5.0,
         metadata=key(
-            "seconds an interactive arrival keeps batch_queue_beside_interactive and "
-            "batch_in_flight_beside_interactive on, and (control auto) the fast tier's batch stepped back beside "
-            "interactive work after the last interactive request",
+            "seconds an interactive arrival keeps the batch stepped back beside interactive work (its queue, "
+            "its share of each worker's running slots, its paced refills; control auto: the fast tier's) "
+            "after the last interactive request",
             positive=True,
         ),
     )
@@ -1159,7 +1123,8 @@ def _describe(p: Policy) -> list[str]:
         lines += _describe_pool(pool, several=len(p.pools) > 1 or not pool.shorthand)
     lines.append(
         f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
-        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts"
+        f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts; "
+        f"chat protected beside a batch for {pc.interactive_window_s:g} s after the last (from each worker's limit)"
     )
     c = p.control
     lines.append(

@@ -15,6 +15,14 @@ __all__ = ["RETIRED_KEYS", "retired_message"]
 RETIRED_KEYS: Mapping[str, str] = MappingProxyType(
     {
         # "section.key": "what replaced it (one short sentence)",
+        "pacing.batch_queue_beside_interactive": "beside interactive work the batch keeps one request waiting in "
+        "a worker's queue, always (proxy.request.pacing.BATCH_QUEUE_BESIDE_INTERACTIVE)",
+        "pacing.batch_in_flight_beside_interactive": "derived from the worker: its running-request limit (server "
+        "info, launch arguments or scrapes) less a sixteenth",
+        "pacing.interactive_slot_headroom": "a constant: 1.25 running slots kept per interactive request open on "
+        "a worker (proxy.request.pacing.INTERACTIVE_SLOT_HEADROOM)",
+        "pacing.batch_prefill_tokens_beside_interactive": "derived from the worker: two prompt tokens per engine "
+        "step per running slot of its running-request limit, the step read from its scrapes",
     }
 )
 

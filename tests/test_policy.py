@@ -237,3 +237,18 @@ def test_a_retired_key_is_refused_naming_what_replaced_it(monkeypatch: pytest.Mo
     monkeypatch.setattr(policy_retired, "RETIRED_KEYS", MappingProxyType({"proxy.old_knob": "derived from the worker"}))
     with pytest.raises(PolicyError, match=r"proxy\.old_knob: this key was removed: derived from the worker"):
         parse_policy({"proxy": {"old_knob": 1}})
+
+
+@pytest.mark.parametrize(
+    ("key", "replaced_by"),
+    [
+        ("batch_queue_beside_interactive", "beside interactive work the batch keeps one request waiting"),
+        ("batch_in_flight_beside_interactive", "derived from the worker: its running-request limit"),
+        ("interactive_slot_headroom", "a constant: 1.25 running slots"),
+        ("batch_prefill_tokens_beside_interactive", "derived from the worker: two prompt tokens per engine step"),
+    ],
+)
+def test_a_policy_naming_a_retired_pacing_key_is_refused(key: str, replaced_by: str) -> None:
+    """The interactive protection's four [pacing] keys went: its numbers come from the worker."""
+    with pytest.raises(PolicyError, match=rf"pacing\.{key}: this key was removed: {replaced_by}"):
+        parse_policy({"pacing": {key: 1}})

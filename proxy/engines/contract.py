@@ -140,6 +140,10 @@ class Engine(Protocol):
     def server_info_path(self) -> str | None:
         """Where the server reports the arguments it resolved; None: its start-up log says it all."""
 
+    def running_limit(self, info: Mapping[str, Any]) -> int | None:
+        """The most requests the worker runs at once, from the JSON at :attr:`server_info_path`; None
+        where it does not say (the pacing then reads it from the worker's launch arguments or scrapes)."""
+
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         """Values the engine chose for knobs left unset, from the JSON at :attr:`server_info_path`."""
 

@@ -3,11 +3,12 @@
 A worker is eligible while it is READY, under the fast tier's admission limit, its sample fresh,
 and its estimated queue (:mod:`proxy.request.pacing`) under its target (the fast tier's, else
 ``min(band.lo + headroom, band.hi)``); with no fresh sample anywhere, the proxy's own counts gate.
-Beside interactive work (one within ``interactive_window``) the batch is held back further, each
-lever a ``pacing`` key: a short batch queue on the worker, a cap on its batch requests open there
-less slots per interactive request open (batch past it taken back, newest first), and refills
-paced by prompt tokens per engine step, so a wave of completions is not one long prefill the chats
-wait behind. When the batch's turn comes and its gates hold it, the interactive head goes instead.
+Beside interactive work (one within ``interactive_window``) the batch is held back further, by
+numbers derived from the worker's running-request limit (:mod:`proxy.request.pacing`): a short
+batch queue on the worker, a cap on its batch requests open there less slots per interactive
+request open (batch past it taken back, newest first), and refills paced by prompt tokens per
+engine step, so a wave of completions is not one long prefill the chats wait behind. When the
+batch's turn comes and its gates hold it, the interactive head goes instead.
 Among eligible workers: least estimated queue, then least in flight; with prefix affinity
 (``lpm``) a rendezvous hash of the prompt's prefix. A retry avoids the workers it failed on.
 
@@ -32,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
-from proxy.request.pacing import Band, LoadBoard, WorkerLoad
+from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.exit_text import how_it_ended
 
@@ -68,16 +69,14 @@ def choose_worker(
     stale_after_s: float,
     exclude: frozenset[WorkerId] = frozenset(),
     affinity: str | None = None,
-    batch_limit: int | None = None,
-    interactive_headroom: float = 0.0,
     batch: bool = False,
-    paced: bool = False,
+    beside_interactive: bool = False,
 ) -> WorkerId | None:
     """The worker the next request goes to, or ``None`` if it must wait (pure apart from reads).
-    ``batch_limit``: only workers with fewer batch requests of this proxy in flight than it, less
-    ``interactive_headroom`` slots per interactive request open on the worker; ``batch``: the request
-    is of the batch class (the fast tier's limit and queue target per class); ``paced``: only workers
-    whose batch pacing has come round (``batch_paced_until <= now``)."""
+    ``batch``: the request is of the batch class (the fast tier's limit and queue target per class);
+    ``beside_interactive``: a batch request while interactive ones arrive, so only workers with room
+    for the batch's share (:meth:`WorkerLoad.batch_room_beside_interactive`) whose batch pacing has come
+    round (``batch_paced_until <= now``)."""
     ready: list[tuple[WorkerInfo, WorkerLoad]] = []
     for w in workers:
         if w.state is WorkerState.READY:
@@ -88,12 +87,10 @@ def choose_worker(
         others = [(w, load) for w, load in ready if w.id not in exclude]
         ready = others or ready
     ready = [(w, load) for w, load in ready if load.has_room(now, batch=batch)]
-    if batch_limit is not None:
+    if beside_interactive:
         ready = [
-            (w, load) for w, load in ready if load.batch_in_flight < batch_limit - _held_for(load, interactive_headroom)
+            (w, load) for w, load in ready if load.batch_room_beside_interactive() and load.batch_paced_until <= now
         ]
-    if paced:
-        ready = [(w, load) for w, load in ready if load.batch_paced_until <= now]
     fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
     if fresh:
         open_ = [
@@ -108,12 +105,6 @@ def choose_worker(
     if affinity is not None and len(open_) > 1:
         return max(open_, key=lambda o: _rendezvous(o[2], affinity))[2]
     return min(open_)[2]
-
-
-def _held_for(load: WorkerLoad, headroom: float) -> int:
-    """Running slots kept for the interactive requests open on a worker: ``headroom`` per request (at
-    least one each: the batch must not be let in where it would be taken back at the next arrival)."""
-    return math.ceil(max(1.0, headroom) * load.interactive_in_flight) if headroom > 0 else 0
 
 
 def _take_back(attempt: Attempt, *, end_early: bool = True) -> None:
@@ -165,11 +156,7 @@ class Dispatcher:
         max_attempts: int = 3,
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
-        batch_queue: int = 0,
         interactive_window_s: float = 5.0,
-        batch_in_flight: int = 0,
-        interactive_headroom: float = 0.0,
-        batch_step_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -181,13 +168,8 @@ class Dispatcher:
         self.on_requeue = on_requeue  # counts requeues (the metrics)
         self.clock = clock
         # batch beside interactive: the band batch requests see while interactive ones keep arriving
-        self.batch_band = Band(lo=min(batch_queue, band.hi), hi=band.hi) if batch_queue > 0 else None
+        self.batch_band = Band(lo=min(BATCH_QUEUE_BESIDE_INTERACTIVE, band.hi), hi=band.hi)
         self.interactive_window_s = interactive_window_s
-        # batch beside interactive: at most this many batch requests open on a worker (None: no limit)
-        self.batch_in_flight = batch_in_flight if batch_in_flight > 0 else None
-        self.interactive_headroom = interactive_headroom  # slots kept per interactive request open there
-        # batch beside interactive: at most this many estimated prompt tokens to a worker per engine step
-        self.batch_step_tokens = batch_step_tokens
         self._wake: asyncio.Handle | None = None  # the pump's next run for a paced batch request...
         self._wake_at = math.inf  # ...and when (the loop's time)
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
@@ -246,7 +228,7 @@ class Dispatcher:
         if spell and self.on_interactive_spell is not None:
             self.on_interactive_spell()
         self.pump()
-        if priority is Priority.INTERACTIVE and self.batch_in_flight is not None and self.interactive_headroom > 0:
+        if priority is Priority.INTERACTIVE:
             self._keep_slots_for_interactive()
         return ticket
 
@@ -408,7 +390,6 @@ class Dispatcher:
         workers = self.pool.workers()
         now = self.clock()
         beside_interactive = self._beside_interactive(now)
-        paced = beside_interactive and self.batch_step_tokens > 0
         while True:
             ticket = admission.peek()
             if ticket is None:
@@ -419,7 +400,7 @@ class Dispatcher:
                 # the batch's floor turn (or nothing else waits), but the gate holds it: when it is the
                 # batch's own gates, the interactive head goes instead; the batch keeps its turn for the
                 # next opening (when the gate holds both, nothing goes and the turn stays the batch's)
-                if paced:
+                if beside_interactive:
                     self._wake_for_pacing(workers, now)
                 other = admission.peek(Priority.INTERACTIVE)
                 if other is not None and (placed := self._place(other, workers, now, beside_interactive)):
@@ -434,7 +415,7 @@ class Dispatcher:
             load = self.board.get(worker_id)
             batch = ticket.priority is Priority.BATCH
             load.reserve(attempt, batch=batch)
-            if batch and paced:
+            if batch and beside_interactive:
                 self._pace_batch(load, ticket, now)
             ticket.future.set_result(attempt)
 
@@ -442,32 +423,31 @@ class Dispatcher:
         self, ticket: Ticket, workers: Sequence[WorkerInfo], now: float, beside_interactive: bool
     ) -> WorkerId | None:
         """:func:`choose_worker` with the class's gates: a batch ticket beside interactive work sees the
-        batch band, the batch in-flight limit and the pacing."""
+        batch band, the batch's share of each worker and the pacing."""
         batch = ticket.priority is Priority.BATCH
         beside = batch and beside_interactive
         return choose_worker(
             workers,
             self.board,
-            band=(self.batch_band or self.band) if beside else self.band,
+            band=self.batch_band if beside else self.band,
             now=now,
             stale_after_s=self.stale_after_s,
             exclude=ticket.exclude,
             affinity=ticket.affinity,
-            batch_limit=self.batch_in_flight if beside else None,
-            interactive_headroom=self.interactive_headroom,
             batch=batch,
-            paced=beside and self.batch_step_tokens > 0,
+            beside_interactive=beside,
         )
 
     def _pace_batch(self, load: WorkerLoad, ticket: Ticket, now: float) -> None:
         """A batch request went to the worker beside interactive work: the next may go once the engine
-        has had the time to take this one's prompt at ``batch_step_tokens`` per step. Unpaced when
-        the scrape shows no step time (nothing running yet: the first prefills cost nobody a wait)."""
-        step = load.engine_step_s()
-        if step is None:
+        has had the time to take this one's prompt at the worker's batch prompt tokens per step. Unpaced
+        when the scrape shows no step time (nothing running yet: the first prefills cost nobody a wait)
+        or the worker's running limit is unknown."""
+        step, per_step = load.engine_step_s(), load.batch_step_tokens()
+        if step is None or per_step is None:
             return
         tokens = max(1, ticket.prompt_tokens or 1)
-        load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / self.batch_step_tokens
+        load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / per_step
 
     def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
         """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""
@@ -491,19 +471,15 @@ class Dispatcher:
 
     def _keep_slots_for_interactive(self) -> None:
         """An interactive request arrived: on a worker where the batch holds more than its share beside
-        interactive work (``batch_in_flight_beside_interactive`` less one slot per interactive request
-        open there), the newest batch requests beyond it are taken back to the proxy's queue and aborted
-        on the worker, so an interactive request finds a running slot instead of waiting for a batch
-        request to end. That is what happens when chat arrives after the batch filled the worker; in
-        steady state the dispatch limit (which keeps ``interactive_slot_headroom`` per request) leaves
-        room for the interactive traffic to vary before this takes anything back."""
-        assert self.batch_in_flight is not None
+        interactive work (:meth:`WorkerLoad.batch_over_share`), the newest batch requests beyond it are
+        taken back to the proxy's queue and aborted on the worker, so an interactive request finds a
+        running slot instead of waiting for a batch request to end. That is what happens when chat
+        arrives after the batch filled the worker; in steady state the dispatch limit (which keeps
+        1.25 slots per interactive request) leaves room for the traffic to vary before this takes any."""
         for worker in self.pool.workers():  # this dispatcher's workers (the board is shared by every pool's)
-            load = self.board.get(worker.id)
-            if load.in_flight <= self.batch_in_flight:  # nothing over the share (the hot path: no walk)
-                continue
-            held = sum(1 for a in load.batch_attempts if not a.taken_back)  # those taken back are on their way out
-            self.take_back_newest_batch(worker.id, held + load.interactive_in_flight - self.batch_in_flight)
+            over = self.board.get(worker.id).batch_over_share()
+            if over:
+                self.take_back_newest_batch(worker.id, over)
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
@@ -522,14 +498,13 @@ class Dispatcher:
 
     def held_for_class(self) -> int:
         """Batch requests in the proxy's queue that their class's own gates hold there, not the band:
-        beside interactive work, where the pacing's batch gates are set (within
-        ``interactive_window_s`` of the latest interactive arrival) or the fast tier keeps a batch
-        target on every worker serving. They wait by design while the worker's queue is empty."""
+        beside interactive work (within ``interactive_window_s`` of the latest interactive arrival), or
+        where the fast tier keeps a batch target on every worker serving. They wait by design while the
+        worker's queue is empty."""
         batch = self.admission.depth(Priority.BATCH)
         if not batch:
             return 0
-        gates = self.batch_band is not None or self.batch_in_flight is not None or self.batch_step_tokens > 0
-        if gates and self._beside_interactive(self.clock()):
+        if self._beside_interactive(self.clock()):
             return batch
         serving = [w for w in self.pool.workers() if w.state is WorkerState.READY]
         if serving and all(self.board.get(w.id).batch_queue_target is not None for w in serving):

@@ -2,44 +2,22 @@
 
 One :class:`WorkerLoad` per worker lives in a :class:`LoadBoard`, shared by the dispatcher (which
 reserves and releases), the scraper (which records samples and errors), the status log, the admin
-API and the rollout (which waits for a worker to empty).
-
-What is in flight on a worker is one fact: its open attempts, in the order they were sent
-(:attr:`WorkerLoad.attempts`, added by :meth:`WorkerLoad.reserve` and removed by
-:meth:`WorkerLoad.release`); ``in_flight`` is its length. Whether a worker may get new requests
-is not kept here: it is the pool's :class:`~proxy.workers.base.WorkerState` (READY or not).
+API and the rollout (which waits for a worker to empty). What is in flight on a worker is its open
+attempts in the order they were sent; whether it may get new requests is the pool's state.
 
 Estimated server-side queue (what the pacing gate compares with the band)::
 
-    est_queue = max(0, q_s + (D - D_s) - (C - C_s),      # the scrape, moved forward by our own events
-                       in_flight - r_s)                  # what we have open there, minus what runs
+    est_queue = max(0, q_s + (D - D_s) - (C - C_s), in_flight - r_s)
 
-``q_s``/``r_s`` are ``#queue-req``/``#running-req`` of the latest sample; ``D``/``C`` count requests
-this proxy dispatched to / saw finish on the worker. ``D_s`` is taken when the scrape was *sent* and
-``C_s`` when its answer *arrived*, so whatever happened while the scrape was on the wire errs high.
-A request sent since the scrape lands in the server's waiting queue; a request that finishes frees
-a running slot that the server refills from its queue.
+``q_s``/``r_s``: queue and running of the latest sample; ``D``/``C``: requests this proxy sent to /
+saw finish on the worker, ``D_s`` taken when the scrape was sent and ``C_s`` when it came back. The
+first term moves the scrape forward by the proxy's own events; the second bounds it when
+completions arrive after the worker refilled its slots. Both err high, so the band's top holds.
 
-The first term alone undercounts when completions reach the proxy after the server already
-refilled the slots (q_s then shows a momentarily short queue and the same completions are
-subtracted again); an engine that finishes whole batches at once makes that common. The second
-term bounds it: everything this proxy has open on the worker is either running or waiting there
-(or on the wire), so ``in_flight - r_s`` waits. It errs high while a worker fills up (``r_s`` is
-low until the next scrape) and ignores other clients of the worker, which the first term sees.
-Both err high rather than low, so the band's upper edge holds; the next scrape corrects the rest.
-
-Values the fast tier (``proxy.control.fast_tier``) sets after each scrape, held here only:
-``limit`` (None: no limit), counted per class: a batch request goes while everything in flight on
-the worker is under it, an interactive one while the interactive requests in flight are, so no
-interactive request waits in the proxy for a batch request to end; ``queue_target`` (the gate's
-target for ``est_queue`` on this worker, capped by the band's ``hi``; None: the band's own target);
-and ``batch_queue_target`` (the batch class's target while interactive work is on the worker:
-None: ``queue_target``).
-
-A sample older than ``stale_after_s`` (or none yet, or the last scrape failed) makes the worker
-count as saturated. When every ready worker is saturated for that reason alone, the dispatcher
-falls back to its own counts: ``in_flight < last_running + band_hi`` (``last_running`` 0 if the
-worker was never scraped), so a proxy whose scrapes fail keeps serving at a bounded depth.
+The interactive protection's numbers come from the worker: its running-request limit (its server
+info, else its launch arguments) gives the batch's share beside interactive work and its prompt
+tokens per engine step (:func:`batch_in_flight_cap`, :func:`batch_prefill_tokens_per_step`), the
+step read from its scrapes. A stale sample counts as saturated (the dispatcher's fallback).
 """
 
 from __future__ import annotations
@@ -56,6 +34,43 @@ from proxy.request.facts import WorkerFacts
 from proxy.workers.base import WorkerId
 
 SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
+
+# The interactive protection beside a batch (what met the Batch API's target: docs/benchmarks.md,
+# "cap-headroom-paced", on a worker running at most 256: 1 waiting, 240 in flight, 1.25, 512 tokens).
+# Batch requests waiting in a worker's own queue beside interactive work: one, so an interactive request
+# waits there behind at most one batch prompt, and a batch completion still finds the next one ready.
+BATCH_QUEUE_BESIDE_INTERACTIVE = 1
+# Running slots kept per interactive request open on a worker: beside a batch each one runs longer (every
+# arrival's prefill is a forward the decode steps wait for); a quarter more than they hold lets the
+# interactive traffic vary between two arrivals without waiting for a batch request to end.
+INTERACTIVE_SLOT_HEADROOM = 1.25
+# A sixteenth of a worker's running slots (at least one) stays free beside interactive work: room for the
+# arrivals between two of the proxy's looks, whatever the traffic.
+RESERVE_SHARE = 16
+# Batch prompt tokens per engine step per running slot: a wave of batch completions is refilled a few
+# requests a step instead of as one long prefill, and a batch whose prompts are up to twice its answers
+# is still refilled as fast as its requests end.
+PROMPT_TOKENS_PER_SLOT = 2
+
+
+def batch_in_flight_cap(running_limit: int) -> int:
+    """The batch requests a worker that runs at most ``running_limit`` requests at once may hold beside
+    interactive work: the limit less its reserve (:data:`RESERVE_SHARE`), at least one."""
+    reserve = max(1, math.ceil(running_limit / RESERVE_SHARE))
+    return max(1, running_limit - reserve)
+
+
+def batch_prefill_tokens_per_step(running_limit: int) -> int:
+    """The batch prompt tokens a worker that runs at most ``running_limit`` requests at once is sent per
+    engine step beside interactive work (:data:`PROMPT_TOKENS_PER_SLOT` per running slot)."""
+    return PROMPT_TOKENS_PER_SLOT * max(1, running_limit)
+
+
+def slots_held_for_interactive(interactive_in_flight: int) -> int:
+    """Running slots kept for the interactive requests open on a worker (:data:`INTERACTIVE_SLOT_HEADROOM`
+    each, rounded up: at least one each, so a batch request is not let in where the next arrival would
+    take it back)."""
+    return math.ceil(INTERACTIVE_SLOT_HEADROOM * interactive_in_flight)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +114,8 @@ class WorkerLoad:
         "output_budgets",
         "output_rate",
         "queue_target",
+        "running_limit",
+        "running_seen",
         "sample",
         "worker_id",
     )
@@ -126,6 +143,9 @@ class WorkerLoad:
         self.output_budgets = OutputBudgets()
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
+        # the most requests the worker runs at once, as it reports it (its server info) or was started with
+        self.running_limit: int | None = None
+        self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
         self._base_dispatched = 0
         self._base_completed = 0
         self._pending_base: tuple[int, int] | None = None
@@ -187,6 +207,7 @@ class WorkerLoad:
         self.sample = sample
         self.error = None
         self.last_running = sample.running
+        self.running_seen = max(self.running_seen, sample.running)
 
     def record_error(self, error: str) -> None:
         self._pending_base = None
@@ -197,6 +218,8 @@ class WorkerLoad:
         self.sample = None
         self.output_rate = None
         self._pending_base = None
+        self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
+        self.running_limit = None
 
     # -- reading ----------------------------------------------------------------------------------
     def has_room(self, now: float, *, batch: bool = False) -> bool:
@@ -213,6 +236,40 @@ class WorkerLoad:
             return True
         counted = self.in_flight if batch else self.interactive_in_flight
         return counted < self.limit
+
+    def batch_room_beside_interactive(self) -> bool:
+        """Whether one more batch request may go to the worker beside interactive work: the batch's
+        share (:func:`batch_in_flight_cap`) less the slots held for the interactive requests open there
+        (:func:`slots_held_for_interactive`).
+
+        No share where the worker's running limit is not known (vLLM without ``max_num_seqs`` in its
+        arguments, an external worker without server info): a scrape shows the most it runs only while
+        requests wait there, and beside interactive work the batch keeps one waiting, so a limit guessed
+        from scrapes would stay as low as the first guess and hold the batch below what the worker runs.
+        Such a worker gets the queue cap and the paced refills (:meth:`batch_step_tokens`)."""
+        limit = self.running_limit
+        if limit is None:
+            return True
+        cap = batch_in_flight_cap(limit) - slots_held_for_interactive(self.interactive_in_flight)
+        return len(self.batch_attempts) < cap
+
+    def batch_over_share(self) -> int:
+        """Batch requests on the worker beyond its share beside interactive work (the cap less one slot
+        per interactive request open there), not counting those already taken back: what an interactive
+        arrival takes back. 0 while the worker's running limit is unknown."""
+        limit = self.running_limit
+        if limit is None or len(self.attempts) <= batch_in_flight_cap(limit):  # the hot path: no walk
+            return 0
+        held = sum(1 for a in self.batch_attempts if not a.taken_back)  # those taken back are on their way out
+        return max(0, held + self.interactive_in_flight - batch_in_flight_cap(limit))
+
+    def batch_step_tokens(self) -> int | None:
+        """Batch prompt tokens per engine step beside interactive work (:func:`batch_prefill_tokens_per_step`)
+        of the worker's running limit; where that is not known, of the most it was seen running (a lower
+        bound: slower refills, on the interactive side; they speed up as the batch fills the worker).
+        None (unpaced) before either is known."""
+        limit = self.running_limit or self.running_seen
+        return batch_prefill_tokens_per_step(limit) if limit else None
 
     def first_token_overdue(self, now: float) -> bool:
         """Whether a streamed interactive request open on the worker has waited longer than the fast
@@ -332,6 +389,7 @@ class WorkerLoad:
             "batch_limit": self.batch_limit,
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
+            "running_limit": self.running_limit,
             "output_rate": self.output_rate,  # output tokens/s now (0 when nothing runs)
             "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),

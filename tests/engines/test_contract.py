@@ -203,3 +203,29 @@ def test_only_the_simulator_places_its_workers_on_modelled_gpus() -> None:
         ("sglang", True),
         ("vllm", True),
     ]
+
+
+def test_the_running_limit_comes_from_sglang_s_server_info_and_vllm_has_none() -> None:
+    """SGLang: the schedulers' own figure, each DP rank's summed; else the resolved arg; vLLM: no server info."""
+    sglang, vllm = ENGINES["sglang"], ENGINES["vllm"]
+    per_dp = {"max_running_requests": None, "internal_states": [{"effective_max_running_requests_per_dp": 48}] * 2}
+    assert sglang.running_limit(per_dp) == 96
+    assert sglang.running_limit({"max_running_requests": 256, "internal_states": [{}]}) == 256
+    assert sglang.running_limit({"max_running_requests": None}) is None
+    assert sglang.running_limit({"max_running_requests": True}) is None
+    assert ENGINES["sim"].running_limit({"max_running_requests": 8}) == 8
+    assert vllm.running_limit({"max_num_seqs": 256}) is None
+
+
+def test_a_worker_s_launch_arguments_give_its_running_limit_where_they_name_it() -> None:
+    """Before (and without) its server info: vLLM's ``max_num_seqs``, SGLang's ``max_running_requests``."""
+    from proxy.compose import _launched_running_limit
+    from proxy.workers.base import WorkerInfo, WorkerState
+
+    def info(**args: object) -> WorkerInfo:
+        return WorkerInfo(id="w0", url="http://w0", state=WorkerState.READY, managed=True, args=args)
+
+    assert _launched_running_limit(ENGINES["vllm"], info(max_num_seqs=64)) == 64
+    assert _launched_running_limit(ENGINES["sglang"], info(max_running_requests=32)) == 32
+    assert _launched_running_limit(ENGINES["sglang"], info(max_num_seqs=64)) is None  # not SGLang's name
+    assert _launched_running_limit(ENGINES["vllm"], info()) is None  # left to the engine: its default

@@ -22,17 +22,19 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
            "--lines", "120", "--sweep-requests", "60", "--concurrency", "16", "64", "--output-len", "16",
            "--interactive-rate", "40", "--interactive-requests", "10", "--interactive-delay", "0.2", "--rounds", "2",
            "--interactive-len", "8", "--time-scale", "50", "--poll-s", "0.05",
-           "--designs", "band", "priority", "cap-headroom-paced"]  # fmt: skip
+           "--max-running", "24", "--designs", "shipped", "priority"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert [p["concurrency"] for p in report["sweep"]] == [16, 64]
     best = max(report["sweep"], key=lambda p: p["requests_per_s"])["concurrency"]
     assert report["direct"]["concurrency"] == best and report["direct"]["errors"] == 0
-    # an external FCFS worker, one the proxy starts with priority scheduling, and the proxy's own levers
-    # (queue cap, reserve following the interactive traffic, paced refills), side by side, each on fresh workers
-    for design in ("band", "priority", "cap-headroom-paced"):
+    # the shipped [pacing] in front of an external FCFS worker and of one the proxy starts with priority
+    # scheduling, side by side, each on fresh workers; its protection's numbers read from the worker
+    assert report["pacing_is_shipped"] and "batch_in_flight_beside_interactive" not in report["pacing"]
+    for design in ("shipped", "priority"):
         d = report[design]
+        assert d["running_limits"] == [24]
         b = d["batch"]
         assert b["status"] == "completed" and b["ok"] == b["distinct_ids"] == b["completed"] == 120, b
         assert b["error_lines"] == 0 and b["failed"] == 0
@@ -52,4 +54,4 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
         for key in ("batch_vs_direct_throughput", "interactive_p99_ttft_ratio"):
             assert isinstance(d[key], float) and math.isfinite(d[key]) and d[key] > 0
         assert set(d["targets"]) == {"batch_vs_direct_throughput >= 0.97", "interactive_p99_ttft_ratio <= 1.5"}
-    assert report["batch"] == report["band"]["batch"]  # the headline keys: the first design's
+    assert report["batch"] == report["shipped"]["batch"]  # the headline keys: the first design's

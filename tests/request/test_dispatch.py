@@ -11,7 +11,7 @@ from proxy.engines.base import Sample
 from proxy.request.admission import AdmissionQueue, Priority
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
 from proxy.request.dispatch import Dispatcher, NoWorker, QueueTimeout, choose_worker
-from proxy.request.pacing import Band, LoadBoard, WorkerLoad
+from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerInfo, WorkerState
 
 BAND = Band(lo=4, hi=10, headroom=2)  # target 6
@@ -172,6 +172,10 @@ async def test_dispatcher_priority_gate_and_release():
     assert i.future.done() and not c.future.done()
     async with d.attempt(i):
         pass
+    assert not c.future.done()  # beside interactive work the batch keeps one waiting at the worker (b)
+    now[0] += 0.9  # the sample is still fresh, and no interactive request came for the window
+    d.interactive_window_s = 0.5
+    d.pump()
     assert c.future.done()
     assert board.get("w0").in_flight == 2
 
@@ -375,29 +379,31 @@ async def test_the_open_attempts_carry_what_the_planner_replays_of_the_work_in_f
     assert not board.get("w0").attempts
 
 
-async def test_batch_queue_stays_short_while_interactive_requests_arrive():
-    """pacing.batch_queue_beside_interactive: within the window after an interactive arrival, batch
-    requests go only while the estimated worker queue is below the cap; each completion lets the
-    next one go at once (no scrape needed); after the window, the band's target applies again."""
+def _all_running(board: LoadBoard, wid: str, t: float = 100.0) -> None:
+    """A scrape that shows everything the proxy has open on the worker running, nothing waiting."""
+    _sample(board, wid, 0, running=board.get(wid).in_flight, t=t)
+
+
+async def test_batch_requests_keep_one_waiting_at_the_worker_while_interactive_requests_arrive():
+    """Within the window after an interactive arrival, batch requests go only while the estimated worker
+    queue is below BATCH_QUEUE_BESIDE_INTERACTIVE (1); each completion lets the next one go at once (no
+    scrape needed); after the window, the band's target applies again."""
     now = [100.0]
     board = LoadBoard()
-    pool = _Pool(_workers(WorkerState.READY))
-    band = Band(lo=6, hi=10)
-    d = Dispatcher(
-        pool, board, AdmissionQueue(100), band=band, stale_after_s=1e9, clock=lambda: now[0], batch_queue=2,
-        interactive_window_s=1.0,
-    )  # fmt: skip
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=6, hi=10),
+                   stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=1.0)  # fmt: skip
     _sample(board, "w0", 0)
     load = board.get("w0")
     inter = d.submit(Priority.INTERACTIVE, 10)
     async with d.attempt(inter):
         pass  # answered: the worker's queue estimate is back to 0
     batch = [d.submit(Priority.BATCH, 10) for _ in range(8)]
-    assert [t.future.done() for t in batch] == [True, True] + [False] * 6  # the cap, not the band's 6
-    assert load.est_queue() == 2
+    assert BATCH_QUEUE_BESIDE_INTERACTIVE == 1
+    assert [t.future.done() for t in batch] == [True] + [False] * 7  # the queue cap, not the band's 6
+    assert load.est_queue() == 1
     async with d.attempt(batch[0]):
         pass
-    assert batch[2].future.done() and not batch[3].future.done()  # refilled on the completion itself
+    assert batch[1].future.done() and not batch[2].future.done()  # refilled on the completion itself
     now[0] = 101.5  # no interactive request for longer than the window
     d.pump()
     assert sum(t.future.done() for t in batch) == 1 + 6  # the band's target again: 6 estimated waiting
@@ -405,40 +411,71 @@ async def test_batch_queue_stays_short_while_interactive_requests_arrive():
         t.future.cancel()
 
 
-async def test_batch_in_flight_leaves_running_slots_to_interactive_requests():
-    """pacing.batch_in_flight_beside_interactive: within the window after an interactive arrival, at
-    most that many batch requests are open on a worker (running or queued), whatever the band allows;
-    interactive requests still go; a batch completion lets the next one go; after the window the
-    band alone applies."""
+async def test_the_batch_s_share_beside_interactive_work_comes_from_the_worker_s_running_limit():
+    """A worker that runs at most 16 requests at once: beside interactive work the batch holds at most 15
+    there (16 less a sixteenth), less 1.25 running slots per interactive request open, so the slots kept
+    for interactive requests follow their traffic; an interactive arrival takes back the newest batch
+    requests beyond the share less one slot per interactive request; interactive work is never held."""
     now = [100.0]
     board = LoadBoard()
-    pool = _Pool(_workers(WorkerState.READY))
-    d = Dispatcher(
-        pool, board, AdmissionQueue(100), band=Band(lo=6, hi=10), stale_after_s=1e9, clock=lambda: now[0],
-        interactive_window_s=1.0, batch_in_flight=3,
-    )  # fmt: skip
-    _sample(board, "w0", 0, running=0)
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
+                   stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=1.0)  # fmt: skip
     load = board.get("w0")
-    batch = [d.submit(Priority.BATCH, 10) for _ in range(5)]
-    assert all(t.future.done() for t in batch)  # no interactive request yet: the band's 6 allow all five
-    for t in batch:
+    load.running_limit = 16
+    _sample(board, "w0", 0, running=0)
+    inter = [d.submit(Priority.INTERACTIVE, 10) for _ in range(4)]
+    assert all(t.future.done() for t in inter)
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(20)]
+    for _ in range(20):  # each scrape shows them running: one more may wait at the worker
+        _all_running(board, "w0")
+        d.pump()
+    assert load.batch_in_flight == 15 - 5  # ceil(1.25 x 4 interactive open) = 5 slots held
+    for t in inter[:3]:  # three interactive answers end: one open, 15 - 2 batch allowed
         async with d.attempt(t):
             pass
-    assert load.batch_in_flight == 0 and load.in_flight == 0
-    inter = d.submit(Priority.INTERACTIVE, 10)
-    assert inter.future.done()
-    batch = [d.submit(Priority.BATCH, 10) for _ in range(5)]
-    assert [t.future.done() for t in batch] == [True, True, True, False, False]  # 3 batch open, not the band's 6
-    assert load.batch_in_flight == 3 and load.in_flight == 4  # the interactive one is open beside them
-    second = d.submit(Priority.INTERACTIVE, 10)
-    assert second.future.done()  # interactive requests are not held by the batch limit
-    async with d.attempt(batch[0]):
-        pass
-    assert batch[3].future.done() and not batch[4].future.done() and load.batch_in_flight == 3
-    now[0] = 101.5  # no interactive request for longer than the window
+    for _ in range(5):
+        _all_running(board, "w0")
+        d.pump()
+    assert load.batch_in_flight == 13
+    more = [d.submit(Priority.INTERACTIVE, 10) for _ in range(3)]
+    assert all(t.future.done() for t in more)  # interactive is never held by it
+    # 13 batch + 4 interactive open against 15: the two newest batch requests are taken back
+    taken = [t for t in batch if t.future.done() and t.future.result().taken_back]
+    assert taken == batch[11:13]
+    handlers = await _wake_handlers(d, taken)  # taken back before they woke: straight back to the queue
+    assert load.batch_in_flight == 11
+    _all_running(board, "w0")
     d.pump()
-    assert batch[4].future.done() and load.batch_in_flight == 4
-    for t in (inter, second, *batch[1:]):
+    assert load.batch_in_flight == 11  # over the share (15 - 5): none goes until the batch is under it
+    for task in handlers:
+        task.cancel()
+    now[0] = 101.5  # no interactive request for longer than the window: the band alone
+    _all_running(board, "w0")
+    d.pump()
+    assert load.batch_in_flight == 11 + 7  # the seven never sent (those taken back left with their handlers)
+    for t in (inter[3], *more, *batch):
+        t.future.cancel()
+
+
+async def test_a_worker_whose_running_limit_is_unknown_gets_the_queue_cap_but_no_share():
+    """No running limit read (no server info, none in its arguments): the batch beside interactive work
+    keeps one waiting at the worker and nothing is taken back, however many it runs."""
+    board = LoadBoard()
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
+                   stale_after_s=1e9, clock=lambda: 100.0, interactive_window_s=1.0)  # fmt: skip
+    load = board.get("w0")
+    _sample(board, "w0", 0, running=0)
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(40)]  # no interactive work: the band's 50
+    assert all(t.future.done() for t in batch)
+    _all_running(board, "w0")
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    assert chat.future.done() and not any(t.future.result().taken_back for t in batch)
+    later = [d.submit(Priority.BATCH, 10) for _ in range(3)]
+    _all_running(board, "w0")
+    d.pump()
+    assert [t.future.done() for t in later] == [True, False, False]  # one waiting at the worker
+    assert load.running_limit is None and load.batch_step_tokens() == 2 * 41  # paced by the most seen running
+    for t in (*batch, chat, *later):
         t.future.cancel()
 
 
@@ -503,6 +540,8 @@ async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_re
     task.cancel()
     # the two batch requests in the proxy's queue wait for their class's target, not for the band
     assert d.held_for_class() == 2
+    now[0] += 6.0  # no interactive request for the window: the dispatcher's own batch gates are off...
+    assert d.held_for_class() == 2  # ...the fast tier's batch target still holds them
     load.batch_queue_target = None
     assert d.held_for_class() == 0  # the batch alone: what the proxy holds waits for the band
     load.batch_queue_target = 1
@@ -514,134 +553,106 @@ async def test_the_batch_queue_target_holds_batch_work_only_and_waiting_batch_re
         t.future.cancel()
 
 
-async def test_batch_work_the_pacings_batch_gates_hold_beside_interactive_work_is_held_for_its_class():
-    """pacing.batch_queue_beside_interactive: within interactive_window_s of the latest interactive
-    arrival, the batch requests the proxy holds wait for their class's gate (the journal's timid-pacing
-    note leaves them out); past it, or with no batch gate set, they wait for the band."""
+async def test_batch_work_held_beside_interactive_work_is_held_for_its_class():
+    """Within interactive_window_s of the latest interactive arrival, the batch requests the proxy holds
+    wait for their class's gate (the journal's timid-pacing note leaves them out); past it, for the band."""
     now = [100.0]
-    for queue, held_beside in ((1, 3), (0, 0)):
-        d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=1, hi=2),
-                       stale_after_s=1e9, clock=lambda: now[0], batch_queue=queue, interactive_window_s=5.0)  # fmt: skip
-        _sample(d.board, "w0", 2, running=8)  # the worker's queue at the band's top: nothing goes
-        chat = d.submit(Priority.INTERACTIVE, 10)
-        batch = [d.submit(Priority.BATCH, 10) for _ in range(3)]
-        assert not any(t.future.done() for t in (chat, *batch)) and len(d.admission) == 4
-        assert d.held_for_class() == held_beside  # the interactive request is the band's to send either way
-        now[0] += 6.0  # the interactive window is over: the batch waits for the band
-        assert d.held_for_class() == 0
-        for t in (chat, *batch):
-            t.future.cancel()
-
-
-async def test_interactive_slot_headroom_keeps_slots_per_interactive_request_open():
-    """pacing.interactive_slot_headroom: the batch's in-flight limit beside interactive requests is
-    lowered by that many slots per interactive request open on the worker, so the slots kept for
-    interactive requests grow and shrink with their traffic."""
-    now = [100.0]
-    board = LoadBoard()
-    pool = _Pool(_workers(WorkerState.READY))
-    d = Dispatcher(
-        pool, board, AdmissionQueue(100), band=Band(lo=50, hi=60), stale_after_s=1e9, clock=lambda: now[0],
-        interactive_window_s=1.0, batch_in_flight=10, interactive_headroom=1.5,
-    )  # fmt: skip
-    _sample(board, "w0", 0, running=0)
-    load = board.get("w0")
-    inter = [d.submit(Priority.INTERACTIVE, 10) for _ in range(4)]
-    assert all(t.future.done() for t in inter)
-    batch = [d.submit(Priority.BATCH, 10) for _ in range(10)]
-    # 10 less ceil(1.5 x 4 interactive open) = 4 batch requests
-    assert sum(t.future.done() for t in batch) == 4 and load.batch_in_flight == 4
-    for t in inter[:3]:  # three interactive answers end: one open, 10 - ceil(1.5) = 8 batch allowed
-        async with d.attempt(t):
-            pass
-    assert sum(t.future.done() for t in batch) == 8 and load.batch_in_flight == 8
-    more = [d.submit(Priority.INTERACTIVE, 10) for _ in range(3)]  # interactive is never held by it
-    assert all(t.future.done() for t in more)
-    # 8 batch + 4 interactive open against 10: the two newest batch requests are taken back
-    taken = [t for t in batch if t.future.done() and t.future.result().taken_back]
-    assert taken == batch[6:8]  # the last two sent (in one instant: the order of dispatch tells them apart)
-    handlers = await _wake_handlers(d, taken)  # taken back before they woke: straight back to the queue
-    assert load.batch_in_flight == 6  # over the new limit (10 - 6): no batch request goes until it is under
-    async with d.attempt(batch[0]):
-        pass
-    assert load.batch_in_flight == 5 and not any(t.future.done() for t in taken)
-    for task in handlers:
-        task.cancel()
-    for t in (inter[3], *more, *batch[1:]):
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=1, hi=2),
+                   stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=5.0)  # fmt: skip
+    _sample(d.board, "w0", 2, running=8)  # the worker's queue at the band's top: nothing goes
+    chat = d.submit(Priority.INTERACTIVE, 10)
+    batch = [d.submit(Priority.BATCH, 10) for _ in range(3)]
+    assert not any(t.future.done() for t in (chat, *batch)) and len(d.admission) == 4
+    assert d.held_for_class() == 3  # the interactive request is the band's to send either way
+    now[0] += 6.0  # the interactive window is over: the batch waits for the band
+    assert d.held_for_class() == 0
+    for t in (chat, *batch):
         t.future.cancel()
 
 
 async def test_a_batch_turn_its_own_gates_hold_does_not_hold_interactive_requests():
     """The batch floor gives batch a turn every 1 / floor dispatches while both classes wait; when that
-    turn comes and the batch's own gates (its in-flight limit beside interactive work) hold it, the
+    turn comes and the batch's own gates (its queue cap beside interactive work) hold it, the
     interactive requests behind it still go, and the batch keeps its turn for when it can."""
     board = LoadBoard()
     d = Dispatcher(
         _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100, batch_floor=0.5), band=Band(lo=50, hi=60),
-        stale_after_s=1e9, clock=lambda: 100.0, interactive_window_s=10.0, batch_in_flight=1,
+        stale_after_s=1e9, clock=lambda: 100.0, interactive_window_s=10.0,
     )  # fmt: skip
     _sample(board, "w0", 0, running=0)
     first = d.submit(Priority.INTERACTIVE, 10)
+    _all_running(board, "w0")
     batch = [d.submit(Priority.BATCH, 10) for _ in range(2)]
     assert first.future.done() and batch[0].future.done() and not batch[1].future.done()
     chat = [d.submit(Priority.INTERACTIVE, 10) for _ in range(6)]  # each waits beside batch[1] for an instant
     assert d.admission.peek() is batch[1]  # the floor credit reached 1: the batch's turn...
     assert all(t.future.done() for t in chat)  # ...yet no interactive request waited behind it
-    async with d.attempt(batch[0]):
-        pass
+    _all_running(board, "w0")
+    d.pump()
     assert batch[1].future.done()  # its gate opened: it goes at once
-    for t in (first, batch[1], *chat):
+    for t in (first, *batch, *chat):
         t.future.cancel()
 
 
 @pytest.mark.looptime
 async def test_batch_requests_beside_interactive_work_are_paced_by_prompt_tokens_per_engine_step():
-    """pacing.batch_prefill_tokens_beside_interactive: beside interactive work a batch request goes to a
-    worker only once the engine has had the time to take the previous ones' prompts at that many tokens
-    per step (the step from the scrape: running / output tokens per second); a timer lets the next one
-    go without waiting for another event; without interactive work the batch is not paced."""
+    """Beside interactive work a batch request goes to a worker only once the engine has had the time to
+    take the previous ones' prompts at two tokens per running slot of the worker's limit per step (the
+    step from the scrape: running / output tokens per second); a timer lets the next one go without
+    waiting for another event; without interactive work the batch is not paced."""
     loop = asyncio.get_running_loop()
     board = LoadBoard()
     d = Dispatcher(
         _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
-        stale_after_s=1e9, clock=loop.time, interactive_window_s=1.0, batch_step_tokens=100,
+        stale_after_s=1e9, clock=loop.time, interactive_window_s=1.0,
     )  # fmt: skip
-    board.get("w0").scrape_started()
-    board.publish("w0", Sample(time=0.0, queue=0, running=10, token_usage=0.5, gen_throughput=100.0), None)
     load = board.get("w0")
-    assert load.engine_step_s() == pytest.approx(0.1)  # 10 running at 100 tokens/s: a token each per 0.1 s
+    load.running_limit = 50  # 100 prompt tokens a step
+
+    def scrape() -> None:  # what is open runs beside 10 others, 100 output tokens/s: a step of 0.1 s
+        load.scrape_started()
+        board.publish("w0", Sample(time=loop.time(), queue=0, running=10, token_usage=0.5, gen_throughput=100.0), None)
+
+    scrape()
+    assert load.engine_step_s() == pytest.approx(0.1) and load.batch_step_tokens() == 100
     alone = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(3)]
     assert all(t.future.done() for t in alone)  # no interactive request yet: not paced
+    for t in alone:
+        async with d.attempt(t):
+            pass
     chat = d.submit(Priority.INTERACTIVE, 10)
+    scrape()  # the chat request runs
     batch = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(4)]
     assert chat.future.done() and [t.future.done() for t in batch] == [True, False, False, False]
     sent_at = []
     for t in batch:
         await t.future
         sent_at.append(round(loop.time(), 6))
+        async with d.attempt(t):
+            pass  # answered at once: the queue cap holds nothing, the pacing alone spaces them
     assert sent_at == pytest.approx([0.0, 0.05, 0.10, 0.15], abs=1e-5)  # 50 tokens at 100 a step of 0.1 s: 0.05 s apart
     await asyncio.sleep(1.0)  # the window closes: the batch goes unpaced again
     later = [d.submit(Priority.BATCH, 10, prompt_tokens=50) for _ in range(3)]
     assert all(t.future.done() for t in later)
-    for t in (*alone, chat, *batch, *later):
+    for t in (chat, *later):
         t.future.cancel()
 
 
 async def test_an_interactive_arrival_takes_back_the_newest_batch_requests_beyond_the_reserve():
-    """With pacing.interactive_slot_headroom set, batch requests beyond the batch's share beside
-    interactive work (batch_in_flight_beside_interactive less one slot per interactive request open on
-    the worker) are taken back when an interactive request arrives: the newest first (the least work
-    done), so a chat request arriving after a batch filled the worker finds a running slot."""
+    """Batch requests beyond the batch's share beside interactive work (the worker's running limit less
+    its reserve, less one slot per interactive request open there) are taken back when an interactive
+    request arrives: the newest first (the least work done), so a chat request arriving after a batch
+    filled the worker finds a running slot."""
     now = [100.0]
     board = LoadBoard()
     requeued: list[Requeued] = []
     d = Dispatcher(
         _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=50, hi=60),
-        stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=1.0, batch_in_flight=5,
-        interactive_headroom=1.5, on_requeue=requeued.append,
+        stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=1.0, on_requeue=requeued.append,
     )  # fmt: skip
-    _sample(board, "w0", 0, running=0)
     load = board.get("w0")
+    load.running_limit = 6  # a share of 5
+    _sample(board, "w0", 0, running=0)
     batch = []
     for _ in range(8):  # no interactive work: the band lets all eight go
         batch.append(d.submit(Priority.BATCH, 10))
@@ -656,7 +667,9 @@ async def test_an_interactive_arrival_takes_back_the_newest_batch_requests_beyon
     assert [t.future.result().taken_back for t in batch] == [False] * 3 + [True] * 5
     handlers = await _wake_handlers(d, batch[3:])  # each ticket goes back to the batch class's front
     assert requeued == [Requeued.TAKEN_BACK] * 5 and load.batch_in_flight == 3
-    assert not any(t.future.done() for t in batch[3:])  # 5 - ceil(1.5 x 2) = 2 < 3 open: none goes again
+    _all_running(board, "w0")
+    d.pump()
+    assert not any(t.future.done() for t in batch[3:])  # 5 - ceil(1.25 x 2) = 2 < 3 open: none goes again
     for task in handlers:
         task.cancel()
     for t in (*batch, chat, second):
@@ -725,10 +738,10 @@ async def test_batch_refills_wait_while_a_streamed_interactive_request_is_overdu
     always keeps one going), and they go again once its first token is out."""
     now = [100.0]
     d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=50, hi=60),
-                   stale_after_s=1e9, clock=lambda: now[0])  # fmt: skip
+                   stale_after_s=1e9, clock=lambda: now[0], interactive_window_s=0.3)  # fmt: skip
     _sample(d.board, "w0", 0, running=8)
     load = d.board.get("w0")
-    load.first_token_wait_s = 0.5
+    load.first_token_wait_s = 0.5  # longer than the interactive window: the batch's queue cap is off by then
     chat = d.submit(Priority.INTERACTIVE, 10)
     whole = d.submit(Priority.INTERACTIVE, 10)
     chat.future.result().streamed = True  # what the relay marks on a stream's attempt
@@ -797,7 +810,7 @@ async def test_nothing_is_taken_back_while_the_proxy_stops():
         _Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=4, hi=8), stale_after_s=1e9
     )
     _sample(board, "w0", 0)
-    interactive, batch = d.submit(Priority.INTERACTIVE, 10), d.submit(Priority.BATCH, 10)
+    batch, interactive = d.submit(Priority.BATCH, 10), d.submit(Priority.INTERACTIVE, 10)
     attempts = [t.future.result() for t in (interactive, batch)]
     d.close()  # the drain began: what is on a worker ends there, a take-back could only be refused
     assert d.take_back("w0") == 0 and d.take_back_newest_batch("w0", 1) == 0 and d.fail_over("w0") == 0

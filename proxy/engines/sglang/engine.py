@@ -193,6 +193,9 @@ class SGLangEngine:
     def classify_death(self, tail: Sequence[str]) -> Death:
         return logs.classify_death(tail)
 
+    def running_limit(self, info: Mapping[str, Any]) -> int | None:
+        return knobs.running_limit(info)
+
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return knobs.resolved_from_server_info(info)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from proxy.engines.base import Knob, KnobName
 
-__all__ = ["KNOBS", "knobs", "resolved_from_server_info"]
+__all__ = ["KNOBS", "knobs", "resolved_from_server_info", "running_limit"]
 
 KNOBS: Mapping[KnobName, Knob] = {
     KnobName.CONSERVATIVENESS: Knob(
@@ -72,3 +72,21 @@ def resolved_from_server_info(info: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[knob.resolved_field or knob.arg] = value
     return out
+
+
+def running_limit(info: Mapping[str, Any]) -> int | None:
+    """The most requests SGLang runs at once, from its ``GET /server_info`` JSON: the schedulers' own
+    figure (``effective_max_running_requests_per_dp`` of each DP rank's ``internal_states``, summed),
+    else the resolved ``max_running_requests``; None when neither is a positive integer."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        per_rank = [_count(s.get("effective_max_running_requests_per_dp")) if isinstance(s, Mapping) else None
+                    for s in states]  # fmt: skip
+        known = [n for n in per_rank if n is not None]
+        if len(known) == len(per_rank):
+            return sum(known)
+    return _count(info.get("max_running_requests"))
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

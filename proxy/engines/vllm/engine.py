@@ -141,6 +141,9 @@ class VllmEngine:
     def classify_death(self, tail: Sequence[str]) -> Death:
         return logs.classify_death(tail)
 
+    def running_limit(self, info: Mapping[str, Any]) -> int | None:
+        return None  # no server info (its max_num_seqs is known only where the policy sets it)
+
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return {}  # server_info_path is None: never asked
 
