@@ -40,18 +40,30 @@ T = TypeVar("T")
 
 @dataclass
 class _GcClock:
-    """Seconds spent in the collector so far, and how many full (generation 2) passes."""
+    """Seconds spent in the collector so far, and each full (generation 2) pass since last taken:
+    [start, wall ms, CPU ms, objects freed]."""
 
     seconds: float = 0.0
-    full_passes: int = 0
+    full_passes: list[list[float]] = field(default_factory=list)
     _started: float = 0.0
+    _cpu_started: float = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
+        full = info.get("generation") == 2
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-            self.full_passes += info.get("generation") == 2
+            if full:
+                self._cpu_started = time.thread_time()
+            return
+        now = time.perf_counter()
+        self.seconds += now - self._started
+        if full:
+            wall, cpu = (now - self._started) * 1000, (time.thread_time() - self._cpu_started) * 1000
+            self.full_passes.append([round(self._started, 4), round(wall, 2), round(cpu, 2), info.get("collected", 0)])
+
+    def take_full_passes(self) -> list[list[float]]:
+        taken, self.full_passes = self.full_passes, []
+        return taken
 
 
 @dataclass
@@ -127,7 +139,7 @@ class _Line:
             "ran_s": round(ran - self.ran0, 5),
             "waited_s": round(waited - self.waited0, 5),
             "gc_s": round(gc_clock.seconds - self.gc0, 5),
-            "gc_full_passes": gc_clock.full_passes,
+            "gc_full_passes": gc_clock.take_full_passes(),
         }
         return json.dumps(line, separators=(",", ":")) + "\n"
 
@@ -183,6 +195,7 @@ class LagWindow:
     ran_s: float
     waited_s: float
     gc_s: float
+    full_passes: list[list[float]]  # the collector's full passes: [start, wall ms, CPU ms, objects freed]
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:
@@ -198,6 +211,7 @@ def read_window(path: Path, t0: float, t1: float) -> LagWindow | None:
     (no probe ran)."""
     lags: list[float] = []
     stalls: list[Stall] = []
+    full: list[list[float]] = []
     ran = waited = gc_s = 0.0
     found = False
     for line in _lines(path):
@@ -208,8 +222,9 @@ def read_window(path: Path, t0: float, t1: float) -> LagWindow | None:
             continue
         found = True
         lags += line["lags_ms"]
+        full += line["gc_full_passes"]
         ran, waited, gc_s = ran + line["ran_s"], waited + line["waited_s"], gc_s + line["gc_s"]
-    return LagWindow(lags, stalls, ran, waited, gc_s) if found else None
+    return LagWindow(lags, stalls, ran, waited, gc_s, full) if found else None
 
 
 def _install(out: Path) -> None:

@@ -103,6 +103,10 @@ def loop_lag(files: dict[str, Path], t0: float, t1: float) -> tuple[dict[str, An
             "stalls": len(window.stalls),
             "stalled_ms": {k: round(v, 1) for k, v in held.items()},
             "gc_ms": round(window.gc_s * 1000, 1),
+            "full_gc_passes": len(window.full_passes),
+            "full_gc_max_ms": max((f[1] for f in window.full_passes), default=None),  # wall: starved ones run long
+            "full_gc_cpu_max_ms": max((f[2] for f in window.full_passes), default=None),
+            "full_gc_freed": sum(int(f[3]) for f in window.full_passes),
         }
         stalls[role] = window.stalls
     return summary, stalls
@@ -217,7 +221,14 @@ def lag_text(s: dict[str, Any]) -> str:
     parts = []
     for role, v in s["loop_lag"].items():
         held = ", ".join(f"{k} {ms:,.0f}" for k, ms in v["stalled_ms"].items() if ms >= 0.5)
-        parts.append(f"{role} {v['p99_ms']:.1f} / {v['max_ms']:,.0f}" + (f" (stalled ms: {held})" if held else ""))
+        full = (
+            f"; {v['full_gc_passes']} full GC, up to {v['full_gc_max_ms']:,.0f} ms ({v['full_gc_cpu_max_ms']:,.0f} CPU)"
+            if v["full_gc_passes"]
+            else ""
+        )
+        parts.append(
+            f"{role} {v['p99_ms']:.1f} / {v['max_ms']:,.0f}" + (f" (stalled ms: {held}{full})" if held or full else "")
+        )
     return "loop lag p99 / max ms: " + "; ".join(parts) if parts else ""
 
 
@@ -316,6 +327,11 @@ def loop_findings(latency: Rounds, arm: str) -> dict[str, Any]:
                 "lag_max_ms": max(v["max_ms"] for v, _ in lags),
                 "stalled_ms_per_s": {k: round(sum(v["stalled_ms"][k] for v, _ in lags) / wall, 2) for k in KINDS},
                 "tail_ttft_share": {k: round(sum(h[k] for h in held) / ttft_s, 3) for k in KINDS} if held else None,
+                "full_gc_passes": sum(v["full_gc_passes"] for v, _ in lags),
+                "full_gc_max_ms": max((v["full_gc_max_ms"] for v, _ in lags if v["full_gc_max_ms"]), default=None),
+                "full_gc_cpu_max_ms": max(
+                    (v["full_gc_cpu_max_ms"] for v, _ in lags if v["full_gc_cpu_max_ms"]), default=None
+                ),
             }
         if roles:
             out[group] = {"rounds": len(rounds), "tail_requests": sum(t["requests"] for t in tails), "loops": roles}
@@ -429,6 +445,12 @@ def _loops_lines(report: dict[str, Any], arm: str, prefix: str) -> list[str]:
                 f"    {role:<14} lag p99 {v['lag_p99_ms']:,.1f} ms, max {v['lag_max_ms']:,.0f} ms; stalled "
                 f"{stalled:,.1f} ms/s ({_kinds_text(v['stalled_ms_per_s'], lambda x: f'{x:,.1f}')}); "
                 f"stalled through {_pct(sum(share.values()))} of their TTFT ({_kinds_text(share, _pct)})"
+                + (
+                    f"; {v['full_gc_passes']} full GC passes, up to {v['full_gc_max_ms']:,.0f} ms "
+                    f"({v['full_gc_cpu_max_ms']:,.0f} ms CPU)"
+                    if v["full_gc_passes"]
+                    else ""
+                )
             )
     return lines
 

@@ -120,6 +120,7 @@ def test_the_event_loops_of_the_client_worker_and_proxy_were_probed(tiny_run: tu
         for lag in s["loop_lag"].values():
             assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
             assert set(lag["stalled_ms"]) == {"starved", "busy", "gc", "blocked"}
+            assert lag["full_gc_passes"] >= 0 and (lag["full_gc_max_ms"] is None) is (lag["full_gc_passes"] == 0)
         tail = s["tail"]
         assert tail["requests"] >= 1 and tail["ttft_s"] > 0 and set(tail["stalled_s"]) == {"client", "worker", "pacer"}
         assert all(0 <= sum(k.values()) <= tail["ttft_s"] + 1e-3 for k in tail["stalled_s"].values())
