@@ -67,6 +67,7 @@ class Proc:
     url: str
     log: Path
     ports: tuple[int, ...]
+    lag_file: Path | None = None  # where its event loop's lag probe writes (``loadtests.loop_lag``), if it has one
 
     @property
     def pid(self) -> int:
@@ -125,9 +126,12 @@ def _launch(
     ports: tuple[int, ...],
     timeout_s: float,
     cpus: frozenset[int] | None = None,
+    lag_file: Path | None = None,
 ) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
+    if lag_file is not None:
+        lag_file.unlink(missing_ok=True)  # the probe appends: nothing from an earlier run in the same folder
     with open(log, "wb") as fh:
         popen = subprocess.Popen(
             list(argv),
@@ -138,7 +142,7 @@ def _launch(
             start_new_session=True,
             preexec_fn=_pinned(cpus),
         )
-    proc = Proc(name, popen, url, log, ports)
+    proc = Proc(name, popen, url, log, ports, lag_file)
     deadline = time.monotonic() + timeout_s
     try:
         while not _http_ok(url + probe):
@@ -151,6 +155,13 @@ def _launch(
         proc.stop()
         raise
     return proc
+
+
+def _pacer_command(lag_file: Path | None) -> list[str]:
+    """``python -m proxy``, or with ``lag_file`` the same through the event-loop lag probe."""
+    if lag_file is None:
+        return [sys.executable, "-m", "proxy"]
+    return [sys.executable, "-m", "loadtests.loop_lag", str(lag_file), "proxy"]
 
 
 @contextlib.contextmanager
@@ -169,14 +180,13 @@ def start_sim(
     name: str = "sim",
     timeout_s: float = 60.0,
     cpus: frozenset[int] | None = None,
+    lag_file: Path | None = None,
 ) -> contextlib.AbstractContextManager[Proc]:
     """``pacer sim`` on a free port, ready (``/health`` answers 200) when this returns; on ``cpus`` only
-    when given (likewise for the other ``start_*``)."""
+    when given, its event loop's lag written to ``lag_file`` when given (likewise for ``start_pacer``)."""
     port = free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "proxy",
+        *_pacer_command(lag_file),
         "sim",
         "--port",
         str(port),
@@ -189,7 +199,8 @@ def start_sim(
         "warning",
         *extra,
     ]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/health", (port,), timeout_s, cpus))
+    url = f"http://127.0.0.1:{port}"
+    return running(_launch(name, argv, log_dir, url, "/health", (port,), timeout_s, cpus, lag_file))
 
 
 def pacer_policy(
@@ -219,6 +230,7 @@ def start_pacer(
     timeout_s: float = 60.0,
     cpus: frozenset[int] | None = None,
     policy_text: str | None = None,
+    lag_file: Path | None = None,
 ) -> contextlib.AbstractContextManager[Proc]:
     """``pacer serve`` with :func:`pacer_policy` (or ``policy_text``), ready (``/ready`` answers 200)
     when this returns."""
@@ -227,9 +239,7 @@ def start_pacer(
     policy.write_text(policy_text if policy_text is not None else pacer_policy(worker_urls))
     port = free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "proxy",
+        *_pacer_command(lag_file),
         "serve",
         "--policy",
         str(policy),
@@ -238,7 +248,8 @@ def start_pacer(
         "--log-level",
         "warning",
     ]
-    return running(_launch(name, argv, log_dir, f"http://127.0.0.1:{port}", "/ready", (port,), timeout_s, cpus))
+    url = f"http://127.0.0.1:{port}"
+    return running(_launch(name, argv, log_dir, url, "/ready", (port,), timeout_s, cpus, lag_file))
 
 
 def start_router(
