@@ -72,3 +72,23 @@ def resolved_from_server_info(info: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[knob.resolved_field or knob.arg] = value
     return out
+
+
+def server_info_disagrees(
+    info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
+) -> str | None:
+    """Where ``GET /server_info`` (resolved args at top level, ``startup_time`` in wall seconds)
+    says the server is not the one launched with ``args`` on ``port`` at ``launched``: another
+    port, a start before the launch, or a numeric argument of another value (the command line was
+    checked whole already; a number is what the server could not have resolved otherwise)."""
+    if info.get("port") not in (None, port):
+        return f"it serves port {info.get('port')}, not {port}"
+    started = info.get("startup_time")
+    if isinstance(started, (int, float)) and started < launched - 1.0:
+        return "it started before the worker was launched"
+    for name, want in args.items():
+        have = info.get(name)
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (want, have))
+        if numbers and abs(float(have) - float(want)) > 1e-9 * max(1.0, abs(float(want))):  # type: ignore[arg-type]
+            return f"its {name} is {have}, not {want}"
+    return None
