@@ -1,11 +1,12 @@
 """A worker left running by a proxy that is gone, taken over by the next one.
 
-:func:`claim_problem` says whether the process a lease names is still that worker (alive, the same
-start in clock ticks, the same command line) and whether another live proxy on this host still owns
-it. :class:`AdoptedProcess` is the :class:`~proxy.workers.process.WorkerHandle` of such a worker:
+:func:`held_elsewhere` says whether another live proxy on this host still owns a lease;
+:func:`claim_problem` whether the process it names is still that worker (alive, the same start in
+clock ticks, the same command line), :func:`served_problem` whether its port answers and its own
+server info agrees. :class:`AdoptedProcess` is the :class:`~proxy.workers.process.WorkerHandle` of such a worker:
 not our child, so its end is seen through a pidfd (polled where there is none) and its exit code
 is not known (:data:`EXIT_UNKNOWN`); its output is followed in its log file from the adoption on.
-The supervisor checks the rest (its port answers, its server info agrees) and renews the lease.
+The supervisor renews the lease from then on.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import signal
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from proxy.workers.lease import cmdline, owner, proc_start
 from proxy.workers.process import EXIT_UNKNOWN, LineLog, LogFollower, append_header, wait_gone
 
-__all__ = ["EXIT_UNKNOWN", "AdoptedProcess", "claim_problem"]
+if TYPE_CHECKING:
+    from proxy.engines.contract import Engine
+
+__all__ = ["AdoptedProcess", "claim_problem", "held_elsewhere", "served_problem"]
 
 _POLL_S = 0.2  # how often a worker's end is looked for where there is no pidfd
 
@@ -39,14 +45,19 @@ def _owner_alive(record: Mapping[str, Any]) -> bool:
     return isinstance(pid, int) and proc_start(pid) == record.get("pid_start")
 
 
-def claim_problem(lease: Mapping[str, Any], *, worker_id: str, pool: str, engine: str) -> str | None:
-    """What keeps the worker ``lease`` names from being adopted as ``worker_id`` of ``pool`` running
-    ``engine``, in words; None: it is that worker, its process alive, and no live proxy owns it."""
-    if (lease.get("worker"), lease.get("pool"), lease.get("engine")) != (worker_id, pool, engine):
-        return f"the lease is of {lease.get('engine')} worker {lease.get('worker')} of pool {lease.get('pool')}"
+def held_elsewhere(lease: Mapping[str, Any]) -> str | None:
+    """Which live proxy other than this one owns ``lease``, in words; None: none does."""
     holder = lease.get("owner")
     if isinstance(holder, Mapping) and _owner_alive(holder):
         return f"another proxy owns it (pid {holder.get('pid')} on {holder.get('host')})"
+    return None
+
+
+def claim_problem(lease: Mapping[str, Any], *, worker_id: str, pool: str, engine: str) -> str | None:
+    """What keeps the worker ``lease`` names from being adopted as ``worker_id`` of ``pool`` running
+    ``engine``, in words; None: it is that worker and its process is alive."""
+    if (lease.get("worker"), lease.get("pool"), lease.get("engine")) != (worker_id, pool, engine):
+        return f"the lease is of {lease.get('engine')} worker {lease.get('worker')} of pool {lease.get('pool')}"
     pid = lease.get("pid")
     if not isinstance(pid, int) or proc_start(pid) is None:
         return "its process is gone"
@@ -64,6 +75,33 @@ def answers(host: str, port: int, timeout: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+async def served_problem(
+    session: aiohttp.ClientSession, engine: Engine, lease: Mapping[str, Any], host: str, port: int
+) -> str | None:
+    """What the server on ``host:port`` says against ``lease``, in words (None: it is that worker):
+    nothing answers, or its own server info (where ``engine`` has one) disagrees."""
+    if not await asyncio.to_thread(answers, host, port):
+        return f"nothing answers on port {port}"
+    path = engine.server_info_path
+    if path is None:
+        return None
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        async with session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+            info = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return f"its {path} did not answer ({type(exc).__name__})"
+    if not isinstance(info, Mapping):
+        return f"its {path} is no JSON object"
+    args, started = lease.get("args"), lease.get("started")
+    return engine.server_info_disagrees(
+        info,
+        args=args if isinstance(args, Mapping) else {},
+        port=port,
+        launched=float(started) if isinstance(started, (int, float)) else 0.0,
+    )
 
 
 class AdoptedProcess:

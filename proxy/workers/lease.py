@@ -85,6 +85,7 @@ def owner() -> Mapping[str, Any]:
 
 def write_lease(path: Path, record: Mapping[str, Any]) -> None:
     """Write ``record`` to ``path`` at once (a reader sees the old lease or the new one, never half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the engine's arguments
     with os.fdopen(fd, "w") as f:

@@ -13,9 +13,10 @@ that placement sets); :class:`proxy.workers.fleet.Fleet` puts several pools behi
 :class:`WorkerPool`. External workers (``kind = "external"``) are only registered: a probe of
 ``/health`` moves them between READY and DOWN; they cannot be restarted.
 
-State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners as they are read; ``tail`` gives the last ones of a worker's current (or
-last) run, so an earlier run's output does not explain this one's death.
+A worker on this host runs on a lease the supervisor renews (:mod:`proxy.workers.lease`): it
+outlives a proxy that dies by at most the lease, and ``start`` adopts the workers an earlier proxy
+left (:mod:`proxy.workers.adopt`) instead of launching new ones. Listeners hear each state change
+(sync ones inline, coroutine ones as tasks), line listeners each output line as it is read.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.workers.adopt import AdoptedProcess, answers, claim_problem
+from proxy.workers.adopt import AdoptedProcess, claim_problem, held_elsewhere, served_problem
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.exit_text import describe_exit, what_it_said
 from proxy.workers.lease import RENEWALS_PER_TTL, lease_path, lease_ttl_s, owner, proc_start, read_lease, write_lease
-from proxy.workers.process import Launcher, LeaseTerms, LineLog, LocalLauncher, WorkerHandle
+from proxy.workers.process import EXIT_UNKNOWN, Launcher, LeaseTerms, LineLog, LocalLauncher, WorkerHandle
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
@@ -492,7 +493,7 @@ class Supervisor:
         process.close()
         if slot.process is not process or slot.stopping:
             return
-        slot.exit_code = code
+        slot.exit_code = None if code == EXIT_UNKNOWN else code
         self._set(slot, WorkerState.DOWN, error=describe_exit(code, slot.lines.run_tail(200)))
 
     async def _wait_healthy(self, slot: _Slot) -> bool:
@@ -570,7 +571,7 @@ class Supervisor:
         slot.stopping = True
         if process.returncode is None:
             code = await process.terminate(self._settings.stop_grace_s)
-            slot.exit_code = code
+            slot.exit_code = None if code == EXIT_UNKNOWN else code
         else:
             process.kill_group()
             process.close()
@@ -647,18 +648,20 @@ class Supervisor:
         lease = read_lease(lease_path(slot.log_path))
         if lease is None:
             return "none"
-        problem = claim_problem(lease, worker_id=slot.id, pool=slot.pool, engine=self._engine.name)
-        if problem is not None and problem.startswith("another proxy"):
-            self._set(slot, WorkerState.DOWN, error=f"not adopted: {problem}")
+        if held := held_elsewhere(lease):  # two proxies in one folder: the second starts nothing
+            self._set(slot, WorkerState.DOWN, error=f"not adopted: {held}")
             return "refused"
-        port = lease.get("port")
-        if problem is None and isinstance(port, int):
-            problem = await self._check_served(slot, lease, port)
-        pid = lease.get("pid")
-        if problem is not None:
+        pid, port = lease.get("pid"), lease.get("port")
+        if problem := claim_problem(lease, worker_id=slot.id, pool=slot.pool, engine=self._engine.name):
             _log.warning("worker %s: the worker its lease names is not adopted: %s", slot.id, problem)
-            if isinstance(pid, int) and proc_start(pid) == lease.get("pid_start") and proc_start(pid) is not None:
-                await self._stop_claimed(slot, pid)
+            return "none"  # not that worker's process (any more): not ours to signal
+        assert self._session is not None and isinstance(pid, int)
+        problem = "its lease names no port"
+        if isinstance(port, int):
+            problem = await served_problem(self._session, self._engine, lease, self._near_host(), port)
+        if problem is not None:  # the worker's own process, but not serving as it should: stopped
+            _log.warning("worker %s: pid %d is not adopted (stopped): %s", slot.id, pid, problem)
+            await self._stop_claimed(slot, pid)
             return "none"
         assert isinstance(pid, int) and isinstance(port, int)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -676,31 +679,6 @@ class Supervisor:
         slot.watcher = asyncio.create_task(self._watch(slot, slot.process), name=f"watch-{slot.id}")
         await self._wait_healthy(slot)
         return "adopted" if lease.get("configured") == slot.configured else "changed"
-
-    async def _check_served(self, slot: _Slot, lease: Mapping[str, object], port: int) -> str | None:
-        """What the server on ``port`` says against ``lease`` (None: it is that worker)."""
-        url = self._url(port)
-        if not await asyncio.to_thread(answers, self._near_host(), port):
-            return f"nothing answers on port {port}"
-        path = self._engine.server_info_path
-        if path is None:
-            return None
-        assert self._session is not None
-        try:
-            async with self._session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
-                info = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return f"its {path} did not answer ({type(exc).__name__})"
-        if not isinstance(info, Mapping):
-            return f"its {path} is no JSON object"
-        args = lease.get("args")
-        started = lease.get("started")
-        return self._engine.server_info_disagrees(
-            info,
-            args=args if isinstance(args, Mapping) else {},
-            port=port,
-            launched=float(started) if isinstance(started, (int, float)) else 0.0,
-        )
 
     async def _stop_claimed(self, slot: _Slot, pid: int) -> None:
         """Stop a worker of ours that cannot be adopted (it holds a port, maybe a GPU)."""
