@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -28,9 +29,15 @@ from proxy.workers.process import EXIT_UNKNOWN, LineLog, LogFollower, append_hea
 if TYPE_CHECKING:
     from proxy.engines.contract import Engine
 
-__all__ = ["AdoptedProcess", "claim_problem", "held_elsewhere", "served_problem"]
+__all__ = ["AdoptedProcess", "claim_problem", "held_elsewhere", "plain", "served_problem"]
 
 _POLL_S = 0.2  # how often a worker's end is looked for where there is no pidfd
+
+
+def plain(value: Mapping[str, object]) -> dict[str, object]:
+    """``value`` as JSON gives it back (tuples as lists): what a lease holds compares equal to it."""
+    out: dict[str, object] = json.loads(json.dumps(value, default=str))
+    return out
 
 
 def _owner_alive(record: Mapping[str, Any]) -> bool:

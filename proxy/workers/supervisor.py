@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import os
 import shlex
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from proxy.workers.adopt import AdoptedProcess, claim_problem, held_elsewhere, served_problem
+from proxy.workers.adopt import AdoptedProcess, claim_problem, held_elsewhere, plain, served_problem
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.exit_text import describe_exit, what_it_said
 from proxy.workers.lease import RENEWALS_PER_TTL, lease_path, lease_ttl_s, owner, proc_start, read_lease, write_lease
@@ -262,9 +261,7 @@ class Supervisor:
                     gpus=self._place.gpus_of(i),
                     log_path=Path(s.log_dir) / f"{worker_id}.log",
                     lines=LineLog(self._ring_lines),
-                    configured=_plain(
-                        {"args": args, "env": s.env, "gpus": self._place.gpus_of(i), "port": port if fixed else None}
-                    ),
+                    configured=self._configured(args, self._place.gpus_of(i), port if fixed else None),
                 )
             )
         if self._launcher.local:
@@ -277,6 +274,14 @@ class Supervisor:
         await asyncio.gather(
             *(self._start_slot(slot, reason="start") for slot in fresh),
             *(self._restart_changed(slot) for slot in changed),
+        )
+
+    def _configured(self, args: Mapping[str, object], gpus: tuple[int, ...], port: int | None) -> dict[str, object]:
+        """What the policy says of one worker (its lease keeps it: a change restarts an adopted worker)."""
+        s = self._settings
+        command = list(s.command) if s.command else self._engine.default_command()
+        return plain(
+            {"args": args, "env": s.env, "gpus": gpus, "port": port, "command": command, "extra": s.extra_args}
         )
 
     async def _plan_launch(self, slot: _Slot) -> None:
@@ -608,7 +613,7 @@ class Supervisor:
             "port": slot.port,
             "url": slot.url,
             "argv": list(slot.argv),
-            "args": _plain(slot.args),
+            "args": plain(slot.args),
             "configured": slot.configured,
             "started": slot.launched,
             "restarts": slot.restarts,
@@ -787,12 +792,6 @@ class Supervisor:
             await result
         except Exception:
             _log.exception("state listener failed")
-
-
-def _plain(value: Mapping[str, object]) -> dict[str, object]:
-    """``value`` as JSON gives it back (tuples as lists): what a lease holds compares equal to it."""
-    plain: dict[str, object] = json.loads(json.dumps(value, default=str))
-    return plain
 
 
 __all__ = ["Supervisor", "WorkerError", "free_port", "port_is_free"]
