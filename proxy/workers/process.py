@@ -174,6 +174,7 @@ class LogFollower:
         self._ended = asyncio.Event()
         self._pending = b""
         self.task = asyncio.create_task(self._follow(), name=f"follow-{log_file.name}")
+        self.task.add_done_callback(lambda _: self._file.close())  # also when cancelled before it ran
 
     def ended(self) -> None:
         """The process is gone: read what is left and stop."""
@@ -183,7 +184,7 @@ class LogFollower:
         """Read every line written so far (what a worker said before it answered comes before its
         READY); returns whether there was anything to read."""
         read = False
-        while chunk := self._file.read(_CHUNK):
+        while not self._file.closed and (chunk := self._file.read(_CHUNK)):
             read = True
             self._pending += chunk
             *complete, self._pending = self._pending.split(b"\n")
@@ -195,19 +196,16 @@ class LogFollower:
         return read
 
     async def _follow(self) -> None:
-        try:
-            while True:
-                ended = self._ended.is_set()  # before the read: what it wrote before it ended is read
-                if self.catch_up() or not ended:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self._poll_s):
-                            await self._ended.wait()
-                    continue
-                break
-            if self._pending:
-                self._emit(self._pending)
-        finally:
-            self._file.close()
+        while True:
+            ended = self._ended.is_set()  # before the read: what it wrote before it ended is read
+            if self.catch_up() or not ended:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._poll_s):
+                        await self._ended.wait()
+                continue
+            break
+        if self._pending:
+            self._emit(self._pending)
 
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")

@@ -84,7 +84,9 @@ def server_info_disagrees(
     if info.get("port") not in (None, port):
         return f"it serves port {info.get('port')}, not {port}"
     started = info.get("startup_time")
-    if isinstance(started, (int, float)) and started < launched - 1.0:
+    # a wall time (past 2001): a server that started before the launch is another one; a figure
+    # that small is a duration (how long its start took), which says nothing of when
+    if isinstance(started, (int, float)) and 1e9 < started < launched - 1.0:
         return "it started before the worker was launched"
     for name, want in args.items():
         have = info.get(name)
