@@ -654,6 +654,7 @@ class Supervisor:
         if lease is None:
             return "none"
         if held := held_elsewhere(lease):  # two proxies in one folder: the second starts nothing
+            slot.stays_down = True  # a launch here would end the other proxy's worker (its lease)
             self._set(slot, WorkerState.DOWN, error=f"not adopted: {held}")
             return "refused"
         pid, port = lease.get("pid"), lease.get("port")

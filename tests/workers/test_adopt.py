@@ -121,4 +121,5 @@ async def test_a_worker_another_live_proxy_owns_is_not_touched(supervisors, stra
     await second.start()
     info = second.get("w0")
     assert info.state is WorkerState.DOWN and f"another proxy owns it (pid {stranger.pid}" in (info.last_error or "")
+    assert info.stays_down  # nothing revives it: a launch would end the other proxy's worker
     assert proc_start(pid) is not None and read_lease(lease) == {**record, "owner": owner}

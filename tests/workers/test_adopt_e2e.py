@@ -26,7 +26,7 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.workers.lease import proc_start
+from proxy.workers.lease import proc_start, read_lease
 from proxy.workers.supervisor import free_port, port_is_free
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux's")
@@ -91,11 +91,10 @@ def folder(tmp_path: Path) -> Iterator[Path]:
     """The proxy's folder; every worker process a lease there names is gone when the test ends."""
     yield tmp_path
     for lease in (tmp_path / ".pacer" / "logs").glob("*.lease"):
-        text = lease.read_text()
-        pid = int(text.split('"pid": ', 1)[1].split(",", 1)[0]) if '"pid": ' in text else 0
-        if pid and proc_start(pid) is not None:
+        record = read_lease(lease) or {}
+        if isinstance(record.get("pid"), int) and proc_start(record["pid"]) == record.get("pid_start"):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(record["pid"], signal.SIGKILL)
 
 
 def write_policy(folder: Path, *, keep: bool = False, running: int = 64) -> None:
