@@ -2,7 +2,7 @@
 
 :func:`held_elsewhere` says whether another live proxy on this host still owns a lease;
 :func:`claim_problem` whether the process it names is still that worker (alive, the same start in
-clock ticks, the same command line), :func:`served_problem` whether its port answers and its own
+clock ticks), :func:`served_problem` whether its port answers and its own
 server info agrees. :class:`AdoptedProcess` is the :class:`~proxy.workers.process.WorkerHandle` of such a worker:
 not our child, so its end is seen through a pidfd (polled where there is none) and its exit code
 is not known (:data:`EXIT_UNKNOWN`); its output is followed in its log file from the adoption on.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from proxy.workers.lease import cmdline, owner, proc_start
+from proxy.workers.lease import owner, proc_start
 from proxy.workers.process import EXIT_UNKNOWN, LineLog, LogFollower, append_header, wait_gone
 
 if TYPE_CHECKING:
@@ -68,10 +68,10 @@ def claim_problem(lease: Mapping[str, Any], *, worker_id: str, pool: str, engine
     pid = lease.get("pid")
     if not isinstance(pid, int) or proc_start(pid) is None:
         return "its process is gone"
+    # the pid and when it started say which process it is (a reused pid started later); not its
+    # command line, which an engine may rewrite (a process title)
     if proc_start(pid) != lease.get("pid_start"):
         return f"pid {pid} is another process now"
-    if cmdline(pid) != list(lease.get("argv") or ()):
-        return f"pid {pid} runs another command line"
     return None
 
 

@@ -60,14 +60,6 @@ def proc_start(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def cmdline(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [part.decode(errors="replace") for part in f.read().split(b"\0")[:-1]]
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-
-
 def _owner() -> dict[str, Any]:
     pid = os.getpid()
     return {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": pid, "pid_start": proc_start(pid)}

@@ -98,7 +98,8 @@ async def test_a_process_that_is_no_longer_the_worker_is_left_alone(supervisors,
     pid, lease = await _left_running(supervisors)
     record = read_lease(lease)
     assert record is not None
-    write_lease(lease, {**record, "pid": stranger.pid, "pid_start": proc_start(stranger.pid)})
+    assert proc_start(stranger.pid) != record["pid_start"]  # what a reused pid looks like: a later start
+    write_lease(lease, {**record, "pid": stranger.pid})
     second = supervisors()
     await second.start()
     info = second.get("w0")

@@ -79,8 +79,8 @@ def server_info_disagrees(
 ) -> str | None:
     """Where ``GET /server_info`` (resolved args at top level, ``startup_time`` in wall seconds)
     says the server is not the one launched with ``args`` on ``port`` at ``launched``: another
-    port, a start before the launch, or a numeric argument of another value (the command line was
-    checked whole already; a number is what the server could not have resolved otherwise)."""
+    port, a start before the launch, or a numeric argument given at launch that it reports with
+    another value (only numbers: a path or a name the server may rewrite as it resolves it)."""
     if info.get("port") not in (None, port):
         return f"it serves port {info.get('port')}, not {port}"
     started = info.get("startup_time")
