@@ -207,6 +207,13 @@ class EngineSettings:
         default=900.0, metadata=key("seconds a worker may take to become ready", positive=True)
     )
     stop_grace_s: float = field(default=10.0, metadata=key("seconds between SIGTERM and SIGKILL", minimum=0))
+    keep_on_exit: bool = field(
+        default=False,
+        metadata=key(
+            "a stop of the proxy leaves its workers running for the next proxy to adopt (an upgrade);"
+            " a worker no proxy adopts within a minute stops by itself (managed kinds, this host)"
+        ),
+    )
     env: Mapping[str, str] = field(
         default_factory=_empty_table, metadata=key("environment variables for the workers (strings)", custom=True)
     )

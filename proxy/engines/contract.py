@@ -147,6 +147,13 @@ class Engine(Protocol):
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         """Values the engine chose for knobs left unset, from the JSON at :attr:`server_info_path`."""
 
+    def server_info_disagrees(
+        self, info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
+    ) -> str | None:
+        """What in the JSON at :attr:`server_info_path` says the server is not the worker launched
+        with ``args`` on ``port`` at ``launched`` (wall time), in words; None: it agrees (a worker
+        left running by an earlier proxy is adopted only then)."""
+
 
 def is_restart_needed(engine: Engine, knob: KnobName) -> bool:
     """Whether moving ``knob`` takes a restart of the worker on this engine."""

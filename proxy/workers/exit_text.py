@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from proxy.workers.process import signal_name
+from proxy.workers.process import EXIT_UNKNOWN, signal_name
 
 CUT_MARK = "…"
 ERROR_LINES_QUOTED = 2  # the last error lines a summary quotes (a chained exception's two ends)
@@ -53,6 +53,8 @@ def error_lines(lines: Sequence[str]) -> list[str]:
 
 
 def how_it_ended(code: int) -> str:
+    if code == EXIT_UNKNOWN:
+        return "ended (adopted from an earlier proxy: its exit code is not known)"
     return f"killed by {signal_name(code)}" if code < 0 else f"exited with code {code}"
 
 

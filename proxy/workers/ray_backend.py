@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any
 
 from proxy.workers.die_with_parent import guarded
-from proxy.workers.process import LineLog, WorkerHandle
+from proxy.workers.process import LeaseTerms, LineLog, WorkerHandle
 
 __all__ = ["EngineActor", "RayLauncher", "RayWorker"]
 
@@ -216,6 +216,9 @@ class RayWorker:
         self.close()
         return self._code
 
+    def catch_up(self) -> None:
+        return None  # its lines come as the actor's output is polled
+
     def kill_group(self) -> None:
         import ray
 
@@ -272,6 +275,7 @@ class RayLauncher:
         header: str,
         worker_id: str,
         num_gpus: int,
+        lease: LeaseTerms | None = None,  # none here: the actor is the engine's parent (die_with_parent)
     ) -> WorkerHandle:
         """A new actor reserving ``num_gpus`` GPUs (and no CPU slot: the engine is the work), running ``argv``."""
         import ray

@@ -13,9 +13,10 @@ that placement sets); :class:`proxy.workers.fleet.Fleet` puts several pools behi
 :class:`WorkerPool`. External workers (``kind = "external"``) are only registered: a probe of
 ``/health`` moves them between READY and DOWN; they cannot be restarted.
 
-State changes are announced to listeners (sync ones inline, coroutine ones as tasks). Output lines
-reach line listeners as they are read; ``tail`` gives the last ones of a worker's current (or
-last) run, so an earlier run's output does not explain this one's death.
+A worker on this host runs on a lease the supervisor renews (:mod:`proxy.workers.lease`): it
+outlives a proxy that dies by at most the lease, and ``start`` adopts the workers an earlier proxy
+left (:mod:`proxy.workers.adopt`) instead of launching new ones. Listeners hear each state change
+(sync ones inline, coroutine ones as tasks), line listeners each output line as it is read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -30,6 +32,7 @@ import os
 import shlex
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +40,11 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from proxy.workers.adopt import AdoptedProcess, claim_problem, held_elsewhere, plain, served_problem
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
 from proxy.workers.exit_text import describe_exit, what_it_said
-from proxy.workers.process import Launcher, LineLog, LocalLauncher, WorkerHandle
+from proxy.workers.lease import RENEWALS_PER_TTL, lease_path, lease_ttl_s, owner, proc_start, read_lease, write_lease
+from proxy.workers.process import EXIT_UNKNOWN, Launcher, LeaseTerms, LineLog, LocalLauncher, WorkerHandle
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
@@ -104,6 +109,9 @@ class _Slot:
     pool: str = "default"
     model: str | None = None
     gpus: tuple[int, ...] = ()
+    launch: str = ""  # this launch's token, which its lease names ("": no lease)
+    launched: float = 0.0  # wall time of the launch
+    configured: dict[str, object] = field(default_factory=dict)  # what the policy said of it (its lease keeps it)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -161,6 +169,7 @@ class Supervisor:
         poll_interval_s: float = 0.5,
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
+        lease_ttl: float | None = None,
     ) -> None:
         self._settings = engine_settings
         self._place = placement or Placement()
@@ -181,6 +190,8 @@ class Supervisor:
         self._tasks: set[asyncio.Task[object]] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
+        self._lease_ttl = lease_ttl if lease_ttl is not None else lease_ttl_s()
+        self._renewing: asyncio.Task[None] | None = None
         self._started = False
         self._stopping = False
 
@@ -237,24 +248,42 @@ class Supervisor:
                 port, fixed = free_port(s.host, taken), False
             taken.add(port)
             worker_id = self._place.worker_id(i)
+            args = {**s.args, **(s.worker_args[i] if i < len(s.worker_args) else {}), **self._place.args}
             self._add_slot(
                 _Slot(
                     id=worker_id,
                     port=port,
                     url=self._url(port),
                     managed=True,
-                    args={**s.args, **(s.worker_args[i] if i < len(s.worker_args) else {}), **self._place.args},
+                    args=args,
                     port_fixed=fixed,
                     pool=self._place.pool,
                     model=self._place.model,
                     gpus=self._place.gpus_of(i),
                     log_path=Path(s.log_dir) / f"{worker_id}.log",
                     lines=LineLog(self._ring_lines),
+                    configured=self._configured(args, self._place.gpus_of(i), port if fixed else None),
                 )
             )
-        for slot in self._slots.values():
+        if self._launcher.local:
+            self._renewing = asyncio.create_task(self._renew_leases(), name=f"leases-{self._place.pool}")
+        found = await asyncio.gather(*(self._adopt(slot) for slot in self._slots.values()))
+        fresh = [slot for slot, how in zip(self._slots.values(), found, strict=True) if how == "none"]
+        for slot in fresh:
             await self._plan_launch(slot)
-        await asyncio.gather(*(self._start_slot(slot, reason="start") for slot in self._slots.values()))
+        changed = [slot for slot, how in zip(self._slots.values(), found, strict=True) if how == "changed"]
+        await asyncio.gather(
+            *(self._start_slot(slot, reason="start") for slot in fresh),
+            *(self._restart_changed(slot) for slot in changed),
+        )
+
+    def _configured(self, args: Mapping[str, object], gpus: tuple[int, ...], port: int | None) -> dict[str, object]:
+        """What the policy says of one worker (its lease keeps it: a change restarts an adopted worker)."""
+        s = self._settings
+        command = list(s.command) if s.command else self._engine.default_command()
+        return plain(
+            {"args": args, "env": s.env, "gpus": gpus, "port": port, "command": command, "extra": s.extra_args}
+        )
 
     async def _plan_launch(self, slot: _Slot) -> None:
         """The first launch's arguments, as the launch planner says (as configured when it fails)."""
@@ -266,13 +295,22 @@ class Supervisor:
             _log.exception("planning the first launch of %s failed: it starts as configured", slot.id)
 
     async def stop(self) -> None:
-        """SIGTERM every managed worker, SIGKILL after ``stop_grace_s``; the supervisor is done after this."""
+        """SIGTERM every managed worker, SIGKILL after ``stop_grace_s``, and end their leases; with
+        ``keep_on_exit``, leave them running on their leases (for the next proxy to adopt); the
+        supervisor is done after this."""
         self._stopping = True
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
+        for task in (self._probe_task, self._renewing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._settings.keep_on_exit and self._launcher.local:
+            self._leave_running()
         await asyncio.gather(*(self._stop_slot(slot) for slot in self._slots.values()))
+        for slot in self._slots.values():
+            if slot.launch and slot.log_path is not None:
+                with contextlib.suppress(OSError):
+                    lease_path(slot.log_path).unlink(missing_ok=True)
         for slot in self._slots.values():
             if slot.state != WorkerState.STOPPED:
                 self._set(slot, WorkerState.STOPPED)
@@ -408,6 +446,11 @@ class Supervisor:
         slot.held = False
         slot.stays_down = slot.served = False
         slot.lines.begin_run()  # what this process says, apart from what an earlier run said
+        lease = None
+        if self._launcher.local:  # a lease the worker's watcher follows: it outlives us by at most its ttl
+            slot.launch, slot.launched, slot.process = uuid.uuid4().hex, time.time(), None
+            self._write_lease(slot)
+            lease = LeaseTerms(slot.launch, self._settings.stop_grace_s)
         try:
             process = await self._launcher.launch(
                 argv,
@@ -417,6 +460,7 @@ class Supervisor:
                 header=header,
                 worker_id=slot.id,
                 num_gpus=self._place.num_gpus,
+                lease=lease,
             )
         except OSError as e:
             slot.process = slot.watcher = None
@@ -432,6 +476,7 @@ class Supervisor:
             await process.terminate(self._settings.stop_grace_s)
             return
         slot.process = process
+        self._write_lease(slot)
         self._set(slot, WorkerState.STARTING)
         slot.watcher = asyncio.create_task(self._watch(slot, process), name=f"watch-{slot.id}")
 
@@ -454,7 +499,7 @@ class Supervisor:
         process.close()
         if slot.process is not process or slot.stopping:
             return
-        slot.exit_code = code
+        slot.exit_code = None if code == EXIT_UNKNOWN else code
         self._set(slot, WorkerState.DOWN, error=describe_exit(code, slot.lines.run_tail(200)))
 
     async def _wait_healthy(self, slot: _Slot) -> bool:
@@ -481,6 +526,7 @@ class Supervisor:
                 break
             status = await self._health(slot.url, timeout=min(30.0, remaining))
             if status == 200 and process.returncode is None and slot.process is process:
+                process.catch_up()  # what it said before it answered is heard first (a hold)
                 self._set(slot, WorkerState.DRAINING if slot.held else WorkerState.READY)
                 return False
             if isinstance(status, int):
@@ -531,7 +577,7 @@ class Supervisor:
         slot.stopping = True
         if process.returncode is None:
             code = await process.terminate(self._settings.stop_grace_s)
-            slot.exit_code = code
+            slot.exit_code = None if code == EXIT_UNKNOWN else code
         else:
             process.kill_group()
             process.close()
@@ -546,6 +592,122 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         while not port_is_free(self._settings.host, port) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ leases and adoption
+
+    def _write_lease(self, slot: _Slot) -> None:
+        """Write (or renew) the lease of ``slot``'s current launch, ours for the next ttl."""
+        if not slot.launch or slot.log_path is None:
+            return
+        now, pid = time.time(), slot.process.pid if slot.process is not None else None
+        record = {
+            "worker": slot.id,
+            "pool": slot.pool,
+            "engine": self._engine.name,
+            "owner": owner(),
+            "launch": slot.launch,
+            "ttl_s": self._lease_ttl,
+            "renewed": now,
+            "expires": now + self._lease_ttl,
+            "pid": pid,
+            "pid_start": proc_start(pid) if pid is not None else None,
+            "port": slot.port,
+            "url": slot.url,
+            "argv": list(slot.argv),
+            "args": plain(slot.args),
+            "configured": slot.configured,
+            "started": slot.launched,
+            "restarts": slot.restarts,
+        }
+        try:
+            write_lease(lease_path(slot.log_path), record)
+        except OSError as exc:
+            _log.warning("worker %s: cannot write its lease: %s", slot.id, exc)
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ttl / RENEWALS_PER_TTL)
+            for slot in self._slots.values():
+                if slot.process is not None and slot.process.returncode is None:
+                    self._write_lease(slot)
+
+    def _leave_running(self) -> None:
+        """Let go of every live worker (``keep_on_exit``): its lease, renewed one last time, gives the
+        next proxy its ttl to adopt it; no proxy by then, and its watcher stops it."""
+        for slot in self._slots.values():
+            process = slot.process
+            if process is not None and process.returncode is None and slot.launch:
+                self._write_lease(slot)
+                slot.launch, slot.stopping, slot.process = "", True, None
+                if slot.watcher is not None:
+                    slot.watcher.cancel()
+                process.close()
+                _log.info("worker %s (pid %d) left running for the next proxy", slot.id, process.pid)
+
+    async def _adopt(self, slot: _Slot) -> str:
+        """Take over the worker an earlier proxy left on ``slot`` when its lease says there is one and
+        it is what the lease claims: "adopted", "changed" (adopted, but the policy changed since:
+        restart it), "refused" (another live proxy owns it) or "none" (start one: a worker that
+        claimed the slot but is not what it claims is stopped first)."""
+        if not self._launcher.local or slot.log_path is None:
+            return "none"
+        lease = read_lease(lease_path(slot.log_path))
+        if lease is None:
+            return "none"
+        if held := held_elsewhere(lease):  # two proxies in one folder: the second starts nothing
+            slot.stays_down = True  # a launch here would end the other proxy's worker (its lease)
+            self._set(slot, WorkerState.DOWN, error=f"not adopted: {held}")
+            return "refused"
+        pid, port = lease.get("pid"), lease.get("port")
+        if problem := claim_problem(lease, worker_id=slot.id, pool=slot.pool, engine=self._engine.name):
+            _log.warning("worker %s: the worker its lease names is not adopted: %s", slot.id, problem)
+            return "none"  # not that worker's process (any more): not ours to signal
+        assert self._session is not None and isinstance(pid, int)
+        problem = "its lease names no port"
+        if isinstance(port, int):
+            problem = await served_problem(self._session, self._engine, lease, self._near_host(), port)
+        if problem is not None:  # the worker's own process, but not serving as it should: stopped
+            _log.warning("worker %s: pid %d is not adopted (stopped): %s", slot.id, pid, problem)
+            await self._stop_claimed(slot, pid)
+            return "none"
+        assert isinstance(pid, int) and isinstance(port, int)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        header = f"===== {stamp} pacer: adopted: worker {slot.id} (pid {pid}) on port {port}"
+        slot.port, slot.url = port, self._url(port)
+        slot.argv = tuple(str(a) for a in lease.get("argv") or ())
+        slot.args = dict(lease.get("args") or {})
+        slot.restarts = int(lease.get("restarts") or 0)
+        slot.launch, slot.launched = str(lease["launch"]), float(lease.get("started") or time.time())
+        slot.lines.begin_run()
+        slot.process = AdoptedProcess(pid, slot.lines, slot.log_path, header)
+        self._write_lease(slot)  # ours now: its watcher sees the renewal
+        _log.info("worker %s: adopted pid %d on port %d from an earlier proxy", slot.id, pid, port)
+        self._set(slot, WorkerState.STARTING)
+        slot.watcher = asyncio.create_task(self._watch(slot, slot.process), name=f"watch-{slot.id}")
+        await self._wait_healthy(slot)
+        return "adopted" if lease.get("configured") == slot.configured else "changed"
+
+    async def _stop_claimed(self, slot: _Slot, pid: int) -> None:
+        """Stop a worker of ours that cannot be adopted (it holds a port, maybe a GPU)."""
+        assert slot.log_path is not None
+        process = AdoptedProcess(pid, LineLog(8), slot.log_path, f"===== pacer: stopping pid {pid}: not adopted")
+        await process.terminate(self._settings.stop_grace_s)
+
+    async def _restart_changed(self, slot: _Slot) -> None:
+        """An adopted worker whose policy changed while no proxy ran: restarted with what the policy
+        says now, by the normal path (the same port unless the policy fixes another)."""
+        if slot.state is not WorkerState.READY:
+            return  # not healthy: DOWN already, the controller revives it with the policy's arguments
+        configured = dict(slot.configured.get("args") or {})  # type: ignore[call-overload]
+        fixed = slot.configured.get("port")
+        if isinstance(fixed, int) and fixed != slot.port:
+            slot.port, slot.url, slot.port_fixed = fixed, self._url(fixed), True
+        planned = dict(configured)
+        if self._launch_planner is not None:
+            with contextlib.suppress(Exception):
+                planned = dict(await self._launch_planner(dataclasses.replace(slot.info(), args=configured)))
+        self._set(slot, WorkerState.DRAINING)  # what it runs ends; nothing new is sent to it
+        await self.restart(slot.id, planned, "its policy changed while no proxy ran")
 
     # ------------------------------------------------------------------ external workers
 
@@ -567,9 +729,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------ helpers
 
-    def _url(self, port: int) -> str:
+    def _near_host(self) -> str:
+        """The host the workers are reached on from here."""
         host = self._settings.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+    def _url(self, port: int) -> str:
+        host = self._near_host()
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def _add_slot(self, slot: _Slot) -> None:

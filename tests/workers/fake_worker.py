@@ -9,8 +9,10 @@ flags, which it echoes on ``GET /args``) plus its own ``--fake-*`` flags:
     --fake-clash-once FILE     the first start (FILE absent) fails like a port clash, later ones run
     --fake-ignore-sigterm      ignore SIGTERM (the supervisor must SIGKILL)
     --fake-spawn-child         fork a child that sleeps (it must die with its group)
+    --fake-info-port N         ``GET /server_info`` says it serves port N (another server's info)
 
-``POST /crash`` prints a fatal line and exits with code 3. A "Decode batch" line is printed to
+``GET /server_info`` gives its port, its start (wall seconds) and its engine flags by name, as
+SGLang's does. ``POST /crash`` prints a fatal line and exits with code 3. A "Decode batch" line is printed to
 stderr every 0.1 s, a start-up line to stdout.
 """
 
@@ -39,7 +41,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--fake-clash-once", default=None)
     p.add_argument("--fake-ignore-sigterm", action="store_true")
     p.add_argument("--fake-spawn-child", action="store_true")
+    p.add_argument("--fake-info-port", type=int, default=None)
     return p.parse_known_args(argv)
+
+
+def _number(text: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 async def main() -> None:
@@ -66,6 +78,7 @@ async def main() -> None:
     if opts.fake_spawn_child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     ready_at = time.monotonic() + opts.fake_startup_seconds
+    started = time.time()
 
     async def health(_: web.Request) -> web.Response:
         await asyncio.sleep(opts.fake_health_delay)
@@ -80,6 +93,12 @@ async def main() -> None:
         }
         return web.Response(text=json.dumps(body), content_type="application/json")
 
+    async def server_info(_: web.Request) -> web.Response:
+        flags = dict(zip(engine_flags[::2], engine_flags[1::2], strict=False))
+        body: dict[str, object] = {k.lstrip("-").replace("-", "_"): _number(v) for k, v in flags.items()}
+        body.update(port=opts.fake_info_port or opts.port, startup_time=started)
+        return web.Response(text=json.dumps(body), content_type="application/json")
+
     async def crash(_: web.Request) -> web.Response:
         print("Fatal: crash requested", file=sys.stderr, flush=True)
         os._exit(3)
@@ -87,6 +106,7 @@ async def main() -> None:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/args", args)
+    app.router.add_get("/server_info", server_info)
     app.router.add_post("/crash", crash)
     runner = web.AppRunner(app)
     await runner.setup()

@@ -199,6 +199,11 @@ class SGLangEngine:
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return knobs.resolved_from_server_info(info)
 
+    def server_info_disagrees(
+        self, info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
+    ) -> str | None:
+        return knobs.server_info_disagrees(info, args=args, port=port, launched=launched)
+
 
 SGLANG = SGLangEngine(name="sglang", command=("python3", "-m", "sglang.launch_server"))
 SIM = SGLangEngine(name="sim", command=(sys.executable, "-m", "proxy", "sim"), sim_args=True)

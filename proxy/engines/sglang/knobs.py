@@ -90,3 +90,25 @@ def running_limit(info: Mapping[str, Any]) -> int | None:
 
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def server_info_disagrees(
+    info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
+) -> str | None:
+    """Where ``GET /server_info`` (resolved args at top level, ``startup_time`` in wall seconds)
+    says the server is not the one launched with ``args`` on ``port`` at ``launched``: another
+    port, a start before the launch, or a numeric argument given at launch that it reports with
+    another value (only numbers: a path or a name the server may rewrite as it resolves it)."""
+    if info.get("port") not in (None, port):
+        return f"it serves port {info.get('port')}, not {port}"
+    started = info.get("startup_time")
+    # a wall time (past 2001): a server that started before the launch is another one; a figure
+    # that small is a duration (how long its start took), which says nothing of when
+    if isinstance(started, (int, float)) and 1e9 < started < launched - 1.0:
+        return "it started before the worker was launched"
+    for name, want in args.items():
+        have = info.get(name)
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (want, have))
+        if numbers and abs(float(have) - float(want)) > 1e-9 * max(1.0, abs(float(want))):  # type: ignore[arg-type]
+            return f"its {name} is {have}, not {want}"
+    return None

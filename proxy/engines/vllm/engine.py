@@ -147,5 +147,10 @@ class VllmEngine:
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return {}  # server_info_path is None: never asked
 
+    def server_info_disagrees(
+        self, info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
+    ) -> str | None:
+        return None  # server_info_path is None: never asked
+
 
 VLLM = VllmEngine()
