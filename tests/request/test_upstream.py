@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from proxy.request.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from tests.harness.wait import wait_until
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -63,13 +64,6 @@ class Script:
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
         self.server.close()
-
-
-async def until(cond: Callable[[], bool]) -> None:
-    """Wait for ``cond`` to hold (a condition, not a time window)."""
-    async with asyncio.timeout(10):
-        while not cond():
-            await asyncio.sleep(0.001)
 
 
 def sized(body: bytes, extra: bytes = b"") -> bytes:
@@ -170,7 +164,9 @@ async def test_a_worker_that_closed_an_idle_connection_costs_nothing() -> None:
             resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
             assert await resp.read() == b"ok"
             resp.close()
-            await until(lambda: pool.idle_connections() == 0)  # the FIN arrives while idle: it leaves the pool
+            await wait_until(
+                lambda: pool.idle_connections() == 0, "pool.idle_connections() == 0"
+            )  # the FIN arrives while idle: it leaves the pool
         assert srv.connections == 2
     pool.close()
 
@@ -283,7 +279,9 @@ async def test_a_slow_reader_pauses_the_socket_until_it_catches_up() -> None:
     pool = UpstreamPool(high_water=128 * 1024)
     async with Script(reply) as srv:
         resp = await pool.post(srv.url, "/x", b"", timeout_s=10, until_output=True)
-        await until(lambda: resp._conn.paused)  # nobody reads: the connection must stop at the mark
+        await wait_until(
+            lambda: resp._conn.paused, "resp._conn.paused"
+        )  # nobody reads: the connection must stop at the mark
         # the mark plus at most one socket read (up to 256 KiB) past it, not the 4 MiB sent
         assert resp._conn.paused and 128 * 1024 < resp._buffered <= 128 * 1024 + 256 * 1024 + 16
         total = 0

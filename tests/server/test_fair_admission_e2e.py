@@ -13,6 +13,7 @@ import pytest
 from proxy.request.admission import Priority
 from tests.batch.conftest import CHAT, jsonl, request_line, wait_final_over_http
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
 
 KEYS = "sk-alice name=alice, sk-bob name=bob, sk-etl batch name=etl"
 
@@ -131,7 +132,9 @@ async def test_interactive_goes_before_queued_batch_and_batch_keeps_its_floor(ma
     )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         batch = [asyncio.ensure_future(_post(s, h.url, "sk-etl", max_tokens=4)) for _ in range(150)]
-        await h.wait_for(lambda: h.state.admission.depth(Priority.BATCH) >= 100)
+        await wait_until(
+            lambda: h.state.admission.depth(Priority.BATCH) >= 100, "h.state.admission.depth(Priority.BATCH) >= 100"
+        )
         before = _stats(h)[(Priority.BATCH, "etl")][1]
         interactive = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=4)) for _ in range(60)]
         assert set(await asyncio.gather(*interactive)) == {200}
