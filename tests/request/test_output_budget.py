@@ -16,6 +16,7 @@ from tests.harness.fake_engine import MODEL
 from tests.harness.wait import wait_until
 
 SIM_SPEAKER = {"engine": {"speaks": "sim"}}
+pytestmark = pytest.mark.looptime  # the workers' token pace and the scrapes on virtual time
 
 
 def _sent(h: Any) -> list[tuple[Any, ...]]:
@@ -184,7 +185,7 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
         )
     )
     await wait_until(lambda: len(w.bodies) == 1, "len(w.bodies) == 1")
-    await asyncio.sleep(0.3)  # some tokens written
+    await wait_until(lambda: w.written >= 10, "ten tokens written")
     assert h.state.requests.dispatcher.take_back("w0") == 1
     await wait_until(lambda: len(w.bodies) == 2, "len(w.bodies) == 2")
     (going_on,) = h.state.board.get("w0").attempts  # open: what the planner reads of it
@@ -216,7 +217,7 @@ async def test_an_early_end_whose_abort_found_nothing_is_asked_again(make_proxy)
         client.completions.create(model=MODEL, prompt="x", max_tokens=1000, extra_body={"sim_output_len": 400})
     )
     await wait_until(lambda: len(w.bodies) == 1, "len(w.bodies) == 1")
-    await asyncio.sleep(0.1)  # some tokens written
+    await wait_until(lambda: w.written >= 5, "five tokens written")
     loop = asyncio.get_running_loop()
     asked = loop.time()
     assert h.state.requests.dispatcher.take_back("w0") == 1
