@@ -169,9 +169,9 @@ async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_
     )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         flood = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=8)) for _ in range(80)]
-        async with asyncio.timeout(30):
-            while h.state.admission.waiting_of("alice") < 20:  # alice holds the whole queue
-                await asyncio.sleep(0.005)
+        await wait_until(
+            lambda: h.state.admission.waiting_of("alice") >= 20, "alice holding the whole queue", timeout=30
+        )
         bob = [await _post(s, h.url, "sk-bob", max_tokens=2) for _ in range(5)]  # one at a time, as a chat user
         alice = await asyncio.gather(*flood)
     assert bob == [200] * 5  # each pushed out alice's newest instead of getting the 429 itself

@@ -284,10 +284,7 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            deadline = asyncio.get_running_loop().time() + 10
-            while st.board.get("w0").sample is None:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: st.board.get("w0").sample is not None, "a first sample of w0")
             pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: both requests wait in the proxy queue
             queued = [
                 asyncio.ensure_future(
@@ -295,9 +292,7 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
                 )
                 for p in ("a", "b")
             ]
-            while len(st.admission) < 2:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: len(st.admission) >= 2, "both requests queued in the proxy")
             stopping = asyncio.ensure_future(runner.cleanup())
             for fut in queued:
                 resp = await asyncio.wait_for(fut, 5)
