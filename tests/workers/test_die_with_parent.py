@@ -4,19 +4,18 @@ and its port, and the proxy started again would launch a second one beside it.""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from proxy.workers.die_with_parent import guarded, resolve
 from proxy.workers.process import LineLog, WorkerProcess
+from tests.harness.wait import wait_until, wait_until_blocking
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 
@@ -60,14 +59,13 @@ def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> N
     try:
         assert parent.stdout is not None
         worker = int(parent.stdout.readline())
-        time.sleep(0.5)
+        log = tmp_path / "w.log"
+        # the guard set the parent-death signal before it exec'd the worker, which then printed
+        wait_until_blocking(lambda: "up" in log.read_text().split(), "the worker's first line", detail=log.read_text)
         assert _alive(worker), "the worker did not start"
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10.0
-        while _alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker), "the worker outlived the process that launched it"
+        wait_until_blocking(lambda: not _alive(worker), "the worker to end with the process that launched it")
     finally:
         parent.kill()
         parent.wait()
@@ -81,10 +79,8 @@ async def test_the_worker_keeps_its_command_pid_and_group(tmp_path: Path) -> Non
     argv = ["sleep", "30"]  # not Python: Python would ignore SIGPIPE again at its own start
     w = await WorkerProcess.launch(argv, env={}, lines=LineLog(), log_file=tmp_path / "w.log", header="h")
     try:
-        deadline = time.monotonic() + 10.0  # the guard execs the command once it has started
-        while _cmdline(w.pid) != [a.encode() for a in argv] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert _cmdline(w.pid) == [a.encode() for a in argv]
+        # the guard execs the command once it has started
+        await wait_until(lambda: _cmdline(w.pid) == [a.encode() for a in argv], "the guard to exec the command")
         assert os.getpgid(w.pid) == w.pid
         with open(f"/proc/{w.pid}/status") as f:  # SIGPIPE as a process started directly has it
             ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)

@@ -227,14 +227,14 @@ async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None
     sup = Supervisor(settings, external_probe_interval_s=0.2)
     try:
         # wait for the external server to come up before registering it
-        async with aiohttp.ClientSession() as s:
-            for _ in range(100):
-                try:
-                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
+        async def healthy() -> bool:
+            try:
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as r:
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_until(healthy, "the external server's /health", every=0.1)
         await sup.start()
         up, down = sup.workers()
         assert up.state == WorkerState.READY and not up.managed and up.pid is None
