@@ -99,6 +99,7 @@ async def test_sized_answers_reuse_one_connection_and_send_the_body() -> None:
     pool.close()
 
 
+@pytest.mark.looptime
 async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_first() -> None:
     go = asyncio.Event()
     first_read = asyncio.Event()
@@ -115,7 +116,7 @@ async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_firs
     pool = UpstreamPool()
     async with Script(reply) as srv:
         opening = asyncio.ensure_future(pool.post(srv.url, "/generate", b"{}", timeout_s=5, until_output=True))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # a while with the headers alone (virtual time)
         assert not opening.done()
         go.set()
         resp = await opening

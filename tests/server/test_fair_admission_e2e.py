@@ -55,7 +55,7 @@ async def test_two_backlogged_keys_get_tokens_by_weight_whatever_they_send(make_
             a, b = st.get((Priority.INTERACTIVE, "alice")), st.get((Priority.INTERACTIVE, "bob"))
             if a and b and a[0] > 0 and b[0] > 0:
                 samples.append(st)
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.002)  # a sampling cadence while the load runs, not a wait
 
     watcher = asyncio.ensure_future(watch())
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:

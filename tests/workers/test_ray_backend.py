@@ -174,11 +174,12 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
     async with client:
         tasks = [asyncio.create_task(load()) for _ in range(6)]
         try:
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: len(answers) >= 6, "answers before the roll")
             for wid in before:  # a rolling restart: one worker at a time, new args, new actor
                 result = await rollout.restart(wid, {**before[wid].args, "max_running_requests": 24}, "test roll")
                 assert result.info.state is WorkerState.READY, result
-            await asyncio.sleep(0.3)
+            rolled = len(answers)
+            await wait_until(lambda: len(answers) >= rolled + 6, "answers after the roll")
         finally:
             stop.set()
             await asyncio.gather(*tasks)
