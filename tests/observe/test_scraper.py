@@ -100,5 +100,5 @@ async def test_cancelling_the_run_ends_it_even_as_a_kick_comes() -> None:
         assert task in done, "the scraper ran on after its cancellation"
         assert task.cancelled()
         rounds = scraper.rounds
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0)  # four of its intervals: no round comes (virtual time)
         assert scraper.rounds == rounds

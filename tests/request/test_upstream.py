@@ -180,11 +180,11 @@ async def test_deadline_covers_the_whole_answer() -> None:
         if len(srv.requests) == 1:
             w.write(sized(b"ok"))  # the first answers: its connection stays in the pool
         else:
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # silent (virtual time)
 
     async def slow_stream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(SSE_HEAD + chunk(b"data: 1\n\n"))
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # a stream that stops (virtual time)
 
     loop = asyncio.get_running_loop()
     pool = UpstreamPool()

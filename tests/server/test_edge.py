@@ -68,7 +68,7 @@ async def test_a_request_head_sent_one_byte_at_a_time_is_cut_off(make_proxy):
             await writer.drain()
         except OSError:  # the proxy closed it
             break
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # one byte each 50 ms (virtual time)
     data = await asyncio.wait_for(answer, timeout=5)
     closed_at = loop.time() - start
     writer.close()
@@ -99,7 +99,7 @@ async def test_a_slow_body_after_a_prompt_head_is_not_cut_off(make_proxy):
     for i in range(0, len(body), len(body) // 4 + 1):
         writer.write(body[i : i + len(body) // 4 + 1])
         await writer.drain()
-        await asyncio.sleep(0.2)  # 0.8 s in all, past the head deadline
+        await asyncio.sleep(0.2)  # 0.8 s in all, past the head deadline (virtual time)
     answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout=5)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 200")
