@@ -13,6 +13,8 @@ from proxy.workers.base import WorkerState
 from tests.harness.fake_engine import MODEL
 from tests.harness.wait import wait_until
 
+pytestmark = pytest.mark.looptime  # the fake workers' token pace, the scrapes and the deadlines on virtual time
+
 
 async def _turns(n: int) -> None:
     """Let the event loop run ``n`` times round."""
@@ -195,6 +197,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     await client.close()
 
 
+@pytest.mark.looptime(False)  # counts loop turns and the kernel's socket buffers: real time
 async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_proxy):
     # 5,000 chunks of ~4 KB (20 MB) as fast as the worker can write them, to a client that stops
     # reading: the proxy must stop reading from the worker (back-pressure) instead of buffering the
