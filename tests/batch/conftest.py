@@ -17,6 +17,7 @@ from aiohttp import web
 
 from proxy.batch import BATCH_SERVICE, BatchService, LineResult, add_routes
 from proxy.batch.shapes import Json
+from tests.harness.wait import wait_until
 
 CHAT = "/v1/chat/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -86,18 +87,6 @@ class FakeExecutor:
         return LineResult(status, orjson.dumps(answer), f"req-{content}")
 
 
-async def wait_until(check: Callable[[], Any], *, timeout: float = 20.0) -> None:
-    """Poll ``check`` (sync or async) until it is true; fails the test past ``timeout``."""
-    async with asyncio.timeout(timeout):
-        while True:
-            done = check()
-            if asyncio.iscoroutine(done):
-                done = await done
-            if done:
-                return
-            await asyncio.sleep(0.005)
-
-
 async def wait_final(service: BatchService, owner: str, batch_id: str) -> Json:
     batch: Json = {}
 
@@ -106,7 +95,7 @@ async def wait_final(service: BatchService, owner: str, batch_id: str) -> Json:
         batch = await service.get_batch(owner, batch_id)
         return batch["status"] in FINAL
 
-    await wait_until(ended)
+    await wait_until(ended, "the batch in a final status", timeout=20)
     return batch
 
 
@@ -159,7 +148,7 @@ async def wait_final_over_http(client: openai.AsyncOpenAI, batch_id: str) -> Any
         batch = await client.batches.retrieve(batch_id)
         return batch.status in FINAL
 
-    await wait_until(ended)
+    await wait_until(ended, "the batch in a final status", timeout=20)
     return batch
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from proxy.batch import BatchRunner, BatchService, NotNow, owner_of
 from proxy.batch.store import ActiveBatch, PendingLine
-from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final, wait_until
+from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final
+from tests.harness.wait import wait_until
 
 OWNER = owner_of("key-a")
 DAY = 24 * 3600
@@ -40,7 +41,7 @@ async def test_lines_not_started_within_the_window_expire(tmp_path: Path) -> Non
     executor = FakeExecutor(gate=gate)
     async with BatchService.open(tmp_path, executor, concurrency=2, clock=clock) as service:
         batch_id = await _create(service, "abcde")
-        await wait_until(lambda: executor.started == ["a", "b"])
+        await wait_until(lambda: executor.started == ["a", "b"], "executor.started == ['a', 'b']", timeout=20)
 
         clock.now = START + DAY - 1
         assert (await service.get_batch(OWNER, batch_id))["status"] == "in_progress"
@@ -71,7 +72,7 @@ async def test_a_batch_resumed_after_its_window_expires_without_running_again(tm
             counts = (await service.get_batch(OWNER, batch_id))["request_counts"]
             return counts["completed"] == 1 and len(first.started) == 3
 
-        await wait_until(a_recorded_the_rest_running)
+        await wait_until(a_recorded_the_rest_running, "a recorded, the rest running", timeout=20)
 
     clock.now = START + DAY + 3600  # down for longer than the window
     second = FakeExecutor()
@@ -106,7 +107,9 @@ async def test_a_line_waiting_out_a_not_now_past_the_window_expires(tmp_path: Pa
     executor = RateLimited("cde")
     async with BatchService.open(tmp_path, executor, concurrency=1, clock=clock) as service:
         batch_id = await _create(service, "abcde")
-        await wait_until(lambda: executor.told >= 3)  # c, told again after each Retry-After; d and e held
+        await wait_until(
+            lambda: executor.told >= 3, "executor.told >= 3", timeout=20
+        )  # c, told again after each Retry-After; d and e held
         assert executor.started == ["a", "b"]
         clock.now = START + DAY
         batch = await wait_final(service, OWNER, batch_id)

@@ -20,8 +20,8 @@ from tests.batch.conftest import (
     request_line,
     serve_batches,
     wait_final_over_http,
-    wait_until,
 )
+from tests.harness.wait import wait_until
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ async def test_cancel_lets_running_lines_finish_and_the_rest_end_in_the_error_fi
         client = served.client()
         file_id = await upload(client, jsonl(*(request_line(c) for c in "abcd")))
         created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
-        await wait_until(lambda: executor.started == ["a", "b"])
+        await wait_until(lambda: executor.started == ["a", "b"], "executor.started == ['a', 'b']", timeout=20)
 
         cancelling = await client.batches.cancel(created.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None

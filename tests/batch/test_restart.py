@@ -13,7 +13,8 @@ import pytest
 
 from proxy.batch import BatchService, BatchStore, owner_of
 from proxy.batch.shapes import Usage
-from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final, wait_until
+from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final
+from tests.harness.wait import wait_until
 
 OWNER = owner_of("key-a")
 IDS = [f"line-{n}" for n in range(10)]
@@ -42,7 +43,7 @@ async def test_a_batch_resumes_where_its_results_stand(tmp_path: Path, stop: str
             counts = (await service.get_batch(OWNER, batch["id"]))["request_counts"]
             return counts["completed"] == 5 and len(first.started) == len(IDS)
 
-        await wait_until(half_recorded)
+        await wait_until(half_recorded, "five lines recorded, all started", timeout=20)
         if stop == "killed":
             _copy_as_killed(first_dir, resumed_dir)
     assert sorted(first.finished) == IDS[:5]  # the held lines never answered: they were cancelled

@@ -17,7 +17,8 @@ import aiohttp
 import openai
 
 from proxy.workers.supervisor import free_port
-from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http, wait_until
+from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LINES = 24
@@ -64,7 +65,7 @@ async def _ready(url: str, log: Path) -> None:
         return bool(workers) and all(w["state"] == "ready" and w["sample"] for w in workers)
 
     try:
-        await wait_until(up, timeout=60)
+        await wait_until(up, "the proxy up with every worker ready and sampled", timeout=60)
     except TimeoutError:
         raise AssertionError("the proxy did not get ready; its log:\n" + log.read_text()[-3000:]) from None
 
@@ -100,7 +101,7 @@ async def test_a_proxy_killed_mid_batch_resumes_it_exactly_once(tmp_path: Path) 
                     counts = (await client.batches.retrieve(created.id)).request_counts
                     return counts is not None and counts.completed >= 4
 
-                await wait_until(partly_done, timeout=60)
+                await wait_until(partly_done, "four requests completed", timeout=60)
                 first.kill()
                 first.wait()
 

@@ -17,11 +17,12 @@ from proxy.policy import parse_policy
 from proxy.request.admission import Priority
 from proxy.server.state import PROXY
 from proxy.workers.base import WorkerState
-from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http, wait_until
+from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http
 from tests.harness.fake_engine import MODEL as FAKE_MODEL
 from tests.harness.fake_engine import FakeEngine
 from tests.harness.sim_proxy import serve_sims
 from tests.harness.static_pool import StaticPool
+from tests.harness.wait import wait_until
 
 SIM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
@@ -43,8 +44,16 @@ async def sim_proxy(tmp_path: Path) -> AsyncIterator[str]:
     pacing = {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0}
     async with serve_sims(tmp_path, {"workers": 1, "args": {"max_running_requests": 16}}, pacing=pacing) as p:
         pool, st = p.pool, p.state
-        await wait_until(lambda: [w.state for w in pool.workers()] == [WorkerState.READY], timeout=60)
-        await wait_until(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
+        await wait_until(
+            lambda: [w.state for w in pool.workers()] == [WorkerState.READY],
+            "[w.state for w in pool.workers()] == [WorkerState.READY]",
+            timeout=60,
+        )
+        await wait_until(
+            lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()),
+            "all(st.board.get(w.id).sample is not None for w in pool.workers())",
+            timeout=20,
+        )
         yield p.url
     assert all(w.state is WorkerState.STOPPED for w in pool.workers())
 
@@ -113,7 +122,9 @@ async def test_batch_lines_wait_in_the_batch_class_and_an_unserved_model_is_refu
     uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
     created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
 
-    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 3)
+    await wait_until(
+        lambda: h.state.admission.depth(Priority.BATCH) == 3, "h.state.admission.depth(Priority.BATCH) == 3", timeout=20
+    )
     assert h.state.admission.depth(Priority.INTERACTIVE) == 0
     h.pool.set_state("w0", WorkerState.READY)
     batch = await wait_final_over_http(client, created.id)
@@ -133,7 +144,11 @@ async def test_a_line_the_full_queue_refuses_is_submitted_again_not_failed(make_
         file=("in.jsonl", jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids))), purpose="batch"
     )
     created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 1 and _refused_full(h) >= 2)
+    await wait_until(
+        lambda: h.state.admission.depth(Priority.BATCH) == 1 and _refused_full(h) >= 2,
+        "h.state.admission.depth(Priority.BATCH) == 1 and _refused_full(h) >= 2",
+        timeout=20,
+    )
 
     h.pool.set_state("w0", WorkerState.READY)
     batch = await wait_final_over_http(client, created.id)
@@ -159,13 +174,21 @@ async def test_lines_queued_when_the_proxy_stops_run_on_its_next_start(tmp_path:
         app = build_app(policy, pool)
         runner, port = await serve(app, "127.0.0.1", 0)
         try:
-            await wait_until(lambda: app[PROXY].board.get("w0").sample is not None)
+            await wait_until(
+                lambda: app[PROXY].board.get("w0").sample is not None,
+                "app[PROXY].board.get('w0').sample is not None",
+                timeout=20,
+            )
             pool.set_state("w0", WorkerState.DRAINING)
             async with _client(f"http://127.0.0.1:{port}") as client:
                 data = jsonl(*(request_line(i, model=FAKE_MODEL, max_tokens=2) for i in ids))
                 uploaded = await client.files.create(file=("in.jsonl", data), purpose="batch")
                 created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-            await wait_until(lambda: app[PROXY].admission.depth(Priority.BATCH) == 3)
+            await wait_until(
+                lambda: app[PROXY].admission.depth(Priority.BATCH) == 3,
+                "app[PROXY].admission.depth(Priority.BATCH) == 3",
+                timeout=20,
+            )
         finally:
             async with asyncio.timeout(30):  # a stop does not wait for the queued lines
                 await runner.cleanup()
@@ -205,7 +228,7 @@ async def test_a_rate_limited_owner_s_batch_leaves_the_slots_to_others_and_cance
     uploaded = await alice.files.create(file=("a.jsonl", jsonl(*mine)), purpose="batch")
     held = await alice.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
     await wait_until(lambda: (h.state.metrics.registry.get_sample_value(
-        "pacer_requests_rejected_total", {"reason": "rate_limited"}) or 0) >= 2)  # fmt: skip
+        "pacer_requests_rejected_total", {"reason": "rate_limited"}) or 0) >= 2, "(h.state.metrics.registry.get_sample_value(         'pacer_requests_rejected_total', {'reason': 'rate_limited'}) or 0) >= 2", timeout=20)  # fmt: skip
 
     theirs = [request_line(f"e{n}", model=FAKE_MODEL, max_tokens=2) for n in range(10)]
     uploaded = await etl.files.create(file=("e.jsonl", jsonl(*theirs)), purpose="batch")
@@ -230,7 +253,9 @@ async def test_a_cancel_withdraws_the_lines_waiting_in_the_proxy_queue(make_prox
     lines = [request_line(f"q{n}", model=FAKE_MODEL, max_tokens=2) for n in range(5)]
     uploaded = await client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch")
     created = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-    await wait_until(lambda: h.state.admission.depth(Priority.BATCH) == 5)
+    await wait_until(
+        lambda: h.state.admission.depth(Priority.BATCH) == 5, "h.state.admission.depth(Priority.BATCH) == 5", timeout=20
+    )
     await client.batches.cancel(created.id)
     async with asyncio.timeout(10):
         batch = await wait_final_over_http(client, created.id)

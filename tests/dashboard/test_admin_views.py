@@ -4,6 +4,8 @@ front door (two external workers nobody answers for, a journal with entries, an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -15,6 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy import cli
 from proxy.compose import build_app, serve
 from proxy.control.decision import Decision
 from proxy.control.journal import Status
@@ -99,38 +102,60 @@ async def pacer(*args: str, env: dict[str, str] | None = None) -> tuple[int, str
     return proc.returncode or 0, out.decode(), err.decode()
 
 
-async def test_pacer_status(proxy: tuple[str, Any]) -> None:
+async def pacer_in_process(*args: str) -> tuple[int, str, str]:
+    """``pacer ARGS`` through the same entry point, in this process: no interpreter to start for each
+    variant of a command that one :func:`pacer` run has shown working as a process. In a thread, since
+    its HTTP calls block and the proxy answering them runs on this loop."""
+    out, err = io.StringIO(), io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                return cli.main(list(args))
+            except SystemExit as exc:  # argparse's refusal of an argument
+                return exc.code if isinstance(exc.code, int) else 1
+
+    code = await asyncio.wait_for(asyncio.to_thread(run), 30)
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_pacer_status(proxy: tuple[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     url, _ = proxy
-    rc, out, err = await pacer("status", "--url", url, "--admin-key", KEY)
+    rc, out, err = await pacer("status", "--url", url, "--admin-key", KEY)  # as a process, as an operator runs it
     assert rc == 0, err
     assert "controller advise" in out and "proxy queue interactive 0, batch 0" in out
     assert "w0 " in out and "w1 " in out and "http://127.0.0.1:9" in out
     assert "last decisions (3 shown)" in out and "admission_too_conservative [advised]" in out
-    rc, out, err = await pacer("status", "--url", url, env={"PACER_ADMIN_KEY": KEY})  # the key from the env
-    assert rc == 0 and "w1" in out
-    rc, out, err = await pacer("status", "--url", url)
+    # the other cases through the same entry point in this process
+    rc, out, err = await pacer_in_process("status", "--url", url)
     assert rc == 1 and "401" in err and "admin key" in err
-    rc, out, err = await pacer("status", "--url", "http://127.0.0.1:9")
+    monkeypatch.setenv("PACER_ADMIN_KEY", KEY)
+    rc, out, err = await pacer_in_process("status", "--url", url)  # the key from the env
+    assert rc == 0 and "w1" in out
+    rc, out, err = await pacer_in_process("status", "--url", "http://127.0.0.1:9")
     assert rc == 1 and "cannot reach the proxy" in err
 
 
 async def test_pacer_decisions_filters(proxy: tuple[str, Any]) -> None:
     url, _ = proxy
     base = ("decisions", "--url", url, "--admin-key", KEY)
-    rc, out, _ = await pacer(*base)
+    rc, out, _ = await pacer(*base)  # as a process, as an operator runs it
     assert rc == 0 and "3 decision(s)" in out and "schedule_conservativeness 1.0 -> 0.4" in out
-    rc, out, _ = await pacer(*base, "--worker", "w0", "--json")
+    # the filters, through the same entry point in this process
+    rc, out, _ = await pacer_in_process(*base)
+    assert rc == 0 and "3 decision(s)" in out and "schedule_conservativeness 1.0 -> 0.4" in out
+    rc, out, _ = await pacer_in_process(*base, "--worker", "w0", "--json")
     entries = [orjson.loads(line) for line in out.splitlines()]
     assert [e["rule"] for e in entries] == ["retraction_storm", "admission_too_conservative"]
-    rc, out, _ = await pacer(*base, "--status", "refused", "--json")
+    rc, out, _ = await pacer_in_process(*base, "--status", "refused", "--json")
     assert [orjson.loads(line)["worker"] for line in out.splitlines()] == ["w1"]
-    rc, out, _ = await pacer(*base, "--rule", "retraction_storm", "--since", "10m", "--json")
+    rc, out, _ = await pacer_in_process(*base, "--rule", "retraction_storm", "--since", "10m", "--json")
     assert len(out.splitlines()) == 1
-    rc, out, _ = await pacer(*base, "--since", "2999-01-01T00:00:00", "--json")
+    rc, out, _ = await pacer_in_process(*base, "--since", "2999-01-01T00:00:00", "--json")
     assert rc == 0 and out == ""
-    rc, out, _ = await pacer(*base, "--limit", "1", "--json")
+    rc, out, _ = await pacer_in_process(*base, "--limit", "1", "--json")
     assert [orjson.loads(line)["rule"] for line in out.splitlines()] == ["admission_too_conservative"]
-    rc, _, err = await pacer(*base, "--since", "yesterday")
+    rc, _, err = await pacer_in_process(*base, "--since", "yesterday")
     assert rc == 2 and "--since" in err
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.control.e2e import MODEL, running_proxy, wait_for
+from tests.control.e2e import MODEL, running_proxy
 from tests.dashboard.browser import browser_page
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.long]
 
@@ -61,7 +62,7 @@ async def test_dashboard_shows_load_and_a_restart(tmp_path: Path) -> None:
                 " && Math.max(0, ...window.pacer.data.workers[0].series.token_usage) > 0.1",
                 timeout=30000,
             )
-            await wait_for(lambda: proxy.state.pool.get(worker).pid != first_pid, 90, "a restart")
+            await wait_until(lambda: proxy.state.pool.get(worker).pid != first_pid, "a restart", timeout=90)
             await page.wait_for_function("Number(document.body.dataset.marks) >= 1", timeout=15000)
             row = page.locator('tr.decision[data-rule="retraction_storm"]').first
             await row.wait_for(timeout=15000)
@@ -77,7 +78,8 @@ async def test_dashboard_shows_load_and_a_restart(tmp_path: Path) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
             await client.close()
         assert done == outputs  # nothing lost while the page watched
-        await asyncio.sleep(1.5)  # one more poll: the curves after the restart
+        polls = await page.evaluate("window.pacer.polls")
+        await page.wait_for_function(f"window.pacer.polls > {polls}", timeout=15000)  # the curves after the restart
         shot = tmp_path / "dashboard.png"
         await page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000

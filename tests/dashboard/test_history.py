@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from proxy.dashboard.history import History
 from proxy.engines.base import Sample
 
@@ -79,6 +81,7 @@ def test_proxy_queue_per_class_at_most_every_step_and_rings_are_bounded() -> Non
     assert p["in_flight"] == [5, 5, 5]
 
 
+@pytest.mark.looptime
 async def test_the_proxy_queue_is_recorded_while_no_worker_is_scraped() -> None:
     """The only worker down or starting: no sample comes, but the queue fills then, and the chart must
     show it (it showed the last value before the outage, then nothing)."""
@@ -93,6 +96,6 @@ async def test_the_proxy_queue_is_recorded_while_no_worker_is_scraped() -> None:
     series = h.proxy_series(since=0.0)
     assert series["queue_interactive"] == [0, 120, 300] and h.worker_ids() == []
     runner = asyncio.create_task(h.run(0.01))  # the clock of its own the proxy runs it on
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # five of its rounds (virtual time)
     runner.cancel()
     assert len(h.proxy_series(since=0.0)["t"]) == 4  # the wall clock stood still: one more point

@@ -19,6 +19,7 @@ import pytest
 
 from proxy.control.fast_tier import PaceSettings
 from tests.harness.processes import pid_alive
+from tests.harness.wait import wait_until_blocking
 
 pytestmark = [pytest.mark.long]
 
@@ -53,14 +54,16 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
     pids: list[int] = []
     stop_started = time.monotonic()
     try:
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and time.monotonic() < deadline:
-            assert make.poll() is None, "make run exited: " + log_path.read_text()[-2000:]
+
+        def listening() -> str | None:
             if m := re.search(r"listening on (http://\S+?) ", log_path.read_text()):
-                url = m.group(1)
-            time.sleep(0.1)
-        assert url, log_path.read_text()[-2000:]
+                return m.group(1)
+            assert make.poll() is None, "make run exited: " + log_path.read_text()[-2000:]
+            return None
+
+        url = wait_until_blocking(
+            listening, "the proxy listening", timeout=60, every=0.1, detail=lambda: log_path.read_text()[-2000:]
+        )
         assert "controller auto" in log_path.read_text()
         demo = subprocess.run(
             [sys.executable, "-m", "proxy", "demo", "--url", url, "--phases", "1", "--phase-s", "90",
@@ -100,9 +103,6 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
     rest = log_path.read_text()
     assert "stopped" in rest, rest[-2000:]
     for pid in pids:  # the simulated worker stopped with the proxy
-        deadline = time.monotonic() + 10
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pid_alive(pid), f"worker pid {pid} still runs"
+        wait_until_blocking(lambda pid=pid: not pid_alive(pid), f"worker pid {pid} to end", every=0.1)
     decisions = [orjson.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert any(d["rule"] == "output_budget" and d["status"] == "applied" for d in decisions)

@@ -32,6 +32,7 @@ class FakeEngine:
     default_tokens: int = 4
     pad: int = 0  # extra characters in every streamed chunk's text (big streams for back-pressure tests)
     emitted: int = 0  # streamed chunks written so far, all requests
+    written: int = 0  # tokens of whole answers written so far token by token (``answer_aborts``), all requests
     running: int = 0
     waiting: deque = field(default_factory=deque)
     seen_rids: list = field(default_factory=list)
@@ -128,6 +129,7 @@ class FakeEngine:
             if self.answer_aborts:  # token by token: an abort ends it with what it wrote (SGLang 0.5)
                 for i in range(n):
                     await asyncio.sleep(self.token_delay_s)
+                    self.written += 1
                     if body.get("rid") in self._ending:
                         n, reason = i + 1, "abort"
                         break

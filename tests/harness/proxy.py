@@ -6,7 +6,6 @@ stops all of them after the test.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from tests.harness.fake_engine import FakeEngine
 from tests.harness.static_pool import StaticPool
+from tests.harness.wait import wait_until
 
 
 class Harness:
@@ -38,13 +38,6 @@ class Harness:
 
     def client(self, api_key: str = "none", **kw: Any) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kw)
-
-    async def wait_for(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not cond():
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError("condition not reached in time")
-            await asyncio.sleep(0.01)
 
 
 async def _cleanup(runner: web.AppRunner) -> None:
@@ -80,7 +73,10 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         runner, port = await serve(app, "127.0.0.1", 0)
         cleanups.append(lambda: _cleanup(runner))
         h = Harness(f"http://127.0.0.1:{port}", app[PROXY], workers, pool, runner)
-        await h.wait_for(lambda: all(h.state.board.get(w.id).sample is not None for w in pool.workers()))
+        await wait_until(
+            lambda: all(h.state.board.get(w.id).sample is not None for w in pool.workers()),
+            "a first sample of every worker",
+        )
         return h
 
     yield make

@@ -11,12 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
 from proxy.observe.nvml import GpuDevice, GpuReport, GpuWatch, sample_gpus, sample_with
+from tests.harness.wait import wait_until
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -136,14 +136,6 @@ def test_failures_become_the_no_gpu_state(nvml: _Nvml, reason: str) -> None:
     assert reason in (report.reason or "")
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
-    async def poll() -> None:
-        while not cond():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout)
-
-
 def _watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "proxy.observe.nvml"]
 
@@ -161,7 +153,7 @@ async def test_watch_keeps_the_newest_report_and_logs_the_state_once(caplog: pyt
     assert watch.last is None
     task = asyncio.create_task(watch.run())
     try:
-        await _until(lambda: calls >= 5)
+        await wait_until(lambda: calls >= 5, "five samples taken", timeout=2)
         assert watch.last is not None and watch.last.available and len(watch.last.devices) == 2
         lines = _watch_lines(caplog)
         assert len(lines) == 1, lines
@@ -189,7 +181,7 @@ async def test_watch_survives_a_raising_sampler_and_logs_each_change(caplog: pyt
     watch = GpuWatch(interval_s=0.01, sampler=sampler)
     task = asyncio.create_task(watch.run())
     try:
-        await _until(lambda: done >= len(script) + 2)
+        await wait_until(lambda: done >= len(script) + 2, "the whole script sampled, and two more", timeout=2)
         assert task.done() is False
         assert watch.last is not None and watch.last.available
         lines = _watch_lines(caplog)

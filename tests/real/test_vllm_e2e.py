@@ -19,7 +19,6 @@ what fits, and guards throughput per CPU-second against a cap that would wreck i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
@@ -39,6 +38,7 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 from tests.real.cpu import cpu_seconds
 from tests.real.load import LoadResult, run_load
 
@@ -65,13 +65,6 @@ class Proxy:
 
     def worker(self):
         return self.state.pool.workers()[0]
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float, what: str, tail: Callable[[], str] = lambda: "") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"{what}: not reached within {timeout:g} s\n{tail()}"
-        await asyncio.sleep(0.2)
 
 
 @contextlib.asynccontextmanager
@@ -125,8 +118,12 @@ async def test_refused_start_is_retried_with_a_max_model_len_that_fits(
         args={"max_model_len": TOO_LONG, "kv_cache_memory_bytes": SMALL_KV_BYTES, "max_num_seqs": 16}, env={},
         control={"crash_backoff_s": [0.5]},
     ) as proxy:  # fmt: skip
-        await wait_for(lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY, 900,
-                       "the worker restarted and ready", _tail(proxy))  # fmt: skip
+        await wait_until(
+            lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY,
+            "the worker restarted and ready",
+            timeout=900,
+            detail=_tail(proxy),
+        )
         worker = proxy.worker()
         assert worker.args["max_model_len"] < TOO_LONG
         assert f"--max-model-len {worker.args['max_model_len']}" in " ".join(worker.argv)
@@ -235,17 +232,23 @@ async def test_preemptions_lower_max_num_seqs(vllm_python: Path, tiny_model: Pat
             "drain_timeout_s": 30.0, "max_running_min": 8,
         },
     ) as proxy:  # fmt: skip
-        await wait_for(lambda: proxy.worker().state is WorkerState.READY, 600, "worker ready", _tail(proxy))
-        await wait_for(lambda: proxy.state.board.get(proxy.worker().id).sample is not None, 30, "first scrape")
+        await wait_until(
+            lambda: proxy.worker().state is WorkerState.READY, "worker ready", timeout=600, detail=_tail(proxy)
+        )
+        await wait_until(
+            lambda: proxy.state.board.get(proxy.worker().id).sample is not None, "first scrape", timeout=30
+        )
         rounds: list[LoadResult] = []
         eras: list[Era] = []
         start = await snapshot(proxy)
         rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=1))
         eras.append(Era.between(start, await snapshot(proxy)))
-        await wait_for(
-            lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY, 600,
-            "the controller's restart", _tail(proxy),
-        )  # fmt: skip
+        await wait_until(
+            lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY,
+            "the controller's restart",
+            timeout=600,
+            detail=_tail(proxy),
+        )
         start = await snapshot(proxy)
         rounds.append(await run_load(proxy.url + "/v1", MODEL, n=N_REQUESTS, words=25, max_tokens=256, seed=2))
         eras.append(Era.between(start, await snapshot(proxy)))

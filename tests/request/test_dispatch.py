@@ -228,7 +228,7 @@ async def test_a_worker_down_sends_its_requests_without_output_to_another_at_onc
         # ...until the block is cancelled: the attempt released, its ticket back in the queue
 
     task = asyncio.create_task(handler())
-    await asyncio.sleep(1)
+    await asyncio.sleep(1)  # virtual time
     pool.ws = [WorkerInfo(id="w0", url="http://w0", state=WorkerState.DOWN, managed=True),
                WorkerInfo(id="w1", url="http://w1", state=WorkerState.READY, managed=True)]  # fmt: skip
     _sample(board, "w1", 0, t=loop.time())
@@ -331,7 +331,7 @@ async def test_failures_after_output_and_a_client_that_leaves_propagate_and_rele
 
     async def client() -> None:
         async with d.attempt(other):
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # held until the client leaves: cancelled below, never elapses
 
     task = asyncio.ensure_future(client())
     await asyncio.sleep(0)

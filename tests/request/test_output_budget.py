@@ -13,8 +13,10 @@ import aiohttp
 import pytest
 
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
 
 SIM_SPEAKER = {"engine": {"speaks": "sim"}}
+pytestmark = pytest.mark.looptime  # the workers' token pace and the scrapes on virtual time
 
 
 def _sent(h: Any) -> list[tuple[Any, ...]]:
@@ -113,12 +115,14 @@ async def test_a_client_that_leaves_during_a_continuation_has_that_part_aborted(
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "sim_output_len": 200}
     async with aiohttp.ClientSession() as s:
         task = asyncio.ensure_future(s.post(h.url + "/v1/chat/completions", json=body))
-        await h.wait_for(lambda: len(w.bodies) == 2)  # the first part answered, the second running
+        await wait_until(
+            lambda: len(w.bodies) == 2, "len(w.bodies) == 2"
+        )  # the first part answered, the second running
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await h.wait_for(lambda: w.bodies[1]["rid"] in w.aborted)
-    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    await wait_until(lambda: w.bodies[1]["rid"] in w.aborted, "w.bodies[1]['rid'] in w.aborted")
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
     assert len(w.bodies) == 2  # nothing more was sent for it
 
 
@@ -165,7 +169,7 @@ async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(m
     assert b"t3" in raw and b'"finish_reason":"length"' not in raw
     assert b"could not be continued" in events[-2] and b"upstream_failed_mid_stream" in events[-2]
     assert events[-1] == b"data: [DONE]"
-    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
 
 
 async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy):
@@ -180,10 +184,10 @@ async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy)
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100, extra_body={"sim_output_len": 40}
         )
     )
-    await h.wait_for(lambda: len(w.bodies) == 1)
-    await asyncio.sleep(0.3)  # some tokens written
+    await wait_until(lambda: len(w.bodies) == 1, "len(w.bodies) == 1")
+    await wait_until(lambda: w.written >= 10, "ten tokens written")
     assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
-    await h.wait_for(lambda: len(w.bodies) == 2)
+    await wait_until(lambda: len(w.bodies) == 2, "len(w.bodies) == 2")
     (going_on,) = h.state.board.get("w0").attempts  # open: what the planner reads of it
     assert going_on.going_on_from == w.bodies[0]["sim_output_len"] - w.bodies[1]["sim_output_len"]
     chat = await task
@@ -212,12 +216,12 @@ async def test_an_early_end_whose_abort_found_nothing_is_asked_again(make_proxy)
     task = asyncio.ensure_future(
         client.completions.create(model=MODEL, prompt="x", max_tokens=1000, extra_body={"sim_output_len": 400})
     )
-    await h.wait_for(lambda: len(w.bodies) == 1)
-    await asyncio.sleep(0.1)  # some tokens written
+    await wait_until(lambda: len(w.bodies) == 1, "len(w.bodies) == 1")
+    await wait_until(lambda: w.written >= 5, "five tokens written")
     loop = asyncio.get_running_loop()
     asked = loop.time()
     assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
-    await h.wait_for(lambda: len(w.bodies) == 2)  # ended there, continued from what it wrote
+    await wait_until(lambda: len(w.bodies) == 2, "len(w.bodies) == 2")  # ended there, continued from what it wrote
     assert loop.time() - asked < 2.0  # not the 8 s its whole answer takes there
     first = w.bodies[0]["rid"]
     assert w.aborted == [first] * 3  # the first two aborts found nothing; the third ended it
@@ -239,7 +243,7 @@ async def test_a_worker_that_does_not_answer_an_early_end_has_the_request_taken_
     task = asyncio.ensure_future(
         client.completions.create(model=MODEL, prompt="x", max_tokens=100, extra_body={"sim_output_len": 20})
     )
-    await h.wait_for(lambda: len(w.bodies) == 1)
+    await wait_until(lambda: len(w.bodies) == 1, "len(w.bodies) == 1")
     assert h.state.requests.dispatcher_of("default").take_back("w0") == 1
     comp = await task
     assert comp.choices[0].text == "tok " * 20

@@ -11,6 +11,9 @@ import pytest
 
 from proxy.workers.base import WorkerState
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
+
+pytestmark = pytest.mark.looptime  # the fake workers' token pace, the scrapes and the deadlines on virtual time
 
 
 async def _turns(n: int) -> None:
@@ -69,10 +72,10 @@ async def test_client_disconnect_frees_slot_and_aborts_upstream(make_proxy):
     h = await make_proxy(worker={"token_delay_s": 0.05})
     w = h.workers[0]
     await _leave_mid_stream(h)
-    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
-    await h.wait_for(lambda: len(w.aborted) == 1)
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
+    await wait_until(lambda: len(w.aborted) == 1, "len(w.aborted) == 1")
     assert w.aborted == [w.seen_rids[0]]
-    await h.wait_for(lambda: w.running == 0)
+    await wait_until(lambda: w.running == 0, "w.running == 0")
     assert w.finished == []
 
 
@@ -82,8 +85,8 @@ async def test_a_worker_that_aborts_only_by_closing_gets_no_name_and_no_abort_ca
     h = await make_proxy(policy={"engine": {"speaks": "vllm"}}, worker={"token_delay_s": 0.05, "speaks": "vllm"})
     w = h.workers[0]
     await _leave_mid_stream(h)
-    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
-    await h.wait_for(lambda: w.running == 0)  # the closed connection ended it
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
+    await wait_until(lambda: w.running == 0, "w.running == 0")  # the closed connection ended it
     await h.state.requests.wait_background()
     assert w.seen_rids == [None] and "rid" not in w.bodies[0]
     assert w.not_found == [] and w.aborted == [] and w.finished == []
@@ -95,19 +98,19 @@ async def test_disconnect_while_queued_in_proxy_withdraws_request(make_proxy):
         first = asyncio.ensure_future(
             s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 20})
         )
-        await h.wait_for(lambda: h.state.board.get("w0").in_flight == 1)
+        await wait_until(lambda: h.state.board.get("w0").in_flight == 1, "h.state.board.get('w0').in_flight == 1")
         h.pool.set_state("w0", WorkerState.DRAINING)  # nothing more goes to the worker: the next one waits in the proxy
         second = asyncio.ensure_future(
             s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "b", "max_tokens": 1})
         )
-        await h.wait_for(lambda: len(h.state.admission) == 1)
+        await wait_until(lambda: len(h.state.admission) == 1, "len(h.state.admission) == 1")
         second.cancel()
-        await h.wait_for(lambda: len(h.state.admission) == 0)
+        await wait_until(lambda: len(h.state.admission) == 0, "len(h.state.admission) == 0")
         h.pool.set_state("w0", WorkerState.READY)  # the dispatcher hands out work here, synchronously
         assert h.state.board.get("w0").in_flight == 1  # the first alone: the withdrawn one got no worker
         resp = await first
         assert resp.status == 200
-    await h.wait_for(lambda: h.state.board.get("w0").in_flight == 0)
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
     assert len(h.workers[0].seen_rids) == 1  # the withdrawn request never reached the worker
     # every admitted request ends in one outcome: the one that left while it waited counts as a disconnect
     assert h.state.metrics.of("default").disconnected._value.get() == 1
@@ -179,9 +182,9 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
         return "".join(got)
 
     long = asyncio.ensure_future(streamed())
-    await h.wait_for(lambda: len(got) >= 1)
+    await wait_until(lambda: len(got) >= 1, "len(got) >= 1")
     queued = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="b", max_tokens=2))
-    await h.wait_for(lambda: len(h.workers[0].waiting) == 1)
+    await wait_until(lambda: len(h.workers[0].waiting) == 1, "len(h.workers[0].waiting) == 1")
     h.pool.set_state("w0", WorkerState.DRAINING)
     h.pool.set_state("w1", WorkerState.READY)
     assert d.take_back("w0") == 1
@@ -194,6 +197,7 @@ async def test_take_back_requeues_unstarted_request_once(make_proxy):
     await client.close()
 
 
+@pytest.mark.looptime(False)  # counts loop turns and the kernel's socket buffers: real time
 async def test_a_slow_client_holds_back_the_worker_and_gets_every_byte(make_proxy):
     # 5,000 chunks of ~4 KB (20 MB) as fast as the worker can write them, to a client that stops
     # reading: the proxy must stop reading from the worker (back-pressure) instead of buffering the

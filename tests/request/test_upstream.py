@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from proxy.request.upstream import UpstreamError, UpstreamPool, UpstreamTimeout
+from tests.harness.wait import wait_until
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -65,13 +66,6 @@ class Script:
         self.server.close()
 
 
-async def until(cond: Callable[[], bool]) -> None:
-    """Wait for ``cond`` to hold (a condition, not a time window)."""
-    async with asyncio.timeout(10):
-        while not cond():
-            await asyncio.sleep(0.001)
-
-
 def sized(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%b\r\n%b" % (
         len(body),
@@ -105,6 +99,7 @@ async def test_sized_answers_reuse_one_connection_and_send_the_body() -> None:
     pool.close()
 
 
+@pytest.mark.looptime
 async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_first() -> None:
     go = asyncio.Event()
     first_read = asyncio.Event()
@@ -121,7 +116,7 @@ async def test_stream_arrives_chunk_by_chunk_and_until_output_waits_for_the_firs
     pool = UpstreamPool()
     async with Script(reply) as srv:
         opening = asyncio.ensure_future(pool.post(srv.url, "/generate", b"{}", timeout_s=5, until_output=True))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # a while with the headers alone (virtual time)
         assert not opening.done()
         go.set()
         resp = await opening
@@ -170,7 +165,9 @@ async def test_a_worker_that_closed_an_idle_connection_costs_nothing() -> None:
             resp = await pool.post(srv.url, "/x", b"", timeout_s=5)
             assert await resp.read() == b"ok"
             resp.close()
-            await until(lambda: pool.idle_connections() == 0)  # the FIN arrives while idle: it leaves the pool
+            await wait_until(
+                lambda: pool.idle_connections() == 0, "pool.idle_connections() == 0"
+            )  # the FIN arrives while idle: it leaves the pool
         assert srv.connections == 2
     pool.close()
 
@@ -183,11 +180,11 @@ async def test_deadline_covers_the_whole_answer() -> None:
         if len(srv.requests) == 1:
             w.write(sized(b"ok"))  # the first answers: its connection stays in the pool
         else:
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # silent (virtual time)
 
     async def slow_stream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.write(SSE_HEAD + chunk(b"data: 1\n\n"))
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # a stream that stops (virtual time)
 
     loop = asyncio.get_running_loop()
     pool = UpstreamPool()
@@ -283,7 +280,9 @@ async def test_a_slow_reader_pauses_the_socket_until_it_catches_up() -> None:
     pool = UpstreamPool(high_water=128 * 1024)
     async with Script(reply) as srv:
         resp = await pool.post(srv.url, "/x", b"", timeout_s=10, until_output=True)
-        await until(lambda: resp._conn.paused)  # nobody reads: the connection must stop at the mark
+        await wait_until(
+            lambda: resp._conn.paused, "resp._conn.paused"
+        )  # nobody reads: the connection must stop at the mark
         # the mark plus at most one socket read (up to 256 KiB) past it, not the 4 MiB sent
         assert resp._conn.paused and 128 * 1024 < resp._buffered <= 128 * 1024 + 256 * 1024 + 16
         total = 0

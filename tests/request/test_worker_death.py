@@ -21,16 +21,9 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
-
-
-async def _until(cond, timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, f"{what}: not reached within {timeout:g} s"
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -49,8 +42,8 @@ async def one_sim_worker(tmp_path: Path, **engine_args: object) -> AsyncIterator
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     try:
-        await _until(lambda: [w.state for w in pool.workers()] == [WorkerState.READY], 60, "worker ready")
-        await _until(lambda: st.board.get("w0").sample is not None, 20, "first scrape")
+        await wait_until(lambda: [w.state for w in pool.workers()] == [WorkerState.READY], "worker ready", timeout=60)
+        await wait_until(lambda: st.board.get("w0").sample is not None, "first scrape", timeout=20)
         yield f"http://127.0.0.1:{port}", st
     finally:
         await runner.cleanup()  # stops the controller, then the worker
@@ -61,10 +54,10 @@ async def _kill_and_wait_revived(st: ProxyState) -> None:
     old = st.pool.get("w0").pid
     assert old is not None
     os.kill(old, signal.SIGKILL)
-    await _until(
+    await wait_until(
         lambda: st.pool.get("w0").state is WorkerState.READY and st.pool.get("w0").pid not in (None, old),
-        30,
         "worker revived",
+        timeout=30,
     )
 
 
@@ -95,10 +88,10 @@ async def test_killing_the_only_worker_under_load_fails_no_plain_request(tmp_pat
         try:
             for _ in range(3):
                 served = statuses[200]
-                await _until(lambda: statuses[200] >= served + 300, 30, "requests served")  # noqa: B023
+                await wait_until(lambda: statuses[200] >= served + 300, "requests served", timeout=30)  # noqa: B023
                 await _kill_and_wait_revived(st)
             served = statuses[200]
-            await _until(lambda: statuses[200] >= served + 300, 30, "requests served after the last kill")
+            await wait_until(lambda: statuses[200] >= served + 300, "requests served after the last kill", timeout=30)
         finally:
             stop.set()
             await asyncio.gather(*clients)
@@ -135,14 +128,14 @@ async def test_a_stream_that_sent_only_its_role_is_retried_whole(tmp_path: Path)
 
         streamed = asyncio.ensure_future(chat())
         # the chat request waits in the worker's queue: the worker sent its role event, no content
-        await _until(
+        await wait_until(
             lambda: (
                 st.board.get("w0").in_flight == 2
                 and st.board.get("w0").sample is not None
                 and st.board.get("w0").sample.queue == 1
             ),
-            20,
             "chat request queued at the worker",
+            timeout=20,
         )
         assert not streamed.done()  # nothing reached the client: not even the headers
         await _kill_and_wait_revived(st)

@@ -50,7 +50,7 @@ async def run_burst(
                         m = _QUEUE.search(await r.text())
                     if m:
                         run.samples[u].append((loop.time() - t0, int(float(m.group(1))), backlog()))
-                await asyncio.sleep(sample_every_s)
+                await asyncio.sleep(sample_every_s)  # a sampling cadence while the load runs, not a wait
 
         sampling = asyncio.ensure_future(sampler())
         await asyncio.gather(*(one(i) for i in range(n)))

@@ -15,6 +15,7 @@ import pytest
 from proxy.server.state import ProxyState
 from proxy.workers.base import WorkerState
 from tests.harness.sim_proxy import serve_sims
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
@@ -38,21 +39,21 @@ class Sim:
         )
 
 
-async def _wait(cond, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def sim(tmp_path) -> AsyncIterator[Sim]:
     pacing = {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.05, "stale_after_s": 1.0}
     async with serve_sims(tmp_path, {"workers": 2, "args": {"max_running_requests": 16}}, pacing=pacing) as p:
         pool, st = p.pool, p.state
-        await _wait(lambda: all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 2, 60)
-        await _wait(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()))
+        await wait_until(
+            lambda: all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 2,
+            "all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 2",
+            timeout=60,
+        )
+        await wait_until(
+            lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()),
+            "all(st.board.get(w.id).sample is not None for w in pool.workers())",
+            timeout=20,
+        )
         yield Sim(p.url, st)
     assert all(w.state is WorkerState.STOPPED for w in pool.workers())
 
@@ -98,8 +99,14 @@ async def test_disconnect_aborts_on_worker_and_frees_slot(sim):
             break
     wid = next(w.id for w in sim.state.pool.workers() if sim.state.board.get(w.id).in_flight == 1)
     await stream.close()  # the client goes away mid-stream
-    await _wait(lambda: sim.state.board.total_in_flight() == 0)
-    await _wait(lambda: sim.state.board.get(wid).sample is not None and sim.state.board.get(wid).sample.running == 0)
+    await wait_until(
+        lambda: sim.state.board.total_in_flight() == 0, "sim.state.board.total_in_flight() == 0", timeout=20
+    )
+    await wait_until(
+        lambda: sim.state.board.get(wid).sample is not None and sim.state.board.get(wid).sample.running == 0,
+        "sim.state.board.get(wid).sample is not None and sim.state.board.get(wid).sample.running == 0",
+        timeout=20,
+    )
     assert await sim.worker_metric(wid, "sglang:num_aborted_requests_total") >= 1
     await client.close()
 
@@ -113,13 +120,19 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
         asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=400, extra_body=body))
         for i in range(12)
     ]
-    await _wait(lambda: all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers()))
+    await wait_until(
+        lambda: all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers()),
+        "all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers())",
+        timeout=20,
+    )
     victim = st.pool.get("w0")
     os.kill(victim.pid, signal.SIGKILL)
     done = await asyncio.gather(*tasks)
     assert all(c.usage.completion_tokens == 400 for c in done)
     assert (st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"}) or 0) >= 3
-    await _wait(lambda: st.pool.get("w0").state is WorkerState.DOWN)
+    await wait_until(
+        lambda: st.pool.get("w0").state is WorkerState.DOWN, "st.pool.get('w0').state is WorkerState.DOWN", timeout=20
+    )
     # new work keeps flowing to the survivor
     more = await client.completions.create(model=MODEL, prompt="after", max_tokens=2, extra_body={"sim_output_len": 2})
     assert more.usage.completion_tokens == 2

@@ -13,6 +13,7 @@ import pytest
 from proxy.request.admission import Priority
 from tests.batch.conftest import CHAT, jsonl, request_line, wait_final_over_http
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
 
 KEYS = "sk-alice name=alice, sk-bob name=bob, sk-etl batch name=etl"
 
@@ -54,7 +55,7 @@ async def test_two_backlogged_keys_get_tokens_by_weight_whatever_they_send(make_
             a, b = st.get((Priority.INTERACTIVE, "alice")), st.get((Priority.INTERACTIVE, "bob"))
             if a and b and a[0] > 0 and b[0] > 0:
                 samples.append(st)
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.002)  # a sampling cadence while the load runs, not a wait
 
     watcher = asyncio.ensure_future(watch())
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -131,7 +132,9 @@ async def test_interactive_goes_before_queued_batch_and_batch_keeps_its_floor(ma
     )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         batch = [asyncio.ensure_future(_post(s, h.url, "sk-etl", max_tokens=4)) for _ in range(150)]
-        await h.wait_for(lambda: h.state.admission.depth(Priority.BATCH) >= 100)
+        await wait_until(
+            lambda: h.state.admission.depth(Priority.BATCH) >= 100, "h.state.admission.depth(Priority.BATCH) >= 100"
+        )
         before = _stats(h)[(Priority.BATCH, "etl")][1]
         interactive = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=4)) for _ in range(60)]
         assert set(await asyncio.gather(*interactive)) == {200}
@@ -166,9 +169,11 @@ async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_
     )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         flood = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=8)) for _ in range(80)]
-        async with asyncio.timeout(30):
-            while _stats(h).get((Priority.INTERACTIVE, "alice"), (0,))[0] < 20:  # alice holds the whole queue
-                await asyncio.sleep(0.005)
+        await wait_until(
+            lambda: _stats(h).get((Priority.INTERACTIVE, "alice"), (0,))[0] >= 20,
+            "alice holding the whole queue",
+            timeout=30,
+        )
         bob = [await _post(s, h.url, "sk-bob", max_tokens=2) for _ in range(5)]  # one at a time, as a chat user
         alice = await asyncio.gather(*flood)
     assert bob == [200] * 5  # each pushed out alice's newest instead of getting the 429 itself

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import openai
 import pytest
 
 from tests.harness.serve_process import pacer_serve
+from tests.harness.wait import wait_until
 
 POLICY = Path(__file__).parents[2] / "policies" / "sim-8gpu-two-models.toml"
 BIG, SMALL = "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
@@ -45,16 +45,17 @@ async def workers(url: str) -> dict[str, dict[str, Any]]:
 
 async def wait_all_ready(url: str, log: Path, timeout: float = 60.0, count: int = 5) -> dict[str, dict[str, Any]]:
     """The proxy's ``count`` workers once every one is ready with a process."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+
+    async def all_ready() -> dict[str, dict[str, Any]] | None:
         try:
             ws = await workers(url)
-            if len(ws) == count and all(w["state"] == "ready" and w["pid"] for w in ws.values()):
-                return ws
         except (aiohttp.ClientError, OSError, ValueError, KeyError):
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("the fleet did not come up; its log:\n" + log.read_text()[-3000:])
+            return None  # the proxy is not listening yet
+        return ws if len(ws) == count and all(w["state"] == "ready" and w["pid"] for w in ws.values()) else None
+
+    return await wait_until(
+        all_ready, f"{count} workers ready", timeout=timeout, every=0.1, detail=lambda: log.read_text()[-3000:]
+    )
 
 
 async def served(ws: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -111,10 +112,16 @@ async def test_two_pools_behind_one_proxy(fleet: tuple[str, Path]) -> None:
             async with s.post(url + "/generate", json=gen) as r:
                 assert r.status == 200, await r.text()
                 assert "text" in await r.json()
-        end = time.monotonic() + 10
-        while (counts := await served(ws)) != {"llama-70b": 10, "llama-8b": 11}:  # each pool did its own
-            assert time.monotonic() < end and counts["llama-70b"] <= 10 and counts["llama-8b"] <= 11, counts
-            await asyncio.sleep(0.05)
+        counts: dict[str, float] = {}
+
+        async def each_pool_did_its_own() -> bool:
+            counts.update(await served(ws))
+            assert counts["llama-70b"] <= 10 and counts["llama-8b"] <= 11, counts
+            return counts == {"llama-70b": 10, "llama-8b": 11}
+
+        await wait_until(
+            each_pool_did_its_own, "each pool's workers to count its own requests", detail=lambda: str(counts)
+        )
 
         with pytest.raises(openai.NotFoundError) as err:
             await ask("gpt-4")
@@ -125,14 +132,15 @@ async def test_two_pools_behind_one_proxy(fleet: tuple[str, Path]) -> None:
         # a worker of the 8B pool dies: revived in its pool on its GPU; the 70B worker is untouched
         victim = ws["llama-8b-w2"]
         os.kill(victim["pid"], signal.SIGKILL)
-        end = time.monotonic() + 30
-        while True:
-            now = await workers(url)
+        now: dict[str, dict[str, Any]] = {}
+
+        async def revived() -> bool:
+            now.update(await workers(url))
             w = now["llama-8b-w2"]
-            if w["state"] == "ready" and w["pid"] not in (None, victim["pid"]):
-                break
-            assert time.monotonic() < end, f"not revived: {w}\n{log.read_text()[-2000:]}"
-            await asyncio.sleep(0.1)
+            return w["state"] == "ready" and w["pid"] not in (None, victim["pid"])
+
+        await wait_until(revived, "llama-8b-w2 revived", timeout=30, detail=lambda: log.read_text()[-2000:])
+        w = now["llama-8b-w2"]
         assert visible_devices(w["pid"]) == "6" and w["restarts"] == 1
         for wid in EXPECTED_GPUS:
             if wid != "llama-8b-w2":

@@ -10,6 +10,7 @@ import pytest
 
 from proxy.workers.base import WorkerState
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
 
 
 async def _post(url: str, data: bytes | str, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -177,7 +178,7 @@ async def test_queue_full_is_429_with_retry_after(make_proxy):
         import asyncio
 
         t = asyncio.ensure_future(first)
-        await h.wait_for(lambda: len(h.state.admission) == 1)
+        await wait_until(lambda: len(h.state.admission) == 1, "len(h.state.admission) == 1")
         async with s.post(h.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 1}) as r:
             assert r.status == 429 and r.headers["Retry-After"] == "7"
             assert _is_openai_error(await r.json())
@@ -249,9 +250,9 @@ async def test_interactive_overtakes_queued_batch_work(make_proxy):
     tasks = []
     for i in range(3):  # one at a time, so their arrival order is known
         tasks.append(asyncio.ensure_future(batch.completions.create(model=MODEL, prompt=f"batch {i}", max_tokens=1)))
-        await h.wait_for(lambda n=i + 1: len(h.state.admission) == n)
+        await wait_until(lambda n=i + 1: len(h.state.admission) == n, "len(h.state.admission) == n")
     tasks.append(asyncio.ensure_future(inter.completions.create(model=MODEL, prompt="interactive", max_tokens=1)))
-    await h.wait_for(lambda: len(h.state.admission) == 4)
+    await wait_until(lambda: len(h.state.admission) == 4, "len(h.state.admission) == 4")
     h.pool.set_state("w0", WorkerState.READY)
     await asyncio.gather(*tasks)
     order = [b["prompt"] for b in h.workers[0].bodies]
@@ -283,10 +284,7 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            deadline = asyncio.get_running_loop().time() + 10
-            while st.board.get("w0").sample is None:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: st.board.get("w0").sample is not None, "a first sample of w0")
             pool.set_state("w0", WorkerState.DRAINING)  # nothing dispatches: both requests wait in the proxy queue
             queued = [
                 asyncio.ensure_future(
@@ -294,9 +292,7 @@ async def test_shutdown_answers_queued_requests_with_503_at_once():
                 )
                 for p in ("a", "b")
             ]
-            while len(st.admission) < 2:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: len(st.admission) >= 2, "both requests queued in the proxy")
             stopping = asyncio.ensure_future(runner.cleanup())
             for fut in queued:
                 resp = await asyncio.wait_for(fut, 5)

@@ -8,7 +8,6 @@ and places its workers on them.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 from proxy.cli import main
 from proxy.observe.nvml import sample_gpus
 from tests.harness.serve_process import pacer_serve
+from tests.harness.wait import wait_until
 from tests.observe.test_nvml import _has_gpu
 from tests.server.test_fleet_serve import visible_devices, wait_all_ready
 from tests.server.test_gpus import _gpu_series
@@ -53,14 +53,12 @@ enable_metrics = true
 
 
 async def _gpus_sampled(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            async with s.get(url + "/admin/gpus") as r:
-                payload: dict[str, Any] = await r.json()
-            if payload.get("devices"):
-                return payload
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"/admin/gpus never showed a device: {payload}")
+    async def sampled() -> dict[str, Any] | None:
+        async with aiohttp.ClientSession() as s, s.get(url + "/admin/gpus") as r:
+            payload: dict[str, Any] = await r.json()
+        return payload if payload.get("devices") else None
+
+    return await wait_until(sampled, "/admin/gpus to show a device", every=0.1)
 
 
 async def test_serve_reads_the_host_gpus_and_places_an_auto_pool_on_them(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from tests.harness.fake_engine import FakeEngine
 from tests.harness.static_pool import StaticPool
+from tests.harness.wait import wait_until
 from tests.observe.test_nvml import _has_gpu, _Nvml
 
 ADMIN = {"Authorization": "Bearer adm-1"}
@@ -50,12 +51,7 @@ async def start_proxy(tmp_path) -> AsyncIterator[Start]:
 
 
 async def _first_sample(st: ProxyState) -> GpuReport:
-    async def poll() -> GpuReport:
-        while st.gpus is None or st.gpus.last is None:
-            await asyncio.sleep(0.005)
-        return st.gpus.last
-
-    return await asyncio.wait_for(poll(), 5.0)
+    return await wait_until(lambda: st.gpus is not None and st.gpus.last, "a first GPU sample", timeout=5)
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:

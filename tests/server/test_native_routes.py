@@ -13,13 +13,17 @@ import pytest
 from proxy.server.state import ProxyState
 from proxy.workers.base import WorkerState
 from tests.harness.sim_proxy import serve_sims
-from tests.server.test_e2e_sim import _wait
+from tests.harness.wait import wait_until
 
 
 @pytest.fixture
 async def proxy(tmp_path) -> AsyncIterator[tuple[str, ProxyState]]:
     async with serve_sims(tmp_path, {"workers": 2}) as p:
-        await _wait(lambda: sum(w.state is WorkerState.READY for w in p.pool.workers()) == 2, 60)
+        await wait_until(
+            lambda: sum(w.state is WorkerState.READY for w in p.pool.workers()) == 2,
+            "sum(w.state is WorkerState.READY for w in p.pool.workers()) == 2",
+            timeout=60,
+        )
         yield p.url, p.state
 
 
@@ -55,7 +59,7 @@ async def test_flush_and_abort_reach_every_worker(proxy) -> None:
         # a long request under the client's rid, aborted by that rid wherever it runs
         payload = {"text": "hello", "rid": "abort-me", "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
         running = asyncio.ensure_future(s.post(url + "/generate", json=payload))
-        await _wait(lambda: st.board.total_in_flight() == 1)
+        await wait_until(lambda: st.board.total_in_flight() == 1, "st.board.total_in_flight() == 1", timeout=20)
         holder = next(w.id for w in st.pool.workers() if st.board.get(w.id).in_flight == 1)
         async with s.post(url + "/flush_cache") as r:  # a request runs there: SGLang's refusal, naming the worker
             refused = await r.json()

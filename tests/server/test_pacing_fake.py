@@ -16,7 +16,7 @@ async def test_burst_keeps_worker_queues_in_band(make_proxy):
         policy={"pacing": {"queue_band": [lo, hi], "headroom": 10, "scrape_interval_s": 0.05}},
         worker={"max_running": 16, "token_delay_s": 0.005},
     )
-    n = 1500
+    n = 600  # over six times what the two workers hold within the band (2 x (16 running + 30 queued))
     run = await run_burst(
         h.url,
         [w.url for w in h.workers],

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from tests.harness.serve_process import pacer_serve
+from tests.harness.wait import wait_until
 from tests.server.pacing_check import band_report, run_burst
 
 LO, HI = 20, 60
@@ -57,18 +58,18 @@ def pacer(tmp_path):
 
 
 async def _ready(url: str, logfile, timeout: float = 90.0) -> list[dict]:
-    end = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < end:
-            try:
-                async with s.get(url + "/admin/workers") as r:
-                    doc = await r.json()
-                    if len(doc["workers"]) == 2 and all(w["state"] == "ready" and w["sample"] for w in doc["workers"]):
-                        return doc["workers"]
-            except (aiohttp.ClientError, OSError, ValueError, KeyError):
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError("proxy or workers not ready in time; its log:\n" + logfile.read_text()[-3000:])
+    async def both_ready() -> list[dict] | None:
+        try:
+            async with aiohttp.ClientSession() as s, s.get(url + "/admin/workers") as r:
+                workers = (await r.json())["workers"]
+        except (aiohttp.ClientError, OSError, ValueError, KeyError):
+            return None  # the proxy is not listening yet
+        return workers if len(workers) == 2 and all(w["state"] == "ready" and w["sample"] for w in workers) else None
+
+    return await wait_until(
+        both_ready, "the proxy and both workers ready and sampled", timeout=timeout, every=0.1,
+        detail=lambda: logfile.read_text()[-3000:],
+    )  # fmt: skip
 
 
 async def test_burst_keeps_each_worker_queue_in_band(pacer):
@@ -84,7 +85,7 @@ async def test_burst_keeps_each_worker_queue_in_band(pacer):
                 async with s.get(url + "/admin/workers") as r:
                     q = (await r.json())["proxy_queue"]
                 backlog["n"] = q["interactive"] + q["batch"]
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # a sampling cadence while the burst runs, not a wait
 
     stop = asyncio.Event()
     watcher = asyncio.ensure_future(watch_backlog(stop))

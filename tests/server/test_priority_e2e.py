@@ -14,16 +14,9 @@ from proxy.compose import build_app, serve
 from proxy.policy import parse_policy
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-async def _wait(cond, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not await cond():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def _queued_on_worker(url: str) -> float:
@@ -72,14 +65,16 @@ async def test_interactive_overtakes_batch_queued_on_the_worker(tmp_path, priori
         async def ready() -> bool:
             return all(w.state is WorkerState.READY for w in pool.workers()) and len(pool.workers()) == 1
 
-        await _wait(ready, 60)
+        await wait_until(ready, "the proxy and its worker ready", timeout=60)
         url = pool.workers()[0].url
         tasks = [asyncio.ensure_future(ask(batch, f"batch {i}", 2000)) for i in range(6)]
 
         async def four_queued() -> bool:
             return await _queued_on_worker(url) >= 4
 
-        await _wait(four_queued)  # two run, four wait on the worker
+        await wait_until(
+            four_queued, "four requests queued on the worker", timeout=30
+        )  # two run, four wait on the worker
         await ask(inter, "interactive", 4)
         await asyncio.gather(*tasks)
     finally:

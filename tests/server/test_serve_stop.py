@@ -26,6 +26,8 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.harness.wait import wait_until
+
 # answers of 8000 tokens: about 11 s on the simulated worker at ten times the modelled speed, far
 # longer than the drains below take
 LONG = 8000
@@ -66,21 +68,28 @@ def serving(folder: Path, grace_s: float, port: int = 0) -> Iterator[tuple[subpr
 
 async def ready_url(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 30.0) -> str:
     """The proxy's URL once its worker is ready."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def ready() -> str | None:
         text = log.read_text()
         m = re.search(r"listening on (http://\S+?) ", text)
         if m and "worker w0 is ready" in text:
             return m.group(1)
-        assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
-        await asyncio.sleep(0.05)
+        assert proc.poll() is None, text[-3000:]
+        return None
+
+    return await wait_until(
+        ready, "the proxy listening and w0 ready", timeout=timeout_s, every=0.05, detail=lambda: log.read_text()[-3000:]
+    )
 
 
 async def wait_log(proc: subprocess.Popen[bytes], log: Path, line: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while line not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        await asyncio.sleep(0.02)
+    def logged() -> bool:
+        if line in log.read_text():
+            return True
+        assert proc.poll() is None, log.read_text()[-3000:]
+        return False
+
+    await wait_until(logged, f"{line!r} in the log", timeout=timeout_s, detail=lambda: log.read_text()[-3000:])
 
 
 def alive(pid: int) -> bool:
@@ -122,14 +131,13 @@ class InFlight:
         """Once all three run on the worker (the streams with output out): the worker's pid."""
         for seen in self.first_output:
             await asyncio.wait_for(seen.wait(), 10)
-        deadline = time.monotonic() + 10
-        while True:
+
+        async def all_three_in_flight() -> int | None:
             async with session.get(url + "/admin/workers") as resp:
                 (worker,) = (await resp.json())["workers"]
-            if worker["in_flight"] == 3:
-                return int(worker["pid"])
-            assert time.monotonic() < deadline, worker
-            await asyncio.sleep(0.02)
+            return int(worker["pid"]) if worker["in_flight"] == 3 else None
+
+        return await wait_until(all_three_in_flight, "all three requests in flight on the worker")
 
     async def answers(self) -> tuple[list[tuple[int, list[bytes]]], tuple[int, Any]]:
         streams = await asyncio.wait_for(asyncio.gather(*self.streams), 30)

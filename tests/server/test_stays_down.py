@@ -16,7 +16,8 @@ import openai
 
 from proxy.workers.base import WorkerState
 from tests.harness.sim_proxy import serve_sims
-from tests.server.test_e2e_sim import MODEL, _wait
+from tests.harness.wait import wait_until
+from tests.server.test_e2e_sim import MODEL
 
 QUEUE_TIMEOUT_S = 120  # far longer than the test: an answer before it is the proxy's own
 
@@ -30,15 +31,19 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
     async with serve_sims(tmp_path, {"workers": 1}, queue={"timeout_s": QUEUE_TIMEOUT_S}, control=control) as p:
         pool, st = p.pool, p.state
         async with _client(p.url) as client:
-            await _wait(lambda: pool.get("w0").state is WorkerState.READY, 60)
+            await wait_until(
+                lambda: pool.get("w0").state is WorkerState.READY,
+                "pool.get('w0').state is WorkerState.READY",
+                timeout=60,
+            )
             body = {"sim_output_len": 4000}  # long: still running when the worker is killed
             on_it = asyncio.ensure_future(
                 client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
             )
-            await _wait(lambda: st.board.get("w0").in_flight == 1)
+            await wait_until(lambda: st.board.get("w0").in_flight == 1, "st.board.get('w0').in_flight == 1", timeout=20)
             started = time.monotonic()
             os.kill(pool.get("w0").pid, signal.SIGKILL)
-            await _wait(lambda: pool.get("w0").stays_down)
+            await wait_until(lambda: pool.get("w0").stays_down, "pool.get('w0').stays_down", timeout=20)
             errors = []
             try:
                 await on_it
@@ -64,7 +69,9 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
 
             await pool.restart("w0", pool.get("w0").args, "the operator's restart")  # its next launch lifts it
             assert pool.get("w0").state is WorkerState.READY and not pool.get("w0").stays_down
-            await _wait(lambda: st.board.get("w0").sample is not None)
+            await wait_until(
+                lambda: st.board.get("w0").sample is not None, "st.board.get('w0').sample is not None", timeout=20
+            )
             again = await client.completions.create(
                 model=MODEL, prompt="x", max_tokens=2, extra_body={"sim_output_len": 2}
             )
@@ -81,7 +88,7 @@ async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_af
     ) as p:
         pool = p.pool
         async with _client(p.url) as client:
-            await _wait(lambda: pool.get("w0").crash_loop, 60)
+            await wait_until(lambda: pool.get("w0").crash_loop, "pool.get('w0').crash_loop", timeout=60)
             started = time.monotonic()
             try:
                 await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
@@ -95,4 +102,6 @@ async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_af
             assert "every worker is down or in a crash loop" in message and ", in a crash loop)" in message, message
             assert "--no-such-flag" not in message  # the worker's output is in pacer status, not told a client
             assert "unrecognized arguments: --no-such-flag" in (pool.get("w0").last_error or "")
-            await _wait(lambda: pool.get("w0").restarts >= 3)  # the revivals go on
+            await wait_until(
+                lambda: pool.get("w0").restarts >= 3, "pool.get('w0').restarts >= 3", timeout=20
+            )  # the revivals go on

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from proxy.sim.cli import build_parser, resolve_config
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
+from tests.harness.wait import wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +53,7 @@ class SimProcess:
     proc: subprocess.Popen[str]
     port: int
     lines: list[str] = field(default_factory=list)
+    _reader: threading.Thread = field(default_factory=threading.Thread)
 
     @property
     def url(self) -> str:
@@ -62,19 +63,16 @@ class SimProcess:
         return "\n".join(self.lines)
 
     def wait_for_line(self, needle: str, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if needle in line:
-                    return line
-            if self.proc.poll() is not None and not any(needle in x for x in self.lines):
-                time.sleep(0.2)
-                if not any(needle in x for x in self.lines):
-                    raise AssertionError(
-                        f"process exited ({self.proc.returncode}) without {needle!r}:\n{self.log_text()}"
-                    )
-            time.sleep(0.02)
-        raise AssertionError(f"no line with {needle!r} within {timeout}s:\n{self.log_text()}")
+        """The first line with ``needle``; fails at once when the process ended without one (all its
+        output read: the reader thread is done)."""
+
+        def found() -> str | None:
+            exited = self.proc.poll() is not None and not self._reader.is_alive()
+            line = next((x for x in list(self.lines) if needle in x), None)
+            assert line is not None or not exited, f"process exited ({self.proc.returncode}) without {needle!r}"
+            return line
+
+        return wait_until_blocking(found, f"a line with {needle!r}", timeout=timeout, detail=self.log_text)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         self.wait_for_line("fired up and ready to roll", timeout)
@@ -107,19 +105,13 @@ def start_sim(*argv: str, startup: float = 0.2, wait: bool = True) -> SimProcess
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
 
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 20
-    port = None
-    while port is None and time.monotonic() < deadline:
-        for line in list(lines):
-            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        if proc.poll() is not None and port is None:
-            raise AssertionError(f"pacer sim exited {proc.returncode}:\n" + "\n".join(lines))
-        time.sleep(0.02)
-    assert port is not None, "no Uvicorn line:\n" + "\n".join(lines)
-    sim = SimProcess(proc=proc, port=port, lines=lines)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    sim = SimProcess(proc=proc, port=0, lines=lines, _reader=reader)
+    line = sim.wait_for_line("Uvicorn running on http://127.0.0.1:")
+    m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+    assert m is not None, line
+    sim.port = int(m.group(1))
     if wait:
         sim.wait_ready()
     return sim

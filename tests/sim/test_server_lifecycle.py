@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import openai
 
 from proxy.engines.sglang.logs import classify_death
+from tests.harness.wait import wait_until_blocking
 from tests.sim.helpers import http, start_sim
 
 
@@ -58,13 +58,14 @@ def test_metrics_only_with_enable_metrics_and_queue_limit() -> None:
             threading.Thread(target=lambda: results.append(http("POST", sim.url + "/generate", body)[0]))
             for _ in range(2)
         ]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)
-        deadline = time.monotonic() + 10
-        while json.loads(http("GET", sim.url + "/v1/loads")[1])["loads"][0]["num_waiting_reqs"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+        def loads() -> dict:
+            return json.loads(http("GET", sim.url + "/v1/loads")[1])["loads"][0]
+
+        threads[0].start()
+        wait_until_blocking(lambda: loads()["num_running_reqs"] == 1, "the first request running")
+        threads[1].start()
+        wait_until_blocking(lambda: loads()["num_waiting_reqs"] == 1, "the second request waiting")
         status, raw = http("POST", sim.url + "/generate", body)
         assert status == 503 and json.loads(raw) == {"detail": "The request queue is full."}
         client = openai.OpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 
 import aiohttp
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from proxy.engines.base import EventKind
 from proxy.engines.sglang.logs import parse_line
 from proxy.engines.sglang.metrics import parse_loads, parse_metrics
+from tests.harness.wait import wait_until, wait_until_blocking
 from tests.sim.helpers import SimProcess, http, start_sim
 
 
@@ -165,9 +165,7 @@ async def test_abort_request_ends_a_stream(sim: SimProcess) -> None:
                 arrived,
             )
         )
-        async with asyncio.timeout(10):
-            while not arrived:  # the request is running: its first tokens came
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: arrived, "the first tokens of the request to abort")
         async with s.post(sim.url + "/abort_request", json={"rid": "to-abort"}) as resp:
             assert resp.status == 200
         events = await asyncio.wait_for(task, 10)
@@ -177,13 +175,12 @@ async def test_abort_request_ends_a_stream(sim: SimProcess) -> None:
 
 
 def test_flush_cache(sim: SimProcess) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        status, raw = http("POST", sim.url + "/flush_cache")
-        if status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert status == 200 and raw.decode().startswith("Cache flushed.")
+    raw = wait_until_blocking(
+        lambda: (answer := http("POST", sim.url + "/flush_cache"))[0] == 200 and answer[1],
+        "a 200 from /flush_cache",
+        every=0.1,
+    )
+    assert raw.decode().startswith("Cache flushed.")
 
 
 def test_log_lines_parse(sim: SimProcess) -> None:

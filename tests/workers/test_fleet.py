@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from proxy.workers.base import WorkerState
 from proxy.workers.fleet import Fleet, PoolView, build_pool
 from tests.harness.fake_engine import MODEL as EXTERNAL_MODEL
 from tests.harness.fake_engine import FakeEngine
+from tests.harness.wait import wait_until
 
 SIM_MODEL = "sim-small"
 
@@ -54,10 +54,11 @@ async def proxy(tmp_path: Path) -> AsyncIterator[tuple[str, ProxyState, FakeEngi
     app = build_app(policy, pool)
     runner, port = await serve(app, "127.0.0.1", 0)
     try:
-        for _ in range(600):
-            if len(pool.workers()) == 3 and all(w.state is WorkerState.READY for w in pool.workers()):
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(
+            lambda: len(pool.workers()) == 3 and all(w.state is WorkerState.READY for w in pool.workers()),
+            "three workers ready",
+            timeout=30,
+        )
         yield f"http://127.0.0.1:{port}", app[PROXY], fake
     finally:
         await runner.cleanup()

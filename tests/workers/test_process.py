@@ -8,16 +8,18 @@ import sys
 from pathlib import Path
 
 from proxy.workers.process import LineLog, WorkerProcess
+from tests.harness.wait import wait_until
 
 _SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"]
 
 
 async def test_a_cancel_during_drain_output_reaches_the_caller(tmp_path: Path) -> None:
     """The worker is alive, its output open: drain_output waits; cancelling its caller cancels it."""
-    process = await WorkerProcess.launch(_SLEEPER, env={}, lines=LineLog(), log_file=tmp_path / "w.log", header="h")
+    lines = LineLog()
+    process = await WorkerProcess.launch(_SLEEPER, env={}, lines=lines, log_file=tmp_path / "w.log", header="h")
     try:
         waiting = asyncio.create_task(process.drain_output(timeout=20.0))
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: lines.tail(1) == ["up"], "the worker's first line")  # drain_output waits by now
         waiting.cancel()
         done, _ = await asyncio.wait({waiting}, timeout=5.0)
         assert waiting in done and waiting.cancelled(), "drain_output swallowed its caller's cancel"
@@ -37,12 +39,9 @@ async def test_a_cancel_during_terminate_reaches_the_caller_and_the_process_stil
     lines = LineLog()
     process = await WorkerProcess.launch(ignores_term, env={}, lines=lines, log_file=tmp_path / "w.log", header="h")
     try:
-        for _ in range(100):  # the handler is installed once it printed
-            if lines.tail(1) == ["up"]:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: lines.tail(1) == ["up"], "the worker's first line")  # its handler is installed
         stopping = asyncio.create_task(process.terminate(grace_s=20.0))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0)  # one turn: terminate sends SIGTERM, then waits out the grace
         stopping.cancel()
         done, _ = await asyncio.wait({stopping}, timeout=5.0)
         assert stopping in done and stopping.cancelled()

@@ -8,7 +8,6 @@ workers of a node that dies are revived on another node by the controller."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.fleet import Fleet, build_pool
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -66,13 +66,6 @@ def fleet_policy(tmp_path: Path, pools: list[dict[str, Any]], **top: Any) -> Pol
     )
 
 
-async def wait_for(cond: Any, timeout: float = 60.0, what: str = "") -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"not reached in time: {what}"
-        await asyncio.sleep(0.05)
-
-
 def visible_devices(pid: int) -> str | None:
     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     found = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")]
@@ -90,17 +83,20 @@ async def proxy(cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest
         st.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
         try:
             n = sum(p.engine.workers for p in policy.pools)
-            await wait_for(
+            await wait_until(
                 lambda: len(pool.workers()) == n and all(w.state is WorkerState.READY for w in pool.workers()),
-                what="workers ready",
+                "workers ready",
+                timeout=60,
             )
             yield st
         finally:
             await runner.cleanup()
         assert all(w.state is WorkerState.STOPPED for w in pool.workers())
     # every actor is gone with the workers: the GPUs are free again
-    await wait_for(
-        lambda: ray.available_resources().get("GPU", 0) == ray.cluster_resources().get("GPU", -1), 60, "GPUs released"
+    await wait_until(
+        lambda: ray.available_resources().get("GPU", 0) == ray.cluster_resources().get("GPU", -1),
+        "GPUs released",
+        timeout=60,
     )
 
 
@@ -135,10 +131,11 @@ async def test_placement_on_distinct_gpus_across_nodes_and_routing(proxy: ProxyS
             assert r.choices[0].text
     # log lines came back: the proxy pulls them from the actor every poll, apart from the health check
     # that made the worker ready, so the start-up line may arrive a poll after the worker serves
-    await wait_for(
+    await wait_until(
         lambda: any("The server is fired up and ready to roll!" in line for line in st.pool.tail("small-w1", 200)),
-        timeout=30.0, what="the worker's start-up line pulled from its actor",
-    )  # fmt: skip
+        "the worker's start-up line pulled from its actor",
+        timeout=30.0,
+    )
 
 
 def one_pool_auto(tmp_path: Path) -> Policy:
@@ -177,11 +174,12 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
     async with client:
         tasks = [asyncio.create_task(load()) for _ in range(6)]
         try:
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: len(answers) >= 6, "answers before the roll")
             for wid in before:  # a rolling restart: one worker at a time, new args, new actor
                 result = await rollout.restart(wid, {**before[wid].args, "max_running_requests": 24}, "test roll")
                 assert result.info.state is WorkerState.READY, result
-            await asyncio.sleep(0.3)
+            rolled = len(answers)
+            await wait_until(lambda: len(answers) >= rolled + 6, "answers after the roll")
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -202,10 +200,10 @@ async def test_rolling_restart_loses_nothing_and_a_dead_node_is_revived_elsewher
         n for n in cluster.worker_nodes if victim.node and n.node_ip_address in victim.node and _hosts(n, victim)
     )
     cluster.remove_node(node, allow_graceful=False)
-    await wait_for(
+    await wait_until(
         lambda: st.pool.get("chat-w0").restarts == 2 and st.pool.get("chat-w0").state is WorkerState.READY,
-        90,
         "revived",
+        timeout=90,
     )
     revived = st.pool.get("chat-w0")
     assert revived.node != victim.node and len(revived.gpus) == 2

@@ -13,6 +13,7 @@ import pytest
 
 from proxy.workers.base import WorkerInfo, WorkerState
 from proxy.workers.supervisor import Supervisor, WorkerError, free_port
+from tests.harness.wait import wait_until
 
 from .conftest import FAKE_WORKER, alive, engine_settings
 
@@ -20,14 +21,6 @@ from .conftest import FAKE_WORKER, alive, engine_settings
 async def get_json(url: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
         return await r.json()
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor, tmp_path: Path) -> None:
@@ -54,7 +47,10 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     assert all(alive(p) for p in child_pids)
 
     # log lines: live to listeners, in the ring, and in the log file
-    await wait_for(lambda: any(wid == "w1" and "Decode batch" in line for wid, line in heard))
+    await wait_until(
+        lambda: any(wid == "w1" and "Decode batch" in line for wid, line in heard),
+        "any(wid == 'w1' and 'Decode batch' in line for wid, line in heard)",
+    )
     assert any(wid == "w0" and "fired up" in line for wid, line in heard)
     assert any("starting on port" in line for line in sup.tail("w0", 100))
     log_text = Path(w0.log_path or "").read_text()
@@ -64,16 +60,18 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     async with aiohttp.ClientSession() as s:
         with pytest.raises(aiohttp.ClientError):
             await s.post(f"{w1.url}/crash", timeout=aiohttp.ClientTimeout(total=5))
-    await wait_for(lambda: sup.get("w1").state == WorkerState.DOWN)
+    await wait_until(lambda: sup.get("w1").state == WorkerState.DOWN, "sup.get('w1').state == WorkerState.DOWN")
     down = sup.get("w1")
     assert down.exit_code == 3 and down.pid is None
     assert down.last_error is not None and "code 3" in down.last_error and "crash requested" in down.last_error
     assert sup.get("w0").state == WorkerState.READY  # the other one is untouched
-    await wait_for(lambda: not alive(child_pids[1]))  # its child went with its process group
+    await wait_until(
+        lambda: not alive(child_pids[1]), "not alive(child_pids[1])"
+    )  # its child went with its process group
 
     # kill -9 the other: DOWN too
     os.kill(w0.pid, signal.SIGKILL)
-    await wait_for(lambda: sup.get("w0").state == WorkerState.DOWN)
+    await wait_until(lambda: sup.get("w0").state == WorkerState.DOWN, "sup.get('w0').state == WorkerState.DOWN")
     assert "SIGKILL" in (sup.get("w0").last_error or "") and sup.get("w0").exit_code == -9
 
     # restart with new args: same port, new argv, READY
@@ -89,7 +87,7 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     await sup.stop()
     assert all(i.state == WorkerState.STOPPED and i.pid is None for i in sup.workers())
     for pid in pids:
-        await wait_for(lambda pid=pid: not alive(pid), timeout=5)
+        await wait_until(lambda pid=pid: not alive(pid), "not alive(pid)", timeout=5)
 
 
 async def test_drain_hook(make_supervisor) -> None:
@@ -107,7 +105,10 @@ async def test_drain_hook(make_supervisor) -> None:
         sup.set_state("w0", WorkerState.STOPPED)
     with pytest.raises(WorkerError, match="no worker 'w9'"):
         sup.get("w9")
-    await wait_for(lambda: states == [WorkerState.DRAINING, WorkerState.READY])
+    await wait_until(
+        lambda: states == [WorkerState.DRAINING, WorkerState.READY],
+        "states == [WorkerState.DRAINING, WorkerState.READY]",
+    )
 
 
 async def test_ready_line_ends_the_health_wait_before_the_next_poll(tmp_path: Path) -> None:
@@ -226,14 +227,14 @@ async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None
     sup = Supervisor(settings, external_probe_interval_s=0.2)
     try:
         # wait for the external server to come up before registering it
-        async with aiohttp.ClientSession() as s:
-            for _ in range(100):
-                try:
-                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
+        async def healthy() -> bool:
+            try:
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as r:
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_until(healthy, "the external server's /health", every=0.1)
         await sup.start()
         up, down = sup.workers()
         assert up.state == WorkerState.READY and not up.managed and up.pid is None
@@ -243,7 +244,7 @@ async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None
             await sup.restart("w0", {}, "test")
         proc.kill()
         await proc.wait()
-        await wait_for(lambda: sup.get("w0").state == WorkerState.DOWN)
+        await wait_until(lambda: sup.get("w0").state == WorkerState.DOWN, "sup.get('w0').state == WorkerState.DOWN")
     finally:
         await sup.stop()
         if proc.returncode is None:
@@ -254,7 +255,10 @@ async def test_external_workers_are_probed_not_restarted(tmp_path: Path) -> None
 async def test_stop_during_startup_leaves_nothing(make_supervisor) -> None:
     sup = make_supervisor(workers=2, extra_args=["--fake-startup-seconds", "60", "--fake-spawn-child"])
     starting = asyncio.create_task(sup.start())
-    await wait_for(lambda: len(sup.workers()) == 2 and all(w.pid for w in sup.workers()))
+    await wait_until(
+        lambda: len(sup.workers()) == 2 and all(w.pid for w in sup.workers()),
+        "len(sup.workers()) == 2 and all(w.pid for w in sup.workers())",
+    )
     pids = [w.pid for w in sup.workers()]
     await sup.stop()
     await asyncio.wait_for(starting, 10)
