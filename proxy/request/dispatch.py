@@ -75,7 +75,8 @@ no output was sent and the request still wants an answer: the controller took th
 (:meth:`take_back` cancels the block while it has no output), or it raised
 :class:`~proxy.request.attempt.AttemptFailed` with a retry left (``max_attempts``), or the worker
 refused the connection (it is reported to the pool, which stops sending to it, and no attempt is
-spent). Any other exit (an answer, a client that left, a failure with no retry left) propagates.
+spent); or a started stream's worker broke and its answer goes on from its text
+(:class:`~proxy.request.attempt.WorkerLost`, elsewhere when another worker serves). Any other exit (an answer, a client that left, a failure with no retry left) propagates.
 So a request is answered once, by the handler that owns it, from whichever worker serves it.
 
 Errors, in this layer: exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing``, ``NoWorker`` leave
@@ -94,7 +95,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
-from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket, WorkerLost
 from proxy.request.pacing import Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.exit_text import how_it_ended
@@ -331,6 +332,11 @@ class Dispatcher:
         except TakenBack:
             self._release(attempt)
             self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+            return
+        except WorkerLost:  # a started stream whose worker broke: it goes on from its text, elsewhere if it can
+            self._release(attempt)
+            ticket.exclude = ticket.exclude | {attempt.worker_id}
+            self._requeue(ticket, attempt, Requeued.LOST)
             return
         except AttemptFailed as failure:
             self._release(attempt)

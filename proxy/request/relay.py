@@ -50,7 +50,7 @@ from proxy.engines.base import AbortByName
 from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
 from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
-from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket, WorkerLost
 from proxy.request.continuation import Capped
 from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout, worker_words
 from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
@@ -100,6 +100,7 @@ class Opened:
         "body",
         "content_type",
         "first",
+        "go_on",
         "opened_at",
         "parts",
         "resp",
@@ -127,6 +128,7 @@ class Opened:
         self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
         self.stitch: _Stitch | None = None  # a stream sent under its output budget: how to go on
         self.parts = 1  # the answer's parts (more than one: it reached its output budget and went on)
+        self.go_on: _Stitch | None = None  # a plain stream, relayed as it comes: how it goes on if its worker breaks
 
 
 async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
@@ -165,6 +167,8 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
     except UpstreamEnded:  # the proxy is shutting down: no output went out, the client sends it again
         raise ProxyClosing() from None
     except UpstreamError as exc:
+        if await path.upstream.refuses(url):  # it broke as its worker died: wait for a live one, no try spent
+            raise AttemptFailed(f"{where} went away before any output: {exc}", unreachable=True) from None
         raise AttemptFailed(f"{where} failed before any output: {exc}") from None
     finally:
         if resp is not None and not streaming:
@@ -252,7 +256,9 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     async def whole(opened: Opened, upstream: _Upstream, _headers: Mapping[str, str]) -> web.Response:
         return _whole(upstream.metrics, opened)
 
-    return await _answer(path, job, priority, time.monotonic(), whole, key)
+    answer = await _answer(path, job, priority, time.monotonic(), whole, key)
+    assert isinstance(answer, web.Response)  # no stream: nothing went out before its answer
+    return answer
 
 
 async def _answer(
@@ -262,7 +268,7 @@ async def _answer(
     arrived: float,
     respond: Callable[[Opened, _Upstream, Mapping[str, str]], Awaitable[R]],
     key: str,
-) -> R | web.Response:
+) -> R | web.StreamResponse:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
     opened attempt (while it holds its worker). The key's limits hold the request from here to its end."""
     submitted = time.monotonic()
@@ -294,7 +300,7 @@ async def _queued(
     key: str,
     cost: int,
     submitted: float,
-) -> R | web.Response:
+) -> R | web.StreamResponse:
     d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
     try:
         ticket = d.submit(
@@ -315,6 +321,35 @@ async def _queued(
         m.reject_full.inc()
         raise _queue_full_error(path, exc) from None
     m.admitted.inc()
+    box = _Resumed()
+    try:
+        return await _attempts(path, job, priority, arrived, respond, submitted, ticket, box)
+    except ApiError as err:
+        if box.resume is None:
+            raise
+        return await box.resume.fail(err.message, err.code)  # the stream went out: its end is an error event
+
+
+@dataclass(slots=True)
+class _Resumed:
+    """The stream of a request whose worker broke after output went out (None: none broke)."""
+
+    resume: _Resume | None = None
+
+
+async def _attempts(
+    path: RequestPath,
+    job: Job,
+    priority: Priority,
+    arrived: float,
+    respond: Callable[[Opened, _Upstream], Awaitable[R]],
+    submitted: float,
+    ticket: Ticket,
+    box: _Resumed,
+) -> R | web.Response | web.StreamResponse:
+    """The attempts of an admitted request until one answers it (the module docstring's loop); a
+    stream whose worker broke mid-way goes on, on the next attempt, from the text it sent (``box``)."""
+    d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
     strip = _ask_for_usage(job)
     named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
     tries = 0
@@ -343,6 +378,17 @@ async def _queued(
                 attempt.sent_max_tokens = None if capped is None else capped.sent
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
                     m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
+                if box.resume is not None:  # its worker broke mid-stream: the answer goes on here
+                    try:
+                        return await _go_on(path, attempt, upstream, box.resume)
+                    except WorkerLost as lost:
+                        box.resume = _lost(lost, box.resume.losses + 1)
+                        raise
+                    except asyncio.CancelledError:
+                        upstream.abort(path)
+                        if not attempt.taken_back:
+                            m.disconnected.inc()
+                        raise
                 if _keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
                     attempt.on_take_back = partial(_end_early, path, attempt, upstream)
                 try:
@@ -359,9 +405,15 @@ async def _queued(
                 attempt.mark_started()
                 opened.strip_usage = strip
                 opened.parts = parts
-                if capped is not None and opened.resp is not None:
-                    opened.stitch = _Stitch(job, capped, attempt.worker_id, _interactive(attempt))
-                answer = await respond(opened, upstream)
+                whole = capped or continuation.plain(job)
+                if opened.resp is not None and whole is not None:  # a stream that can go on past a cap or a break
+                    plan = _Stitch(job, whole, attempt.worker_id, _interactive(attempt))
+                    opened.stitch, opened.go_on = (plan, None) if capped is not None else (None, plan)
+                try:
+                    answer = await respond(opened, upstream)
+                except WorkerLost as lost:
+                    box.resume = _lost(lost, 1)
+                    raise
                 _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
         except asyncio.CancelledError:
@@ -387,7 +439,7 @@ async def _queued(
             ) from None
         except AttemptFailed as fail:
             m.fail_upstream.inc()
-            if fail.body and fail.content_type == "application/json":  # the worker's own error answer
+            if box.resume is None and fail.body and fail.content_type == "application/json":  # the worker's own
                 return web.Response(
                     status=fail.status, body=openai_error_body(fail.status, fail.body), content_type="application/json"
                 )
@@ -726,6 +778,7 @@ async def _respond(
         strip = opened.strip_usage
         whole = WholeEvents()  # the usage and error events are read and rewritten whole, however they arrive
         earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
+        sent: list[bytes] | None = [] if opened.go_on is not None else None  # a plain stream's, to go on from
 
         def client_bytes(data: bytes) -> bytes:
             """What of the worker's bytes goes to the client now: whole events, rewritten."""
@@ -733,6 +786,8 @@ async def _respond(
             data = whole.feed(data)
             if not data:
                 return data
+            if sent is not None:
+                sent.append(data)
             earlier, opened.tail = (earlier[1], opened.tail), data
             if strip:
                 data = strip_usage(data)
@@ -762,6 +817,12 @@ async def _respond(
             try:
                 ended = await resp.piped()
             except UpstreamError as exc:
+                if opened.go_on is not None and sent is not None and not isinstance(exc, UpstreamEnded):
+                    if (resume := _broke(opened, opened.go_on, out, b"".join(sent), exc)) is not None:
+                        raise WorkerLost(resume) from None
+                    m.completed.inc()  # it broke after its finish event: the client has the whole answer
+                    await out.write(b"data: [DONE]\n\n")
+                    break
                 m.fail_midstream.inc()
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
                 await out.write(sep + _mid_stream_error(exc, "worker stream broke after output was sent"))
@@ -836,21 +897,47 @@ async def _respond_stitched(
     plan: _Stitch,
 ) -> web.StreamResponse:
     """A stream sent under its output budget, relayed as one stream however many parts it takes
-    (:class:`~proxy.request.stitch.StreamStitcher`): while a part stops at its cap before the
-    client's ``max_tokens``, the next part continues it on the same worker. Output already went to
-    the client, so a part that cannot go on ends the stream with an error event, as a worker that
-    fails mid-stream does. Each event is read here (the plain relay pipes bytes unread)."""
+    (:class:`~proxy.request.stitch.StreamStitcher`, :func:`_relay_parts`)."""
+    stitcher = StreamStitcher(plan.job.path, client_usage=not opened.strip_usage)
+    stitcher.begin_part()
+    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
+    try:
+        await out.prepare(request)
+    except BaseException:
+        if opened.resp is not None:
+            opened.resp.close()
+        upstream.abort(path)
+        raise
+    return await _relay_parts(path, out, opened, upstream, plan, stitcher, plan.capped.sent)
+
+
+class _Refused(UpstreamError):
+    """The worker refused to continue an answer (its HTTP status and words)."""
+
+
+async def _relay_parts(
+    path: RequestPath,
+    out: EventStream,
+    opened: Opened,
+    upstream: _Upstream,
+    plan: _Stitch,
+    stitcher: StreamStitcher,
+    cap: int,
+    losses: int = 0,
+) -> web.StreamResponse:
+    """Relay a stitched stream's parts into ``out`` from ``opened``'s: while a part stops at its cap
+    (``cap``) before the client's ``max_tokens``, the next part continues it on the same worker. A
+    worker that breaks mid-part raises :class:`WorkerLost` (the answer goes on from its text on the
+    next attempt, ``losses`` counts the breaks so far); a continuation it refuses ends the stream with
+    an error event, as does the proxy's own shutdown. Each event is read here (the plain relay pipes
+    bytes unread)."""
     m = upstream.metrics
     job, capped = plan.job, plan.capped
     engine = path.engine_of(plan.worker_id)
-    stitcher = StreamStitcher(job.path, client_usage=not opened.strip_usage)
-    stitcher.begin_part()
     resp = opened.resp
     assert resp is not None
-    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
-    base, cap, ok = upstream.name, capped.sent, False
+    base, ok = upstream.name, False
     try:
-        await out.prepare(request)
         chunk = opened.first
         while True:
             while chunk:
@@ -882,7 +969,7 @@ async def _respond_stitched(
             )
             if resp.status != 200:
                 refused = (await resp.read())[:300].decode(errors="replace")
-                raise UpstreamError(f"the answer could not be continued: HTTP {resp.status}: {refused}")
+                raise _Refused(f"the answer could not be continued: HTTP {resp.status}: {refused}")
             stitcher.begin_part()
             chunk = await resp.readany()
         client_tail, opened.tail = stitcher.finish()
@@ -892,6 +979,10 @@ async def _respond_stitched(
         ok = True
         return out
     except UpstreamError as exc:  # a part broke, or its continuation was refused, after output went out
+        if not isinstance(exc, (_Refused, UpstreamEnded, UpstreamTimeout)) and continuation.plain(job) is not None:
+            ok = True  # its worker is gone: nothing to abort there
+            _log.warning("the worker of a stream broke after output was sent (%r): the answer goes on elsewhere", exc)
+            raise WorkerLost(_Resume(out, stitcher, plan, cap, losses)) from None
         m.fail_midstream.inc()
         await out.write(_mid_stream_error(exc, "a stream sent under its output budget broke after output was sent"))
         await out.write_eof()
@@ -904,3 +995,85 @@ async def _respond_stitched(
         resp.close()
         if not ok:
             upstream.abort(path)
+
+
+@dataclass(slots=True)
+class _Resume:
+    """A stream whose worker broke after output went out: its client response, what it has had (the
+    stitcher's text), how it was sent (``plan``; ``cap``: the broken part's cap) and how many times a
+    worker broke under it."""
+
+    out: EventStream
+    stitcher: StreamStitcher
+    plan: _Stitch
+    cap: int
+    losses: int
+
+    async def fail(self, message: str, code: str | None) -> web.StreamResponse:
+        """End the stream with an error event: the answer could not go on."""
+        _log.warning("a stream whose worker broke could not go on: %s", message)
+        await self.out.write(error_event(f"the answer is incomplete: {message}", code=code))
+        await self.out.write_eof()
+        return self.out
+
+
+def _broke(opened: Opened, plan: _Stitch, out: EventStream, sent: bytes, exc: UpstreamError) -> _Resume | None:
+    """A plain stream relayed as it came whose worker broke: what it sent (``sent``, the worker's
+    events), read into a stitcher to go on from. None when its finish event had gone out already."""
+    stitcher = StreamStitcher(plan.job.path, client_usage=not opened.strip_usage)
+    stitcher.begin_part()
+    stitcher.feed(sent)
+    if stitcher.ended:
+        return None
+    _log.warning("the worker of a stream broke after output was sent (%r): the answer goes on elsewhere", exc)
+    return _Resume(out, stitcher, plan, plan.capped.sent, 0)
+
+
+def _lost(lost: WorkerLost, losses: int) -> _Resume:
+    """The state of a stream whose worker broke, its ``losses``-th break counted (past
+    ``pacing.max_attempts``, the next attempt ends it with an error event)."""
+    resume = lost.resume
+    assert isinstance(resume, _Resume)
+    resume.losses = losses
+    return resume
+
+
+async def _go_on(path: RequestPath, attempt: Attempt, upstream: _Upstream, resume: _Resume) -> web.StreamResponse:
+    """The attempt after a stream's worker broke: the answer goes on from the text the client has,
+    on this attempt's worker, into the same stream. Raises :class:`AttemptFailed` when the worker
+    fails before output (the attempt's retry rules apply)."""
+    plan, stitcher = resume.plan, resume.stitcher
+    job, capped, worker_id = plan.job, plan.capped, attempt.worker_id
+    end = stitcher.end_broken()
+    if end.written >= capped.asked or (
+        end.reason is not None and (end.reason != "length" or capped.sent >= capped.asked)
+    ):
+        client_tail, _ = stitcher.finish()  # it had ended: the finish event came before the break
+        await resume.out.write(client_tail)
+        await resume.out.write_eof()
+        upstream.metrics.completed.inc()
+        return resume.out
+    if resume.losses > path.dispatcher_for(job.model).max_attempts:
+        return await resume.fail(f"its worker broke {resume.losses} times", "upstream_failed_mid_stream")
+    engine = path.engine_of(worker_id)
+    fields = None if engine is None else engine.continuation_fields(job.path, job.body, end.written)
+    if fields is None:
+        return await resume.fail(f"worker {worker_id} cannot continue it", "upstream_failed_mid_stream")
+    budgeted = capped.sent < capped.asked
+    cap = _next_cap(path, worker_id, plan.interactive, capped, end.written) if budgeted else capped.asked - end.written
+    body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    upstream.part(body, upstream.name, "g")
+    upstream.metrics.continued.inc()
+    opened = await _open(path, upstream.url, worker_id, job, orjson.dumps(body))
+    if opened.status != 200 or opened.resp is None:
+        refused = (opened.body or b"")[:300].decode(errors="replace")
+        return await resume.fail(f"worker {worker_id} refused to continue it: HTTP {opened.status}: {refused}",
+                                 "upstream_failed_mid_stream")  # fmt: skip
+    attempt.mark_started()
+    attempt.going_on_from = end.written
+    stitcher.begin_part()
+    here = _Stitch(job, capped, worker_id, plan.interactive)
+    out = await _relay_parts(path, resume.out, opened, upstream, here, stitcher, cap, resume.losses)
+    _record_fact(path, job, opened, attempt, attempt.ticket.enqueued_at, capped if budgeted else None, opened.parts)
+    return out

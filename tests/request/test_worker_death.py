@@ -146,8 +146,8 @@ async def test_a_stream_that_sent_only_its_role_is_retried_whole(tmp_path: Path)
         )
         assert not streamed.done()  # nothing reached the client: not even the headers
         await _kill_and_wait_revived(st)
+        blocker.close()  # its answer would go on on the revived worker, in the only slot
         chunks = await asyncio.wait_for(streamed, 30)
-        blocker.close()
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert [d for d in deltas if "role" in d] == [{"role": "assistant", "content": ""}]  # one opening, not two
     assert sum(1 for d in deltas if d.get("content")) == 5
