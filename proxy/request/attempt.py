@@ -158,7 +158,8 @@ class AttemptFailed(Exception):
     """An attempt failed before any output reached the client (raised inside its ``async with``).
 
     ``retryable``: another attempt may succeed (a 5xx, a reset, a stream that ended before output);
-    ``unreachable``: the worker refused the connection, so it never saw the request. ``body`` and
+    ``unreachable``: the worker refused the connection, so it never saw the request; ``gone``: its
+    connection broke and the worker refuses new ones (it died: wait for a live one). ``body`` and
     ``content_type`` keep a worker's own error answer, relayed as is when no retry is left.
     """
 
@@ -169,6 +170,7 @@ class AttemptFailed(Exception):
         status: int = 502,
         retryable: bool = True,
         unreachable: bool = False,
+        gone: bool = False,
         body: bytes | None = None,
         content_type: str | None = None,
     ) -> None:
@@ -177,5 +179,6 @@ class AttemptFailed(Exception):
         self.status = status
         self.retryable = retryable
         self.unreachable = unreachable
+        self.gone = gone
         self.body = body
         self.content_type = content_type

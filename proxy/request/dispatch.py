@@ -345,6 +345,9 @@ class Dispatcher:
             if attempt.taken_back:  # the worker went away while it was being taken back: no attempt spent
                 self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
                 return
+            if failure.gone:  # its worker died under it (the pool learns it from the process): wait for a live one
+                self._requeue(ticket, attempt, Requeued.UNREACHABLE)
+                return
             if failure.unreachable:
                 self.pool.report_unreachable(attempt.worker_id, failure.message)
                 if self.pool.get(attempt.worker_id).state is not WorkerState.READY:

@@ -168,7 +168,7 @@ async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: 
         raise ProxyClosing() from None
     except UpstreamError as exc:
         if await path.upstream.refuses(url):  # it broke as its worker died: wait for a live one, no try spent
-            raise AttemptFailed(f"{where} went away before any output: {exc}", unreachable=True) from None
+            raise AttemptFailed(f"{where} went away before any output: {exc}", gone=True) from None
         raise AttemptFailed(f"{where} failed before any output: {exc}") from None
     finally:
         if resp is not None and not streaming:

@@ -178,6 +178,8 @@ class StreamStitcher:
             prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if self._parts == 1 and isinstance(prompt, int):
                 self._prompt = prompt
+            elif self._prompt is None and isinstance(prompt, int):  # the first part broke before its usage:
+                self._prompt = max(0, prompt - self._written)  # a later part's prompt is it and the text so far
             if isinstance(written, int):
                 self._part_written = written
         choices = payload.get("choices")
