@@ -35,13 +35,14 @@ async def _until(cond, timeout: float, what: str) -> None:
 
 @contextlib.asynccontextmanager
 async def one_sim_worker(
-    tmp_path: Path, time_scale: float = 20, **engine_args: object
+    tmp_path: Path, time_scale: float = 20, max_attempts: int = 3, **engine_args: object
 ) -> AsyncIterator[tuple[str, ProxyState]]:
     policy = parse_policy({
         "engine": {"kind": "sim", "workers": 1, "args": {"max_running_requests": 64, **engine_args},
                    "extra_args": ["--sim-time-scale", str(time_scale), "--sim-startup-seconds", "0.2"],
                    "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
-        "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0,
+                   "max_attempts": max_attempts},
         "queue": {"timeout_s": 60, "capacity": 4096},
         "control": {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")},
         "batch": {"dir": str(tmp_path / "batches")},
@@ -200,7 +201,11 @@ async def test_a_worker_killed_mid_stream_cuts_no_plain_answer(tmp_path: Path) -
                 model=MODEL, messages=[{"role": "user", "content": f"whole {i}"}], max_tokens=8000, extra_body=extra
             )
             assert answer.usage is not None
-            return answer.choices[0].message.content or "", answer.choices[0].finish_reason, answer.usage.completion_tokens
+            return (
+                answer.choices[0].message.content or "",
+                answer.choices[0].finish_reason,
+                answer.usage.completion_tokens,
+            )
 
         plain = [chat(i) for i in range(6)] + [completion(i) for i in range(6, 12)] + [whole(i) for i in range(12, 18)]
         tasks = [asyncio.ensure_future(c) for c in plain]
@@ -221,3 +226,25 @@ async def test_a_worker_killed_mid_stream_cuts_no_plain_answer(tmp_path: Path) -
             assert not isinstance(outcome, BaseException) and outcome[1:] == ("stop", length)
     went_on = st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
     assert went_on is not None and went_on >= len(broken - set(range(18, 21))) >= 5  # they went on after the kill
+
+
+@pytest.mark.timeout(60)
+async def test_whole_answers_on_a_worker_that_dies_wait_for_it_to_come_back_without_spending_a_try(
+    tmp_path: Path,
+) -> None:
+    """One try per request: answers half written when the only worker is SIGKILLed are not failed
+    (502 "failed before any output"): their connection broke and the worker refuses new ones, so
+    they wait for the revived worker, and each gets its whole answer."""
+    async with one_sim_worker(tmp_path, time_scale=2, max_attempts=1) as (url, st), aiohttp.ClientSession() as session:
+
+        async def whole(i: int) -> tuple[int, bytes]:
+            body = {"model": MODEL, "prompt": f"whole {i}", "max_tokens": 400, "sim_output_len": 400}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                return resp.status, await resp.read()
+
+        tasks = [asyncio.ensure_future(whole(i)) for i in range(8)]
+        await _until(lambda: st.board.get("w0").in_flight == 8, 20, "answers on the worker")
+        await _kill_and_wait_revived(st)
+        answers = await asyncio.wait_for(asyncio.gather(*tasks), 40)
+    assert [status for status, _ in answers] == [200] * 8, answers
+    assert all(orjson.loads(body)["usage"]["completion_tokens"] == 400 for _, body in answers)
