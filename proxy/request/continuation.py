@@ -28,7 +28,8 @@ What cannot be continued is sent again whole: a whole answer's part that is not 
 with its usage (a reasoning model's split answer, a tool call), or that the worker refused, is sent
 again as the client asked, within the same attempt (nothing reached the client yet); nothing is cut
 short. A stream has sent its text already: a continuation the worker refuses ends it with an error
-event, as a worker that fails mid-stream does. Sampling: the continuation is drawn
+event. The same continuation finishes a plain stream whose worker died mid-way, from the text the
+client has, on the next worker (:mod:`proxy.request.relay`). Sampling: the continuation is drawn
 from the model given the text so far, as the one generation would have been; the engine tokenizes
 the text again at the seam, which may split its last word differently.
 """
