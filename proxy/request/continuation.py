@@ -27,9 +27,10 @@ to continue on the route. The budget must save a real share of the client's ``ma
 What cannot be continued is sent again whole: a whole answer's part that is not one plain choice
 with its usage (a reasoning model's split answer, a tool call), or that the worker refused, is sent
 again as the client asked, within the same attempt (nothing reached the client yet); nothing is cut
-short. A stream has sent its text already: a continuation the worker refuses ends it with an error
-event. The same continuation finishes a plain stream whose worker died mid-way, from the text the
-client has, on the next worker (:mod:`proxy.request.relay`). Sampling: the continuation is drawn
+short. A stream has sent its text already: a continuation the worker refuses is asked once more,
+then goes on from the text the client has on the next attempt (another worker where one serves), as
+a stream whose worker died mid-way does (:mod:`proxy.request.parts`); only an answer no worker goes on
+with within ``pacing.max_attempts`` ends with an error event. Sampling: the continuation is drawn
 from the model given the text so far, as the one generation would have been; the engine tokenizes
 the text again at the seam, which may split its last word differently.
 """

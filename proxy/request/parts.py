@@ -35,11 +35,7 @@ from proxy.request.leg import (
 )
 from proxy.request.path import RequestPath
 from proxy.request.stitch import StreamStitcher
-from proxy.request.upstream import (
-    UpstreamEnded,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from proxy.request.upstream import UpstreamEnded, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 __all__ = [
     "Resume",
@@ -331,15 +327,9 @@ async def _relay_parts(
             cap = next_cap(path, plan.worker_id, plan.interactive, capped, end.written)
             body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            upstream.part(body, base, f"c{opened.parts}")
             m.continued.inc()
             opened.parts += 1
-            resp = await path.upstream.post(  # type: ignore[union-attr]
-                upstream.url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
-            )
-            if resp.status != 200:
-                refused = (await resp.read())[:300].decode(errors="replace")
-                raise _Refused(f"the answer could not be continued: HTTP {resp.status}: {refused}")
+            resp = await _post_part(path, upstream, job, body, base, f"c{opened.parts - 1}")
             stitcher.begin_part()
             chunk = await resp.readany()
         client_tail, opened.tail = stitcher.finish()
@@ -348,10 +338,11 @@ async def _relay_parts(
         await out.write_eof()
         ok = True
         return out
-    except UpstreamError as exc:  # a part broke, or its continuation was refused, after output went out
-        if not isinstance(exc, (_Refused, UpstreamEnded, UpstreamTimeout)) and continuation.plain(job) is not None:
-            ok = True  # its worker is gone: nothing to abort there
-            _log.warning("the worker of a stream broke after output was sent (%r): the answer goes on elsewhere", exc)
+    except UpstreamError as exc:  # a part broke, or its continuation was refused twice, after output went out
+        if not isinstance(exc, (UpstreamEnded, UpstreamTimeout)) and continuation.plain(job) is not None:
+            ok = True  # its worker is gone, or refuses to go on: nothing to abort there
+            what = "refused to continue it" if isinstance(exc, _Refused) else "broke"
+            _log.warning("the worker of a stream %s after output was sent (%s): it goes on elsewhere", what, exc)
             raise WorkerLost(Resume(out, stitcher, plan, cap, losses)) from None
         m.fail_midstream.inc()
         await out.write(mid_stream_error(exc, "a stream sent under its output budget broke after output was sent"))
@@ -365,6 +356,26 @@ async def _relay_parts(
         resp.close()
         if not ok:
             upstream.abort(path)
+
+
+async def _post_part(
+    path: RequestPath, upstream: Upstream, job: Job, body: dict[str, object], base: str | None, name: str
+) -> UpstreamResponse:
+    """Post a stream's next part (``body``, named ``name`` after ``base``) until its first output: a
+    part the worker refuses is asked once more (a refusal may pass: a full queue, a request read late)
+    before :class:`_Refused`, and then the stream goes on elsewhere."""
+    assert path.upstream is not None
+    refused = ""
+    for again in ("", "r"):
+        upstream.part(body, base, name + again)
+        resp = await path.upstream.post(
+            upstream.url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
+        )
+        if resp.status == 200:
+            return resp
+        refused = f"HTTP {resp.status}: {(await resp.read())[:300].decode(errors='replace')}"
+        resp.close()
+    raise _Refused(f"the answer could not be continued: {refused}")
 
 
 @dataclass(slots=True)
@@ -423,8 +434,8 @@ async def resume_stream(path: RequestPath, attempt: Attempt, upstream: Upstream,
         await resume.out.write_eof()
         upstream.metrics.completed.inc()
         return resume.out
-    if resume.losses > path.dispatcher_for(job.model).max_attempts:
-        return await resume.fail(f"its worker broke {resume.losses} times", "upstream_failed_mid_stream")
+    if resume.losses > path.dispatcher_for(job.model).max_attempts:  # pacing.max_attempts breaks or refusals
+        return await resume.fail(f"it could not go on after {resume.losses} tries", "upstream_failed_mid_stream")
     engine = path.engine_of(worker_id)
     fields = None if engine is None else engine.continuation_fields(job.path, job.body, end.written)
     if fields is None:
@@ -433,13 +444,17 @@ async def resume_stream(path: RequestPath, attempt: Attempt, upstream: Upstream,
     cap = next_cap(path, worker_id, plan.interactive, capped, end.written) if budgeted else capped.asked - end.written
     body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
     body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    upstream.part(body, upstream.name, "g")
+    base = upstream.name
     upstream.metrics.continued.inc()
-    opened = await open_attempt(path, upstream.url, worker_id, job, orjson.dumps(body))
-    if opened.status != 200 or opened.resp is None:
+    for again in ("", "r"):  # a refusal is asked once more here, then the stream goes on elsewhere
+        upstream.part(body, base, "g" + again)
+        opened = await open_attempt(path, upstream.url, worker_id, job, orjson.dumps(body))
+        if opened.status == 200 and opened.resp is not None:
+            break
         refused = (opened.body or b"")[:300].decode(errors="replace")
-        return await resume.fail(f"worker {worker_id} refused to continue it: HTTP {opened.status}: {refused}",
-                                 "upstream_failed_mid_stream")  # fmt: skip
+        _log.warning("worker %s refused to continue a stream: HTTP %d: %s", worker_id, opened.status, refused)
+    else:
+        raise WorkerLost(resume)
     attempt.mark_started()
     attempt.going_on_from = end.written
     stitcher.begin_part()
