@@ -380,9 +380,9 @@ async def _post_part(
 
 @dataclass(slots=True)
 class Resume:
-    """A stream whose worker broke after output went out: its client response, what it has had (the
-    stitcher's text), how it was sent (``plan``; ``cap``: the broken part's cap) and how many times a
-    worker broke under it."""
+    """A stream whose worker broke (or refused to go on) after output went out: its client response,
+    what it has had (the stitcher's text), how it was sent (``plan``; ``cap``: the broken part's cap)
+    and how many times a worker broke under it or refused to go on (``losses``)."""
 
     out: EventStream
     stitcher: StreamStitcher
@@ -411,8 +411,8 @@ def broke(opened: Opened, plan: Stitch, out: EventStream, sent: bytes, exc: Upst
 
 
 def counted_loss(lost: WorkerLost, losses: int) -> Resume:
-    """The state of a stream whose worker broke, its ``losses``-th break counted (past
-    ``pacing.max_attempts``, the next attempt ends it with an error event)."""
+    """The state of a stream whose worker broke or refused to go on, its ``losses``-th time counted
+    (past ``pacing.max_attempts``, the next attempt ends it with an error event)."""
     resume = lost.resume
     assert isinstance(resume, Resume)
     resume.losses = losses
@@ -422,7 +422,8 @@ def counted_loss(lost: WorkerLost, losses: int) -> Resume:
 async def resume_stream(path: RequestPath, attempt: Attempt, upstream: Upstream, resume: Resume) -> web.StreamResponse:
     """The attempt after a stream's worker broke: the answer goes on from the text the client has,
     on this attempt's worker, into the same stream. Raises :class:`AttemptFailed` when the worker
-    fails before output (the attempt's retry rules apply)."""
+    fails before output (the attempt's retry rules apply), :class:`WorkerLost` when it refuses twice
+    or breaks again (the next attempt goes on)."""
     plan, stitcher = resume.plan, resume.stitcher
     job, capped, worker_id = plan.job, plan.capped, attempt.worker_id
     end = stitcher.end_broken()
