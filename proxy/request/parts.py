@@ -39,6 +39,7 @@ from proxy.request.upstream import UpstreamEnded, UpstreamError, UpstreamRespons
 
 __all__ = [
     "Resume",
+    "SentEvents",
     "broke",
     "capped_for",
     "counted_loss",
@@ -398,12 +399,42 @@ class Resume:
         return self.out
 
 
-def broke(opened: Opened, plan: Stitch, out: EventStream, sent: bytes, exc: UpstreamError) -> Resume | None:
-    """A plain stream relayed as it came whose worker broke: what it sent (``sent``, the worker's
-    events), read into a stitcher to go on from. None when its finish event had gone out already."""
-    stitcher = StreamStitcher(plan.job.path, client_usage=not opened.strip_usage)
-    stitcher.begin_part()
-    stitcher.feed(sent)
+class SentEvents:
+    """What a plain stream relayed as it came has sent (the worker's whole events), to go on from if its
+    worker breaks: kept as it went, and read into a stitcher only past :attr:`KEPT_MAX` bytes (a long
+    stream's memory stays bounded; most streams are never read: the plain relay pipes bytes unread)."""
+
+    KEPT_MAX = 1 << 20
+    __slots__ = ("_chunks", "_kept", "_stitcher")
+
+    def __init__(self, path: str) -> None:
+        self._chunks: list[bytes] = []
+        self._kept = 0
+        self._stitcher = StreamStitcher(path, client_usage=False)  # its text and events; the client's tail: later
+        self._stitcher.begin_part()
+
+    def add(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._kept += len(data)
+        if self._kept > self.KEPT_MAX:
+            self._read()
+
+    def _read(self) -> None:
+        self._stitcher.feed(b"".join(self._chunks))
+        self._chunks.clear()
+        self._kept = 0
+
+    def stitcher(self, *, client_usage: bool) -> StreamStitcher:
+        """Everything sent, read: the stitcher to go on with."""
+        self._read()
+        self._stitcher.client_usage = client_usage
+        return self._stitcher
+
+
+def broke(opened: Opened, plan: Stitch, out: EventStream, sent: SentEvents, exc: UpstreamError) -> Resume | None:
+    """A plain stream relayed as it came whose worker broke: what it sent (``sent``), read into a
+    stitcher to go on from. None when its finish event had gone out already."""
+    stitcher = sent.stitcher(client_usage=not opened.strip_usage)
     if stitcher.ended:
         return None
     _log.warning("the worker of a stream broke after output was sent (%r): the answer goes on elsewhere", exc)

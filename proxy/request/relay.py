@@ -69,6 +69,7 @@ from proxy.request.leg import (
 from proxy.request.limits import RateLimited
 from proxy.request.parts import (
     Resume,
+    SentEvents,
     broke,
     capped_for,
     counted_loss,
@@ -433,7 +434,7 @@ async def _respond(
         strip = opened.strip_usage
         whole = WholeEvents()  # the usage and error events are read and rewritten whole, however they arrive
         earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
-        sent: list[bytes] | None = [] if opened.go_on is not None else None  # a plain stream's, to go on from
+        sent = SentEvents(opened.go_on.job.path) if opened.go_on is not None else None  # to go on from
 
         def client_bytes(data: bytes) -> bytes:
             """What of the worker's bytes goes to the client now: whole events, rewritten."""
@@ -442,7 +443,7 @@ async def _respond(
             if not data:
                 return data
             if sent is not None:
-                sent.append(data)
+                sent.add(data)
             earlier, opened.tail = (earlier[1], opened.tail), data
             if strip:
                 data = strip_usage(data)
@@ -473,7 +474,7 @@ async def _respond(
                 ended = await resp.piped()
             except UpstreamError as exc:
                 if opened.go_on is not None and sent is not None and not isinstance(exc, UpstreamEnded):
-                    if (resume := broke(opened, opened.go_on, out, b"".join(sent), exc)) is not None:
+                    if (resume := broke(opened, opened.go_on, out, sent, exc)) is not None:
                         raise WorkerLost(resume) from None
                     m.completed.inc()  # it broke after its finish event: the client has the whole answer
                     await out.write(b"data: [DONE]\n\n")

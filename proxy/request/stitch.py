@@ -85,7 +85,6 @@ class StreamStitcher:
 
     __slots__ = (
         "_chat",
-        "_client_usage",
         "_first",
         "_held_finish",
         "_in_part",
@@ -97,11 +96,12 @@ class StreamStitcher:
         "_text",
         "_whole",
         "_written",
+        "client_usage",
     )
 
     def __init__(self, path: str, *, client_usage: bool) -> None:
         self._chat = path == CHAT
-        self._client_usage = client_usage
+        self.client_usage = client_usage  # the client asked for the usage event
         self._first: dict[str, Any] = {}  # the first part's id, object, created, model
         self._text: list[str] = []
         self._written = 0
@@ -158,7 +158,7 @@ class StreamStitcher:
             usage = _event({**self._first, "choices": [], "usage": {
                 "prompt_tokens": self._prompt, "completion_tokens": self._written,
                 "total_tokens": self._prompt + self._written}})  # fmt: skip
-        return finish + (usage if self._client_usage else b"") + _DONE, finish + usage + _DONE
+        return finish + (usage if self.client_usage else b"") + _DONE, finish + usage + _DONE
 
     def _one(self, event: bytes) -> bytes:
         line = event.strip()
