@@ -21,7 +21,7 @@ from proxy.workers.base import WorkerId
 if TYPE_CHECKING:
     from proxy.request.continuation import Part
 
-__all__ = ["Attempt", "AttemptFailed", "Requeued", "TakenBack", "Ticket"]
+__all__ = ["Attempt", "AttemptFailed", "Requeued", "TakenBack", "Ticket", "WorkerLost"]
 
 
 class Ticket:
@@ -92,6 +92,7 @@ class Requeued(StrEnum):
     TAKEN_BACK = "taken_back"  # the controller took it back from a worker it drains
     RETRY = "retry"  # the worker failed before any output (one of the request's attempts spent)
     UNREACHABLE = "unreachable"  # the worker refused the connection (no attempt spent: it never saw it)
+    LOST = "lost"  # the worker of a started stream broke; the answer goes on from its text on the next worker
 
 
 class Attempt:
@@ -142,11 +143,23 @@ class TakenBack(Exception):
     ticket): raised inside its ``async with`` block, which puts the ticket back in the queue."""
 
 
+class WorkerLost(Exception):
+    """The worker of a stream that had started broke, and the answer can go on from the text the
+    client has (a plain request): raised inside its ``async with`` block, which puts the ticket back
+    in the queue, away from that worker when another one serves. ``resume`` is the relay's state of
+    the stream (its client response, the text so far), which the next attempt goes on with."""
+
+    def __init__(self, resume: object) -> None:
+        super().__init__("the worker broke mid-stream; the answer goes on elsewhere")
+        self.resume = resume
+
+
 class AttemptFailed(Exception):
     """An attempt failed before any output reached the client (raised inside its ``async with``).
 
     ``retryable``: another attempt may succeed (a 5xx, a reset, a stream that ended before output);
-    ``unreachable``: the worker refused the connection, so it never saw the request. ``body`` and
+    ``unreachable``: the worker refused the connection, so it never saw the request; ``gone``: its
+    connection broke and the worker refuses new ones (it died: wait for a live one). ``body`` and
     ``content_type`` keep a worker's own error answer, relayed as is when no retry is left.
     """
 
@@ -157,6 +170,7 @@ class AttemptFailed(Exception):
         status: int = 502,
         retryable: bool = True,
         unreachable: bool = False,
+        gone: bool = False,
         body: bytes | None = None,
         content_type: str | None = None,
     ) -> None:
@@ -165,5 +179,6 @@ class AttemptFailed(Exception):
         self.status = status
         self.retryable = retryable
         self.unreachable = unreachable
+        self.gone = gone
         self.body = body
         self.content_type = content_type

@@ -17,7 +17,8 @@ choice; no log probabilities, tools, structured output, stop strings, output pen
 
 What cannot be continued (a split answer, a tool call, a refused part) is sent again whole within
 the same attempt, as the client asked. A stream has sent its text already: a refused continuation
-ends it with an error event. The engine tokenizes the text again at the seam.
+is asked once more, then goes on from the client's text on the next attempt, as a stream whose
+worker died does (:mod:`proxy.request.parts`). The engine tokenizes the text again at the seam.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Among eligible workers: least estimated queue, then least in flight; with prefix
 synchronous: no polling loop, no sleep on the hot path). :meth:`Dispatcher.attempt` owns an
 attempt's lifecycle: leaving its block releases the slot, and the ticket is requeued exactly when
 no output was sent and the request still wants an answer (a take-back, a failure with a retry left,
-a refused connection, which spends no attempt). So a request is answered once, by its handler.
+a refused connection, which spends no attempt), or a started stream's worker broke and its
+answer goes on from its text (``WorkerLost``). So a request is answered once, by its handler.
 Errors are exceptions (``QueueFull``, ``QueueTimeout``, ``ProxyClosing``, ``NoWorker``); "no worker
 now" is a ``None`` from :func:`choose_worker`.
 """
@@ -32,7 +33,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
-from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket
+from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket, WorkerLost
 from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.exit_text import how_it_ended
@@ -251,12 +252,20 @@ class Dispatcher:
             self._release(attempt)
             self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
             return
+        except WorkerLost:  # a started stream whose worker broke: it goes on from its text, elsewhere if it can
+            self._release(attempt)
+            ticket.exclude = ticket.exclude | {attempt.worker_id}
+            self._requeue(ticket, attempt, Requeued.LOST)
+            return
         except AttemptFailed as failure:
             self._release(attempt)
             if attempt.started:
                 raise
             if attempt.taken_back:  # the worker went away while it was being taken back: no attempt spent
                 self._requeue(ticket, attempt, Requeued.TAKEN_BACK)
+                return
+            if failure.gone:  # its worker died under it (the pool learns it from the process): wait for a live one
+                self._requeue(ticket, attempt, Requeued.UNREACHABLE)
                 return
             if failure.unreachable:
                 self.pool.report_unreachable(attempt.worker_id, failure.message)

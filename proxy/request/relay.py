@@ -2,22 +2,20 @@
 
     submit ──► wait for a worker (queue timeout → 503) ──► open upstream (until its first output)
                  ▲                                            │
-                 └── requeue: no output sent, a retry left,◄──┤
-                     or taken back by the controller          ▼
-                                                   relay bytes to the client as they arrive
+                 └── requeue: no output sent, and a retry  ◄──┤
+                     left, the worker unreachable, or taken   ▼
+                     back by the controller        relay bytes to the client as they arrive
 
 "Opening" is everything before the client sees a byte: the POST, the headers and, for a stream,
 its first content (:mod:`proxy.request.sse`). Only failures then are retried, on another worker
 when one exists; a refused connection reports the worker to the pool and requeues without
-spending an attempt. Once output went out the request is committed: a failure ends the stream
-with an error event.
-
-The attempt's lifecycle is :meth:`proxy.request.dispatch.Dispatcher.attempt`'s; this module opens,
-relays and answers. The handler task alone writes to the client, so a request is answered once. A
-client that leaves cancels the handler: the upstream connection closes and, where the engine
-aborts by name (the contract's ``abort_by_name``), the abort is posted too. :func:`forward` and
-:func:`complete` (a batch line's whole answer) raise :class:`~proxy.errors.ApiError` for every
-refusal. The upstream leg is :mod:`proxy.request.upstream`.
+spending an attempt. Once output went out the request is committed: when its worker breaks
+mid-stream, a plain request goes on from the text the client has, on another worker or the revived
+one, in the same stream (:class:`~proxy.request.attempt.WorkerLost`); any other stream ends with
+an error event. The handler task is the only writer to the client, so a request is answered once;
+a client that goes away cancels it, and the upstream request is closed and, where the engine
+aborts by name, aborted. Refusals are :class:`~proxy.errors.ApiError`; :func:`complete` is the
+same loop for a request no client streams from (a batch line).
 """
 
 from __future__ import annotations
@@ -30,29 +28,45 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-import aiohttp
-import orjson
 from aiohttp import web
 
 from proxy.engines.base import AbortByName
-from proxy.errors import ApiError, error_event, openai_error_body, reshape_error_events
+from proxy.errors import ApiError, openai_error_body, reshape_error_events
 from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
-from proxy.request.attempt import Attempt, AttemptFailed, TakenBack, Ticket
-from proxy.request.continuation import Capped
+from proxy.request.attempt import AttemptFailed, Ticket, WorkerLost
 from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout, worker_words
-from proxy.request.facts import RequestFact, read_usage, strip_usage, usage_of_stream
+from proxy.request.facts import strip_usage
 from proxy.request.job import Job
+from proxy.request.leg import (
+    SSE_HEADERS,
+    EventStream,
+    Opened,
+    Stitch,
+    Upstream,
+    is_interactive,
+    mid_stream_error,
+    record_fact,
+)
 from proxy.request.limits import RateLimited
+from proxy.request.parts import (
+    Resume,
+    SentEvents,
+    broke,
+    capped_for,
+    counted_loss,
+    end_early,
+    fetch,
+    keep_what_it_wrote,
+    keeps_what_it_wrote,
+    respond_stitched,
+    resume_stream,
+)
 from proxy.request.path import RequestMetrics, RequestPath
-from proxy.request.sse import has_output
-from proxy.request.stitch import StreamStitcher, WholeEvents
+from proxy.request.stitch import WholeEvents
 from proxy.request.upstream import (
     UpstreamEnded,
     UpstreamError,
-    UpstreamResponse,
-    UpstreamTimeout,
-    UpstreamUnreachable,
 )
 from proxy.workers.base import WorkerState
 
@@ -62,114 +76,8 @@ R = TypeVar("R", bound=web.StreamResponse)
 
 _log = logging.getLogger(__name__)
 
-_ABORT_HEADERS = {"Content-Type": "application/json"}
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
 _NO_FIELDS: Mapping[str, object] = {}
 _NO_HEADERS: Mapping[str, str] = {}
-
-
-class EventStream(web.StreamResponse):
-    """A stream whose headers leave with its first chunk (one write, one segment), as aiohttp's own
-    ``Response`` sends them, instead of alone on ``prepare``.
-
-    aiohttp has no public switch for this; its ``Response`` sets the class attribute below. The
-    attribute exists in the aiohttp versions ``pyproject.toml`` allows, and a test fails if it
-    disappears or stops having this effect.
-    """
-
-    _send_headers_immediately = False
-
-
-class Opened:
-    """The outcome of opening an attempt: a whole answer, or a stream with its first output."""
-
-    __slots__ = (
-        "body",
-        "content_type",
-        "first",
-        "opened_at",
-        "parts",
-        "resp",
-        "status",
-        "stitch",
-        "strip_usage",
-        "tail",
-    )
-
-    def __init__(
-        self,
-        status: int,
-        content_type: str,
-        body: bytes | None,
-        resp: UpstreamResponse | None = None,
-        first: bytes = b"",
-    ) -> None:
-        self.status = status
-        self.content_type = content_type
-        self.body = body
-        self.resp = resp
-        self.first = first
-        self.tail = b""  # a stream's last chunks as the worker sent them (its usage), set once relayed
-        self.strip_usage = False  # the proxy asked for the stream's usage event: keep it from the client
-        self.opened_at = time.monotonic()  # its first output (a stream) or its whole answer arrived
-        self.stitch: _Stitch | None = None  # a stream sent under its output budget: how to go on
-        self.parts = 1  # the answer's parts (more than one: it reached its output budget and went on)
-
-
-async def _open(path: RequestPath, url: str, worker_id: str, job: Job, payload: bytes) -> Opened:
-    """POST to the worker and read until output; raises :class:`AttemptFailed` if none came."""
-    assert path.upstream is not None
-    timeout_s = path.settings.request_timeout_s
-    where = f"worker {worker_id} ({url})"
-    resp: UpstreamResponse | None = None
-    streaming = False
-    try:
-        resp = await path.upstream.post(url, job.path, payload, timeout_s=timeout_s, until_output=job.stream)
-        if resp.status >= 500:
-            body = await resp.read()
-            raise AttemptFailed(
-                f"{where} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}",
-                status=resp.status,
-                body=body,
-                content_type=resp.content_type,
-            )
-        if resp.status != 200 or not job.stream:
-            return Opened(resp.status, resp.content_type, await resp.read())
-        first = await resp.readany()
-        while first and not has_output(first):  # only the opening role event yet: wait for content
-            more = await resp.readany()
-            if not more:
-                break
-            first += more
-        if not has_output(first):
-            raise AttemptFailed(f"{where} ended the stream before any output")
-        streaming = True
-        return Opened(200, resp.content_type, None, resp, first)
-    except UpstreamTimeout:
-        raise AttemptFailed(f"{where} did not answer within {timeout_s:g} s", status=504, retryable=False) from None
-    except UpstreamUnreachable as exc:
-        raise AttemptFailed(f"{where} is unreachable: {exc}", unreachable=True) from None
-    except UpstreamEnded:  # the proxy is shutting down: no output went out, the client sends it again
-        raise ProxyClosing() from None
-    except UpstreamError as exc:
-        raise AttemptFailed(f"{where} failed before any output: {exc}") from None
-    finally:
-        if resp is not None and not streaming:
-            resp.close()  # read to the end: the connection goes back to the pool; otherwise it is closed
-
-
-async def _post_abort(path: RequestPath, url: str, by_name: AbortByName, name: str) -> None:
-    session = path.session
-    if session is None or session.closed:
-        return
-    try:
-        async with session.post(
-            url + by_name.path, data=orjson.dumps(by_name.body(name)), headers=_ABORT_HEADERS, timeout=_ABORT_TIMEOUT
-        ) as resp:
-            await resp.read()
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        _log.debug("abort of %s at %s failed: %r", name, url, exc)
 
 
 def _come_back(path: RequestPath) -> dict[str, str]:
@@ -237,10 +145,12 @@ async def complete(path: RequestPath, job: Job, priority: Priority, key: str = "
     if job.stream:
         raise ValueError("a streamed request needs a client to stream to: forward it")
 
-    async def whole(opened: Opened, upstream: _Upstream, _headers: Mapping[str, str]) -> web.Response:
+    async def whole(opened: Opened, upstream: Upstream, _headers: Mapping[str, str]) -> web.Response:
         return _whole(upstream.metrics, opened)
 
-    return await _answer(path, job, priority, time.monotonic(), whole, key)
+    answer = await _answer(path, job, priority, time.monotonic(), whole, key)
+    assert isinstance(answer, web.Response)  # no stream: nothing went out before its answer
+    return answer
 
 
 async def _answer(
@@ -248,9 +158,9 @@ async def _answer(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, _Upstream, Mapping[str, str]], Awaitable[R]],
+    respond: Callable[[Opened, Upstream, Mapping[str, str]], Awaitable[R]],
     key: str,
-) -> R | web.Response:
+) -> R | web.StreamResponse:
     """The queue-and-attempt loop of :func:`forward` and :func:`complete`; ``respond`` answers an
     opened attempt (while it holds its worker). The key's limits hold the request from here to its end."""
     submitted = time.monotonic()
@@ -265,7 +175,7 @@ async def _answer(
     try:
         headers = lease.headers
 
-        def respond_with_limits(opened: Opened, upstream: _Upstream) -> Awaitable[R]:
+        def respond_with_limits(opened: Opened, upstream: Upstream) -> Awaitable[R]:
             return respond(opened, upstream, headers)
 
         return await _queued(path, job, priority, arrived, respond_with_limits, key, cost, submitted)
@@ -278,11 +188,11 @@ async def _queued(
     job: Job,
     priority: Priority,
     arrived: float,
-    respond: Callable[[Opened, _Upstream], Awaitable[R]],
+    respond: Callable[[Opened, Upstream], Awaitable[R]],
     key: str,
     cost: int,
     submitted: float,
-) -> R | web.Response:
+) -> R | web.StreamResponse:
     d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
     try:
         ticket = d.submit(
@@ -303,6 +213,35 @@ async def _queued(
         m.reject_full.inc()
         raise _queue_full_error(path, exc) from None
     m.admitted.inc()
+    box = _Resumed()
+    try:
+        return await _attempts(path, job, priority, arrived, respond, submitted, ticket, box)
+    except ApiError as err:
+        if box.resume is None:
+            raise
+        return await box.resume.fail(err.message, err.code)  # the stream went out: its end is an error event
+
+
+@dataclass(slots=True)
+class _Resumed:
+    """The stream of a request whose worker broke after output went out (None: none broke)."""
+
+    resume: Resume | None = None
+
+
+async def _attempts(
+    path: RequestPath,
+    job: Job,
+    priority: Priority,
+    arrived: float,
+    respond: Callable[[Opened, Upstream], Awaitable[R]],
+    submitted: float,
+    ticket: Ticket,
+    box: _Resumed,
+) -> R | web.Response | web.StreamResponse:
+    """The attempts of an admitted request until one answers it (the module docstring's loop); a
+    stream whose worker broke mid-way goes on, on the next attempt, from the text it sent (``box``)."""
+    d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
     strip = _ask_for_usage(job)
     named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
     tries = 0
@@ -326,15 +265,26 @@ async def _queued(
                 engine = path.engine_of(attempt.worker_id)
                 by_name = engine.abort_by_name if engine is not None else None
                 named = named or _Named.of(path, job, by_name)
-                upstream = _Upstream(url, by_name, named.attempt(job, tries), m)
-                capped = _capped(path, attempt, job)
+                upstream = Upstream(url, by_name, named.attempt(job, tries), m)
+                capped = capped_for(path, attempt, job)
                 attempt.sent_max_tokens = None if capped is None else capped.sent
                 if tries == 1:  # validation before the queue + wake-up and encoding after it
                     m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-                if _keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
-                    attempt.on_take_back = partial(_end_early, path, attempt, upstream)
+                if box.resume is not None:  # its worker broke mid-stream: the answer goes on here
+                    try:
+                        return await resume_stream(path, attempt, upstream, box.resume)
+                    except WorkerLost as lost:
+                        box.resume = counted_loss(lost, box.resume.losses + 1)
+                        raise
+                    except asyncio.CancelledError:
+                        upstream.abort(path)
+                        if not attempt.taken_back:
+                            m.disconnected.inc()
+                        raise
+                if keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
+                    attempt.on_take_back = partial(end_early, path, attempt, upstream)
                 try:
-                    opened, parts, capped = await _fetch(path, attempt, job, capped, upstream)
+                    opened, parts, capped = await fetch(path, attempt, job, capped, upstream)
                 except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
                     upstream.abort(path)
                     if not attempt.taken_back:
@@ -343,14 +293,20 @@ async def _queued(
                 finally:
                     attempt.on_take_back = None
                 if attempt.taken_back and opened.resp is None:  # a whole answer the worker ended early
-                    _keep_what_it_wrote(job, opened, ticket)  # what it wrote goes with the ticket
+                    keep_what_it_wrote(job, opened, ticket)  # what it wrote goes with the ticket
                 attempt.mark_started()
                 opened.strip_usage = strip
                 opened.parts = parts
-                if capped is not None and opened.resp is not None:
-                    opened.stitch = _Stitch(job, capped, attempt.worker_id, _interactive(attempt))
-                answer = await respond(opened, upstream)
-                _record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
+                whole = capped or continuation.plain(job)
+                if opened.resp is not None and whole is not None:  # a stream that can go on past a cap or a break
+                    plan = Stitch(job, whole, attempt.worker_id, is_interactive(attempt))
+                    opened.stitch, opened.go_on = (plan, None) if capped is not None else (None, plan)
+                try:
+                    answer = await respond(opened, upstream)
+                except WorkerLost as lost:
+                    box.resume = counted_loss(lost, 1)
+                    raise
+                record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
                 return answer
         except asyncio.CancelledError:
             if not placed:  # once placed, the fetch and the relay count a client that leaves
@@ -375,7 +331,7 @@ async def _queued(
             ) from None
         except AttemptFailed as fail:
             m.fail_upstream.inc()
-            if fail.body and fail.content_type == "application/json":  # the worker's own error answer
+            if box.resume is None and fail.body and fail.content_type == "application/json":  # the worker's own
                 return web.Response(
                     status=fail.status, body=openai_error_body(fail.status, fail.body), content_type="application/json"
                 )
@@ -383,19 +339,6 @@ async def _queued(
         finally:
             job.on_worker = False
         # the attempt ended without output and the ticket is back in the queue: wait for the next
-
-
-def _capped(path: RequestPath, attempt: Attempt, job: Job) -> Capped | None:
-    """How ``job`` goes to the attempt's worker under its output budget (None: as asked): the budget
-    of the request's class, where the worker's engine reserves ``max_tokens`` and can continue."""
-    load = path.board.get(attempt.worker_id)
-    budget = load.output_budget(interactive=attempt.ticket.priority is Priority.INTERACTIVE, max_tokens=job.max_tokens)
-    if budget is None:
-        return None
-    engine = path.engine_of(attempt.worker_id)
-    if engine is None or not engine.reserves_max_tokens or engine.continuation_fields(job.path, job.body, 0) is None:
-        return None
-    return continuation.plan(job, budget)  # the budget applies to those asking for more than applies_above
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,218 +369,6 @@ class _Named:
         return job.upstream_name
 
 
-@dataclass(slots=True)
-class _Upstream:
-    """The request an attempt has open on its worker now: the worker's URL, how a request is aborted
-    there by name, the name the one open now was sent under (each part has its own; None: unnamed),
-    and what is counted of its pool's requests."""
-
-    url: str
-    by_name: AbortByName | None
-    name: str | None
-    metrics: RequestMetrics
-
-    def part(self, body: dict[str, object], base: str | None, suffix: str) -> None:
-        """``body`` is the attempt's next request: its name is ``base`` with ``suffix``."""
-        if base is not None and self.by_name is not None:
-            self.name = body[self.by_name.field] = f"{base}.{suffix}"
-
-    def abort(self, path: RequestPath, name: str | None = None) -> None:
-        """Abort the request open now on the worker (or the one sent under ``name``), if it has a name
-        to abort it by."""
-        name = name or self.name
-        if name is not None and self.by_name is not None:
-            path.spawn(_post_abort(path, self.url, self.by_name, name))
-
-
-TAKE_BACK_ANSWER_S = 10.0  # a worker asked to end a request early answers within this, else it is cancelled
-# an early end's abort is posted again while the request runs on, after 0.25 s, then 0.5 s, then every
-# second: an abort that reaches the engine before the request it names (read on another connection, not
-# registered yet; a busy engine reads its connections late) finds nothing, SGLang's as the simulator's,
-# and the request would run to its end on a worker waiting to restart
-TAKE_BACK_ABORT_AGAIN_S = (0.25, 0.5, 1.0)
-
-
-def _keeps_what_it_wrote(path: RequestPath, worker_id: str, job: Job, upstream: _Upstream) -> bool:
-    """Whether a take-back of ``job`` from the worker can keep what it wrote: a plain whole request,
-    with a name to end it by, on an engine that answers such an abort with the text so far and can
-    continue it (:attr:`~proxy.engines.base.AbortByName.answers_with_output`)."""
-    if upstream.name is None or upstream.by_name is None or not upstream.by_name.answers_with_output or job.stream:
-        return False
-    engine = path.engine_of(worker_id)
-    if engine is None:
-        return False
-    return continuation.plain(job) is not None and engine.continuation_fields(job.path, job.body, 0) is not None
-
-
-def _end_early(path: RequestPath, attempt: Attempt, upstream: _Upstream) -> None:
-    """A take-back of a whole answer the worker can end early: abort the request there, and it answers
-    with what it wrote (the attempt's block then ends with :class:`TakenBack`). One that does not
-    answer within ``TAKE_BACK_ANSWER_S`` is cancelled, as any take-back."""
-    if upstream.name is not None:
-        upstream.abort(path)
-        _abort_again(path, attempt, upstream, upstream.name)
-
-    def late() -> None:
-        if not attempt.released and attempt.task is not None:
-            attempt.task.cancel()
-
-    asyncio.get_running_loop().call_later(TAKE_BACK_ANSWER_S, late)
-
-
-def _abort_again(
-    path: RequestPath, attempt: Attempt, upstream: _Upstream, name: str, k: int = 0, waited_s: float = 0.0
-) -> None:
-    """Post the abort of the request sent under ``name`` again after the ``k``-th pause of
-    ``TAKE_BACK_ABORT_AGAIN_S`` (its last one over and over) while the attempt is open, until
-    ``TAKE_BACK_ANSWER_S`` (when it is cancelled): an engine answers an abort of a request it has not
-    registered yet with nothing done."""
-    pause = TAKE_BACK_ABORT_AGAIN_S[min(k, len(TAKE_BACK_ABORT_AGAIN_S) - 1)]
-    if waited_s + pause >= TAKE_BACK_ANSWER_S:
-        return
-
-    def again() -> None:
-        if attempt.released or path.session is None or path.session.closed:
-            return
-        _log.debug("abort of %s at %s still open after %g s: sent again", name, upstream.url, waited_s + pause)
-        upstream.abort(path, name)
-        _abort_again(path, attempt, upstream, name, k + 1, waited_s + pause)
-
-    asyncio.get_running_loop().call_later(pause, again)
-
-
-def _keep_what_it_wrote(job: Job, opened: Opened, ticket: Ticket) -> None:
-    """An attempt taken back while the worker wrote its whole answer: the worker ended it early and
-    answered what it wrote, which the ticket keeps for the next attempt (:class:`TakenBack`). An answer
-    that ended by itself before the abort arrived is the answer: nothing is raised."""
-    part = continuation.read_part(job.path, opened.body or b"") if opened.status == 200 else None
-    if part is not None and part.finish_reason != "abort":
-        return
-    ticket.written = (part,) if part is not None and part.completion_tokens > 0 else ()
-    raise TakenBack()
-
-
-async def _fetch(
-    path: RequestPath, attempt: Attempt, job: Job, capped: Capped | None, upstream: _Upstream
-) -> tuple[Opened, int, Capped | None]:
-    """The attempt's answer from its worker, its number of parts and the cap it went under: the
-    request as the client sent it or under its output budget (``capped``), continued while a part
-    stops at its cap (:func:`_continued`); or, when an earlier worker had written part of it before
-    it was taken back (``ticket.written``), going on from that text (``attempt.going_on_from``)."""
-    base, worker_id, ticket = upstream.name, attempt.worker_id, attempt.ticket
-    earlier, ticket.written = ticket.written, ()
-    engine = path.engine_of(worker_id)
-    whole = capped or continuation.plain(job)
-    if earlier and whole is not None and engine is not None:
-        written = sum(p.completion_tokens for p in earlier)
-        fields = engine.continuation_fields(job.path, job.body, written)
-        if fields is not None:
-            cap = whole.next_cap(written, whole.sent)
-            more = continuation.continuation_body(job.path, job.body, "".join(p.text for p in earlier), whole, cap,
-                                                  fields)  # fmt: skip
-            upstream.part(more, base, "r")
-            attempt.going_on_from = written
-            opened = await _part(path, upstream, worker_id, job, more)
-            if opened.status != 200 or opened.body is None:  # refused: as the client asked, from the start
-                attempt.going_on_from = 0
-                opened.body, opened.status = await _whole_again(path, worker_id, job, upstream, base), 200
-                return opened, 1, None
-            opened.body, parts, kept = await _continued(
-                path, worker_id, job, whole, opened.body, upstream, base, earlier=earlier, cap=cap,
-                interactive=_interactive(attempt),
-            )  # fmt: skip
-            if parts <= len(earlier):  # a part it could not continue: sent again whole, from the start
-                attempt.going_on_from = 0
-            return opened, parts, kept if capped is not None else None
-    payload = orjson.dumps(job.body if capped is None else capped.body(job.body))
-    opened = await _open(path, upstream.url, worker_id, job, payload)
-    if capped is None or opened.status != 200 or opened.body is None:
-        return opened, 1, capped
-    opened.body, parts, kept = await _continued(
-        path, worker_id, job, capped, opened.body, upstream, base, interactive=_interactive(attempt)
-    )
-    return opened, parts, kept
-
-
-async def _continued(
-    path: RequestPath,
-    worker_id: str,
-    job: Job,
-    capped: Capped,
-    first: bytes,
-    upstream: _Upstream,
-    base: str | None,
-    *,
-    interactive: bool,
-    earlier: tuple[continuation.Part, ...] = (),
-    cap: int | None = None,
-) -> tuple[bytes, int, Capped | None]:
-    """The whole answer of a request sent under its output budget, its number of parts and its cap
-    (None when it was sent again whole): while a
-    part ends at its cap before the client's ``max_tokens``, the next part continues it on the same
-    worker (:mod:`proxy.request.continuation`). A part that cannot be continued (not one plain choice
-    with its usage, or a refusal) sends the request again whole, as the client asked: nothing is cut
-    short. Raises :class:`AttemptFailed` when a part fails (the attempt's retry rules apply)."""
-    engine = path.engine_of(worker_id)
-    body: bytes = first
-    parts: list[continuation.Part] = list(earlier)
-    written = sum(p.completion_tokens for p in earlier)
-    text = "".join(p.text for p in earlier)
-    cap = capped.sent if cap is None else cap
-    while True:
-        part = continuation.read_part(job.path, body)
-        if part is None or engine is None:
-            return await _whole_again(path, worker_id, job, upstream, base), 1, None
-        parts.append(part)
-        written += part.completion_tokens
-        text += part.text
-        # it ended by itself, at the client's max_tokens, or at a limit of the engine's own (its context)
-        if part.finish_reason != "length" or written >= capped.asked or part.completion_tokens < cap:
-            break
-        fields = engine.continuation_fields(job.path, job.body, written)
-        if fields is None:
-            return await _whole_again(path, worker_id, job, upstream, base), 1, None
-        if len(parts) == 1:
-            _reached_budget(path, worker_id, interactive, capped)
-        cap = _next_cap(path, worker_id, interactive, capped, written)
-        more = continuation.continuation_body(job.path, job.body, text, capped, cap, fields)
-        upstream.part(more, base, f"c{len(parts)}")
-        upstream.metrics.continued.inc()
-        opened = await _part(path, upstream, worker_id, job, more)
-        if opened.status != 200 or opened.body is None:
-            return await _whole_again(path, worker_id, job, upstream, base), 1, None
-        body = opened.body
-    return (continuation.merge(job.path, parts) if len(parts) > 1 else first), len(parts), capped
-
-
-async def _part(path: RequestPath, upstream: _Upstream, worker_id: str, job: Job, body: dict[str, object]) -> Opened:
-    """One more request of an attempt on its worker (``body``, named in ``upstream``); aborted there
-    if this one is cancelled."""
-    try:
-        return await _open(path, upstream.url, worker_id, job, orjson.dumps(body))
-    except asyncio.CancelledError:
-        upstream.abort(path)
-        raise
-
-
-async def _whole_again(path: RequestPath, worker_id: str, job: Job, upstream: _Upstream, base: str | None) -> bytes:
-    """The request sent again as the client asked (its own ``max_tokens``): the answer, or the
-    worker's refusal as it answered."""
-    upstream.metrics.budget_redone.inc()
-    body = dict(job.body)
-    upstream.part(body, base, "w")
-    opened = await _part(path, upstream, worker_id, job, body)
-    if opened.status != 200:
-        raise AttemptFailed(
-            f"worker {worker_id} ({upstream.url}) refused the request sent again whole: HTTP {opened.status}",
-            status=opened.status,
-            body=opened.body,
-            content_type=opened.content_type,
-            retryable=False,
-        )
-    return opened.body or b""
-
-
 _USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -650,35 +381,6 @@ def _ask_for_usage(job: Job) -> bool:
         return False
     job.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return True
-
-
-def _record_fact(
-    path: RequestPath, job: Job, opened: Opened, attempt: Attempt, queued: float, capped: Capped | None, parts: int
-) -> None:
-    """One answered request's facts into its worker's ring (one parse of the body or the stream's tail)."""
-    dispatched = attempt.dispatched_at
-    if opened.resp is None:
-        prompt, output, reason = read_usage(opened.body or b"") if opened.status == 200 else (None, None, None)
-        ttft = None  # a whole answer: its first token is not seen
-    else:
-        prompt, output, reason = usage_of_stream(opened.tail)
-        ttft = opened.opened_at - dispatched
-    path.board.get(attempt.worker_id).facts.record(
-        RequestFact(
-            time=time.monotonic(),
-            arrived=queued,
-            prompt_tokens=prompt,
-            output_tokens=output,
-            max_tokens=job.max_tokens,
-            finish_reason=reason,
-            ttft_s=ttft,
-            queue_s=max(0.0, dispatched - queued),
-            interactive=attempt.ticket.priority is Priority.INTERACTIVE,
-            sent_max_tokens=None if capped is None else capped.sent,
-            parts=parts,
-            written_before=attempt.going_on_from,
-        )
-    )
 
 
 def _whole(m: RequestMetrics, opened: Opened, headers: Mapping[str, str] = _NO_HEADERS) -> web.Response:
@@ -698,22 +400,23 @@ async def _respond(
     path: RequestPath,
     request: web.Request,
     opened: Opened,
-    upstream: _Upstream,
+    upstream: Upstream,
     headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
     m = upstream.metrics
     if opened.resp is None:
         return _whole(upstream.metrics, opened, headers)
     if opened.stitch is not None:
-        return await _respond_stitched(path, request, opened, upstream, headers, opened.stitch)
+        return await respond_stitched(path, request, opened, upstream, headers, opened.stitch)
     resp = opened.resp
-    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
+    out = EventStream(status=200, headers={**SSE_HEADERS, **headers} if headers else SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)
         strip = opened.strip_usage
         whole = WholeEvents()  # the usage and error events are read and rewritten whole, however they arrive
         earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
+        sent = SentEvents(opened.go_on.job.path) if opened.go_on is not None else None  # to go on from
 
         def client_bytes(data: bytes) -> bytes:
             """What of the worker's bytes goes to the client now: whole events, rewritten."""
@@ -721,6 +424,8 @@ async def _respond(
             data = whole.feed(data)
             if not data:
                 return data
+            if sent is not None:
+                sent.add(data)
             earlier, opened.tail = (earlier[1], opened.tail), data
             if strip:
                 data = strip_usage(data)
@@ -750,9 +455,15 @@ async def _respond(
             try:
                 ended = await resp.piped()
             except UpstreamError as exc:
+                if opened.go_on is not None and sent is not None and not isinstance(exc, UpstreamEnded):
+                    if (resume := broke(opened, opened.go_on, out, sent, exc)) is not None:
+                        raise WorkerLost(resume) from None
+                    m.completed.inc()  # it broke after its finish event: the client has the whole answer
+                    await out.write(b"data: [DONE]\n\n")
+                    break
                 m.fail_midstream.inc()
                 sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                await out.write(sep + _mid_stream_error(exc, "worker stream broke after output was sent"))
+                await out.write(sep + mid_stream_error(exc, "worker stream broke after output was sent"))
                 break
             if ended:
                 m.completed.inc()
@@ -763,125 +474,6 @@ async def _respond(
                 break
             await request.writer.drain()  # the client is slow: wait until its socket buffer drained
             resp.resume_pipe()
-        await out.write_eof()
-        ok = True
-        return out
-    except (ConnectionResetError, asyncio.CancelledError):
-        m.disconnected.inc()
-        raise
-    finally:
-        resp.close()
-        if not ok:
-            upstream.abort(path)
-
-
-def _mid_stream_error(exc: UpstreamError, what: str) -> bytes:
-    """The error event that ends a stream whose worker leg broke after output went out (logged), or
-    that the proxy ended as it shut down (counted in its shutdown's log line instead)."""
-    if isinstance(exc, UpstreamEnded):
-        return error_event(
-            "sglang-pacer is shutting down; the answer is incomplete", type="service_unavailable", code="shutting_down"
-        )
-    _log.warning("%s: %r", what, exc)
-    return error_event(
-        f"the worker failed mid-stream ({exc}); the answer is incomplete", code="upstream_failed_mid_stream"
-    )
-
-
-def _interactive(attempt: Attempt) -> bool:
-    return attempt.ticket.priority is Priority.INTERACTIVE
-
-
-def _reached_budget(path: RequestPath, worker_id: str, interactive: bool, capped: Capped) -> None:
-    """An answer's first part wrote all its output budget allowed: the budget's overrun, noted now
-    (:mod:`proxy.request.budgets`), not once the answer ends."""
-    path.board.get(worker_id).output_budgets.note_reached((interactive, capped.asked), time.monotonic())
-
-
-def _next_cap(path: RequestPath, worker_id: str, interactive: bool, capped: Capped, written: int) -> int:
-    """What an answer's next part may write, under the worker's budget for its kind as it is now: a
-    budget lifted meanwhile (the answers got longer) lets it write the rest in one part."""
-    budget = path.board.get(worker_id).output_budget(interactive=interactive, max_tokens=capped.asked)
-    return capped.next_cap(written, capped.asked if budget is None else budget)
-
-
-@dataclass(frozen=True, slots=True)
-class _Stitch:
-    """A stream sent under its output budget: the request, its cap and its worker, to go on from."""
-
-    job: Job
-    capped: Capped
-    worker_id: str
-    interactive: bool  # the class it was sent as: its budget's
-
-
-async def _respond_stitched(
-    path: RequestPath,
-    request: web.Request,
-    opened: Opened,
-    upstream: _Upstream,
-    headers: Mapping[str, str],
-    plan: _Stitch,
-) -> web.StreamResponse:
-    """A stream sent under its output budget, relayed as one stream however many parts it takes
-    (:class:`~proxy.request.stitch.StreamStitcher`): while a part stops at its cap before the
-    client's ``max_tokens``, the next part continues it on the same worker. Output already went to
-    the client, so a part that cannot go on ends the stream with an error event, as a worker that
-    fails mid-stream does. Each event is read here (the plain relay pipes bytes unread)."""
-    m = upstream.metrics
-    job, capped = plan.job, plan.capped
-    engine = path.engine_of(plan.worker_id)
-    stitcher = StreamStitcher(job.path, client_usage=not opened.strip_usage)
-    stitcher.begin_part()
-    resp = opened.resp
-    assert resp is not None
-    out = EventStream(status=200, headers={**_SSE_HEADERS, **headers} if headers else _SSE_HEADERS)
-    base, cap, ok = upstream.name, capped.sent, False
-    try:
-        await out.prepare(request)
-        chunk = opened.first
-        while True:
-            while chunk:
-                data = stitcher.feed(chunk)
-                if data:
-                    await out.write(reshape_error_events(data))
-                chunk = await resp.readany()
-            resp.close()
-            end = stitcher.end_part()
-            done = (
-                end.reason != "length"
-                or end.part_written is None
-                or end.part_written < cap
-                or end.written >= capped.asked
-            )
-            fields = None if done or engine is None else engine.continuation_fields(job.path, job.body, end.written)
-            if fields is None:
-                break
-            if opened.parts == 1:
-                _reached_budget(path, plan.worker_id, plan.interactive, capped)
-            cap = _next_cap(path, plan.worker_id, plan.interactive, capped, end.written)
-            body = continuation.continuation_body(job.path, job.body, end.text, capped, cap, fields)
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            upstream.part(body, base, f"c{opened.parts}")
-            m.continued.inc()
-            opened.parts += 1
-            resp = await path.upstream.post(  # type: ignore[union-attr]
-                upstream.url, job.path, orjson.dumps(body), timeout_s=path.settings.request_timeout_s, until_output=True
-            )
-            if resp.status != 200:
-                refused = (await resp.read())[:300].decode(errors="replace")
-                raise UpstreamError(f"the answer could not be continued: HTTP {resp.status}: {refused}")
-            stitcher.begin_part()
-            chunk = await resp.readany()
-        client_tail, opened.tail = stitcher.finish()
-        await out.write(client_tail)
-        m.completed.inc()
-        await out.write_eof()
-        ok = True
-        return out
-    except UpstreamError as exc:  # a part broke, or its continuation was refused, after output went out
-        m.fail_midstream.inc()
-        await out.write(_mid_stream_error(exc, "a stream sent under its output budget broke after output was sent"))
         await out.write_eof()
         ok = True
         return out

@@ -12,7 +12,9 @@ the text reaches the client as it is written, part after part:
   the client's ``max_tokens``). If it does they are dropped; if not, :meth:`StreamStitcher.finish`
   gives the last finish event, the usage of the whole answer (the first part's prompt tokens, every
   part's completion tokens) when the client asked for it, and ``data: [DONE]``;
-* the text so far is kept, to continue from.
+* the text so far is kept, to continue from; a part whose worker broke mid-way
+  (:meth:`StreamStitcher.end_broken`) counts a token for each event that carried text, and the next
+  part, on another worker, goes on from there.
 
 An event that carries content and the finish reason at once goes on as content, its finish held
 back on its own. Events it cannot read (an error event, a comment) go on as they came.
@@ -83,9 +85,10 @@ class StreamStitcher:
 
     __slots__ = (
         "_chat",
-        "_client_usage",
         "_first",
         "_held_finish",
+        "_in_part",
+        "_part_events",
         "_part_written",
         "_parts",
         "_prompt",
@@ -93,11 +96,12 @@ class StreamStitcher:
         "_text",
         "_whole",
         "_written",
+        "client_usage",
     )
 
     def __init__(self, path: str, *, client_usage: bool) -> None:
         self._chat = path == CHAT
-        self._client_usage = client_usage
+        self.client_usage = client_usage  # the client asked for the usage event
         self._first: dict[str, Any] = {}  # the first part's id, object, created, model
         self._text: list[str] = []
         self._written = 0
@@ -107,6 +111,8 @@ class StreamStitcher:
         self._held_finish: dict[str, Any] | None = None
         self._reason: str | None = None
         self._part_written: int | None = None
+        self._part_events = 0  # the part's events that carried text
+        self._in_part = False  # a part began and has not ended
 
     def begin_part(self) -> None:
         """A part's stream starts (the first one too)."""
@@ -115,6 +121,8 @@ class StreamStitcher:
         self._held_finish = None
         self._reason = None
         self._part_written = None
+        self._part_events = 0
+        self._in_part = True
 
     def feed(self, data: bytes) -> bytes:
         """The bytes of the part that arrived; what the client gets now."""
@@ -123,9 +131,23 @@ class StreamStitcher:
 
     def end_part(self) -> PartEnd:
         """The part's stream ended: how (what is left unfinished of an event is dropped)."""
-        if self._part_written is not None:
+        if self._part_written is not None and self._in_part:
             self._written += self._part_written
+        self._in_part = False
         return PartEnd(self._reason, self._part_written, self._written, "".join(self._text))
+
+    @property
+    def ended(self) -> bool:
+        """The part sent its finish event (its finish reason is known)."""
+        return self._reason is not None
+
+    def end_broken(self) -> PartEnd:
+        """The part's stream broke (its worker died): it wrote the text that reached the stitcher, and
+        as many tokens as the events that carried it (what an engine streams by default: one token an
+        event), since no usage event came. Its finish reason, if its finish event came before the break."""
+        if self._part_written is None and self._in_part:
+            self._part_written = self._part_events
+        return self.end_part()
 
     def finish(self) -> tuple[bytes, bytes]:
         """The answer's end: (what the client gets, the same with the usage event whatever the client
@@ -136,7 +158,7 @@ class StreamStitcher:
             usage = _event({**self._first, "choices": [], "usage": {
                 "prompt_tokens": self._prompt, "completion_tokens": self._written,
                 "total_tokens": self._prompt + self._written}})  # fmt: skip
-        return finish + (usage if self._client_usage else b"") + _DONE, finish + usage + _DONE
+        return finish + (usage if self.client_usage else b"") + _DONE, finish + usage + _DONE
 
     def _one(self, event: bytes) -> bytes:
         line = event.strip()
@@ -156,6 +178,8 @@ class StreamStitcher:
             prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if self._parts == 1 and isinstance(prompt, int):
                 self._prompt = prompt
+            elif self._prompt is None and isinstance(prompt, int):  # the first part broke before its usage:
+                self._prompt = max(0, prompt - self._written)  # a later part's prompt is it and the text so far
             if isinstance(written, int):
                 self._part_written = written
         choices = payload.get("choices")
@@ -172,6 +196,7 @@ class StreamStitcher:
         text = (delta.get("content") if isinstance(delta, dict) else None) if self._chat else choice.get("text")
         if isinstance(text, str) and text:
             self._text.append(text)
+            self._part_events += 1
         reason = choice.get("finish_reason")
         if reason is None:
             if self._parts > 1 and self._chat and isinstance(delta, dict) and not text and "role" in delta:

@@ -424,6 +424,21 @@ class UpstreamPool:
             raise
         return resp
 
+    async def refuses(self, url: str, timeout_s: float = 2.0) -> bool:
+        """Whether ``url``'s worker refuses a new connection now (nothing listens there: its process
+        died). A request whose connection broke asks, to tell a dead worker from one that broke one
+        request; a connection that opens, or does not open within ``timeout_s``, says no."""
+        ep = self._endpoints.get(url) or _endpoint(url)
+        loop = asyncio.get_running_loop()
+        try:
+            conn = await self._connect(ep[0], loop, loop.time() + timeout_s, timeout_s)
+        except UpstreamUnreachable:
+            return True
+        except UpstreamTimeout:
+            return False
+        conn._drop()
+        return False
+
     async def _connect(
         self, key: _Key, loop: asyncio.AbstractEventLoop, deadline: float | None, timeout_s: float | None
     ) -> _Connection:

@@ -31,12 +31,14 @@ _POLL_S = 0.05  # how often the drain looks whether the requests in flight ended
 
 class OpenRequests:
     """How many requests the edge's handlers are answering now
-    (:class:`~proxy.server.protocol.EdgeRequestHandler` counts them)."""
+    (:class:`~proxy.server.protocol.EdgeRequestHandler` counts them), and whether the proxy is
+    stopping (a request that comes on an open connection then gets 503 ``shutting_down``)."""
 
-    __slots__ = ("count",)
+    __slots__ = ("count", "stopping")
 
     def __init__(self) -> None:
         self.count = 0
+        self.stopping = False
 
 
 class Drain:

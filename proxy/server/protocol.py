@@ -10,6 +10,8 @@ sends a header byte a second is held open for ever (slowloris). The handler arms
 first byte of a request head arrives; when the head is not complete within ``header_timeout_s``
 it answers 408 in the same JSON shape and closes the connection. Idle keep-alive connections are
 aiohttp's ``keepalive_timeout``'s business, and a request body is the handler's (``body_timeout_s``).
+Once the proxy stops, aiohttp keeps idle connections open but reads nothing more from them: a
+request sent on one then gets 503 ``shutting_down`` at once, and the connection is closed.
 
 :class:`EdgeRunner` is ``web.AppRunner`` serving with this handler, which counts the requests it is
 answering (:class:`~proxy.server.drain.OpenRequests`: what the shutdown's drain waits for), and
@@ -49,6 +51,9 @@ class EdgeRequestHandler(RequestHandler):
         self._in_request = False  # a head was parsed and its handler has not ended yet
 
     def data_received(self, data: bytes) -> None:
+        if data and self._open_requests.stopping and not self._in_request:
+            self._refuse_stopping()  # aiohttp would drop it unread: the client would wait for nothing
+            return
         if not self._in_request and self._head_timer is None and data and self._header_timeout_s > 0:
             self._head_timer = self._loop.call_later(self._header_timeout_s, self._head_too_slow)
         before = self._request_count
@@ -98,6 +103,23 @@ class EdgeRequestHandler(RequestHandler):
         self.force_close()
         transport.close()
 
+    def _refuse_stopping(self) -> None:
+        """A request on a connection kept open while the proxy stops: 503 ``shutting_down``, closed."""
+        self._cancel_head_timer()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        body = error_body(
+            "sglang-pacer is shutting down and did not answer the request; send it again",
+            type="service_unavailable",
+            code="shutting_down",
+        )
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        self.force_close()
+
     def handle_error(
         self,
         request: BaseRequest,
@@ -129,6 +151,10 @@ class _EdgeServer(web.Server):
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._open_requests = open_requests
+
+    def pre_shutdown(self) -> None:
+        self._open_requests.stopping = True  # from now on a request on an open connection gets 503
+        super().pre_shutdown()
 
     def __call__(self) -> RequestHandler:
         return EdgeRequestHandler(

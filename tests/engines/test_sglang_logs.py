@@ -627,3 +627,37 @@ def test_time_only_prefix_ends_a_traceback_block_and_names_the_rank() -> None:
     events = LogFollower().feed_all(lines, now=0.0)
     assert [e.kind for e in events] == [EventKind.OOM, EventKind.CRASH, EventKind.BATCH_STATS]
     assert events[0].fields["phase"] == "prefill" and events[1].fields["tp_rank"] == 0
+
+
+_ALLOCATOR = (
+    "[W1122 13:45:07.144601916 CUDACachingAllocator.cpp:3933] memory allocation failed with OOM on device 0 "
+    "while trying to allocate 7516192768 bytes (free: 1547173888, total: 85029158912)."
+)
+_READY = "[2026-09-13 16:10:01] The server is fired up and ready to roll!"
+_DECODE = (
+    "[2026-09-13 16:12:40 TP0] Decode batch, #running-req: 64, #token: 90112, token usage: 0.96, cuda graph: True, "
+    "gen throughput (token/s): 2911.40, #queue-req: 12"
+)
+
+
+@pytest.mark.parametrize(("frame", "phase"), [("forward_extend", "prefill"), ("forward_decode", "decode")])
+def test_the_driver_apis_out_of_memory_in_a_scheduler_traceback(frame: str, phase: str) -> None:
+    death = classify_death(
+        [_READY, _DECODE, *_scheduler_crash("RuntimeError: CUDA driver error: out of memory", frame)]
+    )
+    assert (death.cause, death.phase) == ("oom", phase)
+
+
+def test_the_allocators_failed_first_try_is_no_event_but_explains_a_death_nothing_else_does() -> None:
+    assert parse_line(_ALLOCATOR, now=0.0) is None  # it frees its cache and tries again: no OOM yet
+    follower = LogFollower()
+    assert [e.kind for e in follower.feed_all([_READY, _ALLOCATOR, _DECODE], now=0.0) + follower.flush(0.0)] == [
+        EventKind.READY,
+        EventKind.BATCH_STATS,
+    ]
+    death = classify_death([_READY, _DECODE, _ALLOCATOR])  # the process was gone after it, with no other word
+    assert (death.cause, death.detail, death.started) == ("oom", _ALLOCATOR, True)
+    # a crash that says what it was is that; a warning before a restart says nothing of the next run's end
+    crash = classify_death([_READY, _ALLOCATOR, *_scheduler_crash("ValueError: bad input", "forward_decode")])
+    assert crash.cause == "crash"
+    assert classify_death([_ALLOCATOR, _READY, _DECODE]).cause == "unknown"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from proxy.engines.base import EventKind
-from proxy.engines.vllm.logs import LogFollower, parse_line
+from proxy.engines.vllm.logs import LogFollower, classify_death, parse_line
 from tests.engines.issue_lines import IssueLine, issue_lines, params, traceback_lines
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -331,3 +331,78 @@ def test_flashinfer_cuda_error_names_flashinfer() -> None:
     event = parse_line(line, 0.0)
     assert event is not None and event.kind is EventKind.OOM
     assert event.fields == {"phase": "unknown", "cause": "flashinfer_workspace"}
+
+
+# The last lines of a log, in the wordings read last: the V0 stats line of a build that adds its longest
+# engine step, PyTorch's driver-API check from the V1 engine core, and the caching allocator's warning.
+_V0_HEAD = "INFO 05-25 06:50:29 [metrics.py:486] "
+_CORE = "(EngineCore_DP0 pid=2210) ERROR 11-22 13:45:08 [core.py:710] "
+_ALLOCATOR = (
+    "[W1122 13:45:07.144601916 CUDACachingAllocator.cpp:3933] memory allocation failed with OOM on device 0 "
+    "while trying to allocate 7516192768 bytes (free: 1547173888, total: 85029158912)."
+)
+_READY = "(APIServer pid=2130) INFO:     Application startup complete."
+_STATS = (
+    "(APIServer pid=2130) INFO 11-22 13:45:01 [loggers.py:236] Engine 000: Avg prompt throughput: 0.0 tokens/s, "
+    "Avg generation throughput: 812.4 tokens/s, Running: 64 reqs, Waiting: 3 reqs, GPU KV cache usage: 91.0%, "
+    "Prefix cache hit rate: 2.0%"
+)
+_DEAD = (
+    "(APIServer pid=2130) ERROR 11-22 13:45:09 [async_llm.py:480] AsyncLLM output_handler failed. "
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause."
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "step_s"),
+    [
+        pytest.param(
+            "Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 96.5 tokens/s, Running: 12 reqs, "
+            "Swapped: 1 reqs, Pending: 7 reqs, GPU KV cache usage: 97.2%, CPU KV cache usage: 3.5%, "
+            "Max iteration time: 187.3 ms.",
+            0.1873,
+            id="at-the-end",
+        ),
+        pytest.param(
+            "Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 96.5 tokens/s, Max iteration time: 0.19 s, "
+            "Running: 12 reqs, Swapped: 1 reqs, Pending: 7 reqs, GPU KV cache usage: 97.2%, CPU KV cache usage: 3.5%.",
+            0.19,
+            id="after-the-throughputs",
+        ),
+    ],
+)
+def test_v0_stats_line_with_its_longest_step(line: str, step_s: float) -> None:
+    event = parse_line(_V0_HEAD + line, 3.0)
+    assert event is not None and event.kind is EventKind.BATCH_STATS
+    assert {k: event.fields[k] for k in ("running", "queue", "swapped")} == {"running": 12, "queue": 7, "swapped": 1}
+    assert event.fields["token_usage"] == pytest.approx(0.972) and event.fields["cpu_token_usage"] == pytest.approx(
+        0.035
+    )
+    assert event.fields["max_iteration_s"] == pytest.approx(step_s)
+
+
+def test_the_engine_cores_driver_out_of_memory_is_an_oom_placed_by_its_frames() -> None:
+    line = _CORE + "RuntimeError: CUDA driver error: out of memory"
+    event = parse_line(line, 0.0)
+    assert (
+        event is not None and event.kind is EventKind.OOM and event.fields == {"phase": "unknown", "cause": "unknown"}
+    )
+    frames = _oom_traceback(["determine_available_memory", "profile_run", "_dummy_run"])[:-1]
+    (oom,) = [e for e in _follow([*frames, line]) if e.kind is EventKind.OOM]
+    assert oom.fields["phase"] == "prefill"
+    assert classify_death([_READY, _STATS, line, _DEAD]).cause == "oom"
+
+
+def test_the_allocators_failed_first_try_is_no_event_but_explains_a_death_nothing_else_does() -> None:
+    assert parse_line(_ALLOCATOR, 0.0) is None  # it frees its cache and tries again: no OOM yet
+    assert [e.kind for e in _follow([_READY, _STATS, _ALLOCATOR, _STATS])] == [EventKind.READY] + [
+        EventKind.BATCH_STATS
+    ] * 2
+    # the engine core died after it with no word of its own: the API server's crash line, or nothing at all
+    for tail in ([_READY, _STATS, _ALLOCATOR, _DEAD], [_READY, _STATS, _ALLOCATOR, _STATS]):
+        death = classify_death(tail)
+        assert (death.cause, death.detail, death.started) == ("oom", _ALLOCATOR, True)
+    # an OutOfMemoryError after it says more; a warning before a restart says nothing of the next run's end
+    torch_oom = _CORE + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.00 GiB."
+    assert classify_death([_READY, _ALLOCATOR, torch_oom, _DEAD]).detail == torch_oom
+    assert classify_death([_ALLOCATOR, _READY, _STATS]).cause == "unknown"

@@ -156,7 +156,7 @@ async def test_a_streamed_answer_past_its_budget_comes_as_one_stream(make_proxy)
     await client.close()
 
 
-async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(make_proxy):
+async def test_a_continuation_the_worker_refuses_once_is_asked_again_and_the_stream_is_whole(make_proxy):
     h = await make_proxy(policy=SIM_SPEAKER)
     h.state.board.get("w0").output_budgets.set((True, 100), 4, 0.0)
     w = h.workers[0]
@@ -165,11 +165,62 @@ async def test_a_stream_whose_continuation_is_refused_ends_with_an_error_event(m
     body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "stream": True, "sim_output_len": 10}
     async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=body) as r:
         raw = await r.read()
+    assert b"error" not in raw and raw.count(b'"text":"t') == 10 and raw.endswith(b"data: [DONE]\n\n")
+    rid = w.bodies[0]["rid"]
+    assert [b["rid"] for b in w.bodies] == [rid, f"{rid}.c1", f"{rid}.c1r", f"{rid}.c2"]  # c1 refused, asked again
+    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "the workers empty")
+
+
+async def test_a_continuation_refused_everywhere_ends_the_stream_with_one_error_event(make_proxy):
+    h = await make_proxy(n_workers=2, policy={**SIM_SPEAKER, "pacing": {"max_attempts": 2}})
+    for i in range(2):
+        h.state.board.get(f"w{i}").output_budgets.set((True, 100), 4, 0.0)
+    h.workers[0].fail_next("ok")
+    for w in h.workers:
+        w.fail_next("400", 50)
+    h.workers[1].fail_next("500", 0)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "stream": True, "sim_output_len": 10}
+    async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=body) as r:
+        raw = await r.read()
     events = [e for e in raw.split(b"\n\n") if e.strip()]
     assert b"t3" in raw and b'"finish_reason":"length"' not in raw
-    assert b"could not be continued" in events[-2] and b"upstream_failed_mid_stream" in events[-2]
+    assert raw.count(b"upstream_failed_mid_stream") == 1 and b"could not go on" in events[-2]
     assert events[-1] == b"data: [DONE]"
-    await wait_until(lambda: h.state.board.get("w0").in_flight == 0, "h.state.board.get('w0').in_flight == 0")
+    suffixes = [b["rid"].split(".", 2)[-1] for w in h.workers for b in w.bodies]
+    assert {"c1", "c1r"} <= set(suffixes) and sum(s.endswith(("g", "gr")) for s in suffixes) >= 2  # then elsewhere
+    for w in h.workers:
+        w.fail_none()
+    await wait_until(lambda: all(h.state.board.get(f"w{i}").in_flight == 0 for i in range(2)), "the workers empty")
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+async def test_a_worker_that_fails_one_request_in_three_fails_as_many_streams_with_the_budget_as_without(
+    make_proxy, budget: int | None
+) -> None:
+    """The budget turns one request into several: a worker that fails some of its requests must not
+    cost a stream more often because of it. Every third request each worker gets fails (HTTP 500);
+    with the budget off and on, no stream fails: a failure before output is tried again, a refused
+    continuation is asked again and then goes elsewhere."""
+    h = await make_proxy(n_workers=2, policy=SIM_SPEAKER)
+    for i, w in enumerate(h.workers):
+        if budget is not None:
+            h.state.board.get(f"w{i}").output_budgets.set((True, 100), budget, 0.0)
+        for _ in range(40):
+            w.fail_next("ok", 2)
+            w.fail_next("500")
+
+    async def stream(i: int) -> bool:
+        body = {"model": MODEL, "prompt": f"x{i}", "max_tokens": 100, "stream": True, "sim_output_len": 10}
+        async with aiohttp.ClientSession() as s, s.post(h.url + "/v1/completions", json=body) as r:
+            raw = await r.read()
+        return r.status == 200 and b"error" not in raw and raw.count(b'"text":"t') == 10
+
+    whole = [await stream(i) for i in range(20)]
+    assert whole.count(False) == 0
+    failed = sum(len(w.bodies) for w in h.workers) - 20 * (3 if budget else 1)  # requests past one a part
+    assert failed > 0  # the workers did fail requests under it
+    for w in h.workers:
+        w.fail_none()
 
 
 async def test_a_whole_answer_taken_back_keeps_what_its_worker_wrote(make_proxy):

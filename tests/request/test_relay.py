@@ -147,18 +147,35 @@ async def test_failures_exhaust_attempts_then_clear_error(make_proxy):
     await client.close()
 
 
-async def test_midstream_failure_ends_stream_with_error_event(make_proxy):
+async def test_a_plain_stream_whose_worker_breaks_goes_on_from_its_text(make_proxy):
+    h = await make_proxy(n_workers=2)
+    h.workers[0].fail_next("midstream")
+    h.workers[1].fail_next("500", 0)
+    client = h.client()
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=10, stream=True)
+    chunks = [c async for c in stream]
+    # two tokens from w0, then its connection died: w1 goes on from "x t0 t1 " for the 8 left
+    assert [c.choices[0].text for c in chunks if c.choices[0].text] == ["t0 ", "t1 "] + [f"t{i} " for i in range(8)]
+    assert chunks[-1].choices[0].finish_reason == "length" and {c.id for c in chunks} == {chunks[0].id}
+    assert len(h.workers[0].bodies) == 1 and len(h.workers[1].bodies) == 1
+    going_on = h.workers[1].bodies[0]
+    assert going_on["prompt"] == "x" + "t0 t1 " and going_on["max_tokens"] == 8
+    assert going_on["rid"] == h.workers[0].bodies[0]["rid"][:-2] + ".2.g"  # the request's second attempt
+    await client.close()
+
+
+async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_when_its_worker_breaks(make_proxy):
     h = await make_proxy()
     h.workers[0].fail_next("midstream")
     client = h.client()
-    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=10, stream=True)
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=10, stream=True, stop=["zz"])
     got = []
     with pytest.raises(openai.APIError) as exc:
         async for c in stream:
             got.append(c.choices[0].text)
     assert got == ["t0 ", "t1 "]
     assert "mid-stream" in str(exc.value)
-    assert len(h.workers[0].seen_rids) == 1  # never retried after output went out
+    assert len(h.workers[0].seen_rids) == 1  # a stop string could span the seam: not continued
     await client.close()
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 
 from proxy.request.continuation import CHAT, COMPLETIONS
+from proxy.request.parts import SentEvents
 from proxy.request.stitch import StreamStitcher, WholeEvents
 
 
@@ -96,3 +97,22 @@ def test_whole_events_knows_crlf_boundaries_and_lets_an_endless_event_go_on() ->
     assert whole.feed(b"data: 1\r\n\r\ndata: 2") == b"data: 1\r\n\r\n" and whole.rest() == b"data: 2"
     huge = b"data: " + b"x" * WholeEvents.HELD_MAX
     assert whole.feed(huge[:10]) == b"" and whole.feed(huge[10:]) == huge  # not held without end
+
+
+def test_a_broken_part_counts_a_token_an_event_and_what_was_sent_is_read_past_a_bound() -> None:
+    class Small(SentEvents):
+        KEPT_MAX = 200  # read into the stitcher every few events, as a long stream is past 1 MiB
+
+    sent = Small(COMPLETIONS)
+    for i in range(12):
+        sent.add(_chunk("cmpl-1", text=f"t{i} "))
+    stitcher = sent.stitcher(client_usage=True)
+    end = stitcher.end_broken()  # its worker died: no usage event came
+    assert (end.reason, end.part_written, end.written, end.text) == (None, 12, 12, "".join(f"t{i} " for i in range(12)))
+    assert stitcher.end_broken().written == 12  # ended once: asked again, it counts nothing more
+    stitcher.begin_part()  # the next worker goes on; its prompt is the first's and the text so far
+    stitcher.feed(_chunk("cmpl-2", text="t12 ", reason="stop") + _usage("cmpl-2", 3 + 12, 1))
+    stitcher.end_part()
+    client, _ = stitcher.finish()
+    usage = next(e for e in _events(client) if isinstance(e, dict) and e.get("usage"))
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 13, "total_tokens": 16}

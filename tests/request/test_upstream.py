@@ -221,8 +221,10 @@ async def test_a_stream_broken_midway_raises_and_a_refused_connect_is_an_error()
             await resp.readany()
         resp.close()
         url = srv.url
+        assert not await pool.refuses(url)  # it broke one answer, and listens still
     with pytest.raises(UpstreamError, match="cannot connect"):
         await pool.post(url, "/x", b"", timeout_s=5)  # the server is gone
+    assert await pool.refuses(url)
     pool.close()
 
 

@@ -27,12 +27,15 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served nam
 
 
 @contextlib.asynccontextmanager
-async def one_sim_worker(tmp_path: Path, **engine_args: object) -> AsyncIterator[tuple[str, ProxyState]]:
+async def one_sim_worker(
+    tmp_path: Path, time_scale: float = 20, max_attempts: int = 3, **engine_args: object
+) -> AsyncIterator[tuple[str, ProxyState]]:
     policy = parse_policy({
         "engine": {"kind": "sim", "workers": 1, "args": {"max_running_requests": 64, **engine_args},
-                   "extra_args": ["--sim-time-scale", "20", "--sim-startup-seconds", "0.2"],
+                   "extra_args": ["--sim-time-scale", str(time_scale), "--sim-startup-seconds", "0.2"],
                    "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
-        "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0},
+        "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0,
+                   "max_attempts": max_attempts},
         "queue": {"timeout_s": 60, "capacity": 4096},
         "control": {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")},
         "batch": {"dir": str(tmp_path / "batches")},
@@ -139,9 +142,104 @@ async def test_a_stream_that_sent_only_its_role_is_retried_whole(tmp_path: Path)
         )
         assert not streamed.done()  # nothing reached the client: not even the headers
         await _kill_and_wait_revived(st)
+        blocker.close()  # its answer would go on on the revived worker, in the only slot
         chunks = await asyncio.wait_for(streamed, 30)
-        blocker.close()
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert [d for d in deltas if "role" in d] == [{"role": "assistant", "content": ""}]  # one opening, not two
     assert sum(1 for d in deltas if d.get("content")) == 5
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_killed_mid_stream_cuts_no_plain_answer(tmp_path: Path) -> None:
+    """The only worker SIGKILLed while streams and whole answers are half written: every plain one
+    ends with its whole answer, one stream with the text from before the kill going on after it on
+    the revived worker; a stream that cannot be continued (a penalty over its output) gets one error."""
+    import openai
+
+    length = 600
+    streamed: dict[int, int] = {}  # request -> content events read so far
+    async with one_sim_worker(tmp_path, time_scale=2) as (url, st):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        extra = {"sim_output_len": length}
+
+        async def chat(i: int, **kw: object) -> tuple[str, str | None, int | None]:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"chat {i}"}], max_tokens=8000, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra, **kw,  # type: ignore[arg-type]
+            )  # fmt: skip
+            text, reason, usage = [], None, None
+            async for c in stream:
+                if c.choices and c.choices[0].delta.content:
+                    text.append(c.choices[0].delta.content)
+                    streamed[i] = len(text)
+                reason = (c.choices[0].finish_reason if c.choices else None) or reason
+                usage = c.usage.completion_tokens if c.usage else usage
+            return "".join(text), reason, usage
+
+        async def completion(i: int) -> tuple[str, str | None, int | None]:
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"completion {i}", max_tokens=8000, stream=True, extra_body=extra
+            )
+            text, reason = [], None
+            async for c in stream:
+                if c.choices[0].text:
+                    text.append(c.choices[0].text)
+                    streamed[i] = len(text)
+                reason = c.choices[0].finish_reason or reason
+            return "".join(text), reason, len(text)
+
+        async def whole(i: int) -> tuple[str, str | None, int | None]:
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"whole {i}"}], max_tokens=8000, extra_body=extra
+            )
+            assert answer.usage is not None
+            return (
+                answer.choices[0].message.content or "",
+                answer.choices[0].finish_reason,
+                answer.usage.completion_tokens,
+            )
+
+        plain = [chat(i) for i in range(6)] + [completion(i) for i in range(6, 12)] + [whole(i) for i in range(12, 18)]
+        tasks = [asyncio.ensure_future(c) for c in plain]
+        penalised = [asyncio.ensure_future(chat(i, frequency_penalty=0.5)) for i in range(18, 21)]
+        # streams half written (the whole answers with them on the worker): then the kill
+        await wait_until(
+            lambda: sum(1 for n in streamed.values() if 5 <= n < length // 2) >= 8, "streams under way", timeout=60
+        )
+        broken = {i for i, n in streamed.items() if n < length}
+        await _kill_and_wait_revived(st)
+        answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        cut = await asyncio.gather(*penalised, return_exceptions=True)
+        await client.close()
+    for text, reason, written in answers:
+        assert (reason, written) == ("stop", length) and text
+    for i, outcome in zip(range(18, 21), cut, strict=True):  # one error each where the kill cut them, else whole
+        if i in broken:
+            assert isinstance(outcome, openai.APIError) and "mid-stream" in str(outcome), outcome
+        else:
+            assert not isinstance(outcome, BaseException) and outcome[1:] == ("stop", length)
+    went_on = st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
+    assert went_on is not None and went_on >= len(broken - set(range(18, 21))) >= 5  # they went on after the kill
+
+
+@pytest.mark.timeout(60)
+async def test_whole_answers_on_a_worker_that_dies_wait_for_it_to_come_back_without_spending_a_try(
+    tmp_path: Path,
+) -> None:
+    """One try per request: answers half written when the only worker is SIGKILLed are not failed
+    (502 "failed before any output"): their connection broke and the worker refuses new ones, so
+    they wait for the revived worker, and each gets its whole answer."""
+    async with one_sim_worker(tmp_path, time_scale=2, max_attempts=1) as (url, st), aiohttp.ClientSession() as session:
+
+        async def whole(i: int) -> tuple[int, bytes]:
+            body = {"model": MODEL, "prompt": f"whole {i}", "max_tokens": 400, "sim_output_len": 400}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                return resp.status, await resp.read()
+
+        tasks = [asyncio.ensure_future(whole(i)) for i in range(8)]
+        await wait_until(lambda: st.board.get("w0").in_flight == 8, "answers on the worker", timeout=20)
+        await _kill_and_wait_revived(st)
+        answers = await asyncio.wait_for(asyncio.gather(*tasks), 40)
+    assert [status for status, _ in answers] == [200] * 8, answers
+    assert all(orjson.loads(body)["usage"]["completion_tokens"] == 400 for _, body in answers)

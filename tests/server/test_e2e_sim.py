@@ -139,19 +139,36 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
     await client.close()
 
 
-async def test_stream_cut_by_worker_death_ends_with_error_event(sim):
+async def test_a_stream_cut_by_its_workers_death_goes_on_on_the_other_one(sim):
+    """A plain stream goes on from its text on the live worker; one that cannot be continued (a
+    penalty over its output) ends with one error event."""
     client = sim.client()
     st = sim.state
+
+    def kill_the_busy_worker() -> None:
+        wid = next(w.id for w in st.pool.workers() if st.board.get(w.id).in_flight == 1)
+        os.kill(st.pool.get(wid).pid, signal.SIGKILL)
+
     stream = await client.completions.create(
-        model=MODEL, prompt="x", max_tokens=100000, stream=True, extra_body={"sim_output_len": 100000}
+        model=MODEL, prompt="x", max_tokens=100000, stream=True, extra_body={"sim_output_len": 300}
     )
+    got, reason = 0, None
+    async for chunk in stream:
+        got += 1 if chunk.choices[0].text else 0
+        reason = chunk.choices[0].finish_reason or reason
+        if got == 3 and reason is None:
+            kill_the_busy_worker()
+    assert (got, reason) == (300, "stop")
+    stream = await client.completions.create(
+        model=MODEL, prompt="x", max_tokens=100000, stream=True, frequency_penalty=0.5,
+        extra_body={"sim_output_len": 100000},
+    )  # fmt: skip
     got = 0
     with pytest.raises(openai.APIError) as exc:
         async for _ in stream:
             got += 1
             if got == 3:
-                wid = next(w.id for w in st.pool.workers() if st.board.get(w.id).in_flight == 1)
-                os.kill(st.pool.get(wid).pid, signal.SIGKILL)
+                kill_the_busy_worker()
     assert "mid-stream" in str(exc.value)
     await client.close()
 

@@ -10,7 +10,8 @@ Two layers:
   what tells a CUDA OOM in prefill from one in decode. It collects the block until the next
   prefixed line (or :meth:`LogFollower.flush`) and emits one ``CRASH`` event, plus an ``OOM`` event
   when no allocator line had reported it. A device OOM is recognised in the wording of PyTorch,
-  the CUDA runtime, cuBLAS, NCCL and FlashInfer (``cause`` names the last four).
+  the CUDA runtime or driver, cuBLAS, NCCL and FlashInfer (``cause`` names the last four). The allocator's warning that a first try
+  failed (it then retries) is no event, but explains a death nothing else explains.
 
 :func:`classify_death` runs a fresh follower over the last lines of a dead worker's log.
 
@@ -339,18 +340,25 @@ def _parse_message(line: str, ranks: Fields, message: str, prefixed: bool, now: 
 #                                has a total capacity of ..." (torch >= 2.5), "torch.cuda.OutOfMemoryError: ..."
 #                                (2.0-2.4), "RuntimeError: CUDA out of memory. Tried to allocate ..." (< 1.13)
 #   the CUDA runtime / driver    "CUDA error: out of memory" (+ "CUDA kernel errors might be asynchronously
-#                                reported ..."), "cudaErrorMemoryAllocation"
+#                                reported ..."), "cudaErrorMemoryAllocation"; "CUDA driver error: out of memory"
+#                                (PyTorch's driver-API check, as with the allocator's expandable segments)
 #   cuBLAS                       "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 #   NCCL                         "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
 #   FlashInfer                   "Failed to allocate memory for batch_prefill_tmp_v with size N and alignment 16 in
 #                                AlignedAllocator" (include/flashinfer/allocator.h), "Out of workspace memory in
 #                                AlignedAlloactor" (its older spelling), "CUDA Error: out of memory (2) .../handler.cuh"
 _DEVICE_OOM = re.compile(
-    r"torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA [Ee]rror: out of memory|cudaErrorMemoryAllocation"
+    r"torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA [Ee]rror: out of memory|CUDA driver error: out of memory"
+    r"|cudaErrorMemoryAllocation"
     r"|CUBLAS_STATUS_ALLOC_FAILED|Cuda failure (?:\d+ )?'out of memory'"
     r"|Failed to allocate memory for \w+ with size \d+ and alignment \d+ in AlignedAllocator"
     r"|Out of workspace memory in AlignedAllo(?:ca|ac)tor"
 )
+# PyTorch's caching allocator when a device allocation fails ("[W910 23:40:43.144601916 CUDACachingAllocator.cpp:3933]
+# memory allocation failed with OOM on device 0 while trying to allocate N bytes (free: F, total: T)"): a warning,
+# then it frees its cache and tries again (OutOfMemoryError only if that fails too). No event; it explains a death
+# whose log says nothing else (classify_death).
+_ALLOCATOR_RETRY = "memory allocation failed with OOM"
 _OOM_CAUSES: tuple[tuple[str, str], ...] = (  # substring of the OOM line -> cause, the first found wins
     ("AlignedAllo", "flashinfer_workspace"),
     ("flashinfer/", "flashinfer_workspace"),  # "CUDA Error: out of memory (2) .../flashinfer/handler.cuh"
@@ -421,6 +429,7 @@ class LogFollower:
     _oom_since_crash: str | None = None  # phase of an OOM already reported for this incident
     _avail_mem_gb: float | None = None  # the last "avail mem=x GB" of the current start-up
     _device_oom: str | None = None  # a device OOM printed outside a traceback (FlashInfer's C++ side, NCCL)
+    allocator_retry: str | None = None  # the caching allocator's last failed first try since the server was ready
 
     def feed(self, line: str, now: float) -> list[LogEvent]:
         line = line.rstrip("\r\n")
@@ -431,6 +440,9 @@ class LogFollower:
                 self._block.append(line)
                 return events
             events.extend(self.flush(now))
+        if _ALLOCATOR_RETRY in message:
+            self.allocator_retry = line
+            return events
         if "avail mem=" in message and (mem := _AVAIL_MEM.search(message)) is not None:
             self._avail_mem_gb = float(mem.group("gb"))
         if ("emory" in message or "ALLOC_FAILED" in message or "Cuda failure" in message) and _DEVICE_OOM.search(
@@ -453,6 +465,7 @@ class LogFollower:
             self._oom_since_crash = None
             self._avail_mem_gb = None
             self._device_oom = None
+            self.allocator_retry = None
         elif event.kind is EventKind.STARTUP and "max_total_tokens" in event.fields:
             event = self._with_avail_mem(event)
         events.append(event)
@@ -513,4 +526,8 @@ class LogFollower:
 def classify_death(lines: Sequence[str], now: float = 0.0) -> Death:
     """Classify a dead worker from its log tail (a few hundred lines are plenty)."""
     follower = LogFollower()
-    return death_from_events(follower.feed_all(lines, now) + follower.flush(now), lines)
+    death = death_from_events(follower.feed_all(lines, now) + follower.flush(now), lines)
+    if death.cause == "unknown" and follower.allocator_retry is not None:
+        # nothing else says why: the allocator's failed try is the last word on device memory before the end
+        return Death(cause="oom", detail=follower.allocator_retry, started=death.started)
+    return death

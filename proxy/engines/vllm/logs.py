@@ -4,14 +4,15 @@ What is read (the V1 engine, and the V0 engine of 0.2-0.6 that many deployments 
 
 - the periodic stats line -> ``BATCH_STATS`` (``running``, ``queue``, ``token_usage``,
   ``gen_throughput``, ``prompt_throughput``, ``engines``; V1's ``Preemptions`` part, present only
-  when > 0, as ``retractions``; V0's ``Swapped`` as ``swapped``). An idle engine logs it at DEBUG,
+  when > 0, as ``retractions``; V0's ``Swapped`` as ``swapped``, its ``Max iteration time`` as
+  ``max_iteration_s``). An idle engine logs it at DEBUG,
   so a missing line never means a stall;
 - the V0 preemption warning -> ``RETRACTION`` (V1 logs none: read ``vllm:num_preemptions_total``);
 - ``GPU KV cache size: N tokens`` (``CPU`` on the CPU build) -> ``STARTUP``; uvicorn's
   ``Application startup complete.`` -> ``READY``;
 - the start-up refusals when the KV cache cannot hold one request of ``max_model_len`` tokens, in
   every version's wording (V1's carries the estimated maximum length) -> ``KV_CAPACITY_ERROR``;
-- out of memory, in the wording of PyTorch, the CUDA runtime, cuBLAS, NCCL, FlashInfer or vLLM ->
+- out of memory, in the wording of PyTorch, the CUDA runtime or driver, cuBLAS, NCCL, FlashInfer or vLLM ->
   ``OOM`` with a ``cause``. :class:`LogFollower` reads the traceback above it to place the OOM:
   under ``profile_run`` / ``_dummy_run`` in ``prefill``, under ``_dummy_sampler_run`` /
   ``capture_model`` in ``decode``;
@@ -42,11 +43,15 @@ STATS = re.compile(
 # Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, GPU KV cache usage: %.1f%%, CPU KV cache usage: %.1f%%"
 # with a closing "." since 0.4. The prefix cache hit rate is a line of its own there ("Prefix cache hit rate:
 # GPU: x%, CPU: y%", 0.5.5+), not read. Pending is the waiting queue; Swapped the requests preempted to CPU.
+# Builds that add parts of their own (``Max iteration time: 0.42 s``, anywhere after the throughputs) are
+# read too: any "Name: value, " part may come between the ones read.
+_PART = r"(?:[A-Z][\w ]*: [^,]*, )*?"
 STATS_V0 = re.compile(
-    rf"Avg prompt throughput: {_NUM} tokens/s, Avg generation throughput: {_NUM} tokens/s, "
-    rf"Running: (\d+) reqs, Swapped: (\d+) reqs, Pending: (\d+) reqs, "
+    rf"Avg prompt throughput: {_NUM} tokens/s, Avg generation throughput: {_NUM} tokens/s, {_PART}"
+    rf"Running: (\d+) reqs, {_PART}Swapped: (\d+) reqs, {_PART}Pending: (\d+) reqs, {_PART}"
     rf"GPU KV cache usage: {_NUM}%(?:, CPU KV cache usage: {_NUM}%)?"
 )
+MAX_ITERATION = re.compile(rf"Max iteration time: {_NUM} ?(ms|s)?\b")  # the interval's longest engine step
 PREEMPTIONS = re.compile(r"Preemptions: (\d+)")
 PREEMPTED_V0 = re.compile(
     r"is preempted by (\S+) mode because there is not enough KV cache space.*?"
@@ -71,7 +76,8 @@ NO_BLOCKS = "No available memory for the cache blocks"
 #   vLLM itself                  "CUDA out of memory occurred when warming up sampler ...", "Failed to load model -
 #                                not enough GPU memory"
 #   the CUDA runtime / driver    "CUDA error: out of memory" (+ "CUDA kernel errors might be asynchronously
-#                                reported ..."), "cudaErrorMemoryAllocation"
+#                                reported ..."), "cudaErrorMemoryAllocation"; "CUDA driver error: out of memory"
+#                                (PyTorch's driver-API check: the allocator's expandable segments, the engine core)
 #   cuBLAS                       "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 #   NCCL                         "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'"
 #   FlashInfer                   "Failed to allocate memory for batch_prefill_tmp_v with size N and alignment 16 in
@@ -79,7 +85,7 @@ NO_BLOCKS = "No available memory for the cache blocks"
 #                                AlignedAlloactor" (its older spelling)
 OOM = re.compile(
     r"OutOfMemoryError|CUDA out of memory|out of memory occurred|not enough GPU memory"
-    r"|CUDA [Ee]rror: out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|Cuda failure (?:\d+ )?'out of memory'"
+    r"|CUDA [Ee]rror: out of memory|CUDA driver error: out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|Cuda failure (?:\d+ )?'out of memory'"
     r"|Failed to allocate memory for \w+ with size \d+ and alignment \d+ in AlignedAllocator"
     r"|Out of workspace memory in AlignedAllo(?:ca|ac)tor"
 )
@@ -100,6 +106,11 @@ SAMPLER_OOM = "warming up sampler"
 # gpu_model_runner.py profile_run / _dummy_run; V0 model_runner.py profile_run) is a prefill; the sampler
 # warm-up (_dummy_sampler_run) and CUDA graph capture (capture_model: decode batches) are decode.
 PHASE_FRAME = re.compile(r'File ".*", line \d+, in (?:(profile_run|_dummy_run)|(_dummy_sampler_run|capture_model))\b')
+# PyTorch's caching allocator when a device allocation fails: "[W910 23:40:43.144601916 CUDACachingAllocator.cpp:3933]
+# memory allocation failed with OOM on device 0 while trying to allocate 7516192768 bytes (free: ..., total: ...)".
+# A warning: it frees its cache and tries again, and raises OutOfMemoryError (read above) only if that fails too.
+# So no event of its own; it explains a death whose log says nothing else (classify_death).
+ALLOCATOR_RETRY = "memory allocation failed with OOM"
 CRASH = re.compile(r"Engine core initialization failed|EngineDeadError|EngineCore encountered an issue")
 READY_MARKER = "Application startup complete."  # the server answers /health from this line on
 
@@ -142,6 +153,8 @@ def _stats_event(line: str, now: float) -> LogEvent | None:
         }  # no "retractions": V0 reports each preemption on a line of its own (RETRACTION)
         if cpu_usage is not None:
             fields["cpu_token_usage"] = _n(cpu_usage) / 100.0  # the swap space
+        if (step := MAX_ITERATION.search(line)) is not None:
+            fields["max_iteration_s"] = _n(step.group(1)) / (1000.0 if step.group(2) == "ms" else 1.0)
         return _event(EventKind.BATCH_STATS, now, line, **fields)
     return None
 
@@ -204,9 +217,14 @@ class LogFollower:
 
     def __init__(self, context_lines: int = 60) -> None:
         self._recent: deque[str] = deque(maxlen=context_lines)
+        self.allocator_retry: str | None = None  # the allocator's last failed first try since the server was ready
 
     def feed(self, line: str, now: float) -> list[LogEvent]:
+        if ALLOCATOR_RETRY in line:
+            self.allocator_retry = line.rstrip("\n")
         event = parse_line(line, now)
+        if event is not None and event.kind is EventKind.READY:
+            self.allocator_retry = None
         if event is not None and event.kind is EventKind.OOM and event.fields.get("phase") == "unknown":
             frame = next((m for m in map(PHASE_FRAME.search, reversed(self._recent)) if m), None)  # the innermost
             if frame is not None:
@@ -234,4 +252,9 @@ def classify_death(lines: Sequence[str], now: float = 0.0) -> Death:
     if EventKind.KV_CAPACITY_ERROR in kinds and EventKind.READY not in kinds and EventKind.OOM not in kinds:
         refusal = next(e for e in reversed(events) if e.kind is EventKind.KV_CAPACITY_ERROR)
         return Death(cause="kv_capacity", detail=refusal.line)
-    return death_from_events(events, lines)
+    death = death_from_events(events, lines)
+    if death.cause in ("unknown", "crash") and follower.allocator_retry is not None:
+        # nothing else says why (a crash line here is the API server's word that the engine core died): the
+        # allocator's failed try is the last word on device memory before the end
+        return Death(cause="oom", detail=follower.allocator_retry, started=death.started)
+    return death
