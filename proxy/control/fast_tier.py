@@ -127,6 +127,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.evidence import OutputBudget
 from proxy.policy import ControlSettings, PacingSettings
 
@@ -151,7 +152,9 @@ class PaceSettings:
     ceiling: int = 4096  # grown past this, the limit is lifted
     backoff: float = 0.8  # multiplicative decrease
     grow_divisor: int = 16  # additive increase: limit / grow_divisor (at least 1) per hold_s while it binds
-    hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one (policy backoff_hold_s)
+    hold_s: float = (
+        5.0  # at most one back-off per hold_s, and no growth within hold_s of one (the constants' backoff_hold_s)
+    )
     grow_below_usage: float = 0.9  # grow only while token usage is below this
     ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
     retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
@@ -183,16 +186,25 @@ class PaceSettings:
     budget_overrun_share: float = 0.1
 
     @classmethod
-    def of(cls, control: ControlSettings, pacing: PacingSettings) -> PaceSettings:
-        """A pool's fast tier as its policy sets it: the timings and the retraction threshold from
-        ``[control]``, the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps
-        beside interactive work use too), the rest at their defaults."""
+    def of(
+        cls,
+        control: ControlSettings,
+        pacing: PacingSettings,
+        *,
+        clock_rate: float = 1.0,
+        constants: Constants = CONSTANTS,
+    ) -> PaceSettings:
+        """A pool's fast tier: the output budget from ``[control]``, the timings and the retraction
+        threshold from the controller's constants on the workers' clock (``clock_rate``: engine seconds per
+        wall second), the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps beside
+        interactive work use too), the rest at their defaults."""
+        k = constants.in_wall(clock_rate)
         return cls(
             output_budget=control.output_budget,
-            hold_s=control.backoff_hold_s,
-            rate_window_s=control.rate_window_s,
-            facts_window_s=control.facts_window_s,
-            retractions_per_1k_tokens=control.retractions_per_1k_tokens,
+            hold_s=k.backoff_hold_s,
+            rate_window_s=k.rate_window_s,
+            facts_window_s=k.facts_window_s,
+            retractions_per_1k_tokens=k.retractions_per_1k_tokens,
             interactive_hold_s=pacing.interactive_window_s,
         )
 

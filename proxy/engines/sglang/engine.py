@@ -148,8 +148,9 @@ class SGLangEngine:
             return Modelled()
         # extra_args come after the args' flags: where both name one, the simulator runs the last
         flags = argv.parse_argv_args(extra_args)
-        gpu, model = (flags.get(name) or args.get(name) for name in ("sim_gpu", "sim_model"))
-        return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None)
+        gpu, model, scale = (flags.get(name) or args.get(name) for name in ("sim_gpu", "sim_model", "sim_time_scale"))
+        rate = _positive(scale) or 1.0
+        return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None, clock_rate=rate)
 
     @property
     def reserves_max_tokens(self) -> bool:
@@ -195,6 +196,21 @@ class SGLangEngine:
 
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return knobs.resolved_from_server_info(info)
+
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float:
+        # the simulator reports its time scale there; SGLang itself has no such field and runs at 1
+        return _positive(info.get("time_scale")) or 1.0
+
+
+def _positive(value: object) -> float | None:
+    """A number > 0 (a flag's text or a JSON number), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
 
 
 SGLANG = SGLangEngine(name="sglang", command=("python3", "-m", "sglang.launch_server"))
