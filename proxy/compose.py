@@ -30,7 +30,7 @@ from aiohttp import web
 
 from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
-from proxy.control.constants import CONSTANTS
+from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.controller import Controller
 from proxy.control.evidence import OutputBudget
 from proxy.control.fast_tier import (
@@ -76,15 +76,22 @@ from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
 from proxy.workers.base import PlannedLaunches, WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 from proxy.workers.fleet import PoolView
 
+CONTROL_CONSTANTS = web.AppKey("control_constants", Constants)  # build_app's, for the controllers' lifecycle
 _log = logging.getLogger(__name__)
 _LAUNCH_NVML_TIMEOUT_S = 5.0  # a first launch waits this long at most for NVML's size of its GPU
 
 
 def build_app(
-    policy: Policy, pool: WorkerPool, *, manage_pool: bool = True, gpu_sampler: Sampler = sample_gpus
+    policy: Policy,
+    pool: WorkerPool,
+    *,
+    manage_pool: bool = True,
+    gpu_sampler: Sampler = sample_gpus,
+    control_constants: Constants = CONSTANTS,
 ) -> web.Application:
     """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app; ``gpu_sampler``
-    reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default).
+    reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default); ``control_constants`` are
+    the controllers' and the fast tier's (in the engine's seconds; tests shorten them).
 
     Raises :class:`proxy.server.auth.AuthConfigError` if a key file cannot be read.
     """
@@ -158,7 +165,7 @@ def build_app(
 
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            settings = PaceSettings.of(p.control, p.pacing, clock_rate=_clock_rate(p))
+            settings = PaceSettings.of(p.control, p.pacing, clock_rate=_clock_rate(p), constants=control_constants)
             fast_tier = _fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name))
             board.subscribe(fast_tier)
             dispatchers[p.name].on_interactive_spell = _look_again(board, dispatchers[p.name], fast_tier)
@@ -178,6 +185,7 @@ def build_app(
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
     app[PROXY] = st
+    app[CONTROL_CONSTANTS] = control_constants
     for path in (CHAT, COMPLETIONS, GENERATE):
         app.router.add_post(path, handlers.inference_route(path))
     app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
@@ -501,7 +509,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             engine = pool_settings.engine.engine
             view = PoolView(st.pool, pool_settings.name) if several else st.pool
             rate = _clock_rate(pool_settings)
-            drain_timeout_s = CONSTANTS.in_wall(rate).drain_timeout_s
+            drain_timeout_s = app[CONTROL_CONSTANTS].in_wall(rate).drain_timeout_s
             st.controllers[pool_settings.name] = Controller(
                 settings,
                 engine.knobs,
@@ -517,6 +525,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
                 offload=planning,
                 clock_rate=rate,
+                constants=app[CONTROL_CONSTANTS],
             )
         st.controller, st.journal = st.controllers[policy.pools[0].name], journal
 

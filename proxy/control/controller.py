@@ -296,6 +296,9 @@ class Controller:
         self.rules = RuleSettings(control=settings, knobs=knobs, activations=self._activations,
                                   constants=self.constants)  # fmt: skip
         self._twin_is_gpu = False  # a real GPU NVML matched to the twin's preset (launch_args)
+        # the twin is an SGLang model (its admission conservativeness among its knobs): on another engine
+        # (vLLM) there is no plan, no launch forecast and no activations; its rules keep a preemption cap
+        self._twin_models_engine = KnobName.CONSERVATIVENESS in knobs
         self._activations_seen: dict[tuple[tuple[str, str], ...], Activations | None] = {}
         self.journal = journal
         self.engine = engine
@@ -333,7 +336,7 @@ class Controller:
     def _activations(self, args: Mapping[str, object]) -> Activations | None:
         """The twin's activations under ``args``, once per set of arguments (the rules ask every tick);
         None where the twin's GPU is not known to be the worker's (its activations would be another GPU's)."""
-        if self._modelled(args).gpu is None and not self._twin_is_gpu:
+        if not self._twin_models_engine or (self._modelled(args).gpu is None and not self._twin_is_gpu):
             return None
         key = tuple(sorted((k, repr(v)) for k, v in args.items()))
         if key not in self._activations_seen:
@@ -354,7 +357,7 @@ class Controller:
         line after the launch costs. Advising, the moves are journaled and the worker starts as
         configured. Only where the twin's GPU is the worker's: the GPU a simulated worker models, or a
         GPU of the twin preset's size (``gpu_total_bytes``: NVML's total memory of the worker's GPU)."""
-        if self.mode is ControlMode.OFF:
+        if self.mode is ControlMode.OFF or not self._twin_models_engine:
             return dict(args)
         twin = self._twin(args)
         if self._modelled(args).gpu is not None:
@@ -563,7 +566,7 @@ class Controller:
         paying restart waited for another worker's goes first, due as soon as the fleet is whole): serving,
         managed (or advised), enough evidence, outside the cool-down and the restart budget; each with
         what its plan reads."""
-        if self.mode is ControlMode.OFF:
+        if self.mode is ControlMode.OFF or not self._twin_models_engine:
             return []
         now = self.clock()
         c = self.constants

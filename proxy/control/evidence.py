@@ -11,6 +11,7 @@ the journal adds its keys to the same object.
 |---|---|
 | ``prefill_oom``, ``decode_oom``, ``oom`` | :class:`PrefillOom`, :class:`DecodeOom`, :class:`UnplacedOom` |
 | ``crash_loop`` | :class:`CrashLoop` |
+| ``retraction_storm`` (an engine the planner does not model: vLLM) | :class:`BatchCapStorm` |
 | ``kv_capacity`` | :class:`KvCapacity` |
 | ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
 | ``pacing_too_timid`` | :class:`TimidPacing` |
@@ -28,6 +29,7 @@ __all__ = [
     "NO_EVIDENCE",
     "OPTIONAL",
     "ActivationFit",
+    "BatchCapStorm",
     "CrashLoop",
     "Death",
     "DecodeOom",
@@ -39,6 +41,8 @@ __all__ = [
     "PlanHorizon",
     "Planned",
     "PrefillOom",
+    "RequestFit",
+    "Retractions",
     "TimidPacing",
     "UnplacedOom",
 ]
@@ -114,6 +118,36 @@ class Death(Evidence):
 
 
 # -- start-up memory and capacity -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retractions(Evidence):
+    """The retraction figures of a window and the thresholds they crossed."""
+
+    retraction_rate_per_min: float
+    threshold_per_min: float
+    retractions_per_1k_tokens: float | None  # None: no throughput figure
+    threshold_per_1k_tokens: float
+    retractions: int
+    observed_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFit(Evidence):
+    """How many whole requests of the window's mean length fit the KV pool at once."""
+
+    kv_capacity_tokens: int
+    mean_request_tokens: float
+    requests_that_fit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchCapStorm(Evidence):
+    """A storm answered by capping the running batch (an engine without admission conservativeness)."""
+
+    storm: Retractions
+    running_when_kv_full: int
+    fit: RequestFit | None = field(default=None, metadata=OPTIONAL)  # None: the cap is set below what ran instead
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,12 +22,15 @@ from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import (
     ActivationFit,
+    BatchCapStorm,
     CrashLoop,
     DecodeOom,
     Evidence,
     KvCapacity,
     MemoryBand,
     PrefillOom,
+    RequestFit,
+    Retractions,
     TimidPacing,
     UnplacedOom,
 )
@@ -319,6 +322,83 @@ def crash_loop_unbroken(state: ControlState, c: Constants, now: float, death: st
     )
 
 
+def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """On an engine the planner's twin does not model (one without admission conservativeness: vLLM),
+    preemptions that are a real share of the work cap the running batch; elsewhere the planner prices
+    the same storm and this rule says nothing.
+
+    A storm is relative: more than ``retractions_per_1k_tokens`` retracted requests per 1,000 output
+    tokens generated in the window (an absolute rate per minute grows with throughput). The constants'
+    ``retractions_per_min`` stays a noise floor: below it nothing fires. Without a throughput figure the
+    floor alone decides."""
+    if KnobName.CONSERVATIVENESS in s.knobs:
+        return None  # the planner's
+    c = s.constants
+    if window.observed_s < c.min_evidence_s:
+        return None
+    rate = window.retraction_rate_per_min
+    if rate <= c.retractions_per_min:
+        return None
+    per_1k = window.retractions_per_1k_tokens
+    if per_1k is not None and per_1k <= c.retractions_per_1k_tokens:
+        return None
+    storm = Retractions(
+        retraction_rate_per_min=round(rate, 2), threshold_per_min=round(c.retractions_per_min, 2),
+        retractions_per_1k_tokens=None if per_1k is None else round(per_1k, 4),
+        threshold_per_1k_tokens=c.retractions_per_1k_tokens,
+        retractions=window.retractions, observed_s=round(window.observed_s, 1),
+    )  # fmt: skip
+    why = f"{rate:.1f} retractions/min" + (
+        "" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})"
+    )
+    return _fewer_running(window, state, s, why, storm)
+
+
+def _fewer_running(
+    window: Window, state: ControlState, s: RuleSettings, why: str, storm: Retractions
+) -> Decision | None:
+    """Cap the running batch at the number of whole requests the KV pool holds: its capacity over the
+    mean prompt + output length of the requests that finished in the window (preemptions come from
+    running more requests than fit once they have grown to full length). Where that figure is
+    missing or not below what the full pool held while it preempted, cap below the latter instead:
+    the median running count of the samples with token usage >= ``low_usage`` (else the peak seen)
+    x ``decode_oom_factor``, since requests caught mid-way still grow."""
+    c = s.constants
+    floor = s.bounds(KnobName.MAX_RUNNING)[0]
+    full = sorted(smp.running for smp in window.samples if smp.token_usage >= c.low_usage and smp.running > 0)
+    held = full[len(full) // 2] if full else (window.peak_running or 0)
+    if held <= 0:
+        return None
+    fit = _whole_requests_that_fit(window)
+    if fit is not None and fit.requests_that_fit < held:
+        fits, capacity, length = fit.requests_that_fit, fit.kv_capacity_tokens, fit.mean_request_tokens
+        return _move(
+            window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
+            new_value=max(fits, floor), direction=-1,
+            evidence=BatchCapStorm(storm=storm, running_when_kv_full=held, fit=replace(fit, mean_request_tokens=round(length, 1))),
+            reason=f"{why} with about {held} requests running when the "
+            + f"KV cache is full; {fits} whole requests of {length:.0f} tokens fit its {capacity} tokens: "
+            + "lower {arg} {old} -> {new}",
+        )  # fmt: skip
+    return _move(
+        window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
+        new_value=max(int(held * c.decode_oom_factor), floor), direction=-1,
+        evidence=BatchCapStorm(storm=storm, running_when_kv_full=held),
+        reason=f"{why} with about {held} requests running when the KV cache is full: " + "lower {arg} {old} -> {new}",
+    )  # fmt: skip
+
+
+def _whole_requests_that_fit(window: Window) -> RequestFit | None:
+    """How many requests of the mean whole length (prompt + output) of those that finished in the
+    window fit the KV pool at once."""
+    capacity, length = window.kv_capacity_tokens, window.mean_request_tokens
+    if capacity is None or length is None:
+        return None
+    return RequestFit(
+        kv_capacity_tokens=capacity, mean_request_tokens=length, requests_that_fit=int(capacity // length)
+    )
+
+
 def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """The engine refused to start because one request of its configured length does not fit the
     KV cache: lower that length to what the engine says fits; without that figure, raise the memory
@@ -475,7 +555,13 @@ ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_
 # traffic: acted on at start-up it costs a start-up and no work in flight, while a planner needs a
 # workload to replay first), the crash the twin's activations foresee from the same line (the model is
 # the planner's: without it the OOM rules learn the same from the crash), and the note on timid pacing
-SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom, pacing_too_timid)
+SAFETY_NET_SERVING: tuple[Rule, ...] = (
+    retraction_storm,  # only where the planner's twin does not model the engine (vLLM)
+    memory_low,
+    activations_fit,
+    memory_headroom,
+    pacing_too_timid,
+)
 RULES: tuple[Rule, ...] = ON_DEATH + SAFETY_NET_SERVING
 # what a start-up line alone decides, read before a launch on a forecast of that line
 START_UP: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom)
