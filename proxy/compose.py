@@ -546,7 +546,9 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             controller = st.controllers.get(info.pool)
             if isinstance(payload, dict) and not closed and controller is not None:
                 controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
-                controller.set_clock_rate(engine.clock_rate_from_server_info(payload))
+                rate = engine.clock_rate_from_server_info(payload)
+                if rate is not None:
+                    controller.set_clock_rate(rate)
 
         def on_state(info: WorkerInfo) -> None:
             controller = st.controllers.get(info.pool)

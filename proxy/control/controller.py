@@ -295,7 +295,6 @@ class Controller:
         # the safety net foresees crashes from the twin's activations where the twin is the worker's GPU
         self.rules = RuleSettings(control=settings, knobs=knobs, activations=self._activations,
                                   constants=self.constants)  # fmt: skip
-        self._twin_is_gpu = False  # a real GPU NVML matched to the twin's preset (launch_args)
         # the twin is an SGLang model (its admission conservativeness among its knobs): on another engine
         # (vLLM) there is no plan, no launch forecast and no activations; its rules keep a preemption cap
         self._twin_models_engine = KnobName.CONSERVATIVENESS in knobs
@@ -334,9 +333,9 @@ class Controller:
         return Twin(modelled.gpu or k.twin_gpu, modelled.model or k.twin_model)
 
     def _activations(self, args: Mapping[str, object]) -> Activations | None:
-        """The twin's activations under ``args``, once per set of arguments (the rules ask every tick);
-        None where the twin's GPU is not known to be the worker's (its activations would be another GPU's)."""
-        if not self._twin_models_engine or (self._modelled(args).gpu is None and not self._twin_is_gpu):
+        """The twin's activations under ``args``, once per set of arguments (the rules ask every tick;
+        ``activations_fit`` uses them only where the twin's KV pool is the one the worker reported)."""
+        if not self._twin_models_engine:
             return None
         key = tuple(sorted((k, repr(v)) for k, v in args.items()))
         if key not in self._activations_seen:
@@ -364,7 +363,6 @@ class Controller:
             whose = "the GPU it models"
         elif gpu_total_bytes is not None and twin.is_gpu(gpu_total_bytes):
             whose = "the size NVML reports"
-            self._twin_is_gpu = True
         else:
             return dict(args)
         now = self.clock()

@@ -143,10 +143,11 @@ class Engine(Protocol):
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         """Values the engine chose for knobs left unset, from the JSON at :attr:`server_info_path`."""
 
-    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float:
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
         """How fast the worker's clock runs (engine seconds per wall second), from the JSON at
-        :attr:`server_info_path`: a simulated worker's time scale, 1 for a real engine. A managed
-        worker's launch arguments say the same (:attr:`Modelled.clock_rate`); this reads an external one."""
+        :attr:`server_info_path`: a simulated worker's time scale; None where it does not say (a real
+        engine, whose clock is the wall's). A managed worker's launch arguments say the same
+        (:attr:`Modelled.clock_rate`); this reads an external one."""
 
 
 def is_restart_needed(engine: Engine, knob: KnobName) -> bool:

@@ -104,18 +104,17 @@ def test_the_forecast_is_in_the_safety_net() -> None:
     assert activations_fit in SAFETY_NET_SERVING
 
 
-@pytest.mark.parametrize(("mode", "gpu", "held"), [(ControlMode.AUTO, "l40s-48gb", True),
-                                                   (ControlMode.ADVISE, "l40s-48gb", False),
-                                                   (ControlMode.AUTO, None, False)])  # fmt: skip
-def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, gpu, held) -> None:
+@pytest.mark.parametrize(("mode", "twin_gpu", "held"), [(ControlMode.AUTO, "l40s-48gb", True),
+                                                        (ControlMode.ADVISE, "l40s-48gb", False),
+                                                        (ControlMode.AUTO, "h100-80gb", False)])  # fmt: skip
+def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, twin_gpu, held) -> None:
     """The forecast is read from the start-up line while the worker starts: under ``auto`` the worker
     is held (it comes up DRAINING: no request reaches the arguments that would crash), and once up the
-    first tick restarts it with the chunk that fits. Advising, or where the twin is not known to be the
-    worker's GPU (a real one NVML has not matched), the worker comes up as it is."""
-    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_model": "llama-3.1-8b",
-            **({"sim_gpu": gpu} if gpu else {})}  # fmt: skip
+    first tick restarts it with the chunk that fits. Advising, or with a twin of another GPU (its KV
+    pool is not the one the worker reported), the worker comes up as it is."""
+    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
     holds: list[str] = []
-    c, clock = controller(mode, None, hold=holds.append, available_mem_band_gb=(2.0, 10.0), twin_gpu="l40s-48gb")
+    c, clock = controller(mode, None, hold=holds.append, available_mem_band_gb=(2.0, 10.0), twin_gpu=twin_gpu)
     c.track(info(state=WorkerState.STARTING, args=args))
     c.on_line("w0", _startup_text("l40s-48gb", "llama-3.1-8b", args))
     assert holds == (["w0"] if held else [])

@@ -197,9 +197,13 @@ class SGLangEngine:
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return knobs.resolved_from_server_info(info)
 
-    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float:
-        # the simulator reports its time scale there; SGLang itself has no such field and runs at 1
-        return _positive(info.get("time_scale")) or 1.0
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
+        # the simulator reports its time scale among its internal states and its own arguments; SGLang
+        # itself has neither (its clock is the wall's)
+        states = info.get("internal_states")
+        sim = states[0].get("sim") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+        scale = sim.get("time_scale") if isinstance(sim, dict) else info.get("sim_time_scale")
+        return _positive(scale)
 
 
 def _positive(value: object) -> float | None:

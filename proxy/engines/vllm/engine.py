@@ -144,8 +144,8 @@ class VllmEngine:
     def resolved_from_server_info(self, info: Mapping[str, Any]) -> dict[str, float]:
         return {}  # server_info_path is None: never asked
 
-    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float:
-        return 1.0  # a real engine's clock is the wall's
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
+        return None  # server_info_path is None: never asked (a real engine's clock is the wall's)
 
 
 VLLM = VllmEngine()
