@@ -1,31 +1,18 @@
-"""The control loop: observe every worker, run the rules, act through an :class:`Actor`, journal it all.
+"""The control loop: observe every worker, run the safety rules and the planner, act, journal it all.
 
-Observation is synchronous and cheap (called from the scraper's sample observers, the
-supervisor's line listeners and its state listeners): it only pushes into each worker's
-:class:`~proxy.control.window.Window`. Decisions are taken in :meth:`Controller.tick` (serving
-workers, every ``interval_s``) and :meth:`Controller.decide_revival` (a worker died); both are
-synchronous and only read windows and states, so tests drive them with recorded inputs and no
-event loop. :meth:`Controller.run` is the async part: it ticks, and hands each :class:`Act` to
-:meth:`Controller.carry_out`, one worker at a time.
+Observation is synchronous and cheap: samples, log lines and pool states are pushed into each
+worker's :class:`~proxy.control.window.Window`. :meth:`Controller.tick` (every ``interval_s``) runs
+the safety net for serving workers, :meth:`Controller.plans_due` and :meth:`Controller.decide_plan`
+the planner, :meth:`Controller.decide_revival` a death; all read windows and states only, so tests
+drive them with recorded inputs. :meth:`Controller.run` ticks and carries acts out, one at a time.
 
-What the controller needs of the world around it is passed in, each a small protocol: the engine's
-log reading and death classification (:class:`EngineLogs`), the pool's log tail and the proxy
-queue's backlog (:class:`Surroundings`), an :class:`Actor` that restarts a worker, and a clock.
-The composition root passes the real ones; tests pass fakes of the same protocols.
+Timing: every constant (``proxy.control.constants``) is in the engine's seconds; the controller
+converts them with its workers' clock rate (a simulated worker's time scale, 1 for a real engine).
 
-Modes (``[control] mode``):
-
-* ``auto``: decisions are acted on (rolling restart with the new args);
-* ``advise``: decisions are journaled as ``advised``, nothing is restarted for tuning;
-* ``off``: windows are kept (the figures stay visible), no rule runs.
-
-A worker this proxy does not manage (an external one) is never restarted: what ``auto`` would do
-to it is journaled as ``advised``.
-
+Modes (``[control] mode``): ``auto`` acts (rolling restarts), ``advise`` journals what it would do,
+``off`` only observes. A worker this proxy does not manage is never restarted (advised instead).
 A managed worker that dies is revived (unless ``revive = false``; not in ``off``) after a back-off
-that grows with its recent deaths, in ``auto`` with the death rules' safer arguments (a smaller
-prefill chunk after a prefill OOM...) or, without a rule, its current ones; in ``advise`` with its
-current ones, the rule's change journaled as advice (a dead worker is no advice to give).
+that grows with its recent deaths, in ``auto`` with the death rules' safer arguments.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
-"""The controller's rules: pure functions ``(window, state, settings) -> Decision | None``.
+"""The controller's safety net: pure functions ``(window, state, settings) -> Decision | None``.
 
-Each rule is one row of the controller's table in docs/controller.md, SGLang's tuning
-guide in engine-neutral words; the engine's knob table (``proxy.engines.<engine>.knobs``) says which
-argument a knob is. Thresholds, steps and bounds come from the policy's ``[control]`` table. What
-each rule decided on is a frozen value of ``proxy.control.evidence``.
+Each rule is one row of the rules table in docs/controller.md; the engine's knob table
+(``proxy.engines.<engine>.knobs``) says which argument a knob is. Thresholds and steps are the
+controller's constants (``proxy.control.constants``), the range of each argument the policy's
+``control.bounds``. What each rule decided on is a frozen value of ``proxy.control.evidence``.
 
-Order matters: :data:`RULES` lists safety first. :data:`ON_DEATH` are the rules read when a worker
-has died (an OOM always kills an SGLang server); :data:`WHILE_SERVING` the ones read on every
-tick of a serving worker. :func:`evaluate` runs a tuple of rules and passes each decision through
-:func:`gate` (cool-down, restart budget, flip guard); the first decision the gate admits wins, the
-refused ones are returned too so the journal can say what was held back and why.
+:data:`ON_DEATH` are read when a worker has died (out of memory, a crash loop, a KV pool too small
+to start); :data:`SAFETY_NET_SERVING` on every tick of a serving worker (the start-up line's memory
+band and activations; on an engine the planner does not model, a preemption cap). Tuning restarts
+are the planner's. :func:`evaluate` passes each decision through :func:`gate` (cool-down, restart
+budget, flip guard); the first one admitted wins, the refused ones are returned for the journal.
 """
-
 from __future__ import annotations
 
 import math
