@@ -29,7 +29,7 @@ RETIRED_KEYS: Mapping[str, str] = MappingProxyType(
         "control.plan_horizon_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
         "control.plan_horizon_max_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
         "control.plan_trend_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
-        "control.drain_timeout_s": "derived from how long the worker's answers take, at most a constant of the controller (docs/controller.md)",
+        "control.drain_timeout_s": "a constant of the controller, in the engine's seconds; a drain also ends once its requests stop finishing (docs/controller.md)",
         "control.retractions_per_min": "a constant of the controller, per minute of the engine's clock (docs/controller.md)",
         "control.crash_loop": "a constant of the controller (docs/controller.md)",
         "control.retractions_per_1k_tokens": "a constant of the controller (docs/controller.md)",

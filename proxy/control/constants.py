@@ -56,8 +56,8 @@ class Constants:
     crash_loop: int = 3  # deaths within crash_loop_window_s that make a crash loop
     crash_loop_window_s: float = 600.0  # ten minutes: a worker that dies 3 times in it is not unlucky
     crash_backoff_s: tuple[float, ...] = (2.0, 5.0, 15.0, 30.0, 60.0)  # before a revival, per death in a row
-    # longest drain before a restart when no answer time is known yet; with one, a few mean answer times
-    # (derived by the rollout from what it saw, never above this)
+    # longest drain before a restart (it ends sooner once its requests stop finishing: the rollout's slices);
+    # what is still running then is taken back and goes on from what it wrote
     drain_timeout_s: float = 30.0
     # -- the fast tier (no restart)
     backoff_hold_s: float = 5.0  # the admission limit backs off at most once per this, grows 1/16 per this
