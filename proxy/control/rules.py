@@ -11,6 +11,7 @@ band and activations; on an engine the planner does not model, a preemption cap)
 are the planner's. :func:`evaluate` passes each decision through :func:`gate` (cool-down, restart
 budget, flip guard); the first one admitted wins, the refused ones are returned for the journal.
 """
+
 from __future__ import annotations
 
 import math
