@@ -74,13 +74,14 @@ async def running_proxy(
     extra_args: list[str],
     control: dict[str, Any],
     pacing: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> AsyncIterator[Proxy]:
     """``control``: [control] keys and, for the rest, the controller's constants as the test wants them
     on the wall clock (converted here to the engine's seconds with the worker's time scale)."""
     journal = tmp_path / "decisions.jsonl"
     keys = {f.name for f in dataclasses.fields(ControlSettings)}
     policy = parse_policy({
-        "engine": {"kind": "sim", "workers": 1, "args": args,
+        "engine": {"kind": "sim", "workers": workers, "args": args,
                    "extra_args": ["--sim-startup-seconds", "0.2", *extra_args],
                    "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
         "pacing": pacing or {"queue_band": [32, 64], "headroom": 8, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
@@ -95,9 +96,11 @@ async def running_proxy(
     st = app[PROXY]
     try:
         await wait_for(
-            lambda: len(pool.workers()) == 1 and pool.workers()[0].state is WorkerState.READY, 60, "worker ready"
+            lambda: len(pool.workers()) == workers and all(w.state is WorkerState.READY for w in pool.workers()),
+            60,
+            "workers ready",
         )
-        await wait_for(lambda: st.board.get(pool.workers()[0].id).sample is not None, 20, "first scrape")
+        await wait_for(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()), 20, "first scrape")
         yield Proxy(url=f"http://127.0.0.1:{port}", state=st, journal_path=journal, app=app)
     finally:
         await runner.cleanup()  # stops the controller, then the workers
