@@ -382,7 +382,7 @@ class Controller:
             reason = (
                 f"{cls} output budget at max_tokens {asked} lifted (was {before}): {evidence.reached} of the "
                 f"{evidence.reached + (evidence.ended_within or 0)} answers that ended or went on under it over the "
-                "facts' window (control.facts_window_s) reached it, so answers are now longer; requests go as they ask, and those "
+                "facts' window (the constants' facts_window_s) reached it, so answers are now longer; requests go as they ask, and those "
                 "going on ask for the rest"
             )
         elif budget is None:

@@ -328,7 +328,7 @@ class PlanSettings:
     min_gain: float = 0.03
     conservativeness: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3)
     conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
-    memory_fraction_step: float = 0.01  # the controller passes the policy's control.memory_fraction_step
+    memory_fraction_step: float = 0.01  # the controller passes its constants' memory_fraction_step
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
     max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused
