@@ -30,6 +30,7 @@ from aiohttp import web
 
 from proxy.batch import BATCH_SERVICE, Authenticate, BatchService, add_routes, owner_of
 from proxy.batch.executor import RequestPathExecutor
+from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.controller import Controller
 from proxy.control.evidence import OutputBudget
 from proxy.control.fast_tier import (
@@ -53,7 +54,7 @@ from proxy.engines.base import KnobName, Modelled, Sample
 from proxy.engines.contract import Engine
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
 from proxy.observe.scraper import Scraper
-from proxy.policy import ControlMode, Policy, WorkerBackend
+from proxy.policy import ControlMode, Policy, PoolSettings, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.continuation import applies_above
 from proxy.request.dispatch import Dispatcher
@@ -75,15 +76,22 @@ from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
 from proxy.workers.base import PlannedLaunches, WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 from proxy.workers.fleet import PoolView
 
+CONTROL_CONSTANTS = web.AppKey("control_constants", Constants)  # build_app's, for the controllers' lifecycle
 _log = logging.getLogger(__name__)
 _LAUNCH_NVML_TIMEOUT_S = 5.0  # a first launch waits this long at most for NVML's size of its GPU
 
 
 def build_app(
-    policy: Policy, pool: WorkerPool, *, manage_pool: bool = True, gpu_sampler: Sampler = sample_gpus
+    policy: Policy,
+    pool: WorkerPool,
+    *,
+    manage_pool: bool = True,
+    gpu_sampler: Sampler = sample_gpus,
+    control_constants: Constants = CONSTANTS,
 ) -> web.Application:
     """The proxy app. With ``manage_pool`` it starts and stops ``pool`` with the app; ``gpu_sampler``
-    reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default).
+    reads the GPUs every ``proxy.gpu_sample_interval_s`` (NVML by default); ``control_constants`` are
+    the controllers' and the fast tier's (in the engine's seconds; tests shorten them).
 
     Raises :class:`proxy.server.auth.AuthConfigError` if a key file cannot be read.
     """
@@ -152,7 +160,7 @@ def build_app(
 
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            settings = PaceSettings.of(p.control, p.pacing)
+            settings = PaceSettings.of(p.control, p.pacing, clock_rate=_clock_rate(p), constants=control_constants)
             fast_tier = _fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name))
             board.subscribe(fast_tier)
             dispatchers[p.name].on_interactive_spell = _look_again(board, dispatchers[p.name], fast_tier)
@@ -172,6 +180,7 @@ def build_app(
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
     app[PROXY] = st
+    app[CONTROL_CONSTANTS] = control_constants
     for path in (CHAT, COMPLETIONS, GENERATE):
         app.router.add_post(path, handlers.inference_route(path))
     app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
@@ -501,6 +510,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             settings = pool_settings.control
             engine = pool_settings.engine.engine
             view = PoolView(st.pool, pool_settings.name) if several else st.pool
+            rate = _clock_rate(pool_settings)
+            drain_timeout_s = app[CONTROL_CONSTANTS].in_wall(rate).drain_timeout_s
             st.controllers[pool_settings.name] = Controller(
                 settings,
                 engine.knobs,
@@ -509,14 +520,14 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
                 surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
                 # only managed workers are acted on: for an external pool the controller advises, and its
                 # journal entries say the worker is not managed by this proxy
-                actor=Rollout(
-                    view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=settings.drain_timeout_s
-                ),
+                actor=Rollout(view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=drain_timeout_s),
                 clock=time.monotonic,
                 hold=st.pool.hold,
                 declare_down=st.pool.declare_down,
                 modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
                 offload=planning,
+                clock_rate=rate,
+                constants=app[CONTROL_CONSTANTS],
             )
         st.journal = journal
 
@@ -544,13 +555,16 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             controller = st.controllers.get(info.pool)
             if controller is not None and info.managed:
                 controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
+                rate = engine.clock_rate_from_server_info(payload)
+                if rate is not None:
+                    controller.set_clock_rate(rate)
 
         def on_state(info: WorkerInfo) -> None:
             controller = st.controllers.get(info.pool)
             if closed or controller is None:
                 return
             controller.track(info)
-            if info.state is WorkerState.READY:
+            if info.state is WorkerState.READY:  # an external worker's too: its clock rate is read there
                 st.spawn(read_resolved(info))
 
         def on_line(worker_id: str, line: str) -> None:
@@ -571,9 +585,14 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         for controller in st.controllers.values():
             st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
         for name, controller in st.controllers.items():
-            c = controller.settings
+            k = controller.constants
             _log.info(
-                "controller %s (pool %s): rules every %g s over %g s windows", c.mode, name, c.interval_s, c.window_s
+                "controller %s (pool %s): its workers' clock at %g x the wall's: looks every %g s over %g s windows",
+                controller.mode,
+                name,
+                controller.clock_rate,
+                k.interval_s,
+                k.window_s,
             )
         tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
 
@@ -605,6 +624,14 @@ async def _stop_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
 
 def _modelled(engine: Engine, extra_args: Sequence[str], args: Mapping[str, object]) -> Modelled:
     return engine.modelled(args, extra_args)
+
+
+def _clock_rate(pool: PoolSettings) -> float:
+    """How fast a pool's workers' clock runs (engine seconds per wall second), as their launch
+    arguments say (a simulated worker's time scale; 1 for a real engine or an external worker, whose
+    server info may say otherwise once it is read)."""
+    e = pool.engine
+    return e.engine.modelled(e.args, e.extra_args).clock_rate if e.managed else 1.0
 
 
 async def _launch_args(st: ProxyState, info: WorkerInfo) -> Mapping[str, object]:

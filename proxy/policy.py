@@ -261,10 +261,31 @@ class PacingSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlSettings:
-    """The controller's settings: when it looks, what counts as evidence, how far it may move a knob."""
+    """What an operator decides of the controller: whether it acts, how far it may move each engine
+    argument, how often it may restart a worker, and where its journal goes. Everything else is a
+    constant of the controller, in the engine's seconds (``proxy.control.constants``)."""
 
     mode: ControlMode = field(
-        default=ControlMode.OFF, metadata=key("off: pace only; advise: log what the controller would change; auto: act")
+        default=ControlMode.AUTO,
+        metadata=key("off: pace only; advise: journal what the controller would change; auto: act"),
+    )
+    bounds: Mapping[str, tuple[float, ...]] = field(
+        default_factory=lambda: MappingProxyType({}),
+        metadata=key(
+            "the range each engine argument may move in, by the engine's name for it: "
+            "{ schedule_conservativeness = [0.1, 2.0], max_running_requests = [8] } ([low] alone: no top); "
+            "an argument not named keeps the controller's own range (docs/controller.md)",
+            custom=True,
+        ),
+    )
+    restarts_per_hour: int = field(
+        default=6, metadata=key("restarts the controller may ask for, per worker and hour (safety ones too)", minimum=0)
+    )
+    revive: bool = field(
+        default=True,
+        metadata=key(
+            "restart a managed worker that died: in auto with safer args when a rule says so, in advise as it was"
+        ),
     )
     output_budget: bool = field(
         default=True,
@@ -274,214 +295,17 @@ class ControlSettings:
             "an answer that reaches it: the engine admits for what answers need, with no restart"
         ),
     )
-    backoff_hold_s: float = field(
-        default=5.0,
-        metadata=key(
-            "auto mode, fast tier: a worker's admission limit backs off at most once per this many seconds, does "
-            "not grow within this long of a back-off, and grows by 1/16 of itself per this many seconds while it "
-            "binds",
-            positive=True,
-        ),
-    )
-    rate_window_s: float = field(
-        default=30.0,
-        metadata=key(
-            "auto mode, fast tier: time constant (seconds) of the smoothed retraction and output-token rates whose "
-            "ratio backs the admission limit off",
-            positive=True,
-        ),
-    )
-    facts_window_s: float = field(
-        default=60.0,
-        metadata=key(
-            "auto mode, fast tier: seconds of answers a worker's facts are read over (mean prompt and output tokens, "
-            "first-token time, per class)",
-            positive=True,
-        ),
-    )
-    # -- rhythm and restraint (proxy.control)
-    interval_s: float = field(default=5.0, metadata=key("seconds between runs of the rules", positive=True))
-    window_s: float = field(default=60.0, metadata=key("seconds a rule looks back", positive=True))
-    min_evidence_s: float = field(
-        default=20.0,
-        metadata=key(
-            "observed seconds a worker needs since its (re)start before a rule acts; <= window_s", positive=True
-        ),
-    )
-    cooldown_s: float = field(
-        default=120.0,
-        metadata=key("after a restart, tuning rules leave that worker alone this many seconds", minimum=0),
-    )
-    restarts_per_hour: int = field(
-        default=6, metadata=key("restarts the controller may ask for, per worker", minimum=0)
-    )
-    flip_guard_s: float = field(
-        default=1800.0,
-        metadata=key("seconds within which a knob moved one way is not moved back by a tuning rule", minimum=0),
-    )
-    good_after_s: float = field(
-        default=120.0,
-        metadata=key("args that ran this many seconds without a crash become the crash-loop fallback", positive=True),
-    )
-    crash_loop: int = field(
-        default=3, metadata=key("deaths within crash_loop_window_s that make a crash loop", minimum=1)
-    )
-    crash_loop_window_s: float = field(
-        default=600.0, metadata=key("seconds over which deaths count toward a crash loop", positive=True)
-    )
-    crash_backoff_s: tuple[float, ...] = field(
-        default=(1.0, 5.0, 15.0, 30.0, 60.0),
-        metadata=key("seconds to wait before reviving a dead worker, one per death in a row", custom=True),
-    )
-    drain_timeout_s: float = field(
-        default=60.0, metadata=key("longest wait (seconds) for running requests before a restart", positive=True)
-    )
-    revive: bool = field(
-        default=True,
-        metadata=key(
-            "restart a managed worker that died: in auto with safer args when a rule says so, in advise as it was"
-        ),
-    )
     journal_path: str | None = field(
         default=".pacer/decisions.jsonl",
         metadata=key("decisions as JSON lines; not set: kept in memory only", custom=True),
     )
-    # -- thresholds and steps of the rules
-    low_usage: float = field(
-        default=0.9, metadata=key("token usage below this with a non-empty server queue ...", positive=True, maximum=1)
-    )
-    low_usage_fraction: float = field(
-        default=0.7,
-        metadata=key("... for this fraction of the window: admission too conservative", positive=True, maximum=1),
-    )
-    timid_queue_fraction: float = field(
-        default=0.5,
-        metadata=key(
-            "server queue empty this often while the proxy holds work: a journal note", positive=True, maximum=1
-        ),
-    )
-    retractions_per_min: float = field(
-        default=6.0,
-        metadata=key("retracted requests per minute below which there is never a storm (noise floor)", positive=True),
-    )
-    retractions_per_1k_tokens: float = field(
-        default=0.5,
-        metadata=key("retracted requests per 1,000 output tokens above this: admission too aggressive", positive=True),
-    )
-    admission_min_gain: float = field(
-        default=0.15,
-        metadata=key(
-            "lower conservativeness only if the batch could grow this much (low_usage / usage - 1)", positive=True
-        ),
-    )
-    conservativeness_bounds: tuple[float, float] = field(
-        default=(0.1, 2.0), metadata=key("[low, high] of schedule_conservativeness", custom=True)
-    )
-    conservativeness_step: float = field(
-        default=0.3, metadata=key("how far one step moves schedule_conservativeness", positive=True)
-    )
-    prefill_chunk_min: int = field(
-        default=2048, metadata=key("a prefill OOM halves chunked_prefill_size down to this", minimum=1)
-    )
-    decode_oom_factor: float = field(
-        default=0.8,
-        metadata=key("a decode OOM caps max_running_requests at the peak seen x this", positive=True, maximum=1),
-    )
-    max_running_min: int = field(default=8, metadata=key("lowest max_running_requests the controller sets", minimum=1))
-    available_mem_band_gb: tuple[float, float] = field(
-        default=(5.0, 10.0),
-        metadata=key("[low, high] GB: start-up free memory outside it moves mem_fraction_static", custom=True),
-    )
-    memory_fraction_step: float = field(
-        default=0.01, metadata=key("how far one step moves mem_fraction_static", positive=True)
-    )
-    memory_fraction_bounds: tuple[float, float] = field(
-        default=(0.5, 0.95), metadata=key("[low, high] of mem_fraction_static (high <= 1)", custom=True)
-    )
-    # -- the planner (proxy.control.planner)
-    planner: bool = field(
-        default=False,
-        metadata=key(
-            "a calibrated twin of each worker decides tuning restarts (restart only when the predicted gain "
-            "over plan_horizon_s pays the measured restart cost); the rules keep only their safety net"
-        ),
-    )
-    plan_interval_s: float = field(default=60.0, metadata=key("seconds between plans of one worker", positive=True))
-    plan_horizon_s: float = field(
-        default=600.0,
-        metadata=key(
-            "seconds the traffic just seen is expected to last (a gain's horizon) when the traffic says no more: "
-            "the horizon's floor",
-            positive=True,
-        ),
-    )
-    plan_horizon_max_s: float = field(
-        default=3600.0,
-        metadata=key(
-            "the longest horizon the traffic itself can earn: work waiting without a break for A seconds is "
-            "expected to last A more and then to drain (waiting / answer rate); the horizon is that, between "
-            "plan_horizon_s and this (at or below plan_horizon_s: the horizon is fixed)",
-            positive=True,
-        ),
-    )
-    plan_trend_s: float = field(
-        default=240.0,
-        metadata=key(
-            "seconds of looks a backlog's trend is read over: the slope of the work a worker holds (waiting plus "
-            "running); where it falls for sure (two standard errors), the backlog is over when its waiting is gone "
-            "at that pace",
-            positive=True,
-        ),
-    )
-    plan_min_gain: float = field(
-        default=0.03,
-        metadata=key(
-            "a predicted throughput gain below this never restarts (and a restart takes the band's larger KV pool "
-            "unless the twin puts it this much behind)",
-            minimum=0,
-        ),
-    )
-    plan_requests: int = field(default=300, metadata=key("newest requests a plan replays", minimum=1))
-    plan_confirmations: int = field(
-        default=2,
-        metadata=key(
-            "plans of one worker that must say a restart pays, none saying it does not in between, before one is "
-            "taken (a plan whose gain is inside the twin's error says neither; 1: the first "
-            "says so); a plan every plan_interval_s that crosses the line once among many is chance, not a trend",
-            minimum=1,
-        ),
-    )
-    canary_margin: float = field(
-        default=0.03,
-        metadata=key(
-            "with 2+ workers a plan (or an operator's trial) goes to one worker first; judged after window_s on its "
-            "output throughput over the others' mean, against the same share before: promoted when it beats the "
-            "others and gained by this margin (a plan's canary: and beats them by what pays each of them a restart "
-            "over the plan's horizon), kept when it only gained, reverted otherwise",
-            minimum=0,
-        ),
-    )
-    canary_fail_below: float = field(
-        default=0.5,
-        metadata=key(
-            "a canary whose share of the others' throughput falls below this fraction of its share before is "
-            "reverted once min_evidence_s is in after its refill, without waiting for window_s (0: always wait)",
-            minimum=0,
-            maximum=1,
-        ),
-    )
-    launch_forecast: bool = field(
-        default=True,
-        metadata=key(
-            "with the planner under auto, a managed worker's first launch takes the start-up rules' moves (memory "
-            "band, activations) read on the twin's forecast of its start-up line, where the twin is that GPU's: a "
-            "simulated worker's own presets, or twin_gpu when NVML's total memory for the worker's GPU matches it"
-        ),
-    )
-    twin_gpu: str = field(default="h100-80gb", metadata=key("the twin's GPU preset (a simulated worker's own is used)"))
-    twin_model: str = field(
-        default="llama-3.1-8b", metadata=key("the twin's model preset (a simulated worker's own is used)")
-    )
+
+    def bound(self, arg: str) -> tuple[float, float] | None:
+        """The operator's range for engine argument ``arg`` (a missing top: none), or None when not named."""
+        given = self.bounds.get(arg)
+        if given is None:
+            return None
+        return (given[0], given[1] if len(given) > 1 else float("inf"))
 
 
 class WorkerBackend(StrEnum):
@@ -785,6 +609,8 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         source=source,
     )
     root.finish()
+    for p in policy.pools:
+        _bounds_known(p, source)
     if policy.fleet.backend is WorkerBackend.LOCAL:
         _ports_apart(policy.pools, source)
     if policy.fleet.backend is WorkerBackend.RAY:
@@ -1063,40 +889,45 @@ def _pacing(t: Table) -> PacingSettings:
 
 def _control(t: Table) -> ControlSettings:
     d = ControlSettings()
-    backoff = t.raw("crash_backoff_s", list(d.crash_backoff_s))
-    if not isinstance(backoff, list) or not backoff or not all(_is_number(v) and v >= 0 for v in backoff):
-        raise t.error("crash_backoff_s", f"expected a non-empty array of seconds >= 0, got {backoff!r}")
     journal = t.raw("journal_path", d.journal_path)
     if journal is not None and (not isinstance(journal, str) or not journal.strip()):
         raise t.error("journal_path", f'expected a file path ("" is not one), got {journal!r}')
-    given = {
-        "crash_backoff_s": tuple(float(v) for v in backoff),
-        "journal_path": journal,
-        "conservativeness_bounds": _bounds(t, "conservativeness_bounds", d.conservativeness_bounds),
-        "available_mem_band_gb": _bounds(t, "available_mem_band_gb", d.available_mem_band_gb),
-        "memory_fraction_bounds": _bounds(t, "memory_fraction_bounds", d.memory_fraction_bounds, maximum=1.0),
-    }
-    s = read_settings(t, ControlSettings, given)
-    if s.min_evidence_s > s.window_s:
-        raise t.error("min_evidence_s", f"must be <= window_s ({s.window_s:g}), got {s.min_evidence_s:g}")
+    s = read_settings(t, ControlSettings, {"journal_path": journal, "bounds": _arg_bounds(t)})
     t.finish()
     return s
 
 
+def _arg_bounds(t: Table) -> Mapping[str, tuple[float, ...]]:
+    """``bounds``: engine argument -> ``[low]`` or ``[low, high]``, numbers >= 0 with low <= high (the
+    names are checked against the pool's engine once it is known: :func:`_bounds_known`)."""
+    table = t.mapping("bounds")
+    out: dict[str, tuple[float, ...]] = {}
+    for name, value in table.items():
+        where = f"bounds.{name}"
+        if not isinstance(value, list) or len(value) not in (1, 2) or not all(_is_number(v) for v in value):
+            raise t.error(where, f"expected [low, high] or [low], numbers; got {value!r}")
+        numbers = tuple(float(v) for v in value)
+        if numbers[0] < 0 or (len(numbers) == 2 and numbers[0] > numbers[1]):
+            raise t.error(where, f"expected 0 <= low <= high, got {list(numbers)!r}")
+        out[name] = numbers
+    return MappingProxyType(out)
+
+
+def _bounds_known(pool: PoolSettings, source: str) -> None:
+    """Every ``control.bounds`` name is an argument the pool's engine lets the controller move."""
+    args = sorted(knob.arg for knob in pool.engine.engine.knobs.values())
+    for name in pool.control.bounds:
+        if name not in args:
+            where = "control" if pool.shorthand else f"pool.{pool.name}.control"
+            raise PolicyError(
+                f"{where}.bounds.{name}",
+                f"not an argument the controller moves on {pool.engine.engine.name}; it moves {', '.join(args)}",
+                source=source,
+            )
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _bounds(t: Table, name: str, default: tuple[float, float], *, maximum: float | None = None) -> tuple[float, float]:
-    """A ``[low, high]`` pair of numbers >= 0 with low <= high (and high <= maximum)."""
-    value = t.raw(name, list(default))
-    if not isinstance(value, list) or len(value) != 2 or not all(_is_number(v) for v in value):
-        raise t.error(name, f"expected [low, high], two numbers; got {value!r}")
-    low, high = float(value[0]), float(value[1])
-    if low < 0 or low > high or (maximum is not None and high > maximum):
-        limit = f" <= {maximum:g}" if maximum is not None else ""
-        raise t.error(name, f"expected 0 <= low <= high{limit}, got [{low:g}, {high:g}]")
-    return (low, high)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1135,8 +966,8 @@ def _describe(p: Policy) -> list[str]:
     )
     c = p.control
     lines.append(
-        f"  control  {c.mode}: rules every {c.interval_s:g} s over {c.window_s:g} s, cool-down {c.cooldown_s:g} s, "
-        f"<= {c.restarts_per_hour} restarts/h per worker"
+        f"  control  {c.mode}: <= {c.restarts_per_hour} restarts/h per worker"
+        + "".join(f", {arg} in [{', '.join(f'{v:g}' for v in r)}]" for arg, r in sorted(c.bounds.items()))
     )
     lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
     if p.fleet.backend is WorkerBackend.RAY:

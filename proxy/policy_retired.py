@@ -2,7 +2,7 @@
 
 A policy that still names one is refused (by ``pacer check-policy`` and ``pacer serve``) with a
 message saying what replaced it, rather than a bare "unknown key". Entries are dotted keys as
-written in a policy file ("control.window_s").
+written in a policy file ("control.window_s"); a pool's own table of the same name retires them too.
 """
 
 from __future__ import annotations
@@ -23,13 +23,54 @@ RETIRED_KEYS: Mapping[str, str] = MappingProxyType(
         "a worker (proxy.request.pacing.INTERACTIVE_SLOT_HEADROOM)",
         "pacing.batch_prefill_tokens_beside_interactive": "derived from the worker: two prompt tokens per engine "
         "step per running slot of its running-request limit, the step read from its scrapes",
+        "control.interval_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.window_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.min_evidence_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.cooldown_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.flip_guard_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.good_after_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.crash_loop_window_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.crash_backoff_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.backoff_hold_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.rate_window_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.facts_window_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.plan_interval_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.plan_horizon_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.plan_horizon_max_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.plan_trend_s": "a constant of the controller, in the engine's seconds (docs/controller.md)",
+        "control.drain_timeout_s": "a constant of the controller, in the engine's seconds; a drain also ends once its requests stop finishing (docs/controller.md)",
+        "control.retractions_per_min": "a constant of the controller, per minute of the engine's clock (docs/controller.md)",
+        "control.crash_loop": "a constant of the controller (docs/controller.md)",
+        "control.retractions_per_1k_tokens": "a constant of the controller (docs/controller.md)",
+        "control.low_usage": "a constant of the controller (docs/controller.md)",
+        "control.timid_queue_fraction": "a constant of the controller (docs/controller.md)",
+        "control.decode_oom_factor": "a constant of the controller (docs/controller.md)",
+        "control.available_mem_band_gb": "a constant of the controller (docs/controller.md)",
+        "control.memory_fraction_step": "a constant of the controller (docs/controller.md)",
+        "control.plan_min_gain": "a constant of the controller (docs/controller.md)",
+        "control.plan_requests": "a constant of the controller (docs/controller.md)",
+        "control.plan_confirmations": "a constant of the controller (docs/controller.md)",
+        "control.canary_margin": "a constant of the controller (docs/controller.md)",
+        "control.canary_fail_below": "a constant of the controller (docs/controller.md)",
+        "control.low_usage_fraction": "its rule's tuning restarts are the planner's now (docs/controller.md)",
+        "control.admission_min_gain": "its rule's tuning restarts are the planner's now (docs/controller.md)",
+        "control.conservativeness_step": "its rule's tuning restarts are the planner's now (docs/controller.md)",
+        "control.conservativeness_bounds": "control.bounds, a range keyed by the engine's own argument name (docs/controller.md)",
+        "control.memory_fraction_bounds": "control.bounds, a range keyed by the engine's own argument name (docs/controller.md)",
+        "control.max_running_min": "control.bounds, a range keyed by the engine's own argument name (docs/controller.md)",
+        "control.prefill_chunk_min": "control.bounds, a range keyed by the engine's own argument name (docs/controller.md)",
+        "control.planner": "the planner is always on (the rules keep only safety)",
+        "control.launch_forecast": "always on with the planner",
+        "control.twin_gpu": "a simulated worker's twin uses its own presets, a real GPU's calibrates from the worker's own lines",
+        "control.twin_model": "a simulated worker's twin uses its own presets, a real GPU's calibrates from the worker's own lines",
     }
 )
 
 
 def retired_message(dotted: str) -> str | None:
     """The refusal for a retired key, or None when ``dotted`` was never retired."""
-    replaced_by = RETIRED_KEYS.get(dotted)
+    # a [[pool]]'s own table ("pool[big].control.window_s") retires what its top-level one does
+    replaced_by = RETIRED_KEYS.get(dotted) or RETIRED_KEYS.get(".".join(dotted.split(".")[-2:]))
     if replaced_by is None:
         return None
     return f"this key was removed: {replaced_by}"

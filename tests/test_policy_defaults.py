@@ -22,14 +22,6 @@ CHANGED_IN_DEFAULT_TOML = {
     ("engine", "args"),
     ("engine", "extra_args"),
     ("engine", "startup_timeout_s"),
-    # the controller acts on the simulated worker, on timings scaled for its faster clock
-    ("control", "mode"),
-    ("control", "interval_s"),
-    ("control", "window_s"),
-    ("control", "min_evidence_s"),
-    ("control", "cooldown_s"),
-    ("control", "drain_timeout_s"),
-    ("control", "retractions_per_min"),
 }
 COMMENTED_KEY = re.compile(r"^# (\w+ = .*?)\s*(?:#.*)?$")
 

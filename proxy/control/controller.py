@@ -1,31 +1,18 @@
-"""The control loop: observe every worker, run the rules, act through an :class:`Actor`, journal it all.
+"""The control loop: observe every worker, run the safety rules and the planner, act, journal it all.
 
-Observation is synchronous and cheap (called from the scraper's sample observers, the
-supervisor's line listeners and its state listeners): it only pushes into each worker's
-:class:`~proxy.control.window.Window`. Decisions are taken in :meth:`Controller.tick` (serving
-workers, every ``interval_s``) and :meth:`Controller.decide_revival` (a worker died); both are
-synchronous and only read windows and states, so tests drive them with recorded inputs and no
-event loop. :meth:`Controller.run` is the async part: it ticks, and hands each :class:`Act` to
-:meth:`Controller.carry_out`, one worker at a time.
+Observation is synchronous and cheap: samples, log lines and pool states are pushed into each
+worker's :class:`~proxy.control.window.Window`. :meth:`Controller.tick` (every ``interval_s``) runs
+the safety net for serving workers, :meth:`Controller.plans_due` and :meth:`Controller.decide_plan`
+the planner, :meth:`Controller.decide_revival` a death; all read windows and states only, so tests
+drive them with recorded inputs. :meth:`Controller.run` ticks and carries acts out, one at a time.
 
-What the controller needs of the world around it is passed in, each a small protocol: the engine's
-log reading and death classification (:class:`EngineLogs`), the pool's log tail and the proxy
-queue's backlog (:class:`Surroundings`), an :class:`Actor` that restarts a worker, and a clock.
-The composition root passes the real ones; tests pass fakes of the same protocols.
+Timing: every constant (``proxy.control.constants``) is in the engine's seconds; the controller
+converts them with its workers' clock rate (a simulated worker's time scale, 1 for a real engine).
 
-Modes (``[control] mode``):
-
-* ``auto``: decisions are acted on (rolling restart with the new args);
-* ``advise``: decisions are journaled as ``advised``, nothing is restarted for tuning;
-* ``off``: windows are kept (the figures stay visible), no rule runs.
-
-A worker this proxy does not manage (an external one) is never restarted: what ``auto`` would do
-to it is journaled as ``advised``.
-
+Modes (``[control] mode``): ``auto`` acts (rolling restarts), ``advise`` journals what it would do,
+``off`` only observes. A worker this proxy does not manage is never restarted (advised instead).
 A managed worker that dies is revived (unless ``revive = false``; not in ``off``) after a back-off
-that grows with its recent deaths, in ``auto`` with the death rules' safer arguments (a smaller
-prefill chunk after a prefill OOM...) or, without a rule, its current ones; in ``advise`` with its
-current ones, the rule's change journaled as advice (a dead worker is no advice to give).
+that grows with its recent deaths, in ``auto`` with the death rules' safer arguments.
 """
 
 from __future__ import annotations
@@ -37,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from proxy.control.canary import Canary, CanaryVerdict, failing, judge, pays_above, share
+from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import Death, OutputBudget, Planned
 from proxy.control.horizon import Backlog, Horizon, answer_rate, expected_horizon
@@ -61,7 +49,6 @@ from proxy.control.planner import (
 from proxy.control.rules import (
     ON_DEATH,
     SAFETY_NET_SERVING,
-    WHILE_SERVING,
     Activations,
     RuleSettings,
     activations_fit,
@@ -282,13 +269,22 @@ class Controller:
         declare_down: DeclareDown | None = None,
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
         offload: Offload = in_thread,
+        clock_rate: float = 1.0,
+        constants: Constants = CONSTANTS,
     ) -> None:
         self.settings = settings
         self._offload = offload  # where the plans' and checks' replays run, off the event loop
         self._modelled = modelled  # the presets a simulated worker under these args models
-        # with the planner on, the safety net foresees crashes from the twin's activations
-        self.rules = RuleSettings(control=settings, knobs=knobs,
-                                  activations=self._activations if settings.planner else None)  # fmt: skip
+        self._engine_constants = constants  # in the engine's seconds
+        self._knobs = knobs
+        self.clock_rate = clock_rate
+        self.constants = constants.in_wall(clock_rate)  # on the clock the controller reads (the wall's)
+        # the safety net foresees crashes from the twin's activations where the twin is the worker's GPU
+        self.rules = RuleSettings(control=settings, knobs=knobs, activations=self._activations,
+                                  constants=self.constants)  # fmt: skip
+        # the twin is an SGLang model (its admission conservativeness among its knobs): on another engine
+        # (vLLM) there is no plan, no launch forecast and no activations; its rules keep a preemption cap
+        self._twin_models_engine = KnobName.CONSERVATIVENESS in knobs
         self._activations_seen: dict[tuple[tuple[str, str], ...], Activations | None] = {}
         self.journal = journal
         self.engine = engine
@@ -303,14 +299,31 @@ class Controller:
         self._promote: list[WorkerId] = []  # workers still to take the promoted canary's args, in order
         self._checks: list[OutcomeJob] = []  # acted plans whose window is in, to check off the loop
 
+    def set_clock_rate(self, rate: float) -> None:
+        """A worker said how fast its clock runs (an external simulated worker's server info): the
+        constants are converted again, and the windows' spans with them."""
+        if rate <= 0 or rate == self.clock_rate:
+            return
+        _log.info("controller: the workers' clock runs at %g x the wall's; constants converted", rate)
+        self.clock_rate = rate
+        self.constants = self._engine_constants.in_wall(rate)
+        self.rules = replace(self.rules, constants=self.constants)
+        for w in self._workers.values():
+            w.window = replace(w.window, span_s=self.constants.window_s)
+            w.backlog = replace(w.backlog, memory_s=self.constants.plan_trend_s)
+
     def _twin(self, args: Mapping[str, object]) -> Twin:
-        """The twin's presets for a worker under ``args`` (a simulated worker's own, else the policy's)."""
-        c = self.settings
+        """The twin's presets for a worker under ``args``: a simulated worker's own; else the constants'
+        (a real GPU's twin calibrates its step time and KV pool from the worker's own lines)."""
+        k = self.constants
         modelled = self._modelled(args)
-        return Twin(modelled.gpu or c.twin_gpu, modelled.model or c.twin_model)
+        return Twin(modelled.gpu or k.twin_gpu, modelled.model or k.twin_model)
 
     def _activations(self, args: Mapping[str, object]) -> Activations | None:
-        """The twin's activations under ``args``, once per set of arguments (the rules ask every tick)."""
+        """The twin's activations under ``args``, once per set of arguments (the rules ask every tick;
+        ``activations_fit`` uses them only where the twin's KV pool is the one the worker reported)."""
+        if not self._twin_models_engine:
+            return None
         key = tuple(sorted((k, repr(v)) for k, v in args.items()))
         if key not in self._activations_seen:
             self._activations_seen[key] = self._twin(args).activations(args)
@@ -327,12 +340,10 @@ class Controller:
         the activations) read on the twin's forecast of its start-up line, read by the engine's own
         log reader (:func:`proxy.control.rules.before_launch`), each move journaled. A forecast moves
         nothing a start-up line would not move once printed; it saves the start-up that reading the
-        line after the launch costs. Only with the planner and ``launch_forecast`` on (advising: the
-        moves are journaled, the worker starts as configured), and only where the twin's GPU is the
-        worker's: the GPU a simulated worker models, or a GPU of the twin preset's size
-        (``gpu_total_bytes``: NVML's total memory of the worker's GPU)."""
-        c = self.settings
-        if not (c.planner and c.launch_forecast) or self.mode is ControlMode.OFF:
+        line after the launch costs. Advising, the moves are journaled and the worker starts as
+        configured. Only where the twin's GPU is the worker's: the GPU a simulated worker models, or a
+        GPU of the twin preset's size (``gpu_total_bytes``: NVML's total memory of the worker's GPU)."""
+        if self.mode is ControlMode.OFF or not self._twin_models_engine:
             return dict(args)
         twin = self._twin(args)
         if self._modelled(args).gpu is not None:
@@ -371,7 +382,7 @@ class Controller:
             reason = (
                 f"{cls} output budget at max_tokens {asked} lifted (was {before}): {evidence.reached} of the "
                 f"{evidence.reached + (evidence.ended_within or 0)} answers that ended or went on under it over the "
-                "facts' window (control.facts_window_s) reached it, so answers are now longer; requests go as they ask, and those "
+                "facts' window (the constants' facts_window_s) reached it, so answers are now longer; requests go as they ask, and those "
                 "going on ask for the rest"
             )
         elif budget is None:
@@ -400,10 +411,10 @@ class Controller:
             reader = self.engine.log_reader() if info.managed else None
             w = self._workers[info.id] = _Worker(
                 state=ControlState.initial(info.id, dict(info.args), now if info.state is WorkerState.READY else None),
-                window=Window(span_s=self.settings.window_s),
+                window=Window(span_s=self.constants.window_s),
                 reader=reader,
                 managed=info.managed,
-                backlog=Backlog(memory_s=self.settings.plan_trend_s),
+                backlog=Backlog(memory_s=self.constants.plan_trend_s),
             )
         w.pool_state = info.state
         if info.state is WorkerState.STARTING:
@@ -430,7 +441,7 @@ class Controller:
         sharing = self._serving_count()
         waiting = sample.queue + held / sharing
         w.backlog = w.backlog.observe(sample.time, waiting, running=sample.running, sharing=sharing,
-                                      full=sample.token_usage >= self.settings.low_usage)  # fmt: skip
+                                      full=sample.token_usage >= self.constants.low_usage)  # fmt: skip
 
     def on_line(self, worker_id: WorkerId, line: str) -> None:
         w = self._workers.get(worker_id)
@@ -457,7 +468,7 @@ class Controller:
     def _crash_foreseen(self, w: _Worker) -> bool:
         """A starting worker (not one the controller is restarting), managed, under ``auto`` with the
         planner, whose start-up line the safety net's forecast (``activations_fit``) would act on now."""
-        if not (w.managed and self.settings.planner and self.mode is ControlMode.AUTO) or w.busy:
+        if not (w.managed and self.mode is ControlMode.AUTO) or w.busy:
             return False  # a restart under way (busy) waits for its own worker to come up READY
         if w.pool_state is not WorkerState.STARTING:
             return False
@@ -501,12 +512,11 @@ class Controller:
             self._check_when_answered(w, now)
             if w.busy or w.state.started_at is None:
                 continue
-            if w.state.last_good_args != w.state.args and now - w.state.started_at >= self.settings.good_after_s:
+            if w.state.last_good_args != w.state.args and now - w.state.started_at >= self.constants.good_after_s:
                 w.state = w.state.mark_good()
             if self.mode is ControlMode.OFF:
                 continue
-            serving_rules = SAFETY_NET_SERVING if self.settings.planner else WHILE_SERVING
-            evaluation = evaluate(w.window, w.state, self.rules, serving_rules)
+            evaluation = evaluate(w.window, w.state, self.rules, SAFETY_NET_SERVING)
             for decision, why in evaluation.refused:
                 self._journal_once(
                     w, decision, f"refused:{decision.rule}:{why.split(':')[0]}", now, status=Status.REFUSED, detail=why
@@ -516,7 +526,7 @@ class Controller:
                 continue
             if chosen.action is Action.NOTE:
                 self._journal_once(
-                    w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.settings.window_s
+                    w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.constants.window_s
                 )
                 continue
             if self.mode is ControlMode.ADVISE or not w.managed:
@@ -541,10 +551,10 @@ class Controller:
         paying restart waited for another worker's goes first, due as soon as the fleet is whole): serving,
         managed (or advised), enough evidence, outside the cool-down and the restart budget; each with
         what its plan reads."""
-        if not self.settings.planner or self.mode is ControlMode.OFF:
+        if self.mode is ControlMode.OFF or not self._twin_models_engine:
             return []
         now = self.clock()
-        c = self.settings
+        c = self.constants
         jobs = []
         # in the fleet scenario w3's held-back look waited behind two merely due, ~50 modelled s
         for wid, w in sorted(self._workers.items(), key=lambda item: (not item[1].looks.held_back, item[1].last_plan)):
@@ -558,7 +568,7 @@ class Controller:
                 continue
             if w.pending_outcome is not None:  # the last restart's outcome is not in yet
                 continue
-            if w.state.restarts_within(now) >= c.restarts_per_hour:
+            if w.state.restarts_within(now) >= self.settings.restarts_per_hour:
                 continue
             workload = tuple(self.surroundings.recent_requests(wid))
             if not workload:
@@ -581,7 +591,7 @@ class Controller:
         now: float,
         horizon: Horizon,
     ) -> PlanInputs:
-        c = self.settings
+        c = self.constants
         args = dict(w.state.args)
         twin = self._twin(args)
         gpu, model = twin.gpu, twin.model
@@ -613,7 +623,6 @@ class Controller:
             refill_prompt_tokens=running * (prompts + written * kept),
             refill_requests=round(running),
         )
-        lo, hi = c.conservativeness_bounds
         settings = PlanSettings(
             horizon_s=horizon.seconds,
             backlog=horizon.basis != "configured",  # the backlog outlasts the configured horizon
@@ -623,9 +632,9 @@ class Controller:
             queued=self.surroundings.backlog() / self._serving_count(),
             max_requests=c.plan_requests,
             min_gain=c.plan_min_gain,
-            conservativeness_bounds=(lo, hi),
+            conservativeness_bounds=self.rules.bounds(KnobName.CONSERVATIVENESS),
             memory_fraction_step=c.memory_fraction_step,
-            memory_fraction_bounds=c.memory_fraction_bounds,
+            memory_fraction_bounds=self.rules.bounds(KnobName.MEMORY_FRACTION),
             min_available_gb=c.available_mem_band_gb[0],
             max_available_gb=c.available_mem_band_gb[1],
         )
@@ -659,8 +668,8 @@ class Controller:
         scenario a canary's share read 0.97 before its restart against a worker just reverted from an
         operator's bad trial, 0.64 in the arm without the trial, and the canary was promoted on it)."""
         serving = [o for o in self._managed() if o is not w and not o.busy and o.state.started_at is not None]
-        begins = max(since, self.clock() - self.settings.window_s)
-        settled = [o for o in serving if o.window.since <= begins - self.settings.window_s]  # serving since
+        begins = max(since, self.clock() - self.constants.window_s)
+        settled = [o for o in serving if o.window.since <= begins - self.constants.window_s]  # serving since
         others = [o.window.after(since).decode_rate for o in (settled or serving)]
         value = share(w.window.after(since).decode_rate, others)
         return None if value is None else round(value, 4)
@@ -696,13 +705,13 @@ class Controller:
             self.canary = None
             return None
         opens = canary.opens
-        if w.busy or others_down or now < opens or w.window.after(opens).observed_s < self.settings.min_evidence_s:
+        if w.busy or others_down or now < opens or w.window.after(opens).observed_s < self.constants.min_evidence_s:
             return None  # judged against the others only while they all serve, once it has refilled
         after = self._share(w, since=opens)
-        early = now < opens + self.settings.window_s  # the whole window is not in yet
-        if early and not failing(after, canary.before, self.settings.canary_fail_below):
+        early = now < opens + self.constants.window_s  # the whole window is not in yet
+        if early and not failing(after, canary.before, self.constants.canary_fail_below):
             return None
-        verdict_ = judge(after, canary.before, self.settings.canary_margin, canary.promote_above)
+        verdict_ = judge(after, canary.before, self.constants.canary_margin, canary.promote_above)
         if verdict_ is CanaryVerdict.WAIT:
             return None
         figures: dict[str, object] = {
@@ -781,7 +790,7 @@ class Controller:
         )  # fmt: skip
         note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
         w.looks = w.looks.after(plan)
-        confirm = self.settings.plan_confirmations
+        confirm = self.constants.plan_confirmations
         if plan.worth and w.looks.paying < confirm:  # one look across the line among many is chance, not a trend
             self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
                                 detail=f"pays on {w.looks.paying} plan(s) of the {confirm} a restart needs, none saying no since",
@@ -792,7 +801,7 @@ class Controller:
             accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
             key = "note:planner"
             last = w.state.noted.get(key)
-            if last is None or now - last >= max(self.settings.cooldown_s, self.settings.plan_interval_s):
+            if last is None or now - last >= max(self.constants.cooldown_s, self.constants.plan_interval_s):
                 w.state = w.state.note(key, now)
                 self.journal.record(note, mode=self.mode, status=Status.NOTED, detail=plan.reason,
                                     before=w.window.summary(),
@@ -806,7 +815,7 @@ class Controller:
             "predicted_throughput": decision.evidence_json()["predicted_throughput"],
             "outcome_settle_s": round(settle, 1),
         }
-        why = gate(decision, w.state, self.settings, now)
+        why = gate(decision, w.state, self.rules, now)
         if why is not None and not why.startswith("flip guard"):  # the economics replace the flip guard
             self._journal_once(w, decision, f"refused:planner:{why.split(':')[0]}", now, status=Status.REFUSED,
                                detail=why)  # fmt: skip
@@ -905,8 +914,8 @@ class Controller:
                 cause,
             )
             return None
-        delay = revive_delay(w.state, self.settings, now)
-        deaths = w.state.deaths_within(now, self.settings.crash_loop_window_s)
+        delay = revive_delay(w.state, self.constants, now)
+        deaths = w.state.deaths_within(now, self.constants.crash_loop_window_s)
         if deaths <= 1:  # the loop it was in, if any, is over: the death before left the window
             w.state = w.state.with_crash_loop_noted(False)
         chosen = evaluate(w.window.at(now), w.state, self.rules, ON_DEATH).decision
@@ -934,7 +943,7 @@ class Controller:
                 return None
             decision = self._revival(worker_id, w, cause, deaths, now, decision.delay_s)
         # a loop on the same arguments only: a rule changing them (an OOM's) is no loop yet
-        loop = crash_loop_unbroken(w.state, self.settings, now, cause) if decision.rule == "revive" else None
+        loop = crash_loop_unbroken(w.state, self.constants, now, cause) if decision.rule == "revive" else None
         if loop is not None:
             _log.warning("worker %s: %s", worker_id, loop.reason)
             w.state = w.state.with_crash_loop_noted(True)
@@ -945,7 +954,7 @@ class Controller:
             worker_id,
             cause,
             deaths,
-            self.settings.crash_loop_window_s,
+            self.constants.crash_loop_window_s,
             "restarting it" if decision.rule == "revive" else f"{decision.rule}: restarting it",
             f"in {back_in:g} s (crash back-off)" if back_in > 0 else "now",
         )
@@ -996,7 +1005,7 @@ class Controller:
         if w.pending_outcome is None or w.busy:
             return
         pending = w.pending_outcome
-        if now < pending.due or w.window.observed_s < self.settings.min_evidence_s:
+        if now < pending.due or w.window.observed_s < self.constants.min_evidence_s:
             return
         w.pending_outcome = None
         entry = self.journal.get(pending.entry_id)
@@ -1021,7 +1030,7 @@ class Controller:
             fields=fields,
         )
         if pending.expectation is not None:
-            until = pending.opens + CHECK_AFTER_WINDOWS * self.settings.window_s
+            until = pending.opens + CHECK_AFTER_WINDOWS * self.constants.window_s
             w.pending_check = PendingCheck(pending.entry_id, pending.expectation, pending.opens, until, pending.ready)
 
     def _check_when_answered(self, w: _Worker, now: float) -> None:
@@ -1036,12 +1045,12 @@ class Controller:
         over = w.busy or w.state.started_at is None or now >= pending.until
         if not over:
             answered = sum(1 for o in workload if o.arrived >= pending.since and o.finished is not None)
-            if answered < self.settings.plan_requests:
+            if answered < self.constants.plan_requests:
                 return
         w.pending_check = None
         inputs = OutcomeInputs(expectation=pending.expectation, workload=workload, since=pending.since,
                                in_flight=tuple(self.surroundings.in_flight(wid)), now=now,
-                               max_requests=self.settings.plan_requests, ready=pending.ready)  # fmt: skip
+                               max_requests=self.constants.plan_requests, ready=pending.ready)  # fmt: skip
         self._checks.append(OutcomeJob(wid, pending.entry_id, inputs))
 
     def outcomes_due(self, limit: int | None = None) -> list[OutcomeJob]:
@@ -1077,9 +1086,9 @@ class Controller:
         span: float | None = None,
     ) -> None:
         """Journal a decision that is not acted on, once per ``span`` (default: the cool-down)."""
-        span = self.settings.cooldown_s if span is None else span
+        span = self.constants.cooldown_s if span is None else span
         last = w.state.noted.get(key)
-        if last is not None and now - last < max(span, self.settings.interval_s):
+        if last is not None and now - last < max(span, self.constants.interval_s):
             return
         w.state = w.state.note(key, now)
         self.journal.record(decision, mode=self.mode, status=status, detail=detail, before=w.window.summary())
@@ -1098,7 +1107,7 @@ class Controller:
             why = "control.mode = off" if self.mode is ControlMode.OFF else "control.revive = false"
             self._declare_down(worker_id, f"it stays down ({why})")
         elif act.decision.rule == "revive" and (state := self._workers[worker_id].state).crash_loop_noted:
-            window = self.settings.crash_loop_window_s
+            window = self.constants.crash_loop_window_s
             deaths = state.deaths_within(self.clock(), window)
             self._declare_down(
                 worker_id,
@@ -1140,7 +1149,7 @@ class Controller:
                     for job in self.plans_due(limit=1):
                         self._workers[job.worker_id].planning = True
                         computing = (job, asyncio.ensure_future(self._offload(run_plan, job.inputs)))
-                await asyncio.sleep(self.settings.interval_s)
+                await asyncio.sleep(self.constants.interval_s)
         finally:
             for running in (computing, checking):
                 if running is not None:
@@ -1194,7 +1203,7 @@ class Controller:
         info = result.info
         if result.drain is not None:
             w.drain_s = result.drain.drain_s
-        w.state = w.state.after_restart(d, now, self.settings.flip_guard_s)
+        w.state = w.state.after_restart(d, now, self.constants.flip_guard_s)
         w.busy = False
         w.looks = Looks()  # whatever restarted it, its plans are read afresh on its new arguments
         details = result.drain.to_json() if result.drain is not None else None
@@ -1206,7 +1215,7 @@ class Controller:
                 act.entry_id, status=status, detail=f"{d.worker_id} ready (pid {info.pid})", act=details
             )
             opens = now + act.settle_s
-            w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.settings.window_s, act.expectation,
+            w.pending_outcome = PendingOutcome(act.entry_id, opens, opens + self.constants.window_s, act.expectation,
                                                ready=now)  # fmt: skip
             if self.canary is not None and self.canary.entry_id == act.entry_id:
                 self.canary = replace(self.canary, opens=opens)

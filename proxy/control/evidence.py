@@ -11,10 +11,9 @@ the journal adds its keys to the same object.
 |---|---|
 | ``prefill_oom``, ``decode_oom``, ``oom`` | :class:`PrefillOom`, :class:`DecodeOom`, :class:`UnplacedOom` |
 | ``crash_loop`` | :class:`CrashLoop` |
-| ``retraction_storm`` | :class:`ConservativenessStorm`, or :class:`BatchCapStorm` (an engine without conservativeness) |
+| ``retraction_storm`` (an engine the planner does not model: vLLM) | :class:`BatchCapStorm` |
 | ``kv_capacity`` | :class:`KvCapacity` |
 | ``memory_low``, ``memory_headroom`` | :class:`MemoryBand` |
-| ``admission_too_conservative`` | :class:`Admission` |
 | ``pacing_too_timid`` | :class:`TimidPacing` |
 | ``output_budget`` (the fast tier, no restart) | :class:`OutputBudget` |
 | ``planner`` (the controller's twin) | :class:`Planned`, around :class:`PlanHorizon` (why its horizon) |
@@ -30,9 +29,7 @@ __all__ = [
     "NO_EVIDENCE",
     "OPTIONAL",
     "ActivationFit",
-    "Admission",
     "BatchCapStorm",
-    "ConservativenessStorm",
     "CrashLoop",
     "Death",
     "DecodeOom",
@@ -120,6 +117,9 @@ class Death(Evidence):
 # -- retractions ----------------------------------------------------------------------------------
 
 
+# -- start-up memory and capacity -----------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Retractions(Evidence):
     """The retraction figures of a window and the thresholds they crossed."""
@@ -130,14 +130,6 @@ class Retractions(Evidence):
     threshold_per_1k_tokens: float
     retractions: int
     observed_s: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ConservativenessStorm(Evidence):
-    """A storm answered by raising conservativeness; ``throughput`` lets the next look judge the raise."""
-
-    storm: Retractions
-    throughput: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,9 +148,6 @@ class BatchCapStorm(Evidence):
     storm: Retractions
     running_when_kv_full: int
     fit: RequestFit | None = field(default=None, metadata=OPTIONAL)  # None: the cap is set below what ran instead
-
-
-# -- start-up memory and capacity -----------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,20 +202,6 @@ class OutputBudget(Evidence):
     # lifted because answers reach it: those that did (in their first part), those that ended within it
     reached: int | None = None
     ended_within: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Admission(Evidence):
-    low_usage_fraction: float  # share of the window with requests waiting at usage < low_usage
-    threshold_fraction: float
-    low_usage: float
-    mean_usage_waiting: float
-    possible_gain: float  # how much larger the batch could grow
-    min_gain: float
-    retractions: int
-    at_cap_fraction: float
-    observed_s: float
-    proxy_backlog: int | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

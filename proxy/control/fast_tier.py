@@ -1,124 +1,23 @@
 """The fast tier: levers the proxy moves itself, in seconds, without restarting a worker.
 
 Per-worker values, recomputed from every scrape by :func:`next_pace` (a pure function of the
-previous :class:`Pace`, one :class:`PaceInput` and the clock's ``now`` inside it):
+previous :class:`Pace` and one :class:`PaceInput`):
 
-* the **admission limit**: how many requests the proxy lets the worker hold (running plus waiting
-  there). It is AIMD-like. It starts unset (no limit beyond the queue band: the band already keeps
-  the server queue short); the first sign of over-commitment sets it below what the worker held
-  (``backoff`` x in flight), and each further sign multiplies it down again, at most once per
-  ``hold_s`` and only once the worker holds no more than the limit: the last back-off has bitten
-  (one decrease per round trip, as TCP's congestion control has it). The requests above a new limit
-  end by themselves, a minute or more for long outputs, and the engine retracts on while they do:
-  judged every ``hold_s`` on those retractions, after mixed's chat stopped the batch's limit went
-  275 -> 44 in nine back-offs in 130 modelled seconds. Signs of over-commitment: the engine's
-  retraction counter rose since the last look while its rate per 1,000 output tokens, smoothed
-  over ``rate_window_s`` of time (and only once that much has been seen), is above
-  ``retractions_per_1k_tokens`` (a batch of long outputs retracts a few requests at a time,
-  steadily, whatever the limit: one such burst over half a second of tokens is not a sign, nor is
-  the trickle; an engine without a token counter: any rise),
-  or the time to first token of the worker's recent *interactive* requests rose above
-  ``ttft_rise`` x its recent floor while the server had a queue. The sign reads only the requests
-  sent to the worker after the last back-off (``Pace.backed_off_at``): a back-off is judged on what
-  it did. Read over the last minute whenever sent, first tokens that waited behind a batch at the
-  start of mixed's run held the mean up for a minute and the limit backed off every ``hold_s``
-  (102 -> 81 -> 68 in 11 s), to below what the chat alone holds, while 111 chat requests waited in
-  the proxy and token usage fell to 0.37. It grows additively, by ``limit / grow_divisor`` (at
-  least 1) per ``hold_s`` of time, while the pool is under-used with work waiting: the limit binds
-  (in flight >= limit), the proxy holds requests back, and token usage is below
-  ``grow_below_usage``. Per time, not per look: grown a step a look, it grew ten times as fast
-  under a deployment's 0.5 s scrapes as in the scenarios, whose looks come every 5-12 modelled
-  seconds. Grown past ``ceiling`` it is unset again.
-* the **queue target**: where inside the policy's band ``[lo, hi]`` the pacing gate keeps the
-  worker's server queue. Short interactive answers want a short server queue (a request waiting
-  there cannot be moved to a worker that frees up first, and it adds to time to first token):
-  the band's base (``lo + headroom``). Long outputs (a batch) want the upper part, so the server
-  always has work to admit when a slot frees: the target moves towards ``hi`` with the mean output
-  length of the worker's recent requests, linearly between ``short_output_tokens`` and
-  ``long_output_tokens``.
-* the **batch queue target** and the **batch's own limit**, while interactive work is on the worker
-  or waiting for it (below, *Classes* 3-5).
-* the **output budget** per class and ``max_tokens`` asked (:func:`output_budget`): the ``max_tokens``
-  a plain request is sent to the worker with, where the worker's engine reserves KV for ``max_tokens``
-  (SGLang). A high quantile (``budget_quantile``) of what the worker's recent answers of the class
-  that asked for the same wrote (requests that ask alike write alike: in ``shift`` a budget read from
-  chat at 4,096 cut the batch at 2,000 that followed, and its throughput paid 16 %), times
-  ``budget_margin``, rounded up to ``budget_step`` tokens; none before ``budget_min_answers`` answers.
-  An answer that reaches it is continued (:mod:`proxy.request.continuation`), so the budget trades a
-  rare continuation (a re-prefill of the text so far, mostly from the prefix cache) for admission
-  that reserves what answers need instead of what clients ask for: what lowering
-  ``schedule_conservativeness`` buys, for each request, from the first minute, without a restart
-  (in early-stop's hour the replay gives the start arguments with the budget 0.99-1.00 of the best
-  static arguments' mean answer; a restart to them pays only in the first minute). The answers it
-  learns from are whole (all parts), so a budget never shrinks what it sees.
+* the **admission limit** (AIMD): how many requests the proxy lets the worker hold. Unset at first;
+  over-commitment (retractions per 1,000 output tokens above the threshold, smoothed over
+  ``rate_window_s``, or interactive first tokens rising above ``ttft_rise`` x their floor) backs it
+  off, at most once per ``hold_s`` and only once the last back-off has bitten; it grows by 1/16
+  per ``hold_s`` of time while it binds and the pool is under-used.
+* the **queue target** inside the policy's band: its base for short answers, towards its top for long.
+* beside interactive work, the **batch's own queue target and limit**: the batch holds the KV it is
+  heading for (:func:`kv_peak`), not what it holds now; batch requests queued ahead of a waiting
+  interactive request are taken back. Interactive work never waits behind batch work.
+* the **output budget** per class and ``max_tokens`` (:func:`output_budget`): a high quantile of what
+  the class's recent answers wrote, with a margin; an answer that reaches it is continued.
 
-Classes. Each request carries its class (interactive or batch) from the front door to its facts,
-and the rule of admission holds here too: interactive work never waits behind batch work. Three
-things follow, each argued from where a request can wait:
-
-1. *The time-to-first-token sign reads the interactive class's own first tokens* (dispatch to
-   first output: what the server made it wait, not the proxy's queue, which this tier's own limit
-   lengthens and which would feed back into more back-off). A batch's first tokens wait for KV by
-   design and are judged on throughput; averaging them in (or gating the sign on the worker's mean
-   output length, which a batch beside chat pulls either way) makes the sign read the mix instead
-   of the class it protects. An interactive class whose own outputs are long (a client that never
-   says "batch") is judged like a batch: the sign is off above ``long_output_tokens``.
-2. *The limit counts per class* (applied in :class:`~proxy.request.pacing.WorkerLoad`): a batch
-   request goes only while everything in flight on the worker is under it; an interactive request
-   while the interactive requests in flight are. So a back-off squeezes the batch first, and an
-   interactive request never waits in the proxy for a batch request to end; the limit still binds
-   interactive work that over-commits the worker on its own (one class: as before).
-3. *The server's queue is FIFO* (SGLang without priority scheduling, vLLM's default): a batch
-   request waiting there is ahead of every interactive request sent after it, and a batch of long
-   outputs frees KV slowly, so even the band's base of batch work in that queue is minutes of
-   waiting for chat. While interactive work is on the worker or waiting for it (and for
-   ``interactive_hold_s`` after), batch work is kept to ``batch_queue_beside_interactive`` requests
-   in the worker's queue (the proxy refills it at each completion, so the engine still has batch
-   work to admit when KV frees), and batch requests already waiting there beyond that are taken back
-   to the proxy's queue (the composition root does it through the dispatcher: nothing ran for
-   them, so nothing is lost or recomputed). Batch work thus steps back within one scrape when chat
-   arrives, and takes the band again ``interactive_hold_s`` after it stops.
-4. *The batch holds the KV it is heading for, not what it holds now, and leaves the rest to the
-   interactive class.* A batch of long outputs fills an engine's KV pool as it writes: a batch request
-   sent while usage was low holds ten times its prompt by its end. The engine admits a waiting request
-   only when the KV it reserves is free, and each batch request that ended freed some that the next
-   batch refill took again; once the pool was full, every chat request waited for batch requests to
-   end (in ``mixed`` whole stretches of 100-200 modelled seconds in which every first token waited
-   20-40 s), and the time-to-first-token sign read it a minute late. Beside interactive work the batch
-   has a limit of its own (``Pace.batch_limit``, :func:`batch_kv_limit`): from each request open on the
-   worker, its prompt (its class's recent prompts as the engine counted them, else the proxy's estimate
-   from its bytes), what it has written (the decode steps since it was sent, from the scrape's step
-   time) and what it is expected still to write (its class's recent answers' mean output, else its
-   ``max_tokens``); the KV ahead is :func:`kv_peak` of the batch's, the most they will hold at once
-   from now on, plus the interactive requests' whole size all along (the class keeps coming: as its
-   requests end, the next ones need that much free to be admitted); the batch may hold what it holds
-   plus as many requests of its size (prompt and expected output) as fit under ``grow_below_usage``
-   of the pool at that peak, and always keeps one going. Past ``kv_peak_full`` (a batch that got
-   there first, or a flood between two scrapes), the newest batch requests beyond
-   ``grow_below_usage`` are taken back (the least work done; a whole answer the worker can end early
-   keeps what it wrote), before the engine has to retract, and the chat finds room at once. Not
-   sized: a batch alone (it is judged on throughput, and retractions pace it), and no batch request
-   open yet (its size is not known: the first goes, the next scrape sizes the rest).
-5. *An interactive request waiting at the worker for its first token holds the batch's refills
-   there.* Between scrapes the batch's limit stands while requests end. Beside interactive work
-   (``Pace.first_token_wait_s``, from the scrape's decode step time), a streamed interactive request
-   that has had no first token for ``first_token_steps`` steps (its prefill and the step before it take
-   about two) is waiting for room: while one is, no batch request goes to that worker beyond the one
-   the class always keeps going (:meth:`~proxy.request.pacing.WorkerLoad.has_room`), and the next
-   scrape takes back every batch request still queued there ahead of it (each needs more KV free to be
-   admitted than a chat request, and the queue is FIFO). Whole answers do not count: their first token
-   is not seen (the limit's sign still covers them).
-
-Nothing here restarts anything or reads an engine: the inputs are the scrape (engine-neutral
-:class:`~proxy.engines.base.Sample` figures) and the proxy's own per-request facts. The request
-layer's :class:`~proxy.request.pacing.WorkerLoad` holds the values the gate reads (one truth);
-the composition root writes them there after each scrape.
-
-What an engine lets a client change at run time is the engine module's ``runtime_args``: for the
-SGLang versions supported it is only pipeline micro-batch size and speculative acceptance
-thresholds (``/set_internal_state`` refuses every other key), and vLLM has no such endpoint, so no
-scheduler argument (conservativeness, running-request cap, chunk size, memory fraction) can be
-moved without a restart: the proxy's own levers are the fast tier.
+Nothing here restarts anything or reads an engine: the inputs are the scrape's engine-neutral
+figures and the proxy's per-request facts. No scheduler argument can move without a restart on the
+engines supported, so these are the proxy's own levers (docs/controller.md).
 """
 
 from __future__ import annotations
@@ -127,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.evidence import OutputBudget
 from proxy.policy import ControlSettings, PacingSettings
 
@@ -151,7 +51,9 @@ class PaceSettings:
     ceiling: int = 4096  # grown past this, the limit is lifted
     backoff: float = 0.8  # multiplicative decrease
     grow_divisor: int = 16  # additive increase: limit / grow_divisor (at least 1) per hold_s while it binds
-    hold_s: float = 5.0  # at most one back-off per hold_s, and no growth within hold_s of one (policy backoff_hold_s)
+    hold_s: float = (
+        5.0  # at most one back-off per hold_s, and no growth within hold_s of one (the constants' backoff_hold_s)
+    )
     grow_below_usage: float = 0.9  # grow only while token usage is below this
     ttft_rise: float = 3.0  # back off when recent TTFT exceeds this x its floor (with a server queue)
     retractions_per_1k_tokens: float = 0.5  # back off when the smoothed retraction rate exceeds this
@@ -183,16 +85,25 @@ class PaceSettings:
     budget_overrun_share: float = 0.1
 
     @classmethod
-    def of(cls, control: ControlSettings, pacing: PacingSettings) -> PaceSettings:
-        """A pool's fast tier as its policy sets it: the timings and the retraction threshold from
-        ``[control]``, the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps
-        beside interactive work use too), the rest at their defaults."""
+    def of(
+        cls,
+        control: ControlSettings,
+        pacing: PacingSettings,
+        *,
+        clock_rate: float = 1.0,
+        constants: Constants = CONSTANTS,
+    ) -> PaceSettings:
+        """A pool's fast tier: the output budget from ``[control]``, the timings and the retraction
+        threshold from the controller's constants on the workers' clock (``clock_rate``: engine seconds per
+        wall second), the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps beside
+        interactive work use too), the rest at their defaults."""
+        k = constants.in_wall(clock_rate)
         return cls(
             output_budget=control.output_budget,
-            hold_s=control.backoff_hold_s,
-            rate_window_s=control.rate_window_s,
-            facts_window_s=control.facts_window_s,
-            retractions_per_1k_tokens=control.retractions_per_1k_tokens,
+            hold_s=k.backoff_hold_s,
+            rate_window_s=k.rate_window_s,
+            facts_window_s=k.facts_window_s,
+            retractions_per_1k_tokens=k.retractions_per_1k_tokens,
             interactive_hold_s=pacing.interactive_window_s,
         )
 

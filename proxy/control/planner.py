@@ -1,86 +1,21 @@
 """The planner: a calibrated twin of a worker replays its recent workload under candidate arguments.
 
-The twin is the simulator's virtual-time core (:func:`proxy.sim.virtual.simulate`, the same
-scheduler, KV pool, memory and step-time model as ``pacer sim``) standing for one worker. It is an
-SGLang model; the controller reaches the engine's argument names only through the knob table it
-was given (``Knob.arg``), never through an engine module.
+The twin is the simulator's virtual-time core (:func:`proxy.sim.virtual.simulate`) standing for one
+worker: an SGLang model, reached through the knob table's argument names only.
 
-Calibration (:func:`calibrate`): actual over expected, from what the worker reports.
+Calibration (:func:`calibrate`): the step time from the worker's own decode lines (the median of
+expected over measured decode rate at the same batch; it absorbs a simulated worker's time scale),
+the KV pool from its start-up line. A real GPU the simulator does not name starts from the
+constants' presets and is calibrated the same way.
 
-* ``step_time_factor``: the worker's decode-batch statistics (running requests, tokens held,
-  generation throughput, from its log lines or scrapes) against the step-time model's decode rate
-  at the same batch: the median of ``expected / measured``. It also absorbs a simulated worker's
-  time scale, so the twin runs on the proxy's clock and the recorded arrival times replay as they
-  came.
-* ``kv_factor``: the KV pool the worker reported at start-up over the pool the twin computes for
-  the same arguments (capped at 1: the twin's pool is only ever shrunk to match).
+A :class:`Plan` (:func:`plan`): the newest requests are replayed under the current arguments and a
+bounded set of candidates (:func:`candidates`); the best is worth a restart only when its predicted
+gain over the horizon (:mod:`proxy.control.horizon`) pays the restart cost measured on this worker
+(:class:`RestartCost`: start-up, drain, work taken back and computed again), and no candidate leaves
+less free memory at start-up than the band's floor. A gain inside the twin's error says neither way.
 
-A :class:`Plan` (:func:`plan`): the recent requests (a bounded sample, the newest
-``max_requests``, as :class:`Observed`: arrival, prompt, output and ``max_tokens``) are replayed
-under the current arguments and under a bounded set of candidates (:func:`candidates`: the
-conservativeness values of the settings, one rung either way for the running cap and the prefill
-chunk, one memory step either way, and the memory fraction that leaves the middle of the policy's
-free-memory band free when the current one leaves more or less than the band; every candidate
-leaving less free memory at start-up than the floor of the policy's band is refused). The best candidate's predicted gain (output tokens per
-second over the current arguments' prediction) is worth a restart only when
-
-    (predicted_tp(best) - predicted_tp(current)) x horizon_s  >  restart cost in tokens
-
-with the restart cost measured on this worker (:class:`RestartCost`: its start-up time as seen,
-the drain, and the tokens it recomputes: what was in flight; before any start of it was seen, the
-twin's modelled start-up on its calibrated clock), so a knob may move back whenever
-the prediction says it pays (this is the flip guard's economics). Arrival-bound traffic, where every argument serves what arrives,
-predicts no throughput gain; there the arguments can still differ in how long requests wait
-(admission that reserves too much holds requests back at the same tokens per second), so the
-candidate that answers the same requests soonest is worth a restart when the waiting it saves
-beats the waiting the restart adds (:func:`_waiting_plan`, in request-seconds: the mean answer
-saved x the arrival rate x the horizon, against the requests open, waiting for the worker in the
-proxy's queue and arriving during the outage, each held for it), the saving a mean over the worker's last looks (under bursty arrivals it comes in
-the bursts). Not in a backlog (work waiting that outlasts the configured horizon, by its age
-and its drain: the controller's horizon is then the backlog's): there the worker is throughput-bound,
-and with the same tokens per second and the same arrivals the waiting is the same whatever the
-order in which the requests are answered (Little's law), so a candidate that answers the replayed
-sample sooner at the same pace is no gain, and only the throughput basis is asked (in
-retraction-storm's backlogged hours the waiting basis restarted back and forth and lost 3-9 %).
-A throughput gain accrues only while work waits (``PlanSettings.work_waits_s``): where nothing waits
-for the worker at the look (it keeps up with what arrives) it accrues for none of the horizon, and
-only the waiting basis can pay; where the work it holds falls for sure, for the backlog's remainder
-(:mod:`proxy.control.horizon`) when that is shorter. The replay that goes on sends the sample again,
-so a batch submitted at once and being answered reads as more of it to come: in shift's runs the
-worker was restarted in its batch phase's drain for +5.6-5.9 %, and as it ended, nothing waiting,
-for +4.7-5.6 %; each cost the batch or the chat that came next 5-32 %.
-
-The replay holds the work in flight (:func:`replay`): the sampled requests were served alongside
-others, and a replay of them alone into an empty engine predicts them far too fast under load. So
-the replay starts at the sample's first arrival with what was then on the worker: the answered
-requests that arrived before it and ended after it (their remaining output in proportion to the
-time they still ran; what they had produced already is held as prompt, so their KV is there), and
-the requests the proxy has open on the worker when the plan begins (:class:`InFlight`: its own
-attempts; their output is not known yet, so it is the recent median of output over ``max_tokens``
-of the answered requests of their own class times their ``max_tokens``, or all of it while none of
-their class was answered; one that arrived before the sample is counted as ending now, the least
-it can still hold). Each comes to the replay when the proxy sent it to the worker, where known: what
-waited in the proxy's own queue (a batch held back beside chat) made no progress there; where the
-proxy saw its first token (a stream), from then, and its KV is there already. Only the sample's own requests make the figure (their output tokens over
-their first arrival to their last answer in the replay), the basis on which the worker is
-measured (:func:`measured_throughput`), so prediction and measurement are like with like.
-
-The replay goes on (:func:`continued`): the traffic just seen is what the horizon expects, so the
-sample's own requests arrive again after the newest arrival the replay knows, as they arrived, one
-copy after another (``CONTINUED_COPIES`` times, no more than the horizon holds), and each
-candidate's throughput is its output over the whole, drained. A replay of the window alone is mostly its edges
-(the batch filling at its start, draining at its end), and there the candidates' order is noise: on
-ten windows of retraction-storm's hour (300 requests each, 150 waiting at the start) the twin put
-conservativeness 0.5 and 0.7 up to 1.5 and 2 % ahead of 1.0 on the window alone, and 1.0 ahead of
-0.5 on all ten with the traffic going on twice more, as a replay of the whole hour has it (0.5 1.9 %
-behind). The figures the twin is judged on against the worker (the
-window's answered output, :meth:`Replay.measured`, and its answer times) come from a replay of the
-window alone under the current arguments.
-
-Cost: ``2 + max_candidates`` replays of at most ``(1 + CONTINUED_COPIES) x max_requests`` requests
-and the work in flight, and at most five more (the band's memory fraction, the larger pool a
-restart takes along, the capacities the waiting basis is priced at); the controller runs a plan in a
-process of its own.
+An acted plan is checked on the requests served under its arguments (:func:`check_outcome`): the
+journal gets the predicted and the measured gain side by side.
 """
 
 from __future__ import annotations
@@ -393,7 +328,7 @@ class PlanSettings:
     min_gain: float = 0.03
     conservativeness: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3)
     conservativeness_bounds: tuple[float, float] = (0.1, 2.0)
-    memory_fraction_step: float = 0.01  # the controller passes the policy's control.memory_fraction_step
+    memory_fraction_step: float = 0.01  # the controller passes its constants' memory_fraction_step
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
     max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused

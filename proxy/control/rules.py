@@ -1,28 +1,28 @@
-"""The controller's rules: pure functions ``(window, state, settings) -> Decision | None``.
+"""The controller's safety net: pure functions ``(window, state, settings) -> Decision | None``.
 
-Each rule is one row of the controller's table in docs/controller.md, SGLang's tuning
-guide in engine-neutral words; the engine's knob table (``proxy.engines.<engine>.knobs``) says which
-argument a knob is. Thresholds, steps and bounds come from the policy's ``[control]`` table. What
-each rule decided on is a frozen value of ``proxy.control.evidence``.
+Each rule is one row of the rules table in docs/controller.md; the engine's knob table
+(``proxy.engines.<engine>.knobs``) says which argument a knob is. Thresholds and steps are the
+controller's constants (``proxy.control.constants``), the range of each argument the policy's
+``control.bounds``. What each rule decided on is a frozen value of ``proxy.control.evidence``.
 
-Order matters: :data:`RULES` lists safety first. :data:`ON_DEATH` are the rules read when a worker
-has died (an OOM always kills an SGLang server); :data:`WHILE_SERVING` the ones read on every
-tick of a serving worker. :func:`evaluate` runs a tuple of rules and passes each decision through
-:func:`gate` (cool-down, restart budget, flip guard); the first decision the gate admits wins, the
-refused ones are returned too so the journal can say what was held back and why.
+:data:`ON_DEATH` are read when a worker has died (out of memory, a crash loop, a KV pool too small
+to start); :data:`SAFETY_NET_SERVING` on every tick of a serving worker (the start-up line's memory
+band and activations; on an engine the planner does not model, a preemption cap). Tuning restarts
+are the planner's. :func:`evaluate` passes each decision through :func:`gate` (cool-down, restart
+budget, flip guard); the first one admitted wins, the refused ones are returned for the journal.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from proxy.control.decision import Action, ControlState, Decision, KnobChange, KnobMove, RuleKind
+from proxy.control.constants import CONSTANTS, Constants
+from proxy.control.decision import Action, ControlState, Decision, KnobChange, RuleKind
 from proxy.control.evidence import (
     ActivationFit,
-    Admission,
     BatchCapStorm,
-    ConservativenessStorm,
     CrashLoop,
     DecodeOom,
     Evidence,
@@ -43,7 +43,6 @@ __all__ = [
     "RULES",
     "SAFETY_NET_SERVING",
     "START_UP",
-    "WHILE_SERVING",
     "Activations",
     "Evaluation",
     "Rule",
@@ -54,10 +53,6 @@ __all__ = [
     "gate",
     "revive_delay",
 ]
-
-
-RETRACTION_CUT = 0.5  # a raise that did not cut the retraction rate by this much did not pay
-FILLING_RISE = 0.05  # token usage up by this much from the window's first third to its last: still filling
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +75,17 @@ class RuleSettings:
     knobs: Mapping[KnobName, Knob]  # the engine's knob table
     # the worker's activations under its arguments (None, or a None answer: no model of them)
     activations: Callable[[Mapping[str, object]], Activations | None] | None = None
+    constants: Constants = CONSTANTS  # on the controller's clock (:meth:`Constants.in_wall`)
+
+    def bounds(self, name: KnobName) -> tuple[float, float]:
+        """The range ``name`` may move in: the policy's ``control.bounds`` for its engine argument, else
+        the constants' default for the knob (none: the knob's own), within what the engine takes."""
+        knob = self.knobs.get(name)
+        given = self.control.bound(knob.arg) if knob is not None else None
+        low, high = given or self.constants.bounds.get(name, (-math.inf, math.inf))
+        if knob is not None:
+            low, high = max(low, knob.minimum), min(high, knob.maximum)
+        return (low, high)
 
 
 Rule = Callable[[Window, ControlState, RuleSettings], "Decision | None"]
@@ -155,8 +161,8 @@ def _memory_down(
     current = _current(knob, window, state)
     if current is None:
         return None  # an unknown fraction cannot be stepped
-    low = s.control.memory_fraction_bounds[0]
-    new = max(current - s.control.memory_fraction_step, low)
+    low = s.bounds(KnobName.MEMORY_FRACTION)[0]
+    new = max(current - s.constants.memory_fraction_step, low)
     return _move(
         window, state, s, rule=rule, kind=kind, knob_name=KnobName.MEMORY_FRACTION, new_value=new, direction=-1,
         reason=why + ": lower {arg} {old} -> {new}", evidence=evidence,
@@ -188,9 +194,9 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     if chunk is not None:
         current = _current(chunk, window, state)
         new = (
-            chunk.rung_below(current, floor=s.control.prefill_chunk_min)
+            chunk.rung_below(current, floor=s.bounds(KnobName.PREFILL_CHUNK)[0])
             if current is not None
-            else max(4096, s.control.prefill_chunk_min)
+            else max(4096, s.bounds(KnobName.PREFILL_CHUNK)[0])
         )
         if new is not None:
             decision = _move(
@@ -223,7 +229,7 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
         current = _current(knob, window, state)
         seen = [v for v in (peak, current) if v]
         if seen:
-            new = max(s.control.max_running_min, int(min(seen) * s.control.decode_oom_factor))
+            new = max(s.bounds(KnobName.MAX_RUNNING)[0], int(min(seen) * s.constants.decode_oom_factor))
             decision = _move(
                 window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, knob_name=KnobName.MAX_RUNNING,
                 new_value=new, direction=-1, evidence=evidence,
@@ -260,7 +266,7 @@ def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> D
 
 def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """Repeated deaths: go back to the last arguments that ran well (the policy's, if none did)."""
-    c = s.control
+    c = s.constants
     deaths = state.deaths_within(window.now, c.crash_loop_window_s)
     if deaths < c.crash_loop:
         return None
@@ -280,7 +286,7 @@ def crash_loop(window: Window, state: ControlState, s: RuleSettings) -> Decision
         old_args=state.args,
         new_args=fallback,
         kind=RuleKind.SAFETY,
-        delay_s=revive_delay(state, s.control, window.now),
+        delay_s=revive_delay(state, s.constants, window.now),
     )
 
 
@@ -288,7 +294,7 @@ def _crash_loop_fallback(state: ControlState) -> Mapping[str, object]:
     return state.last_good_args if state.last_good_args is not None else state.initial_args
 
 
-def crash_loop_unbroken(state: ControlState, c: ControlSettings, now: float, death: str) -> Decision | None:
+def crash_loop_unbroken(state: ControlState, c: Constants, now: float, death: str) -> Decision | None:
     """A crash loop :func:`crash_loop` cannot break: the worker already runs the arguments it would go
     back to, so each death only revives it, after the crash back-off. A note, once per loop (until
     the controller clears ``state.crash_loop_noted``: a death alone in the window ends the loop),
@@ -317,15 +323,17 @@ def crash_loop_unbroken(state: ControlState, c: ControlSettings, now: float, dea
 
 
 def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Retractions that are a real share of the work: admission too aggressive, raise the
-    conservativeness (bounded; vLLM: cap the running batch).
+    """On an engine the planner's twin does not model (one without admission conservativeness: vLLM),
+    preemptions that are a real share of the work cap the running batch; elsewhere the planner prices
+    the same storm and this rule says nothing.
 
     A storm is relative: more than ``retractions_per_1k_tokens`` retracted requests per 1,000 output
-    tokens generated in the window (how much of what is produced gets thrown back, whatever the
-    speed of the GPU or of the clock; an absolute rate per minute grows with throughput, so a busy
-    server with a healthy admission would count as a storm). ``retractions_per_min`` stays a noise
-    floor: below it nothing fires. Without a throughput figure the floor alone decides."""
-    c = s.control
+    tokens generated in the window (an absolute rate per minute grows with throughput). The constants'
+    ``retractions_per_min`` stays a noise floor: below it nothing fires. Without a throughput figure the
+    floor alone decides."""
+    if KnobName.CONSERVATIVENESS in s.knobs:
+        return None  # the planner's
+    c = s.constants
     if window.observed_s < c.min_evidence_s:
         return None
     rate = window.retraction_rate_per_min
@@ -335,7 +343,7 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     if per_1k is not None and per_1k <= c.retractions_per_1k_tokens:
         return None
     storm = Retractions(
-        retraction_rate_per_min=round(rate, 2), threshold_per_min=c.retractions_per_min,
+        retraction_rate_per_min=round(rate, 2), threshold_per_min=round(c.retractions_per_min, 2),
         retractions_per_1k_tokens=None if per_1k is None else round(per_1k, 4),
         threshold_per_1k_tokens=c.retractions_per_1k_tokens,
         retractions=window.retractions, observed_s=round(window.observed_s, 1),
@@ -343,44 +351,7 @@ def retraction_storm(window: Window, state: ControlState, s: RuleSettings) -> De
     why = f"{rate:.1f} retractions/min" + (
         "" if per_1k is None else f", {per_1k:.3f} per 1k output tokens (> {c.retractions_per_1k_tokens:g})"
     )
-    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
-    if knob is None:  # an engine without admission conservativeness (vLLM): cap the running batch
-        return _fewer_running(window, state, s, why, storm)
-    current = _current(knob, window, state)
-    if current is None:
-        return None
-    throughput = window.throughput
-    if _raise_did_not_pay(state.moves.get(str(KnobName.CONSERVATIVENESS)), rate, throughput, window.now, c):
-        return None
-    evidence = ConservativenessStorm(storm=storm, throughput=round(throughput, 1) if throughput is not None else None)
-    return _move(
-        window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.CONSERVATIVENESS,
-        new_value=min(current + c.conservativeness_step, c.conservativeness_bounds[1]), direction=+1, evidence=evidence,
-        reason=why + ": raise {arg} {old} -> {new}",
-    )  # fmt: skip
-
-
-def _raise_did_not_pay(
-    previous: KnobMove | None, rate: float, throughput: float | None, now: float, c: ControlSettings
-) -> bool:
-    """True when this rule's last raise of the knob (within ``flip_guard_s``) did not pay: the
-    retraction rate is still above ``RETRACTION_CUT`` of what it was then (the retractions do not come
-    from admission: outputs that run to their max_tokens retract at any conservativeness), or it
-    fell but so did throughput (the caution costs more than the recomputation it saves). Either way
-    another raise is the same bet again."""
-    if (
-        previous is None
-        or previous.rule != "retraction_storm"
-        or previous.direction <= 0
-        or now - previous.time >= c.flip_guard_s
-    ):
-        return False
-    if not isinstance(previous.evidence, ConservativenessStorm):
-        return False
-    if rate > previous.evidence.storm.retraction_rate_per_min * RETRACTION_CUT:
-        return True
-    tp_before = previous.evidence.throughput
-    return tp_before is not None and throughput is not None and throughput < tp_before
+    return _fewer_running(window, state, s, why, storm)
 
 
 def _fewer_running(
@@ -392,7 +363,8 @@ def _fewer_running(
     missing or not below what the full pool held while it preempted, cap below the latter instead:
     the median running count of the samples with token usage >= ``low_usage`` (else the peak seen)
     x ``decode_oom_factor``, since requests caught mid-way still grow."""
-    c = s.control
+    c = s.constants
+    floor = s.bounds(KnobName.MAX_RUNNING)[0]
     full = sorted(smp.running for smp in window.samples if smp.token_usage >= c.low_usage and smp.running > 0)
     held = full[len(full) // 2] if full else (window.peak_running or 0)
     if held <= 0:
@@ -402,7 +374,7 @@ def _fewer_running(
         fits, capacity, length = fit.requests_that_fit, fit.kv_capacity_tokens, fit.mean_request_tokens
         return _move(
             window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-            new_value=max(fits, c.max_running_min), direction=-1,
+            new_value=max(fits, floor), direction=-1,
             evidence=BatchCapStorm(storm=storm, running_when_kv_full=held, fit=replace(fit, mean_request_tokens=round(length, 1))),
             reason=f"{why} with about {held} requests running when the "
             + f"KV cache is full; {fits} whole requests of {length:.0f} tokens fit its {capacity} tokens: "
@@ -410,7 +382,7 @@ def _fewer_running(
         )  # fmt: skip
     return _move(
         window, state, s, rule="retraction_storm", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=max(int(held * c.decode_oom_factor), c.max_running_min), direction=-1,
+        new_value=max(int(held * c.decode_oom_factor), floor), direction=-1,
         evidence=BatchCapStorm(storm=storm, running_when_kv_full=held),
         reason=f"{why} with about {held} requests running when the KV cache is full: " + "lower {arg} {old} -> {new}",
     )  # fmt: skip
@@ -452,10 +424,10 @@ def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     current = _current(knob, window, state) if knob else None
     if current is None:
         return None
-    c = s.control
+    high = s.bounds(KnobName.MEMORY_FRACTION)[1]
     return _move(
         window, state, s, rule="kv_capacity", kind=RuleKind.SAFETY, knob_name=KnobName.MEMORY_FRACTION,
-        new_value=min(current + c.memory_fraction_step, c.memory_fraction_bounds[1]), direction=+1, evidence=evidence,
+        new_value=min(current + s.constants.memory_fraction_step, high), direction=+1, evidence=evidence,
         reason="the KV cache cannot hold one request of the configured length: raise {arg} {old} -> {new}",
     )  # fmt: skip
 
@@ -463,12 +435,12 @@ def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decisio
 def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """Less free device memory at start-up than the band's floor: risk of OOM, shrink the KV pool."""
     free = _startup_mem(window)
-    low, _ = s.control.available_mem_band_gb
+    low, _ = s.constants.available_mem_band_gb
     if free is None or free >= low:
         return None
     return _memory_down(
         window, state, s, rule="memory_low", kind=RuleKind.CORRECTIVE, why=f"{free:g} GB free at start-up (< {low:g} GB)",
-        evidence=MemoryBand(available_gpu_mem_gb=free, band_gb=f"{low:g}-{s.control.available_mem_band_gb[1]:g}"),
+        evidence=MemoryBand(available_gpu_mem_gb=free, band_gb=f"{low:g}-{s.constants.available_mem_band_gb[1]:g}"),
     )  # fmt: skip
 
 
@@ -499,7 +471,7 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     if chunk_knob is not None and chunk is not None and chunk > 0 and chunk * act.prefill_mib_per_token > free_mib:
         new: float | None = chunk
         while new is not None and new * act.prefill_mib_per_token > free_mib:
-            new = chunk_knob.rung_below(new, floor=s.control.prefill_chunk_min)
+            new = chunk_knob.rung_below(new, floor=s.bounds(KnobName.PREFILL_CHUNK)[0])
         if new is not None:
             need_gb = chunk * act.prefill_mib_per_token / 1024
             return _move(
@@ -516,7 +488,7 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
         return None
     if running * act.decode_mib_per_seq <= free_mib:
         return None
-    cap = max(act.graph_max_bs, s.control.max_running_min, int(free_mib / act.decode_mib_per_seq))
+    cap = max(act.graph_max_bs, int(s.bounds(KnobName.MAX_RUNNING)[0]), int(free_mib / act.decode_mib_per_seq))
     need_gb = running * act.decode_mib_per_seq / 1024
     return _move(
         window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
@@ -529,84 +501,6 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     )  # fmt: skip
 
 
-def admission_too_conservative(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Token usage < ``low_usage`` while requests wait, most of the window, without retractions: admit more.
-
-    The step is sized by how far usage is below ``low_usage``. SGLang holds a new request back while
-    the free pool, less what it reserves for the running ones (their remaining max_new_tokens x the
-    new-token ratio, which the conservativeness scales), has no room for it; so free ~ reserved,
-    and at usage ``u`` the reservations take about ``1 - u`` of the pool. For usage to reach ``low``
-    with a batch ``low / u`` times larger, the reservations must fit ``1 - low`` of it:
-
-        new = current x (u / (1 - u)) / (low / (1 - low))
-
-    (usage 0.63 at 1.0: 0.19; 0.8: 0.44; 0.85: 0.63). A batch that could grow by less than
-    ``admission_min_gain`` (``low / u - 1``) is left alone: a restart costs more than that gains,
-    and a pool that is nearly full has outputs long enough to be retracted when the ratio drops.
-    A move that overshoots shows up as retractions, which ``retraction_storm`` answers. Nor does it
-    restart a worker when less waits in the proxy than is on the worker (the end of a batch: the
-    restart would take back the running work and pay a start-up for the little that is left)."""
-    c = s.control
-    if window.observed_s < c.min_evidence_s:
-        return None
-    fraction = window.conservative_fraction(c.low_usage)
-    if fraction < c.low_usage_fraction or window.retractions > 0:
-        return None
-    rise = _usage_rise(window)
-    if rise > FILLING_RISE:
-        return None  # the pool is still filling (a start-up or long prompts in prefill), not held back by admission
-    usage = window.waiting_usage()
-    if usage is None or usage <= 0.0:
-        return None  # nothing in the pool at all: not admission (an empty or starting server)
-    gain = c.low_usage / usage - 1.0
-    if gain < c.admission_min_gain:
-        return None  # nearly full already: a restart would cost more than the larger batch gains
-    cap_knob = s.knobs.get(KnobName.MAX_RUNNING)
-    cap = _current(cap_knob, window, state) if cap_knob else None
-    at_cap = window.at_cap_fraction(cap)
-    if at_cap >= 0.5:
-        return None  # the running batch is held by its cap, not by admission
-    backlog, on_worker = window.proxy_backlog, _on_worker(window)
-    if backlog is not None and backlog < on_worker:
-        return None  # less waits in the proxy than is on the worker: the work ends before a restart pays
-    knob = s.knobs.get(KnobName.CONSERVATIVENESS)
-    current = _current(knob, window, state) if knob else None
-    if current is None:
-        return None
-    target = current * _odds(usage) / _odds(c.low_usage)
-    evidence = Admission(
-        low_usage_fraction=round(fraction, 3), threshold_fraction=c.low_usage_fraction, low_usage=c.low_usage,
-        mean_usage_waiting=round(usage, 3), possible_gain=round(gain, 3), min_gain=c.admission_min_gain,
-        retractions=0, at_cap_fraction=round(at_cap, 3), observed_s=round(window.observed_s, 1),
-        proxy_backlog=backlog,
-    )  # fmt: skip
-    return _move(
-        window, state, s, rule="admission_too_conservative", kind=RuleKind.TUNING, knob_name=KnobName.CONSERVATIVENESS,
-        new_value=round(max(target, c.conservativeness_bounds[0]), 2), direction=-1, evidence=evidence,
-        reason=f"token usage {usage:.2f} (< {c.low_usage:g}) with requests waiting in {fraction:.0%} of the window: "
-        + "lower {arg} {old} -> {new}",
-    )  # fmt: skip
-
-
-def _on_worker(window: Window) -> int:
-    """Requests on the worker at the latest sample: running and waiting in its own queue."""
-    return window.samples[-1].running + window.samples[-1].queue if window.samples else 0
-
-
-def _odds(p: float) -> float:
-    p = min(max(p, 1e-3), 1.0 - 1e-3)
-    return p / (1.0 - p)
-
-
-def _usage_rise(window: Window) -> float:
-    """Mean token usage of the window's last third of samples minus that of its first third."""
-    usage = [smp.token_usage for smp in window.samples]
-    third = len(usage) // 3
-    if third == 0:
-        return 0.0
-    return sum(usage[-third:]) / third - sum(usage[:third]) / third
-
-
 def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """More free device memory at start-up than the band's top: a bigger KV pool fits. One step to
     the fraction that leaves the middle of the band free: the static fraction takes ``fraction x
@@ -614,7 +508,7 @@ def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Dec
     ``total`` is at least ``free / (1 - fraction)``; that lower bound makes the step a little
     long, which the band's width absorbs. At least ``memory_fraction_step``, within the bounds."""
     free = _startup_mem(window)
-    low, high = s.control.available_mem_band_gb
+    low, high = s.constants.available_mem_band_gb
     if free is None or free <= high:
         return None
     knob = s.knobs.get(KnobName.MEMORY_FRACTION)
@@ -623,7 +517,7 @@ def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Dec
         return None
     total = free / (1.0 - current)
     target = current + (free - (low + high) / 2) / total
-    new = min(max(target, current + s.control.memory_fraction_step), s.control.memory_fraction_bounds[1])
+    new = min(max(target, current + s.constants.memory_fraction_step), s.bounds(KnobName.MEMORY_FRACTION)[1])
     return _move(
         window, state, s, rule="memory_headroom", kind=RuleKind.TUNING, knob_name=KnobName.MEMORY_FRACTION,
         new_value=round(new, 3), direction=+1,
@@ -636,7 +530,7 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
     """The server queue is often empty while the proxy holds requests the band would send: pacing sends
     too slowly (noted). Batch work its class's gates hold beside interactive work is not counted: it
     waits there by design."""
-    c = s.control
+    c = s.constants
     if window.observed_s < c.min_evidence_s:
         return None
     fraction = window.timid_fraction()
@@ -656,20 +550,19 @@ def pacing_too_timid(window: Window, state: ControlState, s: RuleSettings) -> De
 
 
 ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_phase, crash_loop)
-WHILE_SERVING: tuple[Rule, ...] = (
-    retraction_storm,
-    memory_low,
-    admission_too_conservative,
-    memory_headroom,
-    pacing_too_timid,
-)
-RULES: tuple[Rule, ...] = ON_DEATH + WHILE_SERVING
-# with the planner on, it decides tuning and corrective restarts; while serving the rules keep only these:
-# the free-memory band's two edges (a fact of the deployment read from the start-up line, whatever the
+# the planner decides tuning and corrective restarts; while serving the rules keep only these: the
+# free-memory band's two edges (a fact of the deployment read from the start-up line, whatever the
 # traffic: acted on at start-up it costs a start-up and no work in flight, while a planner needs a
 # workload to replay first), the crash the twin's activations foresee from the same line (the model is
 # the planner's: without it the OOM rules learn the same from the crash), and the note on timid pacing
-SAFETY_NET_SERVING: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom, pacing_too_timid)
+SAFETY_NET_SERVING: tuple[Rule, ...] = (
+    retraction_storm,  # only where the planner's twin does not model the engine (vLLM)
+    memory_low,
+    activations_fit,
+    memory_headroom,
+    pacing_too_timid,
+)
+RULES: tuple[Rule, ...] = ON_DEATH + SAFETY_NET_SERVING
 # what a start-up line alone decides, read before a launch on a forecast of that line
 START_UP: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom)
 LAUNCH_STEPS = 20  # moves at most before a launch (the memory band's floor steps the fraction one step at a time)
@@ -692,7 +585,7 @@ def before_launch(
     current = dict(args)
     ways: dict[str, int] = {}  # each moved knob: which way
     for _ in range(LAUNCH_STEPS):
-        window = Window(span_s=s.control.window_s).push_all(replace(e, time=now) for e in forecast(current))
+        window = Window(span_s=s.constants.window_s).push_all(replace(e, time=now) for e in forecast(current))
         if window.startup is None:
             break
         decision = evaluate(window, ControlState.initial(worker_id, current), s, START_UP).decision
@@ -708,15 +601,16 @@ def before_launch(
 # -- gate and evaluation ------------------------------------------------------------------------
 
 
-def gate(decision: Decision, state: ControlState, c: ControlSettings, now: float) -> str | None:
+def gate(decision: Decision, state: ControlState, s: RuleSettings, now: float) -> str | None:
     """Why ``decision`` may not be acted on now (cool-down, budget, flip guard), or None."""
     if decision.action is Action.NOTE or decision.kind is RuleKind.SAFETY:
         return None
+    c = s.constants
     if state.last_restart is not None and now - state.last_restart < c.cooldown_s:
         return f"cool-down: {c.cooldown_s - (now - state.last_restart):.1f} s left after the last restart"
     used = state.restarts_within(now)
-    if used >= c.restarts_per_hour:
-        return f"restart budget spent: {used} restarts in the last hour (limit {c.restarts_per_hour})"
+    if used >= s.control.restarts_per_hour:
+        return f"restart budget spent: {used} restarts in the last hour (limit {s.control.restarts_per_hour})"
     if decision.knob is not None and decision.direction:
         until = state.blocked_until(decision.knob, decision.direction)
         if until is not None and until > now:
@@ -747,14 +641,14 @@ def evaluate(
         decision = rule(window, state, settings)
         if decision is None:
             continue
-        why = gate(decision, state, settings.control, window.now)
+        why = gate(decision, state, settings, window.now)
         if why is None:
             return Evaluation(decision, tuple(refused))
         refused.append((decision, why))
     return Evaluation(None, tuple(refused))
 
 
-def revive_delay(state: ControlState, c: ControlSettings, now: float) -> float:
+def revive_delay(state: ControlState, c: Constants, now: float) -> float:
     """Back-off before reviving a worker that died: grows with its deaths in the crash-loop window."""
     deaths = max(state.deaths_within(now, c.crash_loop_window_s), 1)
     return c.crash_backoff_s[min(deaths, len(c.crash_backoff_s)) - 1]

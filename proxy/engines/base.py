@@ -126,6 +126,9 @@ class Modelled:
 
     gpu: str | None = None
     model: str | None = None
+    # how fast the worker's clock runs: engine seconds per wall second (a simulator's time scale; a real
+    # engine's is 1). The controller's constants are in engine seconds and are converted with it
+    clock_rate: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

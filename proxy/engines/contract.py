@@ -154,6 +154,12 @@ class Engine(Protocol):
         with ``args`` on ``port`` at ``launched`` (wall time), in words; None: it agrees (a worker
         left running by an earlier proxy is adopted only then)."""
 
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
+        """How fast the worker's clock runs (engine seconds per wall second), from the JSON at
+        :attr:`server_info_path`: a simulated worker's time scale; None where it does not say (a real
+        engine, whose clock is the wall's). A managed worker's launch arguments say the same
+        (:attr:`Modelled.clock_rate`); this reads an external one."""
+
 
 def is_restart_needed(engine: Engine, knob: KnobName) -> bool:
     """Whether moving ``knob`` takes a restart of the worker on this engine."""

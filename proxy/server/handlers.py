@@ -308,7 +308,7 @@ async def admin_trial(request: web.Request) -> web.Response:
             "entry": entry_id,
             "worker": worker_id,
             "args": args,
-            "judged_after_s": controller.settings.window_s,
+            "judged_after_s": controller.constants.window_s,
             "status": "acting",
         },
         status=202,

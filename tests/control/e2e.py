@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import aiohttp
 import openai
 
 from proxy.compose import build_app, serve
-from proxy.policy import parse_policy
+from proxy.control.constants import CONSTANTS, Constants
+from proxy.policy import ControlSettings, parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -57,6 +59,13 @@ async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+def in_engine_seconds(wall: dict[str, Any], rate: float) -> Constants:
+    """The controller's constants with ``wall`` (durations in wall seconds, rates per wall minute)
+    taken to the engine's clock of a worker running ``rate`` times the wall's."""
+    k = CONSTANTS.in_wall(rate)
+    return replace(k, **wall).in_wall(1.0 / rate)
+
+
 @contextlib.asynccontextmanager
 async def running_proxy(
     tmp_path: Path,
@@ -65,25 +74,33 @@ async def running_proxy(
     extra_args: list[str],
     control: dict[str, Any],
     pacing: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> AsyncIterator[Proxy]:
+    """``control``: [control] keys and, for the rest, the controller's constants as the test wants them
+    on the wall clock (converted here to the engine's seconds with the worker's time scale)."""
     journal = tmp_path / "decisions.jsonl"
+    keys = {f.name for f in dataclasses.fields(ControlSettings)}
     policy = parse_policy({
-        "engine": {"kind": "sim", "workers": 1, "args": args,
+        "engine": {"kind": "sim", "workers": workers, "args": args,
                    "extra_args": ["--sim-startup-seconds", "0.2", *extra_args],
                    "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 60, "stop_grace_s": 5},
         "pacing": pacing or {"queue_band": [32, 64], "headroom": 8, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
         "queue": {"timeout_s": 240},
-        "control": {"journal_path": str(journal), **control},
+        "control": {"journal_path": str(journal), **{k: v for k, v in control.items() if k in keys}},
     }, "<e2e-control>")  # fmt: skip
+    rate = policy.engine.engine.modelled(policy.engine.args, policy.engine.extra_args).clock_rate
     pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
+    app = build_app(policy, pool, control_constants=in_engine_seconds(
+        {k: v for k, v in control.items() if k not in keys}, rate))  # fmt: skip
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     try:
         await wait_for(
-            lambda: len(pool.workers()) == 1 and pool.workers()[0].state is WorkerState.READY, 60, "worker ready"
+            lambda: len(pool.workers()) == workers and all(w.state is WorkerState.READY for w in pool.workers()),
+            60,
+            "workers ready",
         )
-        await wait_for(lambda: st.board.get(pool.workers()[0].id).sample is not None, 20, "first scrape")
+        await wait_for(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()), 20, "first scrape")
         yield Proxy(url=f"http://127.0.0.1:{port}", state=st, journal_path=journal, app=app)
     finally:
         await runner.cleanup()  # stops the controller, then the workers

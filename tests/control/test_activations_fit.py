@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.control.constants import CONSTANTS
 from proxy.control.decision import ControlState, RuleKind
 from proxy.control.planner import Twin
 from proxy.control.rules import (
     SAFETY_NET_SERVING,
-    WHILE_SERVING,
     Activations,
     RuleSettings,
     activations_fit,
@@ -38,6 +38,9 @@ def _startup_text(gpu: str, model: str, args: Mapping[str, object]) -> str:
     line = Twin(gpu, model).startup_line(args)
     assert line is not None
     return line
+
+
+BAND = replace(CONSTANTS, available_mem_band_gb=(2.0, 10.0))
 
 
 def _settings(gpu: str, model: str) -> RuleSettings:
@@ -97,21 +100,21 @@ def test_a_model_that_is_not_this_worker_is_not_used() -> None:
                                                          activations=lambda _: off)) is None  # fmt: skip
 
 
-def test_the_forecast_is_in_the_planners_safety_net_only() -> None:
-    assert activations_fit in SAFETY_NET_SERVING and activations_fit not in WHILE_SERVING
+def test_the_forecast_is_in_the_safety_net() -> None:
+    assert activations_fit in SAFETY_NET_SERVING
 
 
-@pytest.mark.parametrize(("mode", "planner", "held"), [(ControlMode.AUTO, True, True), (ControlMode.ADVISE, True, False),
-                                                       (ControlMode.AUTO, False, False)])  # fmt: skip
-def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, planner, held) -> None:
-    """The forecast is read from the start-up line while the worker starts: under ``auto`` with the
-    planner the worker is held (it comes up DRAINING: no request reaches the arguments that would
-    crash), and once up the first tick restarts it with the chunk that fits. Advising, or without the
-    planner's twin, the worker comes up as it is."""
-    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_gpu": "l40s-48gb",
-            "sim_model": "llama-3.1-8b"}  # fmt: skip
+@pytest.mark.parametrize(("mode", "twin_gpu", "held"), [(ControlMode.AUTO, "l40s-48gb", True),
+                                                        (ControlMode.ADVISE, "l40s-48gb", False),
+                                                        (ControlMode.AUTO, "h100-80gb", False)])  # fmt: skip
+def test_a_starting_worker_whose_start_up_line_foresees_the_crash_comes_up_held(mode, twin_gpu, held) -> None:
+    """The forecast is read from the start-up line while the worker starts: under ``auto`` the worker
+    is held (it comes up DRAINING: no request reaches the arguments that would crash), and once up the
+    first tick restarts it with the chunk that fits. Advising, or with a twin of another GPU (its KV
+    pool is not the one the worker reported), the worker comes up as it is."""
+    args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
     holds: list[str] = []
-    c, clock = controller(mode, None, hold=holds.append, planner=planner, available_mem_band_gb=(2.0, 10.0))
+    c, clock = controller(mode, None, hold=holds.append, available_mem_band_gb=(2.0, 10.0), twin_gpu=twin_gpu)
     c.track(info(state=WorkerState.STARTING, args=args))
     c.on_line("w0", _startup_text("l40s-48gb", "llama-3.1-8b", args))
     assert holds == (["w0"] if held else [])
@@ -141,7 +144,7 @@ def test_before_the_launch_the_chunk_that_would_crash_is_lowered_on_the_forecast
     GB free, a full chunk needs 4 GB; one move to 8192, and at 8192 nothing else moves (3.94 GB is
     inside the band)."""
     settings = replace(_settings("l40s-48gb", "llama-3.1-8b"),
-                       control=ControlSettings(available_mem_band_gb=(2.0, 10.0)))  # fmt: skip
+                       constants=BAND)  # fmt: skip
     args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
     (d,) = before_launch("w0", args, _forecast("l40s-48gb", "llama-3.1-8b"), settings, 5.0)
     assert d.rule == "activations_fit" and d.changes == {"chunked_prefill_size": (16384, 8192)} and d.time == 5.0
@@ -152,9 +155,7 @@ def test_before_the_launch_idle_memory_is_sized_into_the_band() -> None:
     """mem_fraction_static 0.6 on an 80 GB H100 leaves ~30 GB free: the band's top is 10, so the
     fraction is raised once to what leaves the band's middle free, and the forecast at the new
     fraction lies inside the band."""
-    settings = replace(
-        _settings("h100-80gb", "llama-3.1-8b"), control=ControlSettings(available_mem_band_gb=(2.0, 10.0))
-    )
+    settings = replace(_settings("h100-80gb", "llama-3.1-8b"), constants=BAND)
     (d,) = before_launch("w0", {"mem_fraction_static": 0.6}, _forecast("h100-80gb", "llama-3.1-8b"), settings, 0.0)
     assert d.rule == "memory_headroom" and 0.85 < float(d.new_args["mem_fraction_static"]) < 0.95
     free = Twin("h100-80gb", "llama-3.1-8b").config(d.new_args).memory.available_gb
@@ -170,7 +171,7 @@ def _line(free_gb: float) -> LogEvent:
 def test_before_the_launch_a_move_that_would_undo_one_ends_the_moves() -> None:
     """A forecast whose free memory jumps across the band between two fractions: the floor lowers the
     fraction, the top would raise it back; a move that undoes one ends the moves at the one before it."""
-    settings = RuleSettings(control=ControlSettings(available_mem_band_gb=(2.0, 10.0)), knobs=KNOBS)
+    settings = RuleSettings(control=ControlSettings(), knobs=KNOBS, constants=BAND)
 
     def forecast(args: Mapping[str, object]) -> list[LogEvent]:
         return [_line(1.0 if float(args["mem_fraction_static"]) >= 0.9 else 20.0)]  # type: ignore[arg-type]
@@ -204,7 +205,7 @@ L40S_BYTES = 46068 * 2**20  # NVML's total memory of an L40S
 def test_a_first_launch_takes_the_forecasts_moves_where_the_twin_is_the_workers_gpu(
     mode, args, total, launched
 ) -> None:
-    c, _ = controller(mode, None, planner=True, available_mem_band_gb=(2.0, 10.0), twin_gpu="l40s-48gb")
+    c, _ = controller(mode, None, available_mem_band_gb=(2.0, 10.0), twin_gpu="l40s-48gb")
     configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, **args}
     out = c.launch_args("w0", configured, gpu_total_bytes=total)
     assert out == {**configured, "chunked_prefill_size": launched}
@@ -218,9 +219,7 @@ def test_a_first_launch_takes_the_forecasts_moves_where_the_twin_is_the_workers_
     assert entry["detail"].startswith("before its first launch, on the twin's forecast of its start-up line")
 
 
-@pytest.mark.parametrize("kw", [{"planner": False}, {"launch_forecast": False}, {"mode": ControlMode.OFF}])
-def test_no_forecast_without_the_planner_or_when_turned_off(kw) -> None:
-    mode = kw.pop("mode", ControlMode.AUTO)
-    c, _ = controller(mode, None, **{"planner": True, **kw})
+def test_no_forecast_when_the_controller_is_off() -> None:
+    c, _ = controller(ControlMode.OFF, None)
     configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_gpu": "l40s-48gb"}
     assert c.launch_args("w0", configured) == configured and c.journal.entries() == []

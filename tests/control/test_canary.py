@@ -53,7 +53,7 @@ def _scrape(c: Controller, clock: Clock, start: float, seconds: int, figures: di
 
 def _fleet(tmp_path: Path) -> tuple[Controller, Clock, RecordingActor]:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
     for wid in WORKERS:
         c.track(info(wid, args=ARGS))
     return c, clock, actor
@@ -67,7 +67,7 @@ def _trial_then(c: Controller, clock: Clock, actor: RecordingActor, args: dict[s
     assert c.canary is not None and c.canary.worker_id == "w1"
     asyncio.run(c.carry_out(act))
     assert actor.calls[-1] == ("restart", "w1", {**ARGS, **args})
-    _scrape(c, clock, clock.now, int(c.settings.window_s) + 1, after)
+    _scrape(c, clock, clock.now, int(c.constants.window_s) + 1, after)
     return act.entry_id
 
 
@@ -149,7 +149,7 @@ def test_a_clearly_worse_canary_is_reverted_once_its_evidence_is_in_not_after_th
     _scrape(c, clock, 0.0, 30, even)
     act = c.trial("w1", {"max_running_requests": 4})
     asyncio.run(c.carry_out(act))
-    start, evidence = clock.now, int(c.settings.min_evidence_s)
+    start, evidence = clock.now, int(c.constants.min_evidence_s)
     _scrape(c, clock, start, evidence - 2, {**even, "w1": (4, 600.0)})
     assert c.tick() == []  # not enough evidence yet
     slightly = {**even, "w1": (90, 2400.0)}  # 0.8 of the others: worse, but not clearly: it waits for the window
@@ -160,10 +160,10 @@ def test_a_clearly_worse_canary_is_reverted_once_its_evidence_is_in_not_after_th
     assert c2.tick() == [] and c2.canary is not None
     _scrape(c, clock, start, evidence + 2, {**even, "w1": (4, 600.0)})
     (revert,) = c.tick()
-    assert revert.decision.rule == "canary_revert" and clock.now < c.settings.window_s + start
+    assert revert.decision.rule == "canary_revert" and clock.now < c.constants.window_s + start
     entry = c.journal.get(act.entry_id)
     assert entry is not None and entry["canary_verdict"] == "revert"
-    assert evidence <= entry["canary_failed_early_s"] < c.settings.window_s
+    assert evidence <= entry["canary_failed_early_s"] < c.constants.window_s
 
 
 def test_the_canary_reads_tokens_as_decoded_not_as_requests_finish() -> None:
@@ -192,7 +192,7 @@ def test_a_worker_still_refilling_after_its_own_restart_is_no_yardstick_for_a_ca
     served a whole window before the reading began, while there are any."""
     c, clock, actor = _fleet(tmp_path)
     even = dict.fromkeys(WORKERS, (100, 3000.0))
-    window = int(c.settings.window_s)
+    window = int(c.constants.window_s)
     _scrape(c, clock, 0.0, 3 * window, even)
     c.track(info("w0", WorkerState.STARTING))
     clock.now += 5.0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.control.constants import CONSTANTS
 from proxy.control.controller import ActResult, Controller, Drain, LogReader
 from proxy.control.journal import Journal, verdict
 from proxy.control.offload import Offload, in_thread
@@ -29,7 +30,7 @@ from proxy.policy import ControlMode, ControlSettings
 from proxy.workers.base import WorkerInfo, WorkerState
 from tests.harness.static_pool import StaticPool
 
-from .recorded import ENGINE_FIXTURES, samples
+from .recorded import ENGINE_FIXTURES, log_events, samples
 
 ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "chunked_prefill_size": 8192}
 
@@ -90,26 +91,27 @@ def info(
     return WorkerInfo(id=worker_id, url="http://127.0.0.1:1", state=state, managed=True, args=dict(args), pid=4242)
 
 
-# samples_conservative.json has about 300 requests on the worker: admission is worth retuning only
-# while at least as many wait in the proxy (otherwise the work ends before a restart pays)
+# samples_conservative.json has about 300 requests on the worker, and as many wait in the proxy
 WAITING = Around(backlog=500)
-
-# samples_retraction_storm.json retracts 0.21 requests per 1k output tokens: a storm for a deployment
-# that sets the threshold there (the default, 0.5, leaves SGLang's own retraction cycle alone)
-STORM_PER_1K = 0.1
 
 
 def controller(mode: ControlMode, tmp_path: Path | None, actor: RecordingActor | None = None, *, around: Around | None = None,
                hold: Callable[[str], object] = lambda worker_id: None, offload: Offload = in_thread,
-               declare_down: Callable[[str, str], object] | None = None, **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
-    """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only."""
+               declare_down: Callable[[str, str], object] | None = None, clock_rate: float = 1.0,
+               **kw: object) -> tuple[Controller, Clock]:  # fmt: skip
+    """A controller built as the app builds it; ``tmp_path`` None: a journal in memory only. ``kw`` are
+    [control] keys or, for the rest, the controller's constants (in the engine's seconds)."""
     clock = Clock()
     journal_path = str(tmp_path / "decisions.jsonl") if tmp_path is not None else None
-    settings = replace(ControlSettings(), mode=mode, journal_path=journal_path, **kw)  # type: ignore[arg-type]
+    keys = {f.name for f in dataclasses.fields(ControlSettings)}
+    settings = replace(ControlSettings(), mode=mode, journal_path=journal_path,
+                       **{k: v for k, v in kw.items() if k in keys})  # type: ignore[arg-type]  # fmt: skip
+    constants = replace(CONSTANTS, **{k: v for k, v in kw.items() if k not in keys})  # type: ignore[arg-type]
     c = Controller(
         settings, KNOBS, Journal(settings.journal_path, wall_clock=lambda: 1_800_000_000.0),
         engine=SGLangLogs(), surroundings=around or Around(), actor=actor or RecordingActor(), clock=clock,
         hold=hold, declare_down=declare_down, modelled=lambda args: SIM.modelled(args, ()), offload=offload,
+        clock_rate=clock_rate, constants=constants,
     )  # fmt: skip
     return c, clock
 
@@ -120,26 +122,36 @@ def feed(c: Controller, clock: Clock, rows: list[Sample], worker_id: str = "w0")
         c.on_sample(worker_id, s)
 
 
-def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path) -> None:
+def headroom(c: Controller, worker_id: str = "w0") -> None:
+    """The worker's start-up line says 13.5 GB free: more than the band's top (a larger KV pool fits)."""
+    for event in log_events("log_startup_headroom.log"):
+        c.on_event(worker_id, event)
+
+
+ROOMY = {**ARGS, "mem_fraction_static": 0.83}  # 13.5 GB free at start-up: 0.906 leaves the band's middle
+
+
+def test_auto_acts_on_a_start_up_line_and_measures_the_outcome(tmp_path: Path) -> None:
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, retractions_per_1k_tokens=STORM_PER_1K)
-    c.track(info())
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c.track(info(args=ROOMY))
+    headroom(c)
     feed(c, clock, samples("samples_retraction_storm.json"))
     acts = c.tick()
-    assert [a.decision.rule for a in acts] == ["retraction_storm"]
+    assert [a.decision.rule for a in acts] == ["memory_headroom"]
     asyncio.run(c.carry_out(acts[0]))
-    assert actor.calls == [("restart", "w0", {**ARGS, "schedule_conservativeness": 1.3})]
-    assert c.state("w0").args["schedule_conservativeness"] == 1.3
+    assert actor.calls == [("restart", "w0", {**ROOMY, "mem_fraction_static": 0.906})]
+    assert c.state("w0").args["mem_fraction_static"] == 0.906
     entry = c.journal.entries()[-1]
-    assert entry["status"] == "applied" and entry["changes"] == {"schedule_conservativeness": [1.0, 1.3]}
+    assert entry["status"] == "applied" and entry["changes"] == {"mem_fraction_static": [0.83, 0.906]}
     assert entry["act"] == {"in_flight_at_drain": 0, "drained": True, "drain_s": 0.0, "taken_back": 0}
-    assert entry["evidence"]["retraction_rate_per_min"] > 6 and entry["outcome"]["before"]["throughput"] > 2000
+    assert entry["evidence"]["available_gpu_mem_gb"] == 13.5 and entry["outcome"]["before"]["throughput"] > 2000
 
     # the next incarnation runs healthy; a window later the outcome is filled in
     restarted = clock.now
     feed(c, clock, samples("samples_healthy.json", offset=restarted + 1))
     assert c.tick() == []  # cool-down, and nothing to fix anyway
-    clock.now = restarted + 61 + ControlSettings().window_s
+    clock.now = restarted + 61 + CONSTANTS.window_s
     c.tick()
     entry = c.journal.entries()[-1]
     assert entry["outcome"]["after"]["retraction_rate_per_min"] < 2 and entry["outcome"]["verdict"] == "better"
@@ -149,20 +161,28 @@ def test_auto_acts_on_a_retraction_storm_and_measures_the_outcome(tmp_path: Path
     assert {line["id"] for line in lines} == {entry["id"]}
 
 
+def test_a_retraction_storm_restarts_nothing_by_rule(tmp_path: Path) -> None:
+    """The storm's restart is the planner's to price: the rules alone leave it be."""
+    actor = RecordingActor()
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, retractions_per_1k_tokens=0.1)
+    c.track(info())
+    feed(c, clock, samples("samples_retraction_storm.json"))
+    assert c.tick() == [] and actor.calls == []
+
+
 def test_advise_journals_once_and_never_restarts(tmp_path: Path) -> None:
     actor = RecordingActor()
     c, clock = controller(ControlMode.ADVISE, tmp_path, actor, around=WAITING)
-    c.track(info())
+    c.track(info(args=ROOMY))
+    headroom(c)
     feed(c, clock, samples("samples_conservative.json"))
     assert c.tick() == []
     clock.now += 5
     assert c.tick() == []  # the same advice is not repeated within the cool-down
     entries = c.journal.entries()
-    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [
-        ("admission_too_conservative", "advised", "advise")
-    ]
-    assert entries[0]["changes"] == {"schedule_conservativeness": [1.0, 0.2]}
-    assert actor.calls == [] and c.state("w0").args["schedule_conservativeness"] == 1.0
+    assert [(e["rule"], e["status"], e["mode"]) for e in entries] == [("memory_headroom", "advised", "advise")]
+    assert entries[0]["changes"] == {"mem_fraction_static": [0.83, 0.906]}
+    assert actor.calls == [] and c.state("w0").args["mem_fraction_static"] == 0.83
 
 
 def test_off_only_observes(tmp_path: Path) -> None:
@@ -174,10 +194,9 @@ def test_off_only_observes(tmp_path: Path) -> None:
 
 
 def test_refusal_is_journaled_with_its_reason(tmp_path: Path) -> None:
-    c, clock = controller(
-        ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0, retractions_per_1k_tokens=STORM_PER_1K
-    )
-    c.track(info())
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), restarts_per_hour=0)
+    c.track(info(args=ROOMY))
+    headroom(c)
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
     entry = c.journal.entries()[-1]
@@ -252,17 +271,18 @@ async def test_plain_crash_revives_with_same_args_and_backs_off(
         )
         await c.carry_out(act)  # after its back-off (loop time)
         assert c.journal.get(act.entry_id)["status"] == "revived"  # type: ignore[index]
-    assert delays == list(ControlSettings().crash_backoff_s[:3])
+    assert delays == list(CONSTANTS.crash_backoff_s[:3])
     assert "ValueError: invalid sampling parameter" in c.journal.entries()[-1]["reason"]
 
 
 def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
     actor = RecordingActor()
     c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=WAITING, crash_backoff_s=(0.0,))
-    c.track(info())
+    c.track(info(args=ROOMY))
+    headroom(c)
     feed(c, clock, samples("samples_conservative.json"))
     [act] = c.tick()
-    asyncio.run(c.carry_out(act))  # conservativeness 1.0 -> 0.3
+    asyncio.run(c.carry_out(act))  # mem_fraction_static 0.83 -> 0.906
     rules = []
     for t in (100.0, 110.0, 120.0):
         clock.now = t
@@ -271,7 +291,7 @@ def test_crash_loop_after_a_tuning_change_goes_back(tmp_path: Path) -> None:
         rules.append(act.decision.rule)
         asyncio.run(c.carry_out(act))
     assert rules == ["revive", "revive", "crash_loop"]
-    assert actor.calls[-1] == ("revive", "w0", ARGS)
+    assert actor.calls[-1] == ("revive", "w0", ROOMY)
 
 
 # the pool's words for a worker started with an unknown flag (tests/workers/test_exit_text.py)
@@ -426,8 +446,9 @@ def test_off_records_the_death_only_and_says_the_worker_stays_down(tmp_path: Pat
 
 def test_restart_that_fails_is_journaled(tmp_path: Path) -> None:
     actor = RecordingActor(come_back=WorkerState.DOWN)
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, retractions_per_1k_tokens=STORM_PER_1K)
-    c.track(info())
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor)
+    c.track(info(args=ROOMY))
+    headroom(c)
     feed(c, clock, samples("samples_retraction_storm.json"))
     [act] = c.tick()
 

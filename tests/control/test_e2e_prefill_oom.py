@@ -40,9 +40,11 @@ async def _send_all(proxy: Any) -> list[Any]:
 async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp_path: Path) -> None:
     async with running_proxy(
         tmp_path,
-        # 0.97 of an 80 GB H100 leaves ~1.8 GB for activations: 8192 prefill tokens need 2 GB, 4096 need 1 GB
-        args={"mem_fraction_static": 0.97, "chunked_prefill_size": 8192, "max_running_requests": 64},
-        extra_args=["--sim-time-scale", "5"],
+        # 0.96 of an 80 GB H100 leaves ~2.6 GB for activations: 8192 prefill tokens need 2 GB as the twin
+        # models them, so its start-up forecast sees no crash; the worker's activations are 1.5 x that (a
+        # factor the twin is not told): 3 GB, an OOM; 4096 need 1.5 GB
+        args={"mem_fraction_static": 0.96, "chunked_prefill_size": 8192, "max_running_requests": 64},
+        extra_args=["--sim-time-scale", "5", "--sim-activation-factor", "1.5"],
         control={"mode": "auto", "interval_s": 0.5, "crash_backoff_s": [0.5], "available_mem_band_gb": [1.0, 80]},
     ) as proxy:
         pool = proxy.state.pool
@@ -61,9 +63,7 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         assert oom["changes"] == {"chunked_prefill_size": [8192, 4096]}
         assert oom["reason"].startswith("worker died (out of memory in prefill)")
         assert oom["evidence"]["oom_phase"] == "prefill"
-        assert oom["evidence"]["log"].startswith(
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
-        )
+        assert oom["evidence"]["log"].startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
 
         # it died once, came back with the smaller chunk and did not die again
         info = pool.get(worker)
@@ -81,9 +81,9 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         )
 
 
-async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_start_up_line(tmp_path: Path) -> None:
-    """The same worker with the planner on and the forecast before the launch off (what a worker whose
-    GPU the twin cannot vouch for gets): its twin's activations for a full 8192-token chunk (2 GB) do
+async def test_the_chunk_that_does_not_fit_is_lowered_from_the_start_up_line(tmp_path: Path) -> None:
+    """The same worker with no GPU named on its command line (the forecast before the launch is off:
+    the twin cannot vouch for its GPU), its start-up line read as it serves: its twin's activations for a full 8192-token chunk (2 GB) do
     not fit the ~1.8 GB the start-up line reports free, so the worker is restarted with 4096 before
     it serves anything, and it never dies: every request answered, none retried."""
     async with running_proxy(
@@ -95,8 +95,6 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
             "interval_s": 0.5,
             "crash_backoff_s": [0.5],
             "available_mem_band_gb": [1.0, 80],
-            "planner": True,
-            "launch_forecast": False,
         },
     ) as proxy:
         pool = proxy.state.pool
@@ -117,15 +115,14 @@ async def test_with_the_planner_the_chunk_that_does_not_fit_is_lowered_from_the_
 
 
 async def test_with_the_forecast_the_first_launch_already_takes_the_chunk_that_fits(tmp_path: Path) -> None:
-    """The same worker with the forecast before the launch on (the default with the planner) and the
-    GPU it models named on its command line: the twin prints the start-up line it would print,
+    """The same worker with the GPU it models named on its command line: the twin prints the start-up line it would print,
     SGLang's log reader reads it, and the worker is launched with 4096 from the start: no restart, no
     death, the worker's own start-up line agrees."""
     async with running_proxy(
         tmp_path,
         args={"mem_fraction_static": 0.97, "chunked_prefill_size": 8192, "max_running_requests": 64},
         extra_args=["--sim-time-scale", "5", "--sim-gpu", "h100-80gb"],  # the GPU it models, named
-        control={"mode": "auto", "interval_s": 0.5, "available_mem_band_gb": [1.0, 80], "planner": True},
+        control={"mode": "auto", "interval_s": 0.5, "available_mem_band_gb": [1.0, 80]},
     ) as proxy:
         pool = proxy.state.pool
         worker = pool.workers()[0].id

@@ -9,9 +9,6 @@ import pytest
 
 from proxy.control.decision import Decision, KnobChange, RuleKind
 from proxy.control.evidence import (
-    Admission,
-    BatchCapStorm,
-    ConservativenessStorm,
     CrashLoop,
     Death,
     DecodeOom,
@@ -19,24 +16,11 @@ from proxy.control.evidence import (
     KvCapacity,
     MemoryBand,
     PrefillOom,
-    RequestFit,
-    Retractions,
     TimidPacing,
     UnplacedOom,
 )
 from proxy.control.journal import Journal, Status
 from proxy.policy import ControlMode
-
-STORM = Retractions(retraction_rate_per_min=30.0, threshold_per_min=6.0, retractions_per_1k_tokens=None,
-                    threshold_per_1k_tokens=0.5, retractions=30, observed_s=60.0)  # fmt: skip
-STORM_KEYS = [
-    "retraction_rate_per_min",
-    "threshold_per_min",
-    "retractions_per_1k_tokens",
-    "threshold_per_1k_tokens",
-    "retractions",
-    "observed_s",
-]
 
 
 @pytest.mark.parametrize(
@@ -54,23 +38,6 @@ STORM_KEYS = [
         pytest.param(
             CrashLoop(deaths=3, window_s=600.0, fallback="policy"), ["deaths", "window_s", "fallback"], id="crash_loop"
         ),
-        pytest.param(
-            ConservativenessStorm(storm=STORM, throughput=None), [*STORM_KEYS, "throughput"], id="retraction_storm"
-        ),
-        pytest.param(
-            BatchCapStorm(storm=STORM, running_when_kv_full=24),
-            [*STORM_KEYS, "running_when_kv_full"],
-            id="retraction_storm-cap",
-        ),
-        pytest.param(
-            BatchCapStorm(
-                storm=STORM,
-                running_when_kv_full=24,
-                fit=RequestFit(kv_capacity_tokens=8192, mean_request_tokens=364.0, requests_that_fit=22),
-            ),
-            [*STORM_KEYS, "running_when_kv_full", "kv_capacity_tokens", "mean_request_tokens", "requests_that_fit"],
-            id="retraction_storm-fit",
-        ),
         pytest.param(KvCapacity(log="l"), ["log"], id="kv_capacity-bare"),
         pytest.param(
             KvCapacity(log="l", max_model_len=4096, estimated_max_model_len=1920),
@@ -84,33 +51,6 @@ STORM_KEYS = [
             MemoryBand(available_gpu_mem_gb=13.5, band_gb="5-10", gpu_total_gb_at_least=79.4),
             ["available_gpu_mem_gb", "band_gb", "gpu_total_gb_at_least"],
             id="memory_headroom",
-        ),
-        pytest.param(
-            Admission(
-                low_usage_fraction=1.0,
-                threshold_fraction=0.7,
-                low_usage=0.9,
-                mean_usage_waiting=0.64,
-                possible_gain=0.4,
-                min_gain=0.15,
-                retractions=0,
-                at_cap_fraction=0.0,
-                observed_s=60.0,
-                proxy_backlog=None,
-            ),
-            [
-                "low_usage_fraction",
-                "threshold_fraction",
-                "low_usage",
-                "mean_usage_waiting",
-                "possible_gain",
-                "min_gain",
-                "retractions",
-                "at_cap_fraction",
-                "observed_s",
-                "proxy_backlog",
-            ],
-            id="admission_too_conservative",
         ),
         pytest.param(
             TimidPacing(queue_empty_fraction=0.9, threshold_fraction=0.5),
@@ -133,7 +73,10 @@ def test_evidence_keeps_its_journal_keys(evidence: Evidence, keys: list[str]) ->
 def test_a_figure_the_rule_had_is_written_even_when_empty() -> None:
     """Optional fields are left out when None; the others are written as null."""
     assert DecodeOom(oom_cause="", peak_running=None, log="l").to_json()["peak_running"] is None
-    assert ConservativenessStorm(storm=STORM, throughput=None).to_json()["retractions_per_1k_tokens"] is None
+    assert MemoryBand(available_gpu_mem_gb=3.0, band_gb="5-10").to_json() == {
+        "available_gpu_mem_gb": 3.0,
+        "band_gb": "5-10",
+    }
 
 
 def test_a_journal_takes_up_its_file_after_a_restart(tmp_path: Path) -> None:
@@ -162,24 +105,23 @@ def test_a_journal_takes_up_its_file_after_a_restart(tmp_path: Path) -> None:
 def test_the_journal_line_carries_the_figures_then_the_knob(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "decisions.jsonl", wall_clock=lambda: 1_800_000_000.0)
     decision = Decision(
-        worker_id="w0", rule="retraction_storm", reason="r", time=12.0, kind=RuleKind.CORRECTIVE,
-        evidence=ConservativenessStorm(storm=STORM, throughput=2395.1),
-        change=KnobChange(knob="conservativeness", arg="schedule_conservativeness", old=1.0, new=1.3, direction=+1),
-        old_args={"schedule_conservativeness": 1.0}, new_args={"schedule_conservativeness": 1.3},
+        worker_id="w0", rule="memory_headroom", reason="r", time=12.0, kind=RuleKind.TUNING,
+        evidence=MemoryBand(available_gpu_mem_gb=13.5, band_gb="5-10", gpu_total_gb_at_least=79.4),
+        change=KnobChange(knob="memory_fraction", arg="mem_fraction_static", old=0.8, new=0.86, direction=+1),
+        old_args={"mem_fraction_static": 0.8}, new_args={"mem_fraction_static": 0.86},
     )  # fmt: skip
     entry_id = journal.record(decision, mode=ControlMode.AUTO, status=Status.ACTING)
     journal.update(entry_id, status=Status.APPLIED, act={"drained": True})
     first, last = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert first["evidence"] == {
-        "retraction_rate_per_min": 30.0, "threshold_per_min": 6.0, "retractions_per_1k_tokens": None, "threshold_per_1k_tokens": 0.5,
-        "retractions": 30, "observed_s": 60.0, "throughput": 2395.1,
-        "knob": "conservativeness", "arg": "schedule_conservativeness", "old_value": 1.0, "new_value": 1.3,
+        "available_gpu_mem_gb": 13.5, "band_gb": "5-10", "gpu_total_gb_at_least": 79.4,
+        "knob": "memory_fraction", "arg": "mem_fraction_static", "old_value": 0.8, "new_value": 0.86,
     }  # fmt: skip
     assert (first["status"], first["mode"], first["kind"], first["action"]) == (
         "acting",
         "auto",
-        "corrective",
+        "tuning",
         "restart",
     )
     assert (last["id"], last["status"], last["act"]) == (entry_id, "applied", {"drained": True})
-    assert first["changes"] == {"schedule_conservativeness": [1.0, 1.3]}
+    assert first["changes"] == {"mem_fraction_static": [0.8, 0.86]}

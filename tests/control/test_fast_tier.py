@@ -553,16 +553,21 @@ async def test_beside_interactive_work_the_newest_batch_requests_past_the_pool_s
         t.future.cancel()
 
 
-def test_the_policy_sets_the_fast_tier_s_timings_and_threshold():
+def test_the_fast_tier_s_timings_are_the_constants_on_the_workers_clock():
+    """The output budget is the policy's; the timings are the controller's constants, in the engine's
+    seconds: a worker whose clock runs 10 x the wall's gets them 10 x shorter, the threshold per token
+    as it is."""
+    from proxy.control.constants import CONSTANTS
     from proxy.policy import parse_policy
 
-    policy = parse_policy(
-        {"control": {"backoff_hold_s": 0.5, "rate_window_s": 3.0, "facts_window_s": 6.0,
-                     "retractions_per_1k_tokens": 0.2, "output_budget": False},
-         "pacing": {"interactive_window_s": 0.7}},
-        "<t>",
-    )  # fmt: skip
-    s = PaceSettings.of(policy.control, policy.pacing)
-    assert (s.hold_s, s.rate_window_s, s.facts_window_s, s.retractions_per_1k_tokens) == (0.5, 3.0, 6.0, 0.2)
+    policy = parse_policy({"control": {"output_budget": False}, "pacing": {"interactive_window_s": 0.7}}, "<t>")
+    s = PaceSettings.of(policy.control, policy.pacing, clock_rate=10.0)
+    k = CONSTANTS
+    assert (s.hold_s, s.rate_window_s, s.facts_window_s) == pytest.approx(
+        (k.backoff_hold_s / 10, k.rate_window_s / 10, k.facts_window_s / 10)
+    )
+    assert s.retractions_per_1k_tokens == k.retractions_per_1k_tokens
     assert (s.interactive_hold_s, s.output_budget) == (0.7, False)
+    short = replace(CONSTANTS, backoff_hold_s=0.5)
+    assert PaceSettings.of(policy.control, policy.pacing, constants=short).hold_s == 0.5
     assert PaceSettings.of(parse_policy({}, "<t>").control, parse_policy({}, "<t>").pacing) == PaceSettings()

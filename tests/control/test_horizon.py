@@ -249,7 +249,7 @@ def test_the_controller_counts_the_servers_queue_and_its_share_of_the_proxys_and
         c.on_sample("w0", Sample(time=clock.now, queue=7, running=50, token_usage=0.5))
     assert c.backlog("w0").waiting == 7 + 50 and c.backlog("w0").age(9.0) == 9.0
     assert c.backlog("w0").held[-1] == (9.0, 7 + 50 + 50)  # its trend reads the work held: waiting and running
-    assert c.backlog("w0").memory_s == c.settings.plan_trend_s
+    assert c.backlog("w0").memory_s == c.constants.plan_trend_s
     assert c.backlog("w1").since is None  # not looked at yet
     c.track(info("w0", state=WorkerState.STARTING))  # a restart begins: only w1 serves the pool now
     clock.now = 20.0

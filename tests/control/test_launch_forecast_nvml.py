@@ -6,6 +6,7 @@ GPU NVML reports is the size of the policy's ``twin_gpu``."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import aiohttp
 import pytest
 
 from proxy.compose import build_app, serve
+from proxy.control.constants import CONSTANTS
 from proxy.observe.nvml import sample_with
 from proxy.policy import parse_policy
 from proxy.server.state import PROXY
@@ -37,12 +39,12 @@ async def test_an_sglang_worker_on_a_gpu_nvml_sizes_as_the_twins_is_launched_wit
                             "chunked_prefill_size": 8192, "max_running_requests": 64},
                    "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 30, "stop_grace_s": 5},
         "proxy": {"gpu_sample_interval_s": 60},
-        "control": {"mode": "auto", "planner": True, "twin_gpu": twin_gpu, "available_mem_band_gb": [1.0, 80],
-                    "journal_path": str(tmp_path / "decisions.jsonl")},
+        "control": {"mode": "auto", "journal_path": str(tmp_path / "decisions.jsonl")},
     }  # fmt: skip
     policy = parse_policy(doc, "<test>")
     pool = Supervisor(policy.engine, poll_interval_s=0.1)
-    app = build_app(policy, pool, gpu_sampler=lambda: sample_with(_Nvml(count=1)))
+    constants = replace(CONSTANTS, twin_gpu=twin_gpu, available_mem_band_gb=(1.0, 80.0))
+    app = build_app(policy, pool, gpu_sampler=lambda: sample_with(_Nvml(count=1)), control_constants=constants)
     runner, _ = await serve(app, "127.0.0.1", 0)
     try:
         assert [w.id for w in pool.workers()] == ["w0"]  # listed (starting) once the app is up, as before

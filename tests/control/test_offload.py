@@ -39,7 +39,7 @@ def _busy(seconds: float) -> int:
 
 async def test_a_plan_computed_in_the_planners_process_is_the_one_computed_here(tmp_path) -> None:
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests))
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
@@ -107,7 +107,7 @@ async def test_the_controller_decides_a_plan_computed_in_the_planners_process(tm
     requests = _backlog_of_short_answers()
     async with PlanProcess() as planning:
         c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), offload=planning,
-                              planner=True, plan_horizon_s=5.0, plan_horizon_max_s=5.0, interval_s=0.01)  # fmt: skip
+                              plan_horizon_s=5.0, plan_horizon_max_s=5.0, interval_s=0.01)  # fmt: skip
         c.track(info(args=ARGS))
         _serve(c, clock, requests, 0.0)
         task = asyncio.create_task(c.run())

@@ -121,7 +121,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
     around = Requests(requests)
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=around, planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=around)
     c.track(info(state=WorkerState.STARTING, args=ARGS))
     clock.now = 30.0
     c.track(info(args=ARGS))  # ready after 30 s: the restart's measured start-up
@@ -135,7 +135,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
         noted["status"] == "noted"
         and noted["detail"] == "pays on 1 plan(s) of the 2 a restart needs, none saying no since"
     )
-    clock.now += c.settings.plan_interval_s
+    clock.now += c.constants.plan_interval_s
     jobs = c.plans_due()
     act = c.plan_now(jobs[0])  # the next one says so too
     assert act is not None and act.decision.rule == "planner"
@@ -159,12 +159,12 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
         refill_s + jobs[0].inputs.cost.recomputed_tokens / entry["evidence"]["predicted_current"], rel=0.01
     )
     total = 0.0
-    for k in range(int(settle + c.settings.window_s) + 2):  # then the worker does 20 % better
+    for k in range(int(settle + c.constants.window_s) + 2):  # then the worker does 20 % better
         clock.now = start + k
         total += measured * (0.5 if k < settle else 1.2)
         c.on_sample("w0", Sample(time=clock.now, queue=50, running=120, token_usage=0.8,
                                  generation_tokens_total=total))  # fmt: skip
-        if k < settle + c.settings.window_s - 1:
+        if k < settle + c.constants.window_s - 1:
             c.tick()
             assert "measured_gain" not in (c.journal.get(act.entry_id) or {})  # not before its window is in
             assert c.plans_due() == []  # the cool-down, then the outcome: no plan on the restart's transient
@@ -180,7 +180,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
     entry = c.journal.get(act.entry_id)
     assert entry is not None and 0.15 < entry["measured_gain"] < 0.25  # the window's throughput, after over before
     assert "prediction_error" not in entry  # the twin is checked off the loop, on the requests served since
-    needed = c.settings.plan_requests
+    needed = c.constants.plan_requests
     if len(answered) < needed:  # fewer answered than a plan replays: the check waits for more, up to its latest
         assert truth > 1.0 and c.outcomes_due() == []
         if dies:  # it no longer serves under the new args: checked on what it answered under them
@@ -190,7 +190,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
 
             asyncio.run(dead())
         else:
-            clock.now = start + act.settle_s + CHECK_AFTER_WINDOWS * c.settings.window_s - 1
+            clock.now = start + act.settle_s + CHECK_AFTER_WINDOWS * c.constants.window_s - 1
             c.tick()  # nothing more answered (the traffic stopped): not yet
             assert c.outcomes_due() == []
             clock.now += 1
@@ -237,7 +237,7 @@ def test_a_plan_that_pays_restarts_and_the_journal_gets_predicted_then_measured_
 def test_a_plan_that_does_not_pay_leaves_the_worker_alone(tmp_path: Path) -> None:
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests),
                           plan_horizon_s=5.0, plan_horizon_max_s=5.0, memory_fraction_step=0.03)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
@@ -260,7 +260,7 @@ def test_a_throughput_gain_accrues_only_while_work_waits(tmp_path: Path, waits: 
     nothing waiting and room in the KV pool (the worker has caught up with what arrives) it accrues for
     none of it; where the work held falls for sure, for the backlog's remainder: neither pays."""
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests),
                           plan_horizon_s=600.0, plan_horizon_max_s=600.0, plan_confirmations=1)  # fmt: skip
     c.track(info(args=ARGS))
     if waits == "draining":  # for the 240 s before, the queue fell from 290 to 50, one request a second
@@ -293,7 +293,7 @@ async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypa
     scenario, each worker's after the other's): the controller ticks on meanwhile, so a canary's
     fail-fast and the rules do not wait for the plans, and a plan is decided once it is in."""
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests),
                           plan_horizon_s=5.0, plan_horizon_max_s=5.0, interval_s=0.01)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
@@ -377,7 +377,7 @@ def test_one_plan_at_a_time_goes_to_the_worker_longest_without_one(tmp_path: Pat
     """Plans computed one at a time (3-4 s each on a busy host): the first workers of a fleet, due again
     every plan_interval_s, would keep the last one from its turn. The longest without a plan goes first."""
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True)
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests))
     for wid in ("w0", "w1", "w2"):
         c.track(info(wid, args=ARGS))
     _serve(c, clock, requests, 0.0)
@@ -388,14 +388,14 @@ def test_one_plan_at_a_time_goes_to_the_worker_longest_without_one(tmp_path: Pat
         (job,) = c.plans_due(limit=1)
         order.append(job.worker_id)
         c.decide_plan(job, run_plan(job.inputs))
-        clock.now += c.settings.plan_interval_s
+        clock.now += c.constants.plan_interval_s
     assert order == ["w0", "w1", "w2", "w0", "w1", "w2"]
 
 
 def test_a_plan_of_a_worker_that_restarted_while_it_was_computed_is_dropped(tmp_path: Path) -> None:
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests),
                           plan_confirmations=1, crash_backoff_s=(0.0,))  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
@@ -418,7 +418,7 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     drained at the answer rate) pays the restart, and the journal says which horizon and why. One look with
     nothing waiting (the worker caught up) starts a new backlog: the horizon is the drain, no restart."""
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), planner=True, plan_horizon_s=5.0,
+    c, clock = controller(ControlMode.ADVISE, tmp_path, around=Requests(requests), plan_horizon_s=5.0,
                           plan_horizon_max_s=3600.0, plan_confirmations=1)  # fmt: skip
     c.track(info(args=ARGS))
     for k in range(400):  # a scrape a second, 50 requests in the server's queue at every one
@@ -431,7 +431,7 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
         c.on_sample("w0", Sample(time=clock.now, queue=50, running=100, token_usage=0.5))
     (job,) = c.plans_due()
     h = job.horizon
-    rate = answer_rate(requests, c.settings.plan_requests)  # the sample's 300 answers over the time they ended in
+    rate = answer_rate(requests, c.constants.plan_requests)  # the sample's 300 answers over the time they ended in
     assert rate and h.drain_s == pytest.approx(50 / rate) and h.waiting == 50
     assert job.inputs.settings.horizon_s == h.seconds
     # the restart would take back the batch it has been running (100 at every look), each request half
@@ -471,7 +471,7 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
 
 
 def test_with_the_planner_the_tuning_rules_do_not_run(tmp_path: Path) -> None:
-    c, clock = controller(ControlMode.AUTO, None, around=Requests([]), planner=True, retractions_per_1k_tokens=0.1)
+    c, clock = controller(ControlMode.AUTO, None, around=Requests([]), retractions_per_1k_tokens=0.1)
     c.track(info())
     feed(c, clock, samples("samples_retraction_storm.json"))
     assert c.tick() == []
@@ -482,7 +482,7 @@ def test_with_the_planner_free_memory_above_the_band_is_used_from_start_up(tmp_p
     """The band's top edge is a fact of the start-up line: a worker started at mem_fraction_static 0.6
     with 30 GB free is moved into the band before any request is replayed (the planner has none)."""
     actor = RecordingActor()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests([]), planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests([]))
     c.track(info(args={**ARGS, "mem_fraction_static": 0.6}))
     c.on_line("w0", startup_line(max_total_num_tokens=200_000, chunked_prefill_size=8192, max_prefill_tokens=16384,
                                  max_running_requests=2048, context_len=131072, available_gpu_mem_gb=30.86))  # fmt: skip
@@ -517,7 +517,7 @@ def _two_workers(tmp_path: Path) -> tuple[Controller, Clock, RecordingActor, flo
     on one plan that pays. Returns the controller, its clock, the actor and w0's output tokens/s."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests),
                           plan_confirmations=1)  # fmt: skip
     c.track(info("w0", args=ARGS))
     c.track(info("w1", args=ARGS))
@@ -540,14 +540,14 @@ def _fleet_canary(tmp_path: Path, canary_share: float):
     refill = c.canary.opens - start
     assert refill > 0 and refill == pytest.approx(act.settle_s)  # the refill and the recomputed work its plan expects
     served = 0.0
-    for k in range(math.ceil(refill + c.settings.window_s) + 1):  # the canary and the other worker, side by side
+    for k in range(math.ceil(refill + c.constants.window_s) + 1):  # the canary and the other worker, side by side
         clock.now = start + k
         served += (canary_share if k > refill else 0.2) * measured
         c.on_sample("w0", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
                                  generation_tokens_total=served))  # fmt: skip
         c.on_sample("w1", Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
                                  generation_tokens_total=k * measured))  # fmt: skip
-        if k < refill + c.settings.min_evidence_s:  # read with its refill, it looks clearly worse: not read so
+        if k < refill + c.constants.min_evidence_s:  # read with its refill, it looks clearly worse: not read so
             assert c.tick() == []
     return c, actor, act, measured
 
@@ -560,7 +560,7 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_by_w
     evidence = act.decision.evidence_json()
     pays = 1.0 + evidence["cost_tokens"] / (evidence["predicted_current"] * evidence["horizon_s"])
     assert better.canary is not None and better.canary.promote_above == pytest.approx(pays, rel=1e-3)
-    assert 1.0 + better.settings.canary_margin < pays < 1.3
+    assert 1.0 + better.constants.canary_margin < pays < 1.3
     acts = better.tick()  # the verdict: promote (the canary does 1.3x per running request)
     entry = better.journal.get(act.entry_id)
     assert entry is not None and entry["canary_verdict"] == "promote"
@@ -571,7 +571,7 @@ def test_a_canary_is_promoted_one_worker_at_a_time_when_it_beats_the_others_by_w
     assert better.canary is None and [call[1] for call in actor.calls] == ["w0", "w1"]
 
     # ahead of the others by more than the margin, by less than a restart of each pays back: it keeps its args
-    ahead = (1.0 + better.settings.canary_margin + pays) / 2
+    ahead = (1.0 + better.constants.canary_margin + pays) / 2
     kept, actor, act, _ = _fleet_canary(tmp_path / "kept", ahead)
     assert kept.tick() == [] and kept.tick() == [] and kept.canary is None
     entry = kept.journal.get(act.entry_id)
@@ -605,7 +605,7 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     assert c.plans_due() == []  # w1 serves, as a canary judged against w0: w0 keeps its arguments meanwhile
     c.track(info("w2", args=ARGS))  # a worker that joins meanwhile: due its first look
     start = clock.now
-    for k in range(int(c.settings.min_evidence_s) + 2):  # the canary serves a twentieth of what w0 does
+    for k in range(int(c.constants.min_evidence_s) + 2):  # the canary serves a twentieth of what w0 does
         clock.now = start + k
         for other in ("w0", "w2"):
             c.on_sample(other, Sample(time=clock.now, queue=10, running=100, token_usage=0.7,
@@ -615,7 +615,7 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     (revert,) = c.tick()
     assert revert.decision.rule == "canary_revert"
     asyncio.run(c.carry_out(revert))
-    assert clock.now - job.time < c.settings.plan_interval_s
+    assert clock.now - job.time < c.constants.plan_interval_s
     (again,) = c.plans_due(limit=1)  # the fleet is whole: w0's look comes now, ahead of w2's first
     act = c.plan_now(again)
     assert act is not None and act.decision.rule == "planner" and act.decision.worker_id == "w0"
@@ -630,7 +630,7 @@ def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path
 
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True)
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests))
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
     (job,) = c.plans_due()
@@ -643,25 +643,25 @@ def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path
         look = replace(pays, worth=False, measured_current=predicted / (1.0 + error))
         assert look.current_error == pytest.approx(error)
         assert c.decide_plan(job, look) is None
-        clock.now += c.settings.plan_interval_s
+        clock.now += c.constants.plan_interval_s
         (job,) = c.plans_due()
         assert job.inputs.looks.errors == pytest.approx(errors[: k + 1][-(ERROR_LOOKS - 1) :])
     assert job.inputs.looks.gains == ()  # no look said a restart pays yet
     act = c.decide_plan(job, pays)
     assert act is None  # the first of the two plans a restart needs
-    clock.now += c.settings.plan_interval_s
+    clock.now += c.constants.plan_interval_s
     (job,) = c.plans_due()
     assert job.inputs.looks.gains == (pays.gains,)  # the next chooses on the mean over the paying looks
     act = c.decide_plan(job, pays)
     assert act is not None
     asyncio.run(c.carry_out(act))
-    clock.now += c.settings.plan_interval_s
+    clock.now += c.constants.plan_interval_s
     assert all(j.inputs.looks == Looks() for j in c.plans_due())
 
 
 def test_a_plan_that_says_no_drops_the_paying_looks_gains(tmp_path: Path) -> None:
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, RecordingActor(), around=Requests(requests),
                           plan_confirmations=3)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)
@@ -671,7 +671,7 @@ def test_a_plan_that_says_no_drops_the_paying_looks_gains(tmp_path: Path) -> Non
     seen = []
     for look in (pays, replace(pays, worth=False, undecided=True), pays, replace(pays, worth=False), pays):
         assert c.decide_plan(job, look) is None
-        clock.now += c.settings.plan_interval_s
+        clock.now += c.constants.plan_interval_s
         (job,) = c.plans_due()
         seen.append(len(job.inputs.looks.gains))
     assert seen == [1, 1, 2, 0, 1]  # an undecided look leaves them, a "no" drops them
@@ -687,7 +687,7 @@ def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) 
     modelled s late)."""
     actor = RecordingActor()
     requests = _backlog_of_short_answers()
-    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests), planner=True,
+    c, clock = controller(ControlMode.AUTO, tmp_path, actor, around=Requests(requests),
                           plan_confirmations=3)  # fmt: skip
     c.track(info(args=ARGS))
     _serve(c, clock, requests, 0.0)

@@ -1,8 +1,10 @@
 """Ctrl-C (or SIGTERM) on ``pacer serve`` while the controller restarts a worker: the proxy stops
 within a bound and no worker process is left behind.
 
-The real parts: ``pacer serve`` on the default policy (its controller timings shortened so it acts
-within seconds), the simulated worker, ``pacer demo`` as the load that makes the controller act.
+The real parts: ``pacer serve`` on the default policy (its controller timed by the simulated
+worker's clock, ten times the wall's), the simulated workers, ``pacer demo`` as their load and
+``pacer try`` as the restart (an operator's trial on one of two workers; with the demo's ``--start``,
+whatever the controller journals).
 The worker runs under a small shell that outlives a SIGTERM by two seconds, the way an engine
 takes its time to exit: the signal lands while the rollout waits for the old worker to stop.
 """
@@ -45,7 +47,7 @@ def _left(pids: list[int], within_s: float = 5.0) -> list[int]:
     return left
 
 
-def _policy(tmp_path: Path) -> Path:
+def _policy(tmp_path: Path, *, workers: int = 1) -> Path:
     text = (ROOT / "policies" / "default.toml").read_text()
     sim = ", ".join(f'"{part}"' for part in (sys.executable, "-m", "proxy", "sim"))
     swaps = {
@@ -53,12 +55,10 @@ def _policy(tmp_path: Path) -> Path:
         '# journal_path = ".pacer/decisions.jsonl"': f'journal_path = "{tmp_path / "decisions.jsonl"}"',
         '# dir = ".pacer/batches"': f'dir = "{tmp_path / "batches"}"',
         'kind = "sim" ': f'command = ["sh", "-c", {_SLOW_EXIT!r}, "sh", {sim}]\nkind = "sim" ',
-        "interval_s = 2.0 ": "interval_s = 0.5 ",
-        "window_s = 20.0 ": "window_s = 4.0 ",
-        "min_evidence_s = 8.0 ": "min_evidence_s = 3.0 ",
         "gpu_sample_interval_s = 5.0 ": "gpu_sample_interval_s = 0 ",
         # the restart this test stops in: without the output budget the demo's first phase takes one
         "# output_budget = true ": "output_budget = false ",
+        "workers = 1\n": f"workers = {workers}\n",
     }
     for old, new in swaps.items():
         assert old in text, old
@@ -71,7 +71,7 @@ def _policy(tmp_path: Path) -> Path:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path: Path, sig: signal.Signals) -> None:
-    policy = _policy(tmp_path)
+    policy = _policy(tmp_path, workers=2)  # an operator's trial restarts one of two (the canary)
     pids = tmp_path / "worker-pids"
     env = dict(os.environ, PIDS=str(pids))
     log_path = tmp_path / "serve.log"
@@ -84,7 +84,7 @@ def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path
     try:
         deadline = time.monotonic() + 30
         url = None
-        while time.monotonic() < deadline and not (url and "is ready" in log_path.read_text()):
+        while time.monotonic() < deadline and not (url and log_path.read_text().count("is ready") >= 2):
             assert serve.poll() is None, log_path.read_text()[-2000:]
             if m := re.search(r"listening on (http://\S+?) ", log_path.read_text()):
                 url = m.group(1)
@@ -95,6 +95,11 @@ def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path
              "--phase-s", "40", "--concurrency", "700"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
+        tried = subprocess.run(
+            [sys.executable, "-m", "proxy", "try", "--url", url, "--worker", "w0", "--args",
+             "schedule_conservativeness=0.5"], capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert tried.returncode == 0, tried.stdout + tried.stderr
         deadline = time.monotonic() + 40
         while "restarting worker w0" not in log_path.read_text():
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]

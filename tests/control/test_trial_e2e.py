@@ -33,12 +33,12 @@ def proxy(tmp_path: Path) -> Iterator[str]:
         "engine": {
             "kind": "sim", "workers": 2, "args": {"served_model_name": MODEL},
             "worker_args": [{}, {"schedule_conservativeness": 0.8}],
-            "extra_args": ["--sim-time-scale", "20"], "log_dir": str(tmp_path / "logs"), "stop_grace_s": 1.0,
+            "extra_args": ["--sim-time-scale", "30"], "log_dir": str(tmp_path / "logs"), "stop_grace_s": 1.0,
         },
         "pacing": {"queue_band": [4, 64], "headroom": 8, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
-        # the rules may not restart anything (restarts_per_hour 0): only the trial and its canary act
-        "control": {"mode": "auto", "interval_s": 0.1, "window_s": 2.0, "min_evidence_s": 1.0, "drain_timeout_s": 1.0,
-                    "restarts_per_hour": 0, "journal_path": str(tmp_path / "decisions.jsonl")},
+        # the controller may not restart anything (restarts_per_hour 0): only the trial and its canary act;
+        # its constants run on the workers' clock, 30 x the wall's (a window of 2 s, a look every 0.17 s)
+        "control": {"mode": "auto", "restarts_per_hour": 0, "journal_path": str(tmp_path / "decisions.jsonl")},
     }  # fmt: skip
     (tmp_path / "policy.toml").write_text(tomli_w.dumps(policy))
     with pacer_serve(tmp_path) as (url, _log):

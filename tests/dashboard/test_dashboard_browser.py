@@ -1,7 +1,7 @@
 """The dashboard in a real headless browser, in front of the whole proxy and a ``pacer sim`` worker:
 the page loads without console errors, its curves move under load, and after the controller
-restarts the worker (a retraction storm, the scaled set-up of tests/control) the decision is a mark
-on the timeline and a row in the table. A screenshot is kept as the test's artifact."""
+restarts a worker (an operator's trial on one of two, as ``pacer try`` asks it) the decision is a
+mark on the timeline and a row in the table. A screenshot is kept as the test's artifact."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import random
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.control.e2e import MODEL, running_proxy
@@ -28,11 +29,8 @@ async def test_dashboard_shows_load_and_a_restart(tmp_path: Path) -> None:
         tmp_path,
         args={"schedule_conservativeness": 0.1, "max_total_tokens": 30000, "max_running_requests": 256},
         extra_args=["--sim-time-scale", "5"],
-        control={
-            "mode": "auto", "interval_s": 0.5, "window_s": 8, "min_evidence_s": 3, "cooldown_s": 4,
-            "retractions_per_min": 100, "conservativeness_bounds": [0.1, 2.0], "conservativeness_step": 0.9,
-            "drain_timeout_s": 3, "available_mem_band_gb": [0.5, 80],
-        },
+        control={"mode": "auto", "restarts_per_hour": 0, "drain_timeout_s": 3, "available_mem_band_gb": [0.5, 80]},
+        workers=2,
     ) as proxy, browser_page() as bp:  # fmt: skip
         page = bp.page
         await page.goto(proxy.url + "/dashboard")
@@ -62,9 +60,13 @@ async def test_dashboard_shows_load_and_a_restart(tmp_path: Path) -> None:
                 " && Math.max(0, ...window.pacer.data.workers[0].series.token_usage) > 0.1",
                 timeout=30000,
             )
+            async with aiohttp.ClientSession() as s:
+                trial = {"worker": worker, "args": {"schedule_conservativeness": 0.5}}
+                async with s.post(proxy.url + "/admin/trial", json=trial) as r:
+                    assert r.status == 202, await r.text()
             await wait_until(lambda: proxy.state.pool.get(worker).pid != first_pid, "a restart", timeout=90)
             await page.wait_for_function("Number(document.body.dataset.marks) >= 1", timeout=15000)
-            row = page.locator('tr.decision[data-rule="retraction_storm"]').first
+            row = page.locator('tr.decision[data-rule="operator_trial"]').first
             await row.wait_for(timeout=15000)
             assert "schedule_conservativeness 0.1" in await row.inner_text()
             await page.wait_for_function(

@@ -15,11 +15,13 @@ page (see sglang_probe.py).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from proxy.control.rules import RuleSettings
 from proxy.engines.sglang.argv import KNOWN_FLAGS, FlagSpec, build_argv, placement_args
 from proxy.engines.sglang.knobs import KNOBS
 from proxy.engines.sglang.metrics import FIELDS, PREFIX, parse_metrics
@@ -51,7 +53,7 @@ def _values(name: str, spec: FlagSpec) -> list[object]:
 
 
 def _knob_values() -> list[tuple[str, object]]:
-    c = ControlSettings()
+    rules = RuleSettings(control=ControlSettings(), knobs=KNOBS)
     out: list[tuple[str, object]] = []
     for knob in KNOBS.values():
         vals = {knob.minimum, knob.maximum, *knob.ladder}
@@ -59,14 +61,7 @@ def _knob_values() -> list[tuple[str, object]]:
             vals.add(knob.disabled)
         if knob.default is not None:
             vals.add(knob.default)
-        if knob.arg == "schedule_conservativeness":
-            vals |= set(c.conservativeness_bounds)
-        if knob.arg == "mem_fraction_static":
-            vals |= set(c.memory_fraction_bounds)
-        if knob.arg == "max_running_requests":
-            vals.add(c.max_running_min)
-        if knob.arg == "chunked_prefill_size":
-            vals.add(c.prefill_chunk_min)
+        vals |= {v for v in rules.bounds(knob.name) if math.isfinite(v)}  # the range the controller moves it in
         out += [(knob.arg, knob.clamp(v) if v != knob.disabled else v) for v in sorted(vals)]
     return out
 

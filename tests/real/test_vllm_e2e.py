@@ -24,7 +24,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ import openai
 import pytest
 
 from proxy.compose import build_app, serve
+from proxy.control.constants import CONSTANTS
 from proxy.engines.vllm.metrics import parse_metrics
-from proxy.policy import parse_policy
+from proxy.policy import ControlSettings, parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
@@ -71,6 +72,7 @@ class Proxy:
 async def vllm_proxy(python: Path, model: Path, tmp_path: Path, *, args: dict, env: dict[str, str],
                      control: dict[str, Any]) -> AsyncIterator[Proxy]:  # fmt: skip
     journal = tmp_path / "decisions.jsonl"
+    keys = {f.name for f in fields(ControlSettings)}
     policy = parse_policy(
         {
             "engine": {
@@ -86,12 +88,18 @@ async def vllm_proxy(python: Path, model: Path, tmp_path: Path, *, args: dict, e
             "pacing": {"queue_band": [1000, 5000], "headroom": 0, "scrape_interval_s": 0.5, "stale_after_s": 5.0},
             "queue": {"timeout_s": 900.0},
             "proxy": {"request_timeout_s": 900.0},
-            "control": {"mode": "auto", "journal_path": str(journal), **control},
+            "control": {
+                "mode": "auto",
+                "journal_path": str(journal),
+                **{k: v for k, v in control.items() if k in keys},
+            },
         },
         "<real-vllm>",
     )
     pool = Supervisor(policy.engine)
-    app = build_app(policy, pool)
+    # the rest of ``control``: the controller's constants (a real engine's clock is the wall's)
+    constants = replace(CONSTANTS, **{k: v for k, v in control.items() if k not in keys})
+    app = build_app(policy, pool, control_constants=constants)
     runner, port = await serve(app, "127.0.0.1", 0)
     try:
         yield Proxy(url=f"http://127.0.0.1:{port}", state=app[PROXY], journal_path=journal)
@@ -116,7 +124,7 @@ async def test_refused_start_is_retried_with_a_max_model_len_that_fits(
     async with vllm_proxy(
         vllm_python, tiny_model, tmp_path,
         args={"max_model_len": TOO_LONG, "kv_cache_memory_bytes": SMALL_KV_BYTES, "max_num_seqs": 16}, env={},
-        control={"crash_backoff_s": [0.5]},
+        control={"crash_backoff_s": (0.5,)},
     ) as proxy:  # fmt: skip
         await wait_until(
             lambda: proxy.worker().restarts >= 1 and proxy.worker().state is WorkerState.READY,
@@ -229,7 +237,7 @@ async def test_preemptions_lower_max_num_seqs(vllm_python: Path, tiny_model: Pat
             # policy's arguments from start to end, then its preemptions fill the 60 s window
             "interval_s": 1.0, "window_s": 60.0, "min_evidence_s": 45.0, "retractions_per_min": 30.0,
             "cooldown_s": 1800.0,  # one restart in this test: the second round measures its effect
-            "drain_timeout_s": 30.0, "max_running_min": 8,
+            "drain_timeout_s": 30.0, "bounds": {"max_num_seqs": [8]},
         },
     ) as proxy:  # fmt: skip
         await wait_until(

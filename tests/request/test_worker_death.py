@@ -37,7 +37,7 @@ async def one_sim_worker(
         "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0,
                    "max_attempts": max_attempts},
         "queue": {"timeout_s": 60, "capacity": 4096},
-        "control": {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")},
+        "control": {"mode": "auto", "journal_path": str(tmp_path / "decisions.jsonl")},  # back-off 2 s / 20
         "batch": {"dir": str(tmp_path / "batches")},
     }, "<worker-death>")  # fmt: skip
     pool = Supervisor(policy.engine)

@@ -81,11 +81,11 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
 
 
 async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_after(tmp_path: Path) -> None:
-    control = {"mode": "auto", "crash_backoff_s": [0.1], "journal_path": str(tmp_path / "decisions.jsonl")}
+    control = {"mode": "auto", "journal_path": str(tmp_path / "decisions.jsonl")}
     queue = {"timeout_s": QUEUE_TIMEOUT_S, "retry_after_s": 9}
-    async with serve_sims(
-        tmp_path, {"workers": 1, "extra_args": ["--no-such-flag"]}, queue=queue, control=control
-    ) as p:
+    # its clock 20 x the wall's: the crash back-off (2, 5, 15 s of it) 0.1, 0.25, 0.75 s
+    extra_args = ["--sim-time-scale", "20", "--no-such-flag"]
+    async with serve_sims(tmp_path, {"workers": 1, "extra_args": extra_args}, queue=queue, control=control) as p:
         pool = p.pool
         async with _client(p.url) as client:
             await wait_until(lambda: pool.get("w0").crash_loop, "pool.get('w0').crash_loop", timeout=60)

@@ -148,8 +148,9 @@ class SGLangEngine:
             return Modelled()
         # extra_args come after the args' flags: where both name one, the simulator runs the last
         flags = argv.parse_argv_args(extra_args)
-        gpu, model = (flags.get(name) or args.get(name) for name in ("sim_gpu", "sim_model"))
-        return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None)
+        gpu, model, scale = (flags.get(name) or args.get(name) for name in ("sim_gpu", "sim_model", "sim_time_scale"))
+        rate = _positive(scale) or 1.0
+        return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None, clock_rate=rate)
 
     @property
     def reserves_max_tokens(self) -> bool:
@@ -203,6 +204,25 @@ class SGLangEngine:
         self, info: Mapping[str, Any], *, args: Mapping[str, object], port: int, launched: float
     ) -> str | None:
         return knobs.server_info_disagrees(info, args=args, port=port, launched=launched)
+
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
+        # the simulator reports its time scale among its internal states and its own arguments; SGLang
+        # itself has neither (its clock is the wall's)
+        states = info.get("internal_states")
+        sim = states[0].get("sim") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+        scale = sim.get("time_scale") if isinstance(sim, dict) else info.get("sim_time_scale")
+        return _positive(scale)
+
+
+def _positive(value: object) -> float | None:
+    """A number > 0 (a flag's text or a JSON number), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
 
 
 SGLANG = SGLangEngine(name="sglang", command=("python3", "-m", "sglang.launch_server"))

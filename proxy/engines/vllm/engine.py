@@ -152,5 +152,8 @@ class VllmEngine:
     ) -> str | None:
         return None  # server_info_path is None: never asked
 
+    def clock_rate_from_server_info(self, info: Mapping[str, Any]) -> float | None:
+        return None  # server_info_path is None: never asked (a real engine's clock is the wall's)
+
 
 VLLM = VllmEngine()
