@@ -123,7 +123,9 @@ class VllmEngine:
         self, path: str, body: Mapping[str, object], written_tokens: int
     ) -> dict[str, object] | None:
         if path == "/v1/chat/completions":
-            # ChatCompletionRequest: both flags, or it refuses ("Cannot set both ... to True")
+            # ChatCompletionRequest: both flags, or it refuses ("Cannot set both ... to True"). The
+            # text goes through the template and is tokenized with it: a template that trims
+            # messages (Llama-3's) loses its leading and trailing whitespace (docs/real-engines.md)
             return {"continue_final_message": True, "add_generation_prompt": False}
         if path == "/v1/completions":
             return {}
