@@ -241,5 +241,5 @@ async def test_whole_answers_on_a_worker_that_dies_wait_for_it_to_come_back_with
         await wait_until(lambda: st.board.get("w0").in_flight == 8, "answers on the worker", timeout=20)
         await _kill_and_wait_revived(st)
         answers = await asyncio.wait_for(asyncio.gather(*tasks), 40)
-    assert [status for status, _ in answers] == [200] * 8, answers
+    assert [status for status, _ in answers] == [200] * 8, [a for a in answers if a[0] != 200]
     assert all(orjson.loads(body)["usage"]["completion_tokens"] == 400 for _, body in answers)
