@@ -10,11 +10,9 @@ time. A phase's best arguments are the trial that scores it highest (only the sw
 no OOM, enough free memory). Its gain is that score over the sweep's best arguments' score on the
 same phase (>= 1, since those are among the trials).
 
-This is sound where the phases follow one another and the engine is idle between them: a phase
-scored inside a whole-trace replay is then the phase replayed alone, as a free switch at its start
-would leave it. Each phase says whether its replay under its best arguments ran alone (``alone``).
-It holds only for phases that do not overlap and are not streamed (the replay times answers, not
-first tokens): ``shift``, not ``mixed``.
+Sound where the engine is idle between phases: a phase scored inside a whole-trace replay is then
+the phase replayed alone, as a free switch at its start would leave it (each phase says if it ran
+``alone``). Only for phases that do not overlap and are not streamed: ``shift``, not ``mixed``.
 
 Judged against the live arms: the live oracle arm (the sweep's best arguments) is scaled phase by
 phase by these gains, so the adaptive arm's ratio to the per-phase oracle is, per phase, its ratio to
@@ -89,9 +87,10 @@ def phase_oracle(phases: Phases, trials: Sequence[Trial], best: Trial) -> dict[s
     if min(base) <= 0:
         return None
     scored = [(t, phase_scores(phases, t.answer_s)) for t in trials if t.score > 0 and t.answer_s]
-    rows = []
+    rows, gains = [], []
     for k, part in enumerate(phases.parts):
         top, scores = max(scored, key=lambda ts: ts[1][k])
+        gains.append(scores[k] / base[k])
         rows.append({
             "phase": k, "judged_on": "throughput" if part.rate is None else "answer_time",
             "best_args": {a: v for a, v in top.args.items() if v is not None}, "score": round(scores[k], 6),
@@ -100,7 +99,7 @@ def phase_oracle(phases: Phases, trials: Sequence[Trial], best: Trial) -> dict[s
         })  # fmt: skip
     return {
         "phases": rows,
-        "replay_gain": round(statistics.geometric_mean([r["score"] / r["best_single_score"] for r in rows]), 4),
+        "replay_gain": round(statistics.geometric_mean(gains), 4),
         "candidates": len(scored),
         "note": "each phase's best arguments among the sweep's candidate trials, scored on that phase inside the "
         "trial's whole-trace replay (modelled seconds; batch: tok/s, arrivals: 1 / mean answer); gain: over the "

@@ -10,6 +10,9 @@ the other, each a real ``pacer serve`` process in front of ``pacer sim`` workers
 * ``injected`` (scenarios with an operator trial, :class:`~loadtests.scenario_defs.Trial`): the
   adaptive arm, plus the trial sent to ``POST /admin/trial`` (what ``pacer try`` sends) at its moment.
 
+Every arm runs the shipped ``[control]`` (``policies/default.toml``) as written, in the arm's mode
+and its own directory; the report says what the adaptive arm ran (``control_hash``, ``control_is_shipped``).
+
 A fleet scenario (``workers`` > 1) runs that many workers in one pool, each with the scenario's
 arguments and its own ``worker_args`` over them in the arms that run the operator's arguments; the
 oracle's sweep runs on one worker's share of the trace and its best arguments go to every worker.
@@ -34,6 +37,8 @@ arrival to its answer (an arm that failed or lost a request scores nothing there
 ``adaptive_over_best_static`` and ``adaptive_over_default`` are ratios of that figure (higher is
 better: the other arm's mean over the adaptive's), and the oracle's sweep scores the same.
 ``--sweep FILE`` keeps the sweep (deterministic in the scenario) between runs.
+A shift of phases (``shift``, ``shift-perturbed``) is also judged against the per-phase oracle
+(:mod:`loadtests.phase_oracle`, built from the same sweep): ``adaptive_over_phase_oracle``.
 """
 
 from __future__ import annotations
