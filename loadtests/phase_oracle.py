@@ -1,18 +1,18 @@
 """The per-phase oracle of a phased scenario: each phase served with its own best static arguments,
 the switch between them free. No controller that only switches arguments can do better.
 
-Built from the oracle's sweep, with no run of its own. Every trial of the sweep replays the whole
-trace in virtual time under one set of arguments and times each answer. So each phase can be
-scored inside every trial, on the figure the live arms are judged on per phase
-(``loadtests.scenarios._phase_figures``): output tokens per second from the phase's first arrival
-to its last answer for a batch, one over the mean time from arrival to answer for arrivals over
-time. A phase's best arguments are the trial that scores it highest (only the sweep's candidates:
-no OOM, enough free memory). Its gain is that score over the sweep's best arguments' score on the
-same phase (>= 1, since those are among the trials).
-
-Sound where the engine is idle between phases: a phase scored inside a whole-trace replay is then
-the phase replayed alone, as a free switch at its start would leave it (each phase says if it ran
-``alone``). Only for phases that do not overlap and are not streamed: ``shift``, not ``mixed``.
+A switch is a restart, so in the oracle each phase starts on a fresh engine at its first arrival:
+it is the phase replayed by itself, in virtual time, under each of the sweep's candidate arguments
+(no OOM, enough free memory; a few seconds of CPU per candidate). Scoring a phase inside the
+sweep's whole-trace replays would not do: the engine's admission state carries over from the phase
+before, and flatters arguments no switching controller could have run in the phase before.
+Not switching is a candidate too: the best single arguments' score on the phase inside their own
+whole-trace replay. A phase's figure is the one the live arms are judged on per phase
+(``loadtests.scenarios._phase_figures``): output tokens per second from its first arrival to its
+last answer for a batch, one over the mean time from arrival to answer for arrivals over time. Its
+gain is the oracle's score over the best single arguments' (>= 1). ``alone``: the phase before it,
+under its own oracle arguments, was answered before this one arrived (the free switch is exact).
+Only for phases that do not overlap and are not streamed: ``shift``, not ``mixed``.
 
 Judged against the live arms: the live oracle arm (the sweep's best arguments) is scaled phase by
 phase by these gains, so the adaptive arm's ratio to the per-phase oracle is, per phase, its ratio to
@@ -24,13 +24,17 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loadtests.oracle import Trial
 from loadtests.scenario_defs import Phases
+from proxy.sim.request import RequestSpec
 
-__all__ = ["adaptive_over_phase_oracle", "phase_oracle", "phase_scores", "switchable"]
+__all__ = ["Replay", "adaptive_over_phase_oracle", "phase_oracle", "phase_scores", "switchable"]
+
+# a replay of some requests under some arguments: per request, modelled seconds from arrival to answer (NaN: none)
+Replay = Callable[[Mapping[str, Any], Sequence[RequestSpec]], Sequence[float]]
 
 
 def switchable(phases: Phases) -> bool:
@@ -62,48 +66,52 @@ def phase_scores(phases: Phases, answer_s: Sequence[float]) -> list[float]:
     return out
 
 
-def _alone(phases: Phases, answer_s: Sequence[float], k: int) -> bool:
-    """Whether phase ``k`` had the engine to itself in this replay: the phase before it all answered
-    before its first arrival, and it all answered before the next phase's first arrival."""
-    arrivals, phase_of = phases.arrivals(), phases.phase_of()
-
-    def span(j: int) -> tuple[float, float]:
-        idx = [i for i, p in enumerate(phase_of) if p == j]
-        return min(arrivals[i] for i in idx), max(arrivals[i] + answer_s[i] for i in idx)
-
-    first, last = span(k)
-    before = k == 0 or span(k - 1)[1] <= first
-    after = k == len(phases.parts) - 1 or last <= span(k + 1)[0]
-    return before and after
+def _span(phases: Phases, answer_s: Sequence[float], k: int) -> tuple[float, float]:
+    """Phase ``k``'s first arrival and last answer (modelled seconds) in a replay of ``phases``."""
+    arrivals = phases.arrivals()
+    idx = [i for i, p in enumerate(phases.phase_of()) if p == k]
+    return min(arrivals[i] for i in idx), max(arrivals[i] + answer_s[i] for i in idx)
 
 
-def phase_oracle(phases: Phases, trials: Sequence[Trial], best: Trial) -> dict[str, Any] | None:
-    """Each phase's best arguments among the sweep's candidate trials, its replay score and its gain
-    over the sweep's best arguments on that phase (None: the phases cannot be switched between, or
-    the sweep kept no answer times, or the best arguments score 0 on a phase)."""
+def phase_oracle(phases: Phases, trials: Sequence[Trial], best: Trial, replay: Replay) -> dict[str, Any] | None:
+    """Each phase's best arguments among the sweep's candidate trials, each phase replayed alone under
+    them (``replay``: answer times of the requests, per request), its score and its gain over the
+    sweep's best arguments on that phase inside their whole-trace replay. None: the phases cannot be
+    switched between, the sweep kept no answer times, or the best arguments score 0 on a phase."""
     if not switchable(phases) or not best.answer_s:
         return None
     base = phase_scores(phases, best.answer_s)
     if min(base) <= 0:
         return None
-    scored = [(t, phase_scores(phases, t.answer_s)) for t in trials if t.score > 0 and t.answer_s]
-    rows, gains = [], []
+    candidates = [t for t in trials if t.score > 0]
+    rows, gains, spans = [], [], []
     for k, part in enumerate(phases.parts):
-        top, scores = max(scored, key=lambda ts: ts[1][k])
-        gains.append(scores[k] / base[k])
+        alone = Phases(parts=(part,))
+        specs = alone.specs()
+        top, score, span = None, base[k], _span(phases, best.answer_s, k)  # not switching
+        for t in candidates:
+            answers = replay(t.args, specs)
+            mine = phase_scores(alone, answers)[0]
+            if mine > score:
+                top, score, span = t, mine, _span(alone, answers, 0)
+        gains.append(score / base[k])
+        spans.append(span)
         rows.append({
             "phase": k, "judged_on": "throughput" if part.rate is None else "answer_time",
-            "best_args": {a: v for a, v in top.args.items() if v is not None}, "score": round(scores[k], 6),
-            "best_single_score": round(base[k], 6), "gain": round(scores[k] / base[k], 4),
-            "alone": _alone(phases, top.answer_s, k),
+            "best_args": {a: v for a, v in (best if top is None else top).args.items() if v is not None},
+            "switched": top is not None, "score": round(score, 6), "best_single_score": round(base[k], 6),
+            "gain": round(score / base[k], 4),
         })  # fmt: skip
+    for k, row in enumerate(rows):
+        row["alone"] = k == 0 or spans[k - 1][1] <= spans[k][0]
     return {
         "phases": rows,
         "replay_gain": round(statistics.geometric_mean(gains), 4),
-        "candidates": len(scored),
-        "note": "each phase's best arguments among the sweep's candidate trials, scored on that phase inside the "
-        "trial's whole-trace replay (modelled seconds; batch: tok/s, arrivals: 1 / mean answer); gain: over the "
-        "sweep's best single arguments on the same phase",
+        "candidates": len(candidates),
+        "note": "each phase replayed alone (a fresh engine: a free restart at its first arrival) under each of "
+        "the sweep's candidate arguments, or not switched (the sweep's best arguments, inside their whole-trace "
+        "replay); modelled seconds; batch: tok/s, arrivals: 1 / mean answer; gain: over the sweep's best single "
+        "arguments on the same phase",
     }
 
 

@@ -67,6 +67,7 @@ from loadtests.oracle import PacedResult, Pacing, Restart, SearchSpace, sim_conf
 from loadtests.phase_oracle import adaptive_over_phase_oracle, phase_oracle
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario, Trial
 from proxy.request.pacing import Band
+from proxy.sim.request import RequestSpec
 
 __all__ = [
     "ALL_ARMS",
@@ -658,7 +659,14 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         + f"; OOM or a start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
     }
     if isinstance(sc.workload, Phases) and sc.workers == 1:
-        info["phase_oracle"] = phase_oracle(sc.workload, result.trials, result.best)
+        perturb = sc.perturb_args()
+
+        def replay(args: Mapping[str, Any], requests: Sequence[RequestSpec]) -> Sequence[float]:
+            cfg = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=perturb)
+            return simulate_paced(cfg, requests, pacing).answer_s
+
+        info["phase_oracle"] = phase_oracle(sc.workload, result.trials, result.best, replay)
+        info["cpu_s"] = round(time.process_time() - t, 1)
     return best, info
 
 
