@@ -236,9 +236,6 @@ class Trial:
     unsafe: bool = False  # under the free-memory floor: not a candidate
     mean_answer_s: float = 0.0  # mean modelled seconds from arrival to answer
     objective: str = "throughput"  # what :attr:`score` is (see :class:`SearchSpace`)
-    # paced trials: per workload request, engine seconds from its arrival to its answer (NaN: not
-    # answered); what the per-phase oracle scores each phase on (not in :meth:`as_dict`)
-    answer_s: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def score(self) -> float:
@@ -306,9 +303,8 @@ def evaluate(
         return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True, objective=objective)
     res = simulate(cfg, workload) if pacing is None else simulate_paced(cfg, workload, pacing)
     edge = isinstance(res, PacedResult) and res.oom is None and res.peak_activation_fraction > max_activation_fraction
-    answer_s: tuple[float, ...] = ()
     if isinstance(res, PacedResult):
-        mean_answer, answer_s = res.mean_answer_s, res.answer_s
+        mean_answer = res.mean_answer_s
     else:
         waits = [r.finish_time - r.arrival for r in res.requests if r.finish_time is not None]
         mean_answer = sum(waits) / len(waits) if waits else 0.0
@@ -322,7 +318,6 @@ def evaluate(
         oom=res.oom,
         available_gpu_mem_gb=free,
         unsafe=edge,
-        answer_s=answer_s,
     )
 
 

@@ -3,15 +3,15 @@ the switch between them free. No controller that only switches arguments can do 
 
 A switch is a restart, so in the oracle each phase starts on a fresh engine at its first arrival:
 it is the phase replayed by itself, in virtual time, under each of the sweep's candidate arguments
-(no OOM, enough free memory; a few seconds of CPU per candidate). Scoring a phase inside the
-sweep's whole-trace replays would not do: the engine's admission state carries over from the phase
-before, and flatters arguments no switching controller could have run in the phase before.
-Not switching is a candidate too: the best single arguments' score on the phase inside their own
-whole-trace replay. A phase's figure is the one the live arms are judged on per phase
-(``loadtests.scenarios._phase_figures``): output tokens per second from its first arrival to its
-last answer for a batch, one over the mean time from arrival to answer for arrivals over time. Its
-gain is the oracle's score over the best single arguments' (>= 1). ``alone``: the phase before it,
-under its own oracle arguments, was answered before this one arrived (the free switch is exact).
+(no OOM, enough free memory; a few seconds of CPU per candidate and phase). Its best arguments are
+those that score it highest; its gain is that score over the sweep's best single arguments' on the
+same phase, replayed the same way (>= 1: they are a candidate). Scoring phases inside the sweep's
+whole-trace replays instead would need no replay of its own, but there the engine's state carries
+over from the phase before, so the same arguments score a phase differently than a switch leaves it.
+A phase's figure is the one the live arms are judged on per phase (``scenarios._phase_figures``):
+output tokens per second from its first arrival to its last answer for a batch, one over the mean
+time from arrival to answer for arrivals over time. ``alone``: the phase before it, under its own
+best arguments, was all answered before this one arrived (the free switch is then exact).
 Only for phases that do not overlap and are not streamed: ``shift``, not ``mixed``.
 
 Judged against the live arms: the live oracle arm (the sweep's best arguments) is scaled phase by
@@ -74,44 +74,42 @@ def _span(phases: Phases, answer_s: Sequence[float], k: int) -> tuple[float, flo
 
 
 def phase_oracle(phases: Phases, trials: Sequence[Trial], best: Trial, replay: Replay) -> dict[str, Any] | None:
-    """Each phase's best arguments among the sweep's candidate trials, each phase replayed alone under
-    them (``replay``: answer times of the requests, per request), its score and its gain over the
-    sweep's best arguments on that phase inside their whole-trace replay. None: the phases cannot be
-    switched between, the sweep kept no answer times, or the best arguments score 0 on a phase."""
-    if not switchable(phases) or not best.answer_s:
+    """Each phase replayed alone under each of the sweep's candidate trials' arguments (``replay``: per
+    request, its answer time): its best arguments, their score and their gain over the sweep's best
+    arguments (``best``) on that phase. None: the phases cannot be switched between, or the best
+    arguments score 0 on a phase."""
+    if not switchable(phases):
         return None
-    base = phase_scores(phases, best.answer_s)
-    if min(base) <= 0:
-        return None
-    candidates = [t for t in trials if t.score > 0]
+    candidates = [t for t in trials if t.score > 0 and t.args != best.args]
     rows, gains, spans = [], [], []
     for k, part in enumerate(phases.parts):
         alone = Phases(parts=(part,))
         specs = alone.specs()
-        top, score, span = None, base[k], _span(phases, best.answer_s, k)  # not switching
+        answers = replay(best.args, specs)
+        base = phase_scores(alone, answers)[0]
+        if base <= 0:
+            return None
+        top, score, span = best, base, _span(alone, answers, 0)
         for t in candidates:
             answers = replay(t.args, specs)
-            mine = phase_scores(alone, answers)[0]
-            if mine > score:
+            if (mine := phase_scores(alone, answers)[0]) > score:
                 top, score, span = t, mine, _span(alone, answers, 0)
-        gains.append(score / base[k])
+        gains.append(score / base)
         spans.append(span)
         rows.append({
             "phase": k, "judged_on": "throughput" if part.rate is None else "answer_time",
-            "best_args": {a: v for a, v in (best if top is None else top).args.items() if v is not None},
-            "switched": top is not None, "score": round(score, 6), "best_single_score": round(base[k], 6),
-            "gain": round(score / base[k], 4),
+            "best_args": {a: v for a, v in top.args.items() if v is not None}, "switched": top is not best,
+            "score": round(score, 6), "best_single_score": round(base, 6), "gain": round(score / base, 4),
         })  # fmt: skip
     for k, row in enumerate(rows):
         row["alone"] = k == 0 or spans[k - 1][1] <= spans[k][0]
     return {
         "phases": rows,
         "replay_gain": round(statistics.geometric_mean(gains), 4),
-        "candidates": len(candidates),
+        "candidates": len(candidates) + 1,
         "note": "each phase replayed alone (a fresh engine: a free restart at its first arrival) under each of "
-        "the sweep's candidate arguments, or not switched (the sweep's best arguments, inside their whole-trace "
-        "replay); modelled seconds; batch: tok/s, arrivals: 1 / mean answer; gain: over the sweep's best single "
-        "arguments on the same phase",
+        "the sweep's candidate arguments; modelled seconds; batch: tok/s, arrivals: 1 / mean answer; gain: over "
+        "the sweep's best single arguments on the same phase, replayed the same way",
     }
 
 

@@ -991,6 +991,17 @@ def _phase_judged(phases: list[dict[str, Any]] | None) -> dict[str, Any]:
     }
 
 
+def _opt3(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _control_label(rep: Mapping[str, Any]) -> str:
+    """The adaptive arm's [control]: as shipped, or another (its hash)."""
+    if "control_is_shipped" not in rep:
+        return "-"
+    return "shipped" if rep["control_is_shipped"] else f"not shipped ({rep.get('control_hash')})"
+
+
 def _opt(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -1022,8 +1033,9 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
     ratios = [
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
-        "| replay: adaptive's final args from its restart | modelled s of the restart |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| replay: adaptive's final args from its restart | modelled s of the restart | adaptive / per-phase oracle "
+        "| control |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
@@ -1031,7 +1043,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
         ratios.append(
             f"| {rep['scenario']} | {rep.get('judged_on', 'throughput')} | {'-' if ao is None else f'{ao:.3f}'} | "
             f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
-            f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |"
+            f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} | "
+            f"{_opt3(rep.get('adaptive_over_phase_oracle'))} | {_control_label(rep)} |"
         )
     return "\n".join(rows + ratios)
 
@@ -1075,7 +1088,17 @@ def main(argv: list[str]) -> int:
             json.dumps(
                 {
                     "scenarios": {
-                        r["scenario"]: {k: r[k] for k in ("arms", "adaptive_over_oracle", "adaptive_over_default")}
+                        r["scenario"]: {
+                            k: r[k]
+                            for k in (
+                                "arms",
+                                "adaptive_over_oracle",
+                                "adaptive_over_default",
+                                "adaptive_over_phase_oracle",
+                                "control_hash",
+                                "control_is_shipped",
+                            )
+                        }
                         for r in reports
                     }
                 },

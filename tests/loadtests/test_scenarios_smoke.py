@@ -156,7 +156,7 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     }
     assert report_path.with_suffix(".png").stat().st_size > 10_000
     table = report_path.with_suffix(".md").read_text()
-    assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
+    assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table and "| shipped |" in table
     bound = on_disk["restart_bound"]
     if on_disk["arms"]["adaptive"]["restarts"]:  # the controller moved: what that moment costs, replayed
         assert bound["restart_at_modelled_s"] >= 0 and 0 < bound["oracle_args_restarted"] <= 1.0
