@@ -32,6 +32,7 @@ guide's OOM risk line) are not candidates, so the oracle is the best *safe* stat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -91,6 +92,8 @@ class PacedResult:
     peak_running: int
     peak_activation_fraction: float = 0.0  # the largest step's activations / the free memory at start-up
     mean_answer_s: float = 0.0  # mean engine seconds from a request's arrival to its answer (the finished ones)
+    # per workload request (its index), engine seconds from its arrival to its answer; NaN: not answered
+    answer_s: tuple[float, ...] = field(default=(), repr=False)
 
 
 def _prompt_ids(spec: RequestSpec, index: int) -> tuple[int, ...]:
@@ -128,7 +131,7 @@ def simulate_paced(
     t = 0.0
     next_scrape = 0.0
     out_tokens = finished = peak = retracted = 0
-    answer_s = 0.0
+    answered = [math.nan] * len(workload)
     need = 0.0
     oom: str | None = None
     while True:
@@ -180,7 +183,7 @@ def simulate_paced(
             out_tokens += eng.output_len(r)
             i = on_worker.pop(r.rid, -1)
             if i >= 0:
-                answer_s += t - workload[i].arrival
+                answered[i] = t - workload[i].arrival
             load.release(r.rid)  # type: ignore[arg-type]
         finished += len(outcome.finished)
     return PacedResult(
@@ -192,7 +195,8 @@ def simulate_paced(
         oom=oom,
         peak_running=peak,
         peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0,
-        mean_answer_s=answer_s / finished if finished else 0.0,
+        mean_answer_s=math.fsum(a for a in answered if not math.isnan(a)) / finished if finished else 0.0,
+        answer_s=tuple(answered),
     )
 
 

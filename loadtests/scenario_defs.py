@@ -1,5 +1,5 @@
 """The controller scenarios, as data: a workload, the arguments the operator started with, the
-simulated GPU and model, the time scale, and the deployment's ``[control]`` settings.
+simulated GPU and model, and the time scale.
 
     SCENARIOS["early-stop"].workload.requests()     # [(prompt text, max_tokens, true output length)]
     SCENARIOS["early-stop"].workload.specs()        # the same requests for proxy.sim.virtual.simulate
@@ -8,10 +8,9 @@ Every arm of a scenario sees the same requests: the prompts are fixed by the see
 request carries its true output length (``sim_output_len``), so only the arguments differ.
 
 Time: ``time_scale`` makes the simulated GPU run that many times faster than modelled; the
-simulated start-up shrinks with it (modelled start-up / scale). The controller's settings are in
-wall-clock seconds and per wall-clock minute, so a scenario's ``control`` table is the deployment's
-settings divided (windows, cool-downs) or multiplied (rates) by the scale: what an operator would
-set on the real GPU, seen through the compressed clock.
+simulated start-up shrinks with it (modelled start-up / scale). A scenario sets no ``[control]``:
+its adaptive arm runs the shipped policy's (``policies/default.toml``) unchanged, so only the
+engine (GPU, model, time scale, starting arguments) and the workload differ from what users run.
 """
 
 from __future__ import annotations
@@ -19,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from proxy.sim.request import RequestSpec
 from proxy.sim.tokenizer import encode
 
-__all__ = ["SCENARIOS", "Phases", "Scenario", "Trial", "Workload", "planner_control", "scaled_control"]
+__all__ = ["SCENARIOS", "Phases", "Scenario", "Trial", "Workload"]
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -132,37 +131,6 @@ class Phases:
         }
 
 
-def scaled_control(scale: float, **overrides: Any) -> dict[str, Any]:
-    """A deployment's ``[control]`` timings seen through a clock ``scale`` times faster.
-
-    The unscaled settings are a batch deployment's: rules every 5 s over 60 s windows, 20 s of
-    evidence, 60 s cool-down, 30 s drain, crash back-off 2-60 s; the fast tier's defaults (a back-off
-    per 5 s, rates smoothed over 30 s, facts over 60 s). Rates (retractions per minute) are per
-    wall-clock minute, so they are multiplied by the scale."""
-    base: dict[str, Any] = {
-        "interval_s": 5.0, "window_s": 60.0, "min_evidence_s": 20.0, "cooldown_s": 60.0, "drain_timeout_s": 30.0,
-        "good_after_s": 120.0, "crash_loop_window_s": 600.0, "crash_backoff_s": [2.0, 5.0, 15.0, 30.0, 60.0],
-        "flip_guard_s": 1800.0, "backoff_hold_s": 5.0, "rate_window_s": 30.0, "facts_window_s": 60.0,
-    }  # fmt: skip
-    out: dict[str, Any] = {}
-    for key, value in base.items():
-        out[key] = [v / scale for v in value] if isinstance(value, list) else value / scale
-    out["retractions_per_min"] = 6.0 * scale
-    out.update(overrides)
-    if "retractions_per_min_modelled" in out:
-        out["retractions_per_min"] = out.pop("retractions_per_min_modelled") * scale
-    return out
-
-
-def planner_control(scale: float, gpu: str, model: str, **overrides: Any) -> dict[str, Any]:
-    """:func:`scaled_control` with the planner on: its interval (60 modelled s), horizons (600, and the
-    3,600 the traffic can earn) and the backlog trend's memory (240) scaled, its twin on the deployment's
-    GPU and model presets (what an operator sets in ``[control]``)."""
-    return scaled_control(scale, planner=True, plan_interval_s=60.0 / scale, plan_horizon_s=600.0 / scale,
-                          plan_horizon_max_s=3600.0 / scale, plan_trend_s=240.0 / scale, twin_gpu=gpu, twin_model=model,
-                          **overrides)  # fmt: skip
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Trial:
     """An operator's trial, injected in a scenario's ``injected`` arm through ``POST /admin/trial``
@@ -184,7 +152,6 @@ class Scenario:
     gpu: str = "h100-80gb"
     model: str = "llama-3.1-8b"
     time_scale: float = 10.0
-    control: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # the [control] table
     min_available_gb: float = 5.0  # the oracle's floor on start-up free memory (the band's low end)
     queue_timeout_s: float = 600.0  # the proxy's queue patience (a dead worker answers 503 after it)
     # hidden factors on the simulated engine's step time and activation memory (the arms' workers run
@@ -236,7 +203,6 @@ def _scenarios() -> dict[str, Scenario]:
         workload=Workload(count=5000, prompt_len=(300, 900), max_tokens=4096, output_len=(120, 500), seed=11),
         start_args={"schedule_conservativeness": 1.0},
         gpu="a100-40gb", time_scale=8.0,  # at 10 the default and adaptive arms ran 5-6 % behind the engine clock
-        control=scaled_control(8.0),
     ))  # fmt: skip
     s.append(Scenario(
         name="retraction-storm",
@@ -245,7 +211,6 @@ def _scenarios() -> dict[str, Scenario]:
         workload=Workload(count=1800, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=12),
         start_args={"schedule_conservativeness": 0.1},
         gpu="a100-40gb", time_scale=16.0,
-        control=scaled_control(16.0, conservativeness_step=0.9, conservativeness_bounds=[0.1, 2.0]),
     ))  # fmt: skip
     s.append(Scenario(
         name="prefill-oom",
@@ -254,7 +219,6 @@ def _scenarios() -> dict[str, Scenario]:
         workload=Workload(count=1000, prompt_len=(1000, 3000), max_tokens=1024, output_len=(300, 1024), seed=13),
         start_args={"chunked_prefill_size": 16384, "mem_fraction_static": 0.9},
         gpu="l40s-48gb", time_scale=20.0,
-        control=scaled_control(20.0, available_mem_band_gb=[2.0, 10.0]),
         min_available_gb=2.0, queue_timeout_s=120.0,
     ))  # fmt: skip
     # decode-oom: the premise has to hold behind the proxy, where every arm runs. The worker's
@@ -276,7 +240,6 @@ def _scenarios() -> dict[str, Scenario]:
         workload=Workload(count=15000, prompt_len=(100, 300), max_tokens=1800, output_len=(300, 1200), seed=14),
         start_args={"max_running_requests": 2048, "mem_fraction_static": 0.93},
         gpu="rtx4090-24gb", model="llama-3.2-1b", time_scale=6.0,
-        control=scaled_control(6.0, available_mem_band_gb=[0.5, 6.0], max_running_min=32),
         min_available_gb=0.5, queue_timeout_s=120.0,
     ))  # fmt: skip
     s.append(Scenario(
@@ -285,7 +248,6 @@ def _scenarios() -> dict[str, Scenario]:
         workload=Workload(count=3500, prompt_len=(300, 900), max_tokens=3000, output_len=(1000, 2000), seed=15),
         start_args={"mem_fraction_static": 0.6},
         gpu="h100-80gb", time_scale=12.0,
-        control=scaled_control(12.0),
         min_available_gb=5.0,
     ))  # fmt: skip
     # The five premises with arrivals over time for a modelled hour: a renewal process (Poisson, and
@@ -296,13 +258,13 @@ def _scenarios() -> dict[str, Scenario]:
     # rate x time_scale requests per wall second and the simulated engine must keep up (a few hundred
     # steps and a few tens of requests per wall second on 2 shared cores), so an hour has to hold a few
     # thousand requests: early-stop and low-mem-fraction carry longer outputs than their batch runs
-    # (same share of max_tokens), and the planner is on as shipped (``planner_control``).
+    # (same share of max_tokens).
     hour = 3600.0
-    over_time: list[tuple[str, str, float, float, Workload, Mapping[str, Any], dict[str, Any]]] = [
+    over_time: list[tuple[str, str, float, float, Workload, Mapping[str, Any]]] = [
         # capacity 1.15 (conservativeness 1.0) / 1.35 req/s (0.1, mem 0.85)
         ("early-stop", "max_tokens 16384 but true outputs are 3-12 % of it, arriving at 1.2 per second: admission "
          "reserves far too much and requests wait", 1.2, 24.0,
-         Workload(count=0, prompt_len=(300, 900), max_tokens=16384, output_len=(500, 2000), seed=41), {}, {}),
+         Workload(count=0, prompt_len=(300, 900), max_tokens=16384, output_len=(500, 2000), seed=41), {}),
         # capacity 1.06 (0.1, retractions) / 1.11 req/s (1.3, mem 0.85). At 1.05 per second (below both)
         # the batch never overfills: 10 retractions in the hour and 0.7 % between the start arguments and
         # the best, the premise gone; it is a backlog's premise, so the requests come faster than any
@@ -311,7 +273,7 @@ def _scenarios() -> dict[str, Scenario]:
          "1.2 per second, faster than any argument serves them: the KV pool overfills and retracted requests "
          "are recomputed", 1.2, 24.0,
          Workload(count=0, prompt_len=(200, 600), max_tokens=2000, output_len=(1200, 2000), seed=42),
-         {"judged_on": "throughput"}, {"conservativeness_step": 0.9, "conservativeness_bounds": [0.1, 2.0]}),
+         {"judged_on": "throughput"}),
         # prompts of 2,000-24,000 tokens (long documents): the first above ~15,600 tokens fills a 16384
         # chunk whose activations do not fit, whatever the arrival (with the batch run's 1,000-3,000 the
         # chunk fills only when many wait at once: at 0.85 per second it never did in the hour, and the
@@ -319,7 +281,7 @@ def _scenarios() -> dict[str, Scenario]:
         ("prefill-oom", "chunked_prefill_size 16384 with mem_fraction_static 0.9 on a 48 GB L40S, prompts of "
          "2,000-24,000 tokens arriving at 0.15 per second: a prefill chunk of 16384 tokens does not fit", 0.15, 40.0,
          Workload(count=0, prompt_len=(2000, 24000), max_tokens=1024, output_len=(300, 1024), seed=43),
-         {"min_available_gb": 2.0, "queue_timeout_s": 60.0}, {"available_mem_band_gb": [2.0, 10.0]}),
+         {"min_available_gb": 2.0, "queue_timeout_s": 60.0}),
         # the start arguments die once ~1010 run at once. Arriving over time they never get there: at 18
         # per second (65,000 an hour, more than the start arguments serve) the paced replay holds the
         # batch at 917, where the KV pool (655,341 tokens) admits no more, its activations at 0.91 of the
@@ -330,14 +292,14 @@ def _scenarios() -> dict[str, Scenario]:
         ("decode-oom", "max_running_requests 2048 on a 24 GB RTX 4090 with mem_fraction_static 0.93, short "
          "requests arriving at 18 per second: a decode batch past ~1000 requests does not fit", 18.0, 6.0,
          Workload(count=0, prompt_len=(100, 300), max_tokens=1800, output_len=(300, 1200), seed=44),
-         {"min_available_gb": 0.5, "queue_timeout_s": 120.0}, {"available_mem_band_gb": [0.5, 6.0], "max_running_min": 32}),
+         {"min_available_gb": 0.5, "queue_timeout_s": 120.0}),
         # capacity 0.98 (mem 0.6) / 1.18 req/s (mem 0.91)
         ("low-mem-fraction", "mem_fraction_static 0.6 on an 80 GB H100, long outputs arriving at 1.05 per second: "
          "the KV pool is a third of what fits and requests wait", 1.05, 20.0,
-         Workload(count=0, prompt_len=(300, 900), max_tokens=6000, output_len=(2000, 4000), seed=45), {}, {}),
+         Workload(count=0, prompt_len=(300, 900), max_tokens=6000, output_len=(2000, 4000), seed=45), {}),
     ]  # fmt: skip
     batch = {x.name: x for x in s}
-    for base_name, premise, rate, scale, shape_of, extra, overrides in over_time:
+    for base_name, premise, rate, scale, shape_of, extra in over_time:
         base = batch[base_name]
         for arrivals, gamma_shape in (("poisson", 1.0), ("bursty", 0.3)):
             # every request that arrives within the hour (the process drawn past it, cut at the hour)
@@ -346,8 +308,7 @@ def _scenarios() -> dict[str, Scenario]:
             s.append(dataclasses.replace(
                 base, name=f"{base_name}-{arrivals}", premise=f"{premise} ({arrivals}: gamma shape {gamma_shape:g})",
                 workload=dataclasses.replace(unbounded, count=count),
-                time_scale=scale, control=planner_control(scale, base.gpu, base.model, **overrides),
-                **{"judged_on": "answer_time", **extra},
+                time_scale=scale, **{"judged_on": "answer_time", **extra},
             ))  # fmt: skip
         # perturbed: the Poisson hour on an engine whose steps take 25 % longer and whose activations
         # need 25 % more memory than the presets the twin reads (hidden: it calibrates on the worker's
@@ -361,8 +322,7 @@ def _scenarios() -> dict[str, Scenario]:
             premise=f"{premise} (poisson; the engine 25 % slower and its activations 25 % larger than its presets, "
                     "the arrivals 25 % slower)",
             workload=dataclasses.replace(unbounded, count=count), step_time_factor=slower,
-            activation_factor=PERTURBED_ACTIVATIONS, time_scale=scale,
-            control=planner_control(scale, base.gpu, base.model, **overrides), **{"judged_on": "answer_time", **extra},
+            activation_factor=PERTURBED_ACTIVATIONS, time_scale=scale, **{"judged_on": "answer_time", **extra},
         ))  # fmt: skip
     # shift: chat by day (answers far below max_tokens 4096, arriving at 6 per modelled second: judged on
     # the time from arrival to answer), then a batch of long outputs near max_tokens 2000 submitted at
@@ -387,7 +347,6 @@ def _scenarios() -> dict[str, Scenario]:
         )),
         start_args={"schedule_conservativeness": 0.3},
         gpu="a100-40gb", time_scale=10.0,
-        control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
     ))  # fmt: skip
     # the same shift on an engine whose steps take 25 % longer and whose activations need 20 % less
     # memory than the presets say (hidden: the twin must calibrate on the worker's own lines)
@@ -409,7 +368,6 @@ def _scenarios() -> dict[str, Scenario]:
         )),
         start_args={},
         gpu="a100-40gb", time_scale=10.0,
-        control=planner_control(10.0, "a100-40gb", "llama-3.1-8b"),
     ))  # fmt: skip
     # fleet: four A100 workers in one pool, arrivals over time slightly above what the pool serves
     # (so every worker's capacity shows in the run's throughput), the operator's arguments
@@ -434,7 +392,6 @@ def _scenarios() -> dict[str, Scenario]:
         trial=Trial(at_s=300.0, worker="w0", args={"max_running_requests": 4},
                     note="injected: a clearly bad candidate the canary must revert"),
         gpu="a100-40gb", time_scale=5.0,
-        control=planner_control(5.0, "a100-40gb", "llama-3.1-8b"),
     ))  # fmt: skip
     return {x.name: x for x in s}
 

@@ -10,6 +10,9 @@ the other, each a real ``pacer serve`` process in front of ``pacer sim`` workers
 * ``injected`` (scenarios with an operator trial, :class:`~loadtests.scenario_defs.Trial`): the
   adaptive arm, plus the trial sent to ``POST /admin/trial`` (what ``pacer try`` sends) at its moment.
 
+Every arm runs the shipped ``[control]`` (``policies/default.toml``) as written, in the arm's mode
+and its own directory; the report says what the adaptive arm ran (``control_hash``, ``control_is_shipped``).
+
 A fleet scenario (``workers`` > 1) runs that many workers in one pool, each with the scenario's
 arguments and its own ``worker_args`` over them in the arms that run the operator's arguments; the
 oracle's sweep runs on one worker's share of the trace and its best arguments go to every worker.
@@ -34,6 +37,8 @@ arrival to its answer (an arm that failed or lost a request scores nothing there
 ``adaptive_over_best_static`` and ``adaptive_over_default`` are ratios of that figure (higher is
 better: the other arm's mean over the adaptive's), and the oracle's sweep scores the same.
 ``--sweep FILE`` keeps the sweep (deterministic in the scenario) between runs.
+A shift of phases (``shift``, ``shift-perturbed``) is also judged against the per-phase oracle
+(:mod:`loadtests.phase_oracle`, built from the same sweep): ``adaptive_over_phase_oracle``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -49,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +64,24 @@ from typing import Any
 import tomli_w
 
 from loadtests.oracle import PacedResult, Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
+from loadtests.phase_oracle import adaptive_over_phase_oracle, phase_oracle
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario, Trial
 from proxy.request.pacing import Band
+from proxy.sim.request import RequestSpec
 
-__all__ = ["ALL_ARMS", "ARMS", "TRIAL_ARM", "ArmResult", "main", "policy_toml", "run_arm", "run_scenario"]
+__all__ = [
+    "ALL_ARMS",
+    "ARMS",
+    "SHIPPED_POLICY",
+    "TRIAL_ARM",
+    "ArmResult",
+    "control_hash",
+    "main",
+    "policy_toml",
+    "run_arm",
+    "run_scenario",
+    "shipped_control",
+]
 
 ARMS = ("default", "adaptive", "oracle", "defaults")
 TRIAL_ARM = "injected"  # the adaptive arm with the scenario's operator trial (scenarios that have one)
@@ -79,6 +100,25 @@ SAMPLE_INTERVAL_S = 0.5
 # sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
 PACING: dict[str, Any] = {"queue_band": [100, 400], "scrape_interval_s": 0.5, "stale_after_s": 3.0}
 _LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_POLICY = _ROOT / "policies" / "default.toml"  # what `make run` serves: its [control] is the product
+
+
+def shipped_control() -> dict[str, Any]:
+    """The shipped policy's ``[control]`` table, as written there."""
+    with SHIPPED_POLICY.open("rb") as f:
+        return dict(tomllib.load(f).get("control", {}))
+
+
+def control_hash(table: Mapping[str, Any]) -> str:
+    """A short hash of a ``[control]`` table: its keys and values, in key order."""
+    return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def arm_control(mode: str, control: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``[control]`` an arm runs: ``control`` (None: the shipped table) with the arm's mode. Its
+    relative ``journal_path`` lands in the arm's own directory (the proxy runs there)."""
+    return {**(shipped_control() if control is None else control), "mode": mode}
 
 
 @dataclass(slots=True)
@@ -168,10 +208,16 @@ class ArmResult:
 
 
 def policy_toml(
-    sc: Scenario, args: Mapping[str, Any], mode: str, workdir: Path, worker_args: Sequence[Mapping[str, Any]] = ()
+    sc: Scenario,
+    args: Mapping[str, Any],
+    mode: str,
+    workdir: Path,
+    worker_args: Sequence[Mapping[str, Any]] = (),
+    control: Mapping[str, Any] | None = None,
 ) -> str:
     """The policy of one arm: ``sc.workers`` simulated workers with ``args`` (and each its own
-    ``worker_args`` over them), control ``mode``, the scenario's ``[control]``."""
+    ``worker_args`` over them), control ``mode``; its other ``[control]`` keys are ``control``'s
+    (None: the shipped policy's, unchanged)."""
     engine_extra: dict[str, Any] = {"worker_args": [dict(a) for a in worker_args]} if worker_args else {}
     tables: dict[str, dict[str, Any]] = {
         "proxy": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 3600.0, "status_log_interval_s": 5.0},
@@ -187,7 +233,7 @@ def policy_toml(
         # them) is a wall-clock timing like the [control] ones: unscaled, 50 modelled seconds of the
         # batch stepped back after the chat stopped
         "pacing": {**PACING, "interactive_window_s": 5.0 / sc.time_scale},
-        "control": {"mode": mode, "journal_path": str(workdir / "decisions.jsonl"), **sc.control},
+        "control": arm_control(mode, control),
     }  # fmt: skip
     return tomli_w.dumps(tables)
 
@@ -196,20 +242,25 @@ def policy_toml(
 
 
 class ProxyProcess:
-    """``pacer serve`` as a child process; its log goes to ``workdir/proxy.log``."""
+    """``pacer serve`` as a child process, run in ``cwd`` (the policy's relative paths land there: the
+    journal, the batch store); its log goes to ``log_path``."""
 
-    def __init__(self, policy_path: Path, log_path: Path) -> None:
+    def __init__(self, policy_path: Path, log_path: Path, cwd: Path | None = None) -> None:
         self.policy_path = policy_path
         self.log_path = log_path
+        self.cwd = cwd
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self._pump: asyncio.Task[None] | None = None
 
     async def start(self, timeout_s: float = 120.0) -> str:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # the proxy of this checkout, wherever it runs
+        path = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy", "serve", "--policy", str(self.policy_path), "--port", "0",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+            cwd=self.cwd,
         )  # fmt: skip
         found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pump = asyncio.create_task(self._read_log(found))
@@ -472,21 +523,23 @@ async def run_arm(
     concurrency: int = 4000,
     worker_args: Sequence[Mapping[str, Any]] = (),
     trial: Trial | None = None,
+    control: Mapping[str, Any] | None = None,
 ) -> ArmResult:
     """One arm, end to end: start the proxy, submit the workload (and ``trial``, an operator's, at its
-    moment), follow it, stop, count."""
+    moment), follow it, stop, count. ``control``: the arm's ``[control]`` keys (None: the shipped ones)."""
     import aiohttp
 
+    workdir = Path(workdir).resolve()  # the proxy runs there: the policy's paths must not be relative
     workdir.mkdir(parents=True, exist_ok=True)
     for old in (workdir / "logs").glob("*.log"):  # worker logs are appended: a re-run in the same workdir
         old.unlink()  # would count the earlier run's retractions and OOMs too
     policy = workdir / "policy.toml"
-    policy.write_text(policy_toml(sc, args, mode, workdir, worker_args))
+    policy.write_text(policy_toml(sc, args, mode, workdir, worker_args, control))
     res = ArmResult(
         arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode, time_scale=sc.time_scale
     )
     requests = sc.workload.requests()
-    proxy = ProxyProcess(policy, workdir / "proxy.log")
+    proxy = ProxyProcess(policy, workdir / "proxy.log", cwd=workdir)
     url = await proxy.start()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
     try:
@@ -590,7 +643,7 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         perturb=sc.perturb_args(),
     )
     best = {k: v for k, v in result.best.args.items() if v is not None}
-    info = {
+    info: dict[str, Any] = {
         "best": result.best.as_dict(),
         "start": result.start.as_dict(),
         "trials": len(result.trials),
@@ -605,6 +658,15 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         + ("1 / mean time from arrival to answer" if sc.judged_on == "answer_time" else "output tokens per second")
         + f"; OOM or a start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
     }
+    if isinstance(sc.workload, Phases) and sc.workers == 1:
+        perturb = sc.perturb_args()
+
+        def replay(args: Mapping[str, Any], requests: Sequence[RequestSpec]) -> Sequence[float]:
+            cfg = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=perturb)
+            return simulate_paced(cfg, requests, pacing).answer_s
+
+        info["phase_oracle"] = phase_oracle(sc.workload, result.trials, result.best, replay)
+        info["cpu_s"] = round(time.process_time() - t, 1)
     return best, info
 
 
@@ -661,10 +723,13 @@ def run_scenario(
     max_run_s: float = 900.0,
     oracle: Mapping[str, Any] | None = None,
     sweep_path: Path | None = None,
+    control: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report.
     ``sweep_path``: the oracle's sweep is read from there when it exists, else run and written there
-    (the sweep is deterministic in the scenario; an hour's trace costs minutes of CPU per sweep)."""
+    (the sweep is deterministic in the scenario; an hour's trace costs minutes of CPU per sweep).
+    ``control``: the ``[control]`` keys every arm runs (each with its own mode); None, what a
+    benchmark runs: the shipped policy's, unchanged (the report's ``control_is_shipped``)."""
     from loadtests.plot import plot_scenario
 
     report_path = Path(report_path)
@@ -702,7 +767,8 @@ def run_scenario(
         else:
             raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ALL_ARMS)}")
         print(f"[{sc.name}] {arm}: args {args}, worker args {list(own)}, control {mode}", file=sys.stderr, flush=True)
-        r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s, worker_args=own, trial=trial))
+        r = asyncio.run(run_arm(sc, arm, args, mode, base / arm, max_run_s=max_run_s, worker_args=own, trial=trial,
+                                control=control))  # fmt: skip
         print(f"[{sc.name}] {arm}: {r.output_tok_per_s:.0f} tok/s, ok {r.requests_ok}, failed {r.requests_failed}, "
               f"lost {r.requests_lost}, retractions {r.retractions}, restarts {r.restarts}, OOM {r.oom_crashes}, "
               f"{r.duration_s:.1f} s, sim slowdown {r.sim_slowdown if r.sim_slowdown is None else round(r.sim_slowdown, 2)}, "
@@ -757,7 +823,13 @@ def run_scenario(
         "model": sc.model,
         "time_scale": sc.time_scale,
         "workload": sc.workload.describe(),
-        "control": dict(sc.control),
+        # the [control] the adaptive arm ran with, and whether it is the shipped policy's unchanged
+        "control": (ran := arm_control("auto", control)),
+        "control_hash": control_hash(ran),
+        "shipped_control_hash": control_hash(shipped := shipped_control()),
+        "control_is_shipped": ran == shipped,
+        "phase_oracle": sweep_info.get("phase_oracle"),
+        **_phase_oracle_judged(phases, sweep_info),
         "arms": {a: r.summary() for a, r in results.items()},
         "adaptive_over_oracle": _ratio(tps.get("adaptive", 0.0), tps.get("oracle", 0.0)) if {"adaptive", "oracle"} <= set(tps) else None,
         "oracle_sweep": sweep_info,
@@ -775,6 +847,16 @@ def run_scenario(
     report_path.with_suffix(".md").write_text(table([report]) + "\n")
     plot_scenario(report, report_path.with_suffix(".png"))
     return report
+
+
+def _phase_oracle_judged(phases: list[dict[str, Any]] | None, sweep_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The adaptive arm against the per-phase oracle (:mod:`loadtests.phase_oracle`): the ratio (None
+    where there is none: not a shift of phases, no live oracle arm, or a sweep kept from before it)."""
+    judged = adaptive_over_phase_oracle(phases, sweep_info.get("phase_oracle"))
+    return {
+        "adaptive_over_phase_oracle": None if judged is None else judged["ratio"],
+        "phase_oracle_ratios": None if judged is None else judged["phase_ratios"],
+    }
 
 
 def _fleet_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> dict[str, Any]:
@@ -909,6 +991,17 @@ def _phase_judged(phases: list[dict[str, Any]] | None) -> dict[str, Any]:
     }
 
 
+def _opt3(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _control_label(rep: Mapping[str, Any]) -> str:
+    """The adaptive arm's [control]: as shipped, or another (its hash)."""
+    if "control_is_shipped" not in rep:
+        return "-"
+    return "shipped" if rep["control_is_shipped"] else f"not shipped ({rep.get('control_hash')})"
+
+
 def _opt(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -940,8 +1033,9 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
     ratios = [
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
-        "| replay: adaptive's final args from its restart | modelled s of the restart |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| replay: adaptive's final args from its restart | modelled s of the restart | adaptive / per-phase oracle "
+        "| control |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
@@ -949,7 +1043,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
         ratios.append(
             f"| {rep['scenario']} | {rep.get('judged_on', 'throughput')} | {'-' if ao is None else f'{ao:.3f}'} | "
             f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
-            f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} |"
+            f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} | "
+            f"{_opt3(rep.get('adaptive_over_phase_oracle'))} | {_control_label(rep)} |"
         )
     return "\n".join(rows + ratios)
 
@@ -993,7 +1088,17 @@ def main(argv: list[str]) -> int:
             json.dumps(
                 {
                     "scenarios": {
-                        r["scenario"]: {k: r[k] for k in ("arms", "adaptive_over_oracle", "adaptive_over_default")}
+                        r["scenario"]: {
+                            k: r[k]
+                            for k in (
+                                "arms",
+                                "adaptive_over_oracle",
+                                "adaptive_over_default",
+                                "adaptive_over_phase_oracle",
+                                "control_hash",
+                                "control_is_shipped",
+                            )
+                        }
                         for r in reports
                     }
                 },

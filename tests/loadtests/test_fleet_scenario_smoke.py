@@ -1,5 +1,5 @@
 """The fleet scenario's machinery, small and time-scaled: two simulated workers in one pool (one
-started with its own flag), arrivals over time, control ``auto`` with the planner, and the arm with
+started with its own flag), arrivals over time, control ``auto`` as shipped, and the arm with
 an operator's trial injected through ``POST /admin/trial``. Every request answered once; the report
 has the fleet's top-level figures; the injected bad candidate is judged by the canary and reverted;
 at most one worker of the two is out at any sample."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.scenario_defs import SCENARIOS, Scenario, Trial, Workload, planner_control
+from loadtests.scenario_defs import SCENARIOS, Scenario, Trial, Workload
 from loadtests.scenarios import TRIAL_ARM, policy_toml, run_scenario
 from proxy.policy import load_policy
 
@@ -39,8 +39,6 @@ def test_tiny_fleet_with_an_injected_trial(tmp_path: Path) -> None:
         trial=Trial(at_s=30.0, worker="w0", args={"max_running_requests": 2}, note="smoke"),
         gpu="a100-40gb",
         time_scale=10.0,
-        # the planner runs and journals, but no plan pays here: the trial is the only canary
-        control=planner_control(10.0, "a100-40gb", "llama-3.1-8b", plan_min_gain=5.0),
     )
     report_path = tmp_path / "tiny-fleet.json"
     run_scenario(sc, report_path, arms=("adaptive", TRIAL_ARM), workdir=tmp_path / "work", max_run_s=120)

@@ -1,5 +1,5 @@
 """The five premises with arrivals over time: their definitions (an hour of Poisson or bursty arrivals,
-judged on the time from arrival to answer, the planner on), and the oracle scoring that figure in its
+judged on the time from arrival to answer), and the oracle scoring that figure in its
 paced replay (requests fed as they arrive, each answer timed from its arrival)."""
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> N
         assert isinstance(wl, Workload) and wl.rate is not None and wl.shape == shape
         # a backlog's premise is judged on throughput, one that keeps up on waiting
         assert sc.judged_on == ("throughput" if premise == "retraction-storm" else "answer_time")
-        assert sc.control["planner"] is True
         assert sc.start_args == batch.start_args and sc.gpu == batch.gpu and sc.model == batch.model
         arrivals = wl.arrivals()
         assert arrivals == sorted(arrivals) and 0.95 * 3600 < arrivals[-1] <= 3600  # a modelled hour of arrivals
         longer = dataclasses.replace(wl, count=wl.count + 1).arrivals()
         assert longer[:-1] == arrivals and longer[-1] > 3600  # every arrival within the hour, none after
         assert wl.count == pytest.approx(wl.rate * 3600, rel=0.15)
-        # the controller's timings are the deployment's seen through this scenario's clock
-        assert sc.control["plan_interval_s"] == pytest.approx(60.0 / sc.time_scale)
     # the same mean rate; bursty: gaps with squared coefficient of variation near 1 / 0.3
     gaps = {}
     for sc in (poisson, bursty):

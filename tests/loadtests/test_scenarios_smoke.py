@@ -3,15 +3,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from loadtests.oracle import SearchSpace, evaluate, sweep
-from loadtests.scenario_defs import SCENARIOS, Scenario, Workload, scaled_control
-from loadtests.scenarios import ARM_KEYS, ARMS, main, policy_toml, run_scenario
+from loadtests.scenario_defs import SCENARIOS, Scenario, Workload
+from loadtests.scenarios import (
+    ARM_KEYS,
+    ARMS,
+    SHIPPED_POLICY,
+    control_hash,
+    main,
+    policy_toml,
+    run_scenario,
+    shipped_control,
+)
 from proxy.policy import load_policy
 
 SMALL = SearchSpace(
@@ -57,18 +68,38 @@ def test_sweep_respects_the_free_memory_floor() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_every_scenario_policy_loads(name: str, tmp_path: Path) -> None:
+def test_every_scenario_runs_the_shipped_control(name: str, tmp_path: Path) -> None:
+    """Every scenario's adaptive arm loads with the shipped policy's [control] settings, every one of
+    them as shipped: only the engine and the workload are the scenario's."""
     sc = SCENARIOS[name]
     path = tmp_path / "policy.toml"
     path.write_text(policy_toml(sc, sc.start_args, "auto", tmp_path))
-    policy = load_policy(path)
-    assert policy.control.mode == "auto"
+    policy, shipped = load_policy(path), load_policy(SHIPPED_POLICY)
+    assert shipped.control.mode.value == "auto" and policy.control == shipped.control
     assert dict(policy.engine.args) == dict(sc.start_args)
-    assert policy.control.interval_s == pytest.approx(5.0 / sc.time_scale)
-    # the fast tier's timings are seen through the same faster clock
-    fast = (policy.control.backoff_hold_s, policy.control.rate_window_s, policy.control.facts_window_s)
-    assert fast == pytest.approx((5.0 / sc.time_scale, 30.0 / sc.time_scale, 60.0 / sc.time_scale))
+    assert policy.engine.extra_args[:6] == ("--sim-gpu", sc.gpu, "--sim-model", sc.model, "--sim-time-scale",
+                                            f"{sc.time_scale:g}")  # fmt: skip
     assert policy.pacing.interactive_window_s == pytest.approx(5.0 / sc.time_scale)
+    static = load_policy_text(policy_toml(sc, {}, "off", tmp_path), tmp_path).control
+    assert static.mode.value == "off" and static == dataclasses.replace(shipped.control, mode=static.mode)
+
+
+def load_policy_text(text: str, where: Path) -> Any:
+    path = where / "other.toml"
+    path.write_text(text)
+    return load_policy(path)
+
+
+def test_a_control_table_other_than_the_shipped_one_is_written_as_given(tmp_path: Path) -> None:
+    sc = SCENARIOS["early-stop"]
+    other = {**shipped_control(), "restarts_per_hour": 1}
+    policy = load_policy_text(policy_toml(sc, sc.start_args, "auto", tmp_path, control=other), tmp_path)
+    assert policy.control.restarts_per_hour == 1 != load_policy(SHIPPED_POLICY).control.restarts_per_hour
+    assert (
+        control_hash(other)
+        != control_hash(shipped_control())
+        == control_hash(dict(reversed(shipped_control().items())))
+    )
 
 
 def test_workload_is_deterministic_and_exact() -> None:
@@ -97,7 +128,6 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
         start_args={"schedule_conservativeness": 0.1, "max_total_tokens": 6000, "max_running_requests": 64},
         gpu="a100-40gb",
         time_scale=20.0,
-        control=scaled_control(20.0, conservativeness_step=0.9, conservativeness_bounds=[0.1, 2.0]),
     )
     report_path = tmp_path / "tiny.json"
     report = run_scenario(sc, report_path, workdir=tmp_path / "work", max_run_s=120)
@@ -113,6 +143,12 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
             assert a["planner_peak_rss_mb"] is None  # no planner in these arms: no process of its own
     assert on_disk["arms"]["default"]["retractions"] > 0  # the storm is real
     assert on_disk["arms"]["oracle"]["control_mode"] == "off"
+    # the adaptive arm ran the shipped [control], and the report says so
+    assert on_disk["control_is_shipped"] is True and on_disk["control"] == shipped_control()
+    assert on_disk["control_hash"] == on_disk["shipped_control_hash"] == control_hash(shipped_control())
+    assert on_disk["adaptive_over_phase_oracle"] is None and on_disk["phase_oracle"] is None  # one phase
+    # each arm's proxy ran in its own directory: the shipped relative paths (journal, batch store) land there
+    assert all((tmp_path / "work" / arm / ".pacer").is_dir() for arm in ARMS)
     for key in ("adaptive_over_oracle", "adaptive_over_default"):
         assert isinstance(on_disk[key], float) and on_disk[key] > 0
     assert report["oracle_sweep"]["best"]["args"] == on_disk["arms"]["oracle"]["args"] | {
@@ -120,7 +156,7 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     }
     assert report_path.with_suffix(".png").stat().st_size > 10_000
     table = report_path.with_suffix(".md").read_text()
-    assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table
+    assert "| tiny-storm | adaptive |" in table and "adaptive / oracle" in table and "| shipped |" in table
     bound = on_disk["restart_bound"]
     if on_disk["arms"]["adaptive"]["restarts"]:  # the controller moved: what that moment costs, replayed
         assert bound["restart_at_modelled_s"] >= 0 and 0 < bound["oracle_args_restarted"] <= 1.0
@@ -198,11 +234,12 @@ def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() ->
 
 
 @pytest.mark.timeout(240)
-def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> None:
+def test_tiny_phased_scenario_with_arrivals_and_another_control(tmp_path: Path) -> None:
     """Chat arriving over time (streamed, interactive), then a small batch (batch class), through real
-    proxies (one with the planner and the fast tier): every request answered once, the report's top
-    level and its phases complete, the interactive first tokens timed."""
-    from loadtests.scenario_defs import Phases, planner_control
+    proxies (one under control, with a [control] other than the shipped one): every request answered
+    once, the report's top level and its phases complete, the interactive first tokens timed, the
+    control it ran said not to be the shipped one."""
+    from loadtests.scenario_defs import Phases
 
     sc = Scenario(
         name="tiny-shift",
@@ -216,10 +253,13 @@ def test_tiny_phased_scenario_with_arrivals_and_the_planner(tmp_path: Path) -> N
         start_args={"schedule_conservativeness": 0.3},
         gpu="a100-40gb",
         time_scale=20.0,
-        control=planner_control(20.0, "a100-40gb", "llama-3.1-8b"),
     )  # fmt: skip
+    other = {**shipped_control(), "restarts_per_hour": 1}
     report = run_scenario(sc, tmp_path / "tiny.json", arms=("default", "adaptive"), workdir=tmp_path / "w",
-                          max_run_s=120)  # fmt: skip
+                          max_run_s=120, control=other)  # fmt: skip
+    assert report["control_is_shipped"] is False and report["control"]["restarts_per_hour"] == 1
+    assert report["control_hash"] == control_hash(other) != report["shipped_control_hash"]
+    assert report["adaptive_over_phase_oracle"] is None  # streamed chat beside a batch: no phase to switch for
     assert report["lost"] == 0 and report["restarts"] == 0
     assert report["plan_gains"] == []  # no plan acted on, none checked
     for arm in ("default", "adaptive"):
