@@ -74,7 +74,8 @@ def usage_window(arm: str, before: Usage, after: Usage, wall_s: float) -> dict[s
     """Each role's CPU (cores) and the fraction of ``wall_s`` its threads waited for a CPU; the role on
     the arm's path that waited most, and whether the round counts (it waited under ``STARVED_AT``)."""
     cores = {n: round((after[n][0] - before[n][0]) / wall_s, 3) for n in before}
-    waited = {n: round((after[n][1] - before[n][1]) / wall_s, 3) for n in before}
+    # a thread that ended between the two readings takes its wait with it: the sum can fall a little
+    waited = {n: round(max(0.0, after[n][1] - before[n][1]) / wall_s, 3) for n in before}
     worst = max(_path(arm), key=lambda n: waited[n])
     return {
         "cpu_cores": cores,
