@@ -5,10 +5,9 @@ admits, so a backlog waits):
 
 1. ``early-stop``: ``max_tokens`` 4096, answers of 100-400 tokens. SGLang reserves room for what a
    request may still write, so token usage stays low. The output budget answers it without a
-   restart; with ``control.output_budget = false`` the ``admission_too_conservative`` rule lowers
-   ``schedule_conservativeness`` by a rolling restart instead.
+   restart; the planner journals its twin's view of the same load (its predicted gain).
 2. ``shift``: answers run nearly to ``max_tokens``. Those past the budget are continued (one answer
-   each) and the budget is lifted; without it, the engine retracts and ``retraction_storm`` acts.
+   each) and the budget is lifted.
 
 A phase ends ``--settle-s`` after the controller journals a decision that acts, or after
 ``--phase-s``. The true output length travels in the simulator's ``sim_output_len`` field.

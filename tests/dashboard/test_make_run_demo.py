@@ -1,8 +1,9 @@
 """``make run`` and ``pacer demo``, as a newcomer runs them: the default policy (its paths and port
 moved into the test's directory) starts the proxy and a simulated worker, the demo's first phase
-makes the controller act (the fast tier's output budget, no restart: a restart under load is
-``tests/control/test_stop_during_restart.py``'s), and an interrupt stops the proxy and its worker
-within bounded time."""
+makes the controller act within a minute (the fast tier's output budget, no restart: a restart under
+load is ``tests/control/test_stop_during_restart.py``'s), the dashboard's timeline shows that
+decision with its evidence and the planner's view of the same load with its predicted gain, and an
+interrupt stops the proxy and its worker within bounded time."""
 
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
             listening, "the proxy listening", timeout=60, every=0.1, detail=lambda: log_path.read_text()[-2000:]
         )
         assert "controller auto" in log_path.read_text()
+        demo_started = time.time()
         demo = subprocess.run(
-            [sys.executable, "-m", "proxy", "demo", "--url", url, "--phases", "1", "--phase-s", "90",
+            [sys.executable, "-m", "proxy", "demo", "--url", url, "--phases", "1", "--phase-s", "60",
              "--settle-s", "2", "--concurrency", "700"],
-            capture_output=True, text=True, timeout=150,
+            capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert demo.returncode == 0, demo.stderr + demo.stdout[-2000:]
         assert "decision #" in demo.stdout and "output_budget [applied]" in demo.stdout, demo.stdout[-3000:]
@@ -86,6 +88,21 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         # out (a move under ``budget_note_change`` of it, read from the answers still coming in)
         last = applied[-1]["evidence"]["budget_tokens"]
         assert budget is not None and abs(budget - last) < PaceSettings().budget_note_change * last, (budget, last)
+        # the dashboard shows the decision, within a minute of the demo's start, with the figures it was made on
+        shown = [d for d in admin(url, "/admin/timeline")["decisions"] if d["id"] == applied[0]["id"]]
+        assert shown and shown[0]["t"] - demo_started < 60, (shown, demo_started)
+        assert shown[0]["evidence"]["budget_tokens"] == applied[0]["evidence"]["budget_tokens"]
+
+        # and the planner's view of the same load (its twin's replay of the answers served) with its
+        # predicted gain
+        def planner_seen() -> list[dict]:
+            return [d for d in admin(url, "/admin/timeline")["decisions"] if d["rule"] == "planner"]
+
+        planned = wait_until_blocking(
+            planner_seen, "a planner entry in the timeline", timeout=max(1.0, demo_started + 60 - time.time()),
+            every=0.5, detail=lambda: str(admin(url, "/admin/decisions")["decisions"])[-2000:],
+        )  # fmt: skip
+        assert all(isinstance(d["predicted_gain"], float) for d in planned), planned
         pids = [w["pid"] for w in workers]
         assert all(pids)
         stop_started = time.monotonic()
