@@ -85,6 +85,15 @@ class Ticket:
         # :mod:`proxy.request.continuation`): the next attempt goes on from there instead of starting over
         self.written: tuple[Part, ...] = ()
 
+    def let_go(self, attempt: Attempt) -> None:
+        """``attempt`` is over: a future resolved to it (not yet replaced by a requeue) gives way to a
+        done one that holds nothing (a cancelled one), so that ticket, future and attempt do not hold
+        each other in a cycle that only a full pass of the garbage collector frees."""
+        fut = self.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is attempt:
+            self.future = fut.get_loop().create_future()
+            self.future.cancel()
+
 
 class Requeued(StrEnum):
     """Why an attempt ended without output and its ticket went back to the proxy queue."""

@@ -283,6 +283,7 @@ class Dispatcher:
         finally:
             attempt.task = None
             self._release(attempt)
+            ticket.let_go(attempt)
 
     async def _assigned(self, ticket: Ticket) -> Attempt:
         """The ticket's next attempt; one taken back before its handler woke goes straight back."""
@@ -314,7 +315,9 @@ class Dispatcher:
     def _withdraw(self, ticket: Ticket) -> None:
         fut = ticket.future
         if fut.done() and not fut.cancelled() and fut.exception() is None:
-            self._release(fut.result())  # assigned in the same instant: give the slot back
+            attempt = fut.result()
+            self._release(attempt)  # assigned in the same instant: give the slot back
+            ticket.let_go(attempt)
         else:
             fut.cancel()
         self.admission.cancel(ticket)

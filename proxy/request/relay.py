@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
@@ -34,7 +34,7 @@ from proxy.engines.base import AbortByName
 from proxy.errors import ApiError, openai_error_body, reshape_error_events
 from proxy.request import continuation
 from proxy.request.admission import BYTES_PER_TOKEN, Priority, QueueFull, estimate_cost
-from proxy.request.attempt import AttemptFailed, Ticket, WorkerLost
+from proxy.request.attempt import Attempt, AttemptFailed, Ticket, WorkerLost
 from proxy.request.dispatch import Dispatcher, NoWorker, ProxyClosing, QueueTimeout, worker_words
 from proxy.request.facts import strip_usage
 from proxy.request.job import Job
@@ -73,6 +73,7 @@ from proxy.workers.base import WorkerState
 __all__ = ["EventStream", "Opened", "complete", "forward"]
 
 R = TypeVar("R", bound=web.StreamResponse)
+T = TypeVar("T")
 
 _log = logging.getLogger(__name__)
 
@@ -242,103 +243,152 @@ async def _attempts(
     """The attempts of an admitted request until one answers it (the module docstring's loop); a
     stream whose worker broke mid-way goes on, on the next attempt, from the text it sent (``box``)."""
     d, m = path.dispatcher_for(job.model), path.metrics_for(job.model)
-    strip = _ask_for_usage(job)
-    named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
-    tries = 0
-    sent_fields: Mapping[str, object] = _NO_FIELDS
+    tries = _Tries(strip=_ask_for_usage(job))
     while True:
         placed = False  # the client left while its ticket waited for a worker: counted here
         try:
             async with d.attempt(ticket) as attempt:
                 placed = job.on_worker = True
-                attempt.streamed = job.stream
-                if tries == 0:
-                    m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
-                tries += 1
-                url = path.pool.get(attempt.worker_id).url
-                fields = path.priority_fields(attempt.worker_id, interactive=priority is Priority.INTERACTIVE)
-                if fields is not sent_fields:  # the worker orders its own queue by class (or no longer does)
-                    for name in sent_fields:
-                        job.body.pop(name, None)
-                    job.body.update(fields)
-                    sent_fields = fields
-                engine = path.engine_of(attempt.worker_id)
-                by_name = engine.abort_by_name if engine is not None else None
-                named = named or _Named.of(path, job, by_name)
-                upstream = Upstream(url, by_name, named.attempt(job, tries), m)
-                capped = capped_for(path, attempt, job)
-                attempt.sent_max_tokens = None if capped is None else capped.sent
-                if tries == 1:  # validation before the queue + wake-up and encoding after it
-                    m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
-                if box.resume is not None:  # its worker broke mid-stream: the answer goes on here
-                    try:
-                        return await resume_stream(path, attempt, upstream, box.resume)
-                    except WorkerLost as lost:
-                        box.resume = counted_loss(lost, box.resume.losses + 1)
-                        raise
-                    except asyncio.CancelledError:
-                        upstream.abort(path)
-                        if not attempt.taken_back:
-                            m.disconnected.inc()
-                        raise
-                if keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
-                    attempt.on_take_back = partial(end_early, path, attempt, upstream)
-                try:
-                    opened, parts, capped = await fetch(path, attempt, job, capped, upstream)
-                except asyncio.CancelledError:  # taken back, or the client left: abort it on the worker
-                    upstream.abort(path)
-                    if not attempt.taken_back:
-                        m.disconnected.inc()
-                    raise
-                finally:
-                    attempt.on_take_back = None
-                if attempt.taken_back and opened.resp is None:  # a whole answer the worker ended early
-                    keep_what_it_wrote(job, opened, ticket)  # what it wrote goes with the ticket
-                attempt.mark_started()
-                opened.strip_usage = strip
-                opened.parts = parts
-                whole = capped or continuation.plain(job)
-                if opened.resp is not None and whole is not None:  # a stream that can go on past a cap or a break
-                    plan = Stitch(job, whole, attempt.worker_id, is_interactive(attempt))
-                    opened.stitch, opened.go_on = (plan, None) if capped is not None else (None, plan)
-                try:
-                    answer = await respond(opened, upstream)
-                except WorkerLost as lost:
-                    box.resume = counted_loss(lost, 1)
-                    raise
-                record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
-                return answer
+                return await _attempt(path, job, priority, arrived, respond, submitted, ticket, box, attempt, tries)
         except asyncio.CancelledError:
             if not placed:  # once placed, the fetch and the relay count a client that leaves
                 m.disconnected.inc()
             raise
-        except ProxyClosing:
-            raise _closing_error(path) from None
-        except NoWorker as exc:
-            m.fail_no_worker.inc()
-            raise _none_will_serve_error(path, exc) from None
-        except QueueFull as exc:  # pushed out of the full queue by another key's request
-            m.fail_pushed_out.inc()
-            raise _queue_full_error(path, exc) from None
-        except QueueTimeout:
-            m.fail_timeout.inc()
-            raise ApiError(
-                503,
-                _no_worker_message(path, d),
-                type="service_unavailable",
-                code="queue_timeout",
-                headers=_come_back(path),
-            ) from None
-        except AttemptFailed as fail:
-            m.fail_upstream.inc()
-            if box.resume is None and fail.body and fail.content_type == "application/json":  # the worker's own
-                return web.Response(
-                    status=fail.status, body=openai_error_body(fail.status, fail.body), content_type="application/json"
-                )
-            raise _failure_error(fail, ticket.failures) from None
+        except (ProxyClosing, NoWorker, QueueFull, QueueTimeout, AttemptFailed) as exc:
+            answer = _failed(path, d, m, exc, ticket, box)
+            if isinstance(answer, ApiError):
+                raise answer from None
+            return answer
         finally:
             job.on_worker = False
         # the attempt ended without output and the ticket is back in the queue: wait for the next
+
+
+@dataclass(slots=True)
+class _Tries:
+    """What a request's attempts carry from one to the next."""
+
+    strip: bool  # strip the usage event from a stream (the client did not ask for it)
+    count: int = 0  # attempts placed on a worker so far
+    named: _Named | None = None  # how the job's attempts are named on its workers, once one is chosen
+    sent_fields: Mapping[str, object] = field(default_factory=lambda: _NO_FIELDS)  # the priority fields in the body now
+
+
+def _failed(
+    path: RequestPath,
+    d: Dispatcher,
+    m: RequestMetrics,
+    exc: ProxyClosing | NoWorker | QueueFull | QueueTimeout | AttemptFailed,
+    ticket: Ticket,
+    box: _Resumed,
+) -> ApiError | web.Response:
+    """The one table from why a request got no answer to what the client gets: a refusal to raise,
+    or a worker's own error answer to relay as it is."""
+    if isinstance(exc, ProxyClosing):
+        return _closing_error(path)
+    if isinstance(exc, NoWorker):
+        m.fail_no_worker.inc()
+        return _none_will_serve_error(path, exc)
+    if isinstance(exc, QueueFull):  # pushed out of the full queue by another key's request
+        m.fail_pushed_out.inc()
+        return _queue_full_error(path, exc)
+    if isinstance(exc, QueueTimeout):
+        m.fail_timeout.inc()
+        return ApiError(
+            503, _no_worker_message(path, d), type="service_unavailable", code="queue_timeout", headers=_come_back(path)
+        )
+    m.fail_upstream.inc()
+    if box.resume is None and exc.body and exc.content_type == "application/json":  # the worker's own
+        return web.Response(
+            status=exc.status, body=openai_error_body(exc.status, exc.body), content_type="application/json"
+        )
+    return _failure_error(exc, ticket.failures)
+
+
+def _upstream(path: RequestPath, job: Job, priority: Priority, attempt: Attempt, tries: _Tries) -> Upstream:
+    """The attempt's leg to its worker, the job's body set for it: the worker's priority fields and
+    the attempt's name."""
+    fields = path.priority_fields(attempt.worker_id, interactive=priority is Priority.INTERACTIVE)
+    if fields is not tries.sent_fields:  # the worker orders its own queue by class (or no longer does)
+        for name in tries.sent_fields:
+            job.body.pop(name, None)
+        job.body.update(fields)
+        tries.sent_fields = fields
+    engine = path.engine_of(attempt.worker_id)
+    by_name = engine.abort_by_name if engine is not None else None
+    tries.named = tries.named or _Named.of(path, job, by_name)
+    url = path.pool.get(attempt.worker_id).url
+    return Upstream(url, by_name, tries.named.attempt(job, tries.count), path.metrics_for(job.model))
+
+
+async def _attempt(
+    path: RequestPath,
+    job: Job,
+    priority: Priority,
+    arrived: float,
+    respond: Callable[[Opened, Upstream], Awaitable[R]],
+    submitted: float,
+    ticket: Ticket,
+    box: _Resumed,
+    attempt: Attempt,
+    tries: _Tries,
+) -> R | web.StreamResponse:
+    """One attempt on the worker it was placed on: open it (or go on with a stream whose worker
+    broke), then answer while it holds the worker."""
+    m = path.metrics_for(job.model)
+    attempt.streamed = job.stream
+    if tries.count == 0:
+        m.queue_time.observe(attempt.dispatched_at - ticket.enqueued_at)
+    tries.count += 1
+    upstream = _upstream(path, job, priority, attempt, tries)
+    capped = capped_for(path, attempt, job)
+    attempt.sent_max_tokens = None if capped is None else capped.sent
+    if tries.count == 1:  # validation before the queue + wake-up and encoding after it
+        m.added_latency.observe((submitted - arrived) + (time.monotonic() - attempt.dispatched_at))
+    if box.resume is not None:  # its worker broke mid-stream: the answer goes on here
+        try:
+            return await _aborted_if_cancelled(
+                path, attempt, upstream, resume_stream(path, attempt, upstream, box.resume)
+            )
+        except WorkerLost as lost:
+            box.resume = counted_loss(lost, box.resume.losses + 1)
+            raise
+    if keeps_what_it_wrote(path, attempt.worker_id, job, upstream):
+        attempt.on_take_back = partial(end_early, path, attempt, upstream)
+    try:
+        opened, parts, capped = await _aborted_if_cancelled(
+            path, attempt, upstream, fetch(path, attempt, job, capped, upstream)
+        )
+    finally:
+        attempt.on_take_back = None
+    if attempt.taken_back and opened.resp is None:  # a whole answer the worker ended early
+        keep_what_it_wrote(job, opened, ticket)  # what it wrote goes with the ticket
+    attempt.mark_started()
+    opened.strip_usage = tries.strip
+    opened.parts = parts
+    whole = capped or continuation.plain(job)
+    if opened.resp is not None and whole is not None:  # a stream that can go on past a cap or a break
+        plan = Stitch(job, whole, attempt.worker_id, is_interactive(attempt))
+        opened.stitch, opened.go_on = (plan, None) if capped is not None else (None, plan)
+    try:
+        answer = await respond(opened, upstream)
+    except WorkerLost as lost:
+        box.resume = counted_loss(lost, 1)
+        raise
+    record_fact(path, job, opened, attempt, ticket.enqueued_at, capped, opened.parts)
+    return answer
+
+
+async def _aborted_if_cancelled(path: RequestPath, attempt: Attempt, upstream: Upstream, opening: Awaitable[T]) -> T:
+    """``opening``, with the upstream request aborted on the worker when it is cancelled (taken back,
+    or the client left; the client leaving is counted)."""
+    try:
+        return await opening
+    except asyncio.CancelledError:
+        upstream.abort(path)
+        if not attempt.taken_back:
+            upstream.metrics.disconnected.inc()
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,34 +453,62 @@ async def _respond(
     upstream: Upstream,
     headers: Mapping[str, str] = _NO_HEADERS,
 ) -> web.StreamResponse:
-    m = upstream.metrics
+    """The client's answer to an opened attempt: whole, stitched from parts, or a stream relayed."""
     if opened.resp is None:
         return _whole(upstream.metrics, opened, headers)
     if opened.stitch is not None:
         return await respond_stitched(path, request, opened, upstream, headers, opened.stitch)
+    return await _relay_stream(path, request, opened, upstream, headers)
+
+
+class _ClientBytes:
+    """What of a worker's stream goes to the client: whole events (the usage and error events are read
+    and rewritten whole, however they arrive), the usage event stripped when the client did not ask
+    for it, and a worker's error event in OpenAI's shape. Keeps the stream's tail on ``opened``."""
+
+    __slots__ = ("earlier", "opened", "sent", "strip", "whole")
+
+    def __init__(self, opened: Opened) -> None:
+        self.opened = opened
+        self.strip = opened.strip_usage
+        self.whole = WholeEvents()
+        self.earlier = (
+            b"",
+            b"",
+        )  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
+        self.sent = SentEvents(opened.go_on.job.path) if opened.go_on is not None else None  # to go on from
+
+    def __call__(self, data: bytes) -> bytes:
+        data = self.whole.feed(data)
+        if not data:
+            return data
+        if self.sent is not None:
+            self.sent.add(data)
+        self.earlier, self.opened.tail = (self.earlier[1], self.opened.tail), data
+        if self.strip:
+            data = strip_usage(data)
+        return reshape_error_events(data)  # a worker's error event, in OpenAI's shape
+
+    def rest(self) -> bytes:
+        """At the end of the stream: what it ended with, past its last boundary, rewritten."""
+        rest = self.whole.rest()
+        self.opened.tail = b"".join((*self.earlier, self.opened.tail, rest))
+        return reshape_error_events(strip_usage(rest) if self.strip else rest) if rest else b""
+
+
+async def _relay_stream(
+    path: RequestPath, request: web.Request, opened: Opened, upstream: Upstream, headers: Mapping[str, str]
+) -> web.StreamResponse:
+    """A plain stream, relayed as it arrives: from the worker's connection callback straight to the
+    client's socket; one whose worker breaks goes on elsewhere when it can (:class:`WorkerLost`)."""
+    m = upstream.metrics
     resp = opened.resp
+    assert resp is not None
     out = EventStream(status=200, headers={**SSE_HEADERS, **headers} if headers else SSE_HEADERS)
     ok = False
     try:
         await out.prepare(request)
-        strip = opened.strip_usage
-        whole = WholeEvents()  # the usage and error events are read and rewritten whole, however they arrive
-        earlier = (b"", b"")  # the two pieces before the latest: the finish reason, usage and [DONE] may come apart
-        sent = SentEvents(opened.go_on.job.path) if opened.go_on is not None else None  # to go on from
-
-        def client_bytes(data: bytes) -> bytes:
-            """What of the worker's bytes goes to the client now: whole events, rewritten."""
-            nonlocal earlier
-            data = whole.feed(data)
-            if not data:
-                return data
-            if sent is not None:
-                sent.add(data)
-            earlier, opened.tail = (earlier[1], opened.tail), data
-            if strip:
-                data = strip_usage(data)
-            return reshape_error_events(data)  # a worker's error event, in OpenAI's shape
-
+        client_bytes = _ClientBytes(opened)
         last = client_bytes(opened.first)
         await out.write(last)  # the headers and the first output, in one segment
         transport = request.transport
@@ -455,22 +533,12 @@ async def _respond(
             try:
                 ended = await resp.piped()
             except UpstreamError as exc:
-                if opened.go_on is not None and sent is not None and not isinstance(exc, UpstreamEnded):
-                    if (resume := broke(opened, opened.go_on, out, sent, exc)) is not None:
-                        raise WorkerLost(resume) from None
-                    m.completed.inc()  # it broke after its finish event: the client has the whole answer
-                    await out.write(b"data: [DONE]\n\n")
-                    break
-                m.fail_midstream.inc()
-                sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                await out.write(sep + mid_stream_error(exc, "worker stream broke after output was sent"))
+                await _broke_mid_stream(opened, out, client_bytes.sent, exc, last, m)
                 break
             if ended:
                 m.completed.inc()
-                rest = whole.rest()  # a stream that ended without its last boundary: rewritten as the rest
-                opened.tail = b"".join((*earlier, opened.tail, rest))
-                if rest:
-                    await out.write(reshape_error_events(strip_usage(rest) if strip else rest))
+                if rest := client_bytes.rest():  # a stream that ended without its last boundary
+                    await out.write(rest)
                 break
             await request.writer.drain()  # the client is slow: wait until its socket buffer drained
             resp.resume_pipe()
@@ -484,3 +552,20 @@ async def _respond(
         resp.close()
         if not ok:
             upstream.abort(path)
+
+
+async def _broke_mid_stream(
+    opened: Opened, out: EventStream, sent: SentEvents | None, exc: UpstreamError, last: bytes, m: RequestMetrics
+) -> None:
+    """The worker's stream broke after output went out: a plain request goes on elsewhere from the
+    text the client has (raises :class:`WorkerLost`), one that had its finish event ends as it is,
+    and any other ends with an error event."""
+    if opened.go_on is not None and sent is not None and not isinstance(exc, UpstreamEnded):
+        if (resume := broke(opened, opened.go_on, out, sent, exc)) is not None:
+            raise WorkerLost(resume) from None
+        m.completed.inc()  # it broke after its finish event: the client has the whole answer
+        await out.write(b"data: [DONE]\n\n")
+        return
+    m.fail_midstream.inc()
+    sep = b"" if last.endswith(b"\n\n") else b"\n\n"
+    await out.write(sep + mid_stream_error(exc, "worker stream broke after output was sent"))

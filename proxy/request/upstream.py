@@ -181,6 +181,7 @@ class UpstreamResponse:
         if self._closed:
             return
         self._closed = True
+        self._sink = None  # it holds the relay's state, which holds this answer: no cycle left for the GC
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
