@@ -29,7 +29,8 @@ class SimProxy:
 async def serve_sims(tmp_path: Path, engine: dict[str, Any], **sections: Any) -> AsyncIterator[SimProxy]:
     """The proxy with ``[engine]`` of kind ``sim`` (``engine`` over the defaults: one worker at
     :data:`FAST_SIM`, its logs under ``tmp_path``) and the policy's other ``sections``; its batches
-    under ``tmp_path``."""
+    under ``tmp_path``. The controller is off unless ``sections`` has a ``control`` table: these
+    tests are about the request path, and a controller would revive, limit and restart under them."""
     policy = parse_policy(
         {
             "engine": {
@@ -41,6 +42,7 @@ async def serve_sims(tmp_path: Path, engine: dict[str, Any], **sections: Any) ->
                 **engine,
             },
             "batch": {"dir": str(tmp_path / "batches")},
+            "control": {"mode": "off"},
             **sections,
         },
         "<sim proxy>",

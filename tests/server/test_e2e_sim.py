@@ -124,6 +124,9 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
         lambda: all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers()),
         "all(st.board.get(w.id).in_flight >= 3 for w in st.pool.workers())",
         timeout=20,
+        detail=lambda: repr(
+            [(w.id, w.state, st.board.get(w.id).in_flight, st.board.get(w.id).summary()) for w in st.pool.workers()]
+        ),
     )
     victim = st.pool.get("w0")
     os.kill(victim.pid, signal.SIGKILL)
