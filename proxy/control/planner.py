@@ -21,6 +21,7 @@ journal gets the predicted and the measured gain side by side.
 from __future__ import annotations
 
 import argparse
+import enum
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -51,17 +52,21 @@ __all__ = [
     "Replay",
     "RestartCost",
     "Twin",
+    "Verdict",
+    "Why",
     "args_key",
     "calibrate",
     "candidates",
     "check_outcome",
     "continued",
+    "explain",
     "measured_throughput",
     "outage_waiting_s",
     "plan",
     "replay",
     "run_plan",
     "twin_error",
+    "verdict",
 ]
 
 CONSERVATIVENESS = "schedule_conservativeness"
@@ -650,6 +655,288 @@ def _accrual(accrues_s: float, settings: PlanSettings) -> str:
     return f" (of the {settings.horizon_s:g} s horizon: the work waiting is gone by then)"
 
 
+class Why(enum.Enum):
+    """What a plan's verdict rests on (its reason says it in words: :func:`explain`)."""
+
+    NO_BETTER = "no candidate beats the current arguments"
+    UNTRUSTED = "the gain would pay, but is inside the twin's error"
+    NOTHING_WAITS = "nothing waits for the worker: a throughput gain does not accrue"
+    DOES_NOT_PAY = "the gain over the horizon does not pay the restart"
+    PAYS = "the throughput gain pays the restart"
+    WAITING_PAYS = "the waiting saved pays the restart"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """A plan's numbers and choice, before any words (:func:`verdict`)."""
+
+    why: Why
+    current: Prediction
+    best: Prediction  # the throughput basis's choice (``current`` when none beats it)
+    base: float  # the current args' output tokens/s going on
+    gain: float  # best's over base, the mean over the paying looks, with the larger pool's
+    weighed: float  # base x (1 + gain): what the restart is weighed on
+    paying_looks: int  # the looks the gain is a mean over
+    this_look_gain: float  # best's gain on this look alone
+    roomier_behind: float | None  # the larger pool taken though the twin puts it this far behind (None: not)
+    accrues_s: float
+    gain_tokens: float
+    cost_tokens: float
+    measured: float | None  # what the worker did on the replayed requests
+    now_error: float | None  # the twin's error on this look
+    error: float | None  # its error over the looks under the same args
+    pays: bool
+    trusted: bool
+    waiting: WaitingPlan | None  # the waiting basis's candidate, when one was weighed
+    gains: Mapping[str, float]
+    savings: Mapping[str, float]
+    refused: tuple[Prediction, ...]
+    replays: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """The current args and the candidates replayed on one look."""
+
+    sample: list[Observed]
+    loaded: Replay
+    seen: Prediction  # the current args on the window as it went
+    current: Prediction  # the current args going on
+    served: list[Prediction]  # the candidates inside the band that did not die
+    refused: tuple[Prediction, ...]  # those outside the memory band
+    replays: int
+
+
+def _replayed(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None,
+    in_flight: Sequence[InFlight],
+    now: float | None,
+) -> _Replayed:
+    sample = _sample(workload, settings)
+    window = replay(sample, workload, in_flight, now)
+    loaded = continued(window, settings.horizon_s)
+    seen = twin.predict(args, window)  # the window as it went: what the twin is judged on against the worker
+    # the current args going on, with the window's own figures (the output answered in it, its answer times)
+    current = replace(twin.predict(args, loaded), answered_tok_per_s=seen.answered_tok_per_s)
+    refused: list[Prediction] = []
+    served: list[Prediction] = []
+    replays = 2
+    in_band = _band_fraction(twin, args, settings)
+    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings):
+        p = twin.predict(cand, loaded)
+        replays += 1
+        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
+            refused.append(p)
+            continue
+        if p.oom is None:
+            served.append(p)
+    return _Replayed(sample, loaded, seen, current, served, tuple(refused), replays)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """The throughput basis's candidate: ``best`` (``current``: none), its gain and how it was read."""
+
+    best: Prediction
+    gain: float
+    paying_looks: int
+    roomier_behind: float | None
+    replays: int
+
+
+def _choose(
+    twin: Twin,
+    r: _Replayed,
+    gains: Mapping[str, float],
+    earlier_gains: Sequence[Mapping[str, float]],
+    settings: PlanSettings,
+) -> _Choice:
+    """The candidate with the best mean gain over this look and the earlier paying looks that replayed
+    it; a restart for it takes the KV pool the band's floor allows too, unless the twin puts that one
+    worse by more than it can tell."""
+    base = r.current.output_tok_per_s
+
+    def over_looks(p: Prediction) -> float:
+        key = args_key(p.args)
+        return statistics.fmean([gains[key], *(g[key] for g in earlier_gains if key in g)])
+
+    best, gain = r.current, 0.0
+    for p in r.served:
+        if (mean := over_looks(p)) > max(gain, 0.001):
+            best, gain = p, mean
+    if best is r.current:
+        return _Choice(best, gain, 1, None, 0)
+    paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g)
+    roomier = _roomier(twin, best, r.loaded, settings)
+    behind = None
+    if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
+        if roomier.output_tok_per_s < best.output_tok_per_s:
+            behind = roomier.output_tok_per_s / best.output_tok_per_s - 1.0
+        gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
+        best = roomier
+    return _Choice(best, gain, paying_looks, behind, int(roomier is not None))
+
+
+def _waiting(
+    twin: Twin,
+    r: _Replayed,
+    in_flight: int,
+    cost: RestartCost,
+    settings: PlanSettings,
+    earlier_savings: Sequence[Mapping[str, float]],
+) -> tuple[WaitingPlan | None, dict[str, float], int]:
+    """The waiting basis: its candidate (None: none answers sooner by more than the twin misses this
+    worker's answers by), each candidate's waiting saved, and the replays it took."""
+    capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
+
+    def capacity(p: Prediction) -> float | None:
+        key = args_key(p.args)
+        if key not in capacities:
+            capacities[key] = _capacity(twin, p, r.loaded)
+        return capacities[key]
+
+    current, sample = r.current, r.sample
+    savings = waiting_savings(current, r.served, sample, settings, capacity)
+    waiting = _waiting_plan(current, r.served, sample, in_flight, cost, settings, savings, earlier_savings, capacity)
+    replays = len(capacities)
+    if waiting is not None and current.mean_answer_s and waiting.quicker.mean_answer_s is not None:
+        sooner = 1.0 - waiting.quicker.mean_answer_s / current.mean_answer_s
+        answered = [o.finished - o.arrived for o in sample if o.finished is not None]
+        measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
+        # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
+        seen = r.seen.mean_answer_s
+        answer_error = abs(seen - measured_answer) / measured_answer if measured_answer and seen is not None else None
+        if answer_error is not None and sooner <= answer_error:
+            waiting = None  # answers sooner by less than the twin misses this worker's answers by
+    if waiting is not None and waiting.saved_s > waiting.cost_s:
+        roomier = _roomier(twin, waiting.quicker, r.loaded, settings)
+        replays += roomier is not None
+        answers = roomier.mean_answer_s if roomier is not None else None
+        quickest = waiting.quicker.mean_answer_s
+        if roomier is not None and answers is not None and quickest and _no_worse(quickest, answers, settings):
+            waiting = replace(waiting, quicker=roomier)
+    return waiting, savings, replays
+
+
+def verdict(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    cost: RestartCost,
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None = None,
+    in_flight: Sequence[InFlight] = (),
+    now: float | None = None,
+    earlier_errors: Sequence[float] = (),
+    earlier_gains: Sequence[Mapping[str, float]] = (),
+    earlier_savings: Sequence[Mapping[str, float]] = (),
+) -> Verdict:
+    """:func:`plan`'s numbers and choice, without words."""
+    r = _replayed(twin, args, workload, settings, resolved, in_flight, now)
+    current, base = r.current, r.current.output_tok_per_s
+    gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in r.served} if base > 0 else {}
+    choice = _choose(twin, r, gains, earlier_gains, settings)
+    best, gain = choice.best, choice.gain
+    weighed = base * (1.0 + gain)
+    accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
+    gain_tokens, cost_tokens = (weighed - base) * accrues_s, cost.tokens(base)
+    measured = r.loaded.measured() or measured_throughput(r.sample)
+    predicted = current.answered_tok_per_s
+    # how far the twin is from what the worker did on the same requests: a gain inside that is not one
+    # (a sample without answer times says nothing of it: the twin's own figures stand)
+    now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
+    error = twin_error(earlier_errors, now_error)
+    trusted = error is None or gain > error
+    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    waiting: WaitingPlan | None = None
+    savings: dict[str, float] = {}
+    waiting_replays = 0
+    if not (pays or settings.backlog):
+        waiting, savings, waiting_replays = _waiting(twin, r, len(in_flight), cost, settings, earlier_savings)
+    if waiting is not None and waiting.saved_s > waiting.cost_s:
+        why = Why.WAITING_PAYS
+    elif best is current:
+        why = Why.NO_BETTER
+    elif pays and not trusted:
+        why = Why.UNTRUSTED
+    elif accrues_s <= 0:
+        why = Why.NOTHING_WAITS
+    else:
+        why = Why.PAYS if pays else Why.DOES_NOT_PAY
+    this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
+    return Verdict(why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+                   paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
+                   accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
+                   now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
+                   savings=savings, refused=r.refused, replays=r.replays + choice.replays + waiting_replays)  # fmt: skip
+
+
+def _moved(args: Mapping[str, object], to: Prediction) -> str:
+    return ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in to.args.items() if args.get(k) != v)
+
+
+def _waiting_reason(v: Verdict, waiting: WaitingPlan, args: Mapping[str, object], settings: PlanSettings) -> str:
+    quicker, saved, paid, utilization = waiting.quicker, waiting.saved_s, waiting.cost_s, waiting.utilization
+    assert v.current.mean_answer_s is not None and quicker.mean_answer_s is not None
+    return (
+        f"{_moved(args, quicker)}: the same tokens answered sooner (mean answer {v.current.mean_answer_s:.1f} -> "
+        f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
+        f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
+        + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
+        + _held_up(settings)
+    )
+
+
+def explain(v: Verdict, args: Mapping[str, object], settings: PlanSettings, earlier_errors: int = 0) -> str:
+    """The plan's reason, in words, from its verdict; ``earlier_errors``: how many earlier looks the
+    twin's error is read over."""
+    if v.why is Why.WAITING_PAYS:
+        assert v.waiting is not None
+        return _waiting_reason(v, v.waiting, args, settings)
+    gain, accrual = f"{v.gain:+.1%}", f"{round(v.accrues_s, 1):g} s{_accrual(v.accrues_s, settings)}"
+    if v.why is Why.NO_BETTER:
+        reason = "no candidate beats the current arguments on the recent workload"
+    elif v.why is Why.UNTRUSTED:
+        looks = min(ERROR_LOOKS, earlier_errors + (v.now_error is not None))
+        reason = (
+            f"predicted gain {gain} would pay a restart, but the twin misses what the worker did on the same "
+            f"requests by {v.error or 0.0:.1%}"
+            + (f" (the median of its last {looks} looks; {v.now_error or 0.0:.1%} on this one)" if looks > 1 else "")
+            + ": no restart on it"
+        )
+    elif v.why is Why.NOTHING_WAITS:
+        reason = (
+            f"predicted gain {gain}, but nothing waits for the worker: a throughput gain accrues only while work waits"
+        )
+    elif v.why is Why.DOES_NOT_PAY:
+        reason = f"predicted gain {gain} x {accrual} = {v.gain_tokens:.0f} tokens does not pay a restart ({v.cost_tokens:.0f} tokens)"
+    else:
+        note = ""
+        if v.roomier_behind is not None:
+            note = (
+                f" (with the band's larger KV pool, which the twin puts {v.roomier_behind:+.1%} on these requests: "
+                "inside what it cannot tell)"
+            )
+        if v.paying_looks > 1:
+            note += (
+                f" (its mean over {v.paying_looks} looks that say a restart pays; {v.this_look_gain:+.1%} on this one)"
+            )
+        reason = (
+            f"{_moved(args, v.best)}: predicted gain {gain} ({v.base:.0f} -> {v.weighed:.0f} tok/s) x {accrual} = "
+            f"{v.gain_tokens:.0f} tokens > restart cost {v.cost_tokens:.0f} tokens{note}"
+        )
+    if v.waiting is not None:
+        reason += f"; waiting: {v.waiting.saved_s:.0f} request-seconds saved{v.waiting.over_looks} <= {v.waiting.cost_s:.0f} the restart adds"
+        if v.waiting.utilization is not None:
+            reason += f" (the worker {v.waiting.utilization:.0%} busy)"
+        reason += _held_up(settings)
+    return reason
+
+
 def plan(
     twin: Twin,
     args: Mapping[str, object],
@@ -664,176 +951,49 @@ def plan(
     earlier_savings: Sequence[Mapping[str, float]] = (),
 ) -> Plan:
     """Replay the newest requests, with the work in flight alongside them, under ``args`` and the
-    candidates; restart only if it pays. ``earlier_errors``: the twin's error on the worker's earlier
-    looks under the same args, newest last (:func:`twin_error`); ``earlier_gains``: the candidates'
-    gains (:attr:`Plan.gains`) on the earlier looks that said a restart pays, none saying no since: a
-    candidate is chosen, and the restart weighed, on its mean gain over those looks and this one;
-    ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`) on the earlier looks that
-    asked the waiting basis, whatever they said: the waiting basis weighs its mean over them and this one."""
-    sample = _sample(workload, settings)
-    window = replay(sample, workload, in_flight, now)
-    loaded = continued(window, settings.horizon_s)
-    seen = twin.predict(args, window)  # the window as it went: what the twin is judged on against the worker
-    # the current args going on, with the window's own figures (the output answered in it, its answer times)
-    current = replace(twin.predict(args, loaded), answered_tok_per_s=seen.answered_tok_per_s)
-    refused: list[Prediction] = []
-    served: list[Prediction] = []  # the candidates inside the band that did not die
-    replays = 2
-    in_band = _band_fraction(twin, args, settings)
-    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings):
-        p = twin.predict(cand, loaded)
-        replays += 1
-        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
-            refused.append(p)
-            continue
-        if p.oom is None:
-            served.append(p)
-    base = current.output_tok_per_s
-    gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in served} if base > 0 else {}
-
-    def over_looks(p: Prediction) -> float:
-        """``p``'s gain on this look and on the earlier paying looks that replayed it, their mean."""
-        key = args_key(p.args)
-        return statistics.fmean([gains[key], *(g[key] for g in earlier_gains if key in g)])
-
-    best, gain = current, 0.0
-    for p in served:
-        if (mean := over_looks(p)) > max(gain, 0.001):
-            best, gain = p, mean
-    paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g) if best is not current else 1
-    note = ""  # what the reason adds: the larger pool taken inside the noise, the looks the gain is a mean over
-    if best is not current:  # a restart for it takes the KV pool the band's floor allows too
-        roomier = _roomier(twin, best, loaded, settings)
-        replays += roomier is not None
-        if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
-            if roomier.output_tok_per_s < best.output_tok_per_s:
-                note = (
-                    f" (with the band's larger KV pool, which the twin puts "
-                    f"{roomier.output_tok_per_s / best.output_tok_per_s - 1.0:+.1%} on these requests: inside what "
-                    "it cannot tell)"
-                )
-            gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
-            best = roomier
-    weighed = base * (1.0 + gain)  # what the restart is weighed on
-    if paying_looks > 1:
-        note += f" (its mean over {paying_looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
-    accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
-    gain_tokens = (weighed - base) * accrues_s
-    cost_tokens = cost.tokens(base)
-    measured = loaded.measured() or measured_throughput(sample)
-    predicted = current.answered_tok_per_s
-    # how far the twin is from what the worker did on the same requests: a gain inside that is not one
-    # (a sample without answer times says nothing of it: the twin's own figures stand)
-    now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
-    error = twin_error(earlier_errors, now_error)
-    trusted = error is None or gain > error
-    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
-    worth = pays and trusted
-    capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
-
-    def capacity(p: Prediction) -> float | None:
-        key = args_key(p.args)
-        if key not in capacities:
-            capacities[key] = _capacity(twin, p, loaded)
-        return capacities[key]
-
-    savings: dict[str, float] = {}
-    waiting = None
-    if not (pays or settings.backlog):
-        savings = waiting_savings(current, served, sample, settings, capacity)
-        waiting = _waiting_plan(current, served, sample, len(in_flight), cost, settings, savings,
-                                earlier_savings, capacity)  # fmt: skip
-        replays += len(capacities)
-    if waiting is not None and current.mean_answer_s and waiting.quicker.mean_answer_s is not None:
-        sooner = 1.0 - waiting.quicker.mean_answer_s / current.mean_answer_s
-        answered = [o.finished - o.arrived for o in sample if o.finished is not None]
-        measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
-        # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
-        answer_error = (
-            abs(seen.mean_answer_s - measured_answer) / measured_answer
-            if measured_answer and seen.mean_answer_s is not None
-            else None
-        )
-        if answer_error is not None and sooner <= answer_error:
-            waiting = None  # answers sooner by less than the twin misses this worker's answers by
-    if waiting is not None and waiting.saved_s > waiting.cost_s:
-        roomier = _roomier(twin, waiting.quicker, loaded, settings)
-        replays += roomier is not None
-        answers = roomier.mean_answer_s if roomier is not None else None
-        quickest = waiting.quicker.mean_answer_s
-        if roomier is not None and answers is not None and quickest and _no_worse(quickest, answers, settings):
-            waiting = replace(waiting, quicker=roomier)
-    if waiting is not None:
-        quicker, saved, paid, utilization = waiting.quicker, waiting.saved_s, waiting.cost_s, waiting.utilization
-        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
-        assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
-        reason = (
-            f"{moved}: the same tokens answered sooner (mean answer {current.mean_answer_s:.1f} -> "
-            f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
-            f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
-            + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
-            + _held_up(settings)
-        )
-        if saved > paid:
-            return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
-                        if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
-                        accrues_s=settings.horizon_s,
-                        cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
-                        refill_s=cost.refill_s, gains=gains, savings=savings,
-                        measured_current=measured, basis="waiting",
-                        wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
-    if best is current:
-        reason = "no candidate beats the current arguments on the recent workload"
-    elif pays and not trusted:
-        looks = min(ERROR_LOOKS, len(earlier_errors) + (now_error is not None))
-        reason = (
-            f"predicted gain {gain:+.1%} would pay a restart, but the twin misses what the worker did on the same "
-            f"requests by {error or 0.0:.1%}"
-            + (f" (the median of its last {looks} looks; {now_error or 0.0:.1%} on this one)" if looks > 1 else "")
-            + ": no restart on it"
-        )
-    elif accrues_s <= 0:
-        reason = (
-            f"predicted gain {gain:+.1%}, but nothing waits for the worker: a throughput gain accrues only while "
-            "work waits"
-        )
-    elif not worth:
-        reason = (
-            f"predicted gain {gain:+.1%} x {round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens "
-            f"does not pay a restart ({cost_tokens:.0f} tokens)"
-        )
-    else:
-        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
-        reason = (
-            f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {weighed:.0f} tok/s) x "
-            f"{round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens > restart cost "
-            f"{cost_tokens:.0f} tokens{note}"
-        )
-    if waiting is not None:
-        reason += (
-            f"; waiting: {waiting.saved_s:.0f} request-seconds saved{waiting.over_looks} <= {waiting.cost_s:.0f} "
-            "the restart adds"
-        )
-        if waiting.utilization is not None:
-            reason += f" (the worker {waiting.utilization:.0%} busy)"
-        reason += _held_up(settings)
-    return Plan(
+    candidates; restart only if it pays (:func:`verdict`, in words by :func:`explain`). ``earlier_errors``:
+    the twin's error on the worker's earlier looks under the same args, newest last (:func:`twin_error`);
+    ``earlier_gains``: the candidates' gains (:attr:`Plan.gains`) on the earlier looks that said a restart
+    pays, none saying no since: a candidate is chosen, and the restart weighed, on its mean gain over
+    those looks and this one; ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`)
+    on the earlier looks that asked the waiting basis, whatever they said: the waiting basis weighs its
+    mean over them and this one."""
+    v = verdict(twin, args, workload, cost, settings, resolved, in_flight, now, earlier_errors, earlier_gains,
+                earlier_savings)  # fmt: skip
+    reason = explain(v, args, settings, len(earlier_errors))
+    throughput = Plan(
         twin=twin,
-        current=current,
-        best=best,
-        predicted_gain=gain,
-        gain_tokens=gain_tokens,
-        accrues_s=accrues_s,
-        cost_tokens=cost_tokens,
+        current=v.current,
+        best=v.best,
+        predicted_gain=v.gain,
+        gain_tokens=v.gain_tokens,
+        accrues_s=v.accrues_s,
+        cost_tokens=v.cost_tokens,
         refill_s=cost.refill_s,
-        gains=gains,
-        savings=savings,
-        worth=worth,
-        replays=replays,
+        gains=v.gains,
+        savings=v.savings,
+        worth=v.pays and v.trusted,
+        replays=v.replays,
         reason=reason,
-        refused=tuple(refused),
-        measured_current=measured,
-        undecided=pays and not trusted,
+        refused=v.refused,
+        measured_current=v.measured,
+        undecided=v.pays and not v.trusted,
+    )
+    if v.why is not Why.WAITING_PAYS or v.waiting is None:
+        return throughput
+    quicker, base = v.waiting.quicker, v.base
+    return replace(
+        throughput,
+        best=quicker,
+        predicted_gain=quicker.output_tok_per_s / base - 1.0 if base > 0 else 0.0,
+        gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
+        accrues_s=settings.horizon_s,
+        worth=True,
+        undecided=False,
+        basis="waiting",
+        wait_saved_s=v.waiting.saved_s,
+        wait_cost_s=v.waiting.cost_s,
+        utilization=v.waiting.utilization,
     )
 
 
