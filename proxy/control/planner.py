@@ -1,7 +1,8 @@
 """The planner: a calibrated twin of a worker replays its recent workload under candidate arguments.
 
 The twin is the simulator's virtual-time core (:func:`proxy.sim.virtual.simulate`) standing for one
-worker: an SGLang model, reached through the knob table's argument names only.
+worker: an SGLang model, reached through the engine contract (the argument names its knobs move, the
+arguments its twin reads) and :mod:`proxy.sim.twin`.
 
 Calibration (:func:`calibrate`): the step time from the worker's own decode lines (the median of
 expected over measured decode rate at the same batch; it absorbs a simulated worker's time scale),
@@ -13,6 +14,7 @@ bounded set of candidates (:func:`candidates`); the best is worth a restart only
 gain over the horizon (:mod:`proxy.control.horizon`) pays the restart cost measured on this worker
 (:class:`RestartCost`: start-up, drain, work taken back and computed again), and no candidate leaves
 less free memory at start-up than the band's floor. A gain inside the twin's error says neither way.
+The verdict is computed in numbers and a why-code (:func:`verdict`), its words apart (:func:`explain`).
 
 An acted plan is checked on the requests served under its arguments (:func:`check_outcome`): the
 journal gets the predicted and the measured gain side by side.
@@ -20,7 +22,6 @@ journal gets the predicted and the measured gain side by side.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import math
 import statistics
@@ -28,12 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.control.rules import Activations
-from proxy.sim.cli import build_parser
-from proxy.sim.config import SimConfig, SimConfigError, resolve_config
+from proxy.engines.base import KnobName
+from proxy.engines.contract import Engine
+from proxy.sim.config import SimConfig, SimConfigError
 from proxy.sim.presets import GPUS, MIB
 from proxy.sim.request import RequestSpec
 from proxy.sim.startup import capacity_line
 from proxy.sim.steptime import startup_seconds
+from proxy.sim.twin import TWIN_ENGINE, memory_fraction, prefill_chunk, twin_config
 from proxy.sim.virtual import simulate
 
 __all__ = [
@@ -69,10 +72,28 @@ __all__ = [
     "verdict",
 ]
 
-CONSERVATIVENESS = "schedule_conservativeness"
-MAX_RUNNING = "max_running_requests"
-PREFILL_CHUNK = "chunked_prefill_size"
-MEMORY_FRACTION = "mem_fraction_static"
+
+@dataclass(frozen=True, slots=True)
+class ArgNames:
+    """The names of the arguments the planner moves, as an engine's knobs name them."""
+
+    conservativeness: str
+    max_running: str
+    prefill_chunk: str
+    memory_fraction: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> ArgNames:
+        k = engine.knobs
+        return cls(
+            conservativeness=k[KnobName.CONSERVATIVENESS].arg,
+            max_running=k[KnobName.MAX_RUNNING].arg,
+            prefill_chunk=k[KnobName.PREFILL_CHUNK].arg,
+            memory_fraction=k[KnobName.MEMORY_FRACTION].arg,
+        )
+
+
+TWIN_NAMES = ArgNames.of(TWIN_ENGINE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,16 +414,18 @@ class Twin:
     model: str
     step_time_factor: float = 1.0
     kv_factor: float = 1.0
+    engine: Engine = TWIN_ENGINE  # the engine whose workers it models: the arguments it reads and moves
+
+    @property
+    def names(self) -> ArgNames:
+        return ArgNames.of(self.engine)
 
     def config(self, args: Mapping[str, object]) -> SimConfig:
         """The twin's resolved config under ``args`` (raises SimConfigError: would not start)."""
-        ns = _namespace(args, self.gpu, self.model)
-        ns.sim_step_time_factor = self.step_time_factor
-        cfg = resolve_config(ns)
-        if self.kv_factor < 1.0:
-            ns.max_total_tokens = max(1, int(cfg.max_total_num_tokens * self.kv_factor))
-            cfg = resolve_config(ns)
-        return cfg
+        own = self.engine.twin_args(args)
+        if own is None:
+            raise SimConfigError(f"the twin does not model {self.engine.name}'s workers")
+        return twin_config(self.gpu, self.model, own, step_time_factor=self.step_time_factor, kv_factor=self.kv_factor)
 
     def prefill_seconds(self, args: Mapping[str, object], tokens: float, requests: int) -> float:
         """The worker's time to prefill ``requests`` prompts of ``tokens`` in all, in chunks of its
@@ -414,7 +437,7 @@ class Twin:
         if tokens <= 0 or requests <= 0:
             return 0.0
         steps = cfg.step_model()
-        chunk = cfg.chunked_prefill_size or int(tokens)
+        chunk = prefill_chunk(cfg) or int(tokens)
         each = tokens / requests
         seconds, left = 0.0, float(tokens)
         while left > 0:
@@ -489,17 +512,6 @@ class Twin:
             oom=res.oom,
             available_gpu_mem_gb=cfg.memory.available_gb,
         )
-
-
-def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Namespace:
-    ns = build_parser().parse_args(["--sim-gpu", gpu, "--sim-model", model])
-    for key, value in args.items():
-        if key.startswith("sim_") or not hasattr(ns, key) or value is None:
-            continue  # the twin's own presets stand; a simulated worker's hidden factors are not read
-        if key == CONSERVATIVENESS and isinstance(value, (int, float)):
-            value = float(value)
-        setattr(ns, key, value)
-    return ns
 
 
 MIN_SPAN_LINES = 3  # the twin's lines in the worker's span it takes to compare like with like
@@ -578,36 +590,37 @@ def _num(value: object) -> float | None:
 
 
 def candidates(
-    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings
+    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings, names: ArgNames = TWIN_NAMES
 ) -> list[dict[str, object]]:
-    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones)."""
+    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones),
+    ``names``: the engine's names of the arguments moved."""
 
     def current(arg: str) -> float | None:
         value = _num(args.get(arg))
         return value if value is not None else resolved.get(arg)
 
     out: list[dict[str, object]] = []
-    cons = current(CONSERVATIVENESS) or 1.0
+    cons = current(names.conservativeness) or 1.0
     lo, hi = settings.conservativeness_bounds
     for value in settings.conservativeness:
         if lo <= value <= hi and abs(value - cons) > 1e-9:
-            out.append({**args, CONSERVATIVENESS: value})
-    running = current(MAX_RUNNING)
+            out.append({**args, names.conservativeness: value})
+    running = current(names.max_running)
     if running:
         for value in (int(running * 0.5), int(running * 2)):
             if value >= 1:
-                out.append({**args, MAX_RUNNING: value})
-    chunk = current(PREFILL_CHUNK)
+                out.append({**args, names.max_running: value})
+    chunk = current(names.prefill_chunk)
     if chunk and chunk > 0:
         for value in (int(chunk // 2), int(chunk * 2)):
             if 512 <= value <= 16384:
-                out.append({**args, PREFILL_CHUNK: value})
-    frac = current(MEMORY_FRACTION)
+                out.append({**args, names.prefill_chunk: value})
+    frac = current(names.memory_fraction)
     if frac:
         flo, fhi = settings.memory_fraction_bounds
         for value in (frac - settings.memory_fraction_step, frac + settings.memory_fraction_step):
             if flo <= value <= fhi:
-                out.append({**args, MEMORY_FRACTION: round(value, 3)})
+                out.append({**args, names.memory_fraction: round(value, 3)})
     return out[: settings.max_candidates]
 
 
@@ -726,7 +739,7 @@ def _replayed(
     served: list[Prediction] = []
     replays = 2
     in_band = _band_fraction(twin, args, settings)
-    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings):
+    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names):
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
@@ -1085,18 +1098,18 @@ def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSetti
     act = twin.activations(args)
     need_mib = 0.0
     if act is not None:
-        chunk = now.chunked_prefill_size or now.max_prefill_tokens
+        chunk = prefill_chunk(now) or now.max_prefill_tokens
         past_graphs = chosen.peak_running if chosen.peak_running > act.graph_max_bs else 0
         need_mib = max(chunk * act.prefill_mib_per_token, past_graphs * act.decode_mib_per_seq)
     keep_gb = max(settings.min_available_gb, ACTIVATION_MARGIN * need_mib / 1024)
     step = settings.memory_fraction_step
-    current = now.mem_fraction_static
+    current = memory_fraction(now)
     _, top = settings.memory_fraction_bounds
     room: float | None = None
     frac = round((math.floor(current / step + 1e-9) + 1) * step, 3)  # the grid's next value above the current
     while frac <= top + 1e-9:
         try:
-            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
         except SimConfigError:
             break
         if free < keep_gb:
@@ -1105,7 +1118,7 @@ def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSetti
         frac = round(frac + step, 3)
     if room is None:
         return None
-    p = twin.predict({**args, MEMORY_FRACTION: room}, loaded)
+    p = twin.predict({**args, twin.names.memory_fraction: room}, loaded)
     if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb):
         return None
     return p
@@ -1131,12 +1144,12 @@ def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSetting
     for step in range(round(flo * 100), round(fhi * 100) + 1):
         frac = step / 100
         try:
-            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
         except SimConfigError:
             continue
         if low <= free <= high and (best is None or abs(free - middle) < best[0]):
             best = (abs(free - middle), frac)
-    return None if best is None else {**args, MEMORY_FRACTION: best[1]}
+    return None if best is None else {**args, twin.names.memory_fraction: best[1]}
 
 
 def outage_waiting_s(waiting: float, rate: float, outage_s: float, utilization: float | None) -> float:

@@ -36,6 +36,8 @@ from proxy.control.planner import (
     verdict,
     waiting_savings,
 )
+from proxy.engines.base import KnobName
+from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
@@ -761,3 +763,19 @@ def test_the_verdict_says_why_in_codes_and_the_plan_s_reason_is_its_explanation(
     )
     none = replace(pays, why=Why.NO_BETTER, best=pays.current)
     assert explain(none, start, PlanSettings()) == "no candidate beats the current arguments on the recent workload"
+
+
+def test_the_planner_moves_the_arguments_its_twin_s_engine_names_and_plans_no_engine_it_does_not_model():
+    from proxy.control.planner import TWIN_NAMES, ArgNames
+    from proxy.engines.registry import ENGINES
+
+    knobs = ENGINES["sglang"].knobs
+    assert ArgNames.of(ENGINES["sglang"]) == TWIN_NAMES == Twin(GPU, MODEL).names
+    assert TWIN_NAMES.memory_fraction == knobs[KnobName.MEMORY_FRACTION].arg
+    renamed = ArgNames(conservativeness="c", max_running="r", prefill_chunk="p", memory_fraction="m")
+    moved = candidates({}, {"r": 256, "p": 4096, "m": 0.85}, PlanSettings(max_candidates=50), renamed)
+    assert {"r": 128} in moved and {"p": 8192} in moved and {"m": 0.86} in moved and {"c": 0.3} in moved
+    vllm = Twin(GPU, MODEL, engine=ENGINES["vllm"])
+    with pytest.raises(SimConfigError, match="does not model vllm's workers"):
+        vllm.config({})
+    assert vllm.startup_line({}) is None
