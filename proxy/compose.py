@@ -33,17 +33,8 @@ from proxy.batch.executor import RequestPathExecutor
 from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.controller import Controller
 from proxy.control.evidence import OutputBudget
-from proxy.control.fast_tier import (
-    Pace,
-    PaceInput,
-    PaceSettings,
-    budget_evidence,
-    budget_moved,
-    budget_overrun,
-    kv_peak,
-    next_pace,
-    output_budget,
-)
+from proxy.control.fast_decision import BudgetReading, FastTier, LoadReading
+from proxy.control.fast_tier import PaceSettings
 from proxy.control.journal import Journal
 from proxy.control.offload import PlanProcess
 from proxy.control.planner import InFlight, Observed
@@ -58,8 +49,9 @@ from proxy.policy import ControlMode, Policy, PoolSettings, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.continuation import applies_above
 from proxy.request.dispatch import Dispatcher
+from proxy.request.fast_board import apply_decision
 from proxy.request.limits import KeyLimiter, KeyLimits
-from proxy.request.pacing import Band, LoadBoard, SampleObserver
+from proxy.request.pacing import Band, LoadBoard, SampleObserver, WorkerLoad
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueTotals
 from proxy.server import handlers
@@ -216,132 +208,88 @@ BudgetJournal = Callable[[str, OutputBudget, float], None]
 def _fast_tier(
     board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None, journal: BudgetJournal | None = None
 ) -> SampleObserver:
-    """After each scrape of one of ``dispatcher``'s workers, its fast-tier pace
-    (``proxy.control.fast_tier``) into its load: from that pool's band and its own queue's backlog,
-    the worker's facts read per class (the time-to-first-token sign from the interactive class's own
-    requests); batch requests waiting at the worker beyond the batch queue target beside interactive
-    work are taken back to the proxy's queue; a change pumps that pool's gate. Samples of other
-    pools' workers are not its to pace."""
-    settings = settings or PaceSettings()
-    paces: dict[str, Pace] = {}
-    band, admission = dispatcher.band, dispatcher.admission
-    view = dispatcher.pool
+    """After each scrape of one of ``dispatcher``'s workers, that pool's fast tier
+    (:class:`proxy.control.fast_decision.FastTier`) decides from what the board holds of the worker,
+    and the decision is written to the board (:func:`proxy.request.fast_board.apply_decision`); the
+    budgets that moved go to the journal. Samples of other pools' workers are not its to pace."""
+    band = dispatcher.band
+    tier = FastTier(
+        settings or PaceSettings(), lo=band.lo, hi=band.hi, headroom=band.headroom, applies_above=applies_above
+    )
 
     def observe(worker_id: str, sample: Sample | None, _error: str | None) -> None:
-        if sample is None or not _serves(view, worker_id):
+        if sample is None or not _serves(dispatcher.pool, worker_id):
             return
         load = board.get(worker_id)
-        since = sample.time - settings.facts_window_s
-        chat_in_flight = load.interactive_in_flight
-        prev = paces.get(worker_id, Pace())
-        step = load.engine_step_s()
-        kv_peak_share = batch_request_share = None
-        pool_tokens = sample.max_total_tokens
-        if step is not None and pool_tokens and load.batch_in_flight:  # only a batch beside chat is sized by it
-            facts = load.facts
-
-            def expected(interactive: bool) -> tuple[float | None, float | None]:
-                return facts.mean_prompt_tokens(since, interactive), facts.mean_output_tokens(since, interactive)
-
-            batch = load.open_requests(sample.time, step, expected, interactive=False)
-            chat = load.open_requests(sample.time, step, expected, interactive=True)
-            # the interactive class keeps coming: as its open requests end, the next ones need what these
-            # come to hold, free, to be admitted (their prompt and output), all along the batch's peak
-            kv_peak_share = (kv_peak(batch) + sum(held + left for held, left in chat)) / pool_tokens
-            if batch:  # a batch request's whole size: what the next one sent takes of the pool at its end
-                batch_request_share = sum(held + left for held, left in batch) / len(batch) / pool_tokens
-        pace = next_pace(
-            prev,
-            PaceInput(
-                time=sample.time,
-                running=sample.running,
-                queue=sample.queue,
-                token_usage=sample.token_usage,
-                retractions_total=sample.retractions_total,
-                generation_tokens_total=sample.generation_tokens_total,
-                in_flight=load.in_flight,
-                backlog=len(admission),
-                mean_output_tokens=load.facts.mean_output_tokens(since),
-                # the first tokens of what was sent since the last back-off: what that back-off did
-                ttft_s=load.facts.mean_ttft(since, interactive=True, sent_after=prev.backed_off_at),
-                interactive_output_tokens=load.facts.mean_output_tokens(since, interactive=True),
-                interactive_waiting=chat_in_flight + admission.depth(Priority.INTERACTIVE),
-                step_s=step,
-                kv_peak_share=kv_peak_share,
-                batch_request_share=batch_request_share,
-                batch_in_flight=load.batch_in_flight,
-            ),
-            lo=band.lo,
-            hi=band.hi,
-            headroom=band.headroom,
-            settings=settings,
-        )
-        paces[worker_id] = pace
-        # the answers of requests that arrived before the oldest still open: the first answers of a wave
-        # are its shortest, and a budget read from them alone would be cut short (every answer of such a
-        # cohort is in, long and short)
-        oldest = {True: math.inf, False: math.inf}
-        for attempt in load.attempts:
-            interactive = attempt.ticket.priority is Priority.INTERACTIVE
-            oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
-        budgets = load.output_budgets
-        for interactive in (True, False):
-            by_asked = load.facts.written(
-                interactive=interactive,
-                arrived_before=oldest[interactive],
-                arrived_from=budgets.read_from_of(interactive=interactive),
-            )
-            for asked in sorted(set(by_asked) | set(budgets.asked(interactive=interactive))):
-                written = by_asked.get(asked, [])
-                key = (interactive, asked)
-                old = budgets.get(key)
-                # the first parts under it that ended over the facts' window: reached it, or ended within it
-                reached = budgets.reached(key, since=since)
-                within = load.facts.ended_within_budget(
-                    interactive=interactive, max_tokens=asked, sent_after=budgets.set_at(key), ended_since=since
-                )
-                overrun = old is not None and budget_overrun(reached, within, settings)
-                if overrun:  # the answers got longer: lifted now, read again from the answers that come next
-                    new = None
-                    budgets.lift_as_overrun(key, sample.time)
-                else:  # too few whole cohorts answered to say: the budget stands (a class's first answers set it)
-                    new = output_budget(written, settings) or (old if settings.output_budget else None)
-                    budgets.set(key, new, sample.time)
-                if journal is not None and budget_moved(old, new, settings):
-                    above = None if new is None else applies_above(new)
-                    evidence = budget_evidence(written, interactive, asked, old, new, settings, above,
-                                               overrun=(reached, within) if overrun else None)  # fmt: skip
-                    journal(worker_id, evidence, sample.time)
-        load.first_token_wait_s = pace.first_token_wait_s
-        withdrawn = 0
-        if pace.take_back_batch:
-            withdrawn = dispatcher.take_back_newest_batch(worker_id, pace.take_back_batch)
-            _log.info(
-                "fast tier %s: %d batch requests taken back: the open requests' KV heads to %.2f of the pool",
-                worker_id,
-                withdrawn,
-                kv_peak_share,
-            )
-        if pace.batch_queue_target is not None and load.batch_in_flight:
-            # an interactive request overdue for its first token waits there for room: no batch request
-            # stays queued ahead of it (each needs more KV free to be admitted than the chat does)
-            keep = 0 if load.first_token_overdue(sample.time) else pace.batch_queue_target
-            queued = dispatcher.withdraw_batch(worker_id, keep=keep)
-            withdrawn += queued
-            if queued:
-                _log.info(
-                    "fast tier %s: %d batch requests back from the worker's queue (interactive work)",
-                    worker_id,
-                    queued,
-                )
-        now = (pace.limit, pace.queue_target, pace.batch_queue_target, pace.batch_limit)
-        if now != (load.limit, load.queue_target, load.batch_queue_target, load.batch_limit) or withdrawn:
-            if pace.limit != load.limit:
-                _log.info("fast tier %s: %s", worker_id, pace.reason)
-            load.limit, load.queue_target, load.batch_queue_target, load.batch_limit = now
-            dispatcher.pump()
+        decision = tier.decide(worker_id, sample, _reading(tier, worker_id, sample, load, dispatcher.admission))
+        apply_decision(worker_id, decision, load, dispatcher)
+        if journal is not None:
+            for evidence in decision.evidence:
+                journal(worker_id, evidence, sample.time)
 
     return observe
+
+
+def _reading(
+    tier: FastTier, worker_id: str, sample: Sample, load: WorkerLoad, admission: AdmissionQueue
+) -> LoadReading:
+    """What the fast tier reads of a worker's load, over the facts' window before ``sample``: the
+    time-to-first-token from the interactive class's requests sent since the last back-off; the
+    open requests of each class when a batch is open beside a known step time; each output budget's
+    cohort, from the answers of requests that arrived before the oldest of their class still open (a
+    wave's first answers are its shortest: a budget read from them alone would be cut short)."""
+    since = sample.time - tier.settings.facts_window_s
+    facts, budgets, step = load.facts, load.output_budgets, load.engine_step_s()
+    open_batch: tuple[tuple[int, int], ...] | None = None
+    open_chat: tuple[tuple[int, int], ...] = ()
+    if step is not None and sample.max_total_tokens and load.batch_in_flight:
+
+        def expected(interactive: bool) -> tuple[float | None, float | None]:
+            return facts.mean_prompt_tokens(since, interactive), facts.mean_output_tokens(since, interactive)
+
+        open_batch = tuple(load.open_requests(sample.time, step, expected, interactive=False))
+        open_chat = tuple(load.open_requests(sample.time, step, expected, interactive=True))
+    oldest = {True: math.inf, False: math.inf}
+    for attempt in load.attempts:
+        interactive = attempt.ticket.priority is Priority.INTERACTIVE
+        oldest[interactive] = min(oldest[interactive], attempt.ticket.enqueued_at)
+    cohorts: list[BudgetReading] = []
+    for interactive in (True, False):
+        by_asked = facts.written(
+            interactive=interactive,
+            arrived_before=oldest[interactive],
+            arrived_from=budgets.read_from_of(interactive=interactive),
+        )
+        for asked in sorted(set(by_asked) | set(budgets.asked(interactive=interactive))):
+            key = (interactive, asked)
+            within = facts.ended_within_budget(
+                interactive=interactive, max_tokens=asked, sent_after=budgets.set_at(key), ended_since=since
+            )
+            written = tuple(by_asked.get(asked, []))
+            reached = budgets.reached(key, since=since)
+            cohorts.append(
+                BudgetReading(
+                    interactive=interactive,
+                    asked=asked,
+                    written=written,
+                    current=budgets.get(key),
+                    reached=reached,
+                    ended_within=within,
+                )
+            )
+    return LoadReading(
+        in_flight=load.in_flight,
+        batch_in_flight=load.batch_in_flight,
+        backlog=len(admission),
+        interactive_waiting=load.interactive_in_flight + admission.depth(Priority.INTERACTIVE),
+        mean_output_tokens=facts.mean_output_tokens(since),
+        ttft_s=facts.mean_ttft(since, interactive=True, sent_after=tier.backed_off_at(worker_id)),
+        interactive_output_tokens=facts.mean_output_tokens(since, interactive=True),
+        step_s=step,
+        open_batch=open_batch,
+        open_interactive=open_chat,
+        budgets=tuple(cohorts),
+    )
 
 
 def _look_again(board: LoadBoard, dispatcher: Dispatcher, fast_tier: SampleObserver) -> Callable[[], None]:

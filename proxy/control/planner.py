@@ -1,7 +1,8 @@
 """The planner: a calibrated twin of a worker replays its recent workload under candidate arguments.
 
 The twin is the simulator's virtual-time core (:func:`proxy.sim.virtual.simulate`) standing for one
-worker: an SGLang model, reached through the knob table's argument names only.
+worker: an SGLang model, reached through the engine contract (the argument names its knobs move, the
+arguments its twin reads) and :mod:`proxy.sim.twin`.
 
 Calibration (:func:`calibrate`): the step time from the worker's own decode lines (the median of
 expected over measured decode rate at the same batch; it absorbs a simulated worker's time scale),
@@ -13,6 +14,7 @@ bounded set of candidates (:func:`candidates`); the best is worth a restart only
 gain over the horizon (:mod:`proxy.control.horizon`) pays the restart cost measured on this worker
 (:class:`RestartCost`: start-up, drain, work taken back and computed again), and no candidate leaves
 less free memory at start-up than the band's floor. A gain inside the twin's error says neither way.
+The verdict is computed in numbers and a why-code (:func:`verdict`), its words apart (:func:`explain`).
 
 An acted plan is checked on the requests served under its arguments (:func:`check_outcome`): the
 journal gets the predicted and the measured gain side by side.
@@ -20,19 +22,21 @@ journal gets the predicted and the measured gain side by side.
 
 from __future__ import annotations
 
-import argparse
+import enum
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.control.rules import Activations
-from proxy.sim.cli import build_parser
-from proxy.sim.config import SimConfig, SimConfigError, resolve_config
+from proxy.engines.base import KnobName
+from proxy.engines.contract import Engine
+from proxy.sim.config import SimConfig, SimConfigError
 from proxy.sim.presets import GPUS, MIB
 from proxy.sim.request import RequestSpec
 from proxy.sim.startup import capacity_line
 from proxy.sim.steptime import startup_seconds
+from proxy.sim.twin import TWIN_ENGINE, memory_fraction, prefill_chunk, twin_config
 from proxy.sim.virtual import simulate
 
 __all__ = [
@@ -51,23 +55,45 @@ __all__ = [
     "Replay",
     "RestartCost",
     "Twin",
+    "Verdict",
+    "Why",
     "args_key",
     "calibrate",
     "candidates",
     "check_outcome",
     "continued",
+    "explain",
     "measured_throughput",
     "outage_waiting_s",
     "plan",
     "replay",
     "run_plan",
     "twin_error",
+    "verdict",
 ]
 
-CONSERVATIVENESS = "schedule_conservativeness"
-MAX_RUNNING = "max_running_requests"
-PREFILL_CHUNK = "chunked_prefill_size"
-MEMORY_FRACTION = "mem_fraction_static"
+
+@dataclass(frozen=True, slots=True)
+class ArgNames:
+    """The names of the arguments the planner moves, as an engine's knobs name them."""
+
+    conservativeness: str
+    max_running: str
+    prefill_chunk: str
+    memory_fraction: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> ArgNames:
+        k = engine.knobs
+        return cls(
+            conservativeness=k[KnobName.CONSERVATIVENESS].arg,
+            max_running=k[KnobName.MAX_RUNNING].arg,
+            prefill_chunk=k[KnobName.PREFILL_CHUNK].arg,
+            memory_fraction=k[KnobName.MEMORY_FRACTION].arg,
+        )
+
+
+TWIN_NAMES = ArgNames.of(TWIN_ENGINE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -388,16 +414,18 @@ class Twin:
     model: str
     step_time_factor: float = 1.0
     kv_factor: float = 1.0
+    engine: Engine = TWIN_ENGINE  # the engine whose workers it models: the arguments it reads and moves
+
+    @property
+    def names(self) -> ArgNames:
+        return ArgNames.of(self.engine)
 
     def config(self, args: Mapping[str, object]) -> SimConfig:
         """The twin's resolved config under ``args`` (raises SimConfigError: would not start)."""
-        ns = _namespace(args, self.gpu, self.model)
-        ns.sim_step_time_factor = self.step_time_factor
-        cfg = resolve_config(ns)
-        if self.kv_factor < 1.0:
-            ns.max_total_tokens = max(1, int(cfg.max_total_num_tokens * self.kv_factor))
-            cfg = resolve_config(ns)
-        return cfg
+        own = self.engine.twin_args(args)
+        if own is None:
+            raise SimConfigError(f"the twin does not model {self.engine.name}'s workers")
+        return twin_config(self.gpu, self.model, own, step_time_factor=self.step_time_factor, kv_factor=self.kv_factor)
 
     def prefill_seconds(self, args: Mapping[str, object], tokens: float, requests: int) -> float:
         """The worker's time to prefill ``requests`` prompts of ``tokens`` in all, in chunks of its
@@ -409,7 +437,7 @@ class Twin:
         if tokens <= 0 or requests <= 0:
             return 0.0
         steps = cfg.step_model()
-        chunk = cfg.chunked_prefill_size or int(tokens)
+        chunk = prefill_chunk(cfg) or int(tokens)
         each = tokens / requests
         seconds, left = 0.0, float(tokens)
         while left > 0:
@@ -484,17 +512,6 @@ class Twin:
             oom=res.oom,
             available_gpu_mem_gb=cfg.memory.available_gb,
         )
-
-
-def _namespace(args: Mapping[str, object], gpu: str, model: str) -> argparse.Namespace:
-    ns = build_parser().parse_args(["--sim-gpu", gpu, "--sim-model", model])
-    for key, value in args.items():
-        if key.startswith("sim_") or not hasattr(ns, key) or value is None:
-            continue  # the twin's own presets stand; a simulated worker's hidden factors are not read
-        if key == CONSERVATIVENESS and isinstance(value, (int, float)):
-            value = float(value)
-        setattr(ns, key, value)
-    return ns
 
 
 MIN_SPAN_LINES = 3  # the twin's lines in the worker's span it takes to compare like with like
@@ -573,36 +590,37 @@ def _num(value: object) -> float | None:
 
 
 def candidates(
-    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings
+    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings, names: ArgNames = TWIN_NAMES
 ) -> list[dict[str, object]]:
-    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones)."""
+    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones),
+    ``names``: the engine's names of the arguments moved."""
 
     def current(arg: str) -> float | None:
         value = _num(args.get(arg))
         return value if value is not None else resolved.get(arg)
 
     out: list[dict[str, object]] = []
-    cons = current(CONSERVATIVENESS) or 1.0
+    cons = current(names.conservativeness) or 1.0
     lo, hi = settings.conservativeness_bounds
     for value in settings.conservativeness:
         if lo <= value <= hi and abs(value - cons) > 1e-9:
-            out.append({**args, CONSERVATIVENESS: value})
-    running = current(MAX_RUNNING)
+            out.append({**args, names.conservativeness: value})
+    running = current(names.max_running)
     if running:
         for value in (int(running * 0.5), int(running * 2)):
             if value >= 1:
-                out.append({**args, MAX_RUNNING: value})
-    chunk = current(PREFILL_CHUNK)
+                out.append({**args, names.max_running: value})
+    chunk = current(names.prefill_chunk)
     if chunk and chunk > 0:
         for value in (int(chunk // 2), int(chunk * 2)):
             if 512 <= value <= 16384:
-                out.append({**args, PREFILL_CHUNK: value})
-    frac = current(MEMORY_FRACTION)
+                out.append({**args, names.prefill_chunk: value})
+    frac = current(names.memory_fraction)
     if frac:
         flo, fhi = settings.memory_fraction_bounds
         for value in (frac - settings.memory_fraction_step, frac + settings.memory_fraction_step):
             if flo <= value <= fhi:
-                out.append({**args, MEMORY_FRACTION: round(value, 3)})
+                out.append({**args, names.memory_fraction: round(value, 3)})
     return out[: settings.max_candidates]
 
 
@@ -650,6 +668,288 @@ def _accrual(accrues_s: float, settings: PlanSettings) -> str:
     return f" (of the {settings.horizon_s:g} s horizon: the work waiting is gone by then)"
 
 
+class Why(enum.Enum):
+    """What a plan's verdict rests on (its reason says it in words: :func:`explain`)."""
+
+    NO_BETTER = "no candidate beats the current arguments"
+    UNTRUSTED = "the gain would pay, but is inside the twin's error"
+    NOTHING_WAITS = "nothing waits for the worker: a throughput gain does not accrue"
+    DOES_NOT_PAY = "the gain over the horizon does not pay the restart"
+    PAYS = "the throughput gain pays the restart"
+    WAITING_PAYS = "the waiting saved pays the restart"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """A plan's numbers and choice, before any words (:func:`verdict`)."""
+
+    why: Why
+    current: Prediction
+    best: Prediction  # the throughput basis's choice (``current`` when none beats it)
+    base: float  # the current args' output tokens/s going on
+    gain: float  # best's over base, the mean over the paying looks, with the larger pool's
+    weighed: float  # base x (1 + gain): what the restart is weighed on
+    paying_looks: int  # the looks the gain is a mean over
+    this_look_gain: float  # best's gain on this look alone
+    roomier_behind: float | None  # the larger pool taken though the twin puts it this far behind (None: not)
+    accrues_s: float
+    gain_tokens: float
+    cost_tokens: float
+    measured: float | None  # what the worker did on the replayed requests
+    now_error: float | None  # the twin's error on this look
+    error: float | None  # its error over the looks under the same args
+    pays: bool
+    trusted: bool
+    waiting: WaitingPlan | None  # the waiting basis's candidate, when one was weighed
+    gains: Mapping[str, float]
+    savings: Mapping[str, float]
+    refused: tuple[Prediction, ...]
+    replays: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """The current args and the candidates replayed on one look."""
+
+    sample: list[Observed]
+    loaded: Replay
+    seen: Prediction  # the current args on the window as it went
+    current: Prediction  # the current args going on
+    served: list[Prediction]  # the candidates inside the band that did not die
+    refused: tuple[Prediction, ...]  # those outside the memory band
+    replays: int
+
+
+def _replayed(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None,
+    in_flight: Sequence[InFlight],
+    now: float | None,
+) -> _Replayed:
+    sample = _sample(workload, settings)
+    window = replay(sample, workload, in_flight, now)
+    loaded = continued(window, settings.horizon_s)
+    seen = twin.predict(args, window)  # the window as it went: what the twin is judged on against the worker
+    # the current args going on, with the window's own figures (the output answered in it, its answer times)
+    current = replace(twin.predict(args, loaded), answered_tok_per_s=seen.answered_tok_per_s)
+    refused: list[Prediction] = []
+    served: list[Prediction] = []
+    replays = 2
+    in_band = _band_fraction(twin, args, settings)
+    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names):
+        p = twin.predict(cand, loaded)
+        replays += 1
+        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
+            refused.append(p)
+            continue
+        if p.oom is None:
+            served.append(p)
+    return _Replayed(sample, loaded, seen, current, served, tuple(refused), replays)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """The throughput basis's candidate: ``best`` (``current``: none), its gain and how it was read."""
+
+    best: Prediction
+    gain: float
+    paying_looks: int
+    roomier_behind: float | None
+    replays: int
+
+
+def _choose(
+    twin: Twin,
+    r: _Replayed,
+    gains: Mapping[str, float],
+    earlier_gains: Sequence[Mapping[str, float]],
+    settings: PlanSettings,
+) -> _Choice:
+    """The candidate with the best mean gain over this look and the earlier paying looks that replayed
+    it; a restart for it takes the KV pool the band's floor allows too, unless the twin puts that one
+    worse by more than it can tell."""
+    base = r.current.output_tok_per_s
+
+    def over_looks(p: Prediction) -> float:
+        key = args_key(p.args)
+        return statistics.fmean([gains[key], *(g[key] for g in earlier_gains if key in g)])
+
+    best, gain = r.current, 0.0
+    for p in r.served:
+        if (mean := over_looks(p)) > max(gain, 0.001):
+            best, gain = p, mean
+    if best is r.current:
+        return _Choice(best, gain, 1, None, 0)
+    paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g)
+    roomier = _roomier(twin, best, r.loaded, settings)
+    behind = None
+    if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
+        if roomier.output_tok_per_s < best.output_tok_per_s:
+            behind = roomier.output_tok_per_s / best.output_tok_per_s - 1.0
+        gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
+        best = roomier
+    return _Choice(best, gain, paying_looks, behind, int(roomier is not None))
+
+
+def _waiting(
+    twin: Twin,
+    r: _Replayed,
+    in_flight: int,
+    cost: RestartCost,
+    settings: PlanSettings,
+    earlier_savings: Sequence[Mapping[str, float]],
+) -> tuple[WaitingPlan | None, dict[str, float], int]:
+    """The waiting basis: its candidate (None: none answers sooner by more than the twin misses this
+    worker's answers by), each candidate's waiting saved, and the replays it took."""
+    capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
+
+    def capacity(p: Prediction) -> float | None:
+        key = args_key(p.args)
+        if key not in capacities:
+            capacities[key] = _capacity(twin, p, r.loaded)
+        return capacities[key]
+
+    current, sample = r.current, r.sample
+    savings = waiting_savings(current, r.served, sample, settings, capacity)
+    waiting = _waiting_plan(current, r.served, sample, in_flight, cost, settings, savings, earlier_savings, capacity)
+    replays = len(capacities)
+    if waiting is not None and current.mean_answer_s and waiting.quicker.mean_answer_s is not None:
+        sooner = 1.0 - waiting.quicker.mean_answer_s / current.mean_answer_s
+        answered = [o.finished - o.arrived for o in sample if o.finished is not None]
+        measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
+        # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
+        seen = r.seen.mean_answer_s
+        answer_error = abs(seen - measured_answer) / measured_answer if measured_answer and seen is not None else None
+        if answer_error is not None and sooner <= answer_error:
+            waiting = None  # answers sooner by less than the twin misses this worker's answers by
+    if waiting is not None and waiting.saved_s > waiting.cost_s:
+        roomier = _roomier(twin, waiting.quicker, r.loaded, settings)
+        replays += roomier is not None
+        answers = roomier.mean_answer_s if roomier is not None else None
+        quickest = waiting.quicker.mean_answer_s
+        if roomier is not None and answers is not None and quickest and _no_worse(quickest, answers, settings):
+            waiting = replace(waiting, quicker=roomier)
+    return waiting, savings, replays
+
+
+def verdict(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    cost: RestartCost,
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None = None,
+    in_flight: Sequence[InFlight] = (),
+    now: float | None = None,
+    earlier_errors: Sequence[float] = (),
+    earlier_gains: Sequence[Mapping[str, float]] = (),
+    earlier_savings: Sequence[Mapping[str, float]] = (),
+) -> Verdict:
+    """:func:`plan`'s numbers and choice, without words."""
+    r = _replayed(twin, args, workload, settings, resolved, in_flight, now)
+    current, base = r.current, r.current.output_tok_per_s
+    gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in r.served} if base > 0 else {}
+    choice = _choose(twin, r, gains, earlier_gains, settings)
+    best, gain = choice.best, choice.gain
+    weighed = base * (1.0 + gain)
+    accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
+    gain_tokens, cost_tokens = (weighed - base) * accrues_s, cost.tokens(base)
+    measured = r.loaded.measured() or measured_throughput(r.sample)
+    predicted = current.answered_tok_per_s
+    # how far the twin is from what the worker did on the same requests: a gain inside that is not one
+    # (a sample without answer times says nothing of it: the twin's own figures stand)
+    now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
+    error = twin_error(earlier_errors, now_error)
+    trusted = error is None or gain > error
+    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
+    waiting: WaitingPlan | None = None
+    savings: dict[str, float] = {}
+    waiting_replays = 0
+    if not (pays or settings.backlog):
+        waiting, savings, waiting_replays = _waiting(twin, r, len(in_flight), cost, settings, earlier_savings)
+    if waiting is not None and waiting.saved_s > waiting.cost_s:
+        why = Why.WAITING_PAYS
+    elif best is current:
+        why = Why.NO_BETTER
+    elif pays and not trusted:
+        why = Why.UNTRUSTED
+    elif accrues_s <= 0:
+        why = Why.NOTHING_WAITS
+    else:
+        why = Why.PAYS if pays else Why.DOES_NOT_PAY
+    this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
+    return Verdict(why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+                   paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
+                   accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
+                   now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
+                   savings=savings, refused=r.refused, replays=r.replays + choice.replays + waiting_replays)  # fmt: skip
+
+
+def _moved(args: Mapping[str, object], to: Prediction) -> str:
+    return ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in to.args.items() if args.get(k) != v)
+
+
+def _waiting_reason(v: Verdict, waiting: WaitingPlan, args: Mapping[str, object], settings: PlanSettings) -> str:
+    quicker, saved, paid, utilization = waiting.quicker, waiting.saved_s, waiting.cost_s, waiting.utilization
+    assert v.current.mean_answer_s is not None and quicker.mean_answer_s is not None
+    return (
+        f"{_moved(args, quicker)}: the same tokens answered sooner (mean answer {v.current.mean_answer_s:.1f} -> "
+        f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
+        f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
+        + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
+        + _held_up(settings)
+    )
+
+
+def explain(v: Verdict, args: Mapping[str, object], settings: PlanSettings, earlier_errors: int = 0) -> str:
+    """The plan's reason, in words, from its verdict; ``earlier_errors``: how many earlier looks the
+    twin's error is read over."""
+    if v.why is Why.WAITING_PAYS:
+        assert v.waiting is not None
+        return _waiting_reason(v, v.waiting, args, settings)
+    gain, accrual = f"{v.gain:+.1%}", f"{round(v.accrues_s, 1):g} s{_accrual(v.accrues_s, settings)}"
+    if v.why is Why.NO_BETTER:
+        reason = "no candidate beats the current arguments on the recent workload"
+    elif v.why is Why.UNTRUSTED:
+        looks = min(ERROR_LOOKS, earlier_errors + (v.now_error is not None))
+        reason = (
+            f"predicted gain {gain} would pay a restart, but the twin misses what the worker did on the same "
+            f"requests by {v.error or 0.0:.1%}"
+            + (f" (the median of its last {looks} looks; {v.now_error or 0.0:.1%} on this one)" if looks > 1 else "")
+            + ": no restart on it"
+        )
+    elif v.why is Why.NOTHING_WAITS:
+        reason = (
+            f"predicted gain {gain}, but nothing waits for the worker: a throughput gain accrues only while work waits"
+        )
+    elif v.why is Why.DOES_NOT_PAY:
+        reason = f"predicted gain {gain} x {accrual} = {v.gain_tokens:.0f} tokens does not pay a restart ({v.cost_tokens:.0f} tokens)"
+    else:
+        note = ""
+        if v.roomier_behind is not None:
+            note = (
+                f" (with the band's larger KV pool, which the twin puts {v.roomier_behind:+.1%} on these requests: "
+                "inside what it cannot tell)"
+            )
+        if v.paying_looks > 1:
+            note += (
+                f" (its mean over {v.paying_looks} looks that say a restart pays; {v.this_look_gain:+.1%} on this one)"
+            )
+        reason = (
+            f"{_moved(args, v.best)}: predicted gain {gain} ({v.base:.0f} -> {v.weighed:.0f} tok/s) x {accrual} = "
+            f"{v.gain_tokens:.0f} tokens > restart cost {v.cost_tokens:.0f} tokens{note}"
+        )
+    if v.waiting is not None:
+        reason += f"; waiting: {v.waiting.saved_s:.0f} request-seconds saved{v.waiting.over_looks} <= {v.waiting.cost_s:.0f} the restart adds"
+        if v.waiting.utilization is not None:
+            reason += f" (the worker {v.waiting.utilization:.0%} busy)"
+        reason += _held_up(settings)
+    return reason
+
+
 def plan(
     twin: Twin,
     args: Mapping[str, object],
@@ -664,176 +964,49 @@ def plan(
     earlier_savings: Sequence[Mapping[str, float]] = (),
 ) -> Plan:
     """Replay the newest requests, with the work in flight alongside them, under ``args`` and the
-    candidates; restart only if it pays. ``earlier_errors``: the twin's error on the worker's earlier
-    looks under the same args, newest last (:func:`twin_error`); ``earlier_gains``: the candidates'
-    gains (:attr:`Plan.gains`) on the earlier looks that said a restart pays, none saying no since: a
-    candidate is chosen, and the restart weighed, on its mean gain over those looks and this one;
-    ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`) on the earlier looks that
-    asked the waiting basis, whatever they said: the waiting basis weighs its mean over them and this one."""
-    sample = _sample(workload, settings)
-    window = replay(sample, workload, in_flight, now)
-    loaded = continued(window, settings.horizon_s)
-    seen = twin.predict(args, window)  # the window as it went: what the twin is judged on against the worker
-    # the current args going on, with the window's own figures (the output answered in it, its answer times)
-    current = replace(twin.predict(args, loaded), answered_tok_per_s=seen.answered_tok_per_s)
-    refused: list[Prediction] = []
-    served: list[Prediction] = []  # the candidates inside the band that did not die
-    replays = 2
-    in_band = _band_fraction(twin, args, settings)
-    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings):
-        p = twin.predict(cand, loaded)
-        replays += 1
-        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
-            refused.append(p)
-            continue
-        if p.oom is None:
-            served.append(p)
-    base = current.output_tok_per_s
-    gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in served} if base > 0 else {}
-
-    def over_looks(p: Prediction) -> float:
-        """``p``'s gain on this look and on the earlier paying looks that replayed it, their mean."""
-        key = args_key(p.args)
-        return statistics.fmean([gains[key], *(g[key] for g in earlier_gains if key in g)])
-
-    best, gain = current, 0.0
-    for p in served:
-        if (mean := over_looks(p)) > max(gain, 0.001):
-            best, gain = p, mean
-    paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g) if best is not current else 1
-    note = ""  # what the reason adds: the larger pool taken inside the noise, the looks the gain is a mean over
-    if best is not current:  # a restart for it takes the KV pool the band's floor allows too
-        roomier = _roomier(twin, best, loaded, settings)
-        replays += roomier is not None
-        if roomier is not None and _no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
-            if roomier.output_tok_per_s < best.output_tok_per_s:
-                note = (
-                    f" (with the band's larger KV pool, which the twin puts "
-                    f"{roomier.output_tok_per_s / best.output_tok_per_s - 1.0:+.1%} on these requests: inside what "
-                    "it cannot tell)"
-                )
-            gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
-            best = roomier
-    weighed = base * (1.0 + gain)  # what the restart is weighed on
-    if paying_looks > 1:
-        note += f" (its mean over {paying_looks} looks that say a restart pays; {best.output_tok_per_s / base - 1.0:+.1%} on this one)"
-    accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
-    gain_tokens = (weighed - base) * accrues_s
-    cost_tokens = cost.tokens(base)
-    measured = loaded.measured() or measured_throughput(sample)
-    predicted = current.answered_tok_per_s
-    # how far the twin is from what the worker did on the same requests: a gain inside that is not one
-    # (a sample without answer times says nothing of it: the twin's own figures stand)
-    now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
-    error = twin_error(earlier_errors, now_error)
-    trusted = error is None or gain > error
-    pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
-    worth = pays and trusted
-    capacities: dict[str, float | None] = {}  # each args' output tokens/s with the sample all waiting
-
-    def capacity(p: Prediction) -> float | None:
-        key = args_key(p.args)
-        if key not in capacities:
-            capacities[key] = _capacity(twin, p, loaded)
-        return capacities[key]
-
-    savings: dict[str, float] = {}
-    waiting = None
-    if not (pays or settings.backlog):
-        savings = waiting_savings(current, served, sample, settings, capacity)
-        waiting = _waiting_plan(current, served, sample, len(in_flight), cost, settings, savings,
-                                earlier_savings, capacity)  # fmt: skip
-        replays += len(capacities)
-    if waiting is not None and current.mean_answer_s and waiting.quicker.mean_answer_s is not None:
-        sooner = 1.0 - waiting.quicker.mean_answer_s / current.mean_answer_s
-        answered = [o.finished - o.arrived for o in sample if o.finished is not None]
-        measured_answer = sum(answered) / len(answered) if answered and len(answered) == len(sample) else None
-        # the waiting basis is judged on answer time: how far the twin's is from the worker's on the sample
-        answer_error = (
-            abs(seen.mean_answer_s - measured_answer) / measured_answer
-            if measured_answer and seen.mean_answer_s is not None
-            else None
-        )
-        if answer_error is not None and sooner <= answer_error:
-            waiting = None  # answers sooner by less than the twin misses this worker's answers by
-    if waiting is not None and waiting.saved_s > waiting.cost_s:
-        roomier = _roomier(twin, waiting.quicker, loaded, settings)
-        replays += roomier is not None
-        answers = roomier.mean_answer_s if roomier is not None else None
-        quickest = waiting.quicker.mean_answer_s
-        if roomier is not None and answers is not None and quickest and _no_worse(quickest, answers, settings):
-            waiting = replace(waiting, quicker=roomier)
-    if waiting is not None:
-        quicker, saved, paid, utilization = waiting.quicker, waiting.saved_s, waiting.cost_s, waiting.utilization
-        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in quicker.args.items() if args.get(k) != v)
-        assert current.mean_answer_s is not None and quicker.mean_answer_s is not None
-        reason = (
-            f"{moved}: the same tokens answered sooner (mean answer {current.mean_answer_s:.1f} -> "
-            f"{quicker.mean_answer_s:.1f} s), {saved:.0f} request-seconds of waiting saved over "
-            f"{settings.horizon_s:g} s{waiting.over_looks} {'>' if saved > paid else '<='} {paid:.0f} the restart adds"
-            + ("" if utilization is None else f" (the worker {utilization:.0%} busy: the outage's queue drains slowly)")
-            + _held_up(settings)
-        )
-        if saved > paid:
-            return Plan(twin=twin, current=current, best=quicker, predicted_gain=quicker.output_tok_per_s / base - 1.0
-                        if base > 0 else 0.0, gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
-                        accrues_s=settings.horizon_s,
-                        cost_tokens=cost_tokens, worth=True, replays=replays, reason=reason, refused=tuple(refused),
-                        refill_s=cost.refill_s, gains=gains, savings=savings,
-                        measured_current=measured, basis="waiting",
-                        wait_saved_s=saved, wait_cost_s=paid, utilization=utilization)  # fmt: skip
-    if best is current:
-        reason = "no candidate beats the current arguments on the recent workload"
-    elif pays and not trusted:
-        looks = min(ERROR_LOOKS, len(earlier_errors) + (now_error is not None))
-        reason = (
-            f"predicted gain {gain:+.1%} would pay a restart, but the twin misses what the worker did on the same "
-            f"requests by {error or 0.0:.1%}"
-            + (f" (the median of its last {looks} looks; {now_error or 0.0:.1%} on this one)" if looks > 1 else "")
-            + ": no restart on it"
-        )
-    elif accrues_s <= 0:
-        reason = (
-            f"predicted gain {gain:+.1%}, but nothing waits for the worker: a throughput gain accrues only while "
-            "work waits"
-        )
-    elif not worth:
-        reason = (
-            f"predicted gain {gain:+.1%} x {round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens "
-            f"does not pay a restart ({cost_tokens:.0f} tokens)"
-        )
-    else:
-        moved = ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in best.args.items() if args.get(k) != v)
-        reason = (
-            f"{moved}: predicted gain {gain:+.1%} ({base:.0f} -> {weighed:.0f} tok/s) x "
-            f"{round(accrues_s, 1):g} s{_accrual(accrues_s, settings)} = {gain_tokens:.0f} tokens > restart cost "
-            f"{cost_tokens:.0f} tokens{note}"
-        )
-    if waiting is not None:
-        reason += (
-            f"; waiting: {waiting.saved_s:.0f} request-seconds saved{waiting.over_looks} <= {waiting.cost_s:.0f} "
-            "the restart adds"
-        )
-        if waiting.utilization is not None:
-            reason += f" (the worker {waiting.utilization:.0%} busy)"
-        reason += _held_up(settings)
-    return Plan(
+    candidates; restart only if it pays (:func:`verdict`, in words by :func:`explain`). ``earlier_errors``:
+    the twin's error on the worker's earlier looks under the same args, newest last (:func:`twin_error`);
+    ``earlier_gains``: the candidates' gains (:attr:`Plan.gains`) on the earlier looks that said a restart
+    pays, none saying no since: a candidate is chosen, and the restart weighed, on its mean gain over
+    those looks and this one; ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`)
+    on the earlier looks that asked the waiting basis, whatever they said: the waiting basis weighs its
+    mean over them and this one."""
+    v = verdict(twin, args, workload, cost, settings, resolved, in_flight, now, earlier_errors, earlier_gains,
+                earlier_savings)  # fmt: skip
+    reason = explain(v, args, settings, len(earlier_errors))
+    throughput = Plan(
         twin=twin,
-        current=current,
-        best=best,
-        predicted_gain=gain,
-        gain_tokens=gain_tokens,
-        accrues_s=accrues_s,
-        cost_tokens=cost_tokens,
+        current=v.current,
+        best=v.best,
+        predicted_gain=v.gain,
+        gain_tokens=v.gain_tokens,
+        accrues_s=v.accrues_s,
+        cost_tokens=v.cost_tokens,
         refill_s=cost.refill_s,
-        gains=gains,
-        savings=savings,
-        worth=worth,
-        replays=replays,
+        gains=v.gains,
+        savings=v.savings,
+        worth=v.pays and v.trusted,
+        replays=v.replays,
         reason=reason,
-        refused=tuple(refused),
-        measured_current=measured,
-        undecided=pays and not trusted,
+        refused=v.refused,
+        measured_current=v.measured,
+        undecided=v.pays and not v.trusted,
+    )
+    if v.why is not Why.WAITING_PAYS or v.waiting is None:
+        return throughput
+    quicker, base = v.waiting.quicker, v.base
+    return replace(
+        throughput,
+        best=quicker,
+        predicted_gain=quicker.output_tok_per_s / base - 1.0 if base > 0 else 0.0,
+        gain_tokens=(quicker.output_tok_per_s - base) * settings.horizon_s,
+        accrues_s=settings.horizon_s,
+        worth=True,
+        undecided=False,
+        basis="waiting",
+        wait_saved_s=v.waiting.saved_s,
+        wait_cost_s=v.waiting.cost_s,
+        utilization=v.waiting.utilization,
     )
 
 
@@ -925,18 +1098,18 @@ def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSetti
     act = twin.activations(args)
     need_mib = 0.0
     if act is not None:
-        chunk = now.chunked_prefill_size or now.max_prefill_tokens
+        chunk = prefill_chunk(now) or now.max_prefill_tokens
         past_graphs = chosen.peak_running if chosen.peak_running > act.graph_max_bs else 0
         need_mib = max(chunk * act.prefill_mib_per_token, past_graphs * act.decode_mib_per_seq)
     keep_gb = max(settings.min_available_gb, ACTIVATION_MARGIN * need_mib / 1024)
     step = settings.memory_fraction_step
-    current = now.mem_fraction_static
+    current = memory_fraction(now)
     _, top = settings.memory_fraction_bounds
     room: float | None = None
     frac = round((math.floor(current / step + 1e-9) + 1) * step, 3)  # the grid's next value above the current
     while frac <= top + 1e-9:
         try:
-            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
         except SimConfigError:
             break
         if free < keep_gb:
@@ -945,7 +1118,7 @@ def _roomier(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSetti
         frac = round(frac + step, 3)
     if room is None:
         return None
-    p = twin.predict({**args, MEMORY_FRACTION: room}, loaded)
+    p = twin.predict({**args, twin.names.memory_fraction: room}, loaded)
     if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb):
         return None
     return p
@@ -971,12 +1144,12 @@ def _band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSetting
     for step in range(round(flo * 100), round(fhi * 100) + 1):
         frac = step / 100
         try:
-            free = twin.config({**args, MEMORY_FRACTION: frac}).memory.available_gb
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
         except SimConfigError:
             continue
         if low <= free <= high and (best is None or abs(free - middle) < best[0]):
             best = (abs(free - middle), frac)
-    return None if best is None else {**args, MEMORY_FRACTION: best[1]}
+    return None if best is None else {**args, twin.names.memory_fraction: best[1]}
 
 
 def outage_waiting_s(waiting: float, rate: float, outage_s: float, utilization: float | None) -> float:

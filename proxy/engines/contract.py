@@ -78,6 +78,10 @@ class Engine(Protocol):
         """The GPU and model presets a simulated engine's worker models, where its arguments or
         ``extra_args`` name them; none for an engine on the host's GPUs (NVML says what they are)."""
 
+    def twin_args(self, args: Mapping[str, object]) -> dict[str, object] | None:
+        """A worker's arguments as the planner's twin reads them (the simulated engine, an SGLang
+        model, under the twin's own presets); None: the twin does not model this engine's workers."""
+
     @property
     def secret_args(self) -> frozenset[str]:
         """Arguments whose value is a secret (API keys): never shown in logs or summaries."""

@@ -21,18 +21,23 @@ from proxy.control.planner import (
     Replay,
     RestartCost,
     Twin,
+    Why,
     _waiting_plan,
     args_key,
     calibrate,
     candidates,
     check_outcome,
     continued,
+    explain,
     measured_throughput,
     outage_waiting_s,
     plan,
     replay,
+    verdict,
     waiting_savings,
 )
+from proxy.engines.base import KnobName
+from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
@@ -733,3 +738,44 @@ def test_what_the_proxy_saw_running_at_the_start_is_resumed_and_what_waited_is_n
     first = {r.rid: r.first_token_time for r in simulate(cfg, specs[:1]).requests}
     first |= {r.rid: r.first_token_time for r in simulate(cfg, specs[1:]).requests}
     assert first["kept"] == 0.0 and first["new"] is not None and first["new"] > 0.01
+
+
+def test_the_verdict_says_why_in_codes_and_the_plan_s_reason_is_its_explanation():
+    """The verdict is numbers, the chosen candidate and a why-code; its words are written apart, and a
+    plan is the verdict with them."""
+    wl = _workload(300, 1000.0, (120, 500), 4096)
+    twin, start, cost = Twin(GPU, MODEL), {"schedule_conservativeness": 1.0}, RestartCost(startup_s=30.0)
+    pays = verdict(twin, start, wl, cost, PlanSettings())
+    assert pays.why is Why.PAYS and pays.best.args["schedule_conservativeness"] < 1.0
+    assert pays.gain_tokens > pays.cost_tokens and pays.trusted
+    p = plan(twin, start, wl, cost, PlanSettings())
+    assert p.reason == explain(pays, start, PlanSettings()) and p.worth and p.predicted_gain == pays.gain
+    assert explain(pays, start, PlanSettings()).startswith("schedule_conservativeness 1.0 -> ")
+    short = verdict(twin, start, wl, cost, PlanSettings(horizon_s=5.0))
+    assert short.why is Why.DOES_NOT_PAY and short.best.args == pays.best.args
+    assert "does not pay a restart" in explain(short, start, PlanSettings(horizon_s=5.0))
+    idle = verdict(twin, start, wl, cost, PlanSettings(work_waits_s=0.0))
+    assert idle.why is Why.NOTHING_WAITS and "nothing waits for the worker" in explain(idle, start, PlanSettings())
+    # what an explanation says is the verdict's alone: another verdict's code, other words
+    untrusted = replace(pays, why=Why.UNTRUSTED, error=0.5, trusted=False)
+    assert "the twin misses what the worker did on the same requests by 50.0%" in explain(
+        untrusted, start, PlanSettings()
+    )
+    none = replace(pays, why=Why.NO_BETTER, best=pays.current)
+    assert explain(none, start, PlanSettings()) == "no candidate beats the current arguments on the recent workload"
+
+
+def test_the_planner_moves_the_arguments_its_twin_s_engine_names_and_plans_no_engine_it_does_not_model():
+    from proxy.control.planner import TWIN_NAMES, ArgNames
+    from proxy.engines.registry import ENGINES
+
+    knobs = ENGINES["sglang"].knobs
+    assert ArgNames.of(ENGINES["sglang"]) == TWIN_NAMES == Twin(GPU, MODEL).names
+    assert TWIN_NAMES.memory_fraction == knobs[KnobName.MEMORY_FRACTION].arg
+    renamed = ArgNames(conservativeness="c", max_running="r", prefill_chunk="p", memory_fraction="m")
+    moved = candidates({}, {"r": 256, "p": 4096, "m": 0.85}, PlanSettings(max_candidates=50), renamed)
+    assert {"r": 128} in moved and {"p": 8192} in moved and {"m": 0.86} in moved and {"c": 0.3} in moved
+    vllm = Twin(GPU, MODEL, engine=ENGINES["vllm"])
+    with pytest.raises(SimConfigError, match="does not model vllm's workers"):
+        vllm.config({})
+    assert vllm.startup_line({}) is None

@@ -229,3 +229,14 @@ def test_a_worker_s_launch_arguments_give_its_running_limit_where_they_name_it()
     assert _launched_running_limit(ENGINES["sglang"], info(max_running_requests=32)) == 32
     assert _launched_running_limit(ENGINES["sglang"], info(max_num_seqs=64)) is None  # not SGLang's name
     assert _launched_running_limit(ENGINES["vllm"], info()) is None  # left to the engine: its default
+
+
+def test_the_planner_s_twin_reads_an_sglang_worker_s_arguments_under_its_own_presets() -> None:
+    """The twin is an SGLang model: a simulated or real SGLang worker's arguments, less the hidden
+    factors of a simulated one and the unset; a vLLM worker is not its to model."""
+    args = {"schedule_conservativeness": 1, "sim_step_time_factor": 3.0, "max_running_requests": None, "tp_size": 2}
+    for name in ("sim", "sglang"):
+        own = ENGINES[name].twin_args(args)
+        assert own == {"schedule_conservativeness": 1.0, "tp_size": 2}
+        assert isinstance(own["schedule_conservativeness"], float)
+    assert ENGINES["vllm"].twin_args({"max_num_seqs": 64}) is None

@@ -152,6 +152,15 @@ class SGLangEngine:
         rate = _positive(scale) or 1.0
         return Modelled(gpu=str(gpu) if gpu else None, model=str(model) if model else None, clock_rate=rate)
 
+    def twin_args(self, args: Mapping[str, object]) -> dict[str, object] | None:
+        # the twin runs its own presets: a simulated worker's hidden factors (its sim_* arguments) are not read
+        out = {k: v for k, v in args.items() if not k.startswith("sim_") and v is not None}
+        arg = knobs.KNOBS[KnobName.CONSERVATIVENESS].arg
+        value = out.get(arg)
+        if isinstance(value, int | float):
+            out[arg] = float(value)
+        return out
+
     @property
     def reserves_max_tokens(self) -> bool:
         # PrefillAdder: a new request reserves min(max_new_tokens, 4096) of KV, a running one its

@@ -104,6 +104,9 @@ class VllmEngine:
     def modelled(self, args: Mapping[str, object], extra_args: Sequence[str]) -> Modelled:
         return Modelled()
 
+    def twin_args(self, args: Mapping[str, object]) -> dict[str, object] | None:
+        return None  # the twin is an SGLang model: it does not plan a vLLM worker
+
     @property
     def reserves_max_tokens(self) -> bool:
         # the v1 scheduler allocates KV blocks for the tokens a step computes and preempts the newest
