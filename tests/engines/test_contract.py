@@ -60,7 +60,8 @@ def test_the_presets_a_simulated_worker_models_are_the_ones_its_args_or_extra_ar
     assert sim.modelled({}, ["--sim-gpu=rtx4090-24gb"]).gpu == "rtx4090-24gb"
     # both: the extra arguments come last on the command line, and the simulator runs the last
     assert sim.modelled({"sim_gpu": "l40s-48gb"}, ["--sim-gpu", "a100-40gb"]).gpu == "a100-40gb"
-    assert sim.modelled({}, ["--sim-time-scale", "10"]) == Modelled()  # not named: the twin stays the policy's
+    # no GPU or model named: the twin's presets are not the worker's to say; its clock is
+    assert sim.modelled({}, ["--sim-time-scale", "10"]) == Modelled(clock_rate=10.0)
     assert sim.modelled({"sim_model": "qwen2.5-7b"}, ["--sim-model", "llama-3.2-1b"]) == Modelled(model="llama-3.2-1b")
     assert sim.modelled({"sim_model": "qwen2.5-7b", "sim_gpu": "a100-40gb"}, ()) == Modelled(
         gpu="a100-40gb", model="qwen2.5-7b"
