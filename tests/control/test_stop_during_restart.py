@@ -71,8 +71,10 @@ def _policy(tmp_path: Path, *, workers: int = 1) -> Path:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path: Path, sig: signal.Signals) -> None:
+def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path: Path) -> None:
+    """SIGTERM only: ``pacer serve`` hands SIGINT and SIGTERM to one handler (the demo's test below
+    sends both, whose paths differ there)."""
+    sig = signal.SIGTERM
     policy = _policy(tmp_path, workers=2)  # an operator's trial restarts one of two (the canary)
     pids = tmp_path / "worker-pids"
     env = dict(os.environ, PIDS=str(pids))
