@@ -42,6 +42,8 @@ extra_args = ["--sim-time-scale", "3", "--sim-startup-seconds", "0.2"]
 log_dir = "logs"
 startup_timeout_s = 60
 stop_grace_s = 5
+[control]
+mode = "off"  # what is measured is the pacing: no restart of a worker (a drain) in the middle of the burst
 [pacing]
 queue_band = [{LO}, {HI}]
 headroom = 30
