@@ -152,8 +152,9 @@ def _serving(policy: Path) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, sig: signal.Signals) -> None:
     """``pacer demo --start POLICY`` interrupted (or terminated) as the controller restarts the
-    worker: the demo exits, and the proxy it started and that proxy's worker are gone."""
-    policy = _policy(tmp_path)
+    worker (an operator's trial, so that it comes at once, not when the controller's window has seen
+    enough): the demo exits, and the proxy it started and that proxy's workers are gone."""
+    policy = _policy(tmp_path, workers=2)  # a trial's canary is judged against another worker
     pids = tmp_path / "worker-pids"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,11 +168,25 @@ def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, s
     )  # fmt: skip
     try:
 
-        def acted() -> bool:  # the controller acts (the demo runs on 60 s)
+        def sending() -> str | None:  # the demo's proxy serves, and the demo's load runs (for 60 s)
             assert demo.poll() is None, out_path.read_text()[-3000:]
-            return "decision #" in out_path.read_text()
+            text = out_path.read_text()
+            m = re.search(r"proxy listening on (http://\S+?);", text)
+            return m.group(1) if m and "requests kept in flight" in text else None
 
-        wait_until_blocking(acted, "a decision", timeout=60, detail=lambda: out_path.read_text()[-3000:])
+        url = wait_until_blocking(sending, "the demo sending", timeout=60, detail=lambda: out_path.read_text()[-3000:])
+        tried = subprocess.run(
+            [sys.executable, "-m", "proxy", "try", "--url", url, "--worker", "w0", "--args",
+             "schedule_conservativeness=0.5"], capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert tried.returncode == 0, tried.stdout + tried.stderr
+        journal = tmp_path / "decisions.jsonl"
+
+        def restarting() -> bool:  # the trial's restart is under way (its drain, then the 2 s stop)
+            assert demo.poll() is None, out_path.read_text()[-3000:]
+            return journal.exists() and '"status":"acting"' in journal.read_text()
+
+        wait_until_blocking(restarting, "the restart", timeout=30, detail=lambda: out_path.read_text()[-3000:])
         proxies = _serving(policy)
         assert len(proxies) == 1
         demo.send_signal(sig)
