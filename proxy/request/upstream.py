@@ -428,16 +428,34 @@ class UpstreamPool:
     async def refuses(self, url: str, timeout_s: float = 2.0) -> bool:
         """Whether ``url``'s worker refuses a new connection now (nothing listens there: its process
         died). A request whose connection broke asks, to tell a dead worker from one that broke one
-        request; a connection that opens, or does not open within ``timeout_s``, says no."""
-        ep = self._endpoints.get(url) or _endpoint(url)
+        request. A process being killed may still hold its listening socket for a moment: the kernel
+        completes the handshake, then drops the connection unanswered as the socket closes. So a
+        connection that opens is asked ``GET /``; dropped unanswered, one more connect decides (a
+        live server, or a forwarder in front of one, opens it again). Any answer, or none within
+        ``timeout_s``, says no."""
+        key, host = self._endpoints.get(url) or _endpoint(url)
         loop = asyncio.get_running_loop()
-        try:
-            conn = await self._connect(ep[0], loop, loop.time() + timeout_s, timeout_s)
-        except UpstreamUnreachable:
-            return True
-        except UpstreamTimeout:
-            return False
-        conn._drop()
+        deadline = loop.time() + timeout_s
+        for _ in range(2):
+            try:
+                conn = await self._connect(key, loop, deadline, timeout_s)
+            except UpstreamUnreachable:
+                return True
+            except UpstreamTimeout:
+                return False
+            resp = conn.response = UpstreamResponse(conn)
+            assert conn.transport is not None
+            conn.transport.write(b"GET / HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await resp._opened
+                return False  # it answered: it lives
+            except TimeoutError:
+                return False
+            except UpstreamError:
+                pass  # dropped unanswered: the next connect tells a closed socket from a live one
+            finally:
+                conn._drop()
         return False
 
     async def _connect(

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from proxy.policy import ControlSettings, parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 
@@ -49,14 +49,6 @@ class Proxy:
         return sum(
             float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))
         )
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, f"{what}: not reached within {timeout:g} s"
-        await asyncio.sleep(0.05)
 
 
 def in_engine_seconds(wall: dict[str, Any], rate: float) -> Constants:
@@ -95,12 +87,14 @@ async def running_proxy(
     runner, port = await serve(app, "127.0.0.1", 0)
     st = app[PROXY]
     try:
-        await wait_for(
+        await wait_until(
             lambda: len(pool.workers()) == workers and all(w.state is WorkerState.READY for w in pool.workers()),
-            60,
             "workers ready",
+            timeout=60,
         )
-        await wait_for(lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()), 20, "first scrape")
+        await wait_until(
+            lambda: all(st.board.get(w.id).sample is not None for w in pool.workers()), "first scrape", timeout=20
+        )
         yield Proxy(url=f"http://127.0.0.1:{port}", state=st, journal_path=journal, app=app)
     finally:
         await runner.cleanup()  # stops the controller, then the workers

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.workers.base import WorkerState
+from tests.harness.wait import wait_until
 
-from .e2e import MODEL, running_proxy, wait_for
+from .e2e import MODEL, running_proxy
 
 N_REQUESTS = 40
 PROMPT_TOKENS = 3000
@@ -74,9 +75,8 @@ async def test_prefill_oom_is_fixed_with_a_smaller_chunk_and_nothing_is_lost(tmp
         since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line) :]
         assert any("Prefill batch" in line for line in since_ready)
         assert not any("OutOfMemoryError" in line for line in since_ready)
-        await wait_for(
+        await wait_until(
             lambda: not [d for d in proxy.controller.journal.entries() if d["status"] == "acting"],
-            10,
             "journal settled",
         )
 
@@ -99,8 +99,9 @@ async def test_the_chunk_that_does_not_fit_is_lowered_from_the_start_up_line(tmp
     ) as proxy:
         pool = proxy.state.pool
         worker = pool.workers()[0].id
-        await wait_for(lambda: pool.get(worker).args.get("chunked_prefill_size") == 4096
-                       and pool.get(worker).state is WorkerState.READY, 30, "restarted with the chunk that fits")  # fmt: skip
+        await wait_until(lambda: pool.get(worker).args.get("chunked_prefill_size") == 4096
+                         and pool.get(worker).state is WorkerState.READY, "restarted with the chunk that fits",
+                         timeout=30)  # fmt: skip
         results = await _send_all(proxy)
         assert [r.usage.completion_tokens for r in results] == [OUTPUT_TOKENS] * N_REQUESTS
         assert not proxy.state.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})

@@ -20,10 +20,9 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 from tests.observe.test_nvml import _Nvml
 from tests.workers.conftest import FAKE_WORKER
-
-from .e2e import wait_for
 
 
 @pytest.mark.parametrize(("twin_gpu", "launched"), [("h100-80gb", 4096), ("a100-40gb", 8192)])
@@ -48,7 +47,9 @@ async def test_an_sglang_worker_on_a_gpu_nvml_sizes_as_the_twins_is_launched_wit
     runner, _ = await serve(app, "127.0.0.1", 0)
     try:
         assert [w.id for w in pool.workers()] == ["w0"]  # listed (starting) once the app is up, as before
-        await wait_for(lambda: bool(pool.workers()) and pool.workers()[0].state is WorkerState.READY, 30, "ready")
+        await wait_until(
+            lambda: bool(pool.workers()) and pool.workers()[0].state is WorkerState.READY, "ready", timeout=30
+        )
         (info,) = pool.workers()
         assert info.args["chunked_prefill_size"] == launched and info.restarts == 0
         async with aiohttp.ClientSession() as s, s.get(info.url + "/args") as r:

@@ -37,6 +37,7 @@ from proxy.sim.logs import startup_line
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 from proxy.workers.base import WorkerState
+from tests.harness.wait import wait_until
 
 from .test_controller import Around, Clock, RecordingActor, controller, feed, info, samples
 
@@ -359,13 +360,10 @@ async def _run_while_held(
     monkeypatch.setattr(c, "tick", counted)
     task = asyncio.create_task(c.run())
     try:
-        async with asyncio.timeout(60):
-            while ticks < 5:
-                await asyncio.sleep(0.01)
-            held()
-            release.set()
-            while not done():
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: ticks >= 5, "five ticks while it computes", timeout=60)
+        held()
+        release.set()
+        await wait_until(done, "the computation's result taken in", timeout=60)
     finally:
         release.set()
         task.cancel()

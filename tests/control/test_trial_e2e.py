@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 import tomli_w
 
 from tests.harness.serve_process import pacer_serve
+from tests.harness.wait import wait_until
 
 MODEL = "sim-model"
 
@@ -56,16 +56,6 @@ async def _get(s: aiohttp.ClientSession, url: str) -> Any:
         return await r.json()
 
 
-async def _until(what: str, probe: Any, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = await probe()
-        if found:
-            return found
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"not reached in {timeout_s} s: {what}")
-
-
 async def _load(url: str, stop: asyncio.Event, answers: list[int], failures: list[str]) -> None:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -85,7 +75,7 @@ async def _load(url: str, stop: asyncio.Event, answers: list[int], failures: lis
 async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None:
     url = proxy
     async with aiohttp.ClientSession() as s:
-        await _until("the proxy is ready", lambda: _ready(s, url), 60)
+        await wait_until(lambda: _ready(s, url), "the proxy is ready", timeout=60, every=0.2)
         workers = {w["id"]: w for w in (await _get(s, url + "/admin/workers"))["workers"]}
         assert workers["w1"]["args"]["schedule_conservativeness"] == 0.8  # its own flag over the pool's
         assert "schedule_conservativeness" not in workers["w0"]["args"]
@@ -106,7 +96,9 @@ async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None
 
         stop, answers, failures = asyncio.Event(), [], []
         load = asyncio.create_task(_load(url, stop, answers, failures))
-        await asyncio.sleep(3.0)  # both workers serve: the before share is measured
+        # real time under load, on purpose: the canary's before share is the workers' traffic over the
+        # controller's window (2 s of wall here), which only load over that much time fills
+        await asyncio.sleep(3.0)
         tried = await asyncio.to_thread(
             pacer_try, url, "--worker", "w1", "--args", "max_running_requests=2", "--note", "a cap to test the canary"
         )
@@ -121,7 +113,7 @@ async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None
             back = [e for e in entries if e["rule"] == "canary_revert" and e["status"] == "applied"]
             return entries if back else None
 
-        entries = await _until("the canary is reverted", reverted, 90)
+        entries = await wait_until(reverted, "the canary is reverted", timeout=90, every=0.2)
         stop.set()
         await load
         (trial,) = [e for e in entries if e["rule"] == "operator_trial"]

@@ -15,6 +15,7 @@ import pytest
 from loadtests.loadgen import Outcome, RunResult, summarize
 from loadtests.loop_lag import LagProbe, Stall, read_window
 from loadtests.overhead import ARMS, aggregate, summary, table, tail_stalls, usage_window
+from tests.harness.wait import wait_until
 
 ROLES = ("client", "worker", "pacer", "sglang-router")
 
@@ -119,8 +120,9 @@ async def test_the_probe_sees_a_blocking_call_on_its_loop(tmp_path: Path) -> Non
     loop = asyncio.get_running_loop()
     loop.call_later(0.05, block)
     await seen.wait()
-    while read_window(out, t0, time.perf_counter()) is None or not read_window(out, t0, time.perf_counter()).stalls:
-        await asyncio.sleep(0.05)  # the probe writes its line a moment later
+    await wait_until(  # the probe writes its line a moment later
+        lambda: (w := read_window(out, t0, time.perf_counter())) is not None and w.stalls, "the stall written"
+    )
     await probe.stop()
     window = read_window(out, t0, time.perf_counter())
     assert window is not None and window.lags_ms

@@ -10,13 +10,13 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from loadtests.loadgen import percentile
 from loadtests.procs import port_is_free, start_sim
+from tests.harness.wait import wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 2
@@ -141,10 +141,7 @@ def test_the_proxy_and_router_share_a_cpu_of_their_own_and_every_process_is_stop
     assert {p["name"] for p in procs} == {
         f"{tag}-{n}" for tag in ("latency", "stream") for n in ("sim", "pacer", "sglang-router")
     }
-    deadline = time.monotonic() + 10
-    while any(_alive(p["pid"]) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in procs if _alive(p["pid"])]
+    wait_until_blocking(lambda: not [p for p in procs if _alive(p["pid"])], "every process gone")
     assert all(port_is_free(port) for p in procs for port in p["ports"])
 
 

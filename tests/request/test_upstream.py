@@ -7,6 +7,7 @@ timing and connection handling (keep-alive, close, reset, silence) are exactly w
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -226,6 +227,45 @@ async def test_a_stream_broken_midway_raises_and_a_refused_connect_is_an_error()
         await pool.post(url, "/x", b"", timeout_s=5)  # the server is gone
     assert await pool.refuses(url)
     pool.close()
+
+
+async def test_a_listener_that_drops_connections_unanswered_and_then_closes_is_a_dead_worker() -> None:
+    """A process being killed holds its listening socket a moment after its open connections broke:
+    the kernel completes a new handshake, then resets it unanswered as the socket closes. That is a
+    refusal; a server that drops connections unanswered but listens on is not."""
+    pool = UpstreamPool()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # nobody accepts: the kernel alone completes each handshake, as for a dying process
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    asking = asyncio.ensure_future(pool.refuses(url))
+    await wait_until(lambda: _pending_connections(listener) > 0, "the handshake completed by the kernel")
+    assert not asking.done()  # asked on the connection, it waits for an answer
+    listener.close()  # the process's last file closes: the pending connection is reset
+    assert await asking
+    pool.close()
+
+    async def drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.transport.abort()
+
+    pool = UpstreamPool()
+    async with Script(drop) as srv:
+        assert not await pool.refuses(srv.url)  # it drops each connection, and opens the next one
+        assert srv.connections == 2  # asked twice: not a silence that ran out
+    pool.close()
+
+
+def _pending_connections(listener: socket.socket) -> int:
+    """Connections the kernel completed on ``listener`` that nobody accepted yet (Linux: the
+    accept queue's length, as ``ss`` reads it), read here without accepting them."""
+    port = listener.getsockname()[1]
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(
+        1
+        for row in rows
+        if int(row[1].split(":")[1], 16) == port and row[3] == "0A" and int(row[4].split(":")[1], 16) > 0
+    )
 
 
 async def test_body_delimited_by_close_and_malformed_answers() -> None:
