@@ -41,8 +41,9 @@ from proxy.policy import parse_policy
 from proxy.server.state import PROXY, ProxyState
 from proxy.workers.base import WorkerState
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 from tests.real.load import prompts
-from tests.real.test_vllm_e2e import LAUNCHER, MODEL, wait_for
+from tests.real.test_vllm_e2e import LAUNCHER, MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(1800)]
 
@@ -119,9 +120,9 @@ async def served(
     state.requests.engines = {pool_name: ReservingVllm()}
     runner, port = await serve(app, "127.0.0.1", 0)
     try:
-        await wait_for(
-            lambda: bool(pool.workers()) and pool.workers()[0].state is WorkerState.READY, 600, "vLLM ready",
-            lambda: "\n".join(pool.tail(pool.workers()[0].id, 30)) if pool.workers() else "",
+        await wait_until(
+            lambda: bool(pool.workers()) and pool.workers()[0].state is WorkerState.READY, "vLLM ready", timeout=600,
+            detail=lambda: "\n".join(pool.tail(pool.workers()[0].id, 30)) if pool.workers() else "",
         )  # fmt: skip
         yield Served(f"http://127.0.0.1:{port}", pool.workers()[0].url, state, pool_name)
     finally:
