@@ -1,42 +1,21 @@
 """Canary: with two or more workers, new arguments go to one worker first.
 
-A planner's decision (or an operator's trial, ``POST /admin/trial``) restarts one worker (the
-canary) with the new arguments; the others keep theirs. After a window (``window_s`` of evidence
-on the canary) :func:`judge` compares the canary with the other workers, who served the same
-traffic over the same time. The evidence begins once the canary has refilled, as the planner
-expects it to (its plan's refill and recomputed work; none for an operator's trial): a worker that
-has just restarted serves its first seconds from an empty batch, and read then it looks worse than
-its arguments are.
+A planner's decision (or an operator's trial, ``POST /admin/trial``) restarts one worker, the
+canary, with the new arguments; the others keep theirs. Once the canary has refilled and
+``window_s`` of evidence is in, :func:`judge` compares it with the other workers, who served the
+same traffic over the same time.
 
-The figure is each worker's **share**: its output tokens per second over the window divided by
-the other workers' mean (:func:`share`), taken twice: just before the canary's restart
-(``before``) and over its window (``after``). The verdict reads the change of that share:
+The figure is each worker's **share** (:func:`share`): its output tokens per second over the
+other workers' mean, taken before the restart and over the window. ``promote`` (restart the others
+with its arguments, one at a time) when the canary beats the others by ``margin``, gained on its
+own standing, and gained enough to pay a restart of each (:func:`pays_above`); ``keep`` when it
+gained but by less; ``revert`` otherwise, early when :func:`failing` says so.
 
-* ``promote`` when the canary now beats the others by ``margin`` (``after > 1 + margin``) and
-  gained on its own standing (``after > before x (1 + margin)``), and by enough to pay each of the
-  others a restart of its own (``pays_above``: a planner's canary, where its plan priced a restart
-  of this worker; see :func:`pays_above`): the others are restarted with its arguments, one at a
-  time;
-* ``keep`` when it gained on its own standing but only caught up with the others (a worker started
-  with bad arguments, fixed), or beat them by less than a restart of each would pay back: it keeps
-  its new arguments, the others keep theirs (their own plans may still move them);
-* ``revert`` otherwise (or when it died): the canary is restarted with its old arguments. A canary
-  whose share fell under ``canary_fail_below`` x its share before (:func:`failing`) is reverted as
-  soon as ``min_evidence_s`` of it is in, without waiting for the whole window.
-
-Why total throughput and not throughput per running request: a worker capped to a few running
-requests decodes each of them fast, so per running request it looks far better than the others
-while it serves a fraction of their tokens. The dispatcher sends each worker what it can take
-(pacing by its own server queue), so when the pool has work waiting every worker's throughput is
-its capacity, and the share compares capacities directly; a candidate that turns traffic away
-(a cap, a smaller KV pool) serves a smaller share. When the pool is not backlogged each worker
-serves what arrives for it, the share stays near its old value whatever the arguments, and the
-verdict is ``revert``: a restart is promoted only on a measured gain. Comparing the share before
-and after (rather than the canary alone against its own past) takes out what changed for the
-whole pool meanwhile (the traffic's rate or mix).
-
-Restarts roll one worker at a time (the controller starts no act while another worker is
-restarting or down), so at least (N-1)/N of the fleet serves throughout. Pure: figures in, verdict out.
+Total throughput, not throughput per running request: a worker capped to a few requests decodes
+each fast while serving a fraction of the tokens. When the pool is backlogged every worker's
+throughput is its capacity, so the share compares capacities; comparing the share before and after
+takes out what changed for the whole pool. Restarts roll one worker at a time, so at least (N-1)/N
+of the fleet serves throughout. Pure: figures in, verdict out.
 """
 
 from __future__ import annotations

@@ -1,47 +1,22 @@
 """The planner's horizon read from the traffic itself: how long the work just seen is expected to last.
 
-A restart pays when what it buys over the time the traffic that makes the gain lasts beats what it
-costs (:mod:`proxy.control.planner`). The deployment says how long it expects traffic it has not
-seen to last (``plan_horizon_s``). Once work has been waiting for a while, the traffic says more:
+A restart pays when what it buys while the traffic lasts beats what it costs
+(:mod:`proxy.control.planner`). The deployment gives a fixed guess (``plan_horizon_s``); once work
+has been waiting a while, the traffic says more:
 
-* **the backlog's age.** :class:`Backlog` is folded over the controller's looks at a worker (each
-  scrape: the requests in the server's queue plus the worker's share of those in the proxy's
-  queue). A backlog begins at the first look with work waiting and lasts while every look finds
-  some; one look with nothing waiting and room in the KV pool ends it (the worker caught up: what
-  comes next is a new backlog), so waiting that comes and goes with the noise of the arrivals never
-  grows old. A look with nothing waiting and the pool full (token usage at the policy's
-  ``low_usage`` or above) does not: the worker has just admitted its whole queue into a full pool,
-  and what it retracts or what arrives next waits again (in a recorded retraction storm, the one
-  empty look of an hour's backlog was at usage 0.95; those of a worker keeping up were at 0.55-0.74).
-  A restart does not end it either: the traffic is the same, the requests taken back wait in the proxy.
-* **its trend.** Not the waiting's: a retraction moves requests from the running batch to the
-  queue and back, so the waiting swings with the storm while nothing arrives or leaves. The work the
-  worker *holds* (waiting plus running) changes only by what arrives and what is answered: its slope
-  is the flow. The fold keeps the looks of the last ``memory_s`` (:class:`Flow`, a least-squares fit
-  with its standard error), so a backlog built by one phase of the traffic and drained by the next
-  reads as draining (over the whole backlog it read as growing: in a shift's batch phase, a restart
-  was weighed on 1,428 modelled s of horizon while the work held fell about a request a second). A look at another
-  number of workers sharing the proxy's queue reads it afresh (each one's share steps, though nothing
-  arrived or was answered).
-* **the drain.** The work waiting now takes ``waiting / answer rate`` seconds at the rate the worker
-  answers (:func:`answer_rate`, over the plan's own sample of answered requests) even if nothing
-  more arrives: a gain in throughput is worth that long whatever the traffic does next.
+* **the backlog's age** (:class:`Backlog`, folded over the controller's looks at a worker). A look
+  with nothing waiting and room in the KV pool ends a backlog; one with the pool full does not
+  (the queue was just admitted into a full pool), nor does a restart.
+* **its trend** (:class:`Flow`): the slope of the work the worker holds (waiting plus running) over
+  the last ``memory_s``, which changes only by arrivals and answers, unlike the waiting alone.
+* **the drain**: ``waiting / answer rate`` (:func:`answer_rate`), what a gain is worth even if
+  nothing more arrives.
 
-:func:`expected_horizon` combines them. A backlog holding or growing at age ``A``: with nothing known
-of how long such a backlog lasts but that this one has reached its age, the chance that it lasts
-``x`` more is ``A / (A + x)`` (Gott's argument, the Lindy effect: its median remainder is its age). A
-restart's gain accrues while it lasts, up to the longest horizon ``M`` the deployment allows, so
-what the gain is worth is its expected length there, ``E[min(remainder, M)] = A ln(1 + M / A)``, and
-then the drain: ``A ln(1 + M / A) + drain``. The median (``A``) was the first build's: it ignored
-that a backlog which has lasted ``A`` lasts much longer than ``A`` often enough to count, and the
-plan weighs a gain against a cost by expectation (in retraction-storm's hour a restart that pays
-at the expected horizon pays from about 560 modelled s; at the median, from 1,374 s). A backlog whose held work falls is over when its waiting is gone at that pace: ``waiting / r``
-(no less than the drain, no more than the above), ``r`` the slowest fall the looks allow (the fitted
-slope two standard errors up: the arrivals' noise over a few minutes is no drain; in recorded
-retraction-storm hours the fitted slope alone would have cut the horizon at a fifth of the looks). The horizon is that, held
-between the configured horizon (the floor: no backlog, or a passing one, is planned exactly as with
-the fixed setting) and ``plan_horizon_max_s`` (the most the traffic can earn); :class:`Horizon`
-says which of the three it was and why, for the journal's plan evidence.
+:func:`expected_horizon` combines them. A backlog holding or growing at age ``A`` lasts ``x`` more
+with chance ``A / (A + x)`` (the Lindy effect), so a gain capped at ``M`` is worth
+``A ln(1 + M / A)`` plus the drain. A falling backlog ends when its waiting is gone at the slowest
+fall the fit allows. The result is held between ``plan_horizon_s`` and ``plan_horizon_max_s``;
+:class:`Horizon` says which case applied, for the journal's plan evidence.
 """
 
 from __future__ import annotations

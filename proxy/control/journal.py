@@ -1,31 +1,20 @@
 """The decision journal: every decision with its evidence, what was done, and how it turned out.
 
 Entries live in memory (the newest ``keep``, for ``GET /admin/decisions``) and, when a path is
-given, in a JSON-lines file, which a proxy started again takes up (:meth:`Journal._resume`). An entry changes as its story unfolds (``acting`` -> ``applied`` ->
-outcome measured); each change appends the whole entry again with the same ``id``, so the file is
-append-only and the last line of an id is its current state.
+given, in a JSON-lines file that a restarted proxy takes up (:meth:`Journal._resume`). An entry
+changes as its story unfolds (``acting`` -> ``applied`` -> outcome measured); each change appends
+the whole entry again with the same ``id``, so the file is append-only and an id's last line is
+its current state.
 
-A decision of the planner carries ``predicted_gain`` (the twin's predicted throughput under the
-new args over the current ones, minus 1) and ``predicted_throughput``. Once its first window after
-the restart is measured: ``first_window_gain`` (the worker's throughput over that window against the
-window before the restart, minus 1) and ``first_window_throughput``, which also stand as
-``measured_gain`` and ``measured_throughput`` until the check replaces them. Then the plan's twin is
-checked on the requests served under the new args (:func:`~proxy.control.planner.check_outcome`):
-``predicted_outcome``, ``measured_outcome``, ``prediction_error`` (``|predicted - measured| /
-measured``), ``prediction_basis``, ``outcome_requests``; and ``measured_gain`` over those requests
-(what the worker wrote per second while it answered them over the same on the requests the plan
-replayed, minus 1: a few hundred answers each side, where a restart's first window is mostly the
-refill of what it took back), ``measured_throughput``, ``gain_requests``; on the throughput basis
-also ``answer_error``, the twin's mean answer time on those requests against the worker's (a
-worker that keeps up answers what arrives at any speed: only its answer times say how fast it
-was). A plan that does not pay
-is noted (``noted``, once per cool-down) with its ``predicted_gain`` and
-``current_prediction_error``: the twin under the current args against the worker on the requests it
-replayed.
+A planner's decision carries the twin's ``predicted_gain`` and ``predicted_throughput``. After the
+restart, the first window gives ``first_window_gain`` (standing in as ``measured_gain`` until
+replaced); then the twin is checked on the requests served under the new args
+(:func:`~proxy.control.planner.check_outcome`), giving ``prediction_error`` and a ``measured_gain``
+over those requests rather than the refill. A plan that does not pay is ``noted`` once per
+cool-down with its ``predicted_gain`` and ``current_prediction_error``.
 
 An entry's ``status`` is a :class:`Status`; its ``evidence`` is the decision's
-(``Decision.evidence_json``: the rule's figures, then the knob it moves); an outcome's ``verdict``
-is a :class:`Verdict`.
+(``Decision.evidence_json``); an outcome's ``verdict`` is a :class:`Verdict`.
 """
 
 from __future__ import annotations

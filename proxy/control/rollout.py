@@ -1,31 +1,20 @@
 """Carrying out a decision on one worker without losing a request.
 
-Rolling restart (:meth:`Rollout.restart`), one worker at a time (the controller never starts a
-second while one is under way):
+Rolling restart (:meth:`Rollout.restart`), one worker at a time:
 
-1. stop dispatching to the worker: the pool marks it DRAINING (its state is the one truth of
-   "send nothing new"; the dispatcher sends only to READY workers);
-2. let its running requests finish, up to ``drain_timeout_s``, but only while they do finish: the
-   drain is watched in ``drain_slices`` slices, and a slice in which fewer than ``drain_progress``
-   of the requests open at its start finished ends it early. Waiting on a batch whose outputs are
-   far from done (long outputs, or a restart soon after the start) only idles the GPU: what finishes
-   in the drain is worth the time only while it finishes;
-3. take back what has produced no output yet, running or waiting: it is aborted upstream and put
-   back at the front of the proxy's queue (its handler answers it later, from whichever worker
-   serves it: nothing is lost, nothing reaches the client twice);
-4. wait for what cannot be taken back (streams that already sent output) until the drain's own
-   deadline, and give the taken-back handlers at least ``settle_s`` to let go; then restart the
-   worker with the new args and wait for its health check;
-5. dispatching resumes by itself: the restarted worker is READY again (or DOWN if it did not come
-   back); a restart refused before the worker stopped sets it back to READY. With a single worker
-   the proxy's queue holds the traffic meanwhile. Cancelled (the proxy stops), the rollout sets
-   the worker back to READY only if its restart had not begun: a worker being stopped is the
-   pool's to finish stopping, not one to announce as serving.
+1. stop dispatching to the worker: the pool marks it DRAINING;
+2. let its running requests finish, up to ``drain_timeout_s``, but only while they do finish
+   (watched in ``drain_slices`` slices; a slice below ``drain_progress`` ends the drain early);
+3. take back what has produced no output yet: abort it upstream and put it back at the front of
+   the proxy's queue, so nothing is lost and nothing reaches the client twice;
+4. wait for streams that already sent output until the drain's deadline (and at least
+   ``settle_s``), then restart the worker with the new args and wait for its health check;
+5. the worker is READY again (or DOWN); a restart refused before the worker stopped, or cancelled
+   before it began, sets it back to READY. With one worker the proxy's queue holds the traffic.
 
-What the drain did comes back as a :class:`proxy.control.controller.Drain` (the journal entry's ``act``).
-
-A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path already
-retried what had produced no output and answered the rest with an error; it is restarted at once.
+What the drain did comes back as a :class:`proxy.control.controller.Drain` (the journal entry's
+``act``). A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path
+already handled its requests, so it is restarted at once.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """A bounded window of one worker's recent samples and log events, and the figures rules read.
 
 A :class:`Window` is an immutable value: ``push`` returns a new window holding the item and
-dropping what fell out of the last ``span_s`` seconds (a window holds a few hundred items, so the
-copy is cheap and the rules can never see a window change under them).
-
-Evidence starts at ``since``, the moment the current incarnation of the worker began to serve:
-:meth:`Window.restart` empties the window when a restart begins, :meth:`Window.begin` drops what
-was seen before the worker became ready again but keeps its start-up line.
+dropping what fell out of the last ``span_s`` seconds, so rules never see a window change under
+them. Evidence starts at ``since``, when the worker's current incarnation began to serve
+(:meth:`Window.restart` empties it, :meth:`Window.begin` keeps only the start-up line).
 
 Derived figures, each ``None`` (or 0) when nothing was seen:
 
-* ``retraction_rate_per_min``: the larger of two estimates, the engine's retraction counter
-  (difference of consecutive samples, a drop counts as a counter reset) and the retraction log
-  lines (``retracted`` requests summed), each over the time it covers;
-* ``conservative_fraction(low_usage)``: the share of observations with a non-empty server queue
-  while token usage < ``low_usage`` (scraped samples; log statistics when no sample was scraped);
-* ``retractions_per_1k_tokens``: that rate over the window's output tokens (retracted requests per
-  1,000 tokens generated; None without a throughput): how much of the work is being retracted,
-  whatever the speed of the GPU or of the clock;
-* ``waiting_usage``: mean token usage of the observations with a non-empty server queue;
-* ``throughput``: output tokens/s from the generation-token counter, else the engine's gauge;
-* ``peak_running``: the largest running batch seen;
-* ``kv_capacity_tokens``: the KV pool's capacity at the latest sample that reported it;
-* ``mean_request_tokens``: the mean whole length (prompt + output tokens) of the requests that
-  finished in the window, from the engine's per-request counters.
+* ``retraction_rate_per_min``: the larger of the retraction counter's and the log lines' rates;
+* ``conservative_fraction(low_usage)``: share of observations queueing below ``low_usage``;
+* ``retractions_per_1k_tokens``: retracted requests per 1,000 output tokens;
+* ``waiting_usage``: mean token usage while the server queue is non-empty;
+* ``throughput``: output tokens/s; ``peak_running``: the largest running batch;
+* ``kv_capacity_tokens``: the KV pool's latest reported capacity;
+* ``mean_request_tokens``: mean prompt + output tokens of the requests finished in the window.
 """
 
 from __future__ import annotations

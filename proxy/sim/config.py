@@ -85,8 +85,8 @@ class SimConfig:
         )
 
 
-def resolve_config(ns: argparse.Namespace) -> SimConfig:
-    """SGLang's resolution order: GPU-memory defaults, then the KV pool, then request limits."""
+def _check_args(ns: argparse.Namespace) -> None:
+    """Refuse what the simulator does not model, or what SGLang itself refuses to start with."""
     if ns.sim_gpu not in GPUS:
         raise SimConfigError(f"unknown --sim-gpu {ns.sim_gpu!r}; choose from {', '.join(GPUS)}")
     if ns.sim_model not in MODELS:
@@ -108,40 +108,53 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         raise SimConfigError(  # SGLang's server_args refuses to start the same way
             f"--enable-priority-scheduling needs --schedule-policy fcfs or lof, not {ns.schedule_policy!r}"
         )
-    gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
-    # tensor parallel: the weights and the KV pool spread over tp GPUs, each step reads them at tp
-    # times the bandwidth; per-GPU defaults (chunk size, graph sizes) still come from one GPU
-    node = (
-        gpu
-        if tp == 1
-        else replace(
-            gpu,
-            memory_mib=gpu.memory_mib * tp,
-            bandwidth_gbs=gpu.bandwidth_gbs * tp,
-            bf16_tflops=gpu.bf16_tflops * tp,
-        )
-    )
-    weights = model.weights_bytes_bf16 * WEIGHT_BYTES_FACTOR.get(ns.quantization, 1.0)
-    kv_bytes = model.kv_bytes_per_token_bf16 * KV_BYTES_FACTOR.get(ns.kv_cache_dtype or "auto", 1.0)
 
+
+def _tensor_parallel_node(gpu: GpuPreset, tp: int) -> GpuPreset:
+    """One GPU, or tp of them seen as one: the weights and the KV pool spread over tp GPUs, and each
+    step reads them at tp times the bandwidth (per-GPU defaults still come from one GPU)."""
+    if tp == 1:
+        return gpu
+    return replace(
+        gpu,
+        memory_mib=gpu.memory_mib * tp,
+        bandwidth_gbs=gpu.bandwidth_gbs * tp,
+        bf16_tflops=gpu.bf16_tflops * tp,
+    )
+
+
+def _chunked_prefill_size(ns: argparse.Namespace, gpu: GpuPreset) -> int | None:
+    """The prefill chunk in tokens: the GPU's default when unset, None (no chunking) when <= 0."""
     if ns.chunked_prefill_size is None:
-        chunked: int | None = memory.default_chunked_prefill_size(gpu.memory_mib)
-    elif ns.chunked_prefill_size <= 0:
-        chunked = None
-    else:
-        chunked = ns.chunked_prefill_size
-    graphs_off = ns.disable_cuda_graph or ns.cuda_graph_backend_decode == "disabled"
-    if graphs_off:
-        graph_bs = 0
-    elif ns.cuda_graph_max_bs_decode is not None:
-        graph_bs = ns.cuda_graph_max_bs_decode
-    else:
-        graph_bs = memory.default_cuda_graph_max_bs(gpu.memory_mib, 1, ns.max_running_requests)
+        return memory.default_chunked_prefill_size(gpu.memory_mib)
+    if ns.chunked_prefill_size <= 0:
+        return None
+    return int(ns.chunked_prefill_size)
+
+
+def _cuda_graph_max_bs(ns: argparse.Namespace, gpu: GpuPreset) -> int:
+    """The largest decode batch captured in a CUDA graph; 0 when graphs are off."""
+    if ns.disable_cuda_graph or ns.cuda_graph_backend_decode == "disabled":
+        return 0
+    if ns.cuda_graph_max_bs_decode is not None:
+        return int(ns.cuda_graph_max_bs_decode)
+    return memory.default_cuda_graph_max_bs(gpu.memory_mib, 1, ns.max_running_requests)
+
+
+def _mem_fraction_static(ns: argparse.Namespace, gpu: GpuPreset, chunked: int | None, graph_bs: int) -> float:
+    """``--mem-fraction-static``, or SGLang's default for this GPU, chunk and graph sizes."""
     mfs = ns.mem_fraction_static
     if mfs is None:
         mfs = memory.default_mem_fraction_static(gpu.memory_mib, chunked, graph_bs)
     if not 0 < mfs <= 1:
         raise SimConfigError("--mem-fraction-static must be in (0, 1]")
+    return float(mfs)
+
+
+def _kv_pool_plan(
+    ns: argparse.Namespace, node: GpuPreset, *, weights: float, kv_bytes: float, mfs: float, graph_bs: int
+) -> memory.MemoryPlan:
+    """The memory plan; refused, as SGLang refuses, when no KV pool is left."""
     plan = memory.plan_memory(
         node,
         weights_bytes=weights,
@@ -152,33 +165,62 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
     )
     if plan.max_total_num_tokens <= 0:
         raise SimConfigError("Not enough memory. Please try to increase --mem-fraction-static.")
+    return plan
+
+
+def _startup_wall_seconds(ns: argparse.Namespace, weights: float, graph_bs: int) -> float:
+    """Wall seconds from launch to ready: the override, else the modelled start-up at the time scale."""
+    if ns.sim_startup_seconds is not None:
+        return max(0.0, float(ns.sim_startup_seconds))
+    _, _, modelled_startup = startup_seconds(weights, graph_bs)
+    return max(0.0, float(modelled_startup / ns.sim_time_scale))
+
+
+def _reported_args(ns: argparse.Namespace, resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The server args as the server reports them: the resolved values over the given ones, less the
+    hidden perturbations (nothing reading /server_info or the log sees them)."""
+    args = {k: v for k, v in vars(ns).items() if k not in ("sim_step_time_factor", "sim_activation_factor")}
+    args.update(resolved)
+    return args
+
+
+def resolve_config(ns: argparse.Namespace) -> SimConfig:
+    """SGLang's resolution order: GPU-memory defaults, then the KV pool, then request limits."""
+    _check_args(ns)
+    tp = ns.tp_size or 1
+    gpu, model = GPUS[ns.sim_gpu], MODELS[ns.sim_model]
+    node = _tensor_parallel_node(gpu, tp)
+    weights = model.weights_bytes_bf16 * WEIGHT_BYTES_FACTOR.get(ns.quantization, 1.0)
+    kv_bytes = model.kv_bytes_per_token_bf16 * KV_BYTES_FACTOR.get(ns.kv_cache_dtype or "auto", 1.0)
+    chunked = _chunked_prefill_size(ns, gpu)
+    graph_bs = _cuda_graph_max_bs(ns, gpu)
+    mfs = _mem_fraction_static(ns, gpu, chunked, graph_bs)
+    plan = _kv_pool_plan(ns, node, weights=weights, kv_bytes=kv_bytes, mfs=mfs, graph_bs=graph_bs)
     tokens = plan.max_total_num_tokens
     context_len = ns.context_length or model.context_length
     max_running = memory.default_max_running_requests(tokens, context_len, ns.max_running_requests)
     if graph_bs:
         graph_bs = min(graph_bs, max_running)
-    _, _, modelled_startup = startup_seconds(weights, graph_bs)
-    startup_wall = (
-        ns.sim_startup_seconds if ns.sim_startup_seconds is not None else modelled_startup / ns.sim_time_scale
-    )
-    served = ns.served_model_name or ns.model_path or model.hf_name
-    # the hidden perturbations are not the server's to report (nothing reading /server_info or the log sees them)
-    args = {k: v for k, v in vars(ns).items() if k not in ("sim_step_time_factor", "sim_activation_factor")}
-    args.update(
-        model_path=ns.model_path or model.hf_name,
-        served_model_name=served,
-        mem_fraction_static=mfs,
-        chunked_prefill_size=chunked if chunked is not None else -1,
-        max_running_requests=max_running,
-        max_total_tokens=ns.max_total_tokens,
-        context_length=context_len,
-        cuda_graph_max_bs_decode=graph_bs,
-        page_size=1,
-        tp_size=tp,
-        dp_size=1,
+    model_path = ns.model_path or model.hf_name
+    served = ns.served_model_name or model_path
+    args = _reported_args(
+        ns,
+        dict(
+            model_path=model_path,
+            served_model_name=served,
+            mem_fraction_static=mfs,
+            chunked_prefill_size=chunked if chunked is not None else -1,
+            max_running_requests=max_running,
+            max_total_tokens=ns.max_total_tokens,
+            context_length=context_len,
+            cuda_graph_max_bs_decode=graph_bs,
+            page_size=1,
+            tp_size=tp,
+            dp_size=1,
+        ),
     )
     return SimConfig(
-        model_path=ns.model_path or model.hf_name,
+        model_path=model_path,
         served_model_name=served,
         host=ns.host,
         port=ns.port,
@@ -211,7 +253,7 @@ def resolve_config(ns: argparse.Namespace) -> SimConfig:
         decode_log_interval=max(1, ns.decode_log_interval),
         time_scale=ns.sim_time_scale,
         seed=ns.sim_seed if ns.sim_seed is not None else (ns.random_seed or 0),
-        startup_wall_seconds=max(0.0, startup_wall),
+        startup_wall_seconds=_startup_wall_seconds(ns, weights, graph_bs),
         output_fraction=ns.sim_output_fraction,
         output_spread=ns.sim_output_spread,
         output_cap=ns.sim_output_cap,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,6 +29,51 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 def _lead(text: str, p: GenParams) -> str:
     """An answer's first text: a continuation's first word follows the words before it (a space)."""
     return " " + text if p.continues and text else text
+
+
+def _stream_error(message: str, status: int, err_type: str) -> bytes:
+    """An error sent as a stream's only event (the status line has gone already), then the end."""
+    err = {"object": "error", "message": message, "type": err_type, "param": None, "code": status}
+    return b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _OpenAIChunks:
+    """The server-sent events of one OpenAI stream, chat or text completion, as SGLang frames them."""
+
+    rid: str
+    chat: bool
+    model: str
+    created: int
+
+    def frame(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
+        """One event: a chunk holding ``choice`` (none when empty) and ``usage``."""
+        body = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice else [],
+            "usage": usage,
+        }
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def opening(self) -> bytes:
+        """A chat stream's first event: the assistant's role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        return self.frame({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+
+    def piece(self, text: str) -> bytes:
+        """One token's text."""
+        if self.chat:
+            return self.frame({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+        return self.frame({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def final(self, finish: str | None, matched: Any) -> bytes:
+        """The event that says why the answer ended."""
+        content: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        return self.frame(choice)
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -236,47 +282,13 @@ class Generation:
         try:
             r = self.driver.submit(p)
         except QueueFull as exc:
-            err = {
-                "object": "error",
-                "message": exc.message,
-                "type": "ServiceUnavailableError",
-                "param": None,
-                "code": 503,
-            }
-            await resp.write(b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n")
+            await resp.write(_stream_error(exc.message, 503, "ServiceUnavailableError"))
             return resp
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
-            return (
-                b"data: "
-                + orjson.dumps(
-                    {
-                        "id": r.rid,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [choice] if choice else [],
-                        "usage": usage,
-                    }
-                )
-                + b"\n\n"
-            )
-
+        chunks = _OpenAIChunks(rid=r.rid, chat=chat, model=model, created=int(time.time()))
         sent = 0
         try:
             if chat:
-                await resp.write(
-                    chunk(
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    )
-                )
+                await resp.write(chunks.opening())
             while True:
                 n = self.engine.output_len(r)
                 finished = r.state is State.FINISHED
@@ -285,32 +297,11 @@ class Generation:
                         output_text(r.token_seed, sent, sent + 1) if sent else _lead(output_text(r.token_seed, 0, 1), p)
                     )
                     sent += 1
-                    if chat:
-                        choice = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
-                    else:
-                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-                    await resp.write(chunk(choice))
+                    await resp.write(chunks.piece(piece))
                 if finished:
-                    finish, matched = self._openai_finish(r)
-                    if chat:
-                        final = {
-                            "index": 0,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish,
-                            "matched_stop": matched,
-                        }
-                    else:
-                        final = {
-                            "index": 0,
-                            "text": "",
-                            "logprobs": None,
-                            "finish_reason": finish,
-                            "matched_stop": matched,
-                        }
-                    await resp.write(chunk(final))
+                    await resp.write(chunks.final(*self._openai_finish(r)))
                     if p.include_usage:
-                        await resp.write(chunk({}, self._usage([r])))
+                        await resp.write(chunks.frame({}, self._usage([r])))
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
                 await self.driver.wait(r, seen=sent)
