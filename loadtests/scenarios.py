@@ -225,14 +225,10 @@ def policy_toml(
         "engine": {"kind": "sim", "workers": sc.workers, **engine_extra,
                    "args": {k: v for k, v in args.items() if v is not None},
                    "extra_args": sc.extra_args(), "log_dir": str(workdir / "logs"), "startup_timeout_s": 600.0,
-                   # a wall-clock timing like the [control] ones: 5 s on the modelled GPU. Unscaled, a
-                   # worker stopped with aborted requests still open on it took the whole 5 s (then
-                   # SIGKILL): 80 modelled seconds at time scale 16, a cost no real restart has
-                   "stop_grace_s": 5.0 / sc.time_scale},
-        # the interactive window (5 s: the batch's caps beside interactive work, the fast tier's hold of
-        # them) is a wall-clock timing like the [control] ones: unscaled, 50 modelled seconds of the
-        # batch stepped back after the chat stopped
-        "pacing": {**PACING, "interactive_window_s": 5.0 / sc.time_scale},
+                   # fixed on the wall clock, not scaled: the simulator's exit at SIGTERM (its server's
+                   # cleanup) takes wall time whatever its modelled clock; 5 s bounds it below the default
+                   "stop_grace_s": 5.0},
+        "pacing": PACING,
         "control": arm_control(mode, control),
     }  # fmt: skip
     return tomli_w.dumps(tables)

@@ -120,7 +120,7 @@ def build_app(
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
             max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.of(p.name).count_requeue,
-            interactive_window_s=p.pacing.interactive_window_s,
+            clock_rate=_clock_rate(p),  # the window beside interactive work is in the engine's seconds
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
@@ -152,7 +152,12 @@ def build_app(
 
     for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
         if p.control.mode is ControlMode.AUTO:
-            settings = PaceSettings.of(p.control, p.pacing, clock_rate=_clock_rate(p), constants=control_constants)
+            settings = PaceSettings.of(
+                p.control,
+                clock_rate=_clock_rate(p),
+                constants=control_constants,
+                interactive_window_s=dispatchers[p.name].interactive_window_s,
+            )
             fast_tier = _fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name))
             board.subscribe(fast_tier)
             dispatchers[p.name].on_interactive_spell = _look_again(board, dispatchers[p.name], fast_tier)
@@ -500,10 +505,12 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             if not isinstance(payload, dict) or closed:
                 return
             load.running_limit = engine.running_limit(payload) or load.running_limit
+            rate = engine.clock_rate_from_server_info(payload)
+            if rate is not None:  # the pool's window beside interactive work, on its workers' clock
+                st.requests.dispatcher_of(info.pool).clock_rate = rate
             controller = st.controllers.get(info.pool)
             if controller is not None and info.managed:
                 controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
-                rate = engine.clock_rate_from_server_info(payload)
                 if rate is not None:
                     controller.set_clock_rate(rate)
 

@@ -248,15 +248,6 @@ class PacingSettings:
         ),
     )
     max_attempts: int = field(default=3, metadata=key("tries per request that produced no output yet", minimum=1))
-    interactive_window_s: float = field(
-        default=5.0,
-        metadata=key(
-            "seconds an interactive arrival keeps the batch stepped back beside interactive work (its queue, "
-            "its share of each worker's running slots, its paced refills; control auto: the fast tier's) "
-            "after the last interactive request",
-            positive=True,
-        ),
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -962,7 +953,7 @@ def _describe(p: Policy) -> list[str]:
     lines.append(
         f"  pacing   queue band [{pc.queue_band[0]}, {pc.queue_band[1]}], headroom {pc.headroom}, "
         f"scrape every {pc.scrape_interval_s:g} s (stale after {pc.stale_after_s:g} s), {pc.max_attempts} attempts; "
-        f"chat protected beside a batch for {pc.interactive_window_s:g} s after the last (from each worker's limit)"
+        "chat protected beside a batch for 5 engine seconds after the last (from each worker's limit)"
     )
     c = p.control
     lines.append(

@@ -19,6 +19,8 @@ RETIRED_KEYS: Mapping[str, str] = MappingProxyType(
         "a worker's queue, always (proxy.request.pacing.BATCH_QUEUE_BESIDE_INTERACTIVE)",
         "pacing.batch_in_flight_beside_interactive": "derived from the worker: its running-request limit (server "
         "info, launch arguments or scrapes) less a sixteenth",
+        "pacing.interactive_window_s": "a constant: 5 s of the engine's clock, on each pool's workers' clock "
+        "(proxy.request.pacing.INTERACTIVE_WINDOW_S)",
         "pacing.interactive_slot_headroom": "a constant: 1.25 running slots kept per interactive request open on "
         "a worker (proxy.request.pacing.INTERACTIVE_SLOT_HEADROOM)",
         "pacing.batch_prefill_tokens_beside_interactive": "derived from the worker: two prompt tokens per engine "

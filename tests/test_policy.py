@@ -246,9 +246,10 @@ def test_a_retired_key_is_refused_naming_what_replaced_it(monkeypatch: pytest.Mo
         ("batch_in_flight_beside_interactive", "derived from the worker: its running-request limit"),
         ("interactive_slot_headroom", "a constant: 1.25 running slots"),
         ("batch_prefill_tokens_beside_interactive", "derived from the worker: two prompt tokens per engine step"),
+        ("interactive_window_s", "a constant: 5 s of the engine's clock"),
     ],
 )
 def test_a_policy_naming_a_retired_pacing_key_is_refused(key: str, replaced_by: str) -> None:
-    """The interactive protection's four [pacing] keys went: its numbers come from the worker."""
+    """The interactive protection's [pacing] keys went: its numbers come from the worker and its clock."""
     with pytest.raises(PolicyError, match=rf"pacing\.{key}: this key was removed: {replaced_by}"):
         parse_policy({"pacing": {key: 1}})

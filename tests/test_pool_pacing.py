@@ -90,17 +90,14 @@ async def test_a_pool_with_control_off_has_no_fast_tier() -> None:
 
 async def test_each_pool_s_fast_tier_keeps_its_own_policy_timings() -> None:
     """The fast tier's timings come from the pool: its workers' clock (the controller's back-off hold,
-    5 s of the engine's clock: 1 s for a simulated worker five times faster) and ``[pool.pacing]
-    interactive_window_s`` (the hold of the batch's caps beside interactive work, the dispatcher's
-    window too). Retractions that keep rising back pool b's worker off again after its 1 s hold, pool
+    5 s of the engine's clock: 1 s for a simulated worker five times faster), and so does the hold of the
+    batch's caps beside interactive work (5 engine seconds, the dispatcher's window too). Retractions that keep rising back pool b's worker off again after its 1 s hold, pool
     a's not within its 5 s."""
-    doc = two_pools(pacing={"interactive_window_s": 2.0})
+    doc = two_pools()
     b_pool = {k: v for k, v in doc["pool"][1].items() if k != "urls"}
     doc["pool"][1] = {**b_pool, "kind": "sim", "extra_args": ["--sim-time-scale", "5"]}
     async with built(doc) as st:
-        b = st.policy.pools[1]
-        assert b.pacing.interactive_window_s == 2.0
-        assert st.requests.dispatcher_of("b").interactive_window_s == 2.0
+        assert (st.requests.dispatcher_of("a").clock_rate, st.requests.dispatcher_of("b").clock_rate) == (1.0, 5.0)
 
         def retracting(t: float, retracted: float, running: int) -> Sample:
             return Sample(time=t, running=running, queue=4, token_usage=0.9, retractions_total=retracted)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.evidence import OutputBudget
-from proxy.policy import ControlSettings, PacingSettings
+from proxy.policy import ControlSettings
 
 __all__ = [
     "Pace",
@@ -88,15 +88,15 @@ class PaceSettings:
     def of(
         cls,
         control: ControlSettings,
-        pacing: PacingSettings,
         *,
+        interactive_window_s: float,
         clock_rate: float = 1.0,
         constants: Constants = CONSTANTS,
     ) -> PaceSettings:
         """A pool's fast tier: the output budget from ``[control]``, the timings and the retraction
         threshold from the controller's constants on the workers' clock (``clock_rate``: engine seconds per
-        wall second), the interactive hold from ``[pacing]`` (the window the dispatcher's batch caps beside
-        interactive work use too), the rest at their defaults."""
+        wall second), the interactive hold from the dispatcher's window in the engine's seconds
+        (``interactive_window_s``) on the same clock, the rest at their defaults."""
         k = constants.in_wall(clock_rate)
         return cls(
             output_budget=control.output_budget,
@@ -104,7 +104,7 @@ class PaceSettings:
             rate_window_s=k.rate_window_s,
             facts_window_s=k.facts_window_s,
             retractions_per_1k_tokens=k.retractions_per_1k_tokens,
-            interactive_hold_s=pacing.interactive_window_s,
+            interactive_hold_s=interactive_window_s / clock_rate,
         )
 
 

@@ -3,7 +3,7 @@
 A worker is eligible while it is READY, under the fast tier's admission limit, its sample fresh,
 and its estimated queue (:mod:`proxy.request.pacing`) under its target (the fast tier's, else
 ``min(band.lo + headroom, band.hi)``); with no fresh sample anywhere, the proxy's own counts gate.
-Beside interactive work (one within ``interactive_window``) the batch is held back further, by
+Beside interactive work (one within ``INTERACTIVE_WINDOW_S`` engine seconds, on the workers' clock) the batch is held back further, by
 numbers derived from the worker's running-request limit (:mod:`proxy.request.pacing`): a short
 batch queue on the worker, a cap on its batch requests open there less slots per interactive
 request open (batch past it taken back, newest first), and refills paced by prompt tokens per
@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket, WorkerLost
-from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, Band, LoadBoard, WorkerLoad
+from proxy.request.pacing import BATCH_QUEUE_BESIDE_INTERACTIVE, INTERACTIVE_WINDOW_S, Band, LoadBoard, WorkerLoad
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.exit_text import how_it_ended
 
@@ -157,7 +157,8 @@ class Dispatcher:
         max_attempts: int = 3,
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
-        interactive_window_s: float = 5.0,
+        interactive_window_s: float = INTERACTIVE_WINDOW_S,
+        clock_rate: float = 1.0,
     ) -> None:
         self.pool = pool
         self.board = board
@@ -170,7 +171,8 @@ class Dispatcher:
         self.clock = clock
         # batch beside interactive: the band batch requests see while interactive ones keep arriving
         self.batch_band = Band(lo=min(BATCH_QUEUE_BESIDE_INTERACTIVE, band.hi), hi=band.hi)
-        self.interactive_window_s = interactive_window_s
+        self.interactive_window_s = interactive_window_s  # in the engine's seconds...
+        self.clock_rate = clock_rate  # ...on the pool's workers' clock (engine seconds per wall second)
         self._wake: asyncio.Handle | None = None  # the pump's next run for a paced batch request...
         self._wake_at = math.inf  # ...and when (the loop's time)
         self._interactive_seen = -float("inf")  # when the latest interactive request arrived
@@ -505,8 +507,9 @@ class Dispatcher:
         self.pump()
 
     def _beside_interactive(self, now: float) -> bool:
-        """Whether an interactive request arrived within ``interactive_window_s`` (the batch's gates apply)."""
-        return now - self._interactive_seen < self.interactive_window_s
+        """Whether an interactive request arrived within ``interactive_window_s`` of the workers' clock
+        (the batch's gates apply)."""
+        return now - self._interactive_seen < self.interactive_window_s / self.clock_rate
 
     def held_for_class(self) -> int:
         """Batch requests in the proxy's queue that their class's own gates hold there, not the band:

@@ -40,6 +40,11 @@ SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
 # Batch requests waiting in a worker's own queue beside interactive work: one, so an interactive request
 # waits there behind at most one batch prompt, and a batch completion still finds the next one ready.
 BATCH_QUEUE_BESIDE_INTERACTIVE = 1
+# How long after the latest interactive arrival the batch stays held back beside it, in the engine's
+# seconds (a worker's clock rate converts it to the wall's): 5 s spans the pause between two turns of a
+# chat, so its next message does not find the batch back at full width; a quiet spell longer than
+# that gives the batch its whole share again.
+INTERACTIVE_WINDOW_S = 5.0
 # Running slots kept per interactive request open on a worker: beside a batch each one runs longer (every
 # arrival's prefill is a forward the decode steps wait for); a quarter more than they hold lets the
 # interactive traffic vary between two arrivals without waiting for a batch request to end.

@@ -560,14 +560,14 @@ def test_the_fast_tier_s_timings_are_the_constants_on_the_workers_clock():
     from proxy.control.constants import CONSTANTS
     from proxy.policy import parse_policy
 
-    policy = parse_policy({"control": {"output_budget": False}, "pacing": {"interactive_window_s": 0.7}}, "<t>")
-    s = PaceSettings.of(policy.control, policy.pacing, clock_rate=10.0)
+    policy = parse_policy({"control": {"output_budget": False}}, "<t>")
+    s = PaceSettings.of(policy.control, clock_rate=10.0, interactive_window_s=7.0)
     k = CONSTANTS
     assert (s.hold_s, s.rate_window_s, s.facts_window_s) == pytest.approx(
         (k.backoff_hold_s / 10, k.rate_window_s / 10, k.facts_window_s / 10)
     )
     assert s.retractions_per_1k_tokens == k.retractions_per_1k_tokens
-    assert (s.interactive_hold_s, s.output_budget) == (0.7, False)
+    assert (s.interactive_hold_s, s.output_budget) == (pytest.approx(0.7), False)
     short = replace(CONSTANTS, backoff_hold_s=0.5)
-    assert PaceSettings.of(policy.control, policy.pacing, constants=short).hold_s == 0.5
-    assert PaceSettings.of(parse_policy({}, "<t>").control, parse_policy({}, "<t>").pacing) == PaceSettings()
+    assert PaceSettings.of(policy.control, constants=short, interactive_window_s=5.0).hold_s == 0.5
+    assert PaceSettings.of(parse_policy({}, "<t>").control, interactive_window_s=5.0) == PaceSettings()

@@ -570,6 +570,24 @@ async def test_batch_work_held_beside_interactive_work_is_held_for_its_class():
         t.future.cancel()
 
 
+@pytest.mark.parametrize(("clock_rate", "wall_s"), [(10.0, 0.5), (1.0, 5.0)])
+async def test_the_interactive_window_is_5_engine_seconds_on_the_worker_s_clock(clock_rate: float, wall_s: float):
+    """The batch stays held beside interactive work for 5 s of the engine's clock: half a wall second on
+    a worker whose clock runs 10 x the wall's, 5 on a real one."""
+    now = [100.0]
+    d = Dispatcher(_Pool(_workers(WorkerState.READY)), LoadBoard(), AdmissionQueue(100), band=Band(lo=1, hi=2),
+                   stale_after_s=1e9, clock=lambda: now[0], clock_rate=clock_rate)  # fmt: skip
+    _sample(d.board, "w0", 2, running=8)  # the worker's queue at the band's top: nothing goes
+    chat = d.submit(Priority.INTERACTIVE, 60)
+    batch = d.submit(Priority.BATCH, 60)
+    now[0] += wall_s * 0.99
+    assert d.held_for_class() == 1  # still within the window
+    now[0] += wall_s * 0.02
+    assert d.held_for_class() == 0  # past it: the batch waits for the band
+    for t in (chat, batch):
+        t.future.cancel()
+
+
 async def test_a_batch_turn_its_own_gates_hold_does_not_hold_interactive_requests():
     """The batch floor gives batch a turn every 1 / floor dispatches while both classes wait; when that
     turn comes and the batch's own gates (its queue cap beside interactive work) hold it, the
