@@ -142,8 +142,10 @@ def one_pool_auto(tmp_path: Path) -> Policy:
     return fleet_policy(
         tmp_path,
         [{"name": "chat", "model": "chat-model", "tp": 2, "workers": 2}],
-        # auto, to revive a lost worker (its clock 20 x the wall's: the crash back-off 0.1 s)
-        control={"mode": "auto"},
+        # advise: a lost worker is revived as it was (its clock 20 x the wall's: the crash back-off
+        # 0.1 s), and nothing else restarts a worker while the test rolls them (in auto the start-up
+        # line after the roll's restart has the memory fraction raised)
+        control={"mode": "advise", "journal_path": str(tmp_path / "decisions.jsonl")},
     )
 
 
