@@ -233,9 +233,10 @@ async def test_preemptions_lower_max_num_seqs(vllm_python: Path, tiny_model: Pat
         args={"max_num_seqs": BEFORE_SEQS, "max_model_len": 1024, "num_gpu_blocks_override": 64},
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         control={
-            # 45 s of evidence after the worker is ready: the first round (about 15 s) runs on the
-            # policy's arguments from start to end, then its preemptions fill the 60 s window
-            "interval_s": 1.0, "window_s": 60.0, "min_evidence_s": 45.0, "retractions_per_min": 30.0,
+            # 120 s of evidence after the worker is ready: the first round (15 s on a quiet host, over
+            # 45 s on a busy one) runs on the policy's arguments from start to end, and the 150 s
+            # window still holds all its preemptions when the rule may act
+            "interval_s": 1.0, "window_s": 150.0, "min_evidence_s": 120.0, "retractions_per_min": 12.0,
             "cooldown_s": 1800.0,  # one restart in this test: the second round measures its effect
             "drain_timeout_s": 30.0, "bounds": {"max_num_seqs": [8]},
         },
@@ -272,7 +273,7 @@ async def test_preemptions_lower_max_num_seqs(vllm_python: Path, tiny_model: Pat
         assert len(storms) == 1, await proxy.decisions()
         decision = storms[0]
         assert decision["changes"] == {"max_num_seqs": [BEFORE_SEQS, after_seqs]}
-        assert decision["evidence"]["retraction_rate_per_min"] > 30.0
+        assert decision["evidence"]["retraction_rate_per_min"] > 12.0
         assert decision["evidence"]["running_when_kv_full"] > 0
         # the cap is the number of whole requests the KV cache holds, from the requests that finished
         evidence = decision["evidence"]
