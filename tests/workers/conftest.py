@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -8,6 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.policy import EngineSettings, parse_policy
+from proxy.workers.lease import proc_start, read_lease
 from proxy.workers.supervisor import Supervisor
 
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
@@ -29,7 +33,8 @@ def engine_settings(tmp_path: Path, **engine: Any) -> EngineSettings:
 
 @pytest.fixture
 async def make_supervisor(tmp_path: Path) -> AsyncIterator[Callable[..., Supervisor]]:
-    """Build supervisors for one test; every one is stopped at the end, whatever happened."""
+    """Build supervisors for one test; every one is stopped at the end, whatever happened, and every
+    worker a stop left running (``keep_on_exit``) ends."""
     made: list[Supervisor] = []
 
     def make(**engine: Any) -> Supervisor:
@@ -40,6 +45,11 @@ async def make_supervisor(tmp_path: Path) -> AsyncIterator[Callable[..., Supervi
     yield make
     for sup in made:
         await sup.stop()
+    for lease in (tmp_path / "logs").glob("*.lease"):
+        record = read_lease(lease) or {}
+        if isinstance(record.get("pid"), int) and proc_start(record["pid"]) == record.get("pid_start"):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(record["pid"], signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

@@ -6,12 +6,9 @@ Real worker processes (the fake worker), real leases, supervisors in this proces
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,29 +17,8 @@ import pytest
 from proxy.workers.base import WorkerState
 from proxy.workers.lease import lease_path, proc_start, read_lease, write_lease
 from proxy.workers.supervisor import Supervisor
-from tests.workers.conftest import engine_settings
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux's")
-
-
-@pytest.fixture
-async def supervisors(tmp_path: Path) -> AsyncIterator[Callable[..., Supervisor]]:
-    """Supervisors over one folder; each is stopped at the end, and every worker left running ends."""
-    made: list[Supervisor] = []
-
-    def make(**engine: Any) -> Supervisor:
-        sup = Supervisor(engine_settings(tmp_path, **engine), poll_interval_s=0.1)
-        made.append(sup)
-        return sup
-
-    yield make
-    for sup in made:
-        await sup.stop()
-    for lease in (tmp_path / "logs").glob("*.lease"):
-        record = read_lease(lease) or {}
-        if isinstance(record.get("pid"), int) and proc_start(record["pid"]) == record.get("pid_start"):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(record["pid"], signal.SIGKILL)
 
 
 @pytest.fixture
@@ -65,11 +41,11 @@ async def _left_running(make: Callable[..., Supervisor], **engine: Any) -> tuple
     return info.pid, lease_path(Path(info.log_path or ""))
 
 
-async def test_a_worker_left_running_is_adopted_with_its_pid_port_and_arguments(supervisors) -> None:
-    pid, lease = await _left_running(supervisors, args={"max_running_requests": 8})
+async def test_a_worker_left_running_is_adopted_with_its_pid_port_and_arguments(make_supervisor) -> None:
+    pid, lease = await _left_running(make_supervisor, args={"max_running_requests": 8})
     before = read_lease(lease)
     assert before is not None
-    second = supervisors(args={"max_running_requests": 8})
+    second = make_supervisor(args={"max_running_requests": 8})
     await second.start()
     info = second.get("w0")
     assert (info.state, info.pid, info.url, dict(info.args)) == (WorkerState.READY, pid, before["url"], before["args"])
@@ -81,26 +57,26 @@ async def test_a_worker_left_running_is_adopted_with_its_pid_port_and_arguments(
     assert "ended (adopted" not in (second.get("w0").last_error or "")
 
 
-async def test_a_server_whose_own_info_disagrees_is_stopped_and_replaced(supervisors) -> None:
+async def test_a_server_whose_own_info_disagrees_is_stopped_and_replaced(make_supervisor) -> None:
     """The port answers, the process is the lease's, but its server says it serves another port:
     not the worker launched there. It is stopped (it holds a port, maybe a GPU); a new one starts."""
-    pid, _ = await _left_running(supervisors, extra_args=["--fake-info-port", "1"])
-    second = supervisors(extra_args=["--fake-info-port", "1"])
+    pid, _ = await _left_running(make_supervisor, extra_args=["--fake-info-port", "1"])
+    second = make_supervisor(extra_args=["--fake-info-port", "1"])
     await second.start()
     info = second.get("w0")
     assert info.state is WorkerState.READY and info.pid not in (None, pid)
     assert proc_start(pid) is None
 
 
-async def test_a_process_that_is_no_longer_the_worker_is_left_alone(supervisors, stranger) -> None:
+async def test_a_process_that_is_no_longer_the_worker_is_left_alone(make_supervisor, stranger) -> None:
     """The lease's pid is another process now (reused): not adopted, not signalled; a new worker
     starts, and the old one, whose lease now names another launch, stops by itself."""
-    pid, lease = await _left_running(supervisors)
+    pid, lease = await _left_running(make_supervisor)
     record = read_lease(lease)
     assert record is not None
     assert proc_start(stranger.pid) != record["pid_start"]  # what a reused pid looks like: a later start
     write_lease(lease, {**record, "pid": stranger.pid})
-    second = supervisors()
+    second = make_supervisor()
     await second.start()
     info = second.get("w0")
     assert info.state is WorkerState.READY and info.pid not in (None, pid, stranger.pid)
@@ -112,13 +88,13 @@ async def test_a_process_that_is_no_longer_the_worker_is_left_alone(supervisors,
     assert proc_start(pid) is None
 
 
-async def test_a_worker_another_live_proxy_owns_is_not_touched(supervisors, stranger) -> None:
-    pid, lease = await _left_running(supervisors)
+async def test_a_worker_another_live_proxy_owns_is_not_touched(make_supervisor, stranger) -> None:
+    pid, lease = await _left_running(make_supervisor)
     record = read_lease(lease)
     assert record is not None
     owner = {**record["owner"], "id": "another", "pid": stranger.pid, "pid_start": proc_start(stranger.pid)}
     write_lease(lease, {**record, "owner": owner})
-    second = supervisors()
+    second = make_supervisor()
     await second.start()
     info = second.get("w0")
     assert info.state is WorkerState.DOWN and f"another proxy owns it (pid {stranger.pid}" in (info.last_error or "")
