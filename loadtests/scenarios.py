@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -85,7 +86,10 @@ __all__ = [
 
 ARMS = ("default", "adaptive", "oracle", "defaults")
 TRIAL_ARM = "injected"  # the adaptive arm with the scenario's operator trial (scenarios that have one)
-ALL_ARMS = (*ARMS, TRIAL_ARM)
+# the adaptive arm on the workload's interactive parts only, where it also has a batch: what the interactive
+# class's first tokens take with no batch running (mixed's target is a ratio to it)
+ALONE_ARM = "alone"
+ALL_ARMS = (*ARMS, TRIAL_ARM, ALONE_ARM)
 ARM_KEYS = (
     "output_tok_per_s",
     "requests_ok",
@@ -746,6 +750,8 @@ def run_scenario(
             best, sweep_info = dict(oracle), {"best": {"args": dict(oracle)}, "note": "given"}
     results: dict[str, ArmResult] = {}
     for arm in arms:
+        if arm == ALONE_ARM:  # run after the others (_alone_ttft), outside the arms compared
+            continue
         own: Sequence[Mapping[str, Any]] = sc.worker_args  # the operator's arguments: each worker's own too
         trial = None
         if arm == "default":
@@ -770,6 +776,7 @@ def run_scenario(
               f"{r.duration_s:.1f} s, sim slowdown {r.sim_slowdown if r.sim_slowdown is None else round(r.sim_slowdown, 2)}, "
               f"load {r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
         results[arm] = r
+    alone_p99 = _alone_ttft(sc, base, max_run_s, control) if ALONE_ARM in arms else None
     tps = {a: r.judged(sc.judged_on) for a, r in results.items()}  # the judged figure (higher is better)
     throughput = {a: r.output_tok_per_s for a, r in results.items()}
     bound = (
@@ -811,7 +818,9 @@ def run_scenario(
         "restarts": results["adaptive"].restarts if "adaptive" in results else None,
         "phases": (phases := _phase_figures(sc, results)),
         **_phase_judged(phases),
-        "interactive_ttft_p99_s": _interactive_ttft(sc, results),
+        "interactive_ttft_p99_s": (ttft := _interactive_ttft(sc, results)),
+        "interactive_ttft_p99_alone_s": alone_p99,
+        "interactive_ttft_over_alone": _ratio((ttft or {}).get("adaptive", 0.0), alone_p99 or 0.0) if alone_p99 else None,
         **(_fleet_figures(sc, results) if sc.workers > 1 else {}),
         "scenario": sc.name,
         "premise": sc.premise,
@@ -938,6 +947,20 @@ def _phase_figures(sc: Scenario, results: Mapping[str, ArmResult]) -> list[dict[
 
 
 STATIC_ARMS = ("default", "oracle", "defaults")
+
+
+def _alone_ttft(sc: Scenario, base: Path, max_run_s: float, control: Mapping[str, Any] | None) -> float | None:
+    """The p99 time to first token (modelled seconds) of the interactive class with no batch running: the
+    adaptive arm on the workload's interactive parts alone (None: the workload is not of both classes)."""
+    parts = sc.workload.parts if isinstance(sc.workload, Phases) else (sc.workload,)
+    chat = tuple(p for p in parts if p.priority == "interactive")
+    if not chat or len(chat) == len(parts):
+        return None
+    alone = dataclasses.replace(sc, workload=Phases(parts=chat))
+    print(f"[{sc.name}] {ALONE_ARM}: the interactive parts only, control auto", file=sys.stderr, flush=True)
+    r = asyncio.run(run_arm(alone, ALONE_ARM, dict(sc.start_args), "auto", base / ALONE_ARM, max_run_s=max_run_s,
+                            worker_args=sc.worker_args, trial=None, control=control))  # fmt: skip
+    return (_interactive_ttft(alone, {ALONE_ARM: r}) or {}).get(ALONE_ARM)
 
 
 def _interactive_ttft(sc: Scenario, results: Mapping[str, ArmResult]) -> dict[str, float] | None:

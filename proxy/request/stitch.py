@@ -41,7 +41,36 @@ class PartEnd:
     reason: str | None  # its finish reason (None: it ended without one)
     part_written: int | None  # its completion tokens, from its usage event (None: it sent none)
     written: int  # the answer's completion tokens so far (every part that said)
-    text: str  # the answer's text so far
+    pieces: tuple[str | bytes, ...]  # the answer's text so far, content events not yet read as bytes
+    chat: bool
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far (read only where an answer goes on: most never need it)."""
+        return "".join(p if isinstance(p, str) else _text_of(p, self.chat) for p in self.pieces)
+
+
+def _text_of(body: bytes, chat: bool) -> str:
+    """The text one content event's JSON ``body`` carries ('' where it carries none)."""
+    choice = orjson.loads(body)["choices"][0]
+    if chat:
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+# An event of the first part that is plain content as the engines write it (not its finish, no usage):
+# it goes on as it came, and its text is read only if the answer goes on (:attr:`PartEnd.text`).
+_NOT_FINISHED = (b'"finish_reason":null', b'"finish_reason": null')
+_NO_USAGE = (b'"usage":null', b'"usage": null')
+
+
+def _plain_content(body: bytes) -> bool:
+    return (_NOT_FINISHED[0] in body or _NOT_FINISHED[1] in body) and (
+        b'"usage"' not in body or _NO_USAGE[0] in body or _NO_USAGE[1] in body
+    )
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -89,6 +118,7 @@ class StreamStitcher:
         "_held_finish",
         "_in_part",
         "_part_events",
+        "_part_start",
         "_part_written",
         "_parts",
         "_prompt",
@@ -103,7 +133,7 @@ class StreamStitcher:
         self._chat = path == CHAT
         self.client_usage = client_usage  # the client asked for the usage event
         self._first: dict[str, Any] = {}  # the first part's id, object, created, model
-        self._text: list[str] = []
+        self._text: list[str | bytes] = []  # text read, or a content event's body not yet read
         self._written = 0
         self._prompt: int | None = None
         self._parts = 0
@@ -111,7 +141,8 @@ class StreamStitcher:
         self._held_finish: dict[str, Any] | None = None
         self._reason: str | None = None
         self._part_written: int | None = None
-        self._part_events = 0  # the part's events that carried text
+        self._part_events = 0  # the part's events that carried text (those read)
+        self._part_start = 0  # where the part's pieces begin in ``_text``
         self._in_part = False  # a part began and has not ended
 
     def begin_part(self) -> None:
@@ -122,6 +153,7 @@ class StreamStitcher:
         self._reason = None
         self._part_written = None
         self._part_events = 0
+        self._part_start = len(self._text)
         self._in_part = True
 
     def feed(self, data: bytes) -> bytes:
@@ -134,7 +166,7 @@ class StreamStitcher:
         if self._part_written is not None and self._in_part:
             self._written += self._part_written
         self._in_part = False
-        return PartEnd(self._reason, self._part_written, self._written, "".join(self._text))
+        return PartEnd(self._reason, self._part_written, self._written, tuple(self._text), self._chat)
 
     @property
     def ended(self) -> bool:
@@ -146,7 +178,8 @@ class StreamStitcher:
         as many tokens as the events that carried it (what an engine streams by default: one token an
         event), since no usage event came. Its finish reason, if its finish event came before the break."""
         if self._part_written is None and self._in_part:
-            self._part_written = self._part_events
+            unread = [p for p in self._text[self._part_start :] if isinstance(p, bytes)]
+            self._part_written = self._part_events + sum(1 for p in unread if _text_of(p, self._chat))
         return self.end_part()
 
     def finish(self) -> tuple[bytes, bytes]:
@@ -167,6 +200,9 @@ class StreamStitcher:
         body = line[5:].strip()
         if body == b"[DONE]":
             return b""  # once, at the very end
+        if self._parts == 1 and self._first and _plain_content(body):
+            self._text.append(body)
+            return event + b"\n\n"
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError:

@@ -116,3 +116,16 @@ def test_a_broken_part_counts_a_token_an_event_and_what_was_sent_is_read_past_a_
     client, _ = stitcher.finish()
     usage = next(e for e in _events(client) if isinstance(e, dict) and e.get("usage"))
     assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 13, "total_tokens": 16}
+
+
+def test_content_events_go_on_unread_whatever_the_json_spacing_and_their_text_is_read_when_needed() -> None:
+    import json
+
+    s = StreamStitcher(CHAT, client_usage=False)
+    s.begin_part()
+    spaced = b"data: " + json.dumps({"id": "a", "choices": [{"index": 0, "delta": {"content": " two"},
+                                     "finish_reason": None}], "usage": None}).encode() + b"\n\n"  # fmt: skip
+    events = _chunk("a", {"role": "assistant", "content": ""}) + _chunk("a", {"content": "one"}) + spaced
+    assert s.feed(events) == events  # byte for byte: nothing rewritten
+    end = s.end_broken()  # the worker broke: a token counted for each event that carried text
+    assert (end.reason, end.part_written, end.text) == (None, 2, "one two")
