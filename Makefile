@@ -52,13 +52,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## test: the checks above, then every test, the slow real-engine ones included
+## test: the checks above, then every test, the slow real-engine ones included, over up to 4 cores
 test: lint browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 ## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs
 test-fast: lint browser
-	$(PY) -m pytest -q -m "not slow and not long"
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal -m "not slow and not long"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

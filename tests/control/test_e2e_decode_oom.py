@@ -1,8 +1,8 @@
 """Decode out of memory, end to end: a simulated SGLang worker with almost no memory left for
 activations (``--mem-fraction-static 0.99``) and CUDA graphs only for small batches dies of a CUDA
 OOM in decode once its running batch grows past ~230 requests. The controller reads the traceback
-(decode), revives the worker with ``--max-running-requests`` below the peak batch it saw, the
-worker does not die again, and every request is answered in full."""
+(decode), revives the worker with ``--max-running-requests`` below the peak batch it saw (once more
+at most, where a starved scrape saw too low a peak), and every request is answered in full."""
 
 from __future__ import annotations
 
@@ -54,17 +54,23 @@ async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: P
         assert results == [OUTPUT_TOKENS] * N_REQUESTS  # nothing lost
 
         decisions = await proxy.decisions()
-        [oom] = [d for d in decisions if d["rule"] == "decode_oom"]
-        assert oom["status"] == "applied", oom
-        assert oom["reason"].startswith("worker died (out of memory in decode)")
-        peak = oom["evidence"]["peak_running"]
-        new_cap = oom["new_args"]["max_running_requests"]
-        assert peak > 8 and new_cap == int(min(peak, oom["evidence"]["old_value"]) * 0.8) < 200
+        # one death, or two where a starved scrape saw the batch only below the size that killed it (the
+        # cap from that peak was still too high); each death lowers the cap again
+        ooms = [d for d in decisions if d["rule"] == "decode_oom"]
+        assert 1 <= len(ooms) <= 2, ooms
+        caps = [200]
+        for oom in ooms:
+            assert oom["status"] == "applied", oom
+            assert oom["reason"].startswith("worker died (out of memory in decode)")
+            peak = oom["evidence"]["peak_running"]
+            new_cap = oom["new_args"]["max_running_requests"]
+            assert peak > 8 and new_cap == int(min(peak, oom["evidence"]["old_value"]) * 0.8) < caps[-1]
+            caps.append(new_cap)
 
         info = pool.get(worker)
         assert info.state is WorkerState.READY and info.pid != first_pid
-        assert info.args["max_running_requests"] == new_cap and info.restarts == 1
-        assert len(proxy.controller.state(worker).deaths) == 1
+        assert info.args["max_running_requests"] == caps[-1] and info.restarts == len(ooms)
+        assert len(proxy.controller.state(worker).deaths) == len(ooms)
         tail = pool.tail(worker, 5000)
         since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line) :]
         assert any("Decode batch" in line for line in since_ready)
