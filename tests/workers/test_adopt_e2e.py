@@ -28,6 +28,7 @@ import pytest
 
 from proxy.workers.lease import proc_start, read_lease
 from proxy.workers.supervisor import free_port, port_is_free
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux's")
 
@@ -102,14 +103,14 @@ def write_policy(folder: Path, *, keep: bool = False, running: int = 64) -> None
 
 
 async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0) -> Any:
-    """``check()``'s first truthy answer (errors count as no); fails after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    """``check()``'s first truthy answer, a proxy that does not answer yet counting as no (:func:`wait_until`)."""
+
+    async def answered() -> Any:
         with contextlib.suppress(aiohttp.ClientError, OSError, ValueError, KeyError):
-            if got := await check():
-                return got
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+            return await check()
+        return None
+
+    return await wait_until(answered, what, timeout=timeout, every=0.1)
 
 
 async def get_json(url: str) -> Any:
