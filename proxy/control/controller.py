@@ -254,6 +254,33 @@ class Act:
     expectation: Expectation | None = None  # a plan's: what the twin expects of the new args
 
 
+def _plan_reason(job: PlanJob, plan: Plan) -> str:
+    """The plan's reason, with its horizon in words where the traffic said something about it."""
+    horizon = job.horizon
+    told = horizon.basis != "configured" or 0 < plan.accrues_s < horizon.seconds  # the traffic said something
+    return f"{plan.reason}; {horizon.describe()}" if told else plan.reason
+
+
+def _planned(job: PlanJob, plan: Plan) -> Planned:
+    """The journal's evidence of a plan: what the twin predicts, what it weighed, what the worker measured."""
+    return Planned(
+        predicted_throughput=round(plan.best.output_tok_per_s, 2),
+        predicted_current=round(plan.current.output_tok_per_s, 2),
+        measured_throughput=round(job.measured_throughput, 2) if job.measured_throughput is not None else None,
+        predicted_queue_s=round(plan.best.mean_queue_s, 3) if plan.best.mean_queue_s is not None else None,
+        gain_tokens=round(plan.gain_tokens), cost_tokens=round(plan.cost_tokens),
+        horizon_s=round(job.inputs.settings.horizon_s, 1),
+        accrues_s=round(plan.accrues_s, 1),
+        horizon=job.horizon.evidence(),
+        step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
+        replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
+        basis=plan.basis, wait_saved_s=round(plan.wait_saved_s), wait_cost_s=round(plan.wait_cost_s),
+        utilization=None if plan.utilization is None else round(plan.utilization, 3),
+        predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
+        current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
+    )  # fmt: skip
+
+
 class Controller:
     def __init__(
         self,
@@ -755,58 +782,54 @@ class Controller:
         if w.state.started_at > job.time or dict(w.state.args) != dict(job.inputs.args):
             return None  # the worker restarted while its plan was computed: the plan is of what it was
         old, new = dict(w.state.args), dict(plan.best.args)
-        moved = [k for k in new if old.get(k) != new.get(k)]
-        change = None
-        if len(moved) == 1:
-            arg = moved[0]
-            knob = next((k for k, spec in self.rules.knobs.items() if spec.arg == arg), None)
-            before, after = old.get(arg), new[arg]
-            if knob is not None and isinstance(after, (int, float)):
-                prior = before if isinstance(before, (int, float)) else w.state.resolved.get(arg)
-                direction = 1 if prior is None or after > prior else -1
-                change = KnobChange(knob=str(knob), arg=arg, old=prior, new=float(after), direction=direction)
-        horizon = job.horizon
-        told = horizon.basis != "configured" or 0 < plan.accrues_s < horizon.seconds  # the traffic said something
-        reason = f"{plan.reason}; {horizon.describe()}" if told else plan.reason
-        decision = Decision(
-            worker_id=job.worker_id, rule="planner", reason=reason, time=now,
-            evidence=Planned(
-                predicted_throughput=round(plan.best.output_tok_per_s, 2),
-                predicted_current=round(plan.current.output_tok_per_s, 2),
-                measured_throughput=round(job.measured_throughput, 2) if job.measured_throughput is not None else None,
-                predicted_queue_s=round(plan.best.mean_queue_s, 3) if plan.best.mean_queue_s is not None else None,
-                gain_tokens=round(plan.gain_tokens), cost_tokens=round(plan.cost_tokens),
-                horizon_s=round(job.inputs.settings.horizon_s, 1),
-                accrues_s=round(plan.accrues_s, 1),
-                horizon=horizon.evidence(),
-                step_time_factor=round(plan.twin.step_time_factor, 5), kv_factor=round(plan.twin.kv_factor, 4),
-                replayed_requests=min(len(job.inputs.workload), job.inputs.settings.max_requests), replays=plan.replays,
-                basis=plan.basis, wait_saved_s=round(plan.wait_saved_s), wait_cost_s=round(plan.wait_cost_s),
-                utilization=None if plan.utilization is None else round(plan.utilization, 3),
-                predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
-                current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
-            ),
-            old_args=old, new_args=new, kind=RuleKind.TUNING, change=change,
-        )  # fmt: skip
-        note = replace(decision, action=Action.NOTE, new_args=old, change=None)  # the twin's view, no restart
+        decision = Decision(worker_id=job.worker_id, rule="planner", reason=_plan_reason(job, plan), time=now,
+                            evidence=_planned(job, plan), old_args=old, new_args=new, kind=RuleKind.TUNING,
+                            change=self._knob_change(w, old, new))  # fmt: skip
         w.looks = w.looks.after(plan)
+        if not plan.worth or w.looks.paying < self.constants.plan_confirmations:
+            self._note_plan(w, plan, decision, now)
+            return None
+        return self._restart_for_plan(w, job, plan, decision, now)
+
+    def _knob_change(self, w: _Worker, old: dict[str, object], new: dict[str, object]) -> KnobChange | None:
+        """The knob a plan moves, where it moves exactly one argument, a knob's, to a number (else None)."""
+        moved = [k for k in new if old.get(k) != new.get(k)]
+        if len(moved) != 1:
+            return None
+        arg = moved[0]
+        knob = next((k for k, spec in self.rules.knobs.items() if spec.arg == arg), None)
+        before, after = old.get(arg), new[arg]
+        if knob is None or not isinstance(after, (int, float)):
+            return None
+        prior = before if isinstance(before, (int, float)) else w.state.resolved.get(arg)
+        direction = 1 if prior is None or after > prior else -1
+        return KnobChange(knob=str(knob), arg=arg, old=prior, new=float(after), direction=direction)
+
+    def _note_plan(self, w: _Worker, plan: Plan, decision: Decision, now: float) -> None:
+        """Journal the twin's view of a plan that does not restart the worker: one that pays on too few
+        plans yet (one look across the line among many is chance, not a trend), or one that does not pay
+        (noted once per cool-down, with how well the twin predicts the worker now)."""
+        note = replace(decision, action=Action.NOTE, new_args=decision.old_args, change=None)  # no restart
         confirm = self.constants.plan_confirmations
-        if plan.worth and w.looks.paying < confirm:  # one look across the line among many is chance, not a trend
+        if plan.worth:
             self.journal.record(note, mode=self.mode, status=Status.NOTED, before=w.window.summary(),
                                 detail=f"pays on {w.looks.paying} plan(s) of the {confirm} a restart needs, none saying no since",
                                 extra={"predicted_gain": round(plan.predicted_gain, 4)})  # fmt: skip
-            return None
-        if not plan.worth:  # the twin's view, noted once per cool-down, with how well it predicts the worker now
-            error = plan.current_error  # the twin on the requests it replayed, against what they got
-            accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
-            key = "note:planner"
-            last = w.state.noted.get(key)
-            if last is None or now - last >= max(self.constants.cooldown_s, self.constants.plan_interval_s):
-                w.state = w.state.note(key, now)
-                self.journal.record(note, mode=self.mode, status=Status.NOTED, detail=plan.reason,
-                                    before=w.window.summary(),
-                                    extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
-            return None
+            return
+        error = plan.current_error  # the twin on the requests it replayed, against what they got
+        accuracy = {"current_prediction_error": round(error, 4)} if error is not None else {}
+        key = "note:planner"
+        last = w.state.noted.get(key)
+        if last is None or now - last >= max(self.constants.cooldown_s, self.constants.plan_interval_s):
+            w.state = w.state.note(key, now)
+            self.journal.record(note, mode=self.mode, status=Status.NOTED, detail=plan.reason,
+                                before=w.window.summary(),
+                                extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
+
+    def _restart_for_plan(self, w: _Worker, job: PlanJob, plan: Plan, decision: Decision, now: float) -> Act | None:
+        """A plan that pays, confirmed: refused by the rules' gate, advised, held back while another restart
+        or a canary is under way, or acted on (a canary beside two or more managed workers)."""
+        old, new = decision.old_args, decision.new_args  # the plan's own dicts, as decided
         base = plan.current.output_tok_per_s  # the work in flight computed again at the current pace
         # the work taken back: its prompts and what it kept prefilled again, what it lost decoded again
         settle = plan.refill_s + (job.inputs.cost.recomputed_tokens / base if base > 0 else 0.0)

@@ -255,45 +255,14 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
     now = look.time
     interactive_seen_at = now if look.interactive_waiting > 0 else prev.interactive_seen_at
     beside_interactive = now - interactive_seen_at < settings.interactive_hold_s
-    if beside_interactive:  # the band's target is the interactive class's, from its own outputs
-        own = look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
-        target = queue_target(lo, hi, headroom, own, settings)
-        batch_target: int | None = max(1, min(settings.batch_queue_beside_interactive, target))
-        wait = None if look.step_s is None else settings.first_token_steps * look.step_s
-    else:
-        target = queue_target(lo, hi, headroom, look.mean_output_tokens, settings)
-        batch_target, wait = None, None
+    target, batch_target, wait = _class_targets(look, beside_interactive, lo, hi, headroom, settings)
     batch_limit, take_back = batch_kv_limit(look, settings) if beside_interactive else (None, 0)
     r_inc = _increase(prev.retractions_seen, look.retractions_total)
     t_inc = _increase(prev.tokens_seen, look.generation_tokens_total)
     dt = now - prev.looked_at if prev.looked_at is not None else 0.0
-    r_ewma, t_ewma, seen_s = prev.retraction_ewma, prev.token_ewma, prev.rates_seen_s
-    if dt > 0 and r_inc is not None and t_inc is not None:
-        a = 1.0 - math.exp(-dt / settings.rate_window_s)  # the same smoothing in time whatever the scrape interval
-        r_ewma = (1 - a) * r_ewma + a * r_inc / dt
-        t_ewma = (1 - a) * t_ewma + a * t_inc / dt
-        seen_s += dt
-    if look.generation_tokens_total is None:  # no token counter: any rise of the retraction counter counts
-        retracted = bool(r_inc)
-    else:  # retractions per 1,000 output tokens over the window: a burst or a steady trickle is not a sign
-        retracted = (
-            bool(r_inc)
-            and seen_s >= settings.rate_window_s
-            and t_ewma > 0
-            and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
-        )
-    floor = prev.ttft_floor
-    if look.ttft_s is not None and look.ttft_s > 0:
-        floor = look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
-    chat_output = look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
-    latency_bound = chat_output is None or chat_output < settings.long_output_tokens
-    slow = (
-        latency_bound
-        and look.ttft_s is not None
-        and prev.ttft_floor is not None
-        and look.queue > 0
-        and look.ttft_s > settings.ttft_rise * prev.ttft_floor
-    )
+    r_ewma, t_ewma, seen_s = _smoothed_rates(prev, r_inc, t_inc, dt, settings)
+    retracted = _retractions_rose(look, r_inc, r_ewma, t_ewma, seen_s, settings)
+    slow = _first_token_rose(prev, look, settings)
     state = replace(
         prev,
         queue_target=target,
@@ -307,43 +276,122 @@ def next_pace(prev: Pace, look: PaceInput, *, lo: int, hi: int, headroom: int, s
         rates_seen_s=seen_s,
         grow_carry=0.0,
         looked_at=now,
-        ttft_floor=floor,
+        ttft_floor=_ttft_floor(prev.ttft_floor, look, settings),
         batch_limit=batch_limit,
         take_back_batch=take_back,
     )
-    held = now - prev.backed_off_at < settings.hold_s
-    held_now = max(look.in_flight, look.running + look.queue)
-    # the last back-off has bitten once the worker holds no more than it: until then the requests above
-    # it are ending by themselves, and a sign read while they do is the one it already answered
-    bitten = prev.limit is None or held_now <= prev.limit
-    if (retracted or slow) and not held and bitten:
-        base = held_now if prev.limit is None else min(prev.limit, held_now)
-        limit = max(settings.floor, math.floor(base * settings.backoff))
-        why = "retractions rose" if retracted else "time to first token rose"
-        return replace(state, limit=limit, backed_off_at=now, reason=f"backed off to {limit}: {why}")
-    if (
-        prev.limit is not None
-        and not held
-        and not retracted
-        and look.backlog > 0
-        and look.in_flight >= prev.limit
-        and look.token_usage < settings.grow_below_usage
+    if now - prev.backed_off_at < settings.hold_s:  # within a hold of the last back-off: the limit stays
+        return state
+    if (retracted or slow) and _backoff_bitten(prev, look):
+        return _back_off(prev, look, state, "retractions rose" if retracted else "time to first token rose", settings)
+    return state if retracted else _grow(prev, look, state, dt, settings)
+
+
+def _interactive_output(look: PaceInput) -> float | None:
+    """The mean output of the worker's recent interactive requests, else of all of them (None: none yet)."""
+    return look.mean_output_tokens if look.interactive_output_tokens is None else look.interactive_output_tokens
+
+
+def _class_targets(
+    look: PaceInput, beside_interactive: bool, lo: int, hi: int, headroom: int, settings: PaceSettings
+) -> tuple[int, int | None, float | None]:
+    """The queue target, the batch's own queue target and the first-token wait that holds the batch's
+    refills: beside interactive work the band's target is the interactive class's, from its own outputs."""
+    if not beside_interactive:
+        return queue_target(lo, hi, headroom, look.mean_output_tokens, settings), None, None
+    target = queue_target(lo, hi, headroom, _interactive_output(look), settings)
+    batch_target = max(1, min(settings.batch_queue_beside_interactive, target))
+    wait = None if look.step_s is None else settings.first_token_steps * look.step_s
+    return target, batch_target, wait
+
+
+def _smoothed_rates(
+    prev: Pace, r_inc: float | None, t_inc: float | None, dt: float, settings: PaceSettings
+) -> tuple[float, float, float]:
+    """The retraction and token rates smoothed over ``rate_window_s`` and how long they have been fed,
+    after counter increases ``r_inc`` and ``t_inc`` over ``dt`` seconds (unchanged when not known)."""
+    if not (dt > 0 and r_inc is not None and t_inc is not None):
+        return prev.retraction_ewma, prev.token_ewma, prev.rates_seen_s
+    a = 1.0 - math.exp(-dt / settings.rate_window_s)  # the same smoothing in time whatever the scrape interval
+    r_ewma = (1 - a) * prev.retraction_ewma + a * r_inc / dt
+    t_ewma = (1 - a) * prev.token_ewma + a * t_inc / dt
+    return r_ewma, t_ewma, prev.rates_seen_s + dt
+
+
+def _retractions_rose(
+    look: PaceInput, r_inc: float | None, r_ewma: float, t_ewma: float, seen_s: float, settings: PaceSettings
+) -> bool:
+    """Whether retractions are a sign of over-commitment: with no token counter, any rise of the
+    retraction counter; else retractions per 1,000 output tokens over the window above the threshold
+    (a burst or a steady trickle is not a sign)."""
+    if look.generation_tokens_total is None:
+        return bool(r_inc)
+    return (
+        bool(r_inc)
+        and seen_s >= settings.rate_window_s
+        and t_ewma > 0
+        and r_ewma / t_ewma * 1000.0 > settings.retractions_per_1k_tokens
+    )
+
+
+def _ttft_floor(floor: float | None, look: PaceInput, settings: PaceSettings) -> float | None:
+    """The time-to-first-token floor after this look: the least seen, rising by ``floor_decay`` a look."""
+    if look.ttft_s is not None and look.ttft_s > 0:
+        return look.ttft_s if floor is None else min(look.ttft_s, floor * settings.floor_decay)
+    return floor
+
+
+def _first_token_rose(prev: Pace, look: PaceInput, settings: PaceSettings) -> bool:
+    """Whether interactive first tokens rose past ``ttft_rise`` x their floor with a server queue (only
+    for latency-bound work: long answers wait for their first token whatever the limit)."""
+    chat_output = _interactive_output(look)
+    latency_bound = chat_output is None or chat_output < settings.long_output_tokens
+    return (
+        latency_bound
+        and look.ttft_s is not None
+        and prev.ttft_floor is not None
+        and look.queue > 0
+        and look.ttft_s > settings.ttft_rise * prev.ttft_floor
+    )
+
+
+def _held_now(look: PaceInput) -> int:
+    """The requests the worker holds now, by the proxy's count or the server's."""
+    return max(look.in_flight, look.running + look.queue)
+
+
+def _backoff_bitten(prev: Pace, look: PaceInput) -> bool:
+    """Whether the last back-off has bitten: the worker holds no more than it. Until then the requests
+    above it are ending by themselves, and a sign read while they do is the one it already answered."""
+    return prev.limit is None or _held_now(look) <= prev.limit
+
+
+def _back_off(prev: Pace, look: PaceInput, state: Pace, why: str, settings: PaceSettings) -> Pace:
+    """``state`` with the limit backed off multiplicatively from what the worker holds (or its limit)."""
+    held_now = _held_now(look)
+    base = held_now if prev.limit is None else min(prev.limit, held_now)
+    limit = max(settings.floor, math.floor(base * settings.backoff))
+    return replace(state, limit=limit, backed_off_at=look.time, reason=f"backed off to {limit}: {why}")
+
+
+def _grow(prev: Pace, look: PaceInput, state: Pace, dt: float, settings: PaceSettings) -> Pace:
+    """``state`` with the limit grown while it binds with work waiting and the pool under-used (else
+    ``state``): limit / grow_divisor (at least 1) per hold_s of binding, whatever the scrape interval: the
+    share of a step since the last look (one hold's worth at most), what is not yet a whole request carried
+    to the next; grown past the ceiling, the limit is lifted."""
+    if prev.limit is None or not (
+        look.backlog > 0 and look.in_flight >= prev.limit and look.token_usage < settings.grow_below_usage
     ):
-        # limit / grow_divisor (at least 1) per hold_s of binding, whatever the scrape interval: the
-        # share of a step since the last look (one hold's worth at most), what is not yet a whole
-        # request carried to the next
-        owed = max(1.0, prev.limit / settings.grow_divisor) * min(dt, settings.hold_s) / settings.hold_s
-        owed += prev.grow_carry
-        step = math.floor(owed)
-        if step == 0:
-            return replace(state, grow_carry=owed)
-        limit = prev.limit + step
-        if limit > settings.ceiling:
-            return replace(state, limit=None, reason="limit lifted: grown past the ceiling")
-        return replace(
-            state, limit=limit, grow_carry=owed - step, reason=f"grew to {limit}: under-used with work waiting"
-        )
-    return state
+        return state
+    owed = max(1.0, prev.limit / settings.grow_divisor) * min(dt, settings.hold_s) / settings.hold_s
+    owed += prev.grow_carry
+    step = math.floor(owed)
+    if step == 0:
+        return replace(state, grow_carry=owed)
+    limit = prev.limit + step
+    if limit > settings.ceiling:
+        return replace(state, limit=None, reason="limit lifted: grown past the ceiling")
+    return replace(state, limit=limit, grow_carry=owed - step, reason=f"grew to {limit}: under-used with work waiting")
 
 
 def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None, int]:
