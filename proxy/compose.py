@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -89,19 +90,10 @@ def build_app(
     """
     keys = load_keyring(policy.auth)
     board = LoadBoard()  # one per proxy: worker ids are unique across pools
-    fair = policy.admission
     interval = policy.proxy.gpu_sample_interval_s
     gpus = GpuWatch(interval, gpu_sampler) if interval > 0 else None
     several = len(policy.pools) > 1
-    queues = [  # each pool: its own queue, fair between keys as [admission] says
-        AdmissionQueue(
-            policy.queue.capacity,
-            weights={name: k.weight for name, k in fair.keys.items()},
-            batch_floor=fair.batch_floor_share,
-            quantum=fair.quantum_tokens,
-        )
-        for _ in policy.pools
-    ]
+    queues = _admission_queues(policy)
     admission = queues[0] if not several else QueueTotals(queues)
     metrics = ProxyMetrics(
         admission,
@@ -110,7 +102,44 @@ def build_app(
         pool.workers,
         lambda: gpus.last if gpus is not None else None,
     )
-    dispatchers = {  # ... and its own gate over its own workers, with its own [pacing] (and [pool.pacing])
+    dispatchers = _dispatchers(policy, pool, board, queues, metrics)
+    declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
+    st = ProxyState(
+        policy=policy,
+        pool=pool,
+        board=board,
+        admission=admission,
+        requests=_request_path(policy, pool, board, dispatchers, metrics),
+        metrics=metrics,
+        keys=keys,
+        models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
+        gpus=gpus,
+        drain=Drain(policy.proxy.shutdown_grace_s),
+    )
+    _hook_fast_tiers(st, dispatchers, control_constants)
+    return _application(st, manage_pool, control_constants)
+
+
+def _admission_queues(policy: Policy) -> list[AdmissionQueue]:
+    """Each pool's own queue, fair between keys as [admission] says."""
+    fair = policy.admission
+    return [
+        AdmissionQueue(
+            policy.queue.capacity,
+            weights={name: k.weight for name, k in fair.keys.items()},
+            batch_floor=fair.batch_floor_share,
+            quantum=fair.quantum_tokens,
+        )
+        for _ in policy.pools
+    ]
+
+
+def _dispatchers(
+    policy: Policy, pool: WorkerPool, board: LoadBoard, queues: Sequence[AdmissionQueue], metrics: ProxyMetrics
+) -> dict[str, Dispatcher]:
+    """Each pool's gate over its own workers and its own queue, with its own [pacing] (and [pool.pacing])."""
+    several = len(policy.pools) > 1
+    return {
         p.name: Dispatcher(
             PoolView(pool, p.name) if several else pool,
             board,
@@ -124,7 +153,18 @@ def build_app(
         )
         for p, queue in zip(policy.pools, queues, strict=True)
     }
-    requests = RequestPath(
+
+
+def _request_path(
+    policy: Policy,
+    pool: WorkerPool,
+    board: LoadBoard,
+    dispatchers: Mapping[str, Dispatcher],
+    metrics: ProxyMetrics,
+) -> RequestPath:
+    """The request path over the pools' dispatchers, with the per-key limits (across every pool)."""
+    fair = policy.admission
+    return RequestPath(
         RequestSettings.from_policy(policy),
         pool,
         board,
@@ -140,61 +180,46 @@ def build_app(
         ),
         engines={p.name: p.engine.engine for p in policy.pools},
     )
-    declared = [(p.model, p.name) for p in policy.pools if p.model is not None]
 
-    def budget_journal(pool_name: str) -> BudgetJournal:
-        def journal(worker_id: str, evidence: OutputBudget, now: float) -> None:
-            controller = st.controllers.get(pool_name)  # none before the app starts: nothing served yet
-            if controller is not None:
-                controller.on_output_budget(worker_id, evidence, now)
 
-        return journal
-
-    for p in policy.pools:  # each pool in auto: its workers' pace, from its own band, queue and dispatcher
+def _hook_fast_tiers(st: ProxyState, dispatchers: Mapping[str, Dispatcher], constants: Constants) -> None:
+    """Each pool in auto: its workers' pace, from its own band, queue and dispatcher, on each scrape
+    (the board's samples) and on an interactive spell; the budgets that moved go to its controller."""
+    for p in st.policy.pools:
         if p.control.mode is ControlMode.AUTO:
+            dispatcher = dispatchers[p.name]
             settings = PaceSettings.of(
                 p.control,
                 clock_rate=_clock_rate(p),
-                constants=control_constants,
-                interactive_window_s=dispatchers[p.name].interactive_window_s,
+                constants=constants,
+                interactive_window_s=dispatcher.interactive_window_s,
             )
-            fast_tier = _fast_tier(board, dispatchers[p.name], settings, budget_journal(p.name))
-            board.subscribe(fast_tier)
-            dispatchers[p.name].on_interactive_spell = _look_again(board, dispatchers[p.name], fast_tier)
-    st = ProxyState(
-        policy=policy,
-        pool=pool,
-        board=board,
-        admission=admission,
-        requests=requests,
-        metrics=metrics,
-        keys=keys,
-        models=ModelCatalog.declared(declared) if declared else ModelCatalog(),
-        gpus=gpus,
-        drain=Drain(policy.proxy.shutdown_grace_s),
-    )
+            fast_tier = _fast_tier(st.board, dispatcher, settings, _budget_journal(st, p.name))
+            st.board.subscribe(fast_tier)
+            dispatcher.on_interactive_spell = _look_again(st.board, dispatcher, fast_tier)
+
+
+def _budget_journal(st: ProxyState, pool_name: str) -> BudgetJournal:
+    """The fast tier's output budgets, to the pool's controller (read when a budget moves)."""
+
+    def journal(worker_id: str, evidence: OutputBudget, now: float) -> None:
+        controller = st.controllers.get(pool_name)  # none before the app starts: nothing served yet
+        if controller is not None:
+            controller.on_output_budget(worker_id, evidence, now)
+
+    return journal
+
+
+def _application(st: ProxyState, manage_pool: bool, control_constants: Constants) -> web.Application:
+    """The aiohttp app around ``st``: its middleware, routes, shutdown drain and lifecycles."""
+    policy = st.policy
     cors = Cors(policy.proxy.cors_allow_origins)
     app = web.Application(client_max_size=policy.proxy.max_body_bytes, middlewares=[handlers.error_middleware])
     app.on_response_prepare.extend((handlers.add_request_id, cors.on_prepare))
     app[PROXY] = st
     app[CONTROL_CONSTANTS] = control_constants
-    for path in (CHAT, COMPLETIONS, GENERATE):
-        app.router.add_post(path, handlers.inference_route(path))
-    app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
-    app.router.add_get("/v1/models", handlers.list_models)
-    app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/ready", handlers.ready)
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/admin/workers", handlers.admin_workers)
-    app.router.add_get("/admin/gpus", handlers.admin_gpus)
-    history = History(
-        lambda: ({p.value: admission.depth(p) for p in ORDER}, board.total_in_flight()),
-        lambda worker_id: board.get(worker_id).in_flight,
-    )
-    board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
-    app[HISTORY] = history
-    add_dashboard_routes(app)
+    _add_api_routes(app)
+    _add_dashboard(app, st)
     app.on_shutdown.append(_drain)  # runs before aiohttp waits for the open handlers
     app.cleanup_ctx.append(_lifecycle(st, manage_pool))
     app.router.add_get("/admin/decisions", handlers.admin_decisions)
@@ -205,6 +230,32 @@ def build_app(
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     cors.add_preflight_routes(app.router)  # every route is in
     return app
+
+
+def _add_api_routes(app: web.Application) -> None:
+    """The inference routes, the model list, health, readiness, metrics and the workers' and GPUs' views."""
+    for path in (CHAT, COMPLETIONS, GENERATE):
+        app.router.add_post(path, handlers.inference_route(path))
+    app.router.add_put(GENERATE, handlers.inference_route(GENERATE))
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/workers", handlers.admin_workers)
+    app.router.add_get("/admin/gpus", handlers.admin_gpus)
+
+
+def _add_dashboard(app: web.Application, st: ProxyState) -> None:
+    """The dashboard's routes and its history, one more observer of the board's samples."""
+    admission, board = st.admission, st.board
+    history = History(
+        lambda: ({p.value: admission.depth(p) for p in ORDER}, board.total_in_flight()),
+        lambda worker_id: board.get(worker_id).in_flight,
+    )
+    board.subscribe(history.on_sample)  # the scraper's samples, as the dispatcher and controller see them
+    app[HISTORY] = history
+    add_dashboard_routes(app)
 
 
 BudgetJournal = Callable[[str, OutputBudget, float], None]
@@ -452,104 +503,19 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
     built when the app starts, fed by the board, the pool's states and log lines. One journal."""
     st = app[PROXY]
-    policy = st.policy
-    journal = Journal(policy.control.journal_path)
+    journal = Journal(st.policy.control.journal_path)
     # the planner's replays run in a process of their own (started at the first plan: none if no pool plans)
     async with PlanProcess() as planning:
-        several = len(policy.pools) > 1
         closed = False
-        engines = {p.name: p.engine.engine for p in policy.pools}
-        for pool_settings in policy.pools:
-            settings = pool_settings.control
-            engine = pool_settings.engine.engine
-            view = PoolView(st.pool, pool_settings.name) if several else st.pool
-            rate = _clock_rate(pool_settings)
-            drain_timeout_s = app[CONTROL_CONSTANTS].in_wall(rate).drain_timeout_s
-            st.controllers[pool_settings.name] = Controller(
-                settings,
-                engine.knobs,
-                journal,
-                engine=engine,
-                surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
-                # only managed workers are acted on: for an external pool the controller advises, and its
-                # journal entries say the worker is not managed by this proxy
-                actor=Rollout(view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=drain_timeout_s),
-                clock=time.monotonic,
-                hold=st.pool.hold,
-                declare_down=st.pool.declare_down,
-                modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
-                offload=planning,
-                clock_rate=rate,
-                constants=app[CONTROL_CONSTANTS],
-            )
+
+        def is_closed() -> bool:
+            return closed
+
+        _build_controllers(st, journal, planning, app[CONTROL_CONSTANTS])
         st.journal = journal
-
-        async def read_resolved(info: WorkerInfo) -> None:
-            """What the engine chose for args left unset (``mem_fraction_static``...), from its server info
-            (the controller's, for a worker it manages), and how many requests it runs at once (the
-            pacing's, for every worker: its launch arguments first, its server info over them)."""
-            engine = engines.get(info.pool, policy.engine.engine)
-            path = engine.server_info_path
-            load = st.board.get(info.id)
-            load.running_limit = _launched_running_limit(engine, info)
-            if st.session is None or path is None:
-                return
-            try:
-                async with st.session.get(info.url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status != 200:
-                        return
-                    payload = await resp.json(content_type=None)
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                _log.debug("no %s from %s: %s", path, info.id, exc)
-                return
-            if not isinstance(payload, dict) or closed:
-                return
-            load.running_limit = engine.running_limit(payload) or load.running_limit
-            rate = engine.clock_rate_from_server_info(payload)
-            if rate is not None:  # the pool's window beside interactive work, on its workers' clock
-                st.requests.dispatcher_of(info.pool).clock_rate = rate
-            controller = st.controllers.get(info.pool)
-            if controller is not None and info.managed:
-                controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
-                if rate is not None:
-                    controller.set_clock_rate(rate)
-
-        def on_state(info: WorkerInfo) -> None:
-            controller = st.controllers.get(info.pool)
-            if closed or controller is None:
-                return
-            controller.track(info)
-            if info.state is WorkerState.READY:  # an external worker's too: its clock rate is read there
-                st.spawn(read_resolved(info))
-
-        def on_line(worker_id: str, line: str) -> None:
-            if not closed:
-                for controller in st.controllers.values():
-                    controller.on_line(worker_id, line)  # a controller reads only the workers it tracks
-
-        for info in st.pool.workers():
-            controller = st.controllers.get(info.pool)
-            if controller is not None:
-                controller.track(info)
-        if isinstance(st.pool, PlannedLaunches):
-            st.pool.plan_launches(functools.partial(_launch_args, st))
-        st.launches_planned.set()
-        st.pool.add_listener(on_state)
-        if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
-            st.pool.add_line_listener(on_line)
-        for controller in st.controllers.values():
-            st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
-        for name, controller in st.controllers.items():
-            k = controller.constants
-            _log.info(
-                "controller %s (pool %s): its workers' clock at %g x the wall's: looks every %g s over %g s windows",
-                controller.mode,
-                name,
-                controller.clock_rate,
-                k.interval_s,
-                k.window_s,
-            )
-        tasks = [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
+        _track_workers(st)
+        _listen_to_workers(st, is_closed)
+        tasks = _start_controllers(st)
 
         async def stop_control() -> None:
             """No decision from now on, none carried out (the shutdown's drain calls it first: no
@@ -566,6 +532,126 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             st.stop_control = None
             for controller in st.controllers.values():
                 st.board.unsubscribe(controller.on_sample)
+
+
+def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, constants: Constants) -> None:
+    """One controller per pool into ``st.controllers``, acting on the pool's workers through its dispatcher."""
+    several = len(st.policy.pools) > 1
+    for pool_settings in st.policy.pools:
+        settings = pool_settings.control
+        engine = pool_settings.engine.engine
+        view = PoolView(st.pool, pool_settings.name) if several else st.pool
+        rate = _clock_rate(pool_settings)
+        drain_timeout_s = constants.in_wall(rate).drain_timeout_s
+        st.controllers[pool_settings.name] = Controller(
+            settings,
+            engine.knobs,
+            journal,
+            engine=engine,
+            surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
+            # only managed workers are acted on: for an external pool the controller advises, and its
+            # journal entries say the worker is not managed by this proxy
+            actor=Rollout(view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=drain_timeout_s),
+            clock=time.monotonic,
+            hold=st.pool.hold,
+            declare_down=st.pool.declare_down,
+            modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
+            offload=planning,
+            clock_rate=rate,
+            constants=constants,
+        )
+
+
+def _track_workers(st: ProxyState) -> None:
+    """The controllers track the workers the pool lists now; they plan each worker's first launch
+    (the pool starts once ``st.launches_planned`` is set)."""
+    for info in st.pool.workers():
+        controller = st.controllers.get(info.pool)
+        if controller is not None:
+            controller.track(info)
+    if isinstance(st.pool, PlannedLaunches):
+        st.pool.plan_launches(functools.partial(_launch_args, st))
+    st.launches_planned.set()
+
+
+def _listen_to_workers(st: ProxyState, is_closed: Callable[[], bool]) -> None:
+    """The pool's state changes and log lines, to the controllers until they stop; a worker that
+    becomes ready has its server info read."""
+    engines = {p.name: p.engine.engine for p in st.policy.pools}
+
+    def on_state(info: WorkerInfo) -> None:
+        controller = st.controllers.get(info.pool)
+        if is_closed() or controller is None:
+            return
+        controller.track(info)
+        if info.state is WorkerState.READY:  # an external worker's too: its clock rate is read there
+            st.spawn(_read_server_info(st, engines, info, is_closed))
+
+    def on_line(worker_id: str, line: str) -> None:
+        if not is_closed():
+            for controller in st.controllers.values():
+                controller.on_line(worker_id, line)  # a controller reads only the workers it tracks
+
+    st.pool.add_listener(on_state)
+    if isinstance(st.pool, WorkerLogs):  # only a pool that starts its workers has their output
+        st.pool.add_line_listener(on_line)
+
+
+def _start_controllers(st: ProxyState) -> list[asyncio.Task[None]]:
+    """Subscribe each controller to the board's samples and start its loop; returns the loops' tasks."""
+    for controller in st.controllers.values():
+        st.board.subscribe(controller.on_sample)  # a controller keeps only its own workers' samples
+    for name, controller in st.controllers.items():
+        k = controller.constants
+        _log.info(
+            "controller %s (pool %s): its workers' clock at %g x the wall's: looks every %g s over %g s windows",
+            controller.mode,
+            name,
+            controller.clock_rate,
+            k.interval_s,
+            k.window_s,
+        )
+    return [asyncio.create_task(c.run(), name=f"pacer-controller-{n}") for n, c in st.controllers.items()]
+
+
+async def _read_server_info(
+    st: ProxyState, engines: Mapping[str, Engine], info: WorkerInfo, is_closed: Callable[[], bool]
+) -> None:
+    """What the engine chose for args left unset (``mem_fraction_static``...), from its server info
+    (the controller's, for a worker it manages), and how many requests it runs at once (the
+    pacing's, for every worker: its launch arguments first, its server info over them); the clock
+    rate it tells goes to the pool's dispatcher and controller."""
+    engine = engines.get(info.pool, st.policy.engine.engine)
+    path = engine.server_info_path
+    load = st.board.get(info.id)
+    load.running_limit = _launched_running_limit(engine, info)
+    if st.session is None or path is None:
+        return
+    payload = await _fetch_server_info(st.session, info, path)
+    if payload is None or is_closed():
+        return
+    load.running_limit = engine.running_limit(payload) or load.running_limit
+    rate = engine.clock_rate_from_server_info(payload)
+    if rate is not None:  # the pool's window beside interactive work, on its workers' clock
+        st.requests.dispatcher_of(info.pool).clock_rate = rate
+    controller = st.controllers.get(info.pool)
+    if controller is not None and info.managed:
+        controller.set_resolved(info.id, engine.resolved_from_server_info(payload))
+        if rate is not None:
+            controller.set_clock_rate(rate)
+
+
+async def _fetch_server_info(session: aiohttp.ClientSession, info: WorkerInfo, path: str) -> dict[str, Any] | None:
+    """The worker's server info (the JSON at ``path``), None when it does not answer with a JSON object."""
+    try:
+        async with session.get(info.url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            payload = await resp.json(content_type=None)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        _log.debug("no %s from %s: %s", path, info.id, exc)
+        return None
+    return payload if isinstance(payload, dict) else None
 
 
 async def _stop_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
