@@ -79,18 +79,19 @@ async def test_an_engine_whose_lease_is_not_renewed_stops_and_says_why(tmp_path:
 
 
 async def test_an_engine_whose_lease_names_another_launch_or_is_gone_stops(tmp_path: Path) -> None:
-    w, lines = await _launch(tmp_path, _SLEEPER, ttl_s=60.0)
+    # a lease of 24 s is looked at every 2 s (not 5, as 60 s would be): the test's wait holds many looks
+    w, lines = await _launch(tmp_path, _SLEEPER, ttl_s=24.0)
     await wait_until(lambda: lines.tail(1) == ["up"], "the engine's first line", timeout=20.0)
-    write_lease(lease_path(tmp_path / "w0.log"), {"launch": "another", "ttl_s": 60.0, "renewed": time.time()})
-    assert await asyncio.wait_for(w.wait(), timeout=15.0) == -signal.SIGTERM
+    write_lease(lease_path(tmp_path / "w0.log"), {"launch": "another", "ttl_s": 24.0, "renewed": time.time()})
+    assert await asyncio.wait_for(w.wait(), timeout=20.0) == -signal.SIGTERM
     await w.drain_output(timeout=5.0)
     w.close()
     assert any("names another launch" in line for line in lines.tail(5))
 
-    w, lines = await _launch(tmp_path, _SLEEPER, ttl_s=60.0)
+    w, lines = await _launch(tmp_path, _SLEEPER, ttl_s=24.0)
     await wait_until(lambda: lines.tail(1) == ["up"], "the engine's first line", timeout=20.0)
     lease_path(tmp_path / "w0.log").unlink()
-    assert await asyncio.wait_for(w.wait(), timeout=15.0) == -signal.SIGTERM
+    assert await asyncio.wait_for(w.wait(), timeout=20.0) == -signal.SIGTERM
     w.close()
 
 
