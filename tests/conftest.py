@@ -17,7 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow real-engine tests and the long end-to-end runs first: ``make test`` spreads the suite
-    over the machine's cores (pytest-xdist), and a run ends sooner when its longest tests start first
-    than when one of them is left for the end (each module keeps its own order)."""
+    """The slow real-engine tests and the long end-to-end runs first: spread over cores (pytest-xdist,
+    ``make test-fast``), a run ends sooner when its longest tests start first than when one of them is
+    left for the end (each module keeps its own order)."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("long") else 1)
