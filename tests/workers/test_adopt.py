@@ -5,7 +5,7 @@ Real worker processes (the fake worker), real leases, supervisors in this proces
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +17,7 @@ import pytest
 from proxy.workers.base import WorkerState
 from proxy.workers.lease import lease_path, proc_start, read_lease, write_lease
 from proxy.workers.supervisor import Supervisor
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and /proc are Linux's")
 
@@ -68,24 +69,25 @@ async def test_a_server_whose_own_info_disagrees_is_stopped_and_replaced(make_su
     assert proc_start(pid) is None
 
 
-async def test_a_process_that_is_no_longer_the_worker_is_left_alone(make_supervisor, stranger) -> None:
+async def test_a_process_that_is_no_longer_the_worker_is_left_alone(make_supervisor) -> None:
     """The lease's pid is another process now (reused): not adopted, not signalled; a new worker
     starts, and the old one, whose lease now names another launch, stops by itself."""
     pid, lease = await _left_running(make_supervisor)
     record = read_lease(lease)
     assert record is not None
-    assert proc_start(stranger.pid) != record["pid_start"]  # what a reused pid looks like: a later start
-    write_lease(lease, {**record, "pid": stranger.pid})
-    second = make_supervisor()
-    await second.start()
-    info = second.get("w0")
-    assert info.state is WorkerState.READY and info.pid not in (None, pid, stranger.pid)
-    assert stranger.poll() is None
-    for _ in range(300):  # its watcher sees the new launch's lease at its next look
-        if proc_start(pid) is None:
-            break
-        await asyncio.sleep(0.05)
-    assert proc_start(pid) is None
+    # started after the worker, as a process that took a reused pid would be (the fixture's stranger
+    # starts before it, within the same clock tick now and then)
+    with contextlib.ExitStack() as stack:
+        stranger = stack.enter_context(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        stack.callback(stranger.kill)
+        assert proc_start(stranger.pid) > record["pid_start"]  # what a reused pid looks like: a later start
+        write_lease(lease, {**record, "pid": stranger.pid})
+        second = make_supervisor()
+        await second.start()
+        info = second.get("w0")
+        assert info.state is WorkerState.READY and info.pid not in (None, pid, stranger.pid)
+        assert stranger.poll() is None
+        await wait_until(lambda: proc_start(pid) is None, "the old worker stopped by its watcher", timeout=15.0)
 
 
 async def test_a_worker_another_live_proxy_owns_is_not_touched(make_supervisor, stranger) -> None:
