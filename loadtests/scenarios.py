@@ -820,7 +820,7 @@ def run_scenario(
         **_phase_judged(phases),
         "interactive_ttft_p99_s": (ttft := _interactive_ttft(sc, results)),
         "interactive_ttft_p99_alone_s": alone_p99,
-        "interactive_ttft_over_alone": _ratio((ttft or {}).get("adaptive", 0.0), alone_p99 or 0.0) if alone_p99 else None,
+        "interactive_ttft_over_alone": _ratio(ttft["adaptive"], alone_p99) if alone_p99 and ttft and "adaptive" in ttft else None,
         **(_fleet_figures(sc, results) if sc.workers > 1 else {}),
         "scenario": sc.name,
         "premise": sc.premise,

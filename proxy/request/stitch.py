@@ -50,15 +50,16 @@ class PartEnd:
         return "".join(p if isinstance(p, str) else _text_of(p, self.chat) for p in self.pieces)
 
 
+def _choice_text(choice: dict[str, Any], chat: bool) -> str:
+    """The text one event's first choice carries: a chat delta's content, a completion's text ('' if none)."""
+    delta = choice.get("delta") if chat else None
+    text = (delta.get("content") if isinstance(delta, dict) else None) if chat else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _text_of(body: bytes, chat: bool) -> str:
     """The text one content event's JSON ``body`` carries ('' where it carries none)."""
-    choice = orjson.loads(body)["choices"][0]
-    if chat:
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else None
-    else:
-        text = choice.get("text")
-    return text if isinstance(text, str) else ""
+    return _choice_text(orjson.loads(body)["choices"][0], chat)
 
 
 # An event of the first part that is plain content as the engines write it (not its finish, no usage):
@@ -229,8 +230,8 @@ class StreamStitcher:
         payload.pop("usage", None)
         choice = dict(choices[0])
         delta = choice.get("delta") if self._chat else None
-        text = (delta.get("content") if isinstance(delta, dict) else None) if self._chat else choice.get("text")
-        if isinstance(text, str) and text:
+        text = _choice_text(choice, self._chat)
+        if text:
             self._text.append(text)
             self._part_events += 1
         reason = choice.get("finish_reason")
@@ -240,6 +241,6 @@ class StreamStitcher:
             return _event(payload) if self._parts > 1 else event + b"\n\n"
         self._reason = reason if isinstance(reason, str) else None
         self._held_finish = {**payload, "choices": [{**choice, **({"delta": {}} if self._chat else {"text": ""})}]}
-        if not (isinstance(text, str) and text):
+        if not text:
             return b""
         return _event({**payload, "choices": [{**choice, "finish_reason": None}]})  # its content goes on
