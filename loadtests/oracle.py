@@ -17,8 +17,8 @@ its candidate values with the others held at the best found so far; ``passes`` r
 
 Arrival: every arm runs behind the proxy, whose pacing gate feeds the worker only while its estimated
 server queue is under the band's target (``queue_band[0] + headroom``), from a scrape every
-``scrape_interval_s`` of wall time. A trial replays that gate (:class:`Pacing`, :func:`simulate_paced`):
-the same engine, fed the way the live arms feed it. Queuing the whole workload at the engine at
+``scrape_interval_s`` of the engine's time (the scraper's wall floor aside). A trial replays that
+gate (:class:`Pacing`, :func:`simulate_paced`): the same engine, fed the way the live arms feed it. Queuing the whole workload at the engine at
 once (``pacing=None``, :func:`proxy.sim.virtual.simulate`) is a different arrival process, and the
 engine's admission depends on it: with 8,000 requests waiting, retractions reset the new-token
 ratio before the running batch grows large, while behind the proxy (about 130 waiting) the ratio
@@ -39,6 +39,7 @@ from typing import Any
 
 from proxy.engines.base import Sample
 from proxy.engines.sglang.argv import build_argv
+from proxy.observe.scraper import MIN_WALL_INTERVAL_S
 from proxy.request.pacing import Band, WorkerLoad
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
@@ -67,7 +68,7 @@ class Pacing:
     """The proxy's pacing gate as the engine sees it: the policy's :class:`~proxy.request.pacing.Band` and the
     dispatcher's estimate of the server queue (:class:`~proxy.request.pacing.WorkerLoad`, the same code,
     driven here in virtual time), with a scrape every ``scrape_s`` engine seconds (the policy's
-    ``scrape_interval_s`` x the time scale: the engine runs at time scale 1 here)."""
+    ``scrape_interval_s``, in the engine's seconds, or the scraper's wall floor at the time scale)."""
 
     band: Band = field(default_factory=lambda: Band(lo=100, hi=400, headroom=32))
     scrape_s: float = 5.0
@@ -78,7 +79,7 @@ class Pacing:
 
     @classmethod
     def of(cls, band: Band, scrape_interval_s: float, time_scale: float) -> Pacing:
-        return cls(band=band, scrape_s=scrape_interval_s * time_scale)
+        return cls(band=band, scrape_s=max(scrape_interval_s, MIN_WALL_INTERVAL_S * time_scale))
 
 
 @dataclass(frozen=True, slots=True)

@@ -388,29 +388,28 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
         )
         st.requests.open(st.session)  # its own connections to the workers; the session serves aborts too
         for pool_settings in policy.pools:
-            st.scrapers.append(
-                Scraper(
-                    PoolView(st.pool, pool_settings.name) if len(policy.pools) > 1 else st.pool,
-                    st.board,
-                    st.session,
-                    engine=pool_settings.engine.engine,
-                    interval_s=pool_settings.pacing.scrape_interval_s,
-                    timeout_s=max(pool_settings.pacing.scrape_interval_s, min(pool_settings.pacing.stale_after_s, 5.0)),
-                    on_result=functools.partial(_on_scrape, st, st.requests.dispatcher_of(pool_settings.name)),
-                )
+            st.scrapers[pool_settings.name] = Scraper(
+                PoolView(st.pool, pool_settings.name) if len(policy.pools) > 1 else st.pool,
+                st.board,
+                st.session,
+                engine=pool_settings.engine.engine,
+                interval_s=pool_settings.pacing.scrape_interval_s,
+                timeout_s=max(pool_settings.pacing.scrape_interval_s, min(pool_settings.pacing.stale_after_s, 5.0)),
+                on_result=functools.partial(_on_scrape, st, st.requests.dispatcher_of(pool_settings.name)),
+                clock_rate=_clock_rate(pool_settings),  # scrape_interval_s is in the engine's seconds
             )
 
         def on_state(info: WorkerInfo) -> None:
             st.requests.dispatcher_of(info.pool).on_worker_state(info)
             if info.state is WorkerState.READY:
-                for scraper in st.scrapers:
+                for scraper in st.scrapers.values():
                     scraper.kick()
                 if not st.models.known and st.session is not None:
                     st.spawn(st.models.refresh(st.session, info.url))
 
         st.pool.add_listener(on_state)
         tasks = [
-            *(asyncio.create_task(s.run(), name="pacer-scraper") for s in st.scrapers),
+            *(asyncio.create_task(s.run(), name="pacer-scraper") for s in st.scrapers.values()),
             asyncio.create_task(
                 run_status_log(
                     st.admission, st.board, st.pool, policy.proxy.status_log_interval_s, policy.pacing.stale_after_s
@@ -632,8 +631,10 @@ async def _read_server_info(
         return
     load.running_limit = engine.running_limit(payload) or load.running_limit
     rate = engine.clock_rate_from_server_info(payload)
-    if rate is not None:  # the pool's window beside interactive work, on its workers' clock
+    if rate is not None:  # the pool's window beside interactive work and its scrapes, on its workers' clock
         st.requests.dispatcher_of(info.pool).clock_rate = rate
+        if (scraper := st.scrapers.get(info.pool)) is not None:
+            scraper.clock_rate = rate
     controller = st.controllers.get(info.pool)
     if controller is not None and info.managed:
         controller.set_resolved(info.id, engine.resolved_from_server_info(payload))

@@ -240,7 +240,14 @@ class PacingSettings:
         default=32,
         metadata=key("dispatch while estimated server queue < band low + headroom (never past high)", minimum=0),
     )
-    scrape_interval_s: float = field(default=0.5, metadata=key("seconds between /metrics reads", positive=True))
+    scrape_interval_s: float = field(
+        default=0.5,
+        metadata=key(
+            "seconds between /metrics reads, on the workers' clock (a simulated worker at time scale k: k times as "
+            "often, never under 0.05 s of wall time)",
+            positive=True,
+        ),
+    )
     stale_after_s: float = field(
         default=3.0,
         metadata=key(

@@ -1,5 +1,10 @@
 """Reads each READY worker's load every ``scrape_interval_s`` and publishes it on the load board.
 
+The interval is in the engine's seconds, as every other timing of the controller: a worker whose
+clock runs ``clock_rate`` engine seconds per wall second (a simulated one's time scale) is read that
+many times as often, so the fast tier sees it at the same modelled moments as it would a GPU's. A
+read costs the proxy CPU, so the wall interval never goes below :data:`MIN_WALL_INTERVAL_S`.
+
 ``GET /metrics`` is parsed by the engine the workers speak (:meth:`Engine.parse_metrics`); a worker
 that answers 404 there (metrics not enabled) is read from the engine's JSON load endpoint instead
 (:attr:`Engine.loads_path`), where it has one.
@@ -29,6 +34,11 @@ from proxy.workers.base import WorkerId, WorkerInfo, WorkerPool, WorkerState
 
 _log = logging.getLogger(__name__)
 
+# The shortest wall time between two rounds: a round costs the proxy about a millisecond of CPU per
+# worker (the page's parse and the fast tier's look), so 20 rounds a second stay within a few percent
+# of a core for a few workers, whatever a simulated worker's time scale asks.
+MIN_WALL_INTERVAL_S = 0.05
+
 
 class Scraper:
     def __init__(
@@ -42,11 +52,13 @@ class Scraper:
         timeout_s: float,
         on_result: Callable[[WorkerId, Sample | None, str | None], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        clock_rate: float = 1.0,
     ) -> None:
         self.pool = pool
         self.board = board
         self.session = session
-        self.interval_s = interval_s
+        self.interval_s = interval_s  # in the engine's seconds
+        self.clock_rate = clock_rate  # engine seconds per wall second (set again from a worker's server info)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_result = on_result
         self.clock = clock
@@ -56,6 +68,12 @@ class Scraper:
         self._tasks: set[asyncio.Task[None]] = set()
         self._kick = asyncio.Event()
         self.rounds = 0
+
+    @property
+    def wall_interval_s(self) -> float:
+        """The wall seconds between two rounds: ``interval_s`` on the workers' clock, at least
+        :data:`MIN_WALL_INTERVAL_S`."""
+        return max(MIN_WALL_INTERVAL_S, self.interval_s / self.clock_rate)
 
     def kick(self) -> None:
         self._kick.set()
@@ -70,7 +88,7 @@ class Scraper:
                 # lands as the kick is set (a worker turning READY as the proxy stops), and the loop
                 # would then run on with the app's cleanup waiting for it
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.interval_s):
+                    async with asyncio.timeout(self.wall_interval_s):
                         await self._kick.wait()
         finally:
             for task in list(self._tasks):

@@ -48,7 +48,7 @@ class ProxyState:
     gpus: GpuWatch | None = None  # None when proxy.gpu_sample_interval_s = 0
     journal: Journal | None = None
     controllers: dict[str, Controller] = field(default_factory=dict)  # per pool, while the app runs
-    scrapers: list[Scraper] = field(default_factory=list)  # per pool, while the app runs
+    scrapers: dict[str, Scraper] = field(default_factory=dict)  # per pool, while the app runs
     # set once the controllers plan the workers' first launches: the pool starts after it
     launches_planned: asyncio.Event = field(default_factory=asyncio.Event)
     # stops the controllers (idempotent), set while they run: the shutdown's drain calls it first

@@ -102,3 +102,19 @@ async def test_cancelling_the_run_ends_it_even_as_a_kick_comes() -> None:
         rounds = scraper.rounds
         await asyncio.sleep(2.0)  # four of its intervals: no round comes (virtual time)
         assert scraper.rounds == rounds
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(("clock_rate", "rounds"), [(1.0, 10), (5.0, 50), (40.0, 100)])
+async def test_the_interval_is_on_the_workers_clock_with_a_wall_floor(clock_rate: float, rounds: int) -> None:
+    """0.5 engine seconds between rounds: on a worker 5 times faster than the wall, 10 rounds a wall
+    second; never more than 20 a wall second (the floor), however fast its clock (virtual time)."""
+    async with aiohttp.ClientSession() as session:
+        scraper = Scraper(
+            StaticPool([]), LoadBoard(), session, engine=SGLANG, interval_s=0.5, timeout_s=1.0, clock_rate=clock_rate
+        )
+        task = asyncio.create_task(scraper.run())
+        await asyncio.sleep(5.0 - 1e-6)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert scraper.rounds == rounds
