@@ -8,7 +8,7 @@ those that score it highest; its gain is that score over the sweep's best single
 same phase, replayed the same way (>= 1: they are a candidate). Scoring phases inside the sweep's
 whole-trace replays instead would need no replay of its own, but there the engine's state carries
 over from the phase before, so the same arguments score a phase differently than a switch leaves it.
-A phase's figure is the one the live arms are judged on per phase (``scenarios._phase_figures``):
+A phase's figure is the one the live arms are judged on per phase (``scenario_report._phase_figures``):
 output tokens per second from its first arrival to its last answer for a batch, one over the mean
 time from arrival to answer for arrivals over time. ``alone``: the phase before it, under its own
 best arguments, was all answered before this one arrived (the free switch is then exact).

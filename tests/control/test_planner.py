@@ -22,7 +22,6 @@ from proxy.control.planner import (
     RestartCost,
     Twin,
     Why,
-    _waiting_plan,
     args_key,
     calibrate,
     candidates,
@@ -34,8 +33,8 @@ from proxy.control.planner import (
     plan,
     replay,
     verdict,
-    waiting_savings,
 )
+from proxy.control.waiting import _waiting_plan, waiting_savings
 from proxy.engines.base import KnobName
 from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
@@ -178,7 +177,7 @@ def test_a_restart_takes_the_larger_pool_unless_the_twin_puts_it_behind_past_its
     a restart and takes the band's larger pool (0.85) with it, weighed on the better of the two. A
     pool the twin puts a little behind on the replayed requests is taken all the same while the loss
     is inside the planner's noise floor (3 %), kept out past it."""
-    from proxy.control.planner import _no_worse
+    from proxy.control.economics import no_worse
 
     wl = _workload(300, 2.0, (1200, 2000), 2000, seed=2)
     settings = PlanSettings(horizon_s=1200.0, backlog=True)
@@ -188,7 +187,7 @@ def test_a_restart_takes_the_larger_pool_unless_the_twin_puts_it_behind_past_its
     assert p.best.output_tok_per_s >= without and p.predicted_gain == pytest.approx(
         p.best.output_tok_per_s / p.current.output_tok_per_s - 1.0
     )
-    assert _no_worse(97.1, 100.0, settings) and not _no_worse(96.9, 100.0, settings)
+    assert no_worse(97.1, 100.0, settings) and not no_worse(96.9, 100.0, settings)
 
 
 def test_the_candidate_is_chosen_on_its_mean_gain_over_the_looks_that_say_a_restart_pays():
@@ -535,13 +534,13 @@ def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
     """chunked_prefill_size 8192 on a 48 GB L40S, the band's floor at 2 GB: a full chunk needs 2 GB of
     activations by the twin's presets, so the larger pool keeps 1.5 x that free (0.92: 3.04 GB), not
     the floor alone (0.94: 2.14 GB, where an engine whose activations are a quarter larger dies)."""
-    from proxy.control.planner import _roomier
+    from proxy.control.candidates import roomier_pool
 
     twin = Twin("l40s-48gb", MODEL)
     args = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.9}
     wl = _workload(50, 2.0, (100, 300), 1024)
     chosen = twin.predict(args, wl)
-    roomier = _roomier(twin, chosen, replay(wl), PlanSettings(min_available_gb=2.0))
+    roomier = roomier_pool(twin, chosen, replay(wl), PlanSettings(min_available_gb=2.0))
     assert roomier is not None and roomier.args["mem_fraction_static"] == 0.92
     assert roomier.available_gpu_mem_gb is not None and roomier.available_gpu_mem_gb >= 3.0
 
@@ -766,7 +765,7 @@ def test_the_verdict_says_why_in_codes_and_the_plan_s_reason_is_its_explanation(
 
 
 def test_the_planner_moves_the_arguments_its_twin_s_engine_names_and_plans_no_engine_it_does_not_model():
-    from proxy.control.planner import TWIN_NAMES, ArgNames
+    from proxy.control.twin import TWIN_NAMES, ArgNames
     from proxy.engines.registry import ENGINES
 
     knobs = ENGINES["sglang"].knobs

@@ -18,6 +18,7 @@ import pytest
 
 from proxy.console.decisions import format_decision
 from proxy.control import controller as controller_module
+from proxy.control.candidates import band_fraction
 from proxy.control.controller import CHECK_AFTER_WINDOWS, Controller, OutcomeJob
 from proxy.control.horizon import answer_rate
 from proxy.control.planner import (
@@ -27,7 +28,6 @@ from proxy.control.planner import (
     Outcome,
     PlanSettings,
     Twin,
-    _band_fraction,
     check_outcome,
     run_plan,
 )
@@ -496,11 +496,11 @@ def test_the_planner_weighs_the_fraction_that_lands_in_the_band() -> None:
     many of ``memory_fraction_step``), first so no cap on candidates drops it; none inside the band."""
     twin = Twin("h100-80gb", "llama-3.1-8b")
     band = PlanSettings(min_available_gb=5.0, max_available_gb=10.0)
-    moved = _band_fraction(twin, {"mem_fraction_static": 0.6}, band)
+    moved = band_fraction(twin, {"mem_fraction_static": 0.6}, band)
     assert moved is not None and 0.85 <= moved["mem_fraction_static"] <= 0.93
     assert 5.0 <= twin.config(moved).memory.available_gb <= 10.0
-    assert _band_fraction(twin, moved, band) is None  # already inside
-    assert _band_fraction(twin, {"mem_fraction_static": 0.6}, PlanSettings(min_available_gb=5.0)) is None  # no top
+    assert band_fraction(twin, moved, band) is None  # already inside
+    assert band_fraction(twin, {"mem_fraction_static": 0.6}, PlanSettings(min_available_gb=5.0)) is None  # no top
 
 
 def _scrapes(c, clock, worker_id: str, start: float, seconds: int, running: int, tok_per_s: float) -> None:

@@ -7,8 +7,9 @@ import statistics
 
 import pytest
 
+from loadtests.scenario_arm import ArmResult
 from loadtests.scenario_defs import SCENARIOS, Phases, Workload
-from loadtests.scenarios import ArmResult, _phase_figures
+from loadtests.scenario_report import _phase_figures
 
 
 def _gaps(w: Workload) -> list[float]:

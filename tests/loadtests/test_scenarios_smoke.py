@@ -280,7 +280,7 @@ def test_tiny_phased_scenario_with_arrivals_and_another_control(tmp_path: Path) 
 
 
 def test_a_phased_run_is_judged_phase_by_phase_against_the_toughest_static_arm() -> None:
-    from loadtests.scenarios import _phase_judged
+    from loadtests.scenario_report import _phase_judged
 
     phases = [
         {"judged_on": "queue time", "adaptive": {"mean_s": 10.0}, "default": {"mean_s": 10.0},

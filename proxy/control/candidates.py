@@ -1,0 +1,199 @@
+"""The candidate arguments a plan replays, and the replays of one look.
+
+:func:`candidates` moves each argument the planner tunes one bounded step around the current ones;
+:func:`band_fraction` adds the memory fraction that leaves the middle of the policy's free-memory band
+free; :func:`roomier_pool` gives a chosen candidate the largest KV pool the band's floor allows.
+:func:`replay_candidates` replays the newest requests under the current arguments and each candidate,
+setting aside those outside the memory band: the figures the verdict chooses among.
+:func:`args_key` names a candidate alike on every look, so that its gains can be averaged over looks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from proxy.control.economics import PlanSettings
+from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
+from proxy.control.workload import InFlight, Observed, Replay, continued, replay
+from proxy.sim.config import SimConfigError
+from proxy.sim.twin import memory_fraction, prefill_chunk
+
+__all__ = [
+    "ACTIVATION_MARGIN",
+    "Replayed",
+    "args_key",
+    "band_fraction",
+    "candidates",
+    "newest_sample",
+    "replay_candidates",
+    "roomier_pool",
+]
+
+
+def args_key(args: Mapping[str, object]) -> str:
+    """One candidate's arguments as a key that is the same on every look under the same args."""
+    return ",".join(f"{name}={value!r}" for name, value in sorted(args.items()))
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def candidates(
+    args: Mapping[str, object], resolved: Mapping[str, float], settings: PlanSettings, names: ArgNames = TWIN_NAMES
+) -> list[dict[str, object]]:
+    """Bounded candidate args around ``args`` (``resolved``: what the engine chose for unset ones),
+    ``names``: the engine's names of the arguments moved."""
+
+    def current(arg: str) -> float | None:
+        value = _num(args.get(arg))
+        return value if value is not None else resolved.get(arg)
+
+    out: list[dict[str, object]] = []
+    cons = current(names.conservativeness) or 1.0
+    lo, hi = settings.conservativeness_bounds
+    for value in settings.conservativeness:
+        if lo <= value <= hi and abs(value - cons) > 1e-9:
+            out.append({**args, names.conservativeness: value})
+    running = current(names.max_running)
+    if running:
+        for value in (int(running * 0.5), int(running * 2)):
+            if value >= 1:
+                out.append({**args, names.max_running: value})
+    chunk = current(names.prefill_chunk)
+    if chunk and chunk > 0:
+        for value in (int(chunk // 2), int(chunk * 2)):
+            if 512 <= value <= 16384:
+                out.append({**args, names.prefill_chunk: value})
+    frac = current(names.memory_fraction)
+    if frac:
+        flo, fhi = settings.memory_fraction_bounds
+        for value in (frac - settings.memory_fraction_step, frac + settings.memory_fraction_step):
+            if flo <= value <= fhi:
+                out.append({**args, names.memory_fraction: round(value, 3)})
+    return out[: settings.max_candidates]
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """The current args and the candidates replayed on one look."""
+
+    sample: list[Observed]
+    loaded: Replay
+    seen: Prediction  # the current args on the window as it went
+    current: Prediction  # the current args going on
+    served: list[Prediction]  # the candidates inside the band that did not die
+    refused: tuple[Prediction, ...]  # those outside the memory band
+    replays: int
+
+
+def replay_candidates(
+    twin: Twin,
+    args: Mapping[str, object],
+    workload: Sequence[Observed],
+    settings: PlanSettings,
+    resolved: Mapping[str, float] | None,
+    in_flight: Sequence[InFlight],
+    now: float | None,
+) -> Replayed:
+    sample = newest_sample(workload, settings)
+    window = replay(sample, workload, in_flight, now)
+    loaded = continued(window, settings.horizon_s)
+    seen = twin.predict(args, window)  # the window as it went: what the twin is judged on against the worker
+    # the current args going on, with the window's own figures (the output answered in it, its answer times)
+    current = replace(twin.predict(args, loaded), answered_tok_per_s=seen.answered_tok_per_s)
+    refused: list[Prediction] = []
+    served: list[Prediction] = []
+    replays = 2
+    in_band = band_fraction(twin, args, settings)
+    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names):
+        p = twin.predict(cand, loaded)
+        replays += 1
+        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
+            refused.append(p)
+            continue
+        if p.oom is None:
+            served.append(p)
+    return Replayed(sample, loaded, seen, current, served, tuple(refused), replays)
+
+
+ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least
+
+
+def roomier_pool(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSettings) -> Prediction | None:
+    """``chosen`` (a candidate a restart is paid for) with the largest memory fraction whose free
+    memory at start-up stays at the floor of the policy's band or above, and at ``ACTIVATION_MARGIN``
+    x the activations the twin gives for a full prefill chunk and for the replay's largest decode
+    batch past the CUDA graphs (the twin's memory model, on the grid of ``memory_fraction_step``'s
+    multiples within the bounds), replayed: a larger KV pool the restart takes for free. The one-step
+    memory candidates alone rarely pay a restart of their own (0.01 is 1-2 % more pool), so a
+    fraction the band allows was left unused behind every other move. The margin: the twin's
+    activations are presets, not measured (the perturbed premises' engine needs 25 % more), and a
+    pool that leaves only what they say free dies on the first long prompt.
+    None: no larger fraction keeps that free, or the twin would not start with it."""
+    args = chosen.args
+    try:
+        now = twin.config(args)
+    except SimConfigError:
+        return None
+    act = twin.activations(args)
+    need_mib = 0.0
+    if act is not None:
+        chunk = prefill_chunk(now) or now.max_prefill_tokens
+        past_graphs = chosen.peak_running if chosen.peak_running > act.graph_max_bs else 0
+        need_mib = max(chunk * act.prefill_mib_per_token, past_graphs * act.decode_mib_per_seq)
+    keep_gb = max(settings.min_available_gb, ACTIVATION_MARGIN * need_mib / 1024)
+    step = settings.memory_fraction_step
+    current = memory_fraction(now)
+    _, top = settings.memory_fraction_bounds
+    room: float | None = None
+    frac = round((math.floor(current / step + 1e-9) + 1) * step, 3)  # the grid's next value above the current
+    while frac <= top + 1e-9:
+        try:
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
+        except SimConfigError:
+            break
+        if free < keep_gb:
+            break
+        room = frac
+        frac = round(frac + step, 3)
+    if room is None:
+        return None
+    p = twin.predict({**args, twin.names.memory_fraction: room}, loaded)
+    if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb):
+        return None
+    return p
+
+
+def band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSettings) -> dict[str, object] | None:
+    """The candidate whose memory fraction leaves the middle of the free-memory band free at start-up
+    (the twin's own memory model, on a grid of 0.01 within the bounds): one step to where the band
+    says the pool belongs, where the one-step candidates would take many restarts to get there.
+    None: no band top, the current args already inside the band, or no fraction lands in it."""
+    if settings.max_available_gb is None:
+        return None
+    try:
+        now_free = twin.config(args).memory.available_gb
+    except SimConfigError:
+        return None
+    low, high = settings.min_available_gb, settings.max_available_gb
+    if low <= now_free <= high:
+        return None
+    middle = (low + high) / 2
+    flo, fhi = settings.memory_fraction_bounds
+    best: tuple[float, float] | None = None  # (distance from the middle, fraction)
+    for step in range(round(flo * 100), round(fhi * 100) + 1):
+        frac = step / 100
+        try:
+            free = twin.config({**args, twin.names.memory_fraction: frac}).memory.available_gb
+        except SimConfigError:
+            continue
+        if low <= free <= high and (best is None or abs(free - middle) < best[0]):
+            best = (abs(free - middle), frac)
+    return None if best is None else {**args, twin.names.memory_fraction: best[1]}
+
+
+def newest_sample(workload: Sequence[Observed], settings: PlanSettings) -> list[Observed]:
+    return sorted(workload, key=lambda o: o.arrived)[-settings.max_requests :]
