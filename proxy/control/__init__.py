@@ -5,7 +5,10 @@
     decision.py    Decision (what a rule wants) and ControlState (what is remembered per worker)
     rules.py       pure rules over (window, state, settings), the gate (cool-down, budget, flip guard)
     journal.py     every decision with its evidence and outcome: JSON lines + GET /admin/decisions
-    controller.py  the loop: observe, tick, revive dead workers, hand restarts to an actor
+    controller.py  the loop: observe, tick, revive dead workers, hand restarts to an actor; each worker
+                   in one phase (phase.py), each concern a handler over one roster.py: revival.py (a
+                   death), trials.py (a canary, an operator's trial), planning.py (the planner's
+                   synchronous halves), outcomes.py (how an act turned out); ports.py (its protocols)
     rollout.py     the actor: rolling restart (the pool's DRAINING state, the dispatcher's take-back, the restart)
 
 Only ``rollout.py`` touches the outside world (``proxy.compose`` wires the controller into ``pacer

@@ -12,7 +12,7 @@ Rolling restart (:meth:`Rollout.restart`), one worker at a time:
 5. the worker is READY again (or DOWN); a restart refused before the worker stopped, or cancelled
    before it began, sets it back to READY. With one worker the proxy's queue holds the traffic.
 
-What the drain did comes back as a :class:`proxy.control.controller.Drain` (the journal entry's
+What the drain did comes back as a :class:`proxy.control.ports.Drain` (the journal entry's
 ``act``). A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path
 already handled its requests, so it is restarted at once.
 """
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from proxy.control.controller import ActResult, Drain
+from proxy.control.ports import ActResult, Drain
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
 __all__ = ["Drainable", "Rollout"]

@@ -79,7 +79,6 @@ async def _tick(c: Controller, modelled: float, rate: float, seen: list[tuple[An
         await c.carry_out(act)
     for job in c.plans_due():
         seen.append((modelled, "plan", pytest.approx(job.horizon.seconds * rate, rel=0.01)))  # rounded to 0.1 wall s
-        c._workers[job.worker_id].planning = False  # not computed here: its looks are the planner tests'
     for entry in c.journal.entries():
         verdict = (entry.get("outcome") or {}).get("verdict")
         if verdict is not None and entry["id"] not in outcomes:

@@ -435,7 +435,7 @@ def test_off_records_the_death_only_and_says_the_worker_stays_down(tmp_path: Pat
     c, clock = controller(ControlMode.OFF, tmp_path, RecordingActor(), declare_down=lambda *a: given_up.append(a))
     c.track(info())
     clock.now = 5.0
-    with caplog.at_level(logging.WARNING, logger="proxy.control.controller"):
+    with caplog.at_level(logging.WARNING, logger="proxy.control.revival"):
         c.track(info(state=WorkerState.DOWN))
     assert given_up == [("w0", "it stays down (control.mode = off)")]
     c.track(dataclasses.replace(info(state=WorkerState.DOWN), stays_down=True))

@@ -19,8 +19,10 @@ import pytest
 from proxy.console.decisions import format_decision
 from proxy.control import controller as controller_module
 from proxy.control.candidates import band_fraction
-from proxy.control.controller import CHECK_AFTER_WINDOWS, Controller, OutcomeJob
+from proxy.control.controller import Controller
 from proxy.control.horizon import answer_rate
+from proxy.control.outcomes import CHECK_AFTER_WINDOWS, OutcomeJob
+from proxy.control.phase import Phase
 from proxy.control.planner import (
     InFlight,
     Looks,
@@ -305,12 +307,12 @@ async def test_the_ticks_go_on_while_a_plan_is_computed(tmp_path: Path, monkeypa
         return run_plan(inputs)
 
     def held() -> None:
-        assert c.journal.entries() == [] and c._workers["w0"].planning  # its plan still being computed
+        assert c.journal.entries() == [] and c.phase("w0") is Phase.PLANNING  # its plan still being computed
 
     monkeypatch.setattr(controller_module, "run_plan", slow_plan)
     await _run_while_held(c, monkeypatch, release, held, lambda: bool(c.journal.entries()))
     (note,) = c.journal.entries()  # decided once in, as plan_now would have
-    assert note["status"] == "noted" and "does not pay" in note["detail"] and not c._workers["w0"].planning
+    assert note["status"] == "noted" and "does not pay" in note["detail"] and c.phase("w0") is Phase.SERVING
 
 
 async def test_the_ticks_go_on_while_an_acted_plan_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -442,14 +444,14 @@ def test_a_backlog_that_has_lasted_earns_the_horizon_a_restart_needs(tmp_path: P
     around = c.surroundings
     assert isinstance(around, Requests)
     around.open = [InFlight(arrived=0.0, prompt_tokens=500, max_tokens=4096, keeps_written=True)] * 3
-    kept = c._plan_inputs(c._workers["w0"], tuple(requests), tuple(around.open), job.time, job.horizon).cost
+    kept = c._planning.inputs(c._workers["w0"], tuple(requests), tuple(around.open), job.time, job.horizon).cost
     assert kept.recomputed_tokens == 0.0
     assert kept.refill_prompt_tokens == pytest.approx(cost.refill_prompt_tokens + cost.recomputed_tokens)
     around.open = []
     # the requests the proxy holds for it in its own queue (one worker serving: all of them) wait a
     # restart's outage out too: the waiting basis prices them
     around.held = 30
-    assert c._plan_inputs(c._workers["w0"], tuple(requests), (), job.time, job.horizon).settings.queued == 30.0
+    assert c._planning.inputs(c._workers["w0"], tuple(requests), (), job.time, job.horizon).settings.queued == 30.0
     around.held = 0
     c.plan_now(job)
     (entry,) = c.journal.entries()
