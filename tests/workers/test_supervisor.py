@@ -87,7 +87,7 @@ async def test_two_workers_start_log_live_crash_restart_and_stop(make_supervisor
     await sup.stop()
     assert all(i.state == WorkerState.STOPPED and i.pid is None for i in sup.workers())
     for pid in pids:
-        await wait_until(lambda pid=pid: not alive(pid), "not alive(pid)", timeout=5)
+        await wait_until(lambda pid=pid: not alive(pid), f"pid {pid} gone")
 
 
 async def test_drain_hook(make_supervisor) -> None:
