@@ -36,9 +36,10 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
                 "pool.get('w0').state is WorkerState.READY",
                 timeout=60,
             )
-            body = {"sim_output_len": 4000}  # long: still running when the worker is killed
+            # long (many seconds at the worker's 20 x): still running when the worker is killed
+            body = {"sim_output_len": 40000}
             on_it = asyncio.ensure_future(
-                client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
+                client.completions.create(model=MODEL, prompt="x", max_tokens=40000, extra_body=body)
             )
             await wait_until(lambda: st.board.get("w0").in_flight == 1, "st.board.get('w0').in_flight == 1", timeout=20)
             started = time.monotonic()
