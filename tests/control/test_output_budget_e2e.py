@@ -165,6 +165,17 @@ async def test_answers_that_get_longer_lift_the_budget_while_they_run(tmp_path: 
         # 256, 256 at most before the lift was seen, then the rest in one part (under the budget: 256,
         # 256, 512, 476)
         assert max(f.parts for f in load.facts.recent()[-20:]) <= 3
-        # real time on purpose: nothing must happen; the fast tier looks again several times in it
-        await asyncio.sleep(0.5)  # the short answers of before do not set it again
+        # nothing must happen: the fast tier looks again (once a scrape) several times, and the short
+        # answers of before do not set it again
+        looks = 0
+
+        def looked(worker_id: str, sample: object, _error: str | None) -> None:
+            nonlocal looks
+            looks += sample is not None and worker_id == load.worker_id
+
+        proxy.state.board.subscribe(looked)  # after the fast tier's own: it has looked when this counts
+        try:
+            await wait_until(lambda: looks >= 5, "five more looks of the fast tier")
+        finally:
+            proxy.state.board.unsubscribe(looked)
         assert budget() is None

@@ -42,6 +42,21 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _in_its_trap(pids: Path) -> bool:
+    """A worker's shell has its SIGTERM and waits out its 2 s (its ``sleep 2`` runs): the old worker stops."""
+    shells = {int(p) for p in pids.read_text().split()} if pids.exists() else set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat, argv = (entry / "stat").read_text(), (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if argv == [b"sleep", b"2"] and int(stat.rsplit(")", 1)[1].split()[1]) in shells:
+            return True
+    return False
+
+
 def _left(pids: list[int], within_s: float = 5.0) -> list[int]:
     """Those of ``pids`` still running after ``within_s`` (a killed process takes a moment to go)."""
     with contextlib.suppress(AssertionError):
@@ -107,9 +122,9 @@ def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path
         assert tried.returncode == 0, tried.stdout + tried.stderr
         wait_until_blocking(lambda: "restarting worker w0" in log_path.read_text(), "the restart", timeout=40,
                             detail=lambda: log_path.read_text()[-3000:])  # fmt: skip
-        # real time on purpose: the supervisor sends SIGTERM just after that line, and the old worker takes
-        # 2 s to go; the stop lands inside those 2 s (the log says nothing more to wait on)
-        time.sleep(0.3)
+        # the supervisor sends SIGTERM just after that line; the stop lands inside the old worker's 2 s
+        wait_until_blocking(lambda: _in_its_trap(pids), "the old worker stopping (its shell's 2 s)",
+                            detail=lambda: log_path.read_text()[-3000:])  # fmt: skip
         stop_started = time.monotonic()
         serve.send_signal(sig)
         try:

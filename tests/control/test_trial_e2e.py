@@ -97,7 +97,9 @@ async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None
         stop, answers, failures = asyncio.Event(), [], []
         load = asyncio.create_task(_load(url, stop, answers, failures))
         # real time under load, on purpose: the canary's before share is the workers' traffic over the
-        # controller's window (2 s of wall here), which only load over that much time fills
+        # controller's window (2 s of wall here), which only load over that much time fills; counted from
+        # the load's first answers (a starved start of its clients is no part of it)
+        await wait_until(lambda: len(answers) >= 48, "the load's first answers", timeout=60)
         await asyncio.sleep(3.0)
         tried = await asyncio.to_thread(
             pacer_try, url, "--worker", "w1", "--args", "max_running_requests=2", "--note", "a cap to test the canary"

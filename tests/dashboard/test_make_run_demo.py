@@ -94,13 +94,14 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         assert shown[0]["evidence"]["budget_tokens"] == applied[0]["evidence"]["budget_tokens"]
 
         # and the planner's view of the same load (its twin's replay of the answers served) with its
-        # predicted gain
+        # predicted gain; the planner computes on CPU time nothing else wants (the idle class), so on
+        # cores shared with other tests its replay may end only once the demo's load has
         def planner_seen() -> list[dict]:
             return [d for d in admin(url, "/admin/timeline")["decisions"] if d["rule"] == "planner"]
 
         planned = wait_until_blocking(
-            planner_seen, "a planner entry in the timeline", timeout=max(1.0, demo_started + 60 - time.time()),
-            every=0.5, detail=lambda: str(admin(url, "/admin/decisions")["decisions"])[-2000:],
+            planner_seen, "a planner entry in the timeline", timeout=60, every=0.5,
+            detail=lambda: str(admin(url, "/admin/decisions")["decisions"])[-2000:],
         )  # fmt: skip
         assert all(isinstance(d["predicted_gain"], float) for d in planned), planned
         pids = [w["pid"] for w in workers]

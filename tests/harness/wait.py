@@ -5,7 +5,9 @@ polls it. ``wait_until`` reads its deadline from the running loop, so under ``@p
 a wait costs no real time, and with real processes it is real seconds. ``wait_until_blocking`` is the
 same for a plain (not async) test that drives a process or a thread. A wait that runs out fails
 naming what it waited for, how long, the last value seen and (when given) what the test can say
-about why: a log's tail, a status.
+about why: a log's tail, a status. A deadline is there to end a test that will not pass, not to
+time one that does: the default is far past what a CPU shared with other test processes takes
+(pytest-xdist runs several side by side); a test that means to bound real time says so beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ async def wait_until(
     check: Callable[[], T | Awaitable[T]],
     what: str,
     *,
-    timeout: float = 10.0,
+    timeout: float = 30.0,
     every: float = 0.01,
     detail: Callable[[], str] | None = None,
 ) -> T:
@@ -48,7 +50,7 @@ def wait_until_blocking(
     check: Callable[[], T],
     what: str,
     *,
-    timeout: float = 10.0,
+    timeout: float = 30.0,
     every: float = 0.02,
     detail: Callable[[], str] | None = None,
 ) -> T:

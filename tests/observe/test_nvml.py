@@ -153,7 +153,7 @@ async def test_watch_keeps_the_newest_report_and_logs_the_state_once(caplog: pyt
     assert watch.last is None
     task = asyncio.create_task(watch.run())
     try:
-        await wait_until(lambda: calls >= 5, "five samples taken", timeout=2)
+        await wait_until(lambda: calls >= 5, "five samples taken")
         assert watch.last is not None and watch.last.available and len(watch.last.devices) == 2
         lines = _watch_lines(caplog)
         assert len(lines) == 1, lines
@@ -181,7 +181,7 @@ async def test_watch_survives_a_raising_sampler_and_logs_each_change(caplog: pyt
     watch = GpuWatch(interval_s=0.01, sampler=sampler)
     task = asyncio.create_task(watch.run())
     try:
-        await wait_until(lambda: done >= len(script) + 2, "the whole script sampled, and two more", timeout=2)
+        await wait_until(lambda: done >= len(script) + 2, "the whole script sampled, and two more")
         assert task.done() is False
         assert watch.last is not None and watch.last.available
         lines = _watch_lines(caplog)

@@ -37,7 +37,10 @@ async def one_sim_worker(
         "pacing": {"queue_band": [8, 32], "headroom": 8, "scrape_interval_s": 0.05, "stale_after_s": 1.0,
                    "max_attempts": max_attempts},
         "queue": {"timeout_s": 60, "capacity": 4096},
-        "control": {"mode": "auto", "journal_path": str(tmp_path / "decisions.jsonl")},  # back-off 2 s / 20
+        # revivals only (a safety act, whatever the budget): no restart of the controller's own (the start-up
+        # line's memory band, a plan) drains the worker beside a kill, so each death and revival is the test's
+        "control": {"mode": "auto", "restarts_per_hour": 0,
+                    "journal_path": str(tmp_path / "decisions.jsonl")},  # back-off 2 s / 20
         "batch": {"dir": str(tmp_path / "batches")},
     }, "<worker-death>")  # fmt: skip
     pool = Supervisor(policy.engine)
@@ -54,14 +57,22 @@ async def one_sim_worker(
 
 
 async def _kill_and_wait_revived(st: ProxyState) -> None:
+    """SIGKILL the worker and wait for another process of it to be READY: its death seen, the crash
+    back-off (a second at most here), a start-up of about one; the deadline is for a starved CPU."""
     old = st.pool.get("w0").pid
     assert old is not None
     os.kill(old, signal.SIGKILL)
     await wait_until(
         lambda: st.pool.get("w0").state is WorkerState.READY and st.pool.get("w0").pid not in (None, old),
         "worker revived",
-        timeout=30,
+        timeout=60,
+        detail=lambda: _said(st),
     )
+
+
+def _said(st: ProxyState) -> str:
+    w = st.pool.get("w0")
+    return f"w0 {w.state}, pid {w.pid}, {w.restarts} restart(s); last error: {(w.last_error or '')[-500:]}"
 
 
 @pytest.mark.timeout(120)

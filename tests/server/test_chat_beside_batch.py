@@ -10,17 +10,10 @@ import openai
 
 from proxy.workers.base import WorkerState
 from tests.harness.sim_proxy import FAST_SIM, serve_sims
+from tests.harness.wait import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served name
 LONG = 6000  # batch answers long enough that none ends while the chat request is answered
-
-
-async def _wait(cond, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_chat_request_after_a_batch_filled_the_worker_gets_a_running_slot(tmp_path) -> None:
@@ -32,9 +25,11 @@ async def test_a_chat_request_after_a_batch_filled_the_worker_gets_a_running_slo
     engine = {"extra_args": [*FAST_SIM, "--max-running-requests", "8"]}
     async with serve_sims(tmp_path, engine, pacing=pacing) as p:
         st = p.state
-        await _wait(lambda: [w.state for w in p.pool.workers()] == [WorkerState.READY], 60)
+        await wait_until(
+            lambda: [w.state for w in p.pool.workers()] == [WorkerState.READY], "the worker ready", timeout=60
+        )
         load = st.board.get(p.pool.workers()[0].id)
-        await _wait(lambda: load.running_limit is not None)
+        await wait_until(lambda: load.running_limit is not None, "the worker's running limit read")
         assert load.running_limit == 8
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0, timeout=120)
         async with client:
@@ -50,7 +45,9 @@ async def test_a_chat_request_after_a_batch_filled_the_worker_gets_a_running_slo
                 )
                 for i in range(10)
             ]
-            await _wait(lambda: load.batch_in_flight == 10 and load.last_running == 8)  # 8 run, 2 wait there
+            await wait_until(  # 8 run, 2 wait there
+                lambda: load.batch_in_flight == 10 and load.last_running == 8, "the batch on the worker, 8 running"
+            )
             stream = await client.completions.create(
                 model=MODEL, prompt="hi", max_tokens=8, stream=True, extra_body={"sim_output_len": 8}
             )

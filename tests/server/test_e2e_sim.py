@@ -114,10 +114,11 @@ async def test_disconnect_aborts_on_worker_and_frees_slot(sim):
 async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
     client = sim.client()
     st = sim.state
-    # enough long non-streamed requests that both workers hold some (none has output yet)
-    body = {"sim_output_len": 400}
+    # enough long non-streamed requests that both workers hold some (none has output yet): a second or
+    # so each at the workers' 20 x, still running at the kill on a starved CPU
+    body = {"sim_output_len": 4000}
     tasks = [
-        asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=400, extra_body=body))
+        asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=4000, extra_body=body))
         for i in range(12)
     ]
     await wait_until(
@@ -131,7 +132,7 @@ async def test_requests_on_a_killed_worker_are_retried_on_the_other(sim):
     victim = st.pool.get("w0")
     os.kill(victim.pid, signal.SIGKILL)
     done = await asyncio.gather(*tasks)
-    assert all(c.usage.completion_tokens == 400 for c in done)
+    assert all(c.usage.completion_tokens == 4000 for c in done)
     # at least one went to the other worker (of the 3 or more open on w0, one may have ended on a busy
     # host between the look and the kill; every one answered in full is what must hold)
     assert (st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"}) or 0) >= 1

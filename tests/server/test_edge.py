@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.harness.fake_engine import MODEL
+from tests.harness.wait import wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -214,7 +215,7 @@ async def test_an_options_that_is_no_preflight_is_a_405_and_an_unknown_path_a_40
 async def test_a_request_on_an_open_connection_after_the_stop_began_gets_503_shutting_down(make_proxy):
     """A keep-alive connection open as the proxy stops: the next request on it is refused at once
     with 503 ``shutting_down`` (not held until the header deadline and answered 408)."""
-    h = await make_proxy(policy={"proxy": {"header_timeout_s": 30, "shutdown_grace_s": 5}})
+    h = await make_proxy(policy={"proxy": {"header_timeout_s": 30, "shutdown_grace_s": 30}})
     host, port = h.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -224,13 +225,13 @@ async def test_a_request_on_an_open_connection_after_the_stop_began_gets_503_shu
         next(v for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k.lower() == b"content-length")
     )
     await reader.readexactly(length)
-    # a stream in flight keeps the stop in its drain while the idle connection is still open
+    # a stream in flight keeps the stop in its drain while the idle connection is still open (20 s of
+    # it in a grace of 30, far past what the next lines take on a starved CPU; it is closed below)
     client = h.client()
-    h.workers[0].token_delay_s = 0.05
+    h.workers[0].token_delay_s = 0.2
     stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=100, stream=True)
     stopping = asyncio.ensure_future(h.runner.cleanup())
-    while not h.state.drain.open_requests.stopping:
-        await asyncio.sleep(0)
+    await wait_until(lambda: h.state.drain.open_requests.stopping, "the stop in its drain", every=0)
     writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     data = await asyncio.wait_for(reader.read(), timeout=5)  # the answer, then the close
     status, _, rest = data.partition(b"\r\n")

@@ -51,7 +51,7 @@ async def start_proxy(tmp_path) -> AsyncIterator[Start]:
 
 
 async def _first_sample(st: ProxyState) -> GpuReport:
-    return await wait_until(lambda: st.gpus is not None and st.gpus.last, "a first GPU sample", timeout=5)
+    return await wait_until(lambda: st.gpus is not None and st.gpus.last, "a first GPU sample")
 
 
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -127,7 +127,7 @@ async def test_before_the_first_sample(start_proxy: Start) -> None:
     loop = asyncio.get_running_loop()
 
     def slow() -> GpuReport:  # runs in the watch's worker thread
-        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=5)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=30)
         return sample_with(_Nvml())
 
     base, st = await start_proxy(slow)

@@ -193,7 +193,8 @@ async def test_sigterm_ends_the_requests_in_flight_after_the_grace_and_stops_the
     text = stopped.log
     assert "stopping: 3 request(s) in flight, waiting at most 1 s for them to end" in text, text[-3000:]
     assert re.search(r"ending 3 request\(s\) still in flight after 1\.\d s", text), text[-3000:]  # polled
-    assert stopped.took_s < 5, f"stopped {stopped.took_s:.1f} s after SIGTERM (a grace of 1 s); answers take ~11 s"
+    # a second or so; the bound leaves a starved CPU room, under the ~11 s the answers would take to end
+    assert stopped.took_s < 8, f"stopped {stopped.took_s:.1f} s after SIGTERM (a grace of 1 s); answers take ~11 s"
 
 
 @pytest.mark.timeout(90)
@@ -201,7 +202,8 @@ async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
     stopped = await stop_with_three_in_flight(tmp_path, 60.0, second_signal=True)
     text = stopped.log
     assert "SIGINT, a second signal: stopping now" in text and "(stopped now)" in text, text[-3000:]
-    assert stopped.took_s < 5, f"stopped {stopped.took_s:.1f} s after the first signal; answers take ~11 s"
+    # at once (a grace of 60 s); the bound leaves a starved CPU room, under the ~11 s the answers take
+    assert stopped.took_s < 8, f"stopped {stopped.took_s:.1f} s after the first signal; answers take ~11 s"
 
 
 @pytest.mark.timeout(60)

@@ -36,9 +36,10 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
                 "pool.get('w0').state is WorkerState.READY",
                 timeout=60,
             )
-            body = {"sim_output_len": 4000}  # long: still running when the worker is killed
+            # long (many seconds at the worker's 20 x): still running when the worker is killed
+            body = {"sim_output_len": 40000}
             on_it = asyncio.ensure_future(
-                client.completions.create(model=MODEL, prompt="x", max_tokens=4000, extra_body=body)
+                client.completions.create(model=MODEL, prompt="x", max_tokens=40000, extra_body=body)
             )
             await wait_until(lambda: st.board.get("w0").in_flight == 1, "st.board.get('w0').in_flight == 1", timeout=20)
             started = time.monotonic()
@@ -53,7 +54,8 @@ async def test_requests_for_a_worker_that_stays_down_are_refused_at_once(tmp_pat
                 await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
             except openai.APIStatusError as e:
                 errors.append(e)
-            assert time.monotonic() - started < 20  # not the queue's timeout
+            # at once: not the queue's timeout (the bound is loose for a starved CPU, far below that timeout)
+            assert time.monotonic() - started < QUEUE_TIMEOUT_S / 2
             assert [(e.status_code, e.code) for e in errors] == [(503, "no_worker")] * 2
             message = errors[1].message
             assert "(w0 down (killed by SIGKILL), stays down)" in message, message
@@ -95,13 +97,13 @@ async def test_requests_for_a_worker_in_a_crash_loop_are_refused_with_a_retry_af
                 raise AssertionError("answered by a worker that cannot start")
             except openai.APIStatusError as e:
                 refused = e
-            assert time.monotonic() - started < 10
+            assert time.monotonic() - started < QUEUE_TIMEOUT_S / 2  # at once, not the queue's timeout
             assert (refused.status_code, refused.code) == (503, "no_worker")
             assert refused.response.headers["retry-after"] == "9"  # the controller revives it: come back
             message = refused.message
             assert "every worker is down or in a crash loop" in message and ", in a crash loop)" in message, message
             assert "--no-such-flag" not in message  # the worker's output is in pacer status, not told a client
             assert "unrecognized arguments: --no-such-flag" in (pool.get("w0").last_error or "")
-            await wait_until(
-                lambda: pool.get("w0").restarts >= 3, "pool.get('w0').restarts >= 3", timeout=20
-            )  # the revivals go on
+            await wait_until(  # the revivals go on (each a start-up that fails, after the crash back-off)
+                lambda: pool.get("w0").restarts >= 3, "pool.get('w0').restarts >= 3", timeout=60
+            )

@@ -52,7 +52,8 @@ def test_metrics_only_with_enable_metrics_and_queue_limit() -> None:
     sim = start_sim("--max-running-requests", "1", "--max-queued-requests", "1", "--sim-time-scale", "1")
     try:
         assert http("GET", sim.url + "/metrics")[0] == 404
-        body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 300}}).encode()
+        # answers far longer than the test (aborted at its end): both still there when the third comes
+        body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 30000}}).encode()
         results: list[int] = []
         threads = [
             threading.Thread(target=lambda: results.append(http("POST", sim.url + "/generate", body)[0]))

@@ -200,9 +200,10 @@ async def test_workers_whose_proxy_never_comes_back_stop_within_their_lease(fold
     async def all_gone() -> bool:
         return not any(alive(pid) for pid in pids)
 
-    await until(all_gone, "the workers to stop on their own", timeout=lease_s + 2.0 + 10.0)
-    # the lease, the check interval, the grace: a minute in production, seconds here
-    assert time.monotonic() - killed < lease_s + 2.0 + 5.0
+    # the lease, the check interval, the grace (2 s): a minute in production, seconds here; the bound
+    # leaves a starved CPU 10 s over them (the watcher's own waits are on its clock: a SIGKILL ends them)
+    await until(all_gone, "the workers to stop on their own", timeout=lease_s + 2.0 + 30.0)
+    assert time.monotonic() - killed < lease_s + 2.0 + 10.0
     for w in workers.values():
         assert port_is_free("127.0.0.1", int(w["url"].rsplit(":", 1)[1]))
         assert "the lease was not renewed" in (folder / ".pacer" / "logs" / f"{w['id']}.log").read_text()

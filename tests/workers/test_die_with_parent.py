@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from proxy.workers.die_with_parent import guarded, resolve
+from tests.harness.wait import wait_until_blocking
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 
@@ -41,8 +41,11 @@ def _alive(pid: int) -> bool:
 
 
 def _cmdline(pid: int) -> list[bytes]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().split(b"\0")[:-1]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[:-1]
+    except (ProcessLookupError, FileNotFoundError):
+        return []
 
 
 def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> None:
@@ -53,14 +56,13 @@ def test_a_worker_ends_when_its_launcher_is_killed_outright(tmp_path: Path) -> N
     try:
         assert parent.stdout is not None
         worker = int(parent.stdout.readline())
-        time.sleep(0.5)
-        assert _alive(worker), "the worker did not start"
+        # the guard has asked for its signal and exec'd the command: the worker runs as the engine would
+        wait_until_blocking(
+            lambda: _alive(worker) and _cmdline(worker)[1:2] == [b"-c"], "the worker running its command"
+        )
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 10.0
-        while _alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker), "the worker outlived the process that launched it"
+        wait_until_blocking(lambda: not _alive(worker), "the worker gone with the process that launched it")
     finally:
         parent.kill()
         parent.wait()
