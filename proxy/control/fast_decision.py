@@ -10,7 +10,6 @@ The rules themselves are :mod:`proxy.control.fast_tier`'s.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -100,7 +99,6 @@ class FastTier:
         self._band = (lo, hi, headroom)
         self._applies_above = applies_above
         self._paces: dict[str, Pace] = {}
-        self._interactive_highs: dict[str, _WindowMax] = {}
 
     def backed_off_at(self, worker_id: str) -> float:
         """When the worker's limit last backed off: the time to first token is read from requests sent after."""
@@ -109,7 +107,6 @@ class FastTier:
     def decide(self, worker_id: str, sample: Sample, load: LoadReading) -> FastDecision:
         lo, hi, headroom = self._band
         kv_peak_share, batch_request_share = _shares(load, sample.max_total_tokens)
-        swing = self._interactive_swing(worker_id, sample.time, load, sample.max_total_tokens)
         look = PaceInput(
             time=sample.time,
             running=sample.running,
@@ -127,7 +124,6 @@ class FastTier:
             kv_peak_share=kv_peak_share,
             batch_request_share=batch_request_share,
             batch_in_flight=load.batch_in_flight,
-            interactive_swing_share=swing,
         )
         prev = self._paces.get(worker_id, Pace())
         pace = next_pace(prev, look, lo=lo, hi=hi, headroom=headroom, settings=self.settings)
@@ -146,15 +142,6 @@ class FastTier:
             evidence=evidence,
             reason=pace.reason,
         )
-
-    def _interactive_swing(self, worker_id: str, now: float, load: LoadReading, pool_tokens: int | None) -> float:
-        """How far above its size now the open interactive requests' whole size came over the facts'
-        window, as a share of the pool (0: not sized)."""
-        if load.open_batch is None or not pool_tokens:
-            return 0.0
-        chat = sum(held + left for held, left in load.open_interactive)
-        highs = self._interactive_highs.setdefault(worker_id, _WindowMax())
-        return max(0.0, highs.push(now, chat, self.settings.facts_window_s) - chat) / pool_tokens
 
     def budgets(self, readings: Sequence[BudgetReading]) -> tuple[tuple[BudgetMove, ...], tuple[OutputBudget, ...]]:
         """Each budget's next value: lifted when its answers overran it, else read from its cohort's
@@ -177,22 +164,6 @@ class FastTier:
                 )
                 evidence.append(note)
         return tuple(moves), tuple(evidence)
-
-
-class _WindowMax:
-    """The most of the values pushed over the last ``window_s`` (a deque kept decreasing)."""
-
-    def __init__(self) -> None:
-        self._kept: deque[tuple[float, float]] = deque()
-
-    def push(self, now: float, value: float, window_s: float) -> float:
-        kept = self._kept
-        while kept and kept[-1][1] <= value:
-            kept.pop()
-        kept.append((now, value))
-        while kept[0][0] < now - window_s:
-            kept.popleft()
-        return kept[0][1]
 
 
 def _shares(load: LoadReading, pool_tokens: int | None) -> tuple[float | None, float | None]:

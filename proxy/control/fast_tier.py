@@ -132,9 +132,6 @@ class PaceInput:
     kv_peak_share: float | None = None
     batch_request_share: float | None = None  # a batch request's prompt and expected output, as a share of the pool
     batch_in_flight: int = 0  # of in_flight, the batch class's
-    # the most the open interactive requests' whole size came to over the facts' window, above what it is
-    # now, as a share of the pool: room the batch leaves for the interactive traffic's swings
-    interactive_swing_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -402,9 +399,7 @@ def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None,
     are heading for (``look.kv_peak_share``, :func:`kv_peak`), and how many of the newest to take back
     now: those open, plus the batch requests (each ``look.batch_request_share`` of the pool: its prompt
     and expected output) that fit under ``grow_below_usage`` once the open ones have written what they
-    are expected to, less the interactive traffic's recent swing (``look.interactive_swing_share``: a batch
-    request let in now holds its KV for its whole answer, while the chat comes and goes); past
-    ``kv_peak_full``, less the ones that take it past ``grow_below_usage`` (taken
+    are expected to; past ``kv_peak_full``, less the ones that take it past ``grow_below_usage`` (taken
     back to where the sizing keeps it: a chat request then finds room at once). The batch always keeps
     one request going (interactive work that fills the pool on its own does not stop it for good).
     ``(None, 0)``: not sized (no interactive work beside, nothing of the batch's open, or the pool or
@@ -416,5 +411,4 @@ def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None,
         take = math.ceil((ahead - settings.grow_below_usage) / size - 1e-9)
         take = max(0, min(look.batch_in_flight - 1, take))
         return max(1, look.batch_in_flight - take), take
-    room = settings.grow_below_usage - ahead - look.interactive_swing_share
-    return max(1, look.batch_in_flight + max(0, math.floor(room / size))), 0
+    return max(1, look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size))), 0

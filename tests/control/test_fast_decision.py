@@ -98,21 +98,3 @@ def test_answers_reaching_a_budget_lift_it_as_overrun():
     assert (note.reached, note.ended_within, note.budget_tokens) == (S.budget_overrun_answers, 0, None)
     few = replace(reading, reached=1, ended_within=40)
     assert not _tier().decide("w0", _sample(0.0), replace(QUIET, budgets=(few,))).budgets[0].overrun
-
-
-def test_the_batch_leaves_room_for_the_most_the_interactive_work_held_over_the_facts_window():
-    """A batch request let in now holds its KV for its whole answer while the chat comes and goes: the
-    batch's room is what the open requests head for less the chat's swing over the facts' window (its
-    most there above its size now); past the window the swing is forgotten."""
-    tier = _tier()
-    batch = ((1000, 1000),) * 10  # 10 batch requests, each 2,000 tokens of a 100,000-token pool
-    beside = replace(QUIET, batch_in_flight=10, interactive_waiting=4, step_s=0.03, open_batch=batch)
-    busy = replace(beside, open_interactive=((500, 500),) * 20)  # the chat at 20,000 tokens
-    calm = replace(beside, open_interactive=((500, 500),) * 5)  # then at 5,000: a 15,000-token swing
-    pool = {"max_total_tokens": 100_000}
-    # the batch heads for 0.2 of the pool (kv_peak), the chat holds 0.2: (0.9 - 0.4) / 0.02 more
-    assert tier.decide("w0", _sample(0.0, **pool), busy).batch_limit == 10 + 25
-    after = tier.decide("w0", _sample(1.0, **pool), calm).batch_limit
-    assert after == 10 + 25  # (0.9 - 0.25 - 0.15 of swing) / 0.02, not 10 + 32
-    forgotten = tier.decide("w0", _sample(1.0 + S.facts_window_s + 1.0, **pool), calm).batch_limit
-    assert forgotten == 10 + 32  # (0.9 - 0.25) / 0.02 once the busy look is out of the window
