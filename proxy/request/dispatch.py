@@ -431,6 +431,8 @@ class Dispatcher:
             load.reserve(attempt, batch=batch)
             if batch and beside_interactive:
                 self._pace_batch(load, ticket, now)
+            elif not batch and load.batch_attempts:
+                self._watch_first_token(load, attempt)
             ticket.future.set_result(attempt)
 
     def _place(
@@ -462,6 +464,28 @@ class Dispatcher:
             return
         tokens = max(1, ticket.prompt_tokens or 1)
         load.batch_paced_until = max(load.batch_paced_until, now) + step * tokens / per_step
+
+    def _watch_first_token(self, load: WorkerLoad, attempt: Attempt) -> None:
+        """An interactive request went to a worker that holds batch work: look again when its first
+        token is due (the fast tier's ``first_token_wait_s``, a few decode steps; unwatched before the
+        worker's step time is known)."""
+        wait = load.first_token_wait_s
+        if wait is None:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing is served
+            asyncio.get_running_loop().call_later(wait, self._first_token_due, load, attempt)
+
+    def _first_token_due(self, load: WorkerLoad, attempt: Attempt) -> None:
+        """A streamed interactive request is still without its first token a few decode steps after it
+        was sent: it waits at the worker behind batch prompts or for KV room. The batch requests queued
+        at the worker go back to the proxy's queue, or where none waits there, the newest batch request
+        running there is taken back (it keeps what it wrote and goes on later); then it is watched again."""
+        if attempt.released or attempt.started or attempt.taken_back or not attempt.streamed or self.closing:
+            return
+        if not self.withdraw_batch(attempt.worker_id, keep=0):
+            self.take_back_newest_batch(attempt.worker_id, 1)
+        if load.batch_attempts:
+            self._watch_first_token(load, attempt)
 
     def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
         """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""

@@ -571,3 +571,47 @@ def test_the_fast_tier_s_timings_are_the_constants_on_the_workers_clock():
     short = replace(CONSTANTS, backoff_hold_s=0.5)
     assert PaceSettings.of(policy.control, constants=short, interactive_window_s=5.0).hold_s == 0.5
     assert PaceSettings.of(parse_policy({}, "<t>").control, interactive_window_s=5.0) == PaceSettings()
+
+
+@pytest.mark.looptime
+async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due_has_a_batch_request_make_room():
+    """The composition, on virtual time: a chat request sent to a worker the batch fills is watched; when
+    its first token is due (the fast tier's first_token_wait_s) and nothing of the batch waits in the
+    worker's queue, the newest batch request running there is taken back (it waits for KV room), one
+    more at each due time until the first token comes; then none."""
+    from proxy.compose import _fast_tier, _look_again
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    loop = asyncio.get_running_loop()
+    board = LoadBoard()
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=loop.time)  # fmt: skip
+    observer = _fast_tier(board, d)
+    board.subscribe(observer)
+    d.on_interactive_spell = _look_again(board, d, observer)  # as composed: the chat's first request looks
+    load = board.get("w0")
+    batch = [d.submit(Priority.BATCH, 100) for _ in range(4)]
+    for t, tokens in ((loop.time() - 1.0, 0.0), (loop.time(), 100.0)):  # four running, 0.04 s steps
+        load.scrape_started()
+        board.publish("w0", Sample(time=t, queue=0, running=4, token_usage=0.9, generation_tokens_total=tokens), None)
+    assert load.first_token_wait_s is None  # no interactive work yet
+    chat = d.submit(Priority.INTERACTIVE, 100)
+    wait = load.first_token_wait_s
+    assert wait == pytest.approx(S.first_token_steps * 0.04)
+    attempt = chat.future.result()
+    attempt.streamed = True
+    taken = lambda: [t for t in batch if t.future.result().taken_back]  # noqa: E731
+    await asyncio.sleep(wait * 0.9)
+    assert taken() == []  # not yet due
+    await asyncio.sleep(wait * 0.2)
+    assert taken() == batch[3:]  # due: the newest batch request makes room
+    await asyncio.sleep(wait)
+    assert taken() == batch[2:]  # still waiting: one more
+    attempt.mark_started()
+    await asyncio.sleep(wait * 3)
+    assert taken() == batch[2:]  # its first token came: none more
+    for t in (*batch, chat):
+        t.future.cancel()
