@@ -477,15 +477,27 @@ class Dispatcher:
 
     def _first_token_due(self, load: WorkerLoad, attempt: Attempt) -> None:
         """A streamed interactive request is still without its first token a few decode steps after it
-        was sent: it waits at the worker behind batch prompts or for KV room. The batch requests queued
-        at the worker go back to the proxy's queue, or where none waits there, the newest batch request
-        running there is taken back (it keeps what it wrote and goes on later); then it is watched again."""
+        was sent. Where the latest scrape shows requests waiting at the worker, it waits there behind
+        batch prompts or for KV room: the batch requests queued there go back to the proxy's queue, or
+        where none is, the newest batch request running there is taken back (it keeps what it wrote and
+        goes on later), at most one per due time however many wait. Then it is watched again. An empty
+        server queue means it is not waiting there (its prefill runs, or the proxy is slow to relay):
+        nothing is taken back for it."""
         if attempt.released or attempt.started or attempt.taken_back or not attempt.streamed or self.closing:
             return
-        if not self.withdraw_batch(attempt.worker_id, keep=0):
-            self.take_back_newest_batch(attempt.worker_id, 1)
+        if load.sample is not None and load.sample.queue > 0:
+            self._make_room(load, attempt.worker_id)
         if load.batch_attempts:
             self._watch_first_token(load, attempt)
+
+    def _make_room(self, load: WorkerLoad, worker_id: WorkerId) -> None:
+        """The batch requests queued at the worker go back to the proxy's queue; where none is, one
+        running batch request is taken back, at most one per ``first_token_wait_s``."""
+        wait = load.first_token_wait_s
+        if self.withdraw_batch(worker_id, keep=0) or wait is None or self.clock() - load.made_room_at < wait:
+            return
+        load.made_room_at = self.clock()
+        self.take_back_newest_batch(worker_id, 1)
 
     def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
         """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""

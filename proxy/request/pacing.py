@@ -116,6 +116,7 @@ class WorkerLoad:
         "first_token_wait_s",
         "last_running",
         "limit",
+        "made_room_at",
         "output_budgets",
         "output_rate",
         "queue_target",
@@ -144,6 +145,7 @@ class WorkerLoad:
         self.batch_limit: int | None = None
         # the fast tier's: a streamed interactive request waiting this long for its first token holds batch refills
         self.first_token_wait_s: float | None = None
+        self.made_room_at = -math.inf  # when a batch request was last taken back for a first token due here
         # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
         self.output_budgets = OutputBudgets()
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them

@@ -575,10 +575,11 @@ def test_the_fast_tier_s_timings_are_the_constants_on_the_workers_clock():
 
 @pytest.mark.looptime
 async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due_has_a_batch_request_make_room():
-    """The composition, on virtual time: a chat request sent to a worker the batch fills is watched; when
-    its first token is due (the fast tier's first_token_wait_s) and nothing of the batch waits in the
-    worker's queue, the newest batch request running there is taken back (it waits for KV room), one
-    more at each due time until the first token comes; then none."""
+    """The composition, on virtual time: chat requests sent to a worker the batch fills are watched; when
+    their first token is due (the fast tier's first_token_wait_s), the scrape shows requests waiting at
+    the worker and no batch request waits there, the newest batch request running there is taken back
+    (they wait for KV room): one per due time for all of them, until the first tokens come; then none.
+    With nothing waiting at the worker, nothing is taken back."""
     from proxy.compose import _fast_tier, _look_again
     from proxy.engines.base import Sample
     from proxy.request.admission import AdmissionQueue, Priority
@@ -598,20 +599,26 @@ async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due
         load.scrape_started()
         board.publish("w0", Sample(time=t, queue=0, running=4, token_usage=0.9, generation_tokens_total=tokens), None)
     assert load.first_token_wait_s is None  # no interactive work yet
-    chat = d.submit(Priority.INTERACTIVE, 100)
+    chats = [d.submit(Priority.INTERACTIVE, 100) for _ in range(2)]
     wait = load.first_token_wait_s
     assert wait == pytest.approx(S.first_token_steps * 0.04)
-    attempt = chat.future.result()
-    attempt.streamed = True
+    attempts = [c.future.result() for c in chats]
+    for a in attempts:
+        a.streamed = True
     taken = lambda: [t for t in batch if t.future.result().taken_back]  # noqa: E731
-    await asyncio.sleep(wait * 0.9)
-    assert taken() == []  # not yet due
-    await asyncio.sleep(wait * 0.2)
-    assert taken() == batch[3:]  # due: the newest batch request makes room
+    await asyncio.sleep(wait * 1.1)
+    assert taken() == []  # due, but the scrape shows nothing waiting at the worker: not waiting there
+    load.scrape_started()  # the two chat requests wait there (the newest sent)
+    board.publish(
+        "w0", Sample(time=loop.time(), queue=2, running=4, token_usage=0.9, generation_tokens_total=125.0), None
+    )
+    await asyncio.sleep(wait)
+    assert taken() == batch[3:]  # due: the newest batch request makes room, one for both
     await asyncio.sleep(wait)
     assert taken() == batch[2:]  # still waiting: one more
-    attempt.mark_started()
+    for a in attempts:
+        a.mark_started()
     await asyncio.sleep(wait * 3)
-    assert taken() == batch[2:]  # its first token came: none more
-    for t in (*batch, chat):
+    assert taken() == batch[2:]  # their first tokens came: none more
+    for t in (*batch, *chats):
         t.future.cancel()
