@@ -39,7 +39,7 @@ from proxy.control.fast_tier import PaceSettings
 from proxy.control.journal import Journal
 from proxy.control.offload import PlanProcess
 from proxy.control.planner import InFlight, Observed
-from proxy.control.rollout import Rollout
+from proxy.control.rollout import Drainable, RestartablePool, Rollout
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import KnobName, Modelled, Sample
@@ -541,7 +541,6 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
         engine = pool_settings.engine.engine
         view = PoolView(st.pool, pool_settings.name) if several else st.pool
         rate = _clock_rate(pool_settings)
-        drain_timeout_s = constants.in_wall(rate).drain_timeout_s
         st.controllers[pool_settings.name] = Controller(
             settings,
             engine.knobs,
@@ -550,7 +549,7 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
             surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
             # only managed workers are acted on: for an external pool the controller advises, and its
             # journal entries say the worker is not managed by this proxy
-            actor=Rollout(view, st.requests.dispatcher_of(pool_settings.name), drain_timeout_s=drain_timeout_s),
+            actor=_rollout(view, st.requests.dispatcher_of(pool_settings.name), constants.in_wall(rate)),
             clock=time.monotonic,
             hold=st.pool.hold,
             declare_down=st.pool.declare_down,
@@ -559,6 +558,12 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
             clock_rate=rate,
             constants=constants,
         )
+
+
+def _rollout(pool: RestartablePool, dispatcher: Drainable, wall: Constants) -> Rollout:
+    """A pool's rolling restart, its drain's durations taken from ``wall``: the controller's constants
+    on the wall clock of the pool's workers (``Constants.in_wall``)."""
+    return Rollout(pool, dispatcher, drain_timeout_s=wall.drain_timeout_s, settle_s=wall.drain_settle_s)
 
 
 def _track_workers(st: ProxyState) -> None:

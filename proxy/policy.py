@@ -24,8 +24,9 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlparse
 
+from proxy.engines.base import KnobName
 from proxy.engines.contract import Engine
-from proxy.engines.registry import ENGINES, EngineKind, engine_named
+from proxy.engines.registry import ENGINES, SPOKEN_BY_DEFAULT, EngineKind, engine_named, example_arg
 from proxy.policy_schema import PolicyError, Table, changed_keys, defaults_toml, key, read_settings
 
 __all__ = [
@@ -170,7 +171,7 @@ class QueueSettings:
 class EngineSettings:
     kind: EngineKind = field(
         default=EngineKind.SIM,
-        metadata=key("sim | sglang | vllm | external (servers the proxy neither starts nor restarts)", custom=True),
+        metadata=key(" | ".join(EngineKind) + " (servers the proxy neither starts nor restarts)", custom=True),
     )
     workers: int = field(default=1, metadata=key("managed workers; for external, one per URL", minimum=1, custom=True))
     args: Mapping[str, Any] = field(
@@ -180,8 +181,9 @@ class EngineSettings:
     worker_args: tuple[Mapping[str, Any], ...] = field(
         default=(),
         metadata=key(
-            "per worker, in order: engine flags over args for that worker only, e.g. [{}, {mem_fraction_static = 0.8}]"
-            " (a worker past the list runs args alone; managed kinds)",
+            "per worker, in order: engine flags over args for that worker only, e.g. "
+            f"[{{}}, {{{example_arg(KnobName.MEMORY_FRACTION)} = 0.8}}] (a worker past the list runs args alone; "
+            "managed kinds)",
             custom=True,
         ),
     )
@@ -192,7 +194,7 @@ class EngineSettings:
         default=(), metadata=key('the workers\' base URLs (kind = "external" only)', custom=True)
     )
     speaks: str = field(
-        default=EngineKind.SGLANG.value,
+        default=SPOKEN_BY_DEFAULT.value,
         metadata=key("the engine whose metrics and logs external workers speak (a managed kind)", custom=True),
     )
     command: tuple[str, ...] | None = field(
@@ -271,7 +273,8 @@ class ControlSettings:
         default_factory=lambda: MappingProxyType({}),
         metadata=key(
             "the range each engine argument may move in, by the engine's name for it: "
-            "{ schedule_conservativeness = [0.1, 2.0], max_running_requests = [8] } ([low] alone: no top); "
+            f"{{ {example_arg(KnobName.CONSERVATIVENESS)} = [0.1, 2.0], {example_arg(KnobName.MAX_RUNNING)} = [8] }}"
+            " ([low] alone: no top); "
             "an argument not named keeps the controller's own range (docs/controller.md)",
             custom=True,
         ),
@@ -784,9 +787,8 @@ def _engine(
     args = t.mapping("args")
     worker_args = t.raw("worker_args", [])
     if not isinstance(worker_args, list) or not all(isinstance(a, Mapping) for a in worker_args):
-        raise t.error(
-            "worker_args", "expected an array of tables, one per worker, e.g. [{}, {mem_fraction_static = 0.8}]"
-        )
+        example = f"[{{}}, {{{example_arg(KnobName.MEMORY_FRACTION, kind)} = 0.8}}]"
+        raise t.error("worker_args", f"expected an array of tables, one per worker, e.g. {example}")
     extra_args = t.str_list("extra_args", []) or ()
     urls = t.str_list("urls", None)
     speaks = t.str("speaks", None)

@@ -146,7 +146,12 @@ BAD = [
     (_engine(extra_args="--x"), "engine.extra_args", "array of strings"),
     (_engine(extra_args=["--port", "1"]), "engine.extra_args", "--port"),
     (_engine(workers=2, worker_args=[{}, {}, {}]), "engine.worker_args", "3 tables for 2 workers"),
-    (_engine(workers=2, worker_args={"w1": {}}), "engine.worker_args", "array of tables"),
+    (
+        _engine(workers=2, worker_args={"w1": {}}),
+        "engine.worker_args",
+        "array of tables, one per worker, e.g. [{}, {mem_fraction_static = 0.8}]",
+    ),
+    (_engine(kind="vllm", worker_args={"w1": {}}), "engine.worker_args", "e.g. [{}, {gpu_memory_utilization = 0.8}]"),
     (
         _engine(workers=2, worker_args=[{}, {"mem_fracton_static": 0.6}]),
         "engine.worker_args[1].mem_fracton_static",

@@ -35,8 +35,8 @@ DEFAULT_BOUNDS: Mapping[KnobName, tuple[float, float]] = MappingProxyType(
 _DURATIONS = frozenset(
     {
         "interval_s", "window_s", "min_evidence_s", "cooldown_s", "flip_guard_s", "good_after_s",
-        "crash_loop_window_s", "drain_timeout_s", "backoff_hold_s", "rate_window_s", "facts_window_s",
-        "plan_interval_s", "plan_horizon_s", "plan_horizon_max_s", "plan_trend_s",
+        "crash_loop_window_s", "drain_timeout_s", "drain_settle_s", "backoff_hold_s", "rate_window_s",
+        "facts_window_s", "plan_interval_s", "plan_horizon_s", "plan_horizon_max_s", "plan_trend_s",
     }
 )  # fmt: skip
 
@@ -59,6 +59,9 @@ class Constants:
     # longest drain before a restart (it ends sooner once its requests stop finishing: the rollout's slices);
     # what is still running then is taken back and goes on from what it wrote
     drain_timeout_s: float = 30.0
+    # a stream that already sent output cannot be taken back: past the drain's deadline a restart still
+    # waits this long for such streams to end (an answer's tail), then restarts the worker all the same
+    drain_settle_s: float = 10.0
     # -- the fast tier (no restart)
     backoff_hold_s: float = 5.0  # the admission limit backs off at most once per this, grows 1/16 per this
     rate_window_s: float = 30.0  # smoothing of the retraction and output-token rates

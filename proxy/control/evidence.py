@@ -155,8 +155,8 @@ class KvCapacity(Evidence):
     """The engine refused to start: the figures its refusal gave (each absent when it did not give it)."""
 
     log: str
-    max_model_len: float | None = field(default=None, metadata=OPTIONAL)
-    estimated_max_model_len: float | None = field(default=None, metadata=OPTIONAL)
+    max_context: float | None = field(default=None, metadata=OPTIONAL)  # the longest request it was started for
+    estimated_max_context: float | None = field(default=None, metadata=OPTIONAL)  # the longest its KV cache holds
     needed_gib: float | None = field(default=None, metadata=OPTIONAL)
     available_gib: float | None = field(default=None, metadata=OPTIONAL)
 

@@ -9,6 +9,7 @@ Rolling restart (:meth:`Rollout.restart`), one worker at a time:
    the proxy's queue, so nothing is lost and nothing reaches the client twice;
 4. wait for streams that already sent output until the drain's deadline (and at least
    ``settle_s``), then restart the worker with the new args and wait for its health check;
+   both durations are the controller's constants on the wall clock of the pool's workers;
 5. the worker is READY again (or DOWN); a restart refused before the worker stopped, or cancelled
    before it began, sets it back to READY. With one worker the proxy's queue holds the traffic.
 
@@ -28,7 +29,7 @@ from typing import Protocol
 from proxy.control.ports import ActResult, Drain
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
-__all__ = ["Drainable", "Rollout"]
+__all__ = ["Drainable", "RestartablePool", "Rollout"]
 
 _log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Rollout:
         dispatcher: Drainable,
         *,
         drain_timeout_s: float,
-        settle_s: float = 10.0,
+        settle_s: float,
         drain_slices: int = 6,
         drain_progress: float = 0.1,
     ) -> None:

@@ -406,10 +406,10 @@ def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decisio
     event = window.last(EventKind.KV_CAPACITY_ERROR)
     if event is None or event.fields.get("fatal") is False:
         return None
-    fits = _number(event.fields.get("estimated_max_model_len"))
+    fits = _number(event.fields.get("estimated_max_context"))
     evidence = KvCapacity(
         log=event.line.splitlines()[0][:200] if event.line else "",
-        max_model_len=_number(event.fields.get("max_model_len")), estimated_max_model_len=fits,
+        max_context=_number(event.fields.get("max_context")), estimated_max_context=fits,
         needed_gib=_number(event.fields.get("needed_gib")), available_gib=_number(event.fields.get("available_gib")),
     )  # fmt: skip
     if fits is not None and fits > 0:

@@ -62,7 +62,10 @@ class EventKind(StrEnum):
     READY = "ready"  # the server says it is ready to serve
     OOM = "oom"  # out of memory; ``fields["phase"]`` is "prefill", "decode" or "unknown"
     CRASH = "crash"  # an unhandled exception that kills the server
-    KV_CAPACITY_ERROR = "kv_capacity_error"  # refuses to start: max model length > KV capacity
+    # refuses to start: max model length > KV capacity. Fields, each where the refusal gives it:
+    # ``max_context`` (the longest request it was started for, in tokens), ``estimated_max_context``
+    # (the longest its KV cache holds, as the engine estimates it), ``needed_gib``, ``available_gib``
+    KV_CAPACITY_ERROR = "kv_capacity_error"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,7 +14,9 @@ import orjson
 from aiohttp import web
 
 from proxy.control.controller import TrialRefused
+from proxy.engines.base import KnobName
 from proxy.errors import ApiError, bad_request, body_deadline, error_response, model_not_found
+from proxy.policy import PoolSettings
 from proxy.request import relay
 from proxy.request.admission import ORDER, Priority
 from proxy.request.job import Job
@@ -256,6 +258,13 @@ async def admin_decisions(request: web.Request) -> web.Response:
     return _json({"mode": st.control_mode(), "decisions": entries})
 
 
+def _trial_pool(st: ProxyState, worker_id: object) -> PoolSettings:
+    """The pool of the worker a trial names: its engine says which arguments the trial may set (the
+    first pool where no worker has that id)."""
+    info = next((w for w in st.pool.workers() if w.id == worker_id), None)
+    return next((p for p in st.policy.pools if info is not None and p.name == info.pool), st.policy.pools[0])
+
+
 async def admin_trial(request: web.Request) -> web.Response:
     """``POST /admin/trial`` ``{"worker": "w1", "args": {"max_running_requests": 4}, "note": "..."}``: an
     operator's trial of ``args`` on one worker as a canary (merged over its own args), journalled with
@@ -277,7 +286,8 @@ async def admin_trial(request: web.Request) -> web.Response:
     if not isinstance(worker_id, str) or not worker_id:
         raise bad_request("worker: expected a worker id (see /admin/workers)", param="worker")
     if not isinstance(args, dict) or not args:
-        raise bad_request('args: expected an object of engine arguments, e.g. {"max_running_requests": 4}', "args")
+        example = _trial_pool(st, worker_id).engine.engine.knobs[KnobName.MAX_RUNNING].arg
+        raise bad_request(f'args: expected an object of engine arguments, e.g. {{"{example}": 4}}', "args")
     if not isinstance(note, str):
         raise bad_request("note: expected a string", param="note")
     info = next((w for w in st.pool.workers() if w.id == worker_id), None)
@@ -285,7 +295,7 @@ async def admin_trial(request: web.Request) -> web.Response:
     if info is None or controller is None:
         known = ", ".join(w.id for w in st.pool.workers())
         raise ApiError(404, f"no worker {worker_id!r}; the workers are {known}", param="worker", code="not_found")
-    pool = next((p for p in st.policy.pools if p.name == info.pool), st.policy.pools[0])
+    pool = _trial_pool(st, worker_id)
     engine = pool.engine.engine
     placed = engine.placement_args(1, pool.model)
     for name, value in args.items():

@@ -40,8 +40,8 @@ from proxy.policy import ControlMode
         ),
         pytest.param(KvCapacity(log="l"), ["log"], id="kv_capacity-bare"),
         pytest.param(
-            KvCapacity(log="l", max_model_len=4096, estimated_max_model_len=1920),
-            ["log", "max_model_len", "estimated_max_model_len"],
+            KvCapacity(log="l", max_context=4096, estimated_max_context=1920),
+            ["log", "max_context", "estimated_max_context"],
             id="kv_capacity",
         ),
         pytest.param(

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 
 import pytest
 
+from proxy.control.constants import CONSTANTS
 from proxy.control.controller import Drain
 from proxy.control.rollout import Rollout
+from proxy.policy import parse_policy
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
 
@@ -111,6 +113,29 @@ async def test_streams_with_output_are_waited_for_until_the_deadline() -> None:
     d, took = await _restart(FakeDispatcher(finish, started=1))
     assert d.taken_back == 2 and d.still_running_at_restart == 0
     assert took == pytest.approx(0.45)
+
+
+@pytest.mark.looptime
+async def test_the_drain_s_durations_are_the_workers_seconds() -> None:
+    """Before a simulated worker at time scale 20 the drain's deadline and its wait past it for streams
+    that sent output are a twentieth of the engine seconds on the wall clock: 1.5 s and 0.5 s, not 10 s."""
+    from proxy.compose import _clock_rate, _rollout
+
+    policy = parse_policy({"engine": {"kind": "sim", "args": {"sim_time_scale": 20}}})
+    wall = CONSTANTS.in_wall(_clock_rate(policy.pools[0]))
+    finish = [0.1 * i for i in range(1, 15)] + [50.0]  # finishing steadily until past the deadline, then one long
+    pool = FakePool()
+    rollout = _rollout(pool, FakeDispatcher(finish, started=len(finish)), wall)  # each has sent output
+    assert (rollout.drain_timeout_s, rollout.settle_s) == (
+        CONSTANTS.drain_timeout_s / 20,
+        CONSTANTS.drain_settle_s / 20,
+    )
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    result = await rollout.restart("w0", {"x": 1}, "test")
+    assert result.drain is not None and result.drain.taken_back == 0 and result.drain.still_running_at_restart == 1
+    assert loop.time() - t == pytest.approx(1.5 + 0.5)  # the deadline, then the settle; the long stream is left
+    assert pool.restarted == [{"x": 1}]
 
 
 class StoppingPool(FakePool):

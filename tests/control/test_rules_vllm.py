@@ -123,9 +123,7 @@ def test_recorded_refusal_lowers_max_model_len_to_what_fits() -> None:
     d = evaluate(window, state, SETTINGS, ON_DEATH).decision
     assert d is not None and d.rule == "kv_capacity" and d.kind is RuleKind.SAFETY
     assert d.changes == {"max_model_len": (4096, 1920)}
-    assert d.evidence_json()["estimated_max_model_len"] == 1920 and "max seq len (4096)" in str(
-        d.evidence_json()["log"]
-    )
+    assert d.evidence_json()["estimated_max_context"] == 1920 and "max seq len (4096)" in str(d.evidence_json()["log"])
 
 
 def test_refusal_without_a_length_raises_the_memory_fraction() -> None:

@@ -89,6 +89,7 @@ async def test_a_bad_trial_is_tried_as_a_canary_and_reverted(proxy: str) -> None
         async with s.post(url + "/admin/trial", json={"worker": "w1"}) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["param"] == "args"
+            assert 'e.g. {"max_running_requests": 4}' in body["error"]["message"]  # the pool's engine's name
         async with s.post(url + "/admin/trial", json={"worker": "w1", "args": {"model_path": "other/model"}}) as r:
             body = await r.json()  # another model on one worker of the pool is no trial of its arguments
             assert r.status == 400 and body["error"]["param"] == "args.model_path"

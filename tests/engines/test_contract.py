@@ -10,7 +10,7 @@ import pytest
 
 from proxy.engines.base import EventKind, KnobName, Modelled
 from proxy.engines.contract import Engine, is_restart_needed
-from proxy.engines.registry import ENGINES, EngineKind, engine_named
+from proxy.engines.registry import ENGINES, SPOKEN_BY_DEFAULT, EngineKind, engine_named, example_arg
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -22,6 +22,14 @@ def test_the_registry_holds_each_managed_kind() -> None:
     assert all(engine.name == name for name, engine in ENGINES.items())
     with pytest.raises(ValueError, match="unknown engine 'tgi'; expected one of sim, sglang, vllm"):
         engine_named("tgi")
+
+
+def test_the_policy_s_examples_name_each_engine_s_own_argument() -> None:
+    assert example_arg(KnobName.MEMORY_FRACTION) == "mem_fraction_static"  # the default kind's: the simulator's
+    assert example_arg(KnobName.MAX_RUNNING, EngineKind.VLLM) == "max_num_seqs"
+    assert example_arg(KnobName.CONSERVATIVENESS, EngineKind.VLLM) == "schedule_conservativeness"  # vLLM has none
+    assert example_arg(KnobName.MEMORY_FRACTION, EngineKind.EXTERNAL) == "mem_fraction_static"
+    assert SPOKEN_BY_DEFAULT in ENGINES
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

@@ -85,7 +85,7 @@ def test_iteration_detail_line_is_not_a_stats_line() -> None:
         pytest.param(
             "ValueError: The model's max seq len (4096) is larger than the maximum number of tokens that can be stored "
             "in KV cache (2048). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
-            {"max_model_len": 4096, "estimated_max_model_len": 2048},
+            {"max_context": 4096, "estimated_max_context": 2048},
             id="v0",
         ),
         pytest.param(
@@ -93,7 +93,7 @@ def test_iteration_detail_line_is_not_a_stats_line() -> None:
             "needed, which is larger than the available KV cache memory (9.50 GiB). Based on the available memory, the "
             "estimated maximum model length is 77808. Try increasing `gpu_memory_utilization` or decreasing "
             "`max_model_len` when initializing the engine.",
-            {"max_model_len": 131072, "estimated_max_model_len": 77808, "needed_gib": 16.0, "available_gib": 9.5},
+            {"max_context": 131072, "estimated_max_context": 77808, "needed_gib": 16.0, "available_gib": 9.5},
             id="v1-typo",
         ),
         pytest.param(
@@ -102,13 +102,13 @@ def test_iteration_detail_line_is_not_a_stats_line() -> None:
             "available memory, the estimated maximum model length is 2048. Try increasing `gpu_memory_utilization` "
             "(which also controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
             "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
-            {"max_model_len": 8192, "estimated_max_model_len": 2048},
+            {"max_context": 8192, "estimated_max_context": 2048},
             id="newest",
         ),
         pytest.param(
             "ValueError: To serve at least one request with the model's max seq len (8192), (0.06 GiB KV cache is "
             "needed, which is larger than the available KV cache memory (0.00 GiB). Try increasing `gpu_memory_utilization`",
-            {"max_model_len": 8192},
+            {"max_context": 8192},
             id="no-estimate",
         ),
         pytest.param(
@@ -123,8 +123,8 @@ def test_kv_capacity_errors(line: str, fields: dict) -> None:
     event = parse_line(line, 1.0)
     assert event is not None and event.kind == EventKind.KV_CAPACITY_ERROR
     assert dict(event.fields).items() >= fields.items()
-    if "estimated_max_model_len" not in fields:
-        assert "estimated_max_model_len" not in event.fields
+    if "estimated_max_context" not in fields:
+        assert "estimated_max_context" not in event.fields
 
 
 def test_v0_preemption_warning() -> None:
@@ -190,7 +190,7 @@ def test_recorded_kv_capacity_refusal() -> None:
     # --max-model-len 4096 with --kv-cache-memory-bytes 1048576: the cache holds fewer tokens
     events = _events("vllm_0.32_cpu_kv_capacity_error.log")
     kv = [e for e in events if e.kind == EventKind.KV_CAPACITY_ERROR]
-    assert kv and all(e.fields["max_model_len"] == 4096 and e.fields["estimated_max_model_len"] == 1920 for e in kv)
+    assert kv and all(e.fields["max_context"] == 4096 and e.fields["estimated_max_context"] == 1920 for e in kv)
     crash = [e for e in events if e.kind == EventKind.CRASH]
     assert crash and kv[0].time < crash[-1].time  # the root cause is read before the wrapper
 

@@ -141,8 +141,8 @@ async def test_refused_start_is_retried_with_a_max_model_len_that_fits(
         (decision,) = [d for d in await proxy.decisions() if d["rule"] == "kv_capacity"]
         assert decision["status"] == "applied", decision
         assert decision["changes"] == {"max_model_len": [TOO_LONG, worker.args["max_model_len"]]}
-        assert decision["evidence"]["max_model_len"] == TOO_LONG
-        assert decision["evidence"]["estimated_max_model_len"] == worker.args["max_model_len"]
+        assert decision["evidence"]["max_context"] == TOO_LONG
+        assert decision["evidence"]["estimated_max_context"] == worker.args["max_model_len"]
         assert "max seq len (4096)" in decision["evidence"]["log"]
         journaled = [json.loads(line) for line in proxy.journal_path.read_text().splitlines()]
         assert any(e["id"] == decision["id"] and e["rule"] == "kv_capacity" for e in journaled)

@@ -178,15 +178,15 @@ def parse_line(line: str, now: float) -> LogEvent | None:
     if "KV cache" in line or "max seq len" in line:
         if m := KV_V1.search(line):
             fields: dict[str, float | int | str | bool] = {
-                "max_model_len": int(_n(m.group(1))), "needed_gib": _n(m.group(2)), "available_gib": _n(m.group(3)),
+                "max_context": int(_n(m.group(1))), "needed_gib": _n(m.group(2)), "available_gib": _n(m.group(3)),
             }  # fmt: skip
             if m.group(4):
-                fields["estimated_max_model_len"] = int(_n(m.group(4)))
+                fields["estimated_max_context"] = int(_n(m.group(4)))
             return _event(EventKind.KV_CAPACITY_ERROR, now, line, **fields)
         if m := KV_V0.search(line):
             return _event(
                 EventKind.KV_CAPACITY_ERROR, now, line,
-                max_model_len=int(_n(m.group(1))), estimated_max_model_len=int(_n(m.group(2))),
+                max_context=int(_n(m.group(1))), estimated_max_context=int(_n(m.group(2))),
             )  # fmt: skip
         if m := PREEMPTED_V0.search(line):
             return _event(EventKind.RETRACTION, now, line, mode=m.group(1), retractions_total=int(m.group(2)))
