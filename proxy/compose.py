@@ -470,6 +470,7 @@ class _Surroundings:
                 written_before=f.written_before,
                 dispatched=f.dispatched,
                 first_token=f.first_token,
+                asked_max_tokens=f.max_tokens,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.control.evidence import OutputBudget
 from proxy.control.fast_tier import (
@@ -175,7 +175,8 @@ class FastTier:
                 note = budget_evidence(
                     r.written, r.interactive, r.asked, r.current, new, settings, above, overrun=lifted_by
                 )
-                evidence.append(note)
+                before = None if r.current is None else self._applies_above(r.current)
+                evidence.append(replace(note, previous_applies_above_tokens=before))
         return tuple(moves), tuple(evidence)
 
 

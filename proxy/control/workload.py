@@ -35,6 +35,12 @@ class Observed:
     written_before: int = 0
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
     first_token: float | None = None  # when its first output reached the proxy (a stream; None: not seen)
+    asked_max_tokens: int | None = None  # the client's, where the worker was asked for less (None: ``max_tokens``)
+
+    @property
+    def asked(self) -> int:
+        """The ``max_tokens`` the client asked for (an output budget sends the worker less)."""
+        return self.max_tokens if self.asked_max_tokens is None else self.asked_max_tokens
 
     @property
     def sent(self) -> float:
