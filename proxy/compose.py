@@ -486,6 +486,7 @@ class _Surroundings:
                 keeps_written=a.on_take_back is not None,  # the relay reads a whole answer it can end early
                 written_before=a.going_on_from,
                 dispatched=a.dispatched_at,
+                asked_max_tokens=a.ticket.max_tokens,
             )
             for a in self._st.board.get(worker_id).attempts
         ]

@@ -3,11 +3,11 @@
 A budget set or moved leaves a :class:`PendingBudget` with the window before it (while the worker
 had work: :meth:`~proxy.control.window.Window.busy`) and the class's time to first token then. Once
 the outcome window a restart would wait for is in (``window_s`` after the decision, nothing to
-settle: no restart), the window after is journaled beside it (:func:`budget_outcome`): the measured
-gain in throughput, the class's time to first token before and after (where the proxy saw first
-tokens: streams), and whether the gain met the twin's prediction within the twin's error
-(:func:`judged`, as soon as both are in, whichever came last). A budget moved or lifted again, or a
-worker that restarted, before the window is in is not measured (:func:`not_measured`).
+settle: no restart), the window after is journaled beside it (:func:`window_outcome`): the measured
+gain in throughput (after over before), and the class's time to first token before and after (where
+the proxy saw first tokens: streams). A window holds the traffic's changes as much as the budget's
+(a load that had just begun still ramps up in the window before). :func:`judged` says whether the
+measured gain met the predicted one within the twin's error.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.control.budget_gain import Cohort
 from proxy.control.journal import verdict
 from proxy.control.window import Window
 from proxy.control.workload import Observed
 
-__all__ = ["BudgetKey", "PendingBudget", "budget_outcome", "first_token_s", "judged", "not_measured"]
-
-BudgetKey = tuple[bool, int]  # (interactive class?, max_tokens asked): one budget of one worker
+__all__ = ["PendingBudget", "first_token_s", "judged", "window_outcome"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +30,7 @@ class PendingBudget:
     """A budget set or moved whose outcome window is not in yet."""
 
     entry_id: int
-    key: BudgetKey
+    cohort: Cohort
     opens: float  # the decision: requests sent from here on went with it
     due: float  # the window after it is in
     before: Mapping[str, Any]  # the worker's window before it (:meth:`Window.summary`, while it had work)
@@ -59,11 +58,12 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def budget_outcome(
+def window_outcome(
     pending: PendingBudget, after: Mapping[str, Any], first_token_after_s: float | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The journal's outcome (``before``, ``after``, ``verdict``) and its top-level figures of one
-    budget: the throughput after over before (``measured_gain``), the class's first-token times."""
+    """The journal's outcome (``before``, ``after``, ``verdict``) and top-level figures of one budget's
+    window: its throughput after over before (``measured_gain``; ``not_measured`` where either window
+    has none), the class's first-token times."""
     tb, ta = pending.before.get("throughput"), after.get("throughput")
     fields: dict[str, Any] = {
         "first_token_before_s": _round(pending.first_token_before_s, 3),
@@ -72,14 +72,9 @@ def budget_outcome(
     if isinstance(ta, (int, float)) and isinstance(tb, (int, float)) and tb > 0:
         fields |= {"measured_throughput": round(ta, 1), "measured_gain": round(ta / tb - 1.0, 4)}
     else:
-        fields["not_measured"] = "no throughput in the window " + ("before" if not tb else "after")
+        fields["not_measured"] = "no throughput in the window " + ("after it" if tb else "before it")
     outcome = {"before": dict(pending.before), "after": dict(after), "verdict": verdict(pending.before, after)}
     return outcome, fields
-
-
-def not_measured(why: str) -> dict[str, str]:
-    """The figure of a budget whose window after it never came in whole."""
-    return {"not_measured": why}
 
 
 def judged(entry: Mapping[str, Any], min_gain: float) -> dict[str, Any]:

@@ -14,14 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.control.budget_gain import BudgetInputs, BudgetPrediction
-from proxy.control.budget_outcome import (
-    PendingBudget,
-    budget_outcome,
-    first_token_s,
-    judged,
-    not_measured,
-)
+from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort
+from proxy.control.budget_outcome import PendingBudget, first_token_s, judged, window_outcome
 from proxy.control.evidence import OutputBudget
 from proxy.control.phase import Tracked
 from proxy.control.planner import Twin
@@ -42,10 +36,10 @@ class BudgetJob:
     inputs: BudgetInputs
 
 
-def prediction_fields(p: BudgetPrediction) -> dict[str, Any]:
+def prediction_fields(p: BudgetPrediction | str) -> dict[str, Any]:
     """The journal's figures of a budget's prediction, or why there is none (``not_predicted``)."""
-    if p.ratio is None:
-        return {"not_predicted": p.not_predicted or "the twin gave no figure", "prediction_requests": p.requests}
+    if isinstance(p, str) or p.ratio is None:
+        return {"not_predicted": p if isinstance(p, str) else "the twin gave no figure"}
     fields: dict[str, Any] = {"predicted_ratio": round(p.ratio, 4), "predicted_gain": round(p.ratio - 1.0, 4),
                               "prediction_requests": p.requests, "prediction_cohort": p.cohort}  # fmt: skip
     if p.budget_tok_per_s is not None and p.before_tok_per_s is not None:
@@ -82,32 +76,32 @@ class Budgets:
         w = self._roster.workers.get(worker_id)
         if w is None:
             return
-        key = (evidence.request_class == "interactive", evidence.max_tokens)
-        journal, c = self._roster.journal, self._roster.constants
-        earlier = w.pending_budgets.pop(key, None)
+        cohort = Cohort(evidence.request_class == "interactive", evidence.max_tokens)
+        c = self._roster.constants
+        earlier = w.pending_budgets.pop(cohort, None)
         if earlier is not None:
             changed = "lifted" if evidence.budget_tokens is None else "moved again"
-            journal.update(earlier.entry_id, fields=not_measured(f"the budget was {changed} (#{entry_id}) before its window was in"))  # fmt: skip
+            self._journal(earlier.entry_id, {"not_measured": f"the budget was {changed} (#{entry_id}) before its window was in"})  # fmt: skip
         if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
         before = w.window.busy().summary()
-        journal.update(entry_id, outcome={"before": before})
-        if w.serving:
-            first = first_token_s(workload, key[0], now - c.window_s, now)
-            w.pending_budgets[key] = PendingBudget(entry_id, key, now, now + c.window_s, before, first)
+        self._roster.journal.update(entry_id, outcome={"before": before})
+        if not w.serving:
+            self._journal(entry_id, {"not_measured": "the worker is not serving"})
         else:
-            journal.update(entry_id, fields=not_measured("the worker is not serving"))
+            first = first_token_s(workload, cohort.interactive, now - c.window_s, now)
+            w.pending_budgets[cohort] = PendingBudget(entry_id, cohort, now, now + c.window_s, before, first)
         if not self._twin_models_engine:
-            journal.update(entry_id, fields={"not_predicted": "the twin does not model this engine's workers"})
+            self._journal(entry_id, {"not_predicted": "the twin does not model this engine's workers"})
             return
         args = dict(w.state.args)
         twin = self._twin(args)
         inputs = BudgetInputs(gpu=twin.gpu, model=twin.model, args=args, decode=decode_stats(w.window),
                               kv_capacity_tokens=kv_capacity(w.window), workload=workload,
                               in_flight=tuple(self._surroundings.in_flight(worker_id)), now=now,
-                              max_requests=c.plan_requests, horizon_s=c.plan_horizon_s, interactive=key[0],
-                              asked=key[1], before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
+                              max_requests=c.plan_requests, horizon_s=c.plan_horizon_s, cohort=cohort,
+                              before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
         self._jobs.append(BudgetJob(worker_id, entry_id, inputs))
 
     def due(self, limit: int | None = None) -> list[BudgetJob]:
@@ -116,34 +110,30 @@ class Budgets:
         jobs, self._jobs = self._jobs[:taken], self._jobs[taken:]
         return jobs
 
-    def record(self, job: BudgetJob, prediction: BudgetPrediction) -> None:
-        """Journal a budget's prediction (and, where its window is in already, whether it met it)."""
+    def record(self, job: BudgetJob, prediction: BudgetPrediction | str) -> None:
+        """Journal a budget's prediction, or why there is none (and, where its window is in already,
+        whether it met it)."""
         self._journal(job.entry_id, prediction_fields(prediction))
-
-    def failed(self, job: BudgetJob, why: str) -> None:
-        """The prediction's replay failed: the entry says so."""
-        self._journal(job.entry_id, {"not_predicted": f"the twin's replay failed: {why}"})
 
     def measure(self, w: Tracked, now: float) -> None:
         """Journal each pending budget's window once it is in (not measured where the worker stopped
         serving under it meanwhile: a restart, a death)."""
         c = self._roster.constants
-        for key, pending in list(w.pending_budgets.items()):
+        for cohort, pending in list(w.pending_budgets.items()):
             if not w.serving or w.window.since > pending.opens:
-                del w.pending_budgets[key]
-                self._journal(
-                    pending.entry_id, not_measured("the worker restarted or stopped before its window was in")
-                )
+                del w.pending_budgets[cohort]
+                self._journal(pending.entry_id, {"not_measured": "the worker restarted or stopped before its window was in"})  # fmt: skip
                 continue
             if not pending.is_in(w.window, c.min_evidence_s, now):
                 continue
-            del w.pending_budgets[key]
+            del w.pending_budgets[cohort]
             workload = self._surroundings.recent_requests(w.state.worker_id)
-            first = first_token_s(workload, key[0], pending.opens, now)
-            outcome, fields = budget_outcome(pending, w.window.after(pending.opens).busy().summary(), first)
+            first = first_token_s(workload, cohort.interactive, pending.opens, now)
+            outcome, fields = window_outcome(pending, w.window.after(pending.opens).busy().summary(), first)
             self._journal(pending.entry_id, fields, outcome)
 
     def _journal(self, entry_id: int, fields: Mapping[str, Any], outcome: Mapping[str, Any] | None = None) -> None:
+        """Update the entry, and judge its prediction where it now holds both gains."""
         journal = self._roster.journal
         entry = journal.update(entry_id, fields=fields, outcome=outcome)
         if entry is not None and (verdict := judged(entry, self._roster.constants.plan_min_gain)):

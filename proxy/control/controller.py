@@ -91,6 +91,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_Budgeting = tuple[BudgetJob, "asyncio.Future[BudgetPrediction | str]"]  # a budget's prediction off the loop
 _DETAIL_CHARS = 1000  # a failed revival's detail, at most
 
 
@@ -276,8 +277,8 @@ class Controller:
         each with what its replay reads (taken once; computed off the loop, :meth:`run`)."""
         return self._budgets.due(limit)
 
-    def record_budget_prediction(self, job: BudgetJob, prediction: BudgetPrediction) -> None:
-        """Journal a budget's predicted gain (:func:`~proxy.control.budget_gain.predict_budget`)."""
+    def record_budget_prediction(self, job: BudgetJob, prediction: BudgetPrediction | str) -> None:
+        """Journal a budget's predicted gain, or why there is none (:func:`~proxy.control.budget_gain.predict_budget`)."""
         self._budgets.record(job, prediction)
 
     # -- observation ------------------------------------------------------------------------------
@@ -551,7 +552,7 @@ class Controller:
         of the output budgets' gains (:meth:`_predict_budgets`)."""
         computing: tuple[PlanJob, asyncio.Future[Plan]] | None = None
         checking: tuple[OutcomeJob, asyncio.Future[Outcome]] | None = None
-        predicting: tuple[BudgetJob, asyncio.Future[BudgetPrediction]] | None = None
+        predicting: _Budgeting | None = None
         try:
             while True:
                 for act in self.tick():
@@ -582,17 +583,16 @@ class Controller:
                     running[1].cancel()  # what it computes is dropped (its process or thread ends it by itself)
             await self.close()
 
-    def _predict_budgets(
-        self, predicting: tuple[BudgetJob, asyncio.Future[BudgetPrediction]] | None
-    ) -> tuple[BudgetJob, asyncio.Future[BudgetPrediction]] | None:
+    def _predict_budgets(self, predicting: _Budgeting | None) -> _Budgeting | None:
         """Journal the budget prediction computed off the loop, once it is in, and start the next."""
         if predicting is not None and predicting[1].done():
             (job, done), predicting = predicting, None
             try:
-                self.record_budget_prediction(job, done.result())
+                prediction = done.result()
             except Exception as exc:
                 _log.warning("prediction of output budget #%d failed: %s", job.entry_id, exc)
-                self._budgets.failed(job, f"{exc.__class__.__name__}: {exc}")
+                prediction = f"the twin's replay failed: {exc.__class__.__name__}: {exc}"
+            self.record_budget_prediction(job, prediction)
         if predicting is None:
             for job in self.budget_predictions_due(limit=1):
                 predicting = (job, asyncio.ensure_future(self._offload(predict_budget, job.inputs)))

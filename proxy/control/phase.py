@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from proxy.control.budget_outcome import BudgetKey, PendingBudget
+from proxy.control.budget_gain import Cohort
+from proxy.control.budget_outcome import PendingBudget
 from proxy.control.decision import ControlState
 from proxy.control.horizon import Backlog
 from proxy.control.outcomes import PendingCheck, PendingOutcome
@@ -73,7 +74,7 @@ class Tracked:
     pending_outcome: PendingOutcome | None = None  # the last restart's, until its window is in
     pending_check: PendingCheck | None = None  # the last acted plan's twin, until enough is answered
     # its output budgets set or moved, each until its outcome window is in
-    pending_budgets: dict[BudgetKey, PendingBudget] = field(default_factory=dict)
+    pending_budgets: dict[Cohort, PendingBudget] = field(default_factory=dict)
     starting_at: float | None = None  # when its current start began (to measure the start-up)
     startup_s: float | None = None  # its last start-up, launch to ready, as seen
     drain_s: float = 0.0  # its last drain before a restart

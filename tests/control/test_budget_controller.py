@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from proxy.console.decisions import format_decision
-from proxy.control.budget_gain import predict_budget
+from proxy.control.budget_gain import Cohort, predict_budget
 from proxy.control.controller import Controller
 from proxy.control.evidence import OutputBudget
 from proxy.engines.base import Sample
@@ -64,7 +64,8 @@ def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> N
     assert "predicted_gain" not in entry and "measured_gain" not in entry  # the replay runs off the loop
     (job,) = c.budget_predictions_due()
     assert c.budget_predictions_due() == []  # taken once
-    assert (job.inputs.before, job.inputs.budget, job.inputs.asked) == (4096, 768, 4096)
+    assert job.inputs.cohort == Cohort(True, 4096)
+    assert (job.inputs.before, job.inputs.budget) == (4096, 768)
     assert job.inputs.decode and job.inputs.workload  # the planner's: the worker's lines and its answers
     c.record_budget_prediction(job, predict_budget(job.inputs))
     entry = c.journal.get(entry["id"]) or {}
@@ -78,10 +79,12 @@ def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> N
         if clock.now < opens + window_s:
             assert "measured_gain" not in (c.journal.get(entry["id"]) or {})
 
+    # the worker's window after it: as predicted
     _scrapes(c, clock, opens, int(window_s), rate * (1 + entry["predicted_gain"]), 30.0 * int(rate), before_due)
     entry = c.journal.get(entry["id"]) or {}
-    assert entry["measured_gain"] == pytest.approx(entry["predicted_gain"], abs=0.02)  # as predicted
+    assert entry["measured_gain"] == pytest.approx(entry["predicted_gain"], abs=0.02)
     assert entry["outcome"]["after"]["throughput"] == pytest.approx(entry["measured_throughput"], abs=0.1)
+    assert entry["outcome"]["verdict"] == "better"
     assert entry["met_prediction"] is True and entry["prediction_tolerance"] >= c.constants.plan_min_gain
     assert entry["first_token_before_s"] is None  # whole answers: the proxy saw no first token
     text = format_decision(entry)

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.control.budget_gain import BudgetInputs, predict_budget, sent_as
-from proxy.control.budget_outcome import PendingBudget, budget_outcome, judged
+from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort, predict_budget
+from proxy.control.budget_outcome import PendingBudget, judged, window_outcome
 from proxy.control.evidence import OutputBudget
 from proxy.control.planner import DecodeStats, InFlight, Observed, Twin
 from proxy.control.window import Window
@@ -40,44 +40,52 @@ def _recorded(asked: int = 4096) -> BudgetInputs:
         workload=tuple(o for o in served if (o.finished or 0.0) <= now),
         in_flight=tuple(InFlight(arrived=o.arrived, prompt_tokens=o.prompt_tokens, max_tokens=asked)
                         for o in served if (o.finished or 0.0) > now),
-        now=now, interactive=True, asked=asked, before=asked, budget=asked,
+        now=now, cohort=Cohort(True, asked), before=asked, budget=asked,
     )  # fmt: skip
+
+
+def _predicted(inputs: BudgetInputs) -> BudgetPrediction:
+    p = predict_budget(inputs)
+    assert isinstance(p, BudgetPrediction), p
+    return p
 
 
 def test_a_budget_well_above_the_answers_is_predicted_to_gain_and_a_useless_one_not() -> None:
     recorded = _recorded()
-    above = predict_budget(replace(recorded, budget=640))  # every answer (100-400) fits under it
+    above = _predicted(replace(recorded, budget=640))  # every answer (100-400) fits under it
     assert above.ratio is not None and above.ratio > 1.1, above
     assert above.requests == 300 and above.cohort == 300  # the planner's sample: the newest plan_requests
     assert above.twin_error is not None and above.twin_error < 0.15  # calibrated on the worker's own lines
     assert above.budget_tok_per_s == pytest.approx(above.ratio * (above.before_tok_per_s or 0.0))
-    near = predict_budget(replace(recorded, budget=4000))  # hardly less than they ask: the same admission
+    near = _predicted(replace(recorded, budget=4000))  # hardly less than they ask: the same admission
     assert near.ratio == pytest.approx(1.0, abs=0.02), near
     # below every answer: each reaches it and goes on, the twin's same answer sent as asked
-    below = predict_budget(replace(recorded, budget=64))
+    below = _predicted(replace(recorded, budget=64))
     assert below.ratio == pytest.approx(1.0, abs=1e-9), below
     # a budget moved up from one the answers fit under gains nothing either
-    assert predict_budget(replace(recorded, before=640, budget=768)).ratio == pytest.approx(1.0, abs=0.02)
+    assert _predicted(replace(recorded, before=640, budget=768)).ratio == pytest.approx(1.0, abs=0.02)
 
 
 def test_the_twin_says_when_it_has_too_little_to_replay() -> None:
     recorded = _recorded()
-    nothing = predict_budget(replace(recorded, workload=()))
-    assert nothing.ratio is None and nothing.not_predicted == "no answered request to replay"
-    other = predict_budget(replace(recorded, interactive=False, budget=640))  # the batch class sent none
-    assert other.ratio is None and other.not_predicted is not None
-    assert "batch class's asking for max_tokens 4096" in other.not_predicted
+    assert predict_budget(replace(recorded, workload=())) == "no answered request to replay"
+    other = predict_budget(replace(recorded, cohort=Cohort(False, 4096), budget=640))  # the batch class sent none
+    assert other == "none of the 300 newest answers is the batch class's asking for max_tokens 4096"
 
 
 def test_only_the_class_asking_for_the_budgets_max_tokens_is_sent_with_it() -> None:
-    inputs = replace(_recorded(), budget=640)
+    cohort = Cohort(True, 4096)
     one = Observed(arrived=0.0, prompt_tokens=10, output_tokens=300, max_tokens=4096)
-    assert sent_as(one, inputs, 640).max_tokens == 640
-    assert sent_as(replace(one, output_tokens=700), inputs, 640).max_tokens == 4096  # reaches it: as asked
-    assert sent_as(replace(one, interactive=False), inputs, 640).max_tokens == 4096  # the other class
-    assert sent_as(replace(one, max_tokens=2000), inputs, 640).max_tokens == 2000  # asked for other
+    assert cohort.sent(one, 640).max_tokens == 640
+    assert cohort.sent(replace(one, output_tokens=700), 640).max_tokens == 4096  # reaches it: as asked
+    assert cohort.sent(replace(one, interactive=False), 640).max_tokens == 4096  # the other class
+    assert cohort.sent(replace(one, max_tokens=2000), 640).max_tokens == 2000  # asked for other
     # one sent under an earlier budget: known by what it asked
-    assert sent_as(replace(one, max_tokens=512, asked_max_tokens=4096), inputs, 640).max_tokens == 640
+    assert cohort.sent(replace(one, max_tokens=512, asked_max_tokens=4096), 640).max_tokens == 640
+    # one open on the worker: its length not known, sent with it
+    open_ = InFlight(arrived=0.0, prompt_tokens=10, max_tokens=4096)
+    assert cohort.open(open_, 640, typical=300).max_tokens == 640
+    assert cohort.open(open_, 640, typical=700).max_tokens == 4096  # its answer would reach it
 
 
 def test_what_the_requests_went_with_before_and_go_with_now() -> None:
@@ -104,9 +112,10 @@ def _window(tok_per_s: float, start: float, seconds: int, idle_first: int = 0) -
 def test_the_window_after_a_budget_is_measured_against_the_one_before_while_the_worker_had_work() -> None:
     before = _window(1000.0, 0.0, 10, idle_first=5)  # idle before the load came: not the worker's pace
     assert before.busy().throughput == pytest.approx(1000.0) and before.throughput == pytest.approx(500.0)
-    pending = PendingBudget(1, (True, 4096), 10.0, 70.0, before.busy().summary(), 0.5)
-    outcome, fields = budget_outcome(pending, _window(1500.0, 10.0, 60).busy().summary(), 0.25)
-    assert fields["measured_gain"] == pytest.approx(0.5) and fields["measured_throughput"] == pytest.approx(1500.0)
+    pending = PendingBudget(1, Cohort(True, 4096), 10.0, 70.0, before.busy().summary(), 0.5)
+    outcome, fields = window_outcome(pending, _window(1500.0, 10.0, 60).busy().summary(), 0.25)
+    assert fields["measured_gain"] == pytest.approx(0.5)
+    assert fields["measured_throughput"] == pytest.approx(1500.0)
     assert (fields["first_token_before_s"], fields["first_token_after_s"]) == (0.5, 0.25)
     assert outcome["verdict"] == "better" and outcome["before"]["throughput"] == pytest.approx(1000.0)
     # met within the twin's error (or the planner's noise floor where that is smaller), else not
