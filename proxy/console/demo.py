@@ -11,7 +11,8 @@ admits, so a backlog waits):
    each) and the budget is lifted.
 
 A phase ends ``--settle-s`` after the controller journals a decision that acts, once an output
-budget's predicted and measured gain are in (its outcome window), or after ``--phase-s``. The true output length travels in the simulator's ``sim_output_len`` field.
+budget's predicted and measured gain are in (its outcome window), or after ``--phase-s``. The
+true output length travels in the simulator's ``sim_output_len`` field.
 
 With no proxy at ``--url``, ``--start POLICY`` starts one as a child process and stops it at the
 end (Ctrl-C and SIGTERM included); without ``--start`` it says how to start one and exits 1.

@@ -81,7 +81,8 @@ class Budgets:
         earlier = w.pending_budgets.pop(cohort, None)
         if earlier is not None:
             changed = "lifted" if evidence.budget_tokens is None else "moved again"
-            self._journal(earlier.entry_id, {"not_measured": f"the budget was {changed} (#{entry_id}) before its window was in"})  # fmt: skip
+            why = f"the budget was {changed} (#{entry_id}) before its window was in"
+            self._journal(earlier.entry_id, {"not_measured": why})
         if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
@@ -122,7 +123,8 @@ class Budgets:
         for cohort, pending in list(w.pending_budgets.items()):
             if not w.serving or w.window.since > pending.opens:
                 del w.pending_budgets[cohort]
-                self._journal(pending.entry_id, {"not_measured": "the worker restarted or stopped before its window was in"})  # fmt: skip
+                why = "the worker restarted or stopped before its window was in"
+                self._journal(pending.entry_id, {"not_measured": why})
                 continue
             if not pending.is_in(w.window, c.min_evidence_s, now):
                 continue

@@ -53,6 +53,7 @@
             const [xmin, xmax] = [u.scales.x.min, u.scales.x.max];
             ctx.save();
             ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+            let drawn = 0; // labels of marks close together go on rows of their own
             for (const e of d.decisions) {
               if (e.t === null || e.t < xmin || e.t > xmax) continue;
               if (workerId !== null && e.worker !== workerId) continue;
@@ -66,8 +67,9 @@
               ctx.stroke();
               ctx.fillStyle = ctx.strokeStyle;
               const gain = gainText(e);
+              const row = 12 * (1 + (drawn++ % 3));
               ctx.fillText(`${e.rule} (${e.status})${gain ? ` gain ${gain.short}` : ""}`, x + 4 * devicePixelRatio,
-                u.bbox.top + 12 * devicePixelRatio);
+                u.bbox.top + row * devicePixelRatio);
             }
             ctx.restore();
           },
