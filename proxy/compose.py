@@ -470,6 +470,7 @@ class _Surroundings:
                 written_before=f.written_before,
                 dispatched=f.dispatched,
                 first_token=f.first_token,
+                asked_max_tokens=f.max_tokens,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
@@ -485,6 +486,7 @@ class _Surroundings:
                 keeps_written=a.on_take_back is not None,  # the relay reads a whole answer it can end early
                 written_before=a.going_on_from,
                 dispatched=a.dispatched_at,
+                asked_max_tokens=a.ticket.max_tokens,
             )
             for a in self._st.board.get(worker_id).attempts
         ]

@@ -40,6 +40,31 @@ def _gain(entry: Mapping[str, Any], name: str) -> object:
     return outcome.get(name) if isinstance(outcome, Mapping) else None
 
 
+def _percent(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    return f"{value:+.1%}"
+
+
+def gain_text(e: Mapping[str, Any]) -> str:
+    """The entry's predicted and measured gain (an output budget's: whether it met the prediction within
+    the twin's error, or why there is no figure), as `` gain predicted +x% measured +y%...``; "" where
+    it has neither."""
+    predicted, measured = _gain(e, "predicted_gain"), _gain(e, "measured_gain")
+    missing = [f"{what}: {e[key]}" for what, key in (("not predicted", "not_predicted"),
+                                                     ("not measured", "not_measured")) if e.get(key)]  # fmt: skip
+    if predicted is None and measured is None and not missing:
+        return ""
+    text = f" gain predicted {_percent(predicted)} measured {_percent(measured)}"
+    met, tolerance = e.get("met_prediction"), e.get("prediction_tolerance")
+    if isinstance(met, bool):
+        within = "within" if met else "outside"
+        text += (
+            f" ({within} the twin's error" + (f", {tolerance:.1%}" if isinstance(tolerance, (int, float)) else "") + ")"
+        )
+    return text + "".join(f" · {m}" for m in missing)
+
+
 def local_time(text: str) -> str:
     """The journal's ISO time (UTC) as this machine's local time with its zone, as the dashboard shows
     it; a time that does not parse is printed as it came."""
@@ -56,9 +81,7 @@ def format_decision(e: Mapping[str, Any]) -> str:
     text = f"#{e.get('id')} {when} {e.get('worker')} {e.get('rule')} [{e.get('status')}]"
     if changes:
         text += f" {changes}"
-    predicted, measured = _gain(e, "predicted_gain"), _gain(e, "measured_gain")
-    if predicted is not None or measured is not None:
-        text += f" gain predicted {predicted} measured {measured}"
+    text += gain_text(e)
     error = e.get("prediction_error")
     if isinstance(error, (int, float)):  # the plan's twin on the requests served under its args
         basis = e.get("prediction_basis", "throughput")

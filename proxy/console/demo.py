@@ -5,12 +5,14 @@ admits, so a backlog waits):
 
 1. ``early-stop``: ``max_tokens`` 4096, answers of 100-400 tokens. SGLang reserves room for what a
    request may still write, so token usage stays low. The output budget answers it without a
-   restart; the planner journals its twin's view of the same load (its predicted gain).
+   restart, with the gain the planner's twin predicts for it and, a window later, the one measured;
+   the planner journals its twin's view of the same load (its predicted gain).
 2. ``shift``: answers run nearly to ``max_tokens``. Those past the budget are continued (one answer
    each) and the budget is lifted.
 
-A phase ends ``--settle-s`` after the controller journals a decision that acts, or after
-``--phase-s``. The true output length travels in the simulator's ``sim_output_len`` field.
+A phase ends ``--settle-s`` after the controller journals a decision that acts, once an output
+budget's predicted and measured gain are in (its outcome window), or after ``--phase-s``. The
+true output length travels in the simulator's ``sim_output_len`` field.
 
 With no proxy at ``--url``, ``--start POLICY`` starts one as a child process and stops it at the
 end (Ctrl-C and SIGTERM included); without ``--start`` it says how to start one and exits 1.
@@ -35,6 +37,7 @@ from typing import IO, Any
 import aiohttp
 
 from proxy.console.admin import DEFAULT_URL, KEY_ENV, URL_ENV
+from proxy.console.decisions import gain_text
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _ACTS = ("acting", "applied")
@@ -115,19 +118,25 @@ class Demo:
         tasks = [asyncio.create_task(loop()) for _ in range(concurrency)]
         start = time.monotonic()
         acted_at: float | None = None
+        awaiting: set[int] = set()  # acted decisions whose predicted or measured gain is not in yet
         try:
             while True:
                 await asyncio.sleep(1.0)
                 now = time.monotonic()
-                line, new = await self.status_line(phase, progress, now - start)
+                line, new, entries = await self.status_line(phase, progress, now - start)
                 for entry in new:
                     print(f"\n[demo] decision #{entry['id']} {entry['worker']} {entry['rule']} "
                           f"[{entry['status']}]: {entry['reason']}", flush=True)  # fmt: skip
-                    if entry["status"] in _ACTS and acted_at is None:
-                        acted_at = now
+                    if entry["status"] in _ACTS:
+                        acted_at = now if acted_at is None else acted_at
+                        awaiting.update([entry["id"]] if _gains_pending(entry) else [])
+                for entry in entries:
+                    if entry["id"] in awaiting and not _gains_pending(entry):
+                        awaiting.discard(entry["id"])
+                        print(f"\n[demo] decision #{entry['id']}{gain_text(entry)}", flush=True)
                 sys.stdout.write("\r" + line + "\x1b[K" if sys.stdout.isatty() else line + "\n")
                 sys.stdout.flush()
-                if acted_at is not None and now - acted_at >= settle_s:
+                if acted_at is not None and now - acted_at >= settle_s and not awaiting:
                     break
                 if now - start >= phase_s:
                     break
@@ -143,7 +152,10 @@ class Demo:
             print(f"[demo]   {count} x {text}", flush=True)
         return acted_at is not None
 
-    async def status_line(self, phase: Phase, progress: Progress, elapsed: float) -> tuple[str, list[dict[str, Any]]]:
+    async def status_line(
+        self, phase: Phase, progress: Progress, elapsed: float
+    ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+        """The status line, the decisions not seen before and the newest decisions."""
         rate = progress.done / elapsed if elapsed > 0 else 0.0
         text = (
             f"[demo] {phase.name} {elapsed:4.0f}s · sent {progress.sent} · done {progress.done} "
@@ -154,7 +166,7 @@ class Demo:
             workers = await self.admin("/admin/workers")
             decisions = await self.admin("/admin/decisions?limit=20")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return text + f" · admin: {exc}", new
+            return text + f" · admin: {exc}", new, []
         queue = sum(workers.get("proxy_queue", {}).values())
         text += f" · proxy queue {queue}"
         for w in workers.get("workers", []):
@@ -168,7 +180,15 @@ class Demo:
             if entry["id"] not in self.seen_ids:
                 self.seen_ids.add(entry["id"])
                 new.append(entry)
-        return text, new
+        return text, new, list(decisions.get("decisions", []))
+
+
+def _gains_pending(entry: dict[str, Any]) -> bool:
+    """An output budget set or moved whose predicted or measured gain is not in yet (nor why not)."""
+    if entry.get("rule") != "output_budget" or (entry.get("evidence") or {}).get("budget_tokens") is None:
+        return False
+    predicted = "predicted_gain" in entry or "not_predicted" in entry
+    return not (predicted and ("measured_gain" in entry or "not_measured" in entry))
 
 
 async def _reachable(url: str) -> bool:

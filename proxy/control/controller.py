@@ -25,6 +25,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
+from proxy.control.budget_gain import BudgetPrediction, predict_budget
+from proxy.control.budgets import BudgetJob, Budgets
 from proxy.control.canary import Canary
 from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.decision import Action, ControlState, Decision, RuleKind
@@ -89,6 +91,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_Budgeting = tuple[BudgetJob, "asyncio.Future[BudgetPrediction | str]"]  # a budget's prediction off the loop
 _DETAIL_CHARS = 1000  # a failed revival's detail, at most
 
 
@@ -136,6 +139,7 @@ class Controller:
         self._trials = Trials(self._roster)
         self._planning = Planning(self._roster, surroundings, self._trials, self._twin,
                                   twin_models_engine=self._twin_models_engine)  # fmt: skip
+        self._budgets = Budgets(self._roster, surroundings, self._twin, twin_models_engine=self._twin_models_engine)
         self._tasks: set[asyncio.Task[None]] = set()
         self._checks: list[OutcomeJob] = []  # acted plans whose window is in, to check off the loop
 
@@ -264,8 +268,18 @@ class Controller:
             )
         decision = Decision(worker_id=worker_id, rule="output_budget", time=now, evidence=evidence, old_args=args,
                             new_args=args, action=Action.NOTE, kind=RuleKind.TUNING, reason=reason)  # fmt: skip
-        self.journal.record(decision, mode=self.mode, status=Status.APPLIED,
-                            detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
+        entry_id = self.journal.record(decision, mode=self.mode, status=Status.APPLIED,
+                                       detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
+        self._budgets.decided(worker_id, entry_id, evidence, now)
+
+    def budget_predictions_due(self, limit: int | None = None) -> list[BudgetJob]:
+        """Budgets set or moved whose gain the twin is to predict (at most ``limit``, the oldest first),
+        each with what its replay reads (taken once; computed off the loop, :meth:`run`)."""
+        return self._budgets.due(limit)
+
+    def record_budget_prediction(self, job: BudgetJob, prediction: BudgetPrediction | str) -> None:
+        """Journal a budget's predicted gain, or why there is none (:func:`~proxy.control.budget_gain.predict_budget`)."""
+        self._budgets.record(job, prediction)
 
     # -- observation ------------------------------------------------------------------------------
 
@@ -382,6 +396,7 @@ class Controller:
             others_down = True
         for w in self._workers.values():
             self._measure_outcome(w, now)
+            self._budgets.measure(w, now)
             self._check_when_answered(w, now)
             since = w.serving_since
             if since is None:
@@ -533,13 +548,16 @@ class Controller:
         canary's fail-fast, the rules, the outcome windows do not wait for the other workers'
         plans), one plan at a time, and a plan is decided on the first tick after it is in
         (:meth:`decide_plan`, which drops it if its worker restarted meanwhile). The checks of acted plans replay too: off the loop, one at a
-        time, beside the plan, each journaled on the first tick after it is in."""
+        time, beside the plan, each journaled on the first tick after it is in; and so do the predictions
+        of the output budgets' gains (:meth:`_predict_budgets`)."""
         computing: tuple[PlanJob, asyncio.Future[Plan]] | None = None
         checking: tuple[OutcomeJob, asyncio.Future[Outcome]] | None = None
+        predicting: _Budgeting | None = None
         try:
             while True:
                 for act in self.tick():
                     await self.carry_out(act)
+                predicting = self._predict_budgets(predicting)
                 if checking is not None and checking[1].done():
                     (check, done), checking = checking, None
                     try:
@@ -560,10 +578,25 @@ class Controller:
                         computing = (job, asyncio.ensure_future(self._offload(run_plan, job.inputs)))
                 await asyncio.sleep(self.constants.interval_s)
         finally:
-            for running in (computing, checking):
+            for running in (computing, checking, predicting):
                 if running is not None:
                     running[1].cancel()  # what it computes is dropped (its process or thread ends it by itself)
             await self.close()
+
+    def _predict_budgets(self, predicting: _Budgeting | None) -> _Budgeting | None:
+        """Journal the budget prediction computed off the loop, once it is in, and start the next."""
+        if predicting is not None and predicting[1].done():
+            (job, done), predicting = predicting, None
+            try:
+                prediction = done.result()
+            except Exception as exc:
+                _log.warning("prediction of output budget #%d failed: %s", job.entry_id, exc)
+                prediction = f"the twin's replay failed: {exc.__class__.__name__}: {exc}"
+            self.record_budget_prediction(job, prediction)
+        if predicting is None:
+            for job in self.budget_predictions_due(limit=1):
+                predicting = (job, asyncio.ensure_future(self._offload(predict_budget, job.inputs)))
+        return predicting
 
     def _decide_computed(self, job: PlanJob, computed: asyncio.Future[Plan]) -> Act | None:
         """Decide on a plan computed off the loop (a failed one is logged, its worker free to plan again)."""

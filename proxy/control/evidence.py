@@ -202,6 +202,22 @@ class OutputBudget(Evidence):
     # lifted because answers reach it: those that did (in their first part), those that ended within it
     reached: int | None = None
     ended_within: int | None = None
+    # the least max_tokens the previous budget applied to (None: there was none)
+    previous_applies_above_tokens: int | None = field(default=None, metadata=OPTIONAL)
+
+    @property
+    def sent_before(self) -> int:
+        """The ``max_tokens`` its requests went with before: the previous budget where it applied, else as asked."""
+        above = self.previous_applies_above_tokens
+        applied = self.previous_tokens is not None and (above is None or self.max_tokens >= above)
+        return self.previous_tokens if applied and self.previous_tokens is not None else self.max_tokens
+
+    @property
+    def sent_now(self) -> int:
+        """The ``max_tokens`` its requests go with now: the budget where it applies, else as asked."""
+        above = self.applies_above_tokens
+        applies = self.budget_tokens is not None and (above is None or self.max_tokens >= above)
+        return self.budget_tokens if applies and self.budget_tokens is not None else self.max_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

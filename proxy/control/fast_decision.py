@@ -11,7 +11,7 @@ The rules themselves are :mod:`proxy.control.fast_tier`'s.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.control.evidence import OutputBudget
 from proxy.control.fast_tier import (
@@ -162,7 +162,8 @@ class FastTier:
                 note = budget_evidence(
                     r.written, r.interactive, r.asked, r.current, new, settings, above, overrun=lifted_by
                 )
-                evidence.append(note)
+                before = None if r.current is None else self._applies_above(r.current)
+                evidence.append(replace(note, previous_applies_above_tokens=before))
         return tuple(moves), tuple(evidence)
 
 

@@ -8,7 +8,7 @@ through :meth:`Tracked.move`, which refuses a move the table does not list: two 
 one worker, or a plan decided for a worker that is not serving, fail loudly instead of quietly.
 
 :class:`Tracked` is the rest of what the controller keeps per worker: its window and state, its
-log reader, the outcome its last restart awaits, its start-up and drain as measured.
+log reader, the outcome its last restart (and its budgets) await, its start-up and drain as measured.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from proxy.control.budget_gain import Cohort
+from proxy.control.budget_outcome import PendingBudget
 from proxy.control.decision import ControlState
 from proxy.control.horizon import Backlog
 from proxy.control.outcomes import PendingCheck, PendingOutcome
@@ -71,6 +73,8 @@ class Tracked:
     phase: Phase
     pending_outcome: PendingOutcome | None = None  # the last restart's, until its window is in
     pending_check: PendingCheck | None = None  # the last acted plan's twin, until enough is answered
+    # its output budgets set or moved, each until its outcome window is in
+    pending_budgets: dict[Cohort, PendingBudget] = field(default_factory=dict)
     starting_at: float | None = None  # when its current start began (to measure the start-up)
     startup_s: float | None = None  # its last start-up, launch to ready, as seen
     drain_s: float = 0.0  # its last drain before a restart

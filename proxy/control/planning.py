@@ -34,10 +34,11 @@ from proxy.control.ports import Act, PlanJob, Surroundings
 from proxy.control.roster import Roster
 from proxy.control.rules import gate
 from proxy.control.trials import Trials
+from proxy.control.window import Window
 from proxy.engines.base import EventKind, KnobName
 from proxy.policy import ControlMode
 
-__all__ = ["Planning", "plan_reason", "planned"]
+__all__ = ["Planning", "decode_stats", "kv_capacity", "plan_reason", "planned"]
 
 
 def plan_reason(job: PlanJob, plan: Plan) -> str:
@@ -65,6 +66,28 @@ def planned(job: PlanJob, plan: Plan) -> Planned:
         predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
         current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
     )  # fmt: skip
+
+
+def decode_stats(window: Window) -> tuple[DecodeStats, ...]:
+    """The worker's decode statistics in its window, as the twin's calibration reads them."""
+    decode = []
+    for e in window.of_kind(EventKind.BATCH_STATS):
+        f = e.fields
+        running, used, tp = f.get("running"), f.get("used_tokens"), f.get("gen_throughput")
+        if f.get("phase") == "decode" and isinstance(running, int) and isinstance(tp, (int, float)):
+            used_tokens = int(used) if isinstance(used, (int, float)) else 0
+            decode.append(DecodeStats(running=running, used_tokens=used_tokens, gen_throughput=float(tp),
+                                      cuda_graph=bool(f.get("graph", True)), at=e.time))  # fmt: skip
+    return tuple(decode)
+
+
+def kv_capacity(window: Window) -> int | None:
+    """The worker's KV pool in tokens, as it last reported it (its start-up line where nothing since)."""
+    capacity = window.kv_capacity_tokens
+    startup = window.startup
+    if capacity is None and startup is not None and isinstance(startup.fields.get("max_total_tokens"), int):
+        capacity = int(startup.fields["max_total_tokens"])
+    return capacity
 
 
 class Planning:
@@ -138,18 +161,7 @@ class Planning:
         args = dict(w.state.args)
         twin = self._twin(args)
         gpu, model = twin.gpu, twin.model
-        decode = []
-        for e in w.window.of_kind(EventKind.BATCH_STATS):
-            f = e.fields
-            running, used, tp = f.get("running"), f.get("used_tokens"), f.get("gen_throughput")
-            if f.get("phase") == "decode" and isinstance(running, int) and isinstance(tp, (int, float)):
-                used_tokens = int(used) if isinstance(used, (int, float)) else 0
-                decode.append(DecodeStats(running=running, used_tokens=used_tokens, gen_throughput=float(tp),
-                                          cuda_graph=bool(f.get("graph", True)), at=e.time))  # fmt: skip
-        capacity = w.window.kv_capacity_tokens
-        startup = w.window.startup
-        if capacity is None and startup is not None and isinstance(startup.fields.get("max_total_tokens"), int):
-            capacity = int(startup.fields["max_total_tokens"])
+        decode, capacity = decode_stats(w.window), kv_capacity(w.window)
         # what a restart takes back: the batch the worker has been running (its window's mean), each request
         # half way through an answer of the recent length, its prompt prefilled again (the twin prices that)
         # and its output decoded again, or, where it keeps what it wrote, prefilled with the prompt
@@ -181,7 +193,7 @@ class Planning:
             min_available_gb=c.available_mem_band_gb[0],
             max_available_gb=c.available_mem_band_gb[1],
         )
-        return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=tuple(decode),
+        return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
                           in_flight=in_flight, now=now, looks=w.looks)  # fmt: skip
 

@@ -110,6 +110,23 @@ class Window:
             proxy_queue=tuple(p for p in self.proxy_queue if p[0] >= start),
         )
 
+    def busy(self) -> Window:
+        """The window's evidence while the worker had work: from its first sample with a request running
+        or queued to its last (the idle seconds before a load arrived, or after it ended, say nothing of
+        how fast it served it). The window as it is where no sample says."""
+        times = [s.time for s in self.samples if s.running > 0 or s.queue > 0]
+        if not times:
+            return self
+        first, last = times[0], times[-1]
+        return replace(
+            self,
+            since=max(self.since, first),
+            now=last,
+            samples=tuple(s for s in self.samples if first <= s.time <= last),
+            events=tuple(e for e in self.events if first <= e.time <= last),
+            proxy_queue=tuple(p for p in self.proxy_queue if first <= p[0] <= last),
+        )
+
     def restart(self, at: float) -> Window:
         """A restart begins: nothing seen so far describes the next incarnation."""
         return Window(span_s=self.span_s, since=at, now=max(self.now, at))

@@ -35,6 +35,12 @@ class Observed:
     written_before: int = 0
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
     first_token: float | None = None  # when its first output reached the proxy (a stream; None: not seen)
+    asked_max_tokens: int | None = None  # the client's, where the worker was asked for less (None: ``max_tokens``)
+
+    @property
+    def asked(self) -> int:
+        """The ``max_tokens`` the client asked for (an output budget sends the worker less)."""
+        return self.max_tokens if self.asked_max_tokens is None else self.asked_max_tokens
 
     @property
     def sent(self) -> float:
@@ -63,11 +69,17 @@ class InFlight:
     keeps_written: bool = False  # taken back, it keeps what it wrote (the next worker goes on from there)
     written_before: int = 0  # what an earlier attempt wrote (taken back, kept): this worker goes on from there
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
+    asked_max_tokens: int | None = None  # the client's, where the worker was asked for less (None: ``max_tokens``)
 
     @property
     def sent(self) -> float:
         """When the worker got it: sent by the proxy, else as it arrived."""
         return self.arrived if self.dispatched is None else self.dispatched
+
+    @property
+    def asked(self) -> int | None:
+        """The ``max_tokens`` the client asked for (None: not given)."""
+        return self.max_tokens if self.asked_max_tokens is None else self.asked_max_tokens
 
 
 @dataclass(frozen=True, slots=True)

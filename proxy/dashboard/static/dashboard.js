@@ -53,6 +53,7 @@
             const [xmin, xmax] = [u.scales.x.min, u.scales.x.max];
             ctx.save();
             ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+            let drawn = 0; // labels of marks close together go on rows of their own
             for (const e of d.decisions) {
               if (e.t === null || e.t < xmin || e.t > xmax) continue;
               if (workerId !== null && e.worker !== workerId) continue;
@@ -65,7 +66,10 @@
               ctx.lineTo(x, u.bbox.top + u.bbox.height);
               ctx.stroke();
               ctx.fillStyle = ctx.strokeStyle;
-              ctx.fillText(`${e.rule} (${e.status})`, x + 4 * devicePixelRatio, u.bbox.top + 12 * devicePixelRatio);
+              const gain = gainText(e);
+              const row = 12 * (1 + (drawn++ % 3));
+              ctx.fillText(`${e.rule} (${e.status})${gain ? ` gain ${gain.short}` : ""}`, x + 4 * devicePixelRatio,
+                u.bbox.top + row * devicePixelRatio);
             }
             ctx.restore();
           },
@@ -183,6 +187,36 @@
     return undefined;
   }
 
+  // the journal's top-level figures of a gain, shown with the evidence
+  const GAIN_FIELDS = [
+    "predicted_gain", "predicted_ratio", "predicted_throughput", "predicted_current", "twin_error",
+    "prediction_requests", "measured_gain", "measured_throughput", "first_token_before_s", "first_token_after_s",
+    "met_prediction", "prediction_tolerance", "not_predicted", "not_measured",
+  ];
+
+  function pct(v) {
+    return typeof v === "number" ? `${v >= 0 ? "+" : ""}${(v * 100).toFixed(1)}%` : "–";
+  }
+
+  // A decision's gain: predicted / measured (short), and in words what the figures do not say by
+  // themselves (an output budget's prediction met within the twin's error or not, why one is missing).
+  function gainText(e) {
+    const predicted = gainOf(e, "predicted_gain");
+    const measured = gainOf(e, "measured_gain");
+    if (predicted === undefined && measured === undefined && !e.not_predicted && !e.not_measured) return null;
+    let short = `${pct(predicted)} / ${pct(measured)}`;
+    const words = [];
+    if (typeof e.met_prediction === "boolean") {
+      short += e.met_prediction ? " ✓" : " ✗";
+      const within = e.met_prediction ? "within" : "outside";
+      const tolerance = typeof e.prediction_tolerance === "number" ? ` (${(e.prediction_tolerance * 100).toFixed(1)}%)` : "";
+      words.push(`measured ${within} the twin's error${tolerance}`);
+    }
+    if (e.not_predicted) words.push(`not predicted: ${e.not_predicted}`);
+    if (e.not_measured) words.push(`not measured: ${e.not_measured}`);
+    return { short, words: words.join("; ") };
+  }
+
   function renderDecisions(d) {
     const body = $("#decisions tbody");
     body.innerHTML = "";
@@ -192,12 +226,11 @@
       tr.dataset.rule = e.rule;
       tr.dataset.status = e.status;
       tr.dataset.worker = e.worker;
-      const predicted = gainOf(e, "predicted_gain");
-      const measured = gainOf(e, "measured_gain");
+      const gain = gainText(e);
       const verdict = e.outcome && e.outcome.verdict ? ` (${e.outcome.verdict})` : "";
       const cells = [
         e.t ? fmtTime(e.t) : e.time, e.worker, e.rule, e.status, describeChange(e),
-        `${fmtNum(predicted)} / ${fmtNum(measured)}${verdict}`,
+        `${gain ? gain.short : "– / –"}${verdict}`,
       ];
       for (const text of cells) {
         const td = document.createElement("td");
@@ -205,13 +238,23 @@
         tr.appendChild(td);
       }
       tr.children[3].className = `st-${e.status}`;
+      const gainCell = tr.children[5];
+      gainCell.className = "gain";
+      if (gain && gain.words) {
+        gainCell.title = gain.words;
+        const note = document.createElement("div");
+        note.className = "muted";
+        note.textContent = gain.words;
+        gainCell.appendChild(note);
+      }
       const td = document.createElement("td");
       td.className = "reason";
       const details = document.createElement("details");
       const summary = document.createElement("summary");
       summary.textContent = e.reason + (e.detail ? ` — ${e.detail}` : "");
       const pre = document.createElement("pre");
-      const shown = { evidence: e.evidence, outcome: e.outcome, act: e.act };
+      const figures = Object.fromEntries(GAIN_FIELDS.filter((k) => e[k] !== undefined).map((k) => [k, e[k]]));
+      const shown = { evidence: e.evidence, gain: Object.keys(figures).length ? figures : undefined, outcome: e.outcome, act: e.act };
       pre.textContent = JSON.stringify(shown, null, 1);
       details.append(summary, pre);
       td.appendChild(details);

@@ -1,0 +1,142 @@
+"""The output budgets' predicted and measured gains, around the fast tier's decisions.
+
+The fast tier sets, moves and lifts budgets with no restart; the controller journals each
+(:meth:`~proxy.control.controller.Controller.on_output_budget`). :meth:`Budgets.decided` then gathers
+what the twin's prediction of a budget set or moved reads (:class:`BudgetJob`, replayed off the loop
+as plans are: :func:`~proxy.control.budget_gain.predict_budget`) and leaves its outcome window
+pending on the worker; :meth:`Budgets.record` journals the prediction and :meth:`Budgets.measure`
+the window after the budget beside the one before (:mod:`proxy.control.budget_outcome`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort
+from proxy.control.budget_outcome import PendingBudget, first_token_s, judged, window_outcome
+from proxy.control.evidence import OutputBudget
+from proxy.control.phase import Tracked
+from proxy.control.planner import Twin
+from proxy.control.planning import decode_stats, kv_capacity
+from proxy.control.ports import Surroundings
+from proxy.control.roster import Roster
+from proxy.workers.base import WorkerId
+
+__all__ = ["BudgetJob", "Budgets", "prediction_fields"]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetJob:
+    """The prediction of one budget's gain (:func:`~proxy.control.budget_gain.predict_budget` on ``inputs``)."""
+
+    worker_id: WorkerId
+    entry_id: int
+    inputs: BudgetInputs
+
+
+def prediction_fields(p: BudgetPrediction | str) -> dict[str, Any]:
+    """The journal's figures of a budget's prediction, or why there is none (``not_predicted``)."""
+    if isinstance(p, str) or p.ratio is None:
+        return {"not_predicted": p if isinstance(p, str) else "the twin gave no figure"}
+    fields: dict[str, Any] = {"predicted_ratio": round(p.ratio, 4), "predicted_gain": round(p.ratio - 1.0, 4),
+                              "prediction_requests": p.requests, "prediction_cohort": p.cohort}  # fmt: skip
+    if p.budget_tok_per_s is not None and p.before_tok_per_s is not None:
+        fields |= {
+            "predicted_throughput": round(p.budget_tok_per_s, 1),
+            "predicted_current": round(p.before_tok_per_s, 1),
+        }
+    if p.twin_error is not None:
+        fields["twin_error"] = round(p.twin_error, 4)
+    return fields
+
+
+class Budgets:
+    """The budgets' gains for the roster's workers; ``twin`` gives the twin's presets for a worker's
+    args, ``twin_models_engine`` whether the twin models this engine at all (no prediction where not)."""
+
+    def __init__(
+        self,
+        roster: Roster,
+        surroundings: Surroundings,
+        twin: Callable[[Mapping[str, object]], Twin],
+        *,
+        twin_models_engine: bool,
+    ) -> None:
+        self._roster = roster
+        self._surroundings = surroundings
+        self._twin = twin
+        self._twin_models_engine = twin_models_engine
+        self._jobs: list[BudgetJob] = []
+
+    def decided(self, worker_id: WorkerId, entry_id: int, evidence: OutputBudget, now: float) -> None:
+        """A budget journaled as ``entry_id``: one still waiting for its window under the same key is not
+        measured (the budget changed again); one set or moved is predicted and its window left pending."""
+        w = self._roster.workers.get(worker_id)
+        if w is None:
+            return
+        cohort = Cohort(evidence.request_class == "interactive", evidence.max_tokens)
+        c = self._roster.constants
+        earlier = w.pending_budgets.pop(cohort, None)
+        if earlier is not None:
+            changed = "lifted" if evidence.budget_tokens is None else "moved again"
+            why = f"the budget was {changed} (#{entry_id}) before its window was in"
+            self._journal(earlier.entry_id, {"not_measured": why})
+        if evidence.budget_tokens is None:  # lifted: requests go as they ask
+            return
+        workload = tuple(self._surroundings.recent_requests(worker_id))
+        before = w.window.busy().summary()
+        self._roster.journal.update(entry_id, outcome={"before": before})
+        if not w.serving:
+            self._journal(entry_id, {"not_measured": "the worker is not serving"})
+        else:
+            first = first_token_s(workload, cohort.interactive, now - c.window_s, now)
+            w.pending_budgets[cohort] = PendingBudget(entry_id, cohort, now, now + c.window_s, before, first)
+        if not self._twin_models_engine:
+            self._journal(entry_id, {"not_predicted": "the twin does not model this engine's workers"})
+            return
+        args = dict(w.state.args)
+        twin = self._twin(args)
+        inputs = BudgetInputs(gpu=twin.gpu, model=twin.model, args=args, decode=decode_stats(w.window),
+                              kv_capacity_tokens=kv_capacity(w.window), workload=workload,
+                              in_flight=tuple(self._surroundings.in_flight(worker_id)), now=now,
+                              max_requests=c.plan_requests, horizon_s=c.plan_horizon_s, cohort=cohort,
+                              before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
+        self._jobs.append(BudgetJob(worker_id, entry_id, inputs))
+
+    def due(self, limit: int | None = None) -> list[BudgetJob]:
+        """Predictions to compute (at most ``limit``, the oldest first), each taken once."""
+        taken = len(self._jobs) if limit is None else limit
+        jobs, self._jobs = self._jobs[:taken], self._jobs[taken:]
+        return jobs
+
+    def record(self, job: BudgetJob, prediction: BudgetPrediction | str) -> None:
+        """Journal a budget's prediction, or why there is none (and, where its window is in already,
+        whether it met it)."""
+        self._journal(job.entry_id, prediction_fields(prediction))
+
+    def measure(self, w: Tracked, now: float) -> None:
+        """Journal each pending budget's window once it is in (not measured where the worker stopped
+        serving under it meanwhile: a restart, a death)."""
+        c = self._roster.constants
+        for cohort, pending in list(w.pending_budgets.items()):
+            if not w.serving or w.window.since > pending.opens:
+                del w.pending_budgets[cohort]
+                why = "the worker restarted or stopped before its window was in"
+                self._journal(pending.entry_id, {"not_measured": why})
+                continue
+            if not pending.is_in(w.window, c.min_evidence_s, now):
+                continue
+            del w.pending_budgets[cohort]
+            workload = self._surroundings.recent_requests(w.state.worker_id)
+            first = first_token_s(workload, cohort.interactive, pending.opens, now)
+            outcome, fields = window_outcome(pending, w.window.after(pending.opens).busy().summary(), first)
+            self._journal(pending.entry_id, fields, outcome)
+
+    def _journal(self, entry_id: int, fields: Mapping[str, Any], outcome: Mapping[str, Any] | None = None) -> None:
+        """Update the entry, and judge its prediction where it now holds both gains."""
+        journal = self._roster.journal
+        entry = journal.update(entry_id, fields=fields, outcome=outcome)
+        if entry is not None and (verdict := judged(entry, self._roster.constants.plan_min_gain)):
+            journal.update(entry_id, fields=verdict)

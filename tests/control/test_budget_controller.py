@@ -1,0 +1,138 @@
+"""An output budget inside the controller: its journal entry gets the twin's predicted gain (computed
+off the loop, as plans are) and, once the outcome window after it is in, the gain measured against
+the window before. Recorded inputs, a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from proxy.console.decisions import format_decision
+from proxy.control.budget_gain import Cohort, predict_budget
+from proxy.control.controller import Controller
+from proxy.control.evidence import OutputBudget
+from proxy.engines.base import Sample
+from proxy.policy import ControlMode
+from tests.harness.wait import wait_until
+
+from .test_controller import Clock, controller, info
+from .test_planner_controller import ARGS, Requests, _backlog_of_short_answers, _serve
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+SET = OutputBudget(request_class="interactive", max_tokens=4096, budget_tokens=768, applies_above_tokens=1024,
+                   previous_tokens=None, answers=256, high_tokens=499, quantile=0.99, margin=1.5)  # fmt: skip
+
+
+def _serving(tmp_path: Path, **kw: Any) -> tuple[Controller, Clock, float]:
+    """A worker that has served a backlog of short answers to requests asking for 4096 tokens (its log
+    lines, scrapes and answers): the controller, its clock, and the worker's throughput."""
+    requests = _backlog_of_short_answers()
+    c, clock = controller(ControlMode.AUTO, tmp_path, around=Requests(requests), **kw)
+    c.track(info(args=ARGS))
+    rate = _serve(c, clock, requests, 0.0)
+    return c, clock, rate
+
+
+def _scrapes(
+    c: Controller, clock: Clock, start: float, seconds: int, rate: float, total: float, tick: Callable[[], None]
+) -> None:
+    """The worker at ``rate`` output tokens/s for ``seconds`` from ``start`` (its counter going on from
+    where ``_serve`` left it: ``total``), a tick after each scrape."""
+    for k in range(1, seconds + 1):
+        clock.now = start + k
+        total += rate
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=200, token_usage=0.9,
+                                 generation_tokens_total=total))  # fmt: skip
+        tick()
+
+
+def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> None:
+    c, clock, rate = _serving(tmp_path)
+    opens = clock.now
+    c.on_output_budget("w0", SET, opens)
+    (entry,) = c.journal.entries()
+    assert entry["rule"] == "output_budget" and entry["outcome"]["before"]["throughput"] == pytest.approx(
+        rate, rel=0.01
+    )
+    assert "predicted_gain" not in entry and "measured_gain" not in entry  # the replay runs off the loop
+    (job,) = c.budget_predictions_due()
+    assert c.budget_predictions_due() == []  # taken once
+    assert job.inputs.cohort == Cohort(True, 4096)
+    assert (job.inputs.before, job.inputs.budget) == (4096, 768)
+    assert job.inputs.decode and job.inputs.workload  # the planner's: the worker's lines and its answers
+    c.record_budget_prediction(job, predict_budget(job.inputs))
+    entry = c.journal.get(entry["id"]) or {}
+    # the answers (120-500 tokens) fit under it: the engine admits for what they need
+    assert entry["predicted_gain"] > 0.1 and entry["predicted_ratio"] == pytest.approx(1 + entry["predicted_gain"])
+    assert entry["predicted_throughput"] > entry["predicted_current"] and 0 <= entry["twin_error"] < 0.15
+    window_s = c.constants.window_s
+
+    def before_due() -> None:
+        c.tick()
+        if clock.now < opens + window_s:
+            assert "measured_gain" not in (c.journal.get(entry["id"]) or {})
+
+    # the worker's window after it: as predicted
+    _scrapes(c, clock, opens, int(window_s), rate * (1 + entry["predicted_gain"]), 30.0 * int(rate), before_due)
+    entry = c.journal.get(entry["id"]) or {}
+    assert entry["measured_gain"] == pytest.approx(entry["predicted_gain"], abs=0.02)
+    assert entry["outcome"]["after"]["throughput"] == pytest.approx(entry["measured_throughput"], abs=0.1)
+    assert entry["outcome"]["verdict"] == "better"
+    assert entry["met_prediction"] is True and entry["prediction_tolerance"] >= c.constants.plan_min_gain
+    assert entry["first_token_before_s"] is None  # whole answers: the proxy saw no first token
+    text = format_decision(entry)
+    assert f"predicted {entry['predicted_gain']:+.1%}" in text and f"measured {entry['measured_gain']:+.1%}" in text
+    assert "within the twin's error" in text
+
+
+def test_a_budget_moved_before_its_window_is_in_is_not_measured_and_a_twin_without_answers_says_so(
+    tmp_path: Path,
+) -> None:
+    c, clock = controller(ControlMode.AUTO, tmp_path, around=Requests([]))
+    c.track(info(args=ARGS))
+    c.on_output_budget("w0", SET, 1.0)
+    moved = OutputBudget(**{**SET.to_json(), "budget_tokens": 1024, "previous_tokens": 768,  # type: ignore[arg-type]
+                            "previous_applies_above_tokens": 1024, "applies_above_tokens": 1366})  # fmt: skip
+    clock.now = 2.0
+    c.on_output_budget("w0", moved, 2.0)
+    first, second = c.journal.entries()
+    assert first["not_measured"] == "the budget was moved again (#2) before its window was in"
+    jobs = c.budget_predictions_due()
+    assert [(j.inputs.before, j.inputs.budget) for j in jobs] == [(4096, 768), (768, 1024)]
+    c.record_budget_prediction(jobs[1], predict_budget(jobs[1].inputs))
+    entry = c.journal.get(second["id"]) or {}
+    assert entry["not_predicted"] == "no answered request to replay" and "predicted_gain" not in entry
+    assert "not predicted: no answered request to replay" in format_decision(entry)
+    lifted = OutputBudget(**{**moved.to_json(), "budget_tokens": None, "previous_tokens": 1024,  # type: ignore[arg-type]
+                             "applies_above_tokens": None})  # fmt: skip
+    c.on_output_budget("w0", lifted, 3.0)
+    assert c.budget_predictions_due() == []  # a lifted budget is neither predicted nor measured
+    assert (c.journal.get(second["id"]) or {})["not_measured"].startswith("the budget was lifted (#3)")
+
+
+async def test_the_prediction_runs_off_the_loop_where_plans_run(tmp_path: Path) -> None:
+    ran: list[str] = []
+
+    def offload(fn: Callable[[A], R], arg: A, /) -> asyncio.Future[R]:  # the planner's, recording what it runs
+        ran.append(fn.__name__)
+        return asyncio.ensure_future(asyncio.to_thread(fn, arg))
+
+    c, clock, _ = _serving(tmp_path, offload=offload, interval_s=0.01)
+    c.on_output_budget("w0", SET, clock.now)
+    entry_id = c.journal.entries()[-1]["id"]
+    task = asyncio.create_task(c.run())
+    try:
+        await wait_until(lambda: "predicted_gain" in (c.journal.get(entry_id) or {}), "the prediction journaled",
+                         timeout=60)  # fmt: skip
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert "predict_budget" in ran
