@@ -5,7 +5,8 @@ admits, so a backlog waits):
 
 1. ``early-stop``: ``max_tokens`` 4096, answers of 100-400 tokens. SGLang reserves room for what a
    request may still write, so token usage stays low. The output budget answers it without a
-   restart, with the gain the planner's twin predicts for it and, a window later, the one measured;
+   restart, with the gain the planner's twin predicts for it and, a window later, the one measured
+   (or why not: set while the engine still fills its batch, it has no settled pace before it);
    the planner journals its twin's view of the same load (its predicted gain).
 2. ``shift``: answers run nearly to ``max_tokens``. Those past the budget are continued (one answer
    each) and the budget is lifted.

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort
-from proxy.control.budget_outcome import PendingBudget, first_token_s, judged, window_outcome
+from proxy.control.budget_outcome import PendingBudget, first_token_s, judged, pace_fields, window_outcome
 from proxy.control.evidence import OutputBudget
 from proxy.control.phase import Tracked
 from proxy.control.planner import Twin
 from proxy.control.planning import decode_stats, kv_capacity
 from proxy.control.ports import Surroundings
 from proxy.control.roster import Roster
+from proxy.control.saturation import saturated_pace
 from proxy.workers.base import WorkerId
 
 __all__ = ["BudgetJob", "Budgets", "prediction_fields"]
@@ -86,13 +87,17 @@ class Budgets:
         if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
-        before = w.window.busy().summary()
+        # its saturated pace, back as far as the facts the budget was set on to gather enough of it
+        pace = saturated_pace(
+            w.window, now - c.facts_window_s, now, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s
+        )
+        before = {**w.window.busy().summary(), **pace_fields(pace)}
         self._roster.journal.update(entry_id, outcome={"before": before})
         if not w.serving:
             self._journal(entry_id, {"not_measured": "the worker is not serving"})
         else:
             first = first_token_s(workload, cohort.interactive, now - c.window_s, now)
-            w.pending_budgets[cohort] = PendingBudget(entry_id, cohort, now, now + c.window_s, before, first)
+            w.pending_budgets[cohort] = PendingBudget(entry_id, cohort, now, now + c.window_s, before, first, pace)
         if not self._twin_models_engine:
             self._journal(entry_id, {"not_predicted": "the twin does not model this engine's workers"})
             return
@@ -131,7 +136,13 @@ class Budgets:
             del w.pending_budgets[cohort]
             workload = self._surroundings.recent_requests(w.state.worker_id)
             first = first_token_s(workload, cohort.interactive, pending.opens, now)
-            outcome, fields = window_outcome(pending, w.window.after(pending.opens).busy().summary(), first)
+            paced = saturated_pace(
+                w.window, pending.opens, now, settle_s=c.min_evidence_s, began=pending.pace.run_began
+            )
+            after = w.window.after(pending.opens).busy().summary()
+            outcome, fields = window_outcome(
+                pending, after, paced, first, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s
+            )
             self._journal(pending.entry_id, fields, outcome)
 
     def _journal(self, entry_id: int, fields: Mapping[str, Any], outcome: Mapping[str, Any] | None = None) -> None:

@@ -30,21 +30,26 @@ SET = OutputBudget(request_class="interactive", max_tokens=4096, budget_tokens=7
                    previous_tokens=None, answers=256, high_tokens=499, quantile=0.99, margin=1.5)  # fmt: skip
 
 
-def _serving(tmp_path: Path, **kw: Any) -> tuple[Controller, Clock, float]:
+def _serving(tmp_path: Path, **kw: Any) -> tuple[Controller, Clock, float, float]:
     """A worker that has served a backlog of short answers to requests asking for 4096 tokens (its log
-    lines, scrapes and answers): the controller, its clock, and the worker's throughput."""
+    lines, scrapes and answers), then as fast for as long again (a budget's pace before it is read
+    once the worker's batch settled: tests/control/test_saturation.py): the controller, its clock, the
+    worker's throughput and its output counter."""
     requests = _backlog_of_short_answers()
     c, clock = controller(ControlMode.AUTO, tmp_path, around=Requests(requests), **kw)
     c.track(info(args=ARGS))
     rate = _serve(c, clock, requests, 0.0)
-    return c, clock, rate
+    served = clock.now
+    left = served * int(rate)  # where ``_serve`` left the counter
+    _scrapes(c, clock, served, int(served), rate, left, lambda: None)
+    return c, clock, rate, left + int(served) * rate
 
 
 def _scrapes(
     c: Controller, clock: Clock, start: float, seconds: int, rate: float, total: float, tick: Callable[[], None]
 ) -> None:
     """The worker at ``rate`` output tokens/s for ``seconds`` from ``start`` (its counter going on from
-    where ``_serve`` left it: ``total``), a tick after each scrape."""
+    ``total``), a tick after each scrape."""
     for k in range(1, seconds + 1):
         clock.now = start + k
         total += rate
@@ -54,7 +59,7 @@ def _scrapes(
 
 
 def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> None:
-    c, clock, rate = _serving(tmp_path)
+    c, clock, rate, total = _serving(tmp_path)
     opens = clock.now
     c.on_output_budget("w0", SET, opens)
     (entry,) = c.journal.entries()
@@ -80,7 +85,7 @@ def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> N
             assert "measured_gain" not in (c.journal.get(entry["id"]) or {})
 
     # the worker's window after it: as predicted
-    _scrapes(c, clock, opens, int(window_s), rate * (1 + entry["predicted_gain"]), 30.0 * int(rate), before_due)
+    _scrapes(c, clock, opens, int(window_s), rate * (1 + entry["predicted_gain"]), total, before_due)
     entry = c.journal.get(entry["id"]) or {}
     assert entry["measured_gain"] == pytest.approx(entry["predicted_gain"], abs=0.02)
     assert entry["outcome"]["after"]["throughput"] == pytest.approx(entry["measured_throughput"], abs=0.1)
@@ -124,7 +129,7 @@ async def test_the_prediction_runs_off_the_loop_where_plans_run(tmp_path: Path) 
         ran.append(fn.__name__)
         return asyncio.ensure_future(asyncio.to_thread(fn, arg))
 
-    c, clock, _ = _serving(tmp_path, offload=offload, interval_s=0.01)
+    c, clock, _, _ = _serving(tmp_path, offload=offload, interval_s=0.01)
     c.on_output_budget("w0", SET, clock.now)
     entry_id = c.journal.entries()[-1]["id"]
     task = asyncio.create_task(c.run())

@@ -12,6 +12,7 @@ from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort, pr
 from proxy.control.budget_outcome import PendingBudget, judged, window_outcome
 from proxy.control.evidence import OutputBudget
 from proxy.control.planner import DecodeStats, InFlight, Observed, Twin
+from proxy.control.saturation import saturated_pace
 from proxy.control.window import Window
 from proxy.engines.base import Sample
 from proxy.sim.request import RequestSpec
@@ -110,14 +111,18 @@ def _window(tok_per_s: float, start: float, seconds: int, idle_first: int = 0) -
 
 
 def test_the_window_after_a_budget_is_measured_against_the_one_before_while_the_worker_had_work() -> None:
-    before = _window(1000.0, 0.0, 10, idle_first=5)  # idle before the load came: not the worker's pace
-    assert before.busy().throughput == pytest.approx(1000.0) and before.throughput == pytest.approx(500.0)
-    pending = PendingBudget(1, Cohort(True, 4096), 10.0, 70.0, before.busy().summary(), 0.5)
-    outcome, fields = window_outcome(pending, _window(1500.0, 10.0, 60).busy().summary(), 0.25)
+    before = _window(1000.0, 0.0, 60, idle_first=5)  # idle before the load came: not the worker's pace
+    assert before.busy().throughput == pytest.approx(1000.0) and before.throughput < 950.0
+    pace = saturated_pace(before, 0.0, 60.0, settle_s=20.0, enough_s=20.0)  # (tests/control/test_saturation.py)
+    pending = PendingBudget(1, Cohort(True, 4096), 60.0, 120.0, before.busy().summary(), 0.5, pace)
+    after = _window(1500.0, 60.0, 60)
+    paced = saturated_pace(after, 60.0, 120.0, settle_s=20.0, began=pace.run_began)
+    outcome, fields = window_outcome(pending, after.busy().summary(), paced, 0.25, settle_s=20.0, enough_s=20.0)
     assert fields["measured_gain"] == pytest.approx(0.5)
     assert fields["measured_throughput"] == pytest.approx(1500.0)
     assert (fields["first_token_before_s"], fields["first_token_after_s"]) == (0.5, 0.25)
     assert outcome["verdict"] == "better" and outcome["before"]["throughput"] == pytest.approx(1000.0)
+    assert outcome["after"]["saturated_s"] == 60.0 and outcome["after"]["saturated_throughput"] == 1500.0
     # met within the twin's error (or the planner's noise floor where that is smaller), else not
     assert judged({"predicted_gain": 0.45, "measured_gain": 0.5, "twin_error": 0.05}, 0.03)["met_prediction"]
     assert not judged({"predicted_gain": 0.2, "measured_gain": 0.5, "twin_error": 0.05}, 0.03)["met_prediction"]

@@ -2,8 +2,9 @@
 moved into the test's directory) starts the proxy and a simulated worker, the demo's first phase
 makes the controller act within a minute (the fast tier's output budget, no restart: a restart under
 load is ``tests/control/test_stop_during_restart.py``'s), the dashboard's timeline shows that
-decision with its evidence, its predicted and its measured gain, and the planner's view of the same
-load with its predicted gain, and an interrupt stops the proxy and its worker within bounded time."""
+decision with its evidence, its predicted gain and its measured one (or why there is none), and the
+planner's view of the same load with its predicted gain, and an interrupt stops the proxy and its
+worker within bounded time."""
 
 from __future__ import annotations
 
@@ -92,13 +93,18 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         shown = [d for d in admin(url, "/admin/timeline")["decisions"] if d["id"] == applied[0]["id"]]
         assert shown and shown[0]["t"] - demo_started < 60, (shown, demo_started)
         assert shown[0]["evidence"]["budget_tokens"] == applied[0]["evidence"]["budget_tokens"]
-        # with the gain the planner's twin predicts for a budget and the one measured a window after it
-        # (the demo's phase runs until both are in)
+        # with the gain the planner's twin predicts for a budget and, a window after it, the one measured:
+        # the worker's saturated pace after over before, its batch settled (the demo's phase runs until
+        # both are in). The demo's budget comes a few seconds into the load, while the engine still fills
+        # its batch: with no settled pace before it, it says so rather than read the ramp-up as a gain
+        # (docs/dashboard.md)
         budgets = [d for d in admin(url, "/admin/timeline")["decisions"]
                    if d["rule"] == "output_budget" and d["evidence"]["budget_tokens"] is not None]  # fmt: skip
-        gained = [d for d in budgets if isinstance(d.get("predicted_gain"), float) and isinstance(d.get("measured_gain"), float)]  # fmt: skip
-        assert gained and all(isinstance(d["met_prediction"], bool) for d in gained), budgets
-        printed = r"decision #\d+ gain predicted [+-][\d.]+% measured [+-][\d.]+%"  # the demo says so too
+        predicted = [d for d in budgets if isinstance(d.get("predicted_gain"), float)]
+        assert predicted, budgets
+        for d in predicted:  # measured, and whether within the twin's error, or why not
+            assert isinstance(d["met_prediction"] if "measured_gain" in d else d["not_measured"], (bool, str)), d
+        printed = r"decision #\d+ gain predicted [+-][\d.]+% measured ([+-][\d.]+%|- · not measured: .+)"  # the demo says so too
         assert re.search(printed, demo.stdout), demo.stdout[-3000:]
 
         # and the planner's view of the same load (its twin's replay of the answers served) with its
