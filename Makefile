@@ -52,10 +52,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## test: the checks above, then every test, the slow real-engine ones included, one at a time (over
-##       two cores, each full run still broke one test whose margins are in real time)
+## test: the checks above, then every test, the slow real-engine ones included, over two processes
+##       (the slow and long tests first, so the real engines' environments build beside the rest)
 test: lint browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 ## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs,
 ##            over up to 4 cores
