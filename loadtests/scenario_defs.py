@@ -226,9 +226,10 @@ def _scenarios() -> dict[str, Scenario]:
     # reaches ~1010 requests. The proxy keeps ~130 requests waiting at the worker, so the batch grows
     # only as far as admission lets it. With outputs of 600-1800 tokens (as first written) the default
     # arguments peaked at 973-992 running and never died, live or in the paced replay
-    # (loadtests.oracle.simulate_paced); outputs of 300-1200 (17-67 % of max_tokens 1800) hold fewer
-    # tokens per running request, and the default arguments die in the first fill (past 1014 running
-    # at 25 modelled seconds in the paced replay; a 4 s scrape instead of 3 s: past 1054 at 29 s). So the default arm dies of a decode OOM and serves nothing,
+    # (loadtests.oracle.simulate_paced). With a scrape every 0.5 engine seconds (the scrape period is
+    # on the worker's clock), neither did outputs of 300-1200; outputs of 250-1000 (14-56 % of
+    # max_tokens 1800) hold fewer tokens per running request, and the default arguments die in the
+    # first fill (at 32 modelled seconds in the paced replay). So the default arm dies of a decode OOM and serves nothing,
     # and a controller must learn the cap from that death. The workload is long (15,000 requests,
     # ~1000 modelled seconds at a safe cap) because that first death, its lost work and a 13 s
     # start-up are paid once whatever the controller does; time scale 6 keeps the simulated engine at
@@ -237,7 +238,7 @@ def _scenarios() -> dict[str, Scenario]:
         name="decode-oom",
         premise="max_running_requests 2048 on a 24 GB RTX 4090 with mem_fraction_static 0.93: a decode batch "
                 "past ~1000 requests runs outside the CUDA graphs and its activations do not fit",
-        workload=Workload(count=15000, prompt_len=(100, 300), max_tokens=1800, output_len=(300, 1200), seed=14),
+        workload=Workload(count=15000, prompt_len=(100, 300), max_tokens=1800, output_len=(250, 1000), seed=14),
         start_args={"max_running_requests": 2048, "mem_fraction_static": 0.93},
         gpu="rtx4090-24gb", model="llama-3.2-1b", time_scale=6.0,
         min_available_gb=0.5, queue_timeout_s=120.0,
