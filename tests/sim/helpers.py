@@ -81,7 +81,7 @@ class SimProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(10)
+                self.proc.wait(30)  # a second when the machine is quiet; room for a starved CPU
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
