@@ -77,10 +77,15 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         assert "decision #" in demo.stdout and "output_budget [applied]" in demo.stdout, demo.stdout[-3000:]
         assert "the controller acted in 1 of 1 phase(s)" in demo.stdout
         assert re.search(r"sent \d+ · done \d+ \([\d.]+/s", demo.stdout)  # the status line's counts and rate
-        # the fast tier acted: the worker serves its own args (no restart) with an output budget
+        # the fast tier acted first: the worker serves its own args with an output budget. The phase runs
+        # on until the budget's measured gain is in (a window), and by then the planner may have found a
+        # restart that pays and begun it (its entry says so); the worker still serves its own args
         status = admin(url, "/admin/workers")
         workers = status["workers"]
-        assert workers[0]["state"] == "ready" and workers[0]["args"]["schedule_conservativeness"] == 1.0
+        restarting = [d for d in admin(url, "/admin/decisions")["decisions"]
+                      if d["rule"] == "planner" and d["status"] in ("acting", "applied")]  # fmt: skip
+        assert workers[0]["state"] == "ready" or restarting, (workers, restarting)
+        assert workers[0]["args"]["schedule_conservativeness"] == 1.0 or restarting, workers
         budget = workers[0]["output_budget"]["interactive"].get("4096")  # the demo's requests ask for 4096
         decisions = admin(url, "/admin/decisions")["decisions"]
         applied = [d for d in decisions if d["rule"] == "output_budget" and d["status"] == "applied"]
@@ -88,7 +93,8 @@ def test_make_run_then_the_demo_makes_the_controller_act(tmp_path: Path) -> None
         # the budget the worker holds is the last journaled one, or a step from it the journal leaves
         # out (a move under ``budget_note_change`` of it, read from the answers still coming in)
         last = applied[-1]["evidence"]["budget_tokens"]
-        assert budget is not None and abs(budget - last) < PaceSettings().budget_note_change * last, (budget, last)
+        if not restarting:  # a restarted worker's budget is read again from its own answers
+            assert budget is not None and abs(budget - last) < PaceSettings().budget_note_change * last, (budget, last)
         # the dashboard shows the decision, within a minute of the demo's start, with the figures it was made on
         shown = [d for d in admin(url, "/admin/timeline")["decisions"] if d["id"] == applied[0]["id"]]
         assert shown and shown[0]["t"] - demo_started < 60, (shown, demo_started)
