@@ -52,10 +52,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## test: the checks above, then every test, the slow real-engine ones included, over two processes
-##       (the slow and long tests first, so the real engines' environments build beside the rest)
+## test: the checks above, then every test, the slow real-engine ones included, one at a time (over
+##       two processes it takes ~9 min, but two of five runs each broke on a different wait in real
+##       time under a starved CPU)
 test: lint browser
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q
 
 ## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs,
 ##            over up to 4 cores

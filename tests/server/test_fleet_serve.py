@@ -138,7 +138,7 @@ async def test_two_pools_behind_one_proxy(fleet: tuple[str, Path]) -> None:
             w = now["llama-8b-w2"]
             return w["state"] == "ready" and w["pid"] not in (None, victim["pid"])
 
-        await wait_until(revived, "llama-8b-w2 revived", timeout=30, detail=lambda: log.read_text()[-2000:])
+        await wait_until(revived, "llama-8b-w2 revived", timeout=60, detail=lambda: log.read_text()[-2000:])
         w = now["llama-8b-w2"]
         assert visible_devices(w["pid"]) == "6" and w["restarts"] == 1
         for wid in EXPECTED_GPUS:
