@@ -328,7 +328,8 @@ def _lifecycle(st: ProxyState, manage_pool: bool) -> Callable[[web.Application],
 
 
 class _Surroundings:
-    """The pool's log tail and its proxy queue's backlog, as a pool's controller asks for them."""
+    """The pool's log tail, its proxy queue's backlog and its workers' requests, as a pool's controller
+    asks for them; its workers' output budgets held back while the controller measures one."""
 
     def __init__(self, st: ProxyState, dispatcher: Dispatcher) -> None:
         self._st = st
@@ -377,6 +378,12 @@ class _Surroundings:
             )
             for a in self._st.board.get(worker_id).attempts
         ]
+
+    def hold_back_budget(self, worker_id: str, interactive: bool, asked: int, tokens: int | None) -> None:
+        self._st.board.get(worker_id).output_budgets.hold_back((interactive, asked), tokens)
+
+    def release_budget(self, worker_id: str, interactive: bool, asked: int) -> None:
+        self._st.board.get(worker_id).output_budgets.release((interactive, asked))
 
 
 def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:

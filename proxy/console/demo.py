@@ -5,14 +5,14 @@ admits, so a backlog waits):
 
 1. ``early-stop``: ``max_tokens`` 4096, answers of 100-400 tokens. SGLang reserves room for what a
    request may still write, so token usage stays low. The output budget answers it without a
-   restart, with the gain the planner's twin predicts for it and, a window later, the one measured
-   (or why not: set while the engine still fills its batch, it has no settled pace before it);
-   the planner journals its twin's view of the same load (its predicted gain).
+   restart, with the gain the planner's twin predicts for it and the one measured by holding it
+   back a while (its pace with it over its pace held back, or why not); the planner journals its
+   twin's view of the same load (its predicted gain).
 2. ``shift``: answers run nearly to ``max_tokens``. Those past the budget are continued (one answer
    each) and the budget is lifted.
 
 A phase ends ``--settle-s`` after the controller journals a decision that acts, once an output
-budget's predicted and measured gain are in (its outcome window), or after ``--phase-s``. The
+budget's predicted and measured gain are in (its check), or after ``--phase-s``. The
 true output length travels in the simulator's ``sim_output_len`` field.
 
 With no proxy at ``--url``, ``--start POLICY`` starts one as a child process and stops it at the

@@ -50,7 +50,7 @@ class Cohort:
         return replace(r, max_tokens=cap if typical is not None and typical < cap else self.asked,
                        asked_max_tokens=self.asked)  # fmt: skip
 
-    def of(self, o: Observed) -> bool:
+    def of(self, o: Observed | InFlight) -> bool:
         return o.interactive is self.interactive and o.asked == self.asked
 
     def typical(self, workload: tuple[Observed, ...]) -> float | None:

@@ -5,7 +5,9 @@ The fast tier sets, moves and lifts budgets with no restart; the controller jour
 what the twin's prediction of a budget set or moved reads (:class:`BudgetJob`, replayed off the loop
 as plans are: :func:`~proxy.control.budget_gain.predict_budget`) and leaves its outcome window
 pending on the worker; :meth:`Budgets.record` journals the prediction and :meth:`Budgets.measure`
-the window after the budget beside the one before (:mod:`proxy.control.budget_outcome`).
+steps the budget's check (its pace with the budget, then held back a while through the
+surroundings: :mod:`proxy.control.budget_outcome`) and journals the measured gain. Only ``auto``
+holds a budget back: another mode says why it is not measured.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort
-from proxy.control.budget_outcome import PendingBudget, first_token_s, judged, pace_fields, window_outcome
+from proxy.control.budget_outcome import (
+    PendingBudget,
+    advance,
+    check_outcome,
+    first_token_s,
+    judged,
+    longest_stay_s,
+    pace_fields,
+)
 from proxy.control.evidence import OutputBudget
 from proxy.control.phase import Tracked
 from proxy.control.planner import Twin
@@ -23,6 +33,7 @@ from proxy.control.planning import decode_stats, kv_capacity
 from proxy.control.ports import Surroundings
 from proxy.control.roster import Roster
 from proxy.control.saturation import saturated_pace
+from proxy.policy import ControlMode
 from proxy.workers.base import WorkerId
 
 __all__ = ["BudgetJob", "Budgets", "prediction_fields"]
@@ -72,32 +83,33 @@ class Budgets:
         self._jobs: list[BudgetJob] = []
 
     def decided(self, worker_id: WorkerId, entry_id: int, evidence: OutputBudget, now: float) -> None:
-        """A budget journaled as ``entry_id``: one still waiting for its window under the same key is not
-        measured (the budget changed again); one set or moved is predicted and its window left pending."""
+        """A budget journaled as ``entry_id``: one still measured under the same key is not (the budget
+        changed again); one set or moved is predicted and its check begun."""
         w = self._roster.workers.get(worker_id)
         if w is None:
             return
         cohort = Cohort(evidence.request_class == "interactive", evidence.max_tokens)
         c = self._roster.constants
-        earlier = w.pending_budgets.pop(cohort, None)
+        earlier = w.pending_budgets.get(cohort)
         if earlier is not None:
             changed = "lifted" if evidence.budget_tokens is None else "moved again"
-            why = f"the budget was {changed} (#{entry_id}) before its window was in"
-            self._journal(earlier.entry_id, {"not_measured": why})
+            self._end(w, earlier, now, f"the budget was {changed} (#{entry_id}) before its check was done")
         if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
-        # its saturated pace, back as far as the facts the budget was set on to gather enough of it
+        # its saturated pace before it, back as far as the facts the budget was set on (the journal's context)
         pace = saturated_pace(
             w.window, now - c.facts_window_s, now, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s
         )
         before = {**w.window.busy().summary(), **pace_fields(pace)}
         self._roster.journal.update(entry_id, outcome={"before": before})
-        if not w.serving:
-            self._journal(entry_id, {"not_measured": "the worker is not serving"})
+        why = self._unmeasurable(w.serving, evidence)
+        if why is not None:
+            self._journal(entry_id, {"not_measured": why})
         else:
             first = first_token_s(workload, cohort.interactive, now - c.window_s, now)
-            w.pending_budgets[cohort] = PendingBudget(entry_id, cohort, now, now + c.window_s, before, first, pace)
+            sent = (evidence.sent_before, evidence.sent_now)
+            w.pending_budgets[cohort] = PendingBudget.opened(entry_id, cohort, now, before, first, pace.run_began, sent)
         if not self._twin_models_engine:
             self._journal(entry_id, {"not_predicted": "the twin does not model this engine's workers"})
             return
@@ -109,6 +121,16 @@ class Budgets:
                               max_requests=c.plan_requests, horizon_s=c.plan_horizon_s, cohort=cohort,
                               before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
         self._jobs.append(BudgetJob(worker_id, entry_id, inputs))
+
+    def _unmeasurable(self, serving: bool, evidence: OutputBudget) -> str | None:
+        """Why a budget just set or moved will not be measured (None: its check begins)."""
+        if not serving:
+            return "the worker is not serving"
+        if evidence.sent_now == evidence.sent_before:
+            return f"its requests go with max_tokens {evidence.sent_now} as before it"
+        if self._roster.mode is not ControlMode.AUTO:
+            return f"its measure holds the budget back a while, which control.mode {self._roster.mode} does not do"
+        return None
 
     def due(self, limit: int | None = None) -> list[BudgetJob]:
         """Predictions to compute (at most ``limit``, the oldest first), each taken once."""
@@ -122,28 +144,40 @@ class Budgets:
         self._journal(job.entry_id, prediction_fields(prediction))
 
     def measure(self, w: Tracked, now: float) -> None:
-        """Journal each pending budget's window once it is in (not measured where the worker stopped
-        serving under it meanwhile: a restart, a death)."""
+        """Step each pending budget's check (:func:`~proxy.control.budget_outcome.advance`): hold the
+        budget back once the side with it is read, journal the gain once the side held back is, or why
+        not (the worker stopped serving under it meanwhile: a restart, a death)."""
         c = self._roster.constants
+        wid = w.state.worker_id
         for cohort, pending in list(w.pending_budgets.items()):
             if not w.serving or w.window.since > pending.opens:
-                del w.pending_budgets[cohort]
-                why = "the worker restarted or stopped before its window was in"
-                self._journal(pending.entry_id, {"not_measured": why})
+                self._end(w, pending, now, "the worker restarted or stopped before its check was done")
                 continue
-            if not pending.is_in(w.window, c.min_evidence_s, now):
+            open_sent = [r.sent for r in self._surroundings.in_flight(wid) if cohort.of(r)]
+            stay = longest_stay_s(self._surroundings.recent_requests(wid), cohort)
+            step = advance(pending, w.window, open_sent, now, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s,
+                           window_s=c.window_s, stay_s=stay)  # fmt: skip
+            if isinstance(step, str):
+                self._end(w, pending, now, step)
                 continue
-            del w.pending_budgets[cohort]
-            workload = self._surroundings.recent_requests(w.state.worker_id)
-            first = first_token_s(workload, cohort.interactive, pending.opens, now)
-            paced = saturated_pace(
-                w.window, pending.opens, now, settle_s=c.min_evidence_s, began=pending.pace.run_began
-            )
-            after = w.window.after(pending.opens).busy().summary()
-            outcome, fields = window_outcome(
-                pending, after, paced, first, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s
-            )
-            self._journal(pending.entry_id, fields, outcome)
+            w.pending_budgets[cohort] = step
+            if pending.held_back is None and step.held_back is not None:
+                self._surroundings.hold_back_budget(wid, cohort.interactive, cohort.asked, step.held_tokens)
+            if step.done(c.min_evidence_s):
+                self._end(w, step, now)
+
+    def _end(self, w: Tracked, pending: PendingBudget, now: float, why: str | None = None) -> None:
+        """The check is over: the budget applies again where it was held back, and its outcome (its gain,
+        or ``why`` not) is journaled."""
+        cohort = pending.cohort
+        del w.pending_budgets[cohort]
+        if pending.held_back is not None:
+            self._surroundings.release_budget(w.state.worker_id, cohort.interactive, cohort.asked)
+        until = now if pending.held_back is None else pending.held_back.switched
+        workload = self._surroundings.recent_requests(w.state.worker_id)
+        first = first_token_s(workload, cohort.interactive, pending.opens, until)
+        outcome, fields = check_outcome(pending, first, why)
+        self._journal(pending.entry_id, fields, outcome)
 
     def _journal(self, entry_id: int, fields: Mapping[str, Any], outcome: Mapping[str, Any] | None = None) -> None:
         """Update the entry, and judge its prediction where it now holds both gains."""

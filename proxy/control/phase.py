@@ -73,7 +73,7 @@ class Tracked:
     phase: Phase
     pending_outcome: PendingOutcome | None = None  # the last restart's, until its window is in
     pending_check: PendingCheck | None = None  # the last acted plan's twin, until enough is answered
-    # its output budgets set or moved, each until its outcome window is in
+    # its output budgets set or moved, each until its check (with it, then held back) is done
     pending_budgets: dict[Cohort, PendingBudget] = field(default_factory=dict)
     starting_at: float | None = None  # when its current start began (to measure the start-up)
     startup_s: float | None = None  # its last start-up, launch to ready, as seen

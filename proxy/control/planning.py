@@ -256,8 +256,9 @@ class Planning:
                                   extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
 
     def _restart_for_plan(self, w: Tracked, job: PlanJob, plan: Plan, decision: Decision, now: float) -> Act | None:
-        """A plan that pays, confirmed: refused by the rules' gate, advised, held back while another restart
-        or a canary is under way, or acted on (a canary beside two or more managed workers)."""
+        """A plan that pays, confirmed: refused by the rules' gate, advised, held back while an output
+        budget's gain is measured on the worker or another restart or a canary is under way, or acted
+        on (a canary beside two or more managed workers)."""
         roster = self._roster
         old, new = decision.old_args, decision.new_args  # the plan's own dicts, as decided
         base = plan.current.output_tok_per_s  # the work in flight computed again at the current pace
@@ -277,6 +278,12 @@ class Planning:
             detail = "" if roster.mode is ControlMode.ADVISE else "worker is not managed by this proxy"
             roster.journal.record(decision, mode=roster.mode, status=Status.ADVISED, detail=detail,
                                   before=w.window.summary(), extra=extra)  # fmt: skip
+            return None
+        measured = next(iter(w.pending_budgets.values()), None)
+        if measured is not None:  # a restart would end the budget's check: one change at a time
+            roster.journal_once(w, decision, "wait:budget", now, status=Status.REFUSED, extra=extra,
+                                detail=f"output budget #{measured.entry_id} is being measured on this worker: "
+                                "a restart waits until its gain is in")  # fmt: skip
             return None
         waiting_for = self._trials.restart_under_way(w)
         if waiting_for is not None:  # due again as soon as the fleet is whole (plans_due)

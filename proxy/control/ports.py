@@ -93,7 +93,8 @@ class EngineLogs(Protocol):
 
 
 class Surroundings(Protocol):
-    """What the controller reads of the proxy around it."""
+    """What the controller reads of the proxy around it, and the one thing it sets there: an output
+    budget held back while its gain is measured."""
 
     def log_tail(self, worker_id: WorkerId, lines: int) -> Sequence[str]:
         """The last ``lines`` lines of a worker's output (none for a worker this proxy did not start)."""
@@ -110,6 +111,13 @@ class Surroundings(Protocol):
 
     def in_flight(self, worker_id: WorkerId) -> Sequence[InFlight]:
         """The requests the proxy has open on the worker now (running or queued there)."""
+
+    def hold_back_budget(self, worker_id: WorkerId, interactive: bool, asked: int, tokens: int | None) -> None:
+        """Send the class's requests asking for ``asked`` to the worker with ``tokens`` (None: as asked)
+        instead of at their output budget, until :meth:`release_budget`."""
+
+    def release_budget(self, worker_id: WorkerId, interactive: bool, asked: int) -> None:
+        """Send them at their output budget again."""
 
 
 class TrialRefused(Exception):

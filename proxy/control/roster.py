@@ -9,7 +9,7 @@ here once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from proxy.control.constants import Constants
@@ -59,11 +59,14 @@ class Roster:
         status: Status,
         detail: str = "",
         span: float | None = None,
+        extra: Mapping[str, object] | None = None,
     ) -> None:
-        """Journal a decision that is not acted on, once per ``span`` (default: the cool-down)."""
+        """Journal a decision that is not acted on, once per ``span`` (default: the cool-down), with
+        ``extra`` top-level figures."""
         span = self.constants.cooldown_s if span is None else span
         last = w.state.noted.get(key)
         if last is not None and now - last < max(span, self.constants.interval_s):
             return
         w.state = w.state.note(key, now)
-        self.journal.record(decision, mode=self.mode, status=status, detail=detail, before=w.window.summary())
+        self.journal.record(decision, mode=self.mode, status=status, detail=detail, before=w.window.summary(),
+                            extra=extra)  # fmt: skip

@@ -11,6 +11,8 @@ whose first part reached its budget, the moment it does (:meth:`OutputBudgets.no
 budget's own overrun, read at the next look (:func:`proxy.control.fast_tier.budget_overrun`).
 A budget lifted on it is set again only from answers that arrived after the lift
 (:meth:`OutputBudgets.read_from`): the earlier, shorter ones no longer say what is written.
+While the controller measures a budget it holds it back a while (:meth:`OutputBudgets.hold_back`):
+the requests go as they went before it, the budget itself kept.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ class OutputBudgets:
     """The budgets of one worker by :data:`BudgetKey`, when each took its value, and the answers
     that reached it since."""
 
-    __slots__ = ("_reached", "_read_from", "_set_at", "_tokens")
+    __slots__ = ("_held", "_reached", "_read_from", "_set_at", "_tokens")
 
     def __init__(self) -> None:
         self._tokens: dict[BudgetKey, int] = {}
+        self._held: dict[BudgetKey, int | None] = {}  # held back to this while measured (None: as asked)
         self._set_at: dict[BudgetKey, float] = {}
         self._read_from: dict[BudgetKey, float] = {}
         self._reached: dict[BudgetKey, deque[float]] = {}
@@ -40,6 +43,18 @@ class OutputBudgets:
     def get(self, key: BudgetKey) -> int | None:
         """The ``max_tokens`` such a request goes with (None: as asked)."""
         return self._tokens.get(key)
+
+    def sent_with(self, key: BudgetKey) -> int | None:
+        """The ``max_tokens`` such a request is sent with now: the budget, or what it is held back to."""
+        return self._held[key] if key in self._held else self._tokens.get(key)
+
+    def hold_back(self, key: BudgetKey, tokens: int | None) -> None:
+        """Send such requests with ``tokens`` (None: as asked) until :meth:`release`, the budget kept."""
+        self._held[key] = tokens
+
+    def release(self, key: BudgetKey) -> None:
+        """Send such requests at the budget again."""
+        self._held.pop(key, None)
 
     def asked(self, *, interactive: bool) -> list[int]:
         """The ``max_tokens`` asked that the class has a budget for."""
@@ -49,11 +64,13 @@ class OutputBudgets:
         return iter(sorted(self._tokens.items()))
 
     def set(self, key: BudgetKey, tokens: int | None, now: float) -> None:
-        """The budget from now (None: lifted); what reached the old one no longer counts."""
+        """The budget from now (None: lifted, and no longer held back); what reached the old one no
+        longer counts."""
         if self._tokens.get(key) == tokens:
             return
         if tokens is None:
             self._tokens.pop(key, None)
+            self._held.pop(key, None)
         else:
             self._tokens[key] = tokens
         self._set_at[key] = now
@@ -66,8 +83,10 @@ class OutputBudgets:
         self._read_from[key] = now
 
     def note_reached(self, key: BudgetKey, now: float) -> None:
-        """An answer's first part, sent under the budget, reached it (it goes on in another part)."""
-        if key in self._tokens:
+        """An answer's first part, sent under the budget, reached it (it goes on in another part). Not
+        counted while the budget is held back: what reaches the cap it is held back to (a moved
+        budget's earlier one) says nothing of the budget's own."""
+        if key in self._tokens and key not in self._held:
             self._reached.setdefault(key, deque(maxlen=_KEEP_REACHED)).append(now)
 
     def reached(self, key: BudgetKey, since: float = -math.inf) -> int:

@@ -173,8 +173,9 @@ class WorkerLoad:
 
     def output_budget(self, *, interactive: bool, max_tokens: int | None) -> int | None:
         """The ``max_tokens`` a request of the class that asks for ``max_tokens`` is sent with (None: as
-        asked; see :mod:`proxy.request.continuation`): requests that ask alike write alike."""
-        return None if max_tokens is None else self.output_budgets.get((interactive, max_tokens))
+        asked; see :mod:`proxy.request.continuation`): requests that ask alike write alike. A budget
+        the controller holds back while it measures it sends them as they went before it."""
+        return None if max_tokens is None else self.output_budgets.sent_with((interactive, max_tokens))
 
     @property
     def batch_in_flight(self) -> int:

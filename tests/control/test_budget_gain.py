@@ -1,5 +1,6 @@
 """The predicted gain of an output budget: the planner's twin replays a worker's recorded requests as
-they were sent and with the budget, and the window after a budget is measured against the one before."""
+they were sent and with the budget; the check that measures it gives its gain, judged against the
+prediction."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ from dataclasses import replace
 import pytest
 
 from proxy.control.budget_gain import BudgetInputs, BudgetPrediction, Cohort, predict_budget
-from proxy.control.budget_outcome import PendingBudget, judged, window_outcome
+from proxy.control.budget_outcome import PendingBudget, Side, check_outcome, judged
 from proxy.control.evidence import OutputBudget
 from proxy.control.planner import DecodeStats, InFlight, Observed, Twin
-from proxy.control.saturation import saturated_pace
-from proxy.control.window import Window
-from proxy.engines.base import Sample
+from proxy.control.saturation import Pace
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
@@ -100,29 +99,24 @@ def test_what_the_requests_went_with_before_and_go_with_now() -> None:
     assert too_close.sent_now == 4096
 
 
-def _window(tok_per_s: float, start: float, seconds: int, idle_first: int = 0) -> Window:
-    w, total = Window(span_s=60.0), 0.0
-    for k in range(seconds + 1):
-        busy = k >= idle_first
-        w = w.push(Sample(time=start + k, queue=30 if busy else 0, running=100 if busy else 0, token_usage=0.5,
-                          generation_tokens_total=total))  # fmt: skip
-        total += tok_per_s if busy else 0.0
-    return w
-
-
-def test_the_window_after_a_budget_is_measured_against_the_one_before_while_the_worker_had_work() -> None:
-    before = _window(1000.0, 0.0, 60, idle_first=5)  # idle before the load came: not the worker's pace
-    assert before.busy().throughput == pytest.approx(1000.0) and before.throughput < 950.0
-    pace = saturated_pace(before, 0.0, 60.0, settle_s=20.0, enough_s=20.0)  # (tests/control/test_saturation.py)
-    pending = PendingBudget(1, Cohort(True, 4096), 60.0, 120.0, before.busy().summary(), 0.5, pace)
-    after = _window(1500.0, 60.0, 60)
-    paced = saturated_pace(after, 60.0, 120.0, settle_s=20.0, began=pace.run_began)
-    outcome, fields = window_outcome(pending, after.busy().summary(), paced, 0.25, settle_s=20.0, enough_s=20.0)
+def test_a_check_gives_the_gain_with_the_first_tokens_and_is_judged_against_the_prediction() -> None:
+    # the budget decided at 60 s; with it from 70 s (its batch turned over) at 1500 tokens/s over 20 s of
+    # saturated time; held back at 90 s, turned over at 100 s, 1000 tokens/s over 20 s
+    before = {"throughput": 900.0}
+    pending = PendingBudget.opened(1, Cohort(True, 4096), 60.0, before, 0.5, 30.0, (4096, 640))
+    done = replace(pending, with_budget=Side(60.0, 70.0, Pace(20.0, 30_000.0, 30.0)),
+                   held_back=Side(90.0, 100.0, Pace(20.0, 20_000.0, 30.0)))  # fmt: skip
+    assert done.done(20.0) and not replace(done, held_back=Side(90.0)).done(20.0)
+    outcome, fields = check_outcome(done, 0.25)
     assert fields["measured_gain"] == pytest.approx(0.5)
     assert fields["measured_throughput"] == pytest.approx(1500.0)
     assert (fields["first_token_before_s"], fields["first_token_after_s"]) == (0.5, 0.25)
-    assert outcome["verdict"] == "better" and outcome["before"]["throughput"] == pytest.approx(1000.0)
-    assert outcome["after"]["saturated_s"] == 60.0 and outcome["after"]["saturated_throughput"] == 1500.0
+    assert outcome["verdict"] == "better" and outcome["before"] == before
+    assert outcome["with_budget"] == {"sent_max_tokens": 640, "turned_over_after_s": 10.0, "saturated_s": 20.0,
+                                      "saturated_throughput": 1500.0}  # fmt: skip
+    held = outcome["held_back"]
+    assert held["sent_max_tokens"] == 4096 and held["turned_over_after_s"] == 10.0
+    assert held["saturated_throughput"] == 1000.0
     # met within the twin's error (or the planner's noise floor where that is smaller), else not
     assert judged({"predicted_gain": 0.45, "measured_gain": 0.5, "twin_error": 0.05}, 0.03)["met_prediction"]
     assert not judged({"predicted_gain": 0.2, "measured_gain": 0.5, "twin_error": 0.05}, 0.03)["met_prediction"]

@@ -74,6 +74,7 @@ class Around:
 
     def __init__(self, *, tail: Sequence[str] = (), backlog: int = 0, for_class: int = 0) -> None:
         self.tail, self.held, self.for_class = list(tail), backlog, for_class
+        self.budgets_held: dict[tuple[str, bool, int], int | None] = {}  # output budgets held back, as sent
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         return self.tail[-lines:]
@@ -83,6 +84,12 @@ class Around:
 
     def held_for_class(self) -> int:
         return self.for_class
+
+    def hold_back_budget(self, worker_id: str, interactive: bool, asked: int, tokens: int | None) -> None:
+        self.budgets_held[(worker_id, interactive, asked)] = tokens
+
+    def release_budget(self, worker_id: str, interactive: bool, asked: int) -> None:
+        self.budgets_held.pop((worker_id, interactive, asked))
 
 
 def info(

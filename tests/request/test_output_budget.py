@@ -83,6 +83,37 @@ async def test_short_answers_take_one_part_and_other_requests_go_as_asked(make_p
     await client.close()
 
 
+async def test_a_budget_the_controller_holds_back_sends_the_requests_as_before_it_until_released(make_proxy):
+    h = await make_proxy(policy=SIM_SPEAKER)
+    budgets = h.state.board.get("w0").output_budgets
+    budgets.set((True, 100), 8, 0.0)
+    around = next(iter(h.state.controllers.values())).surroundings  # the controller's way to hold one back
+    client = h.client()
+    msg = [{"role": "user", "content": "hi"}]
+    short = {"sim_output_len": 3}
+
+    async def ask() -> None:
+        await client.chat.completions.create(model=MODEL, messages=msg, max_tokens=100, extra_body=short)
+
+    await ask()
+    around.hold_back_budget("w0", True, 100, None)  # as asked
+    await ask()
+    around.hold_back_budget("w0", True, 100, 16)  # a moved budget's check: as the budget before it
+    await ask()
+    assert budgets.get((True, 100)) == 8  # the budget kept
+    around.release_budget("w0", True, 100)
+    await ask()
+    assert [b["max_tokens"] for b in h.workers[0].bodies] == [8, 100, 16, 8]
+    around.hold_back_budget("w0", True, 100, 4)  # what reaches the cap it is held back to is not the budget's overrun
+    await client.chat.completions.create(model=MODEL, messages=msg, max_tokens=100, extra_body={"sim_output_len": 6})
+    assert h.workers[0].bodies[-2]["max_tokens"] == 4 and budgets.reached((True, 100)) == 0
+    budgets.set((True, 100), None, 1.0)  # lifted meanwhile: nothing held back is left behind
+    budgets.set((True, 100), 8, 2.0)
+    await ask()
+    assert h.workers[0].bodies[-1]["max_tokens"] == 8
+    await client.close()
+
+
 @pytest.mark.parametrize("failure", ["400", "500"])
 async def test_a_part_the_worker_refuses_sends_the_request_again_whole(make_proxy, failure: str) -> None:
     h = await make_proxy(policy=SIM_SPEAKER)
