@@ -658,7 +658,9 @@ async def test_an_overdue_first_token_has_as_many_batch_requests_make_room_as_it
     assert wait is not None
     await asyncio.sleep(wait / 2)
     load.scrape_started()  # the chat request waits there
-    board.publish("w0", Sample(time=loop.time(), queue=1, running=4, token_usage=0.5, generation_tokens_total=102.0), None)
+    board.publish(
+        "w0", Sample(time=loop.time(), queue=1, running=4, token_usage=0.5, generation_tokens_total=102.0), None
+    )
     await asyncio.sleep(wait * 0.6)
     assert [t for t in batch if t.future.result().taken_back] == batch[4 - taken_back :]
     for t in (*batch, chat):
