@@ -479,25 +479,26 @@ class Dispatcher:
         """A streamed interactive request is still without its first token a few decode steps after it
         was sent. Where the latest scrape shows requests waiting at the worker, it waits there behind
         batch prompts or for KV room: the batch requests queued there go back to the proxy's queue, or
-        where none is, the newest batch request running there is taken back (it keeps what it wrote and
-        goes on later), at most one per due time however many wait. Then it is watched again. An empty
-        server queue means it is not waiting there (its prefill runs, or the proxy is slow to relay):
-        nothing is taken back for it."""
+        where none is, the newest batch requests running there whose prompt and output make room for its
+        own are taken back (each keeps what it wrote and goes on later), once per due time however many
+        wait. Then it is watched again. An empty server queue means it is not waiting there (its prefill
+        runs, or the proxy is slow to relay): nothing is taken back for it."""
         if attempt.released or attempt.started or attempt.taken_back or not attempt.streamed or self.closing:
             return
         if load.sample is not None and load.sample.queue > 0:
-            self._make_room(load, attempt.worker_id)
+            self._make_room(load, attempt)
         if load.batch_attempts:
             self._watch_first_token(load, attempt)
 
-    def _make_room(self, load: WorkerLoad, worker_id: WorkerId) -> None:
-        """The batch requests queued at the worker go back to the proxy's queue; where none is, one
-        running batch request is taken back, at most one per ``first_token_wait_s``."""
-        wait = load.first_token_wait_s
+    def _make_room(self, load: WorkerLoad, waiting: Attempt) -> None:
+        """The batch requests queued at the worker go back to the proxy's queue; where none is, the newest
+        running batch requests that make room for ``waiting`` (:meth:`WorkerLoad.batch_to_fit`) are taken
+        back, at most once per ``first_token_wait_s``."""
+        wait, worker_id = load.first_token_wait_s, waiting.worker_id
         if self.withdraw_batch(worker_id, keep=0) or wait is None or self.clock() - load.made_room_at < wait:
             return
         load.made_room_at = self.clock()
-        self.take_back_newest_batch(worker_id, 1)
+        self.take_back_newest_batch(worker_id, load.batch_to_fit(waiting))
 
     def _wake_for_pacing(self, workers: Sequence[WorkerInfo], now: float) -> None:
         """Run the pump again when the first worker's batch pacing comes round (one timer at a time)."""

@@ -360,6 +360,19 @@ class WorkerLoad:
             return []
         return [a for a in reversed(self.batch_attempts) if not a.started and not a.taken_back][:count]
 
+    def batch_to_fit(self, waiting: Attempt) -> int:
+        """How many of the newest batch requests (:meth:`newest_batch`) to take back for ``waiting`` to fit:
+        enough that what they may hold in full (prompt and ``max_tokens`` sent) covers what it may need in
+        full, at least one. An engine admits a request when its prompt and the output it reserves fit; a
+        request's size not known counts as one."""
+        need = _may_need(waiting)
+        count, freed = 0, 0
+        for attempt in self.newest_batch(len(self.batch_attempts)):
+            count, freed = count + 1, freed + _may_need(attempt)
+            if freed >= need:
+                break
+        return max(1, count)
+
     def engine_step_s(self) -> float | None:
         """The worker's decode step time as the latest scrape shows it (``running`` requests each get
         one token a step: ``running / output tokens per second``); None without a sample, a running
@@ -414,6 +427,14 @@ class WorkerLoad:
                 "max_total_tokens": s.max_total_tokens,
             },
         }
+
+
+def _may_need(attempt: Attempt) -> int:
+    """The KV tokens an attempt may hold in full: its prompt and the ``max_tokens`` it was sent with
+    (0 where neither is known)."""
+    ticket = attempt.ticket
+    output = attempt.sent_max_tokens if attempt.sent_max_tokens is not None else ticket.max_tokens
+    return (ticket.prompt_tokens or 0) + (output or 0)
 
 
 class LoadBoard:

@@ -622,3 +622,46 @@ async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due
     assert taken() == batch[2:]  # their first tokens came: none more
     for t in (*batch, *chats):
         t.future.cancel()
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(("chat_max_tokens", "taken_back"), [(4096, 2), (768, 1), (None, 1)])
+async def test_an_overdue_first_token_has_as_many_batch_requests_make_room_as_its_own_size_needs(
+    chat_max_tokens: int | None, taken_back: int
+) -> None:
+    """A chat request waits at the worker for room: at its due time the newest batch requests whose
+    prompt and max_tokens cover its own are taken back at once (an engine that reserves a request's
+    output admits it only then), at least one; a size not known counts as one request."""
+    from proxy.compose import _fast_tier, _look_again
+    from proxy.engines.base import Sample
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    loop = asyncio.get_running_loop()
+    board = LoadBoard()
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=loop.time)  # fmt: skip
+    observer = _fast_tier(board, d)
+    board.subscribe(observer)
+    d.on_interactive_spell = _look_again(board, d, observer)  # as composed: the chat's first request looks
+    load = board.get("w0")
+    batch = [d.submit(Priority.BATCH, 100, prompt_tokens=400, max_tokens=2000) for _ in range(4)]
+    for t, tokens in ((loop.time() - 1.0, 0.0), (loop.time(), 100.0)):  # four running, 0.04 s steps
+        load.scrape_started()
+        board.publish("w0", Sample(time=t, queue=0, running=4, token_usage=0.5, generation_tokens_total=tokens), None)
+    chat = d.submit(Priority.INTERACTIVE, 100, prompt_tokens=None if chat_max_tokens is None else 600,
+                    max_tokens=chat_max_tokens)  # fmt: skip
+    attempt = chat.future.result()
+    attempt.streamed = True
+    wait = load.first_token_wait_s
+    assert wait is not None
+    await asyncio.sleep(wait / 2)
+    load.scrape_started()  # the chat request waits there
+    board.publish(
+        "w0", Sample(time=loop.time(), queue=1, running=4, token_usage=0.5, generation_tokens_total=102.0), None
+    )
+    await asyncio.sleep(wait * 0.6)
+    assert [t for t in batch if t.future.result().taken_back] == batch[4 - taken_back :]
+    for t in (*batch, chat):
+        t.future.cancel()
