@@ -103,7 +103,10 @@ class Budgets:
         )
         before = {**w.window.busy().summary(), **pace_fields(pace)}
         self._roster.journal.update(entry_id, outcome={"before": before})
-        why = self._unmeasurable(w.serving, evidence)
+        others = any(o.interactive is not cohort.interactive for o in workload) or any(
+            r.interactive is not cohort.interactive for r in self._surroundings.in_flight(worker_id)
+        )
+        why = self._unmeasurable(w.serving, evidence, beside_another_class=others)
         if why is not None:
             self._journal(entry_id, {"not_measured": why})
         else:
@@ -122,12 +125,16 @@ class Budgets:
                               before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
         self._jobs.append(BudgetJob(worker_id, entry_id, inputs))
 
-    def _unmeasurable(self, serving: bool, evidence: OutputBudget) -> str | None:
-        """Why a budget just set or moved will not be measured (None: its check begins)."""
+    def _unmeasurable(self, serving: bool, evidence: OutputBudget, *, beside_another_class: bool) -> str | None:
+        """Why a budget just set or moved will not be measured (None: its check begins). Beside another
+        class the worker's pace is not the budget's alone, and holding it back would cost the other
+        class too (an interactive class's first tokens wait for the room it frees)."""
         if not serving:
             return "the worker is not serving"
         if evidence.sent_now == evidence.sent_before:
             return f"its requests go with max_tokens {evidence.sent_now} as before it"
+        if beside_another_class:
+            return "the worker serves another class beside it: its pace is not this budget's alone"
         if self._roster.mode is not ControlMode.AUTO:
             return f"its measure holds the budget back a while, which control.mode {self._roster.mode} does not do"
         return None

@@ -121,6 +121,27 @@ def test_a_budget_gets_its_predicted_then_its_measured_gain(tmp_path: Path) -> N
     assert "within the twin's error" in text
 
 
+def test_a_budget_beside_another_class_is_not_held_back_to_measure_it(tmp_path: Path) -> None:
+    """A batch request open on the worker beside the chat: the worker's pace is not the chat budget's
+    alone, and holding the budget back would make the chat's first tokens wait for room again."""
+    c, clock, rate, total = _serving(tmp_path)
+    around = c.surroundings
+    assert isinstance(around, Requests)
+    around.open = [InFlight(arrived=clock.now - 1, prompt_tokens=300, max_tokens=2000, interactive=False)]
+    c.on_output_budget("w0", SET, clock.now)
+    (entry,) = c.journal.entries()
+    assert entry["not_measured"] == "the worker serves another class beside it: its pace is not this budget's alone"
+    opens = clock.now
+    for k in range(1, 60):
+        clock.now = opens + k
+        total += rate
+        c.on_sample("w0", Sample(time=clock.now, queue=50, running=200, token_usage=0.9,
+                                 generation_tokens_total=total))  # fmt: skip
+        c.tick()
+        assert around.budgets_held == {}  # never held back
+    assert "measured_gain" not in (c.journal.get(entry["id"]) or {})
+
+
 def test_a_budget_moved_before_its_check_is_done_is_not_measured_and_a_twin_without_answers_says_so(
     tmp_path: Path,
 ) -> None:
