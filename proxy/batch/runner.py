@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.batch.shapes import NO_USAGE, error_line, output_line, parse_answer, usage_of
-from proxy.batch.store import ActiveBatch, BatchStore, Ending, Outcome, PendingLine, StoreThread
+from proxy.batch.store import ActiveBatch, Answered, BatchStore, Ending, Outcome, PendingLine, StoreThread
 
 _log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class BatchRunner:
         self._claim_s = claim_s
         self._poll_s = poll_s
         self._claim_chunk = min(CHUNK, concurrency)  # on a shared store, no more than this runner can start
+        self._recorder = _Recorder(db)
         self._executor = executor
         self._clock = clock
         self._accepts_model = accepts_model
@@ -142,6 +143,7 @@ class BatchRunner:
             for task in drivers:
                 task.cancel()
             await asyncio.gather(*drivers, return_exceptions=True)
+            await self._recorder.close()
             if self._shared:  # the lines this replica leaves go to another now, not after their claims
                 try:
                     await self._db(BatchStore.release_claims)
@@ -298,7 +300,7 @@ class BatchRunner:
                     line.custom_id, status_code=result.status_code, request_id=result.request_id, answer=answer
                 )
                 usage = usage_of(answer)
-            await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)
+            await self._recorder.record(Answered(batch.id, line.idx, outcome, text, usage))
         except Withdrawn:
             return
         finally:
@@ -347,3 +349,41 @@ class _Slot:
     async def take(self) -> None:
         await self._slots.acquire()
         self._held = True
+
+
+class _Recorder:
+    """Keeps the lines' results, those that arrive while one transaction commits all in the next one
+    (a group commit: a line waits for its own result's commit, never for a timer)."""
+
+    def __init__(self, db: StoreThread) -> None:
+        self._db = db
+        self._waiting: list[tuple[Answered, asyncio.Future[bool]]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    async def record(self, answered: Answered) -> bool:
+        """Once its transaction has committed: whether the result was kept (False: the line had one)."""
+        kept = asyncio.get_running_loop().create_future()
+        self._waiting.append((answered, kept))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="batch results")
+        return await kept
+
+    async def _write(self) -> None:
+        while self._waiting:
+            taken, self._waiting = self._waiting, []
+            try:
+                kept = await self._db(BatchStore.record_many, [answered for answered, _ in taken])
+            except Exception as exc:
+                for _, future in taken:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), was_kept in zip(taken, kept, strict=True):
+                if not future.done():
+                    future.set_result(was_kept)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer

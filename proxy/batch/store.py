@@ -97,6 +97,17 @@ class ActiveBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class Answered:
+    """A line's result to keep (:meth:`BatchStore.record_many`)."""
+
+    batch_id: str
+    idx: int
+    outcome: Outcome
+    line: bytes
+    usage: Usage = NO_USAGE
+
+
+@dataclass(frozen=True, slots=True)
 class PendingLine:
     idx: int
     custom_id: str
@@ -131,6 +142,10 @@ def _batch_object(row: Any) -> Json:
         out["errors"] = {"object": "list", "data": orjson.loads(row["errors"])}
     out.update({name: row[name] for name in _TIMES})
     return out
+
+
+def _usage_columns(u: Usage) -> tuple[int, int, int, int]:
+    return (u.input_tokens, u.cached_tokens, u.output_tokens, u.reasoning_tokens)
 
 
 def _file_object(row: Any) -> Json:
@@ -392,23 +407,35 @@ class BatchStore:
     def record(self, batch_id: str, idx: int, outcome: Outcome, line: bytes, usage: Usage = NO_USAGE) -> bool:
         """Keep a line's result, and add its answer's usage to the batch's, once: False when the line
         already had one."""
-        counter = "completed" if outcome == "output" else "failed"
+        return self.record_many([Answered(batch_id, idx, outcome, line, usage)])[0]
+
+    def record_many(self, answered: Sequence[Answered]) -> list[bool]:
+        """:meth:`record` for several lines in one transaction (one commit, one flush of the log); for
+        each, whether it was kept. The lines' rows first, then each batch's once, both in one order:
+        two replicas recording at once never wait on each other in a cycle."""
+        kept = [False] * len(answered)
+        sums: dict[str, list[int]] = {}
         with self._transaction() as db:
-            fresh = (
+            for n in sorted(range(len(answered)), key=lambda n: (answered[n].batch_id, answered[n].idx)):
+                a, u = answered[n], answered[n].usage
+                kept[n] = (
+                    db.execute(
+                        "UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
+                        (a.outcome, a.line, a.batch_id, a.idx),
+                    ).rowcount
+                    == 1
+                )
+                if kept[n]:
+                    added = (a.outcome == "output", a.outcome != "output", *_usage_columns(u))
+                    sums[a.batch_id] = [x + y for x, y in zip(sums.get(a.batch_id, [0] * 6), added, strict=True)]
+            for batch_id, (completed, failed, *tokens) in sorted(sums.items()):
                 db.execute(
-                    "UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
-                    (outcome, line, batch_id, idx),
-                ).rowcount
-                == 1
-            )
-            if fresh:
-                db.execute(
-                    f"UPDATE batches SET {counter}={counter}+1, input_tokens=input_tokens+?, "
+                    "UPDATE batches SET completed=completed+?, failed=failed+?, input_tokens=input_tokens+?, "
                     "cached_tokens=cached_tokens+?, output_tokens=output_tokens+?, "
                     "reasoning_tokens=reasoning_tokens+? WHERE id=?",
-                    (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, batch_id),
+                    (completed, failed, *tokens, batch_id),
                 )
-        return fresh
+        return kept
 
     def finish(self, batch_id: str, ending: Ending, now: int) -> None:
         """End a batch: unanswered lines to the error file, the files built, the final status kept."""
