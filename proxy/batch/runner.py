@@ -362,7 +362,7 @@ class _Recorder:
 
     async def record(self, answered: Answered) -> bool:
         """Once its transaction has committed: whether the result was kept (False: the line had one)."""
-        kept = asyncio.get_running_loop().create_future()
+        kept: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiting.append((answered, kept))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write(), name="batch results")
