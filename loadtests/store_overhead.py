@@ -10,8 +10,8 @@ the median over the repeats, per line, and PostgreSQL's excess over SQLite.
 SQLite as the proxy opens it (WAL, ``synchronous=NORMAL``); PostgreSQL as Debian ships it (``fsync`` and
 ``synchronous_commit`` on: each commit waits for its WAL flush), started for the run in a temporary
 directory on this host (``tests.harness.postgres``) and reached over TCP on 127.0.0.1: a server on
-another host adds its network round trips (about four per line). The machine's load average is
-printed with the figures: on a shared machine they move with it.
+another host adds its network round trips. The machine's load average is printed with the figures:
+on a shared machine they move with it.
 """
 
 from __future__ import annotations
