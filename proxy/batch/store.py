@@ -173,7 +173,9 @@ class BatchStore:
         self._db.create(_SCHEMA, _ADDED_COLUMNS, _INDEXES)
         if not self.shared:  # the process that claimed them is gone: this one owns the file now
             with self._transaction() as db:
-                db.execute("UPDATE lines SET claimed_by=NULL, claim_until=NULL WHERE claimed_by IS NOT NULL")
+                db.execute(
+                    "UPDATE lines SET claimed_by=NULL, claim_until=NULL WHERE claimed_by IS NOT NULL AND outcome IS NULL"
+                )
 
     @classmethod
     @contextmanager
