@@ -364,15 +364,16 @@ class BatchStore:
         return [PendingLine(r["idx"], r["custom_id"], r["body"]) for r in rows]
 
     def claim_lines(self, batch_id: str, *, after: int, limit: int, now: float, claim_s: float) -> list[PendingLine]:
-        """Take up to ``limit`` unanswered lines past ``after`` that no live claim holds, in input order,
-        for ``claim_s`` seconds from ``now``; none while the batch is not ``in_progress``."""
+        """Take up to ``limit`` unanswered lines past ``after`` that no other holder's live claim holds,
+        in input order, for ``claim_s`` seconds from ``now``; none while the batch is not ``in_progress``.
+        This holder's own claims count as free: the caller passes ``after`` to skip the lines it runs."""
         with self._transaction() as db:
             if db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()["status"] != "in_progress":
                 return []
             rows = db.execute(
                 "UPDATE lines SET claimed_by=:holder, claim_until=:until WHERE batch_id=:batch AND idx IN ("
                 "SELECT idx FROM lines WHERE batch_id=:batch AND idx>:after AND outcome IS NULL "
-                "AND (claim_until IS NULL OR claim_until<:now) ORDER BY idx LIMIT :n{skip_locked}) "
+                "AND (claim_until IS NULL OR claim_until<:now OR claimed_by=:holder) ORDER BY idx LIMIT :n{skip_locked}) "
                 "RETURNING idx, custom_id, body",
                 {
                     "holder": self.holder,
