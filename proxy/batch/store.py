@@ -77,7 +77,10 @@ _ADDED_COLUMNS = {
     ),
     "lines": ("claimed_by TEXT", "claim_until {real}"),  # the runner that runs the line, until when
 }
-_INDEXES = ("CREATE INDEX IF NOT EXISTS lines_claimed ON lines (claimed_by) WHERE outcome IS NULL",)
+_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS lines_claimed ON lines (claimed_by) WHERE outcome IS NULL",
+    "CREATE INDEX IF NOT EXISTS batches_status ON batches (status)",  # the runners look for active ones
+)
 _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
