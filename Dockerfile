@@ -21,6 +21,7 @@ COPY policies ./policies
 # system Python; PIP_BREAK_SYSTEM_PACKAGES lets a PEP 668 base do the same (older pips ignore it).
 # For workers on a Ray cluster (fleet.backend = "ray", proxy and Ray nodes alike):
 #   docker build --build-arg PACER_EXTRAS="[fleet]" -t sglang-pacer .
+#   (PACER_EXTRAS="[fleet,postgres]" for a PostgreSQL store that several replicas share: [store] url)
 ARG PACER_EXTRAS=""
 RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir ".${PACER_EXTRAS}" \
     && mkdir -p /etc/pacer /var/log/pacer

@@ -8,14 +8,14 @@ POLICY ?= policies/default.toml
 PORT   ?=
 URL    ?= http://127.0.0.1:8000
 
-.PHONY: run demo test test-fast lint format bench clean browser
+.PHONY: run demo test test-fast lint format bench clean browser postgres
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench,fleet]'
+	$(PY) -m pip install --quiet -e '.[test,bench,fleet,postgres]'
 	touch $(STAMP)
 
 ## run: the proxy in front of a simulated SGLang worker (policies/default.toml), controller in auto;
@@ -34,6 +34,14 @@ browser:
 	  echo "installing chromium (the dashboard's browser test drives it)"; \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi; }
+
+## postgres: Debian's PostgreSQL server for the shared store's tests (each run starts its own in a
+##           temporary directory; CI runs as root on Debian)
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "installing postgresql (the shared store's tests start a server of their own)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi; }
 
 ## lint: ruff (lint and format), mypy (strict on proxy/ and tools/), the import contracts (pyproject.toml)
 ##       and the house's own checks (tools/): functions over 80 lines, module docstrings over 25,
@@ -55,12 +63,12 @@ format: $(STAMP)
 ## test: the checks above, then every test, the slow real-engine ones included, one at a time (over
 ##       two processes it takes ~9 min, but two of five runs each broke on a different wait in real
 ##       time under a starved CPU)
-test: lint browser
+test: lint browser postgres
 	$(PY) -m pytest -q
 
 ## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs,
 ##            over up to 4 cores
-test-fast: lint browser
+test-fast: lint browser postgres
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal -m "not slow and not long"
 
 clean:

@@ -608,7 +608,7 @@ def _batch_caller(st: ProxyState) -> Authenticate:
 
 
 async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """The Batch API's store and runner (``batch.dir``): its lines go through the request path in
+    """The Batch API's store and runner (``batch.dir``, or ``store.url``'s PostgreSQL): its lines go through the request path in
     the batch class; unfinished batches resume here."""
     st = app[PROXY]
     settings = st.policy.batch
@@ -629,6 +629,9 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
         concurrency=settings.concurrency,
         accepts_model=accepts_model,
         body_timeout_s=st.policy.proxy.body_timeout_s,
+        store_url=st.policy.store.url,
+        claim_s=st.policy.store.claim_s,
+        poll_s=st.policy.store.poll_s,
     ) as service:
         app[BATCH_SERVICE] = service
         yield

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from proxy.engines.registry import EngineKind
 from proxy.policy_read import (
@@ -37,6 +38,7 @@ from proxy.policy_read import (
     read_pools,
     read_proxy,
     read_queue,
+    read_store,
 )
 from proxy.policy_schema import PolicyError, Table, changed_keys
 from proxy.policy_settings import (
@@ -55,6 +57,7 @@ from proxy.policy_settings import (
     Priority,
     ProxySettings,
     QueueSettings,
+    StoreSettings,
     WorkerBackend,
     documented_defaults,
 )
@@ -78,6 +81,7 @@ __all__ = [
     "Priority",
     "ProxySettings",
     "QueueSettings",
+    "StoreSettings",
     "WorkerBackend",
     "documented_defaults",
     "load_policy",
@@ -94,6 +98,7 @@ class Policy:
     pacing: PacingSettings = PacingSettings()
     control: ControlSettings = ControlSettings()
     batch: BatchSettings = BatchSettings()
+    store: StoreSettings = StoreSettings()
     fleet: FleetSettings = FleetSettings()
     pools: tuple[PoolSettings, ...] = (PoolSettings(),)  # [[pool]] tables, or the [engine] table as one
     admission: AdmissionSettings = AdmissionSettings()
@@ -132,7 +137,7 @@ class Policy:
         pooled = not self.pools[0].shorthand
         tables = {name: getattr(self, name) for name in TABLES if not (pooled and name == "engine")}
         secret_args = {f"engine.args.{name}" for name in self.engine.engine.secret_args}
-        lines = changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args)
+        lines = changed_keys(tables, secret=lambda key: ".env." in key or key in secret_args or key == "store.url")
         for pool in self.pools if pooled else ():
             pool_secrets = frozenset(f"args.{name}" for name in pool.engine.engine.secret_args)
             named = PoolKeys(name="")  # the name always shows; the other keys where not at their default
@@ -194,6 +199,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
         pacing=pacing,
         control=control,
         batch=read_batch(root.table("batch")),
+        store=read_store(root.table("store")),
         fleet=read_fleet(root.table("fleet")),
         pools=pools,
         admission=read_admission(root.table("admission")),
@@ -255,6 +261,12 @@ def _describe(p: Policy) -> list[str]:
         + "".join(f", {arg} in [{', '.join(f'{v:g}' for v in r)}]" for arg, r in sorted(c.bounds.items()))
     )
     lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
+    if p.store.url:
+        where = urlparse(p.store.url)
+        lines.append(
+            f"  store    PostgreSQL at {where.hostname or 'its socket'}{f':{where.port}' if where.port else ''}"
+            f"{where.path}, shared by the replicas (a line's claim lasts {p.store.claim_s:g} s)"
+        )
     if p.fleet.backend is WorkerBackend.RAY:
         lines.append(f"  fleet    workers on Ray at {p.fleet.ray_address} (namespace {p.fleet.ray_namespace})")
     return lines

@@ -9,6 +9,7 @@ worker refuses to start. :func:`proxy.policy.parse_policy` puts the tables toget
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -32,6 +33,7 @@ from proxy.policy_settings import (
     PoolSettings,
     ProxySettings,
     QueueSettings,
+    StoreSettings,
 )
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "read_pools",
     "read_proxy",
     "read_queue",
+    "read_store",
 ]
 
 
@@ -169,6 +172,22 @@ def read_auth(t: Table, base: Path) -> AuthSettings:
 
 def read_batch(t: Table) -> BatchSettings:
     s = read_settings(t, BatchSettings)
+    t.finish()
+    return s
+
+
+def read_store(t: Table) -> StoreSettings:
+    """``[store]``: ``url`` empty (the embedded SQLite) or a PostgreSQL URL, with its driver installed."""
+    url = t.str("url", "", nonempty=False) or ""
+    if url:
+        scheme = urlparse(url).scheme
+        if scheme in ("sqlite", "file"):
+            raise t.error("url", "the embedded SQLite needs no URL: leave store.url empty (batch.dir holds its file)")
+        if scheme not in ("postgresql", "postgres"):
+            raise t.error("url", f'expected empty or a "postgresql://..." URL, got a {scheme or "scheme-less"!r} one')
+        if importlib.util.find_spec("psycopg") is None:
+            raise t.error("url", "a PostgreSQL store needs its driver: pip install 'sglang-pacer[postgres]'")
+    s = read_settings(t, StoreSettings, {"url": url})
     t.finish()
     return s
 

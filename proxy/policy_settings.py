@@ -327,6 +327,32 @@ class BatchSettings:
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreSettings:
+    """Where durable state lives: the embedded SQLite (in ``batch.dir``) or a PostgreSQL server that
+    several replicas share."""
+
+    url: str = field(
+        default="",
+        metadata=key(
+            'empty: the embedded SQLite file in batch.dir; "postgresql://user:password@host:5432/db": a server '
+            "the replicas share (pip install 'sglang-pacer[postgres]')",
+            custom=True,
+        ),
+    )
+    claim_s: float = field(
+        default=30.0,
+        metadata=key(
+            "seconds a replica's claim on a batch line lasts unrenewed: a dead replica's lines go to another after",
+            positive=True,
+        ),
+    )
+    poll_s: float = field(
+        default=1.0,
+        metadata=key("seconds between a replica's looks for batches and cancels made on the others", positive=True),
+    )
+
+
 AUTO_GPUS = "auto"
 
 
@@ -465,6 +491,7 @@ TABLES: Mapping[str, type[Any]] = MappingProxyType(
         "pacing": PacingSettings,
         "control": ControlSettings,
         "batch": BatchSettings,
+        "store": StoreSettings,
         "fleet": FleetSettings,
         "admission": AdmissionSettings,
     }

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-pytest_plugins = ["tests.harness.proxy"]
+pytest_plugins = ["tests.harness.proxy", "tests.harness.postgres"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -110,6 +110,14 @@ def test_api_key_is_masked_in_describe() -> None:
     assert "sekrit" not in p.describe()
 
 
+def test_a_shared_store_is_accepted_and_its_password_masked() -> None:
+    assert parse_policy({}).store.url == ""  # the embedded SQLite: nothing to run beside the proxy
+    p = parse_policy({"store": {"url": "postgresql://pacer:sekrit@db:5432/pacer", "claim_s": 10}})
+    assert (p.store.url, p.store.claim_s) == ("postgresql://pacer:sekrit@db:5432/pacer", 10.0)
+    assert "sekrit" not in p.describe() and "sekrit" not in "\n".join(p.changed())
+    assert "PostgreSQL at db:5432/pacer" in p.describe()
+
+
 def _engine(**kw: object) -> dict[str, object]:
     return {"engine": kw}
 
@@ -177,6 +185,9 @@ BAD = [
     ({"pacing": {"stale_after_s": 0.1}}, "pacing.stale_after_s", ">= scrape_interval_s"),
     ({"control": {"mode": "on"}}, "control.mode", "auto, advise, off"),
     ({"control": {"mode": "off", "min_restart_interval_s": 60}}, "control.min_restart_interval_s", "unknown key"),
+    ({"store": {"url": "mysql://db/pacer"}}, "store.url", 'a "postgresql://..." URL'),
+    ({"store": {"url": "sqlite:///b.db"}}, "store.url", "leave store.url empty"),
+    ({"store": {"url": "postgresql://db/p", "claim_s": 0}}, "store.claim_s", "> 0"),
 ]
 
 

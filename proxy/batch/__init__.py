@@ -1,7 +1,8 @@
-"""A durable OpenAI Batch API: ``/v1/files`` and ``/v1/batches`` over SQLite, run through the proxy.
+"""A durable OpenAI Batch API: ``/v1/files`` and ``/v1/batches`` over SQLite or PostgreSQL, via the proxy.
 
 Modules, bottom up: ``jsonl`` (OpenAI's limits, the check of each line), ``shapes`` (the wire
-objects), ``store`` (SQLite and the files on disk; exactly-once results), ``runner`` (runs the
+objects), ``store`` (the database, :mod:`proxy.store`: SQLite or a shared PostgreSQL, and the files on disk;
+exactly-once results), ``runner`` (runs the
 lines of unfinished batches), ``service`` (the operations per owner, the lifecycle), ``routes``
 (the aiohttp handlers), ``executor`` (each line through the proxy's request path, batch class).
 

@@ -16,6 +16,12 @@ has passed. So one key's limit holds no slot another owner's batch could use.
 
 Started again on the same data directory, the runner resumes every unfinished batch: lines without
 a recorded result run (again); finished results are never run or written twice.
+
+On a shared store (PostgreSQL, several replicas) every replica's runner drives every unfinished
+batch: each runs the lines it claimed (:meth:`~proxy.batch.store.BatchStore.claim_lines`), renews its
+claims every third of ``claim_s``, and looks every ``poll_s`` for batches another replica took, for
+cancels made there, and for lines whose claim ran out (their replica died): a batch ends when no
+line is left unanswered, whichever replica answered them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,7 +37,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.batch.shapes import NO_USAGE, error_line, output_line, parse_answer, usage_of
-from proxy.batch.store import ActiveBatch, BatchStore, Ending, Outcome, PendingLine, StoreThread
+from proxy.batch.store import ActiveBatch, Answered, BatchStore, Ending, Outcome, PendingLine, StoreThread
 
 _log = logging.getLogger(__name__)
 
@@ -79,10 +86,16 @@ class BatchRunner:
         concurrency: int,
         clock: Callable[[], float],
         accepts_model: Callable[[str], bool],
+        claim_s: float = 30.0,
+        poll_s: float = 1.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self._db = db
+        self._claim_s = claim_s
+        self._poll_s = poll_s
+        self._claim_chunk = min(CHUNK, concurrency)  # on a shared store, no more than this runner can start
+        self._recorder = _Recorder(db)
         self._executor = executor
         self._clock = clock
         self._accepts_model = accepts_model
@@ -97,6 +110,11 @@ class BatchRunner:
     def _now(self) -> int:
         return int(self._clock())
 
+    @property
+    def _shared(self) -> bool:
+        """Other replicas run lines of the same batches (a shared store)."""
+        return self._db.store.shared
+
     def kick(self) -> None:
         """A batch was created: look for work."""
         self._wake.set()
@@ -108,20 +126,47 @@ class BatchRunner:
 
     async def run(self) -> None:
         """Drive every unfinished batch until cancelled (the running lines are cancelled with it)."""
+        renewing = asyncio.create_task(self._renew_claims(), name="batch claims") if self._shared else None
         try:
             while True:
                 self._wake.clear()
                 for batch in await self._db(BatchStore.active_batches):
+                    if batch.status == "cancelling" and batch.id in self._drivers:
+                        self._stops.setdefault(batch.id, asyncio.Event()).set()  # maybe cancelled elsewhere
                     if batch.id not in self._drivers:
                         task = asyncio.create_task(self._drive(batch), name=f"batch {batch.id}")
                         self._drivers[batch.id] = task
                         task.add_done_callback(self._forget_driver)
-                await self._wake.wait()
+                await self._woken()
         finally:
-            drivers = list(self._drivers.values())
+            drivers = [*self._drivers.values(), *([renewing] if renewing else [])]
             for task in drivers:
                 task.cancel()
             await asyncio.gather(*drivers, return_exceptions=True)
+            await self._recorder.close()
+            if self._shared:  # the lines this replica leaves go to another now, not after their claims
+                try:
+                    await self._db(BatchStore.release_claims)
+                except Exception:
+                    _log.exception("releasing the claims on batch lines failed: they run elsewhere after claim_s")
+
+    async def _woken(self) -> None:
+        """Until :meth:`kick` or :meth:`cancel`; on a shared store at most ``poll_s`` (other replicas
+        create and cancel batches too)."""
+        if not self._shared:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._poll_s):
+                await self._wake.wait()
+
+    async def _renew_claims(self) -> None:
+        while True:
+            await asyncio.sleep(self._claim_s / 3)
+            try:
+                await self._db(BatchStore.renew_claims, now=time.time(), claim_s=self._claim_s)
+            except Exception:
+                _log.exception("renewing the claims on batch lines failed; tried again in %.0f s", self._claim_s / 3)
 
     def _forget_driver(self, task: asyncio.Task[None]) -> None:
         self._drivers = {bid: t for bid, t in self._drivers.items() if t is not task}
@@ -151,13 +196,39 @@ class BatchRunner:
             self._resume_at.pop(batch.id, None)
 
     async def _dispatch(self, batch: ActiveBatch, stop: asyncio.Event) -> Ending:
-        """Start every unanswered line, within the slots, until done, cancelled or expired; wait for those running."""
-        ending: Ending = "completed"
+        """Run the batch's lines until none is left unanswered, or it is cancelled or expired. On a
+        shared store, lines other replicas claimed: wait for their results, or for their claims to
+        run out (then run them here)."""
         expired: list[int] = []  # lines that waited out a "not now" past the window
+        while True:
+            ending = await self._dispatch_claimable(batch, stop, expired)
+            if ending != "completed" or expired or stop.is_set() or not self._shared:
+                break
+            if await self._db(BatchStore.unanswered, batch.id) == 0:
+                break
+            if self._clock() >= batch.expires_at:
+                ending = "expired"
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._poll_s):
+                    await stop.wait()
+        return "expired" if expired and ending == "completed" else ending
+
+    async def _dispatch_claimable(self, batch: ActiveBatch, stop: asyncio.Event, expired: list[int]) -> Ending:
+        """Claim and start every line no other runner holds, within the slots, until done, cancelled
+        or expired; wait for those running."""
+        ending: Ending = "completed"
         after = 0
         async with asyncio.TaskGroup() as running:
             while ending == "completed" and not stop.is_set():
-                lines = await self._db(BatchStore.pending_lines, batch.id, after=after, limit=CHUNK)
+                lines = await self._db(
+                    BatchStore.claim_lines,
+                    batch.id,
+                    after=after,
+                    limit=self._claim_chunk if self._shared else CHUNK,
+                    now=time.time(),
+                    claim_s=self._claim_s,
+                )
                 if not lines:
                     break
                 for line in lines:
@@ -168,7 +239,7 @@ class BatchRunner:
                     task = running.create_task(self._run_line(batch, line, stop, expired, slot))
                     task.add_done_callback(slot.given_back)  # also when it is cancelled before it runs
                     after = line.idx
-        return "expired" if expired and ending == "completed" else ending
+        return ending
 
     async def _next_slot(self, batch: ActiveBatch, stop: asyncio.Event) -> _Slot | None:
         """A slot to start the batch's next line with, once no "not now" holds the batch; None: it was
@@ -229,7 +300,7 @@ class BatchRunner:
                     line.custom_id, status_code=result.status_code, request_id=result.request_id, answer=answer
                 )
                 usage = usage_of(answer)
-            await self._db(BatchStore.record, batch.id, line.idx, outcome, text, usage)
+            await self._recorder.record(Answered(batch.id, line.idx, outcome, text, usage))
         except Withdrawn:
             return
         finally:
@@ -278,3 +349,41 @@ class _Slot:
     async def take(self) -> None:
         await self._slots.acquire()
         self._held = True
+
+
+class _Recorder:
+    """Keeps the lines' results, those that arrive while one transaction commits all in the next one
+    (a group commit: a line waits for its own result's commit, never for a timer)."""
+
+    def __init__(self, db: StoreThread) -> None:
+        self._db = db
+        self._waiting: list[tuple[Answered, asyncio.Future[bool]]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    async def record(self, answered: Answered) -> bool:
+        """Once its transaction has committed: whether the result was kept (False: the line had one)."""
+        kept: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting.append((answered, kept))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="batch results")
+        return await kept
+
+    async def _write(self) -> None:
+        while self._waiting:
+            taken, self._waiting = self._waiting, []
+            try:
+                kept = await self._db(BatchStore.record_many, [answered for answered, _ in taken])
+            except Exception as exc:
+                for _, future in taken:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), was_kept in zip(taken, kept, strict=True):
+                if not future.done():
+                    future.set_result(was_kept)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer

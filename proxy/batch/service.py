@@ -75,11 +75,25 @@ class BatchService:
         clock: Callable[[], float] = time.time,
         accepts_model: Callable[[str], bool] = lambda _model: True,
         body_timeout_s: float = 60.0,
+        store_url: str = "",
+        claim_s: float = 30.0,
+        poll_s: float = 1.0,
     ) -> AsyncIterator[BatchService]:
         """The service on ``data_dir`` with its runner going; ``accepts_model`` says which models are
-        served; ``body_timeout_s``: the most a client may take to send each piece of a body (0: no limit)."""
-        async with StoreThread.open(data_dir) as db:
-            runner = BatchRunner(db, executor, concurrency=concurrency, clock=clock, accepts_model=accepts_model)
+        served; ``body_timeout_s``: the most a client may take to send each piece of a body (0: no limit).
+        ``store_url``: a PostgreSQL server the replicas share ("": the SQLite file in ``data_dir``);
+        then ``claim_s`` (how long a dead replica's lines wait for another) and ``poll_s`` (how often
+        the runner looks for other replicas' batches) apply (:mod:`proxy.batch.runner`)."""
+        async with StoreThread.open(data_dir, store_url) as db:
+            runner = BatchRunner(
+                db,
+                executor,
+                concurrency=concurrency,
+                clock=clock,
+                accepts_model=accepts_model,
+                claim_s=claim_s,
+                poll_s=poll_s,
+            )
             task = asyncio.create_task(runner.run(), name="batch runner")
             try:
                 yield cls(db, runner, clock, body_timeout_s)
@@ -165,7 +179,7 @@ class BatchService:
 
     async def file_content(self, owner: str, file_id: str) -> Path:
         await self.get_file(owner, file_id)
-        return self._db.store.file_path(file_id)
+        return await self._db(BatchStore.local_file, file_id)
 
     async def delete_file(self, owner: str, file_id: str) -> Json:
         if not await self._db(BatchStore.delete_file, owner, file_id):

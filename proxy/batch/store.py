@@ -1,8 +1,15 @@
-"""The durable state of the Batch API: one SQLite database (WAL) and the files beside it.
+"""The durable state of the Batch API: one database (:mod:`proxy.store.sql`) and the files beside it.
 
-Layout under the data directory: ``batches.sqlite3`` (files, batches, every request line with its
-result), ``files/<file id>.jsonl`` (uploads and the output and error files), ``staging/`` (uploads
-being received).
+The database is the embedded SQLite file ``batches.sqlite3`` (WAL) in the data directory, or a
+PostgreSQL server that several replicas share (``[store] url``): files, batches, every request line
+with its result. Under the data directory: ``files/<file id>.jsonl`` (uploads and the output and error
+files; with PostgreSQL a copy of what the database holds), ``staging/`` (files being received or built).
+
+Claims: a runner takes the lines it will run with :meth:`BatchStore.claim_lines`, which marks them
+with its holder id and a time the claim lasts (``FOR UPDATE SKIP LOCKED`` on PostgreSQL: two replicas
+never take the same line), and renews its claims while it runs them. A line whose claim ran out (its
+runner died) goes to the next runner that asks. On SQLite one process owns the file: claims left by
+the previous process are cleared on open.
 
 Exactly once: a line's result is written to its row, and the batch's counter bumped, in one
 transaction that applies only while the row has no result. A line in flight when the process dies
@@ -19,20 +26,21 @@ of its own, so the event loop never waits on the disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, closing, contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import orjson
 
 from proxy.batch.jsonl import FileRefused, line_problems, validate_lines
 from proxy.batch.shapes import CANCELLED, EXPIRED, NO_USAGE, Json, Usage, error_line, file_object, new_id, page
+from proxy.store.sql import Database, open_database
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -41,33 +49,38 @@ Outcome = Literal["output", "error"]
 Ending = Literal["completed", "expired", "cancelled"]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
-    filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS files (
+    seq {serial}, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+    filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes {bigint} NOT NULL, created_at {bigint} NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS batches (
+    seq {serial}, id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
     endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
     status TEXT NOT NULL, ending TEXT, model TEXT, metadata TEXT, errors TEXT,
-    created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER,
-    finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
-    cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, body BLOB,
-    outcome TEXT, result BLOB, PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
-"""
+    created_at {bigint} NOT NULL, expires_at {bigint} NOT NULL, in_progress_at {bigint},
+    finalizing_at {bigint}, completed_at {bigint}, failed_at {bigint}, expired_at {bigint},
+    cancelling_at {bigint}, cancelled_at {bigint}, output_file_id TEXT, error_file_id TEXT,
+    total {bigint} NOT NULL DEFAULT 0, completed {bigint} NOT NULL DEFAULT 0, failed {bigint} NOT NULL DEFAULT 0)""",
+    """CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, idx {bigint} NOT NULL, custom_id TEXT, body {blob},
+    outcome TEXT, result {blob}, PRIMARY KEY (batch_id, idx)){without_rowid}""",
+)
 
 # columns added since the first schema, declared here only: every database, new or made before them,
 # gets them on open
 _ADDED_COLUMNS = {
     "batches": (
-        "input_tokens INTEGER NOT NULL DEFAULT 0",
-        "cached_tokens INTEGER NOT NULL DEFAULT 0",
-        "output_tokens INTEGER NOT NULL DEFAULT 0",
-        "reasoning_tokens INTEGER NOT NULL DEFAULT 0",
-    )
+        "input_tokens {bigint} NOT NULL DEFAULT 0",
+        "cached_tokens {bigint} NOT NULL DEFAULT 0",
+        "output_tokens {bigint} NOT NULL DEFAULT 0",
+        "reasoning_tokens {bigint} NOT NULL DEFAULT 0",
+    ),
+    "lines": ("claimed_by TEXT", "claim_until {real}"),  # the runner that runs the line, until when
 }
+_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS lines_claimed ON lines (claimed_by) WHERE outcome IS NULL",
+    "CREATE INDEX IF NOT EXISTS batches_status ON batches (status)",  # the runners look for active ones
+)
 _TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
@@ -87,13 +100,24 @@ class ActiveBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class Answered:
+    """A line's result to keep (:meth:`BatchStore.record_many`)."""
+
+    batch_id: str
+    idx: int
+    outcome: Outcome
+    line: bytes
+    usage: Usage = NO_USAGE
+
+
+@dataclass(frozen=True, slots=True)
 class PendingLine:
     idx: int
     custom_id: str
     body: bytes
 
 
-def _batch_object(row: sqlite3.Row) -> Json:
+def _batch_object(row: Any) -> Json:
     out: Json = {
         "id": row["id"],
         "object": "batch",
@@ -123,38 +147,43 @@ def _batch_object(row: sqlite3.Row) -> Json:
     return out
 
 
-def _file_object(row: sqlite3.Row) -> Json:
+def _usage_columns(u: Usage) -> tuple[int, int, int, int]:
+    return (u.input_tokens, u.cached_tokens, u.output_tokens, u.reasoning_tokens)
+
+
+def _file_object(row: Any) -> Json:
     return file_object(
         id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"], purpose=row["purpose"]
     )
 
 
 class BatchStore:
-    """Files, batches and request lines of every owner; each query is scoped to one owner."""
+    """Files, batches and request lines of every owner; each query is scoped to one owner.
 
-    def __init__(self, data_dir: Path) -> None:
+    ``url``: the store's database ("" for the embedded SQLite file in ``data_dir``); ``holder``: the
+    name this store's claims go by (a fresh one by default)."""
+
+    def __init__(self, data_dir: Path, url: str = "", *, holder: str | None = None) -> None:
         self.data_dir = data_dir
         self.files_dir = data_dir / "files"
         self.staging_dir = data_dir / "staging"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         # one thread at a time uses the connection (StoreThread), not always the thread that opened it
-        self._db = sqlite3.connect(data_dir / "batches.sqlite3", isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        with self._transaction() as db:  # one process adds them, should two open the folder at once
-            for table, columns in _ADDED_COLUMNS.items():
-                have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-                for column in columns:
-                    if column.split()[0] not in have:
-                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
+        self._db: Database = open_database(url, data_dir, "batches.sqlite3")
+        self.shared = self._db.shared  # other replicas run lines of the same batches
+        self.holder = holder or new_id("runner-")
+        self._db.create(_SCHEMA, _ADDED_COLUMNS, _INDEXES)
+        if not self.shared:  # the process that claimed them is gone: this one owns the file now
+            with self._transaction() as db:
+                db.execute(
+                    "UPDATE lines SET claimed_by=NULL, claim_until=NULL WHERE claimed_by IS NOT NULL AND outcome IS NULL"
+                )
 
     @classmethod
     @contextmanager
-    def open(cls, data_dir: Path) -> Iterator[BatchStore]:
-        store = cls(data_dir)
+    def open(cls, data_dir: Path, url: str = "") -> Iterator[BatchStore]:
+        store = cls(data_dir, url)
         try:
             yield store
         finally:
@@ -163,18 +192,24 @@ class BatchStore:
     def close(self) -> None:
         self._db.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _transaction(self) -> contextlib.AbstractContextManager[Database]:
+        return self._db.transaction()
 
     def file_path(self, file_id: str) -> Path:
+        """Where this replica keeps the file's content (see :meth:`local_file`)."""
         return self.files_dir / f"{file_id}.jsonl"
+
+    def local_file(self, file_id: str) -> Path:
+        """The file's content on this replica's disk: fetched from the shared store on first use."""
+        path = self.file_path(file_id)
+        if self.shared and not path.exists():
+            staged = self.staging_dir / f"{path.name}.{new_id('fetch-')}"
+            try:
+                if self._db.fetch_content(file_id, staged):
+                    os.replace(staged, path)
+            finally:
+                staged.unlink(missing_ok=True)
+        return path
 
     # -- files ---------------------------------------------------------------------------------------
 
@@ -188,6 +223,7 @@ class BatchStore:
                 "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?,?,?,?,?,?)",
                 (file_id, owner, filename, purpose, size, now),
             )
+            db.put_content(file_id, self.file_path(file_id))
         return file_object(id=file_id, bytes=size, created_at=now, filename=filename, purpose=purpose)
 
     def get_file(self, owner: str, file_id: str) -> Json | None:
@@ -197,8 +233,8 @@ class BatchStore:
     def list_files(self, owner: str, *, after: str | None, limit: int, ascending: bool, purpose: str | None) -> Json:
         op, order = (">", "ASC") if ascending else ("<", "DESC")
         rows = self._db.execute(
-            f"SELECT * FROM files WHERE owner=:owner AND (:purpose IS NULL OR purpose=:purpose) "
-            f"AND (:after IS NULL OR seq {op} (SELECT seq FROM files WHERE id=:after AND owner=:owner)) "
+            f"SELECT * FROM files WHERE owner=:owner AND (CAST(:purpose AS TEXT) IS NULL OR purpose=:purpose) "
+            f"AND (CAST(:after AS TEXT) IS NULL OR seq {op} (SELECT seq FROM files WHERE id=:after AND owner=:owner)) "
             f"ORDER BY seq {order} LIMIT :n",
             {"owner": owner, "purpose": purpose, "after": after, "n": limit + 1},
         ).fetchall()
@@ -207,6 +243,8 @@ class BatchStore:
     def delete_file(self, owner: str, file_id: str) -> bool:
         with self._transaction() as db:
             gone = db.execute("DELETE FROM files WHERE id=? AND owner=?", (file_id, owner)).rowcount == 1
+            if gone:
+                db.drop_content(file_id)
         if gone:
             self.file_path(file_id).unlink(missing_ok=True)
         return gone
@@ -244,7 +282,7 @@ class BatchStore:
     def list_batches(self, owner: str, *, after: str | None, limit: int) -> Json:
         rows = self._db.execute(
             "SELECT * FROM batches WHERE owner=:owner "
-            "AND (:after IS NULL OR seq < (SELECT seq FROM batches WHERE id=:after AND owner=:owner)) "
+            "AND (CAST(:after AS TEXT) IS NULL OR seq < (SELECT seq FROM batches WHERE id=:after AND owner=:owner)) "
             "ORDER BY seq DESC LIMIT :n",
             {"owner": owner, "after": after, "n": limit + 1},
         ).fetchall()
@@ -253,7 +291,9 @@ class BatchStore:
     def request_cancel(self, owner: str, batch_id: str, now: int) -> Json | None:
         """``cancelling`` from any unfinished status; a no-op while already cancelling."""
         with self._transaction() as db:
-            row = db.execute("SELECT status FROM batches WHERE id=? AND owner=?", (batch_id, owner)).fetchone()
+            row = db.execute(
+                "SELECT status FROM batches WHERE id=? AND owner=?{for_update}", (batch_id, owner)
+            ).fetchone()
             if row is None:
                 return None
             if row["status"] not in ("validating", "in_progress", "cancelling"):
@@ -282,7 +322,7 @@ class BatchStore:
         if row["status"] != "validating":
             return str(row["status"])
         try:
-            with self.file_path(row["input_file_id"]).open("rb") as f:
+            with self.local_file(row["input_file_id"]).open("rb") as f:
                 checked = validate_lines(f, endpoint=row["endpoint"], accepts_model=accepts_model)
         except FileNotFoundError:
             return self._fail(batch_id, now, [("invalid_file", "the input file was deleted", None)])
@@ -291,7 +331,9 @@ class BatchStore:
         if checked.bad:  # as OpenAI: a batch runs only when every line is a request it can send
             return self._fail(batch_id, now, line_problems(checked.bad))
         with self._transaction() as db:
-            if db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()["status"] != "validating":
+            if db.execute("SELECT status FROM batches WHERE id=?{for_update}", (batch_id,)).fetchone()["status"] != (
+                "validating"
+            ):
                 return self.status(batch_id)  # cancelled meanwhile
             db.execute("DELETE FROM lines WHERE batch_id=?", (batch_id,))
             db.executemany(
@@ -324,31 +366,87 @@ class BatchStore:
         ).fetchall()
         return [PendingLine(r["idx"], r["custom_id"], r["body"]) for r in rows]
 
+    def claim_lines(self, batch_id: str, *, after: int, limit: int, now: float, claim_s: float) -> list[PendingLine]:
+        """Take up to ``limit`` unanswered lines past ``after`` that no other holder's live claim holds,
+        in input order, for ``claim_s`` seconds from ``now``; none while the batch is not ``in_progress``.
+        This holder's own claims count as free: the caller passes ``after`` to skip the lines it runs."""
+        with self._transaction() as db:
+            if db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()["status"] != "in_progress":
+                return []
+            rows = db.execute(
+                "UPDATE lines SET claimed_by=:holder, claim_until=:until WHERE batch_id=:batch AND idx IN ("
+                "SELECT idx FROM lines WHERE batch_id=:batch AND idx>:after AND outcome IS NULL "
+                "AND (claim_until IS NULL OR claim_until<:now OR claimed_by=:holder) ORDER BY idx LIMIT :n{skip_locked}) "
+                "RETURNING idx, custom_id, body",
+                {
+                    "holder": self.holder,
+                    "until": now + claim_s,
+                    "batch": batch_id,
+                    "after": after,
+                    "now": now,
+                    "n": limit,
+                },
+            ).fetchall()
+        return sorted((PendingLine(r["idx"], r["custom_id"], bytes(r["body"])) for r in rows), key=lambda p: p.idx)
+
+    def renew_claims(self, *, now: float, claim_s: float) -> int:
+        """Extend every claim of this store's holder on a line still unanswered; how many."""
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE lines SET claim_until=? WHERE claimed_by=? AND outcome IS NULL",
+                (now + claim_s, self.holder),
+            ).rowcount
+
+    def release_claims(self) -> None:
+        """Give up this holder's claims on unanswered lines (it stops): another runner takes them at once."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE lines SET claimed_by=NULL, claim_until=NULL WHERE claimed_by=? AND outcome IS NULL",
+                (self.holder,),
+            )
+
+    def unanswered(self, batch_id: str) -> int:
+        """How many of the batch's lines have no result yet (claimed or not)."""
+        row = self._db.execute("SELECT COUNT(*) AS n FROM lines WHERE batch_id=? AND outcome IS NULL", (batch_id,))
+        return int(row.fetchone()["n"])
+
     def record(self, batch_id: str, idx: int, outcome: Outcome, line: bytes, usage: Usage = NO_USAGE) -> bool:
         """Keep a line's result, and add its answer's usage to the batch's, once: False when the line
         already had one."""
-        counter = "completed" if outcome == "output" else "failed"
+        return self.record_many([Answered(batch_id, idx, outcome, line, usage)])[0]
+
+    def record_many(self, answered: Sequence[Answered]) -> list[bool]:
+        """:meth:`record` for several lines in one transaction (one commit, one flush of the log); for
+        each, whether it was kept. The lines' rows first, then each batch's once, both in one order:
+        two replicas recording at once never wait on each other in a cycle."""
+        kept = [False] * len(answered)
+        sums: dict[str, list[int]] = {}
         with self._transaction() as db:
-            fresh = (
+            for n in sorted(range(len(answered)), key=lambda n: (answered[n].batch_id, answered[n].idx)):
+                a, u = answered[n], answered[n].usage
+                kept[n] = (
+                    db.execute(
+                        "UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
+                        (a.outcome, a.line, a.batch_id, a.idx),
+                    ).rowcount
+                    == 1
+                )
+                if kept[n]:
+                    added = (a.outcome == "output", a.outcome != "output", *_usage_columns(u))
+                    sums[a.batch_id] = [x + y for x, y in zip(sums.get(a.batch_id, [0] * 6), added, strict=True)]
+            for batch_id, (completed, failed, *tokens) in sorted(sums.items()):
                 db.execute(
-                    "UPDATE lines SET outcome=?, result=? WHERE batch_id=? AND idx=? AND outcome IS NULL",
-                    (outcome, line, batch_id, idx),
-                ).rowcount
-                == 1
-            )
-            if fresh:
-                db.execute(
-                    f"UPDATE batches SET {counter}={counter}+1, input_tokens=input_tokens+?, "
+                    "UPDATE batches SET completed=completed+?, failed=failed+?, input_tokens=input_tokens+?, "
                     "cached_tokens=cached_tokens+?, output_tokens=output_tokens+?, "
                     "reasoning_tokens=reasoning_tokens+? WHERE id=?",
-                    (usage.input_tokens, usage.cached_tokens, usage.output_tokens, usage.reasoning_tokens, batch_id),
+                    (completed, failed, *tokens, batch_id),
                 )
-        return fresh
+        return kept
 
     def finish(self, batch_id: str, ending: Ending, now: int) -> None:
         """End a batch: unanswered lines to the error file, the files built, the final status kept."""
         with self._transaction() as db:
-            row = db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
+            row = db.execute("SELECT * FROM batches WHERE id=?{for_update}", (batch_id,)).fetchone()
             if row["status"] not in ACTIVE:
                 return
             if row["ending"] is None:  # a cancelled batch has its cancelling_at and no finalizing_at (OpenAI's)
@@ -371,18 +469,13 @@ class BatchStore:
         with self._transaction() as db:
             for outcome, size in made.items():
                 if size is not None:
+                    file_id = f"file-{hex_id}-{outcome}"
                     db.execute(
-                        "INSERT OR REPLACE INTO files (id, owner, filename, purpose, bytes, created_at) "
-                        "VALUES (?,?,?,?,?,?)",
-                        (
-                            f"file-{hex_id}-{outcome}",
-                            row["owner"],
-                            f"batch_{hex_id}_{outcome}.jsonl",
-                            "batch_output",
-                            size,
-                            now,
-                        ),
+                        "INSERT INTO files (id, owner, filename, purpose, bytes, created_at) VALUES (?,?,?,?,?,?) "
+                        "ON CONFLICT (id) DO UPDATE SET bytes=excluded.bytes, created_at=excluded.created_at",
+                        (file_id, row["owner"], f"batch_{hex_id}_{outcome}.jsonl", "batch_output", size, now),
                     )
+                    db.put_content(file_id, self.file_path(file_id))
             final_time = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[ending]
             db.execute(
                 f"UPDATE batches SET status=?, {final_time}=?, output_file_id=?, error_file_id=? WHERE id=?",
@@ -398,19 +491,14 @@ class BatchStore:
     def _write_results(self, batch_id: str, outcome: Outcome) -> int | None:
         """The batch's file of one outcome, in input order; None (and no file) when it has no line."""
         path = self.file_path(f"file-{batch_id.removeprefix('batch_')}-{outcome}")
-        staged = self.staging_dir / path.name
+        staged = self.staging_dir / f"{path.name}.{new_id('build-')}"  # replicas may build it at once
         size = 0
-        with (
-            staged.open("wb") as out,
-            closing(
-                self._db.execute(
-                    "SELECT result FROM lines WHERE batch_id=? AND outcome=? ORDER BY idx", (batch_id, outcome)
-                )
-            ) as rows,
-        ):
-            for (line,) in rows:
-                out.write(line + b"\n")
-                size += len(line) + 1
+        with staged.open("wb") as out:
+            for row in self._db.execute(
+                "SELECT result FROM lines WHERE batch_id=? AND outcome=? ORDER BY idx", (batch_id, outcome)
+            ):
+                out.write(bytes(row["result"]) + b"\n")
+                size += len(row["result"]) + 1
             out.flush()
             os.fsync(out.fileno())
         if size == 0:
@@ -429,10 +517,10 @@ class StoreThread:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, data_dir: Path) -> AsyncIterator[StoreThread]:
+    async def open(cls, data_dir: Path, url: str = "") -> AsyncIterator[StoreThread]:
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store") as executor:
-            store = await loop.run_in_executor(executor, BatchStore, data_dir)
+            store = await loop.run_in_executor(executor, BatchStore, data_dir, url)
             try:
                 yield cls(store, executor)
             finally:

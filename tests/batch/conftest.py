@@ -122,10 +122,11 @@ async def serve_batches(
     concurrency: int = 256,
     clock: Callable[[], float] = time.time,
     body_timeout_s: float = 60.0,
+    store_url: str = "",
 ) -> AsyncIterator[Served]:
     """A small aiohttp app with only the batch routes, on a free port of 127.0.0.1; stopped on exit."""
     async with BatchService.open(
-        data_dir, executor, concurrency=concurrency, clock=clock, body_timeout_s=body_timeout_s
+        data_dir, executor, concurrency=concurrency, clock=clock, body_timeout_s=body_timeout_s, store_url=store_url
     ) as service:
         app = web.Application()
         add_routes(app)

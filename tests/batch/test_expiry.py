@@ -35,11 +35,11 @@ async def _create(service: BatchService, ids: str) -> str:
     return str(batch["id"])
 
 
-async def test_lines_not_started_within_the_window_expire(tmp_path: Path) -> None:
+async def test_lines_not_started_within_the_window_expire(tmp_path: Path, store_url: str) -> None:
     clock = ManualClock(START)
     gate = asyncio.Event()
     executor = FakeExecutor(gate=gate)
-    async with BatchService.open(tmp_path, executor, concurrency=2, clock=clock) as service:
+    async with BatchService.open(tmp_path, executor, concurrency=2, clock=clock, store_url=store_url) as service:
         batch_id = await _create(service, "abcde")
         await wait_until(lambda: executor.started == ["a", "b"], "executor.started == ['a', 'b']", timeout=20)
 
@@ -61,11 +61,11 @@ async def test_lines_not_started_within_the_window_expire(tmp_path: Path) -> Non
     assert all("completion window expired" in e["error"]["message"] for e in errors)
 
 
-async def test_a_batch_resumed_after_its_window_expires_without_running_again(tmp_path: Path) -> None:
+async def test_a_batch_resumed_after_its_window_expires_without_running_again(tmp_path: Path, store_url: str) -> None:
     clock = ManualClock(START)
     gate = asyncio.Event()
     first = FakeExecutor(gate=gate, holds=lambda content: content != "a")
-    async with BatchService.open(tmp_path, first, clock=clock) as service:
+    async with BatchService.open(tmp_path, first, clock=clock, store_url=store_url) as service:
         batch_id = await _create(service, "abc")
 
         async def a_recorded_the_rest_running() -> bool:
@@ -76,7 +76,7 @@ async def test_a_batch_resumed_after_its_window_expires_without_running_again(tm
 
     clock.now = START + DAY + 3600  # down for longer than the window
     second = FakeExecutor()
-    async with BatchService.open(tmp_path, second, clock=clock) as service:
+    async with BatchService.open(tmp_path, second, clock=clock, store_url=store_url) as service:
         batch = await wait_final(service, OWNER, batch_id)
         errors = read_lines(await service.file_content(OWNER, batch["error_file_id"]))
         output = read_lines(await service.file_content(OWNER, batch["output_file_id"]))

@@ -25,9 +25,9 @@ from tests.harness.wait import wait_until
 
 
 @pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[Served]:
+async def served(tmp_path: Path, store_url: str) -> AsyncIterator[Served]:
     executor = FakeExecutor(status_of=lambda content: 400 if content == "refused" else 200)
-    async with serve_batches(tmp_path / "batches", executor) as served:
+    async with serve_batches(tmp_path / "batches", executor, store_url=store_url) as served:
         yield served
 
 
@@ -138,10 +138,12 @@ async def test_list_pages_newest_first(served: Served) -> None:
     assert [f.id for f in files.data] == [file_id]
 
 
-async def test_cancel_lets_running_lines_finish_and_the_rest_end_in_the_error_file(tmp_path: Path) -> None:
+async def test_cancel_lets_running_lines_finish_and_the_rest_end_in_the_error_file(
+    tmp_path: Path, store_url: str
+) -> None:
     gate = asyncio.Event()
     executor = FakeExecutor(gate=gate)
-    async with serve_batches(tmp_path / "batches", executor, concurrency=2) as served:
+    async with serve_batches(tmp_path / "batches", executor, concurrency=2, store_url=store_url) as served:
         client = served.client()
         file_id = await upload(client, jsonl(*(request_line(c) for c in "abcd")))
         created = await client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")

@@ -1,5 +1,6 @@
-"""Exactly once across a restart: a batch stopped half done resumes on the same SQLite file; every line
-is answered once, and no line with a recorded result runs again."""
+"""Exactly once across a restart: a batch stopped half done resumes on the same store (the SQLite file,
+or the PostgreSQL database from another data directory: another replica); every line is answered
+once, and no line with a recorded result runs again."""
 
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ def _copy_as_killed(src: Path, dst: Path) -> None:
 
 
 @pytest.mark.parametrize("stop", ["killed", "closed"])
-async def test_a_batch_resumes_where_its_results_stand(tmp_path: Path, stop: str) -> None:
+async def test_a_batch_resumes_where_its_results_stand(tmp_path: Path, stop: str, store_url: str) -> None:
     first_dir = tmp_path / "first"
     resumed_dir = tmp_path / "resumed" if stop == "killed" else first_dir
     gate = asyncio.Event()
     first = FakeExecutor(gate=gate, holds=HELD.__contains__)
-    async with BatchService.open(first_dir, first, concurrency=len(IDS)) as service:
+    async with BatchService.open(first_dir, first, concurrency=len(IDS), store_url=store_url) as service:
         uploaded = await service.upload_file(
             OWNER, filename="in.jsonl", purpose="batch", chunks=chunks(jsonl(*map(request_line, IDS)))
         )
@@ -49,7 +50,7 @@ async def test_a_batch_resumes_where_its_results_stand(tmp_path: Path, stop: str
     assert sorted(first.finished) == IDS[:5]  # the held lines never answered: they were cancelled
 
     second = FakeExecutor()
-    async with BatchService.open(resumed_dir, second) as service:
+    async with BatchService.open(resumed_dir, second, store_url=store_url) as service:
         assert (await service.get_batch(OWNER, batch["id"]))["request_counts"]["completed"] == 5
         ended = await wait_final(service, OWNER, batch["id"])
         assert ended["status"] == "completed" and ended["error_file_id"] is None
@@ -61,8 +62,8 @@ async def test_a_batch_resumes_where_its_results_stand(tmp_path: Path, stop: str
     assert sorted(second.started) == sorted(HELD)  # a line whose result was recorded never ran again
 
 
-def test_a_late_duplicate_result_is_dropped(tmp_path: Path) -> None:
-    with BatchStore.open(tmp_path) as store:
+def test_a_late_duplicate_result_is_dropped(tmp_path: Path, store_url: str) -> None:
+    with BatchStore.open(tmp_path, store_url) as store:
         staged = store.staging_dir / "in.part"
         staged.write_bytes(jsonl(request_line("a")))
         file_id = store.add_file(OWNER, staged=staged, filename="in.jsonl", purpose="batch", now=0)["id"]
