@@ -76,7 +76,7 @@ def apply_decision(worker_id: str, decision: LoadDecision, load: WorkerLoad, dis
             decision.kv_peak_share,
         )
     if decision.batch_queue_target is not None and load.batch_in_flight:
-        keep = 0 if load.first_token_overdue(decision.time) else decision.batch_queue_target
+        keep = 0 if load.first_token_held_up(decision.time) else decision.batch_queue_target
         queued = dispatcher.withdraw_batch(worker_id, keep=keep)
         withdrawn += queued
         if queued:

@@ -234,11 +234,11 @@ class WorkerLoad:
         """Whether one more request of the class may go to the worker: under the admission limit (a
         batch request counts everything in flight there, an interactive one only the interactive
         ones); for a batch request also under the batch's own ``batch_limit``, and no interactive
-        request overdue for its first token there while the batch already has one in flight
-        (:meth:`first_token_overdue`)."""
+        request held up there for its first token while the batch already has one in flight
+        (:meth:`first_token_held_up`)."""
         if batch and self.batch_limit is not None and len(self.batch_attempts) >= self.batch_limit:
             return False
-        if batch and self.batch_attempts and self.first_token_overdue(now):
+        if batch and self.batch_attempts and self.first_token_held_up(now):
             return False
         if self.limit is None:
             return True
@@ -294,6 +294,21 @@ class WorkerLoad:
             if a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts:
                 return True
         return False
+
+    def first_token_held_up(self, now: float) -> bool:
+        """Whether an interactive request waits at the worker for its first token: overdue
+        (:meth:`first_token_overdue`), or the latest scrape shows requests waiting there while a streamed
+        interactive request has no first token yet. A batch request sent then would wait there beside
+        it for the same room, and an engine that orders its queue by cached prefix admits a batch
+        request going on from its text first."""
+        if self.first_token_overdue(now):
+            return True
+        s = self.sample
+        if s is None or s.queue <= 0 or len(self.attempts) == len(self.batch_attempts):
+            return False
+        return any(
+            a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts for a in self.attempts
+        )
 
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""

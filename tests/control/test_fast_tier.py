@@ -430,10 +430,11 @@ async def test_batch_work_arriving_just_after_a_spell_s_first_request_is_held_to
         t.future.cancel()
 
 
-async def test_an_interactive_request_overdue_for_its_first_token_has_no_batch_request_queued_ahead_of_it():
-    """The composition: the scrape's step time sets the first token's wait; a streamed interactive
-    request past it at the worker takes back every batch request waiting there (each needs more KV free
-    to be admitted than the chat request does, and the worker's queue is FIFO)."""
+async def test_an_interactive_request_held_up_at_the_worker_has_no_batch_request_queued_beside_it():
+    """The composition: a streamed interactive request without its first token while the scrape shows
+    requests waiting at the worker takes back every batch request waiting there, before its first token
+    is due (a batch request waits there for the same room, and an engine that orders its queue by cached
+    prefix admits one going on from its text first); with nothing waiting there, none."""
     from proxy.compose import _fast_tier
     from proxy.engines.base import Sample
     from proxy.request.admission import AdmissionQueue, Priority
@@ -451,15 +452,19 @@ async def test_an_interactive_request_overdue_for_its_first_token_has_no_batch_r
     chat = d.submit(Priority.INTERACTIVE, 100)
     chat.future.result().streamed = True
     load.scrape_started()  # four tokens a step at 100 tokens/s: 0.04 s steps
-    board.publish("w0", Sample(time=10.0, queue=3, running=4, token_usage=0.9, generation_tokens_total=100.0), None)
+    board.publish("w0", Sample(time=10.0, queue=0, running=4, token_usage=0.9, generation_tokens_total=100.0), None)
     assert load.first_token_wait_s == S.first_token_steps * 0.04
-    assert not any(t.future.result().taken_back for t in batch)  # the chat request was just sent: nothing overdue
-    clock[0] = 11.0
+    assert not any(t.future.result().taken_back for t in batch)  # nothing waits at the worker
+    assert not load.has_room(clock[0], batch=True) is False  # and the batch may go on
+    clock[0] = 10.05  # before its first token is due
     load.scrape_started()
-    board.publish("w0", Sample(time=11.0, queue=3, running=4, token_usage=0.9, generation_tokens_total=200.0), None)
+    board.publish("w0", Sample(time=10.05, queue=3, running=4, token_usage=0.9, generation_tokens_total=105.0), None)
     # the scrape's three waiting are the newest sent: the chat request and two batch ones, both taken back
     assert [t for t in batch if t.future.result().taken_back] == batch[2:]
     assert not chat.future.result().taken_back
+    assert not load.has_room(clock[0], batch=True)  # no refill while it waits there
+    chat.future.result().mark_started()
+    assert load.has_room(clock[0], batch=True)  # its first token came
     for t in (*batch, chat):
         t.future.cancel()
 
