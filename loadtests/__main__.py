@@ -5,6 +5,7 @@ overhead   direct vs through sglang-pacer vs through sglang-router
 scenario   controller scenarios: default vs adaptive vs oracle arms
 fleet      two pools behind one proxy vs behind separate proxies (per-pool throughput)
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
+budget     the output budget on vs off vs control off: first tokens, tails, throughput
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "scenario": "loadtests.scenarios",
     "batch": "loadtests.batch_job",
     "fleet": "loadtests.fleet",
+    "budget": "loadtests.budget",
 }
 
 
