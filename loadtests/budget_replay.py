@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.budget_replay", description=__doc__.split("\n")[0])
     p.add_argument("--workload", default="bursty", choices=list(WORKLOADS))
     p.add_argument("--arms", default="budget,no-budget,off")
-    p.add_argument("--count", type=int, default=4000, help="requests (the mix: 1 in 200 long)")
+    p.add_argument("--count", type=int, default=2000, help="requests (the mix: 1 in 200 long)")
     p.add_argument("--rate", type=float, default=7.0, help="requests per modelled second")
     p.add_argument("--trace", default=None, help="write each arm's requests, moves and trace here (JSON)")
     ns = p.parse_args(argv)
