@@ -61,12 +61,13 @@ class _Open:
     first_token: float | None = None
     written: int = 0
     parts: int = 1
+    seam_s: float = 0.0  # engine seconds its later parts waited for their first token (the continuations' wait)
 
 
 @dataclass(slots=True)
 class Replayed:
-    """Per request (workload index): arrival, dispatch, first token and answer, engine seconds; the
-    fast tier's moves (time, limit, queue target, budget) and the engine's trace (time, waiting,
+    """Per request (workload index): arrival, dispatch, first token and answer, engine seconds, its
+    parts and how long the later ones waited for their first token; the fast tier's moves (time, limit, queue target, budget) and the engine's trace (time, waiting,
     running, proxy queue)."""
 
     arrival: list[float]
@@ -74,6 +75,7 @@ class Replayed:
     first_token: list[float] = field(default_factory=list)
     answered: list[float] = field(default_factory=list)
     parts: list[int] = field(default_factory=list)
+    seam_s: list[float] = field(default_factory=list)
     moves: list[tuple[float, int | None, int | None, int | None]] = field(default_factory=list)
     trace: list[tuple[float, int, int, int]] = field(default_factory=list)
 
@@ -85,9 +87,12 @@ class Replayed:
         def q(v: list[float], p: float) -> float:
             return round(v[max(0, math.ceil(p * len(v)) - 1)], 3) if v else math.nan
 
+        after = sorted(self.answered[i] - self.first_token[i] for i in chosen)
+        seams = sorted(self.seam_s[i] for i in chosen if self.parts[i] > 1)
         return {"ttft_p50_s": q(ttft, 0.5), "ttft_p99_s": q(ttft, 0.99), "e2e_p50_s": q(e2e, 0.5),
-                "e2e_p99_s": q(e2e, 0.99), "last_answer_s": round(max(self.answered[i] for i in chosen), 2),
-                "continued": sum(1 for i in chosen if self.parts[i] > 1)}  # fmt: skip
+                "e2e_p99_s": q(e2e, 0.99), "after_first_p50_s": q(after, 0.5), "after_first_p99_s": q(after, 0.99),
+                "last_answer_s": round(max(self.answered[i] for i in chosen), 2),
+                "continued": len(seams), "seam_wait_p50_s": q(seams, 0.5), "seam_wait_p99_s": q(seams, 0.99)}  # fmt: skip
 
 
 class _Admission:
@@ -128,7 +133,7 @@ class _Replay:
         self.out = Replayed(arrival=list(arrivals))
         n = len(arrivals)
         self.out.dispatched, self.out.first_token = [math.nan] * n, [math.nan] * n
-        self.out.answered, self.out.parts = [math.nan] * n, [1] * n
+        self.out.answered, self.out.parts, self.out.seam_s = [math.nan] * n, [1] * n, [0.0] * n
         self.todo = sorted(range(n), key=lambda i: (arrivals[i], i), reverse=True)
         self.queue: deque[int] = deque()
         self.on_engine: dict[str, tuple[_Open, Req]] = {}
@@ -178,6 +183,8 @@ class _Replay:
         if attempt.first_token is None:
             attempt.first_token = req.first_token_time
             self.out.first_token[i] = req.first_token_time or t
+        else:  # a continuation: how long it waited at the worker for its first token
+            attempt.seam_s += (req.first_token_time or t) - req.arrival
         attempt.written += self.eng.output_len(req)
         _, asked, true_len = self.requests[i]
         if attempt.sent_max is not None and attempt.written < min(asked, true_len):  # reached its cap: goes on
@@ -187,7 +194,7 @@ class _Replay:
             budget = self.load.output_budget(interactive=True, max_tokens=asked) or asked
             self._send(attempt, t, max(1, min(asked - attempt.written, max(budget, attempt.written))))
             return
-        self.out.answered[i], self.out.parts[i] = t, attempt.parts
+        self.out.answered[i], self.out.parts[i], self.out.seam_s[i] = t, attempt.parts, attempt.seam_s
         self.load.facts.record(RequestFact(time=t, arrived=self.out.arrival[i], prompt_tokens=req.prompt_len,
                                            output_tokens=attempt.written, max_tokens=asked, finish_reason="stop",
                                            ttft_s=(attempt.first_token or t) - attempt.dispatched,
@@ -237,7 +244,7 @@ def main(argv: list[str]) -> int:
         print(arm, json.dumps(out.summary()), "long answers:" if long else "",
               json.dumps(out.summary(long)) if long else "", flush=True)  # fmt: skip
         kept[arm] = {"summary": out.summary(), "arrival": out.arrival, "dispatched": out.dispatched,
-                     "first_token": out.first_token, "answered": out.answered, "parts": out.parts,
+                     "first_token": out.first_token, "answered": out.answered, "parts": out.parts, "seam_s": out.seam_s,
                      "moves": out.moves, "trace": out.trace}  # fmt: skip
     if ns.trace:
         with open(ns.trace, "w") as f:

@@ -392,6 +392,25 @@ async def _read_end(session: Any, url: str, res: ArmResult, proxy: ProxyProcess)
     res.planner_peak_rss_mb = proxy.planner_peak_rss_mb()
 
 
+async def _wait_ready(session: Any, url: str, failure: str, timeout_s: float = 300.0) -> None:
+    """Until the proxy is ready and every worker of it is up and scraped (else ``RuntimeError(failure)``)."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url + "/ready") as resp:
+                if resp.status == 200:
+                    states = [w["state"] for w in (await _get_json(session, url + "/admin/workers"))["workers"]]
+                    if all(x == "ready" for x in states):
+                        return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        await asyncio.sleep(0.2)
+
+
 async def run_arm(
     sc: Scenario,
     arm: str,
@@ -426,19 +445,7 @@ async def run_arm(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
-            deadline = time.monotonic() + 300
-            while True:  # every worker is up and scraped
-                try:
-                    async with session.get(url + "/ready") as resp:
-                        if resp.status == 200:
-                            states = [w["state"] for w in (await _get_json(session, url + "/admin/workers"))["workers"]]
-                            if all(x == "ready" for x in states):
-                                break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
-                await asyncio.sleep(0.2)
+            await _wait_ready(session, url, f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
             model = (await _get_json(session, url + "/v1/models"))["data"][0]["id"]
             counters: dict[str, _Counter] = {}
             stop = asyncio.Event()
