@@ -234,9 +234,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--arms", default="budget,no-budget,off")
     p.add_argument("--count", type=int, default=2000, help="requests (the mix: 1 in 200 long)")
     p.add_argument("--rate", type=float, default=7.0, help="requests per modelled second")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(200, 600), metavar=("LO", "HI"), help="prompt tokens")
     p.add_argument("--trace", default=None, help="write each arm's requests, moves and trace here (JSON)")
     ns = p.parse_args(argv)
-    sc = workloads(ns.count, ns.rate)[ns.workload]
+    sc = workloads(ns.count, ns.rate, prompt_len=tuple(ns.prompt_len))[ns.workload]
     long = long_answers(sc)
     kept: dict[str, Any] = {}
     for arm in ns.arms.split(","):
