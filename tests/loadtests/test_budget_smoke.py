@@ -32,8 +32,9 @@ def test_the_arms_differ_from_the_shipped_control_only_where_they_say() -> None:
 def test_the_mix_has_a_long_phase_and_the_bursty_chat_none() -> None:
     chosen = workloads(count=1000)
     mix, bursty = chosen["mix"], chosen["bursty"]
-    long = long_answers(mix)
-    assert len(long) == 5 and all(mix.workload.requests()[i][2] >= 1000 for i in long)
+    long, requests = long_answers(mix), mix.workload.requests()
+    assert len(long) == 5 and all(requests[i][2] >= 1000 for i in long)
+    assert all(requests[i][2] <= 500 for i in set(range(len(requests))) - set(long))
     assert long_answers(bursty) == [] and max(r[2] for r in bursty.workload.requests()) <= 500
     assert mix.workload.count == bursty.workload.count == 1000
 
