@@ -6,6 +6,7 @@ scenario   controller scenarios: default vs adaptive vs oracle arms
 fleet      two pools behind one proxy vs behind separate proxies (per-pool throughput)
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 store      the Batch API store's cost per line: SQLite vs a shared PostgreSQL
+budget     the output budget on vs off vs control off: first tokens, tails, throughput
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "loadtests.batch_job",
     "fleet": "loadtests.fleet",
     "store": "loadtests.store_overhead",
+    "budget": "loadtests.budget",
 }
 
 

@@ -60,6 +60,29 @@ def runqueue_wait_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), from ``/proc``; gone ones are skipped."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in task.read_text().split()]
+                out.extend(kids)
+                todo.extend(kids)
+    return out
+
+
+def tree_usage(pid: int) -> dict[int, tuple[float, float]]:
+    """``pid`` and each of its descendants: (CPU seconds, seconds waiting for a CPU) so far."""
+    usage: dict[int, tuple[float, float]] = {}
+    for one in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            usage[one] = (cpu_seconds(one), runqueue_wait_seconds(one))
+    return usage
+
+
 @dataclass
 class Proc:
     name: str

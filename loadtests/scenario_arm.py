@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.procs import cpu_seconds, runqueue_wait_seconds, tree_usage
 from loadtests.scenario_defs import Scenario, Trial
 from loadtests.scenario_proxy import ProxyProcess, policy_toml
 
@@ -83,6 +84,11 @@ class ArmResult:
     time_scale: float = 1.0  # modelled seconds per wall second (the answer times below are modelled)
     proxy_peak_rss_mb: float | None = None  # the proxy process's peak resident memory (Linux: VmHWM)
     planner_peak_rss_mb: float | None = None  # its planner's process's (None: no plan ran)
+    # per role (client: this process; proxy; its workers; its planner's processes):
+    # CPU cores used and the share of the run its threads waited for a CPU (run-queue wait, from /proc)
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    output_budgets: dict[str, Any] = field(default_factory=dict)  # per worker, the output budgets at the end
+    continuations: float | None = None  # answers continued past their output budget (the proxy's counter)
 
     @property
     def mean_answer_s(self) -> float | None:
@@ -183,6 +189,8 @@ async def _sample(
                 "serving": round(states.count("ready") / len(states), 4),
                 "proxy_queue": sum(body["proxy_queue"].values()),
                 "in_flight": body["in_flight"],
+                "limit": workers[0].get("limit"),  # the fast tier's admission limit (first worker's; None: none)
+                "queue_target": workers[0].get("queue_target"),
                 "queue": None,
                 "running": None,
                 "token_usage": None,
@@ -330,6 +338,79 @@ def _count_log(log_dir: Path) -> tuple[int, int]:
     return retracted, ooms
 
 
+def _usage_now(proxy_pid: int) -> dict[str, dict[int, tuple[float, float]]]:
+    """(CPU seconds, CPU wait seconds) so far: this process's (the client's), and the proxy's and its descendants'."""
+    me = os.getpid()
+    return {"client": {me: (cpu_seconds(me), runqueue_wait_seconds(me))}, "proxy": tree_usage(proxy_pid)}
+
+
+def _role(pid: int) -> str:
+    """A descendant of the proxy: one of its ``planner``'s processes (``multiprocessing``) or a ``workers``'."""
+    try:
+        spawned = b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        spawned = False
+    return "planner" if spawned else "workers"
+
+
+def _cpu_used(
+    before: dict[str, dict[int, tuple[float, float]]],
+    after: dict[str, dict[int, tuple[float, float]]],
+    proxy_pid: int,
+    wall_s: float,
+) -> dict[str, dict[str, float]]:
+    """Per role, the CPU cores it used over ``wall_s`` and the share of it its threads waited for a CPU
+    (summed over its threads and processes): ``client`` (this process), ``proxy``, and the proxy's
+    descendants, ``workers`` and ``planner`` (its processes); one started meanwhile counts whole,
+    one that ended takes its figures with it."""
+    sums: dict[str, list[float]] = {}
+    for tree in ("client", "proxy"):
+        for pid, (cpu, wait) in after[tree].items():
+            role = tree if tree == "client" or pid == proxy_pid else _role(pid)
+            cpu0, wait0 = before[tree].get(pid, (0.0, 0.0))
+            got = sums.setdefault(role, [0.0, 0.0])
+            got[0] += max(0.0, cpu - cpu0)
+            got[1] += max(0.0, wait - wait0)
+    wall_s = max(wall_s, 1e-9)
+    return {role: {"cores": round(c / wall_s, 3), "cpu_wait": round(w / wall_s, 3)} for role, (c, w) in sums.items()}
+
+
+async def _read_end(session: Any, url: str, res: ArmResult, proxy: ProxyProcess) -> None:
+    """What the proxy says at the end of an arm: its decisions, the workers' restarts, arguments and
+    output budgets, the continuations past a budget, and its peak memory."""
+    res.decisions = (await _get_json(session, url + "/admin/decisions"))["decisions"]
+    workers = (await _get_json(session, url + "/admin/workers"))["workers"]
+    res.restarts = sum(int(w["restarts"]) for w in workers)
+    res.final_args = dict(workers[0]["args"]) if len(workers) == 1 else {w["id"]: w["args"] for w in workers}
+    res.output_budgets = {w["id"]: w.get("output_budget") for w in workers}
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("pacer_output_budget_continuations_total")]  # fmt: skip
+    res.continuations = sum(counts) if counts else None
+    res.proxy_peak_rss_mb = proxy.peak_rss_mb()
+    res.planner_peak_rss_mb = proxy.planner_peak_rss_mb()
+
+
+async def _wait_ready(session: Any, url: str, failure: str, timeout_s: float = 300.0) -> None:
+    """Until the proxy is ready and every worker of it is up and scraped (else ``RuntimeError(failure)``)."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url + "/ready") as resp:
+                if resp.status == 200:
+                    states = [w["state"] for w in (await _get_json(session, url + "/admin/workers"))["workers"]]
+                    if all(x == "ready" for x in states):
+                        return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        await asyncio.sleep(0.2)
+
+
 async def run_arm(
     sc: Scenario,
     arm: str,
@@ -342,9 +423,11 @@ async def run_arm(
     worker_args: Sequence[Mapping[str, Any]] = (),
     trial: Trial | None = None,
     control: Mapping[str, Any] | None = None,
+    pacing: Mapping[str, Any] | None = None,
 ) -> ArmResult:
     """One arm, end to end: start the proxy, submit the workload (and ``trial``, an operator's, at its
-    moment), follow it, stop, count. ``control``: the arm's ``[control]`` keys (None: the shipped ones)."""
+    moment), follow it, stop, count. ``control``: the arm's ``[control]`` keys (None: the shipped ones);
+    ``pacing``: its ``[pacing]`` (None: the scenarios' :data:`~loadtests.scenario_proxy.PACING`)."""
     import aiohttp
 
     workdir = Path(workdir).resolve()  # the proxy runs there: the policy's paths must not be relative
@@ -352,7 +435,7 @@ async def run_arm(
     for old in (workdir / "logs").glob("*.log"):  # worker logs are appended: a re-run in the same workdir
         old.unlink()  # would count the earlier run's retractions and OOMs too
     policy = workdir / "policy.toml"
-    policy.write_text(policy_toml(sc, args, mode, workdir, worker_args, control))
+    policy.write_text(policy_toml(sc, args, mode, workdir, worker_args, control, pacing))
     res = ArmResult(
         arm=arm, args={k: v for k, v in args.items() if v is not None}, control_mode=mode, time_scale=sc.time_scale
     )
@@ -362,23 +445,13 @@ async def run_arm(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as session:
-            deadline = time.monotonic() + 300
-            while True:  # every worker is up and scraped
-                try:
-                    async with session.get(url + "/ready") as resp:
-                        if resp.status == 200:
-                            states = [w["state"] for w in (await _get_json(session, url + "/admin/workers"))["workers"]]
-                            if all(x == "ready" for x in states):
-                                break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
-                await asyncio.sleep(0.2)
+            await _wait_ready(session, url, f"{sc.name}/{arm}: the proxy never became ready; see {workdir}")
             model = (await _get_json(session, url + "/v1/models"))["data"][0]["id"]
             counters: dict[str, _Counter] = {}
             stop = asyncio.Event()
             load_start = os.getloadavg()[0]
+            assert proxy.proc is not None
+            usage_start = _usage_now(proxy.proc.pid)
             t0 = res.started = time.monotonic()
             sampler = asyncio.create_task(_sample(session, url, t0, res.series, counters, stop))
             injector = (
@@ -401,6 +474,7 @@ async def run_arm(
             # until the last answer; a run cut short by the deadline (or a broken connection) counts all of it
             res.duration_s = time.monotonic() - t0 if pending or broken else res.last_answer_s
             stop.set()
+            res.cpu = _cpu_used(usage_start, _usage_now(proxy.proc.pid), proxy.proc.pid, time.monotonic() - t0)
             await sampler
             if injector is not None:
                 res.trial = await injector
@@ -411,12 +485,7 @@ async def run_arm(
             res.requests_lost = len(requests) - res.requests_ok - res.requests_failed
             res.output_tok_per_s = res.output_tokens / res.duration_s if res.duration_s > 0 else 0.0
             res.retractions_counter = round(sum(c.total for k, c in counters.items() if k.startswith("retractions:")))
-            res.decisions = (await _get_json(session, url + "/admin/decisions"))["decisions"]
-            workers = (await _get_json(session, url + "/admin/workers"))["workers"]
-            res.restarts = sum(int(w["restarts"]) for w in workers)
-            res.final_args = dict(workers[0]["args"]) if len(workers) == 1 else {w["id"]: w["args"] for w in workers}
-            res.proxy_peak_rss_mb = proxy.peak_rss_mb()
-            res.planner_peak_rss_mb = proxy.planner_peak_rss_mb()
+            await _read_end(session, url, res, proxy)
     finally:
         await proxy.stop()
     res.retractions, res.oom_crashes = _count_log(workdir / "logs")

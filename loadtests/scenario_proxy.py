@@ -24,7 +24,16 @@ import tomli_w
 
 from loadtests.scenario_defs import Scenario
 
-__all__ = ["PACING", "SHIPPED_POLICY", "ProxyProcess", "arm_control", "control_hash", "policy_toml", "shipped_control"]
+__all__ = [
+    "PACING",
+    "SHIPPED_POLICY",
+    "ProxyProcess",
+    "arm_control",
+    "control_hash",
+    "policy_toml",
+    "shipped_control",
+    "shipped_pacing",
+]
 
 # a batch deployment's band: the queue is held near 100 + headroom; without a fresh sample the proxy
 # sends at most running + 400 (not 2000 at once, which buries the worker before its first scrape)
@@ -36,8 +45,17 @@ SHIPPED_POLICY = _ROOT / "policies" / "default.toml"  # what `make run` serves: 
 
 def shipped_control() -> dict[str, Any]:
     """The shipped policy's ``[control]`` table, as written there."""
+    return _shipped_table("control")
+
+
+def shipped_pacing() -> dict[str, Any]:
+    """The shipped policy's ``[pacing]`` table, as written there (what ``make run`` paces with)."""
+    return _shipped_table("pacing")
+
+
+def _shipped_table(name: str) -> dict[str, Any]:
     with SHIPPED_POLICY.open("rb") as f:
-        return dict(tomllib.load(f).get("control", {}))
+        return dict(tomllib.load(f).get(name, {}))
 
 
 def control_hash(table: Mapping[str, Any]) -> str:
@@ -61,10 +79,11 @@ def policy_toml(
     workdir: Path,
     worker_args: Sequence[Mapping[str, Any]] = (),
     control: Mapping[str, Any] | None = None,
+    pacing: Mapping[str, Any] | None = None,
 ) -> str:
     """The policy of one arm: ``sc.workers`` simulated workers with ``args`` (and each its own
     ``worker_args`` over them), control ``mode``; its other ``[control]`` keys are ``control``'s
-    (None: the shipped policy's, unchanged)."""
+    (None: the shipped policy's, unchanged); its ``[pacing]`` is ``pacing`` (None: :data:`PACING`)."""
     engine_extra: dict[str, Any] = {"worker_args": [dict(a) for a in worker_args]} if worker_args else {}
     tables: dict[str, dict[str, Any]] = {
         "proxy": {"host": "127.0.0.1", "port": 0, "request_timeout_s": 3600.0, "status_log_interval_s": 5.0},
@@ -75,7 +94,7 @@ def policy_toml(
                    # fixed on the wall clock, not scaled: the simulator's exit at SIGTERM (its server's
                    # cleanup) takes wall time whatever its modelled clock; 5 s bounds it below the default
                    "stop_grace_s": 5.0},
-        "pacing": PACING,
+        "pacing": dict(PACING if pacing is None else pacing),
         "control": arm_control(mode, control),
     }  # fmt: skip
     return tomli_w.dumps(tables)

@@ -24,7 +24,7 @@ from proxy.request.pacing import LoadBoard, SampleObserver, WorkerLoad
 from proxy.workers.base import WorkerPool
 from proxy.workers.fleet import PoolView
 
-__all__ = ["BudgetJournal", "fast_tier", "look_again"]
+__all__ = ["BudgetJournal", "fast_tier", "load_reading", "look_again"]
 
 
 BudgetJournal = Callable[[str, OutputBudget, float], None]
@@ -46,7 +46,7 @@ def fast_tier(
         if sample is None or not _serves(dispatcher.pool, worker_id):
             return
         load = board.get(worker_id)
-        decision = tier.decide(worker_id, sample, _reading(tier, worker_id, sample, load, dispatcher.admission))
+        decision = tier.decide(worker_id, sample, load_reading(tier, worker_id, sample, load, dispatcher.admission))
         apply_decision(worker_id, decision, load, dispatcher)
         if journal is not None:
             for evidence in decision.evidence:
@@ -55,7 +55,7 @@ def fast_tier(
     return observe
 
 
-def _reading(
+def load_reading(
     tier: FastTier, worker_id: str, sample: Sample, load: WorkerLoad, admission: AdmissionQueue
 ) -> LoadReading:
     """What the fast tier reads of a worker's load, over the facts' window before ``sample``: the

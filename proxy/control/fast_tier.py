@@ -5,9 +5,9 @@ previous :class:`Pace` and one :class:`PaceInput`):
 
 * the **admission limit** (AIMD): how many requests the proxy lets the worker hold. Unset at first;
   over-commitment (retractions per 1,000 output tokens above the threshold, smoothed over
-  ``rate_window_s``, or interactive first tokens rising above ``ttft_rise`` x their floor) backs it
-  off, at most once per ``hold_s`` and only once the last back-off has bitten; it grows by 1/16
-  per ``hold_s`` of time while it binds and the pool is under-used.
+  ``rate_window_s``, or, beside batch work, interactive first tokens rising above ``ttft_rise`` x
+  their floor) backs it off, at most once per ``hold_s`` and only once the last back-off has
+  bitten; it grows by 1/16 per ``hold_s`` of time while it binds and the pool is under-used.
 * the **queue target** inside the policy's band: its base for short answers, towards its top for long.
 * beside interactive work, the **batch's own queue target and limit**: the batch holds the KV it is
   heading for (:func:`kv_peak`), not what it holds now; batch requests queued ahead of a waiting
@@ -342,12 +342,16 @@ def _ttft_floor(floor: float | None, look: PaceInput, settings: PaceSettings) ->
 
 
 def _first_token_rose(prev: Pace, look: PaceInput, settings: PaceSettings) -> bool:
-    """Whether interactive first tokens rose past ``ttft_rise`` x their floor with a server queue (only
-    for latency-bound work: long answers wait for their first token whatever the limit)."""
+    """Whether interactive first tokens rose past ``ttft_rise`` x their floor with a server queue, beside
+    batch work (only for latency-bound work: long answers wait for their first token whatever the
+    limit). With interactive work alone a limit cannot bring a first token sooner: the requests it
+    holds back wait in the proxy's queue instead of the worker's, in the same order, and the running
+    batch a burst would have joined is smaller (docs/benchmarks.md, the output budget)."""
     chat_output = _interactive_output(look)
     latency_bound = chat_output is None or chat_output < settings.long_output_tokens
     return (
-        latency_bound
+        look.batch_in_flight > 0
+        and latency_bound
         and look.ttft_s is not None
         and prev.ttft_floor is not None
         and look.queue > 0

@@ -100,11 +100,26 @@ def test_grown_past_the_ceiling_the_limit_is_lifted():
     assert _run([_look(10.0, in_flight=S.ceiling, backlog=1, token_usage=0.1)], start)[0].limit is None
 
 
-def test_time_to_first_token_rising_with_a_server_queue_backs_off():
-    paces = _run([_look(0.0, ttft_s=0.2), _look(1.0, ttft_s=0.25), _look(2.0, ttft_s=1.0)])
+def test_time_to_first_token_rising_with_a_server_queue_beside_a_batch_backs_off():
+    paces = _run([_look(0.0, ttft_s=0.2, batch_in_flight=40), _look(1.0, ttft_s=0.25, batch_in_flight=40),
+                  _look(2.0, ttft_s=1.0, batch_in_flight=40)])  # fmt: skip
     assert paces[1].limit is None and paces[2].limit is not None and "first token" in paces[2].reason
-    no_queue = _run([_look(0.0, ttft_s=0.2), _look(2.0, ttft_s=1.0, queue=0)])
+    no_queue = _run([_look(0.0, ttft_s=0.2, batch_in_flight=40), _look(2.0, ttft_s=1.0, queue=0, batch_in_flight=40)])
     assert no_queue[1].limit is None  # slow answers without a queue are the requests' own length
+
+
+def test_interactive_work_alone_is_not_held_back_for_its_own_first_tokens():
+    """Chat alone, in a burst: its first tokens rise far past their floor with a server queue. A limit
+    would only move the wait from the worker's queue to the proxy's and shrink the running batch the
+    burst is waiting to join, so nothing backs off; retractions still do, and a batch beside it."""
+    rising = [0.05, 0.06, 0.5, 2.0, 8.0]
+    burst = [_look(float(t), ttft_s=x, queue=60, running=90, in_flight=150, backlog=200, mean_output_tokens=300.0)
+             for t, x in enumerate(rising)]  # fmt: skip
+    assert all(p.limit is None for p in _run(burst))
+    beside = [replace(look, batch_in_flight=20, interactive_waiting=130) for look in burst]
+    assert _run(beside)[-1].limit is not None
+    storm = _run([*burst, replace(burst[-1], time=5.0, retractions_total=6.0)])
+    assert storm[-1].limit is not None and "retractions" in storm[-1].reason
 
 
 def test_the_floor_follows_a_lasting_change_instead_of_backing_off_forever():
@@ -159,7 +174,8 @@ def test_a_back_off_is_judged_on_the_first_tokens_of_what_was_sent_after_it():
     from proxy.compose import _fast_tier
     from proxy.engines.base import Sample
     from proxy.policy import parse_policy
-    from proxy.request.admission import AdmissionQueue
+    from proxy.request.admission import AdmissionQueue, Priority
+    from proxy.request.attempt import Attempt, Ticket
     from proxy.request.dispatch import Dispatcher
     from proxy.request.facts import RequestFact
     from proxy.request.pacing import Band, LoadBoard
@@ -172,6 +188,8 @@ def test_a_back_off_is_judged_on_the_first_tokens_of_what_was_sent_after_it():
     )
     board.subscribe(_fast_tier(board, dispatcher))
     facts = board.get("w0").facts
+    batch = Ticket(Priority.BATCH, 0.0, 1.0, None)  # type: ignore[arg-type]
+    board.get("w0").reserve(Attempt(batch, "w0", 0.0), batch=True)  # the batch the chat waited behind
 
     def answered(sent: float, ttft: float, n: int = 1) -> None:
         for _ in range(n):
@@ -218,9 +236,11 @@ def test_a_batch_of_long_outputs_waiting_for_kv_is_not_slowed_by_its_time_to_fir
     """A backlogged batch's first tokens wait behind the longer server queue this tier gives it and for
     KV to free: that is its design, judged on throughput; chat's wait is its figure."""
     rising = [0.2, 0.3, 1.0, 3.0, 8.0]
-    batch = _run([_look(float(t), ttft_s=x, queue=60, mean_output_tokens=1600.0) for t, x in enumerate(rising)])
+    batch = _run([_look(float(t), ttft_s=x, queue=60, mean_output_tokens=1600.0, batch_in_flight=100)
+                  for t, x in enumerate(rising)])  # fmt: skip
     assert all(p.limit is None for p in batch)
-    chat = _run([_look(float(t), ttft_s=x, queue=8, mean_output_tokens=300.0) for t, x in enumerate(rising)])
+    chat = _run([_look(float(t), ttft_s=x, queue=8, mean_output_tokens=300.0, batch_in_flight=100)
+                 for t, x in enumerate(rising)])  # fmt: skip
     assert chat[-1].limit is not None and "first token" in chat[-1].reason
 
 
@@ -230,7 +250,7 @@ def test_the_first_token_sign_reads_the_interactive_class_not_the_worker_s_mix()
     judged on throughput, like a batch."""
     rising = [0.2, 0.3, 1.0, 3.0, 8.0]
     mixed = [_look(float(t), ttft_s=x, queue=8, mean_output_tokens=1100.0, interactive_output_tokens=300.0,
-                   interactive_waiting=5) for t, x in enumerate(rising)]  # fmt: skip
+                   interactive_waiting=5, batch_in_flight=100) for t, x in enumerate(rising)]  # fmt: skip
     paces = _run(mixed)
     assert paces[-1].limit is not None and "first token" in paces[-1].reason
     long_chat = [replace(look, interactive_output_tokens=1600.0, mean_output_tokens=300.0) for look in mixed]
