@@ -10,6 +10,9 @@ process group, which ends when its standard input closes: when the session ends,
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.wait import wait_until_blocking
 from tests.real.envs import RECIPES, is_built, tiny_model_dir
 
 # the fixtures (conftest.py) that need each environment
@@ -27,6 +31,14 @@ ROOT = Path(__file__).parents[2]
 
 def needs_engine(item: pytest.Item) -> bool:
     return any(name in NEEDS for name in getattr(item, "fixturenames", ()))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _built(name: str) -> bool:
@@ -60,10 +72,14 @@ class Build:
         return cls(proc, log, tuple(names))
 
     def wait(self) -> str | None:
-        """Once it ended: None if it built everything, else what to say of it."""
+        """Once it ended: None if it built everything, else what to say of it. A build killed alone
+        leaves its pip running in its process group: that ends too, before anyone builds there again."""
         rc = self.proc.wait()
         if rc == 0:
             return None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        wait_until_blocking(lambda: not _group_alive(self.proc.pid), "the build's processes gone", timeout=60)
         how = f"was killed (signal {-rc})" if rc < 0 else f"failed (exit {rc})"
         tail = self.log.read_text(errors="replace")[-3000:]
         return (
