@@ -4,6 +4,8 @@ import signal
 
 import pytest
 
+from tests.real.prebuild import needs_engine
+
 pytest_plugins = ["tests.harness.proxy", "tests.harness.postgres"]
 
 
@@ -16,8 +18,13 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow real-engine tests and the long end-to-end runs first: spread over cores (pytest-xdist,
-    ``make test-fast``), a run ends sooner when its longest tests start first than when one of them is
-    left for the end (each module keeps its own order)."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("long") else 1)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One at a time (``make test``), the tests that need a real engine last: the environments they need
+    build in the background meanwhile (tests/real/prebuild.py). Spread over cores (pytest-xdist,
+    ``make test-fast``), the slow real-engine tests and the long end-to-end runs first: a run ends sooner
+    when its longest tests start first than when one of them is left for the end. Each module keeps its
+    own order."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("long") else 1)
+    else:
+        items.sort(key=needs_engine)

