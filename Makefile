@@ -60,10 +60,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## test: the checks above, then every test, the slow real-engine ones included, one at a time: ~19 min
-##       on two cores shared with other work, the install and a first build of the engine environments
-##       included (it runs while the tests that need no engine run); over two processes ~9 min, but two
-##       of five runs each broke on a different wait in real time under a starved CPU
+## test: the checks above, then every test, the slow real-engine ones included, one at a time: ~14 min
+##       on a quiet 2-core machine with the engine environments cached (a first build runs beside the
+##       tests that need no engine); over two processes ~9 min, but two of five runs each broke on a
+##       different wait in real time under a starved CPU
 test: lint browser postgres
 	$(PY) -m pytest -q
 
