@@ -47,10 +47,9 @@ def workloads(
     count: int = 2000, rate: float = 7.0, time_scale: float = 4.0, prompt_len: tuple[int, int] = (200, 600)
 ) -> dict[str, Scenario]:
     """The two workloads, ``count`` requests at ``rate`` per modelled second with prompts of
-    ``prompt_len`` tokens, the worker ``time_scale`` times faster than modelled. At 7 per second these prompts and answers are near what the worker
-    serves with control off (6.8 per second in a paced replay, ``loadtests.oracle.simulate_paced``;
-    8.2 under a budget of 768). At time scale 10 (70 requests and ~22,000 streamed tokens per wall
-    second) a shared 2-core machine measures its CPU: first tokens waited 12 s at the median."""
+    ``prompt_len`` tokens, the worker ``time_scale`` times faster than modelled. At 7 per second these
+    prompts and answers are near what the worker serves with control off (docs/benchmarks.md); a
+    faster time scale measures a shared 2-core machine's CPU more than the design."""
     chat: dict[str, Any] = {**_CHAT, "prompt_len": prompt_len}
     bursty = Workload(count=count, output_len=(120, 500), rate=rate, shape=0.3, seed=51, **chat)
     n_long = max(1, round(count * LONG_SHARE))
