@@ -97,15 +97,15 @@ class Budgets:
         if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
+        in_flight = tuple(self._surroundings.in_flight(worker_id))
         # its saturated pace before it, back as far as the facts the budget was set on (the journal's context)
         pace = saturated_pace(
             w.window, now - c.facts_window_s, now, settle_s=c.min_evidence_s, enough_s=c.min_evidence_s
         )
         before = {**w.window.busy().summary(), **pace_fields(pace)}
         self._roster.journal.update(entry_id, outcome={"before": before})
-        others = any(o.interactive is not cohort.interactive for o in workload) or any(
-            r.interactive is not cohort.interactive for r in self._surroundings.in_flight(worker_id)
-        )
+        classes = {o.interactive for o in workload} | {r.interactive for r in in_flight}
+        others = (not cohort.interactive) in classes
         why = self._unmeasurable(w.serving, evidence, beside_another_class=others)
         if why is not None:
             self._journal(entry_id, {"not_measured": why})
@@ -120,7 +120,7 @@ class Budgets:
         twin = self._twin(args)
         inputs = BudgetInputs(gpu=twin.gpu, model=twin.model, args=args, decode=decode_stats(w.window),
                               kv_capacity_tokens=kv_capacity(w.window), workload=workload,
-                              in_flight=tuple(self._surroundings.in_flight(worker_id)), now=now,
+                              in_flight=in_flight, now=now,
                               max_requests=c.plan_requests, horizon_s=c.plan_horizon_s, cohort=cohort,
                               before=evidence.sent_before, budget=evidence.sent_now)  # fmt: skip
         self._jobs.append(BudgetJob(worker_id, entry_id, inputs))

@@ -291,7 +291,7 @@ class WorkerLoad:
         for a in self.attempts:  # in the order they were dispatched: past ``due`` the rest are newer
             if a.dispatched_at >= due:
                 return False
-            if a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts:
+            if self._awaits_first_token(a):
                 return True
         return False
 
@@ -306,9 +306,11 @@ class WorkerLoad:
         s = self.sample
         if s is None or s.queue <= 0 or len(self.attempts) == len(self.batch_attempts):
             return False
-        return any(
-            a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts for a in self.attempts
-        )
+        return any(self._awaits_first_token(a) for a in reversed(self.attempts))  # the newest most likely
+
+    def _awaits_first_token(self, a: Attempt) -> bool:
+        """A streamed interactive attempt still open here without its first token."""
+        return a.streamed and not a.started and not a.taken_back and a not in self.batch_attempts
 
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""

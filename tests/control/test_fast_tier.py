@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -20,6 +21,10 @@ from proxy.control.fast_tier import (
     output_budget,
     queue_target,
 )
+
+if TYPE_CHECKING:
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import LoadBoard
 
 S = PaceSettings()
 BAND = {"lo": 4, "hi": 64, "headroom": 4}  # base 8
@@ -598,6 +603,23 @@ def test_the_fast_tier_s_timings_are_the_constants_on_the_workers_clock():
     assert PaceSettings.of(parse_policy({}, "<t>").control, interactive_window_s=5.0) == PaceSettings()
 
 
+def _composed_on_virtual_time() -> tuple[LoadBoard, Dispatcher]:
+    """A board and a dispatcher on the running loop's clock, the fast tier observing the board and the
+    chat's first request looking at once, as the composition root wires them."""
+    from proxy.compose import _fast_tier, _look_again
+    from proxy.request.admission import AdmissionQueue
+    from proxy.request.dispatch import Dispatcher
+    from proxy.request.pacing import Band, LoadBoard
+
+    board = LoadBoard()
+    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
+                   stale_after_s=1e9, clock=asyncio.get_running_loop().time)  # fmt: skip
+    observer = _fast_tier(board, d)
+    board.subscribe(observer)
+    d.on_interactive_spell = _look_again(board, d, observer)
+    return board, d
+
+
 @pytest.mark.looptime
 async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due_has_a_batch_request_make_room():
     """The composition, on virtual time: chat requests sent to a worker the batch fills are watched; when
@@ -605,19 +627,11 @@ async def test_a_streamed_chat_request_still_waiting_when_its_first_token_is_due
     the worker and no batch request waits there, the newest batch request running there is taken back
     (they wait for KV room): one per due time for all of them, until the first tokens come; then none.
     With nothing waiting at the worker, nothing is taken back."""
-    from proxy.compose import _fast_tier, _look_again
     from proxy.engines.base import Sample
-    from proxy.request.admission import AdmissionQueue, Priority
-    from proxy.request.dispatch import Dispatcher
-    from proxy.request.pacing import Band, LoadBoard
+    from proxy.request.admission import Priority
 
     loop = asyncio.get_running_loop()
-    board = LoadBoard()
-    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
-                   stale_after_s=1e9, clock=loop.time)  # fmt: skip
-    observer = _fast_tier(board, d)
-    board.subscribe(observer)
-    d.on_interactive_spell = _look_again(board, d, observer)  # as composed: the chat's first request looks
+    board, d = _composed_on_virtual_time()
     load = board.get("w0")
     batch = [d.submit(Priority.BATCH, 100) for _ in range(4)]
     for t, tokens in ((loop.time() - 1.0, 0.0), (loop.time(), 100.0)):  # four running, 0.04 s steps
@@ -657,19 +671,11 @@ async def test_an_overdue_first_token_has_as_many_batch_requests_make_room_as_it
     """A chat request waits at the worker for room: at its due time the newest batch requests whose
     prompt and max_tokens cover its own are taken back at once (an engine that reserves a request's
     output admits it only then), at least one; a size not known counts as one request."""
-    from proxy.compose import _fast_tier, _look_again
     from proxy.engines.base import Sample
-    from proxy.request.admission import AdmissionQueue, Priority
-    from proxy.request.dispatch import Dispatcher
-    from proxy.request.pacing import Band, LoadBoard
+    from proxy.request.admission import Priority
 
     loop = asyncio.get_running_loop()
-    board = LoadBoard()
-    d = Dispatcher(_ReadyPool(), board, AdmissionQueue(100), band=Band(lo=4, hi=64, headroom=4),  # type: ignore[arg-type]
-                   stale_after_s=1e9, clock=loop.time)  # fmt: skip
-    observer = _fast_tier(board, d)
-    board.subscribe(observer)
-    d.on_interactive_spell = _look_again(board, d, observer)  # as composed: the chat's first request looks
+    board, d = _composed_on_virtual_time()
     load = board.get("w0")
     batch = [d.submit(Priority.BATCH, 100, prompt_tokens=400, max_tokens=2000) for _ in range(4)]
     for t, tokens in ((loop.time() - 1.0, 0.0), (loop.time(), 100.0)):  # four running, 0.04 s steps
