@@ -75,7 +75,9 @@ class PaceSettings:
     budget_quantile: float = 0.99  # of the recent answers' output tokens ...
     budget_margin: float = 1.5  # ... times this, ...
     budget_step: int = 64  # ... rounded up to a multiple of this
-    budget_min_answers: int = 50  # answers of the class needed before it has a budget
+    # answers of the class needed before it has a budget: one new answer in n + 1 is longer than all n, and
+    # far fewer past the margin; a budget that holds too few is lifted (budget_overrun_*)
+    budget_min_answers: int = 20
     budget_answers: int = 256  # the newest answers of the class it is read from
     budget_floor: int = 256  # never below this many tokens
     budget_note_change: float = 0.25  # a move by this share or more is journaled (set and lifted always are)
