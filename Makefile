@@ -60,12 +60,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## test: the checks above, then every test, the slow real-engine ones included, one at a time: ~14 min
-##       on a quiet 2-core machine with the engine environments cached (a first build runs beside the
-##       tests that need no engine); over two processes ~9 min, but two of five runs each broke on a
-##       different wait in real time under a starved CPU
+## test: the checks above, then every test (tests/suite.py): those that need no real engine over two
+##       processes while the engine environments build, then the slow real-engine ones one at a time
 test: lint browser postgres
-	$(PY) -m pytest -q
+	$(PY) -m tests.suite
 
 ## test-fast: the checks, then everything but the slow real-engine tests and the long end-to-end runs,
 ##            over up to 4 cores

@@ -280,12 +280,14 @@ class Window:
 
     @property
     def peak_running(self) -> int | None:
+        """The largest running batch of the samples and the statistics lines. A prefill line's batch
+        is the one running before it plus the requests it adds: the next decode step runs them all (a
+        scrape can miss that step, and a worker that dies in it logs no decode line)."""
         values = [s.running for s in self.samples]
-        values += [
-            int(e.fields["running"])
-            for e in self.of_kind(EventKind.BATCH_STATS)
-            if isinstance(e.fields.get("running"), int)
-        ]
+        for e in self.of_kind(EventKind.BATCH_STATS):
+            running, added = e.fields.get("running"), e.fields.get("new_seqs")
+            if isinstance(running, int):
+                values.append(running + (added if isinstance(added, int) else 0))
         return max(values) if values else None
 
     @property

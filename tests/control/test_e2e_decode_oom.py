@@ -2,7 +2,8 @@
 activations (``--mem-fraction-static 0.99``) and CUDA graphs only for small batches dies of a CUDA
 OOM in decode once its running batch grows past ~230 requests. The controller reads the traceback
 (decode), revives the worker with ``--max-running-requests`` below the peak batch it saw (once more
-at most, where a starved scrape saw too low a peak), and every request is answered in full."""
+at most: a prefill that adds many requests at once can take the batch past the cap's margin), and
+every request is answered in full."""
 
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: P
         assert results == [OUTPUT_TOKENS] * N_REQUESTS  # nothing lost
 
         decisions = await proxy.decisions()
-        # one death, or two where a starved scrape saw the batch only below the size that killed it (the
-        # cap from that peak was still too high); each death lowers the cap again
+        # one death, or a second where the cap below the batch that died still let a prefill take the
+        # batch past what fits (it dies in that prefill, or in the decode step after it): each death
+        # lowers the cap again, or the prefill's memory
         ooms = [d for d in decisions if d["rule"] == "decode_oom"]
-        assert 1 <= len(ooms) <= 2, ooms
+        prefill_ooms = [d for d in decisions if d["rule"] == "prefill_oom" and d["status"] == "applied"]
+        assert 1 <= len(ooms) <= 2 and len(ooms) + len(prefill_ooms) <= 2, (ooms, prefill_ooms)
         caps = [200]
         for oom in ooms:
             assert oom["status"] == "applied", oom
@@ -69,8 +72,9 @@ async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: P
 
         info = pool.get(worker)
         assert info.state is WorkerState.READY and info.pid != first_pid
-        assert info.args["max_running_requests"] == caps[-1] and info.restarts == len(ooms)
-        assert len(proxy.controller.state(worker).deaths) == len(ooms)
+        deaths = len(ooms) + len(prefill_ooms)
+        assert info.args["max_running_requests"] == caps[-1] and info.restarts == deaths
+        assert len(proxy.controller.state(worker).deaths) == deaths
         tail = pool.tail(worker, 5000)
         since_ready = tail[max(i for i, line in enumerate(tail) if "ready to roll" in line) :]
         assert any("Decode batch" in line for line in since_ready)

@@ -106,3 +106,11 @@ def test_restart_and_begin_keep_the_new_startup_line() -> None:
     startup = LogEvent(kind=EventKind.STARTUP, time=105.0, fields={"available_gpu_mem_gb": 7.0})
     serving = restarting.push(startup).push(s(106.0)).begin(110.0)
     assert serving.startup is startup and serving.samples == () and serving.since == 110.0
+
+
+def test_a_prefill_line_s_batch_counts_the_requests_it_adds() -> None:
+    # a worker that dies in the decode step after this prefill logs no decode line with 150 running
+    prefill = LogEvent(kind=EventKind.BATCH_STATS, time=1.0, fields={"running": 20, "new_seqs": 130, "queue": 9})
+    decode = LogEvent(kind=EventKind.BATCH_STATS, time=0.5, fields={"running": 40, "queue": 9})
+    w = Window().push(s(0.0, running=1)).push(decode).push(prefill)
+    assert w.peak_running == 150

@@ -41,7 +41,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _built(name: str) -> bool:
+def built(name: str) -> bool:
     return is_built(RECIPES[name]) and (name != "vllm" or (tiny_model_dir() / ".complete").exists())
 
 
@@ -49,7 +49,7 @@ def missing(items: list[pytest.Item]) -> list[str]:
     """The environments the items need that are not built yet (the vLLM one with the tiny model), vLLM
     first: SGLang's links its torch."""
     wanted = {NEEDS[name] for item in items for name in getattr(item, "fixturenames", ()) if name in NEEDS}
-    return [name for name in RECIPES if name in wanted and not _built(name)]
+    return [name for name in RECIPES if name in wanted and not built(name)]
 
 
 @dataclass(frozen=True, slots=True)
