@@ -205,6 +205,22 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(text)
 
 
+def written_past(path: Path, t: float) -> bool:
+    """Whether the probe has written everything :func:`read_window` reads up to ``t``: a line whose middle
+    lies past ``t`` (the lines go out in order, each with the stalls that ended by its end)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 16384))  # the last lines: a line is under 1 KB
+            tail = fh.read().rsplit(b"\n", 2)
+    except FileNotFoundError:
+        return False
+    try:
+        last = json.loads(tail[-2]) if len(tail) >= 2 else None
+    except json.JSONDecodeError:  # a line cut at the start of the tail read
+        return False
+    return last is not None and (last["t0"] + last["t1"]) / 2 > t
+
+
 def read_window(path: Path, t0: float, t1: float) -> LagWindow | None:
     """What the probe saw from ``t0`` to ``t1`` (``perf_counter`` times, one clock for every process on
     Linux): its lines whose middle lies there, and the stalls that overlap it; None when no line does

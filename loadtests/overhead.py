@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.loadgen import Counter, Outcome, closed_loop, completion_body, open_loop, percentile, summarize
-from loadtests.loop_lag import FLUSH_S, Stall, probed, read_window
+from loadtests.loop_lag import FLUSH_S, INTERVAL_S, Stall, probed, read_window, written_past
 from loadtests.procs import Proc, cpu_seconds, runqueue_wait_seconds, start_pacer, start_router, start_sim
 
 ARMS = ("direct", "pacer", "sglang-router")
@@ -146,10 +146,12 @@ class Bench:
 
 
 async def _after_window(bench: Bench, arm: str, before: Usage, t0: float) -> tuple[dict[str, Any], float]:
-    """The usage since ``before`` (at ``t0``), once the probes have written the window's last lines."""
+    """The usage since ``before`` (at ``t0``), once the probes have written the window's last lines (at
+    most ``2 * FLUSH_S`` later: a probe held back longer is read as far as it got)."""
     after, t1 = _read_usage(bench.procs), time.perf_counter()
-    if bench.lag_files:
-        await asyncio.sleep(2 * FLUSH_S)
+    files = list(bench.lag_files.values())
+    while time.perf_counter() < t1 + 2 * FLUSH_S and not all(written_past(f, t1) for f in files):
+        await asyncio.sleep(INTERVAL_S)
     return usage_window(arm, before, after, t1 - t0), t1
 
 

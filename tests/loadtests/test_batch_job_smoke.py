@@ -20,7 +20,7 @@ def test_batch_benchmark_tiny_run(tmp_path: Path) -> None:
     report_path = tmp_path / "batch.json"
     cmd = [sys.executable, "-m", "loadtests", "batch", "--report", str(report_path), "--log-dir", str(tmp_path / "logs"),
            "--lines", "120", "--sweep-requests", "60", "--concurrency", "16", "64", "--output-len", "16",
-           "--interactive-rate", "40", "--interactive-requests", "10", "--interactive-delay", "0.2", "--rounds", "2",
+           "--interactive-rate", "80", "--interactive-requests", "10", "--interactive-delay", "0.1", "--rounds", "2",
            "--interactive-len", "8", "--time-scale", "50", "--poll-s", "0.05",
            "--max-running", "24", "--designs", "shipped", "priority"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)

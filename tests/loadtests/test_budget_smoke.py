@@ -72,8 +72,10 @@ def test_in_virtual_time_the_budget_continues_the_long_answers_and_chat_alone_is
 @pytest.mark.timeout(180)
 def test_a_tiny_run_reports_every_arm_side_by_side(tmp_path: Path) -> None:
     report_path = tmp_path / "budget.json"
+    # twice the default rate: the mix's one long answer arrives sooner, and the run ends with it
     cmd = [sys.executable, "-m", "loadtests", "budget", "--workloads", "mix", "--rounds", "1", "--count", "60",
-           "--time-scale", "50", "--report", str(report_path), "--workdir", str(tmp_path / "work")]  # fmt: skip
+           "--rate", "14", "--time-scale", "50", "--report", str(report_path),
+           "--workdir", str(tmp_path / "work")]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from loadtests.loadgen import Outcome, RunResult, summarize
-from loadtests.loop_lag import LagProbe, Stall, read_window
+from loadtests.loop_lag import LagProbe, Stall, read_window, written_past
 from loadtests.overhead import ARMS, aggregate, summary, table, tail_stalls, usage_window
 from tests.harness.wait import wait_until
 
@@ -131,3 +131,15 @@ async def test_the_probe_sees_a_blocking_call_on_its_loop(tmp_path: Path) -> Non
     (full,) = window.full_passes  # [start, wall ms, CPU ms, objects freed]
     assert full[0] > blocked[0].end and full[1] > 0 and full[2] >= 0
     assert read_window(out, t0 - 100, t0 - 50) is None  # nothing before it started
+
+
+def test_a_window_is_read_once_the_probe_wrote_a_line_whose_middle_lies_past_it(tmp_path: Path) -> None:
+    out = tmp_path / "lag.jsonl"
+    assert not written_past(out, 10.0)  # no probe yet
+    line = '{"t0":%s,"t1":%s,"lags_ms":[],"stalls":[],"ran_s":0,"waited_s":0,"gc_s":0,"gc_full_passes":[]}\n'
+    out.write_text(line % (9.75, 10.0))
+    assert not written_past(out, 10.0)
+    with out.open("a") as f:
+        f.write(line % (10.0, 10.25))  # its middle, 10.125, is read by a window up to 10.1 but not 10.2
+        f.write('{"t0":10.25,"t1"')  # a line being written
+    assert written_past(out, 10.1) and not written_past(out, 10.2)

@@ -43,9 +43,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     tmp = tmp_path_factory.mktemp("overhead")
     report_path = tmp / "overhead.json"
     cmd = [sys.executable, "-m", "loadtests", "overhead", "--report", str(report_path), "--log-dir", str(tmp / "logs"),
-           "--rate", "40", "--duration", "1", "--warmup", "0.3", "--rounds", str(ROUNDS), "--output-len", "8",
-           "--stream-concurrency", "8", "--stream-output-len", "300", "--stream-warmup", "0.5", "--stream-window", "1",
-           "--stream-time-scale", "20"]  # fmt: skip
+           "--rate", "80", "--duration", "0.5", "--warmup", "0.1", "--rounds", str(ROUNDS), "--output-len", "8",
+           "--stream-concurrency", "8", "--stream-output-len", "300", "--stream-warmup", "0.1",
+           "--stream-window", "0.5", "--stream-time-scale", "20"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(report_path.read_text()), done.stdout

@@ -24,6 +24,7 @@ from loadtests.scenarios import (
     shipped_control,
 )
 from proxy.policy import load_policy
+from proxy.sim.request import RequestSpec
 
 SMALL = SearchSpace(
     schedule_conservativeness=(0.1, 0.5, 1.0, 1.6),
@@ -102,9 +103,17 @@ def test_a_control_table_other_than_the_shipped_one_is_written_as_given(tmp_path
     )
 
 
+def _head(sc: Scenario, count: int) -> list[RequestSpec]:
+    """The first ``count`` requests of a scenario's workload, without building the rest."""
+    assert isinstance(sc.workload, Workload) and sc.workload.count >= count
+    return dataclasses.replace(sc.workload, count=count).specs()
+
+
 def test_workload_is_deterministic_and_exact() -> None:
     wl = Workload(count=5, prompt_len=(10, 20), max_tokens=50, output_len=(5, 60), seed=9)
     assert wl.requests() == wl.requests()
+    arriving = dataclasses.replace(wl, rate=2.0)  # a head is the smaller count's, arrivals too (_head)
+    assert dataclasses.replace(arriving, count=3).specs() == arriving.specs()[:3]
     for spec, (_, max_tokens, out) in zip(wl.specs(), wl.requests(), strict=True):
         assert 10 <= len(spec.prompt_ids or ()) <= 20
         assert spec.output_len == out <= max_tokens == 50
@@ -127,7 +136,7 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
         workload=Workload(count=60, prompt_len=(50, 150), max_tokens=300, output_len=(200, 300), seed=1),
         start_args={"schedule_conservativeness": 0.1, "max_total_tokens": 6000, "max_running_requests": 64},
         gpu="a100-40gb",
-        time_scale=20.0,
+        time_scale=40.0,
     )
     report_path = tmp_path / "tiny.json"
     report = run_scenario(sc, report_path, workdir=tmp_path / "work", max_run_s=120)
@@ -193,7 +202,7 @@ def test_decode_oom_premise_holds_behind_the_proxy() -> None:
     from loadtests.scenarios import scenario_pacing
 
     sc = SCENARIOS["decode-oom"]
-    head = sc.workload.specs()[:3000]
+    head = _head(sc, 3000)
     dead = evaluate(sc.start_args, head, gpu=sc.gpu, model=sc.model, pacing=scenario_pacing(sc))
     assert dead.oom == "decode" and dead.score == 0.0 and dead.makespan_s < 60  # died in the first fill
     capped = evaluate(
@@ -225,7 +234,7 @@ def test_a_restart_in_the_replay_costs_its_start_up_and_the_work_taken_back() ->
     assert slow.makespan_s > early.makespan_s
 
     sc = SCENARIOS["prefill-oom"]
-    head = sc.workload.specs()[:200]
+    head = _head(sc, 200)
     dies = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
     assert simulate_paced(dies, head, pacing).oom == "prefill"
     fixed = sim_config({**sc.start_args, "chunked_prefill_size": 8192}, gpu=sc.gpu, model=sc.model)
@@ -252,7 +261,7 @@ def test_tiny_phased_scenario_with_arrivals_and_another_control(tmp_path: Path) 
         )),
         start_args={"schedule_conservativeness": 0.3},
         gpu="a100-40gb",
-        time_scale=20.0,
+        time_scale=40.0,
     )  # fmt: skip
     other = {**shipped_control(), "restarts_per_hour": 1}
     report = run_scenario(sc, tmp_path / "tiny.json", arms=("default", "adaptive"), workdir=tmp_path / "w",
