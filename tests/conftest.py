@@ -6,7 +6,7 @@ import pytest
 
 from tests.real.prebuild import needs_engine
 
-pytest_plugins = ["tests.harness.proxy", "tests.harness.postgres"]
+pytest_plugins = ["tests.harness.proxy", "tests.harness.postgres", "tests.harness.replays"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

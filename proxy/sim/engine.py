@@ -45,7 +45,7 @@ class QueueFull(Exception):
     message = "The request queue is full."
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Step:
     kind: str  # "prefill" | "decode"
     duration: float  # seconds on the engine's clock (modelled seconds / time scale)
@@ -250,7 +250,8 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, now: float) -> Step | None:
         self.now = now
-        self._preempt_for_priority()
+        if self.cfg.enable_priority_scheduling:
+            self._preempt_for_priority()
         admitted = self.scheduler.next_prefill(self.kv)
         if admitted is not None:
             return self._prefill_step(admitted.items)

@@ -18,7 +18,7 @@ from proxy.sim.engine import Engine, LogFn, QueueFull
 from proxy.sim.request import Req, RequestSpec
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TracePoint:
     time: float
     queue: int  # #queue-req

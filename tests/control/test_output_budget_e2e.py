@@ -105,7 +105,7 @@ async def test_requests_taken_back_by_a_restart_keep_what_the_worker_wrote(tmp_p
     async with running_proxy(
         tmp_path,
         args={"schedule_conservativeness": 1.0},
-        extra_args=["--sim-time-scale", "2"],  # 1,500 tokens take the batch of 8 about 7 s
+        extra_args=["--sim-time-scale", "5"],  # 1,500 tokens take the batch of 8 about 4.5 s
         control={"mode": "auto", "restarts_per_hour": 0, "drain_timeout_s": 0.5, "output_budget": False},
     ) as proxy:
         worker = proxy.state.pool.workers()[0].id

@@ -40,6 +40,7 @@ from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
+pytestmark = pytest.mark.usefixtures("replays_once")  # a replay seen before is not run again
 GPU, MODEL = "a100-40gb", "llama-3.1-8b"
 
 

@@ -43,6 +43,7 @@ from tests.harness.wait import wait_until
 
 from .test_controller import Around, Clock, RecordingActor, controller, feed, info, samples
 
+pytestmark = pytest.mark.usefixtures("replays_once")  # a replay seen before is not run again
 ARGS = {"model_path": "m", "schedule_conservativeness": 1.0, "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
 
 

@@ -5,7 +5,7 @@ The real parts: ``pacer serve`` on the default policy (its controller timed by t
 worker's clock, ten times the wall's), the simulated workers, ``pacer demo`` as their load and
 ``pacer try`` as the restart (an operator's trial on one of two workers; with the demo's ``--start``,
 whatever the controller journals).
-The worker runs under a small shell that outlives a SIGTERM by two seconds, the way an engine
+The worker runs under a small shell that outlives a SIGTERM by a second, the way an engine
 takes its time to exit: the signal lands while the rollout waits for the old worker to stop.
 """
 
@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the worker: the simulator under a shell that, SIGTERMed with its group, waits 2 s before it exits
-_SLOW_EXIT = 'trap "sleep 2; exit 0" TERM; echo "$$" >> "$PIDS"; "$@" & echo "$!" >> "$PIDS"; wait "$!"'
+# the worker: the simulator under a shell that, SIGTERMed with its group, waits 1 s before it exits
+_SLOW_EXIT = 'trap "sleep 1; exit 0" TERM; echo "$$" >> "$PIDS"; "$@" & echo "$!" >> "$PIDS"; wait "$!"'
 
 
 def _alive(pid: int) -> bool:
@@ -43,7 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 def _in_its_trap(pids: Path) -> bool:
-    """A worker's shell has its SIGTERM and waits out its 2 s (its ``sleep 2`` runs): the old worker stops."""
+    """A worker's shell has its SIGTERM and waits out its 1 s (its ``sleep 1`` runs): the old worker stops."""
     shells = {int(p) for p in pids.read_text().split()} if pids.exists() else set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -52,7 +52,7 @@ def _in_its_trap(pids: Path) -> bool:
             stat, argv = (entry / "stat").read_text(), (entry / "cmdline").read_bytes().split(b"\0")[:-1]
         except OSError:
             continue
-        if argv == [b"sleep", b"2"] and int(stat.rsplit(")", 1)[1].split()[1]) in shells:
+        if argv == [b"sleep", b"1"] and int(stat.rsplit(")", 1)[1].split()[1]) in shells:
             return True
     return False
 
@@ -76,6 +76,8 @@ def _policy(tmp_path: Path, *, workers: int = 1) -> Path:
         # the restart this test stops in: without the output budget the demo's first phase takes one
         "# output_budget = true ": "output_budget = false ",
         "workers = 1\n": f"workers = {workers}\n",
+        # a start-up of 0.2 s, not the modelled one (weights, CUDA graphs): the stop tested comes after it
+        '"--sim-gpu", "a100-40gb"]': '"--sim-gpu", "a100-40gb", "--sim-startup-seconds", "0.2"]',
     }
     for old, new in swaps.items():
         assert old in text, old
@@ -122,8 +124,8 @@ def test_a_signal_during_a_controller_restart_stops_everything_promptly(tmp_path
         assert tried.returncode == 0, tried.stdout + tried.stderr
         wait_until_blocking(lambda: "restarting worker w0" in log_path.read_text(), "the restart", timeout=40,
                             detail=lambda: log_path.read_text()[-3000:])  # fmt: skip
-        # the supervisor sends SIGTERM just after that line; the stop lands inside the old worker's 2 s
-        wait_until_blocking(lambda: _in_its_trap(pids), "the old worker stopping (its shell's 2 s)",
+        # the supervisor sends SIGTERM just after that line; the stop lands inside the old worker's 1 s
+        wait_until_blocking(lambda: _in_its_trap(pids), "the old worker stopping (its shell's 1 s)",
                             detail=lambda: log_path.read_text()[-3000:])  # fmt: skip
         stop_started = time.monotonic()
         serve.send_signal(sig)
@@ -197,7 +199,7 @@ def test_demo_start_stops_the_proxy_it_started_and_its_workers(tmp_path: Path, s
         assert tried.returncode == 0, tried.stdout + tried.stderr
         journal = tmp_path / "decisions.jsonl"
 
-        def restarting() -> bool:  # the trial's restart is under way (its drain, then the 2 s stop)
+        def restarting() -> bool:  # the trial's restart is under way (its drain, then the 1 s stop)
             assert demo.poll() is None, out_path.read_text()[-3000:]
             return journal.exists() and '"status":"acting"' in journal.read_text()
 

@@ -170,7 +170,7 @@ async def test_a_worker_killed_mid_stream_cuts_no_plain_answer(tmp_path: Path) -
 
     length = 600
     streamed: dict[int, int] = {}  # request -> content events read so far
-    async with one_sim_worker(tmp_path, time_scale=2) as (url, st):
+    async with one_sim_worker(tmp_path, time_scale=4) as (url, st):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         extra = {"sim_output_len": length}
 
@@ -241,7 +241,7 @@ async def test_whole_answers_on_a_worker_that_dies_wait_for_it_to_come_back_with
     """One try per request: answers half written when the only worker is SIGKILLed are not failed
     (502 "failed before any output"): their connection broke and the worker refuses new ones, so
     they wait for the revived worker, and each gets its whole answer."""
-    async with one_sim_worker(tmp_path, time_scale=2, max_attempts=1) as (url, st), aiohttp.ClientSession() as session:
+    async with one_sim_worker(tmp_path, time_scale=4, max_attempts=1) as (url, st), aiohttp.ClientSession() as session:
 
         async def whole(i: int) -> tuple[int, bytes]:
             body = {"model": MODEL, "prompt": f"whole {i}", "max_tokens": 400, "sim_output_len": 400}

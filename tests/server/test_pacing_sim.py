@@ -4,10 +4,11 @@ of two ``pacer sim`` workers; each worker's own ``/metrics`` is sampled meanwhil
 Tolerance held: while the proxy still holds a backlog (at least 100 requests queued) and after a
 worker's queue first reached the band's lower edge, every sample of ``#queue-req`` is <= the upper
 edge, and at most 25% of samples are below the lower edge. Below-edge samples come from refills
-that lag completions. The workers run at the wall's pace (time scale 1): faster, the proxy, two
-workers and this load generator on two busy cores cannot carry requests to the workers as fast as
-they finish them, and a worker's queue shows the requests in transit as missing. The controller is
-off: a restart of a worker (a drain) is not pacing. All requests complete, each exactly once.
+that lag completions. The workers run at twice the wall's pace (time scale 2), which the proxy
+keeps fed on two busy cores; faster (3 and up), the proxy, two workers and this load generator on
+two busy cores cannot carry requests to the workers as fast as they finish them, and a worker's
+queue shows the requests in transit as missing. The controller is off: a restart of a worker (a
+drain) is not pacing. All requests complete, each exactly once.
 
 Output lengths vary (8..55 tokens), as real traffic does: with identical lengths a whole running
 batch finishes in one step and the server moves its entire queue into the batch at once, so any
@@ -40,7 +41,7 @@ timeout_s = 240
 kind = "sim"
 workers = 2
 args = {{ max_running_requests = 32 }}
-extra_args = ["--sim-time-scale", "1", "--sim-startup-seconds", "0.2"]
+extra_args = ["--sim-time-scale", "2", "--sim-startup-seconds", "0.2"]
 log_dir = "logs"
 startup_timeout_s = 60
 stop_grace_s = 5

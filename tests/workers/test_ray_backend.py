@@ -34,7 +34,12 @@ GPUS_PER_NODE = 2
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    # the GCS checks each raylet every 0.2 s and calls a node dead after 5 failed checks in a row (Ray's
+    # defaults: 3 s and 5): a removed node's GPUs leave the cluster's resources in a second, not in 15
+    health = {"health_check_period_ms": 200, "health_check_failure_threshold": 5}
+    # no autoscaler (its monitor process): the cluster's nodes are the test's own
+    head = {"num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "no_monitor": True, "_system_config": health}
+    c = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(3):
         c.add_node(num_cpus=1, num_gpus=GPUS_PER_NODE)
     c.wait_for_nodes()
