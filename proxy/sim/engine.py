@@ -45,6 +45,8 @@ class QueueFull(Exception):
     message = "The request queue is full."
 
 
+# not frozen: one is made every simulated step, and a frozen one sets each field through
+# object.__setattr__ (a sixth of a step's CPU); nothing changes one after it is made
 @dataclass(slots=True)
 class Step:
     kind: str  # "prefill" | "decode"

@@ -18,6 +18,8 @@ from proxy.sim.engine import Engine, LogFn, QueueFull
 from proxy.sim.request import Req, RequestSpec
 
 
+# not frozen: one is made every simulated step, and a frozen one sets each field through
+# object.__setattr__ (a sixth of a step's CPU); nothing changes one after it is made
 @dataclass(slots=True)
 class TracePoint:
     time: float
