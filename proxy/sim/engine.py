@@ -46,7 +46,7 @@ class QueueFull(Exception):
 
 
 # not frozen: one is made every simulated step, and a frozen one sets each field through
-# object.__setattr__ (a sixth of a step's CPU); nothing changes one after it is made
+# object.__setattr__, a cost felt per step; nothing changes one after it is made
 @dataclass(slots=True)
 class Step:
     kind: str  # "prefill" | "decode"

@@ -19,7 +19,7 @@ from proxy.sim.request import Req, RequestSpec
 
 
 # not frozen: one is made every simulated step, and a frozen one sets each field through
-# object.__setattr__ (a sixth of a step's CPU); nothing changes one after it is made
+# object.__setattr__, a cost felt per step; nothing changes one after it is made
 @dataclass(slots=True)
 class TracePoint:
     time: float
