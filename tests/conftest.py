@@ -19,11 +19,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One at a time (``make test``), the tests that need a real engine last: the environments they need
-    build in the background meanwhile (tests/real/prebuild.py). Spread over cores (pytest-xdist,
-    ``make test-fast``), the slow real-engine tests and the long end-to-end runs first: a run ends sooner
-    when its longest tests start first than when one of them is left for the end. Each module keeps its
-    own order."""
+    """One at a time (``make test``'s second part, or plain ``pytest``), the tests that need a real engine
+    last: the environments they need build in the background meanwhile (tests/real/prebuild.py). Spread
+    over cores (pytest-xdist: ``make test``'s first part, ``make test-fast``), the slow real-engine tests
+    and the long end-to-end runs first: a run ends sooner when its longest tests start first than when
+    one of them is left for the end. Each module keeps its own order."""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("long") else 1)
     else:

@@ -21,19 +21,12 @@ from proxy.control.workload import Observed, Replay, replay
 from proxy.sim.config import SimConfigError
 
 _SEEN: dict[bytes, Prediction] = {}
-_last: tuple[Replay, bytes] | None = None  # the replay digested last: a plan replays one under each candidate
 
 
 def _digest(loaded: Replay) -> bytes:
-    global _last
-    last = _last  # one read: a plan computed in a thread may digest another meanwhile
-    if last is not None and last[0] is loaded:
-        return last[1]
     answered = sorted(loaded.answered.items())
     what = (loaded.specs, sorted(loaded.foreground), loaded.until, answered, loaded.continues_at, loaded.start)
-    digest = hashlib.blake2b(repr(what).encode(), digest_size=20).digest()
-    _last = (loaded, digest)
-    return digest
+    return hashlib.blake2b(repr(what).encode(), digest_size=20).digest()
 
 
 def _key(twin: Twin, args: Mapping[str, object], loaded: Replay) -> bytes | None:
