@@ -193,7 +193,7 @@ def _hook_fast_tiers(st: ProxyState, dispatchers: Mapping[str, Dispatcher], cons
                 constants=constants,
                 interactive_window_s=dispatcher.interactive_window_s,
             )
-            fast_tier = _fast_tier(st.board, dispatcher, settings, _budget_journal(st, p.name))
+            fast_tier = _fast_tier(st.board, dispatcher, settings, _budget_journal(st, p.name), p.engine.engine)
             st.board.subscribe(fast_tier)
             dispatcher.on_interactive_spell = _look_again(st.board, dispatcher, fast_tier)
 

@@ -16,6 +16,7 @@ from proxy.control.evidence import OutputBudget
 from proxy.control.fast_decision import BudgetReading, FastTier, LoadReading
 from proxy.control.fast_tier import PaceSettings
 from proxy.engines.base import Sample
+from proxy.engines.contract import Engine
 from proxy.request.admission import AdmissionQueue, Priority
 from proxy.request.continuation import applies_above
 from proxy.request.dispatch import Dispatcher
@@ -31,12 +32,17 @@ BudgetJournal = Callable[[str, OutputBudget, float], None]
 
 
 def fast_tier(
-    board: LoadBoard, dispatcher: Dispatcher, settings: PaceSettings | None = None, journal: BudgetJournal | None = None
+    board: LoadBoard,
+    dispatcher: Dispatcher,
+    settings: PaceSettings | None = None,
+    journal: BudgetJournal | None = None,
+    engine: Engine | None = None,
 ) -> SampleObserver:
     """After each scrape of one of ``dispatcher``'s workers, that pool's fast tier
     (:class:`proxy.control.fast_decision.FastTier`) decides from what the board holds of the worker,
     and the decision is written to the board (:func:`proxy.request.fast_board.apply_decision`); the
-    budgets that moved go to the journal. Samples of other pools' workers are not its to pace."""
+    budgets that moved go to the journal. Samples of other pools' workers are not its to pace.
+    ``engine``: the pool's, for what its admission reserves (None: nothing is counted reserved)."""
     band = dispatcher.band
     tier = FastTier(
         settings or PaceSettings(), lo=band.lo, hi=band.hi, headroom=band.headroom, applies_above=applies_above
@@ -46,7 +52,8 @@ def fast_tier(
         if sample is None or not _serves(dispatcher.pool, worker_id):
             return
         load = board.get(worker_id)
-        decision = tier.decide(worker_id, sample, load_reading(tier, worker_id, sample, load, dispatcher.admission))
+        reading = load_reading(tier, worker_id, sample, load, dispatcher.admission, engine)
+        decision = tier.decide(worker_id, sample, reading)
         apply_decision(worker_id, decision, load, dispatcher)
         if journal is not None:
             for evidence in decision.evidence:
@@ -56,17 +63,24 @@ def fast_tier(
 
 
 def load_reading(
-    tier: FastTier, worker_id: str, sample: Sample, load: WorkerLoad, admission: AdmissionQueue
+    tier: FastTier,
+    worker_id: str,
+    sample: Sample,
+    load: WorkerLoad,
+    admission: AdmissionQueue,
+    engine: Engine | None = None,
 ) -> LoadReading:
     """What the fast tier reads of a worker's load, over the facts' window before ``sample``: the
     time-to-first-token from the interactive class's requests sent since the last back-off; the
     open requests of each class when a batch is open beside a known step time; each output budget's
     cohort, from the answers of requests that arrived before the oldest of their class still open (a
-    wave's first answers are its shortest: a budget read from them alone would be cut short)."""
+    wave's first answers are its shortest: a budget read from them alone would be cut short); and
+    with those, what ``engine``'s admission counts taken, where it reserves KV for what requests may write."""
     since = sample.time - tier.settings.facts_window_s
     facts, budgets, step = load.facts, load.output_budgets, load.engine_step_s()
     open_batch: tuple[tuple[int, int], ...] | None = None
     open_chat: tuple[tuple[int, int], ...] = ()
+    admitted: tuple[float | None, float | None] = (None, None)
     if step is not None and sample.max_total_tokens and load.batch_in_flight:
 
         def expected(interactive: bool) -> tuple[float | None, float | None]:
@@ -74,6 +88,8 @@ def load_reading(
 
         open_batch = tuple(load.open_requests(sample.time, step, expected, interactive=False))
         open_chat = tuple(load.open_requests(sample.time, step, expected, interactive=True))
+        if engine is not None and engine.reserves_max_tokens:
+            admitted = _admission(engine, sample, load, step, since)
     oldest = {True: math.inf, False: math.inf}
     for attempt in load.attempts:
         interactive = attempt.ticket.priority is Priority.INTERACTIVE
@@ -113,8 +129,25 @@ def load_reading(
         step_s=step,
         open_batch=open_batch,
         open_interactive=open_chat,
+        admission_share=admitted[0],
+        batch_admission_share=admitted[1],
         budgets=tuple(cohorts),
     )
+
+
+def _admission(
+    engine: Engine, sample: Sample, load: WorkerLoad, step: float, since: float
+) -> tuple[float, float | None]:
+    """:meth:`WorkerLoad.admission_shares` by ``engine``'s rule at the ratio ``sample`` shows."""
+    ratio = sample.new_token_ratio
+
+    def reserve(held: int, may_write: int, running: bool) -> int:
+        return engine.admission_reserve(held, may_write, running=running, ratio=ratio)
+
+    def prompt_of(interactive: bool) -> float | None:
+        return load.facts.mean_prompt_tokens(since, interactive)
+
+    return load.admission_shares(sample.time, step, prompt_of, reserve, sample.max_total_tokens or 1)
 
 
 def look_again(board: LoadBoard, dispatcher: Dispatcher, fast_tier: SampleObserver) -> Callable[[], None]:

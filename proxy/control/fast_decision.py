@@ -57,6 +57,11 @@ class LoadReading:
     # the open requests of each class, when a batch is open beside a known step time (else None)
     open_batch: OpenRequests | None = None
     open_interactive: OpenRequests = ()
+    # as shares of the pool, where the engine's admission reserves KV for what requests may write (else
+    # None): what it counts taken by the open requests plus what the next interactive one needs, and
+    # what one more batch request counts once running
+    admission_share: float | None = None
+    batch_admission_share: float | None = None
     budgets: tuple[BudgetReading, ...] = ()
 
 
@@ -124,6 +129,8 @@ class FastTier:
             kv_peak_share=kv_peak_share,
             batch_request_share=batch_request_share,
             batch_in_flight=load.batch_in_flight,
+            admission_share=load.admission_share,
+            batch_admission_share=load.batch_admission_share,
         )
         prev = self._paces.get(worker_id, Pace())
         pace = next_pace(prev, look, lo=lo, hi=hi, headroom=headroom, settings=self.settings)

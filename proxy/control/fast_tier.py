@@ -134,6 +134,10 @@ class PaceInput:
     kv_peak_share: float | None = None
     batch_request_share: float | None = None  # a batch request's prompt and expected output, as a share of the pool
     batch_in_flight: int = 0  # of in_flight, the batch class's
+    # where the engine's admission reserves KV for what requests may write: what it counts taken plus the
+    # next interactive request's need, and one more batch request's count, as shares of the pool (None: not)
+    admission_share: float | None = None
+    batch_admission_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -407,7 +411,8 @@ def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None,
     and expected output) that fit under ``grow_below_usage`` once the open ones have written what they
     are expected to; past ``kv_peak_full``, less the ones that take it past ``grow_below_usage`` (taken
     back to where the sizing keeps it: a chat request then finds room at once). The batch always keeps
-    one request going (interactive work that fills the pool on its own does not stop it for good).
+    one request going (interactive work that fills the pool on its own does not stop it for good). It
+    grows no further than the next interactive request's admission allows (:func:`_admission_limit`).
     ``(None, 0)``: not sized (no interactive work beside, nothing of the batch's open, or the pool or
     the step time not known)."""
     ahead, size = look.kv_peak_share, look.batch_request_share
@@ -417,4 +422,19 @@ def batch_kv_limit(look: PaceInput, settings: PaceSettings) -> tuple[int | None,
         take = math.ceil((ahead - settings.grow_below_usage) / size - 1e-9)
         take = max(0, min(look.batch_in_flight - 1, take))
         return max(1, look.batch_in_flight - take), take
-    return max(1, look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size))), 0
+    limit = look.batch_in_flight + max(0, math.floor((settings.grow_below_usage - ahead) / size))
+    room = _admission_limit(look)
+    return max(1, limit if room is None else min(limit, room)), 0
+
+
+def _admission_limit(look: PaceInput) -> int | None:
+    """The batch requests the worker may hold for the next interactive request to be admitted at once
+    where the engine's admission reserves KV for what requests may write (one that counts a running
+    request's remaining ``max_tokens`` times a live ratio, high at its start and again after a
+    retraction): beyond it the chat waits in the engine's queue for a batch request to end, however
+    little KV is in use. No take-back: the first token's watch does that where one waits (None: not
+    reserved, or not known)."""
+    taken, one = look.admission_share, look.batch_admission_share
+    if taken is None or not one:
+        return None
+    return look.batch_in_flight + math.floor((1.0 - taken) / one)

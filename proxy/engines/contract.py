@@ -109,6 +109,13 @@ class Engine(Protocol):
         ``max_tokens``), so that a smaller ``max_tokens`` lets it admit more at once; False where it
         allocates only as tokens are written and preempts when the pool runs out."""
 
+    def admission_reserve(self, held: int, may_write: int, *, running: bool, ratio: float | None) -> int:
+        """The KV tokens the engine's admission counts one request as taking: it holds ``held`` and may
+        still write ``may_write`` (its ``max_tokens`` less what it wrote), ``running`` or still waiting
+        to be admitted; ``ratio`` is the engine's live estimate of how much of that a running request
+        writes (None: not exported). A new request is admitted where its own count fits beside the
+        others' in the pool; an engine that reserves nothing counts what a request holds."""
+
     @property
     def abort_by_name(self) -> AbortByName | None:
         """How a running request sent under a name of the proxy's is aborted on a worker that keeps

@@ -33,6 +33,9 @@ from proxy.request.budgets import OutputBudgets
 from proxy.request.facts import WorkerFacts
 from proxy.workers.base import WorkerId
 
+Reserve = Callable[[int, int, bool], int]  # (held, may write, running) -> the KV an engine's admission counts
+_UNBOUNDED = 1 << 30  # what a request sent without max_tokens may write (an engine clips what it counts)
+
 SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
 
 # The interactive protection beside a batch (what met the Batch API's target: docs/benchmarks.md,
@@ -114,6 +117,7 @@ class WorkerLoad:
         "error",
         "facts",
         "first_token_wait_s",
+        "interactive_asks",
         "last_running",
         "limit",
         "made_room_at",
@@ -146,6 +150,8 @@ class WorkerLoad:
         # the fast tier's: a streamed interactive request waiting this long for its first token holds batch refills
         self.first_token_wait_s: float | None = None
         self.made_room_at = -math.inf  # when a batch request was last taken back for a first token due here
+        # the newest interactive request sent here: (its prompt tokens, the max_tokens it went with)
+        self.interactive_asks: tuple[int, int | None] | None = None
         # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
         self.output_budgets = OutputBudgets()
         self.facts = WorkerFacts()  # the worker's recent requests as the relay saw them
@@ -192,6 +198,10 @@ class WorkerLoad:
         self.dispatched += 1
         if batch:
             self.batch_attempts[attempt] = None
+        else:
+            ticket = attempt.ticket
+            sent = attempt.sent_max_tokens if attempt.sent_max_tokens is not None else ticket.max_tokens
+            self.interactive_asks = (ticket.prompt_tokens or 0, sent)
 
     def release(self, attempt: Attempt) -> None:
         """The attempt is over; a second release of the same attempt is a no-op."""
@@ -352,6 +362,49 @@ class WorkerLoad:
             prompt = prompt_mean if prompt_mean is not None else ticket.prompt_tokens or 0
             out.append((int(prompt + written), max(0, round(total - written))))
         return out
+
+    def admission_taken(
+        self, now: float, step_s: float, prompt_of: Callable[[bool], float | None], reserve: Reserve
+    ) -> int:
+        """The KV tokens the engine's admission counts as taken by what this proxy has open on the
+        worker (``reserve(held, may_write, running)``: the engine's rule), estimated as
+        :meth:`open_requests` does: a request holds its prompt (``prompt_of(interactive)``, its class's
+        recent mean, else the proxy's estimate) and a token per decode step since it was sent; the
+        newest, as many as the scrape's queue shows waiting there, hold nothing yet and count as new
+        requests. A request sent without ``max_tokens`` may write as much as the engine counts."""
+        s = self.sample
+        waiting = 0 if s is None else s.queue
+        taken = 0
+        for n, a in enumerate(reversed(self.attempts)):
+            ticket = a.ticket
+            asked = a.sent_max_tokens or ticket.max_tokens
+            may_write = _UNBOUNDED if asked is None else asked
+            running = n >= waiting
+            written = 0 if not running or step_s <= 0 else min(may_write, int((now - a.dispatched_at) / step_s))
+            prompt = prompt_of(a not in self.batch_attempts)
+            held = int(prompt if prompt is not None else ticket.prompt_tokens or 0)
+            taken += reserve(held + written, may_write - written, running)
+        return taken
+
+    def admission_shares(
+        self, now: float, step_s: float, prompt_of: Callable[[bool], float | None], reserve: Reserve, pool: int
+    ) -> tuple[float, float | None]:
+        """As shares of the worker's KV pool: what its admission counts taken (:meth:`admission_taken`)
+        plus what the next interactive request needs to be admitted (the newest one's prompt and
+        ``max_tokens``); and what one more batch request counts once running (None: no batch open)."""
+        taken = self.admission_taken(now, step_s, prompt_of, reserve)
+        if self.interactive_asks is not None:
+            prompt, asked = self.interactive_asks
+            chat_prompt = prompt_of(True)
+            held = int(chat_prompt) if chat_prompt is not None else prompt
+            taken += reserve(held, _UNBOUNDED if asked is None else asked, False)
+        newest = next(reversed(self.batch_attempts), None)
+        if newest is None:
+            return taken / pool, None
+        asked = newest.sent_max_tokens or newest.ticket.max_tokens
+        batch_prompt = prompt_of(False)
+        held = int(batch_prompt) if batch_prompt is not None else newest.ticket.prompt_tokens or 0
+        return taken / pool, reserve(held, _UNBOUNDED if asked is None else asked, True) / pool
 
     def waiting_batch(self, keep: int) -> list[Attempt]:
         """The batch attempts waiting in the worker's queue beyond its ``keep`` oldest, newest first.

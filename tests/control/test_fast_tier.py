@@ -309,6 +309,20 @@ def test_beside_interactive_work_the_batch_is_sized_by_the_kv_the_open_requests_
     assert alone[0].batch_limit is None and alone[0].take_back_batch == 0
 
 
+def test_beside_interactive_work_the_batch_grows_no_further_than_the_next_chat_s_admission_allows():
+    """Where the engine's admission counts what requests may still write, the batch stops growing where
+    the next interactive request would no longer fit beside it, however little KV is in use; past it the
+    limit falls below what is open (no take-back: the first token's watch does that)."""
+    chat = {"interactive_waiting": 5, "backlog": 40, "token_usage": 0.4, "in_flight": 150, "batch_in_flight": 100}
+    kv = {"kv_peak_share": 0.5, "batch_request_share": 0.02}  # the KV sizing alone: 100 + 20
+    assert batch_kv_limit(_look(0.0, **kv, **chat), S) == (120, 0)
+    room = {"admission_share": 0.9, "batch_admission_share": 0.03}  # 3 more fit: (1 - 0.9) / 0.03
+    assert batch_kv_limit(_look(0.0, **kv, **room, **chat), S) == (103, 0)
+    full = {"admission_share": 1.05, "batch_admission_share": 0.03}
+    assert batch_kv_limit(_look(0.0, **kv, **full, **chat), S) == (98, 0)
+    assert batch_kv_limit(_look(0.0, **kv, admission_share=0.9, **chat), S) == (120, 0)  # no batch count: not sized
+
+
 def test_beside_interactive_work_a_first_token_may_wait_a_few_decode_steps_before_batch_refills_stop():
     beside = _run([_look(0.0, interactive_waiting=3, step_s=0.03)])[0]
     assert beside.first_token_wait_s == S.first_token_steps * 0.03

@@ -8,6 +8,8 @@ import dataclasses
 import pytest
 
 from proxy.engines.base import Sample
+from proxy.engines.sglang.engine import SGLANG
+from proxy.engines.vllm.engine import VLLM
 from proxy.request.admission import AdmissionQueue, Priority
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, Ticket
 from proxy.request.dispatch import Dispatcher, NoWorker, QueueTimeout, choose_worker
@@ -820,6 +822,42 @@ def test_the_open_requests_kv_is_estimated_from_prompts_steps_since_sent_and_the
     ]
     no_step = load.open_requests(10.0, 0.0, expected.__getitem__, interactive=False)
     assert no_step[-1] == (350, 1600)  # no step time: nothing written
+
+
+def test_what_the_engine_s_admission_counts_taken_is_estimated_from_the_same_open_requests():
+    """Each open request counts by the engine's rule (here SGLang's: a running one its prompt, what it
+    wrote and its remaining max_tokens times the live ratio; one still waiting its prompt and whole
+    max_tokens, clipped at 4,096); the next interactive request's need is added, and one more batch
+    request's count is the newest batch request's once running."""
+    board = LoadBoard()
+    load = board.get("w0")
+
+    def open_one(priority: Priority, prompt: int, max_tokens: int | None, at: float) -> Attempt:
+        ticket = Ticket(priority, 0.0, 1.0, None, prompt_tokens=prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
+        attempt = Attempt(ticket, "w0", at)
+        load.reserve(attempt, batch=priority is Priority.BATCH)
+        return attempt
+
+    open_one(Priority.BATCH, 400, 2000, 0.0)  # 100 steps ago at 0.1 s a step: 450 held, 1,900 left
+    open_one(Priority.INTERACTIVE, 600, None, 9.0)  # no max_tokens: the engine counts 4,096 of it
+    open_one(Priority.BATCH, 300, 2000, 9.9)  # the newest: waiting in the worker's queue
+    _sample(board, "w0", 1, running=2)
+    prompts = {False: 350.0, True: None}
+    engine = SGLANG
+
+    def reserve(held: int, may_write: int, running: bool) -> int:
+        return engine.admission_reserve(held, may_write, running=running, ratio=0.5)
+
+    taken = (350 + 100 + 950) + (600 + 10 + 2048) + (350 + 2000)
+    assert load.admission_taken(10.0, 0.1, prompts.__getitem__, reserve) == taken
+    shares = load.admission_shares(10.0, 0.1, prompts.__getitem__, reserve, 100_000)
+    assert shares == ((taken + 600 + 4096) / 100_000, (350 + 1000) / 100_000)
+    # an engine that reserves nothing counts what each holds
+    vllm = VLLM
+    held = load.admission_taken(
+        10.0, 0.1, prompts.__getitem__, lambda h, m, r: vllm.admission_reserve(h, m, running=r, ratio=None)
+    )
+    assert held == 450 + 610 + 350
 
 
 async def test_nothing_is_taken_back_while_the_proxy_stops():

@@ -22,6 +22,7 @@ sent (SGLang ignores it, or answers 503 with ``abort_on_priority_when_disabled``
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ NO_FIELDS: Mapping[str, object] = MappingProxyType({})
 # FINISH_ABORT() without a status code) of a running whole request ends it at its next step and answers
 # it normally, with the text written so far and finish_reason "abort"
 # (tokenizer_manager._handle_abort_finish_reason)
+# SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION and SGLANG_INIT_NEW_TOKEN_RATIO (srt/environ.py, 0.5.x): the
+# most of max_new_tokens admission counts, and the ratio a scheduler starts from (x conservativeness)
+_CLIP_MAX_NEW_TOKENS = 4096
+_INIT_NEW_TOKEN_RATIO = 0.7
 _ABORT_BY_RID = AbortByName(field="rid", path="/abort_request", answers_with_output=True)
 # http_server.py (0.5.x): the info its clients read at start (the frontend's RuntimeEndpoint reads
 # /get_model_info), the deep health check (a one-token generate), and what acts on every worker (the
@@ -166,6 +171,15 @@ class SGLangEngine:
         # PrefillAdder: a new request reserves min(max_new_tokens, 4096) of KV, a running one its
         # remaining max_new_tokens x new_token_ratio (managers/schedule_policy.py)
         return True
+
+    def admission_reserve(self, held: int, may_write: int, *, running: bool, ratio: float | None) -> int:
+        # PrefillAdder: rem_total_tokens is the free and evictable KV less, per running request,
+        # min(max_new_tokens - written, CLIP) x new_token_ratio (1 with ignore_eos); a new request fits
+        # where its prompt and min(max_new_tokens, CLIP) do (managers/schedule_policy.py)
+        left = min(max(0, may_write), _CLIP_MAX_NEW_TOKENS)
+        if not running:
+            return held + left
+        return held + math.ceil(left * (_INIT_NEW_TOKEN_RATIO if ratio is None else ratio))
 
     @property
     def abort_by_name(self) -> AbortByName:

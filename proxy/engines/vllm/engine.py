@@ -113,6 +113,9 @@ class VllmEngine:
         # request when the pool runs out: max_tokens reserves nothing
         return False
 
+    def admission_reserve(self, held: int, may_write: int, *, running: bool, ratio: float | None) -> int:
+        return held  # blocks for the tokens computed, none for what a request may write
+
     @property
     def abort_by_name(self) -> None:
         # no /abort_request: a request ends when its connection closes, and its answer with it
