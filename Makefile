@@ -43,7 +43,7 @@ postgres:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi; }
 
-## lint: ruff (lint and format), mypy (strict on proxy/ and tools/), the import contracts (pyproject.toml)
+## lint: ruff (lint and format), mypy (strict on proxy/, tools/ and loadtests/), the import contracts (pyproject.toml)
 ##       and the house's own checks (tools/): functions over 80 lines, module docstrings over 25,
 ##       engine names outside the engines; each prints its offenders and fails on one not in tools/allowed/
 lint: $(STAMP)

@@ -56,7 +56,8 @@ def bench_virtual(requests: int, prompt_len: int, max_new: int) -> dict[str, Any
 async def _server_state(session: Any, url: str) -> dict[str, Any]:
     async with session.get(url + "/server_info") as resp:
         info = await resp.json()
-    return info["internal_states"][0]["sim"]
+    sim: dict[str, Any] = info["internal_states"][0]["sim"]
+    return sim
 
 
 async def _client(session: Any, url: str, body: dict[str, Any], stop_at: float, counts: list[int]) -> None:

@@ -172,10 +172,11 @@ class Demo:
         text += f" · proxy queue {queue}"
         for w in workers.get("workers", []):
             s = w.get("sample") or {}
-            conservativeness = (w.get("args") or {}).get("schedule_conservativeness")
+            budgets = {k: v for per_class in (w.get("output_budget") or {}).values() for k, v in per_class.items()}
+            budget = ", ".join(f"{asked} -> {sent}" for asked, sent in budgets.items()) or "none"
             text += (
                 f" · {w['id']} {w['state']} q {s.get('queue', '-')} run {s.get('running', '-')} "
-                f"usage {s.get('token_usage', 0):.2f} sc {conservativeness}"
+                f"usage {s.get('token_usage', 0):.2f} budget {budget}"
             )
         for entry in decisions.get("decisions", []):
             if entry["id"] not in self.seen_ids:
