@@ -150,7 +150,7 @@ class WorkerLoad:
         # the fast tier's: a streamed interactive request waiting this long for its first token holds batch refills
         self.first_token_wait_s: float | None = None
         self.made_room_at = -math.inf  # when a batch request was last taken back for a first token due here
-        # the newest interactive request sent here: (its prompt tokens, the max_tokens it went with)
+        # the newest interactive request seen open here: (its prompt tokens, the max_tokens it went with)
         self.interactive_asks: tuple[int, int | None] | None = None
         # the fast tier's output budgets: (interactive?, max_tokens asked) -> the max_tokens such a request is sent with
         self.output_budgets = OutputBudgets()
@@ -198,10 +198,6 @@ class WorkerLoad:
         self.dispatched += 1
         if batch:
             self.batch_attempts[attempt] = None
-        else:
-            ticket = attempt.ticket
-            sent = attempt.sent_max_tokens if attempt.sent_max_tokens is not None else ticket.max_tokens
-            self.interactive_asks = (ticket.prompt_tokens or 0, sent)
 
     def release(self, attempt: Attempt) -> None:
         """The attempt is over; a second release of the same attempt is a no-op."""
@@ -390,9 +386,13 @@ class WorkerLoad:
         self, now: float, step_s: float, prompt_of: Callable[[bool], float | None], reserve: Reserve, pool: int
     ) -> tuple[float, float | None]:
         """As shares of the worker's KV pool: what its admission counts taken (:meth:`admission_taken`)
-        plus what the next interactive request needs to be admitted (the newest one's prompt and
-        ``max_tokens``); and what one more batch request counts once running (None: no batch open)."""
+        plus what the next interactive request needs to be admitted (the newest one open's prompt and
+        ``max_tokens``, else the last seen); and what one more batch request counts once running (None: no batch open)."""
         taken = self.admission_taken(now, step_s, prompt_of, reserve)
+        chat = next((a for a in reversed(self.attempts) if a not in self.batch_attempts), None)
+        if chat is not None:
+            sent = chat.sent_max_tokens if chat.sent_max_tokens is not None else chat.ticket.max_tokens
+            self.interactive_asks = (chat.ticket.prompt_tokens or 0, sent)
         if self.interactive_asks is not None:
             prompt, asked = self.interactive_asks
             chat_prompt = prompt_of(True)
