@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,7 +258,7 @@ def _describe(p: Policy) -> list[str]:
     c = p.control
     lines.append(
         f"  control  {c.mode}: <= {c.restarts_per_hour} restarts/h per worker"
-        + "".join(f", {arg} in [{', '.join(f'{v:g}' for v in r)}]" for arg, r in sorted(c.bounds.items()))
+        + "".join(f", {arg} {_range_text(r)}" for arg, r in sorted(c.bounds.items()))
     )
     lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
     if p.store.url:
@@ -299,3 +299,8 @@ def _describe_pool(pool: PoolSettings, *, several: bool) -> list[str]:
     else:
         lines.append(f"  engine   external ({e.speaks}): {', '.join(e.urls)}")
     return lines
+
+
+def _range_text(bounds: Sequence[float]) -> str:
+    """A ``bounds`` entry as check-policy prints it: ``in [low, high]``, or ``>= low`` for ``[low]``."""
+    return f">= {bounds[0]:g}" if len(bounds) == 1 else f"in [{', '.join(f'{v:g}' for v in bounds)}]"
