@@ -136,6 +136,7 @@ class ArmResult:
             min_serving_fraction=self.min_serving_fraction,
             proxy_peak_rss_mb=None if self.proxy_peak_rss_mb is None else round(self.proxy_peak_rss_mb),
             planner_peak_rss_mb=None if self.planner_peak_rss_mb is None else round(self.planner_peak_rss_mb),
+            cpu=self.cpu,  # per role: cores used and the share of the time its threads waited for a CPU
         )
         if self.trial is not None:
             out["trial"] = self.trial

@@ -276,6 +276,15 @@ def _load(value: Any) -> str:
     return "-" if not value else f"{value[0]:.1f}-{value[1]:.1f}"
 
 
+def _wait(arm: Mapping[str, Any]) -> str:
+    """The role whose threads waited longest for a CPU, and that share of the arm's time."""
+    waits = {role: fig["cpu_wait"] for role, fig in (arm.get("cpu") or {}).items()}
+    if not waits:
+        return "-"
+    role = max(waits, key=waits.__getitem__)
+    return f"{role} {waits[role]:.0%}"
+
+
 def _rss(arm: Mapping[str, Any]) -> str:
     proxy, planner = arm.get("proxy_peak_rss_mb"), arm.get("planner_peak_rss_mb")
     return f"{proxy or '-'}" + ("" if planner is None else f" (+ {planner})")
@@ -285,8 +294,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
     """One markdown table: a row per scenario and arm."""
     head = (
         "| scenario | arm | output tok/s | mean answer s | ok | failed | lost | retractions | restarts | OOM crashes | "
-        "sim slowdown | load avg | proxy peak RSS MB (+ planner's process) | args at the end |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        "sim slowdown | load avg | most CPU wait | proxy peak RSS MB (+ planner's process) | args at the end |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"
     )
     rows = [head]
     for rep in reports:
@@ -294,7 +303,7 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             final = ", ".join(f"{k}={v}" for k, v in sorted(a["final_args"].items())) or "(SGLang defaults)"
             rows.append(f"| {rep['scenario']} | {arm} | {a['output_tok_per_s']:.0f} | {_opt(a.get('mean_answer_s'))} | {a['requests_ok']} | "
                         f"{a['requests_failed']} | {a['requests_lost']} | {a['retractions']} | {a['restarts']} | "
-                        f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | "
+                        f"{a['oom_crashes']} | {_opt(a.get('sim_slowdown'))} | {_load(a.get('load_avg'))} | {_wait(a)} | "
                         f"{_rss(a)} | {final} |")  # fmt: skip
     ratios = [
         "",
