@@ -471,12 +471,18 @@ class RayLauncher:
             return None
         try:
             record = await self._claimable(actor)
-            problem = _reattach_problem(record, spec)
+        except ray.exceptions.RayError:
+            record = None  # ending (killed a moment ago): its name is free soon
+        if record is None or record["holder"].get("id") == owner()["id"]:
+            await self._gone(name)  # ours (a restart or a revival asks for a new one), or ending
+            return None
+        problem = _reattach_problem(record, spec)
+        try:
             if problem is None:
                 code, cursor = await actor.attach.remote(dict(owner()))
                 problem = None if code is None else f"its engine exited (code {code})"
         except ray.exceptions.RayError as exc:
-            record, problem = {}, f"its actor is gone ({type(exc).__name__})"
+            problem = f"its actor is gone ({type(exc).__name__})"
         if problem is None:
             where = record["where"]
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -510,9 +516,7 @@ class RayLauncher:
 
 def _reattach_problem(record: Mapping[str, Any], spec: Mapping[str, Any]) -> str | None:
     """What keeps an actor (its claim record) from being re-attached for ``spec``, in words."""
-    if record["holder"].get("id") == owner()["id"]:
-        return "this proxy launched it and asks for a new one"
-    was = record["spec"]
+    was = record["spec"]  # the lease's holder is gone (:meth:`RayLauncher._claimable`), not ours
     for key, what in (("argv", "command"), ("env", "environment"), ("num_gpus", "GPU count")):
         if was.get(key) != spec[key]:
             return f"its {what} changed"

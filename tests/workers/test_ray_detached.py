@@ -1,6 +1,7 @@
 """Ray actors outlive the proxy: a real ``pacer serve`` on the Ray backend (a local Ray cluster: a
 head and one raylet with two logical GPUs) in front of simulated engines, killed outright.
 
+- a second proxy started while the first lives takes none of its actors;
 - SIGKILLed and started again, it re-attaches its detached actors: the same actors and engine pids,
   the first request answered by the same server (its own start time unchanged), and a clean stop
   after that still ends them;
@@ -24,7 +25,7 @@ import pytest
 
 from proxy.workers.supervisor import free_port, port_is_free
 from tests.harness.wait import wait_until
-from tests.workers.test_adopt_e2e import alive, ask, get_json, ready_workers, serving, started_at
+from tests.workers.test_adopt_e2e import alive, ask, get_json, ready_workers, serving, started_at, until
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -140,6 +141,11 @@ async def deployment(cluster: Cluster, tmp_path: Path) -> Any:
     await wait_until(_gpus_free, "the cluster's GPUs free", timeout=60)
 
 
+async def down_workers(serve: Any) -> dict[str, dict[str, Any]] | None:
+    ws = {w["id"]: w for w in (await get_json(serve.url + "/admin/workers"))["workers"]}
+    return ws if len(ws) == len(WORKERS) and all(w["state"] == "down" for w in ws.values()) else None
+
+
 async def actors_gone(d: Deployment) -> bool:
     return not any(d.actor_ids().values()) and _gpus_free()
 
@@ -154,6 +160,11 @@ async def test_a_killed_proxy_restarted_reattaches_its_detached_actors_and_a_cle
         starts = {wid: await started_at(w) for wid, w in before.items()}
         actors = d.actor_ids()
         assert all(actors.values()) and len(set(actors.values())) == 2
+        with serving(d.folder, lease_s=30.0) as rival:  # a second proxy while the first lives takes nothing
+            refused = await until(lambda: down_workers(rival), "the second proxy's workers refused")
+            assert all("held" in (w["last_error"] or "") for w in refused.values()), refused
+            assert rival.stop() == 0
+        assert d.actor_ids() == actors
         assert first.stop(signal.SIGKILL) == -signal.SIGKILL
     assert all(alive(w["pid"]) for w in before.values()), "an engine died with the proxy"
     assert d.actor_ids() == actors, "an actor died with the proxy's driver"
