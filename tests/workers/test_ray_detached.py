@@ -82,7 +82,7 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         ray.shutdown()
-        c.shutdown()
+        c.shutdown()  # type: ignore[no-untyped-call]
 
 
 class Deployment:
@@ -146,7 +146,7 @@ async def down_workers(serve: Any) -> dict[str, dict[str, Any]] | None:
     return ws if len(ws) == len(WORKERS) and all(w["state"] == "down" for w in ws.values()) else None
 
 
-async def actors_gone(d: Deployment) -> bool:
+def actors_gone(d: Deployment) -> bool:
     return not any(d.actor_ids().values()) and _gpus_free()
 
 
@@ -196,8 +196,8 @@ async def test_actors_whose_proxy_never_comes_back_stop_within_their_lease(deplo
     pids = [w["pid"] for w in workers.values()]
     assert all(alive(pid) for pid in pids) and all(d.actor_ids().values())
 
-    async def all_gone() -> bool:
-        return not any(alive(pid) for pid in pids) and await actors_gone(d)
+    def all_gone() -> bool:
+        return not any(alive(pid) for pid in pids) and actors_gone(d)
 
     # the lease, the check interval, the grace (2 s): a minute in production, seconds here; the bound
     # leaves a starved CPU 10 s over them (as tests/workers/test_adopt_e2e.py)
