@@ -304,7 +304,7 @@ class Supervisor:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._settings.keep_on_exit and self._launcher.local:
+        if self._settings.keep_on_exit:
             self._leave_running()
         await asyncio.gather(*(self._stop_slot(slot) for slot in self._slots.values()))
         for slot in self._slots.values():
@@ -446,7 +446,7 @@ class Supervisor:
         slot.held = False
         slot.stays_down = slot.served = False
         slot.lines.begin_run()  # what this process says, apart from what an earlier run said
-        lease = None
+        lease = LeaseTerms("", self._settings.stop_grace_s)  # a cluster's worker keeps its own lease
         if self._launcher.local:  # a lease the worker's watcher follows: it outlives us by at most its ttl
             slot.launch, slot.launched, slot.process = uuid.uuid4().hex, time.time(), None
             self._write_lease(slot)
@@ -636,7 +636,7 @@ class Supervisor:
         next proxy its ttl to adopt it; no proxy by then, and its watcher stops it."""
         for slot in self._slots.values():
             process = slot.process
-            if process is not None and process.returncode is None and slot.launch:
+            if process is not None and process.returncode is None and (slot.launch or not self._launcher.local):
                 self._write_lease(slot)
                 slot.launch, slot.stopping, slot.process = "", True, None
                 if slot.watcher is not None:
