@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,11 @@ class Traffic:
     queues: dict[str, list[int]] = field(default_factory=dict)
 
 
-def policy(shape: Shape, *, store_url: str, workers: Sequence[str] = (), log_dir: Path | None = None) -> str:
-    """A replica's policy: in front of ``workers`` (external), or launching sim workers into ``log_dir``."""
+def policy(
+    shape: Shape, folder: Path, *, store_url: str, workers: Sequence[str] = (), log_dir: Path | None = None
+) -> str:
+    """A replica's policy: in front of ``workers`` (external), or launching sim workers into ``log_dir``;
+    its batches in ``folder``."""
     if workers:
         engine: dict[str, Any] = {"kind": "external", "urls": list(workers), "speaks": "sglang"}
     else:
@@ -86,6 +90,7 @@ def policy(shape: Shape, *, store_url: str, workers: Sequence[str] = (), log_dir
         "engine": engine,
         "pacing": {"queue_band": list(shape.band), "headroom": shape.headroom},
         "control": {"mode": "off"},
+        "batch": {"dir": str(folder)},
     }
     if store_url:
         table["store"] = {"url": store_url, "claim_s": 2.0}
@@ -203,12 +208,14 @@ def queue_report(traffic: Traffic, band: tuple[int, int]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def replicas(folder: Path, texts: Sequence[str]) -> Iterator[list[Proc]]:
-    """``pacer serve`` replicas, one a policy text, started in turn (each ready before the next)."""
+def replicas(folder: Path, count: int, text: Callable[[Path], str]) -> Iterator[list[Proc]]:
+    """``count`` ``pacer serve`` replicas, each with ``text(its batch folder)`` for its policy, started
+    in turn (each ready before the next)."""
     with contextlib.ExitStack() as stack:
         procs = []
-        for i, text in enumerate(texts):
-            procs.append(stack.enter_context(start_pacer(folder, [], name=f"replica-{i}", policy_text=text)))
+        for i in range(count):
+            policy_text = text(folder / f"batches-{i}")
+            procs.append(stack.enter_context(start_pacer(folder, [], name=f"replica-{i}", policy_text=policy_text)))
         yield procs
 
 
@@ -234,8 +241,8 @@ async def pacing_arm(shape: Shape, folder: Path, store_url: str, seconds: float)
             for i in range(shape.workers)
         ]  # fmt: skip
         workers = [s.url for s in sims]
-        text = policy(shape, store_url=store_url, workers=workers)
-        with replicas(folder, [text] * shape.replicas) as procs:
+        text = functools.partial(policy, shape, store_url=store_url, workers=workers)
+        with replicas(folder, shape.replicas, text) as procs:
             async with loaded([p.url for p in procs], workers, shape, traffic):
                 await asyncio.sleep(seconds)
     done = [r for r in traffic.requests if r[3]]
@@ -330,7 +337,8 @@ async def failover_run(shape: Shape, folder: Path, store_url: str, before_s: flo
     log_dir = folder / "workers"
     traffic = Traffic()
     try:
-        with replicas(folder, [policy(shape, store_url=store_url, log_dir=log_dir)] * shape.replicas) as procs:
+        text = functools.partial(policy, shape, store_url=store_url, log_dir=log_dir)
+        with replicas(folder, shape.replicas, text) as procs:
             async with aiohttp.ClientSession() as session:
                 fleet = await settled(session, procs, shape)
                 worker_urls = [w["url"] for w in fleet.workers.values()]
