@@ -123,8 +123,9 @@ class ReplicaPool:
         lease_s: float,
         poll_s: float,
         clock: Callable[[], float] = time.time,
+        replica: str | None = None,
     ) -> None:
-        self.replica = str(owner()["id"])
+        self.replica = replica or str(owner()["id"])  # this process's, as its workers' leases name it
         self._make_pool = make_pool
         self._store_args = (url, data_dir, self.replica, lease_s)
         self._poll_s = poll_s
