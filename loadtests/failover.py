@@ -53,6 +53,8 @@ class Shape:
     clients: int = 2  # per replica
     gap_s: float = 0.3  # between a client's bursts
     max_tokens: int = 32
+    lease_s: float = 10.0  # [store] leader_lease_s (the default)
+    poll_s: float = 1.0  # [store] poll_s (the default)
 
 
 @dataclass(slots=True)
@@ -93,7 +95,7 @@ def policy(
         "batch": {"dir": str(folder)},
     }
     if store_url:
-        table["store"] = {"url": store_url, "claim_s": 2.0}
+        table["store"] = {"url": store_url, "claim_s": 2.0, "leader_lease_s": shape.lease_s, "poll_s": shape.poll_s}
     return tomli_w.dumps(table)
 
 
@@ -365,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--after", type=float, default=20.0, help="seconds of traffic after the kill")
     ap.add_argument("--parts", nargs="+", default=["pacing", "failover"], choices=["pacing", "failover"])
     ap.add_argument("--burst", type=int, default=Shape().burst)
+    ap.add_argument("--lease-s", type=float, default=Shape().lease_s, help="[store] leader_lease_s")
+    ap.add_argument("--poll-s", type=float, default=Shape().poll_s, help="[store] poll_s")
     ap.add_argument("--json", help="write the report here")
     return ap
 
@@ -372,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.harness.postgres import local_postgres
 
-    shape = Shape(burst=args.burst)
+    shape = Shape(burst=args.burst, lease_s=args.lease_s, poll_s=args.poll_s)
     report: dict[str, Any] = {"shape": dataclasses.asdict(shape)}
     with tempfile.TemporaryDirectory(prefix="pacer-failover-") as tmp, local_postgres() as server:
         if "pacing" in args.parts:
