@@ -49,7 +49,7 @@ def _client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-async def _answered(traffic: Traffic, replicas_: set[int], since: float, count: int) -> bool:
+def _answered(traffic: Traffic, replicas_: set[int], since: float, count: int) -> bool:
     return sum(1 for r in traffic.requests if r[0] in replicas_ and r[1] >= since and r[3]) >= count
 
 
