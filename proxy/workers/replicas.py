@@ -297,7 +297,10 @@ class ReplicaPool:
         stack = AsyncExitStack()
         self._lead_stack = stack
         if self._leading is not None:
-            await stack.enter_async_context(self._leading())  # the controllers plan launches here
+            try:
+                await stack.enter_async_context(self._leading())  # the controllers plan launches here
+            except Exception:
+                _log.exception("replica %s: starting the controllers failed: it leads without them", self.replica)
         if self._planner is not None:
             leader.plan_launches(self._planner)
         fresh = not self._followed.workers()  # nobody led before: serve the workers as they come up
