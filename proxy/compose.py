@@ -67,6 +67,7 @@ from proxy.server.status_log import run_status_log
 from proxy.server.validation import CHAT, COMPLETIONS, GENERATE, VALIDATORS
 from proxy.workers.base import PlannedLaunches, WorkerInfo, WorkerLogs, WorkerPool, WorkerState
 from proxy.workers.fleet import PoolView
+from proxy.workers.replicas import ReplicaPool
 
 CONTROL_CONSTANTS = web.AppKey("control_constants", Constants)  # build_app's, for the controllers' lifecycle
 _log = logging.getLogger(__name__)
@@ -396,8 +397,23 @@ def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:
 
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
-    built when the app starts, fed by the board, the pool's states and log lines. One journal."""
+    built when the app starts, fed by the board, the pool's states and log lines. One journal.
+    Behind several replicas (a :class:`ReplicaPool`) they run while this replica leads, and the
+    pacing learns how many replicas share the workers."""
     st = app[PROXY]
+    controlling = functools.partial(_controlling, st, app[CONTROL_CONSTANTS])
+    if isinstance(st.pool, ReplicaPool):
+        st.pool.follow_with(leading=controlling, replicas=st.board.set_replicas)
+        st.launches_planned.set()  # the pool starts now: a leader plans its launches as it takes over
+        yield
+        return
+    async with controlling():
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _controlling(st: ProxyState, constants: Constants) -> AsyncIterator[None]:
+    """The controllers' life: built, tracking the workers, running until the block ends."""
     journal = Journal(st.policy.control.journal_path)
     # the planner's replays run in a process of their own (started at the first plan: none if no pool plans)
     async with PlanProcess() as planning:
@@ -406,7 +422,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
         def is_closed() -> bool:
             return closed
 
-        _build_controllers(st, journal, planning, app[CONTROL_CONSTANTS])
+        _build_controllers(st, journal, planning, constants)
         st.journal = journal
         _track_workers(st)
         _listen_to_workers(st, is_closed)

@@ -349,7 +349,19 @@ class StoreSettings:
     )
     poll_s: float = field(
         default=1.0,
-        metadata=key("seconds between a replica's looks for batches and cancels made on the others", positive=True),
+        metadata=key(
+            "seconds between a replica's looks for batches and cancels made on the others, and at the fleet's "
+            "roster and leader lease",
+            positive=True,
+        ),
+    )
+    leader_lease_s: float = field(
+        default=10.0,
+        metadata=key(
+            "seconds the leader's lease lasts unrenewed (renewed every poll_s): a dead leader's workers go to "
+            "another replica after it",
+            positive=True,
+        ),
     )
 
 

@@ -99,8 +99,13 @@ def choose_worker(
             for w, load in fresh
             if load.est_queue() < load.target(band, batch=batch)
         ]
-    else:  # every worker filtered out as stale: fall back to our own counts rather than stall
-        open_ = [(load.in_flight, 0, w.id) for w, load in ready if load.in_flight < load.last_running + band.hi]
+    else:  # every worker filtered out as stale: fall back to our own counts rather than stall (our share of
+        # them behind several replicas: LoadBoard.set_replicas)
+        open_ = [
+            (load.in_flight, 0, w.id)
+            for w, load in ready
+            if load.in_flight * load.replicas < load.last_running + band.hi
+        ]
     if not open_:
         return None
     if affinity is not None and len(open_) > 1:

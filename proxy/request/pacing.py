@@ -124,6 +124,7 @@ class WorkerLoad:
         "output_budgets",
         "output_rate",
         "queue_target",
+        "replicas",
         "running_limit",
         "running_seen",
         "sample",
@@ -159,6 +160,8 @@ class WorkerLoad:
         # the most requests the worker runs at once, as it reports it (its server info) or was started with
         self.running_limit: int | None = None
         self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
+        # the proxy replicas sending to the worker (LoadBoard.set_replicas): each paces its share
+        self.replicas = 1
         self._base_dispatched = 0
         self._base_completed = 0
         self._pending_base: tuple[int, int] | None = None
@@ -462,7 +465,9 @@ class WorkerLoad:
         if s is None:
             return 0
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
-        return max(0, s.queue + since, self.in_flight - s.running)
+        # with N replicas each sees the whole queue at a scrape but only its own sends since: counted
+        # N-fold, each fills its share (1/N) of the room left in the band until the next scrape
+        return max(0, s.queue + since * self.replicas, self.in_flight - s.running)
 
     async def wait_idle(self) -> None:
         """Return once nothing of this proxy is in flight on the worker."""
@@ -517,12 +522,20 @@ class LoadBoard:
     def __init__(self) -> None:
         self._loads: dict[WorkerId, WorkerLoad] = {}
         self._observers: list[SampleObserver] = []
+        self.replicas = 1  # the proxy replicas in front of these workers (set_replicas)
 
     def get(self, worker_id: WorkerId) -> WorkerLoad:
         load = self._loads.get(worker_id)
         if load is None:
             load = self._loads[worker_id] = WorkerLoad(worker_id)
+            load.replicas = self.replicas
         return load
+
+    def set_replicas(self, count: int) -> None:
+        """``count`` proxy replicas (at least 1) send to these workers: each paces its share."""
+        self.replicas = max(1, count)
+        for load in self._loads.values():
+            load.replicas = self.replicas
 
     def __iter__(self) -> Iterator[WorkerLoad]:
         return iter(list(self._loads.values()))

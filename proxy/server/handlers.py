@@ -219,7 +219,11 @@ async def admin_workers(request: web.Request) -> web.Response:
     pools = {
         name: {p.value: d.admission.depth(p) for p in ORDER} for name, d in st.requests.pools.items()
     }  # each pool's own queue
-    return _json({"workers": out, "proxy_queue": queue, "pool_queues": pools, "in_flight": st.board.total_in_flight()})
+    body = {"workers": out, "proxy_queue": queue, "pool_queues": pools, "in_flight": st.board.total_in_flight()}
+    role = getattr(st.pool, "role", None)  # several replicas: this one's part (proxy.workers.replicas)
+    if callable(role):
+        body["replica"] = role()
+    return _json(body)
 
 
 async def admin_gpus(request: web.Request) -> web.Response:

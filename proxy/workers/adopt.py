@@ -52,8 +52,13 @@ def _owner_alive(record: Mapping[str, Any]) -> bool:
     return isinstance(pid, int) and proc_start(pid) == record.get("pid_start")
 
 
-def held_elsewhere(lease: Mapping[str, Any]) -> str | None:
-    """Which live proxy other than this one owns ``lease``, in words; None: none does."""
+def held_elsewhere(lease: Mapping[str, Any], *, term: int | None = None) -> str | None:
+    """Which live proxy other than this one owns ``lease``, in words; None: none does. ``term``: this
+    proxy leads the replicas in that term (:mod:`proxy.workers.replicas`): a lease written in an
+    earlier term is a deposed leader's, whether or not that proxy still runs."""
+    held_term = lease.get("term")
+    if term is not None and isinstance(held_term, int) and held_term < term:
+        return None
     holder = lease.get("owner")
     if isinstance(holder, Mapping) and _owner_alive(holder):
         return f"another proxy owns it (pid {holder.get('pid')} on {holder.get('host')})"

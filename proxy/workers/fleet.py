@@ -16,7 +16,7 @@ dispatcher, a rollout, a controller.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerPool, WorkerState
@@ -48,13 +48,23 @@ def placement_of(pool: PoolSettings, gpus: tuple[tuple[int, ...], ...], *, clust
 
 
 def build_pool(
-    policy: Policy, gpus: Mapping[str, tuple[tuple[int, ...], ...]], launcher: Launcher | None = None
+    policy: Policy,
+    gpus: Mapping[str, tuple[tuple[int, ...], ...]],
+    launcher: Launcher | None = None,
+    *,
+    fence: Callable[[], int | None] | None = None,
 ) -> Supervisor | Fleet:
     """One supervisor per pool of ``policy``; ``gpus``: each pool's GPU ids per worker on this host;
-    ``launcher``: where the workers run (None: this host)."""
+    ``launcher``: where the workers run (None: this host); ``fence``: the replicas' term this proxy
+    leads in (None while it does not: :mod:`proxy.workers.replicas`)."""
     cluster = launcher is not None and not launcher.local
     members = [
-        Supervisor(p.engine, placement=placement_of(p, gpus.get(p.name, ()), cluster=cluster), launcher=launcher)
+        Supervisor(
+            p.engine,
+            placement=placement_of(p, gpus.get(p.name, ()), cluster=cluster),
+            launcher=launcher,
+            fence=fence,
+        )
         for p in policy.pools
     ]
     return members[0] if len(members) == 1 else Fleet(members)
@@ -105,8 +115,8 @@ class Fleet:
     async def start(self) -> None:
         await asyncio.gather(*(member.start() for member in self._members))
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(member.stop() for member in self._members))
+    async def stop(self, *, leave: bool = False) -> None:
+        await asyncio.gather(*(member.stop(leave=leave) for member in self._members))
 
     # -- one worker: its own pool's supervisor
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo:

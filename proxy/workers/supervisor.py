@@ -33,7 +33,7 @@ import shlex
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,6 +170,7 @@ class Supervisor:
         external_probe_interval_s: float = 5.0,
         ring_lines: int = 2000,
         lease_ttl: float | None = None,
+        fence: Callable[[], int | None] | None = None,
     ) -> None:
         self._settings = engine_settings
         self._place = placement or Placement()
@@ -192,6 +193,8 @@ class Supervisor:
         self._closed = asyncio.Event()
         self._lease_ttl = lease_ttl if lease_ttl is not None else lease_ttl_s()
         self._renewing: asyncio.Task[None] | None = None
+        # replicas: the term this proxy leads in, None while it does not (it then writes no lease)
+        self._fence = fence
         self._started = False
         self._stopping = False
 
@@ -294,17 +297,17 @@ class Supervisor:
         except Exception:
             _log.exception("planning the first launch of %s failed: it starts as configured", slot.id)
 
-    async def stop(self) -> None:
+    async def stop(self, *, leave: bool = False) -> None:
         """SIGTERM every managed worker, SIGKILL after ``stop_grace_s``, and end their leases; with
-        ``keep_on_exit``, leave them running on their leases (for the next proxy to adopt); the
-        supervisor is done after this."""
+        ``keep_on_exit`` or ``leave`` (another replica leads them next), leave them running on their
+        leases (for the next proxy to adopt); the supervisor is done after this."""
         self._stopping = True
         for task in (self._probe_task, self._renewing):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._settings.keep_on_exit:
+        if self._settings.keep_on_exit or leave:
             self._leave_running()
         await asyncio.gather(*(self._stop_slot(slot) for slot in self._slots.values()))
         for slot in self._slots.values():
@@ -599,6 +602,9 @@ class Supervisor:
         """Write (or renew) the lease of ``slot``'s current launch, ours for the next ttl."""
         if not slot.launch or slot.log_path is None:
             return
+        term = None if self._fence is None else self._fence()
+        if self._fence is not None and (term is None or self._later_term(slot.log_path, term)):
+            return  # no longer the replicas' leader: the worker is another's to renew
         now, pid = time.time(), slot.process.pid if slot.process is not None else None
         record = {
             "worker": slot.id,
@@ -618,11 +624,18 @@ class Supervisor:
             "configured": slot.configured,
             "started": slot.launched,
             "restarts": slot.restarts,
+            "term": term,
         }
         try:
             write_lease(lease_path(slot.log_path), record)
         except OSError as exc:
             _log.warning("worker %s: cannot write its lease: %s", slot.id, exc)
+
+    @staticmethod
+    def _later_term(log_path: Path, term: int) -> bool:
+        """Whether the worker's lease was written by the leader of a later term than ``term``."""
+        held = (read_lease(lease_path(log_path)) or {}).get("term")
+        return isinstance(held, int) and held > term
 
     async def _renew_leases(self) -> None:
         while True:
@@ -654,7 +667,9 @@ class Supervisor:
         lease = read_lease(lease_path(slot.log_path))
         if lease is None:
             return "none"
-        if held := held_elsewhere(lease):  # two proxies in one folder: the second starts nothing
+        if held := held_elsewhere(
+            lease, term=None if self._fence is None else self._fence()
+        ):  # two proxies in one folder: the second starts nothing
             slot.stays_down = True  # a launch here would end the other proxy's worker (its lease)
             self._set(slot, WorkerState.DOWN, error=f"not adopted: {held}")
             return "refused"

@@ -16,9 +16,31 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
+
+
+@overload
+async def wait_until(
+    check: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    timeout: float = ...,
+    every: float = ...,
+    detail: Callable[[], str] | None = ...,
+) -> T: ...
+
+
+@overload
+async def wait_until(
+    check: Callable[[], T],
+    what: str,
+    *,
+    timeout: float = ...,
+    every: float = ...,
+    detail: Callable[[], str] | None = ...,
+) -> T: ...
 
 
 async def wait_until(
