@@ -1,0 +1,159 @@
+"""Per-key limits across three replicas on one PostgreSQL (:mod:`proxy.request.shared_limits`): the
+fleet admits within 5 % of what one replica alone would, most requests touch no store, the fleet
+never runs more than the concurrency limit, and a dead replica's slots come back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited
+from proxy.request.shared_limits import SharedKeyLimiter
+from proxy.store import open_database
+from proxy.store.budgets import Budgets
+
+pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
+
+REPLICAS = 3
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountedBudgets(Budgets):
+    """Budgets that count the store calls that take from them."""
+
+    takes = 0
+
+    def take(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        CountedBudgets.takes += 1
+        return super().take(*args, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def replicas(
+    url: str, tmp_path: Path, limits: KeyLimits, clock: Callable[[], float], hold_s: float = 15.0
+) -> AsyncIterator[list[SharedKeyLimiter]]:
+    """Three limiters, each with its own connection to the store (three replicas, as the store sees them)."""
+    CountedBudgets.takes = 0
+    made = []
+    for n in range(REPLICAS):
+
+        def opened(n: int = n) -> Budgets:
+            return CountedBudgets(open_database(url, tmp_path, "unused"), f"replica-{n}", hold_s=hold_s)
+
+        limiter = SharedKeyLimiter({"k": limits}, opened, idle_s=3600, clock=clock)
+        await limiter.start()
+        made.append(limiter)
+    try:
+        yield made
+    finally:
+        for limiter in made:
+            await limiter.close()
+
+
+async def _admitted(limiter: KeyLimiter, cost: int, now: float) -> int:
+    try:
+        lease = await limiter.admit("k", cost, now)
+    except RateLimited:
+        return 0
+    lease.release()
+    return 1
+
+
+async def _overload(limiters: list[KeyLimiter], clock: ManualClock, *, cost: int, seconds: float, step: float) -> int:
+    """Each limiter asked at once, every ``step`` seconds of ``clock`` for ``seconds``: how many admitted."""
+    admitted = 0
+    for _ in range(round(seconds / step)):
+        admitted += sum(await asyncio.gather(*(_admitted(lim, cost, clock.now) for lim in limiters)))
+        clock.now += step
+    return admitted
+
+
+async def test_requests_per_minute_hold_within_5_percent_across_three_replicas(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    limits = KeyLimits(requests_per_minute=600)
+    clock = ManualClock()
+    alone = await _overload([KeyLimiter({"k": limits})] * REPLICAS, clock, cost=1, seconds=60, step=0.05)
+    clock = ManualClock()
+    async with replicas(postgres_url, tmp_path, limits, clock) as fleet:
+        together = await _overload(list(fleet), clock, cost=1, seconds=60, step=0.05)
+    assert alone == pytest.approx(600 + 600, abs=2)  # a full bucket, then a minute's refill
+    assert abs(together - alone) <= 0.05 * alone
+    assert together <= alone + 3  # never over the limit (the units in flight: a rounding)
+
+
+async def test_under_the_limit_most_requests_touch_no_store(postgres_url: str, tmp_path: Path) -> None:
+    clock = ManualClock()
+    async with replicas(postgres_url, tmp_path, KeyLimits(requests_per_minute=1200), clock) as fleet:
+        admitted = await _overload(list(fleet), clock, cost=1, seconds=60, step=0.5)  # 360 a minute
+        takes = CountedBudgets.takes
+    assert admitted == 360  # none refused
+    assert takes <= 0.15 * admitted  # a store call a chunk (1 % of the limit) or so, not a request
+
+
+async def test_tokens_per_minute_hold_within_5_percent_across_three_replicas(postgres_url: str, tmp_path: Path) -> None:
+    limits = KeyLimits(tokens_per_minute=60_000)
+    clock = ManualClock()
+    alone = await _overload([KeyLimiter({"k": limits})] * REPLICAS, clock, cost=150, seconds=30, step=0.05)
+    clock = ManualClock()
+    async with replicas(postgres_url, tmp_path, limits, clock) as fleet:
+        together = await _overload(list(fleet), clock, cost=150, seconds=30, step=0.05)
+    assert abs(together - alone) <= 0.05 * alone
+    assert together <= alone + 1
+
+
+async def test_the_fleet_never_runs_more_than_the_concurrency_limit(postgres_url: str, tmp_path: Path) -> None:
+    limit = 12
+    clock = ManualClock()
+    async with replicas(postgres_url, tmp_path, KeyLimits(max_concurrent=limit), clock) as fleet:
+        held: list[Lease] = []
+        for _ in range(40):  # far more than the limit, spread over the replicas
+            for limiter in fleet:
+                with contextlib.suppress(RateLimited):
+                    held.append(await limiter.admit("k", 1, 0.0))
+        assert len(held) == limit  # all of it, and no more
+        with pytest.raises(RateLimited):
+            await fleet[0].admit("k", 1, 0.0)
+        from_first = [lease for lease in held if lease.key == "k"][:4]
+        for lease in from_first:
+            lease.release()
+        retaken = 0
+        for _ in range(10):  # the slots freed on one replica reach the others
+            for limiter in fleet[1:]:
+                with contextlib.suppress(RateLimited):
+                    held.append(await limiter.admit("k", 1, 0.0))
+                    retaken += 1
+            await asyncio.sleep(0)
+        assert retaken >= 1
+        running = sum(lim._held["k"].running for lim in fleet if "k" in lim._held)
+        assert running <= limit
+
+
+async def test_a_dead_replicas_slots_come_back_within_its_hold(postgres_url: str, tmp_path: Path) -> None:
+    clock = ManualClock()
+    limit, hold_s = 4, 10.0
+    db = open_database(postgres_url, tmp_path, "unused")
+    try:
+        dead = Budgets(db, "dead", hold_s=hold_s)
+        from proxy.store.budgets import SlotAsk
+
+        assert dead.take("k", [], SlotAsk(limit, limit, limit), clock.now)[1] == limit  # then it dies
+        async with replicas(postgres_url, tmp_path, KeyLimits(max_concurrent=limit), clock, hold_s) as fleet:
+            with pytest.raises(RateLimited):
+                await fleet[0].admit("k", 1, 0.0)
+            clock.now += hold_s + 0.01
+            lease = await fleet[0].admit("k", 1, 0.0)
+            lease.release()
+    finally:
+        db.close()
