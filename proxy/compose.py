@@ -50,10 +50,11 @@ from proxy.observe.scraper import Scraper
 from proxy.policy import ControlMode, Policy, PoolSettings, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.dispatch import Dispatcher
-from proxy.request.limits import KeyLimiter, KeyLimits
+from proxy.request.limits import KeyLimits
 from proxy.request.pacing import Band, LoadBoard
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueTotals
+from proxy.request.shared_limits import key_limiter
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.cors import Cors
@@ -170,11 +171,12 @@ def _request_path(
         dispatchers,
         {p.name: metrics.of(p.name) for p in policy.pools},
         models={p.model: p.name for p in policy.pools if p.model is not None},
-        limits=KeyLimiter(  # per key, across every pool
+        limits=key_limiter(  # per key, across every pool (and every replica, on a shared store)
             {
                 name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
                 for name, k in fair.keys.items()
             },
+            policy.store.url,
             concurrent_retry_after_s=policy.queue.retry_after_s,
         ),
         engines={p.name: p.engine.engine for p in policy.pools},
@@ -226,6 +228,7 @@ def _application(st: ProxyState, manage_pool: bool, control_constants: Constants
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
     add_native_routes(app, (p.engine.engine for p in policy.pools))
     add_routes(app, authenticate=_batch_caller(st))
+    app.cleanup_ctx.append(_limits_lifecycle)
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     cors.add_preflight_routes(app.router)  # every route is in
     return app
@@ -635,6 +638,14 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     ) as service:
         app[BATCH_SERVICE] = service
         yield
+
+
+async def _limits_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The per-key limits' store connection (a shared store); what they hold goes back at the end."""
+    limits = app[PROXY].requests.limits
+    await limits.start()
+    yield
+    await limits.close()
 
 
 async def _drain(app: web.Application) -> None:

@@ -20,17 +20,22 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited, TokenBucket, duration
+from proxy.store import is_postgres_url, open_database
 from proxy.store.budgets import BucketAsk, Budgets, SlotAsk
 
-__all__ = ["SharedKeyLimiter"]
+__all__ = ["SharedKeyLimiter", "key_limiter"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -323,3 +328,16 @@ class _SharedRelease:
 
     def _release(self, key: str) -> None:
         self._limiter._release_shared(key)
+
+
+def key_limiter(limits: Mapping[str, KeyLimits], store_url: str, *, concurrent_retry_after_s: float) -> KeyLimiter:
+    """The request path's limiter: shared by the replicas when ``store_url`` names a PostgreSQL server
+    and a key has limits; in this process's memory otherwise (SQLite is one replica's)."""
+    if not is_postgres_url(store_url) or not any(lim.any for lim in limits.values()):
+        return KeyLimiter(limits, concurrent_retry_after_s)
+    holder = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def open_budgets() -> Budgets:
+        return Budgets(open_database(store_url, Path(), "unused"), holder)
+
+    return SharedKeyLimiter(limits, open_budgets, concurrent_retry_after_s=concurrent_retry_after_s)
