@@ -6,6 +6,7 @@ scenario   controller scenarios: default vs adaptive vs oracle arms
 fleet      two pools behind one proxy vs behind separate proxies (per-pool throughput)
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 store      the Batch API store's cost per line: SQLite vs a shared PostgreSQL
+limits     per-key limits across replicas: in memory vs shared over PostgreSQL (added TTFT, limit held)
 budget     the output budget on vs off vs control off: first tokens, tails, throughput
 """
 
@@ -21,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "loadtests.batch_job",
     "fleet": "loadtests.fleet",
     "store": "loadtests.store_overhead",
+    "limits": "loadtests.key_limits",
     "budget": "loadtests.budget",
 }
 

@@ -54,6 +54,7 @@ class _Held:
     empty_until: float = 0.0  # a bucket was too low for a request: until it has refilled, no store call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     topping: asyncio.Task[None] | None = None
+    returning: asyncio.Task[None] | None = None
 
 
 class SharedKeyLimiter(KeyLimiter):
@@ -68,12 +69,14 @@ class SharedKeyLimiter(KeyLimiter):
         concurrent_retry_after_s: float = 1.0,
         chunk: float = 0.01,
         idle_s: float = 2.0,
+        linger_s: float = 0.05,
         retry_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(limits, concurrent_retry_after_s)
         self._open_budgets = open_budgets
-        self._chunk, self._idle_s, self._retry_s, self._clock = chunk, idle_s, retry_s, clock
+        self._chunk, self._idle_s, self._linger_s = chunk, idle_s, linger_s
+        self._retry_s, self._clock = retry_s, clock
         self._held: dict[str, _Held] = {}
         self._thread: ThreadPoolExecutor | None = None
         self._budgets: Budgets | None = None
@@ -81,15 +84,22 @@ class SharedKeyLimiter(KeyLimiter):
         self._down_until = 0.0
 
     async def start(self) -> None:
+        """Open the store now (not on the first request); unreachable, the replica limits by itself."""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="key-limits")
         self._upkeep = asyncio.create_task(self._keep(), name="shared key limits")
+        try:
+            await self._store()
+        except Exception as exc:
+            self._store_down(exc)
 
     async def close(self) -> None:
         """Hand back every unit and slot held (the requests still running end without them)."""
-        if self._upkeep is not None:
-            self._upkeep.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._upkeep
+        tasks = [self._upkeep, *(h.returning for h in self._held.values()), *(h.topping for h in self._held.values())]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         with contextlib.suppress(Exception):
             for key in list(self._held):
                 await self._give_back(key, spare=0)
@@ -158,24 +168,30 @@ class SharedKeyLimiter(KeyLimiter):
         headers = self._shared_headers(lim, held) if lim.requests_per_minute or lim.tokens_per_minute else {}
         return Lease(_SharedRelease(self, key), key, headers)
 
+    def _spare_slots(self, lim: KeyLimits) -> int:
+        """Slots a replica keeps past its running requests: ``chunk`` of the limit, none below 100."""
+        return int(lim.max_concurrent * self._chunk)
+
     def _release_shared(self, key: str) -> None:
-        """A request ended; slots held past its key's running requests and a spare go back."""
+        """A request ended; the slots held past the key's running requests and its spare go back
+        ``linger_s`` later, unless new requests took them meanwhile."""
         held = self._held.get(key)
         if held is None or held.running <= 0:
             return
         held.running -= 1
         lim = self._limits[key]
-        spare = int(self._chunk_of(lim.max_concurrent)) if lim.max_concurrent else 0
-        if lim.max_concurrent and held.slots > held.running + spare and held.topping is None:
-            held.topping = asyncio.create_task(self._slots_back(key, held, spare), name=f"key limits {key}")
+        if lim.max_concurrent and held.slots > held.running + self._spare_slots(lim) and held.returning is None:
+            held.returning = asyncio.create_task(self._slots_back(key, held, lim), name=f"key slots {key}")
 
-    async def _slots_back(self, key: str, held: _Held, spare: int) -> None:
+    async def _slots_back(self, key: str, held: _Held, lim: KeyLimits) -> None:
         try:
-            await self._give_back(key, spare)
+            await asyncio.sleep(self._linger_s)
+            if held.slots > held.running + self._spare_slots(lim):
+                await self._give_back(key, self._spare_slots(lim), units=False)
         except Exception as exc:
             self._store_down(exc)
         finally:
-            held.topping = None
+            held.returning = None
 
     def _asks(self, lim: KeyLimits, held: _Held, cost: int, top_up: bool) -> list[BucketAsk]:
         asks = []
@@ -197,8 +213,8 @@ class SharedKeyLimiter(KeyLimiter):
         asks = self._asks(lim, held, cost, top_up=False)
         slots = None
         if lim.max_concurrent and held.running >= held.slots:
-            spare = int(self._chunk_of(lim.max_concurrent))
-            slots = SlotAsk(lim.max_concurrent, held.running + 1, held.running + 1 + spare)
+            want = held.running + 1 + self._spare_slots(lim)
+            slots = SlotAsk(lim.max_concurrent, held.running + 1, want)
         await self._apply(key, held, asks, slots)
 
     async def _apply(self, key: str, held: _Held, asks: list[BucketAsk], slots: SlotAsk | None) -> None:
@@ -276,24 +292,24 @@ class SharedKeyLimiter(KeyLimiter):
             except Exception as exc:
                 self._store_down(exc)
 
-    async def _give_back(self, key: str, spare: int) -> None:
+    async def _give_back(self, key: str, spare: int, *, units: bool = True) -> None:
         """Hand back the key's units and the slots past its running requests and ``spare``; the
         units leave this replica's hold before the call (the requests admitted meanwhile take none)."""
         held, lim, budgets = self._held[key], self._limits[key], self._budgets
         if budgets is None:
             return
         async with held.lock:
-            units = [(k, pm, have) for k, pm, have in self._units(lim, held) if have > 0]
+            back = [(k, pm, have) for k, pm, have in self._units(lim, held) if units and have > 0]
             keep = held.running + spare
             slots = keep if lim.max_concurrent and held.slots > keep else None
-            if not units and slots is None:
+            if not back and slots is None:
                 return
-            self._add(held, units, -1)
+            self._add(held, back, -1)
             now = self._clock()
             try:
-                await self._call(partial(budgets.give_back, key, units, slots, now))
+                await self._call(partial(budgets.give_back, key, back, slots, now))
             except BaseException:
-                self._add(held, units, 1)
+                self._add(held, back, 1)
                 raise
             if slots is not None:
                 held.slots = min(held.slots, max(slots, held.running))

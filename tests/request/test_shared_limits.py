@@ -15,6 +15,7 @@ from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited
 from proxy.request.shared_limits import SharedKeyLimiter
 from proxy.store import open_database
 from proxy.store.budgets import Budgets
+from tests.harness.wait import wait_until
 
 pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
 
@@ -117,27 +118,32 @@ async def test_the_fleet_never_runs_more_than_the_concurrency_limit(postgres_url
     limit = 12
     clock = ManualClock()
     async with replicas(postgres_url, tmp_path, KeyLimits(max_concurrent=limit), clock) as fleet:
-        held: list[Lease] = []
+        held: list[tuple[int, Lease]] = []
+
+        async def try_on(n: int) -> None:
+            with contextlib.suppress(RateLimited):
+                held.append((n, await fleet[n].admit("k", 1, 0.0)))
+
         for _ in range(40):  # far more than the limit, spread over the replicas
-            for limiter in fleet:
-                with contextlib.suppress(RateLimited):
-                    held.append(await limiter.admit("k", 1, 0.0))
+            for n in range(REPLICAS):
+                await try_on(n)
         assert len(held) == limit  # all of it, and no more
         with pytest.raises(RateLimited):
             await fleet[0].admit("k", 1, 0.0)
-        from_first = [lease for lease in held if lease.key == "k"][:4]
-        for lease in from_first:
+        first = [lease for n, lease in held if n == 0]
+        assert first
+        for lease in first:  # the first replica's requests end
             lease.release()
-        retaken = 0
-        for _ in range(10):  # the slots freed on one replica reach the others
-            for limiter in fleet[1:]:
-                with contextlib.suppress(RateLimited):
-                    held.append(await limiter.admit("k", 1, 0.0))
-                    retaken += 1
-            await asyncio.sleep(0)
-        assert retaken >= 1
-        running = sum(lim._held["k"].running for lim in fleet if "k" in lim._held)
-        assert running <= limit
+        held = [(n, lease) for n, lease in held if n != 0]
+
+        async def full_again() -> bool:  # the slots freed on the first replica reach the others
+            await try_on(1 + len(held) % 2)
+            return len(held) == limit
+
+        await wait_until(full_again, "the other replicas running the limit again")
+        with pytest.raises(RateLimited):
+            await fleet[2].admit("k", 1, 0.0)
+        assert sum(lim._held["k"].running for lim in fleet) == limit
 
 
 async def test_a_dead_replicas_slots_come_back_within_its_hold(postgres_url: str, tmp_path: Path) -> None:
