@@ -11,9 +11,9 @@ adds to its time to first token. Two measures, each for both limiters:
   the in-memory one is its added TTFT. Also the store's own calls (p50/p99, one transaction each) and
   the share of requests that waited for one: a store call a request is what a per-request counter
   (in PostgreSQL or Redis) would cost.
-- **Hold**, far over the limit (``--over``, 30 x a small requests-a-minute limit): admitted over what
-  the limit allows the fleet in the same span (a full bucket, then its refill). In memory each replica
-  has the whole limit (N x); shared, the fleet has it once.
+- **Hold**, far over a requests-a-minute limit (``--over``: 6 x what it allows in the run, a full
+  bucket and its refill): admitted over what the limit allows the fleet from its first admitted
+  request to its last. In memory each replica has the whole limit (N x); shared, the fleet has it once.
 
 PostgreSQL as Debian ships it, started for the run in a temporary directory on this host
 (``tests.harness.postgres``), over TCP on 127.0.0.1; the load average is printed with the figures.
@@ -28,13 +28,14 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from proxy.request.limits import KeyLimiter, KeyLimits, RateLimited
 from proxy.request.shared_limits import SharedKeyLimiter
 from proxy.store import open_database
-from proxy.store.budgets import Budgets
+from proxy.store.budgets import BucketAsk, Budgets, SlotAsk
 
 KEY = "bench"
 TICK_S = 0.005
@@ -42,16 +43,19 @@ COST = 1000  # tokens a request
 
 
 class _TimedBudgets(Budgets):
-    """Budgets that time each store call taking from them."""
+    """Budgets that time each store call taking from them, and count those a request waited for
+    (those that ask for units a request needs, or for slots; not a top-up in the background)."""
 
-    calls_ms: list[float] = []
+    calls_ms: ClassVar[list[float]] = []
+    waited: ClassVar[list[int]] = [0]
 
-    def take(self, *args: Any, **kwargs: Any) -> Any:
+    def take(self, key: str, buckets: Sequence[BucketAsk], slots: SlotAsk | None, now: float) -> Any:
         start = time.perf_counter()
         try:
-            return super().take(*args, **kwargs)
+            return super().take(key, buckets, slots, now)
         finally:
             _TimedBudgets.calls_ms.append((time.perf_counter() - start) * 1000)
+            _TimedBudgets.waited[0] += slots is not None or any(ask.need > 0 for ask in buckets)
 
 
 def _limiter(spec: dict[str, Any]) -> KeyLimiter:
@@ -64,7 +68,7 @@ def _limiter(spec: dict[str, Any]) -> KeyLimiter:
 
 async def _drive(spec: dict[str, Any]) -> dict[str, Any]:
     """One replica: open-loop requests at ``rate`` a second from ``start_at`` (wall clock) for ``seconds``."""
-    _TimedBudgets.calls_ms = []
+    _TimedBudgets.calls_ms, _TimedBudgets.waited = [], [0]
     limiter = _limiter(spec)
     await limiter.start()
     loop = asyncio.get_running_loop()
@@ -103,6 +107,7 @@ async def _drive(spec: dict[str, Any]) -> dict[str, Any]:
         "admitted_at": admitted_at,
         "refused": refused,
         "store_ms": _TimedBudgets.calls_ms,
+        "waited": _TimedBudgets.waited[0],
     }
 
 
@@ -110,15 +115,18 @@ def _replica(spec: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(_drive(spec))
 
 
-def _fleet(url: str, limits: dict[str, int], args: argparse.Namespace, rate: float) -> list[dict[str, Any]]:
-    start_at = time.time() + 1.5  # the processes start; then all send from the same instant
+def _fleet(pool: Any, url: str, limits: dict[str, int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    start_at = time.time() + 0.3  # every replica sends from the same instant
     specs = [
-        {"n": n, "url": url, "limits": limits, "rate": rate, "seconds": args.seconds, "hold_s": args.hold_ms / 1000}
-        | {"start_at": start_at}
+        {"n": n, "url": url, "limits": limits, "rate": args.rate, "seconds": args.seconds}
+        | {"hold_s": args.hold_ms / 1000, "start_at": start_at}
         for n in range(args.replicas)
     ]
-    with multiprocessing.get_context("spawn").Pool(args.replicas) as pool:
-        return pool.map(_replica, specs)
+    return list(pool.map(_replica, specs, chunksize=1))
+
+
+def _warm(_n: int) -> None:
+    """A pool's process has imported this module (the proxy's modules with it)."""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -137,6 +145,7 @@ def _cost(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "admit_p50_us": _pct(us, 0.5),
         "admit_p99_us": _pct(us, 0.99),
         "store_calls": len(store),
+        "waited_for_store": sum(r["waited"] for r in runs),
         "store_call_p50_ms": _pct(store, 0.5),
         "store_call_p99_ms": _pct(store, 0.99),
     }
@@ -158,20 +167,22 @@ def run(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
         "tokens_per_minute": round(fleet_rate * 60 * COST / 0.6),
         "max_concurrent": max(4, round(fleet_rate * args.hold_ms / 1000 / 0.6)),
     }
-    hold_limits = {"requests_per_minute": round(fleet_rate * 60 / args.over)}
+    offered = fleet_rate * args.seconds  # over what a limit allows in the run: a full bucket and its refill
+    hold_limits = {"requests_per_minute": max(1, round(offered / (args.over * (1 + args.seconds / 60))))}
     load_before = os.getloadavg()
     report: dict[str, Any] = {"replicas": args.replicas, "seconds": args.seconds, "rate_per_replica": args.rate}
     report |= {"cost_limits": cost_limits, "hold_limits": hold_limits, "cost": {}, "hold": {}}
-    with local_postgres(durable=True) as server:
+    with local_postgres(durable=True) as server, multiprocessing.get_context("spawn").Pool(args.replicas) as pool:
+        pool.map(_warm, range(args.replicas), chunksize=1)
         for arm in ("memory", "shared"):
             url = server.create_database(f"cost_{arm}") if arm == "shared" else ""
-            report["cost"][arm] = _cost(_fleet(url, cost_limits, args, args.rate))
+            report["cost"][arm] = _cost(_fleet(pool, url, cost_limits, args))
             url = server.create_database(f"hold_{arm}") if arm == "shared" else ""
-            report["hold"][arm] = _hold(_fleet(url, hold_limits, args, args.rate), hold_limits["requests_per_minute"])
+            report["hold"][arm] = _hold(_fleet(pool, url, hold_limits, args), hold_limits["requests_per_minute"])
     mem, shared = report["cost"]["memory"], report["cost"]["shared"]
     report["added_ttft_p50_ms"] = (shared["admit_p50_us"] - mem["admit_p50_us"]) / 1000
     report["added_ttft_p99_ms"] = (shared["admit_p99_us"] - mem["admit_p99_us"]) / 1000
-    report["waited_for_store"] = shared["store_calls"] / max(1, shared["admitted"])
+    report["waited_for_store"] = shared["waited_for_store"] / max(1, shared["admitted"] + shared["refused"])
     report |= {"loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count()}
     _say(report, say)
     return report
@@ -186,7 +197,7 @@ def _say(report: dict[str, Any], say: Any) -> None:
     s = report["cost"]["shared"]
     say(
         f"shared adds {report['added_ttft_p50_ms']:.3f} ms p50, {report['added_ttft_p99_ms']:.3f} ms p99; "
-        f"store calls {s['store_calls']} ({report['waited_for_store']:.1%} of requests), "
+        f"store calls {s['store_calls']} ({report['waited_for_store']:.1%} of requests waited for one), "
         f"p50 {s['store_call_p50_ms']:.3f} ms, p99 {s['store_call_p99_ms']:.3f} ms each"
     )
     for arm, h in report["hold"].items():
@@ -201,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=20.0, help="each arm's sending time")
     p.add_argument("--rate", type=float, default=100.0, help="requests a second each replica sends")
     p.add_argument("--hold-ms", type=float, default=50.0, help="how long an admitted request holds its lease")
-    p.add_argument("--over", type=float, default=30.0, help="the hold measure's load over its limit")
+    p.add_argument(
+        "--over", type=float, default=6.0, help="the hold measure's requests over what its limit allows in the run"
+    )
     p.add_argument("--report", type=Path, help="write the figures here as JSON")
     return p
 

@@ -49,6 +49,7 @@ class _Held:
     tokens: float = 0.0
     slots: int = 0
     running: int = 0
+    peak: int = 0  # the most running since the slots were last looked at
     shared: dict[str, float] = field(default_factory=dict)  # the buckets' levels last seen, for the headers
     used: float = 0.0  # wall time of the last request
     empty_until: float = 0.0  # a bucket was too low for a request: until it has refilled, no store call
@@ -160,6 +161,7 @@ class SharedKeyLimiter(KeyLimiter):
         held.requests -= 1 if lim.requests_per_minute else 0
         held.tokens -= cost if lim.tokens_per_minute else 0
         held.running += 1
+        held.peak = max(held.peak, held.running)
         low = (lim.requests_per_minute and held.requests < self._chunk_of(lim.requests_per_minute)) or (
             lim.tokens_per_minute and held.tokens < self._chunk_of(lim.tokens_per_minute)
         )
@@ -174,7 +176,7 @@ class SharedKeyLimiter(KeyLimiter):
 
     def _release_shared(self, key: str) -> None:
         """A request ended; the slots held past the key's running requests and its spare go back
-        ``linger_s`` later, unless new requests took them meanwhile."""
+        ``linger_s`` later, those the requests meanwhile did not need."""
         held = self._held.get(key)
         if held is None or held.running <= 0:
             return
@@ -184,10 +186,12 @@ class SharedKeyLimiter(KeyLimiter):
             held.returning = asyncio.create_task(self._slots_back(key, held, lim), name=f"key slots {key}")
 
     async def _slots_back(self, key: str, held: _Held, lim: KeyLimits) -> None:
+        """Hand back the slots no request used for ``linger_s`` (past the spare)."""
         try:
+            held.peak = held.running
             await asyncio.sleep(self._linger_s)
-            if held.slots > held.running + self._spare_slots(lim):
-                await self._give_back(key, self._spare_slots(lim), units=False)
+            if held.slots > held.peak + self._spare_slots(lim):
+                await self._give_back(key, self._spare_slots(lim) + held.peak - held.running, units=False)
         except Exception as exc:
             self._store_down(exc)
         finally:
