@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from proxy.control.journal import Journal
 from proxy.control.offload import PlanProcess
 from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Drainable, RestartablePool, Rollout
+from proxy.control.shared_journal import close_journal, open_journal
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import KnobName, Modelled, Sample
@@ -401,7 +403,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
     built when the app starts, fed by the board, the pool's states and log lines. One journal."""
     st = app[PROXY]
-    journal = Journal(st.policy.control.journal_path)
+    replica = f"{socket.gethostname()}:{st.policy.proxy.port}"  # its rows in a shared store's journal
+    journal = await open_journal(st.policy.control.journal_path, st.policy.store.url, replica)
     # the planner's replays run in a process of their own (started at the first plan: none if no pool plans)
     async with PlanProcess() as planning:
         closed = False
@@ -430,6 +433,7 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
             st.stop_control = None
             for controller in st.controllers.values():
                 st.board.unsubscribe(controller.on_sample)
+            await close_journal(journal)
 
 
 def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, constants: Constants) -> None:
