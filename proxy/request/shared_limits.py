@@ -6,9 +6,11 @@ call that takes the next chunk (requests of the key that arrive meanwhile wait f
 and is refused (429) when the shared bucket has too little. When a replica's units run low it takes
 the next chunk in the background, before a request has to wait for it. A chunk is ``chunk`` of the
 per-minute limit (at least one unit); a replica holds at most two chunks, so the fleet holds back at
-most two a replica of what the limit allows. Units and slots a replica holds unused for ``idle_s``
-go back to the store, and so does all it holds when it stops; its slots are held under an expiry
-it renews (a replica that dies frees them within ``hold_s``).
+most two a replica of what the limit allows. Concurrency slots are taken one request at a time
+(below a limit of 100; past it with a spare of ``chunk``), and a replica keeps the most its requests
+needed over the last ``linger_s``: the others go back. Units and slots a replica holds unused for
+``idle_s`` go back to the store, and so does all it holds when it stops; its slots are held under an
+expiry it renews (a replica that dies frees them within ``hold_s``).
 
 The store unreachable: the replica limits by itself (:class:`~proxy.request.limits.KeyLimiter`'s
 in-memory buckets, the whole limit) and tries the store again after ``retry_s``.
@@ -70,7 +72,7 @@ class SharedKeyLimiter(KeyLimiter):
         concurrent_retry_after_s: float = 1.0,
         chunk: float = 0.01,
         idle_s: float = 2.0,
-        linger_s: float = 0.05,
+        linger_s: float = 1.0,
         retry_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
