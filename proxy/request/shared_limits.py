@@ -5,8 +5,9 @@ request it has units and a slot for is admitted with no store call; one it has n
 call that takes the next chunk (requests of the key that arrive meanwhile wait for the same call),
 and is refused (429) when the shared bucket has too little. When a replica's units run low it takes
 the next chunk in the background, before a request has to wait for it. A chunk is ``chunk`` of the
-per-minute limit (at least one unit); a replica holds at most two chunks, so the fleet holds back at
-most two a replica of what the limit allows. Concurrency slots are taken one request at a time
+per-minute limit (at least one unit); a replica holds at most two chunks, taken only while the
+bucket holds two more: near empty, each replica takes what its request needs, so what the replicas
+hold back stays small against the limit. Concurrency slots are taken one request at a time
 (below a limit of 100; past it with a spare of ``chunk``), and a replica keeps the most its requests
 needed over the last ``linger_s``: the others go back. Units and slots a replica holds unused for
 ``idle_s`` go back to the store, and so does all it holds when it stops; its slots are held under an
@@ -209,9 +210,9 @@ class SharedKeyLimiter(KeyLimiter):
                 continue
             chunk = self._chunk_of(per_minute)
             if top_up and have < chunk:
-                asks.append(BucketAsk(kind, per_minute, 0.0, 2 * chunk - have))
+                asks.append(BucketAsk(kind, per_minute, 0.0, 2 * chunk - have, keep=2 * chunk))
             elif not top_up and have < need:
-                asks.append(BucketAsk(kind, per_minute, need - have, need - have + chunk))
+                asks.append(BucketAsk(kind, per_minute, need - have, need - have + chunk, keep=2 * chunk))
         return asks
 
     async def _fetch(self, key: str, lim: KeyLimits, held: _Held, cost: int) -> None:

@@ -32,13 +32,16 @@ _SLOTS = "slots"  # the bucket row whose lock takes a key's slots in turn
 
 @dataclass(frozen=True, slots=True)
 class BucketAsk:
-    """Units of one of a key's buckets: at least ``need`` (0: whatever is there), up to ``want``. A need
-    above the bucket's size is granted whole when the bucket is full (the bucket then owes the rest)."""
+    """Units of one of a key's buckets: at least ``need`` (0: a top-up), up to ``want``; past the need,
+    only what the bucket holds beyond ``keep`` (near empty, a replica takes only what it spends now,
+    and the last units go to whichever replica's request comes first). A need above the bucket's
+    size is granted whole when the bucket is full (the bucket then owes the rest)."""
 
     kind: str
     per_minute: int
     need: float
     want: float
+    keep: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,8 @@ class Budgets:
                     grants.append(BucketGrant(0.0, level, (need - level) * 60.0 / ask.per_minute))
                     granted = 0.0
                 else:
-                    granted = max(ask.need, min(ask.want, max(level, 0.0)))
+                    extra = min(ask.want - ask.need, max(0.0, level - ask.need - ask.keep))
+                    granted = max(ask.need, 0.0) + max(extra, 0.0)
                     grants.append(BucketGrant(granted, level - granted, 0.0))
                 self._set(key, ask.kind, level - granted, updated)
             held = None if slots is None else self._take_slots(key, slots, now)
