@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.console.decisions import format_decision
 from proxy.control.decision import Decision, RuleKind
 from proxy.control.evidence import Death
 from proxy.control.journal import Journal, Status
@@ -44,6 +45,7 @@ async def test_each_replica_sees_the_fleets_decisions(postgres_url: str) -> None
         await wait_until(lambda: ("a", on_a, "applied") in _seen(b), "the later state reaching the other replica")
         assert [e["worker"] for e in b.entries(worker="w0")] == ["w0"]
         assert len(b.entries()) == 2  # an entry's rows are one entry, at its last state
+        assert format_decision(b.entries(worker="w0")[0]).startswith(f"a #{on_a} ")  # pacer decisions names it
     finally:
         await a.close()
         await b.close()
