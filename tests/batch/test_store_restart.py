@@ -6,31 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from proxy.batch import BatchService, owner_of
 from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final
-from tests.harness.postgres import PostgresServer, local_postgres, postgres_bin
+from tests.harness.postgres import PostgresServer
 from tests.harness.wait import wait_until
 
 pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
 OWNER = owner_of("key-a")
 
 
-@pytest.fixture
-def own_server() -> Iterator[PostgresServer]:
-    """A server of this test's own: it is stopped and started again mid-test."""
-    if postgres_bin() is None:
-        pytest.skip("PostgreSQL's binaries are absent: `make postgres` installs them")
-    with local_postgres() as server:
-        yield server
-
-
-async def test_a_batch_carries_on_across_a_restart_of_the_store(tmp_path: Path, own_server: PostgresServer) -> None:
-    url = own_server.create_database("restarted")
+async def test_a_batch_carries_on_across_a_restart_of_the_store(tmp_path: Path, own_postgres: PostgresServer) -> None:
+    url = own_postgres.create_database("restarted")
     ids = [f"line-{n:02d}" for n in range(12)]
     gate = asyncio.Event()
     executor = FakeExecutor(gate=gate)
@@ -43,11 +33,11 @@ async def test_a_batch_carries_on_across_a_restart_of_the_store(tmp_path: Path, 
         )
         batch = await service.create_batch(OWNER, input_file_id=uploaded["id"], endpoint=CHAT, completion_window="24h")
         await wait_until(lambda: len(executor.started) == 3, "three lines running")
-        await asyncio.to_thread(own_server.stop)
+        await asyncio.to_thread(own_postgres.stop)
         gate.set()  # the three answer while the server is down: their results wait for it
         await wait_until(lambda: len(executor.finished) == 3, "the three lines answered during the outage")
         assert len(executor.started) == 3  # no line starts before its results can be kept
-        await asyncio.to_thread(own_server.start)
+        await asyncio.to_thread(own_postgres.start)
         ended = await wait_final(service, OWNER, batch["id"])
         output = read_lines(await service.file_content(OWNER, ended["output_file_id"]))
 

@@ -1,9 +1,11 @@
 """The decision journal in a shared PostgreSQL store (:mod:`proxy.control.shared_journal`): each
 replica's journal shows the fleet's decisions and their later states, and a replica started again
-takes up its own rows as a restarted proxy takes up its file."""
+takes up its own rows as a restarted proxy takes up its file; decisions made while the store is
+down reach it once it is back."""
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from proxy.control.journal import Journal, Status
 from proxy.control.shared_journal import SharedJournal, close_journal, open_journal
 from proxy.policy import ControlMode
 from proxy.store import open_database
+from tests.harness.postgres import PostgresServer
 from tests.harness.wait import wait_until
 
 pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
@@ -79,3 +82,17 @@ async def test_without_a_postgresql_store_the_journal_is_the_file(tmp_path: Path
     journal.record(_decision("w0"), mode=ControlMode.AUTO, status=Status.NOTED)
     assert "replica" not in journal.entries()[0] and (tmp_path / "decisions.jsonl").exists()
     await close_journal(journal)
+
+
+async def test_decisions_made_while_the_store_is_down_reach_it_once_it_is_back(own_postgres: PostgresServer) -> None:
+    url = own_postgres.create_database("journal")
+    a, b = await _open(url, "a"), await _open(url, "b")
+    try:
+        await asyncio.to_thread(own_postgres.stop)
+        made = a.record(_decision("w0"), mode=ControlMode.AUTO, status=Status.NOTED)
+        assert ("a", made, "noted") in _seen(a)  # this replica's own view goes on
+        await asyncio.to_thread(own_postgres.start)
+        await wait_until(lambda: ("a", made, "noted") in _seen(b), "the decision reaching the other replica")
+    finally:
+        await a.close()
+        await b.close()

@@ -5,7 +5,8 @@
 As root (CI) the server runs as the ``postgres`` user the package creates: PostgreSQL refuses root.
 :func:`postgres_bin` is None where the binaries are absent (``make postgres`` installs them); the
 tests skip then, saying so. The fixtures: ``postgres`` (one server a session), ``postgres_url`` (a
-fresh database a test), ``store_url`` (the Batch API's tests on both backends). ``durable=False`` (tests) turns ``fsync`` off; a benchmark keeps the
+fresh database a test), ``store_url`` (the Batch API's tests on both backends), ``own_postgres`` (a
+server a test stops and starts again). ``durable=False`` (tests) turns ``fsync`` off; a benchmark keeps the
 defaults, as a real deployment would.
 """
 
@@ -158,6 +159,17 @@ def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """One server for the session; each test takes a database of its own (:func:`postgres_url`)."""
+    if postgres_bin() is None:
+        pytest.skip(MISSING)
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
+    with local_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of the test's own, which it may stop and start again (:meth:`PostgresServer.stop`)."""
     if postgres_bin() is None:
         pytest.skip(MISSING)
     if importlib.util.find_spec("psycopg") is None:

@@ -1,6 +1,7 @@
 """Per-key limits across three replicas on one PostgreSQL (:mod:`proxy.request.shared_limits`): the
 fleet admits within 5 % of what one replica alone would, most requests touch no store, the fleet
-never runs more than the concurrency limit, and a dead replica's slots come back."""
+never runs more than the concurrency limit, a dead replica's slots come back, and a store that
+cannot be reached leaves each replica its own limit until it is back."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited
 from proxy.request.shared_limits import SharedKeyLimiter
 from proxy.store import open_database
 from proxy.store.budgets import Budgets
+from tests.harness.postgres import PostgresServer
 from tests.harness.wait import wait_until
 
 pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
@@ -164,3 +166,20 @@ async def test_a_dead_replicas_slots_come_back_within_its_hold(postgres_url: str
             lease.release()
     finally:
         db.close()
+
+
+async def test_an_unreachable_store_leaves_each_replica_the_whole_limit_until_it_is_back(
+    own_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    url = own_postgres.create_database("limits")
+    clock = ManualClock()
+    async with replicas(url, tmp_path, KeyLimits(requests_per_minute=60), clock) as fleet:
+        assert await _admitted(fleet[0], 1, clock.now) == 1
+        await asyncio.to_thread(own_postgres.stop)
+        during = sum([await _admitted(fleet[0], 1, clock.now) for _ in range(70)])
+        assert 60 <= during <= 62  # its own bucket (and what it held from the store): no error, no wait
+        await asyncio.to_thread(own_postgres.start)
+        clock.now += 5.0  # the store is tried again after retry_s
+        takes = CountedBudgets.takes
+        assert await _admitted(fleet[1], 1, clock.now) == 1
+        assert CountedBudgets.takes > takes  # through the store again, on a new connection
