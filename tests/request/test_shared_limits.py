@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited
-from proxy.request.shared_limits import SharedKeyLimiter
+from proxy.request.shared_limits import SharedKeyLimiter, key_limiter
 from proxy.store import open_database
 from proxy.store.budgets import Budgets
 from tests.harness.postgres import PostgresServer
@@ -183,3 +183,10 @@ async def test_an_unreachable_store_leaves_each_replica_the_whole_limit_until_it
         takes = CountedBudgets.takes
         assert await _admitted(fleet[1], 1, clock.now) == 1
         assert CountedBudgets.takes > takes  # through the store again, on a new connection
+
+
+def test_without_a_postgresql_store_the_limiter_is_this_replicas_own() -> None:
+    limits = {"k": KeyLimits(requests_per_minute=60)}
+    assert type(key_limiter(limits, "", concurrent_retry_after_s=1.0)) is KeyLimiter
+    assert type(key_limiter({}, "postgresql://db/p", concurrent_retry_after_s=1.0)) is KeyLimiter  # no key limited
+    assert type(key_limiter(limits, "postgresql://db/p", concurrent_retry_after_s=1.0)) is SharedKeyLimiter
