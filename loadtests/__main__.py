@@ -6,6 +6,7 @@ scenario   controller scenarios: default vs adaptive vs oracle arms
 fleet      two pools behind one proxy vs behind separate proxies (per-pool throughput)
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 store      the Batch API store's cost per line: SQLite vs a shared PostgreSQL
+limits     per-key limits across replicas: in memory vs shared over PostgreSQL (added TTFT, limit held)
 budget     the output budget on vs off vs control off: first tokens, tails, throughput
 failover   three replicas on one PostgreSQL: pacing alone vs by share, the leader killed under load
 """
@@ -22,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "loadtests.batch_job",
     "fleet": "loadtests.fleet",
     "store": "loadtests.store_overhead",
+    "limits": "loadtests.key_limits",
     "budget": "loadtests.budget",
     "failover": "loadtests.failover",
 }

@@ -25,7 +25,14 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from proxy.policy import Policy, PolicyError, WorkerBackend, documented_defaults, load_policy
+from proxy.policy import (
+    Policy,
+    PolicyError,
+    WorkerBackend,
+    documented_defaults,
+    load_policy,
+    with_store_url_from_env,
+)
 from proxy.server.auth import AuthConfigError, load_keyring, unkeyed
 
 # subcommand -> "module:function"; each function takes the remaining argv and returns an exit code.
@@ -154,7 +161,7 @@ def serve_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:
-        policy = load_policy(args.policy)
+        policy = with_store_url_from_env(load_policy(args.policy), os.environ)
         load_keyring(policy.auth)
     except (PolicyError, AuthConfigError) as exc:
         print(f"pacer serve: {exc}", file=sys.stderr)

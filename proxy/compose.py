@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from proxy.control.journal import Journal
 from proxy.control.offload import PlanProcess
 from proxy.control.planner import InFlight, Observed
 from proxy.control.rollout import Drainable, RestartablePool, Rollout
+from proxy.control.shared_journal import close_journal, open_journal
 from proxy.dashboard import HISTORY, History
 from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import KnobName, Modelled, Sample
@@ -50,10 +52,11 @@ from proxy.observe.scraper import Scraper
 from proxy.policy import ControlMode, Policy, PoolSettings, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.dispatch import Dispatcher
-from proxy.request.limits import KeyLimiter, KeyLimits
+from proxy.request.limits import KeyLimits
 from proxy.request.pacing import Band, LoadBoard
 from proxy.request.path import RequestPath, RequestSettings
 from proxy.request.queues import QueueTotals
+from proxy.request.shared_limits import key_limiter
 from proxy.server import handlers
 from proxy.server.auth import ANONYMOUS, bearer, check_api_key, describe, load_keyring
 from proxy.server.cors import Cors
@@ -171,11 +174,12 @@ def _request_path(
         dispatchers,
         {p.name: metrics.of(p.name) for p in policy.pools},
         models={p.model: p.name for p in policy.pools if p.model is not None},
-        limits=KeyLimiter(  # per key, across every pool
+        limits=key_limiter(  # per key, across every pool (and every replica, on a shared store)
             {
                 name: KeyLimits(k.requests_per_minute, k.tokens_per_minute, k.max_concurrent)
                 for name, k in fair.keys.items()
             },
+            policy.store.url,
             concurrent_retry_after_s=policy.queue.retry_after_s,
         ),
         engines={p.name: p.engine.engine for p in policy.pools},
@@ -227,6 +231,7 @@ def _application(st: ProxyState, manage_pool: bool, control_constants: Constants
     app.cleanup_ctx.append(_control_lifecycle)  # after the lifecycle above: stops before the workers do
     add_native_routes(app, (p.engine.engine for p in policy.pools))
     add_routes(app, authenticate=_batch_caller(st))
+    app.cleanup_ctx.append(_limits_lifecycle)
     app.cleanup_ctx.append(_batch_lifecycle)  # the last to start: stops first, while the request path is open
     cors.add_preflight_routes(app.router)  # every route is in
     return app
@@ -414,7 +419,8 @@ async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
 @contextlib.asynccontextmanager
 async def _controlling(st: ProxyState, constants: Constants) -> AsyncIterator[None]:
     """The controllers' life: built, tracking the workers, running until the block ends."""
-    journal = Journal(st.policy.control.journal_path)
+    replica = f"{socket.gethostname()}:{st.policy.proxy.port}"  # its rows in a shared store's journal
+    journal = await open_journal(st.policy.control.journal_path, st.policy.store.url, replica)
     # the planner's replays run in a process of their own (started at the first plan: none if no pool plans)
     async with PlanProcess() as planning:
         closed = False
@@ -443,6 +449,7 @@ async def _controlling(st: ProxyState, constants: Constants) -> AsyncIterator[No
             st.stop_control = None
             for controller in st.controllers.values():
                 st.board.unsubscribe(controller.on_sample)
+            await close_journal(journal)
 
 
 def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, constants: Constants) -> None:
@@ -651,6 +658,14 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
     ) as service:
         app[BATCH_SERVICE] = service
         yield
+
+
+async def _limits_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The per-key limits' store connection (a shared store); what they hold goes back at the end."""
+    limits = app[PROXY].requests.limits
+    await limits.start()
+    yield
+    await limits.close()
 
 
 async def _drain(app: web.Application) -> None:

@@ -16,6 +16,7 @@ as :class:`Policy`, describes it, and re-exports the settings for callers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from proxy.policy_read import (
     read_proxy,
     read_queue,
     read_store,
+    store_url_problem,
 )
 from proxy.policy_schema import PolicyError, Table, changed_keys
 from proxy.policy_settings import (
@@ -159,6 +161,20 @@ def _pool_secret(secret_args: frozenset[str], key: str) -> bool:
 # loading
 
 
+def with_store_url_from_env(policy: Policy, environ: Mapping[str, str]) -> Policy:
+    """The policy with ``store.url`` read from the variable ``store.url_env`` names (``pacer serve``,
+    as it starts); PolicyError when that is unset or not a PostgreSQL URL."""
+    name = policy.store.url_env
+    if not name:
+        return policy
+    url = environ.get(name, "")
+    if not url:
+        raise PolicyError("store.url_env", f"${name} holds the store's url, but it is not set")
+    if problem := store_url_problem(url):
+        raise PolicyError("store.url_env", f"${name}: {problem}")
+    return dataclasses.replace(policy, store=dataclasses.replace(policy.store, url=url))
+
+
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; relative auth files resolve against its folder."""
     p = Path(path)
@@ -261,6 +277,8 @@ def _describe(p: Policy) -> list[str]:
         + "".join(f", {arg} {_range_text(r)}" for arg, r in sorted(c.bounds.items()))
     )
     lines.append(f"  batch    /v1/batches kept in {p.batch.dir}, {p.batch.concurrency} lines in flight at most")
+    if p.store.url_env and not p.store.url:
+        lines.append(f"  store    PostgreSQL at the url in ${p.store.url_env}, shared by the replicas")
     if p.store.url:
         where = urlparse(p.store.url)
         lines.append(

@@ -179,21 +179,32 @@ def read_batch(t: Table) -> BatchSettings:
 def read_store(t: Table) -> StoreSettings:
     """``[store]``: ``url`` empty (the embedded SQLite) or a PostgreSQL URL, with its driver installed."""
     url = t.str("url", "", nonempty=False) or ""
-    if url:
-        scheme = urlparse(url).scheme
-        if scheme in ("sqlite", "file"):
-            raise t.error("url", "the embedded SQLite needs no URL: leave store.url empty (batch.dir holds its file)")
-        if scheme not in ("postgresql", "postgres"):
-            raise t.error("url", f'expected empty or a "postgresql://..." URL, got a {scheme or "scheme-less"!r} one')
-        if importlib.util.find_spec("psycopg") is None:
-            raise t.error("url", "a PostgreSQL store needs its driver: pip install 'sglang-pacer[postgres]'")
-    s = read_settings(t, StoreSettings, {"url": url})
+    url_env = t.str("url_env", None)
+    if url and url_env:
+        raise t.error("url_env", "give the store's url or the variable that holds it (url_env), not both")
+    if url and (problem := store_url_problem(url)):
+        raise t.error("url", problem)
+    if url_env and importlib.util.find_spec("psycopg") is None:
+        raise t.error("url_env", "a PostgreSQL store needs its driver: pip install 'sglang-pacer[postgres]'")
+    s = read_settings(t, StoreSettings, {"url": url, "url_env": url_env})
     if s.leader_lease_s < 2 * s.poll_s:
         raise t.error(
             "leader_lease_s", f"must be at least twice poll_s ({s.poll_s:g} s): the leader renews it each poll"
         )
     t.finish()
     return s
+
+
+def store_url_problem(url: str) -> str | None:
+    """What is wrong with a non-empty ``store.url`` (None: a PostgreSQL URL whose driver is there)."""
+    scheme = urlparse(url).scheme
+    if scheme in ("sqlite", "file"):
+        return "the embedded SQLite needs no URL: leave store.url empty (batch.dir holds its file)"
+    if scheme not in ("postgresql", "postgres"):
+        return f'expected empty or a "postgresql://..." URL, got a {scheme or "scheme-less"!r} one'
+    if importlib.util.find_spec("psycopg") is None:
+        return "a PostgreSQL store needs its driver: pip install 'sglang-pacer[postgres]'"
+    return None
 
 
 def read_fleet(t: Table) -> FleetSettings:

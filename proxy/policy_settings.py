@@ -340,6 +340,14 @@ class StoreSettings:
             custom=True,
         ),
     )
+    url_env: str | None = field(
+        default=None,
+        metadata=key(
+            "an environment variable holding the url instead (a Kubernetes Secret's, say): pacer serve reads it "
+            "when it starts, and refuses to start without it",
+            custom=True,
+        ),
+    )
     claim_s: float = field(
         default=30.0,
         metadata=key(

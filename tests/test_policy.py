@@ -118,6 +118,21 @@ def test_a_shared_store_is_accepted_and_its_password_masked() -> None:
     assert "PostgreSQL at db:5432/pacer" in p.describe()
 
 
+def test_the_store_url_from_an_environment_variable_is_read_when_serve_starts() -> None:
+    from proxy.policy import with_store_url_from_env
+
+    p = parse_policy({"store": {"url_env": "PACER_STORE_URL"}})
+    assert (p.store.url, p.store.url_env) == ("", "PACER_STORE_URL")  # checked offline without it
+    assert "$PACER_STORE_URL" in p.describe()
+    url = "postgresql://pacer:sekrit@db:5432/pacer"
+    assert with_store_url_from_env(p, {"PACER_STORE_URL": url}).store.url == url
+    with pytest.raises(PolicyError, match="not set"):
+        with_store_url_from_env(p, {})
+    with pytest.raises(PolicyError, match="postgresql"):
+        with_store_url_from_env(p, {"PACER_STORE_URL": "mysql://db/p"})
+    assert with_store_url_from_env(parse_policy({}), {}).store.url == ""
+
+
 def _engine(**kw: object) -> dict[str, object]:
     return {"engine": kw}
 
@@ -187,6 +202,7 @@ BAD = [
     ({"control": {"mode": "off", "min_restart_interval_s": 60}}, "control.min_restart_interval_s", "unknown key"),
     ({"store": {"url": "mysql://db/pacer"}}, "store.url", 'a "postgresql://..." URL'),
     ({"store": {"url": "sqlite:///b.db"}}, "store.url", "leave store.url empty"),
+    ({"store": {"url": "postgresql://db/p", "url_env": "U"}}, "store.url_env", "not both"),
     ({"store": {"url": "postgresql://db/p", "claim_s": 0}}, "store.claim_s", "> 0"),
 ]
 

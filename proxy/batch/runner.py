@@ -32,14 +32,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import orjson
 
 from proxy.batch.shapes import NO_USAGE, error_line, output_line, parse_answer, usage_of
 from proxy.batch.store import ActiveBatch, Answered, BatchStore, Ending, Outcome, PendingLine, StoreThread
+from proxy.store import StoreUnavailable
 
 _log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 CHUNK = 512  # lines read from the database at a time
 
@@ -95,7 +98,7 @@ class BatchRunner:
         self._claim_s = claim_s
         self._poll_s = poll_s
         self._claim_chunk = min(CHUNK, concurrency)  # on a shared store, no more than this runner can start
-        self._recorder = _Recorder(db)
+        self._recorder = _Recorder(db, poll_s)
         self._executor = executor
         self._clock = clock
         self._accepts_model = accepts_model
@@ -106,6 +109,9 @@ class BatchRunner:
         # a batch told "not now": no line of it starts before this (the event loop's time: a Retry-After
         # is a span of seconds; the completion window is on ``clock``)
         self._resume_at: dict[str, float] = {}
+
+    async def _store(self, method: Callable[Concatenate[BatchStore, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await riding_out(self._db, self._poll_s, method, *args, **kwargs)
 
     def _now(self) -> int:
         return int(self._clock())
@@ -130,7 +136,7 @@ class BatchRunner:
         try:
             while True:
                 self._wake.clear()
-                for batch in await self._db(BatchStore.active_batches):
+                for batch in await self._store(BatchStore.active_batches):
                     if batch.status == "cancelling" and batch.id in self._drivers:
                         self._stops.setdefault(batch.id, asyncio.Event()).set()  # maybe cancelled elsewhere
                     if batch.id not in self._drivers:
@@ -176,7 +182,7 @@ class BatchRunner:
             stop = self._stops.setdefault(batch.id, asyncio.Event())
             status = batch.status
             if status == "validating":
-                status = await self._db(
+                status = await self._store(
                     BatchStore.validate, batch.id, accepts_model=self._accepts_model, now=self._now()
                 )
             ending: Ending = "completed"
@@ -184,9 +190,9 @@ class BatchRunner:
                 ending = await self._dispatch(batch, stop)
             if status in ("failed", "completed", "expired", "cancelled"):
                 return
-            if stop.is_set() or await self._db(BatchStore.status, batch.id) == "cancelling":
+            if stop.is_set() or await self._store(BatchStore.status, batch.id) == "cancelling":
                 ending = "cancelled"
-            await self._db(BatchStore.finish, batch.id, ending, self._now())
+            await self._store(BatchStore.finish, batch.id, ending, self._now())
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -204,7 +210,7 @@ class BatchRunner:
             ending = await self._dispatch_claimable(batch, stop, expired)
             if ending != "completed" or expired or stop.is_set() or not self._shared:
                 break
-            if await self._db(BatchStore.unanswered, batch.id) == 0:
+            if await self._store(BatchStore.unanswered, batch.id) == 0:
                 break
             if self._clock() >= batch.expires_at:
                 ending = "expired"
@@ -221,7 +227,7 @@ class BatchRunner:
         after = 0
         async with asyncio.TaskGroup() as running:
             while ending == "completed" and not stop.is_set():
-                lines = await self._db(
+                lines = await self._store(
                     BatchStore.claim_lines,
                     batch.id,
                     after=after,
@@ -330,6 +336,19 @@ class BatchRunner:
                 return exc
 
 
+async def riding_out(
+    db: StoreThread, retry_s: float, method: Callable[Concatenate[BatchStore, P], T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``db(method, ...)``, tried again every ``retry_s`` while the store's server cannot be reached
+    (restarting, say): the runner carries on once it is back, its running lines kept."""
+    while True:
+        try:
+            return await db(method, *args, **kwargs)
+        except StoreUnavailable as exc:
+            _log.warning("the batch store is unavailable, tried again in %.1f s: %s", retry_s, exc)
+            await asyncio.sleep(retry_s)
+
+
 class _Slot:
     """One of the runner's slots, held by a line (taken before it starts)."""
 
@@ -355,8 +374,9 @@ class _Recorder:
     """Keeps the lines' results, those that arrive while one transaction commits all in the next one
     (a group commit: a line waits for its own result's commit, never for a timer)."""
 
-    def __init__(self, db: StoreThread) -> None:
+    def __init__(self, db: StoreThread, retry_s: float) -> None:
         self._db = db
+        self._retry_s = retry_s
         self._waiting: list[tuple[Answered, asyncio.Future[bool]]] = []
         self._writer: asyncio.Task[None] | None = None
 
@@ -372,7 +392,9 @@ class _Recorder:
         while self._waiting:
             taken, self._waiting = self._waiting, []
             try:
-                kept = await self._db(BatchStore.record_many, [answered for answered, _ in taken])
+                kept = await riding_out(
+                    self._db, self._retry_s, BatchStore.record_many, [answered for answered, _ in taken]
+                )
             except Exception as exc:
                 for _, future in taken:
                     if not future.done():

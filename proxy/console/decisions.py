@@ -79,6 +79,8 @@ def format_decision(e: Mapping[str, Any]) -> str:
     changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (e.get("changes") or {}).items())
     when = local_time(str(e.get("time", "")))
     text = f"#{e.get('id')} {when} {e.get('worker')} {e.get('rule')} [{e.get('status')}]"
+    if e.get("replica"):  # a shared store's journal: the replica that decided
+        text = f"{e['replica']} {text}"
     if changes:
         text += f" {changes}"
     text += gain_text(e)

@@ -83,6 +83,8 @@ def verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
 
 
 class Journal:
+    _stamp: Mapping[str, Any] = {}  # fields every entry of this journal carries (a shared one: its replica)
+
     def __init__(
         self, path: str | Path | None = None, *, keep: int = 1000, wall_clock: Callable[[], float] = time.time
     ) -> None:
@@ -123,6 +125,11 @@ class Journal:
                 bad += 1
         if bad:
             _log.warning("decision journal %s: %d unreadable lines skipped", path, bad)
+        self._take_up(latest, str(path))
+
+    def _take_up(self, latest: Mapping[int, dict[str, Any]], source: str) -> None:
+        """An earlier run's entries (each id's current state) as this journal's history: the newest
+        ``keep``, ids going on after the highest, an entry left ``acting`` closed as ``failed``."""
         for entry_id in sorted(latest)[-(self._entries.maxlen or len(latest)) :]:
             self._entries.append(latest[entry_id])
             self._by_id[entry_id] = latest[entry_id]
@@ -131,7 +138,7 @@ class Journal:
             if entry.get("status") == Status.ACTING:
                 self.update(entry["id"], status=Status.FAILED, detail="the proxy stopped while it was under way")
         if latest:
-            _log.info("decision journal %s: %d decisions of earlier runs taken up", path, len(latest))
+            _log.info("decision journal %s: %d decisions of earlier runs taken up", source, len(latest))
 
     def record(
         self,
@@ -164,6 +171,7 @@ class Journal:
             "detail": detail,
             "outcome": {"before": _plain(before)} if before is not None else None,
             **_plain(extra or {}),
+            **self._stamp,
         }
         self._next_id += 1
         if len(self._entries) == self._entries.maxlen:

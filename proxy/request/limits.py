@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["KeyLimiter", "KeyLimits", "Lease", "RateLimited", "TokenBucket"]
+__all__ = ["KeyLimiter", "KeyLimits", "Lease", "RateLimited", "TokenBucket", "duration"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +82,17 @@ class RateLimited(Exception):
 _NO_HEADERS: Mapping[str, str] = {}
 
 
+class _Releases(Protocol):
+    def _release(self, key: str) -> None: ...
+
+
 class Lease:
     """A request admitted under its key's concurrency limit; :meth:`release` once it ends.
     ``headers``: the key's ``x-ratelimit-*`` after this request (empty without such limits)."""
 
     __slots__ = ("_limiter", "headers", "key")
 
-    def __init__(self, limiter: KeyLimiter | None, key: str, headers: Mapping[str, str] = _NO_HEADERS) -> None:
+    def __init__(self, limiter: _Releases | None, key: str, headers: Mapping[str, str] = _NO_HEADERS) -> None:
         self._limiter = limiter
         self.key = key
         self.headers = headers
@@ -98,7 +103,7 @@ class Lease:
             self._limiter = None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """OpenAI's reset format: ``1s``, ``6m0s``, ``0.5s``."""
     if seconds < 60:
         return f"{math.ceil(seconds * 1000) / 1000:g}s"
@@ -119,6 +124,16 @@ class KeyLimiter:
     def running(self, key: str) -> int:
         return self._running.get(key, 0)
 
+    async def start(self) -> None:
+        """Nothing to start in memory (:class:`~proxy.request.shared_limits.SharedKeyLimiter` opens its store)."""
+
+    async def close(self) -> None:
+        """Nothing to hand back in memory."""
+
+    async def admit(self, key: str, cost: int, now: float) -> Lease:
+        """:meth:`acquire` as the request path calls it (a limiter shared by replicas may wait for its store)."""
+        return self.acquire(key, cost, now)
+
     def acquire(self, key: str, cost: int, now: float) -> Lease:
         """Admit one request of ``cost`` tokens for ``key`` or raise :class:`RateLimited`."""
         lim = self._limits.get(key)
@@ -137,7 +152,7 @@ class KeyLimiter:
         if waits:
             wait, what = max(waits)
             raise RateLimited(
-                f"rate limit reached for key '{key}' on {what}; retry in {_duration(wait)}",
+                f"rate limit reached for key '{key}' on {what}; retry in {duration(wait)}",
                 wait,
                 self._headers(lim, req, tok, now, wait),
             )
@@ -178,5 +193,5 @@ class KeyLimiter:
                 continue
             headers[f"x-ratelimit-limit-{name}"] = str(limit)
             headers[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
-            headers[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_s(now))
+            headers[f"x-ratelimit-reset-{name}"] = duration(bucket.reset_s(now))
         return headers

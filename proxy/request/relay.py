@@ -167,7 +167,7 @@ async def _answer(
     submitted = time.monotonic()
     cost = estimate_cost(job.size, job.max_tokens, path.settings.default_max_tokens, job.choices)
     try:
-        lease = path.limits.acquire(key, cost, submitted)
+        lease = await path.limits.admit(key, cost, submitted)
     except RateLimited as exc:
         path.metrics_for(job.model).reject_rate_limited.inc()
         raise ApiError(

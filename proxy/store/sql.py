@@ -16,12 +16,16 @@ Both run synchronously: the caller keeps them off the event loop (one thread per
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sqlite3
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import psycopg
 
 PART_BYTES = 4 * 1024 * 1024
 _NAMED = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
@@ -164,34 +168,93 @@ class PostgresDatabase(Database):
     def __init__(self, url: str, *, connect_timeout_s: float = 10.0) -> None:
         try:
             import psycopg
-            from psycopg.rows import dict_row
         except ImportError:
             raise StoreUnavailable(
                 "store.url names a PostgreSQL server, but its driver is not installed: "
                 "pip install 'sglang-pacer[postgres]'"
             ) from None
+        self._psycopg = psycopg
+        self._url = url
+        self._connect_timeout_s = connect_timeout_s
         self._translated = {}
+        self._depth = 0  # transactions open on the connection
+        self._db = self._connect()
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        from psycopg.rows import dict_row
+
         try:
-            self._db = psycopg.connect(
-                url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, round(connect_timeout_s))
+            return self._psycopg.connect(
+                self._url,
+                autocommit=True,
+                row_factory=dict_row,
+                connect_timeout=max(1, round(self._connect_timeout_s)),
             )
-        except psycopg.OperationalError as exc:
+        except self._psycopg.OperationalError as exc:
             raise StoreUnavailable(f"cannot reach the store's PostgreSQL server: {exc}") from None
+
+    def _live(self) -> psycopg.Connection[Any]:
+        """The connection, a new one when the last was lost (the server restarted, the network broke)."""
+        if self._db.closed or self._db.broken:
+            self._db = self._connect()
+        return self._db
+
+    def _lost(self, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"the connection to the store's PostgreSQL server was lost: {exc}")
 
     def translate(self, text: str) -> str:
         return _NAMED.sub(r"%(\1)s", text.replace("%", "%%").replace("?", "%s"))
 
     def execute(self, text: str, params: Params = ()) -> Rows:
-        return self._db.execute(self.sql(text), params)
+        """Run one statement. A lost connection is opened again: a read outside a transaction is then
+        run again on it; anything else raises :class:`StoreUnavailable` (whether it ran is unknown)."""
+        try:
+            return self._live().execute(self.sql(text), params)
+        except self._psycopg.OperationalError as exc:
+            if not self._db.broken:
+                raise
+            if self._depth or not text.lstrip().upper().startswith("SELECT"):
+                raise self._lost(exc) from None
+        return self._live().execute(self.sql(text), params)
 
     def executemany(self, text: str, rows: Iterable[Sequence[Any]]) -> None:
-        with self._db.cursor() as cursor:
-            cursor.executemany(self.sql(text), rows)
+        try:
+            with self._live().cursor() as cursor:
+                cursor.executemany(self.sql(text), rows)
+        except self._psycopg.OperationalError as exc:
+            if self._db.broken:
+                raise self._lost(exc) from None
+            raise
 
     @contextmanager
     def transaction(self) -> Iterator[Database]:
-        with self._db.transaction():
-            yield self
+        """A lost connection found when the transaction begins is opened again (nothing ran yet);
+        lost inside it, :class:`StoreUnavailable` (the server rolled the transaction back)."""
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.push(self._begin().__exit__)
+                self._depth += 1
+                stack.callback(self._left)
+                yield self
+        except self._psycopg.OperationalError as exc:
+            if self._db.broken:
+                raise self._lost(exc) from None
+            raise
+
+    def _begin(self) -> Any:
+        """psycopg's transaction, begun (BEGIN sent), on a new connection when the last was lost."""
+        begun = self._live().transaction()
+        try:
+            begun.__enter__()
+        except self._psycopg.OperationalError:
+            if not self._db.broken:
+                raise
+            begun = self._live().transaction()
+            begun.__enter__()
+        return begun
+
+    def _left(self) -> None:
+        self._depth -= 1
 
     def create(self, schema: Sequence[str], added: Mapping[str, Sequence[str]], indexes: Sequence[str]) -> None:
         with self.transaction():

@@ -29,7 +29,7 @@ def validate(obj: dict[str, Any]) -> None:
 
 def test_the_proxy_objects_are_valid_and_wired() -> None:
     docs = {d["kind"]: d for d in documents("pacer.yaml")}
-    assert set(docs) == {"ConfigMap", "Deployment", "Service"}
+    assert set(docs) == {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
     for obj in docs.values():
         validate(obj)
     policy = parse_policy(__import__("tomllib").loads(docs["ConfigMap"]["data"]["policy.toml"]), "<configmap>")
@@ -51,6 +51,23 @@ def test_the_proxy_objects_are_valid_and_wired() -> None:
     grace = docs["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= 5 + policy.proxy.shutdown_grace_s + 30  # the drain and the workers' stop fit after it
     assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_three_replicas_share_the_store_and_roll_one_at_a_time() -> None:
+    """Several replicas, never all down at once: a rolling update (not Recreate) and a disruption
+    budget below the replicas; the store's url from a Secret, the policy naming its variable."""
+    docs = {d["kind"]: d for d in documents("pacer.yaml")}
+    spec = docs["Deployment"]["spec"]
+    assert spec["replicas"] == 3 and spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = docs["PodDisruptionBudget"]["spec"]
+    assert 0 < budget["minAvailable"] < spec["replicas"]
+    assert budget["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    policy = parse_policy(__import__("tomllib").loads(docs["ConfigMap"]["data"]["policy.toml"]), "<configmap>")
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert policy.store.url == "" and policy.store.url_env in env  # no url in the ConfigMap: the Secret's
+    assert env[policy.store.url_env]["valueFrom"]["secretKeyRef"] == {"name": "pacer-store", "key": "url"}
 
 
 def test_the_ray_policy_passes_the_checks_serve_makes(tmp_path, capsys) -> None:

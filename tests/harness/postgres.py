@@ -5,7 +5,8 @@
 As root (CI) the server runs as the ``postgres`` user the package creates: PostgreSQL refuses root.
 :func:`postgres_bin` is None where the binaries are absent (``make postgres`` installs them); the
 tests skip then, saying so. The fixtures: ``postgres`` (one server a session), ``postgres_url`` (a
-fresh database a test), ``store_url`` (the Batch API's tests on both backends). ``durable=False`` (tests) turns ``fsync`` off; a benchmark keeps the
+fresh database a test), ``store_url`` (the Batch API's tests on both backends), ``own_postgres`` (a
+server a test stops and starts again). ``durable=False`` (tests) turns ``fsync`` off; a benchmark keeps the
 defaults, as a real deployment would.
 """
 
@@ -22,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def _free_port() -> int:
 class PostgresServer:
     port: int
     bin_dir: Path
+    process: _ServerProcess | None = field(default=None, compare=False, repr=False)
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://pacer@127.0.0.1:{self.port}/{database}"
@@ -61,6 +63,15 @@ class PostgresServer:
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def stop(self) -> None:
+        """Shut the server down (its clients' sessions end); :meth:`start` brings it back, same data and port."""
+        assert self.process is not None
+        self.process.stop()
+
+    def start(self) -> None:
+        assert self.process is not None
+        self.process.start()
 
 
 def _as_server_user(folder: Path) -> dict[str, Any]:
@@ -85,6 +96,38 @@ def _ready(port: int) -> bool:
     return True
 
 
+class _ServerProcess:
+    """The ``postgres`` process of one cluster, stopped and started again on the same port and data."""
+
+    def __init__(self, argv: list[str], folder: Path, port: int) -> None:
+        self._argv, self._folder, self._port = argv, folder, port
+        self._log = folder / "server.log"
+        self._server: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self._log.open("ab") as out:
+            server = subprocess.Popen(self._argv, stdout=out, stderr=subprocess.STDOUT, **_as_server_user(self._folder))
+        self._server = server
+        wait_until_blocking(
+            lambda: server.poll() is not None or _ready(self._port),
+            "PostgreSQL accepting connections",
+            detail=lambda: self._log.read_text(errors="replace")[-2000:],
+        )
+        if server.poll() is not None:
+            raise RuntimeError(f"PostgreSQL did not start:\n{self._log.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.send_signal(signal.SIGINT)  # a fast shutdown: it ends the clients' sessions
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 @contextlib.contextmanager
 def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
     """A fresh PostgreSQL cluster served until the block ends; RuntimeError when the binaries are absent."""
@@ -92,7 +135,7 @@ def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
     if bin_dir is None:
         raise RuntimeError(MISSING)
     folder = Path(tempfile.mkdtemp(prefix="pacer-pg-"))  # short: a unix socket's path has a small limit
-    data, log = folder / "data", folder / "server.log"
+    data = folder / "data"
     try:
         init = [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "pacer", "-E", "UTF8", "--no-sync"]
         subprocess.run(init, check=True, capture_output=True, **_as_server_user(folder))
@@ -100,25 +143,12 @@ def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
         settings = ["-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={folder}"]
         if not durable:
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        argv = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), *settings]
-        with log.open("wb") as out:
-            server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **_as_server_user(folder))
+        process = _ServerProcess([str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), *settings], folder, port)
         try:
-            wait_until_blocking(
-                lambda: server.poll() is not None or _ready(port),
-                "PostgreSQL accepting connections",
-                detail=lambda: log.read_text(errors="replace")[-2000:],
-            )
-            if server.poll() is not None:
-                raise RuntimeError(f"PostgreSQL did not start:\n{log.read_text(errors='replace')[-2000:]}")
-            yield PostgresServer(port, bin_dir)
+            process.start()
+            yield PostgresServer(port, bin_dir, process)
         finally:
-            server.send_signal(signal.SIGINT)  # a fast shutdown: it ends the clients' sessions
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            process.stop()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -129,6 +159,17 @@ def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """One server for the session; each test takes a database of its own (:func:`postgres_url`)."""
+    if postgres_bin() is None:
+        pytest.skip(MISSING)
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
+    with local_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of the test's own, which it may stop and start again (:meth:`PostgresServer.stop`)."""
     if postgres_bin() is None:
         pytest.skip(MISSING)
     if importlib.util.find_spec("psycopg") is None:

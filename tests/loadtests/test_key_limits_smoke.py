@@ -1,0 +1,31 @@
+"""``python -m loadtests limits`` at tiny scale: both limiters run their replica processes, the report
+carries the added time a request and what each admitted over the limit (shared: within 5 %)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests import key_limits
+from tests.harness.postgres import MISSING, postgres_bin
+
+
+def test_limits_benchmark_reports_cost_and_hold(tmp_path: Path) -> None:
+    if postgres_bin() is None:
+        pytest.skip(MISSING)
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
+    report = tmp_path / "limits.json"
+    # a second a measure: the hold is 6 x over its (tiny) limit all the same, the cost under its limits
+    argv = ["--seconds", "1", "--rate", "30", "--hold-ms", "20", "--report", str(report)]
+    assert key_limits.main(argv) == 0
+    data = json.loads(report.read_text())
+    assert set(data["cost"]) == set(data["hold"]) == {"memory", "shared"}
+    assert data["cost"]["shared"]["admitted"] > 0 and data["cost"]["shared"]["refused"] == 0  # under its limits
+    assert data["cost"]["shared"]["store_calls"] > 0
+    assert abs(data["hold"]["shared"]["ratio"] - 1) <= 0.05  # the fleet holds the limit
+    assert data["hold"]["memory"]["ratio"] > 1.5  # each replica its own: over it
+    assert "added_ttft_p50_ms" in data and "added_ttft_p99_ms" in data
