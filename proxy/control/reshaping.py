@@ -108,6 +108,7 @@ class _Looks:
     last: float = float("-inf")
     paying: int = 0  # looks in a row naming the same better shape
     shape: Shape | None = None
+    reshaped: float = float("-inf")  # the last reshape's end: none again within ``flip_guard_s``
 
 
 class Reshaping:
@@ -192,9 +193,12 @@ class Reshaping:
         extra = comparison.to_json()
         w = roster.workers[job.workers[0]]
         acts = roster.mode is ControlMode.AUTO and roster.settings.reshape
-        if not pays or not acts or looks.paying < roster.constants.plan_confirmations:
+        guarded = now - looks.reshaped < roster.constants.flip_guard_s
+        if not pays or not acts or guarded or looks.paying < roster.constants.plan_confirmations:
             status = Status.ADVISED if pays and not acts else Status.NOTED
-            detail = "" if acts or not pays else _not_acted(roster)
+            detail = _not_acted(roster) if pays and not acts else ""
+            if pays and acts and guarded:
+                detail = f"the pool was reshaped under flip_guard_s ({roster.constants.flip_guard_s:g} s) ago"
             roster.journal_once(w, decision, f"reshape:{best.shape}:{pays}", now, status=status, detail=detail,
                                 extra=extra)  # fmt: skip
             return None
@@ -217,7 +221,7 @@ class Reshaping:
             return
         finally:
             self.under_way = False
-            self._looks = _Looks(last=roster.clock())
+            self._looks = _Looks(last=roster.clock(), reshaped=roster.clock())
         status, detail, steps = done
         roster.journal.update(act.entry_id, status=status, detail=detail, act={"steps": steps})
 
@@ -250,12 +254,11 @@ class Reshaping:
         return Status.APPLIED, f"the pool is {len(groups) * per_new} x tp {new_tp}", steps
 
     def _retrack(self, gone: Sequence[WorkerId], infos: Sequence[WorkerInfo]) -> None:
-        """The workers a step stopped are forgotten; the new ones followed afresh (a reused id too: its
+        """The workers a step stopped are forgotten; the new ones followed (a reused id afresh: its
         window and state are of its new shape)."""
-        from_pool = {i.id: i for i in infos}
-        for worker_id in (*gone, *from_pool):
+        for worker_id in gone:
             self._roster.workers.pop(worker_id, None)
-        for info in from_pool.values():
+        for info in infos:
             self._track(info)
 
     async def _canary(
