@@ -7,6 +7,7 @@ fleet      two pools behind one proxy vs behind separate proxies (per-pool throu
 batch      a Batch API job through the proxy vs the best constant concurrency straight to the worker
 store      the Batch API store's cost per line: SQLite vs a shared PostgreSQL
 budget     the output budget on vs off vs control off: first tokens, tails, throughput
+reshape    a pool of 8 simulated GPUs at tp 8 reshaped by the controller vs the best shape in hindsight
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "fleet": "loadtests.fleet",
     "store": "loadtests.store_overhead",
     "budget": "loadtests.budget",
+    "reshape": "loadtests.reshape",
 }
 
 

@@ -31,7 +31,7 @@ from proxy.control.phase import Phase, Tracked
 from proxy.control.planning import decode_stats, kv_capacity
 from proxy.control.ports import Act, Drain, Surroundings
 from proxy.control.roster import Roster
-from proxy.control.shape import TP_SIZES, Shape, ShapeComparison, compare_shapes, shapes_for
+from proxy.control.shape import TP_SIZES, Shape, ShapeComparison, compare_shapes, shape_args, shapes_for
 from proxy.control.twin import DecodeStats, Twin, calibrate
 from proxy.control.workload import Observed
 from proxy.policy import ControlMode
@@ -186,7 +186,7 @@ class Reshaping:
         looks.paying = looks.paying + 1 if pays and looks.shape == best.shape else int(pays)
         looks.shape = best.shape if pays else None
         old = dict(job.inputs.args)
-        new = {**old, **job.inputs.tp_args[best.shape.tp]}
+        new = shape_args(old, comparison.current.shape.tp, best.shape.tp, job.inputs.tp_args[best.shape.tp])
         decision = Decision(worker_id=job.workers[0], rule="reshape", reason=_reason(comparison, job, pays),
                             time=now, evidence=_evidence(comparison, job), old_args=old, new_args=new,
                             kind=RuleKind.TUNING, action=Action.RESTART if pays else Action.NOTE)  # fmt: skip

@@ -5,6 +5,8 @@ or 8 that divides ``G`` (:func:`shapes_for`). :func:`compare_shapes` prices each
 pool's twin (the simulator models ``tp``: the weights and KV pool split over the GPUs, the
 collectives each step costs, :mod:`proxy.sim.steptime`) on the pool's own recent requests:
 
+* a shape's workers run the current worker's arguments with the engine's flags for their tp, a cap
+  on running requests or KV tokens kept per GPU (:func:`shape_args`);
 * a shape fits when its worker starts (weights and activations fit) and its KV pool holds at least
   ``MIN_POOL_REQUESTS`` of the largest requests seen (a smaller pool retracts without end);
 * its throughput is saturated throughput, since a shape matters only while work waits: the recent
@@ -30,7 +32,15 @@ from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import SimResult, simulate
 
-__all__ = ["Shape", "ShapeComparison", "ShapeResult", "compare_shapes", "saturated_throughput", "shapes_for"]
+__all__ = [
+    "Shape",
+    "ShapeComparison",
+    "ShapeResult",
+    "compare_shapes",
+    "saturated_throughput",
+    "shape_args",
+    "shapes_for",
+]
 
 TP_SIZES = (1, 2, 4, 8)  # what SGLang runs a Llama at (its heads divide by them) and the simulator models
 MIN_POOL_REQUESTS = 8  # a shape's KV pool holds at least this many of the largest requests seen
@@ -100,9 +110,22 @@ class ShapeComparison:
         }
 
 
-def shape_args(args: Mapping[str, object], tp_args: Mapping[str, object]) -> dict[str, object]:
-    """A worker's arguments in another shape: its own, with the engine's placement flags for its tp."""
-    return {**args, **tp_args}
+# a worker's capacity its arguments set (SGLang's names: the twin's engine), kept per GPU across shapes
+PER_WORKER_CAPACITY = ("max_running_requests", "max_total_tokens")
+
+
+def shape_args(
+    args: Mapping[str, object], old_tp: int, new_tp: int, tp_args: Mapping[str, object]
+) -> dict[str, object]:
+    """A worker's arguments in another shape: its own, with the engine's placement flags for the new tp,
+    and the capacity its arguments cap (running requests, KV tokens) scaled to the new tp: the same
+    per GPU (a cap set for a tp-8 worker's eight GPUs is an eighth of it for one GPU)."""
+    out = {**args, **tp_args}
+    for name in PER_WORKER_CAPACITY:
+        value = args.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = max(1, round(value * new_tp / old_tp))
+    return out
 
 
 def _written_between(res: SimResult, start: float, end: float) -> float:
@@ -191,7 +214,8 @@ def compare_shapes(
     for shape in shapes_for(current.gpus):
         if shape.tp not in tp_args:
             continue
-        results.append(price_shape(twin, shape_args(args, tp_args[shape.tp]), ordered, shape))
+        shaped = shape_args(args, current.tp, shape.tp, tp_args[shape.tp])
+        results.append(price_shape(twin, shaped, ordered, shape))
     now = next((r for r in results if r.shape == current), None)
     if now is None:
         return None
