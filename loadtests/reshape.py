@@ -54,7 +54,7 @@ TARGET = 0.95
 
 def policy(shape: Shape, args: argparse.Namespace, *, auto: bool, log_dir: Path) -> str:
     extra = ["--sim-gpu", args.gpu, "--sim-model", args.model, "--sim-time-scale", f"{args.time_scale:g}",
-             "--sim-startup-seconds", f"{args.startup:g}", "--enable-metrics", "--log-level", "warning"]  # fmt: skip
+             "--sim-startup-seconds", f"{args.startup:g}"]  # fmt: skip
     control = {"mode": "auto", "reshape": True} if auto else {"mode": "off"}
     return tomli_w.dumps({
         "proxy": {"host": "127.0.0.1", "status_log_interval_s": 60.0, "gpu_sample_interval_s": 0},
@@ -62,7 +62,8 @@ def policy(shape: Shape, args: argparse.Namespace, *, auto: bool, log_dir: Path)
         "pool": [{"name": "p", "model": MODEL, "kind": "sim", "tp": shape.tp, "gpus": list(range(args.gpus)),
                   "args": {"max_running_requests": args.cap_per_gpu * shape.tp}, "extra_args": extra,
                   "log_dir": str(log_dir / "workers"), "startup_timeout_s": 120,
-                  "control": {**control, "journal_path": str(log_dir / "decisions.jsonl")}}],
+                  "control": control}],
+        "control": {"journal_path": str(log_dir / "decisions.jsonl")},
     })  # fmt: skip
 
 

@@ -70,12 +70,13 @@ class ShapeInputs:
     workload: tuple[Observed, ...]
     current: Shape
     tp_args: Mapping[int, Mapping[str, object]]
+    fresh: Mapping[str, object]  # what another shape's workers start from (:func:`fresh_args`)
 
 
 def run_shapes(inputs: ShapeInputs) -> ShapeComparison | None:
     """Calibrate the twin on one worker's lines, then price every shape (CPU-bound: one replay each)."""
     twin = calibrate(inputs.gpu, inputs.model, inputs.args, inputs.decode, inputs.kv_capacity_tokens)
-    return compare_shapes(twin, inputs.args, inputs.workload, inputs.current, inputs.tp_args)
+    return compare_shapes(twin, inputs.args, inputs.workload, inputs.current, inputs.tp_args, fresh=inputs.fresh)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,19 @@ class Reshape(Evidence):
     measured_throughput: float | None = field(default=None, metadata=OPTIONAL)
     work_waits: bool
     replayed_requests: int
+
+
+def fresh_args(args: Mapping[str, object], initial: Mapping[str, object], memory_fraction: str) -> dict[str, object]:
+    """A worker's arguments for another shape: its own, the memory fraction as the policy gave it (unset:
+    the engine's default). The fraction the rules tuned to this shape's free memory at start-up does
+    not carry over: one GPU's free memory at tp 1 is not tp GPUs' at tp (a tp-2 worker's 13 GB free at
+    0.913 left a tp-1 worker 3.4 GB)."""
+    out = dict(args)
+    if memory_fraction in initial:
+        out[memory_fraction] = initial[memory_fraction]
+    else:
+        out.pop(memory_fraction, None)
+    return out
 
 
 def tp_of(args: Mapping[str, object]) -> int:
@@ -164,9 +178,10 @@ class Reshaping:
         args = dict(first.state.args)
         twin = self._twin(args)
         tp_args = {tp: dict(self._placement(tp)) for tp in TP_SIZES if shape.gpus % tp == 0}
+        fresh = fresh_args(args, first.state.initial_args, twin.names.memory_fraction)
         inputs = ShapeInputs(gpu=twin.gpu, model=twin.model, args=args, decode=decode_stats(first.window),
                              kv_capacity_tokens=kv_capacity(first.window), workload=workload, current=shape,
-                             tp_args=tp_args)  # fmt: skip
+                             tp_args=tp_args, fresh=fresh)  # fmt: skip
         waits = self._surroundings.backlog() > 0 or any(w.backlog.since is not None for w in managed)
         rates = [w.window.throughput for w in managed]
         measured = sum(r for r in rates if r is not None) if all(r is not None for r in rates) else None
@@ -186,7 +201,9 @@ class Reshaping:
         looks.paying = looks.paying + 1 if pays and looks.shape == best.shape else int(pays)
         looks.shape = best.shape if pays else None
         old = dict(job.inputs.args)
-        new = shape_args(old, comparison.current.shape.tp, best.shape.tp, job.inputs.tp_args[best.shape.tp])
+        new = shape_args(
+            job.inputs.fresh, comparison.current.shape.tp, best.shape.tp, job.inputs.tp_args[best.shape.tp]
+        )
         decision = Decision(worker_id=job.workers[0], rule="reshape", reason=_reason(comparison, job, pays),
                             time=now, evidence=_evidence(comparison, job), old_args=old, new_args=new,
                             kind=RuleKind.TUNING, action=Action.RESTART if pays else Action.NOTE)  # fmt: skip

@@ -202,11 +202,13 @@ def compare_shapes(
     current: Shape,
     tp_args: Mapping[int, Mapping[str, object]],
     *,
+    fresh: Mapping[str, object] | None = None,
     min_gain: float = 0.0,
 ) -> ShapeComparison | None:
     """Each shape of the current shape's GPUs priced on ``sample`` (the pool's recent requests, in
-    arrival order); ``tp_args``: the engine's placement flags per tp. The best is another shape only
-    where it beats the current one by more than ``min_gain``. None: nothing to replay."""
+    arrival order); ``tp_args``: the engine's placement flags per tp; ``fresh``: the arguments another
+    shape's workers start from (default ``args``). The best is another shape only where it beats the
+    current one by more than ``min_gain``. None: nothing to replay."""
     if not sample:
         return None
     ordered = sorted(sample, key=lambda o: o.arrived)
@@ -214,7 +216,8 @@ def compare_shapes(
     for shape in shapes_for(current.gpus):
         if shape.tp not in tp_args:
             continue
-        shaped = shape_args(args, current.tp, shape.tp, tp_args[shape.tp])
+        base = args if shape == current or fresh is None else fresh
+        shaped = shape_args(base, current.tp, shape.tp, tp_args[shape.tp])
         results.append(price_shape(twin, shaped, ordered, shape))
     now = next((r for r in results if r.shape == current), None)
     if now is None:

@@ -33,8 +33,7 @@ WALL = {"interval_s": 0.1, "window_s": 2.0, "min_evidence_s": 0.5, "plan_interva
 
 
 def _policy(tmp_path: Path) -> Any:
-    control = {"mode": "auto", "reshape": True, "restarts_per_hour": 0,  # no plan restarts: only the reshape
-               "journal_path": str(tmp_path / "decisions.jsonl")}  # fmt: skip
+    control = {"mode": "auto", "reshape": True, "restarts_per_hour": 0}  # no plan restarts: only the reshape
     return parse_policy({
         "pool": [{
             "name": "tiny", "model": MODEL, "kind": "sim", "tp": 2, "gpus": [0, 1],
@@ -45,6 +44,7 @@ def _policy(tmp_path: Path) -> Any:
         }],
         "pacing": {"queue_band": [4, 16], "headroom": 4, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
         "queue": {"timeout_s": 240},
+        "control": {"journal_path": str(tmp_path / "decisions.jsonl")},  # the proxy's one journal
     }, "<e2e-reshape>")  # fmt: skip
 
 
