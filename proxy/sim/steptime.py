@@ -96,7 +96,7 @@ class StepTimeModel:
         flops = self.bf16_tflops * 1e12 * FLOPS_EFFICIENCY
         compute = (2.0 * self.params * extend_tokens + 4.0 * self.num_layers * self.hidden_size * attn_pairs) / flops
         t = STEP_OVERHEAD_S + max(self.weights_bytes / bw, compute)
-        t += num_seqs * PREFILL_PER_SEQ_S + self.num_layers * EAGER_PER_LAYER_S
+        t = t + num_seqs * PREFILL_PER_SEQ_S + self.num_layers * EAGER_PER_LAYER_S  # this order: the digests'
         return t + self.tp_comm_seconds(extend_tokens, num_seqs)
 
 
