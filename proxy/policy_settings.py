@@ -286,7 +286,7 @@ class ControlSettings:
     reshape: bool = field(
         default=False,
         metadata=key(
-            "a [[pool]]'s control, auto mode: change how many workers share the pool's GPUs at which tp "
+            "a pool's control (not the [engine] table's), auto mode: change how many workers share its GPUs at which tp "
             "(one tp-8 worker, two tp-4...) where the twin says another shape serves more, by the same "
             "rolling, canary-first restart; advise mode journals the comparison whatever this says"
         ),
