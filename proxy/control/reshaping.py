@@ -35,6 +35,7 @@ from proxy.control.shape import TP_SIZES, Shape, ShapeComparison, compare_shapes
 from proxy.control.twin import DecodeStats, Twin, calibrate
 from proxy.control.workload import Observed
 from proxy.policy import ControlMode
+from proxy.sim.twin import TP_ARG
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
 __all__ = ["RESHAPE_MIN_GAIN", "Reshaper", "Reshaping", "ShapeInputs", "ShapeJob", "run_shapes"]
@@ -44,7 +45,6 @@ _log = logging.getLogger(__name__)
 # a reshape restarts every worker of the pool, and the twin's tensor parallel costs are assumed, not
 # measured on the GPUs: a gain is acted on only well beyond a plan's
 RESHAPE_MIN_GAIN = 0.10
-TP_ARG = "tp_size"  # the twin's (SGLang's) name for a worker's tensor parallel size
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ from proxy.control.twin import Twin
 from proxy.control.workload import Observed
 from proxy.sim.config import SimConfigError
 from proxy.sim.request import RequestSpec
+from proxy.sim.twin import CAPACITY_ARGS, running_cap
 from proxy.sim.virtual import SimResult, simulate
 
 __all__ = [
@@ -110,10 +111,6 @@ class ShapeComparison:
         }
 
 
-# a worker's capacity its arguments set (SGLang's names: the twin's engine), kept per GPU across shapes
-PER_WORKER_CAPACITY = ("max_running_requests", "max_total_tokens")
-
-
 def shape_args(
     args: Mapping[str, object], old_tp: int, new_tp: int, tp_args: Mapping[str, object]
 ) -> dict[str, object]:
@@ -121,7 +118,7 @@ def shape_args(
     and the capacity its arguments cap (running requests, KV tokens) scaled to the new tp: the same
     per GPU (a cap set for a tp-8 worker's eight GPUs is an eighth of it for one GPU)."""
     out = {**args, **tp_args}
-    for name in PER_WORKER_CAPACITY:
+    for name in CAPACITY_ARGS:
         value = args.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[name] = max(1, round(value * new_tp / old_tp))
@@ -181,7 +178,7 @@ def price_shape(twin: Twin, args: Mapping[str, object], sample: Sequence[Observe
                            unfit=f"its KV pool ({cfg.max_total_num_tokens} tokens) holds under "
                                  f"{MIN_POOL_REQUESTS} of the largest requests ({largest} tokens)")  # fmt: skip
     mean = sum(o.here.prompt_len + (o.here.output_len or 0) for o in sample) / len(sample)
-    at_once = min(cfg.max_running_requests, max(1, int(cfg.max_total_num_tokens / max(1.0, mean))))
+    at_once = min(running_cap(cfg), max(1, int(cfg.max_total_num_tokens / max(1.0, mean))))
     count = min(MAX_REPLAYED, max(math.ceil(len(sample) / shape.workers), SATURATE * at_once))
     res = simulate(cfg, _specs(sample, shape, count))
     if res.oom:

@@ -15,15 +15,9 @@ Prefill is compute-bound (but never faster than one pass over the weights)::
 
 where ``attn_pairs`` sums ``extend x (prefix + extend / 2)`` over the batch's requests.
 
-At tensor parallel ``tp > 1`` the weights and the KV cache are split over ``tp`` GPUs (the config's
-node has ``tp`` times one GPU's bandwidth and flops), and each step adds what the split costs
-(:func:`tp_comm_seconds`): SGLang's Llama layers end their attention (``o_proj``) and their MLP
-(``down_proj``) in a row-parallel linear layer that all-reduces its output, two all-reduces per
-layer of ``tokens x hidden`` bf16 values, and the logits of the sampled tokens are gathered over the
-vocabulary's ``tp`` shards. Each collective costs a latency plus a ring's ``2 (tp - 1) / tp`` of its
-bytes over the GPU's link (NVLink, else PCIe). The per-step and per-sequence overheads (the
-scheduler, sampling, bookkeeping) do not shrink with ``tp``: they are why replicas of a smaller tp
-serve more than one worker of a larger tp once the model and a useful KV pool fit.
+At tensor parallel ``tp > 1`` the weights and KV cache split over ``tp`` GPUs (the config's node has
+``tp`` times one GPU's bandwidth and flops) and each step adds its collectives
+(:meth:`StepTimeModel.tp_comm_seconds`); the per-step and per-sequence overheads do not shrink.
 
 Calibration: the H100 + Llama-3.1-8B preset reproduces the guide's decode line (``#running-req:
 233, #token: 370959``) and its logged gen throughput (tests/sim/test_steptime.py holds it there).
@@ -70,8 +64,13 @@ class StepTimeModel:
     vocab_size: int = 0
 
     def tp_comm_seconds(self, tokens: int, sampled: int) -> float:
-        """One step's collectives at ``tp_size``: two all-reduces per layer over ``tokens`` tokens'
-        hidden states, and the all-gather of ``sampled`` tokens' logits (0 at tp 1)."""
+        """One step's collectives at ``tp_size`` (0 at tp 1). SGLang's Llama layers end their attention
+        (``o_proj``) and their MLP (``down_proj``) in a row-parallel linear layer that all-reduces its
+        output: two all-reduces per layer of ``tokens x hidden`` bf16 values; the logits of the
+        ``sampled`` tokens are gathered over the vocabulary's ``tp`` shards. Each collective costs a
+        latency plus a ring's ``2 (tp - 1) / tp`` of its bytes over the GPU's link (NVLink, else PCIe).
+        The scheduler's per-step and per-sequence costs do not shrink with ``tp``: they are why
+        replicas of a smaller tp serve more than one worker of a larger tp once memory allows."""
         tp = self.tp_size
         if tp <= 1:
             return 0.0
