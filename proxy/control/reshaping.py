@@ -264,9 +264,12 @@ class Reshaping:
                 verdict = await self._canary([i.id for i in infos], new_tp, groups[1:], old_tp)
                 steps[-1]["canary"] = verdict
                 if not verdict["promoted"]:
-                    back, _ = await reshaper.reshape_step([i.id for i in infos], len(group), d.old_args,
-                                                          "reshape's canary reverted")  # fmt: skip
-                    self._retrack([i.id for i in infos], back)
+                    canary = [i.id for i in infos]
+                    back, undone = await reshaper.reshape_step(canary, len(group), d.old_args,
+                                                               "reshape's canary reverted")  # fmt: skip
+                    self._retrack(canary, back)
+                    steps.append({"old": canary, "new": [i.id for i in back], "drains": [x.to_json() for x in undone],
+                                  "reverted": True})  # fmt: skip
                     return Status.FAILED, "the canary served less per GPU than the old shape: reverted", steps
         return Status.APPLIED, f"the pool is {len(groups) * per_new} x tp {new_tp}", steps
 

@@ -8,12 +8,16 @@ names serves at least 0.95 x the best in hindsight, its gain near the one predic
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
-from proxy.control.reshaping import run_shapes
-from proxy.control.shape import Shape, compare_shapes, shapes_for
+from proxy.control.decision import Decision, RuleKind
+from proxy.control.journal import Status
+from proxy.control.ports import Act, Drain
+from proxy.control.reshaping import fresh_args, run_shapes
+from proxy.control.shape import Shape, compare_shapes, shape_args, shapes_for
 from proxy.control.twin import Twin
 from proxy.control.workload import Observed
 from proxy.engines.base import Sample
@@ -197,3 +201,88 @@ def test_check_policy_validates_reshape() -> None:
     with pytest.raises(PolicyError, match="twin does not model"):
         parse_policy({"pool": [{"name": "p", "model": "m", "kind": "vllm", "tp": 2, "gpus": [0, 1],
                                 "control": {"reshape": True}}]})  # fmt: skip
+
+
+# -- the rollout, group by group, its first group the canary --------------------------------------------
+
+TP2 = {**POOL_ARGS, "tp_size": 2}
+TP1 = {**POOL_ARGS, "tp_size": 1}
+
+
+class Reshaper:
+    """The pool's side of a reshape, as the supervisor does it: new workers on the old ones' GPUs, with
+    the lowest free ids."""
+
+    def __init__(self) -> None:
+        self.gpus: dict[str, tuple[int, ...]] = {"p-w0": (0, 1), "p-w1": (2, 3)}
+        self.calls: list[tuple[list[str], int, int]] = []
+
+    def gpus_of(self, worker_id: str) -> tuple[int, ...]:
+        return self.gpus[worker_id]
+
+    async def reshape_step(self, old, count, args, reason):  # type: ignore[no-untyped-def]
+        self.calls.append((list(old), count, int(args["tp_size"])))
+        freed = [g for wid in old for g in self.gpus.pop(wid)]
+        each, infos = len(freed) // count, []
+        for j in range(count):
+            wid = next(f"p-w{i}" for i in range(8) if f"p-w{i}" not in self.gpus)
+            self.gpus[wid] = tuple(freed[j * each : (j + 1) * each])
+            infos.append(WorkerInfo(id=wid, url="http://127.0.0.1:1", state=WorkerState.READY, managed=True,
+                                    args=dict(args), pid=2, pool="p", gpus=self.gpus[wid]))  # fmt: skip
+        return infos, [Drain(in_flight_at_drain=3, drained=True, drain_s=0.5) for _ in old]
+
+
+async def _serve_per_gpu(c, clock, rates: dict[int, float], stop: asyncio.Event) -> None:  # type: ignore[no-untyped-def]
+    """Each worker writes ``rates[its tp]`` tokens a second per GPU, scraped every second of loop time."""
+    loop, tokens = asyncio.get_running_loop(), {}
+    while not stop.is_set():
+        clock.now = 100.0 + loop.time()
+        for wid in list(c._workers):
+            tp = int(c.state(wid).args["tp_size"])
+            tokens[wid] = tokens.get(wid, 0.0) + rates[tp] * tp
+            c.on_sample(wid, Sample(time=clock.now, queue=5, running=50, token_usage=0.5,
+                                    generation_tokens_total=tokens[wid]))  # fmt: skip
+        await asyncio.sleep(1.0)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(("tp1_per_gpu", "promoted"), [(3000.0, True), (1500.0, False)], ids=["promoted", "reverted"])
+async def test_a_reshape_rolls_out_group_by_group_behind_a_canary(tp1_per_gpu: float, promoted: bool) -> None:
+    c, clock = controller(ControlMode.AUTO, None, reshape=True, interval_s=1.0, min_evidence_s=5.0, window_s=10.0)
+    for wid, gpus in (("p-w0", (0, 1)), ("p-w1", (2, 3))):
+        c.track(WorkerInfo(id=wid, url="http://127.0.0.1:1", state=WorkerState.READY, managed=True, args=dict(TP2),
+                           pid=1, pool="p", gpus=gpus))  # fmt: skip
+    decision = Decision(worker_id="p-w0", rule="reshape", reason="4 x tp 1 would serve more", time=0.0,
+                        old_args=TP2, new_args=TP1, kind=RuleKind.TUNING)  # fmt: skip
+    act = Act(decision=decision, entry_id=c.journal.record(decision, mode=ControlMode.AUTO, status=Status.ACTING))
+    stop, reshaper = asyncio.Event(), Reshaper()
+    serving = asyncio.create_task(_serve_per_gpu(c, clock, {1: tp1_per_gpu, 2: 2000.0}, stop))
+    c._reshaping.under_way = True
+    await c._reshaping.carry_out(act, reshaper)
+    stop.set()
+    await serving
+    entry = c.journal.get(act.entry_id)
+    assert entry is not None and not c._reshaping.under_way
+    canary = entry["act"]["steps"][0]["canary"]
+    assert canary["old_per_gpu"] == pytest.approx(2000.0, rel=0.05)
+    assert canary["per_gpu"] == pytest.approx(tp1_per_gpu, rel=0.05) and canary["promoted"] is promoted
+    tps = {wid: c.state(wid).args["tp_size"] for wid in c._workers}
+    if promoted:  # the second group after the canary: four tp-1 workers, one GPU each
+        assert entry["status"] == "applied" and entry["detail"] == "the pool is 4 x tp 1"
+        assert reshaper.calls == [(["p-w0"], 2, 1), (["p-w1"], 2, 1)]
+        assert tps == {"p-w0": 1, "p-w1": 1, "p-w2": 1, "p-w3": 1}
+        assert sorted(reshaper.gpus.values()) == [(0,), (1,), (2,), (3,)]
+    else:  # the canary's GPUs back to the old shape; the other group never touched
+        assert entry["status"] == "failed" and "canary" in entry["detail"]
+        assert reshaper.calls == [(["p-w0"], 2, 1), (["p-w0", "p-w2"], 1, 2)]
+        assert tps == {"p-w0": 2, "p-w1": 2} and reshaper.gpus == {"p-w0": (0, 1), "p-w1": (2, 3)}
+    assert [s["drains"][0]["in_flight_at_drain"] for s in entry["act"]["steps"]] == [3] * len(reshaper.calls)
+
+
+def test_another_shape_starts_from_the_policys_memory_fraction() -> None:
+    tuned = {**POOL_ARGS, "mem_fraction_static": 0.913, "max_running_requests": 768}
+    assert fresh_args(tuned, POOL_ARGS, "mem_fraction_static") == {**POOL_ARGS, "max_running_requests": 768}
+    given = {**POOL_ARGS, "mem_fraction_static": 0.85}
+    assert fresh_args(tuned, given, "mem_fraction_static")["mem_fraction_static"] == 0.85
+    # a running cap set for a tp-8 worker's eight GPUs: an eighth of it per tp-1 worker
+    assert shape_args(tuned, 8, 1, {"tp_size": 1})["max_running_requests"] == 96
