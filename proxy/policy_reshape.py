@@ -23,6 +23,8 @@ def _why_not(pool: PoolSettings, backend: WorkerBackend) -> str | None:
         return "the pool's workers are external: the proxy cannot restart them"
     if backend is WorkerBackend.RAY:
         return 'needs fleet.backend = "local": on Ray the cluster places each worker'
+    if not pool.given_gpus and not pool.auto_gpus:
+        return 'needs the pool\'s gpus (ids, or "auto"): a reshape places its workers on them'
     if engine.base_port:
         return "a reshape changes the number of workers: leave base_port out (ports chosen free)"
     if KnobName.CONSERVATIVENESS not in engine.engine.knobs:

@@ -198,6 +198,9 @@ def test_check_policy_validates_reshape() -> None:
         _policy({"reshape": True}, base_port=31000)
     with pytest.raises(PolicyError, match=r"control\.reshape.*\[engine\] table"):
         parse_policy({"engine": {"kind": "sim", "workers": 2}, "control": {"reshape": True}})
+    with pytest.raises(PolicyError, match="needs the pool's gpus"):
+        parse_policy({"pool": [{"name": "p", "model": "m", "kind": "sim", "tp": 2, "workers": 2,
+                                "control": {"reshape": True}}]})  # fmt: skip
     with pytest.raises(PolicyError, match="twin does not model"):
         parse_policy({"pool": [{"name": "p", "model": "m", "kind": "vllm", "tp": 2, "gpus": [0, 1],
                                 "control": {"reshape": True}}]})  # fmt: skip
