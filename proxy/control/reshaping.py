@@ -216,8 +216,10 @@ class Reshaping:
             detail = _not_acted(roster) if pays and not acts else ""
             if pays and acts and guarded:
                 detail = f"the pool was reshaped under flip_guard_s ({roster.constants.flip_guard_s:g} s) ago"
+            # the shape it has serving the most is said once per flip guard, another shape once per cool-down
+            span = None if better else roster.constants.flip_guard_s
             roster.journal_once(w, decision, f"reshape:{best.shape}:{pays}", now, status=status, detail=detail,
-                                extra=extra)  # fmt: skip
+                                span=span, extra=extra)  # fmt: skip
             return None
         self.under_way = True
         entry_id = roster.journal.record(decision, mode=roster.mode, status=Status.ACTING,
