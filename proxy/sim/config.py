@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.sim import memory
-from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
+from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, NVLINK_GBS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
 from proxy.sim.steptime import StepTimeModel, startup_seconds
 
 PRIORITY_POLICIES = ("fcfs", "lof")  # the policies SGLang orders by priority (and the only ones it allows with it)
@@ -83,7 +83,7 @@ class SimConfig:
             bandwidth_gbs=self.gpu.bandwidth_gbs,
             bf16_tflops=self.gpu.bf16_tflops,
             tp_size=self.tp_size,
-            link_gbs=self.gpu.link_gbs,
+            link_gbs=NVLINK_GBS.get(self.gpu.name, 0.0),
             vocab_size=self.model.vocab_size,
         )
 

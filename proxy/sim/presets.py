@@ -21,7 +21,6 @@ class GpuPreset:
     memory_mib: int  # total device memory as the driver reports it
     bandwidth_gbs: float  # HBM/GDDR bandwidth, 1e9 bytes/s
     bf16_tflops: float  # dense bf16 tensor throughput, 1e12 flop/s
-    link_gbs: float = 0.0  # NVLink bandwidth per GPU and direction, 1e9 bytes/s (0: PCIe only)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,36 +54,14 @@ GPUS: dict[str, GpuPreset] = {
     g.name: g
     for g in (
         GpuPreset(
-            name="h100-80gb",
-            label="NVIDIA H100 80GB HBM3",
-            memory_mib=81559,
-            bandwidth_gbs=3350.0,
-            bf16_tflops=989.0,
-            link_gbs=450.0,
+            name="h100-80gb", label="NVIDIA H100 80GB HBM3", memory_mib=81559, bandwidth_gbs=3350.0, bf16_tflops=989.0
+        ),
+        GpuPreset(name="h200-141gb", label="NVIDIA H200", memory_mib=143771, bandwidth_gbs=4800.0, bf16_tflops=989.0),
+        GpuPreset(
+            name="a100-80gb", label="NVIDIA A100-SXM4-80GB", memory_mib=81920, bandwidth_gbs=2039.0, bf16_tflops=312.0
         ),
         GpuPreset(
-            name="h200-141gb",
-            label="NVIDIA H200",
-            memory_mib=143771,
-            bandwidth_gbs=4800.0,
-            bf16_tflops=989.0,
-            link_gbs=450.0,
-        ),
-        GpuPreset(
-            name="a100-80gb",
-            label="NVIDIA A100-SXM4-80GB",
-            memory_mib=81920,
-            bandwidth_gbs=2039.0,
-            bf16_tflops=312.0,
-            link_gbs=300.0,
-        ),
-        GpuPreset(
-            name="a100-40gb",
-            label="NVIDIA A100-SXM4-40GB",
-            memory_mib=40536,
-            bandwidth_gbs=1555.0,
-            bf16_tflops=312.0,
-            link_gbs=300.0,
+            name="a100-40gb", label="NVIDIA A100-SXM4-40GB", memory_mib=40536, bandwidth_gbs=1555.0, bf16_tflops=312.0
         ),
         GpuPreset(name="l40s-48gb", label="NVIDIA L40S", memory_mib=46068, bandwidth_gbs=864.0, bf16_tflops=362.0),
         GpuPreset(
@@ -103,6 +80,10 @@ GPUS: dict[str, GpuPreset] = {
         ),
     )
 }
+
+# NVLink bandwidth per GPU and direction, 1e9 bytes/s, by preset (tensor parallel's collectives); a GPU
+# not named here links its peers over PCIe (proxy.sim.steptime)
+NVLINK_GBS: dict[str, float] = {"h100-80gb": 450.0, "h200-141gb": 450.0, "a100-80gb": 300.0, "a100-40gb": 300.0}
 
 MODELS: dict[str, ModelPreset] = {
     m.name: m
