@@ -43,6 +43,7 @@ WARMUP_S = 1.0
 # Tensor parallelism (assumed, not measured: SGLang's custom all-reduce on NVLink answers a small
 # message in about 10 us; NCCL over PCIe in tens of us; a ring reaches ~70 % of the link).
 TP_ALLREDUCES_PER_LAYER = 2  # o_proj and down_proj: RowParallelLinear(reduce_results=True)
+TP_ALLREDUCES_PER_STEP = 1  # the input embedding: VocabParallelEmbedding reduces its shards' rows
 ALLREDUCE_LATENCY_NVLINK_S = 10e-6
 ALLREDUCE_LATENCY_PCIE_S = 30e-6
 LINK_EFFICIENCY = 0.7  # achieved / peak link bandwidth of a ring collective
@@ -66,7 +67,8 @@ class StepTimeModel:
     def tp_comm_seconds(self, tokens: int, sampled: int) -> float:
         """One step's collectives at ``tp_size`` (0 at tp 1). SGLang's Llama layers end their attention
         (``o_proj``) and their MLP (``down_proj``) in a row-parallel linear layer that all-reduces its
-        output: two all-reduces per layer of ``tokens x hidden`` bf16 values; the logits of the
+        output: two all-reduces per layer of ``tokens x hidden`` bf16 values (and one for the input
+        embedding, split over the vocabulary like the output's); the logits of the
         ``sampled`` tokens are gathered over the vocabulary's ``tp`` shards. Each collective costs a
         latency plus a ring's ``2 (tp - 1) / tp`` of its bytes over the GPU's link (NVLink, else PCIe).
         The scheduler's per-step and per-sequence costs do not shrink with ``tp``: they are why
@@ -80,7 +82,7 @@ class StepTimeModel:
         ring = 2.0 * (tp - 1) / tp
         reduce = latency + ring * tokens * self.hidden_size * ACT_BYTES / link
         gather = latency + (tp - 1) / tp * sampled * self.vocab_size * ACT_BYTES / link
-        return TP_ALLREDUCES_PER_LAYER * self.num_layers * reduce + gather
+        return (TP_ALLREDUCES_PER_LAYER * self.num_layers + TP_ALLREDUCES_PER_STEP) * reduce + gather
 
     def decode_seconds(self, batch_size: int, kv_tokens: int, cuda_graph: bool) -> float:
         bw = self.bandwidth_gbs * 1e9 * MEM_BW_EFFICIENCY
