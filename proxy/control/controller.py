@@ -410,7 +410,7 @@ class Controller:
                 continue
             if w.state.last_good_args != w.state.args and now - since >= self.constants.good_after_s:
                 w.state = w.state.mark_good()
-            if self.mode is ControlMode.OFF:
+            if self.mode is ControlMode.OFF or self._reshaping.under_way:  # a reshape replaces the workers
                 continue
             act = self._safety_net(w, now, others_down)
             if act is not None:
@@ -461,7 +461,13 @@ class Controller:
         return self.decide_plan(job, run_plan(job.inputs))
 
     def decide_plan(self, job: PlanJob, plan: Plan) -> Act | None:
-        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing."""
+        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing (a plan
+        computed while the pool is reshaped: of a worker that is going)."""
+        if self._reshaping.under_way:
+            w = self._workers.get(job.worker_id)
+            if w is not None:
+                w.plan_done()
+            return None
         return self._planning.decide(job, plan)
 
     # -- trials (``trials.py``) and revivals (``revival.py``) -----------------------------------------

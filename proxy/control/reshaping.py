@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 from proxy.control.decision import Action, Decision, RuleKind
 from proxy.control.evidence import OPTIONAL, Evidence
 from proxy.control.journal import Status
-from proxy.control.phase import Phase, Tracked
+from proxy.control.phase import Tracked
 from proxy.control.planning import decode_stats, kv_capacity
 from proxy.control.ports import Act, Drain, Surroundings
 from proxy.control.roster import Roster
@@ -168,7 +168,8 @@ class Reshaping:
         if found is None or len(shapes_for(found[0].gpus)) < 2:
             return None
         shape, managed = found
-        if any(w.phase is not Phase.SERVING or w.window.observed_s < c.min_evidence_s for w in managed):
+        # serving, a plan of its own being computed or not (one worker's plan is often under way in a fleet)
+        if any(not w.phase.serving or w.window.observed_s < c.min_evidence_s for w in managed):
             return None
         workload = tuple(o for w in managed for o in self._surroundings.recent_requests(w.state.worker_id))
         if not workload:
