@@ -25,6 +25,8 @@ def _why_not(pool: PoolSettings, backend: WorkerBackend) -> str | None:
         return 'needs fleet.backend = "local": on Ray the cluster places each worker'
     if not pool.given_gpus and not pool.auto_gpus:
         return 'needs the pool\'s gpus (ids, or "auto"): a reshape places its workers on them'
+    if engine.worker_args:
+        return "worker_args name workers a reshape replaces: give the pool's args only"
     if engine.base_port:
         return "a reshape changes the number of workers: leave base_port out (ports chosen free)"
     if KnobName.CONSERVATIVENESS not in engine.engine.knobs:

@@ -95,6 +95,8 @@ async def test_auto_reshapes_a_tp2_worker_into_two_tp1_workers_losing_nothing(tm
     assert entry["predicted_gain"] >= 0.1 and entry["evidence"]["work_waits"] is True
     (step,) = entry["act"]["steps"]
     assert step["old"] == ["tiny-w0"] and sorted(step["new"]) == ["tiny-w0", "tiny-w1"]
+    (drain,) = step["drains"]
+    assert drain["in_flight_at_drain"] > 0  # the reshape came while requests ran: none of them is lost
     assert sorted((w.id, w.gpus, w.args["tp_size"]) for w in workers) == [("tiny-w0", (0,), 1), ("tiny-w1", (1,), 1)]
     assert all(w.state is WorkerState.READY for w in workers)
     assert failures == [] and len(answers) >= 100 and set(answers) == {48}  # nothing lost, nothing cut short

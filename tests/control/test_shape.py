@@ -201,6 +201,8 @@ def test_check_policy_validates_reshape() -> None:
     with pytest.raises(PolicyError, match="needs the pool's gpus"):
         parse_policy({"pool": [{"name": "p", "model": "m", "kind": "sim", "tp": 2, "workers": 2,
                                 "control": {"reshape": True}}]})  # fmt: skip
+    with pytest.raises(PolicyError, match="worker_args name workers a reshape replaces"):
+        _policy({"reshape": True}, worker_args=[{"schedule_conservativeness": 0.5}])
     with pytest.raises(PolicyError, match="twin does not model"):
         parse_policy({"pool": [{"name": "p", "model": "m", "kind": "vllm", "tp": 2, "gpus": [0, 1],
                                 "control": {"reshape": True}}]})  # fmt: skip
