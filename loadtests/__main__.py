@@ -9,6 +9,7 @@ store      the Batch API store's cost per line: SQLite vs a shared PostgreSQL
 limits     per-key limits across replicas: in memory vs shared over PostgreSQL (added TTFT, limit held)
 budget     the output budget on vs off vs control off: first tokens, tails, throughput
 failover   three replicas on one PostgreSQL: pacing alone vs by share, the leader killed under load
+reshape    a pool of 8 simulated GPUs at tp 8 reshaped by the controller vs the best shape in hindsight
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "limits": "loadtests.key_limits",
     "budget": "loadtests.budget",
     "failover": "loadtests.failover",
+    "reshape": "loadtests.reshape",
 }
 
 

@@ -476,7 +476,16 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
             offload=planning,
             clock_rate=rate,
             constants=constants,
+            placement=_placement(pool_settings),
         )
+
+
+def _placement(pool: PoolSettings) -> Callable[[int], Mapping[str, object]] | None:
+    """The engine's flags for a worker of the pool at a tp: what a reshape sets (None: a pool whose
+    GPUs the proxy does not place, which is not reshaped)."""
+    if pool.shorthand or not pool.engine.managed:
+        return None
+    return functools.partial(pool.engine.engine.placement_args, model=pool.model)
 
 
 def _rollout(pool: RestartablePool, dispatcher: Drainable, wall: Constants) -> Rollout:

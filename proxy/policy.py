@@ -42,6 +42,7 @@ from proxy.policy_read import (
     read_store,
     store_url_problem,
 )
+from proxy.policy_reshape import reshape_allowed
 from proxy.policy_schema import PolicyError, Table, changed_keys
 from proxy.policy_settings import (
     TABLES,
@@ -224,6 +225,7 @@ def parse_policy(mapping: Mapping[str, Any], source: str = "<policy>", *, base_d
     root.finish()
     for p in policy.pools:
         bounds_known(p, source)
+        reshape_allowed(p, policy.fleet.backend, source)
     if policy.fleet.backend is WorkerBackend.LOCAL:
         ports_apart(policy.pools, source)
     if policy.fleet.backend is WorkerBackend.RAY:

@@ -283,6 +283,14 @@ class ControlSettings:
             "an answer that reaches it: the engine admits for what answers need, with no restart"
         ),
     )
+    reshape: bool = field(
+        default=False,
+        metadata=key(
+            "a pool's control (not the [engine] table's), auto mode: change how many workers share its GPUs at which tp "
+            "(one tp-8 worker, two tp-4...) where the twin says another shape serves more, by the same "
+            "rolling, canary-first restart; advise mode journals the comparison whatever this says"
+        ),
+    )
     journal_path: str | None = field(
         default=".pacer/decisions.jsonl",
         metadata=key("decisions as JSON lines; not set: kept in memory only", custom=True),

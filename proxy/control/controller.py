@@ -58,6 +58,7 @@ from proxy.control.ports import (
     Surroundings,
     TrialRefused,
 )
+from proxy.control.reshaping import Reshaper, Reshaping, ShapeJob, run_shapes
 from proxy.control.revival import Revival
 from proxy.control.roster import Roster
 from proxy.control.rules import (
@@ -68,6 +69,7 @@ from proxy.control.rules import (
     before_launch,
     evaluate,
 )
+from proxy.control.shape import ShapeComparison
 from proxy.control.trials import Trials
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sample
@@ -92,6 +94,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _Budgeting = tuple[BudgetJob, "asyncio.Future[BudgetPrediction | str]"]  # a budget's prediction off the loop
+_Shaping = tuple[ShapeJob, "asyncio.Future[ShapeComparison | None]"]  # a look at the pool's shape off the loop
 _DETAIL_CHARS = 1000  # a failed revival's detail, at most
 
 
@@ -115,6 +118,7 @@ class Controller:
         offload: Offload = in_thread,
         clock_rate: float = 1.0,
         constants: Constants = CONSTANTS,
+        placement: Callable[[int], Mapping[str, object]] | None = None,
     ) -> None:
         self._offload = offload  # where the plans' and checks' replays run, off the event loop
         self._modelled = modelled  # the presets a simulated worker under these args models
@@ -140,6 +144,9 @@ class Controller:
         self._planning = Planning(self._roster, surroundings, self._trials, self._twin,
                                   twin_models_engine=self._twin_models_engine)  # fmt: skip
         self._budgets = Budgets(self._roster, surroundings, self._twin, twin_models_engine=self._twin_models_engine)
+        # the pool's shape (workers x tp): ``placement`` gives the engine's flags for a tp (None: not reshaped)
+        self._reshaping = Reshaping(self._roster, surroundings, self._twin, placement, self.track,
+                                    twin_models_engine=self._twin_models_engine)  # fmt: skip
         self._tasks: set[asyncio.Task[None]] = set()
         self._checks: list[OutcomeJob] = []  # acted plans whose window is in, to check off the loop
 
@@ -403,7 +410,7 @@ class Controller:
                 continue
             if w.state.last_good_args != w.state.args and now - since >= self.constants.good_after_s:
                 w.state = w.state.mark_good()
-            if self.mode is ControlMode.OFF:
+            if self.mode is ControlMode.OFF or self._reshaping.under_way:  # a reshape replaces the workers
                 continue
             act = self._safety_net(w, now, others_down)
             if act is not None:
@@ -445,6 +452,8 @@ class Controller:
         paying restart waited for another worker's goes first, due as soon as the fleet is whole): serving,
         managed (or advised), enough evidence, outside the cool-down and the restart budget; each with
         what its plan reads."""
+        if self._reshaping.under_way:  # the pool's workers are being replaced: no plan of one of them
+            return []
         return self._planning.due(limit)
 
     def plan_now(self, job: PlanJob) -> Act | None:
@@ -452,7 +461,13 @@ class Controller:
         return self.decide_plan(job, run_plan(job.inputs))
 
     def decide_plan(self, job: PlanJob, plan: Plan) -> Act | None:
-        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing."""
+        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing (a plan
+        computed while the pool is reshaped: of a worker that is going)."""
+        if self._reshaping.under_way:
+            w = self._workers.get(job.worker_id)
+            if w is not None:
+                w.plan_done()
+            return None
         return self._planning.decide(job, plan)
 
     # -- trials (``trials.py``) and revivals (``revival.py``) -----------------------------------------
@@ -551,6 +566,7 @@ class Controller:
         time, beside the plan, each journaled on the first tick after it is in; and so do the predictions
         of the output budgets' gains (:meth:`_predict_budgets`)."""
         computing: tuple[PlanJob, asyncio.Future[Plan]] | None = None
+        shaping: _Shaping | None = None
         checking: tuple[OutcomeJob, asyncio.Future[Outcome]] | None = None
         predicting: _Budgeting | None = None
         try:
@@ -576,12 +592,42 @@ class Controller:
                     for job in self.plans_due(limit=1):
                         self._workers[job.worker_id].move(Phase.PLANNING)
                         computing = (job, asyncio.ensure_future(self._offload(run_plan, job.inputs)))
+                shaping = self._look_at_shape(shaping)
                 await asyncio.sleep(self.constants.interval_s)
         finally:
-            for running in (computing, checking, predicting):
+            for running in (computing, checking, predicting, shaping):
                 if running is not None:
                     running[1].cancel()  # what it computes is dropped (its process or thread ends it by itself)
             await self.close()
+
+    def _look_at_shape(self, shaping: _Shaping | None) -> _Shaping | None:
+        """Decide on the pool's shape once its prices are in (a reshape runs beside the ticks: its
+        canary is judged on windows they move), and start the next look when one is due."""
+        if shaping is not None and shaping[1].done():
+            (job, done), shaping = shaping, None
+            try:
+                act = self._reshaping.decide(job, done.result())
+            except Exception as exc:
+                _log.warning("pricing the pool's shapes failed: %s", exc)
+                act = None
+            reshaper = self.actor if isinstance(self.actor, Reshaper) else None
+            if act is not None and reshaper is not None:
+                self._spawn(self._reshaping.carry_out(act, reshaper))
+            elif act is not None:
+                self._reshaping.under_way = False
+                self.journal.update(act.entry_id, status=Status.FAILED, detail="this pool cannot be reshaped")
+        look = self._reshaping.due() if shaping is None else None
+        if look is not None:
+            shaping = (look, asyncio.ensure_future(self._offload(run_shapes, look.inputs)))
+        return shaping
+
+    def shapes_due(self) -> ShapeJob | None:
+        """A look at the pool's shape, when one is due (:meth:`Reshaping.due`)."""
+        return self._reshaping.due()
+
+    def decide_shape(self, job: ShapeJob, comparison: ShapeComparison | None) -> Act | None:
+        """Journal a look at the pool's shape; the reshape to carry out, if any (:meth:`Reshaping.decide`)."""
+        return self._reshaping.decide(job, comparison)
 
     def _predict_budgets(self, predicting: _Budgeting | None) -> _Budgeting | None:
         """Journal the budget prediction computed off the loop, once it is in, and start the next."""

@@ -13,6 +13,9 @@ Rolling restart (:meth:`Rollout.restart`), one worker at a time:
 5. the worker is READY again (or DOWN); a restart refused before the worker stopped, or cancelled
    before it began, sets it back to READY. With one worker the proxy's queue holds the traffic.
 
+A reshape (:meth:`Rollout.reshape_step`) drains the workers whose GPUs the new shape's workers take,
+as above, then the pool stops them and starts the new ones on their GPUs.
+
 What the drain did comes back as a :class:`proxy.control.ports.Drain` (the journal entry's
 ``act``). A worker that died (:meth:`Rollout.revive`) has nothing left to drain: the request path
 already handled its requests, so it is restarted at once.
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from proxy.control.ports import ActResult, Drain
 from proxy.workers.base import WorkerId, WorkerInfo, WorkerState
 
-__all__ = ["Drainable", "RestartablePool", "Rollout"]
+__all__ = ["Drainable", "ReshapablePool", "RestartablePool", "Rollout"]
 
 _log = logging.getLogger(__name__)
 
@@ -50,6 +53,12 @@ class RestartablePool(Protocol):
     def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo: ...
 
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> WorkerInfo: ...
+
+
+class ReshapablePool(RestartablePool, Protocol):
+    async def replace_workers(
+        self, old: Sequence[WorkerId], count: int, args: Mapping[str, object], reason: str
+    ) -> list[WorkerInfo]: ...
 
 
 class Rollout:
@@ -76,28 +85,59 @@ class Rollout:
         except Exception as exc:  # the worker changed state meanwhile (it died): nothing to mark
             _log.debug("cannot mark %s %s: %s", worker_id, state, exc)
 
+    async def _drained(self, worker_id: WorkerId) -> Drain:
+        """Steps 2-4 on a DRAINING worker: what it runs finishes or is taken back."""
+        in_flight = self.dispatcher.open_attempts(worker_id)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.drain_timeout_s
+        stopped = await self._drain(worker_id, deadline)
+        drain = Drain(in_flight_at_drain=in_flight, drained=stopped is None, drain_s=round(loop.time() - started, 3))
+        if stopped is not None:
+            taken_back = self.dispatcher.take_back(worker_id)
+            settled = await self.dispatcher.wait_idle(worker_id, max(deadline - loop.time(), self.settle_s))
+            drain = replace(
+                drain,
+                taken_back=taken_back,
+                still_running_at_restart=0 if settled else self.dispatcher.open_attempts(worker_id),
+                drain_stopped=stopped or None,
+            )
+        return drain
+
+    def gpus_of(self, worker_id: WorkerId) -> tuple[int, ...]:
+        return self.pool.get(worker_id).gpus
+
+    async def reshape_step(
+        self, old: Sequence[WorkerId], count: int, args: Mapping[str, object], reason: str
+    ) -> tuple[list[WorkerInfo], list[Drain]]:
+        """A reshape's step: drain the ``old`` workers together (nothing more is sent to them, what they
+        run finishes or is taken back into the proxy's queue, as for a restart), then the pool starts
+        ``count`` workers with ``args`` on their GPUs (``ReshapablePool.replace_workers``). A step
+        refused before the old ones stopped, or cancelled, sets them back to READY."""
+        pool = cast("ReshapablePool", self.pool)
+        for worker_id in old:
+            if self.pool.get(worker_id).state is WorkerState.READY:
+                self._set_state(worker_id, WorkerState.DRAINING)
+        replacing = False
+        try:
+            drains = list(await asyncio.gather(*(self._drained(worker_id) for worker_id in old)))
+            _log.info("reshaping %s into %d workers: %s", ", ".join(old), count, reason)
+            replacing = True
+            infos = await pool.replace_workers(old, count, args, reason)
+        except BaseException:
+            if not replacing:
+                for worker_id in old:
+                    if self.pool.get(worker_id).state is WorkerState.DRAINING:
+                        self._set_state(worker_id, WorkerState.READY)
+            raise
+        return infos, drains
+
     async def restart(self, worker_id: WorkerId, args: Mapping[str, object], reason: str) -> ActResult:
         if self.pool.get(worker_id).state is WorkerState.READY:
             self._set_state(worker_id, WorkerState.DRAINING)
         restarting = False
         try:
-            in_flight = self.dispatcher.open_attempts(worker_id)
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            deadline = started + self.drain_timeout_s
-            stopped = await self._drain(worker_id, deadline)
-            drain = Drain(
-                in_flight_at_drain=in_flight, drained=stopped is None, drain_s=round(loop.time() - started, 3)
-            )
-            if stopped is not None:
-                taken_back = self.dispatcher.take_back(worker_id)
-                settled = await self.dispatcher.wait_idle(worker_id, max(deadline - loop.time(), self.settle_s))
-                drain = replace(
-                    drain,
-                    taken_back=taken_back,
-                    still_running_at_restart=0 if settled else self.dispatcher.open_attempts(worker_id),
-                    drain_stopped=stopped or None,
-                )
+            drain = await self._drained(worker_id)
             _log.info("restarting %s: %s (%s)", worker_id, reason, drain.to_json())
             restarting = True
             info = await self.pool.restart(worker_id, args, reason)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.sim import memory
-from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
+from proxy.sim.presets import GPUS, KV_BYTES_FACTOR, MODELS, NVLINK_GBS, WEIGHT_BYTES_FACTOR, GpuPreset, ModelPreset
 from proxy.sim.steptime import StepTimeModel, startup_seconds
 
 PRIORITY_POLICIES = ("fcfs", "lof")  # the policies SGLang orders by priority (and the only ones it allows with it)
@@ -82,6 +82,9 @@ class SimConfig:
             kv_bytes_per_token=self.kv_bytes_per_token,
             bandwidth_gbs=self.gpu.bandwidth_gbs,
             bf16_tflops=self.gpu.bf16_tflops,
+            tp_size=self.tp_size,
+            link_gbs=NVLINK_GBS.get(self.gpu.name, 0.0),
+            vocab_size=self.model.vocab_size,
         )
 
 
@@ -138,14 +141,14 @@ def _cuda_graph_max_bs(ns: argparse.Namespace, gpu: GpuPreset) -> int:
         return 0
     if ns.cuda_graph_max_bs_decode is not None:
         return int(ns.cuda_graph_max_bs_decode)
-    return memory.default_cuda_graph_max_bs(gpu.memory_mib, 1, ns.max_running_requests)
+    return memory.default_cuda_graph_max_bs(gpu.memory_mib, ns.tp_size or 1, ns.max_running_requests)
 
 
 def _mem_fraction_static(ns: argparse.Namespace, gpu: GpuPreset, chunked: int | None, graph_bs: int) -> float:
     """``--mem-fraction-static``, or SGLang's default for this GPU, chunk and graph sizes."""
     mfs = ns.mem_fraction_static
     if mfs is None:
-        mfs = memory.default_mem_fraction_static(gpu.memory_mib, chunked, graph_bs)
+        mfs = memory.default_mem_fraction_static(gpu.memory_mib, chunked, graph_bs, ns.tp_size or 1)
     if not 0 < mfs <= 1:
         raise SimConfigError("--mem-fraction-static must be in (0, 1]")
     return float(mfs)

@@ -81,6 +81,10 @@ GPUS: dict[str, GpuPreset] = {
     )
 }
 
+# NVLink bandwidth per GPU and direction, 1e9 bytes/s, by preset (tensor parallel's collectives); a GPU
+# not named here links its peers over PCIe (proxy.sim.steptime)
+NVLINK_GBS: dict[str, float] = {"h100-80gb": 450.0, "h200-141gb": 450.0, "a100-80gb": 300.0, "a100-40gb": 300.0}
+
 MODELS: dict[str, ModelPreset] = {
     m.name: m
     for m in (

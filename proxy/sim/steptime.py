@@ -15,6 +15,10 @@ Prefill is compute-bound (but never faster than one pass over the weights)::
 
 where ``attn_pairs`` sums ``extend x (prefix + extend / 2)`` over the batch's requests.
 
+At tensor parallel ``tp > 1`` the weights and KV cache split over ``tp`` GPUs (the config's node has
+``tp`` times one GPU's bandwidth and flops) and each step adds its collectives
+(:meth:`StepTimeModel.tp_comm_seconds`); the per-step and per-sequence overheads do not shrink.
+
 Calibration: the H100 + Llama-3.1-8B preset reproduces the guide's decode line (``#running-req:
 233, #token: 370959``) and its logged gen throughput (tests/sim/test_steptime.py holds it there).
 """
@@ -36,6 +40,16 @@ WEIGHTS_LOAD_GBS = 2.0  # 1e9 bytes/s from local NVMe, page cache cold
 GRAPH_CAPTURE_PER_BS_S = 0.1  # per captured batch size
 WARMUP_S = 1.0
 
+# Tensor parallelism (assumed, not measured: SGLang's custom all-reduce on NVLink answers a small
+# message in about 10 us; NCCL over PCIe in tens of us; a ring reaches ~70 % of the link).
+TP_ALLREDUCES_PER_LAYER = 2  # o_proj and down_proj: RowParallelLinear(reduce_results=True)
+TP_ALLREDUCES_PER_STEP = 1  # the input embedding: VocabParallelEmbedding reduces its shards' rows
+ALLREDUCE_LATENCY_NVLINK_S = 10e-6
+ALLREDUCE_LATENCY_PCIE_S = 30e-6
+LINK_EFFICIENCY = 0.7  # achieved / peak link bandwidth of a ring collective
+PCIE_GBS = 25.0  # a GPU's link where its preset names no NVLink (PCIe 4 x16, achieved)
+ACT_BYTES = 2  # bf16 activations and logits
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTimeModel:
@@ -46,6 +60,29 @@ class StepTimeModel:
     kv_bytes_per_token: float
     bandwidth_gbs: float
     bf16_tflops: float
+    tp_size: int = 1
+    link_gbs: float = 0.0  # one GPU's NVLink bandwidth, 1e9 bytes/s per direction (0: PCIe only)
+    vocab_size: int = 0
+
+    def tp_comm_seconds(self, tokens: int, sampled: int) -> float:
+        """One step's collectives at ``tp_size`` (0 at tp 1). SGLang's Llama layers end their attention
+        (``o_proj``) and their MLP (``down_proj``) in a row-parallel linear layer that all-reduces its
+        output: two all-reduces per layer of ``tokens x hidden`` bf16 values (and one for the input
+        embedding, split over the vocabulary like the output's); the logits of the
+        ``sampled`` tokens are gathered over the vocabulary's ``tp`` shards. Each collective costs a
+        latency plus a ring's ``2 (tp - 1) / tp`` of its bytes over the GPU's link (NVLink, else PCIe).
+        The scheduler's per-step and per-sequence costs do not shrink with ``tp``: they are why
+        replicas of a smaller tp serve more than one worker of a larger tp once memory allows."""
+        tp = self.tp_size
+        if tp <= 1:
+            return 0.0
+        nvlink = self.link_gbs > 0
+        link = (self.link_gbs if nvlink else PCIE_GBS) * 1e9 * LINK_EFFICIENCY
+        latency = ALLREDUCE_LATENCY_NVLINK_S if nvlink else ALLREDUCE_LATENCY_PCIE_S
+        ring = 2.0 * (tp - 1) / tp
+        reduce = latency + ring * tokens * self.hidden_size * ACT_BYTES / link
+        gather = latency + (tp - 1) / tp * sampled * self.vocab_size * ACT_BYTES / link
+        return (TP_ALLREDUCES_PER_LAYER * self.num_layers + TP_ALLREDUCES_PER_STEP) * reduce + gather
 
     def decode_seconds(self, batch_size: int, kv_tokens: int, cuda_graph: bool) -> float:
         bw = self.bandwidth_gbs * 1e9 * MEM_BW_EFFICIENCY
@@ -53,14 +90,15 @@ class StepTimeModel:
         t += batch_size * DECODE_PER_SEQ_S
         if not cuda_graph:
             t += self.num_layers * EAGER_PER_LAYER_S
-        return t
+        return t + self.tp_comm_seconds(batch_size, batch_size)
 
     def prefill_seconds(self, extend_tokens: int, attn_pairs: float, num_seqs: int) -> float:
         bw = self.bandwidth_gbs * 1e9 * MEM_BW_EFFICIENCY
         flops = self.bf16_tflops * 1e12 * FLOPS_EFFICIENCY
         compute = (2.0 * self.params * extend_tokens + 4.0 * self.num_layers * self.hidden_size * attn_pairs) / flops
         t = STEP_OVERHEAD_S + max(self.weights_bytes / bw, compute)
-        return t + num_seqs * PREFILL_PER_SEQ_S + self.num_layers * EAGER_PER_LAYER_S
+        t = t + num_seqs * PREFILL_PER_SEQ_S + self.num_layers * EAGER_PER_LAYER_S  # this order: the digests'
+        return t + self.tp_comm_seconds(extend_tokens, num_seqs)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

@@ -15,9 +15,12 @@ from proxy.engines.sglang.engine import SIM
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, resolve_config
 
-__all__ = ["TWIN_ENGINE", "memory_fraction", "prefill_chunk", "twin_config"]
+__all__ = ["CAPACITY_ARGS", "TP_ARG", "TWIN_ENGINE", "memory_fraction", "prefill_chunk", "running_cap", "twin_config"]
 
 TWIN_ENGINE: Engine = SIM  # the engine the twin models
+# the arguments that cap a worker's capacity (running requests, KV tokens): a reshape keeps them per GPU
+CAPACITY_ARGS = ("max_running_requests", "max_total_tokens")
+TP_ARG = "tp_size"  # a worker's tensor parallel size, as the twin's engine names it
 
 
 def twin_config(
@@ -47,3 +50,8 @@ def prefill_chunk(cfg: SimConfig) -> int | None:
 def memory_fraction(cfg: SimConfig) -> float:
     """The share of device memory for weights and the KV pool under ``cfg``."""
     return cfg.mem_fraction_static
+
+
+def running_cap(cfg: SimConfig) -> int:
+    """The most requests the worker runs at once under ``cfg``."""
+    return cfg.max_running_requests

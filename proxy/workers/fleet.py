@@ -44,6 +44,7 @@ def placement_of(pool: PoolSettings, gpus: tuple[tuple[int, ...], ...], *, clust
         args=args,
         worker_ids=tuple(pool.worker_id(i) for i in range(n)),
         num_gpus=pool.tp if cluster and pool.auto_gpus else 0,
+        id_prefix=f"{pool.name}-w",
     )
 
 
@@ -125,6 +126,23 @@ class Fleet:
     def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
         return self._of(worker_id).set_state(worker_id, state)
 
+    async def replace_workers(
+        self, old: Sequence[WorkerId], count: int, args: Mapping[str, object], reason: str
+    ) -> list[WorkerInfo]:
+        """A reshape's step within one pool (:meth:`Supervisor.replace_workers`)."""
+        owners = {self._of(worker_id) for worker_id in old}
+        if len(owners) != 1:
+            raise WorkerError("a reshape replaces workers of one pool")
+        member = owners.pop()
+        for worker_id in old:
+            del self._owner[worker_id]
+        try:
+            infos = await member.replace_workers(old, count, args, reason)
+        finally:
+            for info in member.workers():
+                self._owner[info.id] = member
+        return infos
+
     def hold(self, worker_id: WorkerId) -> WorkerInfo:
         return self._of(worker_id).hold(worker_id)
 
@@ -167,6 +185,15 @@ class PoolView:
 
     def set_state(self, worker_id: WorkerId, state: WorkerState) -> WorkerInfo:
         return self.whole.set_state(worker_id, state)
+
+    async def replace_workers(
+        self, old: Sequence[WorkerId], count: int, args: Mapping[str, object], reason: str
+    ) -> list[WorkerInfo]:
+        replace = getattr(self.whole, "replace_workers", None)
+        if replace is None:
+            raise WorkerError("this pool cannot be reshaped")
+        infos: list[WorkerInfo] = await replace(old, count, args, reason)
+        return infos
 
     def hold(self, worker_id: WorkerId) -> WorkerInfo:
         return self.whole.hold(worker_id)

@@ -27,13 +27,14 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import os
 import shlex
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,9 +72,10 @@ class Placement:
     args: Mapping[str, object] = field(default_factory=dict)  # the engine's placement flags (tp, served name)
     worker_ids: tuple[str, ...] = ()  # () : w0, w1, ...
     num_gpus: int = 0  # GPUs a cluster launcher reserves per worker (its own accounting picks which)
+    id_prefix: str = "w"  # a worker past ``worker_ids`` (a reshape's) is this and its index
 
     def worker_id(self, index: int) -> str:
-        return self.worker_ids[index] if index < len(self.worker_ids) else f"w{index}"
+        return self.worker_ids[index] if index < len(self.worker_ids) else f"{self.id_prefix}{index}"
 
     def gpus_of(self, index: int) -> tuple[int, ...]:
         return self.gpus[index] if index < len(self.gpus) else ()
@@ -250,24 +252,8 @@ class Supervisor:
             else:
                 port, fixed = free_port(s.host, taken), False
             taken.add(port)
-            worker_id = self._place.worker_id(i)
             args = {**s.args, **(s.worker_args[i] if i < len(s.worker_args) else {}), **self._place.args}
-            self._add_slot(
-                _Slot(
-                    id=worker_id,
-                    port=port,
-                    url=self._url(port),
-                    managed=True,
-                    args=args,
-                    port_fixed=fixed,
-                    pool=self._place.pool,
-                    model=self._place.model,
-                    gpus=self._place.gpus_of(i),
-                    log_path=Path(s.log_dir) / f"{worker_id}.log",
-                    lines=LineLog(self._ring_lines),
-                    configured=self._configured(args, self._place.gpus_of(i), port if fixed else None),
-                )
-            )
+            self._add_slot(self._managed_slot(self._place.worker_id(i), port, fixed, args, self._place.gpus_of(i)))
         if self._launcher.local:
             self._renewing = asyncio.create_task(self._renew_leases(), name=f"leases-{self._place.pool}")
         found = await asyncio.gather(*(self._adopt(slot) for slot in self._slots.values()))
@@ -279,6 +265,63 @@ class Supervisor:
             *(self._start_slot(slot, reason="start") for slot in fresh),
             *(self._restart_changed(slot) for slot in changed),
         )
+
+    def _managed_slot(
+        self, worker_id: WorkerId, port: int, fixed: bool, args: Mapping[str, object], gpus: tuple[int, ...]
+    ) -> _Slot:
+        return _Slot(
+            id=worker_id,
+            port=port,
+            url=self._url(port),
+            managed=True,
+            args=dict(args),
+            port_fixed=fixed,
+            pool=self._place.pool,
+            model=self._place.model,
+            gpus=gpus,
+            log_path=Path(self._settings.log_dir) / f"{worker_id}.log",
+            lines=LineLog(self._ring_lines),
+            configured=self._configured(args, gpus, port if fixed else None),
+        )
+
+    async def replace_workers(
+        self, old: Sequence[WorkerId], count: int, args: Mapping[str, object], reason: str
+    ) -> list[WorkerInfo]:
+        """A reshape's step: stop the ``old`` workers (drained by the caller) and start ``count`` workers
+        with ``args`` on their GPUs, split evenly in order; the new take the lowest ids no other worker
+        holds (an old one's id, its log and, where free, its port). Returns the new workers' infos once
+        each is READY or DOWN; the old ones not reused are gone from the pool (told STOPPED first)."""
+        slots = [self._slot(worker_id) for worker_id in old]
+        if any(not slot.managed for slot in slots) or count < 1:
+            raise WorkerError("a reshape replaces managed workers with at least one")
+        if self._stopping:
+            raise WorkerError("supervisor is stopped")
+        self._argv(dict(args), 0)  # bad args fail here, before the old processes are stopped
+        gpus = tuple(g for slot in slots for g in slot.gpus)
+        if gpus and len(gpus) % count:
+            raise WorkerError(f"{len(gpus)} GPUs do not split into {count} workers")
+        for slot in slots:
+            async with slot.lock:
+                _log.info("stopping worker %s (%s)", slot.id, reason)
+                await self._stop_slot(slot, locked=True)
+        ports = {slot.id: slot.port for slot in slots}
+        for slot in slots:
+            del self._slots[slot.id]
+            if slot.launch and slot.log_path is not None:
+                with contextlib.suppress(OSError):
+                    lease_path(slot.log_path).unlink(missing_ok=True)
+        each = len(gpus) // count
+        new: list[_Slot] = []
+        for j in range(count):
+            worker_id = next(
+                self._place.worker_id(i) for i in itertools.count() if self._place.worker_id(i) not in self._slots
+            )
+            port = ports.get(worker_id) or free_port(self._settings.host, {o.port for o in self._slots.values()})
+            slot = self._managed_slot(worker_id, port, False, args, gpus[j * each : (j + 1) * each])
+            self._add_slot(slot)
+            new.append(slot)
+        await asyncio.gather(*(self._start_slot(slot, reason=f"reshape: {reason}") for slot in new))
+        return [slot.info() for slot in new]
 
     def _configured(self, args: Mapping[str, object], gpus: tuple[int, ...], port: int | None) -> dict[str, object]:
         """What the policy says of one worker (its lease keeps it: a change restarts an adopted worker)."""
