@@ -12,7 +12,10 @@ path reports one it cannot reach (``hold``, ``report_unreachable``); the pool's 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -55,6 +58,32 @@ class WorkerInfo:
 
 
 StateListener = Callable[[WorkerInfo], Awaitable[None] | None]
+
+_log = logging.getLogger("pacer.workers")
+
+
+def tell_listeners(listeners: Iterable[StateListener], info: WorkerInfo, tasks: set[asyncio.Task[None]]) -> None:
+    """Each listener hears of ``info``. One that raises is logged and the others still hear; one that
+    answers with an awaitable runs on as a task kept in ``tasks`` until it ends (its failure logged)."""
+    for listener in list(listeners):
+        try:
+            result = listener(info)
+        except Exception:
+            _log.exception("state listener failed")
+            continue
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(_await_listener(result))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+
+async def _await_listener(result: Awaitable[None]) -> None:
+    try:
+        await result
+    except Exception:
+        _log.exception("state listener failed")
+
+
 LineListener = Callable[[WorkerId, str], None]  # called with each output line as it is read
 # a worker as configured -> the args to launch it with
 LaunchPlanner = Callable[[WorkerInfo], Awaitable[Mapping[str, object]]]

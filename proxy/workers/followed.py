@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.workers.base import StateListener, WorkerId, WorkerInfo, WorkerState
+from proxy.workers.base import StateListener, WorkerId, WorkerInfo, WorkerState, tell_listeners
 
 __all__ = ["FollowedPool", "info_of", "record_of"]
 
@@ -86,7 +85,7 @@ class FollowedPool:
         self._records: dict[WorkerId, Mapping[str, Any]] = {}
         self._local: dict[WorkerId, _Local] = {}
         self._listeners: list[StateListener] = []
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._hold_s = local_hold_s
         self._clock = clock
 
@@ -162,13 +161,4 @@ class FollowedPool:
         return after
 
     def _tell(self, info: WorkerInfo) -> None:
-        for listener in list(self._listeners):
-            try:
-                result = listener(info)
-            except Exception:
-                _log.exception("state listener failed")
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        tell_listeners(self._listeners, info, self._tasks)

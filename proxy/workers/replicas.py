@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +44,7 @@ from proxy.workers.base import (
     WorkerInfo,
     WorkerPool,
     WorkerState,
+    tell_listeners,
 )
 from proxy.workers.followed import FollowedPool, record_of
 from proxy.workers.lease import owner
@@ -147,7 +147,7 @@ class ReplicaPool:
         self._run_task: asyncio.Task[None] | None = None
         self._taking: asyncio.Task[None] | None = None
         self._lead_stack: AsyncExitStack | None = None
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def follow_with(self, *, leading: Leading, replicas: Callable[[int], None]) -> None:
         """``leading`` runs while this replica leads (the controllers); ``replicas`` hears the live count."""
@@ -347,13 +347,4 @@ class ReplicaPool:
             self._tell(info)
 
     def _tell(self, info: WorkerInfo) -> None:
-        for listener in list(self._listeners):
-            try:
-                result = listener(info)
-            except Exception:
-                _log.exception("state listener failed")
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        tell_listeners(self._listeners, info, self._tasks)

@@ -26,7 +26,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import os
@@ -34,7 +33,7 @@ import shlex
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,7 +41,15 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from proxy.workers.adopt import AdoptedProcess, claim_problem, held_elsewhere, plain, served_problem
-from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerState
+from proxy.workers.base import (
+    LaunchPlanner,
+    LineListener,
+    StateListener,
+    WorkerId,
+    WorkerInfo,
+    WorkerState,
+    tell_listeners,
+)
 from proxy.workers.exit_text import describe_exit, what_it_said
 from proxy.workers.lease import RENEWALS_PER_TTL, lease_path, lease_ttl_s, owner, proc_start, read_lease, write_lease
 from proxy.workers.process import EXIT_UNKNOWN, Launcher, LeaseTerms, LineLog, LocalLauncher, WorkerHandle
@@ -190,7 +197,7 @@ class Supervisor:
         self._launch_planner: LaunchPlanner | None = None
         self._line_listeners: list[LineListener] = []
         self._session: aiohttp.ClientSession | None = None
-        self._tasks: set[asyncio.Task[object]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._lease_ttl = lease_ttl if lease_ttl is not None else lease_ttl_s()
@@ -832,26 +839,9 @@ class Supervisor:
         self._telling = True
         try:
             while self._untold:
-                told = self._untold.popleft()
-                for listener in list(self._listeners):
-                    try:
-                        result = listener(told)
-                    except Exception:
-                        _log.exception("state listener failed")
-                        continue
-                    if inspect.isawaitable(result):
-                        task = asyncio.ensure_future(self._await_listener(result))
-                        self._tasks.add(task)
-                        task.add_done_callback(self._tasks.discard)
+                tell_listeners(self._listeners, self._untold.popleft(), self._tasks)
         finally:
             self._telling = False
-
-    @staticmethod
-    async def _await_listener(result: Awaitable[None]) -> None:
-        try:
-            await result
-        except Exception:
-            _log.exception("state listener failed")
 
 
 __all__ = ["Supervisor", "WorkerError", "free_port", "port_is_free"]
