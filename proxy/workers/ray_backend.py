@@ -4,27 +4,19 @@ node with the GPUs the worker needs.
     async with RayLauncher(address="auto", namespace="pacer") as launcher:
         pool = Supervisor(engine_settings, placement=..., launcher=launcher)
 
-The supervisor drives a Ray worker exactly as a local one (:class:`~proxy.workers.process.WorkerHandle`):
-``launch`` creates an :class:`EngineActor` reserving ``num_gpus`` GPUs (Ray's GPU accounting
-chooses which and sets ``CUDA_VISIBLE_DEVICES`` in the actor, which the engine process inherits);
-the actor starts the engine command and keeps its output lines. :class:`RayWorker` (the handle on
-the proxy's side) reports the actor's node and address and the GPU ids Ray gave it, pulls the
-output lines into the worker's log file and ring (so the proxy's log followers, the controller
-included, read them as they read a local worker's), and waits for the engine's exit. A lost actor
-(its node died, or it was killed) is the worker's death, with exit code -9 and a log line saying
-so: the supervisor marks it DOWN and the controller's revive and crash-loop logic apply unchanged;
-the revived worker is a new actor, placed wherever Ray finds the GPUs. A restart with new
-arguments is a stop (the actor ends its engine, then is killed) and a new actor.
+The supervisor drives a Ray worker as a local one. ``launch`` creates an :class:`EngineActor`
+reserving ``num_gpus`` GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``); the actor runs the engine command
+and keeps its output lines. :class:`RayWorker`, the proxy's handle, pulls those lines into the
+worker's log (the controller reads them as a local worker's) and waits for the engine's exit. A
+lost actor is the worker's death (exit -9): the supervisor marks it DOWN and revives it wherever
+Ray finds the GPUs. A restart with new arguments is a stop and a new actor.
 
 Actors outlive the proxy, as local workers do (:mod:`proxy.workers.lease`): each is detached and
-named ``worker:<worker id>`` (the id carries the pool's name) in the launcher's namespace, so one
-deployment is one namespace (``fleet.ray_namespace``). An actor keeps its own lease: the proxy
-that holds it renews it every ``ttl / 12``; a thread in the actor stops the engine (SIGTERM, SIGKILL
-after the grace) and ends the actor once no renewal came for the ttl (its own monotonic clock). A
-launch first looks the name up: an actor whose holder is gone (another proxy, now dead, or one that
-let it go) and whose engine runs this very command (argv, environment, GPUs) is re-attached, engine
-untouched; one that runs another command is stopped and replaced; one a live proxy holds is not
-taken (the launch fails).
+named ``worker:<worker id>`` in the launcher's namespace (one deployment, one namespace). The
+holding proxy renews the actor's lease every ``ttl / 12``; a thread in the actor stops the engine
+and ends the actor once no renewal came for the ttl. A launch first looks the name up: an actor
+whose holder is gone and whose engine runs this very command is re-attached, untouched; one that
+runs another command is replaced; one a live proxy holds is not taken (the launch fails).
 
 Ray is an optional dependency (the ``fleet`` extra); this module imports it when a launcher opens.
 """
