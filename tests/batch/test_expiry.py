@@ -11,19 +11,12 @@ from pathlib import Path
 from proxy.batch import BatchRunner, BatchService, NotNow, owner_of
 from proxy.batch.store import ActiveBatch, PendingLine
 from tests.batch.conftest import CHAT, FakeExecutor, chunks, jsonl, read_lines, request_line, wait_final
+from tests.harness.clock import ManualClock
 from tests.harness.wait import wait_until
 
 OWNER = owner_of("key-a")
 DAY = 24 * 3600
 START = 1_700_000_000.0
-
-
-class ManualClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def _create(service: BatchService, ids: str) -> str:

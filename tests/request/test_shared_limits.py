@@ -16,20 +16,13 @@ from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited
 from proxy.request.shared_limits import SharedKeyLimiter, key_limiter
 from proxy.store import open_database
 from proxy.store.budgets import Budgets
+from tests.harness.clock import ManualClock
 from tests.harness.postgres import PostgresServer
 from tests.harness.wait import wait_until
 
 pytest.importorskip("psycopg", reason="the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
 
 REPLICAS = 3
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class CountedBudgets(Budgets):

@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 
 from proxy.store import Database, Lease, open_database
+from tests.harness.clock import ManualClock
 
 DURATION = 5.0
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
