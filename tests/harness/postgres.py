@@ -159,17 +159,17 @@ def local_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     """One server for the session; each test takes a database of its own (:func:`postgres_url`)."""
-    if postgres_bin() is None:
-        pytest.skip(MISSING)
-    if importlib.util.find_spec("psycopg") is None:
-        pytest.skip("the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
-    with local_postgres() as server:
-        yield server
+    yield from _started()
 
 
 @pytest.fixture
 def own_postgres() -> Iterator[PostgresServer]:
     """A server of the test's own, which it may stop and start again (:meth:`PostgresServer.stop`)."""
+    yield from _started()
+
+
+def _started() -> Iterator[PostgresServer]:
+    """A local server for as long as the fixture lasts; the test is skipped where none can run here."""
     if postgres_bin() is None:
         pytest.skip(MISSING)
     if importlib.util.find_spec("psycopg") is None:
