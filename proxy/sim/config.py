@@ -138,7 +138,7 @@ def _cuda_graph_max_bs(ns: argparse.Namespace, gpu: GpuPreset) -> int:
         return 0
     if ns.cuda_graph_max_bs_decode is not None:
         return int(ns.cuda_graph_max_bs_decode)
-    return memory.default_cuda_graph_max_bs(gpu.memory_mib, 1, ns.max_running_requests)
+    return memory.default_cuda_graph_max_bs(gpu.memory_mib, ns.tp_size or 1, ns.max_running_requests)
 
 
 def _mem_fraction_static(ns: argparse.Namespace, gpu: GpuPreset, chunked: int | None, graph_bs: int) -> float:

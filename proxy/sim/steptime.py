@@ -15,6 +15,14 @@ Prefill is compute-bound (but never faster than one pass over the weights)::
 
 where ``attn_pairs`` sums ``extend x (prefix + extend / 2)`` over the batch's requests.
 
+Scheduling with ``lpm`` (SGLang's ``SchedulePolicy.calc_priority``, each round that tries to admit
+while at most 128 wait) walks the radix tree for every waiting request (``match_prefix``, a Python
+loop over each matched token: ``_key_match_page_size1``) and, for one whose cached prefix is short,
+the waiting queue's own tree (a match and an insert over its whole prompt); ``fcfs`` skips it. The
+round's CPU time is added to the step it schedules::
+
+    lpm round = waiting x LPM_PER_REQ_S + tokens walked x LPM_PER_TOKEN_S
+
 Calibration: the H100 + Llama-3.1-8B preset reproduces the guide's decode line (``#running-req:
 233, #token: 370959``) and its logged gen throughput (tests/sim/test_steptime.py holds it there).
 """
@@ -35,6 +43,17 @@ STARTUP_BASE_S = 10.0
 WEIGHTS_LOAD_GBS = 2.0  # 1e9 bytes/s from local NVMe, page cache cold
 GRAPH_CAPTURE_PER_BS_S = 0.1  # per captured batch size
 WARMUP_S = 1.0
+
+# lpm's scheduling CPU per round (SGLang schedule_policy.py and mem_cache/radix_cache.py): per waiting
+# request a RadixKey, a match result and its index tensor (torch.cat), and in the queue's tree a torch
+# tensor per insert; per token walked one iteration of CPython's zip-compare loop
+LPM_PER_REQ_S = 15e-6
+LPM_PER_TOKEN_S = 40e-9
+
+
+def lpm_round_seconds(waiting: int, tokens_walked: int) -> float:
+    """CPU seconds of one lpm scheduling round over ``waiting`` requests walking ``tokens_walked`` tokens."""
+    return waiting * LPM_PER_REQ_S + tokens_walked * LPM_PER_TOKEN_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,9 +83,12 @@ class StepTimeModel:
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """The decode batch sizes captured as CUDA graphs: 1, 2, 4, then every 8 up to ``max_bs``."""
-    sizes = [b for b in (1, 2, 4) if b <= max_bs] + list(range(8, max_bs + 1, 8))
-    if max_bs > 0 and sizes[-1] != max_bs:
+    """The decode batch sizes captured as CUDA graphs, as SGLang lists them (server_args.py
+    ``_generate_cuda_graph_batch_sizes``, no speculative decoding): 1, 2, 4, 8, 12, every 8 from 16 to
+    256, every 16 from 272, every 32 from 512, up to ``max_bs`` (which is captured too)."""
+    every = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    sizes = [b for b in every if b <= max_bs]
+    if max_bs > 0 and (not sizes or sizes[-1] != max_bs):
         sizes.append(max_bs)
     return sizes
 
