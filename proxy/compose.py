@@ -359,6 +359,8 @@ class _Surroundings:
                 dispatched=f.dispatched,
                 first_token=f.first_token,
                 asked_max_tokens=f.max_tokens,
+                prefix_key=f.prefix_key,
+                cached_tokens=f.cached_tokens,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None

@@ -5,7 +5,8 @@
 free; :func:`roomier_pool` gives a chosen candidate the largest KV pool the band's floor allows.
 :func:`replay_candidates` replays the newest requests under the current arguments and each candidate,
 setting aside those outside the memory band: the figures the verdict chooses among.
-:func:`args_key` names a candidate alike on every look, so that its gains can be averaged over looks.
+:func:`lever_candidates` adds the guide's schedule policy and CUDA-graph batch size where the engine
+has them. :func:`args_key` names a candidate alike on every look, so that its gains can be averaged over looks.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass, replace
 from proxy.control.economics import PlanSettings
 from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
+from proxy.engines.base import KnobName
 from proxy.sim.config import SimConfigError
-from proxy.sim.twin import memory_fraction, prefill_chunk
+from proxy.sim.twin import graph_max_bs, memory_fraction, prefill_chunk, schedule_policy
 
 __all__ = [
     "ACTIVATION_MARGIN",
@@ -26,6 +28,7 @@ __all__ = [
     "args_key",
     "band_fraction",
     "candidates",
+    "lever_candidates",
     "newest_sample",
     "replay_candidates",
     "roomier_pool",
@@ -108,7 +111,10 @@ def replay_candidates(
     served: list[Prediction] = []
     replays = 2
     in_band = band_fraction(twin, args, settings)
-    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names):
+    levers = lever_candidates(twin, args, loaded, current.peak_running)
+    for cand in (
+        ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
+    ):
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
@@ -117,6 +123,39 @@ def replay_candidates(
         if p.oom is None:
             served.append(p)
     return Replayed(sample, loaded, seen, current, served, tuple(refused), replays)
+
+
+def lever_candidates(
+    twin: Twin, args: Mapping[str, object], loaded: Replay, peak_running: int
+) -> list[dict[str, object]]:
+    """The tuning guide's schedule policy and CUDA-graph batch size, where the twin's engine has them:
+    the policy the other way (``lpm`` to ``fcfs``; ``fcfs`` to ``lpm`` only where the replay carries
+    prefix sharing, which is all lpm works on), and the graphs' largest batch at the ladder's rung that
+    covers ``peak_running`` (the largest batch the current args ran in the replay) where it outgrew
+    them, or one rung down where the batch stays within that rung (the graphs' memory back)."""
+    names = twin.names
+    try:
+        cfg = twin.config(args)
+    except SimConfigError:
+        return []
+    out: list[dict[str, object]] = []
+    if names.schedule_policy is not None:
+        policy = schedule_policy(cfg)
+        if policy == "lpm":
+            out.append({**args, names.schedule_policy: "fcfs"})
+        elif policy == "fcfs" and any(sp.shared for sp in loaded.specs):
+            out.append({**args, names.schedule_policy: "lpm"})
+    knob = twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
+    now = graph_max_bs(cfg)
+    if names.graph_max_bs is not None and knob is not None and now > 0:
+        if peak_running > now:
+            up = next((rung for rung in knob.ladder if rung >= peak_running), knob.ladder[-1])
+            if up > now:
+                out.append({**args, names.graph_max_bs: int(up)})
+        below = knob.rung_below(now, floor=knob.minimum)
+        if below is not None and peak_running <= below:
+            out.append({**args, names.graph_max_bs: int(below)})
+    return out
 
 
 ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least

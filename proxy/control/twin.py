@@ -38,15 +38,20 @@ class ArgNames:
     max_running: str
     prefill_chunk: str
     memory_fraction: str
+    schedule_policy: str | None = None  # None: the engine has no such knob
+    graph_max_bs: str | None = None
 
     @classmethod
     def of(cls, engine: Engine) -> ArgNames:
         k = engine.knobs
+        policy, graphs = k.get(KnobName.SCHEDULE_POLICY), k.get(KnobName.GRAPH_MAX_BS)
         return cls(
             conservativeness=k[KnobName.CONSERVATIVENESS].arg,
             max_running=k[KnobName.MAX_RUNNING].arg,
             prefill_chunk=k[KnobName.PREFILL_CHUNK].arg,
             memory_fraction=k[KnobName.MEMORY_FRACTION].arg,
+            schedule_policy=policy.arg if policy is not None else None,
+            graph_max_bs=graphs.arg if graphs is not None else None,
         )
 
 

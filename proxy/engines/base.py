@@ -86,6 +86,8 @@ class KnobName(StrEnum):
     MAX_RUNNING = "max_running"  # cap on requests in the running batch
     MEMORY_FRACTION = "memory_fraction"  # share of device memory for weights + KV pool
     MAX_CONTEXT = "max_context"  # longest request (prompt + output) the engine accepts; must fit the KV cache
+    SCHEDULE_POLICY = "schedule_policy"  # the waiting queue's order: by cached prefix, or first come first served
+    GRAPH_MAX_BS = "graph_max_bs"  # the largest decode batch run as a captured CUDA graph (more: more memory)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +110,9 @@ class Knob:
     ladder: tuple[float, ...] = ()
     resolved_field: str | None = None
     disabled: float | None = None
+    # a knob that takes names, not numbers: the values the controller may choose between (its
+    # ``default``, ``minimum`` and ``maximum`` then mean nothing)
+    choices: tuple[str, ...] = ()
 
     def clamp(self, value: float) -> float | int:
         value = min(max(value, self.minimum), self.maximum)

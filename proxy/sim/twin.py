@@ -15,7 +15,7 @@ from proxy.engines.sglang.engine import SIM
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, resolve_config
 
-__all__ = ["TWIN_ENGINE", "memory_fraction", "prefill_chunk", "twin_config"]
+__all__ = ["TWIN_ENGINE", "graph_max_bs", "memory_fraction", "prefill_chunk", "schedule_policy", "twin_config"]
 
 TWIN_ENGINE: Engine = SIM  # the engine the twin models
 
@@ -47,3 +47,13 @@ def prefill_chunk(cfg: SimConfig) -> int | None:
 def memory_fraction(cfg: SimConfig) -> float:
     """The share of device memory for weights and the KV pool under ``cfg``."""
     return cfg.mem_fraction_static
+
+
+def graph_max_bs(cfg: SimConfig) -> int:
+    """The largest decode batch run as a CUDA graph under ``cfg`` (0: graphs off)."""
+    return cfg.cuda_graph_max_bs_decode
+
+
+def schedule_policy(cfg: SimConfig) -> str:
+    """The waiting queue's order under ``cfg`` (SGLang's ``--schedule-policy``)."""
+    return cfg.schedule_policy

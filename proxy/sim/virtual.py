@@ -73,7 +73,16 @@ def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
     if spec.prompt_ids is not None:
         return tuple(spec.prompt_ids)
     length = max(1, spec.prompt_len)
+    group, head = spec.shared if spec.shared is not None else (0, 0)
+    head = min(max(0, head), length - 1)
+    if head > 0:  # its group's head (a first token of the group's, then the filler), then its own
+        own = length - head
+        filler = _filler(1 << (max(head, own) - 1).bit_length())
+        return (SHARED_BASE + group, *filler[: head - 1], -(index + 1), *filler[: own - 1])
     return (-(index + 1), *_filler(1 << (length - 1).bit_length())[: length - 1])
+
+
+SHARED_BASE = 1 << 40  # a shared head's first token: this plus its group (no request's own first token)
 
 
 def simulate(

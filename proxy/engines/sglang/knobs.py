@@ -10,6 +10,8 @@ it is unset, and the values SGLang accepts (reference/sglang.md, section 4 and t
 | prefill_chunk | ``chunked_prefill_size`` | by GPU memory (2048..16384), start-up line | 512 .. 16384, ``-1`` disables |
 | max_running | ``max_running_requests`` | from KV capacity, start-up line | >= 1 |
 | memory_fraction | ``mem_fraction_static`` | from GPU memory (about 0.83 on an H100) | 0 .. 1, 0.01 steps |
+| schedule_policy | ``schedule_policy`` | ``fcfs`` | ``lpm`` or ``fcfs`` (the controller's choice of SGLang's nine) |
+| graph_max_bs | ``cuda_graph_max_bs_decode`` (0.5.x; ``cuda_graph_max_bs`` before) | by GPU memory and tp (8..512) | 1 .. 1024 |
 
 ``mem_fraction_static`` is not printed at start-up; when the policy leaves it unset the controller
 reads it from ``/server_info`` (:func:`resolved_from_server_info`).
@@ -55,6 +57,24 @@ KNOBS: Mapping[KnobName, Knob] = {
         minimum=0.05,
         maximum=0.99,
         resolved_field="mem_fraction_static",
+    ),
+    KnobName.SCHEDULE_POLICY: Knob(
+        name=KnobName.SCHEDULE_POLICY,
+        arg="schedule_policy",
+        default=None,
+        minimum=0,
+        maximum=0,
+        choices=("lpm", "fcfs"),
+    ),
+    KnobName.GRAPH_MAX_BS: Knob(
+        name=KnobName.GRAPH_MAX_BS,
+        arg="cuda_graph_max_bs_decode",
+        default=None,
+        minimum=1,
+        maximum=1024,
+        integer=True,
+        ladder=(8, 32, 48, 160, 256, 384, 512, 768, 1024),  # the GPU tiers' defaults, and the guide's 512 / 768
+        resolved_field="cuda_graph_max_bs_decode",
     ),
 }
 

@@ -6,6 +6,7 @@
 | prefill_chunk | ``max_num_batched_tokens`` | 2048 (CPU and smaller GPUs), 8192 (>= 70 GiB), 16384 (>= 160 GiB) | 256 .. 16384 |
 | memory_fraction | ``gpu_memory_utilization`` | 0.92 (0.9 before) | 0.05 .. 0.99 |
 | max_context | ``max_model_len`` | the model's ``max_position_embeddings``; the start-up line prints it | >= 16 |
+| graph_max_bs | ``max_cudagraph_capture_size`` (CompilationConfig) | ``min(2 x max_num_seqs, 512)`` | 1 .. 1024 |
 
 vLLM has no admission-conservativeness argument: the lever against preemptions (V1 preempts by
 recompute when the KV cache cannot grow a running request) is ``max_num_seqs``, so the table has no
@@ -58,6 +59,17 @@ KNOBS: Mapping[KnobName, Knob] = {
         maximum=10_000_000,
         integer=True,
         resolved_field="max_model_len",  # STARTUP: "... Maximum concurrency for N tokens per request"
+    ),
+    # the largest batch vLLM captures as a CUDA graph: a decode batch past it runs without one. The
+    # planner's twin does not model vLLM: a batch seen past it is journalled as a suggestion, not priced
+    KnobName.GRAPH_MAX_BS: Knob(
+        name=KnobName.GRAPH_MAX_BS,
+        arg="max_cudagraph_capture_size",
+        default=None,
+        minimum=1,
+        maximum=1024,
+        integer=True,
+        ladder=(256, 512, 768, 1024),
     ),
 }
 
