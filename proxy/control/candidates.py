@@ -111,7 +111,7 @@ def replay_candidates(
     served: list[Prediction] = []
     replays = 2
     in_band = band_fraction(twin, args, settings)
-    levers = lever_candidates(twin, args, loaded, current.peak_running)
+    levers = lever_candidates(twin, args, loaded, current.peak_running) if settings.levers else []
     for cand in (
         ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
     ):
@@ -132,7 +132,9 @@ def lever_candidates(
     the policy the other way (``lpm`` to ``fcfs``; ``fcfs`` to ``lpm`` only where the replay carries
     prefix sharing, which is all lpm works on), and the graphs' largest batch at the ladder's rung that
     covers ``peak_running`` (the largest batch the current args ran in the replay) where it outgrew
-    them, or one rung down where the batch stays within that rung (the graphs' memory back)."""
+    them (its memory comes out of the KV pool where the memory fraction is SGLang's default, else out
+    of the free memory; the twin prices both). Fewer graphs than the batch needs is a memory move the
+    memory-fraction candidates make without slowing a decode step, so none is proposed."""
     names = twin.names
     try:
         cfg = twin.config(args)
@@ -152,9 +154,6 @@ def lever_candidates(
             up = next((rung for rung in knob.ladder if rung >= peak_running), knob.ladder[-1])
             if up > now:
                 out.append({**args, names.graph_max_bs: int(up)})
-        below = knob.rung_below(now, floor=knob.minimum)
-        if below is not None and peak_running <= below:
-            out.append({**args, names.graph_max_bs: int(below)})
     return out
 
 

@@ -43,6 +43,9 @@ class PlanSettings:
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
     max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused
+    # the tuning guide's schedule policy and CUDA-graph batch size are candidates too (where the engine
+    # has them: :func:`~proxy.control.candidates.lever_candidates`)
+    levers: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
