@@ -434,10 +434,12 @@ def _lever_scenarios() -> list[Scenario]:
             name="prefix-shared",
             premise="48 system prompts of 3,000 tokens behind short questions, interleaved, more than the KV pool "
             "keeps: lpm (the start) serves cached heads first; the controller must keep it",
-            workload=Workload(count=6000, prompt_len=(50, 200), max_tokens=512, output_len=(50, 200), seed=51,
-                              shared=(48, 3000)),
+            workload=Workload(
+                count=6000, prompt_len=(50, 200), max_tokens=512, output_len=(50, 200), seed=51, shared=(48, 3000)
+            ),
             start_args={"schedule_policy": "lpm", **cache},
-            gpu="a100-40gb", time_scale=8.0,
+            gpu="a100-40gb",
+            time_scale=8.0,
         ),
         # unique prompts of 1,000-2,000 tokens on a small model and a large GPU: lpm walks the radix tree
         # for every waiting request each round and finds nothing; its rounds cost a fast decode step
@@ -448,7 +450,9 @@ def _lever_scenarios() -> list[Scenario]:
             "costs every scheduling round and buys nothing; fcfs pays",
             workload=Workload(count=12000, prompt_len=(1000, 2000), max_tokens=512, output_len=(100, 400), seed=52),
             start_args={"schedule_policy": "lpm", **cache},
-            gpu="h200-141gb", model="llama-3.2-1b", time_scale=1.2,
+            gpu="h200-141gb",
+            model="llama-3.2-1b",
+            time_scale=1.2,
         ),
         # an 8B model on an H200 (141 GB: a pool of ~910,000 tokens): the running batch grows to ~970 while
         # SGLang's graphs stop at 256 (tp < 4), so most decode steps run without a graph. Virtual time
@@ -459,7 +463,8 @@ def _lever_scenarios() -> list[Scenario]:
             "(256) and most decode steps run without one",
             workload=Workload(count=9000, prompt_len=(300, 900), max_tokens=1024, output_len=(300, 900), seed=53),
             start_args=dict(cache),
-            gpu="h200-141gb", time_scale=4.0,
+            gpu="h200-141gb",
+            time_scale=4.0,
         ),
     ]
 

@@ -149,11 +149,10 @@ def lever_candidates(
             out.append({**args, names.schedule_policy: "lpm"})
     knob = twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
     now = graph_max_bs(cfg)
-    if names.graph_max_bs is not None and knob is not None and now > 0:
-        if peak_running > now:
-            up = next((rung for rung in knob.ladder if rung >= peak_running), knob.ladder[-1])
-            if up > now:
-                out.append({**args, names.graph_max_bs: int(up)})
+    if names.graph_max_bs is not None and knob is not None and now > 0 and peak_running > now:
+        up = next((rung for rung in knob.ladder if rung >= peak_running), knob.ladder[-1])
+        if up > now:
+            out.append({**args, names.graph_max_bs: int(up)})
     return out
 
 

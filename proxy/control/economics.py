@@ -46,6 +46,10 @@ class PlanSettings:
     # the tuning guide's schedule policy and CUDA-graph batch size are candidates too (where the engine
     # has them: :func:`~proxy.control.candidates.lever_candidates`)
     levers: bool = True
+    # the proxy's queue target for the worker (its gate keeps about this many waiting there): the twin's
+    # replays wait in front of its engine beyond it (None: not known, all at the engine)
+    engine_queue: int | None = None
+    gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -96,6 +96,11 @@ class Twin:
     step_time_factor: float = 1.0
     kv_factor: float = 1.0
     engine: Engine = TWIN_ENGINE  # the engine whose workers it models: the arguments it reads and moves
+    # the requests the proxy's gate lets wait at the worker (its queue target): a replay's backlog waits
+    # in front of the twin's engine, as it waits in the proxy. None: all of it at the engine. SGLang's
+    # lpm sorts only a queue of 128 or fewer: which side of that the worker's queue is on decides it
+    queue_cap: int | None = None
+    gate_period_s: float = 0.0  # how often the gate looks at the worker's queue (its scrape period)
 
     @property
     def names(self) -> ArgNames:
@@ -165,7 +170,7 @@ class Twin:
             return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
-        res = simulate(cfg, list(plan_replay.specs))
+        res = simulate(cfg, list(plan_replay.specs), queue_cap=self.queue_cap, gate_period_s=self.gate_period_s)
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
         answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]
