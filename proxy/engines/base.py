@@ -90,6 +90,15 @@ class KnobName(StrEnum):
     GRAPH_MAX_BS = "graph_max_bs"  # the largest decode batch run as a captured CUDA graph (more: more memory)
 
 
+class Choice(StrEnum):
+    """Engine options a person must choose: they change the engine's numbers or its outputs. The
+    controller journals them as suggestions with their reason and never sets them."""
+
+    TORCH_COMPILE = "torch_compile"  # compile the model's forward (faster small batches; a slower start)
+    FP8_WEIGHTS = "fp8_weights"  # quantize the weights to fp8 (half their memory; outputs change a little)
+    FP8_KV_CACHE = "fp8_kv_cache"  # keep the KV cache in fp8 (twice the tokens; outputs change a little)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Knob:
     """One retunable engine argument: its engine name, default and the values it may take.

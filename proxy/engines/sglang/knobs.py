@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.engines.base import Knob, KnobName
+from proxy.engines.base import Choice, Knob, KnobName
 
-__all__ = ["KNOBS", "knobs", "resolved_from_server_info", "running_limit"]
+__all__ = ["KNOBS", "choice_args", "knobs", "resolved_from_server_info", "running_limit"]
 
 KNOBS: Mapping[KnobName, Knob] = {
     KnobName.CONSERVATIVENESS: Knob(
@@ -77,6 +77,16 @@ KNOBS: Mapping[KnobName, Knob] = {
         resolved_field="cuda_graph_max_bs_decode",
     ),
 }
+
+
+def choice_args(choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+    """SGLang's flags for a person's choice (``--enable-torch-compile``, ``--quantization fp8``,
+    ``--kv-cache-dtype fp8_e4m3``); None where ``args`` have it on already."""
+    if choice is Choice.TORCH_COMPILE:
+        return None if args.get("enable_torch_compile") else {"enable_torch_compile": True}
+    if choice is Choice.FP8_WEIGHTS:
+        return None if args.get("quantization") else {"quantization": "fp8"}
+    return None if args.get("kv_cache_dtype") not in (None, "auto") else {"kv_cache_dtype": "fp8_e4m3"}
 
 
 def knobs() -> Mapping[KnobName, Knob]:

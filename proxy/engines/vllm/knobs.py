@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.engines.base import Knob, KnobName
+from proxy.engines.base import Choice, Knob, KnobName
 
-__all__ = ["KNOBS", "consistent", "fitting_max_model_len", "knobs"]
+__all__ = ["KNOBS", "choice_args", "consistent", "fitting_max_model_len", "knobs"]
 
 KNOBS: Mapping[KnobName, Knob] = {
     KnobName.MAX_RUNNING: Knob(
@@ -72,6 +72,17 @@ KNOBS: Mapping[KnobName, Knob] = {
         ladder=(256, 512, 768, 1024),
     ),
 }
+
+
+def choice_args(choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+    """vLLM's flags for a person's choice (``--quantization fp8``, ``--kv-cache-dtype fp8``); None where
+    ``args`` have it on already, and for torch.compile, which vLLM V1 runs by default (unless
+    ``--enforce-eager``, which a person chose)."""
+    if choice is Choice.FP8_WEIGHTS:
+        return None if args.get("quantization") else {"quantization": "fp8"}
+    if choice is Choice.FP8_KV_CACHE:
+        return None if args.get("kv_cache_dtype") not in (None, "auto") else {"kv_cache_dtype": "fp8"}
+    return None
 
 
 def knobs() -> Mapping[KnobName, Knob]:
