@@ -429,7 +429,8 @@ def _lever_scenarios() -> list[Scenario]:
         # 48 system prompts of 3,000 tokens (144,000 tokens: more than the KV pool keeps beside the
         # running batch) behind short questions, the groups interleaved: fcfs computes an evicted head
         # again for each request, lpm serves the requests whose head is cached first and one of a group
-        # whose head is not. Virtual time (paced): lpm 878, fcfs 727 tok/s
+        # whose head is not. The oracle's sweep (paced, virtual time): 924 tok/s at the start, 1,023 at its best
+        # (lpm, conservativeness 0.2, fraction 0.85, graphs 160), 862 with fcfs and the rest of its best
         Scenario(
             name="prefix-shared",
             premise="48 system prompts of 3,000 tokens behind short questions, interleaved, more than the KV pool "
@@ -439,11 +440,13 @@ def _lever_scenarios() -> list[Scenario]:
             ),
             start_args={"schedule_policy": "lpm", **cache},
             gpu="a100-40gb",
-            time_scale=8.0,
+            time_scale=7.0,
         ),
         # unique prompts of 1,000-2,000 tokens on a small model and a large GPU: lpm walks the radix tree
         # for every waiting request each round and finds nothing; its rounds cost a fast decode step
-        # several percent (virtual time: fcfs about 5-8 % ahead)
+        # several percent. The oracle's sweep: 12,044 tok/s at the start, 12,941 at its best (fcfs, conservativeness
+        # 0.3, chunk 16384, fraction 0.91, graphs 1024), 12,749 with lpm and the rest of its best. A short run
+        # (~250 modelled s): a small model's answers come ~48 a second, and a longer one outgrows 2 cores
         Scenario(
             name="prefix-none",
             premise="unique prompts, a 1B model on an H200, lpm at the start: its per-request prefix matching "
@@ -456,7 +459,8 @@ def _lever_scenarios() -> list[Scenario]:
         ),
         # an 8B model on an H200 (141 GB: a pool of ~910,000 tokens): the running batch grows to ~970 while
         # SGLang's graphs stop at 256 (tp < 4), so most decode steps run without a graph. Virtual time
-        # (paced): 7,931 tok/s at the default, 8,294 with graphs to 1,024 (+4.6 %)
+        # (paced): 7,931 tok/s at the default, 8,294 with graphs to 1,024 (+4.6 %); the oracle's sweep: 8,032 at
+        # the start, 8,484 at its best (conservativeness 0.3, chunk 4096, running cap 1024, graphs 1024)
         Scenario(
             name="graph-outgrown",
             premise="an 8B model on a 141 GB H200: the running batch (~970) outgrows the default CUDA graphs "
