@@ -111,7 +111,10 @@ def replay_candidates(
     served: list[Prediction] = []
     replays = 2
     in_band = band_fraction(twin, args, settings)
-    levers = lever_candidates(twin, args, loaded, current.peak_running) if settings.levers else []
+    # the engine's cached tokens say what its requests share; not reported (SGLang without
+    # --enable-cache-report), the replay shows no sharing whatever there is, and lpm is not weighed at all
+    reported = any(o.cached_tokens is not None for o in sample)
+    levers = lever_candidates(twin, args, loaded, current.peak_running, reported) if settings.levers else []
     for cand in (
         ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
     ):
@@ -126,7 +129,7 @@ def replay_candidates(
 
 
 def lever_candidates(
-    twin: Twin, args: Mapping[str, object], loaded: Replay, peak_running: int
+    twin: Twin, args: Mapping[str, object], loaded: Replay, peak_running: int, sharing_known: bool = True
 ) -> list[dict[str, object]]:
     """The tuning guide's schedule policy and CUDA-graph batch size, where the twin's engine has them:
     the policy the other way (``lpm`` to ``fcfs``; ``fcfs`` to ``lpm`` only where the replay carries
@@ -134,14 +137,15 @@ def lever_candidates(
     covers ``peak_running`` (the largest batch the current args ran in the replay) where it outgrew
     them (its memory comes out of the KV pool where the memory fraction is SGLang's default, else out
     of the free memory; the twin prices both). Fewer graphs than the batch needs is a memory move the
-    memory-fraction candidates make without slowing a decode step, so none is proposed."""
+    memory-fraction candidates make without slowing a decode step, so none is proposed.
+    ``sharing_known`` False (the engine does not report its cached tokens): no policy candidate."""
     names = twin.names
     try:
         cfg = twin.config(args)
     except SimConfigError:
         return []
     out: list[dict[str, object]] = []
-    if names.schedule_policy is not None:
+    if names.schedule_policy is not None and sharing_known:
         policy = schedule_policy(cfg)
         if policy == "lpm":
             out.append({**args, names.schedule_policy: "fcfs"})

@@ -87,6 +87,16 @@ def test_a_batch_past_the_cuda_graphs_plans_graphs_that_cover_it() -> None:
     assert _gain(p.gains, "cuda_graph_max_bs_decode", 1024) > BACKLOG.min_gain
 
 
+def test_without_the_engines_cached_tokens_the_policy_is_not_weighed() -> None:
+    """A worker that does not report its cached tokens (SGLang without --enable-cache-report): the replay
+    cannot tell shared prompts from unique ones, so neither policy is proposed."""
+    sc = SCENARIOS["prefix-shared"]
+    seen = [replace(o, cached_tokens=None) for o in _answered(replace(sc.workload, count=100), sc.start_args,
+                                                               sc.gpu, sc.model)]  # fmt: skip
+    p = plan(Twin(sc.gpu, sc.model), sc.start_args, seen, RestartCost(startup_s=30.0), BACKLOG)
+    assert not any("schedule_policy='fcfs'" in key for key in p.gains)
+
+
 @pytest.mark.parametrize(("peak", "want"), [(100, []), (300, [384]), (700, [768]), (5000, [1024])])
 def test_graph_candidates_cover_the_batch_seen_and_never_go_down(peak: int, want: list[int]) -> None:
     twin = Twin("h100-80gb", "llama-3.1-8b")  # default graphs: 256
