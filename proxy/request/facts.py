@@ -30,7 +30,15 @@ from typing import Any
 
 import orjson
 
-__all__ = ["RequestFact", "WorkerFacts", "read_usage", "strip_usage", "usage_of_stream"]
+__all__ = [
+    "RequestFact",
+    "WorkerFacts",
+    "read_usage",
+    "read_usage_cached",
+    "strip_usage",
+    "usage_of_stream",
+    "usage_of_stream_cached",
+]
 
 _KEEP = 512
 
@@ -211,7 +219,12 @@ def _usage_fields(payload: Any) -> tuple[int | None, int | None, str | None]:
 
 def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None]:
     """The usage and finish reason in the last events of a stream (``tail``: its last chunks)."""
-    prompt = output = None
+    return usage_of_stream_cached(tail)[:3]
+
+
+def usage_of_stream_cached(tail: bytes) -> tuple[int | None, int | None, str | None, int | None]:
+    """:func:`usage_of_stream` and the prompt tokens the engine found cached (as :func:`read_usage_cached`)."""
+    prompt = output = cached = None
     reason = None
     for event in tail.split(b"\n\n"):
         line = event.strip()
@@ -225,7 +238,9 @@ def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None]:
         prompt = p if p is not None else prompt
         output = o if o is not None else output
         reason = r if r is not None else reason
-    return prompt, output, reason
+        c = _cached_tokens(payload)
+        cached = c if c is not None else cached
+    return prompt, output, reason, cached
 
 
 def strip_usage(data: bytes) -> bytes:

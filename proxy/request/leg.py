@@ -20,7 +20,7 @@ from proxy.request.admission import Priority
 from proxy.request.attempt import Attempt, AttemptFailed
 from proxy.request.continuation import Capped
 from proxy.request.dispatch import ProxyClosing
-from proxy.request.facts import RequestFact, read_usage_cached, usage_of_stream
+from proxy.request.facts import RequestFact, read_usage_cached, usage_of_stream_cached
 from proxy.request.job import Job
 from proxy.request.path import RequestMetrics, RequestPath
 from proxy.request.sse import has_output
@@ -197,7 +197,7 @@ def record_fact(
         )
         ttft = None  # a whole answer: its first token is not seen
     else:
-        prompt, output, reason = usage_of_stream(opened.tail)
+        prompt, output, reason, cached = usage_of_stream_cached(opened.tail)
         ttft = opened.opened_at - dispatched
     path.board.get(attempt.worker_id).facts.record(
         RequestFact(
