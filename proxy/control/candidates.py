@@ -114,7 +114,11 @@ def replay_candidates(
     # the engine's cached tokens say what its requests share; not reported (SGLang without
     # --enable-cache-report), the replay shows no sharing whatever there is, and lpm is not weighed at all
     reported = any(o.cached_tokens is not None for o in sample)
-    levers = lever_candidates(twin, args, loaded, current.peak_running, reported) if settings.levers else []
+    levers = (
+        lever_candidates(twin, args, loaded, current.peak_running, reported, settings.graph_max_bs_bounds)
+        if settings.levers
+        else []
+    )
     for cand in (
         ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
     ):
@@ -129,7 +133,12 @@ def replay_candidates(
 
 
 def lever_candidates(
-    twin: Twin, args: Mapping[str, object], loaded: Replay, peak_running: int, sharing_known: bool = True
+    twin: Twin,
+    args: Mapping[str, object],
+    loaded: Replay,
+    peak_running: int,
+    sharing_known: bool = True,
+    graph_bounds: tuple[float, float] = (1.0, float("inf")),
 ) -> list[dict[str, object]]:
     """The tuning guide's schedule policy and CUDA-graph batch size, where the twin's engine has them:
     the policy the other way (``lpm`` to ``fcfs``; ``fcfs`` to ``lpm`` only where the replay carries
@@ -138,7 +147,8 @@ def lever_candidates(
     them (its memory comes out of the KV pool where the memory fraction is SGLang's default, else out
     of the free memory; the twin prices both). Fewer graphs than the batch needs is a memory move the
     memory-fraction candidates make without slowing a decode step, so none is proposed.
-    ``sharing_known`` False (the engine does not report its cached tokens): no policy candidate."""
+    ``sharing_known`` False (the engine does not report its cached tokens): no policy candidate;
+    ``graph_bounds``: the range the graphs' batch size may move in (the policy's bounds)."""
     names = twin.names
     try:
         cfg = twin.config(args)
@@ -154,7 +164,8 @@ def lever_candidates(
     knob = twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
     now = graph_max_bs(cfg)
     if names.graph_max_bs is not None and knob is not None and now > 0 and peak_running > now:
-        up = next((rung for rung in knob.ladder if rung >= peak_running), knob.ladder[-1])
+        rungs = [rung for rung in knob.ladder if graph_bounds[0] <= rung <= graph_bounds[1]] or [now]
+        up = next((rung for rung in rungs if rung >= peak_running), rungs[-1])
         if up > now:
             out.append({**args, names.graph_max_bs: int(up)})
     return out

@@ -46,6 +46,7 @@ class PlanSettings:
     # the tuning guide's schedule policy and CUDA-graph batch size are candidates too (where the engine
     # has them: :func:`~proxy.control.candidates.lever_candidates`)
     levers: bool = True
+    graph_max_bs_bounds: tuple[float, float] = (1.0, float("inf"))  # the CUDA graphs' batch size may move in
     # the proxy's queue target for the worker (its gate keeps about this many waiting there): the twin's
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None

@@ -103,3 +103,10 @@ def test_graph_candidates_cover_the_batch_seen_and_never_go_down(peak: int, want
     got = [c["cuda_graph_max_bs_decode"] for c in lever_candidates(twin, {}, replay([]), peak)
            if "cuda_graph_max_bs_decode" in c]  # fmt: skip
     assert got == want
+
+
+def test_the_policys_bounds_hold_the_graphs() -> None:
+    twin = Twin("h100-80gb", "llama-3.1-8b")
+    bounded = lever_candidates(twin, {}, replay([]), 700, graph_bounds=(1, 512))
+    assert [c["cuda_graph_max_bs_decode"] for c in bounded] == [512]
+    assert lever_candidates(twin, {}, replay([]), 700, graph_bounds=(256, 256)) == []
