@@ -133,8 +133,8 @@ def simulate(
             next_gate = t + gate_period_s
         step = eng.plan(t)
         if step is None:
-            if i >= n or eng.waiting:  # all in; or a queue the engine cannot start on, held at the gate
-                break
+            if i >= n or (queue_cap is not None and len(eng.waiting) >= queue_cap):
+                break  # all in; or a full queue at the gate that the engine cannot start on
             t = max(workload[order[i]].arrival, next_gate if queue_cap is not None else 0.0)
             continue
         if step.oom is not None:
