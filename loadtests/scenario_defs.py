@@ -442,20 +442,20 @@ def _lever_scenarios() -> list[Scenario]:
             gpu="a100-40gb",
             time_scale=7.0,
         ),
-        # unique prompts of 1,000-2,000 tokens on a small model and a large GPU: lpm walks the radix tree
-        # for every waiting request each round and finds nothing; its rounds cost a fast decode step
-        # several percent. The oracle's sweep: 12,044 tok/s at the start, 12,941 at its best (fcfs, conservativeness
-        # 0.3, chunk 16384, fraction 0.91, graphs 1024), 12,749 with lpm and the rest of its best. A short run
-        # (~250 modelled s): a small model's answers come ~48 a second, and a longer one outgrows 2 cores
+        # unique prompts of 2,000-4,000 tokens on a small model and a large GPU: lpm walks the radix tree
+        # for every waiting request each round and finds nothing; its rounds cost a fast step several
+        # percent. The oracle's sweep: 6,833 tok/s at the start, 7,423 at its best (fcfs, conservativeness
+        # 0.3, chunk 16384, fraction 0.93), 7,273 with lpm and the rest of its best. ~460 modelled s: a
+        # small model's answers come ~28 a second, and a longer run outgrows 2 cores
         Scenario(
             name="prefix-none",
             premise="unique prompts, a 1B model on an H200, lpm at the start: its per-request prefix matching "
             "costs every scheduling round and buys nothing; fcfs pays",
-            workload=Workload(count=12000, prompt_len=(1000, 2000), max_tokens=512, output_len=(100, 400), seed=52),
+            workload=Workload(count=13000, prompt_len=(2000, 4000), max_tokens=512, output_len=(100, 400), seed=52),
             start_args={"schedule_policy": "lpm", **cache},
             gpu="h200-141gb",
             model="llama-3.2-1b",
-            time_scale=1.2,
+            time_scale=2.2,
         ),
         # an 8B model on an H200 (141 GB: a pool of ~910,000 tokens): the running batch grows to ~970 while
         # SGLang's graphs stop at 256 (tp < 4), so most decode steps run without a graph. Virtual time

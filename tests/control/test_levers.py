@@ -64,11 +64,11 @@ def test_with_heavy_prefix_sharing_the_twin_keeps_lpm() -> None:
 
 
 def test_with_no_prefix_shared_the_twin_finds_fcfs_pays() -> None:
-    """prefix-none's first 1,500 requests at lpm on a 1B model and an H200: fcfs gains past the
+    """prefix-none's first 600 requests at lpm on a 1B model and an H200: fcfs gains past the
     planner's noise floor (the lpm rounds' matching costs a fast decode step), and from fcfs lpm is
     not even a candidate (the replay has no prefix sharing for it to work on)."""
     sc = SCENARIOS["prefix-none"]
-    seen = _answered(replace(sc.workload, count=1500), sc.start_args, sc.gpu, sc.model)
+    seen = _answered(replace(sc.workload, count=600), sc.start_args, sc.gpu, sc.model)
     twin = Twin(sc.gpu, sc.model)
     p = plan(twin, sc.start_args, seen, RestartCost(startup_s=15.0), BACKLOG)
     assert _gain(p.gains, "schedule_policy", "fcfs") > BACKLOG.min_gain

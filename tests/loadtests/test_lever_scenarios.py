@@ -3,7 +3,7 @@ prefix sharing and none, and graphs that cover the batch beat SGLang's default o
 
 Each sweeps only the lever (the oracle's coordinate descent over it, the rest at the start's) on the
 scenario's first requests behind the arms' own pacing gate; the full sweeps' figures are in the
-scenarios' comments. The first 1,500-2,000 requests hold the premise: a backlog far past the gate, the
+scenarios' comments. The first 1,000-2,000 requests hold the premise: a backlog far past the gate, the
 same heads, prompts and outputs."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _best(name: str, count: int, **levers: tuple[object, ...]) -> tuple[dict[str
 def test_heavy_sharing_keeps_lpm_and_no_sharing_is_best_at_fcfs() -> None:
     policies = {"schedule_policy": LEVER_VALUES["schedule_policy"]}
     shared, shared_scores = _best("prefix-shared", 2000, **policies)
-    none, none_scores = _best("prefix-none", 2000, **policies)
+    none, none_scores = _best("prefix-none", 1000, **policies)
     assert shared["schedule_policy"] == "lpm", shared_scores
     assert none["schedule_policy"] in (None, "fcfs"), none_scores  # None: SGLang's default, fcfs
 
