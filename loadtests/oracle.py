@@ -10,9 +10,10 @@ second (a backlogged run), or on the mean time from a request's arrival to its a
 "answer_time"``: a run that arrives over time, where every argument that keeps up delivers the same
 tokens per second); a server that dies of an out-of-memory error, or that would not start, scores zero.
 
-The search is coordinate descent over the four knobs the controller can move
+The search is coordinate descent over the knobs the controller can move
 (``schedule_conservativeness``, ``chunked_prefill_size``, ``max_running_requests``,
-``mem_fraction_static``): starting from the scenario's arguments, each knob in turn is swept over
+``mem_fraction_static``, and where the space gives values ``schedule_policy`` and
+``cuda_graph_max_bs_decode``): starting from the scenario's arguments, each knob in turn is swept over
 its candidate values with the others held at the best found so far; ``passes`` rounds of that.
 
 Arrival: every arm runs behind the proxy, whose pacing gate feeds the worker only while its estimated
@@ -48,6 +49,7 @@ from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
 __all__ = [
+    "LEVER_VALUES",
     "PacedResult",
     "Pacing",
     "Restart",
@@ -60,7 +62,19 @@ __all__ = [
     "sweep",
 ]
 
-KNOBS = ("schedule_conservativeness", "chunked_prefill_size", "max_running_requests", "mem_fraction_static")
+KNOBS = (
+    "schedule_conservativeness",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "mem_fraction_static",
+    "schedule_policy",
+    "cuda_graph_max_bs_decode",
+)
+# the tuning guide's other two levers as the scenarios sweep them (a space's own default: not swept)
+LEVER_VALUES: dict[str, tuple[Any, ...]] = {
+    "schedule_policy": (None, "lpm", "fcfs"),
+    "cuda_graph_max_bs_decode": (None, 160, 256, 512, 768, 1024),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,6 +223,10 @@ class SearchSpace:
     chunked_prefill_size: tuple[int | None, ...] = (None, 1024, 2048, 4096, 8192, 16384)
     max_running_requests: tuple[int | None, ...] = (None, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
     mem_fraction_static: tuple[float | None, ...] = (None, 0.6, 0.7, 0.75, 0.8, 0.83, 0.85, 0.87, 0.89, 0.91, 0.93)
+    # the guide's schedule policy and CUDA-graph batch size: only the start's own unless given
+    # (:data:`LEVER_VALUES`: what the scenarios sweep)
+    schedule_policy: tuple[str | None, ...] = (None,)
+    cuda_graph_max_bs_decode: tuple[int | None, ...] = (None,)
     min_available_gb: float = 0.0  # safety floor on start-up free memory
     passes: int = 2
     # what a trial is scored on: "throughput" (output tokens per modelled second: a backlogged run) or

@@ -47,6 +47,10 @@ class Workload:
     start_s: float = 0.0  # modelled seconds from the start of the run
     priority: str | None = None  # the class its requests are sent as ("interactive", "batch"; None: the default)
     stream: bool = False  # sent streamed (their time to first token is measured)
+    # (groups, tokens): each request's prompt starts with one of ``groups`` shared heads of ``tokens``
+    # tokens (a system prompt, a document), drawn at random so the groups arrive interleaved; its own
+    # ``prompt_len`` tokens follow. None: no two prompts share a prefix
+    shared: tuple[int, int] | None = None
 
     def classes(self) -> list[tuple[str | None, bool]]:
         """(priority class, streamed) per request, aligned with :meth:`requests`."""
@@ -69,12 +73,23 @@ class Workload:
         A prompt is ``n`` space-separated pieces of four characters: exactly ``n`` tokens for the
         simulated tokenizer, and unique, so no two requests share a cached prefix."""
         rng = random.Random(self.seed)
+        heads = self._heads()
         out = []
         for _ in range(self.count):
             n = rng.randint(*self.prompt_len)
             text = " ".join("".join(rng.choices(_ALPHABET, k=4)) for _ in range(n))
+            if heads:
+                text = f"{rng.choice(heads)} {text}"
             out.append((text, self.max_tokens, min(self.max_tokens, rng.randint(*self.output_len))))
         return out
+
+    def _heads(self) -> list[str]:
+        """The shared heads' texts (seeded apart from the requests' own text)."""
+        if self.shared is None:
+            return []
+        groups, tokens = self.shared
+        rng = random.Random(self.seed * 104729 + 7)
+        return [" ".join("".join(rng.choices(_ALPHABET, k=4)) for _ in range(tokens)) for _ in range(groups)]
 
     def specs(self) -> list[RequestSpec]:
         return [
@@ -87,10 +102,13 @@ class Workload:
         return sum(r[2] for r in self.requests())
 
     def describe(self) -> dict[str, Any]:
-        return {"requests": self.count, "prompt_len": list(self.prompt_len), "max_tokens": self.max_tokens,
-                "output_len": list(self.output_len), "output_tokens": self.output_tokens, "seed": self.seed,
-                "rate": self.rate, "shape": self.shape, "start_s": self.start_s, "priority": self.priority,
-                "stream": self.stream}  # fmt: skip
+        out = {"requests": self.count, "prompt_len": list(self.prompt_len), "max_tokens": self.max_tokens,
+               "output_len": list(self.output_len), "output_tokens": self.output_tokens, "seed": self.seed,
+               "rate": self.rate, "shape": self.shape, "start_s": self.start_s, "priority": self.priority,
+               "stream": self.stream}  # fmt: skip
+        if self.shared is not None:
+            out["shared"] = list(self.shared)
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,7 +415,62 @@ def _scenarios() -> dict[str, Scenario]:
                     note="injected: a clearly bad candidate the canary must revert"),
         gpu="a100-40gb", time_scale=5.0,
     ))  # fmt: skip
+    s.extend(_lever_scenarios())
     return {x.name: x for x in s}
+
+
+def _lever_scenarios() -> list[Scenario]:
+    """The tuning guide's schedule policy and CUDA-graph batch size (issue 46). Backlogs (submitted at
+    once, judged on throughput), each sized near 100-200 wall seconds an arm at under ~60 requests per
+    wall second. Every worker reports its cached tokens (``enable_cache_report``): the prefix sharing
+    the twin replays."""
+    cache = {"enable_cache_report": True}
+    return [
+        # 48 system prompts of 3,000 tokens (144,000 tokens: more than the KV pool keeps beside the
+        # running batch) behind short questions, the groups interleaved: fcfs computes an evicted head
+        # again for each request, lpm serves the requests whose head is cached first and one of a group
+        # whose head is not. The oracle's sweep (paced, virtual time): 924 tok/s at the start, 1,023 at its best
+        # (lpm, conservativeness 0.2, fraction 0.85, graphs 160), 862 with fcfs and the rest of its best
+        Scenario(
+            name="prefix-shared",
+            premise="48 system prompts of 3,000 tokens behind short questions, interleaved, more than the KV pool "
+            "keeps: lpm (the start) serves cached heads first; the controller must keep it",
+            workload=Workload(
+                count=6000, prompt_len=(50, 200), max_tokens=512, output_len=(50, 200), seed=51, shared=(48, 3000)
+            ),
+            start_args={"schedule_policy": "lpm", **cache},
+            gpu="a100-40gb",
+            time_scale=7.0,
+        ),
+        # unique prompts of 2,000-4,000 tokens on a small model and a large GPU: lpm walks the radix tree
+        # for every waiting request each round and finds nothing; its rounds cost a fast step several
+        # percent. The oracle's sweep: 6,833 tok/s at the start, 7,423 at its best (fcfs, conservativeness
+        # 0.3, chunk 16384, fraction 0.93), 7,273 with lpm and the rest of its best. ~460 modelled s: a
+        # small model's answers come ~28 a second, and a longer run outgrows 2 cores
+        Scenario(
+            name="prefix-none",
+            premise="unique prompts, a 1B model on an H200, lpm at the start: its per-request prefix matching "
+            "costs every scheduling round and buys nothing; fcfs pays",
+            workload=Workload(count=13000, prompt_len=(2000, 4000), max_tokens=512, output_len=(100, 400), seed=52),
+            start_args={"schedule_policy": "lpm", **cache},
+            gpu="h200-141gb",
+            model="llama-3.2-1b",
+            time_scale=2.2,
+        ),
+        # an 8B model on an H200 (141 GB: a pool of ~910,000 tokens): the running batch grows to ~970 while
+        # SGLang's graphs stop at 256 (tp < 4), so most decode steps run without a graph. Virtual time
+        # (paced): 7,931 tok/s at the default, 8,294 with graphs to 1,024 (+4.6 %); the oracle's sweep: 8,032 at
+        # the start, 8,484 at its best (conservativeness 0.3, chunk 4096, running cap 1024, graphs 1024)
+        Scenario(
+            name="graph-outgrown",
+            premise="an 8B model on a 141 GB H200: the running batch (~970) outgrows the default CUDA graphs "
+            "(256) and most decode steps run without one",
+            workload=Workload(count=9000, prompt_len=(300, 900), max_tokens=1024, output_len=(300, 900), seed=53),
+            start_args=dict(cache),
+            gpu="h200-141gb",
+            time_scale=4.0,
+        ),
+    ]
 
 
 SCENARIOS: Mapping[str, Scenario] = MappingProxyType(_scenarios())

@@ -27,7 +27,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtests.oracle import PacedResult, Pacing, Restart, SearchSpace, sim_config, simulate_paced, sweep
+from loadtests.oracle import (
+    LEVER_VALUES,
+    PacedResult,
+    Pacing,
+    Restart,
+    SearchSpace,
+    sim_config,
+    simulate_paced,
+    sweep,
+)
 from loadtests.phase_oracle import phase_oracle
 from loadtests.scenario_arm import ALL_ARMS, ALONE_ARM, ARM_KEYS, ARMS, TRIAL_ARM, ArmResult, run_arm
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
@@ -75,7 +84,13 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         specs,
         gpu=sc.gpu,
         model=sc.model,
-        space=SearchSpace(min_available_gb=sc.min_available_gb, pacing=pacing, objective=sc.judged_on),
+        space=SearchSpace(
+            min_available_gb=sc.min_available_gb,
+            pacing=pacing,
+            objective=sc.judged_on,
+            schedule_policy=LEVER_VALUES["schedule_policy"],
+            cuda_graph_max_bs_decode=LEVER_VALUES["cuda_graph_max_bs_decode"],
+        ),
         perturb=sc.perturb_args(),
     )
     best = {k: v for k, v in result.best.args.items() if v is not None}

@@ -48,7 +48,7 @@ from proxy.dashboard import add_routes as add_dashboard_routes
 from proxy.engines.base import KnobName, Modelled, Sample
 from proxy.engines.contract import Engine
 from proxy.observe.nvml import GpuWatch, Sampler, sample_gpus
-from proxy.observe.scraper import Scraper
+from proxy.observe.scraper import MIN_WALL_INTERVAL_S, Scraper
 from proxy.policy import ControlMode, Policy, PoolSettings, WorkerBackend
 from proxy.request.admission import ORDER, AdmissionQueue, Priority
 from proxy.request.dispatch import Dispatcher
@@ -337,9 +337,10 @@ class _Surroundings:
     """The pool's log tail, its proxy queue's backlog and its workers' requests, as a pool's controller
     asks for them; its workers' output budgets held back while the controller measures one."""
 
-    def __init__(self, st: ProxyState, dispatcher: Dispatcher) -> None:
+    def __init__(self, st: ProxyState, dispatcher: Dispatcher, gate_period_s: float = 0.0) -> None:
         self._st = st
         self._dispatcher = dispatcher
+        self._gate_period_s = gate_period_s
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         pool = self._st.pool
@@ -365,10 +366,15 @@ class _Surroundings:
                 dispatched=f.dispatched,
                 first_token=f.first_token,
                 asked_max_tokens=f.max_tokens,
+                prefix_key=f.prefix_key,
+                cached_tokens=f.cached_tokens,
             )
             for f in self._st.board.get(worker_id).facts.recent()
             if f.prompt_tokens is not None and f.output_tokens is not None and f.max_tokens is not None
         ]
+
+    def queue_gate(self, worker_id: str) -> tuple[int, float] | None:
+        return self._st.board.get(worker_id).target(self._dispatcher.band), self._gate_period_s
 
     def in_flight(self, worker_id: str) -> Sequence[InFlight]:
         return [
@@ -465,7 +471,12 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
             engine.knobs,
             journal,
             engine=engine,
-            surroundings=_Surroundings(st, st.requests.dispatcher_of(pool_settings.name)),
+            surroundings=_Surroundings(
+                st,
+                st.requests.dispatcher_of(pool_settings.name),
+                # the scraper's period on the worker's clock (its wall floor at the worker's rate)
+                gate_period_s=max(pool_settings.pacing.scrape_interval_s, MIN_WALL_INTERVAL_S * rate),
+            ),
             # only managed workers are acted on: for an external pool the controller advises, and its
             # journal entries say the worker is not managed by this proxy
             actor=_rollout(view, st.requests.dispatcher_of(pool_settings.name), constants.in_wall(rate)),
@@ -473,6 +484,7 @@ def _build_controllers(st: ProxyState, journal: Journal, planning: PlanProcess, 
             hold=st.pool.hold,
             declare_down=st.pool.declare_down,
             modelled=functools.partial(_modelled, engine, pool_settings.engine.extra_args),
+            choice_args=engine.choice_args,
             offload=planning,
             clock_rate=rate,
             constants=constants,

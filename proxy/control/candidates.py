@@ -5,7 +5,8 @@
 free; :func:`roomier_pool` gives a chosen candidate the largest KV pool the band's floor allows.
 :func:`replay_candidates` replays the newest requests under the current arguments and each candidate,
 setting aside those outside the memory band: the figures the verdict chooses among.
-:func:`args_key` names a candidate alike on every look, so that its gains can be averaged over looks.
+:func:`lever_candidates` adds the guide's schedule policy and CUDA-graph batch size where the engine
+has them. :func:`args_key` names a candidate alike on every look, so that its gains can be averaged over looks.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass, replace
 from proxy.control.economics import PlanSettings
 from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
+from proxy.engines.base import KnobName
 from proxy.sim.config import SimConfigError
-from proxy.sim.twin import memory_fraction, prefill_chunk
+from proxy.sim.twin import graph_max_bs, memory_fraction, prefill_chunk, queue_order
 
 __all__ = [
     "ACTIVATION_MARGIN",
@@ -26,6 +28,7 @@ __all__ = [
     "args_key",
     "band_fraction",
     "candidates",
+    "lever_candidates",
     "newest_sample",
     "replay_candidates",
     "roomier_pool",
@@ -108,7 +111,17 @@ def replay_candidates(
     served: list[Prediction] = []
     replays = 2
     in_band = band_fraction(twin, args, settings)
-    for cand in ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names):
+    # the engine's cached tokens say what its requests share; not reported (SGLang without
+    # --enable-cache-report), the replay shows no sharing whatever there is, and lpm is not weighed at all
+    reported = any(o.cached_tokens is not None for o in sample)
+    levers = (
+        lever_candidates(twin, args, loaded, current.peak_running, reported, settings.graph_max_bs_bounds)
+        if settings.levers
+        else []
+    )
+    for cand in (
+        ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
+    ):
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
@@ -117,6 +130,45 @@ def replay_candidates(
         if p.oom is None:
             served.append(p)
     return Replayed(sample, loaded, seen, current, served, tuple(refused), replays)
+
+
+def lever_candidates(
+    twin: Twin,
+    args: Mapping[str, object],
+    loaded: Replay,
+    peak_running: int,
+    sharing_known: bool = True,
+    graph_bounds: tuple[float, float] = (1.0, float("inf")),
+) -> list[dict[str, object]]:
+    """The tuning guide's schedule policy and CUDA-graph batch size, where the twin's engine has them:
+    the policy the other way (``lpm`` to ``fcfs``; ``fcfs`` to ``lpm`` only where the replay carries
+    prefix sharing, which is all lpm works on), and the graphs' largest batch at the ladder's rung that
+    covers ``peak_running`` (the largest batch the current args ran in the replay) where it outgrew
+    them (its memory comes out of the KV pool where the memory fraction is SGLang's default, else out
+    of the free memory; the twin prices both). Fewer graphs than the batch needs is a memory move the
+    memory-fraction candidates make without slowing a decode step, so none is proposed.
+    ``sharing_known`` False (the engine does not report its cached tokens): no policy candidate;
+    ``graph_bounds``: the range the graphs' batch size may move in (the policy's bounds)."""
+    names = twin.names
+    try:
+        cfg = twin.config(args)
+    except SimConfigError:
+        return []
+    out: list[dict[str, object]] = []
+    if names.queue_order is not None and sharing_known:
+        policy = queue_order(cfg)
+        if policy == "lpm":
+            out.append({**args, names.queue_order: "fcfs"})
+        elif policy == "fcfs" and any(sp.shared for sp in loaded.specs):
+            out.append({**args, names.queue_order: "lpm"})
+    knob = twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
+    now = graph_max_bs(cfg)
+    if names.graph_max_bs is not None and knob is not None and now > 0 and peak_running > now:
+        rungs = [rung for rung in knob.ladder if graph_bounds[0] <= rung <= graph_bounds[1]] or [now]
+        up = next((rung for rung in rungs if rung >= peak_running), rungs[-1])
+        if up > now:
+            out.append({**args, names.graph_max_bs: int(up)})
+    return out
 
 
 ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least

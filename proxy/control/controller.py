@@ -70,6 +70,7 @@ from proxy.control.rules import (
     evaluate,
 )
 from proxy.control.shape import ShapeComparison
+from proxy.control.suggestions import SUGGEST_EVERY_S, ChoiceArgs, decisions, facts_of, suggest
 from proxy.control.trials import Trials
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, Knob, KnobName, LogEvent, Modelled, Sample
@@ -115,6 +116,7 @@ class Controller:
         hold: Callable[[WorkerId], object],
         declare_down: DeclareDown | None = None,
         modelled: Callable[[Mapping[str, object]], Modelled] = lambda args: Modelled(),
+        choice_args: ChoiceArgs = lambda choice, args: None,
         offload: Offload = in_thread,
         clock_rate: float = 1.0,
         constants: Constants = CONSTANTS,
@@ -122,6 +124,8 @@ class Controller:
     ) -> None:
         self._offload = offload  # where the plans' and checks' replays run, off the event loop
         self._modelled = modelled  # the presets a simulated worker under these args models
+        self._choice_args = choice_args  # the engine's arguments for a person's choice (suggested only)
+        self._suggested_at: dict[WorkerId, float] = {}
         self._engine_constants = constants  # in the engine's seconds
         self._knobs = knobs
         self.clock_rate = clock_rate
@@ -412,11 +416,31 @@ class Controller:
                 w.state = w.state.mark_good()
             if self.mode is ControlMode.OFF or self._reshaping.under_way:  # a reshape replaces the workers
                 continue
+            self._suggest(w, now)
             act = self._safety_net(w, now, others_down)
             if act is not None:
                 others_down = True
                 acts.append(act)
         return acts
+
+    def _suggest(self, w: Tracked, now: float) -> None:
+        """Journal what a person should choose for this worker (once a window, each at most once per
+        :data:`~proxy.control.suggestions.SUGGEST_EVERY_S`)."""
+        worker_id = w.state.worker_id
+        last = self._suggested_at.get(worker_id)
+        if w.window.observed_s < self.constants.min_evidence_s or (
+            last is not None and now - last < self.constants.window_s
+        ):
+            return
+        self._suggested_at[worker_id] = now
+        args = w.state.args
+        found = suggest(facts_of(w.window, self._twin(args), args), args, self._choice_args, self._knobs,
+                        twin_prices_levers=self._twin_models_engine)  # fmt: skip
+        for decision in decisions(worker_id, now, args, found):
+            key = f"suggest:{getattr(decision.evidence, 'option', '')}"
+            self._roster.journal_once(
+                w, decision, key, now, status=Status.NOTED, span=SUGGEST_EVERY_S / self.clock_rate
+            )
 
     def _safety_net(self, w: Tracked, now: float, others_down: bool) -> Act | None:
         """The serving rules on one serving worker: refusals and notes journaled (once per span), advice

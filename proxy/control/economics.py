@@ -43,6 +43,14 @@ class PlanSettings:
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
     max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused
+    # the tuning guide's schedule policy and CUDA-graph batch size are candidates too (where the engine
+    # has them: :func:`~proxy.control.candidates.lever_candidates`)
+    levers: bool = True
+    graph_max_bs_bounds: tuple[float, float] = (1.0, float("inf"))  # the CUDA graphs' batch size may move in
+    # the proxy's queue target for the worker (its gate keeps about this many waiting there): the twin's
+    # replays wait in front of its engine beyond it (None: not known, all at the engine)
+    engine_queue: int | None = None
+    gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,6 +28,7 @@ from proxy.control.verdict import Verdict, Why, verdict
 from proxy.control.workload import InFlight, Observed, Replay, continued, measured_throughput, replay
 from proxy.sim.config import SimConfigError
 from proxy.sim.steptime import startup_seconds
+from proxy.sim.twin import graph_max_bs
 
 __all__ = [
     "ERROR_LOOKS",
@@ -121,6 +122,8 @@ def plan(
     those looks and this one; ``earlier_savings``: the candidates' waiting saved (:attr:`Plan.savings`)
     on the earlier looks that asked the waiting basis, whatever they said: the waiting basis weighs its
     mean over them and this one."""
+    if settings.engine_queue is not None:  # the proxy's gate in front of the worker: in front of the twin too
+        twin = replace(twin, queue_cap=settings.engine_queue, gate_period_s=settings.gate_period_s)
     v = verdict(twin, args, workload, cost, settings, resolved, in_flight, now, earlier_errors, earlier_gains,
                 earlier_savings)  # fmt: skip
     reason = explain(v, args, settings, len(earlier_errors))
@@ -222,7 +225,7 @@ def run_plan(inputs: PlanInputs) -> Plan:
     if cost.startup_s is None:  # no start of this worker seen: the twin's own start-up, on its calibrated clock
         try:
             cfg = twin.config(inputs.args)
-            modelled = startup_seconds(cfg.weights_bytes, cfg.cuda_graph_max_bs_decode)[2]
+            modelled = startup_seconds(cfg.weights_bytes, graph_max_bs(cfg))[2]
             cost = replace(cost, startup_s=modelled * twin.step_time_factor)
         except SimConfigError:
             pass

@@ -112,6 +112,10 @@ class Surroundings(Protocol):
     def in_flight(self, worker_id: WorkerId) -> Sequence[InFlight]:
         """The requests the proxy has open on the worker now (running or queued there)."""
 
+    def queue_gate(self, worker_id: WorkerId) -> tuple[int, float] | None:
+        """The server queue the proxy's gate keeps at the worker (interactive work's), and how often it
+        looks at it in the worker's seconds; None: not known."""
+
     def hold_back_budget(self, worker_id: WorkerId, interactive: bool, asked: int, tokens: int | None) -> None:
         """Send the class's requests asking for ``asked`` to the worker with ``tokens`` (None: as asked)
         instead of at their output budget, until :meth:`release_budget`."""

@@ -24,7 +24,7 @@ from proxy.engines.contract import Engine
 from proxy.sim.config import SimConfig, SimConfigError
 from proxy.sim.presets import GPUS, MIB
 from proxy.sim.startup import capacity_line
-from proxy.sim.twin import TWIN_ENGINE, prefill_chunk, twin_config
+from proxy.sim.twin import TWIN_ENGINE, graph_max_bs, prefill_chunk, twin_config
 from proxy.sim.virtual import simulate
 
 __all__ = ["MIN_SPAN_LINES", "TWIN_NAMES", "ArgNames", "DecodeStats", "Prediction", "Twin", "calibrate"]
@@ -38,15 +38,20 @@ class ArgNames:
     max_running: str
     prefill_chunk: str
     memory_fraction: str
+    queue_order: str | None = None  # None: the engine has no such knob
+    graph_max_bs: str | None = None
 
     @classmethod
     def of(cls, engine: Engine) -> ArgNames:
         k = engine.knobs
+        policy, graphs = k.get(KnobName.QUEUE_ORDER), k.get(KnobName.GRAPH_MAX_BS)
         return cls(
             conservativeness=k[KnobName.CONSERVATIVENESS].arg,
             max_running=k[KnobName.MAX_RUNNING].arg,
             prefill_chunk=k[KnobName.PREFILL_CHUNK].arg,
             memory_fraction=k[KnobName.MEMORY_FRACTION].arg,
+            queue_order=policy.arg if policy is not None else None,
+            graph_max_bs=graphs.arg if graphs is not None else None,
         )
 
 
@@ -91,6 +96,11 @@ class Twin:
     step_time_factor: float = 1.0
     kv_factor: float = 1.0
     engine: Engine = TWIN_ENGINE  # the engine whose workers it models: the arguments it reads and moves
+    # the requests the proxy's gate lets wait at the worker (its queue target): a replay's backlog waits
+    # in front of the twin's engine, as it waits in the proxy. None: all of it at the engine. SGLang's
+    # lpm sorts only a queue of 128 or fewer: which side of that the worker's queue is on decides it
+    queue_cap: int | None = None
+    gate_period_s: float = 0.0  # how often the gate looks at the worker's queue (its scrape period)
 
     @property
     def names(self) -> ArgNames:
@@ -132,7 +142,7 @@ class Twin:
             return None
         return Activations(prefill_mib_per_token=cfg.model.prefill_act_mib_per_token,
                            decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
-                           graph_max_bs=cfg.cuda_graph_max_bs_decode, pool_tokens=cfg.memory.max_total_num_tokens,
+                           graph_max_bs=graph_max_bs(cfg), pool_tokens=cfg.memory.max_total_num_tokens,
                            model=f"{self.model} on {self.gpu}")  # fmt: skip
 
     def startup_line(self, args: Mapping[str, object]) -> str | None:
@@ -160,7 +170,7 @@ class Twin:
             return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
-        res = simulate(cfg, list(plan_replay.specs))
+        res = simulate(cfg, list(plan_replay.specs), queue_cap=self.queue_cap, gate_period_s=self.gate_period_s)
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
         answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field, replace
 
 from proxy.sim.request import RequestSpec
 
-__all__ = ["CONTINUED_COPIES", "InFlight", "Observed", "Replay", "continued", "measured_throughput", "replay"]
+__all__ = [
+    "CONTINUED_COPIES",
+    "InFlight",
+    "Observed",
+    "Replay",
+    "continued",
+    "measured_throughput",
+    "replay",
+    "shared_heads",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +45,10 @@ class Observed:
     dispatched: float | None = None  # when the proxy sent it to this worker (None: as it arrived)
     first_token: float | None = None  # when its first output reached the proxy (a stream; None: not seen)
     asked_max_tokens: int | None = None  # the client's, where the worker was asked for less (None: ``max_tokens``)
+    # its prompt's leading text as a key (requests with the same key share a head), and the prompt tokens
+    # the engine found cached for it (None: not known): the prefix sharing the twin replays
+    prefix_key: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def asked(self) -> int:
@@ -163,10 +176,11 @@ def replay(
     specs: list[RequestSpec] = []
     fg: set[str] = set()
     answered: dict[str, float] = {}
+    heads = shared_heads([*ordered, *background])
     for i, o in enumerate(ordered):
         rid = f"s{i}"
         fg.add(rid)
-        specs.append(replace(o.here, arrival=o.arrived - t0, rid=rid))
+        specs.append(replace(_shared(o, heads), arrival=o.arrived - t0, rid=rid))
         if o.finished is not None:
             answered[rid] = o.finished - t0
     sampled = set(map(id, sample))
@@ -174,7 +188,7 @@ def replay(
         if id(o) in sampled or o.finished is None or o.finished <= t0:
             continue
         answered[f"b{i}"] = o.finished - t0
-        here, sent = o.here, o.sent
+        here, sent = _shared(o, heads), o.sent
         if sent >= t0:
             specs.append(replace(here, arrival=sent - t0, rid=f"b{i}"))
             continue
@@ -206,6 +220,23 @@ def replay(
     specs.sort(key=lambda sp: sp.arrival)
     until = end - t0 if now is not None and end > t0 else None
     return Replay(tuple(specs), frozenset(fg), until, answered, start=t0)
+
+
+def shared_heads(requests: Sequence[Observed]) -> dict[int, int]:
+    """Per prefix key that two or more of ``requests`` carry, the head they share: the most prompt
+    tokens the engine found cached for one of them (none reported: not known, no sharing replayed)."""
+    seen: dict[int, list[int]] = {}
+    for o in requests:
+        if o.prefix_key is not None:
+            seen.setdefault(o.prefix_key, []).append(o.cached_tokens or 0)
+    return {key: max(cached) for key, cached in seen.items() if len(cached) > 1 and max(cached) > 0}
+
+
+def _shared(o: Observed, heads: Mapping[int, int]) -> RequestSpec:
+    """``o.here`` with the head its prompt shares with its group's (:func:`shared_heads`), if any."""
+    key = o.prefix_key
+    head = heads.get(key) if key is not None else None
+    return o.here if key is None or not head else replace(o.here, shared=(key, head))
 
 
 CONTINUED_COPIES = 2  # the sample's requests arrive again this many times after the newest arrival the replay knows

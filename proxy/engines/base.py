@@ -86,6 +86,18 @@ class KnobName(StrEnum):
     MAX_RUNNING = "max_running"  # cap on requests in the running batch
     MEMORY_FRACTION = "memory_fraction"  # share of device memory for weights + KV pool
     MAX_CONTEXT = "max_context"  # longest request (prompt + output) the engine accepts; must fit the KV cache
+    QUEUE_ORDER = "queue_order"  # the waiting queue's order: by cached prefix, or first come first served
+    GRAPH_MAX_BS = "graph_max_bs"  # the largest decode batch run as a captured CUDA graph (more: more memory)
+
+
+class Choice(StrEnum):
+    """Engine options a person must choose: they change the engine's numbers or its outputs. The
+    controller journals them as suggestions with their reason and never sets them."""
+
+    TORCH_COMPILE = "torch_compile"  # compile the model's forward (faster small batches; a slower start)
+    FP8_WEIGHTS = "fp8_weights"  # quantize the weights to fp8 (half their memory; outputs change a little)
+    FP8_KV_CACHE = "fp8_kv_cache"  # keep the KV cache in fp8 (twice the tokens; outputs change a little)
+    CHUNKED_PREFILL = "chunked_prefill"  # split a long prefill over steps (a person switched it off)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +120,9 @@ class Knob:
     ladder: tuple[float, ...] = ()
     resolved_field: str | None = None
     disabled: float | None = None
+    # a knob that takes names, not numbers: the values the controller may choose between (its
+    # ``default``, ``minimum`` and ``maximum`` then mean nothing)
+    choices: tuple[str, ...] = ()
 
     def clamp(self, value: float) -> float | int:
         value = min(max(value, self.minimum), self.maximum)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, LogEvent, Modelled, NativeRoute, Sample
+from proxy.engines.base import AbortByName, Choice, Death, Knob, KnobName, LogEvent, Modelled, NativeRoute, Sample
 
 
 class LogReader(Protocol):
@@ -44,6 +44,10 @@ class Engine(Protocol):
     @property
     def runtime_args(self) -> frozenset[str]:
         """Arguments the running server lets a client change (no restart); every other one needs one."""
+
+    def choice_args(self, choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+        """The arguments that turn a person's ``choice`` on for a worker running ``args`` (suggested, never
+        set); None: the engine has no such option, or ``args`` have it on already."""
 
     @property
     def loads_path(self) -> str | None:

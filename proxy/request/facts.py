@@ -30,7 +30,15 @@ from typing import Any
 
 import orjson
 
-__all__ = ["RequestFact", "WorkerFacts", "read_usage", "strip_usage", "usage_of_stream"]
+__all__ = [
+    "RequestFact",
+    "WorkerFacts",
+    "read_usage",
+    "read_usage_cached",
+    "strip_usage",
+    "usage_of_stream",
+    "usage_of_stream_cached",
+]
 
 _KEEP = 512
 
@@ -50,6 +58,8 @@ class RequestFact:
     parts: int = 1  # the answer's parts: more than one when it reached its output budget and was continued
     # of ``output_tokens``, what an earlier attempt wrote before it was taken back: this worker went on from there
     written_before: int = 0
+    prefix_key: int | None = None  # its prompt's leading text as a key (requests that share a head share it)
+    cached_tokens: int | None = None  # prompt tokens the engine found cached (its usage; None: not said)
 
     @property
     def dispatched(self) -> float:
@@ -170,11 +180,24 @@ class WorkerFacts:
 
 def read_usage(body: bytes) -> tuple[int | None, int | None, str | None]:
     """(prompt tokens, output tokens, first finish reason) of a whole JSON answer (Nones: not said)."""
+    return read_usage_cached(body)[:3]
+
+
+def read_usage_cached(body: bytes) -> tuple[int | None, int | None, str | None, int | None]:
+    """:func:`read_usage` and the prompt tokens the engine found cached (``usage.prompt_tokens_details
+    .cached_tokens``, OpenAI's shape: SGLang with ``--enable-cache-report``, vLLM), in one parse."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None, None, None
-    return _usage_fields(payload)
+        return None, None, None, None
+    return (*_usage_fields(payload), _cached_tokens(payload))
+
+
+def _cached_tokens(payload: Any) -> int | None:
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _usage_fields(payload: Any) -> tuple[int | None, int | None, str | None]:
@@ -196,7 +219,12 @@ def _usage_fields(payload: Any) -> tuple[int | None, int | None, str | None]:
 
 def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None]:
     """The usage and finish reason in the last events of a stream (``tail``: its last chunks)."""
-    prompt = output = None
+    return usage_of_stream_cached(tail)[:3]
+
+
+def usage_of_stream_cached(tail: bytes) -> tuple[int | None, int | None, str | None, int | None]:
+    """:func:`usage_of_stream` and the prompt tokens the engine found cached (as :func:`read_usage_cached`)."""
+    prompt = output = cached = None
     reason = None
     for event in tail.split(b"\n\n"):
         line = event.strip()
@@ -210,7 +238,9 @@ def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None]:
         prompt = p if p is not None else prompt
         output = o if o is not None else output
         reason = r if r is not None else reason
-    return prompt, output, reason
+        c = _cached_tokens(payload)
+        cached = c if c is not None else cached
+    return prompt, output, reason, cached
 
 
 def strip_usage(data: bytes) -> bytes:

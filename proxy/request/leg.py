@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,7 +20,7 @@ from proxy.request.admission import Priority
 from proxy.request.attempt import Attempt, AttemptFailed
 from proxy.request.continuation import Capped
 from proxy.request.dispatch import ProxyClosing
-from proxy.request.facts import RequestFact, read_usage, usage_of_stream
+from proxy.request.facts import RequestFact, read_usage_cached, usage_of_stream_cached
 from proxy.request.job import Job
 from proxy.request.path import RequestMetrics, RequestPath
 from proxy.request.sse import has_output
@@ -189,11 +190,14 @@ def record_fact(
 ) -> None:
     """One answered request's facts into its worker's ring (one parse of the body or the stream's tail)."""
     dispatched = attempt.dispatched_at
+    cached: int | None = None
     if opened.resp is None:
-        prompt, output, reason = read_usage(opened.body or b"") if opened.status == 200 else (None, None, None)
+        prompt, output, reason, cached = (
+            read_usage_cached(opened.body or b"") if opened.status == 200 else (None, None, None, None)
+        )
         ttft = None  # a whole answer: its first token is not seen
     else:
-        prompt, output, reason = usage_of_stream(opened.tail)
+        prompt, output, reason, cached = usage_of_stream_cached(opened.tail)
         ttft = opened.opened_at - dispatched
     path.board.get(attempt.worker_id).facts.record(
         RequestFact(
@@ -209,6 +213,8 @@ def record_fact(
             sent_max_tokens=None if capped is None else capped.sent,
             parts=parts,
             written_before=attempt.going_on_from,
+            prefix_key=None if job.affinity is None else zlib.crc32(job.affinity.encode()),
+            cached_tokens=cached,
         )
     )
 

@@ -255,12 +255,17 @@ class Engine:
         if self.cfg.enable_priority_scheduling:
             self._preempt_for_priority()
         admitted = self.scheduler.next_prefill(self.kv)
+        step: Step | None = None
         if admitted is not None:
-            return self._prefill_step(admitted.items)
-        if self.kv.running.reqs:
-            return self._plan_decode()
-        self.scheduler.idle()
-        return None
+            step = self._prefill_step(admitted.items)
+        elif self.kv.running.reqs:
+            step = self._plan_decode()
+        cpu_s = self.scheduler.take_cpu_s()
+        if step is None:
+            self.scheduler.idle()
+        elif cpu_s:  # the round's scheduling CPU (lpm's matching) delays the step it schedules
+            step.duration += cpu_s * self.cfg.step_time_factor / self.cfg.time_scale
+        return step
 
     def _prefill_step(self, items: list[AdmitItem]) -> Step:
         """Start the admitted requests' prefill: allocate and hold their chunks' KV; the step's cost."""

@@ -34,6 +34,9 @@ class RequestSpec:
     # running on the engine a replay stands for when the replay began: its prompt (what it wrote so far
     # among it) is in that engine's KV already, so computing it costs the replay no time
     resumed: bool = False
+    # (group, tokens): the prompt's first ``tokens`` are its group's, the same in every request of the
+    # group (a shared system prompt the radix cache reuses); the rest its own. Only with ``prompt_len``
+    shared: tuple[int, int] | None = None
 
 
 def draw_target(rng: random.Random, max_new: int, fraction: float, spread: float, cap: int | None) -> int:

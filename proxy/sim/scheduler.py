@@ -1,8 +1,11 @@
 """SGLang's scheduling policy: which requests to admit, chunk or retract. It decides; the engine acts.
 
 * **Queue.** Waiting requests in arrival order, sorted per round by ``--schedule-policy``: ``lpm``
-  (longest cached prefix first; fcfs above 128 waiting, as SGLang), ``lof`` (largest
-  ``max_new_tokens`` first), ``random``, else fcfs.
+  (longest cached prefix first; fcfs above 128 waiting, as SGLang; SGLang's in-batch prefix caching:
+  a request with at most 32 tokens cached whose first 32 tokens another waiting request ahead of it
+  brings goes last this round, so the shared prefix is computed once; the round's CPU time is kept in
+  :attr:`Scheduler.cpu_s` for the engine to charge), ``lof`` (largest ``max_new_tokens`` first),
+  ``random``, else fcfs.
 * **Priority** (``--enable-priority-scheduling``, SGLang 0.5.x): ``fcfs`` orders by (priority, time
   queued), ``lof`` by (priority, largest ``max_new_tokens``); a request sent without one gets the
   lowest. When the running batch is full, the head of the queue preempts running requests more than
@@ -30,8 +33,12 @@ from proxy.sim.kv_pool import KvPool
 from proxy.sim.prefill_adder import AdmitResult, admit
 from proxy.sim.ratio import CLIP_MAX_NEW_TOKENS, RETRACT_DECODE_STEPS, RatioSchedule, ratio_after_retract
 from proxy.sim.request import Req, State
+from proxy.sim.steptime import lpm_round_seconds
 
 LPM_QUEUE_LIMIT = 128  # SGLang turns lpm's prefix sorting off (fcfs) above this queue length
+# SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (schedule_policy.py)
+IN_BATCH_CHECK = 32
+IN_BATCH_DEPRIORITIZE = 32
 LOWEST_PRIORITY_HIGH_FIRST = -sys.maxsize - 1  # what a request without a priority gets (SGLang's scheduler)
 LOWEST_PRIORITY_LOW_FIRST = sys.maxsize
 
@@ -42,6 +49,7 @@ class Scheduler:
         "batch_is_full",
         "cfg",
         "chunked",
+        "cpu_s",
         "priority_sign",
         "ratio",
         "ratio_schedule",
@@ -61,6 +69,7 @@ class Scheduler:
         self.batch_is_full = False
         self.priority_sign = 1 if config.schedule_low_priority_values_first else -1  # sort key sign
         self._queued = 0  # queue entries so far: the order a request (re-)entered the queue
+        self.cpu_s = 0.0  # scheduling CPU seconds not yet charged to a step (lpm's matching)
 
     # ------------------------------------------------------------------ queue
     def default_priority(self) -> int:
@@ -94,13 +103,41 @@ class Scheduler:
         elif self.cfg.enable_priority_scheduling and policy == "lof":
             self.waiting.sort(key=lambda r: (r.priority * sign, -r.max_new))
         elif policy == "lpm" and len(self.waiting) <= LPM_QUEUE_LIMIT and kv.cache.enabled:
-            peek = kv.cache.peek
-            self.waiting.sort(key=lambda r: -peek(r.fill_ids))
+            self._lpm_sort(kv)
         elif policy == "lof":
             self.waiting.sort(key=lambda r: -r.max_new)
         elif policy == "random":
             self.rng.shuffle(self.waiting)
         return self.waiting
+
+    def _lpm_sort(self, kv: KvPool) -> None:
+        """SGLang's lpm round (``_compute_prefix_matches`` and ``_sort_by_longest_prefix``): longest
+        cached prefix first, the in-batch duplicates last; its CPU time goes to :attr:`cpu_s`. A
+        request's match in the queue's tree reaches 32 tokens exactly when a request inserted before
+        it starts with the same 32 tokens, so a set of those heads stands for that tree."""
+        peek = kv.cache.peek
+        heads: set[tuple[int, ...]] = set()
+        keys: dict[int, float] = {}
+        walked = 0
+        for r in self.waiting:
+            cached = peek(r.fill_ids)
+            walked += cached
+            keys[id(r)] = -cached
+            if cached > IN_BATCH_CHECK:
+                continue
+            walked += len(r.fill_ids)  # its match and insert in the queue's tree
+            head = tuple(r.fill_ids[:IN_BATCH_DEPRIORITIZE])
+            if len(head) == IN_BATCH_DEPRIORITIZE and head in heads:
+                keys[id(r)] = float("inf")
+            else:
+                heads.add(head)
+        self.cpu_s += lpm_round_seconds(len(self.waiting), walked)
+        self.waiting.sort(key=lambda r: keys[id(r)])
+
+    def take_cpu_s(self) -> float:
+        """The scheduling CPU seconds since the last call (charged to the step planned now)."""
+        spent, self.cpu_s = self.cpu_s, 0.0
+        return spent
 
     # ------------------------------------------------------------------ priority preemption
     def preemptible(self, kv: KvPool) -> list[Req]:

@@ -15,9 +15,9 @@ Prefill is compute-bound (but never faster than one pass over the weights)::
 
 where ``attn_pairs`` sums ``extend x (prefix + extend / 2)`` over the batch's requests.
 
-At tensor parallel ``tp > 1`` the weights and KV cache split over ``tp`` GPUs (the config's node has
-``tp`` times one GPU's bandwidth and flops) and each step adds its collectives
-(:meth:`StepTimeModel.tp_comm_seconds`); the per-step and per-sequence overheads do not shrink.
+At ``tp > 1`` the weights and KV cache split over ``tp`` GPUs and each step adds its collectives
+(:meth:`StepTimeModel.tp_comm_seconds`); per-step and per-sequence overheads do not shrink. An ``lpm`` scheduling round (a radix match per waiting request, SGLang's ``calc_priority``) adds its
+CPU time to the step it schedules: ``waiting x LPM_PER_REQ_S + tokens walked x LPM_PER_TOKEN_S``.
 
 Calibration: the H100 + Llama-3.1-8B preset reproduces the guide's decode line (``#running-req:
 233, #token: 370959``) and its logged gen throughput (tests/sim/test_steptime.py holds it there).
@@ -49,6 +49,16 @@ ALLREDUCE_LATENCY_PCIE_S = 30e-6
 LINK_EFFICIENCY = 0.7  # achieved / peak link bandwidth of a ring collective
 PCIE_GBS = 25.0  # a GPU's link where its preset names no NVLink (PCIe 4 x16, achieved)
 ACT_BYTES = 2  # bf16 activations and logits
+# lpm's scheduling CPU per round (SGLang schedule_policy.py and mem_cache/radix_cache.py): per waiting
+# request a RadixKey, a match result and its index tensor (torch.cat), and in the queue's tree a torch
+# tensor per insert; per token walked one iteration of CPython's zip-compare loop
+LPM_PER_REQ_S = 15e-6
+LPM_PER_TOKEN_S = 40e-9
+
+
+def lpm_round_seconds(waiting: int, tokens_walked: int) -> float:
+    """CPU seconds of one lpm scheduling round over ``waiting`` requests walking ``tokens_walked`` tokens."""
+    return waiting * LPM_PER_REQ_S + tokens_walked * LPM_PER_TOKEN_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,9 +112,12 @@ class StepTimeModel:
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """The decode batch sizes captured as CUDA graphs: 1, 2, 4, then every 8 up to ``max_bs``."""
-    sizes = [b for b in (1, 2, 4) if b <= max_bs] + list(range(8, max_bs + 1, 8))
-    if max_bs > 0 and sizes[-1] != max_bs:
+    """The decode batch sizes captured as CUDA graphs, as SGLang lists them (server_args.py
+    ``_generate_cuda_graph_batch_sizes``, no speculative decoding): 1, 2, 4, 8, 12, every 8 from 16 to
+    256, every 16 from 272, every 32 from 512, up to ``max_bs`` (which is captured too)."""
+    every = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    sizes = [b for b in every if b <= max_bs]
+    if max_bs > 0 and (not sizes or sizes[-1] != max_bs):
         sizes.append(max_bs)
     return sizes
 

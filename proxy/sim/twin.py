@@ -15,7 +15,17 @@ from proxy.engines.sglang.engine import SIM
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, resolve_config
 
-__all__ = ["CAPACITY_ARGS", "TP_ARG", "TWIN_ENGINE", "memory_fraction", "prefill_chunk", "running_cap", "twin_config"]
+__all__ = [
+    "CAPACITY_ARGS",
+    "TP_ARG",
+    "TWIN_ENGINE",
+    "graph_max_bs",
+    "memory_fraction",
+    "prefill_chunk",
+    "queue_order",
+    "running_cap",
+    "twin_config",
+]
 
 TWIN_ENGINE: Engine = SIM  # the engine the twin models
 # the arguments that cap a worker's capacity (running requests, KV tokens): a reshape keeps them per GPU
@@ -55,3 +65,13 @@ def memory_fraction(cfg: SimConfig) -> float:
 def running_cap(cfg: SimConfig) -> int:
     """The most requests the worker runs at once under ``cfg``."""
     return cfg.max_running_requests
+
+
+def graph_max_bs(cfg: SimConfig) -> int:
+    """The largest decode batch run as a CUDA graph under ``cfg`` (0: graphs off)."""
+    return cfg.cuda_graph_max_bs_decode
+
+
+def queue_order(cfg: SimConfig) -> str:
+    """The waiting queue's order under ``cfg`` (SGLang's ``--schedule-policy``)."""
+    return cfg.schedule_policy

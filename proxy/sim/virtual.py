@@ -73,13 +73,33 @@ def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
     if spec.prompt_ids is not None:
         return tuple(spec.prompt_ids)
     length = max(1, spec.prompt_len)
+    group, head = spec.shared if spec.shared is not None else (0, 0)
+    head = min(max(0, head), length - 1)
+    if head > 0:  # its group's head (a first token of the group's, then the filler), then its own
+        own = length - head
+        filler = _filler(1 << (max(head, own) - 1).bit_length())
+        return (SHARED_BASE + group, *filler[: head - 1], -(index + 1), *filler[: own - 1])
     return (-(index + 1), *_filler(1 << (length - 1).bit_length())[: length - 1])
 
 
+SHARED_BASE = 1 << 40  # a shared head's first token: this plus its group (no request's own first token)
+
+
 def simulate(
-    config: SimConfig, workload: Sequence[RequestSpec], *, log: LogFn | None = None, max_time: float | None = None
+    config: SimConfig,
+    workload: Sequence[RequestSpec],
+    *,
+    log: LogFn | None = None,
+    max_time: float | None = None,
+    queue_cap: int | None = None,
+    gate_period_s: float = 0.0,
 ) -> SimResult:
+    """Run ``workload`` through one engine in virtual time. ``queue_cap``: a proxy's gate in front of the
+    engine, which looks at its queue every ``gate_period_s`` and then sends what arrived until ``queue_cap``
+    wait there (the rest wait outside, in arrival order, their waiting counted from their arrival); None:
+    each request reaches the engine as it arrives."""
     eng = Engine(config, log=log)
+    next_gate = 0.0
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Req] = []
     rejected = 0
@@ -90,28 +110,32 @@ def simulate(
     steps = 0
     n = len(order)
     while True:
-        while i < n and workload[order[i]].arrival <= t:
+        gate_open = queue_cap is None or t >= next_gate
+        while i < n and workload[order[i]].arrival <= t and gate_open and len(eng.waiting) < (queue_cap or n + 1):
             spec = workload[order[i]]
             try:
-                reqs.append(
-                    eng.add(
-                        prompt_ids=_prompt(spec, order[i]),
-                        max_new_tokens=spec.max_new_tokens,
-                        ignore_eos=spec.ignore_eos,
-                        output_len=spec.output_len,
-                        rid=spec.rid,
-                        now=max(t, spec.arrival),
-                        resumed=spec.resumed,
-                    )
+                req = eng.add(
+                    prompt_ids=_prompt(spec, order[i]),
+                    max_new_tokens=spec.max_new_tokens,
+                    ignore_eos=spec.ignore_eos,
+                    output_len=spec.output_len,
+                    rid=spec.rid,
+                    now=max(t, spec.arrival),
+                    resumed=spec.resumed,
                 )
+                if queue_cap is not None:
+                    req.arrival = spec.arrival  # it waited outside since then
+                reqs.append(req)
             except QueueFull:
                 rejected += 1
             i += 1
+        if queue_cap is not None and gate_open:
+            next_gate = t + gate_period_s
         step = eng.plan(t)
         if step is None:
-            if i >= n:
-                break
-            t = workload[order[i]].arrival
+            if i >= n or (queue_cap is not None and len(eng.waiting) >= queue_cap):
+                break  # all in; or a full queue at the gate that the engine cannot start on
+            t = max(workload[order[i]].arrival, next_gate if queue_cap is not None else 0.0)
             continue
         if step.oom is not None:
             oom = step.oom

@@ -85,6 +85,9 @@ class Around:
     def held_for_class(self) -> int:
         return self.for_class
 
+    def queue_gate(self, worker_id: str) -> tuple[int, float] | None:
+        return None  # not known: the twin's replays queue at its engine as they arrive
+
     def hold_back_budget(self, worker_id: str, interactive: bool, asked: int, tokens: int | None) -> None:
         self.budgets_held[(worker_id, interactive, asked)] = tokens
 

@@ -12,6 +12,9 @@ def test_every_neutral_knob_maps_to_a_known_sglang_flag() -> None:
     assert rules_use <= set(knobs())
     for knob in KNOBS.values():
         assert knob.arg in KNOWN_FLAGS, knob.arg
+        if knob.choices:  # a knob of names: each one a value the flag takes
+            assert all(check_arg(knob.arg, choice) is None for choice in knob.choices), knob.arg
+            continue
         sample = knob.default if knob.default is not None else (knob.ladder[-1] if knob.ladder else knob.minimum)
         value = int(sample) if knob.integer else float(sample)
         assert check_arg(knob.arg, value) is None, (knob.arg, value)

@@ -17,6 +17,7 @@ def test_registry_finds_the_table() -> None:
         KnobName.PREFILL_CHUNK: "max_num_batched_tokens",
         KnobName.MEMORY_FRACTION: "gpu_memory_utilization",
         KnobName.MAX_CONTEXT: "max_model_len",
+        KnobName.GRAPH_MAX_BS: "max_cudagraph_capture_size",
     }
     assert KnobName.CONSERVATIVENESS not in table  # vLLM has no such argument
 

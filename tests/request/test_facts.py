@@ -94,3 +94,12 @@ def test_when_the_worker_got_a_request_and_when_its_first_token_came() -> None:
     whole = RequestFact(time=20.0, arrived=10.0, prompt_tokens=5, output_tokens=9, max_tokens=16,
                         finish_reason="stop", ttft_s=None, queue_s=2.0)  # fmt: skip
     assert (whole.dispatched, whole.first_token) == (12.0, None)  # a whole answer's first token is not seen
+
+
+def test_the_cached_tokens_the_engine_reports_are_read_from_a_body_and_a_stream() -> None:
+    from proxy.request.facts import read_usage_cached, usage_of_stream_cached
+
+    usage = b'{"usage": {"prompt_tokens": 9, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 6}}}'
+    assert read_usage_cached(usage) == (9, 3, None, 6)
+    assert read_usage_cached(b'{"usage": {"prompt_tokens": 9, "completion_tokens": 3}}') == (9, 3, None, None)
+    assert usage_of_stream_cached(b"data: " + usage + b"\n\ndata: [DONE]\n\n") == (9, 3, None, 6)

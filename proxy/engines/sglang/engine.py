@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import AbortByName, Death, Knob, KnobName, Modelled, NativeRoute, Sample
+from proxy.engines.base import AbortByName, Choice, Death, Knob, KnobName, Modelled, NativeRoute, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.sglang import argv, knobs, logs, metrics
 
@@ -97,6 +97,9 @@ class SGLangEngine:
     @property
     def runtime_args(self) -> frozenset[str]:
         return RUNTIME_ARGS
+
+    def choice_args(self, choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+        return knobs.choice_args(choice, args)
 
     @property
     def loads_path(self) -> str | None:

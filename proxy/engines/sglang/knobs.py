@@ -10,6 +10,8 @@ it is unset, and the values SGLang accepts (reference/sglang.md, section 4 and t
 | prefill_chunk | ``chunked_prefill_size`` | by GPU memory (2048..16384), start-up line | 512 .. 16384, ``-1`` disables |
 | max_running | ``max_running_requests`` | from KV capacity, start-up line | >= 1 |
 | memory_fraction | ``mem_fraction_static`` | from GPU memory (about 0.83 on an H100) | 0 .. 1, 0.01 steps |
+| schedule_policy | ``schedule_policy`` | ``fcfs`` | ``lpm`` or ``fcfs`` (the controller's choice of SGLang's nine) |
+| graph_max_bs | ``cuda_graph_max_bs_decode`` (0.5.x; ``cuda_graph_max_bs`` before) | by GPU memory and tp (8..512) | 1 .. 1024 |
 
 ``mem_fraction_static`` is not printed at start-up; when the policy leaves it unset the controller
 reads it from ``/server_info`` (:func:`resolved_from_server_info`).
@@ -20,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.engines.base import Knob, KnobName
+from proxy.engines.base import Choice, Knob, KnobName
 
-__all__ = ["KNOBS", "knobs", "resolved_from_server_info", "running_limit"]
+__all__ = ["KNOBS", "choice_args", "knobs", "resolved_from_server_info", "running_limit"]
 
 KNOBS: Mapping[KnobName, Knob] = {
     KnobName.CONSERVATIVENESS: Knob(
@@ -56,7 +58,37 @@ KNOBS: Mapping[KnobName, Knob] = {
         maximum=0.99,
         resolved_field="mem_fraction_static",
     ),
+    KnobName.QUEUE_ORDER: Knob(
+        name=KnobName.QUEUE_ORDER,
+        arg="schedule_policy",
+        default=None,
+        minimum=0,
+        maximum=0,
+        choices=("lpm", "fcfs"),
+    ),
+    KnobName.GRAPH_MAX_BS: Knob(
+        name=KnobName.GRAPH_MAX_BS,
+        arg="cuda_graph_max_bs_decode",
+        default=None,
+        minimum=1,
+        maximum=1024,
+        integer=True,
+        ladder=(8, 32, 48, 160, 256, 384, 512, 768, 1024),  # the GPU tiers' defaults, and the guide's 512 / 768
+        resolved_field="cuda_graph_max_bs_decode",
+    ),
 }
+
+
+def choice_args(choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+    """SGLang's flags for a person's choice (``--enable-torch-compile``, ``--quantization fp8``,
+    ``--kv-cache-dtype fp8_e4m3``); None where ``args`` have it on already."""
+    if choice is Choice.TORCH_COMPILE:
+        return None if args.get("enable_torch_compile") else {"enable_torch_compile": True}
+    if choice is Choice.FP8_WEIGHTS:
+        return None if args.get("quantization") else {"quantization": "fp8"}
+    if choice is Choice.FP8_KV_CACHE:
+        return None if args.get("kv_cache_dtype") not in (None, "auto") else {"kv_cache_dtype": "fp8_e4m3"}
+    return None  # chunked prefill: the planner prices the chunk size itself
 
 
 def knobs() -> Mapping[KnobName, Knob]:

@@ -43,6 +43,9 @@ KNOWN_FLAGS: Mapping[str, FlagSpec] = {
     "quantization": _f("str"),
     "seed": _f("int"),
     "enforce_eager": _f("bool"),
+    # CUDA graphs (CompilationConfig, set from the command line in vLLM 0.11 and later)
+    "max_cudagraph_capture_size": _f("int", minimum=1),
+    "cudagraph_capture_sizes": _f("int_list", minimum=1),
     # cache
     "gpu_memory_utilization": _f("float", minimum=0.01, maximum=1.0),
     "kv_cache_memory_bytes": _f("int", minimum=1),

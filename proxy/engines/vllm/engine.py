@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from proxy.engines.base import Death, Knob, KnobName, Modelled, NativeRoute, Sample
+from proxy.engines.base import Choice, Death, Knob, KnobName, Modelled, NativeRoute, Sample
 from proxy.engines.contract import LogReader
 from proxy.engines.vllm import argv, knobs, logs, metrics
 
@@ -51,6 +51,9 @@ class VllmEngine:
     @property
     def runtime_args(self) -> frozenset[str]:
         return frozenset()
+
+    def choice_args(self, choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+        return knobs.choice_args(choice, args)
 
     @property
     def loads_path(self) -> str | None:

@@ -6,6 +6,7 @@
 | prefill_chunk | ``max_num_batched_tokens`` | 2048 (CPU and smaller GPUs), 8192 (>= 70 GiB), 16384 (>= 160 GiB) | 256 .. 16384 |
 | memory_fraction | ``gpu_memory_utilization`` | 0.92 (0.9 before) | 0.05 .. 0.99 |
 | max_context | ``max_model_len`` | the model's ``max_position_embeddings``; the start-up line prints it | >= 16 |
+| graph_max_bs | ``max_cudagraph_capture_size`` (CompilationConfig) | ``min(2 x max_num_seqs, 512)`` | 1 .. 1024 |
 
 vLLM has no admission-conservativeness argument: the lever against preemptions (V1 preempts by
 recompute when the KV cache cannot grow a running request) is ``max_num_seqs``, so the table has no
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.engines.base import Knob, KnobName
+from proxy.engines.base import Choice, Knob, KnobName
 
-__all__ = ["KNOBS", "consistent", "fitting_max_model_len", "knobs"]
+__all__ = ["KNOBS", "choice_args", "consistent", "fitting_max_model_len", "knobs"]
 
 KNOBS: Mapping[KnobName, Knob] = {
     KnobName.MAX_RUNNING: Knob(
@@ -59,7 +60,31 @@ KNOBS: Mapping[KnobName, Knob] = {
         integer=True,
         resolved_field="max_model_len",  # STARTUP: "... Maximum concurrency for N tokens per request"
     ),
+    # the largest batch vLLM captures as a CUDA graph: a decode batch past it runs without one. The
+    # planner's twin does not model vLLM: a batch seen past it is journalled as a suggestion, not priced
+    KnobName.GRAPH_MAX_BS: Knob(
+        name=KnobName.GRAPH_MAX_BS,
+        arg="max_cudagraph_capture_size",
+        default=512,  # unset: min(2 x max_num_seqs, 512); the largest it takes
+        minimum=1,
+        maximum=1024,
+        integer=True,
+        ladder=(256, 512, 768, 1024),
+    ),
 }
+
+
+def choice_args(choice: Choice, args: Mapping[str, object]) -> dict[str, object] | None:
+    """vLLM's flags for a person's choice (``--quantization fp8``, ``--kv-cache-dtype fp8``); None where
+    ``args`` have it on already, and for torch.compile, which vLLM V1 runs by default (unless
+    ``--enforce-eager``, which a person chose)."""
+    if choice is Choice.FP8_WEIGHTS:
+        return None if args.get("quantization") else {"quantization": "fp8"}
+    if choice is Choice.FP8_KV_CACHE:
+        return None if args.get("kv_cache_dtype") not in (None, "auto") else {"kv_cache_dtype": "fp8"}
+    if choice is Choice.CHUNKED_PREFILL:
+        return {"enable_chunked_prefill": True} if args.get("enable_chunked_prefill") is False else None
+    return None
 
 
 def knobs() -> Mapping[KnobName, Knob]:
