@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.control.economics import PlanSettings
+from proxy.control.rules import ACTIVATION_MARGIN
 from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
 from proxy.engines.base import KnobName
@@ -23,11 +24,11 @@ from proxy.sim.config import SimConfigError
 from proxy.sim.twin import graph_max_bs, memory_fraction, prefill_chunk, queue_order
 
 __all__ = [
-    "ACTIVATION_MARGIN",
     "Replayed",
     "args_key",
     "band_fraction",
     "candidates",
+    "free_floor_gb",
     "lever_candidates",
     "newest_sample",
     "replay_candidates",
@@ -124,7 +125,7 @@ def replay_candidates(
     ):
         p = twin.predict(cand, loaded)
         replays += 1
-        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb:
+        if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < free_floor_gb(twin, cand, settings):
             refused.append(p)
             continue
         if p.oom is None:
@@ -171,7 +172,24 @@ def lever_candidates(
     return out
 
 
-ACTIVATION_MARGIN = 1.5  # the free memory a larger pool leaves: this x the twin's activations at least
+def free_floor_gb(twin: Twin, args: Mapping[str, object], settings: PlanSettings, peak_running: int = 0) -> float:
+    """The least free memory at start-up a candidate may leave: :data:`ACTIVATION_MARGIN` x the twin's
+    activations for a full prefill chunk and for a decode batch of ``peak_running`` past the CUDA graphs;
+    where the twin's model is not known to be the worker's (``settings.activations_known``), at least
+    the band's floor too."""
+    act = twin.activations(args)
+    if act is None:
+        return settings.min_available_gb
+    try:
+        cfg = twin.config(args)
+    except SimConfigError:
+        return settings.min_available_gb
+    past_graphs = peak_running if peak_running > act.graph_max_bs else 0
+    derived = max(
+        act.free_floor_gb(prefill_chunk(cfg) or cfg.max_prefill_tokens),
+        ACTIVATION_MARGIN * past_graphs * act.decode_mib_per_seq / 1024,
+    )
+    return derived if settings.activations_known else max(settings.min_available_gb, derived)
 
 
 def roomier_pool(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanSettings) -> Prediction | None:
@@ -190,13 +208,7 @@ def roomier_pool(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanS
         now = twin.config(args)
     except SimConfigError:
         return None
-    act = twin.activations(args)
-    need_mib = 0.0
-    if act is not None:
-        chunk = prefill_chunk(now) or now.max_prefill_tokens
-        past_graphs = chosen.peak_running if chosen.peak_running > act.graph_max_bs else 0
-        need_mib = max(chunk * act.prefill_mib_per_token, past_graphs * act.decode_mib_per_seq)
-    keep_gb = max(settings.min_available_gb, ACTIVATION_MARGIN * need_mib / 1024)
+    keep_gb = free_floor_gb(twin, args, settings, chosen.peak_running)
     step = settings.memory_fraction_step
     current = memory_fraction(now)
     _, top = settings.memory_fraction_bounds
@@ -214,7 +226,7 @@ def roomier_pool(twin: Twin, chosen: Prediction, loaded: Replay, settings: PlanS
     if room is None:
         return None
     p = twin.predict({**args, twin.names.memory_fraction: room}, loaded)
-    if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < settings.min_available_gb):
+    if p.oom is not None or (p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < keep_gb):
         return None
     return p
 
@@ -230,7 +242,8 @@ def band_fraction(twin: Twin, args: Mapping[str, object], settings: PlanSettings
         now_free = twin.config(args).memory.available_gb
     except SimConfigError:
         return None
-    low, high = settings.min_available_gb, settings.max_available_gb
+    low = free_floor_gb(twin, args, settings)
+    high = max(settings.max_available_gb, low)
     if low <= now_free <= high:
         return None
     middle = (low + high) / 2

@@ -42,6 +42,9 @@ class PlanSettings:
     memory_fraction_step: float = 0.01  # the controller passes its constants' memory_fraction_step
     memory_fraction_bounds: tuple[float, float] = (0.5, 0.95)
     min_available_gb: float = 5.0  # free memory at start-up below this: not a candidate (the band's floor)
+    # the twin's activations are the worker's (its KV pool is the one the worker reported): a candidate's
+    # floor is what its activations need (:func:`~proxy.control.candidates.free_floor_gb`), not the band's
+    activations_known: bool = False
     max_available_gb: float | None = None  # the band's top: more free than this is a KV pool left unused
     # the tuning guide's schedule policy and CUDA-graph batch size are candidates too (where the engine
     # has them: :func:`~proxy.control.candidates.lever_candidates`)

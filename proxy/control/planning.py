@@ -32,7 +32,7 @@ from proxy.control.planner import (
 )
 from proxy.control.ports import Act, PlanJob, Surroundings
 from proxy.control.roster import Roster
-from proxy.control.rules import gate
+from proxy.control.rules import gate, worker_activations
 from proxy.control.trials import Trials
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, KnobName
@@ -192,6 +192,7 @@ class Planning:
             memory_fraction_step=c.memory_fraction_step,
             memory_fraction_bounds=self._roster.rules.bounds(KnobName.MEMORY_FRACTION),
             min_available_gb=c.available_mem_band_gb[0],
+            activations_known=worker_activations(w.window, w.state, self._roster.rules) is not None,
             max_available_gb=c.available_mem_band_gb[1],
             engine_queue=gate[0] if gate is not None else None,
             gate_period_s=gate[1] if gate is not None else 0.0,

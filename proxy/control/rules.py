@@ -68,6 +68,19 @@ class Activations:
     pool_tokens: int
     model: str  # whose presets, for the journal
 
+    def free_floor_gb(self, chunk: float) -> float:
+        """The free memory a worker must have at start-up to run a full prefill chunk of ``chunk``
+        tokens with :data:`ACTIVATION_MARGIN` to spare (GB as SGLang reports it: GiB)."""
+        return max(MIN_FREE_GB, ACTIVATION_MARGIN * chunk * self.prefill_mib_per_token / 1024)
+
+
+# The free-memory floor where a model of the worker's activations is its own (``free_floor_gb``); the
+# band's fixed floor is used only where none is. The activations are presets, not measured (an engine
+# may need a quarter more), hence the margin; what no model counts (allocator slack, NCCL buffers)
+# is SGLang's own fixed reserve, 512 MiB.
+ACTIVATION_MARGIN = 1.5
+MIN_FREE_GB = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class RuleSettings:
@@ -433,9 +446,11 @@ def kv_capacity(window: Window, state: ControlState, s: RuleSettings) -> Decisio
 
 
 def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Less free device memory at start-up than the band's floor: risk of OOM, shrink the KV pool."""
+    """Less free device memory at start-up than the floor: risk of OOM, shrink the KV pool. The floor
+    is what a full prefill chunk needs (:meth:`Activations.free_floor_gb`) where the twin's model is
+    this worker's, else the band's low end."""
     free = _startup_mem(window)
-    low, _ = s.constants.available_mem_band_gb
+    low = startup_floor_gb(window, state, s)
     if free is None or free >= low:
         return None
     return _memory_down(
@@ -447,6 +462,31 @@ def memory_low(window: Window, state: ControlState, s: RuleSettings) -> Decision
 POOL_MATCH = 0.1  # the model's KV pool within this share of the reported one: the model is this worker's
 
 
+def worker_activations(window: Window, state: ControlState, s: RuleSettings) -> Activations | None:
+    """The twin's activations under the worker's arguments, where the KV pool the twin computes for
+    them is the one the worker's start-up line reported (else the model is not this worker's: None)."""
+    if s.activations is None or window.startup is None:
+        return None
+    pool = window.startup.fields.get("max_total_tokens")
+    if not isinstance(pool, int) or pool <= 0:
+        return None
+    act = s.activations(state.args)
+    if act is None or abs(act.pool_tokens - pool) > POOL_MATCH * pool:
+        return None
+    return act
+
+
+def startup_floor_gb(window: Window, state: ControlState, s: RuleSettings) -> float:
+    """The least free memory at start-up the worker should have: a full prefill chunk's activations
+    with margin where the twin's model is the worker's, else the band's low end."""
+    act = worker_activations(window, state, s)
+    knob = s.knobs.get(KnobName.PREFILL_CHUNK)
+    chunk = _current(knob, window, state) if knob is not None else None
+    if act is None or chunk is None or chunk <= 0:
+        return s.constants.available_mem_band_gb[0]
+    return act.free_floor_gb(chunk)
+
+
 def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """A crash foreseen from the start-up line: the activations of a full prefill chunk, or of the
     largest decode batch the running cap allows beyond the CUDA graphs, need more memory than the
@@ -455,14 +495,9 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     The activations are the model's (:class:`Activations`), used only when the KV pool it computes
     for the same arguments is the one the worker reported; a model that is off by a margin is
     caught by the OOM rules when the crash comes."""
-    if s.activations is None or window.startup is None:
-        return None
+    act = worker_activations(window, state, s)
     free = _startup_mem(window)
-    pool = window.startup.fields.get("max_total_tokens")
-    if free is None or not isinstance(pool, int) or pool <= 0:
-        return None
-    act = s.activations(state.args)
-    if act is None or abs(act.pool_tokens - pool) > POOL_MATCH * pool:
+    if act is None or free is None:
         return None
     free_mib = free * 1024
 
@@ -557,14 +592,14 @@ ON_DEATH: tuple[Rule, ...] = (kv_capacity, prefill_oom, decode_oom, oom_unknown_
 # the planner's: without it the OOM rules learn the same from the crash), and the note on timid pacing
 SAFETY_NET_SERVING: tuple[Rule, ...] = (
     retraction_storm,  # only where the planner's twin does not model the engine (vLLM)
+    activations_fit,  # before memory_low: a smaller chunk keeps the KV pool, and lowers memory_low's floor
     memory_low,
-    activations_fit,
     memory_headroom,
     pacing_too_timid,
 )
 RULES: tuple[Rule, ...] = ON_DEATH + SAFETY_NET_SERVING
 # what a start-up line alone decides, read before a launch on a forecast of that line
-START_UP: tuple[Rule, ...] = (memory_low, activations_fit, memory_headroom)
+START_UP: tuple[Rule, ...] = (activations_fit, memory_low, memory_headroom)
 LAUNCH_STEPS = 20  # moves at most before a launch (the memory band's floor steps the fraction one step at a time)
 
 

@@ -17,6 +17,7 @@ from proxy.control.rules import (
     RuleSettings,
     activations_fit,
     before_launch,
+    memory_low,
 )
 from proxy.control.window import Window
 from proxy.engines.base import EventKind, LogEvent
@@ -141,14 +142,33 @@ def _forecast(gpu: str, model: str) -> Callable[[Mapping[str, object]], list[Log
 
 def test_before_the_launch_the_chunk_that_would_crash_is_lowered_on_the_forecast() -> None:
     """prefill-oom's arguments (chunk 16384, fraction 0.9 on a 48 GB L40S): the forecast line says 3.94
-    GB free, a full chunk needs 4 GB; one move to 8192, and at 8192 nothing else moves (3.94 GB is
-    inside the band)."""
-    settings = replace(_settings("l40s-48gb", "llama-3.1-8b"),
-                       constants=BAND)  # fmt: skip
+    GB free, a full chunk needs 4 GB; one move to 8192, and at 8192 nothing else moves: with the shipped
+    constants, 3.94 GB is above what a chunk of 8192 needs with margin (1.5 x 2 GB), though below the
+    band's floor (5 GB), which holds only where the twin's model is not the worker's."""
+    settings = _settings("l40s-48gb", "llama-3.1-8b")
     args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
     (d,) = before_launch("w0", args, _forecast("l40s-48gb", "llama-3.1-8b"), settings, 5.0)
     assert d.rule == "activations_fit" and d.changes == {"chunked_prefill_size": (16384, 8192)} and d.time == 5.0
     assert d.new_args == {**args, "chunked_prefill_size": 8192}
+
+
+def test_the_free_memory_floor_is_the_chunks_activations_with_margin_where_the_model_is_the_workers() -> None:
+    """On a 48 GB L40S with chunks of 8192 (2 GB of activations): 2.59 GB free at 0.93 is below 1.5 x 2 GB,
+    one step down; 3.04 GB at 0.92 is not. A start-up line whose KV pool is not the twin's (another
+    model) falls back on the band's floor, 5 GB."""
+    settings = _settings("l40s-48gb", "llama-3.1-8b")
+    tight = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.93}
+    d = memory_low(_started("l40s-48gb", "llama-3.1-8b", tight), _state(tight), settings)
+    assert d is not None and d.changes == {"mem_fraction_static": (0.93, 0.92)}
+    assert "2.59 GB free at start-up (< 3 GB)" in d.reason
+    roomy = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.92}
+    assert memory_low(_started("l40s-48gb", "llama-3.1-8b", roomy), _state(roomy), settings) is None
+    other = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.92}
+    elsewhere = Window(span_s=60.0).push_all(
+        [LogEvent(kind=EventKind.STARTUP, time=1.0, fields={"available_gpu_mem_gb": 3.04, "max_total_tokens": 50_000})]
+    )
+    d = memory_low(elsewhere, _state(other), settings)
+    assert d is not None and "(< 5 GB)" in d.reason
 
 
 def test_before_the_launch_idle_memory_is_sized_into_the_band() -> None:

@@ -1,6 +1,6 @@
 """Decode out of memory, end to end: a simulated SGLang worker with almost no memory left for
-activations (``--mem-fraction-static 0.99``) and CUDA graphs only for small batches dies of a CUDA
-OOM in decode once its running batch grows past ~230 requests. The controller reads the traceback
+activations (``--mem-fraction-static 0.98``) and CUDA graphs only for small batches dies of a CUDA
+OOM in decode once its running batch grows past ~170 requests. The controller reads the traceback
 (decode), revives the worker with ``--max-running-requests`` below the peak batch it saw (once more
 at most: a prefill that adds many requests at once can take the batch past the cap's margin), and
 every request is answered in full."""
@@ -21,16 +21,17 @@ OUTPUT_TOKENS = 200
 async def test_decode_oom_caps_the_running_batch_and_nothing_is_lost(tmp_path: Path) -> None:
     async with running_proxy(
         tmp_path,
-        # 0.99 of an 80 GB H100 leaves ~290 MiB for activations: a decode batch outside the CUDA graphs
+        # 0.98 of an 80 GB H100 leaves ~1.08 GB for activations: a decode batch outside the CUDA graphs
         # (max bs 8 here) needs 1.25 MiB per request as the twin models it, so its 200 fit; the worker's
-        # activations are twice that (a factor the twin is not told), so more than ~115 running is an OOM
+        # activations are five times that (a factor the twin is not told), so more than ~170 running is
+        # an OOM (a prefill chunk of 512 needs 640 MiB: it fits)
         args={
-            "mem_fraction_static": 0.99,
-            "chunked_prefill_size": 1024,
+            "mem_fraction_static": 0.98,
+            "chunked_prefill_size": 512,
             "cuda_graph_max_bs_decode": 8,
             "max_running_requests": 200,
         },
-        extra_args=["--sim-time-scale", "5", "--sim-activation-factor", "2"],
+        extra_args=["--sim-time-scale", "5", "--sim-activation-factor", "5"],
         control={"mode": "auto", "interval_s": 0.5, "crash_backoff_s": [0.5], "available_mem_band_gb": [0.1, 80]},
         pacing={"queue_band": [64, 128], "headroom": 16, "scrape_interval_s": 0.1, "stale_after_s": 1.0},
     ) as proxy:

@@ -548,6 +548,11 @@ def test_the_pool_a_restart_takes_along_leaves_a_margin_over_the_activations():
     roomier = roomier_pool(twin, chosen, replay(wl), PlanSettings(min_available_gb=2.0))
     assert roomier is not None and roomier.args["mem_fraction_static"] == 0.92
     assert roomier.available_gpu_mem_gb is not None and roomier.available_gpu_mem_gb >= 3.0
+    # the shipped band's floor (5 GB) holds where the twin's model is not known to be the worker's; where
+    # it is, the activations alone set the floor, and the same pool is taken
+    assert roomier_pool(twin, chosen, replay(wl), PlanSettings(min_available_gb=5.0)) is None
+    known = roomier_pool(twin, chosen, replay(wl), PlanSettings(min_available_gb=5.0, activations_known=True))
+    assert known is not None and known.args == roomier.args
 
 
 def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
