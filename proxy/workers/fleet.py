@@ -4,7 +4,7 @@
     fleet.workers()                              # every pool's workers; WorkerInfo.pool says whose
 
 The policy's pools each get a supervisor (:class:`~proxy.workers.supervisor.Supervisor` with its
-:class:`~proxy.workers.supervisor.Placement`: pool name, model, each worker's GPUs and the engine's
+:class:`~proxy.workers.slot.Placement`: pool name, model, each worker's GPUs and the engine's
 placement flags). :class:`Fleet` routes each call by worker id to the supervisor that owns the
 worker (ids are unique across pools: ``<pool>-w<i>``); listeners hear every pool. A policy with one
 ``[engine]`` table gets its supervisor alone, exactly as before pools existed.
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerId, WorkerInfo, WorkerPool, WorkerState
 from proxy.workers.process import Launcher
-from proxy.workers.supervisor import Placement, Supervisor, WorkerError
+from proxy.workers.slot import Placement
+from proxy.workers.supervisor import Supervisor, WorkerError
 
 if TYPE_CHECKING:
     from proxy.policy import Policy, PoolSettings

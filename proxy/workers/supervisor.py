@@ -28,13 +28,11 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import shlex
 import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,8 +49,10 @@ from proxy.workers.base import (
     tell_listeners,
 )
 from proxy.workers.exit_text import describe_exit, what_it_said
+from proxy.workers.launch_spec import configured_record, local_env, remote_env, worker_argv
 from proxy.workers.lease import RENEWALS_PER_TTL, lease_path, lease_ttl_s, owner, proc_start, read_lease, write_lease
 from proxy.workers.process import EXIT_UNKNOWN, Launcher, LeaseTerms, LineLog, LocalLauncher, WorkerHandle
+from proxy.workers.slot import Placement, Slot
 
 if TYPE_CHECKING:
     from proxy.policy import EngineSettings
@@ -67,81 +67,6 @@ REFUSED = "connection refused"  # /health: nothing listening on the port (yet)
 
 class WorkerError(RuntimeError):
     """An operation the supervisor cannot do for this worker (unknown id, external worker, ...)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
-    """Where one pool's workers run and what that adds to their arguments."""
-
-    pool: str = "default"
-    model: str | None = None
-    gpus: tuple[tuple[int, ...], ...] = ()  # per worker ((): no placement, CUDA_VISIBLE_DEVICES left as it is)
-    args: Mapping[str, object] = field(default_factory=dict)  # the engine's placement flags (tp, served name)
-    worker_ids: tuple[str, ...] = ()  # () : w0, w1, ...
-    num_gpus: int = 0  # GPUs a cluster launcher reserves per worker (its own accounting picks which)
-    id_prefix: str = "w"  # a worker past ``worker_ids`` (a reshape's) is this and its index
-
-    def worker_id(self, index: int) -> str:
-        return self.worker_ids[index] if index < len(self.worker_ids) else f"{self.id_prefix}{index}"
-
-    def gpus_of(self, index: int) -> tuple[int, ...]:
-        return self.gpus[index] if index < len(self.gpus) else ()
-
-
-@dataclass(slots=True)
-class _Slot:
-    """Everything the supervisor knows about one worker; ``info()`` is its public snapshot."""
-
-    id: WorkerId
-    port: int
-    url: str
-    managed: bool
-    args: dict[str, object] = field(default_factory=dict)
-    argv: tuple[str, ...] = ()
-    state: WorkerState = WorkerState.STOPPED
-    restarts: int = 0
-    last_error: str | None = None
-    exit_code: int | None = None
-    log_path: Path | None = None
-    port_fixed: bool = True  # False: chosen by us, may be changed on a clash at first start
-    process: WorkerHandle | None = None
-    node: str | None = None  # where it runs, when not on this host
-    watcher: asyncio.Task[None] | None = None
-    lines: LineLog = field(default_factory=LineLog)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    stopping: bool = False  # set while we stop the process on purpose
-    ready_seen: asyncio.Event = field(default_factory=asyncio.Event)  # the engine logged its ready line
-    held: bool = False  # held while starting: it comes up DRAINING, not READY (lifted by its next start)
-    stays_down: bool = False  # given up on: nothing will start it again (lifted by its next launch)
-    crash_loop: bool = False  # dies as it starts, revived after each death (lifted once it is READY)
-    served: bool = False  # its current (or last) run was READY at some point
-    pool: str = "default"
-    model: str | None = None
-    gpus: tuple[int, ...] = ()
-    launch: str = ""  # this launch's token, which its lease names ("": no lease)
-    launched: float = 0.0  # wall time of the launch
-    configured: dict[str, object] = field(default_factory=dict)  # what the policy said of it (its lease keeps it)
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            id=self.id,
-            url=self.url,
-            state=self.state,
-            managed=self.managed,
-            args=dict(self.args),
-            argv=self.argv,
-            pid=self.process.pid if self.process is not None and self.process.returncode is None else None,
-            restarts=self.restarts,
-            last_error=self.last_error,
-            exit_code=self.exit_code,
-            log_path=str(self.log_path) if self.log_path else None,
-            pool=self.pool,
-            model=self.model,
-            gpus=self.gpus,
-            node=self.node,
-            stays_down=self.stays_down,
-            crash_loop=self.crash_loop,
-        )
 
 
 def free_port(host: str, taken: set[int] | frozenset[int] = frozenset()) -> int:
@@ -190,7 +115,7 @@ class Supervisor:
         self._ready_marker = self._engine.ready_marker
         self._probe_s = external_probe_interval_s
         self._ring_lines = ring_lines
-        self._slots: dict[WorkerId, _Slot] = {}
+        self._slots: dict[WorkerId, Slot] = {}
         self._listeners: list[StateListener] = []
         self._untold: collections.deque[WorkerInfo] = collections.deque()  # changes not yet told (_tell)
         self._telling = False
@@ -239,7 +164,7 @@ class Supervisor:
         if not self._managed:
             for i, url in enumerate(s.urls):
                 self._add_slot(
-                    _Slot(
+                    Slot(
                         id=self._place.worker_id(i),
                         port=0,
                         url=url,
@@ -275,8 +200,8 @@ class Supervisor:
 
     def _managed_slot(
         self, worker_id: WorkerId, port: int, fixed: bool, args: Mapping[str, object], gpus: tuple[int, ...]
-    ) -> _Slot:
-        return _Slot(
+    ) -> Slot:
+        return Slot(
             id=worker_id,
             port=port,
             url=self._url(port),
@@ -288,7 +213,7 @@ class Supervisor:
             gpus=gpus,
             log_path=Path(self._settings.log_dir) / f"{worker_id}.log",
             lines=LineLog(self._ring_lines),
-            configured=self._configured(args, gpus, port if fixed else None),
+            configured=configured_record(self._settings, args, gpus, port if fixed else None),
         )
 
     async def replace_workers(
@@ -303,7 +228,7 @@ class Supervisor:
             raise WorkerError("a reshape replaces managed workers with at least one")
         if self._stopping:
             raise WorkerError("supervisor is stopped")
-        self._argv(dict(args), 0)  # bad args fail here, before the old processes are stopped
+        worker_argv(self._settings, dict(args), 0)  # bad args fail here, before the old processes are stopped
         gpus = tuple(g for slot in slots for g in slot.gpus)
         if gpus and len(gpus) % count:
             raise WorkerError(f"{len(gpus)} GPUs do not split into {count} workers")
@@ -318,7 +243,7 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     lease_path(slot.log_path).unlink(missing_ok=True)
         each = len(gpus) // count
-        new: list[_Slot] = []
+        new: list[Slot] = []
         for j in range(count):
             worker_id = next(
                 self._place.worker_id(i) for i in itertools.count() if self._place.worker_id(i) not in self._slots
@@ -330,15 +255,7 @@ class Supervisor:
         await asyncio.gather(*(self._start_slot(slot, reason=f"reshape: {reason}") for slot in new))
         return [slot.info() for slot in new]
 
-    def _configured(self, args: Mapping[str, object], gpus: tuple[int, ...], port: int | None) -> dict[str, object]:
-        """What the policy says of one worker (its lease keeps it: a change restarts an adopted worker)."""
-        s = self._settings
-        command = list(s.command) if s.command else self._engine.default_command()
-        return plain(
-            {"args": args, "env": s.env, "gpus": gpus, "port": port, "command": command, "extra": s.extra_args}
-        )
-
-    async def _plan_launch(self, slot: _Slot) -> None:
+    async def _plan_launch(self, slot: Slot) -> None:
         """The first launch's arguments, as the launch planner says (as configured when it fails)."""
         if self._launch_planner is None:
             return
@@ -381,7 +298,7 @@ class Supervisor:
             raise WorkerError(f"worker {worker_id} is external ({slot.url}): the proxy cannot restart it")
         if self._stopping:
             raise WorkerError("supervisor is stopped")
-        self._argv(dict(args), slot.port)  # bad args fail here, before the old process is stopped
+        worker_argv(self._settings, dict(args), slot.port)  # bad args fail here, before the old process is stopped
         async with slot.lock:
             _log.info("restarting worker %s (%s)", worker_id, reason)
             await self._stop_slot(slot, locked=True)
@@ -443,24 +360,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ managed workers
 
-    def _argv(self, args: dict[str, object], port: int) -> tuple[str, ...]:
-        s = self._settings
-        command = list(s.command) if s.command else self._engine.default_command()
-        return (*command, *self._engine.build_argv(args, s.extra_args, host=s.host, port=port))
-
-    def _remote_env(self) -> dict[str, str]:
-        """What a worker on another node gets from us: the policy's variables only (its GPUs are set there)."""
-        return {"PYTHONUNBUFFERED": "1", **self._settings.env}
-
-    def _env(self, gpus: tuple[int, ...] = ()) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # lines must arrive as they are written
-        env.update(self._settings.env)
-        if gpus:  # its own GPUs, numbered from 0 inside the worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        return env
-
-    async def _start_slot(self, slot: _Slot, *, reason: str, locked: bool = False) -> None:
+    async def _start_slot(self, slot: Slot, *, reason: str, locked: bool = False) -> None:
         if not locked:
             async with slot.lock:
                 return await self._start_slot(slot, reason=reason, locked=True)
@@ -474,19 +374,19 @@ class Supervisor:
                 slot.exit_code = None
                 self._set(slot, WorkerState.DOWN, error=f"port {slot.port} on {self._settings.host} is already in use")
                 return
-            await self._launch(slot, self._argv(slot.args, slot.port), reason)
+            await self._launch(slot, worker_argv(self._settings, slot.args, slot.port), reason)
             clash = await self._wait_healthy(slot)
             if not clash or slot.port_fixed or attempt == _PORT_RETRIES:
                 return
             _log.warning("worker %s: port %d was taken, trying another", slot.id, slot.port)
             self._move_port(slot)
 
-    def _move_port(self, slot: _Slot) -> None:
+    def _move_port(self, slot: Slot) -> None:
         taken = {other.port for other in self._slots.values()}
         slot.port = free_port(self._settings.host, taken)
         slot.url = self._url(slot.port)
 
-    async def _launch(self, slot: _Slot, argv: tuple[str, ...], reason: str) -> None:
+    async def _launch(self, slot: Slot, argv: tuple[str, ...], reason: str) -> None:
         assert slot.log_path is not None
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         shown = shlex.join(self._engine.masked_argv(argv))  # no API key in the log
@@ -507,7 +407,7 @@ class Supervisor:
         try:
             process = await self._launcher.launch(
                 argv,
-                env=self._env(slot.gpus) if self._launcher.local else self._remote_env(),
+                env=local_env(self._settings, slot.gpus) if self._launcher.local else remote_env(self._settings),
                 lines=slot.lines,
                 log_file=slot.log_path,
                 header=header,
@@ -544,7 +444,7 @@ class Supervisor:
             except Exception:
                 _log.exception("line listener failed")
 
-    async def _watch(self, slot: _Slot, process: WorkerHandle) -> None:
+    async def _watch(self, slot: Slot, process: WorkerHandle) -> None:
         """Wait for ``process`` to exit; unless we stopped it, the worker is DOWN."""
         code = await process.wait()
         process.kill_group()  # its children go with it (and close the output pipe they share)
@@ -555,7 +455,7 @@ class Supervisor:
         slot.exit_code = None if code == EXIT_UNKNOWN else code
         self._set(slot, WorkerState.DOWN, error=describe_exit(code, slot.lines.run_tail(200)))
 
-    async def _wait_healthy(self, slot: _Slot) -> bool:
+    async def _wait_healthy(self, slot: Slot) -> bool:
         """Poll /health until 200 (READY) or the process exits / time runs out (DOWN).
 
         Returns True when the process died of a port clash (the caller may retry on another port).
@@ -623,7 +523,7 @@ class Supervisor:
         except (aiohttp.ClientError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
-    async def _stop_slot(self, slot: _Slot, *, locked: bool = False) -> None:
+    async def _stop_slot(self, slot: Slot, *, locked: bool = False) -> None:
         process = slot.process
         if process is None:
             return
@@ -648,7 +548,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ leases and adoption
 
-    def _write_lease(self, slot: _Slot) -> None:
+    def _write_lease(self, slot: Slot) -> None:
         """Write (or renew) the lease of ``slot``'s current launch, ours for the next ttl."""
         if not slot.launch or slot.log_path is None:
             return
@@ -707,7 +607,7 @@ class Supervisor:
                 process.close()
                 _log.info("worker %s (pid %d) left running for the next proxy", slot.id, process.pid)
 
-    async def _adopt(self, slot: _Slot) -> str:
+    async def _adopt(self, slot: Slot) -> str:
         """Take over the worker an earlier proxy left on ``slot`` when its lease says there is one and
         it is what the lease claims: "adopted", "changed" (adopted, but the policy changed since:
         restart it), "refused" (another live proxy owns it) or "none" (start one: a worker that
@@ -752,13 +652,13 @@ class Supervisor:
         await self._wait_healthy(slot)
         return "adopted" if lease.get("configured") == slot.configured else "changed"
 
-    async def _stop_claimed(self, slot: _Slot, pid: int) -> None:
+    async def _stop_claimed(self, slot: Slot, pid: int) -> None:
         """Stop a worker of ours that cannot be adopted (it holds a port, maybe a GPU)."""
         assert slot.log_path is not None
         process = AdoptedProcess(pid, LineLog(8), slot.log_path, f"===== pacer: stopping pid {pid}: not adopted")
         await process.terminate(self._settings.stop_grace_s)
 
-    async def _restart_changed(self, slot: _Slot) -> None:
+    async def _restart_changed(self, slot: Slot) -> None:
         """An adopted worker whose policy changed while no proxy ran: restarted with what the policy
         says now, by the normal path (the same port unless the policy fixes another)."""
         if slot.state is not WorkerState.READY:
@@ -776,7 +676,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ external workers
 
-    async def _probe(self, slot: _Slot) -> None:
+    async def _probe(self, slot: Slot) -> None:
         status = await self._health(slot.url, timeout=5.0)
         if status == 200:
             if slot.state in (WorkerState.STARTING, WorkerState.DOWN):
@@ -803,7 +703,7 @@ class Supervisor:
         host = self._near_host()
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-    def _add_slot(self, slot: _Slot) -> None:
+    def _add_slot(self, slot: Slot) -> None:
         self._slots[slot.id] = slot
         slot.lines.add_sink(functools.partial(self._on_line, slot.id))
 
@@ -812,13 +712,13 @@ class Supervisor:
         s = self._settings
         return tuple(self._place.worker_id(i) for i in range(s.workers if self._managed else len(s.urls)))
 
-    def _slot(self, worker_id: WorkerId) -> _Slot:
+    def _slot(self, worker_id: WorkerId) -> Slot:
         try:
             return self._slots[worker_id]
         except KeyError:
             raise WorkerError(f"no worker {worker_id!r}; known: {', '.join(self._slots) or 'none'}") from None
 
-    def _set(self, slot: _Slot, state: WorkerState, *, error: str | None = None) -> None:
+    def _set(self, slot: Slot, state: WorkerState, *, error: str | None = None) -> None:
         slot.state = state
         if state is WorkerState.READY:
             slot.crash_loop, slot.served = False, True  # it started: the loop is over
