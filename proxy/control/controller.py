@@ -30,6 +30,7 @@ from proxy.control.budgets import BudgetJob, Budgets
 from proxy.control.canary import Canary
 from proxy.control.constants import CONSTANTS, Constants
 from proxy.control.decision import Action, ControlState, Decision, RuleKind
+from proxy.control.economics import replayed_requests
 from proxy.control.evidence import OutputBudget
 from proxy.control.horizon import Backlog
 from proxy.control.journal import Journal, Status
@@ -539,11 +540,12 @@ class Controller:
             return
         wid = w.state.worker_id
         workload = tuple(self.surroundings.recent_requests(wid))
-        if not check_due(pending, workload, w.serving, now, self.constants.plan_requests):
+        sample = replayed_requests(self.constants.plan_requests, w.window.peak_running)  # as many as a plan replays
+        if not check_due(pending, workload, w.serving, now, sample):
             return
         w.pending_check = None
         in_flight = tuple(self.surroundings.in_flight(wid))
-        self._checks.append(check_job(wid, pending, workload, in_flight, now, self.constants.plan_requests))
+        self._checks.append(check_job(wid, pending, workload, in_flight, now, sample))
 
     def outcomes_due(self, limit: int | None = None) -> list[OutcomeJob]:
         """Acted plans whose check is due (:meth:`_check_when_answered`; at most ``limit``, the oldest

@@ -14,7 +14,16 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ERROR_LOOKS", "PlanSettings", "RestartCost", "no_worse", "outage_waiting_s", "twin_error"]
+__all__ = [
+    "ERROR_LOOKS",
+    "RUNNING_SAMPLES",
+    "PlanSettings",
+    "RestartCost",
+    "no_worse",
+    "outage_waiting_s",
+    "replayed_requests",
+    "twin_error",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +63,16 @@ class PlanSettings:
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
+
+
+def replayed_requests(base: int, peak_running: int | None) -> int:
+    """How many of the newest answers a plan replays: ``base``, or twice the largest batch the worker
+    ran where that is more. A replay of fewer requests than the worker ran at once never fills the
+    batch the worker ran: the twin is then judged, and prices candidates, on another engine's load."""
+    return max(base, RUNNING_SAMPLES * int(peak_running or 0))
+
+
+RUNNING_SAMPLES = 2  # the running batch and as many again arriving behind it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

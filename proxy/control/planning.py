@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from proxy.control.canary import pays_above
 from proxy.control.decision import Action, Decision, KnobChange, RuleKind
+from proxy.control.economics import replayed_requests
 from proxy.control.evidence import Planned
 from proxy.control.horizon import Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Status
@@ -186,7 +187,7 @@ class Planning:
             # backlog's remainder where the work it holds falls for sure
             work_waits_s=0.0 if w.backlog.since is None else horizon.draining_s,
             queued=self._surroundings.backlog() / self._roster.serving_count(),
-            max_requests=c.plan_requests,
+            max_requests=replayed_requests(c.plan_requests, w.window.peak_running),
             min_gain=c.plan_min_gain,
             conservativeness_bounds=self._roster.rules.bounds(KnobName.CONSERVATIVENESS),
             memory_fraction_step=c.memory_fraction_step,

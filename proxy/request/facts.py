@@ -40,7 +40,7 @@ __all__ = [
     "usage_of_stream_cached",
 ]
 
-_KEEP = 512
+_KEEP = 2048  # answers kept per worker: a plan replays up to twice the running batch (economics)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

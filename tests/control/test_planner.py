@@ -788,3 +788,12 @@ def test_the_planner_moves_the_arguments_its_twin_s_engine_names_and_plans_no_en
     with pytest.raises(SimConfigError, match="does not model vllm's workers"):
         vllm.config({})
     assert vllm.startup_line({}) is None
+
+
+def test_a_plan_replays_at_least_twice_the_batch_the_worker_ran():
+    """A worker running ~1,350 requests at once (a 1B model on an H200): 300 answers replayed alone never
+    fill the batch it ran, so the sample is twice the batch; a batch of 150 keeps the usual 300."""
+    from proxy.control.economics import replayed_requests
+
+    assert replayed_requests(300, 1350) == 2700
+    assert replayed_requests(300, 150) == 300 and replayed_requests(300, None) == 300
