@@ -11,7 +11,8 @@ tests start it):
 - **failover**: the replicas launch the workers (the leader does), traffic on all three, the leader
   SIGKILLed. Reported: seconds to a new leader and until it serves the workers it adopted, the
   workers' pids before and after, the requests failed on the dead replica and on the survivors, the
-  survivors' latency p50/p99 before and after, and the queues as above.
+  survivors' latency p50/p99 before and after, and the queues as above. The lease and the polls are
+  the ones every fleet runs (:mod:`proxy.workers.replicas`): the policy sets only the store's url.
 """
 
 from __future__ import annotations
@@ -53,8 +54,6 @@ class Shape:
     clients: int = 2  # per replica
     gap_s: float = 0.3  # between a client's bursts
     max_tokens: int = 32
-    lease_s: float = 10.0  # [store] leader_lease_s (the default)
-    poll_s: float = 1.0  # [store] poll_s (the default)
 
 
 @dataclass(slots=True)
@@ -95,7 +94,7 @@ def policy(
         "batch": {"dir": str(folder)},
     }
     if store_url:
-        table["store"] = {"url": store_url, "claim_s": 2.0, "leader_lease_s": shape.lease_s, "poll_s": shape.poll_s}
+        table["store"] = {"url": store_url}
     return tomli_w.dumps(table)
 
 
@@ -370,8 +369,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--after", type=float, default=20.0, help="seconds of traffic after the kill")
     ap.add_argument("--parts", nargs="+", default=["pacing", "failover"], choices=["pacing", "failover"])
     ap.add_argument("--burst", type=int, default=Shape().burst)
-    ap.add_argument("--lease-s", type=float, default=Shape().lease_s, help="[store] leader_lease_s")
-    ap.add_argument("--poll-s", type=float, default=Shape().poll_s, help="[store] poll_s")
     ap.add_argument("--json", help="write the report here")
     return ap
 
@@ -379,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.harness.postgres import local_postgres
 
-    shape = Shape(burst=args.burst, lease_s=args.lease_s, poll_s=args.poll_s)
+    shape = Shape(burst=args.burst)
     report: dict[str, Any] = {"shape": dataclasses.asdict(shape)}
     with tempfile.TemporaryDirectory(prefix="pacer-failover-") as tmp, local_postgres() as server:
         if "pacing" in args.parts:

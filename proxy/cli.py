@@ -91,13 +91,10 @@ async def _serve(policy: Policy, host: str, port: int) -> int:
             return await _serve_with(policy, build_app(policy, build_pool(policy, gpus, launcher)), host, port)
         from proxy.workers.replicas import ReplicaPool  # several replicas share the workers: one leads them
 
-        s = policy.store
         replicas = ReplicaPool(
             lambda fence: build_pool(policy, gpus, launcher, fence=fence),
-            url=s.url,
+            url=policy.store.url,
             data_dir=policy.batch.dir,
-            lease_s=s.leader_lease_s,
-            poll_s=s.poll_s,
         )
         return await _serve_with(policy, build_app(policy, replicas), host, port)
 

@@ -674,8 +674,6 @@ async def _batch_lifecycle(app: web.Application) -> AsyncIterator[None]:
         accepts_model=accepts_model,
         body_timeout_s=st.policy.proxy.body_timeout_s,
         store_url=st.policy.store.url,
-        claim_s=st.policy.store.claim_s,
-        poll_s=st.policy.store.poll_s,
     ) as service:
         app[BATCH_SERVICE] = service
         yield

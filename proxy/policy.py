@@ -285,8 +285,7 @@ def _describe(p: Policy) -> list[str]:
         where = urlparse(p.store.url)
         lines.append(
             f"  store    PostgreSQL at {where.hostname or 'its socket'}{f':{where.port}' if where.port else ''}"
-            f"{where.path}, shared by the replicas (a line's claim lasts {p.store.claim_s:g} s; "
-            f"a leader's lease {p.store.leader_lease_s:g} s)"
+            f"{where.path}, shared by the replicas"
         )
     if p.fleet.backend is WorkerBackend.RAY:
         lines.append(f"  fleet    workers on Ray at {p.fleet.ray_address} (namespace {p.fleet.ray_namespace})")

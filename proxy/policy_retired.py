@@ -65,6 +65,13 @@ RETIRED_KEYS: Mapping[str, str] = MappingProxyType(
         "control.launch_forecast": "always on with the planner",
         "control.twin_gpu": "a simulated worker's twin uses its own presets, a real GPU's calibrates from the worker's own lines",
         "control.twin_model": "a simulated worker's twin uses its own presets, a real GPU's calibrates from the worker's own lines",
+        "store.claim_s": "a constant: a batch line's claim lasts 14 s, renewed every third of that "
+        "(proxy.batch.runner.CLAIM_S, docs/fleet.md)",
+        "store.poll_s": "constants: a replica looks at the store every second for the leader lease and roster, "
+        "batches and cancels, and decisions (POLL_S in proxy.workers.replicas, proxy.batch.runner, "
+        "proxy.control.shared_journal)",
+        "store.leader_lease_s": "a constant: the leader's lease lasts 10 s, so a new leader takes over within "
+        "15 s of the old one's death (proxy.workers.replicas.LEADER_LEASE_S, docs/fleet.md)",
     }
 )
 

@@ -356,29 +356,6 @@ class StoreSettings:
             custom=True,
         ),
     )
-    claim_s: float = field(
-        default=30.0,
-        metadata=key(
-            "seconds a replica's claim on a batch line lasts unrenewed: a dead replica's lines go to another after",
-            positive=True,
-        ),
-    )
-    poll_s: float = field(
-        default=1.0,
-        metadata=key(
-            "seconds between a replica's looks for batches and cancels made on the others, and at the fleet's "
-            "roster and leader lease",
-            positive=True,
-        ),
-    )
-    leader_lease_s: float = field(
-        default=10.0,
-        metadata=key(
-            "seconds the leader's lease lasts unrenewed (renewed every poll_s): a dead leader's workers go to "
-            "another replica after it",
-            positive=True,
-        ),
-    )
 
 
 AUTO_GPUS = "auto"

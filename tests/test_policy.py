@@ -112,8 +112,8 @@ def test_api_key_is_masked_in_describe() -> None:
 
 def test_a_shared_store_is_accepted_and_its_password_masked() -> None:
     assert parse_policy({}).store.url == ""  # the embedded SQLite: nothing to run beside the proxy
-    p = parse_policy({"store": {"url": "postgresql://pacer:sekrit@db:5432/pacer", "claim_s": 10}})
-    assert (p.store.url, p.store.claim_s) == ("postgresql://pacer:sekrit@db:5432/pacer", 10.0)
+    p = parse_policy({"store": {"url": "postgresql://pacer:sekrit@db:5432/pacer"}})
+    assert p.store.url == "postgresql://pacer:sekrit@db:5432/pacer"
     assert "sekrit" not in p.describe() and "sekrit" not in "\n".join(p.changed())
     assert "PostgreSQL at db:5432/pacer" in p.describe()
 
@@ -203,7 +203,6 @@ BAD = [
     ({"store": {"url": "mysql://db/pacer"}}, "store.url", 'a "postgresql://..." URL'),
     ({"store": {"url": "sqlite:///b.db"}}, "store.url", "leave store.url empty"),
     ({"store": {"url": "postgresql://db/p", "url_env": "U"}}, "store.url_env", "not both"),
-    ({"store": {"url": "postgresql://db/p", "claim_s": 0}}, "store.claim_s", "> 0"),
 ]
 
 
@@ -285,3 +284,31 @@ def test_a_policy_naming_a_retired_pacing_key_is_refused(key: str, replaced_by: 
     """The interactive protection's [pacing] keys went: its numbers come from the worker and its clock."""
     with pytest.raises(PolicyError, match=rf"pacing\.{key}: this key was removed: {replaced_by}"):
         parse_policy({"pacing": {key: 1}})
+
+
+STORE_TIMING = [
+    ("claim_s", "a constant: a batch line's claim lasts 14 s"),
+    ("poll_s", "constants: a replica looks at the store every second"),
+    ("leader_lease_s", "a constant: the leader's lease lasts 10 s"),
+]
+
+
+@pytest.mark.parametrize(("key", "replaced_by"), STORE_TIMING)
+def test_a_policy_naming_a_retired_store_timing_is_refused(key: str, replaced_by: str) -> None:
+    """The store's timings are constants of the modules that run them: no policy sets them."""
+    with pytest.raises(PolicyError, match=rf"store\.{key}: this key was removed: {replaced_by}"):
+        parse_policy({"store": {"url": "postgresql://db/p", key: 1}})
+
+
+@pytest.mark.parametrize("command", ["check-policy", "serve"])
+@pytest.mark.parametrize(("key", "replaced_by"), STORE_TIMING)
+def test_check_policy_and_serve_refuse_a_retired_store_timing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, key: str, replaced_by: str
+) -> None:
+    from proxy.cli import main
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[store]\nurl = "postgresql://db/p"\n{key} = 2\n')
+    argv = [command, str(policy)] if command == "check-policy" else [command, "--policy", str(policy)]
+    assert main(argv) == 2
+    assert f"store.{key}: this key was removed: {replaced_by}" in capsys.readouterr().err

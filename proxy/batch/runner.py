@@ -19,7 +19,7 @@ a recorded result run (again); finished results are never run or written twice.
 
 On a shared store (PostgreSQL, several replicas) every replica's runner drives every unfinished
 batch: each runs the lines it claimed (:meth:`~proxy.batch.store.BatchStore.claim_lines`), renews its
-claims every third of ``claim_s``, and looks every ``poll_s`` for batches another replica took, for
+claims every third of :data:`CLAIM_S`, and looks every :data:`POLL_S` for batches another replica took, for
 cancels made there, and for lines whose claim ran out (their replica died): a batch ends when no
 line is left unanswered, whichever replica answered them.
 """
@@ -45,6 +45,17 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 CHUNK = 512  # lines read from the database at a time
+# How long a replica's claim on a batch line lasts unrenewed; it is renewed every third of that. A dead
+# replica's lines go to another within CLAIM_S + POLL_S (15 s): issue 45's time to replace a dead leader
+# (a dead replica's concurrency slots come back within 15 s too, proxy.store.budgets). A live replica
+# keeps its lines through two failed renewals: a store away for 9 s, as long as the leader lease rides
+# out (proxy.workers.replicas). A claim that ran out under a live replica would run its line twice.
+CLAIM_S = 14.0
+# How often a runner on a shared store looks for batches made and cancels sent on other replicas and for
+# lines whose claim ran out, and how soon it tries a store that did not answer again. A look is one
+# query of a few milliseconds: a second costs the server next to nothing per replica, and a batch made
+# or cancelled on one replica reaches the others within it.
+POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +100,8 @@ class BatchRunner:
         concurrency: int,
         clock: Callable[[], float],
         accepts_model: Callable[[str], bool],
-        claim_s: float = 30.0,
-        poll_s: float = 1.0,
+        claim_s: float = CLAIM_S,
+        poll_s: float = POLL_S,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -154,7 +165,7 @@ class BatchRunner:
                 try:
                     await self._db(BatchStore.release_claims)
                 except Exception:
-                    _log.exception("releasing the claims on batch lines failed: they run elsewhere after claim_s")
+                    _log.exception("releasing the claims on batch lines failed: they run elsewhere after CLAIM_S")
 
     async def _woken(self) -> None:
         """Until :meth:`kick` or :meth:`cancel`; on a shared store at most ``poll_s`` (other replicas

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.batch.jsonl import ENDPOINTS, MAX_FILE_BYTES
-from proxy.batch.runner import BatchRunner, Executor
+from proxy.batch.runner import CLAIM_S, POLL_S, BatchRunner, Executor
 from proxy.batch.shapes import Json, new_id
 from proxy.batch.store import BatchStore, NotCancellable, StoreThread
 from proxy.errors import ApiError, bad_request
@@ -76,14 +76,15 @@ class BatchService:
         accepts_model: Callable[[str], bool] = lambda _model: True,
         body_timeout_s: float = 60.0,
         store_url: str = "",
-        claim_s: float = 30.0,
-        poll_s: float = 1.0,
+        claim_s: float = CLAIM_S,
+        poll_s: float = POLL_S,
     ) -> AsyncIterator[BatchService]:
         """The service on ``data_dir`` with its runner going; ``accepts_model`` says which models are
         served; ``body_timeout_s``: the most a client may take to send each piece of a body (0: no limit).
         ``store_url``: a PostgreSQL server the replicas share ("": the SQLite file in ``data_dir``);
         then ``claim_s`` (how long a dead replica's lines wait for another) and ``poll_s`` (how often
-        the runner looks for other replicas' batches) apply (:mod:`proxy.batch.runner`)."""
+        the runner looks for other replicas' batches) apply: the proxy runs the constants of
+        :mod:`proxy.batch.runner`; a test may pass shorter ones."""
         async with StoreThread.open(data_dir, store_url) as db:
             runner = BatchRunner(
                 db,

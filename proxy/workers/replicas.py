@@ -1,6 +1,6 @@
 """Several proxy replicas, one fleet: one leads the workers, the others follow its roster.
 
-With ``[store] url`` every replica runs a :class:`ReplicaPool`. Each ``store.poll_s`` it stamps itself
+With ``[store] url`` every replica runs a :class:`ReplicaPool`. Every :data:`POLL_S` it stamps itself
 alive, takes or renews the leader lease (:mod:`proxy.store.lease`) and, as the leader, publishes its
 workers to the roster (:mod:`proxy.store.roster`); a follower reads the roster instead.
 
@@ -49,9 +49,20 @@ from proxy.workers.base import (
 from proxy.workers.followed import FollowedPool, record_of
 from proxy.workers.lease import owner
 
-__all__ = ["ReplicaPool", "Tick"]
+__all__ = ["LEADER_LEASE_S", "POLL_S", "ReplicaPool", "Tick"]
 
 _log = logging.getLogger(__name__)
+
+# How often a replica looks at the store: it stamps itself alive, takes or renews the leader lease, and
+# publishes (the leader) or reads (a follower) the roster. A look is a few statements, a few milliseconds
+# on a PostgreSQL server in the same network: a second costs the server next to nothing per replica, and
+# keeps a follower's view of the workers at most a second behind the leader's.
+POLL_S = 1.0
+# How long the leader's lease lasts unrenewed. Issue 45 wants a new leader within 15 s of the old one's
+# death: the first replica to look after the lease ran out takes it, at most LEADER_LEASE_S + POLL_S
+# (11 s) after the last renewal, which leaves room for a slow look. Ten renewals in a row must fail
+# before a live leader loses it, so a store that restarts or fails over in a few seconds changes no leader.
+LEADER_LEASE_S = 10.0
 
 Fence = Callable[[], int | None]
 Leading = Callable[[], AbstractAsyncContextManager[None]]
@@ -112,7 +123,8 @@ class _Store:
 
 class ReplicaPool:
     """Implements :class:`~proxy.workers.base.WorkerPool`, ``WorkerLogs`` and ``PlannedLaunches``: the
-    leader's supervisor while this replica leads and has taken the workers over, else the roster."""
+    leader's supervisor while this replica leads and has taken the workers over, else the roster.
+    The proxy runs it with :data:`LEADER_LEASE_S` and :data:`POLL_S`; a test may pass shorter ones."""
 
     def __init__(
         self,
@@ -120,11 +132,13 @@ class ReplicaPool:
         *,
         url: str,
         data_dir: Path,
-        lease_s: float,
-        poll_s: float,
+        lease_s: float = LEADER_LEASE_S,
+        poll_s: float = POLL_S,
         clock: Callable[[], float] = time.time,
         replica: str | None = None,
     ) -> None:
+        if lease_s < 2 * poll_s:  # the leader renews its lease each poll: one late look must not lose it
+            raise ValueError(f"lease_s ({lease_s:g} s) must be at least twice poll_s ({poll_s:g} s)")
         self.replica = replica or str(owner()["id"])  # this process's, as its workers' leases name it
         self._make_pool = make_pool
         self._store_args = (url, data_dir, self.replica, lease_s)

@@ -140,8 +140,8 @@ async def serve_batches(
             await runner.cleanup()
 
 
-async def wait_final_over_http(client: openai.AsyncOpenAI, batch_id: str) -> Any:
-    """Poll ``batches.retrieve`` until the batch ends; the openai ``Batch``."""
+async def wait_final_over_http(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 20) -> Any:
+    """Poll ``batches.retrieve`` until the batch ends (within ``timeout`` seconds); the openai ``Batch``."""
     batch: Any = None
 
     async def ended() -> bool:
@@ -149,7 +149,7 @@ async def wait_final_over_http(client: openai.AsyncOpenAI, batch_id: str) -> Any
         batch = await client.batches.retrieve(batch_id)
         return batch.status in FINAL
 
-    await wait_until(ended, "the batch in a final status", timeout=20)
+    await wait_until(ended, "the batch in a final status", timeout=timeout)
     return batch
 
 

@@ -7,10 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from proxy.batch import BatchStore, owner_of
+from proxy.batch.runner import CLAIM_S, POLL_S
+from proxy.workers import replicas
 from tests.batch.conftest import CHAT, jsonl, request_line
 
 OWNER = owner_of("key-a")
-NOW, CLAIM_S = 1_000_000.0, 30.0
+NOW = 1_000_000.0  # the store's clock, as the runner passes it: the claims' own time, no wall clock
+
+
+def test_a_dead_replicas_lines_move_within_the_failover_target_and_a_live_one_rides_out_the_lease() -> None:
+    """Issue 45: what a dead replica held moves within 15 s; a live one loses its lines to no store outage
+    its leader lease rides out (the claim renewed every third of its life: two renewals may fail)."""
+    assert CLAIM_S + POLL_S <= 15.0
+    assert CLAIM_S * 2 / 3 >= replicas.LEADER_LEASE_S - replicas.POLL_S
 
 
 def _batch(store: BatchStore, lines: int) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from proxy.batch import BatchService, owner_of
+from proxy.batch.runner import CLAIM_S
 from proxy.workers.supervisor import free_port
 from tests.batch.conftest import (
     CHAT,
@@ -74,7 +75,7 @@ async def test_a_replica_killed_mid_batch_leaves_it_to_the_other(tmp_path: Path,
     sim = [sys.executable, "-m", "proxy", "sim", "--port", str(worker_port), "--max-running-requests", "8"]
     sim += ["--sim-time-scale", "2", "--sim-startup-seconds", "0.2"]
     policy = POLICY.format(worker=f"http://127.0.0.1:{worker_port}")
-    policy += f'[store]\nurl = "{postgres_url}"\nclaim_s = 2\npoll_s = 0.2\n'
+    policy += f'[store]\nurl = "{postgres_url}"\n'  # the claims as shipped: the killed one's lines wait CLAIM_S
     ids = [f"line-{n:02d}" for n in range(lines_n)]
     lines = [request_line(i, model=MODEL, max_tokens=64, sim_output_len=64) for i in ids]
     folders = [tmp_path / "a", tmp_path / "b"]
@@ -98,7 +99,7 @@ async def test_a_replica_killed_mid_batch_leaves_it_to_the_other(tmp_path: Path,
             doomed.wait()
             async with _client(url_b) as client:
                 found = await client.batches.retrieve(created.id)
-                batch = await wait_final_over_http(client, created.id)
+                batch = await wait_final_over_http(client, created.id, timeout=CLAIM_S + 20)
                 output = await content_lines(client, batch.output_file_id)
 
     assert found.request_counts is not None and found.request_counts.completed < lines_n  # killed mid-batch

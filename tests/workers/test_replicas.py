@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from proxy.workers.base import LaunchPlanner, LineListener, StateListener, WorkerInfo, WorkerState
-from proxy.workers.replicas import Fence, ReplicaPool
+from proxy.workers.replicas import LEADER_LEASE_S, POLL_S, Fence, ReplicaPool
 from proxy.workers.supervisor import WorkerError
 from tests.harness.wait import wait_until
 
-POLL_S = 0.05
+TEST_POLL_S = 0.05  # short values passed to the pool itself: the shipped ones are the module's constants
 LEASE_S = 0.5
 
 
@@ -92,7 +92,7 @@ async def replica(
         url=store_url,
         data_dir=tmp_path,
         lease_s=LEASE_S,
-        poll_s=POLL_S,
+        poll_s=TEST_POLL_S,
         clock=clock or time.time,
         replica=f"replica-{id(log)}",  # two replicas in one process: each an id of its own
     )
@@ -142,3 +142,11 @@ async def test_a_leader_whose_lease_ran_out_acts_no_more(tmp_path: Path, store_u
         with pytest.raises(WorkerError, match="ran out"):
             await a.restart("w0", {}, "fenced")
         assert not made[0].restarted
+
+
+def test_the_shipped_lease_gives_a_new_leader_within_15_s_and_survives_a_late_look(tmp_path: Path) -> None:
+    """Issue 45: a new leader within 15 s of the old one's death (the lease run out, then one look)."""
+    assert LEADER_LEASE_S + POLL_S <= 15.0
+    assert LEADER_LEASE_S >= 2 * POLL_S
+    with pytest.raises(ValueError, match="at least twice"):
+        ReplicaPool(lambda fence: StandIn(fence, []), url="", data_dir=tmp_path, lease_s=0.1, poll_s=0.1)

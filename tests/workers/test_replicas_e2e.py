@@ -1,7 +1,7 @@
 """Several proxies, one fleet: three real ``pacer serve`` replicas on a real PostgreSQL, in front of the
 simulated workers their leader launched, with bursty traffic on all three and a batch in progress.
 The leader SIGKILLed: no worker restarted (the same pids, the same server start), a surviving replica
-leads within 15 s (the default lease), every batch line answered once, every request to a survivor
+leads within 15 s (the shipped lease), every batch line answered once, every request to a survivor
 answered (their p99 within 1.5 x of before), each worker's queue under the band's top throughout.
 """
 
@@ -30,6 +30,7 @@ from loadtests.failover import (
     settled,
     stop_leased_workers,
 )
+from proxy.batch.runner import CLAIM_S
 from tests.batch.conftest import CHAT, content_lines, jsonl, request_line, wait_final_over_http
 from tests.batch.test_sigkill import MODEL
 from tests.harness.wait import wait_until
@@ -99,7 +100,7 @@ async def test_the_leader_killed_under_load_hands_the_fleet_over_without_a_resta
                 starts_after = {wid: (await get_json(session, w["url"] + "/server_info"))["startup_time"]
                                 for wid, w in after["workers"].items()}  # fmt: skip
                 async with _client(fleet.urls[max(survivors)]) as client:
-                    ended = await wait_final_over_http(client, batch.id)
+                    ended = await wait_final_over_http(client, batch.id, timeout=CLAIM_S + 20)
                     output = await content_lines(client, ended.output_file_id)
     finally:
         stop_leased_workers(log_dir)
