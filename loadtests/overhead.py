@@ -483,13 +483,18 @@ def summary(report: dict[str, Any]) -> list[str]:
 
 @contextlib.contextmanager
 def _arms(
-    logs: Path, time_scale: float, args: argparse.Namespace, tag: str, started: list[dict[str, Any]]
+    logs: Path,
+    time_scale: float,
+    args: argparse.Namespace,
+    tag: str,
+    pins: dict[str, frozenset[int]],
+    started: list[dict[str, Any]],
 ) -> Iterator[Bench]:
-    """One worker, and pacer and sglang-router in front of it. Each process is listed in ``started``
-    (name, pid, ports) and stopped on the way out."""
+    """One worker, and pacer and sglang-router in front of it, on the CPUs ``pins`` gives (planned before
+    the client pinned itself). Each process is listed in ``started`` (name, pid, ports, the CPUs it may
+    run on, read back) and stopped on the way out."""
     probe = args.loop_lag
     with contextlib.ExitStack() as stack:
-        pins = cpu_plan(args.pin)
         sim = stack.enter_context(
             start_sim(
                 logs,
@@ -520,7 +525,17 @@ def _arms(
             )
         )
         procs = {"worker": sim, "pacer": pacer, "sglang-router": router}
-        started.extend({"name": p.name, "pid": p.pid, "ports": list(p.ports)} for p in procs.values())
+        started.extend(
+            {
+                "name": p.name,
+                "role": n,
+                "pid": p.pid,
+                "ports": list(p.ports),
+                "cpus": sorted(os.sched_getaffinity(p.pid)),
+            }
+            for n, p in procs.items()
+        )
+        check_pinned({n: os.sched_getaffinity(p.pid) for n, p in procs.items()}, pins)
         lag_files = {n: p.lag_file for n, p in procs.items() if p.lag_file is not None}
         if probe:
             lag_files["client"] = logs / f"{tag}-client-lag.jsonl"
@@ -531,15 +546,27 @@ def _arms(
                 raise RuntimeError(f"{p.name} died during the benchmark:\n{p.log_tail()}")
 
 
-def cpu_plan(pin: bool) -> dict[str, frozenset[int]]:
-    """Which CPUs each role may use: with ``pin`` and at least two CPUs, the proxy (or the router; only
-    one of them carries traffic at a time) gets the last CPU to itself among the benchmark's processes,
-    and the worker and the client share the others. Empty without pinning (the OS places everything)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not pin or len(cpus) < 2:
+def cpu_plan(pin: bool, cpus: frozenset[int] | None = None) -> dict[str, frozenset[int]]:
+    """Which of ``cpus`` (this process's, by default) each role may use: with ``pin`` and at least two,
+    the proxy (or the router; only one of them carries traffic at a time) gets the last CPU to itself
+    among the benchmark's processes, and the worker and the client share the others. Empty without
+    pinning (the OS places everything). Plan once, before the client pins itself: asked again after,
+    the client's one CPU would be all there is."""
+    ordered = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if not pin or len(ordered) < 2:
         return {}
-    rest = frozenset(cpus[:-1])
-    return {"middle": frozenset(cpus[-1:]), "worker": rest, "client": rest}
+    rest = frozenset(ordered[:-1])
+    return {"middle": frozenset(ordered[-1:]), "worker": rest, "client": rest}
+
+
+def check_pinned(actual: dict[str, set[int]], pins: dict[str, frozenset[int]]) -> None:
+    """Raise unless each process (by role) may run on exactly the CPUs planned for it."""
+    if not pins:
+        return
+    planned = {role: pins["worker" if role == "worker" else "middle"] for role in actual}
+    wrong = {role: sorted(cpus) for role, cpus in actual.items() if set(cpus) != set(planned[role])}
+    if wrong:
+        raise RuntimeError(f"processes not on their planned CPUs: {wrong}, planned {_pins_text(pins)}")
 
 
 @contextlib.contextmanager
@@ -573,12 +600,13 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     phases: dict[str, Rounds] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_client_pinned(pins.get("client")))
+        client_cpus = sorted(os.sched_getaffinity(0))
         logs = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for phase, scale, output_len in (
             ("latency", args.time_scale, args.output_len),
             ("stream", args.stream_time_scale, args.stream_output_len),
         ):
-            with _arms(logs, scale, args, phase, started) as bench:
+            with _arms(logs, scale, args, phase, pins, started) as bench:
                 body = completion_body(_model(bench.urls["direct"]), PROMPT, output_len)
                 say(
                     f"{phase} phase: worker x{scale:g}, "
@@ -589,15 +617,18 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     report = aggregate(phases["latency"], phases["stream"])
     report["settings"] = {k: v for k, v in vars(args).items() if k not in ("report", "log_dir")}
     report["cpu_count"] = os.cpu_count()
-    report["cpu_affinity"] = (
-        {"pacer": sorted(pins["middle"]), "sglang-router": sorted(pins["middle"]), "worker": sorted(pins["worker"]),
-         "client": sorted(pins["client"])}
-        if pins
-        else None
-    )  # fmt: skip
+    report["cpu_affinity"] = affinity_by_role(started, client_cpus) if pins else None
     report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     report["processes"] = started  # all stopped by now
     return report
+
+
+def affinity_by_role(started: list[dict[str, Any]], client_cpus: list[int]) -> dict[str, list[int]]:
+    """The CPUs each role may run on, read back from its processes (both phases together) and the client."""
+    by_role: dict[str, set[int]] = {"client": set(client_cpus)}
+    for p in started:
+        by_role.setdefault(p["role"], set()).update(p["cpus"])
+    return {role: sorted(cpus) for role, cpus in by_role.items()}
 
 
 def _pins_text(pins: dict[str, frozenset[int]]) -> str:

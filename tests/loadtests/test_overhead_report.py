@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,17 @@ import pytest
 
 from loadtests.loadgen import Outcome, RunResult, summarize
 from loadtests.loop_lag import LagProbe, Stall, read_window, written_past
-from loadtests.overhead import ARMS, aggregate, summary, table, tail_stalls, usage_window
+from loadtests.overhead import (
+    ARMS,
+    affinity_by_role,
+    aggregate,
+    check_pinned,
+    cpu_plan,
+    summary,
+    table,
+    tail_stalls,
+    usage_window,
+)
 from tests.harness.wait import wait_until
 
 ROLES = ("client", "worker", "pacer", "sglang-router")
@@ -80,6 +91,18 @@ def test_no_round_under_the_limit_means_no_latency_figure() -> None:
     assert "  pacer          no round timed (0 of 1 rounds; most waited per round: 30 % starved (client))" in "\n".join(
         summary(report)
     )
+
+
+def test_the_proxy_gets_a_cpu_of_its_own_planned_from_the_cpus_before_the_client_pins_itself() -> None:
+    pins = cpu_plan(True, frozenset({0, 1, 2}))
+    assert pins == {"middle": {2}, "worker": {0, 1}, "client": {0, 1}}
+    # planned again from the pinned client's CPUs there is nothing to split: everything would share them
+    assert cpu_plan(True, pins["client"] - {1}) == {} and cpu_plan(False, frozenset({0, 1})) == {}
+    check_pinned({"worker": {0, 1}, "pacer": {2}, "sglang-router": {2}}, pins)
+    with pytest.raises(RuntimeError, match=re.escape("not on their planned CPUs: {'pacer': [0]}")):
+        check_pinned({"worker": {0}, "pacer": {0}, "sglang-router": {2}}, cpu_plan(True, frozenset({0, 2})))
+    started = [{"role": "worker", "cpus": [0, 1]}, {"role": "pacer", "cpus": [2]}, {"role": "pacer", "cpus": [1]}]
+    assert affinity_by_role(started, [0, 1]) == {"client": [0, 1], "worker": [0, 1], "pacer": [1, 2]}
 
 
 def test_a_stall_is_named_after_what_held_the_loop() -> None:

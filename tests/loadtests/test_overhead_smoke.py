@@ -134,7 +134,7 @@ def test_the_event_loops_of_the_client_worker_and_proxy_were_probed(tiny_run: tu
 def test_the_proxy_and_router_share_a_cpu_of_their_own_and_every_process_is_stopped(tiny_run: tuple[dict, str]) -> None:
     report, _ = tiny_run
     if len(os.sched_getaffinity(0)) >= 2:
-        pins = report["cpu_affinity"]
+        pins = report["cpu_affinity"]  # read back from the processes of both phases, not the plan
         assert pins["pacer"] == pins["sglang-router"] and len(pins["pacer"]) == 1
         assert pins["worker"] == pins["client"] and not set(pins["pacer"]) & set(pins["worker"])
     procs = report["processes"]
