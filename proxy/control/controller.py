@@ -243,7 +243,7 @@ class Controller:
             reader = self.engine.log_reader()
             return [*reader.feed(line, now), *reader.flush(now)]
 
-        decisions = before_launch(worker_id, args, forecast, self.rules, now)
+        decisions = before_launch(worker_id, args, forecast, self.rules, now, lambda a: self._twin(a).resolved(a))
         status = Status.APPLIED if self.mode is ControlMode.AUTO else Status.ADVISED
         for decision in decisions:
             self.journal.record(decision, mode=self.mode, status=status,

@@ -609,13 +609,15 @@ def before_launch(
     forecast: Callable[[Mapping[str, object]], Sequence[LogEvent]],
     s: RuleSettings,
     now: float,
+    resolved: Callable[[Mapping[str, object]], Mapping[str, float]] | None = None,
 ) -> tuple[Decision, ...]:
     """The start-up rules (:data:`START_UP`) read on ``forecast(args)``, the events a model of the
     worker says its start-up line would be, before the worker is launched: each decision's new
     arguments are the next forecast's, until no rule moves, a move would undo an earlier one (the
     forecast disagrees with itself: the worker's own line will say), or :data:`LAUNCH_STEPS`. The
     last decision's ``new_args`` are the ones to launch with (no decision: ``args``). A forecast
-    without a start-up line says nothing."""
+    without a start-up line says nothing. ``resolved``: what the model says the engine would choose for
+    unset arguments its line does not print (the memory fraction), as the worker's server info says."""
     decisions: list[Decision] = []
     current = dict(args)
     ways: dict[str, int] = {}  # each moved knob: which way
@@ -623,7 +625,10 @@ def before_launch(
         window = Window(span_s=s.constants.window_s).push_all(replace(e, time=now) for e in forecast(current))
         if window.startup is None:
             break
-        decision = evaluate(window, ControlState.initial(worker_id, current), s, START_UP).decision
+        state = ControlState.initial(worker_id, current)
+        if resolved is not None:
+            state = state.with_resolved(resolved(current))
+        decision = evaluate(window, state, s, START_UP).decision
         if decision is None or decision.action is not Action.RESTART or decision.knob is None:
             break
         if ways.setdefault(decision.knob, decision.direction) != decision.direction:

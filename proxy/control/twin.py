@@ -24,7 +24,7 @@ from proxy.engines.contract import Engine
 from proxy.sim.config import SimConfig, SimConfigError
 from proxy.sim.presets import GPUS, MIB
 from proxy.sim.startup import capacity_line
-from proxy.sim.twin import TWIN_ENGINE, graph_max_bs, prefill_chunk, twin_config
+from proxy.sim.twin import TWIN_ENGINE, graph_max_bs, memory_fraction, prefill_chunk, twin_config
 from proxy.sim.virtual import simulate
 
 __all__ = ["MIN_SPAN_LINES", "TWIN_NAMES", "ArgNames", "DecodeStats", "Prediction", "Twin", "calibrate"]
@@ -144,6 +144,17 @@ class Twin:
                            decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
                            graph_max_bs=graph_max_bs(cfg), pool_tokens=cfg.memory.max_total_num_tokens,
                            model=f"{self.model} on {self.gpu}")  # fmt: skip
+
+    def resolved(self, args: Mapping[str, object]) -> dict[str, float]:
+        """What the twin's engine chooses under ``args`` for an unset argument its start-up line does not
+        print (the memory fraction), keyed as the engine's knob reads it: the forecast's resolved values."""
+        knob = self.engine.knobs.get(KnobName.MEMORY_FRACTION)
+        if knob is None or knob.resolved_field is None:
+            return {}
+        try:
+            return {knob.resolved_field: memory_fraction(self.config(args))}
+        except SimConfigError:
+            return {}
 
     def startup_line(self, args: Mapping[str, object]) -> str | None:
         """The start-up line this worker would print under ``args`` (resolved capacity, free memory), as

@@ -182,6 +182,21 @@ def test_before_the_launch_idle_memory_is_sized_into_the_band() -> None:
     assert 2.0 <= free <= 10.0
 
 
+def test_before_the_launch_an_unset_memory_fraction_is_read_from_the_twin() -> None:
+    """A 1B model on an H200 with no memory fraction set: SGLang's default leaves 12.06 GB free. The
+    start-up line does not print the fraction, so the forecast reads the one the twin's engine resolves
+    (as a worker's server info would): raised before the launch, not by a restart after it."""
+    twin = Twin("h200-141gb", "llama-3.2-1b")
+    settings = _settings("h200-141gb", "llama-3.2-1b")
+    args = {"schedule_policy": "lpm"}
+    forecast = _forecast("h200-141gb", "llama-3.2-1b")
+    assert before_launch("w0", args, forecast, settings, 0.0) == ()  # the fraction unknown: nothing moves
+    (d,) = before_launch("w0", args, forecast, settings, 0.0, twin.resolved)
+    assert d.rule == "memory_headroom" and d.changes == {"mem_fraction_static": (None, 0.942)}
+    assert "raise mem_fraction_static 0.907 -> 0.942" in d.reason
+    assert 5.0 <= twin.config(d.new_args).memory.available_gb <= 10.0
+
+
 def _line(free_gb: float) -> LogEvent:
     return LogEvent(
         kind=EventKind.STARTUP, time=0.0, fields={"available_gpu_mem_gb": free_gb, "max_total_tokens": 100_000}
