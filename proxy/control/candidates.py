@@ -21,7 +21,7 @@ from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
 from proxy.engines.base import KnobName
 from proxy.sim.config import SimConfigError
-from proxy.sim.twin import graph_max_bs, memory_fraction, prefill_chunk, queue_order
+from proxy.sim.twin import graph_max_bs, memory_fraction, prefill_chunk, queue_order, running_cap
 
 __all__ = [
     "Replayed",
@@ -174,9 +174,10 @@ def lever_candidates(
 
 def free_floor_gb(twin: Twin, args: Mapping[str, object], settings: PlanSettings, peak_running: int = 0) -> float:
     """The least free memory at start-up a candidate may leave: :data:`ACTIVATION_MARGIN` x the twin's
-    activations for a full prefill chunk and for a decode batch of ``peak_running`` past the CUDA graphs;
-    where the twin's model is not known to be the worker's (``settings.activations_known``), at least
-    the band's floor too."""
+    activations for a full prefill chunk and for a decode batch of ``peak_running`` past the CUDA graphs,
+    and the activations of the candidate's whole running cap past them (what ``activations_fit`` checks
+    on the start-up line: less, and the safety net restarts the worker again at once); where the twin's
+    model is not known to be the worker's (``settings.activations_known``), at least the band's floor."""
     act = twin.activations(args)
     if act is None:
         return settings.min_available_gb
@@ -185,9 +186,12 @@ def free_floor_gb(twin: Twin, args: Mapping[str, object], settings: PlanSettings
     except SimConfigError:
         return settings.min_available_gb
     past_graphs = peak_running if peak_running > act.graph_max_bs else 0
+    cap = running_cap(cfg)
+    whole_cap = cap if cap > act.graph_max_bs else 0  # as activations_fit counts it
     derived = max(
         act.free_floor_gb(prefill_chunk(cfg) or cfg.max_prefill_tokens),
         ACTIVATION_MARGIN * past_graphs * act.decode_mib_per_seq / 1024,
+        whole_cap * act.decode_mib_per_seq / 1024,
     )
     return derived if settings.activations_known else max(settings.min_available_gb, derived)
 

@@ -797,3 +797,20 @@ def test_a_plan_replays_at_least_twice_the_batch_the_worker_ran():
 
     assert replayed_requests(300, 1350) == 2700
     assert replayed_requests(300, 150) == 300 and replayed_requests(300, None) == 300
+
+
+def test_a_larger_pool_leaves_room_for_the_running_caps_decode_activations():
+    """An A100-40GB at SGLang's running cap (2,048) with graphs to 160: the start-up rule would lower the
+    cap where 2,048 x 1.25 MiB do not fit the free memory, a second restart at once. The floor a planned
+    pool keeps is at least that (2.5 GB): 0.94 (1.56 GB free) is refused, 0.9 (3.15 GB) is not."""
+    from proxy.control.candidates import free_floor_gb
+
+    twin = Twin("a100-40gb", MODEL)
+    known = PlanSettings(activations_known=True)
+    args = {"cuda_graph_max_bs_decode": 160, "mem_fraction_static": 0.94}
+    assert free_floor_gb(twin, args, known, peak_running=190) == pytest.approx(2.5)
+    assert (
+        twin.config(args).memory.available_gb
+        < 2.5
+        < twin.config({**args, "mem_fraction_static": 0.9}).memory.available_gb
+    )
