@@ -56,6 +56,9 @@ def _knob_values() -> list[tuple[str, object]]:
     rules = RuleSettings(control=ControlSettings(), knobs=KNOBS)
     out: list[tuple[str, object]] = []
     for knob in KNOBS.values():
+        if knob.choices:  # a knob that takes names: each of them
+            out += [(knob.arg, choice) for choice in knob.choices]
+            continue
         vals = {knob.minimum, knob.maximum, *knob.ladder}
         if knob.disabled is not None:
             vals.add(knob.disabled)

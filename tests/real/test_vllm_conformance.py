@@ -23,6 +23,8 @@ ALWAYS = {"model": "tiny-llama", "host": HOST, "port": PORT}
 def _values(spec: FlagSpec) -> list[object]:
     if spec.type == "bool":
         return [True, False]
+    if spec.type == "int_list":
+        return [[1], [1, 2, 4, 8, 16, 32]]
     if spec.type in ("int", "float"):
         low = spec.minimum if spec.minimum is not None else 0
         high = spec.maximum if spec.maximum is not None else low + 4096
