@@ -156,12 +156,14 @@ def lever_candidates(
     except SimConfigError:
         return []
     out: list[dict[str, object]] = []
-    if names.queue_order is not None and sharing_known:
+    order = twin.engine.knobs.get(KnobName.QUEUE_ORDER)
+    if names.queue_order is not None and order is not None and sharing_known:
+        by_prefix, by_arrival = order.choices  # the knob's two orders (its table says which is which)
         policy = queue_order(cfg)
-        if policy == "lpm":
-            out.append({**args, names.queue_order: "fcfs"})
-        elif policy == "fcfs" and any(sp.shared for sp in loaded.specs):
-            out.append({**args, names.queue_order: "lpm"})
+        if policy == by_prefix:
+            out.append({**args, names.queue_order: by_arrival})
+        elif policy == by_arrival and any(sp.shared for sp in loaded.specs):
+            out.append({**args, names.queue_order: by_prefix})
     knob = twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
     now = graph_max_bs(cfg)
     if names.graph_max_bs is not None and knob is not None and now > 0 and peak_running > now:
@@ -185,13 +187,10 @@ def free_floor_gb(twin: Twin, args: Mapping[str, object], settings: PlanSettings
         cfg = twin.config(args)
     except SimConfigError:
         return settings.min_available_gb
-    past_graphs = peak_running if peak_running > act.graph_max_bs else 0
-    cap = running_cap(cfg)
-    whole_cap = cap if cap > act.graph_max_bs else 0  # as activations_fit counts it
     derived = max(
         act.free_floor_gb(prefill_chunk(cfg) or cfg.max_prefill_tokens),
-        ACTIVATION_MARGIN * past_graphs * act.decode_mib_per_seq / 1024,
-        whole_cap * act.decode_mib_per_seq / 1024,
+        ACTIVATION_MARGIN * act.decode_gb(peak_running),
+        act.decode_gb(running_cap(cfg)),  # as activations_fit counts it
     )
     return derived if settings.activations_known else max(settings.min_available_gb, derived)
 

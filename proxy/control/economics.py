@@ -65,14 +65,14 @@ class PlanSettings:
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
 
 
+RUNNING_SAMPLES = 2  # the running batch and as many again arriving behind it
+
+
 def replayed_requests(base: int, peak_running: int | None) -> int:
     """How many of the newest answers a plan replays: ``base``, or twice the largest batch the worker
     ran where that is more. A replay of fewer requests than the worker ran at once never fills the
     batch the worker ran: the twin is then judged, and prices candidates, on another engine's load."""
     return max(base, RUNNING_SAMPLES * int(peak_running or 0))
-
-
-RUNNING_SAMPLES = 2  # the running batch and as many again arriving behind it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

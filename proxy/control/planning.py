@@ -179,7 +179,7 @@ class Planning:
             refill_prompt_tokens=running * (prompts + written * kept),
             refill_requests=round(running),
         )
-        gate = self._surroundings.queue_gate(w.state.worker_id)
+        queue_gate = self._surroundings.queue_gate(w.state.worker_id)
         settings = PlanSettings(
             horizon_s=horizon.seconds,
             backlog=horizon.basis != "configured",  # the backlog outlasts the configured horizon
@@ -195,8 +195,8 @@ class Planning:
             min_available_gb=c.available_mem_band_gb[0],
             activations_known=worker_activations(w.window, w.state, self._roster.rules) is not None,
             max_available_gb=c.available_mem_band_gb[1],
-            engine_queue=gate[0] if gate is not None else None,
-            gate_period_s=gate[1] if gate is not None else 0.0,
+            engine_queue=queue_gate[0] if queue_gate is not None else None,
+            gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,

@@ -73,6 +73,11 @@ class Activations:
         tokens with :data:`ACTIVATION_MARGIN` to spare (GB as SGLang reports it: GiB)."""
         return max(MIN_FREE_GB, ACTIVATION_MARGIN * chunk * self.prefill_mib_per_token / 1024)
 
+    def decode_gb(self, batch: float) -> float:
+        """The activations of a decode batch of ``batch`` requests where it runs without the CUDA graphs
+        (larger than they cover; 0 where they cover it), in GB as SGLang reports it."""
+        return batch * self.decode_mib_per_seq / 1024 if batch > self.graph_max_bs else 0.0
+
 
 # The free-memory floor where a model of the worker's activations is its own (``free_floor_gb``); the
 # band's fixed floor is used only where none is. The activations are presets, not measured (an engine
@@ -519,12 +524,12 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
             )  # fmt: skip
     running_knob = s.knobs.get(KnobName.MAX_RUNNING)
     running = _current(running_knob, window, state) if running_knob else None
-    if running_knob is None or running is None or running <= act.graph_max_bs:
+    if running_knob is None or running is None:
         return None
-    if running * act.decode_mib_per_seq <= free_mib:
+    need_gb = act.decode_gb(running)
+    if need_gb <= free:
         return None
     cap = max(act.graph_max_bs, int(s.bounds(KnobName.MAX_RUNNING)[0]), int(free_mib / act.decode_mib_per_seq))
-    need_gb = running * act.decode_mib_per_seq / 1024
     return _move(
         window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
         new_value=cap, direction=-1,

@@ -86,7 +86,7 @@ class KnobName(StrEnum):
     MAX_RUNNING = "max_running"  # cap on requests in the running batch
     MEMORY_FRACTION = "memory_fraction"  # share of device memory for weights + KV pool
     MAX_CONTEXT = "max_context"  # longest request (prompt + output) the engine accepts; must fit the KV cache
-    QUEUE_ORDER = "queue_order"  # the waiting queue's order: by cached prefix, or first come first served
+    QUEUE_ORDER = "queue_order"  # the waiting queue's order; its choices: (by cached prefix, by arrival)
     GRAPH_MAX_BS = "graph_max_bs"  # the largest decode batch run as a captured CUDA graph (more: more memory)
 
 

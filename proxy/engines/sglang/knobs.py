@@ -10,7 +10,7 @@ it is unset, and the values SGLang accepts (reference/sglang.md, section 4 and t
 | prefill_chunk | ``chunked_prefill_size`` | by GPU memory (2048..16384), start-up line | 512 .. 16384, ``-1`` disables |
 | max_running | ``max_running_requests`` | from KV capacity, start-up line | >= 1 |
 | memory_fraction | ``mem_fraction_static`` | from GPU memory (about 0.83 on an H100) | 0 .. 1, 0.01 steps |
-| schedule_policy | ``schedule_policy`` | ``fcfs`` | ``lpm`` or ``fcfs`` (the controller's choice of SGLang's nine) |
+| queue_order | ``schedule_policy`` | ``fcfs`` | ``lpm`` or ``fcfs`` (the controller's choice of SGLang's nine) |
 | graph_max_bs | ``cuda_graph_max_bs_decode`` (0.5.x; ``cuda_graph_max_bs`` before) | by GPU memory and tp (8..512) | 1 .. 1024 |
 
 ``mem_fraction_static`` is not printed at start-up; when the policy leaves it unset the controller
@@ -64,7 +64,7 @@ KNOBS: Mapping[KnobName, Knob] = {
         default=None,
         minimum=0,
         maximum=0,
-        choices=("lpm", "fcfs"),
+        choices=("lpm", "fcfs"),  # (by cached prefix, by arrival), as QUEUE_ORDER reads them
     ),
     KnobName.GRAPH_MAX_BS: Knob(
         name=KnobName.GRAPH_MAX_BS,
