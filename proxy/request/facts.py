@@ -34,10 +34,8 @@ __all__ = [
     "RequestFact",
     "WorkerFacts",
     "read_usage",
-    "read_usage_cached",
     "strip_usage",
     "usage_of_stream",
-    "usage_of_stream_cached",
 ]
 
 _KEEP = 2048  # answers kept per worker: a plan replays up to twice the running batch (economics)
@@ -178,14 +176,10 @@ class WorkerFacts:
         }
 
 
-def read_usage(body: bytes) -> tuple[int | None, int | None, str | None]:
-    """(prompt tokens, output tokens, first finish reason) of a whole JSON answer (Nones: not said)."""
-    return read_usage_cached(body)[:3]
-
-
-def read_usage_cached(body: bytes) -> tuple[int | None, int | None, str | None, int | None]:
-    """:func:`read_usage` and the prompt tokens the engine found cached (``usage.prompt_tokens_details
-    .cached_tokens``, OpenAI's shape: SGLang with ``--enable-cache-report``, vLLM), in one parse."""
+def read_usage(body: bytes) -> tuple[int | None, int | None, str | None, int | None]:
+    """(prompt tokens, output tokens, first finish reason, prompt tokens the engine found cached) of a
+    whole JSON answer, in one parse (Nones: not said). Cached tokens are OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` (SGLang with ``--enable-cache-report``, vLLM)."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -217,13 +211,9 @@ def _usage_fields(payload: Any) -> tuple[int | None, int | None, str | None]:
     return prompt, output, reason
 
 
-def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None]:
-    """The usage and finish reason in the last events of a stream (``tail``: its last chunks)."""
-    return usage_of_stream_cached(tail)[:3]
-
-
-def usage_of_stream_cached(tail: bytes) -> tuple[int | None, int | None, str | None, int | None]:
-    """:func:`usage_of_stream` and the prompt tokens the engine found cached (as :func:`read_usage_cached`)."""
+def usage_of_stream(tail: bytes) -> tuple[int | None, int | None, str | None, int | None]:
+    """The usage, finish reason and cached prompt tokens (as :func:`read_usage`) in the last events of a
+    stream (``tail``: its last chunks)."""
     prompt = output = cached = None
     reason = None
     for event in tail.split(b"\n\n"):

@@ -20,7 +20,7 @@ from proxy.request.admission import Priority
 from proxy.request.attempt import Attempt, AttemptFailed
 from proxy.request.continuation import Capped
 from proxy.request.dispatch import ProxyClosing
-from proxy.request.facts import RequestFact, read_usage_cached, usage_of_stream_cached
+from proxy.request.facts import RequestFact, read_usage, usage_of_stream
 from proxy.request.job import Job
 from proxy.request.path import RequestMetrics, RequestPath
 from proxy.request.sse import has_output
@@ -193,11 +193,11 @@ def record_fact(
     cached: int | None = None
     if opened.resp is None:
         prompt, output, reason, cached = (
-            read_usage_cached(opened.body or b"") if opened.status == 200 else (None, None, None, None)
+            read_usage(opened.body or b"") if opened.status == 200 else (None, None, None, None)
         )
         ttft = None  # a whole answer: its first token is not seen
     else:
-        prompt, output, reason, cached = usage_of_stream_cached(opened.tail)
+        prompt, output, reason, cached = usage_of_stream(opened.tail)
         ttft = opened.opened_at - dispatched
     path.board.get(attempt.worker_id).facts.record(
         RequestFact(

@@ -12,10 +12,10 @@ LAST = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_r
 
 def test_usage_of_whole_answers_and_stream_tails():
     body = b'{"choices":[{"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":9}}'
-    assert read_usage(body) == (3, 9, "length")
-    assert read_usage(b"not json") == (None, None, None)
-    assert usage_of_stream(LAST + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n") == (7, 5, "stop")
-    assert usage_of_stream(b"data: [DONE]\n\n") == (None, None, None)
+    assert read_usage(body) == (3, 9, "length", None)
+    assert read_usage(b"not json") == (None, None, None, None)
+    assert usage_of_stream(LAST + b"\n\n" + USAGE + b"\n\ndata: [DONE]\n\n") == (7, 5, "stop", None)
+    assert usage_of_stream(b"data: [DONE]\n\n") == (None, None, None, None)
 
 
 def test_strip_usage_keeps_every_other_event_and_the_usage_inside_a_choice():
@@ -97,9 +97,9 @@ def test_when_the_worker_got_a_request_and_when_its_first_token_came() -> None:
 
 
 def test_the_cached_tokens_the_engine_reports_are_read_from_a_body_and_a_stream() -> None:
-    from proxy.request.facts import read_usage_cached, usage_of_stream_cached
+    from proxy.request.facts import read_usage, usage_of_stream
 
     usage = b'{"usage": {"prompt_tokens": 9, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 6}}}'
-    assert read_usage_cached(usage) == (9, 3, None, 6)
-    assert read_usage_cached(b'{"usage": {"prompt_tokens": 9, "completion_tokens": 3}}') == (9, 3, None, None)
-    assert usage_of_stream_cached(b"data: " + usage + b"\n\ndata: [DONE]\n\n") == (9, 3, None, 6)
+    assert read_usage(usage) == (9, 3, None, 6)
+    assert read_usage(b'{"usage": {"prompt_tokens": 9, "completion_tokens": 3}}') == (9, 3, None, None)
+    assert usage_of_stream(b"data: " + usage + b"\n\ndata: [DONE]\n\n") == (9, 3, None, 6)
