@@ -173,15 +173,16 @@ class Looks:
     the newest ``ERROR_LOOKS - 1`` (:func:`twin_error`); ``gains``: the candidates' gains on the paying
     looks of the count (throughput basis), which the confirming look chooses on; ``savings``: the
     candidates' waiting saved on the newest ``ERROR_LOOKS - 1`` looks that asked the waiting basis, paying
-    or not (:func:`~proxy.control.waiting.waiting_basis` weighs their mean); ``held_back``: the last
-    look's restart paid but waited for another worker's (one restart at a time), so the worker is due
-    its next look as soon as the fleet is whole again, not a whole ``plan_interval_s`` later."""
+    or not (:func:`~proxy.control.waiting.waiting_basis` weighs their mean); ``held_back``: the arguments
+    of the last look's restart, which paid but waited for another worker's (one restart at a time): the
+    worker is due its next look as soon as the fleet is whole again, not a whole ``plan_interval_s``
+    later, and a canary's promotion that reaches it first carries them too."""
 
     paying: int = 0
     errors: tuple[float, ...] = ()
     gains: tuple[Mapping[str, float], ...] = ()
     savings: tuple[Mapping[str, float], ...] = ()
-    held_back: bool = False
+    held_back: Mapping[str, object] | None = None
 
     def after(self, plan: Plan) -> Looks:
         """These looks and ``plan``'s (not yet held back: the controller says so when it is)."""

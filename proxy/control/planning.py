@@ -122,11 +122,13 @@ class Planning:
         now = roster.clock()
         jobs = []
         # in the fleet scenario w3's held-back look waited behind two merely due, ~50 modelled s
-        for wid, w in sorted(roster.workers.items(), key=lambda item: (not item[1].looks.held_back, item[1].last_plan)):
+        for wid, w in sorted(
+            roster.workers.items(), key=lambda item: (item[1].looks.held_back is None, item[1].last_plan)
+        ):
             if w.phase is not Phase.SERVING:  # not up, acting, or its plan being computed
                 continue
             if now - w.last_plan < c.plan_interval_s and not (
-                w.looks.held_back and self._trials.restart_under_way(w) is None
+                w.looks.held_back is not None and self._trials.restart_under_way(w) is None
             ):
                 continue
             if w.window.observed_s < c.min_evidence_s:
@@ -292,7 +294,7 @@ class Planning:
             return None
         waiting_for = self._trials.restart_under_way(w)
         if waiting_for is not None:  # due again as soon as the fleet is whole (plans_due)
-            w.looks = replace(w.looks, held_back=True)
+            w.looks = replace(w.looks, held_back=new)
             roster.journal_once(w, decision, f"wait:{waiting_for[0]}", now, status=Status.REFUSED,
                                 detail=waiting_for[1])  # fmt: skip
             return None

@@ -107,14 +107,20 @@ class Trials:
         if w is None or canary is None or not w.serving:
             return None
         changed = {k: v for k, v in canary.new_args.items() if canary.old_args.get(k) != v}
-        new_args = {**w.state.args, **changed}
+        # its own plan, held back behind the canary, goes with it where it moves other arguments: in the fleet
+        # scenario the roll-out reached w3 without its own fix (its running cap 64 -> 128), held back twice
+        held = w.looks.held_back or {}
+        own = {k: v for k, v in held.items() if k not in changed and w.state.args.get(k) != v}
+        new_args = {**w.state.args, **changed, **own}
         if not self._promote:
             self.canary = None
         if new_args == dict(w.state.args):
             return None
+        reason = f"the canary {canary.worker_id} beat the others with {changed}: rolled out here"
+        if own:
+            reason += f", with this worker's own plan held back behind it ({own})"
         decision = Decision(worker_id=wid, rule="canary_promote", time=now, old_args=dict(w.state.args),
-                            new_args=new_args, kind=RuleKind.TUNING,
-                            reason=f"the canary {canary.worker_id} beat the others with {changed}: rolled out here")  # fmt: skip
+                            new_args=new_args, kind=RuleKind.TUNING, reason=reason)  # fmt: skip
         entry_id = roster.journal.record(decision, mode=roster.mode, status=Status.ACTING, before=w.window.summary(),
                                          extra={"canary": canary.worker_id})  # fmt: skip
         w.move(Phase.ACTING)

@@ -587,12 +587,12 @@ def test_a_gain_inside_the_twins_error_on_the_worker_is_not_acted_on():
     # count and the paying looks' gains; a "no" drops them; a look that waited is looked at again
     looks = Looks()
     for look in (calibrated, off, calibrated, calibrated, one_high):
-        looks = replace(looks.after(look), held_back=True)
+        looks = replace(looks.after(look), held_back=dict(look.best.args))
     assert looks.errors == pytest.approx([off.current_error, calibrated.current_error, calibrated.current_error,
                                           one_high.current_error][-(ERROR_LOOKS - 1) :])  # fmt: skip
     assert looks.paying == 4 and looks.gains == (calibrated.gains, calibrated.gains, calibrated.gains, one_high.gains)
     no = looks.after(replace(calibrated, worth=False))
-    assert no.paying == 0 and no.gains == () and not no.held_back and len(no.errors) == ERROR_LOOKS - 1
+    assert no.paying == 0 and no.gains == () and no.held_back is None and len(no.errors) == ERROR_LOOKS - 1
 
 
 def test_the_twins_error_is_the_median_of_its_last_looks():

@@ -708,3 +708,20 @@ def test_a_restart_waits_for_consecutive_plans_that_say_it_pays(tmp_path: Path) 
     assert c.decide_plan(again, pays) is None  # on its new arguments the count starts again
     assert c.journal.entries()[-1]["detail"].startswith("pays on 1 ")
     assert c.decide_plan(job, pays) is None  # a plan of its old arguments, in after the restart: dropped
+
+
+def test_a_promotion_carries_the_plan_a_worker_held_back_behind_the_canary(tmp_path: Path) -> None:
+    """A worker's own plan that paid while another's canary was judged waits; the canary's promotion that
+    reaches it restarts it with both: the canary's changes, and its own plan's moves of other arguments.
+    In the fleet scenario the roll-out reached w3 without its own fix (its running cap 64 -> 128), held
+    back twice, and w3 ran on with cap 64 to the end of the run."""
+    c, _actor, act, _ = _fleet_canary(tmp_path, 1.3)
+    w1 = c._workers["w1"]
+    changed = {k: v for k, v in act.decision.new_args.items() if ARGS.get(k) != v}
+    own = {"max_running_requests": 128, **{k: 0.77 for k in changed}}  # its own fix, and a move the canary overrides
+    w1.looks = replace(w1.looks, held_back={**w1.state.args, **own})
+    acts = c.tick() or c.tick()
+    (promote,) = acts
+    assert promote.decision.rule == "canary_promote" and promote.decision.worker_id == "w1"
+    assert promote.decision.new_args == {**ARGS, **changed, "max_running_requests": 128}
+    assert "held back behind it ({'max_running_requests': 128})" in promote.decision.reason
