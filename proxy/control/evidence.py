@@ -34,6 +34,7 @@ __all__ = [
     "Death",
     "DecodeOom",
     "Evidence",
+    "GraphCover",
     "JsonScalar",
     "KvCapacity",
     "MemoryBand",
@@ -181,6 +182,19 @@ class ActivationFit(Evidence):
     batch: int | None = field(default=None, metadata=OPTIONAL)  # the decode batch, in requests
     graph_max_bs: int | None = field(default=None, metadata=OPTIONAL)  # batches up to this run in the CUDA graphs
     model: str  # whose activations: the twin's presets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphCover(Evidence):
+    """The decode batches the CUDA graphs cover against the KV pool they would take memory from, as the
+    twin's model of the worker gives them, before its first launch."""
+
+    graph_max_bs: int  # batches up to this run in the CUDA graphs now
+    graph_mib: float  # the memory the raised graphs take (MiB)
+    pool_mib: float  # the KV pool's memory (MiB)
+    running_cap: int | None = field(default=None, metadata=OPTIONAL)  # the largest batch the engine runs
+    available_gpu_mem_gb: float  # free at start-up, before the graphs are raised
+    model: str  # whose figures: the twin's presets
 
 
 # -- admission and pacing -------------------------------------------------------------------------

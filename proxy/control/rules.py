@@ -26,6 +26,7 @@ from proxy.control.evidence import (
     CrashLoop,
     DecodeOom,
     Evidence,
+    GraphCover,
     KvCapacity,
     MemoryBand,
     PrefillOom,
@@ -39,6 +40,7 @@ from proxy.engines.base import EventKind, Knob, KnobName, LogEvent
 from proxy.policy import ControlSettings
 
 __all__ = [
+    "LAUNCH",
     "ON_DEATH",
     "RULES",
     "SAFETY_NET_SERVING",
@@ -67,6 +69,8 @@ class Activations:
     graph_max_bs: int  # decode batches up to this many run in the graphs captured at start-up
     pool_tokens: int
     model: str  # whose presets, for the journal
+    pool_mib: float = 0.0  # the KV pool's memory (0: not known)
+    graph_mib_per_bs: float = 0.0  # the memory the CUDA graphs take per decode batch size they cover (0: not known)
 
     def free_floor_gb(self, chunk: float) -> float:
         """The free memory a worker must have at start-up to run a full prefill chunk of ``chunk``
@@ -541,6 +545,51 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     )  # fmt: skip
 
 
+# The share of the KV pool the CUDA graphs may take when raised before a launch. A decode step past the
+# graphs pays a kernel launch per layer (the simulator's presets: 32 x 150 us, 15-20 % of an 8B model's
+# memory-bound step); graphs in 2 % of the pool cost at most 2 % of the batch where the pool binds, an
+# order less than they give back where the batch outgrows them.
+GRAPH_POOL_SHARE = 0.02
+
+
+def graphs_cover(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
+    """Before a launch only (:data:`LAUNCH`): CUDA graphs that cover the decode batches the running cap
+    allows, as far as their memory stays within :data:`GRAPH_POOL_SHARE` of the KV pool and the free
+    memory at start-up stays at its floor. SGLang's default is its GPU tier's, the least: on a 40 GB
+    A100 at tp 1 it covers 32 where the pool holds ~130 chat requests, and every decode step past it
+    runs uncaptured. The twin's figures, used only where its KV pool is the worker's. Never lowers
+    them; graphs a person disabled (0) stay off. A running worker's graphs are the planner's lever."""
+    act = worker_activations(window, state, s)
+    knob = s.knobs.get(KnobName.GRAPH_MAX_BS)
+    free = _startup_mem(window)
+    if act is None or knob is None or free is None or act.graph_max_bs <= 0 or act.graph_mib_per_bs <= 0:
+        return None
+    running_knob = s.knobs.get(KnobName.MAX_RUNNING)
+    running = _current(running_knob, window, state) if running_knob is not None else None
+    most = min(GRAPH_POOL_SHARE * act.pool_mib / act.graph_mib_per_bs, s.bounds(KnobName.GRAPH_MAX_BS)[1])
+    if running is not None:
+        most = min(most, running)
+    floor = startup_floor_gb(window, state, s)
+
+    def free_after(rung: int) -> float:  # the graphs' memory comes out of what is free at start-up
+        return free - (rung - act.graph_max_bs) * act.graph_mib_per_bs / 1024
+
+    up = max((r for r in knob.ladder if act.graph_max_bs < r <= most and free_after(int(r)) >= floor), default=None)
+    if up is None:
+        return None
+    graph_mib = up * act.graph_mib_per_bs
+    return _move(
+        window, state, s, rule="graphs_cover", kind=RuleKind.TUNING, knob_name=KnobName.GRAPH_MAX_BS,
+        new_value=up, direction=1,
+        evidence=GraphCover(graph_max_bs=act.graph_max_bs, graph_mib=graph_mib, pool_mib=round(act.pool_mib),
+                            running_cap=None if running is None else int(running), available_gpu_mem_gb=free,
+                            model=act.model),
+        reason=f"the CUDA graphs cover decode batches up to {act.graph_max_bs} where the running cap allows "
+        f"{'more' if running is None else f'{running:g}'}: graphs up to {up} take {graph_mib:g} MiB, "
+        f"{graph_mib / act.pool_mib:.1%} of the KV pool; raise {{arg}} {{old}} -> {{new}}",
+    )  # fmt: skip
+
+
 def memory_headroom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """More free device memory at start-up than the band's top: a bigger KV pool fits. One step to
     the fraction that leaves the middle of the band free: the static fraction takes ``fraction x
@@ -605,6 +654,8 @@ SAFETY_NET_SERVING: tuple[Rule, ...] = (
 RULES: tuple[Rule, ...] = ON_DEATH + SAFETY_NET_SERVING
 # what a start-up line alone decides, read before a launch on a forecast of that line
 START_UP: tuple[Rule, ...] = (activations_fit, memory_low, memory_headroom)
+# what is read before a launch: the start-up rules, then the graphs (a running worker's are the planner's)
+LAUNCH: tuple[Rule, ...] = (*START_UP, graphs_cover)
 LAUNCH_STEPS = 20  # moves at most before a launch (the memory band's floor steps the fraction one step at a time)
 
 
@@ -616,7 +667,7 @@ def before_launch(
     now: float,
     resolved: Callable[[Mapping[str, object]], Mapping[str, float]] | None = None,
 ) -> tuple[Decision, ...]:
-    """The start-up rules (:data:`START_UP`) read on ``forecast(args)``, the events a model of the
+    """The launch rules (:data:`LAUNCH`) read on ``forecast(args)``, the events a model of the
     worker says its start-up line would be, before the worker is launched: each decision's new
     arguments are the next forecast's, until no rule moves, a move would undo an earlier one (the
     forecast disagrees with itself: the worker's own line will say), or :data:`LAUNCH_STEPS`. The
@@ -633,7 +684,7 @@ def before_launch(
         state = ControlState.initial(worker_id, current)
         if resolved is not None:
             state = state.with_resolved(resolved(current))
-        decision = evaluate(window, state, s, START_UP).decision
+        decision = evaluate(window, state, s, LAUNCH).decision
         if decision is None or decision.action is not Action.RESTART or decision.knob is None:
             break
         if ways.setdefault(decision.knob, decision.direction) != decision.direction:

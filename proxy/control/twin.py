@@ -22,6 +22,7 @@ from proxy.control.workload import Observed, Replay, replay
 from proxy.engines.base import KnobName
 from proxy.engines.contract import Engine
 from proxy.sim.config import SimConfig, SimConfigError
+from proxy.sim.memory import GRAPH_MIB_PER_BS
 from proxy.sim.presets import GPUS, MIB
 from proxy.sim.startup import capacity_line
 from proxy.sim.twin import TWIN_ENGINE, graph_max_bs, memory_fraction, prefill_chunk, twin_config
@@ -143,7 +144,8 @@ class Twin:
         return Activations(prefill_mib_per_token=cfg.model.prefill_act_mib_per_token,
                            decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
                            graph_max_bs=graph_max_bs(cfg), pool_tokens=cfg.memory.max_total_num_tokens,
-                           model=f"{self.model} on {self.gpu}")  # fmt: skip
+                           model=f"{self.model} on {self.gpu}", pool_mib=cfg.memory.kv_pool_mib,
+                           graph_mib_per_bs=GRAPH_MIB_PER_BS)  # fmt: skip
 
     def resolved(self, args: Mapping[str, object]) -> dict[str, float]:
         """What the twin's engine chooses under ``args`` for an unset argument its start-up line does not

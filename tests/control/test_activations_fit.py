@@ -17,6 +17,7 @@ from proxy.control.rules import (
     RuleSettings,
     activations_fit,
     before_launch,
+    graphs_cover,
     memory_low,
 )
 from proxy.control.window import Window
@@ -147,9 +148,10 @@ def test_before_the_launch_the_chunk_that_would_crash_is_lowered_on_the_forecast
     band's floor (5 GB), which holds only where the twin's model is not the worker's."""
     settings = _settings("l40s-48gb", "llama-3.1-8b")
     args = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9}
-    (d,) = before_launch("w0", args, _forecast("l40s-48gb", "llama-3.1-8b"), settings, 5.0)
+    d, graphs = before_launch("w0", args, _forecast("l40s-48gb", "llama-3.1-8b"), settings, 5.0)
     assert d.rule == "activations_fit" and d.changes == {"chunked_prefill_size": (16384, 8192)} and d.time == 5.0
     assert d.new_args == {**args, "chunked_prefill_size": 8192}
+    assert graphs.rule == "graphs_cover" and graphs.changes == {"cuda_graph_max_bs_decode": (None, 256)}
 
 
 def test_the_free_memory_floor_is_the_chunks_activations_with_margin_where_the_model_is_the_workers() -> None:
@@ -176,10 +178,14 @@ def test_before_the_launch_idle_memory_is_sized_into_the_band() -> None:
     fraction is raised once to what leaves the band's middle free, and the forecast at the new
     fraction lies inside the band."""
     settings = replace(_settings("h100-80gb", "llama-3.1-8b"), constants=BAND)
-    (d,) = before_launch("w0", {"mem_fraction_static": 0.6}, _forecast("h100-80gb", "llama-3.1-8b"), settings, 0.0)
+    d, graphs = before_launch("w0", {"mem_fraction_static": 0.6}, _forecast("h100-80gb", "llama-3.1-8b"), settings, 0.0)
     assert d.rule == "memory_headroom" and 0.85 < float(d.new_args["mem_fraction_static"]) < 0.95
     free = Twin("h100-80gb", "llama-3.1-8b").config(d.new_args).memory.available_gb
     assert 2.0 <= free <= 10.0
+    assert (
+        graphs.rule == "graphs_cover"
+        and Twin("h100-80gb", "llama-3.1-8b").config(graphs.new_args).memory.available_gb >= 2.0
+    )
 
 
 def test_before_the_launch_an_unset_memory_fraction_is_read_from_the_twin() -> None:
@@ -190,8 +196,9 @@ def test_before_the_launch_an_unset_memory_fraction_is_read_from_the_twin() -> N
     settings = _settings("h200-141gb", "llama-3.2-1b")
     args = {"schedule_policy": "lpm"}
     forecast = _forecast("h200-141gb", "llama-3.2-1b")
-    assert before_launch("w0", args, forecast, settings, 0.0) == ()  # the fraction unknown: nothing moves
-    (d,) = before_launch("w0", args, forecast, settings, 0.0, twin.resolved)
+    # the fraction unknown: it does not move (the graphs do: their rule reads the pool, not the fraction)
+    assert [d.rule for d in before_launch("w0", args, forecast, settings, 0.0)] == ["graphs_cover"]
+    d, _graphs = before_launch("w0", args, forecast, settings, 0.0, twin.resolved)
     assert d.rule == "memory_headroom" and d.changes == {"mem_fraction_static": (None, 0.942)}
     assert "raise mem_fraction_static 0.907 -> 0.942" in d.reason
     assert 5.0 <= twin.config(d.new_args).memory.available_gb <= 10.0
@@ -243,14 +250,16 @@ def test_a_first_launch_takes_the_forecasts_moves_where_the_twin_is_the_workers_
     c, _ = controller(mode, None, available_mem_band_gb=(2.0, 10.0), twin_gpu="l40s-48gb")
     configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, **args}
     out = c.launch_args("w0", configured, gpu_total_bytes=total)
-    assert out == {**configured, "chunked_prefill_size": launched}
+    graphs = {"cuda_graph_max_bs_decode": 256} if launched == 8192 else {}  # raised after the chunk, in the same launch
+    assert out == {**configured, "chunked_prefill_size": launched, **graphs}
     entries = c.journal.entries()
     if launched == 16384 and mode is ControlMode.AUTO:
         assert entries == []
         return
-    (entry,) = entries
+    entry, raised = entries
     assert entry["rule"] == "activations_fit" and entry["changes"] == {"chunked_prefill_size": [16384, 8192]}
-    assert entry["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
+    assert raised["rule"] == "graphs_cover" and raised["changes"] == {"cuda_graph_max_bs_decode": [None, 256]}
+    assert entry["status"] == raised["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
     assert entry["detail"].startswith("before its first launch, on the twin's forecast of its start-up line")
 
 
@@ -258,3 +267,48 @@ def test_no_forecast_when_the_controller_is_off() -> None:
     c, _ = controller(ControlMode.OFF, None)
     configured = {"chunked_prefill_size": 16384, "mem_fraction_static": 0.9, "sim_gpu": "l40s-48gb"}
     assert c.launch_args("w0", configured) == configured and c.journal.entries() == []
+
+
+@pytest.mark.parametrize(
+    ("gpu", "args", "raised"),
+    [
+        ("a100-40gb", {}, 160),  # SGLang's tier default covers 32; 2 % of the pool buys 174
+        ("a100-40gb", {"max_running_requests": 64}, 48),  # no graph past the largest batch the cap allows
+        ("h200-141gb", {}, 1024),  # the knob's top rung
+        ("a100-40gb", {"cuda_graph_max_bs_decode": 0}, None),  # graphs a person switched off stay off
+        ("a100-40gb", {"cuda_graph_max_bs_decode": 256}, None),  # never lowered
+    ],
+)
+def test_before_the_launch_the_cuda_graphs_cover_the_batches_the_pool_holds(gpu, args, raised) -> None:
+    """The decode graphs are raised before a launch to cover the batches the running cap allows, within
+    2 % of the KV pool's memory, never below the free-memory floor; a running worker's are the planner's."""
+    twin = Twin(gpu, "llama-3.1-8b")
+    settings = _settings(gpu, "llama-3.1-8b")
+    moves = before_launch("w0", args, _forecast(gpu, "llama-3.1-8b"), settings, 0.0, twin.resolved)
+    graphs = [d for d in moves if d.rule == "graphs_cover"]
+    if raised is None:
+        assert graphs == []
+        return
+    (d,) = graphs
+    assert d.new_args["cuda_graph_max_bs_decode"] == raised and d.kind is RuleKind.TUNING
+    cfg = twin.config(d.new_args)
+    assert cfg.memory.graph_mib <= 0.02 * cfg.memory.kv_pool_mib + 1
+    assert cfg.memory.available_gb >= Activations.free_floor_gb(twin.activations(d.new_args), 4096)
+    # after the launch the worker's own start-up line restarts nothing for the graphs
+    started = _started(gpu, "llama-3.1-8b", d.new_args)
+    state = _state(d.new_args).with_resolved(twin.resolved(d.new_args))
+    assert all(
+        rule(started, state, settings) is None for rule in SAFETY_NET_SERVING if rule.__name__ != "pacing_too_timid"
+    )
+
+
+def test_the_graphs_leave_the_free_memory_floor_where_memory_is_tight() -> None:
+    """On a 48 GB L40S at fraction 0.92 with chunks of 8192 (3.04 GB free, the floor 3 GB): graphs to 256
+    (2 % of the pool) would take memory a full chunk needs; they go one rung, to 48 (32 MiB more)."""
+    settings = _settings("l40s-48gb", "llama-3.1-8b")
+    tight = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.92}
+    d = graphs_cover(_started("l40s-48gb", "llama-3.1-8b", tight), _state(tight), settings)
+    assert d is not None and d.changes == {"cuda_graph_max_bs_decode": (None, 48)}
+    assert Twin("l40s-48gb", "llama-3.1-8b").config(d.new_args).memory.available_gb >= 3.0
+    tighter = {"chunked_prefill_size": 8192, "mem_fraction_static": 0.921}
+    assert graphs_cover(_started("l40s-48gb", "llama-3.1-8b", tighter), _state(tighter), settings) is None
