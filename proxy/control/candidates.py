@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.control.economics import PlanSettings
-from proxy.control.rules import ACTIVATION_MARGIN
+from proxy.control.rules import ACTIVATION_MARGIN, covering_graphs
 from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
 from proxy.engines.base import KnobName
@@ -29,6 +29,7 @@ __all__ = [
     "band_fraction",
     "candidates",
     "free_floor_gb",
+    "graphs_follow_cap",
     "lever_candidates",
     "newest_sample",
     "replay_candidates",
@@ -120,9 +121,8 @@ def replay_candidates(
         if settings.levers
         else []
     )
-    for cand in (
-        ([in_band] if in_band is not None else []) + candidates(args, resolved or {}, settings, twin.names) + levers
-    ):
+    moves = [graphs_follow_cap(twin, args, c, settings) for c in candidates(args, resolved or {}, settings, twin.names)]
+    for cand in ([in_band] if in_band is not None else []) + moves + levers:
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < free_floor_gb(twin, cand, settings):
@@ -172,6 +172,30 @@ def lever_candidates(
         if up > now:
             out.append({**args, names.graph_max_bs: int(up)})
     return out
+
+
+def graphs_follow_cap(
+    twin: Twin, args: Mapping[str, object], cand: dict[str, object], settings: PlanSettings
+) -> dict[str, object]:
+    """``cand`` with CUDA graphs that follow a raised running cap, where ``args``' graphs cover the
+    current cap as far as the launch sized them (:func:`~proxy.control.rules.covering_graphs`): they
+    are derived from the cap, so a new cap re-derives them. In the fleet scenario w3's plan raised its
+    cap 64 -> 128 with the graphs left at 64, and every batch past 64 decoded without them."""
+    names, knob = twin.names, twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)
+    if names.graph_max_bs is None or knob is None:
+        return cand
+    try:
+        old_cap, new_cap = running_cap(twin.config(args)), running_cap(twin.config(cand))
+    except SimConfigError:
+        return cand
+    now, new = twin.activations(args), twin.activations(cand)
+    if now is None or new is None or new_cap <= old_cap or now.graph_max_bs <= 0:
+        return cand
+    upper = settings.graph_max_bs_bounds[1]
+    if now.graph_max_bs < covering_graphs(now, knob.ladder, old_cap, upper):
+        return cand  # the graphs are not the cap's (a person's, or the engine's default)
+    size = covering_graphs(new, knob.ladder, new_cap, upper)
+    return {**cand, names.graph_max_bs: size} if size > now.graph_max_bs else cand
 
 
 def free_floor_gb(twin: Twin, args: Mapping[str, object], settings: PlanSettings, peak_running: int = 0) -> float:

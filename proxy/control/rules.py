@@ -50,6 +50,7 @@ __all__ = [
     "Rule",
     "RuleSettings",
     "before_launch",
+    "covering_graphs",
     "crash_loop_unbroken",
     "evaluate",
     "gate",
@@ -552,29 +553,41 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
 GRAPH_POOL_SHARE = 0.02
 
 
+def covering_graphs(act: Activations, ladder: Sequence[float], running: float | None, upper: float) -> int:
+    """The CUDA graphs' batch size that covers a running cap of ``running`` (None: no cap known) as far as
+    their memory stays within :data:`GRAPH_POOL_SHARE` of the KV pool and ``upper`` (the policy's
+    bound): the cap itself where it is within both, else the ladder's highest rung within them (0:
+    none known)."""
+    if act.graph_mib_per_bs <= 0:
+        return 0
+    bound = min(GRAPH_POOL_SHARE * act.pool_mib / act.graph_mib_per_bs, upper)
+    if running is not None and running <= bound:
+        return int(running)
+    return int(max((r for r in ladder if r <= bound), default=0))
+
+
 def graphs_cover(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """Before a launch only (:data:`LAUNCH`): CUDA graphs that cover the decode batches the running cap
-    allows, as far as their memory stays within :data:`GRAPH_POOL_SHARE` of the KV pool and the free
-    memory at start-up stays at its floor. SGLang's default is its GPU tier's, the least: on a 40 GB
-    A100 at tp 1 it covers 32 where the pool holds ~130 chat requests, and every decode step past it
-    runs uncaptured. The twin's figures, used only where its KV pool is the worker's. Never lowers
-    them; graphs a person disabled (0) stay off. A running worker's graphs are the planner's lever."""
+    allows (:func:`covering_graphs`), as far as the free memory at start-up stays at its floor. SGLang's
+    default is its GPU tier's, the least: on a 40 GB A100 at tp 1 it covers 32 where the pool holds
+    ~130 chat requests, and every decode step past it runs uncaptured. The twin's figures, used only
+    where its KV pool is the worker's. Never lowers them; graphs a person disabled (0) stay off. A
+    running worker's graphs are the planner's lever."""
     act = worker_activations(window, state, s)
     knob = s.knobs.get(KnobName.GRAPH_MAX_BS)
     free = _startup_mem(window)
-    if act is None or knob is None or free is None or act.graph_max_bs <= 0 or act.graph_mib_per_bs <= 0:
+    if act is None or knob is None or free is None or act.graph_max_bs <= 0:
         return None
     running_knob = s.knobs.get(KnobName.MAX_RUNNING)
     running = _current(running_knob, window, state) if running_knob is not None else None
-    most = min(GRAPH_POOL_SHARE * act.pool_mib / act.graph_mib_per_bs, s.bounds(KnobName.GRAPH_MAX_BS)[1])
-    if running is not None:
-        most = min(most, running)
+    target = covering_graphs(act, knob.ladder, running, s.bounds(KnobName.GRAPH_MAX_BS)[1])
     floor = startup_floor_gb(window, state, s)
 
-    def free_after(rung: int) -> float:  # the graphs' memory comes out of what is free at start-up
-        return free - (rung - act.graph_max_bs) * act.graph_mib_per_bs / 1024
+    def fits(size: float) -> bool:  # the graphs' memory comes out of what is free at start-up
+        return free - (size - act.graph_max_bs) * act.graph_mib_per_bs / 1024 >= floor
 
-    up = max((r for r in knob.ladder if act.graph_max_bs < r <= most and free_after(int(r)) >= floor), default=None)
+    sizes = [target, *sorted((r for r in knob.ladder if r < target), reverse=True)]
+    up = next((int(size) for size in sizes if size > act.graph_max_bs and fits(size)), None)
     if up is None:
         return None
     graph_mib = up * act.graph_mib_per_bs

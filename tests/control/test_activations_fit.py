@@ -272,8 +272,8 @@ def test_no_forecast_when_the_controller_is_off() -> None:
 @pytest.mark.parametrize(
     ("gpu", "args", "raised"),
     [
-        ("a100-40gb", {}, 160),  # SGLang's tier default covers 32; 2 % of the pool buys 174
-        ("a100-40gb", {"max_running_requests": 64}, 48),  # no graph past the largest batch the cap allows
+        ("a100-40gb", {}, 160),  # SGLang's tier default covers 32; 2 % of the pool buys 174: the rung below
+        ("a100-40gb", {"max_running_requests": 64}, 64),  # the cap itself: no graph past the largest batch it allows
         ("h200-141gb", {}, 1024),  # the knob's top rung
         ("a100-40gb", {"cuda_graph_max_bs_decode": 0}, None),  # graphs a person switched off stay off
         ("a100-40gb", {"cuda_graph_max_bs_decode": 256}, None),  # never lowered

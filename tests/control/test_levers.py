@@ -15,7 +15,7 @@ import pytest
 
 from loadtests.oracle import sim_config
 from loadtests.scenario_defs import SCENARIOS, Workload
-from proxy.control.candidates import lever_candidates
+from proxy.control.candidates import graphs_follow_cap, lever_candidates
 from proxy.control.planner import Observed, PlanSettings, RestartCost, Twin, plan, replay
 from proxy.control.workload import shared_heads
 from proxy.server.validation import AFFINITY_CHARS
@@ -110,3 +110,28 @@ def test_the_policys_bounds_hold_the_graphs() -> None:
     bounded = lever_candidates(twin, {}, replay([]), 700, graph_bounds=(1, 512))
     assert [c["cuda_graph_max_bs_decode"] for c in bounded] == [512]
     assert lever_candidates(twin, {}, replay([]), 700, graph_bounds=(256, 256)) == []
+
+
+def test_graphs_sized_to_the_running_cap_follow_it_when_the_cap_is_raised() -> None:
+    """fleet's w3 (running cap 64, its graphs sized to it before its launch) on a backlog: the candidate
+    that raises the cap re-derives the graphs for the new cap, and gains more than the cap alone would.
+    Graphs that are not the cap's (SGLang's own default here) stay where they are."""
+    sc = SCENARIOS["fleet"]
+    args = {"schedule_conservativeness": 0.3, "max_running_requests": 64, "cuda_graph_max_bs_decode": 64}
+    twin = Twin(sc.gpu, sc.model)
+    settings = replace(BACKLOG, horizon_s=600.0)
+    raised = graphs_follow_cap(twin, args, {**args, "max_running_requests": 128}, settings)
+    assert raised["cuda_graph_max_bs_decode"] == 128
+    assert graphs_follow_cap(twin, args, {**args, "max_running_requests": 32}, settings) == {
+        **args,
+        "max_running_requests": 32,
+    }
+    default = {"schedule_conservativeness": 0.3, "max_running_requests": 64}  # SGLang's 32 for this GPU
+    assert "cuda_graph_max_bs_decode" not in graphs_follow_cap(
+        twin, default, {**default, "max_running_requests": 128}, settings
+    )
+    seen = _answered(replace(sc.workload, count=600, rate=None), args, sc.gpu, sc.model)
+    p = plan(twin, args, seen, RestartCost(startup_s=30.0), settings)
+    assert p.best.args["max_running_requests"] == 128 and p.best.args["cuda_graph_max_bs_decode"] == 128
+    alone = twin.predict({**args, "max_running_requests": 128}, replay(seen))
+    assert p.best.output_tok_per_s > alone.output_tok_per_s
