@@ -108,6 +108,22 @@ def test_fallback_uses_own_counts_when_all_stale():
     assert load.error == "unreachable" and not load.fresh(100.0, 1.0)
 
 
+def test_a_restarted_worker_gets_the_bands_top_until_its_first_scrape_not_its_old_batch():
+    """A worker that ran 768 restarts (with other arguments, or as one of a reshaped pool's replicas, up
+    before the others): until its first scrape the fallback lets it have the band's top in flight, not
+    what the incarnation before it ran plus the band."""
+    board = LoadBoard()
+    ws = _workers(WorkerState.READY)
+    _sample(board, "w0", 0, running=768, t=0.0)
+    load = board.get("w0")
+    load.forget_sample()  # it restarted
+    for _ in range(BAND.hi - 1):
+        _open(load)
+    assert _choose(ws, board) == "w0"
+    _open(load)
+    assert _choose(ws, board) is None
+
+
 def test_scrape_error_makes_sample_stale():
     board = LoadBoard()
     ws = _workers(WorkerState.READY, WorkerState.READY)
