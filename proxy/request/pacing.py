@@ -237,7 +237,7 @@ class WorkerLoad:
         self._pending_base = None
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
         self.running_limit = None
-        # nor its batch: until its first scrape the fallback lets it have the band's top and no more (the
+        # nor its batch: until its first scrape the fallback lets it have the band's target and no more (the
         # reshape benchmark's tp-8 worker had run 768; restarted as one of four tp-2 workers and up first,
         # it was sent all 1,024 requests taken back while the other three started empty)
         self.last_running = 0

@@ -99,25 +99,25 @@ def test_fallback_uses_own_counts_when_all_stale():
     ws = _workers(WorkerState.READY)
     _sample(board, "w0", 0, running=5, t=0.0)  # stale at now=100
     load = board.get("w0")
-    for _ in range(5 + BAND.hi - 1):
+    for _ in range(5 + BAND.target - 1):
         _open(load)
     assert _choose(ws, board) == "w0"
     _open(load)
-    assert _choose(ws, board) is None  # in_flight == last_running + hi
+    assert _choose(ws, board) is None  # in_flight == last_running + the band's target
     board.publish("w0", None, "unreachable")
     assert load.error == "unreachable" and not load.fresh(100.0, 1.0)
 
 
-def test_a_restarted_worker_gets_the_bands_top_until_its_first_scrape_not_its_old_batch():
+def test_a_restarted_worker_gets_the_bands_target_until_its_first_scrape_not_its_old_batch():
     """A worker that ran 768 restarts (with other arguments, or as one of a reshaped pool's replicas, up
-    before the others): until its first scrape the fallback lets it have the band's top in flight, not
-    what the incarnation before it ran plus the band."""
+    before the others): until its first scrape the fallback lets it have the band's target in flight,
+    not what the incarnation before it ran plus the band."""
     board = LoadBoard()
     ws = _workers(WorkerState.READY)
     _sample(board, "w0", 0, running=768, t=0.0)
     load = board.get("w0")
     load.forget_sample()  # it restarted
-    for _ in range(BAND.hi - 1):
+    for _ in range(BAND.target - 1):
         _open(load)
     assert _choose(ws, board) == "w0"
     _open(load)
