@@ -493,7 +493,7 @@ class Controller:
             if w is not None:
                 w.plan_done()
             return None
-        return self._planning.decide(job, plan)
+        return self._planning.decide(job, plan, reshape_pending=self._reshaping.pending)
 
     # -- trials (``trials.py``) and revivals (``revival.py``) -----------------------------------------
 

@@ -204,8 +204,9 @@ class Planning:
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
                           in_flight=in_flight, now=now, looks=w.looks)  # fmt: skip
 
-    def decide(self, job: PlanJob, plan: Plan) -> Act | None:
-        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing."""
+    def decide(self, job: PlanJob, plan: Plan, *, reshape_pending: bool = False) -> Act | None:
+        """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing;
+        ``reshape_pending``: a reshape of the pool paid on its last look (its next look decides)."""
         w = self._roster.workers.get(job.worker_id)
         if w is None:
             return None
@@ -224,7 +225,7 @@ class Planning:
         if not plan.worth or w.looks.paying < self._roster.constants.plan_confirmations:
             self._note(w, plan, decision, now)
             return None
-        return self._restart_for_plan(w, job, plan, decision, now)
+        return self._restart_for_plan(w, job, plan, decision, now, reshape_pending=reshape_pending)
 
     def _knob_change(self, w: Tracked, old: dict[str, object], new: dict[str, object]) -> KnobChange | None:
         """The knob a plan moves, where it moves exactly one argument, a knob's, to a number (else None)."""
@@ -262,7 +263,9 @@ class Planning:
                                   before=w.window.summary(),
                                   extra={"predicted_gain": round(plan.predicted_gain, 4), **accuracy})  # fmt: skip
 
-    def _restart_for_plan(self, w: Tracked, job: PlanJob, plan: Plan, decision: Decision, now: float) -> Act | None:
+    def _restart_for_plan(
+        self, w: Tracked, job: PlanJob, plan: Plan, decision: Decision, now: float, *, reshape_pending: bool = False
+    ) -> Act | None:
         """A plan that pays, confirmed: refused by the rules' gate, advised, held back while an output
         budget's gain is measured on the worker or another restart or a canary is under way, or acted
         on (a canary beside two or more managed workers)."""
@@ -291,6 +294,11 @@ class Planning:
             roster.journal_once(w, decision, "wait:budget", now, status=Status.REFUSED, extra=extra,
                                 detail=f"output budget #{measured.entry_id} is being measured on this worker: "
                                 "a restart waits until its gain is in")  # fmt: skip
+            return None
+        if reshape_pending:  # the reshape replaces the worker: in the reshape benchmark a plan restarted the
+            # tp-8 worker 11 s before the reshape restarted it again
+            roster.journal_once(w, decision, "wait:reshape", now, status=Status.REFUSED, extra=extra,
+                                detail="a reshape of the pool paid on its last look: the next look decides")  # fmt: skip
             return None
         waiting_for = self._trials.restart_under_way(w)
         if waiting_for is not None:  # due again as soon as the fleet is whole (plans_due)

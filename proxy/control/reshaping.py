@@ -147,6 +147,13 @@ class Reshaping:
         self._looks = _Looks()
         self.under_way = False
 
+    @property
+    def pending(self) -> bool:
+        """A reshape paid on the latest look and will be carried out where the next one confirms it
+        (``auto``, the pool's ``reshape``): a worker's own plan waits for it, as the reshape replaces it."""
+        roster = self._roster
+        return self._looks.shape is not None and roster.mode is ControlMode.AUTO and roster.settings.reshape
+
     def current(self) -> tuple[Shape, list[Tracked]] | None:
         """The pool's shape: every managed worker at one tp (None: none, or a reshape left it mixed)."""
         managed = sorted(self._roster.managed(), key=lambda w: w.state.worker_id)

@@ -92,7 +92,10 @@ def choose_worker(
         ready = [
             (w, load) for w, load in ready if load.batch_room_beside_interactive() and load.batch_paced_until <= now
         ]
-    fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s)]
+    # a worker not scraped since it started is gated on its own counts beside the fresh ones: counted as
+    # saturated (stale), the reshape benchmark's new tp-2 workers got nothing for their first seconds while
+    # the one whose sample came first took ~500 requests to wait
+    fresh = [(w, load) for w, load in ready if load.fresh(now, stale_after_s) or load.unscraped]
     if fresh:
         open_ = [
             (load.est_queue(), load.in_flight, w.id)

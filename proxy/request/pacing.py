@@ -463,11 +463,16 @@ class WorkerLoad:
         s = self.sample
         return s is not None and self.error is None and now - s.time <= stale_after_s
 
+    @property
+    def unscraped(self) -> bool:
+        """Not scraped since it (re)started, and no scrape has failed: gated on its own counts."""
+        return self.sample is None and self.error is None
+
     def est_queue(self) -> int:
-        """The formula of the module docstring; 0 without a sample."""
+        """The formula of the module docstring; without a sample, everything in flight."""
         s = self.sample
         if s is None:
-            return 0
+            return self.in_flight
         since = (self.dispatched - self._base_dispatched) - (self.completed - self._base_completed)
         # with N replicas each sees the whole queue at a scrape but only its own sends since: counted
         # N-fold, each fills its share (1/N) of the room left in the band until the next scrape

@@ -725,3 +725,15 @@ def test_a_promotion_carries_the_plan_a_worker_held_back_behind_the_canary(tmp_p
     assert promote.decision.rule == "canary_promote" and promote.decision.worker_id == "w1"
     assert promote.decision.new_args == {**ARGS, **changed, "max_running_requests": 128}
     assert "held back behind it ({'max_running_requests': 128})" in promote.decision.reason
+
+
+def test_a_plan_waits_while_a_reshape_of_the_pool_paid_on_its_last_look(tmp_path: Path) -> None:
+    """A reshape replaces the pool's workers: a worker's own plan that pays waits for the reshape's next
+    look (in the reshape benchmark a plan restarted the tp-8 worker 11 s before the reshape restarted it
+    again). It is not held back as for another worker's restart: it comes at its next plan interval."""
+    c, _clock, actor, _ = _two_workers(tmp_path)
+    (job, _other) = c.plans_due()
+    assert c._planning.decide(job, run_plan(job.inputs), reshape_pending=True) is None
+    entry = c.journal.entries()[-1]
+    assert entry["status"] == "refused" and entry["detail"].startswith("a reshape of the pool paid on its last look")
+    assert c._workers[job.worker_id].looks.held_back is None and actor.calls == []

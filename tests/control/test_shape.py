@@ -170,6 +170,7 @@ def test_auto_reshapes_only_where_the_pool_allows_it_and_work_waits() -> None:
     assert _look(c, clock, 30.0) is None
     (entry,) = [e for e in c.journal.entries() if e["rule"] == "reshape"]
     assert entry["status"] == "advised" and entry["detail"] == "the pool's control.reshape is false"
+    assert not c._reshaping.pending  # advised only: the worker's own plans go on
 
     c, clock = _pool_controller(ControlMode.AUTO, backlog=0, reshape=True)  # nothing waits: nothing gained now
     assert _look(c, clock, 30.0) is None
@@ -177,7 +178,9 @@ def test_auto_reshapes_only_where_the_pool_allows_it_and_work_waits() -> None:
     assert entry["status"] == "noted" and "no work waits for the pool" in entry["reason"]
 
     c, clock = _pool_controller(ControlMode.AUTO, backlog=400, reshape=True)
+    assert not c._reshaping.pending
     assert _look(c, clock, 30.0) is None  # one look is chance: plan_confirmations looks in a row
+    assert c._reshaping.pending  # a worker's own plan waits for the next look: the reshape replaces it
     act = _look(c, clock, 91.0)
     assert act is not None and act.decision.rule == "reshape"
     assert act.decision.new_args == {**POOL_ARGS, "tp_size": 1}

@@ -937,3 +937,24 @@ async def test_a_pool_in_a_crash_loop_refuses_until_a_worker_serves():
     d.on_worker_state(pool.ws[0])  # the pool tells its listeners
     _sample(board, "w0", 0)
     assert d.submit(Priority.INTERACTIVE, 60).future.done()
+
+
+def test_a_worker_not_scraped_since_it_started_is_gated_on_its_own_counts_beside_fresh_ones():
+    """Workers up at once (a reshape's replicas): one scraped first must not take all the traffic while the
+    others, not scraped yet, count as saturated; each is gated on what is in flight there until its
+    first scrape."""
+    board = LoadBoard()
+    ws = _workers(WorkerState.READY, WorkerState.READY)
+    _sample(board, "w0", 0, running=0)
+    fresh, new = board.get("w0"), board.get("w1")
+    assert new.unscraped and new.est_queue() == 0
+    for _ in range(BAND.target):
+        _open(fresh)
+    assert _choose(ws, board) == "w1"  # w0 at its target: the unscraped one takes the next
+    for _ in range(BAND.target - 1):
+        _open(new)
+    assert _choose(ws, board) == "w1"
+    _open(new)
+    assert new.est_queue() == BAND.target and _choose(ws, board) is None
+    board.publish("w1", None, "unreachable")  # a failed scrape: stale, not unscraped
+    assert not new.unscraped
