@@ -544,8 +544,13 @@ class Dispatcher:
 
     # -- hooks for the state listener, the scraper and the rollout ----------------------------------
     def on_worker_state(self, info: WorkerInfo) -> None:
-        if info.state is not WorkerState.READY:
-            self.board.get(info.id).forget_sample()
+        load = self.board.get(info.id)
+        # a new process under the same id (restarted, or a reshape's replica) is not what was scraped while
+        # the old one drained: in the reshape benchmark the first tp-2 worker, read as the tp-8 running 768,
+        # was sent all 1,024 requests taken back
+        if info.state is not WorkerState.READY or info.pid != load.incarnation:
+            load.forget_sample()
+        load.incarnation = info.pid
         if info.state is WorkerState.DOWN:
             self.fail_over(info.id)
         self._refusal = self._none_will_serve()

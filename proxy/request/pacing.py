@@ -105,6 +105,7 @@ class WorkerLoad:
     __slots__ = (
         "_base_completed",
         "_base_dispatched",
+        "_dropping",
         "_idle",
         "_pending_base",
         "attempts",
@@ -117,6 +118,7 @@ class WorkerLoad:
         "error",
         "facts",
         "first_token_wait_s",
+        "incarnation",
         "interactive_asks",
         "last_running",
         "limit",
@@ -166,6 +168,8 @@ class WorkerLoad:
         self._base_completed = 0
         self._pending_base: tuple[int, int] | None = None
         self._idle: asyncio.Event | None = None
+        self.incarnation: int | None = None  # the worker process its samples describe (its pid; None: not known)
+        self._dropping = False  # forgotten since the last scrape began: what that scrape brings back is dropped
 
     # -- request accounting -----------------------------------------------------------------------
     @property
@@ -215,8 +219,11 @@ class WorkerLoad:
     # -- scrapes ----------------------------------------------------------------------------------
     def scrape_started(self) -> None:
         self._pending_base = (self.dispatched, self.completed)
+        self._dropping = False
 
     def record(self, sample: Sample) -> None:
+        if self._dropping:  # begun before the worker restarted: the process it read is gone
+            return
         base = self._pending_base or (self.dispatched, self.completed)
         self._base_dispatched, self._base_completed = base[0], self.completed
         self._pending_base = None
@@ -235,6 +242,7 @@ class WorkerLoad:
         self.sample = None
         self.output_rate = None
         self._pending_base = None
+        self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
         self.running_limit = None
         # nor its batch: until its first scrape the fallback lets it have the band's target and no more (the

@@ -958,3 +958,24 @@ def test_a_worker_not_scraped_since_it_started_is_gated_on_its_own_counts_beside
     assert new.est_queue() == BAND.target and _choose(ws, board) is None
     board.publish("w1", None, "unreachable")  # a failed scrape: stale, not unscraped
     assert not new.unscraped
+
+
+def test_a_new_process_under_the_same_id_is_not_read_by_the_old_ones_samples():
+    """The scraper reads a draining worker until it stops; the new process under the same id (restarted, or
+    a reshape's replica) comes up READY with a new pid: the old process's sample is forgotten, and a scrape
+    begun before that is dropped when it comes back. Until its own first scrape the new one is gated on
+    its own counts."""
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=BAND, stale_after_s=1.0, clock=lambda: 100.0)
+    load = board.get("w0")
+    d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=1))
+    _sample(board, "w0", 0, running=768)  # the old process, running 768
+    load.scrape_started()  # a scrape of it on the wire ...
+    d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=2))  # ... when the new process is READY
+    board.publish("w0", Sample(time=100.0, queue=0, running=768, token_usage=0.5), None)
+    assert load.sample is None and load.unscraped and load.incarnation == 2
+    _sample(board, "w0", 3, running=10)  # the new process's own first scrape
+    assert load.sample is not None and load.sample.running == 10
+    d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=2))  # the same process again: kept
+    assert load.sample is not None
