@@ -249,6 +249,10 @@ class WorkerLoad:
         # reshape benchmark's tp-8 worker had run 768; restarted as one of four tp-2 workers and up first,
         # it was sent all 1,024 requests taken back while the other three started empty)
         self.last_running = 0
+        # and the fast tier's numbers for it are the old process's until its next look: the reshape's first
+        # tp-2 worker kept the tp-8 worker's queue target and took the requests taken back before the
+        # other three were up
+        self.limit = self.queue_target = self.batch_queue_target = self.batch_limit = None
 
     # -- reading ----------------------------------------------------------------------------------
     def has_room(self, now: float, *, batch: bool = False) -> bool:

@@ -116,7 +116,9 @@ def test_a_restarted_worker_gets_the_bands_target_until_its_first_scrape_not_its
     ws = _workers(WorkerState.READY)
     _sample(board, "w0", 0, running=768, t=0.0)
     load = board.get("w0")
+    load.limit, load.queue_target = 900, 900  # the fast tier's numbers for the old process
     load.forget_sample()  # it restarted
+    assert load.limit is None and load.target(BAND) == BAND.target  # the band's, until the fast tier looks again
     for _ in range(BAND.target - 1):
         _open(load)
     assert _choose(ws, board) == "w0"
