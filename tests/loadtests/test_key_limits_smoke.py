@@ -19,8 +19,10 @@ def test_limits_benchmark_reports_cost_and_hold(tmp_path: Path) -> None:
     if importlib.util.find_spec("psycopg") is None:
         pytest.skip("the PostgreSQL driver is not installed: pip install -e '.[postgres]'")
     report = tmp_path / "limits.json"
-    # a second a measure: the hold is 6 x over its (tiny) limit all the same, the cost under its limits
-    argv = ["--seconds", "1", "--rate", "30", "--hold-ms", "20", "--report", str(report)]
+    # a second a measure: the hold is 6 x over its (tiny) limit all the same, the cost under its limits.
+    # Leases held 100 ms: the cost's concurrency limit is then 15 (at 20 ms it was 4, and on a starved
+    # 2-core CI machine a lease held while its replica waited for a CPU pushed the fleet past it)
+    argv = ["--seconds", "1", "--rate", "30", "--hold-ms", "100", "--report", str(report)]
     assert key_limits.main(argv) == 0
     data = json.loads(report.read_text())
     assert set(data["cost"]) == set(data["hold"]) == {"memory", "shared"}
