@@ -188,8 +188,10 @@ def graphs_follow_cap(
         old_cap, new_cap = running_cap(twin.config(args)), running_cap(twin.config(cand))
     except SimConfigError:
         return cand
+    if new_cap <= old_cap:
+        return cand
     now, new = twin.activations(args), twin.activations(cand)
-    if now is None or new is None or new_cap <= old_cap or now.graph_max_bs <= 0:
+    if now is None or new is None or now.graph_max_bs <= 0:
         return cand
     upper = settings.graph_max_bs_bounds[1]
     if now.graph_max_bs < covering_graphs(now, knob.ladder, old_cap, upper):

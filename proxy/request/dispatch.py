@@ -103,13 +103,11 @@ def choose_worker(
             if load.est_queue() < load.target(band, batch=batch)
         ]
     else:  # every worker filtered out as stale: fall back to our own counts rather than stall (our share of
-        # them behind several replicas: LoadBoard.set_replicas), its last batch and the band's target waiting;
-        # a worker just (re)started has no batch yet: the target until its first scrape (with the band's top,
-        # the reshape benchmark's first tp-2 worker up was sent all 1,024 requests taken back, 832 to wait)
+        # them behind several replicas: LoadBoard.set_replicas)
         open_ = [
             (load.in_flight, 0, w.id)
             for w, load in ready
-            if load.in_flight * load.replicas < load.last_running + band.target
+            if load.in_flight * load.replicas < load.last_running + band.hi
         ]
     if not open_:
         return None

@@ -235,19 +235,21 @@ class WorkerLoad:
 
     def record_error(self, error: str) -> None:
         self._pending_base = None
-        self.error = error
+        if not self._dropping:  # a scrape of the process gone says nothing of the new one
+            self.error = error
 
     def forget_sample(self) -> None:
         """The worker restarted or went away: its last sample no longer describes it."""
         self.sample = None
+        self.error = None  # its scrapes failing, as a process dies, say nothing of the next one
         self.output_rate = None
         self._pending_base = None
         self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
         self.running_limit = None
-        # nor its batch: until its first scrape the fallback lets it have the band's target and no more (the
-        # reshape benchmark's tp-8 worker had run 768; restarted as one of four tp-2 workers and up first,
-        # it was sent all 1,024 requests taken back while the other three started empty)
+        # nor its batch: until its first scrape it is gated on its own counts (:attr:`unscraped`), and if that
+        # scrape fails, the stale fallback starts from none (the reshape benchmark's tp-8 worker had run 768;
+        # restarted as one of four tp-2 workers and up first, it was sent all 1,024 requests taken back)
         self.last_running = 0
         # and the fast tier's numbers for it are the old process's until its next look: the reshape's first
         # tp-2 worker kept the tp-8 worker's queue target and took the requests taken back before the

@@ -99,11 +99,11 @@ def test_fallback_uses_own_counts_when_all_stale():
     ws = _workers(WorkerState.READY)
     _sample(board, "w0", 0, running=5, t=0.0)  # stale at now=100
     load = board.get("w0")
-    for _ in range(5 + BAND.target - 1):
+    for _ in range(5 + BAND.hi - 1):
         _open(load)
     assert _choose(ws, board) == "w0"
     _open(load)
-    assert _choose(ws, board) is None  # in_flight == last_running + the band's target
+    assert _choose(ws, board) is None  # in_flight == last_running + hi
     board.publish("w0", None, "unreachable")
     assert load.error == "unreachable" and not load.fresh(100.0, 1.0)
 
@@ -977,6 +977,8 @@ def test_a_new_process_under_the_same_id_is_not_read_by_the_old_ones_samples():
     d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=2))  # ... when the new process is READY
     board.publish("w0", Sample(time=100.0, queue=0, running=768, token_usage=0.5), None)
     assert load.sample is None and load.unscraped and load.incarnation == 2
+    board.publish("w0", None, "unreachable")  # the old process's last scrape, failing as it died: dropped too
+    assert load.unscraped
     _sample(board, "w0", 3, running=10)  # the new process's own first scrape
     assert load.sample is not None and load.sample.running == 10
     d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=2))  # the same process again: kept
