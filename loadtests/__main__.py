@@ -10,6 +10,7 @@ limits     per-key limits across replicas: in memory vs shared over PostgreSQL (
 budget     the output budget on vs off vs control off: first tokens, tails, throughput
 failover   three replicas on one PostgreSQL: pacing alone vs by share, the leader killed under load
 reshape    a pool of 8 simulated GPUs at tp 8 reshaped by the controller vs the best shape in hindsight
+phase-noise  a phased scenario's per-phase oracle: how much of its gain is the workload's, how much the sample's
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "budget": "loadtests.budget",
     "failover": "loadtests.failover",
     "reshape": "loadtests.reshape",
+    "phase-noise": "loadtests.phase_noise",
 }
 
 

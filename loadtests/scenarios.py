@@ -37,7 +37,7 @@ from loadtests.oracle import (
     simulate_paced,
     sweep,
 )
-from loadtests.phase_oracle import phase_oracle
+from loadtests.phase_oracle import Replay, phase_oracle
 from loadtests.scenario_arm import ALL_ARMS, ALONE_ARM, ARM_KEYS, ARMS, TRIAL_ARM, ArmResult, run_arm
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
 from loadtests.scenario_proxy import PACING, SHIPPED_POLICY, control_hash, policy_toml, shipped_control
@@ -54,10 +54,13 @@ __all__ = [
     "ArmResult",
     "control_hash",
     "main",
+    "phase_replay",
     "policy_toml",
+    "replayed",
     "run_arm",
     "run_scenario",
     "shipped_control",
+    "swept",
 ]
 
 # -- a scenario -------------------------------------------------------------------------------------
@@ -110,14 +113,35 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
         + f"; OOM or a start-up failure scores 0; free memory at start-up >= {sc.min_available_gb:g} GB",
     }
     if isinstance(sc.workload, Phases) and sc.workers == 1:
-        perturb = sc.perturb_args()
-
-        def replay(args: Mapping[str, Any], requests: Sequence[RequestSpec]) -> Sequence[float]:
-            cfg = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=perturb)
-            return simulate_paced(cfg, requests, pacing).answer_s
-
-        info["phase_oracle"] = phase_oracle(sc.workload, result.trials, result.best, replay)
+        info["phase_oracle"] = phase_oracle(sc.workload, result.trials, result.best, phase_replay(sc))
         info["cpu_s"] = round(time.process_time() - t, 1)
+    return best, info
+
+
+def replayed(sc: Scenario, args: Mapping[str, Any], requests: Sequence[RequestSpec]) -> PacedResult:
+    """``requests`` replayed on one fresh engine of the scenario's under ``args``, fed through the arms'
+    pacing gate, in virtual time."""
+    config = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
+    return simulate_paced(config, requests, scenario_pacing(sc))
+
+
+def phase_replay(sc: Scenario) -> Replay:
+    """:func:`replayed` as the per-phase oracle reads it: per request, modelled seconds from arrival to answer."""
+    return lambda args, requests: replayed(sc, args, requests).answer_s
+
+
+def swept(sc: Scenario, sweep_path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The oracle's sweep (:func:`oracle_args`): read from ``sweep_path`` when it exists, else run (and
+    written there when given). The sweep is deterministic in the scenario; an hour's trace costs
+    minutes of CPU per sweep."""
+    if sweep_path is not None and Path(sweep_path).exists():
+        saved = json.loads(Path(sweep_path).read_text())
+        if saved.get("scenario") != sc.name:
+            raise ValueError(f"{sweep_path} holds the sweep of {saved.get('scenario')!r}, not {sc.name!r}")
+        return saved["args"], saved["sweep"]
+    best, info = oracle_args(sc)
+    if sweep_path is not None:
+        Path(sweep_path).write_text(json.dumps({"scenario": sc.name, "args": best, "sweep": info}))
     return best, info
 
 
@@ -173,8 +197,7 @@ def run_scenario(
     control: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the arms, write ``report_path`` (JSON), its ``.md`` table and ``.png`` plot; return the report.
-    ``sweep_path``: the oracle's sweep is read from there when it exists, else run and written there
-    (the sweep is deterministic in the scenario; an hour's trace costs minutes of CPU per sweep).
+    ``sweep_path``: the oracle's sweep is read from there when it exists, else run and written there.
     ``control``: the ``[control]`` keys every arm runs (each with its own mode); None, what a
     benchmark runs: the shipped policy's, unchanged (the report's ``control_is_shipped``)."""
     from loadtests.plot import plot_scenario
@@ -184,15 +207,8 @@ def run_scenario(
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"pacer-scenario-{sc.name}-"))
     sweep_info: dict[str, Any] = {}
     if "oracle" in arms:
-        if oracle is None and sweep_path is not None and Path(sweep_path).exists():
-            saved = json.loads(Path(sweep_path).read_text())
-            if saved.get("scenario") != sc.name:
-                raise ValueError(f"{sweep_path} holds the sweep of {saved.get('scenario')!r}, not {sc.name!r}")
-            best, sweep_info = saved["args"], saved["sweep"]
-        elif oracle is None:
-            best, sweep_info = oracle_args(sc)
-            if sweep_path is not None:
-                Path(sweep_path).write_text(json.dumps({"scenario": sc.name, "args": best, "sweep": sweep_info}))
+        if oracle is None:
+            best, sweep_info = swept(sc, sweep_path)
         else:
             best, sweep_info = dict(oracle), {"best": {"args": dict(oracle)}, "note": "given"}
     results: dict[str, ArmResult] = {}

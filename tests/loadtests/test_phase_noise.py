@@ -1,0 +1,65 @@
+"""The per-phase oracle's gain split into the workload's and the sample's (loadtests.phase_noise): each
+phase replayed alone on its own seed and resampled ones, the pick made on the resampled seeds only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loadtests.phase_noise import RESEED, main, phase_noise, table
+from loadtests.phase_oracle import phase_scores
+from loadtests.scenario_defs import Phases, Scenario, Workload
+from loadtests.scenarios import replayed
+
+CHAT = {"prompt_len": (100, 300), "max_tokens": 4096, "output_len": (50, 150), "rate": 2.0}
+TINY = Scenario(
+    name="tiny-shift",
+    premise="test",
+    workload=Phases(parts=(
+        Workload(count=30, seed=21, **CHAT),  # type: ignore[arg-type]
+        Workload(count=30, prompt_len=(100, 300), max_tokens=800, output_len=(600, 800), start_s=60.0, seed=22),
+    )),
+    start_args={"schedule_conservativeness": 0.3, "max_total_tokens": 20000},
+    gpu="a100-40gb",
+)  # fmt: skip
+SWEEP = {
+    "best": {"args": {"schedule_conservativeness": 0.3, "max_total_tokens": 20000}},
+    "phase_oracle": {"phases": [
+        {"phase": 0, "best_args": {"schedule_conservativeness": 0.1, "max_total_tokens": 20000}},
+        {"phase": 1, "best_args": {"schedule_conservativeness": 1.0, "max_total_tokens": 20000, "x": None}},
+    ]},
+}  # fmt: skip
+
+
+def test_each_phase_is_scored_on_its_own_seed_and_resampled_ones() -> None:
+    report = phase_noise(TINY, SWEEP, resamples=2)
+    # the operator's arguments are the best single ones here: named once
+    assert list(report["candidates"]) == ["best single", "phase 0 best", "phase 1 best"]
+    assert report["candidates"]["phase 1 best"] == {"schedule_conservativeness": 1.0, "max_total_tokens": 20000}
+    for k, ph in enumerate(report["phases"]):
+        part = TINY.workload.parts[k]  # type: ignore[union-attr]
+        assert ph["own_seed"] == part.seed
+        assert list(ph["seeds"]) == [str(part.seed + RESEED * i) for i in range(3)]
+        assert all(row["best single"]["gain"] == 1.0 for row in ph["seeds"].values())
+        # a resampled seed's figures are its own replay's
+        seed = part.seed + RESEED
+        alone = Phases(parts=(dataclasses.replace(part, seed=seed),))
+        args = report["candidates"][f"phase {k} best"]
+        base = phase_scores(alone, replayed(TINY, SWEEP["best"]["args"], alone.specs()).answer_s)[0]
+        mine = phase_scores(alone, replayed(TINY, args, alone.specs()).answer_s)[0]
+        assert ph["seeds"][str(seed)][f"phase {k} best"]["gain"] == pytest.approx(mine / base, abs=1e-4)
+        own = ph["seeds"][str(part.seed)]
+        assert ph["oracle_gain"] == pytest.approx(max(r["gain"] for r in own.values()), abs=1e-4)
+        assert ph["reachable"] == pytest.approx(own[ph["resampled_pick"]]["gain"] / ph["oracle_gain"], abs=1e-3)
+        assert 0 < ph["reachable"] <= 1.0
+    assert "phase 1" in table(report) and f"all {report['reachable']:.3f}" in table(report)
+
+
+def test_a_scenario_without_phases_or_resamples_is_refused() -> None:
+    with pytest.raises(ValueError, match="no phases"):
+        phase_noise(dataclasses.replace(TINY, workload=Workload(count=3, **CHAT)), SWEEP, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="resamples"):
+        phase_noise(TINY, SWEEP, 0)
+    with pytest.raises(SystemExit):
+        main(["prefix-none"])  # not a phased scenario: argparse refuses it
