@@ -131,13 +131,19 @@ class Restart:
 
 
 def simulate_paced(
-    config: SimConfig, workload: Sequence[RequestSpec], pacing: Pacing, restart: Restart | None = None
+    config: SimConfig,
+    workload: Sequence[RequestSpec],
+    pacing: Pacing,
+    restart: Restart | None = None,
+    hold: int | None = None,
 ) -> PacedResult:
     """The workload submitted to the proxy as it arrives (each request's ``arrival``, engine seconds; all at
     0 for a batch job), fed to one engine through the pacing gate, in virtual time: the live arms'
     arrival process. With ``restart``, the same run with one restart of the worker under new arguments
-    (what a controller's move costs). Each answer's time from its arrival is kept (``mean_answer_s``):
-    a run that arrives over time is judged on it."""
+    (what a controller's move costs); with ``hold``, the gate holds the requests open on the worker at
+    that many. Each answer's time from its arrival is kept (``mean_answer_s``): a run that arrives over
+    time is judged on it."""
+    room = hold if hold is not None else len(workload) + 1
     eng = Engine(config)
     load = WorkerLoad("replay")  # the dispatcher's per-worker counts and estimate
     # indices still to send, in arrival order (ties in submission order), the next one last
@@ -162,7 +168,12 @@ def simulate_paced(
             load.scrape_started()
             load.record(Sample(time=t, queue=len(eng.waiting), running=eng.n_run, token_usage=0.0))
             next_scrape = t + pacing.scrape_s
-        while pending and workload[pending[-1]].arrival <= t and load.est_queue() < pacing.target:
+        while (
+            pending
+            and workload[pending[-1]].arrival <= t
+            and load.est_queue() < pacing.target
+            and load.in_flight < room
+        ):
             i = pending.pop()
             spec = workload[i]
             req = eng.add(

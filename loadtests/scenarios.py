@@ -118,11 +118,13 @@ def oracle_args(sc: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
     return best, info
 
 
-def replayed(sc: Scenario, args: Mapping[str, Any], requests: Sequence[RequestSpec]) -> PacedResult:
+def replayed(
+    sc: Scenario, args: Mapping[str, Any], requests: Sequence[RequestSpec], hold: int | None = None
+) -> PacedResult:
     """``requests`` replayed on one fresh engine of the scenario's under ``args``, fed through the arms'
-    pacing gate, in virtual time."""
+    pacing gate (``hold``: holding the worker's open requests at that many), in virtual time."""
     config = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
-    return simulate_paced(config, requests, scenario_pacing(sc))
+    return simulate_paced(config, requests, scenario_pacing(sc), hold=hold)
 
 
 def phase_replay(sc: Scenario) -> Replay:

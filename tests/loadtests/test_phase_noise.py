@@ -1,13 +1,15 @@
 """The per-phase oracle's gain split into the workload's and the sample's (loadtests.phase_noise): each
-phase replayed alone on its own seed and resampled ones, the pick made on the resampled seeds only."""
+phase replayed alone on its own seed and resampled ones, the pick made on the resampled seeds only;
+arguments to compare with an output budget and a hold on the worker's open requests."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
-from loadtests.phase_noise import RESEED, main, phase_noise, table
+from loadtests.phase_noise import RESEED, Candidate, candidates, main, phase_noise, table
 from loadtests.phase_oracle import phase_scores
 from loadtests.scenario_defs import Phases, Scenario, Workload
 from loadtests.scenarios import replayed
@@ -23,7 +25,7 @@ TINY = Scenario(
     start_args={"schedule_conservativeness": 0.3, "max_total_tokens": 20000},
     gpu="a100-40gb",
 )  # fmt: skip
-SWEEP = {
+SWEEP: dict[str, Any] = {
     "best": {"args": {"schedule_conservativeness": 0.3, "max_total_tokens": 20000}},
     "phase_oracle": {"phases": [
         {"phase": 0, "best_args": {"schedule_conservativeness": 0.1, "max_total_tokens": 20000}},
@@ -33,10 +35,10 @@ SWEEP = {
 
 
 def test_each_phase_is_scored_on_its_own_seed_and_resampled_ones() -> None:
-    report = phase_noise(TINY, SWEEP, resamples=2)
+    report = phase_noise(TINY, candidates(TINY, SWEEP), resamples=2)
     # the operator's arguments are the best single ones here: named once
     assert list(report["candidates"]) == ["best single", "phase 0 best", "phase 1 best"]
-    assert report["candidates"]["phase 1 best"] == {"schedule_conservativeness": 1.0, "max_total_tokens": 20000}
+    assert report["candidates"]["phase 1 best"]["args"] == {"schedule_conservativeness": 1.0, "max_total_tokens": 20000}
     for k, ph in enumerate(report["phases"]):
         part = TINY.workload.parts[k]  # type: ignore[union-attr]
         assert ph["own_seed"] == part.seed
@@ -45,7 +47,7 @@ def test_each_phase_is_scored_on_its_own_seed_and_resampled_ones() -> None:
         # a resampled seed's figures are its own replay's
         seed = part.seed + RESEED
         alone = Phases(parts=(dataclasses.replace(part, seed=seed),))
-        args = report["candidates"][f"phase {k} best"]
+        args = report["candidates"][f"phase {k} best"]["args"]
         base = phase_scores(alone, replayed(TINY, SWEEP["best"]["args"], alone.specs()).answer_s)[0]
         mine = phase_scores(alone, replayed(TINY, args, alone.specs()).answer_s)[0]
         assert ph["seeds"][str(seed)][f"phase {k} best"]["gain"] == pytest.approx(mine / base, abs=1e-4)
@@ -56,10 +58,30 @@ def test_each_phase_is_scored_on_its_own_seed_and_resampled_ones() -> None:
     assert "phase 1" in table(report) and f"all {report['reachable']:.3f}" in table(report)
 
 
+def test_what_ifs_are_shown_with_a_budget_and_a_hold_and_never_picked() -> None:
+    """The chat's answers (50-150 tokens) fit under a budget of 200: they ask for 200, not 4096; the
+    batch's (600-800) do not. A hold of 3 open requests serves the batch far slower than no hold."""
+    given = {"schedule_conservativeness": 0.3, "max_total_tokens": 20000}
+    named = candidates(TINY, SWEEP, {"mine": given}, budget=200, hold=3)
+    assert [n for n in named if n.startswith("mine")] == ["mine", "mine + budget 200", "mine + budget 200, held at 3"]
+    chat, batch = TINY.workload.parts  # type: ignore[union-attr]
+    assert {s.max_new_tokens for s in named["mine + budget 200"].specs(chat)} == {200}
+    assert {s.max_new_tokens for s in named["mine + budget 200"].specs(batch)} == {800}
+    report = phase_noise(TINY, named, resamples=1)
+    for ph in report["phases"]:
+        assert not ph["resampled_pick"].startswith("mine")
+        own = ph["seeds"][str(ph["own_seed"])]
+        assert own["mine"]["gain"] == 1.0  # the best single arguments themselves
+        assert own["mine + budget 200, held at 3"]["peak_running"] <= 3
+    batch_row = report["phases"][1]["seeds"][str(batch.seed)]
+    assert batch_row["mine + budget 200, held at 3"]["gain"] < 0.5
+
+
 def test_a_scenario_without_phases_or_resamples_is_refused() -> None:
     with pytest.raises(ValueError, match="no phases"):
-        phase_noise(dataclasses.replace(TINY, workload=Workload(count=3, **CHAT)), SWEEP, 1)  # type: ignore[arg-type]
+        flat = dataclasses.replace(TINY, workload=Workload(count=3, **CHAT))  # type: ignore[arg-type]
+        phase_noise(flat, {"best single": Candidate(args={})}, 1)
     with pytest.raises(ValueError, match="resamples"):
-        phase_noise(TINY, SWEEP, 0)
+        phase_noise(TINY, candidates(TINY, SWEEP), 0)
     with pytest.raises(SystemExit):
         main(["prefix-none"])  # not a phased scenario: argparse refuses it
