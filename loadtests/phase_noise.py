@@ -37,15 +37,12 @@ RESEED = 1000  # resampled seeds: the phase's own plus multiples of this
 class Candidate:
     """Arguments to replay a phase under; ``budget``: the requests whose answer fits under it ask for
     it instead (as the proxy's output budget sends them); ``hold``: the gate holds the worker's open
-    requests at that many. Only plain arguments (neither) are a switch the pick may choose."""
+    requests at that many."""
 
     args: Mapping[str, Any]
     budget: int | None = None
     hold: int | None = None
-
-    @property
-    def switch(self) -> bool:
-        return self.budget is None and self.hold is None
+    shown_only: bool = False  # a what-if: never the pick
 
     def specs(self, part: Any) -> list[RequestSpec]:
         specs = Phases(parts=(part,)).specs()
@@ -75,12 +72,12 @@ def candidates(
         if all(c.args != clean for c in out.values()):
             out[name] = Candidate(args=clean)
     for name, given in (what_if or {}).items():
-        out[name] = Candidate(args=dict(given))
+        out[name] = Candidate(args=dict(given), shown_only=True)
         if budget is not None:
-            out[f"{name} + budget {budget}"] = Candidate(args=dict(given), budget=budget)
+            out[f"{name} + budget {budget}"] = Candidate(args=dict(given), budget=budget, shown_only=True)
         if hold is not None:
             label = f"{name} + budget {budget}, held at {hold}" if budget else f"{name}, held at {hold}"
-            out[label] = Candidate(args=dict(given), budget=budget, hold=hold)
+            out[label] = Candidate(args=dict(given), budget=budget, hold=hold, shown_only=True)
     return out
 
 
@@ -95,7 +92,7 @@ def _phase(sc: Scenario, k: int, part: Any, named: Mapping[str, Candidate], resa
     seeds = [part.seed + RESEED * i for i in range(resamples + 1)]
     runs = {s: {n: _score(sc, dataclasses.replace(part, seed=s), c) for n, c in named.items()} for s in seeds}
     gains = {s: {n: r["score"] / runs[s]["best single"]["score"] for n, r in runs[s].items()} for s in seeds}
-    switches = [n for n, c in named.items() if c.switch]
+    switches = [n for n, c in named.items() if not c.shown_only]
     picked = max(switches, key=lambda n: statistics.fmean(gains[s][n] for s in seeds[1:]))
     own = gains[seeds[0]]
     top = max(own[n] for n in switches)

@@ -71,7 +71,7 @@ def test_what_ifs_are_shown_with_a_budget_and_a_hold_and_never_picked() -> None:
     for ph in report["phases"]:
         assert not ph["resampled_pick"].startswith("mine")
         own = ph["seeds"][str(ph["own_seed"])]
-        assert own["mine"]["gain"] == 1.0  # the best single arguments themselves
+        assert own["mine"]["gain"] == 1.0  # the best single arguments themselves, shown and not picked
         assert own["mine + budget 200, held at 3"]["peak_running"] <= 3
     batch_row = report["phases"][1]["seeds"][str(batch.seed)]
     assert batch_row["mine + budget 200, held at 3"]["gain"] < 0.5
@@ -85,3 +85,18 @@ def test_a_scenario_without_phases_or_resamples_is_refused() -> None:
         phase_noise(TINY, candidates(TINY, SWEEP), 0)
     with pytest.raises(SystemExit):
         main(["prefix-none"])  # not a phased scenario: argparse refuses it
+
+
+def test_a_what_if_that_scores_best_is_still_not_the_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loadtests.phase_noise as pn
+
+    def score(sc: Scenario, part: Any, c: Candidate) -> dict[str, float]:
+        return {"score": 2.0 if c.shown_only else 1.5 if c.args.get("schedule_conservativeness") == 1.0 else 1.0,
+                "peak_running": 1}  # fmt: skip
+
+    monkeypatch.setattr(pn, "_score", score)
+    named = candidates(TINY, SWEEP, {"mine": {"schedule_conservativeness": 0.7}})
+    report = phase_noise(TINY, named, resamples=1)
+    for ph in report["phases"]:
+        assert ph["resampled_pick"] == "phase 1 best" and ph["oracle_gain"] == 1.5 and ph["reachable"] == 1.0
+        assert ph["seeds"][str(ph["own_seed"])]["mine"]["gain"] == 2.0
