@@ -181,9 +181,11 @@ def price_shape(twin: Twin, args: Mapping[str, object], sample: Sequence[Observe
     at_once = min(running_cap(cfg), max(1, int(cfg.max_total_num_tokens / max(1.0, mean))))
     count = min(MAX_REPLAYED, max(math.ceil(len(sample) / shape.workers), SATURATE * at_once))
     res = simulate(cfg, _specs(sample, shape, count))
-    if res.oom:
-        return ShapeResult(shape=shape, output_tok_per_s=0.0, kv_tokens=cfg.max_total_num_tokens,
-                           unfit=f"it runs out of memory in {res.oom}")  # fmt: skip
+    if res.oom or res.stalled:
+        why = (
+            f"it runs out of memory in {res.oom}" if res.oom else "its replay retracts the same requests over and over"
+        )
+        return ShapeResult(shape=shape, output_tok_per_s=0.0, kv_tokens=cfg.max_total_num_tokens, unfit=why)
     return ShapeResult(
         shape=shape,
         output_tok_per_s=saturated_throughput(res) * shape.workers,

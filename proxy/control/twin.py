@@ -83,7 +83,7 @@ class Prediction:
     answered_tok_per_s: float | None = None
     makespan_s: float
     retractions: int
-    oom: str | None = None
+    oom: str | None = None  # why it serves nothing: out of memory where, a refused start, a replay that stalled
     available_gpu_mem_gb: float | None = None
     peak_running: int = 0  # the largest running batch of the replay
 
@@ -184,6 +184,8 @@ class Twin:
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
         res = simulate(cfg, list(plan_replay.specs), queue_cap=self.queue_cap, gate_period_s=self.gate_period_s)
+        failed = res.oom or (f"stalled: the work not done in {res.steps} steps (retracted over and over)"
+                             if res.stalled else None)  # fmt: skip
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
         answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]
@@ -202,14 +204,14 @@ class Twin:
             tp, mine = res.output_tok_per_s if plan_replay.continues_at is not None else alone or 0.0, alone
         return Prediction(
             args=dict(args),
-            answered_tok_per_s=None if res.oom else mine,
-            output_tok_per_s=0.0 if res.oom else tp,
+            answered_tok_per_s=None if failed else mine,
+            output_tok_per_s=0.0 if failed else tp,
             mean_queue_s=sum(waits) / len(waits) if waits else None,
             peak_running=max((p.running for p in res.trace), default=0),
-            mean_answer_s=sum(answers) / len(answers) if answers and len(answers) == len(own) and not res.oom else None,
+            mean_answer_s=sum(answers) / len(answers) if answers and len(answers) == len(own) and not failed else None,
             makespan_s=res.makespan_s,
             retractions=res.retractions,
-            oom=res.oom,
+            oom=failed,
             available_gpu_mem_gb=cfg.memory.available_gb,
         )
 

@@ -57,6 +57,22 @@ class SimResult:
     requests: tuple[RequestResult, ...]
     # (time, running, used tokens, gen throughput, cuda graph) at each decode statistics line, as it would log them
     decode_stats: tuple[tuple[float, int, int, float, bool], ...] = field(default=(), repr=False)
+    stalled: bool = False  # stopped at its step bound (:func:`step_bound`): the work was not getting done
+
+
+# A replay's step bound: a decode step writes a token for each request it runs, and a prefill step
+# takes at least a chunk of a prompt, so work that gets done takes at most about one step per output
+# token plus a few per request. Far past that the engine retracts and readmits the same requests over
+# and over (a pool that cannot hold the batch it admits): a replay that never ends, its trace growing
+# with every step (a planner's process grew to 7 GB on one).
+STEPS_PER_OUTPUT_TOKEN = 4
+STEPS_PER_REQUEST = 64
+
+
+def step_bound(workload: Sequence[RequestSpec]) -> int:
+    """The most steps a replay of ``workload`` may take (:data:`STEPS_PER_OUTPUT_TOKEN`)."""
+    tokens = sum(spec.output_len or spec.max_new_tokens for spec in workload)
+    return STEPS_PER_OUTPUT_TOKEN * tokens + STEPS_PER_REQUEST * len(workload)
 
 
 @functools.cache
@@ -97,8 +113,11 @@ def simulate(
     """Run ``workload`` through one engine in virtual time. ``queue_cap``: a proxy's gate in front of the
     engine, which looks at its queue every ``gate_period_s`` and then sends what arrived until ``queue_cap``
     wait there (the rest wait outside, in arrival order, their waiting counted from their arrival); None:
-    each request reaches the engine as it arrives."""
+    each request reaches the engine as it arrives. A replay stops at its step bound (:func:`step_bound`),
+    ``stalled``."""
     eng = Engine(config, log=log)
+    bound = step_bound(workload)
+    stalled = False
     next_gate = 0.0
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Req] = []
@@ -146,6 +165,9 @@ def simulate(
         trace.append(TracePoint(t, len(eng.scheduler.waiting), eng.kv.running.n, eng.kv.usage, step.kind))
         if max_time is not None and t >= max_time:
             break
+        if steps >= bound:
+            stalled = True
+            break
     results = tuple(_result(eng, r) for r in reqs)
     out_tokens = sum(rr.output_tokens for rr in results)
     return SimResult(
@@ -161,6 +183,7 @@ def simulate(
         trace=tuple(trace),
         requests=results,
         decode_stats=tuple(eng.reporter.decode_stats),
+        stalled=stalled,
     )
 
 

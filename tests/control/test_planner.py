@@ -814,3 +814,19 @@ def test_a_larger_pool_leaves_room_for_the_running_caps_decode_activations():
         < 2.5
         < twin.config({**args, "mem_fraction_static": 0.9}).memory.available_gb
     )
+
+
+def test_a_replay_that_stalls_serves_nothing_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate whose replay reaches its step bound (the engine retracting the same requests over and
+    over) is no candidate: no throughput, and why in ``oom``; the same replay within its bound serves."""
+    import proxy.sim.virtual as virtual
+
+    twin = Twin(GPU, MODEL)
+    sample = [Observed(arrived=0.0, prompt_tokens=400, output_tokens=400, max_tokens=400)] * 20
+    served = twin.predict({}, sample)
+    assert served.oom is None and served.output_tok_per_s > 0
+    monkeypatch.setattr(virtual, "STEPS_PER_OUTPUT_TOKEN", 0)
+    monkeypatch.setattr(virtual, "STEPS_PER_REQUEST", 1)
+    stalled = twin.predict({"schedule_conservativeness": 0.5}, sample)  # not a replay seen before (replays_once)
+    assert stalled.output_tok_per_s == 0.0 and stalled.answered_tok_per_s is None and stalled.mean_answer_s is None
+    assert stalled.oom is not None and stalled.oom.startswith("stalled")

@@ -210,23 +210,23 @@ CASES = [
 GOLDEN: dict[str, tuple[str, str]] = {  # (engine steps, simulate())
     "retracting-lpm": (
         "8eb2037bfb0c12a430ebd123820e20d6a9a48195bdece0640660ca131b9609cf",
-        "8d04472a10041cc9d2e0e9b7ea65360a5e58d5e2cce6371221f1cfa6b3aeef28",
+        "39f727163e4d75b148bc178f510f7d2c5c5dbf1b5f100c8bf5435e6694a47b9f",
     ),
     "chunked-fcfs": (
         "cf5833f4eb2552400b2beef9f20f499c76e877a25aa63007b015f27d8ba9ad2b",
-        "363da56da8b921c865156502c77d8d5ca341b4697b2d8061a2a8cc476026f596",
+        "2f655782972517d1e3d25995011e127ed27ac3058016fa3ed22dbb9e104123de",
     ),
     "no-cache-queue-cap": (
         "84cbcc648a1993998c20b6e026c295c951e09d93c6ad54323eb1cdf7277a01e8",
-        "fd7fa807839f9421f6e115d6c5777e9a70f41517a20d79577cb8dce16e096b89",
+        "2c28167e3ea0c64e31bebf13beeb8c149a01c006812076cdb89e0bf70518cc68",
     ),
     "lof-conservative": (
         "b972ab85ec3e27ad879c3b4057b4d94b88a15e079d9b2e0c3f15e4de3ca2d38d",
-        "fe97a8cafc3f2d28b9f494a50250512d1e56cd70a62d8452a1ffba6f705f69cc",
+        "b9072578fae07591ad0bea8ce7473b2fa44af6815a688ad3f3f4c24d24ce4803",
     ),
     "random": (
         "c55d29e8e1919586ebf2bd00a63694c3060c7906bdfd2d08df2d275b6eda4554",
-        "569a357a9006a7b425557ea3b0590d3fdfbd0e36345c98253b36415126ab78c1",
+        "d2a9e3464405c86ae0b31a9fbe05f0bc97f9b495da9182c736477bb025e40097",
     ),
 }
 

@@ -95,3 +95,21 @@ def test_higher_conservativeness_retracts_less() -> None:
     low = simulate(config("--max-total-tokens", "30000", "--schedule-conservativeness", "0.3"), wl)
     high = simulate(config("--max-total-tokens", "30000", "--schedule-conservativeness", "1.3"), wl)
     assert low.retractions > high.retractions
+
+
+def test_a_replay_stops_at_its_step_bound_and_says_it_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work that gets done takes about a step per output token at most; a replay far past that (an
+    engine retracting and readmitting the same requests) stops there, ``stalled``, instead of running
+    on with its trace growing. The retracting workload above ends well within the bound; with a bound
+    a hundredth of that it stops."""
+    import proxy.sim.virtual as virtual
+
+    specs = _mixed(30)
+    cfg = config("--max-total-tokens", "6000")
+    done = simulate(cfg, specs)
+    assert done.retractions > 0 and done.finished == 30 and not done.stalled
+    assert done.steps < virtual.step_bound(specs) / 4
+    monkeypatch.setattr(virtual, "STEPS_PER_OUTPUT_TOKEN", 0)
+    monkeypatch.setattr(virtual, "STEPS_PER_REQUEST", 1)
+    cut = simulate(cfg, specs)
+    assert cut.stalled and cut.steps == 30 and cut.finished < 30
