@@ -62,11 +62,14 @@ class SimResult:
 
 # A replay's step bound: a decode step writes a token for each request it runs, and a prefill step
 # takes at least a chunk of a prompt, so work that gets done takes at most about one step per output
-# token plus a few per request. Far past that the engine retracts and readmits the same requests over
-# and over (a pool that cannot hold the batch it admits): a replay that never ends, its trace growing
-# with every step (a planner's process grew to 7 GB on one).
-STEPS_PER_OUTPUT_TOKEN = 4
+# token plus a few per request. Past that the replay is not getting its work done; it stops.
+STEPS_PER_OUTPUT_TOKEN = 2
 STEPS_PER_REQUEST = 64
+# Steps in a row that run nothing (a decode round with its whole batch retracted, the pool unable to take
+# the next chunk of a prompt between chunks): the engine is stuck, however long it would go on. A
+# planner's replay stuck so took 3.9 million such steps, each a few microseconds of modelled time, and
+# its process grew to 7 GB: it made one plan in a retraction-storm run's hour.
+EMPTY_STEPS = 1000
 
 
 def step_bound(workload: Sequence[RequestSpec]) -> int:
@@ -113,11 +116,12 @@ def simulate(
     """Run ``workload`` through one engine in virtual time. ``queue_cap``: a proxy's gate in front of the
     engine, which looks at its queue every ``gate_period_s`` and then sends what arrived until ``queue_cap``
     wait there (the rest wait outside, in arrival order, their waiting counted from their arrival); None:
-    each request reaches the engine as it arrives. A replay stops at its step bound (:func:`step_bound`),
-    ``stalled``."""
+    each request reaches the engine as it arrives. A replay stops, ``stalled``, at its step bound
+    (:func:`step_bound`) or after :data:`EMPTY_STEPS` steps in a row that ran nothing."""
     eng = Engine(config, log=log)
     bound = step_bound(workload)
     stalled = False
+    empty = 0  # steps in a row that ran nothing
     next_gate = 0.0
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     reqs: list[Req] = []
@@ -165,7 +169,8 @@ def simulate(
         trace.append(TracePoint(t, len(eng.scheduler.waiting), eng.kv.running.n, eng.kv.usage, step.kind))
         if max_time is not None and t >= max_time:
             break
-        if steps >= bound:
+        empty = empty + 1 if step.batch_size == 0 else 0
+        if steps >= bound or empty >= EMPTY_STEPS:
             stalled = True
             break
     results = tuple(_result(eng, r) for r in reqs)

@@ -98,10 +98,9 @@ def test_higher_conservativeness_retracts_less() -> None:
 
 
 def test_a_replay_stops_at_its_step_bound_and_says_it_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Work that gets done takes about a step per output token at most; a replay far past that (an
-    engine retracting and readmitting the same requests) stops there, ``stalled``, instead of running
-    on with its trace growing. The retracting workload above ends well within the bound; with a bound
-    a hundredth of that it stops."""
+    """Work that gets done takes about a step per output token at most; a replay past its bound stops
+    there, ``stalled``. The retracting workload above ends well within the bound; with a bound of one
+    step per request it stops."""
     import proxy.sim.virtual as virtual
 
     specs = _mixed(30)
@@ -113,3 +112,21 @@ def test_a_replay_stops_at_its_step_bound_and_says_it_stalled(monkeypatch: pytes
     monkeypatch.setattr(virtual, "STEPS_PER_REQUEST", 1)
     cut = simulate(cfg, specs)
     assert cut.stalled and cut.steps == 30 and cut.finished < 30
+
+
+def test_an_engine_stuck_on_empty_steps_stops_after_a_thousand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine whose rounds run nothing (its batch retracted, the pool unable to take a prompt's next
+    chunk) and never get unstuck: the replay stops after EMPTY_STEPS of them in a row, ``stalled``, not
+    millions later (a planner's replay took 3.9 million such steps)."""
+    import proxy.sim.virtual as virtual
+    from proxy.sim.engine import Engine, Step
+
+    class Stuck(Engine):
+        def plan(self, now: float) -> Step | None:
+            step = super().plan(now)
+            return Step(kind="decode", duration=1e-6, batch_size=0) if self.retracted_total else step
+
+    monkeypatch.setattr(virtual, "Engine", Stuck)
+    res = simulate(config("--max-total-tokens", "6000"), _mixed(30))
+    assert res.stalled and res.finished < 30
+    assert virtual.EMPTY_STEPS <= res.steps < virtual.EMPTY_STEPS + 2000
