@@ -133,7 +133,6 @@ def load_reading(
         batch_admission_share=admitted[1],
         budgets=tuple(cohorts),
         graph_batch=load.graph_batch,
-        running_limit=load.running_limit,
     )
 
 

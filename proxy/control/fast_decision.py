@@ -65,7 +65,6 @@ class LoadReading:
     batch_admission_share: float | None = None
     budgets: tuple[BudgetReading, ...] = ()
     graph_batch: int | None = None  # the largest decode batch the worker's CUDA graphs cover (None: not known)
-    running_limit: int | None = None  # the most requests it runs at once (None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +139,7 @@ class FastTier:
         self._paces[worker_id] = pace
         moves, evidence = self.budgets(load.budgets)
         budgeted = any(m.tokens is not None for m in moves)
-        limit, held = held_at_graphs(pace.limit, load.graph_batch, budgeted, load.running_limit)
+        limit, held = held_at_graphs(pace.limit, load.graph_batch, budgeted)
         return FastDecision(
             time=sample.time,
             limit=limit,

@@ -236,19 +236,14 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
     return abs(new - old) >= settings.budget_note_change * old
 
 
-def held_at_graphs(
-    limit: int | None, graph_batch: int | None, budgeted: bool, running_limit: int | None = None
-) -> tuple[int | None, str | None]:
+def held_at_graphs(limit: int | None, graph_batch: int | None, budgeted: bool) -> tuple[int | None, str | None]:
     """The admission limit while an output budget applies to the worker (``budgeted``): at most the
     batch its CUDA graphs cover (``graph_batch``), and why (None: no hold). A budget lets the engine
     admit what its reservation for ``max_tokens`` held back; past the graphs every decode step runs
     without them, slower for every request it holds. Replayed, shift's chat with the budget and no hold
     ran 190 at once and answered 7 % slower than without the budget; held at the graphs (160), 1.7 %
-    faster (``python -m loadtests phase-noise shift --hold``). A worker that runs no more at once than
-    its graphs cover (``running_limit``) is not held: its own queue stays where the band puts it."""
+    faster (``python -m loadtests phase-noise shift --hold``)."""
     if not budgeted or graph_batch is None or (limit is not None and limit <= graph_batch):
-        return limit, None
-    if running_limit is not None and running_limit <= graph_batch:
         return limit, None
     return graph_batch, f"an output budget applies: at most {graph_batch} open, the batch its CUDA graphs cover"
 

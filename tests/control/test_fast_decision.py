@@ -107,9 +107,6 @@ def test_a_budget_holds_the_worker_at_the_batch_its_cuda_graphs_cover():
     # no budget, graphs not known, or a tighter limit of the tier's own: no hold
     assert _tier().decide("w0", _sample(0.0), replace(QUIET, graph_batch=160)).limit is None
     assert _tier().decide("w0", _sample(0.0), replace(budgeted, graph_batch=None)).limit is None
-    # a worker that runs no more at once than its graphs cover never runs past them: not held
-    assert _tier().decide("w0", _sample(0.0), replace(budgeted, running_limit=160)).limit is None
-    assert _tier().decide("w0", _sample(0.0), replace(budgeted, running_limit=2048)).limit == 160
     tier = _tier()
     tier.decide("w0", _sample(0.0), budgeted)
     backed = tier.decide("w0", _sample(1.0, retractions_total=3.0), budgeted)
