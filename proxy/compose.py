@@ -406,16 +406,6 @@ def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _graph_batch(engine: Engine, info: WorkerInfo, resolved: Mapping[str, float] | None = None) -> int | None:
-    """The largest decode batch a worker's CUDA graphs cover: what its engine resolved (``resolved``, from
-    its server info), else its launch argument; None where neither says, or graphs are off (0)."""
-    knob = engine.knobs.get(KnobName.GRAPH_MAX_BS)
-    if knob is None:
-        return None
-    value = (resolved or {}).get(knob.resolved_field or knob.arg, info.args.get(knob.arg))
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
-
-
 async def _control_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The controllers, one per pool (its own [control] settings, rolling restarts within the pool):
     built when the app starts, fed by the board, the pool's states and log lines. One journal.
@@ -572,22 +562,19 @@ async def _read_server_info(
     st: ProxyState, engines: Mapping[str, Engine], info: WorkerInfo, is_closed: Callable[[], bool]
 ) -> None:
     """What the engine chose for args left unset (``mem_fraction_static``...), from its server info
-    (the controller's, for a worker it manages), and how many requests it runs at once and the batch
-    its CUDA graphs cover (the pacing's, for every worker: its launch arguments first, its server info
-    over them); the clock
+    (the controller's, for a worker it manages), and how many requests it runs at once (the
+    pacing's, for every worker: its launch arguments first, its server info over them); the clock
     rate it tells goes to the pool's dispatcher and controller."""
     engine = engines.get(info.pool, st.policy.engine.engine)
     path = engine.server_info_path
     load = st.board.get(info.id)
     load.running_limit = _launched_running_limit(engine, info)
-    load.graph_batch = _graph_batch(engine, info)
     if st.session is None or path is None:
         return
     payload = await _fetch_server_info(st.session, info, path)
     if payload is None or is_closed():
         return
     load.running_limit = engine.running_limit(payload) or load.running_limit
-    load.graph_batch = _graph_batch(engine, info, engine.resolved_from_server_info(payload))
     rate = engine.clock_rate_from_server_info(payload)
     if rate is not None:  # the pool's window beside interactive work and its scrapes, on its workers' clock
         st.requests.dispatcher_of(info.pool).clock_rate = rate

@@ -132,7 +132,6 @@ def load_reading(
         admission_share=admitted[0],
         batch_admission_share=admitted[1],
         budgets=tuple(cohorts),
-        graph_batch=load.graph_batch,
     )
 
 

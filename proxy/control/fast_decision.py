@@ -21,7 +21,6 @@ from proxy.control.fast_tier import (
     budget_evidence,
     budget_moved,
     budget_overrun,
-    held_at_graphs,
     kv_peak,
     next_pace,
     output_budget,
@@ -64,7 +63,6 @@ class LoadReading:
     admission_share: float | None = None
     batch_admission_share: float | None = None
     budgets: tuple[BudgetReading, ...] = ()
-    graph_batch: int | None = None  # the largest decode batch the worker's CUDA graphs cover (None: not known)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,11 +136,9 @@ class FastTier:
         pace = next_pace(prev, look, lo=lo, hi=hi, headroom=headroom, settings=self.settings)
         self._paces[worker_id] = pace
         moves, evidence = self.budgets(load.budgets)
-        budgeted = any(m.tokens is not None for m in moves)
-        limit, held = held_at_graphs(pace.limit, load.graph_batch, budgeted)
         return FastDecision(
             time=sample.time,
-            limit=limit,
+            limit=pace.limit,
             queue_target=pace.queue_target,
             batch_queue_target=pace.batch_queue_target,
             batch_limit=pace.batch_limit,
@@ -151,7 +147,7 @@ class FastTier:
             kv_peak_share=kv_peak_share,
             budgets=moves,
             evidence=evidence,
-            reason=pace.reason if held is None else held,
+            reason=pace.reason,
         )
 
     def budgets(self, readings: Sequence[BudgetReading]) -> tuple[tuple[BudgetMove, ...], tuple[OutputBudget, ...]]:

@@ -13,8 +13,7 @@ previous :class:`Pace` and one :class:`PaceInput`):
   heading for (:func:`kv_peak`), not what it holds now; batch requests queued ahead of a waiting
   interactive request are taken back. Interactive work never waits behind batch work.
 * the **output budget** per class and ``max_tokens`` (:func:`output_budget`): a high quantile of what
-  the class's recent answers wrote, with a margin; an answer that reaches it is continued. While one
-  applies, the worker holds at most the batch its CUDA graphs cover (:func:`held_at_graphs`).
+  the class's recent answers wrote, with a margin; an answer that reaches it is continued.
 
 Nothing here restarts anything or reads an engine: the inputs are the scrape's engine-neutral
 figures and the proxy's per-request facts. No scheduler argument can move without a restart on the
@@ -39,7 +38,6 @@ __all__ = [
     "budget_evidence",
     "budget_moved",
     "budget_overrun",
-    "held_at_graphs",
     "kv_peak",
     "next_pace",
     "output_budget",
@@ -234,18 +232,6 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
     if old is None or new is None:
         return old != new
     return abs(new - old) >= settings.budget_note_change * old
-
-
-def held_at_graphs(limit: int | None, graph_batch: int | None, budgeted: bool) -> tuple[int | None, str | None]:
-    """The admission limit while an output budget applies to the worker (``budgeted``): at most the
-    batch its CUDA graphs cover (``graph_batch``), and why (None: no hold). A budget lets the engine
-    admit what its reservation for ``max_tokens`` held back; past the graphs every decode step runs
-    without them, slower for every request it holds. Replayed, shift's chat with the budget and no hold
-    ran 190 at once and answered 7 % slower than without the budget; held at the graphs (160), 1.7 %
-    faster (``python -m loadtests phase-noise shift --hold``)."""
-    if not budgeted or graph_batch is None or (limit is not None and limit <= graph_batch):
-        return limit, None
-    return graph_batch, f"an output budget applies: at most {graph_batch} open, the batch its CUDA graphs cover"
 
 
 def budget_evidence(

@@ -118,7 +118,6 @@ class WorkerLoad:
         "error",
         "facts",
         "first_token_wait_s",
-        "graph_batch",
         "incarnation",
         "interactive_asks",
         "last_running",
@@ -162,8 +161,6 @@ class WorkerLoad:
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         # the most requests the worker runs at once, as it reports it (its server info) or was started with
         self.running_limit: int | None = None
-        # the largest decode batch its CUDA graphs cover, as it reports it or was started with (None: not known)
-        self.graph_batch: int | None = None
         self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
         # the proxy replicas sending to the worker (LoadBoard.set_replicas): each paces its share
         self.replicas = 1
@@ -249,7 +246,7 @@ class WorkerLoad:
         self._pending_base = None
         self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
-        self.running_limit = self.graph_batch = None
+        self.running_limit = None
         # nor its batch: until its first scrape it is gated on its own counts (:attr:`unscraped`), and if that
         # scrape fails, the stale fallback starts from none (the reshape benchmark's tp-8 worker had run 768;
         # restarted as one of four tp-2 workers and up first, it was sent all 1,024 requests taken back)
@@ -512,7 +509,6 @@ class WorkerLoad:
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
             "running_limit": self.running_limit,
-            "graph_batch": self.graph_batch,
             "output_rate": self.output_rate,  # output tokens/s now (0 when nothing runs)
             "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),

@@ -98,19 +98,3 @@ def test_answers_reaching_a_budget_lift_it_as_overrun():
     assert (note.reached, note.ended_within, note.budget_tokens) == (S.budget_overrun_answers, 0, None)
     few = replace(reading, reached=1, ended_within=40)
     assert not _tier().decide("w0", _sample(0.0), replace(QUIET, budgets=(few,))).budgets[0].overrun
-
-
-def test_a_budget_holds_the_worker_at_the_batch_its_cuda_graphs_cover():
-    budgeted = replace(QUIET, budgets=(_cohort([300] * S.budget_min_answers),), graph_batch=160)
-    held = _tier().decide("w0", _sample(0.0), budgeted)
-    assert held.limit == 160 and "CUDA graphs" in held.reason and "160" in held.reason
-    # no budget, graphs not known, or a tighter limit of the tier's own: no hold
-    assert _tier().decide("w0", _sample(0.0), replace(QUIET, graph_batch=160)).limit is None
-    assert _tier().decide("w0", _sample(0.0), replace(budgeted, graph_batch=None)).limit is None
-    tier = _tier()
-    tier.decide("w0", _sample(0.0), budgeted)
-    backed = tier.decide("w0", _sample(1.0, retractions_total=3.0), budgeted)
-    assert backed.limit == int(108 * S.backoff) and "retractions" in backed.reason
-    # a budget lifted as overrun (none applies any more) lets the hold go with it
-    lifted = _cohort([300] * S.budget_min_answers, current=512, reached=S.budget_overrun_answers, ended_within=0)
-    assert _tier().decide("w0", _sample(0.0), replace(budgeted, budgets=(lifted,))).limit is None

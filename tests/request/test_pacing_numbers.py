@@ -40,7 +40,7 @@ def test_a_worker_s_limit_is_kept_until_it_restarts_and_its_pacing_falls_back_to
     board.publish("w0", Sample(time=2.0, queue=0, running=12, token_usage=0.5), None)
     assert load.running_limit is None and load.running_seen == 30
     assert load.batch_step_tokens() == 60 and load.batch_room_beside_interactive()  # no share without a limit
-    load.running_limit, load.graph_batch = 256, 160  # read from its server info
+    load.running_limit = 256  # read from its server info
     assert load.batch_step_tokens() == 512 and load.snapshot()["running_limit"] == 256
-    load.forget_sample()  # it restarted: its limits are read again (the controller may have moved them)
-    assert load.running_limit is None and load.graph_batch is None and load.running_seen == 0
+    load.forget_sample()  # it restarted: its limit is read again (the controller may have moved it)
+    assert load.running_limit is None and load.running_seen == 0

@@ -31,9 +31,6 @@ async def test_a_chat_request_after_a_batch_filled_the_worker_gets_a_running_slo
         load = st.board.get(p.pool.workers()[0].id)
         await wait_until(lambda: load.running_limit is not None, "the worker's running limit read")
         assert load.running_limit == 8
-        # and the batch its CUDA graphs cover, which the engine caps at its running limit
-        await wait_until(lambda: load.graph_batch is not None, "the worker's CUDA graph batch read")
-        assert load.graph_batch == 8
         client = openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="none", max_retries=0, timeout=120)
         async with client:
             batch = [
