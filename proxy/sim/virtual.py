@@ -135,22 +135,11 @@ def simulate(
     while True:
         gate_open = queue_cap is None or t >= next_gate
         while i < n and workload[order[i]].arrival <= t and gate_open and len(eng.waiting) < (queue_cap or n + 1):
-            spec = workload[order[i]]
-            try:
-                req = eng.add(
-                    prompt_ids=_prompt(spec, order[i]),
-                    max_new_tokens=spec.max_new_tokens,
-                    ignore_eos=spec.ignore_eos,
-                    output_len=spec.output_len,
-                    rid=spec.rid,
-                    now=max(t, spec.arrival),
-                    resumed=spec.resumed,
-                )
-                if queue_cap is not None:
-                    req.arrival = spec.arrival  # it waited outside since then
-                reqs.append(req)
-            except QueueFull:
+            req = _add(eng, workload[order[i]], order[i], t, outside=queue_cap is not None)
+            if req is None:
                 rejected += 1
+            else:
+                reqs.append(req)
             i += 1
         if queue_cap is not None and gate_open:
             next_gate = t + gate_period_s
@@ -190,6 +179,26 @@ def simulate(
         decode_stats=tuple(eng.reporter.decode_stats),
         stalled=stalled,
     )
+
+
+def _add(eng: Engine, spec: RequestSpec, index: int, now: float, *, outside: bool) -> Req | None:
+    """``spec`` (the workload's ``index``-th) into the engine at ``now``; None: its queue is full.
+    ``outside``: it waited at a gate in front of the engine, its waiting counted from its arrival."""
+    try:
+        req = eng.add(
+            prompt_ids=_prompt(spec, index),
+            max_new_tokens=spec.max_new_tokens,
+            ignore_eos=spec.ignore_eos,
+            output_len=spec.output_len,
+            rid=spec.rid,
+            now=max(now, spec.arrival),
+            resumed=spec.resumed,
+        )
+    except QueueFull:
+        return None
+    if outside:
+        req.arrival = spec.arrival
+    return req
 
 
 def _result(eng: Engine, r: Req) -> RequestResult:
