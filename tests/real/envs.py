@@ -203,9 +203,7 @@ def _build(recipe: EnvRecipe, env_dir: Path, log: Callable[[str], None]) -> None
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     _link_shared(recipe, env_dir, log)
     py = str(env_python(env_dir))
-    # --no-compile: no bytecode for the thousands of modules never imported (the tests import few, and
-    # Python compiles those on first import); the build overlaps the other tests on two cores
-    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     _run([*pip, TORCH], log)  # torch linked in: its own requirements only
     _run([*pip, "--no-deps", recipe.engine], log)
     packages: list[str] = list(recipe.extra)
