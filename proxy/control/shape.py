@@ -182,9 +182,7 @@ def price_shape(twin: Twin, args: Mapping[str, object], sample: Sequence[Observe
     count = min(MAX_REPLAYED, max(math.ceil(len(sample) / shape.workers), SATURATE * at_once))
     res = simulate(cfg, _specs(sample, shape, count))
     if res.oom or res.stalled:
-        why = (
-            f"it runs out of memory in {res.oom}" if res.oom else "its replay retracts the same requests over and over"
-        )
+        why = f"it runs out of memory in {res.oom}" if res.oom else f"its replay stalled: {res.stalled}"
         return ShapeResult(shape=shape, output_tok_per_s=0.0, kv_tokens=cfg.max_total_num_tokens, unfit=why)
     return ShapeResult(
         shape=shape,

@@ -184,8 +184,7 @@ class Twin:
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
         res = simulate(cfg, list(plan_replay.specs), queue_cap=self.queue_cap, gate_period_s=self.gate_period_s)
-        failed = res.oom or (f"stalled: the work not done in {res.steps} steps (retracted over and over)"
-                             if res.stalled else None)  # fmt: skip
+        failed = res.oom or (f"stalled: {res.stalled}" if res.stalled else None)
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]
         answers = [r.finish_time - r.arrival for r in own if r.finish_time is not None]

@@ -57,7 +57,8 @@ class SimResult:
     requests: tuple[RequestResult, ...]
     # (time, running, used tokens, gen throughput, cuda graph) at each decode statistics line, as it would log them
     decode_stats: tuple[tuple[float, int, int, float, bool], ...] = field(default=(), repr=False)
-    stalled: bool = False  # stopped at its step bound (:func:`step_bound`): the work was not getting done
+    # why it stopped short of its work, not getting it done (:func:`step_bound`, :data:`EMPTY_STEPS`); None: it did not
+    stalled: str | None = None
 
 
 # A replay's step bound: a decode step writes a token for each request it runs, and a prefill step
@@ -120,7 +121,7 @@ def simulate(
     (:func:`step_bound`) or after :data:`EMPTY_STEPS` steps in a row that ran nothing."""
     eng = Engine(config, log=log)
     bound = step_bound(workload)
-    stalled = False
+    stalled: str | None = None
     empty = 0  # steps in a row that ran nothing
     next_gate = 0.0
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
@@ -159,8 +160,11 @@ def simulate(
         if max_time is not None and t >= max_time:
             break
         empty = empty + 1 if step.batch_size == 0 else 0
-        if steps >= bound or empty >= EMPTY_STEPS:
-            stalled = True
+        if empty >= EMPTY_STEPS:
+            stalled = f"{EMPTY_STEPS} rounds in a row ran nothing"
+        elif steps >= bound:
+            stalled = f"{bound} steps, its step bound, did not get its work done"
+        if stalled:
             break
     results = tuple(_result(eng, r) for r in reqs)
     out_tokens = sum(rr.output_tokens for rr in results)

@@ -817,8 +817,8 @@ def test_a_larger_pool_leaves_room_for_the_running_caps_decode_activations():
 
 
 def test_a_replay_that_stalls_serves_nothing_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A candidate whose replay reaches its step bound (the engine retracting the same requests over and
-    over) is no candidate: no throughput, and why in ``oom``; the same replay within its bound serves."""
+    """A candidate whose replay reaches its step bound (its engine not getting its work done) is no
+    candidate: no throughput, and why in ``oom``; the same replay within its bound serves."""
     import proxy.sim.virtual as virtual
 
     twin = Twin(GPU, MODEL)

@@ -210,23 +210,23 @@ CASES = [
 GOLDEN: dict[str, tuple[str, str]] = {  # (engine steps, simulate())
     "retracting-lpm": (
         "8eb2037bfb0c12a430ebd123820e20d6a9a48195bdece0640660ca131b9609cf",
-        "39f727163e4d75b148bc178f510f7d2c5c5dbf1b5f100c8bf5435e6694a47b9f",
+        "07b60c850e405e6b09ba9334a945ef8081ff9a632edc381eef9f77d26e631a52",
     ),
     "chunked-fcfs": (
         "cf5833f4eb2552400b2beef9f20f499c76e877a25aa63007b015f27d8ba9ad2b",
-        "2f655782972517d1e3d25995011e127ed27ac3058016fa3ed22dbb9e104123de",
+        "714bd295e53d405732e9668c4b0a487dd4aff0e40cdf48830ede5b437a673016",
     ),
     "no-cache-queue-cap": (
         "84cbcc648a1993998c20b6e026c295c951e09d93c6ad54323eb1cdf7277a01e8",
-        "2c28167e3ea0c64e31bebf13beeb8c149a01c006812076cdb89e0bf70518cc68",
+        "a9b45979c1fd4eedfcde048d81600162624990640045b70c693defad03d2c0e8",
     ),
     "lof-conservative": (
         "b972ab85ec3e27ad879c3b4057b4d94b88a15e079d9b2e0c3f15e4de3ca2d38d",
-        "b9072578fae07591ad0bea8ce7473b2fa44af6815a688ad3f3f4c24d24ce4803",
+        "be08b19a5861aab3ff07abdb5936852c2eac48daf6450965bf52a522e31d1a4f",
     ),
     "random": (
         "c55d29e8e1919586ebf2bd00a63694c3060c7906bdfd2d08df2d275b6eda4554",
-        "d2a9e3464405c86ae0b31a9fbe05f0bc97f9b495da9182c736477bb025e40097",
+        "6af0fcc917cc845cc79bf37275288e6169e4ec67742613a4b3708d47b18b00a4",
     ),
 }
 
