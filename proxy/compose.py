@@ -397,6 +397,9 @@ class _Surroundings:
     def release_budget(self, worker_id: str, interactive: bool, asked: int) -> None:
         self._st.board.get(worker_id).output_budgets.release((interactive, asked))
 
+    def hold_open(self, worker_id: str, most: int | None) -> None:
+        self._st.board.get(worker_id).held_open = most
+
 
 def _launched_running_limit(engine: Engine, info: WorkerInfo) -> int | None:
     """The most requests a worker runs at once as it was started (its ``max_running`` knob's argument),

@@ -132,6 +132,7 @@ def load_reading(
         admission_share=admitted[0],
         batch_admission_share=admitted[1],
         budgets=tuple(cohorts),
+        held_open=load.held_open,
     )
 
 

@@ -21,6 +21,7 @@ from proxy.control.fast_tier import (
     budget_evidence,
     budget_moved,
     budget_overrun,
+    held_open,
     kv_peak,
     next_pace,
     output_budget,
@@ -63,6 +64,7 @@ class LoadReading:
     admission_share: float | None = None
     batch_admission_share: float | None = None
     budgets: tuple[BudgetReading, ...] = ()
+    held_open: int | None = None  # while a budget applies, the most requests to hold open (the controller's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,9 +138,11 @@ class FastTier:
         pace = next_pace(prev, look, lo=lo, hi=hi, headroom=headroom, settings=self.settings)
         self._paces[worker_id] = pace
         moves, evidence = self.budgets(load.budgets)
+        budgeted = any(m.tokens is not None for m in moves)
+        limit, held = held_open(pace.limit, load.held_open if budgeted else None)
         return FastDecision(
             time=sample.time,
-            limit=pace.limit,
+            limit=limit,
             queue_target=pace.queue_target,
             batch_queue_target=pace.batch_queue_target,
             batch_limit=pace.batch_limit,
@@ -147,7 +151,7 @@ class FastTier:
             kv_peak_share=kv_peak_share,
             budgets=moves,
             evidence=evidence,
-            reason=pace.reason,
+            reason=pace.reason if held is None else held,
         )
 
     def budgets(self, readings: Sequence[BudgetReading]) -> tuple[tuple[BudgetMove, ...], tuple[OutputBudget, ...]]:

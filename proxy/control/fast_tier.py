@@ -13,7 +13,9 @@ previous :class:`Pace` and one :class:`PaceInput`):
   heading for (:func:`kv_peak`), not what it holds now; batch requests queued ahead of a waiting
   interactive request are taken back. Interactive work never waits behind batch work.
 * the **output budget** per class and ``max_tokens`` (:func:`output_budget`): a high quantile of what
-  the class's recent answers wrote, with a margin; an answer that reaches it is continued.
+  the class's recent answers wrote, with a margin; an answer that reaches it is continued. While one
+  applies, the worker holds at most its CUDA graphs' batch where the controller's twin priced that a
+  gain (:func:`held_open`).
 
 Nothing here restarts anything or reads an engine: the inputs are the scrape's engine-neutral
 figures and the proxy's per-request facts. No scheduler argument can move without a restart on the
@@ -38,6 +40,7 @@ __all__ = [
     "budget_evidence",
     "budget_moved",
     "budget_overrun",
+    "held_open",
     "kv_peak",
     "next_pace",
     "output_budget",
@@ -232,6 +235,17 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
     if old is None or new is None:
         return old != new
     return abs(new - old) >= settings.budget_note_change * old
+
+
+def held_open(limit: int | None, most: int | None) -> tuple[int | None, str | None]:
+    """The admission limit under a hold of at most ``most`` open requests (None: no hold), and why it
+    binds (None: it does not). A budget lets the engine admit what its reservation for ``max_tokens``
+    held back; past its CUDA graphs each decode step runs without them. Whether holding it at their
+    batch pays depends on the answers' lengths: the controller's twin prices it per worker
+    (:meth:`~proxy.control.budget_gain.BudgetPrediction.hold`)."""
+    if most is None or (limit is not None and limit <= most):
+        return limit, None
+    return most, f"an output budget applies: at most {most} open, the batch its CUDA graphs cover (the twin's price)"
 
 
 def budget_evidence(

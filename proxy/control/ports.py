@@ -93,8 +93,8 @@ class EngineLogs(Protocol):
 
 
 class Surroundings(Protocol):
-    """What the controller reads of the proxy around it, and the one thing it sets there: an output
-    budget held back while its gain is measured."""
+    """What the controller reads of the proxy around it, and what it sets there: an output budget held
+    back while its gain is measured, and the most requests a budgeted worker holds open."""
 
     def log_tail(self, worker_id: WorkerId, lines: int) -> Sequence[str]:
         """The last ``lines`` lines of a worker's output (none for a worker this proxy did not start)."""
@@ -122,6 +122,10 @@ class Surroundings(Protocol):
 
     def release_budget(self, worker_id: WorkerId, interactive: bool, asked: int) -> None:
         """Send them at their output budget again."""
+
+    def hold_open(self, worker_id: WorkerId, most: int | None) -> None:
+        """While an output budget applies on the worker, keep at most ``most`` requests open there (the
+        batch its CUDA graphs cover, where the twin priced it a gain); None: no such hold."""
 
 
 class TrialRefused(Exception):

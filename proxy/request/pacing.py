@@ -118,6 +118,7 @@ class WorkerLoad:
         "error",
         "facts",
         "first_token_wait_s",
+        "held_open",
         "incarnation",
         "interactive_asks",
         "last_running",
@@ -161,6 +162,9 @@ class WorkerLoad:
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         # the most requests the worker runs at once, as it reports it (its server info) or was started with
         self.running_limit: int | None = None
+        # while an output budget applies, the most requests held open here (the controller's, where its
+        # twin priced holding the worker at its CUDA graphs' batch a gain; None: no hold)
+        self.held_open: int | None = None
         self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
         # the proxy replicas sending to the worker (LoadBoard.set_replicas): each paces its share
         self.replicas = 1
@@ -246,7 +250,7 @@ class WorkerLoad:
         self._pending_base = None
         self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
-        self.running_limit = None
+        self.running_limit = self.held_open = None  # the new process's hold is priced anew
         # nor its batch: until its first scrape it is gated on its own counts (:attr:`unscraped`), and if that
         # scrape fails, the stale fallback starts from none (the reshape benchmark's tp-8 worker had run 768;
         # restarted as one of four tp-2 workers and up first, it was sent all 1,024 requests taken back)
@@ -509,6 +513,7 @@ class WorkerLoad:
             "queue_target": self.queue_target,
             "batch_queue_target": self.batch_queue_target,
             "running_limit": self.running_limit,
+            "held_open": self.held_open,
             "output_rate": self.output_rate,  # output tokens/s now (0 when nothing runs)
             "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),

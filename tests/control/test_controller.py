@@ -75,6 +75,7 @@ class Around:
     def __init__(self, *, tail: Sequence[str] = (), backlog: int = 0, for_class: int = 0) -> None:
         self.tail, self.held, self.for_class = list(tail), backlog, for_class
         self.budgets_held: dict[tuple[str, bool, int], int | None] = {}  # output budgets held back, as sent
+        self.held_open: dict[str, int | None] = {}  # the most requests held open per budgeted worker
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         return self.tail[-lines:]
@@ -93,6 +94,9 @@ class Around:
 
     def release_budget(self, worker_id: str, interactive: bool, asked: int) -> None:
         self.budgets_held.pop((worker_id, interactive, asked))
+
+    def hold_open(self, worker_id: str, most: int | None) -> None:
+        self.held_open[worker_id] = most
 
 
 def info(
