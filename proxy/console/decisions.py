@@ -62,8 +62,6 @@ def gain_text(e: Mapping[str, Any]) -> str:
         text += (
             f" ({within} the twin's error" + (f", {tolerance:.1%}" if isinstance(tolerance, (int, float)) else "") + ")"
         )
-    if isinstance(e.get("held_at"), int):
-        text += f" · held at {e['held_at']} open (its CUDA graphs' batch)"
     return text + "".join(f" · {m}" for m in missing)
 
 

@@ -11,10 +11,7 @@ cohort's requests open on the worker, their lengths not known yet, are sent with
 typical answer fits under it (as the planner's replay expects them). The predicted gain is the ratio
 of the two throughputs: what the class's traffic gets once sent with the budget, not the passage to
 it; the twin's error on the window as it went says how far it can be trusted (:func:`predict_budget`).
-A budget lets SGLang admit what its reservation for ``max_tokens`` held back, past the batch its CUDA
-graphs cover, where each decode step runs slower; so a third replay holds the worker at its graphs'
-batch (:attr:`BudgetPrediction.held_tok_per_s`), and the controller holds it there only where that wins
-(:meth:`BudgetPrediction.hold`). Pure and CPU-bound: it runs off the event loop, where plans run.
+Pure and CPU-bound: it runs off the event loop, where plans run.
 """
 
 from __future__ import annotations
@@ -23,10 +20,9 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from proxy.control.twin import DecodeStats, Prediction, Twin, calibrate
+from proxy.control.twin import DecodeStats, Twin, calibrate
 from proxy.control.workload import InFlight, Observed, continued, replay
 from proxy.sim.config import SimConfigError
-from proxy.sim.twin import graph_max_bs, running_cap
 
 __all__ = ["BudgetInputs", "BudgetPrediction", "Cohort", "predict_budget"]
 
@@ -100,55 +96,18 @@ class BudgetPrediction:
     twin_error: float | None = None
     requests: int = 0  # replayed
     cohort: int = 0  # of them, the cohort's
-    # with the budget and at most ``held_at`` requests running, the batch the worker's CUDA graphs cover
-    # (None: not replayed: the budget does not apply, or the worker never runs past its graphs)
-    held_tok_per_s: float | None = None
-    held_at: int | None = None
-    # the replayed sample's mean time from arrival to answer, with the budget and held (None: not known)
-    budget_answer_s: float | None = None
-    held_answer_s: float | None = None
-
-    def hold(self, min_gain: float) -> int | None:
-        """The most requests to hold open on the worker while the budget applies: its graphs' batch
-        where the held replay writes more than the budget's alone by ``min_gain``, or the same tokens
-        (no fewer less ``min_gain``, as the planner's waiting basis counts them) answered sooner by
-        ``min_gain``: a worker that keeps up with what arrives writes what arrives either way; None:
-        no hold."""
-        if self.held_at is None or self.held_tok_per_s is None or not self.budget_tok_per_s:
-            return None
-        if self.held_tok_per_s >= self.budget_tok_per_s * (1.0 + min_gain):
-            return self.held_at
-        sooner = (self.held_answer_s is not None and self.budget_answer_s is not None
-                  and self.held_answer_s <= self.budget_answer_s * (1.0 - min_gain))  # fmt: skip
-        return self.held_at if sooner and self.held_tok_per_s >= self.budget_tok_per_s * (1.0 - min_gain) else None
 
 
 def _newest(workload: tuple[Observed, ...], n: int) -> list[Observed]:
     return sorted(workload, key=lambda o: o.arrived)[-n:]
 
 
-def _replayed(twin: Twin, inputs: BudgetInputs, cap: int, args: Mapping[str, object] | None = None) -> Prediction:
-    """The twin under ``args`` (the worker's) with the cohort sent at ``cap``, all the work drained."""
+def _throughput(twin: Twin, inputs: BudgetInputs, cap: int) -> float:
+    """The twin's output tokens/s, all the work drained, with the cohort sent at ``cap``."""
     workload, in_flight = inputs.cohort.sent_all(inputs.workload, inputs.in_flight, cap)
     loaded = replay(_newest(workload, inputs.max_requests), workload, in_flight, inputs.now)
-    return twin.predict(inputs.args if args is None else args, continued(loaded, inputs.horizon_s))
-
-
-def _throughput(p: Prediction) -> float:
+    p = twin.predict(inputs.args, continued(loaded, inputs.horizon_s))
     return 0.0 if p.oom else p.output_tok_per_s
-
-
-def _held_args(twin: Twin, args: Mapping[str, object]) -> tuple[int, dict[str, object]] | None:
-    """The batch the worker's CUDA graphs cover, and its arguments running at most that many (the
-    proxy holding the rest); None where it never runs past its graphs, or runs without them."""
-    cfg = twin.config(args)
-    graphs, names = graph_max_bs(cfg), twin.names
-    if graphs <= 0 or running_cap(cfg) <= graphs:
-        return None
-    held = {**args, names.max_running: graphs}
-    if names.graph_max_bs is not None:  # as it resolved: a running cap may lower the engine's default
-        held[names.graph_max_bs] = graphs
-    return graphs, held
 
 
 def predict_budget(inputs: BudgetInputs) -> BudgetPrediction | str:
@@ -168,16 +127,9 @@ def predict_budget(inputs: BudgetInputs) -> BudgetPrediction | str:
         return f"the twin would not start: {exc}"
     seen, measured = twin.predict(inputs.args, window).answered_tok_per_s, window.measured()
     error = abs(seen - measured) / measured if seen is not None and measured else None
-    was = _replayed(twin, inputs, inputs.before)
-    now = was if inputs.budget == inputs.before else _replayed(twin, inputs, inputs.budget)
-    before, budget = _throughput(was), _throughput(now)
+    before = _throughput(twin, inputs, inputs.before)
+    budget = before if inputs.budget == inputs.before else _throughput(twin, inputs, inputs.budget)
     if before <= 0:
         return "the twin served nothing as the requests were sent before"
-    p = BudgetPrediction(ratio=budget / before, before_tok_per_s=before, budget_tok_per_s=budget,
-                         twin_error=error, requests=len(sample), cohort=cohort)  # fmt: skip
-    held_at = _held_args(twin, inputs.args) if now is not was and budget > 0 else None
-    if held_at is None:
-        return p
-    held = _replayed(twin, inputs, inputs.budget, held_at[1])
-    return replace(p, held_tok_per_s=_throughput(held), held_at=held_at[0], budget_answer_s=now.mean_answer_s,
-                   held_answer_s=None if held.oom else held.mean_answer_s)  # fmt: skip
+    return BudgetPrediction(ratio=budget / before, before_tok_per_s=before, budget_tok_per_s=budget,
+                            twin_error=error, requests=len(sample), cohort=cohort)  # fmt: skip

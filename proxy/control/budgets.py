@@ -61,8 +61,6 @@ def prediction_fields(p: BudgetPrediction | str) -> dict[str, Any]:
         }
     if p.twin_error is not None:
         fields["twin_error"] = round(p.twin_error, 4)
-    if p.held_tok_per_s is not None:
-        fields |= {"predicted_held_throughput": round(p.held_tok_per_s, 1), "graph_batch": p.held_at}
     return fields
 
 
@@ -96,8 +94,7 @@ class Budgets:
         if earlier is not None:
             changed = "lifted" if evidence.budget_tokens is None else "moved again"
             self._end(w, earlier, now, f"the budget was {changed} (#{entry_id}) before its check was done")
-        if evidence.budget_tokens is None:  # lifted: requests go as they ask, and none is held for it
-            self._surroundings.hold_open(worker_id, None)
+        if evidence.budget_tokens is None:  # lifted: requests go as they ask
             return
         workload = tuple(self._surroundings.recent_requests(worker_id))
         in_flight = tuple(self._surroundings.in_flight(worker_id))
@@ -150,18 +147,8 @@ class Budgets:
 
     def record(self, job: BudgetJob, prediction: BudgetPrediction | str) -> None:
         """Journal a budget's prediction, or why there is none (and, where its window is in already,
-        whether it met it); hold the worker at its CUDA graphs' batch while the budget applies where the
-        twin says that wins by the planner's least gain (a hold costs no restart, and a newer prediction
-        moves it), else hold nothing. Not a worker restarted since: its new process is predicted anew."""
-        fields = prediction_fields(prediction)
-        w = self._roster.workers.get(job.worker_id)
-        since = job.inputs.now if job.inputs.now is not None else -float("inf")
-        if w is not None and w.serving and w.window.since <= since:
-            hold = None if isinstance(prediction, str) else prediction.hold(self._roster.constants.plan_min_gain)
-            self._surroundings.hold_open(job.worker_id, hold)
-            if "graph_batch" in fields:
-                fields["held_at"] = hold
-        self._journal(job.entry_id, fields)
+        whether it met it)."""
+        self._journal(job.entry_id, prediction_fields(prediction))
 
     def measure(self, w: Tracked, now: float) -> None:
         """Step each pending budget's check (:func:`~proxy.control.budget_outcome.advance`): hold the

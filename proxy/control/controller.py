@@ -315,6 +315,7 @@ class Controller:
             w.window = w.window.restart(now)
             w.state = w.state.without_resolved()
             w.starting_at = now
+            w.held_open = None  # the board forgets it with the process: the new one's looks price it anew
         held = w.phase is Phase.HELD
         up = info.state is WorkerState.READY or (info.state is WorkerState.DRAINING and held)
         if up and w.state.started_at is None:  # a held one is up too: the tick's rules restart it

@@ -17,6 +17,7 @@ the journal adds its keys to the same object.
 | ``pacing_too_timid`` | :class:`TimidPacing` |
 | ``output_budget`` (the fast tier, no restart) | :class:`OutputBudget` |
 | ``planner`` (the controller's twin) | :class:`Planned`, around :class:`PlanHorizon` (why its horizon) |
+| ``hold_at_graphs`` (the planner's look, no restart) | :class:`HeldAtGraphs` |
 | a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "DecodeOom",
     "Evidence",
     "GraphCover",
+    "HeldAtGraphs",
     "JsonScalar",
     "KvCapacity",
     "MemoryBand",
@@ -271,6 +273,18 @@ class Planned(Evidence):
     # gone sooner (none waiting: 0)
     accrues_s: float | None = field(default=None, metadata=OPTIONAL)
     horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldAtGraphs(Evidence):
+    """A look's price of holding the worker at its CUDA graphs' batch (:mod:`proxy.control.hold`)."""
+
+    graph_batch: int  # the batch the graphs cover: the most requests held open (while the hold lasts)
+    peak_running: int  # the largest batch the current args ran in the look's replay
+    predicted_held_throughput: float  # output tokens/s the twin predicts held there
+    predicted_current: float  # ... and not held
+    held_answer_s: float | None  # the twin's mean time from arrival to answer, held and not
+    current_answer_s: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

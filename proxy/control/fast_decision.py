@@ -64,7 +64,7 @@ class LoadReading:
     admission_share: float | None = None
     batch_admission_share: float | None = None
     budgets: tuple[BudgetReading, ...] = ()
-    held_open: int | None = None  # while a budget applies, the most requests to hold open (the controller's)
+    held_open: int | None = None  # the most requests to hold open: its CUDA graphs' batch (the planner's look)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,8 +138,7 @@ class FastTier:
         pace = next_pace(prev, look, lo=lo, hi=hi, headroom=headroom, settings=self.settings)
         self._paces[worker_id] = pace
         moves, evidence = self.budgets(load.budgets)
-        budgeted = any(m.tokens is not None for m in moves)
-        limit, held = held_open(pace.limit, load.held_open if budgeted else None)
+        limit, held = held_open(pace.limit, load.held_open)
         return FastDecision(
             time=sample.time,
             limit=limit,

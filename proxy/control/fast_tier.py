@@ -13,9 +13,9 @@ previous :class:`Pace` and one :class:`PaceInput`):
   heading for (:func:`kv_peak`), not what it holds now; batch requests queued ahead of a waiting
   interactive request are taken back. Interactive work never waits behind batch work.
 * the **output budget** per class and ``max_tokens`` (:func:`output_budget`): a high quantile of what
-  the class's recent answers wrote, with a margin; an answer that reaches it is continued. While one
-  applies, the worker holds at most its CUDA graphs' batch where the controller's twin priced that a
-  gain (:func:`held_open`).
+  the class's recent answers wrote, with a margin; an answer that reaches it is continued.
+* the **hold** at the CUDA graphs' batch, where the planner's last look priced it a gain
+  (:func:`held_open`; :mod:`proxy.control.hold`).
 
 Nothing here restarts anything or reads an engine: the inputs are the scrape's engine-neutral
 figures and the proxy's per-request facts. No scheduler argument can move without a restart on the
@@ -239,13 +239,11 @@ def budget_moved(old: int | None, new: int | None, settings: PaceSettings) -> bo
 
 def held_open(limit: int | None, most: int | None) -> tuple[int | None, str | None]:
     """The admission limit under a hold of at most ``most`` open requests (None: no hold), and why it
-    binds (None: it does not). A budget lets the engine admit what its reservation for ``max_tokens``
-    held back; past its CUDA graphs each decode step runs without them. Whether holding it at their
-    batch pays depends on the answers' lengths: the controller's twin prices it per worker
-    (:meth:`~proxy.control.budget_gain.BudgetPrediction.hold`)."""
+    binds (None: it does not): the planner's look priced holding the worker at its CUDA graphs' batch
+    (:mod:`proxy.control.hold`)."""
     if most is None or (limit is not None and limit <= most):
         return limit, None
-    return most, f"an output budget applies: at most {most} open, the batch its CUDA graphs cover (the twin's price)"
+    return most, f"held at {most} open, the batch its CUDA graphs cover (the planner's twin priced it)"
 
 
 def budget_evidence(

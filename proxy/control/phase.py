@@ -80,6 +80,7 @@ class Tracked:
     drain_s: float = 0.0  # its last drain before a restart
     last_plan: float = float("-inf")
     looks: Looks = field(default_factory=Looks)  # what its plans under the current args said (a restart: afresh)
+    held_open: int | None = None  # the hold at its CUDA graphs' batch its last look set (a restart: none)
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
     backlog: Backlog = field(default_factory=Backlog)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from proxy.control.candidates import args_key, candidates, newest_sample
 from proxy.control.economics import ERROR_LOOKS, PlanSettings, RestartCost, outage_waiting_s, twin_error
 from proxy.control.explain import explain
+from proxy.control.hold import HoldPrice
 from proxy.control.outcome import Expectation, Outcome, OutcomeInputs, check_outcome
 from proxy.control.twin import DecodeStats, Prediction, Twin, calibrate
 from proxy.control.verdict import Verdict, Why, verdict
@@ -34,6 +35,7 @@ __all__ = [
     "ERROR_LOOKS",
     "DecodeStats",
     "Expectation",
+    "HoldPrice",
     "InFlight",
     "Looks",
     "Observed",
@@ -93,6 +95,9 @@ class Plan:
     # each candidate's request-seconds of waiting saved over the horizon on this look
     # (:func:`~proxy.control.waiting.waiting_savings`; empty: the waiting basis was not asked)
     savings: Mapping[str, float] = field(default_factory=dict)
+    # holding the worker at its CUDA graphs' batch, which the fast tier does with no restart (None: the
+    # current args never ran past the graphs on this look's replay)
+    hold: HoldPrice | None = None
 
     @property
     def current_error(self) -> float | None:
@@ -144,6 +149,7 @@ def plan(
         refused=v.refused,
         measured_current=v.measured,
         undecided=v.pays and not v.trusted,
+        hold=v.hold,
     )
     if v.why is not Why.WAITING_PAYS or v.waiting is None:
         return throughput

@@ -94,7 +94,7 @@ class EngineLogs(Protocol):
 
 class Surroundings(Protocol):
     """What the controller reads of the proxy around it, and what it sets there: an output budget held
-    back while its gain is measured, and the most requests a budgeted worker holds open."""
+    back while its gain is measured, and the most requests a worker holds open."""
 
     def log_tail(self, worker_id: WorkerId, lines: int) -> Sequence[str]:
         """The last ``lines`` lines of a worker's output (none for a worker this proxy did not start)."""
@@ -124,8 +124,8 @@ class Surroundings(Protocol):
         """Send them at their output budget again."""
 
     def hold_open(self, worker_id: WorkerId, most: int | None) -> None:
-        """While an output budget applies on the worker, keep at most ``most`` requests open there (the
-        batch its CUDA graphs cover, where the twin priced it a gain); None: no such hold."""
+        """Keep at most ``most`` requests open on the worker (the batch its CUDA graphs cover, where the
+        planner's twin priced it a gain: :mod:`proxy.control.hold`); None: no such hold."""
 
 
 class TrialRefused(Exception):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from proxy.control.candidates import Replayed, args_key, replay_candidates, roomier_pool
 from proxy.control.economics import PlanSettings, RestartCost, no_worse, twin_error
+from proxy.control.hold import HoldPrice, price_hold
 from proxy.control.twin import Prediction, Twin
 from proxy.control.waiting import WaitingPlan, waiting_basis
 from proxy.control.workload import InFlight, Observed, measured_throughput
@@ -62,6 +63,7 @@ class Verdict:
     savings: Mapping[str, float]
     refused: tuple[Prediction, ...]
     replays: int
+    hold: HoldPrice | None = None  # holding the worker at its CUDA graphs' batch, no restart (None: not priced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +156,10 @@ def verdict(
     else:
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-    return Verdict(why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+    hold = price_hold(twin, args, r.loaded, current, settings.min_gain)
+    return Verdict(hold=hold, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
-                   savings=savings, refused=r.refused, replays=r.replays + choice.replays + waiting_replays)  # fmt: skip
+                   savings=savings, refused=r.refused,
+                   replays=r.replays + choice.replays + waiting_replays + (hold is not None))  # fmt: skip

@@ -162,8 +162,8 @@ class WorkerLoad:
         self.batch_paced_until = -math.inf  # the dispatcher's batch pacing: no batch request before this
         # the most requests the worker runs at once, as it reports it (its server info) or was started with
         self.running_limit: int | None = None
-        # while an output budget applies, the most requests held open here (the controller's, where its
-        # twin priced holding the worker at its CUDA graphs' batch a gain; None: no hold)
+        # the most requests held open here: the batch its CUDA graphs cover, where the planner's twin
+        # priced holding it there a gain (proxy.control.hold; None: no hold)
         self.held_open: int | None = None
         self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
         # the proxy replicas sending to the worker (LoadBoard.set_replicas): each paces its share

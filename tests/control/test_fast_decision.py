@@ -100,16 +100,12 @@ def test_answers_reaching_a_budget_lift_it_as_overrun():
     assert not _tier().decide("w0", _sample(0.0), replace(QUIET, budgets=(few,))).budgets[0].overrun
 
 
-def test_a_budgeted_worker_is_held_at_what_the_controller_says_and_an_unbudgeted_one_is_not():
-    budgeted = replace(QUIET, budgets=(_cohort([300] * 3, current=512),), held_open=160)
-    held = _tier().decide("w0", _sample(0.0), budgeted)
+def test_a_worker_is_held_at_what_the_planner_says_under_a_limit_of_its_own():
+    held = _tier().decide("w0", _sample(0.0), replace(QUIET, held_open=160))
     assert held.limit == 160 and "CUDA graphs" in held.reason
+    assert _tier().decide("w0", _sample(0.0), QUIET).limit is None  # no hold: no limit
     # a limit of its own under the hold stands
     backed = _tier()
-    backed.decide("w0", _sample(0.0), budgeted)
-    own = backed.decide("w0", _sample(1.0, retractions_total=3.0), replace(budgeted, in_flight=100))
+    backed.decide("w0", _sample(0.0), replace(QUIET, held_open=160))
+    own = backed.decide("w0", _sample(1.0, retractions_total=3.0), replace(QUIET, in_flight=100, held_open=160))
     assert own.limit is not None and own.limit < 160 and "retractions" in own.reason
-    # no budget applies: the hold goes with it
-    assert _tier().decide("w0", _sample(0.0), replace(QUIET, held_open=160)).limit is None
-    lifted = replace(budgeted, budgets=(_cohort([300] * 3, current=None),))
-    assert _tier(replace(S, output_budget=False)).decide("w0", _sample(0.0), lifted).limit is None

@@ -24,6 +24,7 @@ from proxy.control.horizon import answer_rate
 from proxy.control.outcomes import CHECK_AFTER_WINDOWS, OutcomeJob
 from proxy.control.phase import Phase
 from proxy.control.planner import (
+    HoldPrice,
     InFlight,
     Looks,
     Observed,
@@ -621,6 +622,34 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     act = c.plan_now(again)
     assert act is not None and act.decision.rule == "planner" and act.decision.worker_id == "w0"
     assert [j.worker_id for j in c.plans_due()] == ["w2"]  # w0 restarts; w2's first look follows
+
+
+@pytest.mark.parametrize("mode", [ControlMode.AUTO, ControlMode.ADVISE])
+def test_a_look_that_prices_the_hold_at_the_graphs_a_gain_holds_the_worker_until_one_does_not(
+    tmp_path: Path, mode: ControlMode
+) -> None:
+    requests = _backlog_of_short_answers()
+    around = Requests(requests)
+    c, clock = controller(mode, tmp_path, RecordingActor(), around=around)
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    look = replace(run_plan(job.inputs), worth=False)
+    held = replace(look.current, output_tok_per_s=look.current.output_tok_per_s, mean_answer_s=1.0, peak_running=160)
+    for hold, journaled in [(HoldPrice(at=160, held=held, pays=True), "hold at most 160 open"),
+                            (HoldPrice(at=160, held=held, pays=True), None),  # as it was: nothing new
+                            (HoldPrice(at=160, held=held, pays=False), "no hold"), (None, None)]:  # fmt: skip
+        entries = len(c.journal.entries())
+        c.decide_plan(job, replace(look, hold=hold))
+        holds = [e for e in c.journal.entries()[entries:] if e["rule"] == "hold_at_graphs"]
+        assert [e["reason"].split(",")[0].split(":")[0] for e in holds] == ([] if journaled is None else [journaled])
+        if journaled is not None:
+            assert holds[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
+            assert holds[0]["evidence"]["graph_batch"] == 160 and holds[0]["evidence"]["held_answer_s"] == 1.0
+        clock.now += c.constants.plan_interval_s
+        (job,) = c.plans_due()
+    # only auto holds: the board heard the hold, then its release
+    assert around.held_open == ({"w0": None} if mode is ControlMode.AUTO else {})
 
 
 def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:
