@@ -4,8 +4,10 @@ An engine may admit past that batch (an output budget frees what SGLang's reserv
 ``max_tokens`` held back); each decode step past it runs without graphs, slower for every request
 it holds. Whether holding the worker there pays depends on the answers: longer ones gain more from
 the larger batch than the graphs save. So the planner's twin prices it on each look, beside the
-restart candidates (:func:`price_hold`), and the fast tier holds the worker at that many open
-requests until a later look says otherwise (:func:`~proxy.control.fast_tier.held_open`).
+restart candidates (:func:`price_hold`). The fast tier holds the worker at that many open requests
+where a look says it pays, and lets it go where a look says it loses
+(:func:`~proxy.control.fast_tier.held_open`); a look inside the twin's noise says neither and leaves
+it as it is, as a gain inside the twin's error never restarts a worker.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from proxy.control.workload import Replay
 from proxy.sim.config import SimConfigError
 from proxy.sim.twin import graph_max_bs, running_cap
 
-__all__ = ["HoldPrice", "hold_pays", "price_hold"]
+__all__ = ["HoldPrice", "hold_loses", "hold_pays", "price_hold"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HoldPrice:
-    """The twin's worker held at ``at`` open requests (its graphs' batch), and whether that pays."""
+    """The twin's worker held at ``at`` open requests (its graphs' batch): whether that pays, loses, or
+    (neither) lies inside the twin's noise."""
 
     at: int
     held: Prediction
     pays: bool
+    loses: bool
 
 
 def hold_pays(held: Prediction, current: Prediction, min_gain: float) -> bool:
@@ -41,6 +45,17 @@ def hold_pays(held: Prediction, current: Prediction, min_gain: float) -> bool:
     same = held.output_tok_per_s >= current.output_tok_per_s * (1.0 - min_gain)
     answers, now = held.mean_answer_s, current.mean_answer_s
     return same and answers is not None and now is not None and answers <= now * (1.0 - min_gain)
+
+
+def hold_loses(held: Prediction, current: Prediction, min_gain: float) -> bool:
+    """Whether the held replay writes fewer tokens than the current one by ``min_gain``, or the same
+    tokens answered later by ``min_gain`` (:func:`hold_pays` the other way round)."""
+    if held.oom:
+        return True
+    if held.output_tok_per_s < current.output_tok_per_s * (1.0 - min_gain):
+        return True
+    answers, now = held.mean_answer_s, current.mean_answer_s
+    return answers is not None and now is not None and answers >= now * (1.0 + min_gain)
 
 
 def price_hold(
@@ -60,4 +75,5 @@ def price_hold(
     if names.graph_max_bs is not None:  # as it resolved: a running cap may lower the engine's default
         held_args[names.graph_max_bs] = graphs
     held = twin.predict(held_args, loaded)
-    return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain))
+    return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain),
+                     loses=hold_loses(held, current, min_gain))  # fmt: skip

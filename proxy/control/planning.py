@@ -16,7 +16,7 @@ from dataclasses import replace
 from proxy.control.canary import pays_above
 from proxy.control.decision import Action, Decision, KnobChange, RuleKind
 from proxy.control.economics import replayed_requests
-from proxy.control.evidence import NO_EVIDENCE, HeldAtGraphs, Planned
+from proxy.control.evidence import HeldAtGraphs, Planned
 from proxy.control.horizon import Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Status
 from proxy.control.phase import Phase, Tracked
@@ -233,11 +233,14 @@ class Planning:
         return self._restart_for_plan(w, job, plan, decision, now, reshape_pending=reshape_pending)
 
     def _hold(self, w: Tracked, job: PlanJob, plan: Plan, now: float) -> None:
-        """Hold the worker at its CUDA graphs' batch where the look's twin says that pays, release it where
-        it no longer does (:mod:`proxy.control.hold`): no restart, so no cool-down or confirmation; only
-        ``auto`` holds (another mode journals what it would do). Journaled when it changes."""
+        """Hold the worker at its CUDA graphs' batch where the look's twin says that pays, let it go where
+        it says it loses; a look inside the twin's noise, or whose replay never ran past the graphs, leaves
+        it as it is (:mod:`proxy.control.hold`). No restart: no cool-down or confirmation. Only ``auto``
+        holds (another mode journals what it would do). Journaled when it changes."""
         price = plan.hold
-        most = price.at if price is not None and price.pays else None
+        if price is None or not (price.pays or price.loses):
+            return
+        most = price.at if price.pays else None
         if most == w.held_open:
             return
         auto = self._roster.mode is ControlMode.AUTO
@@ -245,24 +248,19 @@ class Planning:
             self._surroundings.hold_open(job.worker_id, most)
         w.held_open = most
         args = dict(w.state.args)
-        evidence: HeldAtGraphs | None = None
-        if price is None:  # the replay no longer ran past the graphs
-            reason = "no hold: the look's replay no longer runs past the CUDA graphs' batch"
-        else:
-            current, held = plan.current, price.held
-            evidence = HeldAtGraphs(graph_batch=price.at, peak_running=current.peak_running,
-                                    predicted_held_throughput=round(held.output_tok_per_s, 2),
-                                    predicted_current=round(current.output_tok_per_s, 2),
-                                    held_answer_s=_rounded(held.mean_answer_s),
-                                    current_answer_s=_rounded(current.mean_answer_s))  # fmt: skip
-            figures = (f"the twin writes {held.output_tok_per_s:.0f} tok/s held at {price.at} open against "
-                       f"{current.output_tok_per_s:.0f} running up to {current.peak_running}, answers in "
-                       f"{_rounded(held.mean_answer_s)} s against {_rounded(current.mean_answer_s)} s")  # fmt: skip
-            verb = f"hold at most {price.at} open, the batch its CUDA graphs cover" if most else "no hold"
-            reason = f"{verb}: {figures}"
+        current, held = plan.current, price.held
+        evidence = HeldAtGraphs(graph_batch=price.at, peak_running=current.peak_running,
+                                predicted_held_throughput=round(held.output_tok_per_s, 2),
+                                predicted_current=round(current.output_tok_per_s, 2),
+                                held_answer_s=_rounded(held.mean_answer_s),
+                                current_answer_s=_rounded(current.mean_answer_s))  # fmt: skip
+        verb = f"hold at most {price.at} open, the batch its CUDA graphs cover" if most else "no hold"
+        reason = (f"{verb}: the twin writes {held.output_tok_per_s:.0f} tok/s held at {price.at} open against "
+                  f"{current.output_tok_per_s:.0f} running up to {current.peak_running}, answers in "
+                  f"{_rounded(held.mean_answer_s)} s against {_rounded(current.mean_answer_s)} s")  # fmt: skip
         decision = Decision(worker_id=job.worker_id, rule="hold_at_graphs", reason=reason, time=now,
-                            evidence=NO_EVIDENCE if evidence is None else evidence, old_args=args, new_args=args,
-                            action=Action.NOTE, kind=RuleKind.TUNING)  # fmt: skip
+                            evidence=evidence, old_args=args, new_args=args, action=Action.NOTE,
+                            kind=RuleKind.TUNING)  # fmt: skip
         self._roster.journal.record(decision, mode=self._roster.mode,
                                     status=Status.APPLIED if auto else Status.ADVISED,
                                     detail="the fast tier: no restart, it applies to the next request")  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from proxy.control.hold import hold_pays, price_hold
+from proxy.control.hold import hold_loses, hold_pays, price_hold
 from proxy.control.planner import Observed, Prediction, Twin, continued, replay
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
@@ -36,14 +36,14 @@ def _priced(every_s: float, count: int = 900):
 def test_near_its_capacity_the_worker_held_at_its_graphs_answers_sooner():
     current, price = _priced(every_s=1 / 8)
     assert current.peak_running > 160
-    assert price is not None and price.at == 160 and price.pays, price
+    assert price is not None and price.at == 160 and price.pays and not price.loses, price
     assert (price.held.mean_answer_s or 0.0) < (current.mean_answer_s or 0.0)
     assert price.held.peak_running <= 160
 
 
 def test_a_backlog_writes_more_with_the_larger_batch_and_is_not_held():
     current, price = _priced(every_s=0.001)
-    assert price is not None and not price.pays, price
+    assert price is not None and price.loses and not price.pays, price
     assert price.held.output_tok_per_s < current.output_tok_per_s
 
 
@@ -65,3 +65,12 @@ def test_a_hold_pays_by_tokens_or_by_the_same_tokens_answered_sooner():
     assert not hold_pays(_p(96.0, 9.0), now, 0.03)  # 4 % fewer
     assert not hold_pays(_p(100.0, None), now, 0.03)  # no answer times to compare
     assert not hold_pays(_p(200.0, 5.0, oom="decode"), now, 0.03)  # the held replay died
+
+
+def test_a_hold_loses_by_fewer_tokens_or_the_same_answered_later_and_between_says_neither():
+    now = _p(100.0, 10.0)
+    assert hold_loses(_p(96.0, 9.0), now, 0.03)  # 4 % fewer tokens, however soon
+    assert hold_loses(_p(100.0, 10.5), now, 0.03)  # as many, 5 % later
+    assert hold_loses(_p(200.0, 5.0, oom="decode"), now, 0.03)
+    # inside the noise both ways: neither pays nor loses (the worker is left as it is)
+    assert not hold_loses(_p(98.0, 10.1), now, 0.03) and not hold_pays(_p(98.0, 10.1), now, 0.03)

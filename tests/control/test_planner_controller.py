@@ -636,9 +636,14 @@ def test_a_look_that_prices_the_hold_at_the_graphs_a_gain_holds_the_worker_until
     (job,) = c.plans_due()
     look = replace(run_plan(job.inputs), worth=False)
     held = replace(look.current, output_tok_per_s=look.current.output_tok_per_s, mean_answer_s=1.0, peak_running=160)
-    for hold, journaled in [(HoldPrice(at=160, held=held, pays=True), "hold at most 160 open"),
-                            (HoldPrice(at=160, held=held, pays=True), None),  # as it was: nothing new
-                            (HoldPrice(at=160, held=held, pays=False), "no hold"), (None, None)]:  # fmt: skip
+    pays, loses = (
+        HoldPrice(at=160, held=held, pays=True, loses=False),
+        HoldPrice(at=160, held=held, pays=False, loses=True),
+    )
+    neither = replace(pays, pays=False)  # inside the twin's noise
+    for hold, journaled in [(pays, "hold at most 160 open"), (pays, None),  # as it was: nothing new
+                            (neither, None), (None, None),  # neither, or not past the graphs: as it is
+                            (loses, "no hold"), (neither, None)]:  # fmt: skip
         entries = len(c.journal.entries())
         c.decide_plan(job, replace(look, hold=hold))
         holds = [e for e in c.journal.entries()[entries:] if e["rule"] == "hold_at_graphs"]
