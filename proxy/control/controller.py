@@ -456,7 +456,8 @@ class Controller:
         if chosen is None:
             return None
         if chosen.action is Action.NOTE:
-            journal_once(w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.constants.window_s)
+            if not (chosen.rule == "pacing_too_timid" and w.held_open is not None):  # held at its graphs by design
+                journal_once(w, chosen, f"note:{chosen.rule}", now, status=Status.NOTED, span=self.constants.window_s)
             return None
         if self.mode is ControlMode.ADVISE or not w.managed:
             why = "" if self.mode is ControlMode.ADVISE else "worker is not managed by this proxy"

@@ -231,6 +231,12 @@ def test_timid_pacing_is_noted_not_acted_on() -> None:
     c.track(info())
     feed(c, clock, samples("samples_idle.json"))
     assert c.tick() == [] and c.journal.entries() == []
+    # nor while its planner holds it at its CUDA graphs' batch (by design too)
+    c, clock = controller(ControlMode.AUTO, None, around=Around(backlog=400))
+    c.track(info())
+    c._workers["w0"].held_open = 160
+    feed(c, clock, samples("samples_idle.json"))
+    assert c.tick() == [] and c.journal.entries() == []
 
 
 def test_death_by_prefill_oom_revives_with_a_smaller_chunk(tmp_path: Path) -> None:
