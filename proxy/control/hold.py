@@ -34,36 +34,46 @@ class HoldPrice:
     loses: bool
 
 
-def hold_pays(held: Prediction, current: Prediction, min_gain: float) -> bool:
+def hold_pays(held: Prediction, current: Prediction, min_gain: float, *, backlog: bool = False) -> bool:
     """Whether the held replay writes more than the current one by ``min_gain``, or the same tokens (no
     fewer less ``min_gain``, as the planner's waiting basis counts them) answered sooner by
-    ``min_gain``: a worker that keeps up with what arrives writes what arrives either way."""
+    ``min_gain``: a worker that keeps up with what arrives writes what arrives either way. Not the
+    latter in a ``backlog`` (the planner's: work waits throughout, throughput is what counts)."""
     if held.oom or current.output_tok_per_s <= 0:
         return False
     if held.output_tok_per_s >= current.output_tok_per_s * (1.0 + min_gain):
         return True
     same = held.output_tok_per_s >= current.output_tok_per_s * (1.0 - min_gain)
     answers, now = held.mean_answer_s, current.mean_answer_s
-    return same and answers is not None and now is not None and answers <= now * (1.0 - min_gain)
+    sooner = answers is not None and now is not None and answers <= now * (1.0 - min_gain)
+    return same and sooner and not backlog
 
 
-def hold_loses(held: Prediction, current: Prediction, min_gain: float) -> bool:
-    """Whether the held replay writes fewer tokens than the current one by ``min_gain``, or the same
-    tokens answered later by ``min_gain`` (:func:`hold_pays` the other way round)."""
+def hold_loses(held: Prediction, current: Prediction, min_gain: float, *, backlog: bool = False) -> bool:
+    """Whether the held replay writes fewer tokens than the current one by ``min_gain``, or (not in a
+    ``backlog``) the same tokens answered later by ``min_gain``: :func:`hold_pays` the other way round."""
     if held.oom:
         return True
     if held.output_tok_per_s < current.output_tok_per_s * (1.0 - min_gain):
         return True
     answers, now = held.mean_answer_s, current.mean_answer_s
-    return answers is not None and now is not None and answers >= now * (1.0 + min_gain)
+    later = answers is not None and now is not None and answers >= now * (1.0 + min_gain)
+    return later and not backlog
 
 
 def price_hold(
-    twin: Twin, args: Mapping[str, object], loaded: Replay, current: Prediction, min_gain: float
+    twin: Twin,
+    args: Mapping[str, object],
+    loaded: Replay,
+    current: Prediction,
+    min_gain: float,
+    *,
+    backlog: bool = False,
 ) -> HoldPrice | None:
-    """The hold's price on the look's replay (``loaded``; ``current``: the twin under ``args`` on it);
-    None where the replay never ran past the graphs, or the worker has none. The held replay runs the
-    engine capped at the graphs' batch (the proxy holds the rest; its gate is the twin's)."""
+    """The hold's price on the look's replay (``loaded``; ``current``: the twin under ``args`` on it;
+    ``backlog``: the planner's, throughput alone counts); None where the replay never ran past the
+    graphs, or the worker has none. The held replay runs the engine capped at the graphs' batch (the
+    proxy holds the rest; its gate is the twin's)."""
     try:
         cfg = twin.config(args)
     except SimConfigError:
@@ -75,5 +85,5 @@ def price_hold(
     if names.graph_max_bs is not None:  # as it resolved: a running cap may lower the engine's default
         held_args[names.graph_max_bs] = graphs
     held = twin.predict(held_args, loaded)
-    return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain),
-                     loses=hold_loses(held, current, min_gain))  # fmt: skip
+    return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain, backlog=backlog),
+                     loses=hold_loses(held, current, min_gain, backlog=backlog))  # fmt: skip

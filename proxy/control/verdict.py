@@ -156,7 +156,7 @@ def verdict(
     else:
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-    hold = price_hold(twin, args, r.loaded, current, settings.min_gain)
+    hold = price_hold(twin, args, r.loaded, current, settings.min_gain, backlog=settings.backlog)
     return Verdict(hold=hold, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,

@@ -64,6 +64,8 @@ def test_a_hold_pays_by_tokens_or_by_the_same_tokens_answered_sooner():
     assert hold_pays(_p(98.0, 9.0), now, 0.03)  # as many, 10 % sooner
     assert not hold_pays(_p(96.0, 9.0), now, 0.03)  # 4 % fewer
     assert not hold_pays(_p(100.0, None), now, 0.03)  # no answer times to compare
+    # in a backlog (work waits throughout) throughput alone counts
+    assert not hold_pays(_p(98.0, 9.0), now, 0.03, backlog=True) and hold_pays(_p(104.0, 9.0), now, 0.03, backlog=True)
     assert not hold_pays(_p(200.0, 5.0, oom="decode"), now, 0.03)  # the held replay died
 
 
@@ -72,5 +74,8 @@ def test_a_hold_loses_by_fewer_tokens_or_the_same_answered_later_and_between_say
     assert hold_loses(_p(96.0, 9.0), now, 0.03)  # 4 % fewer tokens, however soon
     assert hold_loses(_p(100.0, 10.5), now, 0.03)  # as many, 5 % later
     assert hold_loses(_p(200.0, 5.0, oom="decode"), now, 0.03)
+    assert not hold_loses(_p(100.0, 10.5), now, 0.03, backlog=True) and hold_loses(
+        _p(96.0, 9.0), now, 0.03, backlog=True
+    )
     # inside the noise both ways: neither pays nor loses (the worker is left as it is)
     assert not hold_loses(_p(98.0, 10.1), now, 0.03) and not hold_pays(_p(98.0, 10.1), now, 0.03)
