@@ -122,7 +122,8 @@ def replay_candidates(
         else []
     )
     moves = [graphs_follow_cap(twin, args, c, settings) for c in candidates(args, resolved or {}, settings, twin.names)]
-    for cand in ([in_band] if in_band is not None else []) + moves + levers:
+    peers = [dict(settings.peer.args)] if settings.peer is not None else []
+    for cand in ([in_band] if in_band is not None else []) + moves + levers + peers:
         p = twin.predict(cand, loaded)
         replays += 1
         if p.available_gpu_mem_gb is not None and p.available_gpu_mem_gb < free_floor_gb(twin, cand, settings):

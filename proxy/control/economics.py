@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from proxy.control.peers import PeerCandidate
+
 __all__ = [
     "ERROR_LOOKS",
     "RUNNING_SAMPLES",
@@ -63,6 +65,9 @@ class PlanSettings:
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
+    # the arguments the worker's peers run and their measured gain over it, the pool backlogged
+    # (:func:`~proxy.control.peers.peer_candidate`; None: no such peers)
+    peer: PeerCandidate | None = None
 
 
 RUNNING_SAMPLES = 2  # the running batch and as many again arriving behind it

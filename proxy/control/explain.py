@@ -25,7 +25,8 @@ def _accrual(accrues_s: float, settings: PlanSettings) -> str:
 
 
 def _moved(args: Mapping[str, object], to: Prediction) -> str:
-    return ", ".join(f"{k} {args.get(k)} -> {v}" for k, v in to.args.items() if args.get(k) != v)
+    moved = [f"{k} {args.get(k)} -> {v}" for k, v in to.args.items() if args.get(k) != v]
+    return ", ".join(moved + [f"{k} {v} -> unset" for k, v in args.items() if k not in to.args])
 
 
 def _waiting_reason(v: Verdict, waiting: WaitingPlan, args: Mapping[str, object], settings: PlanSettings) -> str:
@@ -78,6 +79,10 @@ def explain(v: Verdict, args: Mapping[str, object], settings: PlanSettings, earl
             f"{_moved(args, v.best)}: predicted gain {gain} ({v.base:.0f} -> {v.weighed:.0f} tok/s) x {accrual} = "
             f"{v.gain_tokens:.0f} tokens > restart cost {v.cost_tokens:.0f} tokens{note}"
         )
+    if v.peer is not None:
+        p = v.peer
+        reason += (f"; the gain measured on {', '.join(p.peers)}, which run these arguments: {p.peers_rate:.0f} tok/s "
+                   f"against {p.own_rate:.0f} here, work waiting for each throughout")  # fmt: skip
     if v.waiting is not None:
         reason += f"; waiting: {v.waiting.saved_s:.0f} request-seconds saved{v.waiting.over_looks} <= {v.waiting.cost_s:.0f} the restart adds"
         if v.waiting.utilization is not None:

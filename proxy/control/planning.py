@@ -19,6 +19,7 @@ from proxy.control.economics import replayed_requests
 from proxy.control.evidence import HeldAtGraphs, Planned
 from proxy.control.horizon import Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Status
+from proxy.control.peers import PeerCandidate, PeerLoad, peer_candidate
 from proxy.control.phase import Phase, Tracked
 from proxy.control.planner import (
     DecodeStats,
@@ -203,10 +204,26 @@ class Planning:
             max_available_gb=c.available_mem_band_gb[1],
             engine_queue=queue_gate[0] if queue_gate is not None else None,
             gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
+            peer=self._peer(w, twin, now),
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
                           in_flight=in_flight, now=now, looks=w.looks)  # fmt: skip
+
+    def _load(self, w: Tracked, now: float) -> PeerLoad:
+        twin = self._twin(dict(w.state.args))
+        return PeerLoad(worker_id=w.state.worker_id, args=dict(w.state.args), hardware=(twin.gpu, twin.model),
+                        rate=w.window.decode_rate, window_s=w.window.observed_s,
+                        backlogged_s=w.backlog.age(now))  # fmt: skip
+
+    def _peer(self, w: Tracked, twin: Twin, now: float) -> PeerCandidate | None:
+        """The arguments ``w``'s serving peers run and their measured gain over it, where the pool is
+        backlogged (:func:`~proxy.control.peers.peer_candidate`)."""
+        others = [self._load(o, now) for o in self._roster.workers.values() if o is not w and o.serving]
+        names = twin.names
+        tuned = {names.conservativeness, names.max_running, names.prefill_chunk, names.memory_fraction,
+                 *(n for n in (names.queue_order, names.graph_max_bs) if n is not None)}  # fmt: skip
+        return peer_candidate(self._load(w, now), others, tuned) if others else None
 
     def decide(self, job: PlanJob, plan: Plan, *, reshape_pending: bool = False) -> Act | None:
         """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing;

@@ -14,11 +14,12 @@ from __future__ import annotations
 import enum
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from proxy.control.candidates import Replayed, args_key, replay_candidates, roomier_pool
 from proxy.control.economics import PlanSettings, RestartCost, no_worse, twin_error
 from proxy.control.hold import HoldPrice, price_hold
+from proxy.control.peers import PeerCandidate
 from proxy.control.twin import Prediction, Twin
 from proxy.control.waiting import WaitingPlan, waiting_basis
 from proxy.control.workload import InFlight, Observed, measured_throughput
@@ -64,6 +65,7 @@ class Verdict:
     refused: tuple[Prediction, ...]
     replays: int
     hold: HoldPrice | None = None  # holding the worker at its CUDA graphs' batch, no restart (None: not priced)
+    peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, its gain measured on them (None: not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,7 @@ def _choose(
     it; a restart for it takes the KV pool the band's floor allows too, unless the twin puts that one
     worse by more than it can tell."""
     base = r.current.output_tok_per_s
+    peer_key = None if settings.peer is None else args_key(settings.peer.args)
 
     def over_looks(p: Prediction) -> float:
         key = args_key(p.args)
@@ -100,6 +103,8 @@ def _choose(
     if best is r.current:
         return _Choice(best, gain, 1, None, 0)
     paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g)
+    if args_key(best.args) == peer_key:  # measured on the peers as they run: the twin's pool is not that
+        return _Choice(best, gain, paying_looks, None, 0)
     roomier = roomier_pool(twin, best, r.loaded, settings)
     behind = None
     if roomier is not None and no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
@@ -108,6 +113,17 @@ def _choose(
         gain += max(0.0, roomier.output_tok_per_s - best.output_tok_per_s) / base
         best = roomier
     return _Choice(best, gain, paying_looks, behind, int(roomier is not None))
+
+
+def _measured_on_peers(r: Replayed, peer: PeerCandidate | None) -> Replayed:
+    """``r`` with the peers' arguments (where the twin served them) at the gain measured on the peers: the
+    twin replays this worker's own traffic, which the gate sent at its pace, and cannot show a worker
+    that would be sent more (:mod:`proxy.control.peers`)."""
+    if peer is None:
+        return r
+    key, base = args_key(peer.args), r.current.output_tok_per_s
+    served = [replace(p, output_tok_per_s=base * (1.0 + peer.gain)) if args_key(p.args) == key else p for p in r.served]
+    return replace(r, served=served)
 
 
 def verdict(
@@ -124,7 +140,7 @@ def verdict(
     earlier_savings: Sequence[Mapping[str, float]] = (),
 ) -> Verdict:
     """:func:`~proxy.control.planner.plan`'s numbers and choice, without words."""
-    r = replay_candidates(twin, args, workload, settings, resolved, in_flight, now)
+    r = _measured_on_peers(replay_candidates(twin, args, workload, settings, resolved, in_flight, now), settings.peer)
     current, base = r.current, r.current.output_tok_per_s
     gains = {args_key(p.args): p.output_tok_per_s / base - 1.0 for p in r.served} if base > 0 else {}
     choice = _choose(twin, r, gains, earlier_gains, settings)
@@ -157,7 +173,12 @@ def verdict(
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
     hold = price_hold(twin, args, r.loaded, current, settings.min_gain, backlog=settings.backlog)
-    return Verdict(hold=hold, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+    peer = (
+        settings.peer
+        if settings.peer is not None and best is not current and args_key(best.args) == args_key(settings.peer.args)
+        else None
+    )
+    return Verdict(hold=hold, peer=peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
