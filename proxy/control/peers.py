@@ -26,13 +26,12 @@ class PeerLoad:
     args: Mapping[str, object]
     hardware: tuple[str, str]  # its GPU and model, as its twin names them
     rate: float | None  # output tokens/s over its window, as decoded (None: not measured)
-    window_s: float  # the seconds its rate is over
-    backlogged_s: float  # seconds work has waited for it without a break (0: nothing waits)
+    busy: float  # the share of that window work waited for it (or its KV pool was full)
 
-    @property
-    def at_capacity(self) -> bool:
-        """Work waited for it throughout the window its rate is over: the rate is what it can do."""
-        return self.rate is not None and self.rate > 0 and self.window_s > 0 and self.backlogged_s >= self.window_s
+    def at_capacity(self, slack: float) -> bool:
+        """Work waited for it over all but ``slack`` of the window its rate is over: the rate is within
+        about that much of what it can do."""
+        return self.rate is not None and self.rate > 0 and self.busy >= 1.0 - slack
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,18 +53,21 @@ def _rest(args: Mapping[str, object], tuned: Collection[str]) -> dict[str, objec
     return {k: v for k, v in args.items() if k not in tuned}
 
 
-def peer_candidate(own: PeerLoad, others: Sequence[PeerLoad], tuned: Collection[str]) -> PeerCandidate | None:
+def peer_candidate(
+    own: PeerLoad, others: Sequence[PeerLoad], tuned: Collection[str], slack: float
+) -> PeerCandidate | None:
     """The best-serving group of ``own``'s peers that run other values of the ``tuned`` arguments, the
-    rest alike, where all of them and ``own`` are at capacity and the group serves more than ``own`` by
-    more than its own spread; None where there is no such group."""
-    if not own.at_capacity or own.rate is None:
+    rest alike, where all of them and ``own`` are at capacity (idle at most ``slack`` of their windows:
+    the planner's noise floor) and the group serves more than ``own`` by more than its own spread; None
+    where there is no such group."""
+    if not own.at_capacity(slack) or own.rate is None:
         return None
     rest = _rest(own.args, tuned)
     groups: dict[tuple[tuple[str, str], ...], list[PeerLoad]] = {}
     for p in others:
         if p.hardware != own.hardware or _rest(p.args, tuned) != rest or dict(p.args) == dict(own.args):
             continue
-        if not p.at_capacity:
+        if not p.at_capacity(slack):
             return None  # one of them serves what it is sent: the pool's rates are not its capacities
         key = tuple(sorted((k, repr(v)) for k, v in p.args.items()))
         groups.setdefault(key, []).append(p)

@@ -204,26 +204,27 @@ class Planning:
             max_available_gb=c.available_mem_band_gb[1],
             engine_queue=queue_gate[0] if queue_gate is not None else None,
             gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
-            peer=self._peer(w, twin, now),
+            peer=self._peer(w, twin),
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,
                           kv_capacity_tokens=capacity, workload=workload, cost=cost, settings=settings,
                           in_flight=in_flight, now=now, looks=w.looks)  # fmt: skip
 
-    def _load(self, w: Tracked, now: float) -> PeerLoad:
+    def _load(self, w: Tracked) -> PeerLoad:
         twin = self._twin(dict(w.state.args))
         return PeerLoad(worker_id=w.state.worker_id, args=dict(w.state.args), hardware=(twin.gpu, twin.model),
-                        rate=w.window.decode_rate, window_s=w.window.observed_s,
-                        backlogged_s=w.backlog.age(now))  # fmt: skip
+                        rate=w.window.decode_rate,
+                        busy=w.window.busy_share(self._roster.constants.low_usage))  # fmt: skip
 
-    def _peer(self, w: Tracked, twin: Twin, now: float) -> PeerCandidate | None:
+    def _peer(self, w: Tracked, twin: Twin) -> PeerCandidate | None:
         """The arguments ``w``'s serving peers run and their measured gain over it, where the pool is
         backlogged (:func:`~proxy.control.peers.peer_candidate`)."""
-        others = [self._load(o, now) for o in self._roster.workers.values() if o is not w and o.serving]
+        others = [self._load(o) for o in self._roster.workers.values() if o is not w and o.serving]
         names = twin.names
         tuned = {names.conservativeness, names.max_running, names.prefill_chunk, names.memory_fraction,
                  *(n for n in (names.queue_order, names.graph_max_bs) if n is not None)}  # fmt: skip
-        return peer_candidate(self._load(w, now), others, tuned) if others else None
+        slack = self._roster.constants.plan_min_gain
+        return peer_candidate(self._load(w), others, tuned, slack) if others else None
 
     def decide(self, job: PlanJob, plan: Plan, *, reshape_pending: bool = False) -> Act | None:
         """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing;

@@ -229,6 +229,17 @@ class Window:
             hits += s.queue == 0 and bool(held) and held[-1] > 0
         return hits / len(self.samples)
 
+    def busy_share(self, full: float) -> float:
+        """Share of samples at which work waited for the worker (in its queue, or let through by the band
+        in the proxy's) or its KV pool was ``full``: the share of the window its rate is its capacity."""
+        if not self.samples:
+            return 0.0
+        hits = 0
+        for s in self.samples:
+            held = [d - gated for t, d, gated in self.proxy_queue if t <= s.time]
+            hits += s.queue > 0 or s.token_usage >= full or (bool(held) and held[-1] > 0)
+        return hits / len(self.samples)
+
     @property
     def proxy_backlog(self) -> int | None:
         """Requests the proxy held at its latest look (None: not reported)."""
