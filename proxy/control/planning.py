@@ -218,14 +218,13 @@ class Planning:
                         busy=w.window.busy_share(self._roster.constants.low_usage))  # fmt: skip
 
     def _peer(self, w: Tracked, twin: Twin) -> PeerCandidate | None:
-        """The arguments ``w``'s serving peers run and their measured gain over it, where the pool is
-        backlogged (:func:`~proxy.control.peers.peer_candidate`)."""
+        """The arguments ``w``'s serving peers run and their measured gain over it
+        (:func:`~proxy.control.peers.peer_candidate`)."""
         others = [self._load(o) for o in self._roster.workers.values() if o is not w and o.serving]
         names = twin.names
         tuned = {names.conservativeness, names.max_running, names.prefill_chunk, names.memory_fraction,
                  *(n for n in (names.queue_order, names.graph_max_bs) if n is not None)}  # fmt: skip
-        slack = self._roster.constants.plan_min_gain
-        return peer_candidate(self._load(w), others, tuned, slack) if others else None
+        return peer_candidate(self._load(w), others, tuned) if others else None
 
     def decide(self, job: PlanJob, plan: Plan, *, reshape_pending: bool = False) -> Act | None:
         """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing;
