@@ -272,6 +272,10 @@ class Planned(Evidence):
     # the seconds a throughput gain accrues over: the horizon, or less where the work waiting is expected
     # gone sooner (none waiting: 0)
     accrues_s: float | None = field(default=None, metadata=OPTIONAL)
+    # the chosen arguments are the peers' (:mod:`proxy.control.peers`): their mean output rate, and the share
+    # of this worker's window work waited for it (its rate is at least that share of its capacity)
+    peers_rate: float | None = field(default=None, metadata=OPTIONAL)
+    busy: float | None = field(default=None, metadata=OPTIONAL)
     horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
 
 

@@ -24,6 +24,7 @@ from proxy.control.economics import ERROR_LOOKS, PlanSettings, RestartCost, outa
 from proxy.control.explain import explain
 from proxy.control.hold import HoldPrice
 from proxy.control.outcome import Expectation, Outcome, OutcomeInputs, check_outcome
+from proxy.control.peers import PeerCandidate
 from proxy.control.twin import DecodeStats, Prediction, Twin, calibrate
 from proxy.control.verdict import Verdict, Why, verdict
 from proxy.control.workload import InFlight, Observed, Replay, continued, measured_throughput, replay
@@ -98,6 +99,7 @@ class Plan:
     # holding the worker at its CUDA graphs' batch, which the fast tier does with no restart (None: the
     # current args never ran past the graphs on this look's replay)
     hold: HoldPrice | None = None
+    peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, at the gain measured on them
 
     @property
     def current_error(self) -> float | None:
@@ -150,6 +152,7 @@ def plan(
         measured_current=v.measured,
         undecided=v.pays and not v.trusted,
         hold=v.hold,
+        peer=v.peer,
     )
     if v.why is not Why.WAITING_PAYS or v.waiting is None:
         return throughput

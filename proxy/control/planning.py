@@ -67,6 +67,8 @@ def planned(job: PlanJob, plan: Plan) -> Planned:
         utilization=None if plan.utilization is None else round(plan.utilization, 3),
         predicted_answer_s=None if plan.best.mean_answer_s is None else round(plan.best.mean_answer_s, 3),
         current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
+        peers_rate=None if plan.peer is None else round(plan.peer.peers_rate, 2),
+        busy=None if plan.peer is None else round(plan.peer.own_busy, 3),
     )  # fmt: skip
 
 

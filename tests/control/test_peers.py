@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from proxy.control.peers import PeerLoad, peer_candidate
-from proxy.control.planner import Observed, PlanSettings, RestartCost, Twin, plan
+from proxy.control.planner import Observed, PlanSettings, RestartCost, Twin, plan, run_plan
+from proxy.control.planning import planned
 from proxy.policy import ControlMode
 
 from .test_controller import RecordingActor, controller, info
@@ -122,3 +123,7 @@ def test_the_controller_offers_a_worker_the_arguments_of_the_peers_that_serve_mo
     assert peer is not None and dict(peer.args) == ARGS and peer.peers == ("w1",)
     assert peer.gain == pytest.approx(0.5, rel=0.02)
     assert jobs["w1"].inputs.settings.peer is None  # the one ahead is not offered the other's
+    plan = run_plan(jobs["w0"].inputs)
+    assert plan.peer is not None and plan.peer.peers == ("w1",)
+    evidence = planned(jobs["w0"], plan).to_json()
+    assert evidence["peers_rate"] == pytest.approx(10500.0, rel=0.02) and evidence["busy"] == 1.0
