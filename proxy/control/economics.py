@@ -45,9 +45,6 @@ class PlanSettings:
     # open on the worker do (mixed's batch, held back beside the chat, is not on the worker)
     queued: float = 0.0
     max_requests: int = 300  # the replayed sample: the newest this many requests
-    # the largest batch the worker ran in its window: a look on fewer answers than that is not read
-    # (:class:`~proxy.control.verdict.Why` ``UNREAD``)
-    peak_running: int = 0
     max_candidates: int = 10
     # a predicted gain below this is noise, whatever the horizon (and a loss below it: see no_worse)
     min_gain: float = 0.03

@@ -58,11 +58,6 @@ def explain(v: Verdict, args: Mapping[str, object], settings: PlanSettings, earl
             + (f" (the median of its last {looks} looks; {v.now_error or 0.0:.1%} on this one)" if looks > 1 else "")
             + ": no restart on it"
         )
-    elif v.why is Why.UNREAD and v.unread is not None:
-        reason = (
-            f"predicted gain {gain} would pay a restart, but the worker has answered {v.unread[0]} requests against "
-            f"a batch of {v.unread[1]}: its pace is not read yet, no restart on it"
-        )
     elif v.why is Why.NOTHING_WAITS:
         reason = (
             f"predicted gain {gain}, but nothing waits for the worker: a throughput gain accrues only while work waits"

@@ -197,7 +197,6 @@ class Planning:
             work_waits_s=0.0 if w.backlog.since is None else horizon.draining_s,
             queued=self._surroundings.backlog() / self._roster.serving_count(),
             max_requests=replayed_requests(c.plan_requests, w.window.peak_running),
-            peak_running=int(w.window.peak_running or 0),
             min_gain=c.plan_min_gain,
             conservativeness_bounds=self._roster.rules.bounds(KnobName.CONSERVATIVENESS),
             memory_fraction_step=c.memory_fraction_step,

@@ -32,7 +32,6 @@ class Why(enum.Enum):
 
     NO_BETTER = "no candidate beats the current arguments"
     UNTRUSTED = "the gain would pay, but is inside the twin's error"
-    UNREAD = "the gain would pay, but the worker has answered too few requests to judge the twin on"
     NOTHING_WAITS = "nothing waits for the worker: a throughput gain does not accrue"
     DOES_NOT_PAY = "the gain over the horizon does not pay the restart"
     PAYS = "the throughput gain pays the restart"
@@ -67,8 +66,6 @@ class Verdict:
     replays: int
     hold: HoldPrice | None = None  # holding the worker at its CUDA graphs' batch, no restart (None: not priced)
     peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, its gain measured on them (None: not)
-    # (answered, batch) where the sample holds fewer answers than the batch the worker ran (None: not so)
-    unread: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,17 +148,13 @@ def verdict(
     weighed = base * (1.0 + gain)
     accrues_s = settings.horizon_s if settings.work_waits_s is None else min(settings.horizon_s, settings.work_waits_s)
     gain_tokens, cost_tokens = (weighed - base) * accrues_s, cost.tokens(base)
-    # fewer answers than the worker runs at once say little of its pace (prefix-none's first look: 3 answers
-    # beside a batch of 1,440, the twin 24 % off, and that error held back the next look's restart): the
-    # twin is not judged on them, and no restart is taken on them
-    unread = (len(r.sample), settings.peak_running) if len(r.sample) < settings.peak_running else None
-    measured = None if unread else r.loaded.measured() or measured_throughput(r.sample)
+    measured = r.loaded.measured() or measured_throughput(r.sample)
     predicted = current.answered_tok_per_s
     # how far the twin is from what the worker did on the same requests: a gain inside that is not one
     # (a sample without answer times says nothing of it: the twin's own figures stand)
     now_error = abs(predicted - measured) / measured if measured and predicted is not None else None
     error = twin_error(earlier_errors, now_error)
-    trusted = unread is None and (error is None or gain > error)
+    trusted = error is None or gain > error
     pays = best is not current and gain >= settings.min_gain and gain_tokens > cost_tokens
     waiting: WaitingPlan | None = None
     savings: dict[str, float] = {}
@@ -173,7 +166,7 @@ def verdict(
     elif best is current:
         why = Why.NO_BETTER
     elif pays and not trusted:
-        why = Why.UNTRUSTED if unread is None else Why.UNREAD
+        why = Why.UNTRUSTED
     elif accrues_s <= 0:
         why = Why.NOTHING_WAITS
     else:
@@ -185,7 +178,7 @@ def verdict(
         if settings.peer is not None and best is not current and args_key(best.args) == args_key(settings.peer.args)
         else None
     )
-    return Verdict(hold=hold, peer=peer, unread=unread, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+    return Verdict(hold=hold, peer=peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
