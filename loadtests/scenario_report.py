@@ -308,7 +308,8 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
     ratios = [
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
-        "| replay: adaptive's final args from its restart | modelled s of the restart | adaptive / per-phase oracle "
+        "(or first look) | replay: adaptive's final args from then | modelled s of the restart (or look) "
+        "| adaptive / per-phase oracle "
         "| control |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]

@@ -152,11 +152,20 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     arguments and the adaptive arm's final ones, each switched to at that moment (the worker's start-up
     paid, its unfinished work taken back) and each run static from the start, as fractions of the
     oracle's static replay. ``oracle_args_restarted`` is the best any controller acting at that moment
-    could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU)."""
-    applied = [d for d in adaptive.decisions if d.get("status") == "applied" and d.get("action") == "restart"]
-    if not applied or not adaptive.started:
+    could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU). An arm that did
+    not restart is priced at its planner's first look (``restart_at``): the earliest it could have."""
+    applied = [
+        d
+        for d in adaptive.decisions
+        if d.get("status") == "applied"
+        and d.get("action") == "restart"
+        and not str(d.get("detail", "")).startswith("before its first launch")  # the arguments it launches with
+    ]
+    looks = [d for d in adaptive.decisions if d.get("rule") == "planner"]
+    moment = applied[0] if applied else looks[0] if looks else None
+    if moment is None or not adaptive.started:
         return None
-    at_s = max(0.0, (float(applied[0]["monotonic"]) - adaptive.started) * sc.time_scale)
+    at_s = max(0.0, (float(moment["monotonic"]) - adaptive.started) * sc.time_scale)
     pacing, specs = scenario_pacing(sc), sc.workload.specs()
     start = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
     static: dict[str, float] = {}
@@ -171,7 +180,8 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     base = static["oracle_args"]
     if base <= 0:
         return None
-    out: dict[str, Any] = {"restart_at_modelled_s": round(at_s, 1), "restarts_live": adaptive.restarts}
+    out: dict[str, Any] = {"restart_at_modelled_s": round(at_s, 1), "restarts_live": adaptive.restarts,
+                           "restart_at": "its restart" if applied else "its first look"}  # fmt: skip
     for name in static:
         out[f"{name}_restarted"] = round(moved[name] / base, 3)
         out[f"{name}_static"] = round(static[name] / base, 3)
