@@ -154,12 +154,9 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     oracle's static replay. ``oracle_args_restarted`` is the best any controller acting at that moment
     could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU). An arm that did
     not restart is priced at its planner's first look (``restart_at``): the earliest it could have."""
+    # a restart carried out has its act recorded (the arguments set before the first launch have none)
     applied = [
-        d
-        for d in adaptive.decisions
-        if d.get("status") == "applied"
-        and d.get("action") == "restart"
-        and not str(d.get("detail", "")).startswith("before its first launch")  # the arguments it launches with
+        d for d in adaptive.decisions if d.get("status") == "applied" and d.get("action") == "restart" and "act" in d
     ]
     looks = [d for d in adaptive.decisions if d.get("rule") == "planner"]
     moment = applied[0] if applied else looks[0] if looks else None

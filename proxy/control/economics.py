@@ -65,7 +65,7 @@ class PlanSettings:
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
-    # the arguments the worker's peers run and their measured gain over it, the pool backlogged
+    # the arguments the worker's peers run and the least gain their rates allow over it
     # (:func:`~proxy.control.peers.peer_candidate`; None: no such peers)
     peer: PeerCandidate | None = None
 

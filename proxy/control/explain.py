@@ -82,7 +82,7 @@ def explain(v: Verdict, args: Mapping[str, object], settings: PlanSettings, earl
     if v.peer is not None:
         p = v.peer
         reason += (f"; the gain measured on {', '.join(p.peers)}, which run these arguments: {p.peers_rate:.0f} tok/s "
-                   f"against {p.own_rate:.0f} here, work waiting for each throughout")  # fmt: skip
+                   f"against {p.own_rate:.0f} here, with work waiting for it {p.own_busy:.0%} of the time")  # fmt: skip
     if v.waiting is not None:
         reason += f"; waiting: {v.waiting.saved_s:.0f} request-seconds saved{v.waiting.over_looks} <= {v.waiting.cost_s:.0f} the restart adds"
         if v.waiting.utilization is not None:

@@ -222,10 +222,7 @@ class Planning:
         """The arguments ``w``'s serving peers run and their measured gain over it
         (:func:`~proxy.control.peers.peer_candidate`)."""
         others = [self._load(o) for o in self._roster.workers.values() if o is not w and o.serving]
-        names = twin.names
-        tuned = {names.conservativeness, names.max_running, names.prefill_chunk, names.memory_fraction,
-                 *(n for n in (names.queue_order, names.graph_max_bs) if n is not None)}  # fmt: skip
-        return peer_candidate(self._load(w), others, tuned) if others else None
+        return peer_candidate(self._load(w), others, twin.names.tuned) if others else None
 
     def decide(self, job: PlanJob, plan: Plan, *, reshape_pending: bool = False) -> Act | None:
         """Turn a plan into an act (``auto``, managed, it pays), a journal entry, or nothing;

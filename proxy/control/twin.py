@@ -42,6 +42,13 @@ class ArgNames:
     queue_order: str | None = None  # None: the engine has no such knob
     graph_max_bs: str | None = None
 
+    @property
+    def tuned(self) -> frozenset[str]:
+        """Every argument the planner moves, as the engine names it."""
+        names = (self.conservativeness, self.max_running, self.prefill_chunk, self.memory_fraction,
+                 self.queue_order, self.graph_max_bs)  # fmt: skip
+        return frozenset(n for n in names if n is not None)
+
     @classmethod
     def of(cls, engine: Engine) -> ArgNames:
         k = engine.knobs

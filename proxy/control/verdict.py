@@ -77,6 +77,7 @@ class _Choice:
     paying_looks: int
     roomier_behind: float | None
     replays: int
+    peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, at the gain measured on them
 
 
 def _choose(
@@ -90,7 +91,6 @@ def _choose(
     it; a restart for it takes the KV pool the band's floor allows too, unless the twin puts that one
     worse by more than it can tell."""
     base = r.current.output_tok_per_s
-    peer_key = None if settings.peer is None else args_key(settings.peer.args)
 
     def over_looks(p: Prediction) -> float:
         key = args_key(p.args)
@@ -103,8 +103,9 @@ def _choose(
     if best is r.current:
         return _Choice(best, gain, 1, None, 0)
     paying_looks = 1 + sum(1 for g in earlier_gains if args_key(best.args) in g)
-    if args_key(best.args) == peer_key:  # measured on the peers as they run: the twin's pool is not that
-        return _Choice(best, gain, paying_looks, None, 0)
+    peer = settings.peer
+    if peer is not None and args_key(best.args) == args_key(peer.args):  # measured on the peers as they run:
+        return _Choice(best, gain, paying_looks, None, 0, peer)  # the twin's larger pool is not that
     roomier = roomier_pool(twin, best, r.loaded, settings)
     behind = None
     if roomier is not None and no_worse(roomier.output_tok_per_s, best.output_tok_per_s, settings):
@@ -173,12 +174,7 @@ def verdict(
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
     hold = price_hold(twin, args, r.loaded, current, settings.min_gain, backlog=settings.backlog)
-    peer = (
-        settings.peer
-        if settings.peer is not None and best is not current and args_key(best.args) == args_key(settings.peer.args)
-        else None
-    )
-    return Verdict(hold=hold, peer=peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+    return Verdict(hold=hold, peer=choice.peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,

@@ -218,27 +218,32 @@ class Window:
             return 0.0
         return sum(1 for _, _, r in points if r >= 0.95 * cap) / len(points)
 
+    def _held_by_sample(self) -> list[tuple[Sample, int]]:
+        """Each sample with the requests the proxy held for the worker then that the band would send
+        (the batch its class's gates hold beside interactive work waits by design; 0: none reported)."""
+        out, held, queue = [], 0, iter(self.proxy_queue)
+        pending = next(queue, None)
+        for s in self.samples:
+            while pending is not None and pending[0] <= s.time:
+                held = pending[1] - pending[2]
+                pending = next(queue, None)
+            out.append((s, held))
+        return out
+
     def timid_fraction(self) -> float:
         """Share of samples with an empty server queue while the proxy held requests back that the band
         would send (the batch its class's gates hold beside interactive work waits by design)."""
         if not self.samples or not self.proxy_queue:
             return 0.0
-        hits = 0
-        for s in self.samples:
-            held = [d - gated for t, d, gated in self.proxy_queue if t <= s.time]
-            hits += s.queue == 0 and bool(held) and held[-1] > 0
-        return hits / len(self.samples)
+        return sum(1 for s, held in self._held_by_sample() if s.queue == 0 and held > 0) / len(self.samples)
 
     def busy_share(self, full: float) -> float:
         """Share of samples at which work waited for the worker (in its queue, or let through by the band
         in the proxy's) or its KV pool was ``full``: the share of the window its rate is its capacity."""
         if not self.samples:
             return 0.0
-        hits = 0
-        for s in self.samples:
-            held = [d - gated for t, d, gated in self.proxy_queue if t <= s.time]
-            hits += s.queue > 0 or s.token_usage >= full or (bool(held) and held[-1] > 0)
-        return hits / len(self.samples)
+        busy = sum(1 for s, held in self._held_by_sample() if s.queue > 0 or s.token_usage >= full or held > 0)
+        return busy / len(self.samples)
 
     @property
     def proxy_backlog(self) -> int | None:
