@@ -40,6 +40,7 @@ from typing import Any
 
 from proxy.engines.base import Sample
 from proxy.engines.sglang.argv import build_argv
+from proxy.engines.sglang.engine import SIM
 from proxy.observe.scraper import MIN_WALL_INTERVAL_S
 from proxy.request.pacing import Band, WorkerLoad
 from proxy.sim.cli import build_parser
@@ -130,6 +131,14 @@ class Restart:
     startup_s: float
 
 
+def _load(config: SimConfig) -> WorkerLoad:
+    """The gate's record of a worker started with ``config``: its queue kept at its prefix limit, as
+    the dispatcher keeps it (``WorkerLoad.queue_sides``)."""
+    load = WorkerLoad("replay")
+    load.prefix_limit = SIM.prefix_queue_limit({"schedule_policy": config.schedule_policy})
+    return load
+
+
 def simulate_paced(
     config: SimConfig,
     workload: Sequence[RequestSpec],
@@ -145,7 +154,7 @@ def simulate_paced(
     time is judged on it."""
     room = hold if hold is not None else len(workload) + 1
     eng = Engine(config)
-    load = WorkerLoad("replay")  # the dispatcher's per-worker counts and estimate
+    load = _load(config)  # the dispatcher's per-worker counts and estimate
     # indices still to send, in arrival order (ties in submission order), the next one last
     pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival, i), reverse=True)
     on_worker: dict[str, int] = {}  # rid -> index of what the worker holds
@@ -161,7 +170,7 @@ def simulate_paced(
             pending.extend(taken_back)  # taken back, in their order, first
             on_worker.clear()
             retracted += eng.retracted_total
-            eng, load, config = Engine(restart.config), WorkerLoad("replay"), restart.config
+            eng, load, config = Engine(restart.config), _load(restart.config), restart.config
             t += restart.startup_s
             next_scrape, restart = t, None
         if t >= next_scrape:
@@ -171,7 +180,7 @@ def simulate_paced(
         while (
             pending
             and workload[pending[-1]].arrival <= t
-            and load.est_queue() < pacing.target
+            and load.est_queue() < load.target(pacing.band)
             and load.in_flight < room
         ):
             i = pending.pop()

@@ -150,6 +150,7 @@ def _dispatchers(
             band=Band(lo=p.pacing.queue_band[0], hi=p.pacing.queue_band[1], headroom=p.pacing.headroom),
             stale_after_s=p.pacing.stale_after_s,
             prefix_affinity=p.engine.engine.prefix_affinity(p.engine.args),
+            prefix_limit=p.engine.engine.prefix_queue_limit,
             max_attempts=p.pacing.max_attempts,
             on_requeue=metrics.of(p.name).count_requeue,
             clock_rate=_clock_rate(p),  # the window beside interactive work is in the engine's seconds
@@ -390,6 +391,12 @@ class _Surroundings:
             )
             for a in self._st.board.get(worker_id).attempts
         ]
+
+    def queue_sides(self, worker_id: str) -> tuple[int, int] | None:
+        return self._st.board.get(worker_id).queue_sides(self._dispatcher.band)
+
+    def keep_queue_past(self, worker_id: str, past: bool) -> None:
+        self._st.board.get(worker_id).queue_past = past
 
     def hold_back_budget(self, worker_id: str, interactive: bool, asked: int, tokens: int | None) -> None:
         self._st.board.get(worker_id).output_budgets.hold_back((interactive, asked), tokens)

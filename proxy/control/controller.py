@@ -316,6 +316,7 @@ class Controller:
             w.state = w.state.without_resolved()
             w.starting_at = now
             w.held_open = None  # the board forgets it with the process: the new one's looks price it anew
+            w.queue_past = False  # likewise its queue's side of its engine's prefix limit
         held = w.phase is Phase.HELD
         up = info.state is WorkerState.READY or (info.state is WorkerState.DRAINING and held)
         if up and w.state.started_at is None:  # a held one is up too: the tick's rules restart it

@@ -65,6 +65,9 @@ class PlanSettings:
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
+    # the gate's queue at and past the engine's prefix limit, one of them ``engine_queue``
+    # (:mod:`proxy.control.queue_side`; None: the engine has no such limit)
+    queue_sides: tuple[int, int] | None = None
     # the arguments the worker's peers run and the least gain their rates allow over it
     # (:func:`~proxy.control.peers.peer_candidate`; None: no such peers)
     peer: PeerCandidate | None = None

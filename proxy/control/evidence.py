@@ -18,6 +18,7 @@ the journal adds its keys to the same object.
 | ``output_budget`` (the fast tier, no restart) | :class:`OutputBudget` |
 | ``planner`` (the controller's twin) | :class:`Planned`, around :class:`PlanHorizon` (why its horizon) |
 | ``hold_at_graphs`` (the planner's look, no restart) | :class:`HeldAtGraphs` |
+| ``queue_side`` (the planner's look, no restart) | :class:`QueueSide` |
 | a revival (the controller) | :class:`Death`, around the death rule's evidence if one chose the args |
 """
 
@@ -44,6 +45,7 @@ __all__ = [
     "PlanHorizon",
     "Planned",
     "PrefillOom",
+    "QueueSide",
     "RequestFit",
     "Retractions",
     "TimidPacing",
@@ -289,6 +291,19 @@ class HeldAtGraphs(Evidence):
     predicted_current: float  # ... and not held
     held_answer_s: float | None  # the twin's mean time from arrival to answer, held and not
     current_answer_s: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueSide(Evidence):
+    """A look's price of the worker's queue at its engine's prefix limit and past it
+    (:mod:`proxy.control.queue_side`)."""
+
+    queue_at_limit: int  # the gate's queue at the limit (the engine orders it by prefix every round)
+    queue_past_limit: int  # ... and past it (the engine serves it in arrival order)
+    predicted_at_limit: float  # output tokens/s the twin predicts at the limit
+    predicted_past_limit: float  # ... and past it
+    at_limit_answer_s: float | None  # the twin's mean time from arrival to answer, at and past
+    past_limit_answer_s: float | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,6 +81,7 @@ class Tracked:
     last_plan: float = float("-inf")
     looks: Looks = field(default_factory=Looks)  # what its plans under the current args said (a restart: afresh)
     held_open: int | None = None  # the hold at its CUDA graphs' batch its last look set (a restart: none)
+    queue_past: bool = False  # its queue kept past its engine's prefix limit by its looks (a restart: at it)
     pool_state: WorkerState = WorkerState.READY  # as the pool last announced it
     # work waiting for it without a break (kept across its restarts: it is the traffic's)
     backlog: Backlog = field(default_factory=Backlog)

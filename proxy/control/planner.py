@@ -25,6 +25,7 @@ from proxy.control.explain import explain
 from proxy.control.hold import HoldPrice
 from proxy.control.outcome import Expectation, Outcome, OutcomeInputs, check_outcome
 from proxy.control.peers import PeerCandidate
+from proxy.control.queue_side import QueuePrice
 from proxy.control.twin import DecodeStats, Prediction, Twin, calibrate
 from proxy.control.verdict import Verdict, Why, verdict
 from proxy.control.workload import InFlight, Observed, Replay, continued, measured_throughput, replay
@@ -99,6 +100,9 @@ class Plan:
     # holding the worker at its CUDA graphs' batch, which the fast tier does with no restart (None: the
     # current args never ran past the graphs on this look's replay)
     hold: HoldPrice | None = None
+    # its queue kept past its engine's prefix limit, which the gate does with no restart (None: no such
+    # limit; :mod:`proxy.control.queue_side`)
+    queue: QueuePrice | None = None
     peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, at the gain measured on them
 
     @property
@@ -152,6 +156,7 @@ def plan(
         measured_current=v.measured,
         undecided=v.pays and not v.trusted,
         hold=v.hold,
+        queue=v.queue,
         peer=v.peer,
     )
     if v.why is not Why.WAITING_PAYS or v.waiting is None:

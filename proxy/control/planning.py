@@ -16,7 +16,7 @@ from dataclasses import replace
 from proxy.control.canary import pays_above
 from proxy.control.decision import Action, Decision, KnobChange, RuleKind
 from proxy.control.economics import replayed_requests
-from proxy.control.evidence import HeldAtGraphs, Planned
+from proxy.control.evidence import HeldAtGraphs, Planned, QueueSide
 from proxy.control.horizon import Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Status
 from proxy.control.peers import PeerCandidate, PeerLoad, peer_candidate
@@ -206,6 +206,7 @@ class Planning:
             max_available_gb=c.available_mem_band_gb[1],
             engine_queue=queue_gate[0] if queue_gate is not None else None,
             gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
+            queue_sides=self._surroundings.queue_sides(w.state.worker_id),
             peer=self._peer(w, twin),
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,
@@ -243,6 +244,7 @@ class Planning:
                             change=self._knob_change(w, old, new))  # fmt: skip
         w.looks = w.looks.after(plan)
         self._hold(w, job, plan, now)
+        self._queue_side(w, job, plan, now)
         if not plan.worth or w.looks.paying < self._roster.constants.plan_confirmations:
             self._note(w, plan, decision, now)
             return None
@@ -280,6 +282,35 @@ class Planning:
         self._roster.journal.record(decision, mode=self._roster.mode,
                                     status=Status.APPLIED if auto else Status.ADVISED,
                                     detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
+
+    def _queue_side(self, w: Tracked, job: PlanJob, plan: Plan, now: float) -> None:
+        """Keep the worker's queue past its engine's prefix limit where the look's twin says that pays,
+        at it where it says that loses; a look inside the twin's noise leaves it as it is
+        (:mod:`proxy.control.queue_side`). No restart. Only ``auto`` moves it; journaled when it changes."""
+        price = plan.queue
+        if price is None or not (price.pays or price.loses) or price.pays == w.queue_past:
+            return
+        auto = self._roster.mode is ControlMode.AUTO
+        if auto:
+            self._surroundings.keep_queue_past(job.worker_id, price.pays)
+        w.queue_past = price.pays
+        args = dict(w.state.args)
+        at, past = price.at_limit, price.past_limit
+        evidence = QueueSide(queue_at_limit=price.at, queue_past_limit=price.past,
+                             predicted_at_limit=round(at.output_tok_per_s, 2),
+                             predicted_past_limit=round(past.output_tok_per_s, 2),
+                             at_limit_answer_s=_rounded(at.mean_answer_s),
+                             past_limit_answer_s=_rounded(past.mean_answer_s))  # fmt: skip
+        side = (f"keep its queue at {price.past}, past the {price.at} where its engine stops ordering it by prefix"
+                if price.pays else f"keep its queue at {price.at}, where its engine orders it by prefix")  # fmt: skip
+        reason = (f"{side}: the twin writes {past.output_tok_per_s:.0f} tok/s past it against "
+                  f"{at.output_tok_per_s:.0f} at it, answers in {_rounded(past.mean_answer_s)} s against "
+                  f"{_rounded(at.mean_answer_s)} s")  # fmt: skip
+        decision = Decision(worker_id=job.worker_id, rule="queue_side", reason=reason, time=now, evidence=evidence,
+                            old_args=args, new_args=args, action=Action.NOTE, kind=RuleKind.TUNING)  # fmt: skip
+        self._roster.journal.record(decision, mode=self._roster.mode,
+                                    status=Status.APPLIED if auto else Status.ADVISED,
+                                    detail="the gate: no restart, it applies to the next request")  # fmt: skip
 
     def _knob_change(self, w: Tracked, old: dict[str, object], new: dict[str, object]) -> KnobChange | None:
         """The knob a plan moves, where it moves exactly one argument, a knob's, to a number (else None)."""

@@ -116,6 +116,13 @@ class Surroundings(Protocol):
         """The server queue the proxy's gate keeps at the worker (interactive work's), and how often it
         looks at it in the worker's seconds; None: not known."""
 
+    def queue_sides(self, worker_id: WorkerId) -> tuple[int, int] | None:
+        """The queues the gate may keep at the worker at and past its engine's prefix limit; None: no
+        such limit (:mod:`proxy.control.queue_side`)."""
+
+    def keep_queue_past(self, worker_id: WorkerId, past: bool) -> None:
+        """Keep the worker's queue past its engine's prefix limit (``past``), else at it."""
+
     def hold_back_budget(self, worker_id: WorkerId, interactive: bool, asked: int, tokens: int | None) -> None:
         """Send the class's requests asking for ``asked`` to the worker with ``tokens`` (None: as asked)
         instead of at their output budget, until :meth:`release_budget`."""

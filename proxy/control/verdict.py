@@ -20,6 +20,7 @@ from proxy.control.candidates import Replayed, args_key, replay_candidates, room
 from proxy.control.economics import PlanSettings, RestartCost, no_worse, twin_error
 from proxy.control.hold import HoldPrice, price_hold
 from proxy.control.peers import PeerCandidate
+from proxy.control.queue_side import QueuePrice, price_queue
 from proxy.control.twin import Prediction, Twin
 from proxy.control.waiting import WaitingPlan, waiting_basis
 from proxy.control.workload import InFlight, Observed, measured_throughput
@@ -65,6 +66,7 @@ class Verdict:
     refused: tuple[Prediction, ...]
     replays: int
     hold: HoldPrice | None = None  # holding the worker at its CUDA graphs' batch, no restart (None: not priced)
+    queue: QueuePrice | None = None  # its queue past its engine's prefix limit, no restart (None: not priced)
     peer: PeerCandidate | None = None  # ``best`` is the peers' arguments, its gain measured on them (None: not)
 
 
@@ -174,9 +176,12 @@ def verdict(
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
     hold = price_hold(twin, args, r.loaded, current, settings.min_gain, backlog=settings.backlog)
-    return Verdict(hold=hold, peer=choice.peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
+    queue = price_queue(
+        twin, args, r.loaded, current, settings.queue_sides, settings.min_gain, backlog=settings.backlog
+    )
+    return Verdict(hold=hold, queue=queue, peer=choice.peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
                    savings=savings, refused=r.refused,
-                   replays=r.replays + choice.replays + waiting_replays + (hold is not None))  # fmt: skip
+                   replays=r.replays + choice.replays + waiting_replays + (hold is not None) + 2 * (queue is not None))  # fmt: skip

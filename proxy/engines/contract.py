@@ -102,6 +102,11 @@ class Engine(Protocol):
         """Whether the worker's own scheduler groups requests by shared prefix, so the proxy should
         keep a prefix on one worker."""
 
+    def prefix_queue_limit(self, args: Mapping[str, object]) -> int | None:
+        """The waiting queue past which the worker's scheduler stops ordering it by shared prefix and
+        serves it in arrival order (None: it never orders by prefix). The proxy's gate keeps the
+        worker's queue on one side of it, not across it (:mod:`proxy.control.queue_side`)."""
+
     def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
         """Fields to add to a request's body so the worker's own scheduler puts interactive requests
         before batch ones; empty when the worker's arguments do not turn priority scheduling on (an

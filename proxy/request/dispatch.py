@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from proxy.request.admission import AdmissionQueue, Priority, QueueFull
 from proxy.request.attempt import Attempt, AttemptFailed, Requeued, TakenBack, Ticket, WorkerLost
@@ -146,6 +146,10 @@ class NoWorker(Exception):
         self.for_good = for_good
 
 
+def _no_prefix_limit(args: Mapping[str, object]) -> int | None:
+    return None
+
+
 def _no_requeue_hook(why: Requeued) -> None:
     return None
 
@@ -162,6 +166,7 @@ class Dispatcher:
         band: Band,
         stale_after_s: float,
         prefix_affinity: bool = False,
+        prefix_limit: Callable[[Mapping[str, object]], int | None] = _no_prefix_limit,
         max_attempts: int = 3,
         on_requeue: Callable[[Requeued], None] = _no_requeue_hook,
         clock: Callable[[], float] = time.monotonic,
@@ -174,6 +179,7 @@ class Dispatcher:
         self.band = band
         self.stale_after_s = stale_after_s
         self.prefix_affinity = prefix_affinity
+        self.prefix_limit = prefix_limit  # a worker's engine's prefix-order limit from its arguments
         self.max_attempts = max_attempts
         self.on_requeue = on_requeue  # counts requeues (the metrics)
         self.clock = clock
@@ -549,6 +555,7 @@ class Dispatcher:
         if info.state is not WorkerState.READY or info.pid != load.incarnation:
             load.forget_sample()
         load.incarnation = info.pid
+        load.prefix_limit = self.prefix_limit(info.args)
         if info.state is WorkerState.DOWN:
             self.fail_over(info.id)
         self._refusal = self._none_will_serve()

@@ -36,6 +36,10 @@ from proxy.workers.base import WorkerId
 Reserve = Callable[[int, int, bool], int]  # (held, may write, running) -> the KV an engine's admission counts
 _UNBOUNDED = 1 << 30  # what a request sent without max_tokens may write (an engine clips what it counts)
 
+# the gate tops the worker's queue up once a scrape and the engine admits from it in between: twice the
+# limit keeps it past the limit from one scrape to the next
+PAST_PREFIX_LIMIT = 2
+
 SampleObserver = Callable[[WorkerId, "Sample | None", "str | None"], None]
 
 # The interactive protection beside a batch (what met the Batch API's target: docs/benchmarks.md,
@@ -126,6 +130,8 @@ class WorkerLoad:
         "made_room_at",
         "output_budgets",
         "output_rate",
+        "prefix_limit",
+        "queue_past",
         "queue_target",
         "replicas",
         "running_limit",
@@ -165,6 +171,10 @@ class WorkerLoad:
         # the most requests held open here: the batch its CUDA graphs cover, where the planner's twin
         # priced holding it there a gain (proxy.control.hold; None: no hold)
         self.held_open: int | None = None
+        # the queue past which the worker's engine no longer orders it by prefix (its launch arguments;
+        # None: it never does), and whether its queue is kept past that (the planner's twin priced it)
+        self.prefix_limit: int | None = None
+        self.queue_past = False
         self.running_seen = 0  # the most it was scraped running (at most its limit, whatever that is)
         # the proxy replicas sending to the worker (LoadBoard.set_replicas): each paces its share
         self.replicas = 1
@@ -251,6 +261,7 @@ class WorkerLoad:
         self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
         self.running_limit = self.held_open = None  # the new process's hold is priced anew
+        self.queue_past = False  # and its queue's side of its engine's prefix limit
         # nor its batch: until its first scrape it is gated on its own counts (:attr:`unscraped`), and if that
         # scrape fails, the stale fallback starts from none (the reshape benchmark's tp-8 worker had run 768;
         # restarted as one of four tp-2 workers and up first, it was sent all 1,024 requests taken back)
@@ -346,9 +357,21 @@ class WorkerLoad:
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
         own = self.batch_queue_target if batch and self.batch_queue_target is not None else self.queue_target
-        if own is None:
-            return band.target
-        return max(1, min(own, band.hi))
+        target = band.target if own is None else max(1, min(own, band.hi))
+        sides = self.queue_sides(band)
+        if sides is None:
+            return target
+        return max(target, sides[1]) if self.queue_past else min(target, sides[0])
+
+    def queue_sides(self, band: Band) -> tuple[int, int] | None:
+        """The two targets open to the gate where the worker's engine orders its queue by prefix up to a
+        limit (SGLang's lpm): at the limit (ordered every round) and past it (arrival order, no prefix
+        matching). A target across the limit has the engine switch order from one round to the next: the
+        cost of one without the gain of the other. None: no such limit, or the band stops at it."""
+        limit = self.prefix_limit
+        if limit is None or band.hi <= limit:
+            return None
+        return limit, min(band.hi, PAST_PREFIX_LIMIT * limit)
 
     def open_requests(
         self,
@@ -514,6 +537,8 @@ class WorkerLoad:
             "batch_queue_target": self.batch_queue_target,
             "running_limit": self.running_limit,
             "held_open": self.held_open,
+            "prefix_limit": self.prefix_limit,
+            "queue_past": self.queue_past,
             "output_rate": self.output_rate,  # output tokens/s now (0 when nothing runs)
             "output_budget": self.budget_summary(),
             "facts": self.facts.summary(),

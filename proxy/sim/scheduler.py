@@ -28,6 +28,7 @@ import random
 import sys
 from collections.abc import Callable
 
+from proxy.engines.sglang.argv import LPM_QUEUE_LIMIT  # past it, SGLang's lpm serves the queue in arrival order
 from proxy.sim.config import SimConfig
 from proxy.sim.kv_pool import KvPool
 from proxy.sim.prefill_adder import AdmitResult, admit
@@ -35,7 +36,6 @@ from proxy.sim.ratio import CLIP_MAX_NEW_TOKENS, RETRACT_DECODE_STEPS, RatioSche
 from proxy.sim.request import Req, State
 from proxy.sim.steptime import lpm_round_seconds
 
-LPM_QUEUE_LIMIT = 128  # SGLang turns lpm's prefix sorting off (fcfs) above this queue length
 # SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and _DEPRIORITIZE_THRESHOLD (schedule_policy.py)
 IN_BATCH_CHECK = 32
 IN_BATCH_DEPRIORITIZE = 32

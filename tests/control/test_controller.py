@@ -76,6 +76,7 @@ class Around:
         self.tail, self.held, self.for_class = list(tail), backlog, for_class
         self.budgets_held: dict[tuple[str, bool, int], int | None] = {}  # output budgets held back, as sent
         self.held_open: dict[str, int | None] = {}  # the most requests held open per budgeted worker
+        self.queue_past: dict[str, bool] = {}  # per worker, its queue kept past its engine's prefix limit
 
     def log_tail(self, worker_id: str, lines: int) -> Sequence[str]:
         return self.tail[-lines:]
@@ -97,6 +98,12 @@ class Around:
 
     def hold_open(self, worker_id: str, most: int | None) -> None:
         self.held_open[worker_id] = most
+
+    def queue_sides(self, worker_id: str) -> tuple[int, int] | None:
+        return None  # not known: no sides priced
+
+    def keep_queue_past(self, worker_id: str, past: bool) -> None:
+        self.queue_past[worker_id] = past
 
 
 def info(

@@ -39,8 +39,9 @@ def _gain(p_gains: Mapping[str, float], arg: str, value: object) -> float:
     return p_gains[key]
 
 
-# a backlog behind the proxy's gate as the shipped policy sets it (queue band 100, headroom 32)
-BACKLOG = PlanSettings(horizon_s=600.0, backlog=True, engine_queue=132, gate_period_s=0.5)
+# a backlog behind the proxy's gate as the shipped policy sets it for an lpm worker (its engine's prefix limit,
+# inside the queue band 100 and headroom 32)
+BACKLOG = PlanSettings(horizon_s=600.0, backlog=True, engine_queue=128, gate_period_s=0.5)
 
 
 def test_the_replay_carries_the_heads_a_group_shares_and_none_where_prompts_are_unique() -> None:

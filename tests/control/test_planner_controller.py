@@ -34,6 +34,7 @@ from proxy.control.planner import (
     check_outcome,
     run_plan,
 )
+from proxy.control.queue_side import QueuePrice
 from proxy.engines.base import Sample
 from proxy.policy import ControlMode
 from proxy.sim.logs import startup_line
@@ -655,6 +656,38 @@ def test_a_look_that_prices_the_hold_at_the_graphs_a_gain_holds_the_worker_until
         (job,) = c.plans_due()
     # only auto holds: the board heard the hold, then its release
     assert around.held_open == ({"w0": None} if mode is ControlMode.AUTO else {})
+
+
+@pytest.mark.parametrize("mode", [ControlMode.AUTO, ControlMode.ADVISE])
+def test_a_look_that_prices_the_queue_past_the_prefix_limit_a_gain_keeps_it_there_until_one_does_not(
+    tmp_path: Path, mode: ControlMode
+) -> None:
+    requests = _backlog_of_short_answers()
+    around = Requests(requests)
+    c, clock = controller(mode, tmp_path, RecordingActor(), around=around)
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    look = replace(run_plan(job.inputs), worth=False)
+    past = replace(look.current, output_tok_per_s=look.current.output_tok_per_s * 1.1, mean_answer_s=1.0)
+    pays = QueuePrice(at=128, past=256, at_limit=look.current, past_limit=past, pays=True, loses=False)
+    loses, neither = replace(pays, pays=False, loses=True), replace(pays, pays=False)
+    for queue, journaled in [(pays, "keep its queue at 256"), (pays, None),  # as it was: nothing new
+                             (neither, None), (None, None),  # inside the twin's noise, or no limit: as it is
+                             (loses, "keep its queue at 128"), (neither, None)]:  # fmt: skip
+        entries = len(c.journal.entries())
+        c.decide_plan(job, replace(look, queue=queue))
+        sides = [e for e in c.journal.entries()[entries:] if e["rule"] == "queue_side"]
+        assert [e["reason"].split(",")[0].split(":")[0] for e in sides] == ([] if journaled is None else [journaled])
+        if journaled is not None:
+            assert sides[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
+            assert (
+                sides[0]["evidence"]["queue_past_limit"] == 256 and sides[0]["evidence"]["past_limit_answer_s"] == 1.0
+            )
+        clock.now += c.constants.plan_interval_s
+        (job,) = c.plans_due()
+    # only auto moves the gate: past, then back at the limit
+    assert around.queue_past == ({"w0": False} if mode is ControlMode.AUTO else {})
 
 
 def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:

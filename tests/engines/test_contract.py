@@ -85,6 +85,18 @@ def test_prefix_affinity_follows_the_engines_own_scheduler() -> None:
     assert not ENGINES["vllm"].prefix_affinity({"schedule_policy": "lpm"})
 
 
+def test_the_prefix_queue_limit_is_sglang_s_lpm_limit_and_vllm_has_none() -> None:
+    """SGLang's lpm stops matching prefixes past 128 waiting (SchedulePolicy._determine_active_policy);
+    the simulated scheduler keeps the same limit."""
+    from proxy.sim.scheduler import LPM_QUEUE_LIMIT
+
+    assert ENGINES["sglang"].prefix_queue_limit({"schedule_policy": "lpm"}) == 128 == LPM_QUEUE_LIMIT
+    assert ENGINES["sim"].prefix_queue_limit({"schedule_policy": "lpm"}) == 128
+    assert ENGINES["sglang"].prefix_queue_limit({"schedule_policy": "fcfs"}) is None
+    assert ENGINES["sglang"].prefix_queue_limit({}) is None  # SGLang's default is fcfs
+    assert ENGINES["vllm"].prefix_queue_limit({"schedule_policy": "lpm"}) is None
+
+
 def test_loads_and_server_info_only_where_the_engine_has_them() -> None:
     assert ENGINES["sglang"].loads_path == "/v1/loads" and ENGINES["sglang"].server_info_path == "/server_info"
     assert ENGINES["vllm"].loads_path is None and ENGINES["vllm"].server_info_path is None

@@ -383,6 +383,34 @@ def test_the_fast_tier_limit_and_queue_target_gate_a_worker():
     assert _choose(ws, board) == "w0"
 
 
+def test_an_lpm_worker_s_queue_is_kept_on_one_side_of_its_engine_s_prefix_limit_never_across_it():
+    """SGLang's lpm orders at most 128 waiting by prefix and serves a longer queue in arrival order: the
+    band's target of 132 had the engine switch order round by round (prefix-none and prefix-shared both
+    lost to it). The gate keeps 128, or 256 where the controller keeps the queue past the limit."""
+    board, band = LoadBoard(), Band(lo=100, hi=2000, headroom=32)
+    lpm = WorkerInfo(
+        id="w0", url="http://w0", state=WorkerState.READY, managed=True, args={"schedule_policy": "lpm"}, pid=1
+    )
+    pool = _Pool([lpm])
+    d = Dispatcher(pool, board, AdmissionQueue(100), band=band, stale_after_s=1e9,
+                   prefix_limit=SGLANG.prefix_queue_limit, clock=lambda: 100.0)  # fmt: skip
+    load = board.get("w0")
+    assert load.target(band) == 132  # not known yet: the band's
+    d.on_worker_state(pool.get("w0"))
+    assert load.prefix_limit == 128 and load.queue_sides(band) == (128, 256) and load.target(band) == 128
+    load.queue_past = True
+    assert load.target(band) == 256 and load.snapshot()["queue_past"] is True
+    load.queue_target = 300  # the fast tier's own, past the limit already
+    assert load.target(band) == 300
+    load.queue_target, load.queue_past = None, False
+    assert load.target(Band(lo=100, hi=120, headroom=32)) == 120  # a band that stops short of the limit: as it was
+    assert load.queue_sides(Band(lo=100, hi=200, headroom=32)) == (128, 200)
+    restarted = dataclasses.replace(pool.get("w0"), pid=2, args={"schedule_policy": "fcfs"})
+    load.queue_past = True
+    d.on_worker_state(restarted)  # a new process, restarted to fcfs: no limit, and no side kept
+    assert load.prefix_limit is None and not load.queue_past and load.target(band) == 132
+
+
 async def test_the_open_attempts_carry_what_the_planner_replays_of_the_work_in_flight():
     board = LoadBoard()
     d = Dispatcher(_Pool(_workers(WorkerState.READY)), board, AdmissionQueue(100), band=Band(lo=2, hi=4),

@@ -33,6 +33,10 @@ __all__ = [
 ]
 
 
+# past this many waiting, lpm computes no prefix matches and the queue is served in arrival order
+# (SchedulePolicy._determine_active_policy, managers/schedule_policy.py: "the expensive prefix matching")
+LPM_QUEUE_LIMIT = 128
+
 SCHEDULE_POLICIES = (  # ServerArgs.schedule_policy's choices
     "lpm",
     "random",

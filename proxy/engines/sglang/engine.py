@@ -141,6 +141,9 @@ class SGLangEngine:
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return str(args.get("schedule_policy", "")) == "lpm"
 
+    def prefix_queue_limit(self, args: Mapping[str, object]) -> int | None:
+        return argv.LPM_QUEUE_LIMIT if self.prefix_affinity(args) else None
+
     def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
         if not args.get("enable_priority_scheduling"):
             return NO_FIELDS

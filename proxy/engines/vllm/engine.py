@@ -95,6 +95,9 @@ class VllmEngine:
     def prefix_affinity(self, args: Mapping[str, object]) -> bool:
         return False  # the scheduler is FCFS (or priority): it does not group the queue by prefix
 
+    def prefix_queue_limit(self, args: Mapping[str, object]) -> int | None:
+        return None
+
     def priority_fields(self, args: Mapping[str, object], *, interactive: bool) -> Mapping[str, object]:
         if args.get("scheduling_policy") != "priority":
             return NO_FIELDS  # vLLM refuses a non-zero priority without the priority policy

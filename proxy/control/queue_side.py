@@ -1,0 +1,60 @@
+"""The worker's queue on one side of its engine's prefix limit: free ``fcfs`` for an ``lpm`` worker.
+
+SGLang's ``lpm`` matches every waiting request's prefix each scheduling round, and stops doing so
+(serving the queue in arrival order) once more than 128 wait. The proxy's gate decides how many wait
+there. At the limit, every round is ordered by prefix: what shared prompts gain. Past it, none is:
+no matching cost, as ``fcfs`` with no restart. Across it, the engine switches from one round to the
+next and pays the matching without its gain, so the gate keeps one side (``WorkerLoad.queue_sides``):
+at the limit until a look of the planner's twin prices the queue past it a gain, and back where a look
+prices it a loss (:func:`price_queue`). Shared prompts keep ``lpm`` at work; unique ones get ``fcfs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from proxy.control.hold import hold_loses, hold_pays
+from proxy.control.twin import Prediction, Twin
+from proxy.control.workload import Replay
+
+__all__ = ["QueuePrice", "price_queue"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueuePrice:
+    """The twin's worker with its queue kept at ``at`` (the engine's prefix limit) and ``past`` it: whether
+    past pays, loses, or (neither) lies inside the twin's noise."""
+
+    at: int
+    past: int
+    at_limit: Prediction
+    past_limit: Prediction
+    pays: bool
+    loses: bool
+
+
+def price_queue(
+    twin: Twin,
+    args: Mapping[str, object],
+    loaded: Replay,
+    current: Prediction,
+    sides: tuple[int, int] | None,
+    min_gain: float,
+    *,
+    backlog: bool = False,
+) -> QueuePrice | None:
+    """Both sides on the look's replay (``loaded``; ``current``: the twin under ``args`` with the gate's
+    queue now, one of the sides; ``backlog``: throughput alone counts), weighed as the hold is
+    (:func:`~proxy.control.hold.hold_pays`); None where the gate has no sides (``sides``) or the replay failed."""
+    if sides is None or current.oom:
+        return None
+    at, past = sides
+    at_limit, past_limit = (
+        current if twin.queue_cap == depth else replace(twin, queue_cap=depth).predict(args, loaded) for depth in sides
+    )
+    if at_limit.oom or past_limit.oom:
+        return None
+    return QueuePrice(at=at, past=past, at_limit=at_limit, past_limit=past_limit,
+                      pays=hold_pays(past_limit, at_limit, min_gain, backlog=backlog),
+                      loses=hold_loses(past_limit, at_limit, min_gain, backlog=backlog))  # fmt: skip

@@ -1,0 +1,54 @@
+"""The worker's queue at or past its engine's prefix limit, priced by the planner's twin: unique
+prompts under lpm write more past the limit (no prefix matching, as fcfs); prompts that share system
+prompts write more at it (ordered by prefix). Recorded as the simulator served them."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from proxy.control.planner import Observed, Twin, continued, replay
+from proxy.control.queue_side import price_queue
+from proxy.sim.virtual import simulate
+
+SIDES = (128, 256)  # SGLang's lpm limit, and the gate's queue past it
+
+
+def _priced(gpu: str, model: str, shared: bool, count: int):
+    args = {"model_path": "m", "schedule_policy": "lpm", "sim_gpu": gpu, "sim_model": model}
+    rng = random.Random(5)
+    if shared:  # 48 system prompts of 3,000 tokens (more than the KV pool keeps) behind short questions
+        sent = [Observed(arrived=0.0, prompt_tokens=3000 + rng.randint(50, 200), output_tokens=rng.randint(50, 200),
+                         max_tokens=512, prefix_key=rng.randrange(48), cached_tokens=3000) for _ in range(count)]  # fmt: skip
+    else:  # unique prompts of 2,000-4,000 tokens
+        sent = [Observed(arrived=0.0, prompt_tokens=rng.randint(2000, 4000), output_tokens=rng.randint(100, 400),
+                         max_tokens=512, cached_tokens=0) for _ in range(count)]  # fmt: skip
+    twin = replace(Twin(gpu, model), queue_cap=SIDES[0], gate_period_s=0.5)
+    specs = [replace(o.here, shared=(o.prefix_key, 3000) if o.prefix_key is not None else None) for o in sent]
+    res = simulate(twin.config(args), specs, queue_cap=SIDES[0], gate_period_s=0.5)
+    served = [replace(o, finished=r.finish_time) for o, r in zip(sent, res.requests, strict=True)]
+    loaded = continued(replay(served, served), 600.0)
+    current = twin.predict(args, loaded)
+    return current, price_queue(twin, args, loaded, current, SIDES, 0.03, backlog=True)
+
+
+def test_unique_prompts_under_lpm_write_more_with_the_queue_past_its_limit():
+    current, price = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=1200)
+    assert price is not None and price.pays and not price.loses, price
+    assert price.at_limit is current  # the gate's queue now: not replayed again
+    assert price.past_limit.output_tok_per_s > 1.03 * current.output_tok_per_s
+
+
+def test_shared_system_prompts_write_more_at_the_limit_where_lpm_orders_them():
+    current, price = _priced("a100-40gb", "llama-3.1-8b", shared=True, count=1200)
+    assert price is not None and price.loses and not price.pays, price
+    assert price.past_limit.output_tok_per_s < current.output_tok_per_s
+
+
+def test_an_engine_without_a_prefix_limit_is_not_priced():
+    twin = Twin("a100-40gb", "llama-3.1-8b")
+    sent = [Observed(arrived=0.1 * i, prompt_tokens=300, output_tokens=100, max_tokens=512, finished=0.1 * i + 2)
+            for i in range(50)]  # fmt: skip
+    args = {"model_path": "m", "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
+    current = twin.predict(args, replay(sent))
+    assert price_queue(twin, args, replay(sent), current, None, 0.03) is None
