@@ -356,12 +356,13 @@ class WorkerLoad:
 
     def target(self, band: Band, *, batch: bool = False) -> int:
         """The server-queue depth the gate keeps for this worker: the fast tier's, inside the band."""
-        own = self.batch_queue_target if batch and self.batch_queue_target is not None else self.queue_target
+        held_back = batch and self.batch_queue_target is not None  # the batch's own, beside interactive work
+        own = self.batch_queue_target if held_back else self.queue_target
         target = band.target if own is None else max(1, min(own, band.hi))
         sides = self.queue_sides(band)
         if sides is None:
             return target
-        return max(target, sides[1]) if self.queue_past else min(target, sides[0])
+        return max(target, sides[1]) if self.queue_past and not held_back else min(target, sides[0])
 
     def queue_sides(self, band: Band) -> tuple[int, int] | None:
         """The two targets open to the gate where the worker's engine orders its queue by prefix up to a

@@ -400,6 +400,8 @@ def test_an_lpm_worker_s_queue_is_kept_on_one_side_of_its_engine_s_prefix_limit_
     assert load.prefix_limit == 128 and load.queue_sides(band) == (128, 256) and load.target(band) == 128
     load.queue_past = True
     assert load.target(band) == 256 and load.snapshot()["queue_past"] is True
+    load.batch_queue_target = 2  # beside interactive work the batch's own stays what it is
+    assert load.target(band, batch=True) == 2 and load.target(band) == 256
     load.queue_target = 300  # the fast tier's own, past the limit already
     assert load.target(band) == 300
     load.queue_target, load.queue_past = None, False
