@@ -33,6 +33,13 @@ class QueuePrice:
     pays: bool
     loses: bool
 
+    def kept(self, twin: Twin) -> tuple[Twin, Prediction]:
+        """The twin with the queue the gate keeps after this look (past where it pays, at where it loses,
+        else the one it keeps now: ``twin``'s), and its prediction."""
+        past = self.pays or (twin.queue_cap == self.past and not self.loses)
+        depth, prediction = (self.past, self.past_limit) if past else (self.at, self.at_limit)
+        return replace(twin, queue_cap=depth), prediction
+
 
 def price_queue(
     twin: Twin,

@@ -175,13 +175,17 @@ def verdict(
     else:
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-    hold = price_hold(twin, args, r.loaded, current, settings.min_gain, backlog=settings.backlog)
     queue = price_queue(
         twin, args, r.loaded, current, settings.queue_sides, settings.min_gain, backlog=settings.backlog
     )
+    # the hold is priced against the queue the gate keeps after this look: holding the open requests at
+    # the graphs' batch leaves next to nothing waiting at the engine, whichever side of lpm's limit
+    gate, kept = (twin, current) if queue is None else queue.kept(twin)
+    hold = price_hold(gate, args, r.loaded, kept, settings.min_gain, backlog=settings.backlog)
+    queue_replays = 0 if queue is None else sum(p is not current for p in (queue.at_limit, queue.past_limit))
     return Verdict(hold=hold, queue=queue, peer=choice.peer, why=why, current=current, best=best, base=base, gain=gain, weighed=weighed,
                    paying_looks=choice.paying_looks, this_look_gain=this_look, roomier_behind=choice.roomier_behind,
                    accrues_s=accrues_s, gain_tokens=gain_tokens, cost_tokens=cost_tokens, measured=measured,
                    now_error=now_error, error=error, pays=pays, trusted=trusted, waiting=waiting, gains=gains,
                    savings=savings, refused=r.refused,
-                   replays=r.replays + choice.replays + waiting_replays + (hold is not None) + 2 * (queue is not None))  # fmt: skip
+                   replays=r.replays + choice.replays + waiting_replays + (hold is not None) + queue_replays)  # fmt: skip

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from proxy.control.planner import Observed, Twin, continued, replay
-from proxy.control.queue_side import price_queue
+from proxy.control.planner import Observed, Prediction, Twin, continued, replay
+from proxy.control.queue_side import QueuePrice, price_queue
 from proxy.sim.virtual import simulate
 
 SIDES = (128, 256)  # SGLang's lpm limit, and the gate's queue past it
@@ -52,3 +52,16 @@ def test_an_engine_without_a_prefix_limit_is_not_priced():
     args = {"model_path": "m", "sim_gpu": "a100-40gb", "sim_model": "llama-3.1-8b"}
     current = twin.predict(args, replay(sent))
     assert price_queue(twin, args, replay(sent), current, None, 0.03) is None
+
+
+def test_the_side_the_gate_keeps_after_a_look_is_the_one_the_look_priced_else_the_one_it_keeps_now():
+    """The hold at the graphs is priced against it (a hold leaves next to nothing waiting at the engine)."""
+    twin = replace(Twin("h200-141gb", "llama-3.2-1b"), queue_cap=SIDES[0])
+    at, past = (Prediction(args={}, output_tok_per_s=tp, mean_queue_s=None, makespan_s=1.0, retractions=0)
+                for tp in (100.0, 110.0))  # fmt: skip
+    pays = QueuePrice(at=SIDES[0], past=SIDES[1], at_limit=at, past_limit=past, pays=True, loses=False)
+    loses, neither = replace(pays, pays=False, loses=True), replace(pays, pays=False)
+    deep = replace(twin, queue_cap=SIDES[1])
+    assert pays.kept(twin) == (deep, past) and pays.kept(deep) == (deep, past)
+    assert loses.kept(deep) == (twin, at)
+    assert neither.kept(twin) == (twin, at) and neither.kept(deep) == (deep, past)
