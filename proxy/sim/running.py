@@ -123,9 +123,9 @@ class RunningBatch:
         self.g += 1
         g = self.g
         heap = self._finish_heap
-        done: list[Req] = []
+        done: dict[Req, None] = {}  # a request retracted and back within one step has two entries here
         while heap and heap[0][0] <= g:
             fg, _, r = heapq.heappop(heap)
             if r.state is State.RUNNING and r.finish_g == fg:
-                done.append(r)
-        return done
+                done[r] = None
+        return list(done)

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from proxy.sim.ratio import ratio_after_retract
-from proxy.sim.request import RequestSpec, State
+from proxy.sim.request import Req, RequestSpec, State
+from proxy.sim.running import RunningBatch
 from proxy.sim.virtual import simulate
 from tests.sim.helpers import config, engine, unique_prompt
 
@@ -130,3 +131,23 @@ def test_an_engine_stuck_on_empty_steps_stops_after_a_thousand(monkeypatch: pyte
     res = simulate(config("--max-total-tokens", "6000"), _mixed(30))
     assert res.stalled and "ran nothing" in res.stalled and res.finished < 30
     assert virtual.EMPTY_STEPS <= res.steps < virtual.EMPTY_STEPS + 2000
+
+
+def test_a_request_retracted_and_back_a_step_later_finishes_once() -> None:
+    """Retracted at decode step g and in the batch again at g + 1 (its prefill samples one token), it
+    finishes at the same step as before: two entries in the batch's finishing heap, one finish. Counted
+    twice, the batch's count fell below its requests and the engine planned empty decode steps forever
+    (prefix-shared's paced replay at memory fraction 0.5)."""
+    batch = RunningBatch()
+    r = Req(rid="r", seq=0, arrival=0.0, prompt_ids=(1, 2, 3), max_new=10, ignore_eos=False, target=10, token_seed=0)
+    r.out_base = 1
+    batch.join(r)  # finishes at step 9
+    for _ in range(3):
+        assert batch.advance() == []
+    batch.leave(r)  # retracted at step 3 with 4 tokens written
+    batch.drop({r})
+    batch.advance()  # step 4 without it
+    r.out_base += 1  # its prefill again samples one more token
+    batch.join(r)  # finishes at 4 + (10 - 5) = 9: the same step
+    done = [d for _ in range(5) for d in batch.advance()]
+    assert done == [r] and batch.output_len(r) == 10
