@@ -49,11 +49,15 @@ def price_queue(
     sides: tuple[int, int] | None,
     min_gain: float,
     *,
+    error: float | None = None,
     backlog: bool = False,
 ) -> QueuePrice | None:
     """Both sides on the look's replay (``loaded``; ``current``: the twin under ``args`` with the gate's
     queue now, one of the sides; ``backlog``: throughput alone counts), weighed as the hold is
-    (:func:`~proxy.control.hold.hold_pays`); None where the gate has no sides (``sides``) or the replay failed."""
+    (:func:`~proxy.control.hold.hold_pays`); None where the gate has no sides (``sides``) or the replay failed.
+    Past the limit is the move away from what the operator chose (lpm at work): it pays only by more
+    than the twin's ``error`` too, as a restart must (prefix-shared's first look, on a few answers,
+    priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``."""
     if sides is None or current.oom:
         return None
     at, past = sides
@@ -63,5 +67,5 @@ def price_queue(
     if at_limit.oom or past_limit.oom:
         return None
     return QueuePrice(at=at, past=past, at_limit=at_limit, past_limit=past_limit,
-                      pays=hold_pays(past_limit, at_limit, min_gain, backlog=backlog),
+                      pays=hold_pays(past_limit, at_limit, max(min_gain, error or 0.0), backlog=backlog),
                       loses=hold_loses(past_limit, at_limit, min_gain, backlog=backlog))  # fmt: skip

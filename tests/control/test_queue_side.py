@@ -14,7 +14,7 @@ from proxy.sim.virtual import simulate
 SIDES = (128, 256)  # SGLang's lpm limit, and the gate's queue past it
 
 
-def _priced(gpu: str, model: str, shared: bool, count: int):
+def _priced(gpu: str, model: str, shared: bool, count: int, error: float | None = None):
     args = {"model_path": "m", "schedule_policy": "lpm", "sim_gpu": gpu, "sim_model": model}
     rng = random.Random(5)
     if shared:  # 48 system prompts of 3,000 tokens (more than the KV pool keeps) behind short questions
@@ -29,7 +29,7 @@ def _priced(gpu: str, model: str, shared: bool, count: int):
     served = [replace(o, finished=r.finish_time) for o, r in zip(sent, res.requests, strict=True)]
     loaded = continued(replay(served, served), 600.0)
     current = twin.predict(args, loaded)
-    return current, price_queue(twin, args, loaded, current, SIDES, 0.03, backlog=True)
+    return current, price_queue(twin, args, loaded, current, SIDES, 0.03, error=error, backlog=True)
 
 
 def test_unique_prompts_under_lpm_write_more_with_the_queue_past_its_limit():
@@ -37,6 +37,15 @@ def test_unique_prompts_under_lpm_write_more_with_the_queue_past_its_limit():
     assert price is not None and price.pays and not price.loses, price
     assert price.at_limit is current  # the gate's queue now: not replayed again
     assert price.past_limit.output_tok_per_s > 1.03 * current.output_tok_per_s
+
+
+def test_the_queue_goes_past_the_limit_only_on_a_gain_beyond_the_twins_error_and_comes_back_on_any_loss():
+    _, trusted = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=1200, error=0.1)
+    _, doubted = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=1200, error=0.5)
+    assert trusted is not None and trusted.pays
+    assert doubted is not None and not doubted.pays and not doubted.loses
+    _, shared = _priced("a100-40gb", "llama-3.1-8b", shared=True, count=1200, error=0.5)
+    assert shared is not None and shared.loses
 
 
 def test_shared_system_prompts_write_more_at_the_limit_where_lpm_orders_them():
