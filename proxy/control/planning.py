@@ -16,7 +16,7 @@ from dataclasses import replace
 from proxy.control.canary import pays_above
 from proxy.control.decision import Action, Decision, KnobChange, RuleKind
 from proxy.control.economics import replayed_requests
-from proxy.control.evidence import HeldAtGraphs, Planned, QueueSide
+from proxy.control.evidence import Evidence, HeldAtGraphs, Planned, QueueSide
 from proxy.control.horizon import Horizon, answer_rate, expected_horizon
 from proxy.control.journal import Status
 from proxy.control.peers import PeerCandidate, PeerLoad, peer_candidate
@@ -265,7 +265,6 @@ class Planning:
         if auto:
             self._surroundings.hold_open(job.worker_id, most)
         w.held_open = most
-        args = dict(w.state.args)
         current, held = plan.current, price.held
         evidence = HeldAtGraphs(graph_batch=price.at, peak_running=current.peak_running,
                                 predicted_held_throughput=round(held.output_tok_per_s, 2),
@@ -276,12 +275,19 @@ class Planning:
         reason = (f"{verb}: the twin writes {held.output_tok_per_s:.0f} tok/s held at {price.at} open against "
                   f"{current.output_tok_per_s:.0f} running up to {current.peak_running}, answers in "
                   f"{_rounded(held.mean_answer_s)} s against {_rounded(current.mean_answer_s)} s")  # fmt: skip
-        decision = Decision(worker_id=job.worker_id, rule="hold_at_graphs", reason=reason, time=now,
-                            evidence=evidence, old_args=args, new_args=args, action=Action.NOTE,
-                            kind=RuleKind.TUNING)  # fmt: skip
+        self._journal_lever(w, job, "hold_at_graphs", reason, evidence, now, "the fast tier")
+
+    def _journal_lever(
+        self, w: Tracked, job: PlanJob, rule: str, reason: str, evidence: Evidence, now: float, who: str
+    ) -> None:
+        """Journal a move of one of the proxy's own levers that a look priced (no restart, its args as they are)."""
+        auto = self._roster.mode is ControlMode.AUTO
+        args = dict(w.state.args)
+        decision = Decision(worker_id=job.worker_id, rule=rule, reason=reason, time=now, evidence=evidence,
+                            old_args=args, new_args=args, action=Action.NOTE, kind=RuleKind.TUNING)  # fmt: skip
         self._roster.journal.record(decision, mode=self._roster.mode,
                                     status=Status.APPLIED if auto else Status.ADVISED,
-                                    detail="the fast tier: no restart, it applies to the next request")  # fmt: skip
+                                    detail=f"{who}: no restart, it applies to the next request")  # fmt: skip
 
     def _queue_side(self, w: Tracked, job: PlanJob, plan: Plan, now: float) -> None:
         """Keep the worker's queue past its engine's prefix limit where the look's twin says that pays,
@@ -294,7 +300,6 @@ class Planning:
         if auto:
             self._surroundings.keep_queue_past(job.worker_id, price.pays)
         w.queue_past = price.pays
-        args = dict(w.state.args)
         at, past = price.at_limit, price.past_limit
         evidence = QueueSide(queue_at_limit=price.at, queue_past_limit=price.past,
                              predicted_at_limit=round(at.output_tok_per_s, 2),
@@ -306,11 +311,7 @@ class Planning:
         reason = (f"{side}: the twin writes {past.output_tok_per_s:.0f} tok/s past it against "
                   f"{at.output_tok_per_s:.0f} at it, answers in {_rounded(past.mean_answer_s)} s against "
                   f"{_rounded(at.mean_answer_s)} s")  # fmt: skip
-        decision = Decision(worker_id=job.worker_id, rule="queue_side", reason=reason, time=now, evidence=evidence,
-                            old_args=args, new_args=args, action=Action.NOTE, kind=RuleKind.TUNING)  # fmt: skip
-        self._roster.journal.record(decision, mode=self._roster.mode,
-                                    status=Status.APPLIED if auto else Status.ADVISED,
-                                    detail="the gate: no restart, it applies to the next request")  # fmt: skip
+        self._journal_lever(w, job, "queue_side", reason, evidence, now, "the gate")
 
     def _knob_change(self, w: Tracked, old: dict[str, object], new: dict[str, object]) -> KnobChange | None:
         """The knob a plan moves, where it moves exactly one argument, a knob's, to a number (else None)."""

@@ -29,6 +29,7 @@ from proxy.control.planner import (
     Looks,
     Observed,
     Outcome,
+    Plan,
     PlanSettings,
     Twin,
     check_outcome,
@@ -625,69 +626,54 @@ def test_a_restart_that_waited_for_another_workers_is_looked_at_again_once_the_f
     assert [j.worker_id for j in c.plans_due()] == ["w2"]  # w0 restarts; w2's first look follows
 
 
-@pytest.mark.parametrize("mode", [ControlMode.AUTO, ControlMode.ADVISE])
-def test_a_look_that_prices_the_hold_at_the_graphs_a_gain_holds_the_worker_until_one_does_not(
-    tmp_path: Path, mode: ControlMode
-) -> None:
-    requests = _backlog_of_short_answers()
-    around = Requests(requests)
-    c, clock = controller(mode, tmp_path, RecordingActor(), around=around)
-    c.track(info(args=ARGS))
-    _serve(c, clock, requests, 0.0)
-    (job,) = c.plans_due()
-    look = replace(run_plan(job.inputs), worth=False)
+def _hold_prices(look: Plan) -> tuple[str, object, object, str, str, dict[str, object]]:
     held = replace(look.current, output_tok_per_s=look.current.output_tok_per_s, mean_answer_s=1.0, peak_running=160)
-    pays, loses = (
-        HoldPrice(at=160, held=held, pays=True, loses=False),
-        HoldPrice(at=160, held=held, pays=False, loses=True),
-    )
-    neither = replace(pays, pays=False)  # inside the twin's noise
-    for hold, journaled in [(pays, "hold at most 160 open"), (pays, None),  # as it was: nothing new
-                            (neither, None), (None, None),  # neither, or not past the graphs: as it is
-                            (loses, "no hold"), (neither, None)]:  # fmt: skip
-        entries = len(c.journal.entries())
-        c.decide_plan(job, replace(look, hold=hold))
-        holds = [e for e in c.journal.entries()[entries:] if e["rule"] == "hold_at_graphs"]
-        assert [e["reason"].split(",")[0].split(":")[0] for e in holds] == ([] if journaled is None else [journaled])
-        if journaled is not None:
-            assert holds[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
-            assert holds[0]["evidence"]["graph_batch"] == 160 and holds[0]["evidence"]["held_answer_s"] == 1.0
-        clock.now += c.constants.plan_interval_s
-        (job,) = c.plans_due()
-    # only auto holds: the board heard the hold, then its release
-    assert around.held_open == ({"w0": None} if mode is ControlMode.AUTO else {})
+    pays = HoldPrice(at=160, held=held, pays=True, loses=False)
+    return ("hold", pays, replace(pays, pays=False, loses=True), "hold at most 160 open", "no hold",
+            {"graph_batch": 160, "held_answer_s": 1.0})  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", [ControlMode.AUTO, ControlMode.ADVISE])
-def test_a_look_that_prices_the_queue_past_the_prefix_limit_a_gain_keeps_it_there_until_one_does_not(
-    tmp_path: Path, mode: ControlMode
-) -> None:
-    requests = _backlog_of_short_answers()
-    around = Requests(requests)
-    c, clock = controller(mode, tmp_path, RecordingActor(), around=around)
-    c.track(info(args=ARGS))
-    _serve(c, clock, requests, 0.0)
-    (job,) = c.plans_due()
-    look = replace(run_plan(job.inputs), worth=False)
+def _queue_prices(look: Plan) -> tuple[str, object, object, str, str, dict[str, object]]:
     past = replace(look.current, output_tok_per_s=look.current.output_tok_per_s * 1.1, mean_answer_s=1.0)
     pays = QueuePrice(at=128, past=256, at_limit=look.current, past_limit=past, pays=True, loses=False)
-    loses, neither = replace(pays, pays=False, loses=True), replace(pays, pays=False)
-    for queue, journaled in [(pays, "keep its queue at 256"), (pays, None),  # as it was: nothing new
-                             (neither, None), (None, None),  # inside the twin's noise, or no limit: as it is
-                             (loses, "keep its queue at 128"), (neither, None)]:  # fmt: skip
+    return ("queue", pays, replace(pays, pays=False, loses=True), "keep its queue at 256", "keep its queue at 128",
+            {"queue_past_limit": 256, "past_limit_answer_s": 1.0})  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", [ControlMode.AUTO, ControlMode.ADVISE])
+@pytest.mark.parametrize(
+    ("prices", "rule", "board_after"),
+    [(_hold_prices, "hold_at_graphs", ("held_open", None)), (_queue_prices, "queue_side", ("queue_past", False))],
+)
+def test_a_look_that_prices_a_lever_of_the_gate_a_gain_moves_it_until_one_prices_it_a_loss(
+    tmp_path: Path, mode: ControlMode, prices, rule: str, board_after: tuple[str, object]
+) -> None:
+    """The hold at the CUDA graphs and the queue past lpm's limit: moved where a look says it pays, back
+    where one says it loses, left as it is inside the twin's noise or where the look did not price it."""
+    requests = _backlog_of_short_answers()
+    around = Requests(requests)
+    c, clock = controller(mode, tmp_path, RecordingActor(), around=around)
+    c.track(info(args=ARGS))
+    _serve(c, clock, requests, 0.0)
+    (job,) = c.plans_due()
+    look = replace(run_plan(job.inputs), worth=False)
+    field, pays, loses, moved, back, evidence = prices(look)
+    neither = replace(pays, pays=False)  # inside the twin's noise
+    for price, journaled in [(pays, moved), (pays, None),  # as it was: nothing new
+                             (neither, None), (None, None),  # neither, or not priced: as it is
+                             (loses, back), (neither, None)]:  # fmt: skip
         entries = len(c.journal.entries())
-        c.decide_plan(job, replace(look, queue=queue))
-        sides = [e for e in c.journal.entries()[entries:] if e["rule"] == "queue_side"]
-        assert [e["reason"].split(",")[0].split(":")[0] for e in sides] == ([] if journaled is None else [journaled])
+        c.decide_plan(job, replace(look, **{field: price}))
+        seen = [e for e in c.journal.entries()[entries:] if e["rule"] == rule]
+        assert [e["reason"].split(",")[0].split(":")[0] for e in seen] == ([] if journaled is None else [journaled])
         if journaled is not None:
-            assert sides[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
-            assert (
-                sides[0]["evidence"]["queue_past_limit"] == 256 and sides[0]["evidence"]["past_limit_answer_s"] == 1.0
-            )
+            assert seen[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
+            assert {k: seen[0]["evidence"][k] for k in evidence} == evidence
         clock.now += c.constants.plan_interval_s
         (job,) = c.plans_due()
-    # only auto moves the gate: past, then back at the limit
-    assert around.queue_past == ({"w0": False} if mode is ControlMode.AUTO else {})
+    # only auto moves the gate: the board heard the move, then its way back
+    name, last = board_after
+    assert getattr(around, name) == ({"w0": last} if mode is ControlMode.AUTO else {})
 
 
 def test_each_plan_carries_the_twins_error_on_the_workers_earlier_looks(tmp_path: Path) -> None:
