@@ -554,6 +554,8 @@ class Dispatcher:
         # was sent all 1,024 requests taken back
         if info.state is not WorkerState.READY or info.pid != load.incarnation:
             load.forget_sample()
+        if info.pid != load.incarnation:
+            load.new_process()
         load.incarnation = info.pid
         load.prefix_limit = self.prefix_limit(info.args)
         if info.state is WorkerState.DOWN:

@@ -252,6 +252,14 @@ class WorkerLoad:
         if not self._dropping:  # a scrape of the process gone says nothing of the new one
             self.error = error
 
+    def new_process(self) -> None:
+        """Another process serves under the worker's id: the levers the planner's looks priced for the
+        old one (the hold at its graphs, its queue's side of the prefix limit) are priced anew, as the
+        controller forgets them when the worker starts. A drain that ends with the same process serving
+        keeps them, as the controller does."""
+        self.held_open = None
+        self.queue_past = False
+
     def forget_sample(self) -> None:
         """The worker restarted or went away: its last sample no longer describes it."""
         self.sample = None
@@ -260,8 +268,7 @@ class WorkerLoad:
         self._pending_base = None
         self._dropping = True
         self.running_seen = 0  # a restarted worker may run a different number (its limit is read again)
-        self.running_limit = self.held_open = None  # the new process's hold is priced anew
-        self.queue_past = False  # and its queue's side of its engine's prefix limit
+        self.running_limit = None
         # nor its batch: until its first scrape it is gated on its own counts (:attr:`unscraped`), and if that
         # scrape fails, the stale fallback starts from none (the reshape benchmark's tp-8 worker had run 768;
         # restarted as one of four tp-2 workers and up first, it was sent all 1,024 requests taken back)

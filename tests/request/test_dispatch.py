@@ -407,10 +407,13 @@ def test_an_lpm_worker_s_queue_is_kept_on_one_side_of_its_engine_s_prefix_limit_
     load.queue_target, load.queue_past = None, False
     assert load.target(Band(lo=100, hi=120, headroom=32)) == 120  # a band that stops short of the limit: as it was
     assert load.queue_sides(Band(lo=100, hi=200, headroom=32)) == (128, 200)
+    load.queue_past, load.held_open = True, 160
+    d.on_worker_state(dataclasses.replace(lpm, state=WorkerState.DRAINING))  # a restart refused after its drain:
+    d.on_worker_state(lpm)  # the same process serves again, and keeps what its looks set, as the controller does
+    assert load.queue_past and load.held_open == 160 and load.target(band) == 256
     restarted = dataclasses.replace(pool.get("w0"), pid=2, args={"schedule_policy": "fcfs"})
-    load.queue_past = True
     d.on_worker_state(restarted)  # a new process, restarted to fcfs: no limit, and no side kept
-    assert load.prefix_limit is None and not load.queue_past and load.target(band) == 132
+    assert load.prefix_limit is None and not load.queue_past and load.held_open is None and load.target(band) == 132
 
 
 async def test_the_open_attempts_carry_what_the_planner_replays_of_the_work_in_flight():
