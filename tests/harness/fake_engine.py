@@ -75,6 +75,15 @@ class FakeEngine:
                 self._release()
             raise
 
+    def set_slots(self, n: int) -> None:
+        """Serve ``n`` at once from now on (0 holds every request in the server-side queue)."""
+        self.max_running = n
+        while self.waiting and self.running < n:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                self.running += 1
+                fut.set_result(None)
+
     def _release(self) -> None:
         while self.waiting:
             fut = self.waiting.popleft()

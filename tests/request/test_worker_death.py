@@ -226,10 +226,11 @@ async def test_a_worker_killed_mid_stream_cuts_no_plain_answer(tmp_path: Path) -
     for text, reason, written in answers:
         assert (reason, written) == ("stop", length) and text
     for i, outcome in zip(range(18, 21), cut, strict=True):  # one error each where the kill cut them, else whole
+        cut_midstream = isinstance(outcome, openai.APIError) and "mid-stream" in str(outcome)
         if i in broken:
-            assert isinstance(outcome, openai.APIError) and "mid-stream" in str(outcome), outcome
-        else:
-            assert not isinstance(outcome, BaseException) and outcome[1:] == ("stop", length)
+            assert cut_midstream, outcome
+        else:  # read nothing before the kill: whole, or cut by text on its way to the client at the kill
+            assert cut_midstream or (not isinstance(outcome, BaseException) and outcome[1:] == ("stop", length))
     went_on = st.metrics.registry.get_sample_value("pacer_requests_retried_total", {"pool": "default"})
     assert went_on is not None and went_on >= len(broken - set(range(18, 21))) >= 5  # they went on after the kill
 

@@ -167,6 +167,8 @@ async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_
             "pacing": {"queue_band": [0, 1], "headroom": 0},
         },
     )
+    worker = h.workers[0]
+    worker.set_slots(0)  # the worker holds what it gets: the queue fills however slowly the flood arrives
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         flood = [asyncio.ensure_future(_post(s, h.url, "sk-alice", max_tokens=8)) for _ in range(80)]
         await wait_until(
@@ -174,7 +176,10 @@ async def test_a_key_flooding_the_full_queue_does_not_lock_another_key_out(make_
             "alice holding the whole queue",
             timeout=30,
         )
-        bob = [await _post(s, h.url, "sk-bob", max_tokens=2) for _ in range(5)]  # one at a time, as a chat user
+        first = asyncio.ensure_future(_post(s, h.url, "sk-bob", max_tokens=2))
+        await wait_until(lambda: _stats(h).get((Priority.INTERACTIVE, "bob"), (0,))[0] >= 1, "bob in the full queue")
+        worker.set_slots(2)
+        bob = [await first] + [await _post(s, h.url, "sk-bob", max_tokens=2) for _ in range(4)]  # one at a time
         alice = await asyncio.gather(*flood)
     assert bob == [200] * 5  # each pushed out alice's newest instead of getting the 429 itself
     assert alice.count(429) >= 60 - 5 and alice.count(200) + alice.count(429) == 80  # one answer each
