@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import orjson
 
 from proxy.control.journal import Journal
 from proxy.store.sql import Database, StoreUnavailable, is_postgres_url, open_database
+from proxy.store.thread import StoreThread
 
 __all__ = ["POLL_S", "SharedJournal", "close_journal", "open_journal"]
 
@@ -54,7 +54,7 @@ class SharedJournal(Journal):
         self.replica = replica
         self._stamp = {"replica": replica}
         self._db = db
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-store")
+        self._thread = StoreThread("journal-store")
         self._pending: list[tuple[int, bytes]] = []
         self._flushing: asyncio.Future[None] | None = None
         self._others: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}  # (replica, id) -> (seq, entry)
@@ -65,11 +65,11 @@ class SharedJournal(Journal):
     async def open(
         cls, open_db: Callable[[], Database], replica: str, *, keep: int = 1000, poll_s: float = POLL_S
     ) -> SharedJournal:
-        """The journal of ``replica`` over the database ``open_db`` opens (on the journal's thread):
+        """The journal of ``replica`` over the database ``open_db`` opens (off the event loop):
         its own earlier rows taken up, the others' read, then read again every ``poll_s``."""
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(max_workers=1) as opener:
-            db = await loop.run_in_executor(opener, open_db)
+        opener = StoreThread("journal-open")
+        db = await opener.call(open_db)
+        opener.shutdown()
         journal = cls(db, replica, keep=keep)
         own = await journal._call(journal._load)
         journal._take_up(own, f"in the store (replica {replica})")
@@ -78,7 +78,7 @@ class SharedJournal(Journal):
         return journal
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        return await self._thread.call(fn)
 
     def _load(self) -> dict[int, dict[str, Any]]:
         self._db.create(_SCHEMA, {}, _INDEXES)
@@ -155,7 +155,7 @@ class SharedJournal(Journal):
         with contextlib.suppress(Exception):
             await self._flush()
         await self._call(self._db.close)
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown()
 
 
 async def open_journal(path: str | Path | None, store_url: str, replica: str) -> Journal:

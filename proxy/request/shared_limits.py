@@ -28,7 +28,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 from proxy.request.limits import KeyLimiter, KeyLimits, Lease, RateLimited, TokenBucket, duration
 from proxy.store import is_postgres_url, open_database
 from proxy.store.budgets import BucketAsk, Budgets, SlotAsk
+from proxy.store.thread import StoreThread
 
 __all__ = ["SharedKeyLimiter", "key_limiter"]
 
@@ -82,14 +82,14 @@ class SharedKeyLimiter(KeyLimiter):
         self._chunk, self._idle_s, self._linger_s = chunk, idle_s, linger_s
         self._retry_s, self._clock = retry_s, clock
         self._held: dict[str, _Held] = {}
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread: StoreThread | None = None
         self._budgets: Budgets | None = None
         self._upkeep: asyncio.Task[None] | None = None
         self._down_until = 0.0
 
     async def start(self) -> None:
         """Open the store now (not on the first request); unreachable, the replica limits by itself."""
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="key-limits")
+        self._thread = StoreThread("key-limits")
         self._upkeep = asyncio.create_task(self._keep(), name="shared key limits")
         try:
             await self._store()
@@ -111,11 +111,11 @@ class SharedKeyLimiter(KeyLimiter):
             budgets = self._budgets
             await self._call(budgets.close)
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown()
 
     async def _call(self, fn: Callable[[], T]) -> T:
         assert self._thread is not None, "start() the limiter first"
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        return await self._thread.call(fn)
 
     async def _store(self) -> Budgets:
         if self._budgets is None:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from proxy.store import Lease, open_database
 from proxy.store.roster import LEADER, Roster
+from proxy.store.thread import StoreThread
 from proxy.workers.base import (
     LaunchPlanner,
     LineListener,
@@ -157,6 +158,7 @@ class ReplicaPool:
         self._expires = 0.0
         self._last: Tick | None = None
         self._store: _Store | None = None
+        self._thread: StoreThread | None = None  # the store's calls, one at a time
         self._wake = asyncio.Event()
         self._run_task: asyncio.Task[None] | None = None
         self._taking: asyncio.Task[None] | None = None
@@ -211,7 +213,8 @@ class ReplicaPool:
 
     async def start(self) -> None:
         """Open the store, look once (lead or follow), then go on looking every ``poll_s``."""
-        self._store = await asyncio.to_thread(_Store, *self._store_args)
+        self._thread = StoreThread("replica-store")
+        self._store = await self._thread.call(_Store, *self._store_args)
         await self._tick()
         self._run_task = asyncio.create_task(self._run(), name="pacer-replica")
 
@@ -233,9 +236,11 @@ class ReplicaPool:
         self._term = None
         if self._store is not None:
             store, self._store = self._store, None
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(store.leave)
-            await asyncio.to_thread(store.close)
+            assert self._thread is not None
+            with contextlib.suppress(Exception):  # after a look cancelled above has ended on the thread
+                await self._thread.call(store.leave)
+            await self._thread.call(store.close)
+            self._thread.shutdown()
 
     # ------------------------------------------------------------------ WorkerPool: acting
 
@@ -281,7 +286,8 @@ class ReplicaPool:
         assert self._store is not None
         leader = self._leader
         records = [record_of(w) for w in leader.workers()] if leader is not None and self._active is leader else None
-        tick = await asyncio.to_thread(self._store.tick, records)
+        assert self._thread is not None
+        tick = await self._thread.call(self._store.tick, records)
         self._last = tick
         if self._on_replicas is not None:
             self._on_replicas(tick.live)
