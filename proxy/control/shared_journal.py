@@ -68,8 +68,10 @@ class SharedJournal(Journal):
         """The journal of ``replica`` over the database ``open_db`` opens (off the event loop):
         its own earlier rows taken up, the others' read, then read again every ``poll_s``."""
         opener = StoreThread("journal-open")
-        db = await opener.call(open_db)
-        opener.shutdown()
+        try:
+            db = await opener.call(open_db)
+        finally:
+            opener.shutdown()
         journal = cls(db, replica, keep=keep)
         own = await journal._call(journal._load)
         journal._take_up(own, f"in the store (replica {replica})")

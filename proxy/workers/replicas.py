@@ -234,13 +234,15 @@ class ReplicaPool:
             await leader.stop(leave=others > 0)
             _log.info("replica %s stops leading: %s", self.replica, "handed over" if others > 0 else "the last one")
         self._term = None
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
         if self._store is not None:
             store, self._store = self._store, None
-            assert self._thread is not None
             with contextlib.suppress(Exception):  # after a look cancelled above has ended on the thread
-                await self._thread.call(store.leave)
-            await self._thread.call(store.close)
-            self._thread.shutdown()
+                await thread.call(store.leave)
+            await thread.call(store.close)
+        thread.shutdown()
 
     # ------------------------------------------------------------------ WorkerPool: acting
 
