@@ -22,6 +22,14 @@ __all__ = ["SimConfig", "build_parser", "main", "resolve_config"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pacer sim", description="Simulated SGLang server (no GPU).")
+    _add_modelled_flags(p)
+    _add_simulator_flags(p)
+    _add_ignored_flags(p)
+    return p
+
+
+def _add_modelled_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang's flags that change what the simulator does, under SGLang's names and defaults."""
     a = p.add_argument
     a("--model-path", "--model", dest="model_path", default=None, help="free text; the preset is --sim-model")
     a("--served-model-name", default=None)
@@ -63,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--page-size", type=int, default=None)
     a("--random-seed", type=int, default=None)
     a("--log-level", default="info")
-    # simulator-only
+
+
+def _add_simulator_flags(p: argparse.ArgumentParser) -> None:
+    """The simulator's own flags (``--sim-*``): the preset, its clock, the outputs, the perturbations."""
     s = p.add_argument_group("simulator")
     s.add_argument("--sim-gpu", default="h100-80gb", choices=sorted(GPUS))
     s.add_argument("--sim-model", default="llama-3.1-8b", choices=sorted(MODELS))
@@ -100,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="every step's activations take this many times the modelled memory (a hidden perturbation)",
     )
-    # Every other flag SGLang's parser knows: accepted, no effect on the simulation.
+
+
+def _add_ignored_flags(p: argparse.ArgumentParser) -> None:
+    """Every other flag SGLang's parser knows: accepted, no effect on the simulation."""
+    a = p.add_argument
     taken = {act.dest for act in p._actions}
     for name, spec in KNOWN_FLAGS.items():
         if name in taken:
@@ -112,7 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
             a(flag, type=int, nargs="+", default=None, help=argparse.SUPPRESS)
         else:
             a(flag, type={"int": int, "float": float}.get(spec.type, str), default=None, help=argparse.SUPPRESS)
-    return p
 
 
 def main(argv: list[str]) -> int:

@@ -117,7 +117,7 @@ class WeightedHistogram(Collector):
 class SimMetrics:
     def __init__(self, cfg: SimConfig) -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # SGLang's multiprocess collector exposes no *_created series
-        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
         sched = {
             "model_name": cfg.served_model_name,
             "engine_type": "unified",
@@ -127,7 +127,13 @@ class SimMetrics:
         }
         tok = {"model_name": cfg.served_model_name, "engine_type": "unified"}
         self._sched_labels, self._tok_labels = sched, tok
-        names = list(sched)
+        self._declare_scheduler_metrics(list(sched))
+        self._declare_token_metrics()
+        self._set_startup(cfg)
+
+    def _declare_scheduler_metrics(self, names: list[str]) -> None:
+        """The scheduler's series (labelled by rank), as SGLang's scheduler collector names them."""
+        reg, sched = self.registry, self._sched_labels
 
         def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
             return Gauge(f"sglang:{name}", doc, [*names, *extra], registry=reg)
@@ -175,6 +181,10 @@ class SimMetrics:
         self.queue_time = Histogram(
             "sglang:queue_time_seconds", "Time spent in the waiting queue.", names, buckets=QUEUE_BUCKETS, registry=reg
         ).labels(**sched)
+
+    def _declare_token_metrics(self) -> None:
+        """The tokenizer manager's series (requests, tokens, latencies)."""
+        reg, tok = self.registry, self._tok_labels
         tnames, st = list(tok), [*tok, "is_streaming"]
         self.prompt_tokens = Counter(
             "sglang:prompt_tokens_total", "Number of prefill tokens processed.", st, registry=reg
@@ -207,6 +217,10 @@ class SimMetrics:
             "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS, tok
         )
         reg.register(self.itl)
+
+    def _set_startup(self, cfg: SimConfig) -> None:
+        """What the start-up fixes: the pool, the memory split, and an idle load."""
+        sched, g = self._sched_labels, self.g
         pid = str(os.getpid())
         self.retracted_gauge.labels(**sched, pid=pid).set(0)
         self.paused_gauge.labels(**sched, pid=pid).set(0)

@@ -93,11 +93,6 @@ MODELS: dict[str, ModelPreset] = {
             params=8.03e9, num_layers=32, hidden_size=4096, num_kv_heads=8, head_dim=128, vocab_size=128256,
             context_length=131072, eos_token_id=128009, prefill_act_mib_per_token=0.25, decode_act_mib_per_seq=1.25,
         ),
-        ModelPreset(  # 70B-class: served at tp 4 or 8 (140 GB of bf16 weights)
-            name="llama-3.1-70b", hf_name="meta-llama/Llama-3.1-70B-Instruct", architecture="LlamaForCausalLM",
-            params=70.6e9, num_layers=80, hidden_size=8192, num_kv_heads=8, head_dim=128, vocab_size=128256,
-            context_length=131072, eos_token_id=128009, prefill_act_mib_per_token=0.5, decode_act_mib_per_seq=1.25,
-        ),
         ModelPreset(
             name="llama-3.2-1b", hf_name="meta-llama/Llama-3.2-1B-Instruct", architecture="LlamaForCausalLM",
             params=1.24e9, num_layers=16, hidden_size=2048, num_kv_heads=8, head_dim=64, vocab_size=128256,
@@ -108,7 +103,7 @@ MODELS: dict[str, ModelPreset] = {
             params=7.62e9, num_layers=28, hidden_size=3584, num_kv_heads=4, head_dim=128, vocab_size=152064,
             context_length=32768, eos_token_id=151645, prefill_act_mib_per_token=0.22, decode_act_mib_per_seq=1.3,
         ),
-        ModelPreset(
+        ModelPreset(  # 70B-class: served at tp 4 or 8 (140 GB of bf16 weights)
             name="llama-3.1-70b", hf_name="meta-llama/Llama-3.1-70B-Instruct", architecture="LlamaForCausalLM",
             params=70.6e9, num_layers=80, hidden_size=8192, num_kv_heads=8, head_dim=128, vocab_size=128256,
             context_length=131072, eos_token_id=128009, prefill_act_mib_per_token=0.6, decode_act_mib_per_seq=1.6,
