@@ -90,6 +90,9 @@ class Activations:
 # is SGLang's own fixed reserve, 512 MiB.
 ACTIVATION_MARGIN = 1.5
 MIN_FREE_GB = 0.5
+# The start-up line prints the free memory rounded to 0.01 GB: the true figure may be 0.005 GB lower.
+# A batch sized to the printed figure can pass the true one by a few requests, and dies there.
+PRINTED_FREE_ROUNDING_GB = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,7 +512,7 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     free = _startup_mem(window)
     if act is None or free is None:
         return None
-    free_mib = free * 1024
+    free_mib = (free - PRINTED_FREE_ROUNDING_GB) * 1024
 
     chunk_knob = s.knobs.get(KnobName.PREFILL_CHUNK)
     chunk = _current(chunk_knob, window, state) if chunk_knob else None
@@ -568,7 +571,8 @@ def covering_graphs(act: Activations, ladder: Sequence[float], running: float | 
 
 def graphs_cover(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
     """Before a launch only (:data:`LAUNCH`): CUDA graphs that cover the decode batches the running cap
-    allows (:func:`covering_graphs`), as far as the free memory at start-up stays at its floor. SGLang's
+    allows (:func:`covering_graphs`), as far as the free memory at start-up keeps its floor and the
+    decode batch the cap allows past them (the graphs take what those activations would use). SGLang's
     default is its GPU tier's, the least: on a 40 GB A100 at tp 1 it covers 32 where the pool holds
     ~130 chat requests, and every decode step past it runs uncaptured. The twin's figures, used only
     where its KV pool is the worker's. Never lowers them; graphs a person disabled (0) stay off. A
@@ -583,8 +587,12 @@ def graphs_cover(window: Window, state: ControlState, s: RuleSettings) -> Decisi
     target = covering_graphs(act, knob.ladder, running, s.bounds(KnobName.GRAPH_MAX_BS)[1])
     floor = startup_floor_gb(window, state, s)
 
-    def fits(size: float) -> bool:  # the graphs' memory comes out of what is free at start-up
-        return free - (size - act.graph_max_bs) * act.graph_mib_per_bs / 1024 >= floor
+    def fits(size: float) -> bool:
+        """The graphs' memory comes out of what is free at start-up: what is left keeps the floor, and
+        the decode batch the running cap allows (past the graphs) still fits it."""
+        left = free - PRINTED_FREE_ROUNDING_GB - (size - act.graph_max_bs) * act.graph_mib_per_bs / 1024
+        batch = act.decode_gb(running) if running is not None and running > size else 0.0
+        return left >= max(floor, batch)
 
     sizes = [target, *sorted((r for r in knob.ladder if r < target), reverse=True)]
     up = next((int(size) for size in sizes if size > act.graph_max_bs and fits(size)), None)
