@@ -1,5 +1,5 @@
 """The five premises with arrivals over time: their definitions (an hour of Poisson or bursty arrivals,
-judged on the time from arrival to answer), and the oracle scoring that figure in its
+decode-oom a quarter hour; judged on the time from arrival to answer), and the oracle scoring that figure in its
 paced replay (requests fed as they arrive, each answer timed from its arrival)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from proxy.request.pacing import Band
 from proxy.sim.request import RequestSpec
 
 PREMISES = ("early-stop", "retraction-storm", "prefill-oom", "decode-oom", "low-mem-fraction")
+HORIZON_S = {"decode-oom": 900.0}  # modelled seconds of arrivals; the others an hour
 PACING = Pacing(band=Band(lo=100, hi=400, headroom=32), scrape_s=5.0)
 
 
@@ -29,12 +30,17 @@ def test_each_premise_arrives_over_an_hour_poisson_and_bursty(premise: str) -> N
         assert isinstance(wl, Workload) and wl.rate is not None and wl.shape == shape
         # a backlog's premise is judged on throughput, one that keeps up on waiting
         assert sc.judged_on == ("throughput" if premise == "retraction-storm" else "answer_time")
-        assert sc.start_args == batch.start_args and sc.gpu == batch.gpu and sc.model == batch.model
+        assert sc.gpu == batch.gpu and sc.model == batch.model
+        # decode-oom over time starts at fraction 0.95, where its batch dies before the pool fills (below)
+        assert sc.start_args == (
+            {**batch.start_args, "mem_fraction_static": 0.95} if premise == "decode-oom" else batch.start_args
+        )
+        horizon = HORIZON_S.get(premise, 3600.0)
         arrivals = wl.arrivals()
-        assert arrivals == sorted(arrivals) and 0.95 * 3600 < arrivals[-1] <= 3600  # a modelled hour of arrivals
+        assert arrivals == sorted(arrivals) and 0.95 * horizon < arrivals[-1] <= horizon  # the horizon's arrivals
         longer = dataclasses.replace(wl, count=wl.count + 1).arrivals()
-        assert longer[:-1] == arrivals and longer[-1] > 3600  # every arrival within the hour, none after
-        assert wl.count == pytest.approx(wl.rate * 3600, rel=0.15)
+        assert longer[:-1] == arrivals and longer[-1] > horizon  # every arrival within the horizon, none after
+        assert wl.count == pytest.approx(wl.rate * horizon, rel=0.15)
     # the same mean rate; bursty: gaps with squared coefficient of variation near 1 / 0.3
     gaps = {}
     for sc in (poisson, bursty):
@@ -99,3 +105,17 @@ def test_a_replay_and_an_arm_are_scored_on_the_scenario_figure() -> None:
     assert arm.judged("throughput") == 900.0
     arm.requests_failed = 1  # an arm that did not answer everyone is not judged on the answers it gave
     assert arm.judged("answer_time") == 0.0
+
+
+def test_decode_oom_over_time_dies_at_its_start_arguments_and_not_at_the_cap_that_fits() -> None:
+    """The first 6,000 Poisson arrivals (the paced replay's death comes at ~4,900): the running cap 2048
+    at fraction 0.95 grows the decode batch past the ~560 the free memory holds; the cap the start-up
+    line's free memory allows (563) serves the same arrivals."""
+    sc = SCENARIOS["decode-oom-poisson"]
+    head = sc.workload.specs()[:6000]
+    pacing = scenario_pacing(sc)
+    died = simulate_paced(sim_config(sc.start_args, gpu=sc.gpu, model=sc.model), head, pacing)
+    assert died.oom == "decode" and 540 < died.peak_running < 600
+    capped = {**sc.start_args, "max_running_requests": 563}
+    served = simulate_paced(sim_config(capped, gpu=sc.gpu, model=sc.model), head, pacing)
+    assert served.oom is None and served.finished == len(head)
