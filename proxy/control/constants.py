@@ -72,6 +72,9 @@ class Constants:
     low_usage: float = 0.9  # token usage at or above this: the KV pool is full (the backlog's "full" mark)
     timid_queue_fraction: float = 0.5  # server queue empty this often while the proxy holds work: a note
     decode_oom_factor: float = 0.8  # a decode OOM caps the running batch at the peak seen x this
+    # a decode OOM with the KV pool at most this full gives the activations pool memory instead: a
+    # quarter more free memory is a few % of the pool, which cannot make a half-empty pool bind
+    spare_pool_usage: float = 0.5
     available_mem_band_gb: tuple[float, float] = (5.0, 10.0)  # free memory at start-up outside it moves the fraction
     memory_fraction_step: float = 0.01  # one step of the memory fraction (about 0.8 GB on an 80 GB GPU)
     # -- the planner

@@ -92,6 +92,7 @@ class DecodeOom(Evidence):
     oom_cause: str
     peak_running: int | None  # the largest running batch in the window
     log: str
+    peak_token_usage: float | None = field(default=None, metadata=OPTIONAL)  # the KV pool's largest usage in the window
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -244,12 +244,19 @@ def prefill_oom(window: Window, state: ControlState, s: RuleSettings) -> Decisio
 
 
 def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:
-    """Out of memory in decode: cap the running batch below the peak seen, then less KV memory."""
+    """Out of memory in decode: where the KV pool had room to spare, its memory goes to the activations
+    (:func:`_pool_to_activations`); else the running batch is capped below the peak seen, then less KV
+    memory."""
     oom = _last_oom(window, "decode")
     if oom is None:
         return None
-    peak = window.peak_running
-    evidence = DecodeOom(oom_cause=str(oom.fields.get("cause", "")), peak_running=peak, log=_oom_text(oom))
+    peak, usage = window.peak_running, window.peak_token_usage
+    evidence = DecodeOom(oom_cause=str(oom.fields.get("cause", "")), peak_running=peak, log=_oom_text(oom),
+                         peak_token_usage=None if usage is None else round(usage, 3))  # fmt: skip
+    if usage is not None and usage <= s.constants.spare_pool_usage:
+        roomier = _pool_to_activations(window, state, s, evidence)
+        if roomier is not None:
+            return roomier
     knob = s.knobs.get(KnobName.MAX_RUNNING)
     if knob is not None:
         current = _current(knob, window, state)
@@ -272,6 +279,32 @@ def decode_oom(window: Window, state: ControlState, s: RuleSettings) -> Decision
         why="out of memory during decode at the smallest batch cap",
         evidence=evidence,
     )
+
+
+def _pool_to_activations(window: Window, state: ControlState, s: RuleSettings, evidence: DecodeOom) -> Decision | None:
+    """A decode OOM while the KV pool was at most ``spare_pool_usage`` full: the batch the pool admits is
+    the one to keep, and the memory its activations lacked comes out of the pool. The fraction comes
+    down so the free memory grows by the cap's margin (``1 / decode_oom_factor``: the batch that died,
+    a quarter larger, fits); the running cap stays. The GPU's total is at least ``free / (1 -
+    fraction)``, so the step may free more than that."""
+    knob = s.knobs.get(KnobName.MEMORY_FRACTION)
+    free = _startup_mem(window)
+    current = _current(knob, window, state) if knob is not None else None
+    if knob is None or free is None or current is None or not 0.0 < current < 1.0:
+        return None
+    more = free * (1.0 / s.constants.decode_oom_factor - 1.0)
+    new = max(
+        math.floor((current - more * (1.0 - current) / free) * 1000) / 1000, s.bounds(KnobName.MEMORY_FRACTION)[0]
+    )
+    if new >= current:
+        return None
+    used = evidence.peak_token_usage
+    return _move(
+        window, state, s, rule="decode_oom", kind=RuleKind.SAFETY, knob_name=KnobName.MEMORY_FRACTION,
+        new_value=new, direction=-1, evidence=evidence,
+        reason=f"out of memory during decode (peak running batch {_fmt(evidence.peak_running)}) with the KV pool "
+        f"at most {used:.0%} full: {more:.2f} GB more for the activations from the pool: lower {{arg}} {{old}} -> {{new}}",
+    )  # fmt: skip
 
 
 def oom_unknown_phase(window: Window, state: ControlState, s: RuleSettings) -> Decision | None:

@@ -307,6 +307,12 @@ class Window:
         return max(values) if values else None
 
     @property
+    def peak_token_usage(self) -> float | None:
+        """The largest KV pool usage of the samples (else the statistics lines)."""
+        points = self._load_points()
+        return max(usage for _, usage, _ in points) if points else None
+
+    @property
     def kv_capacity_tokens(self) -> int | None:
         capacities = [s.max_total_tokens for s in self.samples if s.max_total_tokens]
         return capacities[-1] if capacities else None

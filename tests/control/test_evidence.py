@@ -34,6 +34,11 @@ from proxy.policy import ControlMode
             ["oom_phase", "oom_cause", "peak_running", "log"],
             id="decode_oom",
         ),
+        pytest.param(
+            DecodeOom(oom_cause="", peak_running=5, log="l", peak_token_usage=0.3),
+            ["oom_phase", "oom_cause", "peak_running", "log", "peak_token_usage"],
+            id="decode_oom-pool",
+        ),
         pytest.param(UnplacedOom(log="l"), ["oom_phase", "log"], id="oom"),
         pytest.param(
             CrashLoop(deaths=3, window_s=600.0, fallback="policy"), ["deaths", "window_s", "fallback"], id="crash_loop"

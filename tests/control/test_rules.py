@@ -133,6 +133,29 @@ def test_decode_oom_caps_running_below_peak() -> None:
     assert prefill_oom(w, state(), SETTINGS) is None  # a decode OOM is not a prefill OOM
 
 
+def test_decode_oom_with_the_pool_half_empty_gives_the_activations_pool_memory(tmp_path) -> None:
+    """The same death with the KV pool 34 % full at the peak (0.61 GB free at fraction 0.95): the
+    batch the pool admits is kept, and a quarter more free memory comes out of the pool. The GPU holds
+    at least 0.61 / 0.05 = 12.2 GB, so 0.15 GB more is at most 0.0125 of it: 0.95 -> 0.937."""
+    text = (
+        (ENGINE_FIXTURES / "sglang_crash_decode_cuda_oom.log")
+        .read_text()
+        .replace("token usage: 0.92", "token usage: 0.34")
+    )
+    startup = ("[2026-09-13 16:10:00 TP0] max_total_num_tokens=671062, chunked_prefill_size=4096, max_prefill_tokens=16384, "
+               "max_running_requests=2048, context_len=131072, available_gpu_mem=0.61 GB\n")  # fmt: skip
+    (tmp_path / "spare.log").write_text(startup + text)
+    w = window_of(log_events(tmp_path / "spare.log"), span_s=600.0)
+    d = decode_oom(w, state({"max_running_requests": 2048, "mem_fraction_static": 0.95}), SETTINGS)
+    assert d is not None and d.kind is RuleKind.SAFETY
+    assert d.changes == {"mem_fraction_static": (0.95, 0.937)}  # the running cap stays
+    assert d.evidence_json()["peak_token_usage"] == 0.34 and d.evidence_json()["peak_running"] == 512
+    # a pool at the spare mark or fuller: the cap comes down instead, as above
+    full = replace(SETTINGS, constants=replace(CONSTANTS, spare_pool_usage=0.3))
+    capped = decode_oom(w, state({"max_running_requests": 2048, "mem_fraction_static": 0.95}), full)
+    assert capped is not None and capped.changes == {"max_running_requests": (2048, 409)}
+
+
 def test_oom_of_unknown_phase_lowers_memory() -> None:
     oom = LogEvent(kind=EventKind.OOM, time=1.0, fields={"phase": "unknown"}, line="torch.OutOfMemoryError")
     w = Window().push(oom)
