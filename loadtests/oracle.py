@@ -14,7 +14,8 @@ The search is coordinate descent over the knobs the controller can move
 (``schedule_conservativeness``, ``chunked_prefill_size``, ``max_running_requests``,
 ``mem_fraction_static``, and where the space gives values ``schedule_policy`` and
 ``cuda_graph_max_bs_decode``): starting from the scenario's arguments, each knob in turn is swept over
-its candidate values with the others held at the best found so far; ``passes`` rounds of that.
+its candidate values with the others held at the best found so far, then every running cap at the
+fractions nearest the best's (the two share the free memory); ``passes`` rounds of that.
 
 Arrival: every arm runs behind the proxy, whose pacing gate feeds the worker only while its estimated
 server queue is under the band's target (``queue_band[0] + headroom``), from a scrape every
@@ -58,6 +59,7 @@ __all__ = [
     "SweepResult",
     "Trial",
     "evaluate",
+    "paired_args",
     "sim_config",
     "simulate_paced",
     "sweep",
@@ -388,6 +390,9 @@ def sweep(
             )
         return seen[key]
 
+    def better(t: Trial, than: Trial) -> bool:
+        return t.score > than.score * 1.001  # a real gain, not a rounding tie
+
     start = trial(dict(start_args))
     best = start
     for _ in range(space.passes):
@@ -395,8 +400,32 @@ def sweep(
         for knob in KNOBS:
             for value in space.values(knob):
                 t = trial({**best.args, knob: value})
-                if t.score > best.score * 1.001:  # a real gain, not a rounding tie
+                if better(t, best):
                     best = t
+        # the memory fraction and the running cap share the free memory: a cap the activations bound at
+        # one fraction is free at a smaller one, which one knob at a time does not reach (neither move
+        # gains alone). Each cap at the fractions nearest the best's
+        for args in paired_args(best.args, space):
+            t = trial(args)
+            if better(t, best):
+                best = t
         if best is before:
             break
     return SweepResult(start=start, best=best, trials=tuple(seen.values()))
+
+
+PAIRED_FRACTIONS = 3  # the fractions nearest the best's that the paired step tries every cap at
+
+
+def paired_args(args: Mapping[str, Any], space: SearchSpace) -> list[dict[str, Any]]:
+    """Every running cap of the space at each of the :data:`PAIRED_FRACTIONS` fractions nearest ``args``'s
+    (unset: the space's largest), the other arguments as in ``args``."""
+    fractions = [f for f in space.mem_fraction_static if f is not None]
+    current = args.get("mem_fraction_static")
+    at = float(current) if isinstance(current, (int, float)) else max(fractions, default=0.0)
+    nearest = sorted(fractions, key=lambda f: (abs(f - at), -f))[:PAIRED_FRACTIONS]
+    return [
+        {**args, "mem_fraction_static": f, "max_running_requests": cap}
+        for f in nearest
+        for cap in space.max_running_requests
+    ]

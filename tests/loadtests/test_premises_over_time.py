@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from loadtests.oracle import Pacing, SearchSpace, evaluate, sim_config, simulate_paced, sweep
+from loadtests.oracle import Pacing, SearchSpace, evaluate, paired_args, sim_config, simulate_paced, sweep
 from loadtests.scenario_defs import SCENARIOS, Workload
 from loadtests.scenarios import ArmResult, _replay_score, scenario_pacing
 from proxy.request.pacing import Band
@@ -119,3 +119,19 @@ def test_decode_oom_over_time_dies_at_its_start_arguments_and_not_at_the_cap_tha
     capped = {**sc.start_args, "max_running_requests": 563}
     served = simulate_paced(sim_config(capped, gpu=sc.gpu, model=sc.model), head, pacing)
     assert served.oom is None and served.finished == len(head)
+
+
+def test_the_sweep_pairs_each_running_cap_with_the_fractions_nearest_the_best() -> None:
+    """decode-oom over time from fraction 0.95: the caps that fit its free memory (384) gain alone, and
+    at cap 384 a smaller fraction gains nothing; the cap of 768 at 0.93 gains only both at once. The
+    paired step tries every cap at the three fractions nearest the best's."""
+    space = SearchSpace(max_running_requests=(None, 384, 768), mem_fraction_static=(None, 0.6, 0.89, 0.91, 0.93))
+    tried = paired_args(
+        {"max_running_requests": 384, "mem_fraction_static": 0.95, "schedule_conservativeness": 0.3}, space
+    )
+    assert [(a["mem_fraction_static"], a["max_running_requests"]) for a in tried] == [
+        (f, cap) for f in (0.93, 0.91, 0.89) for cap in (None, 384, 768)
+    ]
+    assert all(a["schedule_conservativeness"] == 0.3 for a in tried)
+    unset = paired_args({}, space)  # SGLang's own fraction: from the space's largest
+    assert sorted({a["mem_fraction_static"] for a in unset}) == [0.89, 0.91, 0.93]
