@@ -405,7 +405,8 @@ def sweep(
         # the memory fraction and the running cap share the free memory: a cap the activations bound at
         # one fraction is free at a smaller one, which one knob at a time does not reach (neither move
         # gains alone). Each cap at the fractions nearest the best's
-        for args in paired_args(best.args, space):
+        resolved = sim_config(best.args, gpu=gpu, model=model, perturb=perturb).mem_fraction_static
+        for args in paired_args(best.args, space, resolved):
             t = trial(args)
             if better(t, best):
                 best = t
@@ -417,13 +418,12 @@ def sweep(
 PAIRED_FRACTIONS = 3  # the fractions nearest the best's that the paired step tries every cap at
 
 
-def paired_args(args: Mapping[str, Any], space: SearchSpace) -> list[dict[str, Any]]:
-    """Every running cap of the space at each of the :data:`PAIRED_FRACTIONS` fractions nearest ``args``'s
-    (unset: the space's largest), the other arguments as in ``args``."""
+def paired_args(args: Mapping[str, Any], space: SearchSpace, resolved: float) -> list[dict[str, Any]]:
+    """Every running cap of the space at each of the :data:`PAIRED_FRACTIONS` fractions of the space
+    nearest the one ``args`` run at (``resolved``: the engine's own where ``args`` leave it unset), the
+    other arguments as in ``args``."""
     fractions = [f for f in space.mem_fraction_static if f is not None]
-    current = args.get("mem_fraction_static")
-    at = float(current) if isinstance(current, (int, float)) else max(fractions, default=0.0)
-    nearest = sorted(fractions, key=lambda f: (abs(f - at), -f))[:PAIRED_FRACTIONS]
+    nearest = sorted(fractions, key=lambda f: (abs(f - resolved), -f))[:PAIRED_FRACTIONS]
     return [
         {**args, "mem_fraction_static": f, "max_running_requests": cap}
         for f in nearest

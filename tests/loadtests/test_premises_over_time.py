@@ -126,12 +126,12 @@ def test_the_sweep_pairs_each_running_cap_with_the_fractions_nearest_the_best() 
     at cap 384 a smaller fraction gains nothing; the cap of 768 at 0.93 gains only both at once. The
     paired step tries every cap at the three fractions nearest the best's."""
     space = SearchSpace(max_running_requests=(None, 384, 768), mem_fraction_static=(None, 0.6, 0.89, 0.91, 0.93))
-    tried = paired_args(
-        {"max_running_requests": 384, "mem_fraction_static": 0.95, "schedule_conservativeness": 0.3}, space
-    )
+    best = {"max_running_requests": 384, "mem_fraction_static": 0.95, "schedule_conservativeness": 0.3}
+    tried = paired_args(best, space, 0.95)
     assert [(a["mem_fraction_static"], a["max_running_requests"]) for a in tried] == [
         (f, cap) for f in (0.93, 0.91, 0.89) for cap in (None, 384, 768)
     ]
     assert all(a["schedule_conservativeness"] == 0.3 for a in tried)
-    unset = paired_args({}, space)  # SGLang's own fraction: from the space's largest
-    assert sorted({a["mem_fraction_static"] for a in unset}) == [0.89, 0.91, 0.93]
+    # SGLang's own fraction (unset): the fractions nearest the one it resolves to
+    assert sorted({a["mem_fraction_static"] for a in paired_args({}, space, 0.9)}) == [0.89, 0.91, 0.93]
+    assert sorted({a["mem_fraction_static"] for a in paired_args({}, space, 0.7)}) == [0.6, 0.89, 0.91]
