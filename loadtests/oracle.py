@@ -109,6 +109,7 @@ class PacedResult:
     oom: str | None
     peak_running: int
     peak_activation_fraction: float = 0.0  # the largest step's activations / the free memory at start-up
+    peak_decode_fraction: float = 0.0  # the same, of the decode steps
     mean_answer_s: float = 0.0  # mean engine seconds from a request's arrival to its answer (the finished ones)
     # per workload request (its index), engine seconds from its arrival to its answer; NaN: not answered
     answer_s: tuple[float, ...] = field(default=(), repr=False)
@@ -164,7 +165,7 @@ def simulate_paced(
     next_scrape = 0.0
     out_tokens = finished = peak = retracted = 0
     answered = [math.nan] * len(workload)
-    need = 0.0
+    need = decode_need = 0.0
     oom: str | None = None
     while True:
         if restart is not None and t >= restart.at_s:
@@ -213,6 +214,8 @@ def simulate_paced(
             oom = step.oom
             break
         need = max(need, step.need_mib)
+        if step.kind == "decode":
+            decode_need = max(decode_need, step.need_mib)
         t += step.duration
         outcome = eng.complete(step, t)
         peak = max(peak, eng.n_run)
@@ -232,6 +235,7 @@ def simulate_paced(
         oom=oom,
         peak_running=peak,
         peak_activation_fraction=need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0,
+        peak_decode_fraction=decode_need / config.memory.available_mib if config.memory.available_mib > 0 else 0.0,
         mean_answer_s=math.fsum(a for a in answered if not math.isnan(a)) / finished if finished else 0.0,
         answer_s=tuple(answered),
     )
@@ -261,6 +265,10 @@ class SearchSpace:
     # A replay is not the live arm to the request: decode-oom's conservativeness 1.6 peaked at 97.6 %
     # of the free memory in the paced replay and died of a decode OOM live; a knife edge is not safe
     max_activation_fraction: float = 0.9
+    # and a decode batch at most this share: live, the batch runs past the replay's (the gate's scrapes
+    # lag, a prefill adds many at once). decode-oom's best at 0.898 of the free memory in the replay
+    # died live in one of two runs; 0.8 is the controller's own margin (decode_oom_factor)
+    max_decode_fraction: float = 0.8
 
     def values(self, knob: str) -> tuple[Any, ...]:
         return tuple(getattr(self, knob))
@@ -332,6 +340,7 @@ def evaluate(
     min_available_gb: float = 0.0,
     pacing: Pacing | None = None,
     max_activation_fraction: float = 1.0,
+    max_decode_fraction: float = 1.0,
     perturb: Sequence[str] = (),
     objective: str = "throughput",
 ) -> Trial:
@@ -343,7 +352,11 @@ def evaluate(
     if free < min_available_gb:
         return Trial(args=dict(args), output_tok_per_s=0.0, available_gpu_mem_gb=free, unsafe=True, objective=objective)
     res = simulate(cfg, workload) if pacing is None else simulate_paced(cfg, workload, pacing)
-    edge = isinstance(res, PacedResult) and res.oom is None and res.peak_activation_fraction > max_activation_fraction
+    edge = (
+        isinstance(res, PacedResult)
+        and res.oom is None
+        and (res.peak_activation_fraction > max_activation_fraction or res.peak_decode_fraction > max_decode_fraction)
+    )
     if isinstance(res, PacedResult):
         mean_answer = res.mean_answer_s
     else:
@@ -385,6 +398,7 @@ def sweep(
                 min_available_gb=space.min_available_gb,
                 pacing=space.pacing,
                 max_activation_fraction=space.max_activation_fraction,
+                max_decode_fraction=space.max_decode_fraction,
                 perturb=perturb,
                 objective=space.objective,
             )

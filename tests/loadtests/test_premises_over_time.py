@@ -135,3 +135,18 @@ def test_the_sweep_pairs_each_running_cap_with_the_fractions_nearest_the_best() 
     # SGLang's own fraction (unset): the fractions nearest the one it resolves to
     assert sorted({a["mem_fraction_static"] for a in paired_args({}, space, 0.9)}) == [0.89, 0.91, 0.93]
     assert sorted({a["mem_fraction_static"] for a in paired_args({}, space, 0.7)}) == [0.6, 0.89, 0.91]
+
+
+def test_a_decode_batch_near_the_free_memory_in_the_replay_is_not_a_candidate() -> None:
+    """decode-oom's batch at fraction 0.91 and conservativeness 0.3: in the paced replay its first fill
+    peaks at ~0.9 of the free memory with no step over it, and live it died. A decode batch over 0.8 of
+    the free memory is a knife edge: the sweep does not take it."""
+    sc = SCENARIOS["decode-oom"]
+    head = sc.workload.specs()[:4000]
+    kw = {"gpu": sc.gpu, "model": sc.model, "pacing": scenario_pacing(sc)}
+    edge = {"mem_fraction_static": 0.91, "schedule_conservativeness": 0.3}
+    res = simulate_paced(sim_config(edge, gpu=sc.gpu, model=sc.model), head, scenario_pacing(sc))
+    assert res.oom is None and 0.8 < res.peak_decode_fraction <= res.peak_activation_fraction < 0.9
+    assert evaluate(edge, head, max_activation_fraction=0.9, **kw).unsafe is False
+    assert evaluate(edge, head, max_activation_fraction=0.9, max_decode_fraction=0.8, **kw).unsafe is True
+    assert SearchSpace().max_decode_fraction == 0.8
