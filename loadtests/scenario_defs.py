@@ -247,11 +247,11 @@ def _scenarios() -> dict[str, Scenario]:
     # (loadtests.oracle.simulate_paced). With a scrape every 0.5 engine seconds (the scrape period is
     # on the worker's clock), neither did outputs of 300-1200; outputs of 250-1000 (14-56 % of
     # max_tokens 1800) hold fewer tokens per running request, and the default arguments die in the
-    # first fill (at 32 modelled seconds in the paced replay). So the default arm dies of a decode OOM and serves nothing,
-    # and a controller must learn the cap from that death. The workload is long (15,000 requests,
-    # ~1000 modelled seconds at a safe cap) because that first death, its lost work and a 13 s
-    # start-up are paid once whatever the controller does; time scale 6 keeps the simulated engine at
-    # ~90 requests per wall second.
+    # first fill (at 32 modelled seconds in the paced replay). So the default arm dies of a decode OOM
+    # and serves nothing; a controller must foresee the cap from the start-up line or learn it from
+    # the death. The workload is long (15,000 requests, ~1000 modelled seconds at a safe cap) so that a
+    # first death, its lost work and a 13 s start-up weigh what they would in a long run; at time
+    # scale 6 the simulated engine serves ~110 requests per wall second and keeps its clock here.
     s.append(Scenario(
         name="decode-oom",
         premise="max_running_requests 2048 on a 24 GB RTX 4090 with mem_fraction_static 0.93: a decode batch "
