@@ -90,9 +90,6 @@ class Activations:
 # is SGLang's own fixed reserve, 512 MiB.
 ACTIVATION_MARGIN = 1.5
 MIN_FREE_GB = 0.5
-# The start-up line prints the free memory rounded to 0.01 GB: the true figure may be 0.005 GB lower.
-# A batch sized to the printed figure can pass the true one by a few requests, and dies there.
-PRINTED_FREE_ROUNDING_GB = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +202,14 @@ def _startup_mem(window: Window) -> float | None:
         return None
     value = window.startup.fields.get("available_gpu_mem_gb")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _startup_mem_rounding(window: Window) -> float:
+    """How far below the start-up line's free memory the true figure may be (the engine's reader says
+    how it was rounded; 0: not said). A batch sized to the printed figure can pass the true one by a
+    few requests, and dies there."""
+    rounding = _number(window.startup.fields.get("available_gpu_mem_rounding_gb")) if window.startup else None
+    return float(rounding or 0.0)
 
 
 # -- the rules ----------------------------------------------------------------------------------
@@ -545,7 +550,7 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     free = _startup_mem(window)
     if act is None or free is None:
         return None
-    free_mib = (free - PRINTED_FREE_ROUNDING_GB) * 1024
+    free_mib = (free - _startup_mem_rounding(window)) * 1024
 
     chunk_knob = s.knobs.get(KnobName.PREFILL_CHUNK)
     chunk = _current(chunk_knob, window, state) if chunk_knob else None
@@ -623,7 +628,7 @@ def graphs_cover(window: Window, state: ControlState, s: RuleSettings) -> Decisi
     def fits(size: float) -> bool:
         """The graphs' memory comes out of what is free at start-up: what is left keeps the floor, and
         the decode batch the running cap allows (past the graphs) still fits it."""
-        left = free - PRINTED_FREE_ROUNDING_GB - (size - act.graph_max_bs) * act.graph_mib_per_bs / 1024
+        left = free - _startup_mem_rounding(window) - (size - act.graph_max_bs) * act.graph_mib_per_bs / 1024
         batch = act.decode_gb(running) if running is not None and running > size else 0.0
         return left >= max(floor, batch)
 

@@ -222,6 +222,7 @@ def test_startup_line_gpu() -> None:
         "max_running_requests": 4096,
         "context_len": 65536,
         "available_gpu_mem_gb": 13.5,
+        "available_gpu_mem_rounding_gb": 0.005,  # printed to 2 places: the true figure within half the last
     }
 
 

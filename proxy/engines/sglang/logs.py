@@ -262,6 +262,12 @@ def _retraction_event(match: re.Match[str], ranks: Fields, now: float, line: str
     return LogEvent(kind=EventKind.RETRACTION, time=now, fields=fields, line=line)
 
 
+def _half_last_digit(text: str) -> float:
+    """How far a printed figure may be from the true one: half its last printed digit ("1.09": 0.005)."""
+    decimals = len(text.partition(".")[2])
+    return 0.5 * 10.0**-decimals
+
+
 def _startup_event(message: str, ranks: Fields, now: float, line: str) -> LogEvent:
     fields: Fields = dict(ranks)
     text = (
@@ -270,6 +276,8 @@ def _startup_event(message: str, ranks: Fields, now: float, line: str) -> LogEve
     for key, value in _pairs(text, "="):
         if key in _STARTUP_KEYS:
             fields[_STARTUP_KEYS[key]] = _number(value.removesuffix("GB").strip())
+        if key == "available_gpu_mem":
+            fields["available_gpu_mem_rounding_gb"] = _half_last_digit(value.removesuffix("GB").strip())
     if "available_cpu_mem_gb" in fields:
         fields["device"] = "cpu"
     return LogEvent(kind=EventKind.STARTUP, time=now, fields=fields, line=line)
