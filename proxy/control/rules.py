@@ -72,6 +72,8 @@ class Activations:
     model: str  # whose presets, for the journal
     pool_mib: float = 0.0  # the KV pool's memory (0: not known)
     graph_mib_per_bs: float = 0.0  # the memory the CUDA graphs take per decode batch size they cover (0: not known)
+    total_mib: float = 0.0  # the memory of the worker's GPUs, all of them as ``pool_mib`` (0: not known)
+    devices: int = 1  # the GPUs the pool and the weights are spread over (tensor parallelism)
 
     def free_floor_gb(self, chunk: float) -> float:
         """The free memory a worker must have at start-up to run a full prefill chunk of ``chunk``
@@ -575,16 +577,66 @@ def activations_fit(window: Window, state: ControlState, s: RuleSettings) -> Dec
     need_gb = act.decode_gb(running)
     if need_gb <= free:
         return None
-    cap = max(act.graph_max_bs, int(s.bounds(KnobName.MAX_RUNNING)[0]), int(free_mib / act.decode_mib_per_seq))
+    evidence = ActivationFit(available_gpu_mem_gb=free, need_gb=round(need_gb, 2), batch=int(running),
+                             graph_max_bs=act.graph_max_bs, model=act.model)  # fmt: skip
+    why = (f"a decode batch of {running:g} requests needs {need_gb:.2f} GB of activations beyond the CUDA "
+           f"graphs ({act.graph_max_bs}), {free:g} GB free at start-up")  # fmt: skip
+    split = _pool_share_to_activations(window, state, s, act, free_mib=free_mib, why=why, evidence=evidence)
+    if split is not None:
+        return split
     return _move(
         window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MAX_RUNNING,
-        new_value=cap, direction=-1,
-        evidence=ActivationFit(available_gpu_mem_gb=free, need_gb=round(need_gb, 2), batch=int(running),
-                               graph_max_bs=act.graph_max_bs, model=act.model),
-        reason=f"a decode batch of {running:g} requests needs {need_gb:.2f} GB of "
-        f"activations beyond the CUDA graphs ({act.graph_max_bs}), {free:g} GB free at start-up: "
-        "lower {arg} {old} -> {new}",
+        new_value=_decode_cap(act, s, free_mib), direction=-1, evidence=evidence,
+        reason=why + ": lower {arg} {old} -> {new}",
     )  # fmt: skip
+
+
+def _decode_cap(act: Activations, s: RuleSettings, free_mib: float) -> int:
+    """The largest running cap whose decode batch fits ``free_mib`` (no lower than the graphs' batch)."""
+    return max(act.graph_max_bs, int(s.bounds(KnobName.MAX_RUNNING)[0]), int(free_mib / act.decode_mib_per_seq))
+
+
+def decode_split_mib(free_mib: float, need_mib: float, pool_mib: float) -> float:
+    """The memory to move from the KV pool to the activations when a running cap's decode batch needs
+    ``need_mib`` and ``free_mib`` is free. Neither side pays alone: the pool's loss (a share of it, what
+    a batch the pool bounds loses) equals the cap's (the share of the cap that still does not fit, what
+    a batch the cap bounds loses), so the worse of the two is as small as it can be. A pool a third full
+    loses nothing; a cap cut to the fit loses what the workload would have run past it."""
+    short = need_mib - free_mib
+    if short <= 0 or pool_mib <= 0:
+        return 0.0
+    return short * pool_mib / (need_mib + pool_mib)
+
+
+def _pool_share_to_activations(
+    window: Window, state: ControlState, s: RuleSettings, act: Activations, *, free_mib: float, why: str,
+    evidence: ActivationFit,
+) -> Decision | None:
+    """One restart that lowers the memory fraction by :func:`decode_split_mib` and the running cap to
+    the batch that fits the memory then free; None where the fraction cannot move (no knob, unknown
+    fraction or GPU total, at its bound): the cap alone comes down."""
+    frac_knob, cap_knob = s.knobs.get(KnobName.MEMORY_FRACTION), s.knobs.get(KnobName.MAX_RUNNING)
+    current = _current(frac_knob, window, state) if frac_knob is not None else None
+    running = _current(cap_knob, window, state) if cap_knob is not None else None
+    if frac_knob is None or cap_knob is None or current is None or running is None or act.total_mib <= 0:
+        return None
+    per_gpu = act.total_mib / act.devices  # free_mib and the activations are one GPU's, as the line reports
+    moved = decode_split_mib(free_mib, running * act.decode_mib_per_seq, act.pool_mib / act.devices)
+    new = max(math.floor((current - moved / per_gpu) * 1000) / 1000, s.bounds(KnobName.MEMORY_FRACTION)[0])
+    if new >= current:
+        return None
+    # the next line rounds again: the batch sized to what it may print at worst
+    after_mib = free_mib + (current - new) * per_gpu - _startup_mem_rounding(window) * 1024
+    cap = min(int(running), _decode_cap(act, s, after_mib))
+    lowered = _move(
+        window, state, s, rule="activations_fit", kind=RuleKind.CORRECTIVE, knob_name=KnobName.MEMORY_FRACTION,
+        new_value=new, direction=-1, evidence=evidence,
+        reason=why + f": the pool and the cap share the shortfall: lower {{arg}} {{old}} -> {{new}} and "
+        f"{cap_knob.arg} {running:g} -> {cap}",
+    )  # fmt: skip
+    if lowered is None:
+        return None
+    return replace(lowered, new_args={**lowered.new_args, cap_knob.arg: cap})
 
 
 # The share of the KV pool the CUDA graphs may take when raised before a launch. A decode step past the

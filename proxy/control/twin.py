@@ -152,7 +152,8 @@ class Twin:
                            decode_mib_per_seq=cfg.model.decode_act_mib_per_seq,
                            graph_max_bs=graph_max_bs(cfg), pool_tokens=cfg.memory.max_total_num_tokens,
                            model=f"{self.model} on {self.gpu}", pool_mib=cfg.memory.kv_pool_mib,
-                           graph_mib_per_bs=GRAPH_MIB_PER_BS)  # fmt: skip
+                           graph_mib_per_bs=GRAPH_MIB_PER_BS, total_mib=cfg.memory.total_mib,
+                           devices=cfg.tp_size)  # fmt: skip
 
     def resolved(self, args: Mapping[str, object]) -> dict[str, float]:
         """What the twin's engine chooses under ``args`` for an unset argument its start-up line does not

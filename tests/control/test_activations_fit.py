@@ -17,6 +17,7 @@ from proxy.control.rules import (
     RuleSettings,
     activations_fit,
     before_launch,
+    decode_split_mib,
     graphs_cover,
     memory_low,
 )
@@ -76,13 +77,44 @@ def test_a_prefill_chunk_whose_activations_do_not_fit_steps_down_before_the_cras
                            _settings("l40s-48gb", "llama-3.1-8b")) is None  # fmt: skip
 
 
-def test_a_running_cap_whose_decode_batch_does_not_fit_comes_down_to_the_batch_that_does() -> None:
+def test_a_decode_batch_that_does_not_fit_takes_memory_from_the_pool_and_from_the_cap_alike() -> None:
     """max_running_requests 2048 on a 24 GB RTX 4090 at mem_fraction_static 0.93: past the CUDA graphs
-    (48) a decode batch needs 1.1 MiB per request and 1.09 GB are free: about 1010 fit."""
+    (48) a decode batch needs 1.1 MiB per request, 2.2 GB for the cap, and 1.09 GB are free. The
+    shortfall is shared so that the pool loses the same share of itself as the cap: the fraction comes
+    down to 0.888 and the cap to the batch the memory then free holds, measured at the worst the next
+    line may print; that line finds nothing to move."""
     args = {"max_running_requests": 2048, "mem_fraction_static": 0.93}
     window = _started("rtx4090-24gb", "llama-3.2-1b", args)
-    d = activations_fit(window, _state(args), _settings("rtx4090-24gb", "llama-3.2-1b"))
-    assert d is not None and d.changes is not None
+    settings = _settings("rtx4090-24gb", "llama-3.2-1b")
+    d = activations_fit(window, _state(args), settings)
+    assert d is not None and d.rule == "activations_fit"
+    assert d.changes == {"max_running_requests": (2048, 1943), "mem_fraction_static": (0.93, 0.888)}
+    assert d.knob == "memory_fraction" and d.evidence_json()["batch"] == 2048
+    twin = Twin("rtx4090-24gb", "llama-3.2-1b")
+    before, after = twin.config(args).memory, twin.config(d.new_args).memory
+    pool_loss = 1 - after.kv_pool_mib / before.kv_pool_mib
+    cap_loss = 1 - 1943 / 2048
+    assert pool_loss == pytest.approx(cap_loss, abs=0.01)  # neither side pays alone
+    assert 1943 * 1.1 <= after.available_mib - 0.005 * 1024  # fits what the next line may print at worst
+    assert activations_fit(_started("rtx4090-24gb", "llama-3.2-1b", d.new_args), _state(d.new_args), settings) is None
+
+
+def test_the_split_is_zero_where_the_batch_fits_and_grows_with_the_pool() -> None:
+    assert decode_split_mib(free_mib=2000.0, need_mib=1500.0, pool_mib=20_000.0) == 0.0
+    small, large = (decode_split_mib(free_mib=600.0, need_mib=2200.0, pool_mib=p) for p in (2_000.0, 20_000.0))
+    assert 0 < small < large < 1600.0  # a small pool gives less; never the whole shortfall
+    assert large / 20_000.0 == pytest.approx(1 - (600.0 + large) / 2200.0)
+
+
+def test_with_the_fraction_at_its_floor_the_cap_comes_down_to_the_batch_that_fits() -> None:
+    """The same worker where the policy keeps mem_fraction_static at 0.93 or above: the cap alone comes
+    down, to the ~1010 requests whose decode activations fit the 1.09 GB the line reports."""
+    args = {"max_running_requests": 2048, "mem_fraction_static": 0.93}
+    window = _started("rtx4090-24gb", "llama-3.2-1b", args)
+    control = ControlSettings(bounds={"mem_fraction_static": (0.93, 0.95)})
+    settings = replace(_settings("rtx4090-24gb", "llama-3.2-1b"), control=control)
+    d = activations_fit(window, _state(args), settings)
+    assert d is not None and d.changes is not None and list(d.changes) == ["max_running_requests"]
     old, new = d.changes["max_running_requests"]
     free_mib = Twin("rtx4090-24gb", "llama-3.2-1b").config(args).memory.available_mib
     # the line prints 1.09 GB for 1.0855: sized to the true figure, not the printed one (1014 would die)
