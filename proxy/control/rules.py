@@ -609,7 +609,13 @@ def decode_split_mib(free_mib: float, need_mib: float, pool_mib: float) -> float
 
 
 def _pool_share_to_activations(
-    window: Window, state: ControlState, s: RuleSettings, act: Activations, *, free_mib: float, why: str,
+    window: Window,
+    state: ControlState,
+    s: RuleSettings,
+    act: Activations,
+    *,
+    free_mib: float,
+    why: str,
     evidence: ActivationFit,
 ) -> Decision | None:
     """One restart that lowers the memory fraction by :func:`decode_split_mib` and the running cap to

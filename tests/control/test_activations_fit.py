@@ -95,7 +95,7 @@ def test_a_decode_batch_that_does_not_fit_takes_memory_from_the_pool_and_from_th
     pool_loss = 1 - after.kv_pool_mib / before.kv_pool_mib
     cap_loss = 1 - 1943 / 2048
     assert pool_loss == pytest.approx(cap_loss, abs=0.01)  # neither side pays alone
-    assert 1943 * 1.1 <= after.available_mib - 0.005 * 1024  # fits what the next line may print at worst
+    assert after.available_mib - 0.005 * 1024 >= 1943 * 1.1  # fits what the next line may print at worst
     assert activations_fit(_started("rtx4090-24gb", "llama-3.2-1b", d.new_args), _state(d.new_args), settings) is None
 
 
