@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from proxy.control.activations import ACTIVATION_MARGIN, covering_graphs
 from proxy.control.economics import PlanSettings
-from proxy.control.rules import ACTIVATION_MARGIN, covering_graphs
 from proxy.control.twin import TWIN_NAMES, ArgNames, Prediction, Twin
 from proxy.control.workload import InFlight, Observed, Replay, continued, replay
 from proxy.engines.base import KnobName
@@ -179,7 +179,7 @@ def graphs_follow_cap(
     twin: Twin, args: Mapping[str, object], cand: dict[str, object], settings: PlanSettings
 ) -> dict[str, object]:
     """``cand`` with CUDA graphs that follow a raised running cap, where ``args``' graphs cover the
-    current cap as far as the launch sized them (:func:`~proxy.control.rules.covering_graphs`): they
+    current cap as far as the launch sized them (:func:`~proxy.control.activations.covering_graphs`): they
     are derived from the cap, so a new cap re-derives them. In the fleet scenario w3's plan raised its
     cap 64 -> 128 with the graphs left at 64, and every batch past 64 decoded without them."""
     names, knob = twin.names, twin.engine.knobs.get(KnobName.GRAPH_MAX_BS)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
+from proxy.control.activations import Activations
 from proxy.control.budget_gain import BudgetPrediction, predict_budget
 from proxy.control.budgets import BudgetJob, Budgets
 from proxy.control.canary import Canary
@@ -64,7 +65,6 @@ from proxy.control.revival import Revival
 from proxy.control.roster import Roster
 from proxy.control.rules import (
     SAFETY_NET_SERVING,
-    Activations,
     RuleSettings,
     activations_fit,
     before_launch,

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.control.rules import Activations
+from proxy.control.activations import Activations
 from proxy.control.workload import Observed, Replay, replay
 from proxy.engines.base import KnobName
 from proxy.engines.contract import Engine

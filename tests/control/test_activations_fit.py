@@ -8,16 +8,15 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.control.activations import Activations, decode_split_mib
 from proxy.control.constants import CONSTANTS
 from proxy.control.decision import ControlState, RuleKind
 from proxy.control.planner import Twin
 from proxy.control.rules import (
     SAFETY_NET_SERVING,
-    Activations,
     RuleSettings,
     activations_fit,
     before_launch,
-    decode_split_mib,
     graphs_cover,
     memory_low,
 )
