@@ -47,6 +47,7 @@ from proxy.request.pacing import Band, WorkerLoad
 from proxy.sim.cli import build_parser
 from proxy.sim.config import SimConfig, SimConfigError, resolve_config
 from proxy.sim.engine import Engine
+from proxy.sim.prefix_first import PrefixFirst, prefix_group
 from proxy.sim.request import RequestSpec
 from proxy.sim.virtual import simulate
 
@@ -158,8 +159,10 @@ def simulate_paced(
     room = hold if hold is not None else len(workload) + 1
     eng = Engine(config)
     load = _load(config)  # the dispatcher's per-worker counts and estimate
-    # indices still to send, in arrival order (ties in submission order), the next one last
-    pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival, i), reverse=True)
+    # what waits in the proxy, in its order: arrival (ties in submission order), or where the engine sorts
+    # by prefix the proxy's queue sorts its own too (the pool's prefix limit as the proxy started it)
+    pending = PrefixFirst(lambda i: prefix_group(workload[i]), load.prefix_limit or 0)
+    pending.add(sorted(range(len(workload)), key=lambda i: (workload[i].arrival, i)))
     on_worker: dict[str, int] = {}  # rid -> index of what the worker holds
     t = 0.0
     next_scrape = 0.0
@@ -167,10 +170,16 @@ def simulate_paced(
     answered = [math.nan] * len(workload)
     need = decode_need = 0.0
     oom: str | None = None
+
+    def arrived(i: int) -> bool:
+        return workload[i].arrival <= t
+
     while True:
         if restart is not None and t >= restart.at_s:
-            taken_back = sorted(on_worker.values(), key=lambda i: (workload[i].arrival, i), reverse=True)
-            pending.extend(taken_back)  # taken back, in their order, first
+            taken_back = sorted(on_worker.values(), key=lambda i: (workload[i].arrival, i))
+            for i in taken_back:
+                pending.ended(i, answered=False)
+            pending.add(taken_back, front=True)  # taken back, in their order, first
             on_worker.clear()
             retracted += eng.retracted_total
             eng, load, config = Engine(restart.config), _load(restart.config), restart.config
@@ -181,12 +190,12 @@ def simulate_paced(
             load.record(Sample(time=t, queue=len(eng.waiting), running=eng.n_run, token_usage=0.0))
             next_scrape = t + pacing.scrape_s
         while (
-            pending
-            and workload[pending[-1]].arrival <= t
+            (head := pending.head()) is not None
+            and arrived(head)
             and load.est_queue() < load.target(pacing.band)
             and load.in_flight < room
         ):
-            i = pending.pop()
+            i = pending.take(arrived)
             spec = workload[i]
             req = eng.add(
                 prompt_ids=_prompt_ids(spec, i),
@@ -200,11 +209,11 @@ def simulate_paced(
             load.reserve(req.rid)  # type: ignore[arg-type]  # the rid stands for the attempt: one key per request
         step = eng.plan(t)
         if step is None:
-            if not pending and load.in_flight == 0:
+            if head is None and load.in_flight == 0:
                 break
             wake = next_scrape  # idle until the next look, the next arrival or the restart
-            if pending and workload[pending[-1]].arrival > t:
-                wake = min(wake, workload[pending[-1]].arrival)
+            if head is not None and workload[head].arrival > t:
+                wake = min(wake, workload[head].arrival)
             t = wake if restart is None else min(wake, max(restart.at_s, t))
             continue
         if step.oom is not None:
@@ -224,6 +233,7 @@ def simulate_paced(
             i = on_worker.pop(r.rid, -1)
             if i >= 0:
                 answered[i] = t - workload[i].arrival
+                pending.ended(i, answered=True)
             load.release(r.rid)  # type: ignore[arg-type]
         finished += len(outcome.finished)
     return PacedResult(

@@ -124,7 +124,8 @@ def build_app(
 
 
 def _admission_queues(policy: Policy) -> list[AdmissionQueue]:
-    """Each pool's own queue, fair between keys as [admission] says."""
+    """Each pool's own queue, fair between keys as [admission] says; where the pool's engine sorts its
+    queue by prefix, the proxy's sorts its own the same way, within the engine's limit."""
     fair = policy.admission
     return [
         AdmissionQueue(
@@ -132,8 +133,9 @@ def _admission_queues(policy: Policy) -> list[AdmissionQueue]:
             weights={name: k.weight for name, k in fair.keys.items()},
             batch_floor=fair.batch_floor_share,
             quantum=fair.quantum_tokens,
+            prefix_first=p.engine.engine.prefix_queue_limit(p.engine.args) or 0,
         )
-        for _ in policy.pools
+        for p in policy.pools
     ]
 
 
@@ -391,6 +393,9 @@ class _Surroundings:
             )
             for a in self._st.board.get(worker_id).attempts
         ]
+
+    def prefix_first(self, worker_id: str) -> int:
+        return self._dispatcher.admission.prefix_first
 
     def queue_sides(self, worker_id: str) -> tuple[int, int] | None:
         return self._st.board.get(worker_id).queue_sides(self._dispatcher.band)

@@ -65,6 +65,7 @@ class PlanSettings:
     # replays wait in front of its engine beyond it (None: not known, all at the engine)
     engine_queue: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks (the scrape period, engine seconds)
+    prefix_first: int = 0  # the proxy's queue order (:meth:`~proxy.control.ports.Surroundings.prefix_first`)
     # the gate's queue at and past the engine's prefix limit, one of them ``engine_queue``
     # (:mod:`proxy.control.queue_side`; None: the engine has no such limit)
     queue_sides: tuple[int, int] | None = None

@@ -134,7 +134,12 @@ def plan(
     on the earlier looks that asked the waiting basis, whatever they said: the waiting basis weighs its
     mean over them and this one."""
     if settings.engine_queue is not None:  # the proxy's gate in front of the worker: in front of the twin too
-        twin = replace(twin, queue_cap=settings.engine_queue, gate_period_s=settings.gate_period_s)
+        twin = replace(
+            twin,
+            queue_cap=settings.engine_queue,
+            gate_period_s=settings.gate_period_s,
+            prefix_first=settings.prefix_first,
+        )
     v = verdict(twin, args, workload, cost, settings, resolved, in_flight, now, earlier_errors, earlier_gains,
                 earlier_savings)  # fmt: skip
     reason = explain(v, args, settings, len(earlier_errors))

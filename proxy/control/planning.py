@@ -206,6 +206,7 @@ class Planning:
             max_available_gb=c.available_mem_band_gb[1],
             engine_queue=queue_gate[0] if queue_gate is not None else None,
             gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
+            prefix_first=self._surroundings.prefix_first(w.state.worker_id),
             queue_sides=self._surroundings.queue_sides(w.state.worker_id),
             peer=self._peer(w, twin),
         )

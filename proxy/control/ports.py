@@ -116,6 +116,10 @@ class Surroundings(Protocol):
         """The server queue the proxy's gate keeps at the worker (interactive work's), and how often it
         looks at it in the worker's seconds; None: not known."""
 
+    def prefix_first(self, worker_id: WorkerId) -> int:
+        """How many times in a row the proxy's queue passes over its oldest request for the worker's pool
+        to send one whose prefix runs on a worker (0: arrival order)."""
+
     def queue_sides(self, worker_id: WorkerId) -> tuple[int, int] | None:
         """The queues the gate may keep at the worker at and past its engine's prefix limit; None: no
         such limit (:mod:`proxy.control.queue_side`)."""

@@ -109,6 +109,8 @@ class Twin:
     # lpm sorts only a queue of 128 or fewer: which side of that the worker's queue is on decides it
     queue_cap: int | None = None
     gate_period_s: float = 0.0  # how often the gate looks at the worker's queue (its scrape period)
+    # where the proxy's queue sorts by prefix: how often it passes over its oldest request (0: arrival order)
+    prefix_first: int = 0
 
     @property
     def names(self) -> ArgNames:
@@ -191,7 +193,13 @@ class Twin:
             return Prediction(args=dict(args), output_tok_per_s=0.0, mean_queue_s=None, makespan_s=0.0,
                               retractions=0, oom=f"startup: {exc}")  # fmt: skip
         plan_replay = workload if isinstance(workload, Replay) else replay(workload)
-        res = simulate(cfg, list(plan_replay.specs), queue_cap=self.queue_cap, gate_period_s=self.gate_period_s)
+        res = simulate(
+            cfg,
+            list(plan_replay.specs),
+            queue_cap=self.queue_cap,
+            gate_period_s=self.gate_period_s,
+            prefix_first=self.prefix_first,
+        )
         failed = res.oom or (f"stalled: {res.stalled}" if res.stalled else None)
         own = [r for r in res.requests if r.rid in plan_replay.foreground]
         waits = [r.first_token_time - r.arrival for r in own if r.first_token_time is not None]

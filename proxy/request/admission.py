@@ -7,7 +7,10 @@
   not in the ring goes first, as fq_codel's new flows, then joins the ring's back and leaves only
   when its turn comes with nothing waiting: a light key waits for no backlogged key's turn.
 - **Order.** FIFO within a key. A ticket taken back from a worker goes to the front of its key, and
-  its key to the front of the ring, cost refunded: it loses neither its place nor its share.
+  its key to the front of the ring, cost refunded: it loses neither its place nor its share. Where the
+  pool's engine sorts by prefix (``prefix_first``: SGLang's ``lpm`` limit), a ticket whose prefix is on
+  a worker goes before older ones of its key, and the key's oldest is passed over at most
+  ``prefix_first`` times in a row (:mod:`proxy.request.prefixes`).
 - **Full.** At capacity, a key holding fewer waiting tickets than the key holding the most pushes
   out that key's newest ticket of its class or a lower one (never interactive work for batch); the
   key holding the most gets the 429 itself. One key flooding the queue cannot lock the others out.
@@ -29,6 +32,7 @@ from typing import Any
 
 from proxy.policy import Priority
 from proxy.request.attempt import Ticket
+from proxy.request.prefixes import Prefixes
 
 __all__ = ["BYTES_PER_TOKEN", "ORDER", "AdmissionQueue", "KeyStats", "Priority", "QueueFull", "estimate_cost"]
 
@@ -67,10 +71,12 @@ class KeyStats:
 class _Class:
     """One priority class: a deque per key, the new keys and the ring of keys with waiting tickets."""
 
-    __slots__ = ("deficit", "fresh", "live", "queues", "ring", "stats")
+    __slots__ = ("by_prefix", "deficit", "fresh", "live", "passed", "queues", "ring", "stats")
 
     def __init__(self) -> None:
         self.queues: dict[str, deque[Ticket]] = {}
+        self.by_prefix: dict[str, dict[str, deque[Ticket]]] = {}  # per key, its tickets per prefix, in order
+        self.passed: dict[str, int] = {}  # per key, the picks that passed over its oldest ticket
         self.fresh: deque[str] = deque()  # keys that had nothing waiting: served before the ring
         self.ring: deque[str] = deque()  # backlogged keys with a live ticket; the head has the turn
         self.deficit: dict[str, float] = {}
@@ -90,6 +96,7 @@ class AdmissionQueue:
         weights: Mapping[str, float] | None = None,
         batch_floor: float = 0.05,
         quantum: int = DEFAULT_QUANTUM,
+        prefix_first: int = 0,
     ) -> None:
         if capacity < 0:
             raise ValueError("queue capacity must be >= 0")
@@ -105,6 +112,10 @@ class AdmissionQueue:
         self._on_change = on_change
         self._compact_slack = compact_slack
         self._picked: Ticket | None = None
+        self.prefix_first = max(0, prefix_first)  # 0: FIFO within a key
+        self.prefixes = Prefixes()
+        self._pushed = 0  # the orders given: each push the next up, each requeue the next down
+        self._requeued = 0
 
     # -- sizes ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -115,7 +126,8 @@ class AdmissionQueue:
 
     def held(self) -> int:
         """Entries the deques hold, live or cancelled-but-not-yet-dropped (memory)."""
-        return sum(len(q) for c in self._classes.values() for q in c.queues.values())
+        held = sum(len(q) for c in self._classes.values() for q in c.queues.values())
+        return held + sum(len(q) for c in self._classes.values() for g in c.by_prefix.values() for q in g.values())
 
     def stats(self) -> Iterator[tuple[Priority, str, KeyStats]]:
         """(class, key, its figures) for every key seen in every class."""
@@ -139,6 +151,9 @@ class AdmissionQueue:
             self.cancel(pushed_out)
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).append(ticket)
+        self._pushed += 1
+        ticket.order = self._pushed
+        self._index(c, ticket, front=False)
         if ticket.key not in c.deficit:
             c.deficit[ticket.key] = self._quantum(ticket.key)  # a new key's one quantum, before the ring
             c.fresh.append(ticket.key)
@@ -159,6 +174,9 @@ class AdmissionQueue:
             ticket.future = asyncio.get_running_loop().create_future()
         c = self._classes[ticket.priority]
         c.queues.setdefault(ticket.key, deque()).appendleft(ticket)
+        self._requeued -= 1
+        ticket.order = self._requeued
+        self._index(c, ticket, front=True)
         if ticket.key in c.fresh:  # a new key: first among the new ones
             c.fresh.remove(ticket.key)
             c.fresh.appendleft(ticket.key)
@@ -204,7 +222,14 @@ class AdmissionQueue:
             self._picked = None
         c = self._classes[head.priority]
         both = self._classes[Priority.INTERACTIVE].live and self._classes[Priority.BATCH].live
-        c.queues[head.key].popleft()
+        line = c.queues[head.key]
+        if line[0] is head:
+            line.popleft()
+            c.passed.pop(head.key, None)
+        else:  # a ticket whose prefix is on a worker, before older ones
+            line.remove(head)
+            c.passed[head.key] = c.passed.get(head.key, 0) + 1
+        self._unindex(c, head)
         head.queued = False
         c.live -= 1
         c.deficit[head.key] -= head.cost
@@ -246,6 +271,9 @@ class AdmissionQueue:
         if self._picked is ticket:
             self._picked = None
         self._dead += 1
+        if self._indexed(ticket):
+            self._dead += 1  # its entry in its prefix's line too
+            self.prefixes.waiting(ticket.affinity, -1)  # type: ignore[arg-type]  # indexed: it has one
         if self._head_of(c, ticket.key) is None:
             self._retire(c, ticket.key)
         if self._dead > len(self) + self._compact_slack:
@@ -259,6 +287,8 @@ class AdmissionQueue:
             t.queued = False
         for c in self._classes.values():
             c.queues.clear()
+            c.by_prefix.clear()
+            c.passed.clear()
             c.fresh.clear()
             c.ring.clear()
             c.deficit.clear()
@@ -268,7 +298,15 @@ class AdmissionQueue:
         self._dead = 0
         self._picked = None
         self._floor_credit = 0.0
+        self.prefixes.clear_waiting()
         return out
+
+    def on_worker(self, ticket: Ticket, change: int, *, answered: bool = False) -> None:
+        """``ticket``'s request started (+1) or ended (-1, ``answered`` or not) on a worker: its prefix's
+        waiting tickets go first while it is ready (:mod:`proxy.request.prefixes`)."""
+        if self.prefix_first and ticket.affinity is not None:
+            self.prefixes.on_workers(ticket.affinity, change, answered=answered)
+            self._picked = None  # a prefix may have become ready, or stopped being: pick again
 
     # -- internals --------------------------------------------------------------------------------
     def _drr_head(self, c: _Class) -> Ticket:
@@ -276,7 +314,7 @@ class AdmissionQueue:
         ring's head key while its credit covers its head ticket's cost."""
         while c.fresh:
             key = c.fresh[0]
-            head = self._head_of(c, key)
+            head = self._pick_of(c, key)
             if head is None:  # only cancelled tickets were left
                 self._retire(c, key)
             elif c.deficit[key] >= head.cost:
@@ -286,7 +324,7 @@ class AdmissionQueue:
                 c.ring.append(key)
         while True:
             key = c.ring[0]
-            head = self._head_of(c, key)
+            head = self._pick_of(c, key)
             if head is None:  # only cancelled tickets were left
                 self._retire(c, key)
                 continue
@@ -313,6 +351,67 @@ class AdmissionQueue:
             self._dead -= 1
         return None
 
+    def _pick_of(self, c: _Class, key: str) -> Ticket | None:
+        """The key's next ticket: its oldest waiting whose prefix is on a worker, unless its oldest of all
+        (the head) was passed over ``prefix_first`` times already or was taken back; else the head."""
+        head = self._head_of(c, key)
+        ready = self.prefixes.ready
+        groups = c.by_prefix.get(key)
+        if head is None or not ready or not groups or head.requeues or head.affinity in ready:
+            return head
+        if c.passed.get(key, 0) >= self.prefix_first:
+            return head
+        best: Ticket | None = None
+        for prefix in ready if len(ready) <= len(groups) else list(groups):
+            line = groups.get(prefix)
+            if line is None or prefix not in ready:
+                continue
+            first = self._live_head(line)
+            if first is None:
+                del groups[prefix]
+            elif best is None or first.order < best.order:
+                best = first
+        return best or head
+
+    def _live_head(self, line: deque[Ticket]) -> Ticket | None:
+        """The first live ticket of a prefix's line (cancelled ones before it are dropped)."""
+        while line:
+            if line[0].queued:
+                return line[0]
+            line.popleft()
+            self._dead -= 1
+        return None
+
+    def _indexed(self, ticket: Ticket) -> bool:
+        return bool(self.prefix_first) and ticket.affinity is not None
+
+    def _index(self, c: _Class, ticket: Ticket, *, front: bool) -> None:
+        """File a ticket under its prefix too (before ``queued`` is set: a push or requeue)."""
+        if not self._indexed(ticket):
+            return
+        prefix: str = ticket.affinity  # type: ignore[assignment]  # indexed: it has one
+        line = c.by_prefix.setdefault(ticket.key, {}).setdefault(prefix, deque())
+        line.appendleft(ticket) if front else line.append(ticket)
+        self.prefixes.waiting(prefix, 1)
+
+    def _unindex(self, c: _Class, ticket: Ticket) -> None:
+        """Take a ticket leaving for a worker out of its prefix's line (while it is still ``queued``)."""
+        if not self._indexed(ticket):
+            return
+        prefix: str = ticket.affinity  # type: ignore[assignment]  # indexed: it has one
+        groups = c.by_prefix.get(ticket.key, {})
+        line = groups.get(prefix)
+        if line is not None:
+            if self._live_head(line) is ticket:
+                line.popleft()
+            else:  # not first in its line: cannot happen while both lines keep the key's order
+                line.remove(ticket)
+            if not line:
+                del groups[prefix]
+            if not groups:
+                c.by_prefix.pop(ticket.key, None)
+        self.prefixes.waiting(prefix, -1)
+
     def _retire(self, c: _Class, key: str) -> None:
         """A key with nothing left waiting leaves the new keys or the ring and forgets its credit;
         when it had the ring's turn, the turn passes to the next key."""
@@ -324,9 +423,12 @@ class AdmissionQueue:
             if had_turn and c.ring:
                 c.deficit[c.ring[0]] += self._quantum(c.ring[0])
         del c.deficit[key]
+        c.passed.pop(key, None)
         q = c.queues.pop(key, None)
         if q:
             self._dead -= sum(1 for t in q if not t.queued)
+        for line in c.by_prefix.pop(key, {}).values():
+            self._dead -= sum(1 for t in line if not t.queued)
 
     def _longest_newest(self, arriving: Ticket) -> Ticket | None:
         """The ticket a full queue drops for ``arriving``: the newest first-time ticket of the key
@@ -364,4 +466,7 @@ class AdmissionQueue:
         for c in self._classes.values():
             for key in list(c.queues):
                 c.queues[key] = deque(t for t in c.queues[key] if t.queued)
+            for key, groups in list(c.by_prefix.items()):
+                kept = {p: deque(t for t in line if t.queued) for p, line in groups.items()}
+                c.by_prefix[key] = {p: line for p, line in kept.items() if line}
         self._dead = 0

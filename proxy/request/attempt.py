@@ -45,6 +45,7 @@ class Ticket:
         "future",
         "key",
         "max_tokens",
+        "order",
         "patience",
         "priority",
         "prompt_tokens",
@@ -78,6 +79,7 @@ class Ticket:
         self.exclude: frozenset[str] = frozenset()
         self.affinity = affinity
         self.queued = False  # in a deque and counted in len()
+        self.order = 0  # its place in its key's line: the queue numbers each push up, each requeue down
         self.cancelled = False
         self.requeues = 0  # how many times it went back to the queue
         self.failures = 0  # attempts that failed before output (each one spent of ``max_attempts``)

@@ -364,6 +364,7 @@ class Dispatcher:
             return
         attempt.released = True
         self.board.get(attempt.worker_id).release(attempt)
+        self.admission.on_worker(attempt.ticket, -1, answered=attempt.started)
         self.pump()
 
     def close(self) -> None:
@@ -443,6 +444,7 @@ class Dispatcher:
             load = self.board.get(worker_id)
             batch = ticket.priority is Priority.BATCH
             load.reserve(attempt, batch=batch)
+            admission.on_worker(ticket, 1)
             if batch and beside_interactive:
                 self._pace_batch(load, ticket, now)
             elif not batch and load.batch_attempts:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, LogFn, QueueFull
+from proxy.sim.prefix_first import PrefixFirst, prefix_group
 from proxy.sim.request import Req, RequestSpec
 
 
@@ -105,6 +106,43 @@ def _prompt(spec: RequestSpec, index: int) -> tuple[int, ...]:
 SHARED_BASE = 1 << 40  # a shared head's first token: this plus its group (no request's own first token)
 
 
+class _Gate:
+    """The proxy in front of a replay's engine: what waits outside it, in the proxy's order, and what
+    it sent (``queue_cap`` None: each request reaches the engine as it arrives)."""
+
+    def __init__(self, workload: Sequence[RequestSpec], queue_cap: int | None, prefix_first: int) -> None:
+        self.workload = workload
+        self.queue_cap = queue_cap
+        self.outside = PrefixFirst(lambda i: prefix_group(workload[i]), prefix_first if queue_cap is not None else 0)
+        self.outside.add(sorted(range(len(workload)), key=lambda i: workload[i].arrival))
+        self.sent: dict[str, int] = {}  # rid -> the workload's index, while the engine holds it
+        self.reqs: list[Req] = []
+        self.rejected = 0
+
+    def send(self, eng: Engine, t: float) -> int | None:
+        """Send what arrived by ``t`` until ``queue_cap`` wait at the engine; the oldest still outside."""
+        cap = self.queue_cap if self.queue_cap is not None else len(self.workload) + 1
+
+        def arrived(i: int) -> bool:
+            return self.workload[i].arrival <= t
+
+        while (head := self.outside.head()) is not None and arrived(head) and len(eng.waiting) < cap:
+            i = self.outside.take(arrived)
+            req = _add(eng, self.workload[i], i, t, outside=self.queue_cap is not None)
+            if req is None:
+                self.rejected += 1
+                self.outside.ended(i, answered=False)
+            else:
+                self.reqs.append(req)
+                self.sent[req.rid] = i
+        return head
+
+    def done(self, finished: Sequence[Req]) -> None:
+        for r in finished:
+            if (index := self.sent.pop(r.rid, None)) is not None:
+                self.outside.ended(index, answered=True)
+
+
 def simulate(
     config: SimConfig,
     workload: Sequence[RequestSpec],
@@ -113,10 +151,12 @@ def simulate(
     max_time: float | None = None,
     queue_cap: int | None = None,
     gate_period_s: float = 0.0,
+    prefix_first: int = 0,
 ) -> SimResult:
     """Run ``workload`` through one engine in virtual time. ``queue_cap``: a proxy's gate in front of the
     engine, which looks at its queue every ``gate_period_s`` and then sends what arrived until ``queue_cap``
-    wait there (the rest wait outside, in arrival order, their waiting counted from their arrival); None:
+    wait there (the rest wait outside, their waiting counted from their arrival, in arrival order or, with
+    ``prefix_first``, in the proxy's order where it sorts by prefix: :mod:`proxy.sim.prefix_first`); None:
     each request reaches the engine as it arrives. A replay stops, ``stalled``, at its step bound
     (:func:`step_bound`) or after :data:`EMPTY_STEPS` steps in a row that ran nothing."""
     eng = Engine(config, log=log)
@@ -124,37 +164,28 @@ def simulate(
     stalled: str | None = None
     empty = 0  # steps in a row that ran nothing
     next_gate = 0.0
-    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
-    reqs: list[Req] = []
-    rejected = 0
+    gate = _Gate(workload, queue_cap, prefix_first)
+    head = gate.outside.head()
     trace: list[TracePoint] = []
     oom: str | None = None
     t = 0.0
-    i = 0
     steps = 0
-    n = len(order)
     while True:
-        gate_open = queue_cap is None or t >= next_gate
-        while i < n and workload[order[i]].arrival <= t and gate_open and len(eng.waiting) < (queue_cap or n + 1):
-            req = _add(eng, workload[order[i]], order[i], t, outside=queue_cap is not None)
-            if req is None:
-                rejected += 1
-            else:
-                reqs.append(req)
-            i += 1
-        if queue_cap is not None and gate_open:
-            next_gate = t + gate_period_s
+        if queue_cap is None or t >= next_gate:
+            head = gate.send(eng, t)
+            if queue_cap is not None:
+                next_gate = t + gate_period_s
         step = eng.plan(t)
         if step is None:
-            if i >= n or (queue_cap is not None and len(eng.waiting) >= queue_cap):
+            if head is None or (queue_cap is not None and len(eng.waiting) >= queue_cap):
                 break  # all in; or a full queue at the gate that the engine cannot start on
-            t = max(workload[order[i]].arrival, next_gate if queue_cap is not None else 0.0)
+            t = max(workload[head].arrival, next_gate if queue_cap is not None else 0.0)
             continue
         if step.oom is not None:
             oom = step.oom
             break
         t += step.duration
-        eng.complete(step, t)
+        gate.done(eng.complete(step, t).finished)
         steps += 1
         trace.append(TracePoint(t, len(eng.scheduler.waiting), eng.kv.running.n, eng.kv.usage, step.kind))
         if max_time is not None and t >= max_time:
@@ -166,7 +197,7 @@ def simulate(
             stalled = f"{bound} steps, its step bound, did not get its work done"
         if stalled:
             break
-    results = tuple(_result(eng, r) for r in reqs)
+    results = tuple(_result(eng, r) for r in gate.reqs)
     out_tokens = sum(rr.output_tokens for rr in results)
     return SimResult(
         output_tokens=out_tokens,
@@ -175,7 +206,7 @@ def simulate(
         output_tok_per_s=out_tokens / t if t > 0 else 0.0,
         retractions=eng.retracted_total,
         finished=sum(1 for rr in results if rr.finish_reason in ("stop", "length")),
-        rejected=rejected,
+        rejected=gate.rejected,
         oom=oom,
         steps=steps,
         trace=tuple(trace),

@@ -90,6 +90,9 @@ class Around:
     def queue_gate(self, worker_id: str) -> tuple[int, float] | None:
         return None  # not known: the twin's replays queue at its engine as they arrive
 
+    def prefix_first(self, worker_id: str) -> int:
+        return 0
+
     def hold_back_budget(self, worker_id: str, interactive: bool, asked: int, tokens: int | None) -> None:
         self.budgets_held[(worker_id, interactive, asked)] = tokens
 

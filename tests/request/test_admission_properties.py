@@ -86,3 +86,59 @@ def test_no_ticket_is_lost_or_given_twice_and_the_books_stay_whole(ops, capacity
         _books_whole(q)
     finally:
         loop.close()
+
+
+PREFIXES = ("p", "q", None)
+PREFIX_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.sampled_from(ORDER), st.sampled_from(KEYS[:2]), st.sampled_from(PREFIXES)),
+        st.tuples(st.just("pop"), st.sampled_from((None, *ORDER))),
+        st.tuples(st.sampled_from(("requeue", "cancel", "answer", "fail")), st.integers(0, 50)),
+    ),
+    max_size=150,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=PREFIX_OPS, limit=st.integers(1, 3))
+def test_prefix_first_gives_each_ticket_once_and_keeps_its_books(ops, limit) -> None:  # type: ignore[no-untyped-def]
+    """With ``prefix_first`` (its order: tests/request/test_prefix_first.py): every ticket goes once, the
+    round robin's books stay whole and the dead entries' count is exact, cancelled ones included."""
+    loop = asyncio.new_event_loop()
+    try:
+        q = AdmissionQueue(1000, quantum=4096, prefix_first=limit)
+        waiting: list[Ticket] = []
+        running: list[Ticket] = []
+        for op in ops:
+            if op[0] == "push":
+                _, p, key, prefix = op
+                t = Ticket(p, 0.0, 10.0, loop.create_future(), prefix, key=key, cost=3000)
+                q.push(t)
+                waiting.append(t)
+            elif op[0] == "pop":
+                t = q.pop(op[1])
+                if t is None:
+                    assert not [w for w in waiting if op[1] is None or w.priority is op[1]]
+                    continue
+                assert t in waiting and not t.queued and (op[1] is None or t.priority is op[1])
+                waiting.remove(t)
+                running.append(t)
+                q.on_worker(t, 1)
+            elif op[0] == "cancel" and waiting:
+                assert q.cancel(waiting.pop(op[1] % len(waiting)))
+            elif op[0] in ("requeue", "answer", "fail") and running:
+                t = running.pop(op[1] % len(running))
+                q.on_worker(t, -1, answered=op[0] == "answer")
+                if op[0] == "requeue":
+                    q.requeue(t)
+                    waiting.append(t)
+            assert len(q) == len(waiting) and q._dead >= 0
+            assert q.held() - q._dead == len(waiting) + sum(1 for w in waiting if w.affinity is not None)
+            _books_whole(q)
+        rest = []
+        while (t := q.pop()) is not None:
+            rest.append(t)
+        assert sorted(map(id, rest)) == sorted(map(id, waiting))
+        assert q.held() == q._dead
+    finally:
+        loop.close()

@@ -1016,3 +1016,20 @@ def test_a_new_process_under_the_same_id_is_not_read_by_the_old_ones_samples():
     assert load.sample is not None and load.sample.running == 10
     d.on_worker_state(dataclasses.replace(pool.get("w0"), pid=2))  # the same process again: kept
     assert load.sample is not None
+
+
+async def test_an_lpm_pool_sends_a_waiting_request_whose_prefix_runs_and_answered_before_older_ones():
+    """The dispatcher tells the queue what runs and what answered: once a request with ``p`` answered
+    while another with ``p`` runs, the waiting ``p`` overtakes the older ``q``."""
+    board = LoadBoard()
+    pool = _Pool(_workers(WorkerState.READY))
+    admission = AdmissionQueue(100, prefix_first=SGLANG.prefix_queue_limit({"schedule_policy": "lpm"}) or 0)
+    d = Dispatcher(pool, board, admission, band=Band(lo=2, hi=2), stale_after_s=1e9, prefix_affinity=True,
+                   clock=lambda: 100.0)  # fmt: skip
+    _sample(board, "w0", 0)
+    p1, p2 = d.submit(Priority.BATCH, 10, "p"), d.submit(Priority.BATCH, 10, "p")
+    q1, p3 = d.submit(Priority.BATCH, 10, "q"), d.submit(Priority.BATCH, 10, "p")
+    assert p1.future.done() and p2.future.done() and not q1.future.done()
+    async with d.attempt(p1) as att:
+        att.mark_started()  # p1 answers; p2 still runs: the worker has p cached
+    assert p3.future.done() and not q1.future.done()

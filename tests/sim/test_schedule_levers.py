@@ -7,7 +7,7 @@ import pytest
 
 from proxy.sim.request import RequestSpec
 from proxy.sim.steptime import LPM_PER_REQ_S, LPM_PER_TOKEN_S, graph_batch_sizes, lpm_round_seconds
-from proxy.sim.virtual import simulate
+from proxy.sim.virtual import SimResult, simulate
 from tests.sim.helpers import config, engine, unique_prompt
 
 
@@ -68,3 +68,33 @@ def test_a_gate_in_front_of_a_virtual_run_holds_the_queue_and_counts_waiting_fro
     assert gated.finished == free.finished == 40
     assert all(r.arrival == 0.0 for r in gated.requests)  # waited outside since they arrived
     assert gated.makespan_s >= free.makespan_s
+
+
+def _shared_heads(pool: str, running: str) -> tuple[SimResult, SimResult]:
+    """480 requests over twelve shared heads of 2,000 tokens, interleaved, behind a gate: in arrival
+    order, and in the proxy's order where the engine runs lpm."""
+    cfg = config("--max-total-tokens", pool, "--max-running-requests", running, "--schedule-policy", "lpm")
+    specs = [
+        RequestSpec(prompt_len=2100, shared=((i * 5) % 12 + 1, 2000), max_new_tokens=64, output_len=8 + (i * 37) % 57)
+        for i in range(480)
+    ]
+    fifo = simulate(cfg, specs, queue_cap=8, gate_period_s=0.05)
+    grouped = simulate(cfg, specs, queue_cap=8, gate_period_s=0.05, prefix_first=128)
+    assert fifo.finished == grouped.finished == 480
+    return fifo, grouped
+
+
+def _cached(run: SimResult) -> int:
+    return sum(r.cached_tokens for r in run.requests)
+
+
+def test_a_gate_that_sorts_by_prefix_keeps_the_running_heads_cached_where_the_pool_cannot_hold_all() -> None:
+    fifo, grouped = _shared_heads("20000", "16")  # ten heads' room, less what runs
+    assert _cached(grouped) > 1.1 * _cached(fifo)
+    assert grouped.makespan_s < 0.95 * fifo.makespan_s
+
+
+def test_a_gate_that_sorts_by_prefix_changes_nothing_where_the_pool_holds_every_head() -> None:
+    fifo, grouped = _shared_heads("60000", "32")
+    assert _cached(grouped) == _cached(fifo)
+    assert grouped.makespan_s == pytest.approx(fifo.makespan_s, rel=0.01)
