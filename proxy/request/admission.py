@@ -344,12 +344,7 @@ class AdmissionQueue:
     def _head_of(self, c: _Class, key: str) -> Ticket | None:
         """The key's first live ticket (cancelled ones before it are dropped)."""
         q = c.queues.get(key)
-        while q:
-            if q[0].queued:
-                return q[0]
-            q.popleft()
-            self._dead -= 1
-        return None
+        return self._live_head(q) if q else None
 
     def _pick_of(self, c: _Class, key: str) -> Ticket | None:
         """The key's next ticket: its oldest waiting whose prefix is on a worker, unless its oldest of all
@@ -374,7 +369,7 @@ class AdmissionQueue:
         return best or head
 
     def _live_head(self, line: deque[Ticket]) -> Ticket | None:
-        """The first live ticket of a prefix's line (cancelled ones before it are dropped)."""
+        """The first live ticket of a key's or a prefix's line (cancelled ones before it are dropped)."""
         while line:
             if line[0].queued:
                 return line[0]
