@@ -115,6 +115,7 @@ class AdmissionQueue:
         self.prefix_first = max(0, prefix_first)  # 0: FIFO within a key
         self.prefixes = Prefixes()
         self._pushed = 0  # the orders given: each push the next up, each requeue the next down
+        self.sent_ahead = 0  # tickets given out before older ones of their key, their prefix ready
         self._requeued = 0
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class AdmissionQueue:
         else:  # a ticket whose prefix is on a worker, before older ones
             line.remove(head)
             c.passed[head.key] = c.passed.get(head.key, 0) + 1
+            self.sent_ahead += 1
         self._unindex(c, head)
         head.queued = False
         c.live -= 1

@@ -22,6 +22,9 @@ class QueueDepth(Protocol):
 
     def stats(self) -> Iterator[tuple[Priority, str, KeyStats]]: ...
 
+    @property
+    def sent_ahead(self) -> int: ...
+
 
 class QueueTotals:
     """Sums over the pools' admission queues (each still the one truth of its own tickets)."""
@@ -37,6 +40,10 @@ class QueueTotals:
 
     def drain_all(self) -> list[Ticket]:
         return [t for q in self.queues for t in q.drain_all()]
+
+    @property
+    def sent_ahead(self) -> int:
+        return sum(q.sent_ahead for q in self.queues)
 
     def stats(self) -> Iterator[tuple[Priority, str, KeyStats]]:
         """Each (class, key)'s figures summed over the pools."""

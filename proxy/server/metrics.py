@@ -56,10 +56,17 @@ class _LiveState(Collector):
         depth = GaugeMetricFamily(
             "pacer_queue_depth", "Requests waiting in the proxy queue", labels=["pool", "priority"]
         )
+        ahead = CounterMetricFamily(
+            "pacer_prefix_first_requests",
+            "Requests the proxy's queue sent before older ones because their prefix runs on a worker (lpm pools)",
+            labels=["pool"],
+        )
         for pool, queue in self.queues.items():
             for p in ORDER:
                 depth.add_metric([pool, p.value], queue.depth(p))
+            ahead.add_metric([pool], queue.sent_ahead)
         yield depth
+        yield ahead
         yield from _admission_families(self.admission)
         workers = self.workers()
         urls = {w.id: w.url for w in workers}

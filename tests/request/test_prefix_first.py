@@ -43,6 +43,7 @@ async def test_a_ready_prefix_goes_before_older_ones() -> None:
     assert _run(q, 1) == [ts[2]]  # p runs twice, none has answered: the worker may not have computed it
     q.on_worker(first, -1, answered=True)  # one answered while the other runs: the worker has p cached
     assert _run(q, 2) == [ts[4], ts[3]]
+    assert q.sent_ahead == 1  # what /metrics counts (pacer_prefix_first_requests_total)
 
 
 async def test_a_prefix_is_ready_only_while_a_request_with_it_runs() -> None:

@@ -210,6 +210,7 @@ async def test_metrics_page_has_pacer_series(make_proxy):
         text = await r.text()
     for name in (
         'pacer_queue_depth{pool="default",priority="interactive"}',  # each pool's: a model's backlog alerts
+        'pacer_prefix_first_requests_total{pool="default"} 0.0',  # none: the pool's engine does not run lpm
         'pacer_inflight{pool="default",url=',
         'pacer_worker_queue_estimate{pool="default",worker="w0"}',
         'pacer_requests_admitted_total{pool="default"} 1.0',
