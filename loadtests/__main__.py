@@ -16,7 +16,9 @@ phase-noise  a phased scenario's per-phase oracle: how much of its gain is the w
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 
 BENCHMARKS: dict[str, str] = {
     "sim": "loadtests.sim_speed",
@@ -33,7 +35,13 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+def _exit_on_term(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM ends a benchmark as Ctrl-C does: its cleanup stops the proxies and engines it started."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_term)
     if not argv or argv[0] not in BENCHMARKS:
         print(__doc__.strip(), file=sys.stderr)
         return 2
