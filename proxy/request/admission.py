@@ -8,8 +8,8 @@
   when its turn comes with nothing waiting: a light key waits for no backlogged key's turn.
 - **Order.** FIFO within a key. A ticket taken back from a worker goes to the front of its key, and
   its key to the front of the ring, cost refunded: it loses neither its place nor its share. Where the
-  pool's engine sorts by prefix (``prefix_first``: SGLang's ``lpm`` limit), a ticket whose prefix is on
-  a worker goes before older ones of its key, and the key's oldest is passed over at most
+  pool's engine sorts by prefix (``prefix_first``: SGLang's ``lpm`` limit), a ticket whose prefix is
+  ready goes before older ones of its key, and the key's oldest is passed over at most
   ``prefix_first`` times in a row (:mod:`proxy.request.prefixes`).
 - **Full.** At capacity, a key holding fewer waiting tickets than the key holding the most pushes
   out that key's newest ticket of its class or a lower one (never interactive work for batch); the
@@ -273,9 +273,9 @@ class AdmissionQueue:
         if self._picked is ticket:
             self._picked = None
         self._dead += 1
-        if self._indexed(ticket):
+        if (prefix := self._prefix_of(ticket)) is not None:
             self._dead += 1  # its entry in its prefix's line too
-            self.prefixes.waiting(ticket.affinity, -1)  # type: ignore[arg-type]  # indexed: it has one
+            self.prefixes.waiting(prefix, -1)
         if self._head_of(c, ticket.key) is None:
             self._retire(c, ticket.key)
         if self._dead > len(self) + self._compact_slack:
@@ -306,8 +306,8 @@ class AdmissionQueue:
     def on_worker(self, ticket: Ticket, change: int, *, answered: bool = False) -> None:
         """``ticket``'s request started (+1) or ended (-1, ``answered`` or not) on a worker: its prefix's
         waiting tickets go first while it is ready (:mod:`proxy.request.prefixes`)."""
-        if self.prefix_first and ticket.affinity is not None:
-            self.prefixes.on_workers(ticket.affinity, change, answered=answered)
+        if (prefix := self._prefix_of(ticket)) is not None:
+            self.prefixes.on_workers(prefix, change, answered=answered)
             self._picked = None  # a prefix may have become ready, or stopped being: pick again
 
     # -- internals --------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ class AdmissionQueue:
         return self._live_head(q) if q else None
 
     def _pick_of(self, c: _Class, key: str) -> Ticket | None:
-        """The key's next ticket: its oldest waiting whose prefix is on a worker, unless its oldest of all
+        """The key's next ticket: its oldest waiting whose prefix is ready, unless its oldest of all
         (the head) was passed over ``prefix_first`` times already or was taken back; else the head."""
         head = self._head_of(c, key)
         ready = self.prefixes.ready
@@ -379,23 +379,22 @@ class AdmissionQueue:
             self._dead -= 1
         return None
 
-    def _indexed(self, ticket: Ticket) -> bool:
-        return bool(self.prefix_first) and ticket.affinity is not None
+    def _prefix_of(self, ticket: Ticket) -> str | None:
+        """The prefix a ticket is filed under (None: it has none, or the queue keeps arrival order)."""
+        return ticket.affinity if self.prefix_first else None
 
     def _index(self, c: _Class, ticket: Ticket, *, front: bool) -> None:
         """File a ticket under its prefix too (before ``queued`` is set: a push or requeue)."""
-        if not self._indexed(ticket):
+        if (prefix := self._prefix_of(ticket)) is None:
             return
-        prefix: str = ticket.affinity  # type: ignore[assignment]  # indexed: it has one
         line = c.by_prefix.setdefault(ticket.key, {}).setdefault(prefix, deque())
         line.appendleft(ticket) if front else line.append(ticket)
         self.prefixes.waiting(prefix, 1)
 
     def _unindex(self, c: _Class, ticket: Ticket) -> None:
         """Take a ticket leaving for a worker out of its prefix's line (while it is still ``queued``)."""
-        if not self._indexed(ticket):
+        if (prefix := self._prefix_of(ticket)) is None:
             return
-        prefix: str = ticket.affinity  # type: ignore[assignment]  # indexed: it has one
         groups = c.by_prefix.get(ticket.key, {})
         line = groups.get(prefix)
         if line is not None:

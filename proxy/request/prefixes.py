@@ -18,7 +18,7 @@ __all__ = ["Prefixes"]
 
 
 class Prefixes:
-    """Counts of each prefix on the workers and waiting, and the ready ones (both counts above 0)."""
+    """Counts of each prefix on the workers and waiting, and the ready ones."""
 
     __slots__ = ("_answered", "_on_workers", "_waiting", "ready")
 
@@ -41,10 +41,6 @@ class Prefixes:
     def clear_waiting(self) -> None:
         self._waiting.clear()
         self.ready.clear()
-
-    def counts(self, prefix: str) -> tuple[int, int]:
-        """(on the workers, waiting) for ``prefix``."""
-        return self._on_workers[prefix], self._waiting[prefix]
 
     def _move(self, counts: Counter[str], prefix: str, change: int) -> None:
         left = counts[prefix] + change
