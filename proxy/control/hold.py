@@ -13,7 +13,7 @@ it as it is, as a gain inside the twin's error never restarts a worker.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from proxy.control.twin import Prediction, Twin
 from proxy.control.workload import Replay
@@ -72,16 +72,18 @@ def price_hold(
 ) -> HoldPrice | None:
     """The hold's price on the look's replay (``loaded``; ``current``: the twin under ``args`` on it;
     ``backlog``: the planner's, throughput alone counts); None where the replay never ran past the
-    graphs, or the worker has none. The held replay runs the gate as the fast tier holds it: no more
-    than the graphs' batch open on the worker, the next sent as soon as one ends, the engine's own
-    arguments as they are."""
+    graphs, or the worker has none. The held replay runs the engine capped at the graphs' batch (the
+    proxy holds the rest; its gate is the twin's)."""
     try:
         cfg = twin.config(args)
     except SimConfigError:
         return None
-    graphs = graph_max_bs(cfg)
+    graphs, names = graph_max_bs(cfg), twin.names
     if graphs <= 0 or running_cap(cfg) <= graphs or current.peak_running <= graphs or current.oom:
         return None
-    held = replace(twin, held_open=graphs).predict(args, loaded)
+    held_args = {**args, names.max_running: graphs}
+    if names.graph_max_bs is not None:  # as it resolved: a running cap may lower the engine's default
+        held_args[names.graph_max_bs] = graphs
+    held = twin.predict(held_args, loaded)
     return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain, backlog=backlog),
                      loses=hold_loses(held, current, min_gain, backlog=backlog))  # fmt: skip

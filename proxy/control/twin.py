@@ -111,8 +111,6 @@ class Twin:
     gate_period_s: float = 0.0  # how often the gate looks at the worker's queue (its scrape period)
     # where the proxy's queue sorts by prefix: how often it passes over its oldest request (0: arrival order)
     prefix_first: int = 0
-    # the most requests the gate keeps open on the worker (the hold at its CUDA graphs; None: no hold)
-    held_open: int | None = None
 
     @property
     def names(self) -> ArgNames:
@@ -201,7 +199,6 @@ class Twin:
             queue_cap=self.queue_cap,
             gate_period_s=self.gate_period_s,
             prefix_first=self.prefix_first,
-            open_cap=self.held_open,
         )
         failed = res.oom or (f"stalled: {res.stalled}" if res.stalled else None)
         own = [r for r in res.requests if r.rid in plan_replay.foreground]

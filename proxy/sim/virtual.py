@@ -110,39 +110,25 @@ class _Gate:
     """The proxy in front of a replay's engine: what waits outside it, in the proxy's order, and what
     it sent (``queue_cap`` None: each request reaches the engine as it arrives)."""
 
-    def __init__(
-        self, workload: Sequence[RequestSpec], queue_cap: int | None, prefix_first: int, open_cap: int | None
-    ) -> None:
+    def __init__(self, workload: Sequence[RequestSpec], queue_cap: int | None, prefix_first: int) -> None:
         self.workload = workload
         self.queue_cap = queue_cap
-        self.open_cap = open_cap
-        self.gated = queue_cap is not None or open_cap is not None
-        self.freed = False  # an answer ended under the open cap since the last send
-        self.outside = PrefixFirst(lambda i: prefix_group(workload[i]), prefix_first if self.gated else 0)
+        self.outside = PrefixFirst(lambda i: prefix_group(workload[i]), prefix_first if queue_cap is not None else 0)
         self.outside.add(sorted(range(len(workload)), key=lambda i: workload[i].arrival))
         self.sent: dict[str, int] = {}  # rid -> the workload's index, while the engine holds it
         self.reqs: list[Req] = []
         self.rejected = 0
 
     def send(self, eng: Engine, t: float) -> int | None:
-        """Send what arrived by ``t`` until ``queue_cap`` wait at the engine, or ``open_cap`` are open
-        there; the oldest still outside."""
-        unbounded = len(self.workload) + 1
-        cap = self.queue_cap if self.queue_cap is not None else unbounded
-        room = self.open_cap if self.open_cap is not None else unbounded
-        self.freed = False
+        """Send what arrived by ``t`` until ``queue_cap`` wait at the engine; the oldest still outside."""
+        cap = self.queue_cap if self.queue_cap is not None else len(self.workload) + 1
 
         def arrived(i: int) -> bool:
             return self.workload[i].arrival <= t
 
-        while (
-            (head := self.outside.head()) is not None
-            and arrived(head)
-            and len(eng.waiting) < cap
-            and len(self.sent) < room
-        ):
+        while (head := self.outside.head()) is not None and arrived(head) and len(eng.waiting) < cap:
             i = self.outside.take(arrived)
-            req = _add(eng, self.workload[i], i, t, outside=self.gated)
+            req = _add(eng, self.workload[i], i, t, outside=self.queue_cap is not None)
             if req is None:
                 self.rejected += 1
                 self.outside.ended(i, answered=False)
@@ -155,7 +141,6 @@ class _Gate:
         for r in finished:
             if (index := self.sent.pop(r.rid, None)) is not None:
                 self.outside.ended(index, answered=True)
-                self.freed = self.open_cap is not None
 
 
 def simulate(
@@ -167,21 +152,19 @@ def simulate(
     queue_cap: int | None = None,
     gate_period_s: float = 0.0,
     prefix_first: int = 0,
-    open_cap: int | None = None,
 ) -> SimResult:
     """Run ``workload`` through one engine in virtual time. ``queue_cap``: a proxy's gate in front of the
     engine, which looks at its queue every ``gate_period_s`` and then sends what arrived until ``queue_cap``
     wait there (the rest wait outside, their waiting counted from their arrival, in arrival order or, with
     ``prefix_first``, in the proxy's order where it sorts by prefix: :mod:`proxy.sim.prefix_first`); None:
-    each request reaches the engine as it arrives. ``open_cap``: the gate sends no more while that many
-    are open on the engine (waiting or running), and sends the next as soon as one ends. A replay stops, ``stalled``, at its step bound
+    each request reaches the engine as it arrives. A replay stops, ``stalled``, at its step bound
     (:func:`step_bound`) or after :data:`EMPTY_STEPS` steps in a row that ran nothing."""
     eng = Engine(config, log=log)
     bound = step_bound(workload)
     stalled: str | None = None
     empty = 0  # steps in a row that ran nothing
     next_gate = 0.0
-    gate = _Gate(workload, queue_cap, prefix_first, open_cap)
+    gate = _Gate(workload, queue_cap, prefix_first)
     head = gate.outside.head()
     trace: list[TracePoint] = []
     oom: str | None = None
@@ -192,8 +175,6 @@ def simulate(
             head = gate.send(eng, t)
             if queue_cap is not None:
                 next_gate = t + gate_period_s
-        elif gate.freed:  # an answer ended under the open cap: its place is filled at once
-            head = gate.send(eng, t)
         step = eng.plan(t)
         if step is None:
             if head is None or (queue_cap is not None and len(eng.waiting) >= queue_cap):

@@ -70,19 +70,6 @@ def test_a_gate_in_front_of_a_virtual_run_holds_the_queue_and_counts_waiting_fro
     assert gated.makespan_s >= free.makespan_s
 
 
-def test_a_gate_holding_open_requests_refills_each_place_as_its_answer_ends() -> None:
-    """The fast tier's hold: no more than ``open_cap`` open on the engine (waiting or running), the next
-    sent as soon as one ends, not at the gate's next look (ten seconds away here)."""
-    cfg = config("--max-total-tokens", "60000")
-    specs = [RequestSpec(arrival=0.0, prompt_len=300, max_new_tokens=64, output_len=8 + i % 50) for i in range(60)]
-    free = simulate(cfg, specs)
-    held = simulate(cfg, specs, queue_cap=100, gate_period_s=10.0, open_cap=8)
-    assert max(p.running + p.queue for p in free.trace) > 8
-    assert max(p.running + p.queue for p in held.trace) <= 8
-    assert held.finished == free.finished == 60
-    assert held.makespan_s < 10.0  # no answer waited for the gate's next look to be replaced
-
-
 def _shared_heads(pool: str, running: str) -> tuple[SimResult, SimResult]:
     """480 requests over twelve shared heads of 2,000 tokens, interleaved, behind a gate: in arrival
     order, and in the proxy's order where the engine runs lpm."""
