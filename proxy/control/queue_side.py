@@ -11,14 +11,14 @@ prices it a loss (:func:`price_queue`). Shared prompts keep ``lpm`` at work; uni
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.control.hold import hold_loses, hold_pays
 from proxy.control.twin import Prediction, Twin
-from proxy.control.workload import Replay
+from proxy.control.workload import Observed, Replay
 
-__all__ = ["QueuePrice", "price_queue"]
+__all__ = ["QueuePrice", "may_share", "price_queue"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +41,12 @@ class QueuePrice:
         return replace(twin, queue_cap=depth), prediction
 
 
+def may_share(loaded: Replay, sample: Sequence[Observed]) -> bool:
+    """Whether a look's requests may share prefixes for lpm to order by: its replay carries a shared
+    head, or the engine does not report its cached tokens (its replay then shows none, whatever there is)."""
+    return any(sp.shared is not None for sp in loaded.specs) or all(o.cached_tokens is None for o in sample)
+
+
 def price_queue(
     twin: Twin,
     args: Mapping[str, object],
@@ -51,15 +57,21 @@ def price_queue(
     *,
     error: float | None = None,
     backlog: bool = False,
+    sharing: bool = True,
 ) -> QueuePrice | None:
     """Both sides on the look's replay (``loaded``; ``current``: the twin under ``args`` with the gate's
     queue now, one of the sides; ``backlog``: throughput alone counts), weighed as the hold is
     (:func:`~proxy.control.hold.hold_pays`); None where the gate has no sides (``sides``) or the replay failed.
     Past the limit is the move away from what the operator chose (lpm at work): it pays only by more
     than the twin's ``error`` too, as a restart must (prefix-shared's first look, on a few answers,
-    priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``."""
+    priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``. Where the
+    look's requests share nothing (``sharing`` False: the engine reports its cached tokens and no two
+    requests share a cached head), lpm has nothing to order by and past it only saves the matching:
+    ``min_gain`` suffices."""
     if sides is None or current.oom:
         return None
+    if not sharing:
+        error = None
     at, past = sides
     at_limit, past_limit = (
         current if twin.queue_cap == depth else replace(twin, queue_cap=depth).predict(args, loaded) for depth in sides

@@ -20,7 +20,7 @@ from proxy.control.candidates import Replayed, args_key, replay_candidates, room
 from proxy.control.economics import PlanSettings, RestartCost, no_worse, twin_error
 from proxy.control.hold import HoldPrice, price_hold
 from proxy.control.peers import PeerCandidate
-from proxy.control.queue_side import QueuePrice, price_queue
+from proxy.control.queue_side import QueuePrice, may_share, price_queue
 from proxy.control.twin import Prediction, Twin
 from proxy.control.waiting import WaitingPlan, waiting_basis
 from proxy.control.workload import InFlight, Observed, measured_throughput
@@ -175,9 +175,8 @@ def verdict(
     else:
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
-    queue = price_queue(
-        twin, args, r.loaded, current, settings.queue_sides, settings.min_gain, error=error, backlog=settings.backlog
-    )
+    queue = price_queue(twin, args, r.loaded, current, settings.queue_sides, settings.min_gain, error=error,
+                        backlog=settings.backlog, sharing=may_share(r.loaded, r.sample))  # fmt: skip
     # the hold is priced against the queue the gate keeps after this look: holding the open requests at
     # the graphs' batch leaves next to nothing waiting at the engine, whichever side of lpm's limit
     gate, kept = (twin, current) if queue is None else queue.kept(twin)

@@ -8,13 +8,13 @@ import random
 from dataclasses import replace
 
 from proxy.control.planner import Observed, Prediction, Twin, continued, replay
-from proxy.control.queue_side import QueuePrice, price_queue
+from proxy.control.queue_side import QueuePrice, may_share, price_queue
 from proxy.sim.virtual import simulate
 
 SIDES = (128, 256)  # SGLang's lpm limit, and the gate's queue past it
 
 
-def _priced(gpu: str, model: str, shared: bool, count: int, error: float | None = None):
+def _priced(gpu: str, model: str, shared: bool, count: int, error: float | None = None, sharing: bool = True):
     args = {"model_path": "m", "schedule_policy": "lpm", "sim_gpu": gpu, "sim_model": model}
     rng = random.Random(5)
     if shared:  # 48 system prompts of 3,000 tokens (more than the KV pool keeps) behind short questions
@@ -29,7 +29,7 @@ def _priced(gpu: str, model: str, shared: bool, count: int, error: float | None 
     served = [replace(o, finished=r.finish_time) for o, r in zip(sent, res.requests, strict=True)]
     loaded = continued(replay(served, served), 600.0)
     current = twin.predict(args, loaded)
-    return current, price_queue(twin, args, loaded, current, SIDES, 0.03, error=error, backlog=True)
+    return current, price_queue(twin, args, loaded, current, SIDES, 0.03, error=error, backlog=True, sharing=sharing)
 
 
 def test_unique_prompts_under_lpm_write_more_with_the_queue_past_its_limit():
@@ -46,6 +46,22 @@ def test_the_queue_goes_past_the_limit_only_on_a_gain_beyond_the_twins_error_and
     assert doubted is not None and not doubted.pays and not doubted.loses
     _, shared = _priced("a100-40gb", "llama-3.1-8b", shared=True, count=1200, error=0.5)
     assert shared is not None and shared.loses
+
+
+def test_where_nothing_is_shared_the_queue_goes_past_the_limit_on_any_gain_whatever_the_twins_error():
+    """lpm has nothing to order by: past its limit only saves the matching."""
+    _, unshared = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=1200, error=0.5, sharing=False)
+    assert unshared is not None and unshared.pays
+
+
+def test_a_look_may_share_prefixes_where_its_replay_carries_a_shared_head_or_no_cached_tokens_are_reported():
+    own = [Observed(arrived=0.0, prompt_tokens=3000, output_tokens=100, max_tokens=512, cached_tokens=0,
+                    finished=1.0, prefix_key=k) for k in range(4)]  # fmt: skip
+    assert not may_share(replay(own), own)
+    unreported = [replace(o, cached_tokens=None) for o in own]
+    assert may_share(replay(unreported), unreported)
+    pair = [replace(o, prefix_key=7, cached_tokens=2000 * (i % 2)) for i, o in enumerate(own)]
+    assert may_share(replay(pair), pair)
 
 
 def test_shared_system_prompts_write_more_at_the_limit_where_lpm_orders_them():
