@@ -149,16 +149,19 @@ def simulate_paced(
     pacing: Pacing,
     restart: Restart | None = None,
     hold: int | None = None,
+    queue_past: bool = False,
 ) -> PacedResult:
     """The workload submitted to the proxy as it arrives (each request's ``arrival``, engine seconds; all at
     0 for a batch job), fed to one engine through the pacing gate, in virtual time: the live arms'
     arrival process. With ``restart``, the same run with one restart of the worker under new arguments
     (what a controller's move costs); with ``hold``, the gate holds the requests open on the worker at
-    that many. Each answer's time from its arrival is kept (``mean_answer_s``): a run that arrives over
+    that many; with ``queue_past``, the gate keeps an lpm worker's queue past its prefix limit (until
+    a restart, as the dispatcher does). Each answer's time from its arrival is kept (``mean_answer_s``): a run that arrives over
     time is judged on it."""
     room = hold if hold is not None else len(workload) + 1
     eng = Engine(config)
     load = _load(config)  # the dispatcher's per-worker counts and estimate
+    load.queue_past = queue_past
     # what waits in the proxy, in its order: arrival (ties in submission order), or where the engine sorts
     # by prefix the proxy's queue sorts its own too (the pool's prefix limit as the proxy started it)
     pending = PrefixFirst(lambda i: prefix_group(workload[i]), load.prefix_limit or 0)

@@ -42,8 +42,10 @@ from loadtests.scenario_arm import ALL_ARMS, ALONE_ARM, ARM_KEYS, ARMS, TRIAL_AR
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
 from loadtests.scenario_proxy import PACING, SHIPPED_POLICY, control_hash, policy_toml, shipped_control
 from loadtests.scenario_report import interactive_ttft, scenario_report, table
+from proxy.engines.sglang.engine import SIM
 from proxy.request.pacing import Band
 from proxy.sim.request import RequestSpec
+from proxy.sim.twin import running_cap
 
 __all__ = [
     "ALL_ARMS",
@@ -182,7 +184,24 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     for name in static:
         out[f"{name}_restarted"] = round(moved[name] / base, 3)
         out[f"{name}_static"] = round(static[name] / base, 3)
+    if not applied:
+        out["no_restart_best"] = round(
+            max(static["adaptive_final_args"], _own_levers(sc, adaptive.final_args)) / base, 3
+        )
     return out
+
+
+def _own_levers(sc: Scenario, args: Mapping[str, Any]) -> float:
+    """The best the controller's levers that need no restart make of a worker started with ``args``,
+    replayed in virtual time: the hold at its CUDA graphs' batch and, for an lpm worker, its queue past
+    the prefix limit, each alone and both (0 where neither applies)."""
+    cfg = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
+    holds = [cfg.cuda_graph_max_bs_decode] if 0 < cfg.cuda_graph_max_bs_decode < running_cap(cfg) else []
+    sides = [True] if SIM.prefix_queue_limit({"schedule_policy": cfg.schedule_policy}) is not None else []
+    pacing, specs = scenario_pacing(sc), sc.workload.specs()
+    moves = [(h, False) for h in holds] + [(None, p) for p in sides] + [(h, p) for h in holds for p in sides]
+    return max((_replay_score(sc, simulate_paced(cfg, specs, pacing, hold=h, queue_past=p)) for h, p in moves),
+               default=0.0)  # fmt: skip
 
 
 def _replay_score(sc: Scenario, res: PacedResult) -> float:

@@ -179,6 +179,8 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     assert bound["restart_at"] == ("its restart" if moved else "its first look")
     assert bound["restart_at_modelled_s"] >= 0 and 0 < bound["oracle_args_restarted"] <= 1.0
     assert bound["oracle_args_static"] == 1.0 and bound["adaptive_final_args_static"] > 0
+    if not moved:  # the proxy's own levers at its arguments: at least those arguments as they ran
+        assert bound["no_restart_best"] >= bound["adaptive_final_args_static"]
 
 
 def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
@@ -202,6 +204,20 @@ def test_paced_replay_is_the_queued_one_when_the_gate_never_closes() -> None:
     narrow = simulate_paced(cfg, wl, Pacing(band=Band(lo=8, hi=8), scrape_s=5.0))
     assert narrow.finished == 150 and narrow.output_tokens == queued.output_tokens
     assert narrow.makespan_s != pytest.approx(queued.makespan_s)  # the arrival process matters
+
+
+def test_the_replay_keeps_an_lpm_queue_past_its_limit_where_asked() -> None:
+    """prefix-none's unique prompts at its start (lpm): the gate's queue past lpm's limit (no matching)
+    writes more than at it (matching every round)."""
+    from loadtests.oracle import sim_config, simulate_paced
+    from loadtests.scenarios import scenario_pacing
+
+    sc = SCENARIOS["prefix-none"]
+    head = _head(sc, 1500)
+    cfg = sim_config(sc.start_args, gpu=sc.gpu, model=sc.model)
+    at, past = (simulate_paced(cfg, head, scenario_pacing(sc), queue_past=p) for p in (False, True))
+    assert at.finished == past.finished == 1500
+    assert past.output_tok_per_s > 1.05 * at.output_tok_per_s
 
 
 def test_decode_oom_premise_holds_behind_the_proxy() -> None:
