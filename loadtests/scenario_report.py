@@ -309,10 +309,10 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
         "",
         "| scenario | judged on | adaptive / oracle | adaptive / default | replay: oracle args from the adaptive's restart "
         "(or first look) | replay: adaptive's final args from then | modelled s of the restart (or look) "
-        "| replay: no restart, the best of the proxy's own levers "
+        "| replay: oracle args from 0 s | replay: no restart, the best of the proxy's own levers "
         "| adaptive / per-phase oracle "
         "| control |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for rep in reports:
         ao, ad = rep.get("adaptive_over_oracle"), rep.get("adaptive_over_default")
@@ -321,6 +321,6 @@ def table(reports: Sequence[Mapping[str, Any]]) -> str:
             f"| {rep['scenario']} | {rep.get('judged_on', 'throughput')} | {'-' if ao is None else f'{ao:.3f}'} | "
             f"{'- (default delivered nothing)' if ad is None and 'default' in rep['arms'] else '-' if ad is None else f'{ad:.3f}'} | "
             f"{b.get('oracle_args_restarted', '-')} | {b.get('adaptive_final_args_restarted', '-')} | {b.get('restart_at_modelled_s', '-')} | "
-            f"{b.get('no_restart_best', '-')} | {_opt3(rep.get('adaptive_over_phase_oracle'))} | {_control_label(rep)} |"
+            f"{b.get('oracle_args_restarted_at_0', '-')} | {b.get('no_restart_best', '-')} | {_opt3(rep.get('adaptive_over_phase_oracle'))} | {_control_label(rep)} |"
         )
     return "\n".join(rows + ratios)

@@ -155,7 +155,9 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     paid, its unfinished work taken back) and each run static from the start, as fractions of the
     oracle's static replay. ``oracle_args_restarted`` is the best any controller acting at that moment
     could have done; the live arm adds what the replay leaves out (scrapes, drain, CPU). An arm that did
-    not restart is priced at its planner's first look (``restart_at``): the earliest it could have."""
+    not restart is priced at its planner's first look (``restart_at``): the earliest it could have.
+    Beside them, the bounds of any controller: the oracle's arguments restarted to at 0 s, and (an arm
+    that did not restart) the proxy's own levers at its arguments (``no_restart_best``)."""
     # a restart carried out has its act recorded (the arguments set before the first launch have none)
     applied = [
         d for d in adaptive.decisions if d.get("status") == "applied" and d.get("action") == "restart" and "act" in d
@@ -176,6 +178,9 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
         static[name] = _replay_score(sc, simulate_paced(cfg, specs, pacing))
         restart = Restart(at_s=at_s, config=cfg, startup_s=cfg.startup_wall_seconds)
         moved[name] = _replay_score(sc, simulate_paced(start, specs, pacing, restart))
+        if name == "oracle_args":  # the earliest any controller could: before the first request is served
+            at_zero = dataclasses.replace(restart, at_s=0.0)
+            moved["oracle_args_at_0"] = _replay_score(sc, simulate_paced(start, specs, pacing, at_zero))
     base = static["oracle_args"]
     if base <= 0:
         return None
@@ -184,6 +189,7 @@ def restart_bound(sc: Scenario, adaptive: ArmResult, oracle: Mapping[str, Any]) 
     for name in static:
         out[f"{name}_restarted"] = round(moved[name] / base, 3)
         out[f"{name}_static"] = round(static[name] / base, 3)
+    out["oracle_args_restarted_at_0"] = round(moved["oracle_args_at_0"] / base, 3)
     if not applied:
         out["no_restart_best"] = round(
             max(static["adaptive_final_args"], _own_levers(sc, adaptive.final_args)) / base, 3

@@ -179,6 +179,7 @@ def test_tiny_scenario_report_has_every_key(tmp_path: Path) -> None:
     assert bound["restart_at"] == ("its restart" if moved else "its first look")
     assert bound["restart_at_modelled_s"] >= 0 and 0 < bound["oracle_args_restarted"] <= 1.0
     assert bound["oracle_args_static"] == 1.0 and bound["adaptive_final_args_static"] > 0
+    assert 0 < bound["oracle_args_restarted_at_0"] <= 1.0
     if not moved:  # the proxy's own levers at its arguments: at least those arguments as they ran
         assert bound["no_restart_best"] >= bound["adaptive_final_args_static"]
 
