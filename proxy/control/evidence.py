@@ -279,6 +279,10 @@ class Planned(Evidence):
     # of this worker's window work waited for it (its rate is at least that share of its capacity)
     peers_rate: float | None = field(default=None, metadata=OPTIONAL)
     busy: float | None = field(default=None, metadata=OPTIONAL)
+    # the proxy's own levers as this look priced them, each over the current args as they run: the
+    # queue past lpm's limit over at it, and the worker held at its CUDA graphs over not held (tok/s)
+    queue_past_over_at: float | None = field(default=None, metadata=OPTIONAL)
+    held_over_current: float | None = field(default=None, metadata=OPTIONAL)
     horizon: Evidence = NO_EVIDENCE  # why ``horizon_s``: a :class:`PlanHorizon` (nothing: the configured one)
 
 

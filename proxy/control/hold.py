@@ -32,6 +32,7 @@ class HoldPrice:
     held: Prediction
     pays: bool
     loses: bool
+    against: Prediction | None = None  # the replay not held it was weighed against
 
 
 def hold_pays(held: Prediction, current: Prediction, min_gain: float, *, backlog: bool = False) -> bool:
@@ -85,5 +86,5 @@ def price_hold(
     if names.graph_max_bs is not None:  # as it resolved: a running cap may lower the engine's default
         held_args[names.graph_max_bs] = graphs
     held = twin.predict(held_args, loaded)
-    return HoldPrice(at=graphs, held=held, pays=hold_pays(held, current, min_gain, backlog=backlog),
+    return HoldPrice(at=graphs, held=held, against=current, pays=hold_pays(held, current, min_gain, backlog=backlog),
                      loses=hold_loses(held, current, min_gain, backlog=backlog))  # fmt: skip

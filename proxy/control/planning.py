@@ -29,6 +29,7 @@ from proxy.control.planner import (
     Plan,
     PlanInputs,
     PlanSettings,
+    Prediction,
     RestartCost,
     Twin,
 )
@@ -69,7 +70,14 @@ def planned(job: PlanJob, plan: Plan) -> Planned:
         current_answer_s=None if plan.current.mean_answer_s is None else round(plan.current.mean_answer_s, 3),
         peers_rate=None if plan.peer is None else round(plan.peer.peers_rate, 2),
         busy=None if plan.peer is None else round(plan.peer.own_busy, 3),
+        queue_past_over_at=None if plan.queue is None else _ratio(plan.queue.past_limit, plan.queue.at_limit),
+        held_over_current=None if plan.hold is None else _ratio(plan.hold.held, plan.hold.against or plan.current),
     )  # fmt: skip
+
+
+def _ratio(a: Prediction, b: Prediction) -> float | None:
+    """``a``'s output rate over ``b``'s (None: ``b`` wrote nothing)."""
+    return round(a.output_tok_per_s / b.output_tok_per_s, 4) if b.output_tok_per_s > 0 else None
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -67,17 +67,16 @@ def price_queue(
     priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``. Where the
     look's requests share nothing (``sharing`` False: the engine reports its cached tokens and no two
     requests share a cached head), lpm has nothing to order by and past it only saves the matching:
-    ``min_gain`` suffices."""
+    past unless the twin prices it a loss (a replay whose queue never reaches the limit prices both
+    sides alike)."""
     if sides is None or current.oom:
         return None
-    if not sharing:
-        error = None
     at, past = sides
     at_limit, past_limit = (
         current if twin.queue_cap == depth else replace(twin, queue_cap=depth).predict(args, loaded) for depth in sides
     )
     if at_limit.oom or past_limit.oom:
         return None
-    return QueuePrice(at=at, past=past, at_limit=at_limit, past_limit=past_limit,
-                      pays=hold_pays(past_limit, at_limit, max(min_gain, error or 0.0), backlog=backlog),
-                      loses=hold_loses(past_limit, at_limit, min_gain, backlog=backlog))  # fmt: skip
+    loses = hold_loses(past_limit, at_limit, min_gain, backlog=backlog)
+    pays = hold_pays(past_limit, at_limit, max(min_gain, error or 0.0), backlog=backlog) if sharing else not loses
+    return QueuePrice(at=at, past=past, at_limit=at_limit, past_limit=past_limit, pays=pays, loses=loses)

@@ -666,6 +666,11 @@ def test_a_look_that_prices_a_lever_of_the_gate_a_gain_moves_it_until_one_prices
         c.decide_plan(job, replace(look, **{field: price}))
         seen = [e for e in c.journal.entries()[entries:] if e["rule"] == rule]
         assert [e["reason"].split(",")[0].split(":")[0] for e in seen] == ([] if journaled is None else [journaled])
+        # each look's own entry says how it priced the lever (over the replay it was weighed against)
+        ratio = {"queue_side": 1.1, "hold_at_graphs": 1.0}[rule] if price is not None else None
+        key = {"queue_side": "queue_past_over_at", "hold_at_graphs": "held_over_current"}[rule]
+        looks = [e for e in c.journal.entries()[entries:] if e["rule"] == "planner"]
+        assert looks and all(e["evidence"].get(key) == (None if ratio is None else pytest.approx(ratio)) for e in looks)
         if journaled is not None:
             assert seen[0]["status"] == ("applied" if mode is ControlMode.AUTO else "advised")
             assert {k: seen[0]["evidence"][k] for k in evidence} == evidence

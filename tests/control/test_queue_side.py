@@ -48,10 +48,16 @@ def test_the_queue_goes_past_the_limit_only_on_a_gain_beyond_the_twins_error_and
     assert shared is not None and shared.loses
 
 
-def test_where_nothing_is_shared_the_queue_goes_past_the_limit_on_any_gain_whatever_the_twins_error():
-    """lpm has nothing to order by: past its limit only saves the matching."""
+def test_where_nothing_is_shared_the_queue_goes_past_the_limit_unless_the_twin_prices_a_loss():
+    """lpm has nothing to order by: past its limit only saves the matching, whatever the twin's error,
+    and a replay whose queue never reaches the limit (both sides alike) does not hold it back."""
     _, unshared = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=1200, error=0.5, sharing=False)
     assert unshared is not None and unshared.pays
+    _, few = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=30, sharing=False)
+    _, few_doubted = _priced("h200-141gb", "llama-3.2-1b", shared=False, count=30)
+    assert few is not None and few_doubted is not None
+    assert few.past_limit.output_tok_per_s == few.at_limit.output_tok_per_s
+    assert few.pays and not few_doubted.pays and not few.loses
 
 
 def test_a_look_may_share_prefixes_where_its_replay_carries_a_shared_head_or_no_cached_tokens_are_reported():
