@@ -67,8 +67,9 @@ def price_queue(
     priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``. Where the
     look's requests share nothing (``sharing`` False: the engine reports its cached tokens and no two
     requests share a cached head), lpm has nothing to order by and past it only saves the matching:
-    past unless the twin prices it a loss (a replay whose queue never reaches the limit prices both
-    sides alike)."""
+    past unless the twin prices it fewer tokens (a replay whose queue never reaches the limit prices
+    both sides alike; answer times move with the tokens there, and one look priced 29 % more tokens
+    answered later)."""
     if sides is None or current.oom:
         return None
     at, past = sides
@@ -77,6 +78,6 @@ def price_queue(
     )
     if at_limit.oom or past_limit.oom:
         return None
-    loses = hold_loses(past_limit, at_limit, min_gain, backlog=backlog)
+    loses = hold_loses(past_limit, at_limit, min_gain, backlog=backlog or not sharing)
     pays = hold_pays(past_limit, at_limit, max(min_gain, error or 0.0), backlog=backlog) if sharing else not loses
     return QueuePrice(at=at, past=past, at_limit=at_limit, past_limit=past_limit, pays=pays, loses=loses)

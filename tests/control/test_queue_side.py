@@ -5,7 +5,7 @@ prompts write more at it (ordered by prefix). Recorded as the simulator served t
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from proxy.control.planner import Observed, Prediction, Twin, continued, replay
 from proxy.control.queue_side import QueuePrice, may_share, price_queue
@@ -58,6 +58,27 @@ def test_where_nothing_is_shared_the_queue_goes_past_the_limit_unless_the_twin_p
     assert few is not None and few_doubted is not None
     assert few.past_limit.output_tok_per_s == few.at_limit.output_tok_per_s
     assert few.pays and not few_doubted.pays and not few.loses
+
+
+@dataclass(frozen=True)
+class _Sides:
+    """A twin whose two sides are given: past the limit more tokens, answered later."""
+
+    queue_cap: int | None = SIDES[0]
+
+    def predict(self, args, loaded) -> Prediction:
+        past = self.queue_cap == SIDES[1]
+        return Prediction(args={}, output_tok_per_s=130.0 if past else 100.0, mean_queue_s=None, makespan_s=1.0,
+                          retractions=0, mean_answer_s=12.0 if past else 10.0)  # fmt: skip
+
+
+def test_where_nothing_is_shared_only_fewer_tokens_keep_the_queue_at_the_limit():
+    twin = _Sides()
+    current = twin.predict({}, None)
+    shared = price_queue(twin, {}, replay([]), current, SIDES, 0.03)  # type: ignore[arg-type]
+    unshared = price_queue(twin, {}, replay([]), current, SIDES, 0.03, sharing=False)  # type: ignore[arg-type]
+    assert shared is not None and shared.loses  # answered later, outside a backlog
+    assert unshared is not None and unshared.pays and not unshared.loses
 
 
 def test_a_look_may_share_prefixes_where_its_replay_carries_a_shared_head_or_no_cached_tokens_are_reported():
