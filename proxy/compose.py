@@ -397,6 +397,9 @@ class _Surroundings:
     def prefix_first(self, worker_id: str) -> int:
         return self._dispatcher.admission.prefix_first
 
+    def prefixes_shared(self, worker_id: str) -> bool:
+        return self._dispatcher.admission.prefixes.any_shared()
+
     def queue_sides(self, worker_id: str) -> tuple[int, int] | None:
         return self._st.board.get(worker_id).queue_sides(self._dispatcher.band)
 

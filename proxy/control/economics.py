@@ -69,6 +69,9 @@ class PlanSettings:
     # the gate's queue at and past the engine's prefix limit, one of them ``engine_queue``
     # (:mod:`proxy.control.queue_side`; None: the engine has no such limit)
     queue_sides: tuple[int, int] | None = None
+    # two requests the proxy holds for the pool carry the same prompt prefix (the proxy's own view, from
+    # the first request on: a look's answers may not show a group's shared head cached yet)
+    prefixes_shared: bool = True
     # the arguments the worker's peers run and the least gain their rates allow over it
     # (:func:`~proxy.control.peers.peer_candidate`; None: no such peers)
     peer: PeerCandidate | None = None

@@ -216,6 +216,7 @@ class Planning:
             gate_period_s=queue_gate[1] if queue_gate is not None else 0.0,
             prefix_first=self._surroundings.prefix_first(w.state.worker_id),
             queue_sides=self._surroundings.queue_sides(w.state.worker_id),
+            prefixes_shared=self._surroundings.prefixes_shared(w.state.worker_id),
             peer=self._peer(w, twin),
         )
         return PlanInputs(gpu=gpu, model=model, args=args, resolved=dict(w.state.resolved), decode=decode,

@@ -120,6 +120,9 @@ class Surroundings(Protocol):
         """How many times in a row the proxy's queue passes over its oldest request for the worker's pool
         to send one whose prefix runs on a worker (0: arrival order)."""
 
+    def prefixes_shared(self, worker_id: WorkerId) -> bool:
+        """Whether two requests the proxy holds for the worker's pool carry the same prompt prefix."""
+
     def queue_sides(self, worker_id: WorkerId) -> tuple[int, int] | None:
         """The queues the gate may keep at the worker at and past its engine's prefix limit; None: no
         such limit (:mod:`proxy.control.queue_side`)."""

@@ -176,7 +176,8 @@ def verdict(
         why = Why.PAYS if pays else Why.DOES_NOT_PAY
     this_look = best.output_tok_per_s / base - 1.0 if base > 0 else 0.0
     queue = price_queue(twin, args, r.loaded, current, settings.queue_sides, settings.min_gain, error=error,
-                        backlog=settings.backlog, sharing=may_share(r.loaded, r.sample))  # fmt: skip
+                        backlog=settings.backlog,
+                        sharing=settings.prefixes_shared or may_share(r.loaded, r.sample))  # fmt: skip
     # the hold is priced against the queue the gate keeps after this look: holding the open requests at
     # the graphs' batch leaves next to nothing waiting at the engine, whichever side of lpm's limit
     gate, kept = (twin, current) if queue is None else queue.kept(twin)

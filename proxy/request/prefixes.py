@@ -38,6 +38,11 @@ class Prefixes:
             self._answered.add(prefix)
         self._move(self._on_workers, prefix, change)
 
+    def any_shared(self) -> bool:
+        """Whether two requests the proxy holds (waiting here or on a worker) carry the same prefix."""
+        on = self._on_workers
+        return any(n + on[p] > 1 for p, n in self._waiting.items()) or any(n > 1 for n in on.values())
+
     def clear_waiting(self) -> None:
         self._waiting.clear()
         self.ready.clear()

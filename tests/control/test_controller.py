@@ -105,6 +105,9 @@ class Around:
     def queue_sides(self, worker_id: str) -> tuple[int, int] | None:
         return None  # not known: no sides priced
 
+    def prefixes_shared(self, worker_id: str) -> bool:
+        return True
+
     def keep_queue_past(self, worker_id: str, past: bool) -> None:
         self.queue_past[worker_id] = past
 

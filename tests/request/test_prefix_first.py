@@ -46,6 +46,22 @@ async def test_a_ready_prefix_goes_before_older_ones() -> None:
     assert q.sent_ahead == 1  # what /metrics counts (pacer_prefix_first_requests_total)
 
 
+async def test_the_queue_says_whether_two_requests_it_holds_share_a_prefix() -> None:
+    """What the planner's queue side reads: waiting here or on a worker, two with one prefix."""
+    q = AdmissionQueue(100, prefix_first=8)
+    _push(q, "pq.")
+    assert not q.prefixes.any_shared()
+    (p,) = _run(q, 1)
+    _push(q, "p")  # one of p on a worker, one waiting
+    assert q.prefixes.any_shared()
+    q.on_worker(p, -1, answered=True)
+    assert not q.prefixes.any_shared()
+    both = _run(q, 3)  # q, the unkeyed one and the second p all on workers
+    assert not q.prefixes.any_shared()
+    _push(q, "q")
+    assert q.prefixes.any_shared() and len(both) == 3
+
+
 async def test_a_prefix_is_ready_only_while_a_request_with_it_runs() -> None:
     q = AdmissionQueue(100, prefix_first=8)
     ts = _push(q, "ppqp")
