@@ -61,6 +61,7 @@ __all__ = [
     "Trial",
     "evaluate",
     "paired_args",
+    "prefix_limit",
     "sim_config",
     "simulate_paced",
     "sweep",
@@ -135,11 +136,16 @@ class Restart:
     startup_s: float
 
 
+def prefix_limit(config: SimConfig) -> int | None:
+    """The queue a worker started with ``config`` orders by prefix, at most (None: it does not)."""
+    return SIM.prefix_queue_limit({"schedule_policy": config.schedule_policy})
+
+
 def _load(config: SimConfig) -> WorkerLoad:
     """The gate's record of a worker started with ``config``: its queue kept at its prefix limit, as
     the dispatcher keeps it (``WorkerLoad.queue_sides``)."""
     load = WorkerLoad("replay")
-    load.prefix_limit = SIM.prefix_queue_limit({"schedule_policy": config.schedule_policy})
+    load.prefix_limit = prefix_limit(config)
     return load
 
 
@@ -156,8 +162,8 @@ def simulate_paced(
     arrival process. With ``restart``, the same run with one restart of the worker under new arguments
     (what a controller's move costs); with ``hold``, the gate holds the requests open on the worker at
     that many; with ``queue_past``, the gate keeps an lpm worker's queue past its prefix limit (until
-    a restart, as the dispatcher does). Each answer's time from its arrival is kept (``mean_answer_s``): a run that arrives over
-    time is judged on it."""
+    a restart, as the dispatcher does). Each answer's time from its arrival is kept
+    (``mean_answer_s``): a run that arrives over time is judged on it."""
     room = hold if hold is not None else len(workload) + 1
     eng = Engine(config)
     load = _load(config)  # the dispatcher's per-worker counts and estimate

@@ -33,6 +33,7 @@ from loadtests.oracle import (
     Pacing,
     Restart,
     SearchSpace,
+    prefix_limit,
     sim_config,
     simulate_paced,
     sweep,
@@ -42,7 +43,6 @@ from loadtests.scenario_arm import ALL_ARMS, ALONE_ARM, ARM_KEYS, ARMS, TRIAL_AR
 from loadtests.scenario_defs import SCENARIOS, Phases, Scenario
 from loadtests.scenario_proxy import PACING, SHIPPED_POLICY, control_hash, policy_toml, shipped_control
 from loadtests.scenario_report import interactive_ttft, scenario_report, table
-from proxy.engines.sglang.engine import SIM
 from proxy.request.pacing import Band
 from proxy.sim.request import RequestSpec
 from proxy.sim.twin import running_cap
@@ -203,7 +203,7 @@ def _own_levers(sc: Scenario, args: Mapping[str, Any]) -> float:
     the prefix limit, each alone and both (0 where neither applies)."""
     cfg = sim_config(args, gpu=sc.gpu, model=sc.model, perturb=sc.perturb_args())
     holds = [cfg.cuda_graph_max_bs_decode] if 0 < cfg.cuda_graph_max_bs_decode < running_cap(cfg) else []
-    sides = [True] if SIM.prefix_queue_limit({"schedule_policy": cfg.schedule_policy}) is not None else []
+    sides = [True] if prefix_limit(cfg) is not None else []
     pacing, specs = scenario_pacing(sc), sc.workload.specs()
     moves = [(h, False) for h in holds] + [(None, p) for p in sides] + [(h, p) for h in holds for p in sides]
     return max((_replay_score(sc, simulate_paced(cfg, specs, pacing, hold=h, queue_past=p)) for h, p in moves),

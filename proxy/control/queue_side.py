@@ -67,10 +67,9 @@ def price_queue(
     priced it 4 % sooner and the next a 6 % loss); back at the limit needs only ``min_gain``. Where the
     look's requests share nothing (``sharing`` False: no two requests the proxy holds carry one prefix,
     the engine reports its cached tokens and no two answers share a cached head), lpm has nothing to
-    order by and past it only saves the matching:
-    past unless the twin prices it fewer tokens (a replay whose queue never reaches the limit prices
-    both sides alike; answer times move with the tokens there, and one look priced 29 % more tokens
-    answered later)."""
+    order by and past it only saves the matching: past, unless the twin prices it fewer tokens (a
+    replay whose queue never reaches the limit prices both sides alike; answer times move with the
+    tokens there, and one look priced 29 % more tokens answered later)."""
     if sides is None or current.oom:
         return None
     at, past = sides
